@@ -1,0 +1,1 @@
+"""The coordinator service (merges islands' pseudo-gradients); see README."""

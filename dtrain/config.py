@@ -1,0 +1,289 @@
+"""One typed source of truth for configuration.
+
+Frozen dataclasses, one per TOML section. Every field carries its comment in
+``metadata["help"]`` (the README's config reference and ``dtrain config`` print
+it). Files are loaded with :func:`load_config`, ``--set section.field=value``
+overrides are applied on top, and the whole thing is validated once, at load
+time, with errors that name the file, the section and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the field."""
+
+
+def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = _f("", "run name; outputs go to OUT_DIR/NAME (empty: the config file's stem)")
+    out_dir: str = _f("runs", "folder that holds one subfolder per run")
+    seed: int = _f(0, "seed for parameter init and data shuffling")
+    log_every: int = _f(50, "inner steps between progress lines and train-loss events")
+    eval_every: int = _f(0, "train: inner steps between evals (0: only at the end); simulate evaluates every round")
+    checkpoint_every: int = _f(0, "train: inner steps between orbax checkpoints (0: only at the end)")
+    keep_checkpoints: int = _f(2, "how many checkpoints to keep on disk")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = _f("gpt", "model family", choices=("gpt", "mlp"))
+    vocab_size: int = _f(256, "vocabulary size (256 = raw bytes; larger for uint16 token shards)")
+    seq_len: int = _f(64, "tokens per training sequence (context length)")
+    d_model: int = _f(64, "residual width")
+    n_layers: int = _f(2, "transformer blocks (gpt) or hidden layers (mlp)")
+    n_heads: int = _f(4, "attention heads; must divide d_model")
+    mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
+    dtype: str = _f("float32", "compute dtype; parameters are always kept in float32",
+                    choices=("float32", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = _f("builtin", "'builtin' (the interpreter's standard-library sources), a text file, "
+                     "a folder of text files, or a .bin uint16 token shard / folder of shards")
+    max_bytes: int = _f(8_000_000, "read at most this many tokens from the source (0: all of it)")
+    eval_fraction: float = _f(0.05, "tail fraction of the corpus held out for eval loss")
+    eval_batches: int = _f(8, "batches of the held-out split averaged for one eval")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = _f(16, "sequences per inner step per island (split over the island's devices)")
+    steps: int = _f(400, "inner steps per island for the whole run (sets the lr schedule length)")
+    lr: float = _f(4e-4, "peak inner AdamW learning rate")
+    warmup_steps: int = _f(50, "linear lr warm-up steps")
+    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
+    b1: float = _f(0.9, "AdamW beta1")
+    b2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0: off)")
+    steps_per_call: int = _f(10, "inner steps fused into one jitted lax.scan (fewer host round trips)")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    islands: int = _f(4, "number of islands (replicas) in simulate")
+    inner_steps: int = _f(50, "H: inner steps per island between outer steps")
+    lr: float = _f(0.7, "outer learning rate (DiLoCo: 0.7)")
+    momentum: float = _f(0.9, "outer momentum (DiLoCo: 0.9)")
+    nesterov: bool = _f(True, "Nesterov outer momentum")
+    staleness_alpha: float = _f(0.5, "a delta s versions stale is weighted by (1+s)^-alpha")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = _f(-1, "devices on the 'data' axis (-1: all devices not used by fsdp)")
+    fsdp: int = _f(1, "devices on the 'fsdp' axis: parameters and optimizer state are sharded over it")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    @property
+    def rounds(self) -> int:
+        """Outer rounds per island: ceil(train.steps / outer.inner_steps)."""
+        return math.ceil(self.train.steps / self.outer.inner_steps)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of what must match between replicas: model shapes and dtype."""
+        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "outer": OuterConfig, "mesh": MeshConfig}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Checks one TOML value against a field type; ints widen to float."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a new field type needs a branch here
+        raise TypeError(f"unsupported config field type {typ!r}")
+    raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{origin}: [{section}] {key}"
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _check(cfg: Config, origin: str) -> None:
+    """Cross-field validation; each failure names the field."""
+
+    def fail(section: str, name: str, why: str) -> None:
+        raise ConfigError(f"{origin}: [{section}] {name}: {why}")
+
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            value = getattr(getattr(cfg, section), f.name)
+            if choices and value not in choices:
+                fail(section, f.name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    positive = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "vocab_size"), ("model", "seq_len"),
+                ("model", "d_model"), ("model", "n_layers"), ("model", "n_heads"), ("model", "mlp_ratio"),
+                ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
+                ("outer", "islands"), ("outer", "inner_steps")]
+    for section, name in positive:
+        if getattr(getattr(cfg, section), name) < 1:
+            fail(section, name, f"must be >= 1, got {getattr(getattr(cfg, section), name)}")
+    for section, name in [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
+                          ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
+                          ("outer", "staleness_alpha")]:
+        if getattr(getattr(cfg, section), name) < 0:
+            fail(section, name, f"must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    m, t, o, d = cfg.model, cfg.train, cfg.outer, cfg.data
+    if m.d_model % m.n_heads:
+        fail("model", "n_heads", f"must divide d_model ({m.d_model} % {m.n_heads} = {m.d_model % m.n_heads})")
+    if m.vocab_size > 65536:
+        fail("model", "vocab_size", f"tokens are stored as uint16, so at most 65536, got {m.vocab_size}")
+    if not 0.0 < d.eval_fraction < 0.5:
+        fail("data", "eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}")
+    if not t.lr > 0:
+        fail("train", "lr", f"must be > 0, got {t.lr}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        fail("train", "min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    for name in ("b1", "b2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            fail("train", name, f"must be in [0, 1), got {getattr(t, name)}")
+    if t.warmup_steps >= t.steps:
+        fail("train", "warmup_steps", f"must be < train.steps ({t.steps}), got {t.warmup_steps}")
+    if not o.lr > 0:
+        fail("outer", "lr", f"must be > 0, got {o.lr}")
+    if not 0.0 <= o.momentum < 1.0:
+        fail("outer", "momentum", f"must be in [0, 1), got {o.momentum}")
+    if o.inner_steps > t.steps:
+        fail("outer", "inner_steps", f"H={o.inner_steps} exceeds train.steps={t.steps}: not even one round")
+    mesh = cfg.mesh
+    if mesh.data == 0 or mesh.data < -1:
+        fail("mesh", "data", f"must be >= 1 or -1 (all devices), got {mesh.data}")
+    if mesh.fsdp < 1:
+        fail("mesh", "fsdp", f"must be >= 1, got {mesh.fsdp}")
+    fixed = (mesh.data if mesh.data > 0 else 1) * mesh.fsdp
+    if t.batch_size % fixed:
+        fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
+             f"(mesh.data x mesh.fsdp)")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parses ``section.field=value``; the value is read as a TOML literal, else a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.field=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: the key must be section.field, e.g. train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts[0], parts[1], value
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, else a bare name like ``tiny`` from the repo's configs/ folder."""
+    p = Path(path)
+    if p.exists():
+        return p
+    for candidate in (Path("configs") / f"{p.name}.toml", REPO_CONFIG_DIR / p.name, REPO_CONFIG_DIR / f"{p.name}.toml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"{path}: config file not found")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads a TOML config (or the defaults), applies ``--set`` overrides, validates."""
+    raw: dict[str, Any] = {}
+    origin = "<defaults>"
+    if path is not None:
+        p = resolve_config_path(path)
+        origin = str(p)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{origin}: cannot read: {e.strerror}") from None
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: [{section}] must be a table")
+    merged = {s: dict(raw.get(s, {})) for s in SECTIONS}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {text}: unknown section {section!r} (known: {', '.join(SECTIONS)})")
+        merged[section][name] = value
+    where = origin + (" + --set" if overrides else "")
+    sections = {s: _build_section(cls, merged[s], where, s) for s, cls in SECTIONS.items()}
+    cfg = Config(**sections)
+    if not cfg.run.name:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(origin).stem if path else "run"))
+    _check(cfg, where)
+    return cfg
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """Returns cfg with some fields replaced, e.g. ``replace(cfg, train={"steps": 10})``; re-validated."""
+    new = {s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()}
+    out = dataclasses.replace(cfg, **new)
+    _check(out, "<replace>")
+    return out
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML, each field with its comment."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cfg, section), f.name)
+            lit = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{f.name} = {lit}  # {f.metadata['help']}")
+        lines.append("")
+    return "\n".join(lines)

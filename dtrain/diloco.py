@@ -1,0 +1,120 @@
+"""DiLoCo as an outer loop around any inner loop, for islands in one process.
+
+:func:`advance` runs an island's inner steps from its data cursor;
+:func:`diloco_round` runs one outer round over several islands with the exact
+DiLoCo math (each island its own optimizer state and data shard; all start
+the round from the same global θ). The train and simulate commands and the
+convergence benchmark are all built from these two.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from dtrain import outer
+from dtrain.model import Params
+from dtrain.train import InnerLoop, TrainState, chunks
+
+
+class BatchSource(Protocol):
+    def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray: ...
+
+
+class ConcatStream:
+    """Several streams read side by side: the batch of synchronous data parallelism over N islands."""
+
+    def __init__(self, streams: Sequence[BatchSource]):
+        self.streams = list(streams)
+
+    def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray:
+        per = batch_size // len(self.streams)
+        return np.concatenate([s.batches(cursor, steps, per) for s in self.streams], axis=1)
+
+
+@dataclass
+class Island:
+    """One replica: its train state, its data, and what it has consumed."""
+
+    index: int
+    state: TrainState
+    stream: BatchSource
+    cursor: int = 0  # sequences consumed from the stream (the resumable data position)
+    steps: int = 0
+    tokens: int = 0
+    last_loss: float = float("nan")
+    losses: list[float] = field(default_factory=list)
+
+
+def advance(loop: InnerLoop, island: Island, steps: int, batch_size: int,
+            on_chunk: Callable[[Island, dict[str, jax.Array]], None] | None = None,
+            boundaries: tuple[int, ...] = ()) -> Island:
+    """Runs ``steps`` inner steps on ``island`` in fused chunks; updates it in place."""
+    seq_len = loop.cfg.model.seq_len
+    for n in chunks(steps, loop.cfg.train.steps_per_call, boundaries):
+        batches = island.stream.batches(island.cursor, n, batch_size)
+        island.state, metrics = loop.run(island.state, batches)
+        island.cursor += n * batch_size
+        island.steps += n
+        island.tokens += n * batch_size * seq_len
+        if on_chunk is not None:
+            on_chunk(island, metrics)
+    return island
+
+
+@dataclass
+class RoundResult:
+    version: int
+    deltas_norm: list[float]
+    weights: list[float]
+    train_losses: list[float]
+    steps: int
+
+
+def diloco_round(loop: InnerLoop, global_state: outer.OuterState, islands: Sequence[Island], steps: int,
+                 batch_size: int, outer_tx: optax.GradientTransformation,
+                 on_chunk: Callable[[Island, dict[str, jax.Array]], None] | None = None,
+                 ) -> tuple[outer.OuterState, RoundResult]:
+    """One synchronous DiLoCo round: every island trains ``steps`` from θ_v, then one outer step."""
+    deltas, tokens = [], []
+    for island in islands:
+        island.state = loop.with_params(island.state, global_state.params)
+        before = island.tokens
+        advance(loop, island, steps, batch_size, on_chunk)
+        deltas.append(outer.pseudo_gradient(global_state.params, island.state.params))
+        tokens.append(island.tokens - before)
+    merged = outer.merge_deltas(deltas, tokens)
+    new_state = outer.outer_step(global_state, merged, outer_tx)
+    weights = outer.merge_weights(tokens)
+    result = RoundResult(
+        version=int(new_state.version),
+        deltas_norm=[float(optax.global_norm(d)) for d in deltas],  # note: host sync, once per round
+        weights=[float(w) for w in weights],
+        train_losses=[i.last_loss for i in islands],
+        steps=steps)
+    return new_state, result
+
+
+def round_lengths(total_steps: int, inner_steps: int) -> list[int]:
+    """H per round; the last round is shorter when H does not divide the total."""
+    return [min(inner_steps, total_steps - s) for s in range(0, total_steps, inner_steps)]
+
+
+def record_loss(island: Island, metrics: dict[str, jax.Array]) -> None:
+    """on_chunk hook: keeps the island's last loss (a host sync per chunk)."""
+    losses = np.asarray(metrics["loss"])
+    island.last_loss = float(losses[-1])
+    island.losses.extend(float(x) for x in losses)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,53 @@
+"""The run folder: ``events.jsonl`` (one JSON object per event) and ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class RunLog:
+    """Appends events to ``RUN_DIR/events.jsonl`` and prints progress lines."""
+
+    def __init__(self, run_dir: str | Path, quiet: bool = False, stream: TextIO | None = None):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.time()
+        self._events = open(self.dir / "events.jsonl", "a", buffering=1)
+        self.quiet = quiet
+        self.stream = stream or sys.stderr
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        record = {"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 3), "event": kind, **fields}
+        self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        return record
+
+    def progress(self, line: str) -> None:
+        if not self.quiet:
+            print(f"[{time.time() - self.t0:7.1f}s] {line}", file=self.stream, flush=True)
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        path = self.dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
+        tmp.replace(path)  # atomic: readers never see half a summary
+        return path
+
+    def close(self) -> None:
+        self._events.close()
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    with open(Path(run_dir) / "events.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]

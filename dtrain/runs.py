@@ -1,0 +1,211 @@
+"""The ``train`` and in-process ``simulate`` commands: I/O around the pure pieces.
+
+Both write ``RUN_DIR/events.jsonl`` and ``RUN_DIR/summary.json`` and print
+progress. ``train`` is one island on the whole train split, with orbax
+checkpoints and exact ``--resume``; ``simulate --inprocess`` is N islands with
+the exact DiLoCo math in one process (they share the process's devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from dtrain import data, model, outer
+from dtrain.checkpoint import Checkpointer, CheckpointError
+from dtrain.config import Config
+from dtrain.diloco import Island, Timer, advance, diloco_round, record_loss, round_lengths
+from dtrain.runlog import RunLog
+from dtrain.train import InnerLoop, TrainState, fmt_rate, make_mesh
+
+FP32_BYTES = 4
+
+
+class RunError(RuntimeError):
+    """A run cannot start as asked (e.g. it would overwrite another run); nothing was changed."""
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    built: model.BuiltModel
+    loop: InnerLoop
+    corpus: data.Corpus
+    shards: list[data.IslandShard]
+    eval_batches: np.ndarray
+    n_params: int
+
+
+def prepare(cfg: Config, islands: int) -> Setup:
+    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches."""
+    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+    parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+    shards = data.island_shards(parts.train, islands, cfg.model.seq_len, cfg.run.seed)
+    evals = data.eval_batches(parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
+    built = model.build(cfg.model)
+    loop = InnerLoop(cfg, built, make_mesh(cfg))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))
+    return Setup(cfg, built, loop, corpus, shards, evals, n_params)
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def new_run(cfg: Config) -> Config:
+    """A new run never overwrites an old one: if runs/NAME exists, it becomes runs/NAME-2, -3, ..."""
+    if not run_dir(cfg).exists():
+        return cfg
+    n = 2
+    while (Path(cfg.run.out_dir) / f"{cfg.run.name}-{n}").exists():
+        n += 1
+    return replace_cfg(cfg, "run", name=f"{cfg.run.name}-{n}")
+
+
+def _start_event(log: RunLog, s: Setup, mode: str, islands: int) -> None:
+    log.event("run_started", mode=mode, islands=islands, config=s.cfg.to_dict(), corpus=s.corpus.description,
+              corpus_digest=s.corpus.digest, params=s.n_params, devices=len(s.loop.mesh.devices.flat),
+              mesh=dict(s.loop.mesh.shape), fingerprint=s.cfg.fingerprint())
+    log.progress(f"{mode}: {s.n_params:,} params, {islands} island(s), mesh {dict(s.loop.mesh.shape)}, "
+                 f"corpus {s.corpus.description}")
+
+
+def _island_summary(isl: Island, shard: data.IslandShard, **extra: Any) -> dict[str, Any]:
+    return {"index": isl.index, "steps": isl.steps, "tokens": isl.tokens, "cursor": isl.cursor,
+            "final_train_loss": isl.last_loss, "shard_tokens": [shard.start, shard.stop], **extra}
+
+
+def run_train(cfg: Config, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """One island, the plain baseline; orbax checkpoints; ``resume`` continues the latest one exactly."""
+    if resume:
+        out = run_dir(cfg)
+        if not (out / "checkpoints").is_dir() or not any((out / "checkpoints").iterdir()):
+            raise RunError(f"--resume: no checkpoint in {out / 'checkpoints'} to resume from")
+    else:
+        cfg = new_run(cfg)
+        out = run_dir(cfg)
+    ckpt_dir = out / "checkpoints"
+    s = prepare(cfg, islands=1)
+    log = RunLog(out, quiet=quiet)
+    timer = Timer()
+    t = cfg.train
+    island = Island(index=0, state=s.loop.init_state(s.loop.init_params(cfg.run.seed)), stream=s.shards[0].stream)
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.run.keep_checkpoints)
+    if resume:
+        step, state, meta = ckpt.restore(island.state)
+        if meta.get("fingerprint") != cfg.fingerprint():
+            raise CheckpointError(f"{ckpt_dir}/{step} was written for model fingerprint {meta.get('fingerprint')}, "
+                                  f"this config has {cfg.fingerprint()}: the model sections differ")
+        island.state = state
+        island.cursor, island.steps, island.tokens = meta["cursor"], meta["steps"], meta["tokens"]
+        log.event("resumed", step=step, cursor=island.cursor, tokens=island.tokens)
+        log.progress(f"resumed from checkpoint at step {step}")
+    _start_event(log, s, "train", 1)
+
+    boundaries = tuple(sorted({b for every in (cfg.run.log_every, cfg.run.eval_every, cfg.run.checkpoint_every)
+                               if every for b in range(every, t.steps, every)}))
+    last = {"t": timer(), "tokens": island.tokens}
+
+    def on_chunk(isl: Island, metrics: dict[str, jax.Array]) -> None:
+        step = isl.steps
+        if step % cfg.run.log_every == 0 or step == t.steps:
+            loss = float(np.asarray(metrics["loss"])[-1])  # note: host sync, only at log steps
+            isl.last_loss = loss
+            now = timer()
+            rate = (isl.tokens - last["tokens"]) / max(now - last["t"], 1e-9)
+            last.update(t=now, tokens=isl.tokens)
+            log.event("train", step=step, loss=loss, grad_norm=float(np.asarray(metrics["grad_norm"])[-1]),
+                      lr=s.loop.lr_at(step - 1), tokens=isl.tokens, tokens_per_s=rate)
+            log.progress(f"step {step:>6}/{t.steps}  loss {loss:.4f}  tok/s {fmt_rate(rate)}")
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < t.steps:
+            ev = s.loop.evaluate(isl.state.params, s.eval_batches)
+            log.event("eval", step=step, eval_loss=ev)
+            log.progress(f"step {step:>6}  eval loss {ev:.4f}")
+        if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == t.steps:
+            ckpt.save(step, isl.state, {"cursor": isl.cursor, "steps": isl.steps, "tokens": isl.tokens,
+                                        "fingerprint": cfg.fingerprint()})
+            log.event("checkpoint_saved", step=step, path=str(ckpt_dir / str(step)))
+
+    # Plan chunks from step 0 so a resumed run fuses exactly the same steps as an uninterrupted one.
+    done = island.steps
+    remaining = t.steps - done
+    advance(s.loop, island, remaining, t.batch_size, on_chunk,
+            boundaries=tuple(b - done for b in boundaries if b > done))
+    final_eval = s.loop.evaluate(island.state.params, s.eval_batches)
+    ckpt.close()
+    wall = timer()
+    log.event("eval", step=island.steps, eval_loss=final_eval)
+    summary = {
+        "mode": "train", "final_eval_loss": final_eval, "rounds": 0, "tokens": island.tokens, "bytes_up": 0,
+        "bytes_down": 0, "wall_s": wall, "params": s.n_params, "steps": island.steps,
+        "islands": [_island_summary(island, s.shards[0])], "corpus": s.corpus.description, "run_dir": str(out),
+    }
+    log.event("run_finished", final_eval_loss=final_eval, wall_s=wall)
+    log.write_summary(summary)
+    log.progress(f"done: eval loss {final_eval:.4f} after {island.steps} steps, {island.tokens:,} tokens, "
+                 f"{wall:.1f}s -> {out / 'summary.json'}")
+    log.close()
+    return summary
+
+
+def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> dict[str, Any]:
+    """N islands in one process with the exact DiLoCo math; each has its own optimizer state and data."""
+    cfg = new_run(cfg)
+    out = run_dir(cfg)
+    s = prepare(cfg, islands)
+    log = RunLog(out, quiet=quiet)
+    _start_event(log, s, "simulate-inprocess", islands)
+    timer = Timer()
+    t, o = cfg.train, cfg.outer
+    outer_tx = outer.make_outer_optimizer(o)
+    params0 = s.loop.init_params(cfg.run.seed)
+    global_state = outer.init_outer(params0, outer_tx)
+    isl = [Island(index=i, state=s.loop.init_state(params0), stream=s.shards[i].stream) for i in range(islands)]
+    for i in isl:
+        log.event("island_joined", island=i.index, shard_tokens=[s.shards[i.index].start, s.shards[i.index].stop])
+    model_bytes = s.n_params * FP32_BYTES
+    bytes_up = [0] * islands
+    bytes_down = [0] * islands
+    lengths = round_lengths(t.steps, o.inner_steps)
+    final_eval = float("nan")
+    for r, steps in enumerate(lengths):
+        if r > 0:  # every island pulls the new θ (fp32) before its next round; round 0 starts from the seed
+            for i in range(islands):
+                bytes_down[i] += model_bytes
+        t_round = timer()
+        tokens_before = sum(i.tokens for i in isl)
+        global_state, res = diloco_round(s.loop, global_state, isl, steps, t.batch_size, outer_tx, record_loss)
+        for i in range(islands):
+            bytes_up[i] += model_bytes  # each island pushes its fp32 pseudo-gradient
+        final_eval = s.loop.evaluate(global_state.params, s.eval_batches)
+        rate = (sum(i.tokens for i in isl) - tokens_before) / max(timer() - t_round, 1e-9)
+        log.event("round_merged", round=r + 1, version=res.version, inner_steps=steps, weights=res.weights,
+                  delta_norms=res.deltas_norm, train_losses=res.train_losses, eval_loss=final_eval,
+                  tokens=sum(i.tokens for i in isl), bytes_up=sum(bytes_up), bytes_down=sum(bytes_down))
+        log.progress(f"round {r + 1:>3}/{len(lengths)}  v{res.version}  train loss "
+                     f"{np.mean(res.train_losses):.4f}  eval loss {final_eval:.4f}  tok/s {fmt_rate(rate)}")
+    wall = timer()
+    summary = {
+        "mode": "simulate-inprocess", "final_eval_loss": final_eval, "rounds": len(lengths),
+        "tokens": sum(i.tokens for i in isl), "bytes_up": sum(bytes_up), "bytes_down": sum(bytes_down),
+        "wall_s": wall, "params": s.n_params, "version": int(global_state.version),
+        "islands": [_island_summary(i, s.shards[i.index], bytes_up=bytes_up[i.index],
+                                    bytes_down=bytes_down[i.index]) for i in isl],
+        "corpus": s.corpus.description, "run_dir": str(out),
+    }
+    log.event("run_finished", final_eval_loss=final_eval, wall_s=wall)
+    log.write_summary(summary)
+    log.progress(f"done: {len(lengths)} rounds, eval loss {final_eval:.4f}, {summary['tokens']:,} tokens, "
+                 f"{(summary['bytes_up'] + summary['bytes_down']) / 1e6:.1f} MB exchanged, {wall:.1f}s "
+                 f"-> {out / 'summary.json'}")
+    log.close()
+    return summary
+
+
+def replace_cfg(cfg: Config, section: str, **fields: Any) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})

@@ -1,0 +1,180 @@
+"""The inner step: pure, jitted, sharded over the island's Mesh.
+
+``inner_step(state, batch) -> (state, metrics)`` is a pure function of a
+``TrainState`` pytree. :class:`InnerLoop` only binds it to a model and an
+optimizer, fuses ``K`` steps into one ``lax.scan`` (on CPU, Python dispatch per
+step would dominate a small model), and jits it with ``NamedSharding``s over a
+``Mesh(('data', 'fsdp'))`` and buffer donation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dtrain.config import Config, ConfigError, TrainConfig
+from dtrain.model import ApplyFn, BuiltModel, Params
+
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FSDP is data parallel too)
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array  # int32 scalar: inner steps taken by this island
+    params: Params
+    opt_state: optax.OptState
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay; decay only on matrices."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw
+
+
+def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``."""
+    logits_BxLxV = apply(params, batch_BxL1[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch_BxL1[:, 1:]).mean()
+
+
+def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
+               tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
+                tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    """K inner steps in one ``lax.scan``; metrics come back stacked ``[K]``."""
+    return jax.lax.scan(partial(inner_step, apply=apply, tx=tx), state, batches_KxBxL1)
+
+
+def eval_loss(params: Params, batches_NxBxL1: jax.Array, *, apply: ApplyFn) -> jax.Array:
+    """Mean loss over fixed eval batches."""
+    return jax.lax.map(partial(loss_fn, apply, params), batches_NxBxL1).mean()
+
+
+def make_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh:
+    """The island's ``Mesh(('data', 'fsdp'))``; checks the batch divides over it."""
+    devices = list(jax.devices() if devices is None else devices)
+    fsdp = cfg.mesh.fsdp
+    data = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // fsdp
+    if data < 1 or data * fsdp > len(devices):
+        raise ConfigError(f"[mesh] data={cfg.mesh.data} fsdp={fsdp}: needs {max(data, 1) * fsdp} devices, "
+                          f"{len(devices)} available")
+    if cfg.train.batch_size % (data * fsdp):
+        raise ConfigError(f"[train] batch_size: {cfg.train.batch_size} is not divisible by the mesh's "
+                          f"{data * fsdp} devices (data={data} x fsdp={fsdp})")
+    grid = np.array(devices[: data * fsdp], dtype=object).reshape(data, fsdp)
+    return Mesh(grid, BATCH_AXES)
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """FSDP rule: shard the largest dimension divisible by the fsdp axis; else replicate."""
+    if fsdp > 1:
+        for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[dim] % fsdp == 0 and shape[dim] >= fsdp:
+                spec = [None] * len(shape)
+                spec[dim] = "fsdp"
+                return P(*spec)
+    return P()
+
+
+class InnerLoop:
+    """Binds the pure step to a model, an optimizer and a mesh, and jits it once per chunk length."""
+
+    def __init__(self, cfg: Config, model: BuiltModel, mesh: Mesh):
+        self.cfg = cfg
+        self.model = model
+        self.mesh = mesh
+        self.tx = make_optimizer(cfg.train)
+        fsdp = mesh.shape["fsdp"]
+        abstract_state = jax.eval_shape(self._init_state, model.abstract_params)
+        self.state_sharding = jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), abstract_state)
+        self.params_sharding = self.state_sharding.params
+        self.batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # [K, B, L+1]
+        self.eval_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+        self._replicated = NamedSharding(mesh, P())
+        self._scan = jax.jit(
+            partial(inner_steps, apply=model.apply, tx=self.tx),
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, self._replicated),
+            donate_argnums=(0,),  # the old state's buffers are reused for the new one
+        )
+        self._eval = jax.jit(partial(eval_loss, apply=model.apply),
+                             in_shardings=(self.params_sharding, self.eval_sharding),
+                             out_shardings=self._replicated)
+        self._init = jax.jit(self._init_state, in_shardings=(self.params_sharding,),
+                             out_shardings=self.state_sharding)
+
+    def _init_state(self, params: Params) -> TrainState:
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+    def init_params(self, seed: int) -> Params:
+        return self.place_params(self.model.init(seed))
+
+    def place_params(self, params: Params) -> Params:
+        """A fresh, sharded copy (safe to donate later without touching ``params``)."""
+        return jax.tree.map(lambda x, s: jax.device_put(jnp.array(x, copy=True), s), params, self.params_sharding)
+
+    def init_state(self, params: Params) -> TrainState:
+        return self._init(self.place_params(params))
+
+    def with_params(self, state: TrainState, params: Params) -> TrainState:
+        """Replaces the parameters, keeping the optimizer state (DiLoCo: islands keep AdamW moments)."""
+        return state.replace(params=self.place_params(params))
+
+    def run(self, state: TrainState, batches_KxBxL1: np.ndarray) -> tuple[TrainState, dict[str, jax.Array]]:
+        """K steps; ``state`` is donated and must not be used afterwards."""
+        batches = jax.device_put(batches_KxBxL1, self.batch_sharding)
+        return self._scan(state, batches)
+
+    def evaluate(self, params: Params, batches_NxBxL1: np.ndarray) -> float:
+        loss = self._eval(params, jax.device_put(batches_NxBxL1, self.eval_sharding))
+        return float(loss)  # note: a host-device sync point
+
+    def lr_at(self, step: int) -> float:
+        t = self.cfg.train
+        return float(optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, t.steps,
+                                                         t.lr * t.min_lr_ratio)(step))
+
+
+def chunks(total: int, per_call: int, boundaries: tuple[int, ...] = ()) -> list[int]:
+    """Splits ``total`` steps into scan lengths of at most ``per_call`` that never cross a boundary."""
+    out, done = [], 0
+    stops = sorted({b for b in boundaries if 0 < b < total} | {total})
+    for stop in stops:
+        while done < stop:
+            n = min(per_call, stop - done)
+            out.append(n)
+            done += n
+    return out
+
+
+def replace_train(cfg: Config, **fields: Any) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **fields))
+
+
+def tokens_per_step(cfg: Config) -> int:
+    return cfg.train.batch_size * cfg.model.seq_len
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
+

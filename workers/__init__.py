@@ -1,0 +1,1 @@
+"""The island worker (trains one replica, exchanges with the coordinator); see README."""
