@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from dtrain.config import ConfigError, load_config, to_toml
+from dtrain.config import ConfigError, load_config, reference_markdown, to_toml
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inprocess", action="store_true", help="all islands in this process")
     p = sub.add_parser("config", help="print the resolved config as TOML with every field's comment")
     _common(p)
+    p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
     return parser
 
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
-            print(to_toml(cfg))
+            print(reference_markdown() if args.reference else to_toml(cfg))
             return 0
         from dtrain import runs  # imports JAX: after XLA_FLAGS is set
         from dtrain.checkpoint import CheckpointError

@@ -287,3 +287,17 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{f.name} = {lit}  # {f.metadata['help']}")
         lines.append("")
     return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the dataclasses."""
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            lit = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+            choices = f.metadata.get("choices")
+            extra = f" (one of {', '.join(map(str, choices))})" if choices else ""
+            rows.append(f"| `{section}.{f.name}` | `{lit}` | {f.metadata['help']}{extra} |")
+    return "\n".join(rows)

@@ -33,8 +33,12 @@ class ConcatStream:
         self.streams = list(streams)
 
     def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray:
-        per = batch_size // len(self.streams)
-        return np.concatenate([s.batches(cursor, steps, per) for s in self.streams], axis=1)
+        n = len(self.streams)
+        if batch_size % n or cursor % n:
+            raise ValueError(f"batch {batch_size} and cursor {cursor} must divide over {n} streams")
+        # The combined cursor counts sequences from all streams; each stream has given 1/n of them.
+        per = batch_size // n
+        return np.concatenate([s.batches(cursor // n, steps, per) for s in self.streams], axis=1)
 
 
 @dataclass
