@@ -30,12 +30,11 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "")  # before JAX: no fake devices here, one CPU device per process
 
-import numpy as np  # noqa: E402
 
-from dtrain import outer  # noqa: E402
+from dtrain import config, outer  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, record_loss, round_lengths  # noqa: E402
-from dtrain.runs import FP32_BYTES, prepare, replace_cfg  # noqa: E402
+from dtrain.runs import FP32_BYTES, prepare  # noqa: E402
 from dtrain.train import InnerLoop, make_mesh  # noqa: E402
 
 MODES = {
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
-    warm_cfg = replace_cfg(base, "train", steps=max(W, 2), warmup_steps=min(base.train.warmup_steps, max(W - 1, 0)))
+    warm_cfg = config.replace(base, train={"steps": max(W, 2), "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))})
     s = prepare(warm_cfg, islands=N)
     streams = [sh.stream for sh in s.shards]
     log(f"model {s.n_params:,} params; corpus {s.corpus.description}; N={N} B={B}x{base.model.seq_len} "
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_w = s.loop.evaluate(params_w, s.eval_batches)
     log(f"warm-up: {W} steps, eval loss {eval_w:.4f}")
 
-    phase = replace_cfg(base, "train", steps=T)
+    phase = config.replace(base, train={"steps": T})
     mesh = make_mesh(phase)
     model_bytes = s.n_params * FP32_BYTES
     results: dict[str, dict] = {}
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"single: eval loss {curve[-1]:.4f}")
 
     if "dp" in only:
-        dp_cfg = replace_cfg(phase, "train", batch_size=N * B)
+        dp_cfg = config.replace(phase, train={"batch_size": N * B})
         loop = InnerLoop(dp_cfg, s.built, make_mesh(dp_cfg))
         isl = Island(index=0, state=loop.init_state(params_w), stream=ConcatStream(streams), cursor=cursor0 * N)
         curve = eval_curve(loop, isl, N * B)

@@ -18,7 +18,6 @@ import numpy as np
 import optax
 
 from dtrain import outer
-from dtrain.model import Params
 from dtrain.train import InnerLoop, TrainState, chunks
 
 

@@ -8,7 +8,6 @@ the exact DiLoCo math in one process (they share the process's devices).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtrain import data, model, outer
+from dtrain import config, data, model, outer
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
 from dtrain.diloco import Island, Timer, advance, diloco_round, record_loss, round_lengths
 from dtrain.runlog import RunLog
-from dtrain.train import InnerLoop, TrainState, fmt_rate, make_mesh
+from dtrain.train import InnerLoop, fmt_rate, make_mesh
 
 FP32_BYTES = 4
 
@@ -64,7 +63,7 @@ def new_run(cfg: Config) -> Config:
     n = 2
     while (Path(cfg.run.out_dir) / f"{cfg.run.name}-{n}").exists():
         n += 1
-    return replace_cfg(cfg, "run", name=f"{cfg.run.name}-{n}")
+    return config.replace(cfg, run={"name": f"{cfg.run.name}-{n}"})
 
 
 def _start_event(log: RunLog, s: Setup, mode: str, islands: int) -> None:
@@ -205,7 +204,3 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
                  f"-> {out / 'summary.json'}")
     log.close()
     return summary
-
-
-def replace_cfg(cfg: Config, section: str, **fields: Any) -> Config:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})

@@ -9,7 +9,6 @@ step would dominate a small model), and jits it with ``NamedSharding``s over a
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from typing import Any
 
@@ -165,14 +164,6 @@ def chunks(total: int, per_call: int, boundaries: tuple[int, ...] = ()) -> list[
             out.append(n)
             done += n
     return out
-
-
-def replace_train(cfg: Config, **fields: Any) -> Config:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **fields))
-
-
-def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.batch_size * cfg.model.seq_len
 
 
 def fmt_rate(x: float) -> str:
