@@ -1,0 +1,260 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTION_CONTINUE: _ClassVar[Action]
+    ACTION_PULL: _ClassVar[Action]
+    ACTION_STOP: _ClassVar[Action]
+    ACTION_REJOIN: _ClassVar[Action]
+
+class PushStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_STATUS_UNSPECIFIED: _ClassVar[PushStatus]
+    PUSH_STATUS_MERGED: _ClassVar[PushStatus]
+    PUSH_STATUS_PENDING: _ClassVar[PushStatus]
+    PUSH_STATUS_DUPLICATE: _ClassVar[PushStatus]
+    PUSH_STATUS_DROPPED: _ClassVar[PushStatus]
+
+class PullKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PULL_KIND_UNSPECIFIED: _ClassVar[PullKind]
+    PULL_KIND_UPDATE: _ClassVar[PullKind]
+    PULL_KIND_FULL: _ClassVar[PullKind]
+    PULL_KIND_CURRENT: _ClassVar[PullKind]
+ACTION_CONTINUE: Action
+ACTION_PULL: Action
+ACTION_STOP: Action
+ACTION_REJOIN: Action
+PUSH_STATUS_UNSPECIFIED: PushStatus
+PUSH_STATUS_MERGED: PushStatus
+PUSH_STATUS_PENDING: PushStatus
+PUSH_STATUS_DUPLICATE: PushStatus
+PUSH_STATUS_DROPPED: PushStatus
+PULL_KIND_UNSPECIFIED: PullKind
+PULL_KIND_UPDATE: PullKind
+PULL_KIND_FULL: PullKind
+PULL_KIND_CURRENT: PullKind
+
+class JoinRequest(_message.Message):
+    __slots__ = ("island", "hardware", "devices", "fingerprint", "fingerprint_fields")
+    class FingerprintFieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    island: str
+    hardware: str
+    devices: int
+    fingerprint: str
+    fingerprint_fields: _containers.ScalarMap[str, str]
+    def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    version: int
+    shard_index: int
+    shard_count: int
+    cursor: int
+    lease_s: float
+    run_id: str
+    tree_size: int
+    tree_digest: str
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BAD_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    version: int
+    steps: int
+    tokens: int
+    steps_per_s: float
+    params_digest: str
+    bad_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("action", "version", "lease_s", "reason")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: Action
+    version: int
+    lease_s: float
+    reason: str
+    def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_START_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_END_FIELD_NUMBER: _ClassVar[int]
+    TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    base_version: int
+    push_id: str
+    tokens: int
+    inner_steps: int
+    cursor_start: int
+    cursor_end: int
+    tree_digest: str
+    total_bytes: int
+    frame_crc32: int
+    chunks: int
+    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "data", "crc32")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    crc32: int
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushDeltaResponse(_message.Message):
+    __slots__ = ("status", "merged_version", "version", "reason", "weight")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MERGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    status: PushStatus
+    merged_version: int
+    version: int
+    reason: str
+    weight: float
+    def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("island_id", "have_version", "full")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    have_version: int
+    full: bool
+    def __init__(self, island_id: _Optional[str] = ..., have_version: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    kind: PullKind
+    version: int
+    base_version: int
+    tree_digest: str
+    total_bytes: int
+    frame_crc32: int
+    chunks: int
+    params_digest: str
+    def __init__(self, kind: _Optional[_Union[PullKind, str]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., params_digest: _Optional[str] = ...) -> None: ...
+
+class PullMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IslandStatus(_message.Message):
+    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_MERGED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    name: str
+    state: str
+    version: int
+    tokens_merged: int
+    pushes_merged: int
+    lease_left_s: float
+    steps_per_s: float
+    shard_index: int
+    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "json")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    mode: str
+    islands: _containers.RepeatedCompositeFieldContainer[IslandStatus]
+    tokens_merged: int
+    bytes_in: int
+    bytes_out: int
+    deltas_dropped: int
+    json: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...

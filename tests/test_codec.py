@@ -1,0 +1,566 @@
+"""dtrain.codec: trees, block quantization bounds, error feedback, frames, chunks, streaming.
+
+numpy only (no JAX), deterministic seeds, hypothesis derandomized; the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from dtrain import codec
+from dtrain.codec import (
+    Chunk,
+    ChunkAssembler,
+    ChunkVerifier,
+    CodecError,
+    ErrorFeedback,
+    QuantizedVec,
+    StreamingDecoder,
+    compression_ratio,
+    decode,
+    dequantize,
+    encode,
+    flatten,
+    quantize,
+    spec_digest,
+    split_chunks,
+    unflatten,
+)
+
+FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
+LOSSY = [8, 4, "e3m0"]
+ALL_BITS = [8, 4, "e3m0", 32]
+
+
+def _tree(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def f32(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    return {
+        "tok_embed": {"embedding": f32(16, 8)},
+        "blocks": {i: {"attn": {"qkv": {"kernel": f32(8, 24)}}, "ln1": {"scale": f32(8), "bias": f32(8)}}
+                   for i in range(11)},  # 11 blocks: int keys must sort numerically (2 before 10)
+        "pos_embed": f32(4, 8),
+        "step_scale": np.float32(0.5),  # a 0-d leaf
+        "half": f32(3, 2).astype(np.float16),
+    }
+
+
+def _scale_per_value(q: QuantizedVec) -> np.ndarray:
+    return np.repeat(q.scales.astype(np.float64), q.block)[:q.n]
+
+
+def _int_bound(q: QuantizedVec) -> np.ndarray:
+    """The documented per-value bound for int8/4-bit: scale/2, plus float rounding."""
+    s = _scale_per_value(q)
+    return s / 2 * (1 + 2e-5) + 2.0 ** -149
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def test_flatten_unflatten_round_trip() -> None:
+    tree = _tree()
+    spec, vec = flatten(tree)
+    assert vec.dtype == np.float32 and vec.ndim == 1
+    assert vec.size == sum(int(np.prod(shape)) for _, shape, _ in spec)
+    assert json.loads(json.dumps(spec)) == spec  # JSON-native
+    paths = [p for p, _, _ in spec]
+    assert paths[:3] == ["blocks/0/attn/qkv/kernel", "blocks/0/ln1/bias", "blocks/0/ln1/scale"]
+    assert paths.index("blocks/2/attn/qkv/kernel") < paths.index("blocks/10/attn/qkv/kernel")
+    assert ["step_scale", [], "float32"] in spec and ["half", [3, 2], "float16"] in spec
+
+    back = unflatten(spec, vec)
+    assert set(back["blocks"]) == set(range(11))  # int keys come back as ints
+    flat_in, flat_out = flatten(tree)[1], flatten(back)[1]
+    np.testing.assert_array_equal(flat_in, flat_out)
+    kernel = ("blocks", 10, "attn", "qkv", "kernel")
+    leaf_in, leaf_out = tree, back
+    for key in kernel:
+        leaf_in, leaf_out = leaf_in[key], leaf_out[key]
+    np.testing.assert_array_equal(leaf_out, leaf_in)
+    assert back["half"].dtype == np.float16 and back["step_scale"].shape == ()
+
+    # deterministic whatever the insertion order; the digest is stable across a JSON round trip
+    reordered = dict(reversed(list(tree.items())))
+    assert flatten(reordered)[0] == spec
+    assert spec_digest(spec) == spec_digest(json.loads(json.dumps(spec)))
+    assert len(spec_digest(spec)) == 16
+    spec2 = flatten({**tree, "pos_embed": np.zeros((5, 8), np.float32)})[0]
+    assert spec_digest(spec2) != spec_digest(spec)
+
+
+def test_unflatten_rejects_wrong_length_and_bad_specs() -> None:
+    spec, vec = flatten(_tree())
+    with pytest.raises(CodecError, match=rf"{vec.size - 1} values but the spec describes {vec.size}"):
+        unflatten(spec, vec[:-1])
+    with pytest.raises(CodecError, match=rf"{vec.size + 1} values but the spec describes {vec.size}"):
+        unflatten(spec, np.append(vec, np.float32(0)))
+    with pytest.raises(CodecError, match="1-D float32"):
+        unflatten(spec, vec.astype(np.float64))
+    with pytest.raises(CodecError, match="bad shape"):
+        unflatten([["a", [-1], "float32"]], np.zeros(1, np.float32))
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        unflatten([["a", [1], "int32"]], np.zeros(1, np.float32))
+    with pytest.raises(CodecError, match="runs through the leaf"):
+        unflatten([["a", [1], "float32"], ["a/b", [1], "float32"]], np.zeros(2, np.float32))
+    with pytest.raises(CodecError, match="appears twice"):
+        unflatten([["a", [1], "float32"], ["a", [1], "float32"]], np.zeros(2, np.float32))
+
+
+def test_flatten_rejects_ambiguous_keys_and_lossy_leaves() -> None:
+    with pytest.raises(CodecError, match="no '/'"):
+        flatten({"a/b": np.zeros(1, np.float32)})
+    with pytest.raises(CodecError, match="read back as an int"):
+        flatten({"0": np.zeros(1, np.float32)})
+    with pytest.raises(CodecError, match="dtype float64"):
+        flatten({"w": np.zeros(2)})
+    with pytest.raises(CodecError, match="nested dict"):
+        flatten(np.zeros(2, np.float32))
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _awkward_vector(block: int) -> np.ndarray:
+    """Blocks of very different magnitudes, an all-zero block, a lone huge outlier, a partial tail."""
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal(block) * 10.0 ** e for e in (-8, -3, 0, 4)]
+    parts.append(np.zeros(block))
+    outlier = rng.standard_normal(block) * 1e-3
+    outlier[17] = 3e5
+    parts.append(outlier)
+    parts.append(rng.standard_normal(block // 2 + 1))  # partial last block, odd length
+    return np.concatenate(parts).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [64, 1024])
+def test_int_error_bound_per_block(bits: int, block: int) -> None:
+    x = _awkward_vector(block)
+    q = quantize(x, bits, block)
+    assert q.scales.dtype == np.float32 and q.scales.size == -(-x.size // block)
+    y = dequantize(q)
+    assert y.dtype == np.float32 and np.isfinite(y).all()
+    err = np.abs(x.astype(np.float64) - y)
+    assert (err <= _int_bound(q)).all()
+    zero_block = slice(4 * block, 5 * block)
+    assert q.scales[4] == 0 and (y[zero_block] == 0).all()
+    # the scale is absmax/qmax (rounded up by at most one ulp)
+    qmax = 127 if bits == 8 else 7
+    absmax = np.abs(x[:block]).max()
+    assert absmax / qmax <= q.scales[0] <= np.nextafter(np.float32(absmax / qmax), np.float32(np.inf))
+
+
+def test_e3m0_error_bound() -> None:
+    x = _awkward_vector(256)
+    q = quantize(x, "e3m0", 256)
+    y = dequantize(q)
+    s = _scale_per_value(q)
+    err = np.abs(x.astype(np.float64) - y)
+    assert (err <= np.maximum(np.abs(x) / 3, s / 128) * (1 + 1e-5) + 2.0 ** -149).all()
+    levels = np.unique(np.abs(y[:256]) / q.scales[0])  # every magnitude is scale·2^-k or 0
+    assert set(levels.tolist()) <= {0.0} | {2.0 ** -k for k in range(7)}
+
+
+def test_lossless_is_exact_and_all_zero_is_zero() -> None:
+    x = _awkward_vector(128)
+    q = quantize(x, 32, 128)
+    assert q.scales.size == 0
+    np.testing.assert_array_equal(dequantize(decode(encode(q))), x)
+    for bits in ALL_BITS:
+        z = dequantize(decode(encode(quantize(np.zeros(3000, np.float32), bits, 1024))))
+        assert not np.isnan(z).any() and (z == 0).all()
+
+
+@given(x=hnp.arrays(np.float32, st.integers(1, 300),
+                    elements=st.floats(width=32, allow_nan=False, allow_infinity=False)),
+       bits=st.sampled_from([8, 4]))
+@FAST
+def test_int_bound_holds_for_any_finite_float32(x: np.ndarray, bits: int) -> None:
+    """Includes subnormals and ±FLT_MAX: the bound holds and nothing overflows."""
+    q = quantize(x, bits, 64)
+    y = dequantize(q)
+    assert np.isfinite(y).all()
+    assert (np.abs(x.astype(np.float64) - y) <= _int_bound(q)).all()
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_extreme_magnitudes_stay_finite(bits: codec.Bits) -> None:
+    """±FLT_MAX (qmax·scale must not round to inf) and subnormal-only blocks (scale must not round to 0)."""
+    big = np.finfo(np.float32).max
+    tiny = np.float32(2.0 ** -140)
+    x = np.zeros(128, np.float32)
+    x[:3] = big, -big, np.nextafter(big, np.float32(0))
+    x[64:67] = tiny, -tiny, 3 * tiny
+    q = decode(encode(quantize(x, bits, 64)))
+    y = dequantize(q)
+    assert np.isfinite(y).all()
+    if bits in (8, 4):
+        assert (np.abs(x.astype(np.float64) - y) <= _int_bound(q)).all()
+        assert q.scales[1] > 0 and y[64] > 0  # the subnormal block survives
+    if bits == 32:
+        np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_rejected(bits: codec.Bits, bad: float) -> None:
+    x = np.ones(5000, np.float32)
+    x[4321] = bad
+    with pytest.raises(CodecError, match=r"non-finite value .* at index 4321"):
+        quantize(x, bits, 1024)
+
+
+def test_quantize_rejects_bad_arguments() -> None:
+    x = np.ones(10, np.float32)
+    with pytest.raises(CodecError, match="bits must be one of"):
+        quantize(x, 16)
+    with pytest.raises(CodecError, match="out of range"):
+        quantize(x, 8, 32)
+    with pytest.raises(CodecError, match="out of range"):
+        quantize(x, 8, 1 << 17)
+    with pytest.raises(CodecError, match="must be even"):
+        quantize(x, 8, 65)
+    with pytest.raises(CodecError, match="1-D"):
+        quantize(x.reshape(2, 5), 8)
+    with pytest.raises(CodecError, match="zstd level"):
+        encode(quantize(x), level=23)
+
+
+def test_nibble_order_is_low_then_high() -> None:
+    x = np.zeros(64, np.float32)
+    x[0], x[1], x[2] = 7.0, -7.0, 1.0  # scale 1: codes 7, -7 (0b1001), 1
+    q = quantize(x, 4, 64)
+    assert q.scales[0] == 1.0
+    assert q.payload[0] == 0x97 and q.payload[1] == 0x01
+    odd = quantize(np.full(65, -7.0, np.float32), 4, 64)  # odd n: padding nibble is 0
+    assert odd.payload.size == 33 and odd.payload[-1] == 0x09
+
+
+# --------------------------------------------------------------------------- frames
+
+
+@given(n=st.one_of(st.just(1), st.integers(1, 5000)), seed=st.integers(0, 2**32 - 1),
+       bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 66, 256, 1024]),
+       magnitude=st.integers(-30, 30))
+@FAST
+def test_encode_decode_round_trip(n: int, seed: int, bits: codec.Bits, block: int, magnitude: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** magnitude).astype(np.float32)
+    q = quantize(x, bits, block)
+    frame = encode(q, level=1)
+    assert frame[:4] == b"DTRC" and len(frame) == codec.HEADER_SIZE + struct.unpack_from("<Q", frame, 36)[0]
+    r = decode(frame, expected_n=n)
+    assert (r.bits, r.block, r.n) == (bits, block, n)
+    np.testing.assert_array_equal(r.scales, q.scales)
+    np.testing.assert_array_equal(r.payload, q.payload)
+    np.testing.assert_array_equal(dequantize(r), dequantize(q))
+    if bits == 32:
+        np.testing.assert_array_equal(dequantize(r), x)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 1025])
+def test_round_trip_edge_sizes(bits: codec.Bits, n: int) -> None:
+    x = np.linspace(-2, 3, n, dtype=np.float32)
+    q = quantize(x, bits, 64)
+    r = decode(encode(q), expected_n=n)
+    np.testing.assert_array_equal(dequantize(r), dequantize(q))
+    if bits in (8, 4):
+        assert (np.abs(x.astype(np.float64) - dequantize(r)) <= _int_bound(r)).all()
+
+
+def test_empty_vector_round_trips() -> None:
+    for bits in ALL_BITS:
+        r = decode(encode(quantize(np.zeros(0, np.float32), bits)))
+        assert r.n == 0 and dequantize(r).size == 0
+
+
+def test_compression_ratios_meet_targets() -> None:
+    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    ratios = {bits: compression_ratio(x.size, len(encode(quantize(x, bits, 1024)))) for bits in ALL_BITS}
+    print("compression ratios (1M gaussian, block 1024): "
+          + ", ".join(f"{bits}: {r:.2f}x" for bits, r in ratios.items()))
+    assert ratios[8] >= 3.9
+    assert ratios[4] >= 7.5
+    assert ratios["e3m0"] >= 7.5
+    assert ratios[32] >= 1.0
+    assert compression_ratio(10, 40) == 1.0
+
+
+# --------------------------------------------------------------------------- error feedback
+
+
+def test_error_feedback_does_not_accumulate() -> None:
+    """Small persistent components fall under the 4-bit step each round; only error feedback keeps them."""
+    rng = np.random.default_rng(7)
+    n, block, rounds = 4096, 1024, 200
+    bias = rng.uniform(0, 0.02, n).astype(np.float32)  # far below scale/2 ≈ 0.07
+    ef = ErrorFeedback(n, bits=4, block=block)
+    true_sum, ef_sum, plain_sum = np.zeros(n), np.zeros(n), np.zeros(n)
+    for t in range(rounds):
+        delta = (bias + rng.standard_normal(n) * 0.01).astype(np.float32)
+        delta[::block] = 1.0  # one outlier per block sets the scale to 1/7
+        true_sum += delta
+        q = ef.compress(delta)
+        ef_sum += dequantize(q)
+        plain_sum += dequantize(quantize(delta, 4, block))
+        # at every round the transmitted sum trails the true one by this round's error only
+        assert (np.abs(true_sum - ef_sum) <= _int_bound(q) * (1 + 1e-4) + 1e-5).all(), t
+    np.testing.assert_allclose(true_sum - ef_sum, ef.residual, atol=1e-4)
+    one_round = _int_bound(q).max()
+    plain_drift = np.abs(true_sum - plain_sum).max()
+    assert np.abs(true_sum - ef_sum).max() <= one_round * (1 + 1e-4) + 1e-5
+    assert plain_drift > 10 * one_round  # without error feedback the dropped mass piles up
+    ef.reset()
+    assert not ef.residual.any()
+
+
+def test_error_feedback_rejects_nan_and_wrong_size_without_state_change() -> None:
+    ef = ErrorFeedback(100, bits=8, block=64)
+    ef.compress(np.linspace(-1, 1, 100, dtype=np.float32))
+    before = ef.residual.copy()
+    bad = np.zeros(100, np.float32)
+    bad[3] = np.nan
+    with pytest.raises(CodecError, match="non-finite"):
+        ef.compress(bad)
+    with pytest.raises(CodecError, match="shape"):
+        ef.compress(np.zeros(99, np.float32))
+    np.testing.assert_array_equal(ef.residual, before)
+
+
+# --------------------------------------------------------------------------- decode rejects
+
+_HEADER = struct.Struct("<4sBBHIQQQQI")
+
+
+def _frame(n: int = 3000, bits: codec.Bits = 8, block: int = 1024) -> bytes:
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    return encode(quantize(x, bits, block))
+
+
+def _forge(frame: bytes, body: bytes | None = None, **fields: int) -> bytes:
+    """Rewrite header fields (and/or the body) and re-seal the CRC, so only the intended fault remains."""
+    names = ["magic", "version", "bits", "reserved", "block", "n", "scales_len", "payload_len", "body_len", "crc"]
+    values = dict(zip(names, _HEADER.unpack_from(frame), strict=True))
+    body = frame[codec.HEADER_SIZE:] if body is None else body
+    values["body_len"] = len(body)
+    values.update(fields)
+    head = _HEADER.pack(*[values[k] for k in names])[:44]
+    crc = zlib.crc32(body, zlib.crc32(head)) if "crc" not in fields else fields["crc"]
+    return head + struct.pack("<I", crc) + body
+
+
+def test_forge_helper_reproduces_valid_frames() -> None:
+    frame = _frame()
+    assert _forge(frame) == frame
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda f: b"DTRX" + f[4:], r"bad magic b'DTRX'"),
+    (lambda f: _forge(f, version=2), r"unsupported format version 2"),
+    (lambda f: _forge(f, bits=5), r"unknown bits code 5"),
+    (lambda f: _forge(f, reserved=1), r"reserved header field"),
+    (lambda f: _forge(f, block=32), r"block 32 out of range"),
+    (lambda f: _forge(f, block=1025), r"block 1025 out of range"),
+    (lambda f: f[:20], r"frame truncated: 20 bytes, the header alone needs 48"),
+    (lambda f: f[:-100], r"frame truncated: header says \d+ body bytes, got \d+"),
+    (lambda f: f + b"junk", r"trailing garbage: 4 bytes"),
+    (lambda f: f[:60] + bytes([f[60] ^ 0x01]) + f[61:], r"CRC32 mismatch"),
+    (lambda f: f[:12] + bytes([f[12] ^ 0x01]) + f[13:], r"inconsistent with n=3001"),  # n flipped, CRC would catch too
+    (lambda f: _forge(f, n=2500), r"payload length 3000 inconsistent with n=2500"),
+    (lambda f: _forge(f, n=2000), r"scales length 12 inconsistent with n=2000"),
+    (lambda f: _forge(f, scales_len=8), r"scales length 8 inconsistent with n=3000, block=1024"),
+    (lambda f: _forge(f, payload_len=2999), r"payload length 2999 inconsistent"),
+    (lambda f: _forge(f, body=b"not zstd at all"), r"zstd decompression failed"),
+])
+def test_decode_rejects(mutate, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        decode(mutate(_frame()))
+
+
+def test_decode_rejects_zip_bomb() -> None:
+    frame = _frame(n=1024)  # header declares 4 + 1024 body bytes
+    bomb = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(bytes(50_000_000))
+    assert len(bomb) < 5000
+    with pytest.raises(CodecError, match=r"more than the 1028 bytes the header declares \(zip bomb\?\)"):
+        decode(_forge(frame, body=bomb))
+    lying = zstandard.ZstdCompressor(level=3).compress(bytes(50_000_000))  # content size in the zstd frame, too
+    with pytest.raises(CodecError, match="zip bomb"):
+        decode(_forge(frame, body=lying))
+
+
+def test_decode_rejects_short_body_and_forged_values() -> None:
+    frame = _frame(n=1024)
+    short = zstandard.ZstdCompressor().compress(bytes(1000))
+    with pytest.raises(CodecError, match=r"body decompresses to 1000 bytes, header declares 1028"):
+        decode(_forge(frame, body=short))
+    with pytest.raises(CodecError, match=r"header says n=1024, expected n=999"):
+        decode(frame, expected_n=999)
+
+    def body(scale: float, codes: bytes) -> bytes:
+        return zstandard.ZstdCompressor().compress(np.float32(scale).tobytes() + codes)
+
+    with pytest.raises(CodecError, match="invalid scale"):
+        decode(_forge(frame, body=body(np.nan, bytes(1024))))
+    with pytest.raises(CodecError, match="invalid scale"):
+        decode(_forge(frame, body=body(-1.0, bytes(1024))))
+    with pytest.raises(CodecError, match="invalid scale"):  # 127·scale would overflow to inf
+        decode(_forge(frame, body=body(3e38, bytes(1024))))
+    with pytest.raises(CodecError, match="invalid int8 code -128 near value 5"):
+        decode(_forge(frame, body=body(1.0, bytes(5) + b"\x80" + bytes(1018))))
+    frame4 = _frame(n=65, bits=4, block=64)  # 2 scales, 33 payload bytes
+    scales = np.ones(2, np.float32).tobytes()
+    with pytest.raises(CodecError, match="nibble 0b1000"):
+        decode(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + b"\x80" + bytes(32))))
+    with pytest.raises(CodecError, match="padding nibble"):
+        decode(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")))
+    frame32 = _frame(n=4, bits=32)
+    with pytest.raises(CodecError, match="non-finite value at index 2"):
+        raw = np.array([1, 2, np.inf, 4], np.float32).tobytes()
+        decode(_forge(frame32, body=zstandard.ZstdCompressor().compress(raw)))
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def test_split_and_reassemble() -> None:
+    frame = _frame(n=20_000)
+    for max_chunk in (1, 1000, len(frame) - 1, len(frame), 1 << 20):
+        chunks = split_chunks(frame, max_chunk)
+        assert all(len(c.data) <= max_chunk and c.total == len(chunks) for c in chunks)
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assembler = ChunkAssembler(max_total=len(frame))
+        for c in chunks:
+            assembler.add(c)
+        assert assembler.complete and assembler.size == len(frame)
+        assert assembler.finish() == frame
+    assert split_chunks(b"", 10) == [Chunk(0, 1, b"", zlib.crc32(b""))]
+    with pytest.raises(CodecError, match="max_chunk"):
+        split_chunks(frame, 0)
+
+
+def _feed(chunks: list[Chunk], max_total: int = 1 << 30) -> ChunkAssembler:
+    assembler = ChunkAssembler(max_total)
+    for c in chunks:
+        assembler.add(c)
+    return assembler
+
+
+def test_chunk_faults() -> None:
+    frame = _frame(n=20_000)
+    chunks = split_chunks(frame, 1000)
+    assert len(chunks) >= 4
+    corrupted = Chunk(2, chunks[2].total, b"X" + chunks[2].data[1:], chunks[2].crc32)
+    with pytest.raises(CodecError, match="chunk 2 CRC32 mismatch"):
+        _feed([*chunks[:2], corrupted])
+    with pytest.raises(CodecError, match="out of order: expected chunk 2, got 3"):
+        _feed([*chunks[:2], chunks[3]])
+    with pytest.raises(CodecError, match="duplicate chunk 1"):
+        _feed([*chunks[:2], chunks[1]])
+    with pytest.raises(CodecError, match="duplicate chunk 0: all"):
+        _feed([*chunks, chunks[0]])
+    with pytest.raises(CodecError, match=rf"missing chunks: received {len(chunks) - 1} of {len(chunks)}"):
+        _feed(chunks[:-1]).finish()
+    with pytest.raises(CodecError, match="missing chunks: none"):
+        ChunkAssembler(10).finish()
+    with pytest.raises(CodecError, match=r"chunk 3 exceeds limit: 4000 bytes > max 3500"):
+        _feed(chunks, max_total=3500)
+    with pytest.raises(CodecError, match="says total 99"):
+        _feed([*chunks[:1], Chunk(1, 99, chunks[1].data, chunks[1].crc32)])
+    with pytest.raises(CodecError, match="out of range"):
+        _feed([Chunk(5, 3, b"", zlib.crc32(b""))])
+
+
+def test_rejected_chunk_can_be_retried() -> None:
+    frame = _frame()
+    chunks = split_chunks(frame, 500)
+    assembler = ChunkAssembler(1 << 20)
+    assembler.add(chunks[0])
+    with pytest.raises(CodecError, match="CRC32"):
+        assembler.add(Chunk(1, chunks[1].total, bytes(len(chunks[1].data)), chunks[1].crc32))
+    for c in chunks[1:]:
+        assembler.add(c)
+    assert assembler.finish() == frame
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+@given(n=st.integers(1, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 512]),
+       piece=st.integers(1, 700), seed=st.integers(0, 1000))
+@FAST
+def test_streaming_decoder_matches_decode(n: int, bits: codec.Bits, block: int, piece: int, seed: int) -> None:
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    frame = encode(quantize(x, bits, block))
+    expected = dequantize(decode(frame))
+    decoder = StreamingDecoder(n, bits, block)
+    verifier = ChunkVerifier(max_total=len(frame))
+    accumulated = np.zeros(n, np.float32)
+    covered = 0
+    for chunk in split_chunks(frame, piece):
+        for start, values in decoder.feed(verifier.add(chunk)):
+            assert start == covered and (start % block == 0)
+            assert values.size % block == 0 or start + values.size == n  # whole blocks only
+            accumulated[start:start + values.size] += values
+            covered += values.size
+    verifier.finish()
+    decoder.finish()
+    assert covered == n == decoder.values_out
+    np.testing.assert_array_equal(accumulated, expected)
+
+
+def test_streaming_decoder_faults() -> None:
+    frame = _frame(n=5000)
+    with pytest.raises(CodecError, match=r"header says n=5000, expected n=4999"):
+        StreamingDecoder(4999, 8, 1024).feed(frame)
+    with pytest.raises(CodecError, match=r"expected bits=4 block=1024"):
+        StreamingDecoder(5000, 4, 1024).feed(frame)
+    dead = StreamingDecoder(5000, 8, 1024)
+    with pytest.raises(CodecError, match="trailing garbage: 3 bytes"):
+        dead.feed(frame + b"abc")
+    with pytest.raises(CodecError, match="decoder closed: an earlier error"):
+        dead.feed(b"")
+    done = StreamingDecoder(5000, 8, 1024)
+    done.feed(frame)
+    done.finish()
+    with pytest.raises(CodecError, match="decoder closed: finish"):
+        done.feed(b"")
+
+    truncated = StreamingDecoder(5000, 8, 1024)
+    truncated.feed(frame[:-10])
+    with pytest.raises(CodecError, match=r"frame truncated: header says \d+ body bytes"):
+        truncated.finish()
+    headless = StreamingDecoder(5000, 8, 1024)
+    headless.feed(frame[:30])
+    with pytest.raises(CodecError, match="frame truncated: 30 bytes"):
+        headless.finish()
+
+    wrong_crc = _forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1)  # body intact, CRC field off by one bit
+    corrupt = StreamingDecoder(5000, 8, 1024)
+    assert sum(v.size for _, v in corrupt.feed(wrong_crc)) == 5000  # segments go out before the CRC is known
+    with pytest.raises(CodecError, match="CRC32 mismatch"):
+        corrupt.finish()
+    flipped = bytearray(frame)
+    flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
+    corrupt = StreamingDecoder(5000, 8, 1024)
+    with pytest.raises(CodecError, match=r"CRC32 mismatch|zstd decompression failed|invalid"):
+        corrupt.feed(bytes(flipped))
+        corrupt.finish()
+
+    small = _frame(n=1024)
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
+    with pytest.raises(CodecError, match="zip bomb"):
+        StreamingDecoder(1024, 8, 1024).feed(_forge(small, body=bomb))
