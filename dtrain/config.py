@@ -94,6 +94,60 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class CodecConfig:
+    up: str = _f("int8", "codec for pushed pseudo-gradients", choices=("fp32", "int8", "int4", "e3m0"))
+    down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless)",
+                   choices=("fp32", "int8", "int4", "e3m0"))
+    block: int = _f(1024, "values per quantization block (even, 64..65536)")
+    zstd_level: int = _f(3, "zstd level for frames (1..19)")
+    chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
+    error_feedback: bool = _f(True, "keep the quantization residual and add it to the next delta")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = _f("127.0.0.1", "address the coordinator binds (dtrain coordinator)")
+    port: int = _f(50051, "port the coordinator binds (0: any free port)")
+    mode: str = _f("sync", "sync: rounds with quorum; async: merge each delta on arrival", choices=("sync", "async"))
+    min_quorum: int = _f(0, "sync: pushes that may close a round once grace_s has passed (0: every live island)")
+    grace_s: float = _f(30.0, "sync: seconds after a round's first push before a quorum close is allowed")
+    lease_s: float = _f(20.0, "an island that sends no heartbeat for this long is lost")
+    late_policy: str = _f("discount", "late deltas: apply to the open round with weight (1+s)^-alpha, or drop them "
+                          "(always counted)", choices=("discount", "drop"))
+    max_staleness: int = _f(4, "deltas more than this many versions old are dropped (counted)")
+    keep_updates: int = _f(16, "past compressed updates kept so a lagging island catches up without a full pull")
+    max_message_bytes: int = _f(8 << 20, "largest gRPC message accepted (chunks must fit)")
+    checkpoint: bool = _f(True, "checkpoint the whole coordinator state with orbax after each merge")
+    workers: int = _f(16, "gRPC server threads")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    overlap: bool = _f(True, "keep training while a push/pull is in flight; fold the new θ in on arrival")
+    round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
+                              "0: outer.inner_steps steps")
+    heartbeat_s: float = _f(2.0, "seconds between heartbeats (keep well under coordinator.lease_s)")
+    rpc_deadline_s: float = _f(60.0, "deadline of one RPC")
+    retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
+    retry_max_s: float = _f(5.0, "backoff ceiling")
+    retry_total_s: float = _f(600.0, "give up after retrying this long (a coordinator outage longer than this)")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    token_env: str = _f("DTRAIN_TOKEN", "environment variable with the bearer token ('' or unset: no auth)")
+    admin_token_env: str = _f("DTRAIN_ADMIN_TOKEN", "environment variable with the admin token")
+    ca: str = _f("", "PEM CA bundle: workers verify the coordinator with it; with client_auth, the "
+                 "coordinator verifies workers")
+    server_cert: str = _f("", "coordinator TLS certificate (PEM); empty: plaintext (loopback/testing only)")
+    server_key: str = _f("", "coordinator TLS private key (PEM)")
+    client_cert: str = _f("", "worker certificate for mutual TLS (PEM)")
+    client_key: str = _f("", "worker private key for mutual TLS (PEM)")
+    client_auth: bool = _f(False, "mutual TLS: the coordinator requires a client certificate signed by ca")
+    server_name: str = _f("", "TLS name to expect on the coordinator's certificate (empty: the host)")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -101,23 +155,34 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @property
     def rounds(self) -> int:
-        """Outer rounds per island: ceil(train.steps / outer.inner_steps)."""
+        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H >= steps)."""
         return math.ceil(self.train.steps / self.outer.inner_steps)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def fingerprint_fields(self) -> dict[str, str]:
+        """What must match between the coordinator and every island: model shapes, dtype, codecs."""
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items()}
+        fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
+        return fields
+
     def fingerprint(self) -> str:
-        """Hash of what must match between replicas: model shapes and dtype."""
-        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        """Hash of :meth:`fingerprint_fields`."""
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-            "outer": OuterConfig, "mesh": MeshConfig}
+            "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
+            "worker": WorkerConfig, "security": SecurityConfig}
 
 
 def _coerce(value: Any, typ: Any, where: str) -> Any:
@@ -196,14 +261,53 @@ def _check(cfg: Config, origin: str) -> None:
         fail("outer", "lr", f"must be > 0, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:
         fail("outer", "momentum", f"must be in [0, 1), got {o.momentum}")
-    if o.inner_steps > t.steps:
-        fail("outer", "inner_steps", f"H={o.inner_steps} exceeds train.steps={t.steps}: not even one round")
     mesh = cfg.mesh
     if mesh.data == 0 or mesh.data < -1:
         fail("mesh", "data", f"must be >= 1 or -1 (all devices), got {mesh.data}")
     if mesh.fsdp < 1:
         fail("mesh", "fsdp", f"must be >= 1, got {mesh.fsdp}")
     fixed = (mesh.data if mesh.data > 0 else 1) * mesh.fsdp
+    c = cfg.codec
+    if c.block % 2 or not 64 <= c.block <= 65536:
+        fail("codec", "block", f"must be even and in [64, 65536], got {c.block}")
+    if not 1 <= c.zstd_level <= 19:
+        fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
+    if not 4096 <= c.chunk_bytes <= 4 << 20:
+        fail("codec", "chunk_bytes", f"must be in [4096, 4194304], got {c.chunk_bytes}")
+    co = cfg.coordinator
+    if not 0 <= co.port <= 65535:
+        fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
+    if co.min_quorum < 0:
+        fail("coordinator", "min_quorum", f"must be >= 0, got {co.min_quorum}")
+    for name in ("grace_s", "lease_s"):
+        if not getattr(co, name) > 0:
+            fail("coordinator", name, f"must be > 0, got {getattr(co, name)}")
+    if co.max_staleness < 0:
+        fail("coordinator", "max_staleness", f"must be >= 0, got {co.max_staleness}")
+    if co.keep_updates < 1:
+        fail("coordinator", "keep_updates", f"must be >= 1, got {co.keep_updates}")
+    if co.max_message_bytes < c.chunk_bytes + 4096:
+        fail("coordinator", "max_message_bytes", f"must exceed codec.chunk_bytes ({c.chunk_bytes}) by 4 KiB, "
+             f"got {co.max_message_bytes}")
+    if co.workers < 2:
+        fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
+    w = cfg.worker
+    if w.round_seconds < 0:
+        fail("worker", "round_seconds", f"must be >= 0, got {w.round_seconds}")
+    for name in ("heartbeat_s", "rpc_deadline_s", "retry_initial_s", "retry_max_s", "retry_total_s"):
+        if not getattr(w, name) > 0:
+            fail("worker", name, f"must be > 0, got {getattr(w, name)}")
+    if w.heartbeat_s >= co.lease_s:
+        fail("worker", "heartbeat_s", f"must be below coordinator.lease_s ({co.lease_s}), got {w.heartbeat_s}")
+    sec = cfg.security
+    if bool(sec.server_cert) != bool(sec.server_key):
+        fail("security", "server_key" if sec.server_cert else "server_cert",
+             "server_cert and server_key go together")
+    if bool(sec.client_cert) != bool(sec.client_key):
+        fail("security", "client_key" if sec.client_cert else "client_cert",
+             "client_cert and client_key go together")
+    if sec.client_auth and not (sec.ca and sec.server_cert):
+        fail("security", "client_auth", "mutual TLS needs security.ca and security.server_cert")
     if t.batch_size % fixed:
         fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
              f"(mesh.data x mesh.fsdp)")
@@ -258,6 +362,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, name, value = parse_override(text)
         if section not in SECTIONS:
             raise ConfigError(f"--set {text}: unknown section {section!r} (known: {', '.join(SECTIONS)})")
+        if typing.get_type_hints(SECTIONS[section]).get(name) is str and not isinstance(value, str):
+            value = text.split("=", 1)[1].strip()  # a string field takes the text as typed: --set run.name=2024
         merged[section][name] = value
     where = origin + (" + --set" if overrides else "")
     sections = {s: _build_section(cls, merged[s], where, s) for s, cls in SECTIONS.items()}

@@ -57,6 +57,8 @@ def _read_bytes(files: list[Path], limit: int) -> np.ndarray:
             blob = path.read_bytes()
         except OSError as e:
             raise DataError(f"{path}: cannot read: {e.strerror}") from None
+        if not blob:
+            continue  # an empty file adds nothing, not even the separator
         chunks.append(blob + b"\n")
         total += len(blob) + 1
         if limit and total >= limit:

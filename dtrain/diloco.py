@@ -96,7 +96,7 @@ def diloco_round(loop: InnerLoop, global_state: outer.OuterState, islands: Seque
     weights = outer.merge_weights(tokens)
     result = RoundResult(
         version=int(new_state.version),
-        deltas_norm=[float(optax.global_norm(d)) for d in deltas],  # note: host sync, once per round
+        deltas_norm=[float(optax.tree.norm(d)) for d in deltas],  # note: host sync, once per round
         weights=[float(w) for w in weights],
         train_losses=[i.last_loss for i in islands],
         steps=steps)

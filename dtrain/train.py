@@ -54,7 +54,7 @@ def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
     loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -76,7 +76,7 @@ BAD_FILES = [
     ("[train]\nbatch_size = 12\n[mesh]\ndata = 2\nfsdp = 4\n", "[train] batch_size"),
     ("[train]\nbatch_size = 6\n[mesh]\nfsdp = 4\n", "[train] batch_size"),
     ("[outer]\ninner_steps = 0\n", "[outer] inner_steps"),
-    ("[train]\nsteps = 100\n[outer]\ninner_steps = 101\n", "[outer] inner_steps"),
+    ("[outer]\nmomentum = 1.0\n", "[outer] momentum"),
     ("[model]\nd_model = 64\nn_heads = 3\n", "[model] n_heads"),
     ("[train]\nsteps = 100\nwarmup_steps = 100\n", "[train] warmup_steps"),
     ("[train]\nsteps = 100\nwarmup_steps = 150\n", "[train] warmup_steps"),
@@ -164,7 +164,7 @@ def test_overrides_apply_and_validate():
     ("train.steps=1.5", "[train] steps"),
     ("train.bogus=1", "[train] bogus"),
     ("train.warmup_steps=60", "[train] warmup_steps"),
-    ("outer.inner_steps=61", "[outer] inner_steps"),
+    ("outer.inner_steps=0", "[outer] inner_steps"),
     ("model.n_heads=3", "[model] n_heads"),
     ("nope.x=1", "nope"),
 ])
@@ -238,3 +238,13 @@ def test_to_toml_round_trip_non_defaults(tmp_path: Path):
     again = load_config(out)
     assert again == cfg
     assert again.run.name == 'odd "name" é'
+
+
+def test_set_on_a_string_field_keeps_the_text_as_typed():
+    cfg = load_config(TINY, ["run.name=2024-01-01", "data.source=123"])
+    assert cfg.run.name == "2024-01-01" and cfg.data.source == "123"
+
+
+def test_h_larger_than_steps_is_one_shorter_round():
+    cfg = load_config(TINY, ["train.steps=30", "outer.inner_steps=50"])
+    assert cfg.rounds == 1

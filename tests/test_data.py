@@ -193,6 +193,18 @@ def test_empty_file(tmp_path: Path):
     assert str(p) in str(ei.value) and "empty" in str(ei.value)
 
 
+def test_folder_of_empty_text_files(tmp_path: Path):
+    d = tmp_path / "blank"
+    d.mkdir()
+    (d / "a.txt").write_bytes(b"")
+    (d / "b.txt").write_bytes(b"")
+    with pytest.raises(DataError) as ei:
+        _load(d)
+    assert str(d) in str(ei.value) and "empty" in str(ei.value)
+    (d / "c.txt").write_bytes(b"xyz")
+    assert _load(d).tokens.tobytes() == b"xyz\n"  # empty files add no separator either
+
+
 def test_empty_bin_file(tmp_path: Path):
     p = tmp_path / "empty.bin"
     p.write_bytes(b"")
