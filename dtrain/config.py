@@ -136,7 +136,6 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     token_env: str = _f("DTRAIN_TOKEN", "environment variable with the bearer token ('' or unset: no auth)")
-    admin_token_env: str = _f("DTRAIN_ADMIN_TOKEN", "environment variable with the admin token")
     ca: str = _f("", "PEM CA bundle: workers verify the coordinator with it; with client_auth, the "
                  "coordinator verifies workers")
     server_cert: str = _f("", "coordinator TLS certificate (PEM); empty: plaintext (loopback/testing only)")

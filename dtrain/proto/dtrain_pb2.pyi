@@ -174,14 +174,16 @@ class PushDeltaResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("island_id", "have_version", "full")
+    __slots__ = ("island_id", "have_version", "full", "wait_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     have_version: int
     full: bool
-    def __init__(self, island_id: _Optional[str] = ..., have_version: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, island_id: _Optional[str] = ..., have_version: _Optional[int] = ..., full: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest")

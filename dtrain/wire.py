@@ -1,0 +1,195 @@
+"""Shared gRPC plumbing for both ends of the protocol: deadlines, auth, TLS, chunk streams.
+
+The coordinator and the workers never import each other; they meet here and
+in ``dtrain/proto/dtrain.proto``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+
+from dtrain import codec
+from dtrain.config import SecurityConfig
+from dtrain.proto import dtrain_pb2 as pb
+
+# Deadlines (seconds) of each RPC, from the caller's side. Pushes and pulls
+# carry a whole model, so they scale with it; see also worker.rpc_deadline_s.
+JOIN_DEADLINE_S = 30.0
+HEARTBEAT_DEADLINE_S = 10.0
+STATUS_DEADLINE_S = 10.0
+
+AUTH_METADATA_KEY = "authorization"
+CODEC_BITS: dict[str, codec.Bits] = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
+MAX_CHUNKS = 1 << 20
+
+
+class WireError(ValueError):
+    """A received message or stream is malformed; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def params_digest(vec: np.ndarray) -> str:
+    """Digest of a flat float32 parameter vector: islands compare it to prove bit-identical θ."""
+    return hashlib.blake2b(np.ascontiguousarray(vec, dtype=np.float32).tobytes(), digest_size=16).hexdigest()
+
+
+def read_token(sec: SecurityConfig) -> str | None:
+    """The bearer token from the environment variable the config names; None disables auth."""
+    if not sec.token_env:
+        return None
+    token = os.environ.get(sec.token_env, "")
+    return token or None
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ValueError(f"[security] {what}: cannot read {path}: {e.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"[security] {what}: {path} is not a PEM file")
+    return data
+
+
+def server_credentials(sec: SecurityConfig) -> grpc.ServerCredentials | None:
+    """TLS (or mutual TLS with ``client_auth``) for the coordinator; None: plaintext."""
+    if not sec.server_cert:
+        return None
+    key, cert = _read_pem(sec.server_key, "server_key"), _read_pem(sec.server_cert, "server_cert")
+    ca = _read_pem(sec.ca, "ca") if sec.ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=sec.client_auth)
+
+
+def channel_credentials(sec: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """TLS for a worker's channel when ``security.ca`` is set; with a client cert, mutual TLS."""
+    if not sec.ca:
+        return None
+    ca = _read_pem(sec.ca, "ca")
+    if sec.client_cert:
+        return grpc.ssl_channel_credentials(ca, _read_pem(sec.client_key, "client_key"),
+                                            _read_pem(sec.client_cert, "client_cert"))
+    return grpc.ssl_channel_credentials(ca)
+
+
+def channel_options(max_message_bytes: int, server_name: str = "") -> list[tuple[str, Any]]:
+    opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
+                                   ("grpc.max_send_message_length", max_message_bytes)]
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    return opts
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
+                          "(set the token in the environment variable named by security.token_env)")
+
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        got = ""
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                got = value
+        if hmac.compare_digest(got.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
+
+
+def to_chunks(frame: bytes, chunk_bytes: int) -> list[pb.Chunk]:
+    return [pb.Chunk(index=c.index, data=c.data, crc32=c.crc32) for c in codec.split_chunks(frame, chunk_bytes)]
+
+
+def max_frame_bytes(n_values: int, block: int) -> int:
+    """Upper bound of a frame's size for ``n_values`` (the lossless case, plus zstd's worst-case growth)."""
+    raw = 4 * n_values + 4 * (n_values // max(block, 1) + 1)
+    return codec.HEADER_SIZE + raw + raw // 128 + (1 << 16)
+
+
+class FrameReceiver:
+    """Checks a header's sizes, then chunks one by one: index order, CRC, running total, frame CRC.
+
+    ``add(chunk)`` returns the chunk's verified bytes; ``finish()`` checks the
+    chunk count, total size and the frame's CRC32 against the header. Nothing
+    is kept here: the caller spools or decodes the bytes.
+    """
+
+    def __init__(self, total_bytes: int, chunks: int, frame_crc32: int, max_total: int, chunk_limit: int):
+        if not 0 < total_bytes <= max_total:
+            raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED if total_bytes > max_total
+                            else grpc.StatusCode.INVALID_ARGUMENT,
+                            f"header total_bytes={total_bytes}: must be in [1, {max_total}] for this model")
+        lo, hi = -(-total_bytes // chunk_limit), total_bytes
+        if not lo <= chunks <= min(hi, MAX_CHUNKS):
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"header chunks={chunks}: {total_bytes} bytes need between {lo} and {hi} chunks "
+                            f"of at most {chunk_limit} bytes")
+        self.total_bytes, self.chunks, self.frame_crc32 = total_bytes, chunks, frame_crc32
+        self.chunk_limit = chunk_limit
+        self.received = 0
+        self.size = 0
+        self._crc = 0
+
+    def add(self, chunk: pb.Chunk) -> bytes:
+        if chunk.index != self.received:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"chunk index {chunk.index} out of order: expected {self.received}")
+        if self.received >= self.chunks:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"more chunks than the header's {self.chunks}")
+        data = chunk.data
+        if len(data) > self.chunk_limit:
+            raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"chunk {chunk.index} has {len(data)} bytes, over the limit of {self.chunk_limit}")
+        if not data:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index} is empty")
+        if self.size + len(data) > self.total_bytes:
+            raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"chunks exceed the header's total_bytes={self.total_bytes}")
+        if zlib.crc32(data) != chunk.crc32:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index}: CRC32 mismatch (garbled)")
+        self._crc = zlib.crc32(data, self._crc)
+        self.received += 1
+        self.size += len(data)
+        return data
+
+    def finish(self) -> None:
+        if self.received != self.chunks or self.size != self.total_bytes:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"stream truncated: got {self.received} of {self.chunks} chunks, "
+                            f"{self.size} of {self.total_bytes} bytes")
+        if self._crc != self.frame_crc32:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frame CRC32 mismatch")
+
+
+def drain_frame(receiver: FrameReceiver, chunks: Iterator[pb.Chunk], sink: Callable[[bytes], None]) -> None:
+    for chunk in chunks:
+        sink(receiver.add(chunk))
+    receiver.finish()

@@ -1,0 +1,94 @@
+"""The coordinator's streaming merger: same math as dtrain.outer, bit-identical broadcast θ, no partial state."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coordinator.merger import Merger, MergeOptions
+from dtrain import codec, outer
+from dtrain.config import OuterConfig
+
+N, BLOCK = 3000, 64
+
+
+def _push(m: Merger, vec: np.ndarray, weight: float, bits=32) -> None:
+    with m.spool() as sp:
+        sp.write(codec.encode(codec.quantize(vec, bits, BLOCK)))
+        m.validate(sp)
+        m.accumulate(sp, weight)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_lossless_merge_matches_the_optax_outer_step(momentum, nesterov):
+    rng = np.random.default_rng(0)
+    theta = rng.normal(size=N).astype(np.float32)
+    ocfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov)
+    m = Merger(theta.copy(), MergeOptions(lr=0.7, momentum=momentum, nesterov=nesterov, up_bits=32, down_bits=32,
+                                          block=BLOCK))
+    tx = outer.make_outer_optimizer(ocfg)
+    ref = outer.init_outer({"w": jnp.asarray(theta)}, tx)
+    for _ in range(4):
+        deltas = [rng.normal(size=N).astype(np.float32) * 0.01 for _ in range(3)]
+        tokens = [100, 200, 300]
+        for d, t in zip(deltas, tokens):
+            _push(m, d, t)
+        update = m.outer_step()
+        ref = outer.outer_step(ref, outer.merge_deltas([{"w": jnp.asarray(d)} for d in deltas], tokens), tx)
+        np.testing.assert_allclose(m.theta, np.asarray(ref.params["w"]), rtol=0, atol=1e-6)
+        assert update.version == int(ref.version)
+
+
+@pytest.mark.parametrize("down", [8, 4, "e3m0"])
+def test_islands_applying_update_frames_hold_bit_identical_theta(down):
+    rng = np.random.default_rng(1)
+    theta = rng.normal(size=N).astype(np.float32)
+    m = Merger(theta.copy(), MergeOptions(up_bits=8, down_bits=down, block=BLOCK))
+    island = theta.copy()
+    for _ in range(3):
+        _push(m, rng.normal(size=N).astype(np.float32), 1.0, bits=8)
+        update = m.outer_step()
+        island = island + codec.dequantize(codec.decode(update.frame, expected_n=N))
+        assert np.array_equal(island, m.theta)
+        assert update.params_digest == m.digest
+    assert m.updates_since(0) is not None and len(m.updates_since(0)) == 3
+    assert m.updates_since(3) == []
+
+
+def test_down_error_feedback_keeps_theta_close_to_the_exact_outer_trajectory():
+    rng = np.random.default_rng(2)
+    theta = rng.normal(size=N).astype(np.float32)
+    exact = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=32, block=BLOCK))
+    with_ef = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=4, block=BLOCK, error_feedback=True))
+    no_ef = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=4, block=BLOCK, error_feedback=False))
+    for _ in range(20):
+        d = rng.normal(size=N).astype(np.float32) * 0.01 + 0.005  # a consistent drift quantization would bias
+        for m in (exact, with_ef, no_ef):
+            _push(m, d, 1.0)
+            m.outer_step()
+    err_ef = np.abs(with_ef.theta - exact.theta).max()
+    err_no = np.abs(no_ef.theta - exact.theta).max()
+    assert err_ef < err_no
+
+
+def test_a_bad_frame_changes_nothing():
+    rng = np.random.default_rng(3)
+    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=8, block=BLOCK))
+    frame = bytearray(codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), 8, BLOCK)))
+    frame[-5] ^= 0xFF
+    with m.spool() as sp:
+        sp.write(bytes(frame))
+        with pytest.raises(codec.CodecError):
+            m.validate(sp)
+    assert not m.acc.any() and m.total_weight == 0 and m.pushes_in_acc == 0
+    with pytest.raises(RuntimeError, match="no accumulated delta"):
+        m.outer_step()
+
+
+def test_lagging_island_gets_none_when_updates_were_dropped():
+    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=32, down_bits=8, block=BLOCK, keep_updates=2))
+    for _ in range(3):
+        _push(m, np.ones(N, np.float32), 1.0)
+        m.outer_step()
+    assert m.updates_since(0) is None  # version 1's update is gone: a full pull is needed
+    full = codec.dequantize(codec.decode(m.full_frame(), expected_n=N))
+    assert np.array_equal(full, m.theta)
