@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from dtrain.errors import DtrainError
 from dtrain.config import ConfigError, load_config, reference_markdown, to_toml
 
 
@@ -25,10 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="one island: the plain baseline, with orbax checkpoints")
     _common(p)
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its latest checkpoint")
-    p = sub.add_parser("simulate", help="N islands with DiLoCo outer steps")
+    p = sub.add_parser("simulate", help="N islands with DiLoCo outer steps: a coordinator and N worker "
+                       "processes on loopback (or --inprocess)")
     _common(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
-    p.add_argument("--inprocess", action="store_true", help="all islands in this process")
+    p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
+    p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
+    _common(p)
+    p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
+    p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
+    p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
+    p = sub.add_parser("worker", help="run one island against a coordinator")
+    _common(p)
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--island", required=True, help="this island's name (unique; a restart reuses it)")
+    p.add_argument("--run-dir", default=None, help="events and checkpoints (default: runs/NAME/islands/ISLAND)")
+    p = sub.add_parser("status", help="ask a coordinator how the run is going")
+    _common(p)
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     p = sub.add_parser("config", help="print the resolved config as TOML with every field's comment")
     _common(p)
     p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
@@ -54,16 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.command == "train":
                 summary = runs.run_train(cfg, resume=args.resume, quiet=args.quiet)
-            else:
+            elif args.command == "simulate":
                 islands = args.islands if args.islands is not None else cfg.outer.islands
                 if islands < 1:
                     raise ConfigError(f"--islands: must be >= 1, got {islands}")
-                if not args.inprocess:
-                    print("dtrain simulate: the multi-process mode (a coordinator service and one worker process "
-                          "per island) is not part of this release yet; add --inprocess", file=sys.stderr)
-                    return 2
-                summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
-        except (DataError, CheckpointError, runs.RunError) as e:
+                if args.inprocess:
+                    summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
+                else:
+                    from dtrain.simulate import run_simulation
+
+                    summary = run_simulation(cfg, islands, quiet=args.quiet)
+            else:
+                return _service_command(args, cfg)
+        except (DataError, CheckpointError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
             return 1
     except ConfigError as e:
@@ -71,6 +89,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
+    return 0
+
+
+def _service_command(args: argparse.Namespace, cfg) -> int:
+    """coordinator / worker / status: the entry points into coordinator/ and workers/ (imported here only)."""
+    from pathlib import Path
+
+    from dtrain.runs import run_dir
+
+    if args.command == "coordinator":
+        from coordinator.server import run_coordinator
+
+        out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = run_coordinator(cfg, out, port=args.port, resume=args.resume, quiet=args.quiet)
+        print(json.dumps(summary))
+        return 0
+    if args.command == "worker":
+        from workers.island import run_worker
+
+        out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
+        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet)
+        print(json.dumps({k: summary[k] for k in ("final_eval_loss", "version", "tokens", "utilization")}))
+        return 0
+    from google.protobuf import json_format
+
+    from workers.client import CoordinatorClient
+
+    client = CoordinatorClient(args.coordinator, cfg)
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    print(json_format.MessageToJson(status, preserving_proto_field_name=True))
     return 0
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from dtrain import config, data, model, outer
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
+from dtrain.errors import DtrainError
 from dtrain.diloco import Island, Timer, advance, diloco_round, record_loss, round_lengths
 from dtrain.runlog import RunLog
 from dtrain.train import InnerLoop, fmt_rate, make_mesh
@@ -25,7 +26,7 @@ from dtrain.train import InnerLoop, fmt_rate, make_mesh
 FP32_BYTES = 4
 
 
-class RunError(RuntimeError):
+class RunError(DtrainError):
     """A run cannot start as asked (e.g. it would overwrite another run); nothing was changed."""
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64train/proto/dtrain.proto\x12\tdtrain.v1\"\xda\x01\n\x0bJoinRequest\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x10\n\x08hardware\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12I\n\x12\x66ingerprint_fields\x18\x05 \x03(\x0b\x32-.dtrain.v1.JoinRequest.FingerprintFieldsEntry\x1a\x38\n\x16\x46ingerprintFieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb5\x01\n\x0cJoinResponse\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0bshard_index\x18\x03 \x01(\r\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x04\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x11\n\ttree_size\x18\x08 \x01(\x04\x12\x13\n\x0btree_digest\x18\t \x01(\t\"\x96\x01\n\x10HeartbeatRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsteps_per_s\x18\x05 \x01(\x01\x12\x15\n\rparams_digest\x18\x06 \x01(\t\x12\x13\n\x0b\x62\x61\x64_devices\x18\x07 \x03(\t\"h\n\x11HeartbeatResponse\x12!\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x11.dtrain.v1.Action\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xe4\x01\n\nPushHeader\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07push_id\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ursor_start\x18\x06 \x01(\x04\x12\x12\n\ncursor_end\x18\x07 \x01(\x04\x12\x13\n\x0btree_digest\x18\x08 \x01(\t\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x66rame_crc32\x18\n \x01(\r\x12\x0e\n\x06\x63hunks\x18\x0b \x01(\r\"3\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"a\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.dtrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\x83\x01\n\x11PushDeltaResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.dtrain.v1.PushStatus\x12\x16\n\x0emerged_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\"T\n\x0bPullRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xbc\x01\n\nPullHeader\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.dtrain.v1.PullKind\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x13\n\x0btree_digest\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66rame_crc32\x18\x06 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x07 \x01(\r\x12\x15\n\rparams_digest\x18\x08 \x01(\t\"a\n\x0bPullMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.dtrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\xbd\x01\n\x0cIslandStatus\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x15\n\rtokens_merged\x18\x05 \x01(\x04\x12\x15\n\rpushes_merged\x18\x06 \x01(\x04\x12\x14\n\x0clease_left_s\x18\x07 \x01(\x01\x12\x13\n\x0bsteps_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bshard_index\x18\t \x01(\r\"\xcb\x01\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12(\n\x07islands\x18\x04 \x03(\x0b\x32\x17.dtrain.v1.IslandStatus\x12\x15\n\rtokens_merged\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x16\n\x0e\x64\x65ltas_dropped\x18\x08 \x01(\x04\x12\x0c\n\x04json\x18\t \x01(\t*R\n\x06\x41\x63tion\x12\x13\n\x0f\x41\x43TION_CONTINUE\x10\x00\x12\x0f\n\x0b\x41\x43TION_PULL\x10\x01\x12\x0f\n\x0b\x41\x43TION_STOP\x10\x02\x12\x11\n\rACTION_REJOIN\x10\x03*\x8e\x01\n\nPushStatus\x12\x1b\n\x17PUSH_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12PUSH_STATUS_MERGED\x10\x01\x12\x17\n\x13PUSH_STATUS_PENDING\x10\x02\x12\x19\n\x15PUSH_STATUS_DUPLICATE\x10\x03\x12\x17\n\x13PUSH_STATUS_DROPPED\x10\x04*f\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PULL_KIND_UPDATE\x10\x01\x12\x12\n\x0ePULL_KIND_FULL\x10\x02\x12\x15\n\x11PULL_KIND_CURRENT\x10\x03\x32\xd2\x02\n\x0b\x43oordinator\x12\x37\n\x04Join\x12\x16.dtrain.v1.JoinRequest\x1a\x17.dtrain.v1.JoinResponse\x12\x46\n\tHeartbeat\x12\x1b.dtrain.v1.HeartbeatRequest\x1a\x1c.dtrain.v1.HeartbeatResponse\x12\x43\n\tPushDelta\x12\x16.dtrain.v1.PushMessage\x1a\x1c.dtrain.v1.PushDeltaResponse(\x01\x12>\n\nPullGlobal\x12\x16.dtrain.v1.PullRequest\x1a\x16.dtrain.v1.PullMessage0\x01\x12=\n\x06Status\x12\x18.dtrain.v1.StatusRequest\x1a\x19.dtrain.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64train/proto/dtrain.proto\x12\tdtrain.v1\"\xda\x01\n\x0bJoinRequest\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x10\n\x08hardware\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12I\n\x12\x66ingerprint_fields\x18\x05 \x03(\x0b\x32-.dtrain.v1.JoinRequest.FingerprintFieldsEntry\x1a\x38\n\x16\x46ingerprintFieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x01\n\x0cJoinResponse\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0bshard_index\x18\x03 \x01(\r\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\x04\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x11\n\ttree_size\x18\x08 \x01(\x04\x12\x13\n\x0btree_digest\x18\t \x01(\t\x12\x16\n\x0etotal_versions\x18\n \x01(\x04\"\xaf\x01\n\x10HeartbeatRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsteps_per_s\x18\x05 \x01(\x01\x12\x15\n\rparams_digest\x18\x06 \x01(\t\x12\x13\n\x0b\x62\x61\x64_devices\x18\x07 \x03(\t\x12\x17\n\x0fpending_push_id\x18\x08 \x01(\t\"~\n\x11HeartbeatResponse\x12!\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x11.dtrain.v1.Action\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x14\n\x0cpush_unknown\x18\x05 \x01(\x08\"\xe4\x01\n\nPushHeader\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07push_id\x18\x03 \x01(\t\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ursor_start\x18\x06 \x01(\x04\x12\x12\n\ncursor_end\x18\x07 \x01(\x04\x12\x13\n\x0btree_digest\x18\x08 \x01(\t\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x66rame_crc32\x18\n \x01(\r\x12\x0e\n\x06\x63hunks\x18\x0b \x01(\r\"3\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"a\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.dtrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\x83\x01\n\x11PushDeltaResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.dtrain.v1.PushStatus\x12\x16\n\x0emerged_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\"T\n\x0bPullRequest\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xbc\x01\n\nPullHeader\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.dtrain.v1.PullKind\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x13\n\x0btree_digest\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66rame_crc32\x18\x06 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x07 \x01(\r\x12\x15\n\rparams_digest\x18\x08 \x01(\t\"a\n\x0bPullMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.dtrain.v1.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.dtrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\xbd\x01\n\x0cIslandStatus\x12\x11\n\tisland_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x15\n\rtokens_merged\x18\x05 \x01(\x04\x12\x15\n\rpushes_merged\x18\x06 \x01(\x04\x12\x14\n\x0clease_left_s\x18\x07 \x01(\x01\x12\x13\n\x0bsteps_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bshard_index\x18\t \x01(\r\"\xcb\x01\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12(\n\x07islands\x18\x04 \x03(\x0b\x32\x17.dtrain.v1.IslandStatus\x12\x15\n\rtokens_merged\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x16\n\x0e\x64\x65ltas_dropped\x18\x08 \x01(\x04\x12\x0c\n\x04json\x18\t \x01(\t*R\n\x06\x41\x63tion\x12\x13\n\x0f\x41\x43TION_CONTINUE\x10\x00\x12\x0f\n\x0b\x41\x43TION_PULL\x10\x01\x12\x0f\n\x0b\x41\x43TION_STOP\x10\x02\x12\x11\n\rACTION_REJOIN\x10\x03*\x8e\x01\n\nPushStatus\x12\x1b\n\x17PUSH_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12PUSH_STATUS_MERGED\x10\x01\x12\x17\n\x13PUSH_STATUS_PENDING\x10\x02\x12\x19\n\x15PUSH_STATUS_DUPLICATE\x10\x03\x12\x17\n\x13PUSH_STATUS_DROPPED\x10\x04*f\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PULL_KIND_UPDATE\x10\x01\x12\x12\n\x0ePULL_KIND_FULL\x10\x02\x12\x15\n\x11PULL_KIND_CURRENT\x10\x03\x32\xd2\x02\n\x0b\x43oordinator\x12\x37\n\x04Join\x12\x16.dtrain.v1.JoinRequest\x1a\x17.dtrain.v1.JoinResponse\x12\x46\n\tHeartbeat\x12\x1b.dtrain.v1.HeartbeatRequest\x1a\x1c.dtrain.v1.HeartbeatResponse\x12\x43\n\tPushDelta\x12\x16.dtrain.v1.PushMessage\x1a\x1c.dtrain.v1.PushDeltaResponse(\x01\x12>\n\nPullGlobal\x12\x16.dtrain.v1.PullRequest\x1a\x16.dtrain.v1.PullMessage0\x01\x12=\n\x06Status\x12\x18.dtrain.v1.StatusRequest\x1a\x19.dtrain.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST_FINGERPRINTFIELDSENTRY']._loaded_options = None
   _globals['_JOINREQUEST_FINGERPRINTFIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_ACTION']._serialized_start=2012
-  _globals['_ACTION']._serialized_end=2094
-  _globals['_PUSHSTATUS']._serialized_start=2097
-  _globals['_PUSHSTATUS']._serialized_end=2239
-  _globals['_PULLKIND']._serialized_start=2241
-  _globals['_PULLKIND']._serialized_end=2343
+  _globals['_ACTION']._serialized_start=2083
+  _globals['_ACTION']._serialized_end=2165
+  _globals['_PUSHSTATUS']._serialized_start=2168
+  _globals['_PUSHSTATUS']._serialized_end=2310
+  _globals['_PULLKIND']._serialized_start=2312
+  _globals['_PULLKIND']._serialized_end=2414
   _globals['_JOINREQUEST']._serialized_start=41
   _globals['_JOINREQUEST']._serialized_end=259
   _globals['_JOINREQUEST_FINGERPRINTFIELDSENTRY']._serialized_start=203
   _globals['_JOINREQUEST_FINGERPRINTFIELDSENTRY']._serialized_end=259
   _globals['_JOINRESPONSE']._serialized_start=262
-  _globals['_JOINRESPONSE']._serialized_end=443
-  _globals['_HEARTBEATREQUEST']._serialized_start=446
-  _globals['_HEARTBEATREQUEST']._serialized_end=596
-  _globals['_HEARTBEATRESPONSE']._serialized_start=598
-  _globals['_HEARTBEATRESPONSE']._serialized_end=702
-  _globals['_PUSHHEADER']._serialized_start=705
-  _globals['_PUSHHEADER']._serialized_end=933
-  _globals['_CHUNK']._serialized_start=935
-  _globals['_CHUNK']._serialized_end=986
-  _globals['_PUSHMESSAGE']._serialized_start=988
-  _globals['_PUSHMESSAGE']._serialized_end=1085
-  _globals['_PUSHDELTARESPONSE']._serialized_start=1088
-  _globals['_PUSHDELTARESPONSE']._serialized_end=1219
-  _globals['_PULLREQUEST']._serialized_start=1221
-  _globals['_PULLREQUEST']._serialized_end=1305
-  _globals['_PULLHEADER']._serialized_start=1308
-  _globals['_PULLHEADER']._serialized_end=1496
-  _globals['_PULLMESSAGE']._serialized_start=1498
-  _globals['_PULLMESSAGE']._serialized_end=1595
-  _globals['_STATUSREQUEST']._serialized_start=1597
-  _globals['_STATUSREQUEST']._serialized_end=1612
-  _globals['_ISLANDSTATUS']._serialized_start=1615
-  _globals['_ISLANDSTATUS']._serialized_end=1804
-  _globals['_STATUSRESPONSE']._serialized_start=1807
-  _globals['_STATUSRESPONSE']._serialized_end=2010
-  _globals['_COORDINATOR']._serialized_start=2346
-  _globals['_COORDINATOR']._serialized_end=2684
+  _globals['_JOINRESPONSE']._serialized_end=467
+  _globals['_HEARTBEATREQUEST']._serialized_start=470
+  _globals['_HEARTBEATREQUEST']._serialized_end=645
+  _globals['_HEARTBEATRESPONSE']._serialized_start=647
+  _globals['_HEARTBEATRESPONSE']._serialized_end=773
+  _globals['_PUSHHEADER']._serialized_start=776
+  _globals['_PUSHHEADER']._serialized_end=1004
+  _globals['_CHUNK']._serialized_start=1006
+  _globals['_CHUNK']._serialized_end=1057
+  _globals['_PUSHMESSAGE']._serialized_start=1059
+  _globals['_PUSHMESSAGE']._serialized_end=1156
+  _globals['_PUSHDELTARESPONSE']._serialized_start=1159
+  _globals['_PUSHDELTARESPONSE']._serialized_end=1290
+  _globals['_PULLREQUEST']._serialized_start=1292
+  _globals['_PULLREQUEST']._serialized_end=1376
+  _globals['_PULLHEADER']._serialized_start=1379
+  _globals['_PULLHEADER']._serialized_end=1567
+  _globals['_PULLMESSAGE']._serialized_start=1569
+  _globals['_PULLMESSAGE']._serialized_end=1666
+  _globals['_STATUSREQUEST']._serialized_start=1668
+  _globals['_STATUSREQUEST']._serialized_end=1683
+  _globals['_ISLANDSTATUS']._serialized_start=1686
+  _globals['_ISLANDSTATUS']._serialized_end=1875
+  _globals['_STATUSRESPONSE']._serialized_start=1878
+  _globals['_STATUSRESPONSE']._serialized_end=2081
+  _globals['_COORDINATOR']._serialized_start=2417
+  _globals['_COORDINATOR']._serialized_end=2755
 # @@protoc_insertion_point(module_scope)

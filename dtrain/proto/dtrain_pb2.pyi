@@ -64,7 +64,7 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest")
+    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class JoinResponse(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     shard_index: int
@@ -83,10 +84,11 @@ class JoinResponse(_message.Message):
     run_id: str
     tree_size: int
     tree_digest: str
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ...) -> None: ...
+    total_versions: int
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices")
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class HeartbeatRequest(_message.Message):
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BAD_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     steps: int
@@ -101,19 +104,22 @@ class HeartbeatRequest(_message.Message):
     steps_per_s: float
     params_digest: str
     bad_devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    pending_push_id: str
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("action", "version", "lease_s", "reason")
+    __slots__ = ("action", "version", "lease_s", "reason", "push_unknown")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PUSH_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     action: Action
     version: int
     lease_s: float
     reason: str
-    def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    push_unknown: bool
+    def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ..., push_unknown: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks")

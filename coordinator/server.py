@@ -1,0 +1,383 @@
+"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions) and ``merger`` (math).
+
+One lock serializes every state change and every touch of the accumulator;
+receiving, spooling and validating a pushed frame happen outside it, so many
+islands can stream at once. A background thread expires leases and closes
+rounds whose grace deadline has passed. After each merge the whole
+coordinator (θ, outer momentum, down residual, membership, cursors, applied
+push ids) is checkpointed with orbax, atomically.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+
+from coordinator.merger import Merger, MergeOptions
+from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
+from dtrain import codec
+from dtrain.checkpoint import Checkpointer
+from dtrain.config import Config
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.runlog import RunLog
+from dtrain.wire import (CODEC_BITS, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
+                         max_frame_bytes, read_token, server_credentials, to_chunks)
+
+TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
+MAX_PULL_WAIT_S = 30.0
+_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
+_ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
+            "rejoin": pb.ACTION_REJOIN}
+_CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+          "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
+
+
+def state_options(cfg: Config) -> StateOptions:
+    c = cfg.coordinator
+    rounds = cfg.rounds
+    return StateOptions(mode=c.mode, islands=cfg.outer.islands, min_quorum=c.min_quorum, grace_s=c.grace_s,
+                        lease_s=c.lease_s, late_policy=c.late_policy, max_staleness=c.max_staleness,
+                        staleness_alpha=cfg.outer.staleness_alpha,
+                        total_versions=rounds if c.mode == "sync" else rounds * cfg.outer.islands)
+
+
+def merge_options(cfg: Config) -> MergeOptions:
+    o, k = cfg.outer, cfg.codec
+    lr = o.lr if cfg.coordinator.mode == "sync" else o.lr / cfg.outer.islands
+    return MergeOptions(lr=lr, momentum=o.momentum, nesterov=o.nesterov, up_bits=CODEC_BITS[k.up],
+                        down_bits=CODEC_BITS[k.down], block=k.block, zstd_level=k.zstd_level,
+                        error_feedback=k.error_feedback, keep_updates=cfg.coordinator.keep_updates)
+
+
+def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
+    """Names every field that differs, e.g. ``model.d_model: coordinator 64, island 32``; '' if equal."""
+    diffs = []
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}")
+    return "; ".join(diffs)
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec,
+                 clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False):
+        self.cfg = cfg
+        self.clock = clock
+        self.run_dir = Path(run_dir)
+        self.log = RunLog(self.run_dir, quiet=quiet)
+        self.spec = spec
+        self.tree_digest = codec.spec_digest(spec)
+        self.fingerprint_fields = cfg.fingerprint_fields()
+        self.lock = threading.Condition(threading.RLock())
+        self.opts = state_options(cfg)
+        self.ckpt = Checkpointer(self.run_dir / "coordinator", keep=2) if cfg.coordinator.checkpoint else None
+        now = clock()
+        momentum = residual = None
+        version = 0
+        if resume:
+            if self.ckpt is None or self.ckpt.latest_step() is None:
+                raise FileNotFoundError(f"--resume: no coordinator checkpoint in {self.run_dir / 'coordinator'}")
+            abstract = {"theta": theta, "momentum": theta, "residual": theta}
+            version, arrays, meta = self.ckpt.restore(abstract)
+            theta, momentum, residual = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum", "residual"))
+            self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
+            self.run_id = self.state.run_id
+            self.log.event("coordinator_resumed", version=version)
+        else:
+            self.run_id = uuid.uuid4().hex[:12]
+            self.state = CoordinatorState(self.opts, self.run_id, now)
+        self.merger = Merger(theta, merge_options(cfg), version=version, momentum=momentum, residual=residual,
+                             spool_dir=self.run_dir / "spool")
+        self.max_frame = max_frame_bytes(self.merger.n, cfg.codec.block)
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.merge_s = 0.0
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
+        self._ticker.start()
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.log.event("request_rejected", code=code.name, reason=message)
+        context.abort(code, message)
+
+    def _island(self, context: grpc.ServicerContext, island_id: str) -> None:
+        if island_id not in self.state.islands:
+            self._abort(context, grpc.StatusCode.NOT_FOUND, f"unknown island_id {island_id!r}: call Join first")
+
+    def _maybe_merge_locked(self, now: float) -> None:
+        ready, reason = self.state.round_ready(now)
+        if not ready:
+            return
+        t0 = time.perf_counter()
+        if self.ckpt is not None:
+            self.ckpt.wait()  # the previous async save may still read θ, which the outer step mutates
+        pending = self.state.pending()
+        update = self.merger.outer_step()
+        version, merged, close_reason = self.state.close_round(now)
+        assert version == update.version, (version, update.version)
+        if self.ckpt is not None:
+            arrays = {"theta": self.merger.theta.copy(), "momentum": self.merger.momentum.copy(),
+                      "residual": (self.merger.residual if self.merger.residual is not None
+                                   else np.zeros_like(self.merger.theta)).copy()}
+            self.ckpt.save(version, arrays, {"state": self.state.to_json(), "version": version})
+        self.merge_s += time.perf_counter() - t0
+        self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
+                       pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
+                                "weight": a.weight, "staleness": a.staleness} for i, a in pending],
+                       update_bytes=len(update.frame), params_digest=update.params_digest)
+        self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
+        self.lock.notify_all()  # wakes long-polling pulls
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            with self.lock:
+                now = self.clock()
+                for island_id, reason in self.state.expire(now):
+                    self.log.event("island_lost", island=island_id, reason=reason)
+                    self.log.progress(f"lost {island_id}: {reason}")
+                self._maybe_merge_locked(now)
+
+    # -- RPCs ---------------------------------------------------------------------------------------
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
+        if diff:
+            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
+        with self.lock:
+            try:
+                record, reason = self.state.join(request.island, request.hardware, request.devices, self.clock())
+            except StateError as e:
+                self._abort(context, _CODES[e.code], str(e))
+            cursor = self.state.shard_cursor(record.shard_index)
+            version = self.state.version
+        self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
+                       cursor=cursor, hardware=record.hardware, devices=record.devices, reason=reason)
+        self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
+        return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
+                               shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.lease_s,
+                               run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
+                               total_versions=self.opts.total_versions)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        with self.lock:
+            try:
+                action, reason = self.state.heartbeat(
+                    request.island_id, request.version, request.steps, request.tokens, request.steps_per_s,
+                    request.params_digest, tuple(request.bad_devices), self.clock())
+            except StateError as e:
+                self._abort(context, _CODES[e.code], str(e))
+            version = self.state.version
+            if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
+                self.log.event("digest_mismatch", island=request.island_id, version=version)
+            unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
+        return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.lease_s,
+                                    reason=reason, push_unknown=unknown)
+
+    def _push_info(self, h: pb.PushHeader, context: grpc.ServicerContext) -> PushInfo:
+        if h.tree_digest != self.tree_digest:
+            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
+                        f"{self.tree_digest!r}: the model's parameter tree differs")
+        return PushInfo(push_id=h.push_id, island_id=h.island_id, base_version=h.base_version, tokens=h.tokens,
+                        inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
+
+    def _admit(self, info: PushInfo, context: grpc.ServicerContext) -> Admission:
+        try:
+            return self.state.admit_push(info, self.clock())
+        except StateError as e:
+            self._abort(context, _CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+
+    def PushDelta(self, request_iterator: Iterator[pb.PushMessage],
+                  context: grpc.ServicerContext) -> pb.PushDeltaResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
+        h = first.header
+        info = self._push_info(h, context)
+        with self.lock:
+            self._island(context, info.island_id)
+            admission = self._admit(info, context)
+        if admission.status == "duplicate":
+            with self.lock:
+                self.state.commit_push(info, self._admit(info, context), self.clock())  # counts the retry
+            self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
+            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
+                                        version=self.state.version, reason=admission.reason)
+        try:
+            receiver = FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame,
+                                     self.cfg.codec.chunk_bytes)
+        except WireError as e:
+            self._abort(context, e.code, str(e))
+        with self.merger.spool() as spool:
+            try:
+                for msg in request_iterator:
+                    if msg.WhichOneof("kind") != "chunk":
+                        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+                    spool.write(receiver.add(msg.chunk))
+                receiver.finish()
+                self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
+            except WireError as e:
+                self._abort(context, e.code, f"push {info.push_id}: {e}")
+            except codec.CodecError as e:
+                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}")
+            with self.lock:
+                admission = self._admit(info, context)  # again: the round may have closed meanwhile
+                if admission.status == "accept":
+                    self.merger.accumulate(spool, admission.weight)
+                self.state.commit_push(info, admission, self.clock())
+                self.bytes_in += receiver.size
+                status = _STATUS[admission.status]
+                self._maybe_merge_locked(self.clock())
+                version = self.state.version
+                if status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
+                    status = pb.PUSH_STATUS_MERGED
+        self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
+                       base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
+                       staleness=admission.staleness, bytes=receiver.size, reason=admission.reason)
+        return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
+                                    reason=admission.reason, weight=admission.weight)
+
+    def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage]:
+        if not 0 <= request.wait_s <= 3600:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+        with self.lock:
+            self._island(context, request.island_id)
+            if request.have_version > self.state.version:
+                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"have_version={request.have_version} is ahead of the coordinator's "
+                            f"version {self.state.version}")
+            if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
+                self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
+                                   or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+            version = self.state.version
+            chain = None if request.full or request.have_version == 0 else \
+                self.merger.updates_since(request.have_version)
+            if chain is None:
+                frames = [(pb.PULL_KIND_FULL, 0, version, self.merger.full_frame(), self.merger.digest)]
+            else:
+                frames = [(pb.PULL_KIND_UPDATE, u.base_version, u.version, u.frame, u.params_digest) for u in chain]
+        if not frames:
+            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                      base_version=version, tree_digest=self.tree_digest))
+            return
+        for kind, base, v, frame, digest in frames:
+            chunks = to_chunks(frame, self.cfg.codec.chunk_bytes)
+            yield pb.PullMessage(header=pb.PullHeader(
+                kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=len(frame),
+                frame_crc32=_crc(frame), chunks=len(chunks), params_digest=digest))
+            for chunk in chunks:
+                yield pb.PullMessage(chunk=chunk)
+            with self.lock:
+                self.bytes_out += len(frame)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        import json
+
+        with self.lock:
+            now = self.clock()
+            st = self.state.status(now)
+            islands = [pb.IslandStatus(island_id=r.island_id, name=r.name, state=r.state, version=r.version,
+                                       tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
+                                       lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
+                                       shard_index=r.shard_index) for r in self.state.islands.values()]
+            extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest}
+            return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.mode,
+                                     islands=islands, tokens_merged=self.state.tokens_merged,
+                                     bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                                     deltas_dropped=self.state.deltas_dropped, json=json.dumps(extra, default=str))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ticker.join(timeout=5)
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.log.close()
+
+
+def _crc(data: bytes) -> int:
+    import zlib
+
+    return zlib.crc32(data)
+
+
+def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec, port: int | None = None,
+          resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
+          ) -> tuple[grpc.Server, CoordinatorService, int]:
+    """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
+    c = cfg.coordinator
+    service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
+    token = read_token(cfg.security)
+    interceptors: list[Any] = [TokenAuthInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
+                         interceptors=interceptors, options=channel_options(c.max_message_bytes),
+                         maximum_concurrent_rpcs=c.workers * 4)
+    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    address = f"{c.host}:{c.port if port is None else port}"
+    creds = server_credentials(cfg.security)
+    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if bound == 0:
+        service.close()
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
+                      auth=token is not None, mode=c.mode, params=int(theta.size), run_id=service.run_id)
+    service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
+                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {theta.size:,} params)")
+    return server, service, bound
+
+
+def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
+    """θ_0 from the run's seed, flattened: every island builds the same tree and checks its digest."""
+    import jax
+
+    from dtrain import model
+
+    params = jax.device_get(model.build(cfg.model).init(cfg.run.seed))
+    spec, vec = codec.flatten(params)
+    return np.array(vec, dtype=np.float32), spec
+
+
+def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, resume: bool = False,
+                    quiet: bool = False, linger_s: float = 10.0) -> dict[str, Any]:
+    """``dtrain coordinator``: serves until the run's last version is merged and the islands have it
+    (or SIGTERM / Ctrl-C); writes RUN_DIR/coordinator.json with the bound address as soon as it listens."""
+    import json
+    import signal
+
+    theta, spec = initial_parameters(cfg)
+    server, service, bound = serve(cfg, run_dir, theta, spec, port=port, resume=resume, quiet=quiet)
+    info = Path(run_dir) / "coordinator.json"
+    tmp = info.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))
+    tmp.replace(info)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stopped_at: float | None = None
+    while not stop.wait(0.2):
+        with service.lock:
+            if service.state.stopped() and stopped_at is None:
+                stopped_at = time.time()
+            everyone_done = all(r.version >= service.state.version or r.state != "live"
+                                for r in service.state.islands.values())
+        if stopped_at is not None and (everyone_done or time.time() - stopped_at > linger_s):
+            break
+    server.stop(grace=2.0).wait()
+    with service.lock:
+        summary = {"version": service.state.version, "tokens_merged": service.state.tokens_merged,
+                   "bytes_in": service.bytes_in, "bytes_out": service.bytes_out, "merge_s": service.merge_s,
+                   "deltas_dropped": service.state.deltas_dropped, "params_digest": service.merger.digest}
+    service.log.event("coordinator_stopped", **summary)
+    service.close()
+    return summary

@@ -1,0 +1,5 @@
+"""The one base class for errors a user can act on: the CLI prints them as one line and exits 1."""
+
+
+class DtrainError(RuntimeError):
+    """A run cannot go on as asked; the message says why and what to do."""

@@ -1,0 +1,135 @@
+"""``dtrain simulate`` in its default mode: one coordinator and N worker processes on loopback.
+
+The driver only starts processes (``python -m dtrain.cli coordinator|worker``),
+waits, and aggregates what they wrote; it imports neither ``coordinator`` nor
+``workers`` (they meet only through the protocol). Each worker writes
+``RUN_DIR/islands/NAME/{events.jsonl,summary.json,worker.log}``; the coordinator
+writes ``RUN_DIR/events.jsonl`` and its checkpoints under ``RUN_DIR/coordinator``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain import config as config_mod
+from dtrain.config import Config
+from dtrain.errors import DtrainError
+from dtrain.runlog import RunLog
+
+START_TIMEOUT_S = 120.0
+
+
+class SimulationError(DtrainError):
+    pass
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dtrain.cli", *args]
+
+
+def _config_args(config_path: Path) -> list[str]:
+    return ["--config", str(config_path)]
+
+
+def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs a coordinator and ``islands`` worker processes; returns (and writes) the summary."""
+    from dtrain.runs import new_run, run_dir
+
+    if islands != cfg.outer.islands:
+        cfg = config_mod.replace(cfg, outer={"islands": islands})
+    cfg = new_run(cfg)
+    out = run_dir(cfg).resolve()
+    out.mkdir(parents=True)
+    resolved = out / "config.toml"
+    resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
+    log = RunLog(out / "driver", quiet=quiet)
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    procs: list[tuple[str, subprocess.Popen]] = []
+    coord_log = open(out / "coordinator.log", "w")
+    coordinator = subprocess.Popen(_cli("coordinator", *_config_args(resolved), "--port", "0", "--run-dir", str(out)),
+                                   stdout=coord_log, stderr=subprocess.STDOUT, env=env)
+    try:
+        info_path = out / "coordinator.json"
+        while not info_path.exists():
+            if coordinator.poll() is not None:
+                raise SimulationError(f"the coordinator exited with status {coordinator.returncode}; "
+                                      f"see {out / 'coordinator.log'}")
+            if time.perf_counter() - t0 > START_TIMEOUT_S:
+                raise SimulationError(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
+        info = json.loads(info_path.read_text())
+        address = f"{cfg.coordinator.host}:{info['port']}"
+        log.progress(f"coordinator at {address}; starting {islands} workers")
+        for i in range(islands):
+            name = f"island-{i}"
+            wdir = out / "islands" / name
+            wdir.mkdir(parents=True)
+            wlog = open(wdir / "worker.log", "w")
+            p = subprocess.Popen(_cli("worker", *_config_args(resolved), "--coordinator", address, "--island", name,
+                                      "--run-dir", str(wdir)), stdout=wlog, stderr=subprocess.STDOUT, env=env)
+            procs.append((name, p))
+        deadline = time.perf_counter() + timeout_s
+        last_report = 0.0
+        while any(p.poll() is None for _, p in procs):
+            if time.perf_counter() > deadline:
+                raise SimulationError(f"workers still running after {timeout_s:.0f}s")
+            if coordinator.poll() is not None:
+                raise SimulationError(f"the coordinator exited early with status {coordinator.returncode}")
+            if time.perf_counter() - last_report > 10:
+                last_report = time.perf_counter()
+                log.progress(f"{sum(p.poll() is None for _, p in procs)} workers running; "
+                             f"{_merged_versions(out)} versions merged")
+            time.sleep(0.2)
+        failed = [(n, p.returncode) for n, p in procs if p.returncode != 0]
+        if failed:
+            raise SimulationError("workers failed: " + ", ".join(f"{n} (status {rc}, see islands/{n}/worker.log)"
+                                                                 for n, rc in failed))
+        coordinator.terminate()
+        coordinator.wait(timeout=60)
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+        if coordinator.poll() is None:
+            coordinator.kill()
+        coord_log.close()
+    wall = time.perf_counter() - t0
+    per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n, _ in procs]
+    evals = {round(s["final_eval_loss"], 6) for s in per_island}
+    digests = {s["params_digest"] for s in per_island}
+    summary = {
+        "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
+        "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
+        "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
+        "wall_s": wall, "islands": per_island, "run_dir": str(out),
+        "utilization": min(s["utilization"] for s in per_island),
+        "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
+        "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
+    }
+    if len(digests) != 1 or len(evals) != 1:
+        raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
+    log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
+    log.write_summary(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
+                 f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB on the "
+                 f"wire, compression {summary['compression_ratio']:.1f}x, utilization {summary['utilization']:.3f}, "
+                 f"{wall:.1f}s -> {out / 'summary.json'}")
+    log.close()
+    return summary
+
+
+def _merged_versions(out: Path) -> int:
+    try:
+        with open(out / "events.jsonl") as f:
+            return sum(1 for line in f if '"round_merged"' in line)
+    except OSError:
+        return 0

@@ -1,0 +1,349 @@
+"""A real coordinator on 127.0.0.1:0, real gRPC clients: join, push, pull, merge, resume, and the bad cases."""
+
+from __future__ import annotations
+
+import subprocess
+import zlib
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator.server import initial_parameters, serve
+from dtrain import codec
+from dtrain.config import load_config, replace
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.wire import auth_metadata, params_digest, to_chunks
+from workers.client import CoordinatorClient, CoordinatorError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def net_cfg(tmp_path, monkeypatch):
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "coordinator.lease_s=30",
+        "outer.islands=2", "train.steps=40", "outer.inner_steps=10", "worker.heartbeat_s=0.5",
+        "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=5"])
+    return cfg
+
+
+class Running:
+    def __init__(self, cfg, run_dir: Path, resume: bool = False):
+        self.theta, self.spec = initial_parameters(cfg)
+        self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,
+                                                     quiet=True)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.stop(grace=None).wait()
+        self.service.close()
+
+
+@pytest.fixture
+def coordinator(net_cfg, tmp_path):
+    running = Running(net_cfg, tmp_path / "coord")
+    yield running
+    running.stop()
+
+
+def _join(client: CoordinatorClient, name: str) -> pb.JoinResponse:
+    return client.join(name, "cpu", 1)
+
+
+def _delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, bytes]:
+    delta = np.random.default_rng(seed).normal(size=n).astype(np.float32) * 1e-3
+    return delta, codec.encode(codec.quantize(delta, bits, block))
+
+
+def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640) -> pb.PushHeader:
+    return pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=tokens,
+                         inner_steps=10, cursor_start=0, cursor_end=80, tree_digest=join.tree_digest)
+
+
+def _snapshot(service) -> dict:
+    with service.lock:
+        return {"state": service.state.to_json(), "acc": service.merger.acc.copy(),
+                "w": service.merger.total_weight, "version": service.merger.version}
+
+
+def _assert_unchanged(before: dict, service) -> None:
+    after = _snapshot(service)
+    assert after["state"] == before["state"]
+    assert after["version"] == before["version"] and after["w"] == before["w"]
+    assert np.array_equal(after["acc"], before["acc"])
+
+
+def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg):
+    clients = [CoordinatorClient(coordinator.address, net_cfg) for _ in range(2)]
+    joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+    assert sorted(j.shard_index for j in joins) == [0, 1]
+    n = joins[0].tree_size
+    # Both islands start from a full pull of θ_0.
+    full = clients[0].pull(joins[0].island_id, 0)
+    theta0 = codec.dequantize(codec.decode(full[0].frame, expected_n=n))
+    assert full[0].header.kind == pb.PULL_KIND_FULL and np.array_equal(theta0, coordinator.theta)
+    r0 = clients[0].push(_header(joins[0], "p0"), _delta_frame(n, 0)[1])
+    assert r0.status == pb.PUSH_STATUS_PENDING and r0.version == 0  # waits for the other live island
+    r1 = clients[1].push(_header(joins[1], "p1"), _delta_frame(n, 1)[1])
+    assert r1.status == pb.PUSH_STATUS_MERGED and r1.version == 1
+    frames = clients[0].pull(joins[0].island_id, 0)  # have 0 means "no θ": a full, lossless pull
+    assert frames[0].header.kind == pb.PULL_KIND_FULL and frames[0].header.version == 1
+    assert clients[1].pull(joins[1].island_id, 1) == []  # already current
+    # An island holding θ_0 applies the compressed update and lands bit-identical with the coordinator.
+    upd = coordinator.service.merger.updates_since(0)
+    assert len(upd) == 1 and len(upd[0].frame) < len(frames[0].frame) / 3
+    island_theta = theta0 + codec.dequantize(codec.decode(upd[0].frame, expected_n=n))
+    assert params_digest(island_theta) == coordinator.service.merger.digest == upd[0].params_digest
+    st = clients[0].status()
+    assert st.version == 1 and st.tokens_merged == 2 * 640 and len(st.islands) == 2
+    for c in clients:
+        c.close()
+
+
+def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg):
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    c0.push(_header(j0, "a1"), _delta_frame(n, 2)[1])
+    c1.push(_header(j1, "b1"), _delta_frame(n, 3)[1])
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coordinator.address))
+    msgs = list(stub.PullGlobal(pb.PullRequest(island_id=j0.island_id, have_version=1, wait_s=0.2), timeout=10))
+    assert len(msgs) == 1 and msgs[0].header.kind == pb.PULL_KIND_CURRENT and msgs[0].header.version == 1
+    with pytest.raises(grpc.RpcError) as e:  # a version from the future is a bad request
+        list(stub.PullGlobal(pb.PullRequest(island_id=j0.island_id, have_version=5), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ahead" in e.value.details()
+    for c in (c0, c1):
+        c.close()
+
+
+def test_retried_push_is_applied_exactly_once(coordinator, net_cfg):
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    frame = _delta_frame(n, 4)[1]
+    assert c0.push(_header(j0, "same-id"), frame).status == pb.PUSH_STATUS_PENDING
+    again = c0.push(_header(j0, "same-id"), frame)
+    assert again.status == pb.PUSH_STATUS_DUPLICATE
+    c1.push(_header(j1, "other"), _delta_frame(n, 5)[1])
+    after_merge = c0.push(_header(j0, "same-id"), frame)
+    assert after_merge.status == pb.PUSH_STATUS_DUPLICATE
+    st = c0.status()
+    assert st.version == 1 and st.tokens_merged == 2 * 640
+    for c in (c0, c1):
+        c.close()
+
+
+def test_mismatched_fingerprint_is_refused_naming_the_field(coordinator, net_cfg):
+    other = replace(net_cfg, model={"d_model": 64})
+    client = CoordinatorClient(coordinator.address, other)
+    before = _snapshot(coordinator.service)
+    with pytest.raises(CoordinatorError) as e:
+        client.join("x", "cpu", 1)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "model.d_model: coordinator 32, island 64" in str(e.value)
+    _assert_unchanged(before, coordinator.service)
+    client.close()
+
+
+def _raw_push(address: str, messages: list[pb.PushMessage], token: str | None = None):
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+    return stub.PushDelta(iter(messages), timeout=10, metadata=auth_metadata(token))
+
+
+def _frame_messages(join, frame: bytes, push_id: str, chunk: int = 4096, **overrides) -> list[pb.PushMessage]:
+    chunks = to_chunks(frame, chunk)
+    h = _header(join, push_id)
+    h.total_bytes, h.frame_crc32, h.chunks = len(frame), zlib.crc32(frame), len(chunks)
+    for k, v in overrides.items():
+        setattr(h, k, v)
+    return [pb.PushMessage(header=h)] + [pb.PushMessage(chunk=c) for c in chunks]
+
+
+@pytest.mark.parametrize("case,code,match", [
+    ("truncated", grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+    ("garbled", grpc.StatusCode.INVALID_ARGUMENT, "CRC32 mismatch"),
+    ("oversized_chunk", grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
+    ("oversized_total", grpc.StatusCode.RESOURCE_EXHAUSTED, "total_bytes"),
+    ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "must start with a PushHeader"),
+    ("bad_frame", grpc.StatusCode.INVALID_ARGUMENT, "bad frame"),
+    ("future_version", grpc.StatusCode.INVALID_ARGUMENT, "base_version"),
+    ("wrong_tree", grpc.StatusCode.FAILED_PRECONDITION, "tree_digest"),
+])
+def test_bad_pushes_are_rejected_and_change_nothing(coordinator, net_cfg, case, code, match):
+    client = CoordinatorClient(coordinator.address, net_cfg)
+    join = _join(client, "a")
+    n = join.tree_size
+    frame = _delta_frame(n, 6)[1]
+    msgs = _frame_messages(join, frame, f"bad-{case}")
+    if case == "truncated":
+        msgs = msgs[:-1]
+    elif case == "garbled":
+        data = bytearray(msgs[2].chunk.data)
+        data[10] ^= 0xFF
+        msgs[2].chunk.data = bytes(data)
+    elif case == "oversized_chunk":
+        big = frame[:8192]
+        msgs = [msgs[0], pb.PushMessage(chunk=pb.Chunk(index=0, data=big, crc32=zlib.crc32(big)))]
+    elif case == "oversized_total":
+        msgs[0].header.total_bytes = 10 ** 12
+    elif case == "no_header":
+        msgs = msgs[1:]
+    elif case == "bad_frame":  # well-formed chunks around a frame that is not a valid codec frame
+        junk = b"\x00" * len(frame)
+        msgs = _frame_messages(join, junk, "bad-frame")
+    elif case == "future_version":
+        msgs[0].header.base_version = 7
+    elif case == "wrong_tree":
+        msgs[0].header.tree_digest = "0" * 16
+    before = _snapshot(coordinator.service)
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_push(coordinator.address, msgs)
+    assert e.value.code() == code, e.value.details()
+    assert match in e.value.details()
+    _assert_unchanged(before, coordinator.service)
+    # The same island can still push a good delta afterwards (it is the only live island: it merges at once).
+    good = client.push(_header(join, "good"), frame)
+    assert good.status == pb.PUSH_STATUS_MERGED and good.version == 1
+    client.close()
+
+
+def test_wrong_or_missing_token_is_unauthenticated(net_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_TOKEN", "s3cret-token")
+    running = Running(net_cfg, tmp_path / "auth")
+    try:
+        ok = CoordinatorClient(running.address, net_cfg)
+        assert ok.join("a", "cpu", 1).island_id
+        before = _snapshot(running.service)
+        for token in ("wrong-token", None):
+            stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Join(pb.JoinRequest(island="b", hardware="cpu", devices=1), timeout=5,
+                          metadata=auth_metadata(token))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.PullGlobal(pb.PullRequest(island_id="a-0", have_version=0), timeout=5,
+                                     metadata=auth_metadata(token)))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        _assert_unchanged(before, running.service)
+        ok.close()
+    finally:
+        running.stop()
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("certs")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=dtrain-test-ca", cwd=d)
+    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"), ("client", "")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)
+        extfile = d / f"{name}.ext"
+        extfile.write_text((ext or "basicConstraints=CA:FALSE") + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", str(extfile), cwd=d)
+    # A second, untrusted CA and client: mutual TLS must refuse it.
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "rogue.key", "-out", "rogue.pem",
+             "-days", "2", "-subj", "/CN=rogue", cwd=d)
+    return d
+
+
+def _tls(cfg, d: Path, client_auth: bool, client: str | None):
+    sec = {"ca": str(d / "ca.pem"), "server_cert": str(d / "server.pem"), "server_key": str(d / "server.key"),
+           "client_auth": client_auth, "server_name": "localhost"}
+    if client == "client":
+        sec.update(client_cert=str(d / "client.pem"), client_key=str(d / "client.key"))
+    elif client == "rogue":
+        sec.update(client_cert=str(d / "rogue.pem"), client_key=str(d / "rogue.key"))
+    return replace(cfg, security=sec)
+
+
+def test_tls_and_mutual_tls(net_cfg, tmp_path, certs):
+    # TLS: a worker that trusts the CA gets in; one speaking plaintext does not.
+    server_cfg = _tls(net_cfg, certs, client_auth=False, client=None)
+    running = Running(server_cfg, tmp_path / "tls")
+    try:
+        client = CoordinatorClient(running.address, server_cfg)
+        assert client.join("a", "cpu", 1).island_id
+        client.close()
+        plain = CoordinatorClient(running.address, replace(net_cfg, worker={"retry_total_s": 0.5}))
+        with pytest.raises(CoordinatorError):
+            plain.join("b", "cpu", 1)
+        plain.close()
+    finally:
+        running.stop()
+    # Mutual TLS: a client certificate signed by the CA is required.
+    mtls_cfg = _tls(net_cfg, certs, client_auth=True, client=None)
+    running = Running(mtls_cfg, tmp_path / "mtls")
+    try:
+        good = CoordinatorClient(running.address, _tls(net_cfg, certs, client_auth=True, client="client"))
+        assert good.join("a", "cpu", 1).island_id
+        good.close()
+        for who in (None, "rogue"):
+            cfg = replace(_tls(net_cfg, certs, client_auth=True, client=who), worker={"retry_total_s": 0.5})
+            bad = CoordinatorClient(running.address, cfg)
+            with pytest.raises(CoordinatorError):
+                bad.join("b", "cpu", 1)
+            bad.close()
+        assert set(running.service.state.islands) == {next(iter(running.service.state.islands))}
+    finally:
+        running.stop()
+
+
+def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
+    run_dir = tmp_path / "resume"
+    first = Running(net_cfg, run_dir)
+    c0, c1 = (CoordinatorClient(first.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    c0.push(_header(j0, "a1"), _delta_frame(n, 7)[1])
+    c1.push(_header(j1, "b1"), _delta_frame(n, 8)[1])
+    digest, version = first.service.merger.digest, first.service.merger.version
+    theta = first.service.merger.theta.copy()
+    momentum = first.service.merger.momentum.copy()
+    for c in (c0, c1):
+        c.close()
+    first.stop()  # waits for the async checkpoint
+    second = Running(net_cfg, run_dir, resume=True)
+    try:
+        m = second.service.merger
+        assert (m.version, m.digest) == (version, digest) == (1, digest)
+        assert np.array_equal(m.theta, theta) and np.array_equal(m.momentum, momentum)
+        client = CoordinatorClient(second.address, net_cfg)
+        again = _join(client, "a")
+        assert again.island_id == j0.island_id and again.shard_index == j0.shard_index and again.cursor == 80
+        # A push already merged before the restart is recognised as a duplicate.
+        assert client.push(_header(j0, "a1"), _delta_frame(n, 7)[1]).status == pb.PUSH_STATUS_DUPLICATE
+        client.close()
+    finally:
+        second.stop()
+
+
+def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
+    import threading
+
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    c0.push(_header(j0, "a1"), _delta_frame(n, 9)[1])
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(c0.pull(j0.island_id, 0, wait_s=20)))
+    waiter.start()  # holds "version 0" (the latest) and waits for a newer one
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not got
+    c1.push(_header(j1, "b1"), _delta_frame(n, 10)[1])
+    waiter.join(timeout=15)
+    assert not waiter.is_alive()
+    assert got and got[-1].header.version == 1
+    theta1 = codec.dequantize(codec.decode(got[-1].frame, expected_n=n))
+    assert params_digest(theta1) == coordinator.service.merger.digest
+    for c in (c0, c1):
+        c.close()

@@ -1,0 +1,523 @@
+"""coordinator.state: decisions and reasons, with an injected clock (no network, no JAX, no sleeps)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from coordinator.state import (
+    Admission,
+    CoordinatorState,
+    PushInfo,
+    StateError,
+    StateOptions,
+)
+
+T0 = 1000.0
+
+
+def make(now: float = T0, **kw) -> CoordinatorState:
+    return CoordinatorState(StateOptions(**kw), "run-1", now)
+
+
+def join_all(st: CoordinatorState, names=("a", "b", "c", "d"), now: float = T0) -> list[str]:
+    return [st.join(n, "cpu", 1, now)[0].island_id for n in names]
+
+
+_n = [0]
+
+
+def info(island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None, start: int = 0,
+         end: int = 10) -> PushInfo:
+    if push_id is None:
+        _n[0] += 1
+        push_id = f"p{_n[0]}"
+    return PushInfo(push_id=push_id, island_id=island_id, base_version=base, tokens=tokens, inner_steps=5,
+                    cursor_start=start, cursor_end=end)
+
+
+def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
+    adm = st.admit_push(i, now)
+    st.commit_push(i, adm, now)
+    return adm
+
+
+def unchanged(st: CoordinatorState, fn, code: str, *words: str) -> StateError:
+    """fn() raises StateError(code) whose reason contains every word, and the state is untouched."""
+    before = copy.deepcopy(st.to_json())
+    with pytest.raises(StateError) as e:
+        fn()
+    assert e.value.code == code, str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert st.to_json() == before
+    return e.value
+
+
+# -- join -------------------------------------------------------------------------------------------
+
+
+def test_join_assigns_distinct_shards():
+    st = make()
+    recs = [st.join(n, "gpu", 2, T0) for n in "abcd"]
+    assert [r.shard_index for r, _ in recs] == [0, 1, 2, 3]
+    assert len({r.island_id for r, _ in recs}) == 4
+    rec, reason = recs[2]
+    assert rec.state == "live" and rec.lease_expiry == T0 + 15.0 and rec.hardware == "gpu" and rec.devices == 2
+    assert "joined as c-2" in reason and "assigned free shard 2 at cursor 0" in reason
+    assert st.shard_cursor(2) == 0
+
+
+def test_rejoin_keeps_shard_and_id():
+    st = make()
+    join_all(st)
+    st.expire(T0 + 15.0)
+    rec, reason = st.join("b", "tpu", 8, T0 + 20)
+    assert rec.island_id == "b-1" and rec.shard_index == 1 and rec.state == "live"
+    assert rec.lease_expiry == T0 + 35.0 and rec.hardware == "tpu" and rec.devices == 8
+    assert "rejoined as b-1 (was lost): kept shard 1" in reason
+    assert len(st.islands) == 4
+    # a live island restarting also gets its record back
+    rec2, reason2 = st.join("b", "tpu", 8, T0 + 21)
+    assert rec2 is rec and "rejoined as b-1 (was live)" in reason2
+
+
+@pytest.mark.parametrize("args, field", [
+    (("bad name", "cpu", 1), "name"), (("", "cpu", 1), "name"), (("x" * 65, "cpu", 1), "name"),
+    (("a", "fpga", 1), "hardware"), (("a", "cpu", 0), "devices"), (("a", "cpu", -3), "devices"),
+])
+def test_join_rejects_bad_fields_without_change(args, field):
+    st = make()
+    st.join("z", "cpu", 1, T0)
+    err = unchanged(st, lambda: st.join(*args, T0), "INVALID_ARGUMENT", field)
+    assert str(err).startswith(("island name", "hardware", "devices"))
+
+
+def test_fifth_island_refused_when_all_shards_live():
+    st = make()
+    join_all(st)
+    unchanged(st, lambda: st.join("e", "cpu", 1, T0 + 1), "FAILED_PRECONDITION",
+              "all 4 shards are held by live islands", "a-0 (shard 0)", "d-3 (shard 3)")
+
+
+def test_lost_island_shard_taken_over_with_cursor():
+    st = make(islands=2)
+    a, b = join_all(st, "ab")
+    push(st, info(a, start=0, end=100))
+    push(st, info(b, start=0, end=70))
+    st.close_round(T0)
+    assert st.shard_cursor(0) == 100 and st.shard_cursor(1) == 70
+    assert st.islands[b].cursor_merged == 70
+    st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0 + 10)  # a stays live, b goes quiet
+    lost = st.expire(T0 + 15)
+    assert [i for i, _ in lost] == [b] and "shard 1 is free" in lost[0][1]
+    rec, reason = st.join("c", "gpu", 1, T0 + 16)
+    assert rec.shard_index == 1 and rec.island_id == "c-1"
+    assert "took over shard 1 of lost island b-1 at cursor 70" in reason
+    assert st.shard_cursor(rec.shard_index) == 70
+    # b comes back: its shard is now held by live c and no shard is free
+    unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 17), "FAILED_PRECONDITION",
+              "b-1 cannot rejoin", "taken over by c-1")
+
+
+def test_takeover_cursor_counts_the_lost_islands_pending_push():
+    st = make(islands=2)
+    a, b = join_all(st, "ab")
+    push(st, info(b, start=0, end=50))
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 10)
+    st.expire(T0 + 15)
+    rec, reason = st.join("c", "cpu", 1, T0 + 16)
+    assert rec.shard_index == 1 and "at cursor 50" in reason  # b's pending push will merge: don't retrain it
+    push(st, info(a, start=0, end=40), T0 + 16)
+    ready, why = st.round_ready(T0 + 16)
+    assert not ready and "missing: c-1" in why  # the newcomer is live and has not pushed
+
+
+def test_rejoin_moves_to_free_shard_when_taken_over():
+    st = make(islands=3)
+    join_all(st, "ab")
+    st.heartbeat("b-1", 0, 0, 0, 0.0, "", (), T0 + 10)
+    st.expire(T0 + 15)  # a lost
+    c, _ = st.join("c", "cpu", 1, T0 + 16)
+    assert c.shard_index == 0
+    rec, reason = st.join("a", "cpu", 1, T0 + 17)
+    assert rec.island_id == "a-0" and rec.shard_index == 2
+    assert "its shard 0 was taken over by c-0, moved to free shard 2" in reason
+
+
+# -- heartbeat / expire -----------------------------------------------------------------------------
+
+
+def test_heartbeat_renews_lease_and_records_report():
+    st = make()
+    a, *_ = join_all(st)
+    action, reason = st.heartbeat(a, 0, 12, 3000, 4.5, "abc", ("gpu:3",), T0 + 10)
+    assert action == "continue" and "holding the latest version 0" in reason and "t=1025.0" in reason
+    r = st.islands[a]
+    assert (r.lease_expiry, r.steps, r.tokens_reported, r.steps_per_s, r.params_digest, r.bad_devices) == \
+        (T0 + 25, 12, 3000, 4.5, "abc", ("gpu:3",))
+    assert a not in dict(st.expire(T0 + 24.9))
+    assert st.islands[a].state == "live"
+    assert dict(st.expire(T0 + 25))[a].startswith("no heartbeat for 15s")
+
+
+def test_heartbeat_pull_stop_rejoin_and_errors():
+    st = make(islands=1, total_versions=2)
+    a, = join_all(st, "a")
+    push(st, info(a))
+    st.close_round(T0)
+    assert st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1) == ("pull", ("holding version 0, the global version is "
+                                                                      "1: pull"))
+    unchanged(st, lambda: st.heartbeat(a, 2, 1, 1, 1.0, "", (), T0 + 1), "INVALID_ARGUMENT",
+              "version=2 is ahead of the coordinator's version 1")
+    unchanged(st, lambda: st.heartbeat("nobody", 0, 1, 1, 1.0, "", (), T0 + 1), "NOT_FOUND", "'nobody'",
+              "call Join first")
+    unchanged(st, lambda: st.heartbeat(a, 1, 1, 1, float("nan"), "", (), T0 + 1), "INVALID_ARGUMENT",
+              "steps_per_s")
+    push(st, info(a, base=1))
+    st.close_round(T0 + 2)
+    assert st.stopped()
+    action, reason = st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3)
+    assert action == "stop" and reason == "the run is over: 2 of 2 versions merged"
+    assert st.islands[a].state == "stopped"
+    assert st.expire(T0 + 1000) == []  # stopped islands are not "lost"
+    # lost -> rejoin, lease not renewed
+    st2 = make()
+    b, *_ = join_all(st2)
+    st2.expire(T0 + 15)
+    before = st2.to_json()
+    action, reason = st2.heartbeat(b, 0, 1, 1, 1.0, "", (), T0 + 16)
+    assert action == "rejoin" and "lease expired at t=1015.0" in reason and "call Join again" in reason
+    assert st2.to_json() == before
+
+
+def test_expire_exactly_at_lease_end_not_before():
+    st = make(lease_s=15.0)
+    a, b, *_ = join_all(st)
+    st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 5)
+    assert st.next_deadline(T0) == T0 + 15.0
+    assert st.expire(T0 + 14.999) == []
+    assert st.islands[a].state == "live"
+    lost = st.expire(T0 + 15.0)
+    assert sorted(i for i, _ in lost) == ["a-0", "c-2", "d-3"]
+    reason = dict(lost)["a-0"]
+    assert "no heartbeat for 15s: lease expired at t=1015.0, shard 0 is free" == reason
+    assert st.islands[a].state == "lost" and st.islands[b].state == "live"
+    assert st.expire(T0 + 15.0) == []  # only newly lost ones are reported
+    assert st.next_deadline(T0 + 15.0) == T0 + 20.0
+
+
+# -- sync rounds ------------------------------------------------------------------------------------
+
+
+def test_sync_round_closes_when_all_live_pushed():
+    st = make()
+    ids = join_all(st)
+    assert st.round_ready(T0) == (False, "waiting for the first push for version 1 (4 live islands)")
+    for i in ids[:3]:
+        adm = push(st, info(i, start=0, end=10))
+        assert adm.status == "accept" and adm.target_version == 1 and adm.staleness == 0 and adm.weight == 1000.0
+        assert adm.reason == "accepted for version 1: weight 1000 = 1000 tokens"
+    ready, why = st.round_ready(T0 + 1)
+    assert not ready and why == "waiting for 1 of 4 islands (missing: d-3); a quorum close needs 4 pushes, have 3"
+    unchanged(st, lambda: st.close_round(T0 + 1), "FAILED_PRECONDITION", "cannot close", "missing: d-3")
+    push(st, info(ids[3], tokens=500, start=0, end=5))
+    assert st.round_ready(T0 + 2) == (True, "all 4 live islands pushed")
+    assert [i.island_id for i, _ in st.pending()] == ids
+    version, merged, reason = st.close_round(T0 + 2)
+    assert version == 1 == st.version and [m.island_id for m in merged] == ids
+    assert "merged 4 deltas (a-0, b-1, c-2, d-3; 3500 tokens) into version 1 (all 4 live islands pushed)" == reason
+    assert st.pending() == [] and st.deltas_merged == 4 and st.tokens_merged == 3500
+    assert st.islands["d-3"].tokens_merged == 500 and st.islands["d-3"].pushes_merged == 1
+    assert st.islands["d-3"].cursor_merged == 5 and st.shard_cursor(3) == 5
+
+
+def test_quorum_and_grace():
+    st = make(min_quorum=3, grace_s=30.0)
+    a, b, c, d = join_all(st)
+    push(st, info(a), T0)
+    push(st, info(c), T0 + 5)
+    assert st.round_ready(T0 + 40) == (False, ("waiting for 2 of 4 islands (missing: b-1, d-3); "
+                                              "a quorum close needs 3 pushes, have 2"))
+    push(st, info(d), T0 + 10)
+    ready, why = st.round_ready(T0 + 18)
+    assert not ready and why == "waiting for 1 of 4 islands (missing: b-1); quorum close possible in 12.0s"
+    assert st.next_deadline(T0 + 18) == T0 + 15  # earliest lease first
+    st.heartbeat(a, 0, 0, 0, 0, "", (), T0 + 14), st.heartbeat(b, 0, 0, 0, 0, "", (), T0 + 14)
+    st.heartbeat(c, 0, 0, 0, 0, "", (), T0 + 14), st.heartbeat(d, 0, 0, 0, 0, "", (), T0 + 14)
+    assert st.next_deadline(T0 + 18) == T0 + 29
+    assert st.next_deadline(T0 + 29.5) == T0 + 29  # an overdue lease: expire() is due now
+    for i in (a, b, c, d):
+        st.heartbeat(i, 0, 0, 0, 0, "", (), T0 + 29.5)
+    assert st.next_deadline(T0 + 29.5) == T0 + 30  # the grace end
+    assert st.round_ready(T0 + 29.999)[0] is False
+    assert st.round_ready(T0 + 30.0) == (True, "quorum 3 of 4 after 30s grace (missing: b-1)")
+    version, merged, reason = st.close_round(T0 + 30)
+    assert version == 1 and len(merged) == 3 and "quorum 3 of 4 after 30s grace (missing: b-1)" in reason
+
+
+def test_lost_island_no_longer_blocks_round_and_its_push_stays():
+    st = make()
+    a, b, c, d = join_all(st)
+    push(st, info(b), T0 + 1)
+    for i in (a, c):
+        st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + 10)
+        push(st, info(i), T0 + 10)
+    assert st.round_ready(T0 + 11)[1].startswith("waiting for 1 of 4 islands (missing: d-3)")
+    lost = dict(st.expire(T0 + 15))  # b (pending push) and d are lost
+    assert set(lost) == {b, d}
+    assert "its pending push" in lost[b] and "stays in the open round" in lost[b]
+    assert st.round_ready(T0 + 15) == (True, "all 2 live islands pushed (+1 from islands no longer live)")
+    _version, merged, _ = st.close_round(T0 + 15)
+    assert {m.island_id for m in merged} == {a, b, c}
+    assert st.islands[b].pushes_merged == 1
+
+
+def test_second_push_in_open_round_refused():
+    st = make()
+    a, *_ = join_all(st)
+    push(st, info(a))
+    unchanged(st, lambda: st.admit_push(info(a), T0), "FAILED_PRECONDITION",
+              "a-0 already pushed for version 1", "wait for the round to close")
+
+
+def test_duplicate_push_id_pending_and_merged_no_double_count():
+    st = make(islands=2)
+    a, b = join_all(st, "ab")
+    first = info(a, push_id="retry-me", tokens=700)
+    adm = push(st, first)
+    dup = st.admit_push(first, T0 + 1)
+    assert dup == Admission("duplicate", 0.0, 0, 1, "push retry-me is pending in the open round for version 1: "
+                                                      "a retry, not applied again")
+    st.commit_push(first, dup, T0 + 1)
+    assert st.duplicates == 1 and len(st.pending()) == 1
+    # committing the original admission again is refused: stale, and nothing is counted twice
+    unchanged(st, lambda: st.commit_push(first, adm, T0 + 1), "FAILED_PRECONDITION", "stale admission",
+              "now it is duplicate")
+    push(st, info(b))
+    st.close_round(T0 + 2)
+    assert st.tokens_merged == 1700 and st.islands[a].tokens_merged == 700
+    dup2 = st.admit_push(first, T0 + 3)
+    assert dup2.status == "duplicate" and dup2.target_version == 1 and dup2.weight == 0.0
+    assert dup2.reason == "push retry-me was merged into version 1: a retry, not applied again"
+    st.commit_push(first, dup2, T0 + 3)
+    assert st.tokens_merged == 1700 and st.deltas_merged == 2 and st.duplicates == 2
+    assert st.push_known("retry-me") and not st.push_known("never")
+    # the same id from another island is a client bug, not a retry
+    unchanged(st, lambda: st.admit_push(info(b, push_id="retry-me"), T0 + 3), "INVALID_ARGUMENT",
+              "already used by island a-0")
+
+
+def test_push_id_memory_is_bounded():
+    st = make(islands=1, max_push_ids=3)
+    a, = join_all(st, "a")
+    for v in range(5):
+        push(st, info(a, base=v, push_id=f"id{v}"))
+        st.close_round(T0)
+    assert [st.push_known(f"id{v}") for v in range(5)] == [False, False, True, True, True]
+
+
+def test_late_delta_discount_weight_exact():
+    st = make(islands=2, mode="async", staleness_alpha=0.5)
+    a, b = join_all(st, "ab")
+    for _ in range(3):
+        push(st, info(a, base=st.version))
+        st.close_round(T0)
+    adm = st.admit_push(info(b, base=1, tokens=1000), T0)
+    assert adm.status == "accept" and adm.staleness == 2 and adm.target_version == 4
+    assert adm.weight == 1000 * (1 + 2) ** -0.5
+    assert adm.reason == "accepted for version 4: 2 versions late: weight 577.35 = 1000 tokens x (1+2)^-0.5"
+
+
+def test_drop_policy_drops_and_counts():
+    st = make(islands=2, mode="async", late_policy="drop")
+    a, b = join_all(st, "ab")
+    push(st, info(a))
+    st.close_round(T0)
+    late = info(b, base=0)
+    adm = push(st, late)
+    assert adm.status == "drop" and adm.weight == 0.0 and adm.staleness == 1
+    assert adm.reason == "delta from version 0 is 1 versions stale and late_policy is 'drop': dropped"
+    assert st.deltas_dropped == 1 and st.pending() == [] and st.round_ready(T0) == (False, "no pushes pending")
+    retry = st.admit_push(late, T0)
+    assert retry.status == "duplicate" and "was dropped" in retry.reason
+    assert push(st, info(b, base=1)).status == "accept"  # fresh deltas are fine
+
+
+def test_max_staleness_drops_under_discount():
+    st = make(islands=2, mode="async", max_staleness=2)
+    a, b = join_all(st, "ab")
+    for _ in range(3):
+        push(st, info(a, base=st.version))
+        st.close_round(T0)
+    assert push(st, info(b, base=1)).status == "accept"  # staleness 2: discounted
+    st.close_round(T0)
+    adm = push(st, info(b, base=1))
+    assert adm.status == "drop" and adm.staleness == 3
+    assert adm.reason == "delta from version 1 is 3 versions stale (max_staleness 2): dropped"
+    assert st.deltas_dropped == 1
+
+
+@pytest.mark.parametrize("change, code, words", [
+    ({"base_version": 1}, "INVALID_ARGUMENT", ("base_version=1 is ahead of the coordinator's version 0",)),
+    ({"tokens": 0}, "INVALID_ARGUMENT", ("tokens=0",)),
+    ({"inner_steps": 0}, "INVALID_ARGUMENT", ("inner_steps=0",)),
+    ({"cursor_start": 5, "cursor_end": 4}, "INVALID_ARGUMENT", ("cursor_end=4 is before cursor_start=5",)),
+    ({"push_id": ""}, "INVALID_ARGUMENT", ("push_id",)),
+    ({"push_id": "x" * 129}, "INVALID_ARGUMENT", ("push_id", "1 to 128 characters")),
+    ({"island_id": "ghost-9"}, "NOT_FOUND", ("unknown island_id 'ghost-9'",)),
+])
+def test_bad_pushes_refused_without_change(change, code, words):
+    st = make()
+    a, *_ = join_all(st)
+    good = info(a)
+    bad = PushInfo(**{**good.__dict__, **change})
+    unchanged(st, lambda: st.admit_push(bad, T0), code, *words)
+    unchanged(st, lambda: st.commit_push(bad, Admission("accept", 1.0, 0, 1, ""), T0), code, *words)
+
+
+def test_lost_island_push_refused():
+    st = make()
+    a, *_ = join_all(st)
+    st.expire(T0 + 15)
+    unchanged(st, lambda: st.admit_push(info(a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
+
+
+def test_async_ready_after_each_push():
+    st = make(mode="async")
+    a, b, *_ = join_all(st)
+    assert st.round_ready(T0) == (False, "no pushes pending")
+    push(st, info(a))
+    assert st.round_ready(T0) == (True, "1 push pending (async: merge on arrival)")
+    assert st.close_round(T0)[0] == 1
+    push(st, info(b, base=0))
+    push(st, info(a, base=1))  # async: an island may push again before its last merges
+    ready, why = st.round_ready(T0)
+    assert ready and why == "2 pushes pending (async: merge on arrival)"
+    assert st.next_deadline(T0) == T0 + 15  # leases only: no grace in async
+
+
+def test_total_versions_stops_the_run():
+    st = make(islands=1, total_versions=1)
+    a, = join_all(st, "a")
+    push(st, info(a))
+    version, _, reason = st.close_round(T0)
+    assert version == 1 and st.stopped() and reason.endswith("; the run is over (1 versions)")
+    assert st.round_ready(T0) == (False, "the run is over: 1 of 1 versions merged")
+    adm = push(st, info(a, base=1))
+    assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
+    assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
+    assert make(total_versions=0).stopped() is False
+
+
+# -- checkpoint -------------------------------------------------------------------------------------
+
+
+def busy_state() -> CoordinatorState:
+    st = make(min_quorum=2)
+    a, b, c, d = join_all(st)
+    st.heartbeat(a, 0, 10, 100, 2.5, "dig", ("gpu:1",), T0 + 1)
+    push(st, info(a, push_id="m1", start=0, end=30), T0 + 1)
+    push(st, info(b, push_id="m2"), T0 + 1)
+    push(st, info(c, push_id="m3"), T0 + 1)
+    push(st, info(d, push_id="m4"), T0 + 1)
+    st.close_round(T0 + 1)
+    st.commit_push(info(a, push_id="m1"), st.admit_push(info(a, push_id="m1"), T0 + 2), T0 + 2)
+    push(st, info(b, base=1, push_id="open-1"), T0 + 3)
+    return st
+
+
+def _no_leases(blob: dict) -> dict:
+    blob = copy.deepcopy(blob)
+    for r in blob["islands"]:
+        r.pop("lease_expiry")
+    return blob
+
+
+def test_json_round_trip():
+    st = busy_state()
+    blob = st.to_json()
+    text = json.dumps(blob)
+    same = CoordinatorState.from_json(StateOptions(min_quorum=2), json.loads(text), T0 + 500)
+    assert _no_leases(same.to_json()) == _no_leases(blob)  # only the leases move: renewed to now + lease_s
+    assert all(r.lease_expiry == T0 + 515 for r in same.islands.values())
+    assert same.admit_push(info("a-0", push_id="m1"), T0).status == "duplicate"
+    assert [i.push_id for i, _ in same.pending()] == ["open-1"]
+    assert same.round_ready(T0 + 500) == st.round_ready(T0 + 500)
+    assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 30)
+    # leases that all end at now + lease_s: the round trip is exact
+    st2 = make(islands=2)
+    join_all(st2, "ab")
+    blob2 = json.loads(json.dumps(st2.to_json()))
+    assert CoordinatorState.from_json(StateOptions(islands=2), blob2, T0).to_json() == st2.to_json()
+
+
+def _mut(path, value):
+    def f(blob):
+        target = blob
+        for k in path[:-1]:
+            target = target[k]
+        if value is KeyError:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+    return f
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda b: "not a dict", ("state: expected an object",)),
+    (_mut(["format"], 99), ("state.format",)),
+    (_mut(["shards"], 8), ("state.shards", "8 shards")),
+    (_mut(["version"], -1), ("state.version",)),
+    (_mut(["version"], "3"), ("state.version",)),
+    (_mut(["counters"], KeyError), ("state.counters",)),
+    (_mut(["counters", "tokens_merged"], 1.5), ("state.counters.tokens_merged",)),
+    (_mut(["islands"], {}), ("state.islands: expected a list",)),
+    (_mut(["islands", 0, "shard_index"], 4), ("state.islands[0].shard_index",)),
+    (_mut(["islands", 0, "hardware"], "fpga"), ("state.islands[0].hardware",)),
+    (_mut(["islands", 1, "state"], "zombie"), ("state.islands[1].state",)),
+    (_mut(["islands", 1, "name"], "a"), ("duplicate name",)),
+    (_mut(["islands", 1, "shard_index"], 0), ("held by two live islands",)),
+    (_mut(["islands", 2, "steps_per_s"], float("nan")), ("state.islands[2].steps_per_s",)),
+    (_mut(["islands", 2, "bad_devices"], [3]), ("bad_devices",)),
+    (_mut(["islands", 3, "version"], 9), ("state.islands[3].version",)),
+    (_mut(["shard_cursors"], [0, 0]), ("state.shard_cursors", "expected 4 entries")),
+    (_mut(["push_ids", 0], ["x", "a-0", "merged"]), ("state.push_ids[0]",)),
+    (_mut(["push_ids", 0, 2], "eaten"), ("state.push_ids[0].status",)),
+    (_mut(["pending", 0, "info", "island_id"], "ghost"), ("unknown island 'ghost'",)),
+    (_mut(["pending", 0, "admission", "target_version"], 7), ("target_version",)),
+    (_mut(["pending", 0, "info", "push_id"], "m2"), ("'m2' is repeated",)),
+    (_mut(["first_pending"], None), ("state.first_pending",)),
+])
+def test_from_json_rejects_malformed(mutate, words):
+    blob = busy_state().to_json()
+    if callable(mutate):
+        out = mutate(blob)
+        blob = out if out is not None else blob
+    with pytest.raises(StateError) as e:
+        CoordinatorState.from_json(StateOptions(min_quorum=2), blob, T0)
+    assert e.value.code == "INVALID_ARGUMENT"
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_status_contents():
+    st = busy_state()
+    s = st.status(T0 + 10)
+    json.dumps(s)
+    assert (s["run_id"], s["version"], s["mode"], s["live"], s["stopped"]) == ("run-1", 1, "sync", 4, False)
+    assert (s["deltas_merged"], s["deltas_dropped"], s["duplicates"], s["tokens_merged"]) == (4, 0, 1, 4000)
+    isl = {i["island_id"]: i for i in s["islands"]}
+    assert isl["a-0"]["lease_left_s"] == 6.0 and isl["b-1"]["lease_left_s"] == 5.0
+    assert isl["a-0"]["bad_devices"] == ["gpu:1"] and isl["a-0"]["steps_per_s"] == 2.5
+    assert isl["a-0"]["tokens_merged"] == 1000 and isl["a-0"]["cursor_merged"] == 30
+    assert s["shard_cursors"] == [30, 10, 10, 10]
+    rnd = s["round"]
+    assert rnd["target_version"] == 2 and rnd["ready"] is False and [p["push_id"] for p in rnd["pending"]] == \
+        ["open-1"]
+    assert rnd["reason"] == "waiting for 3 of 4 islands (missing: a-0, c-2, d-3); a quorum close needs 2 " \
+                            "pushes, have 1"
+    st.expire(T0 + 16)
+    assert all(i["lease_left_s"] == 0.0 and i["state"] == "lost" for i in st.status(T0 + 16)["islands"])

@@ -1,0 +1,152 @@
+"""The island's gRPC client: auth, deadlines, retries with backoff, streamed pushes and pulls.
+
+Every call has a deadline. UNAVAILABLE (the coordinator restarting, a cut
+link) and DEADLINE_EXCEEDED are retried with exponential backoff and jitter
+for up to ``worker.retry_total_s``; pushes are safe to retry because they
+carry a push id the coordinator applies at most once. Other errors are
+raised as :class:`CoordinatorError` with the coordinator's message.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+
+from dtrain.config import Config
+from dtrain.errors import DtrainError
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
+                         auth_metadata, channel_credentials, channel_options, read_token, to_chunks)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+T = TypeVar("T")
+
+
+class CoordinatorError(DtrainError):
+    """The coordinator refused a call (or stayed unreachable past the retry budget)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+@dataclass
+class PulledFrame:
+    header: pb.PullHeader
+    frame: bytes
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, cfg: Config, on_retry: Callable[[str, float], None] | None = None):
+        self.address = address
+        self.cfg = cfg
+        sec = cfg.security
+        creds = channel_credentials(sec)
+        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name)
+        self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.metadata = auth_metadata(read_token(sec))
+        self.on_retry = on_retry
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.retries = 0
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        w = self.cfg.worker
+        delay, waited = w.retry_initial_s, 0.0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                code = e.code()
+                if code not in RETRYABLE or waited >= w.retry_total_s:
+                    raise CoordinatorError(code, e.details() or "") from None
+                pause = delay * random.uniform(0.5, 1.0)
+                self.retries += 1
+                if self.on_retry is not None:
+                    self.on_retry(f"{what}: {code.name}", pause)
+                time.sleep(pause)
+                waited += pause
+                delay = min(delay * 2, w.retry_max_s)
+
+    def join(self, island: str, hardware: str, devices: int) -> pb.JoinResponse:
+        req = pb.JoinRequest(island=island, hardware=hardware, devices=devices, fingerprint=self.cfg.fingerprint(),
+                             fingerprint_fields=self.cfg.fingerprint_fields())
+        return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
+
+    def heartbeat(self, **fields: object) -> pb.HeartbeatResponse:
+        req = pb.HeartbeatRequest(**fields)
+        return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
+                                                                    metadata=self.metadata))
+
+    def status(self) -> pb.StatusResponse:
+        return self._retry("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S,
+                                                               metadata=self.metadata))
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
+        """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
+        chunks = to_chunks(frame, self.cfg.codec.chunk_bytes)
+        header.total_bytes = len(frame)
+        header.frame_crc32 = zlib.crc32(frame)
+        header.chunks = len(chunks)
+
+        def messages() -> Iterator[pb.PushMessage]:
+            yield pb.PushMessage(header=header)
+            for chunk in chunks:
+                yield pb.PushMessage(chunk=chunk)
+
+        def call() -> pb.PushDeltaResponse:
+            resp = self.stub.PushDelta(messages(), timeout=self.cfg.worker.rpc_deadline_s, metadata=self.metadata)
+            self.bytes_up += len(frame)
+            return resp
+
+        return self._retry("push", call)
+
+    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False) -> list[PulledFrame]:
+        """The frames that bring ``have_version`` to the latest (empty if current); chunks verified."""
+        req = pb.PullRequest(island_id=island_id, have_version=have_version, full=full, wait_s=wait_s)
+
+        def call() -> list[PulledFrame]:
+            out: list[PulledFrame] = []
+            header: pb.PullHeader | None = None
+            receiver: FrameReceiver | None = None
+            parts: list[bytes] = []
+            limit = self.cfg.coordinator.max_message_bytes * (1 << 12)
+            stream = self.stub.PullGlobal(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
+                                          metadata=self.metadata)
+            for msg in stream:
+                if msg.WhichOneof("kind") == "header":
+                    if receiver is not None:
+                        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a header before the last frame ended")
+                    header = msg.header
+                    if header.kind == pb.PULL_KIND_CURRENT:
+                        continue
+                    receiver = FrameReceiver(header.total_bytes, header.chunks, header.frame_crc32, limit,
+                                             self.cfg.codec.chunk_bytes)
+                    parts = []
+                elif receiver is not None and header is not None:
+                    parts.append(receiver.add(msg.chunk))
+                    if receiver.received == receiver.chunks:
+                        receiver.finish()
+                        out.append(PulledFrame(header=header, frame=b"".join(parts)))
+                        self.bytes_down += receiver.size
+                        receiver = None
+                else:
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a chunk without a header")
+            if receiver is not None:
+                raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: stream ended inside a frame")
+            return out
+
+        try:
+            return self._retry("pull", call)
+        except WireError as e:
+            raise CoordinatorError(e.code, str(e)) from None
