@@ -261,8 +261,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
                                    or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
             version = self.state.version
-            chain = None if request.full or request.have_version == 0 else \
-                self.merger.updates_since(request.have_version)
+            chain = None if request.full else self.merger.updates_since(request.have_version)
             if chain is None:
                 frames = [(pb.PULL_KIND_FULL, 0, version, self.merger.full_frame(), self.merger.digest)]
             else:
@@ -271,6 +270,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
                                                       base_version=version, tree_digest=self.tree_digest))
             return
+        self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
+                       frames=[[pb.PullKind.Name(k), b, v, len(f)] for k, b, v, f, _ in frames])
         for kind, base, v, frame, digest in frames:
             chunks = to_chunks(frame, self.cfg.codec.chunk_bytes)
             yield pb.PullMessage(header=pb.PullHeader(

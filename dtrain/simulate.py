@@ -81,8 +81,9 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
         while any(p.poll() is None for _, p in procs):
             if time.perf_counter() > deadline:
                 raise SimulationError(f"workers still running after {timeout_s:.0f}s")
-            if coordinator.poll() is not None:
-                raise SimulationError(f"the coordinator exited early with status {coordinator.returncode}")
+            if coordinator.poll() not in (None, 0):  # 0: it served the last version and shut down
+                raise SimulationError(f"the coordinator failed with status {coordinator.returncode}; "
+                                      f"see {out / 'coordinator.log'}")
             if time.perf_counter() - last_report > 10:
                 last_report = time.perf_counter()
                 log.progress(f"{sum(p.poll() is None for _, p in procs)} workers running; "
@@ -92,8 +93,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
         if failed:
             raise SimulationError("workers failed: " + ", ".join(f"{n} (status {rc}, see islands/{n}/worker.log)"
                                                                  for n, rc in failed))
-        coordinator.terminate()
-        coordinator.wait(timeout=60)
+        if coordinator.poll() is None:
+            coordinator.terminate()
+        if coordinator.wait(timeout=60) not in (0, -15):
+            raise SimulationError(f"the coordinator failed with status {coordinator.returncode}")
     finally:
         for _, p in procs:
             if p.poll() is None:

@@ -83,15 +83,17 @@ def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg):
     assert sorted(j.shard_index for j in joins) == [0, 1]
     n = joins[0].tree_size
     # Both islands start from a full pull of θ_0.
-    full = clients[0].pull(joins[0].island_id, 0)
+    full = clients[0].pull(joins[0].island_id, 0, full=True)
     theta0 = codec.dequantize(codec.decode(full[0].frame, expected_n=n))
     assert full[0].header.kind == pb.PULL_KIND_FULL and np.array_equal(theta0, coordinator.theta)
     r0 = clients[0].push(_header(joins[0], "p0"), _delta_frame(n, 0)[1])
     assert r0.status == pb.PUSH_STATUS_PENDING and r0.version == 0  # waits for the other live island
     r1 = clients[1].push(_header(joins[1], "p1"), _delta_frame(n, 1)[1])
     assert r1.status == pb.PUSH_STATUS_MERGED and r1.version == 1
-    frames = clients[0].pull(joins[0].island_id, 0)  # have 0 means "no θ": a full, lossless pull
+    frames = clients[0].pull(joins[0].island_id, 0, full=True)  # no θ held: the full, lossless parameters
     assert frames[0].header.kind == pb.PULL_KIND_FULL and frames[0].header.version == 1
+    chain = clients[0].pull(joins[0].island_id, 0)  # holding θ_0: the compressed update
+    assert [f.header.kind for f in chain] == [pb.PULL_KIND_UPDATE] and chain[0].header.base_version == 0
     assert clients[1].pull(joins[1].island_id, 1) == []  # already current
     # An island holding θ_0 applies the compressed update and lands bit-identical with the coordinator.
     upd = coordinator.service.merger.updates_since(0)
@@ -333,6 +335,7 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
     c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
     j0, j1 = _join(c0, "a"), _join(c1, "b")
     n = j0.tree_size
+    theta0 = codec.dequantize(codec.decode(c0.pull(j0.island_id, 0, full=True)[0].frame, expected_n=n))
     c0.push(_header(j0, "a1"), _delta_frame(n, 9)[1])
     got: list = []
     waiter = threading.Thread(target=lambda: got.extend(c0.pull(j0.island_id, 0, wait_s=20)))
@@ -342,8 +345,8 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
     c1.push(_header(j1, "b1"), _delta_frame(n, 10)[1])
     waiter.join(timeout=15)
     assert not waiter.is_alive()
-    assert got and got[-1].header.version == 1
-    theta1 = codec.dequantize(codec.decode(got[-1].frame, expected_n=n))
+    assert [f.header.kind for f in got] == [pb.PULL_KIND_UPDATE] and got[0].header.version == 1
+    theta1 = theta0 + codec.dequantize(codec.decode(got[0].frame, expected_n=n))
     assert params_digest(theta1) == coordinator.service.merger.digest
     for c in (c0, c1):
         c.close()

@@ -215,6 +215,7 @@ class Worker:
         at_push: Any = None
         last_push = (island.cursor, island.tokens)
         t_train0 = time.perf_counter()
+        last_log = [t_train0, island.steps]
         final_wait = 0.0
         rounds = 0
 
@@ -251,13 +252,15 @@ class Worker:
                     n = min(t.steps_per_call, cfg.outer.inner_steps - round_steps, t.steps - island.steps)
                     if n <= 0:
                         break
-                t0 = time.perf_counter()
                 advance(loop, island, n, B)
                 round_steps += n
                 if self.exchange is not None and not self.exchange.is_alive():
                     finish_exchange()  # fold the new global θ in without waiting
-                rate[0] = n / max(time.perf_counter() - t0, 1e-9)
                 if island.steps % cfg.run.log_every < n:
+                    jax.block_until_ready(island.state.step)  # note: host sync, once per log interval
+                    now = time.perf_counter()
+                    rate[0] = (island.steps - last_log[1]) / max(now - last_log[0], 1e-9)
+                    last_log[:] = [now, island.steps]
                     self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} "
                                       f"tok/s {fmt_rate(rate[0] * B * cfg.model.seq_len)}")
             if self.stopping.is_set() or round_steps == 0:
