@@ -31,7 +31,11 @@ import time
 os.environ.setdefault("XLA_FLAGS", "")  # before JAX: no fake devices here, one CPU device per process
 
 
-from dtrain import config, outer  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from coordinator.merger import Merger, MergeOptions  # noqa: E402
+from dtrain import codec, config, outer  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, record_loss, round_lengths  # noqa: E402
 from dtrain.runs import FP32_BYTES, prepare  # noqa: E402
@@ -54,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
     p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
+    p.add_argument("--codecs", default="int8,int4", help="DiLoCo variants through the production codec + merger "
+                   "path (both directions quantized, error feedback); '' for none")
+    p.add_argument("--process", action="store_true", help="also compare `dtrain simulate` (real coordinator and "
+                   "worker processes, int8) with --inprocess, both from scratch on the same config")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -136,25 +144,110 @@ def main(argv: list[str] | None = None) -> dict:
                              "bytes": N * (2 * rounds - 1) * model_bytes}
         log(f"diloco: eval loss {curve[-1]:.4f}")
 
-    print(f"\n{'method':<8} {'final eval loss':>15} {'tokens':>12} {'bytes sent':>14}   eval loss per round")
+    for name in [c for c in args.codecs.split(",") if c]:
+        bits = WIRE_BITS[name]
+        loop = InnerLoop(phase, s.built, mesh)
+        spec, theta_w = codec.flatten(jax.device_get(params_w))
+        k = phase.codec
+        merger = Merger(theta_w.copy(), MergeOptions(lr=phase.outer.lr, momentum=phase.outer.momentum,
+                                                     nesterov=phase.outer.nesterov, up_bits=bits, down_bits=bits,
+                                                     block=k.block, zstd_level=k.zstd_level, error_feedback=True))
+        feedback = [codec.ErrorFeedback(theta_w.size, bits, k.block) if bits != 32 else None for _ in range(N)]
+        islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
+                   for i in range(N)]
+        global_vec, wire, curve = theta_w.copy(), 0, []
+        for steps in round_lengths(T, H):
+            for isl, ef in zip(islands, feedback):
+                isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
+                before = isl.tokens
+                advance(loop, isl, steps, B, record_loss)
+                _, local = codec.flatten(jax.device_get(isl.state.params))
+                delta = global_vec - local
+                frame = codec.encode(ef.compress(delta) if ef else codec.quantize(delta, bits, k.block),
+                                     k.zstd_level)
+                wire += len(frame)  # push
+                with merger.spool() as spool:
+                    spool.write(frame)
+                    merger.validate(spool)
+                    merger.accumulate(spool, isl.tokens - before)
+            update = merger.outer_step()
+            wire += N * len(update.frame)  # every island pulls the update
+            global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
+            assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
+            curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
+        results[f"diloco-{name}"] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
+                                     "bytes": wire}
+        log(f"diloco-{name}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
+
+    # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
+    # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
+    # for the codec variants; fp32 for plain diloco). The one full pull at join is left out of both.
+    ring = T * 2 * (2 * (N - 1) / N) * 4 * s.n_params * N
+    if "dp" in results:
+        results["dp"]["bytes"] = int(ring)
+    if "diloco" in results:
+        results["diloco"]["bytes"] = int(len(round_lengths(T, H)) * N * 2 * 4 * s.n_params)
+    print(f"\n{'method':<13} {'final eval loss':>15} {'vs diloco':>9} {'tokens':>11} {'bytes (both ways)':>18} "
+          f"{'dp/this':>8}   eval loss per round")
+    base_loss = results.get("diloco", {}).get("eval_loss")
     for name, r in results.items():
         curve = " ".join(f"{x:.3f}" for x in r["curve"][:: max(1, len(r["curve"]) // 8)])
-        print(f"{name:<8} {r['eval_loss']:>15.4f} {r['tokens']:>12,} {r['bytes']:>14,}   {curve}")
+        rel = f"{r['eval_loss'] / base_loss:9.4f}" if base_loss else " " * 9
+        red = f"{ring / r['bytes']:7.0f}x" if r["bytes"] else "       -"
+        print(f"{name:<13} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
     print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
+    if args.process:
+        out["process"] = compare_process_mode(base, N, log)
     if {"single", "dp", "diloco"} <= results.keys():
         x = results["diloco"]["eval_loss"] / results["dp"]["eval_loss"]
         y = results["diloco"]["eval_loss"] / results["single"]["eval_loss"]
         c = results["dp"]["bytes"] / results["diloco"]["bytes"]
         out.update(x=x, y=y, comm_reduction=c)
+        extra = ""
+        for name in ("int8", "int4"):
+            if f"diloco-{name}" in results:
+                r = results[f"diloco-{name}"]
+                extra += (f" {name}/fp32={r['eval_loss'] / results['diloco']['eval_loss']:.4f}"
+                          f" {name} comm reduction={ring / r['bytes']:.0f}x")
+        if "process" in out:
+            extra += f" process/inprocess={out['process']['ratio']:.4f}"
         print(f"convergence: islands={N} H={H} rounds={R} diloco/dp eval-loss ratio={x:.3f} "
-              f"diloco/single ratio={y:.3f} comm reduction={c:.0f}x")
+              f"diloco/single ratio={y:.3f} comm reduction={c:.0f}x{extra}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+WIRE_BITS = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
+
+
+def compare_process_mode(base, N: int, log) -> dict:
+    """`dtrain simulate` (a coordinator and N worker processes, int8, overlap) vs --inprocess, same config."""
+    import tempfile
+
+    from dtrain.runs import run_simulate_inprocess
+    from dtrain.simulate import run_simulation
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config.replace(base, run={"out_dir": tmp}, outer={"islands": N})
+        inproc = run_simulate_inprocess(config.replace(cfg, run={"name": "inprocess"}), N, quiet=True)
+        log(f"in-process simulate: eval loss {inproc['final_eval_loss']:.4f} in {inproc['wall_s']:.0f}s")
+        procs = run_simulation(config.replace(cfg, run={"name": "processes"}), N, quiet=True,
+                               env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+        log(f"process simulate: eval loss {procs['final_eval_loss']:.4f} in {procs['wall_s']:.0f}s, "
+            f"utilization {procs['utilization']:.3f}")
+    ratio = procs["final_eval_loss"] / inproc["final_eval_loss"]
+    print(f"\nprocess mode ({N} worker processes + coordinator, codec {base.codec.up}/{base.codec.down}, overlap "
+          f"{base.worker.overlap}): eval loss {procs['final_eval_loss']:.4f} vs in-process {inproc['final_eval_loss']:.4f}"
+          f" (ratio {ratio:.4f}); island utilization min {procs['utilization']:.4f}; "
+          f"compression {procs['compression_ratio']:.2f}x; wall {procs['wall_s']:.0f}s vs {inproc['wall_s']:.0f}s")
+    return {"ratio": ratio, "process": {k: v for k, v in procs.items() if k != "islands"},
+            "inprocess_eval_loss": inproc["final_eval_loss"],
+            "utilization": [i["utilization"] for i in procs["islands"]]}
 
 
 if __name__ == "__main__":
