@@ -61,14 +61,21 @@ class Merger:
     """Holds θ, the outer momentum, the accumulator, the down residual, and recent update frames."""
 
     def __init__(self, theta: np.ndarray, opts: MergeOptions, version: int = 0, momentum: np.ndarray | None = None,
-                 residual: np.ndarray | None = None, spool_dir: str | Path | None = None):
+                 residual: dict[str, np.ndarray] | None = None, spool_dir: str | Path | None = None):
         self.opts = opts
         self.theta = np.ascontiguousarray(theta, dtype=np.float32)
         self.n = int(self.theta.size)
         self.version = version
         self.momentum = np.zeros(self.n, np.float32) if momentum is None else np.asarray(momentum, np.float32)
-        self.residual = (np.zeros(self.n, np.float32) if residual is None else np.asarray(residual, np.float32)) \
-            if opts.error_feedback and opts.down_bits != 32 else None
+        # The down path's error-feedback residual, itself stored int8-quantized per block: 1 byte per
+        # parameter instead of 4. Its own rounding error is 1/254 of one quantization step of the update.
+        self.feedback = opts.error_feedback and opts.down_bits != 32
+        n_blocks = -(-self.n // opts.block)
+        self.residual_codes = np.zeros(self.n if self.feedback else 0, np.uint8)
+        self.residual_scales = np.zeros(n_blocks if self.feedback else 0, np.float32)
+        if residual is not None and self.feedback:
+            self.residual_codes[:] = residual["codes"]
+            self.residual_scales[:] = residual["scales"]
         self.acc = np.zeros(self.n, np.float32)
         self.total_weight = 0.0
         self.pushes_in_acc = 0
@@ -127,19 +134,19 @@ class Merger:
                 else:
                     delta[:] = m
             delta *= -lr  # u = −lr·(…)
-            if self.residual is not None:
-                delta += self.residual[s:e]
+            if self.feedback:
+                delta += self._residual(s, e)
             if o.down_bits == 32:
                 applied = delta
             else:
                 q = codec.quantize(delta, o.down_bits, o.block)
                 applied = codec.dequantize(q)
-                if self.residual is not None:
-                    np.subtract(delta, applied, out=self.residual[s:e])  # what the broadcast left out
+                if self.feedback:
+                    self._store_residual(s, e, delta - applied)  # what the broadcast left out
                 scales.append(q.scales)
                 payloads.append(q.payload)
             if o.down_bits == 32:
-                payloads.append(np.frombuffer(applied.astype("<f4").tobytes(), np.uint8))
+                payloads.append(applied.view(np.uint8).copy())
             self.theta[s:e] += applied  # θ is the sum of what was broadcast
         if o.down_bits == 32:
             frame_q = codec.QuantizedVec(bits=32, block=o.block, n=self.n, scales=np.zeros(0, np.float32),
@@ -157,6 +164,23 @@ class Merger:
         self.updates.append(update)
         return update
 
+    def _residual(self, s: int, e: int) -> np.ndarray:
+        b = self.opts.block
+        q = codec.QuantizedVec(bits=8, block=b, n=e - s, scales=self.residual_scales[s // b: -(-e // b)],
+                               payload=self.residual_codes[s:e])
+        return codec.dequantize(q)
+
+    def _store_residual(self, s: int, e: int, r: np.ndarray) -> None:
+        b = self.opts.block
+        q = codec.quantize(r, 8, b)
+        self.residual_scales[s // b: -(-e // b)] = q.scales
+        self.residual_codes[s:e] = q.payload
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What a checkpoint must hold besides the version (the accumulator is empty after a merge)."""
+        return {"theta": self.theta, "momentum": self.momentum, "residual_codes": self.residual_codes,
+                "residual_scales": self.residual_scales}
+
     # -- outgoing parameters ------------------------------------------------------------------------
 
     def updates_since(self, have_version: int) -> list[Update] | None:
@@ -171,7 +195,7 @@ class Merger:
     def full_frame(self) -> bytes:
         """θ itself, lossless (fp32 + zstd level 1: speed over ratio, as fp32 barely compresses)."""
         q = codec.QuantizedVec(bits=32, block=self.opts.block, n=self.n, scales=np.zeros(0, np.float32),
-                               payload=np.frombuffer(self.theta.astype("<f4").tobytes(), np.uint8))
+                               payload=self.theta.view(np.uint8))  # no copy: θ is contiguous little-endian f32
         return codec.encode(q, 1)
 
 

@@ -29,7 +29,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.wire import (CODEC_BITS, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         max_frame_bytes, read_token, server_credentials, to_chunks)
+                         chunk_count, iter_chunks, max_frame_bytes, read_token, server_credentials)
 
 TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
 MAX_PULL_WAIT_S = 30.0
@@ -85,9 +85,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if resume:
             if self.ckpt is None or self.ckpt.latest_step() is None:
                 raise FileNotFoundError(f"--resume: no coordinator checkpoint in {self.run_dir / 'coordinator'}")
-            abstract = {"theta": theta, "momentum": theta, "residual": theta}
-            version, arrays, meta = self.ckpt.restore(abstract)
-            theta, momentum, residual = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum", "residual"))
+            probe = Merger(theta, merge_options(cfg))  # for the shapes and dtypes of the saved arrays
+            version, arrays, meta = self.ckpt.restore(probe.state_arrays())
+            del probe
+            theta, momentum = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum"))
+            residual = {"codes": np.asarray(arrays["residual_codes"]), "scales": np.asarray(arrays["residual_scales"])}
             self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
             self.run_id = self.state.run_id
             self.log.event("coordinator_resumed", version=version)
@@ -126,10 +128,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
         if self.ckpt is not None:
-            arrays = {"theta": self.merger.theta.copy(), "momentum": self.merger.momentum.copy(),
-                      "residual": (self.merger.residual if self.merger.residual is not None
-                                   else np.zeros_like(self.merger.theta)).copy()}
-            self.ckpt.save(version, arrays, {"state": self.state.to_json(), "version": version})
+            # Saved without copies: the next outer step first waits for this save (ckpt.wait() above).
+            self.ckpt.save(version, self.merger.state_arrays(), {"state": self.state.to_json(), "version": version})
         self.merge_s += time.perf_counter() - t0
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
@@ -273,11 +273,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
                        frames=[[pb.PullKind.Name(k), b, v, len(f)] for k, b, v, f, _ in frames])
         for kind, base, v, frame, digest in frames:
-            chunks = to_chunks(frame, self.cfg.codec.chunk_bytes)
             yield pb.PullMessage(header=pb.PullHeader(
                 kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=len(frame),
-                frame_crc32=_crc(frame), chunks=len(chunks), params_digest=digest))
-            for chunk in chunks:
+                frame_crc32=_crc(frame), chunks=chunk_count(len(frame), self.cfg.codec.chunk_bytes),
+                params_digest=digest))
+            for chunk in iter_chunks(frame, self.cfg.codec.chunk_bytes):
                 yield pb.PullMessage(chunk=chunk)
             with self.lock:
                 self.bytes_out += len(frame)

@@ -125,7 +125,19 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def to_chunks(frame: bytes, chunk_bytes: int) -> list[pb.Chunk]:
-    return [pb.Chunk(index=c.index, data=c.data, crc32=c.crc32) for c in codec.split_chunks(frame, chunk_bytes)]
+    return list(iter_chunks(frame, chunk_bytes))
+
+
+def chunk_count(frame_len: int, chunk_bytes: int) -> int:
+    return max(1, -(-frame_len // chunk_bytes))
+
+
+def iter_chunks(frame: bytes, chunk_bytes: int) -> Iterator[pb.Chunk]:
+    """The frame's chunks, made one at a time as the stream asks for them (no second copy of the frame)."""
+    view = memoryview(frame)
+    for i in range(chunk_count(len(frame), chunk_bytes)):
+        data = bytes(view[i * chunk_bytes:(i + 1) * chunk_bytes])
+        yield pb.Chunk(index=i, data=data, crc32=zlib.crc32(data))
 
 
 def max_frame_bytes(n_values: int, block: int) -> int:

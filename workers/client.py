@@ -22,7 +22,7 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
-                         auth_metadata, channel_credentials, channel_options, read_token, to_chunks)
+                         auth_metadata, channel_credentials, channel_options, chunk_count, iter_chunks, read_token)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
@@ -94,14 +94,13 @@ class CoordinatorClient:
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
         """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
-        chunks = to_chunks(frame, self.cfg.codec.chunk_bytes)
         header.total_bytes = len(frame)
         header.frame_crc32 = zlib.crc32(frame)
-        header.chunks = len(chunks)
+        header.chunks = chunk_count(len(frame), self.cfg.codec.chunk_bytes)
 
         def messages() -> Iterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
-            for chunk in chunks:
+            for chunk in iter_chunks(frame, self.cfg.codec.chunk_bytes):
                 yield pb.PushMessage(chunk=chunk)
 
         def call() -> pb.PushDeltaResponse:

@@ -1,0 +1,717 @@
+"""Exchange throughput: dtrain's push-and-merge next to raw Python gRPC on loopback; compression; coordinator memory.
+
+One run measures, for one model (25M parameters by default, 100M with --full;
+a real GPT config: configs/small.toml with model overrides):
+
+  1. raw gRPC ceiling: a minimal Python gRPC server in its own process, a generic
+     client-streaming method with identity (bytes) serializers; 1, 4, 8 client
+     threads (one channel each, the options dtrain's client uses), each streaming
+     one fp32 delta's worth of bytes (4·P) in codec.chunk_bytes chunks at once.
+     bytes/s = all bytes sent / (last call returns − first call starts).
+  2. dtrain push-and-merge: ``dtrain coordinator`` as a separate process
+     (``python -m dtrain.cli coordinator``), one per (codec, N); N island threads,
+     each with its own CoordinatorClient, join, then all push one fabricated delta
+     (random normal × 1e-3, encoded with dtrain.codec before timing) at once. The
+     interval runs from the first push's start until the last push returns MERGED
+     (the round's outer step done). wire MB/s = frame bytes / s; model MB/s =
+     N·4·P / s (fp32 bytes of deltas merged per second).
+  3. compression ratio per codec (codec.compression_ratio) on an actual
+     pseudo-gradient θ0 − θ20 (20 AdamW steps of the same model on CPU, batch 4),
+     or on a gaussian delta with --delta gaussian.
+  4. the coordinator's peak RSS (VmHWM, read just before SIGTERM) over the model's
+     fp32 size, per run; also net of a no-model coordinator's VmHWM (the runtime).
+  5. where the coordinator's CPU goes per pushed frame (in this process, one
+     thread, the same Merger code): protobuf parse, chunk checks + spool,
+     validate (decode #1), accumulate (decode #2), and the outer step.
+
+The throughput runs use coordinator.checkpoint=false; one extra int8 run with
+checkpointing on (not used in the summary) shows what it costs. Last line:
+
+  exchange: int8 ratio=X 4bit ratio=Y merge/raw-grpc throughput=Z coordinator peak-rss/model=M
+
+Z = dtrain int8 push-and-merge throughput in model (fp32-equivalent) bytes/s with
+8 islands / raw gRPC bytes/s with 8 streams; M = VmHWM / (4·P) for int8, 8 islands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is about the host side
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # coordinator/ and workers/ even when the package is not installed
+
+import numpy as np  # noqa: E402
+
+RAW_SERVICE, RAW_METHOD = "dtrain.bench.Raw", "Push"
+START_TIMEOUT_S = 300.0
+MB = 1e6
+FP32 = 4
+TARGETS = {"int8_ratio": (">=", 3.9), "int4_ratio": (">=", 7.5), "merge_over_raw": (">=", 0.5),
+           "peak_rss_over_model": ("<=", 3.0)}
+MODELS = {"default": {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 64},   # 25.5M params
+          "full": {"d_model": 1024, "n_layers": 8, "n_heads": 8, "seq_len": 64}}     # 101.3M params
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# -- arguments and the model ----------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return out
+
+
+def _codec_list(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in ("fp32", "int8", "int4", "e3m0")]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"codecs must be among fp32,int8,int4,e3m0, got {text!r}")
+    return out
+
+
+def _count(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a parameter count like 2000000, 500k or 2M, got {text!r}")
+    return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="the 100M-parameter model (d_model=1024, n_layers=8)")
+    p.add_argument("--islands", type=_int_list, default=[1, 4, 8], help="island / stream counts (default 1,4,8)")
+    p.add_argument("--codecs", type=_codec_list, default=["fp32", "int8", "int4"],
+                   help="codecs pushed (codec.up) (default fp32,int8,int4)")
+    p.add_argument("--params", type=_count, default=None, metavar="N",
+                   help="quick runs: a model of about N parameters (d_model searched, n_layers 8 from 8M up, else 2)")
+    p.add_argument("--d-model", type=int, default=None, help="with or without --params: this d_model")
+    p.add_argument("--n-layers", type=int, default=None, help="with or without --params: this many layers")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed rounds per (codec, N) and per stream count; the best is reported (default 2)")
+    p.add_argument("--delta", choices=("trained", "gaussian"), default="trained",
+                   help="delta for the compression ratios: θ0−θ20 of a short CPU training run, or gaussian")
+    p.add_argument("--no-checkpoint-run", action="store_true",
+                   help="skip the extra int8 run with coordinator.checkpoint=true")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the no-model coordinator whose VmHWM is the runtime baseline")
+    p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
+    p.add_argument("--raw-server", default=None, help=argparse.SUPPRESS)  # internal: run the raw gRPC server
+    p.add_argument("--max-message-bytes", type=int, default=8 << 20, help=argparse.SUPPRESS)
+    p.add_argument("--server-workers", type=int, default=16, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def count_params(model_overrides: list[str]) -> int:
+    import jax
+
+    from dtrain import model
+    from dtrain.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "small.toml", model_overrides)
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.build(cfg.model).abstract_params))
+
+
+def _model_overrides(fields: dict[str, int]) -> list[str]:
+    return [f"model.{k}={v}" for k, v in fields.items()]
+
+
+def choose_model(args: argparse.Namespace) -> tuple[dict[str, int], int]:
+    """Model fields and the exact parameter count (from the abstract parameter tree)."""
+    fields = dict(MODELS["full" if args.full else "default"])
+    if args.params is not None:
+        layers = args.n_layers or (8 if args.params >= 8_000_000 else 2)
+        fields.update(n_layers=layers)
+        if args.d_model:
+            fields.update(d_model=args.d_model)
+        else:  # the d_model (a multiple of 32) whose count is closest to the target; the count grows with d
+            lo, hi = 1, 128  # d_model = 32·k
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if count_params(_model_overrides({**fields, "d_model": 32 * mid})) < args.params:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            cands = [k for k in (lo - 1, lo) if k >= 1]
+            best = min(cands, key=lambda k: abs(count_params(_model_overrides({**fields, "d_model": 32 * k}))
+                                                 - args.params))
+            fields.update(d_model=32 * best)
+    else:
+        if args.d_model:
+            fields.update(d_model=args.d_model)
+        if args.n_layers:
+            fields.update(n_layers=args.n_layers)
+    fields["n_heads"] = 8 if fields["d_model"] % 8 == 0 else (4 if fields["d_model"] % 4 == 0 else 1)
+    return fields, count_params(_model_overrides(fields))
+
+
+def make_config(model_fields: dict[str, int], out_dir: Path, codec_up: str = "int8", islands: int = 1,
+                checkpoint: bool = False, repeats: int = 1, extra: list[str] = ()):
+    """The benchmark's config: configs/small.toml + the model + what the measurement needs."""
+    from dtrain.config import load_config
+
+    base = load_config(ROOT / "configs" / "small.toml")
+    chunk = base.codec.chunk_bytes
+    overrides = _model_overrides(model_fields) + [
+        f"run.out_dir={out_dir}", "coordinator.port=0", f"codec.up={codec_up}", f"outer.islands={islands}",
+        "coordinator.grace_s=36000", "coordinator.lease_s=36000",  # no quorum close, no lease expiry: no heartbeats
+        f"coordinator.checkpoint={'true' if checkpoint else 'false'}",
+        f"coordinator.max_message_bytes={max(base.coordinator.max_message_bytes, chunk + (64 << 10))}",
+        "outer.inner_steps=50", f"train.steps={50 * (repeats + 2)}",  # versions to spare: the run never stops
+        "worker.rpc_deadline_s=3600", "worker.retry_total_s=0.001",  # a retry would spoil a timing: fail instead
+        *extra]
+    return load_config(ROOT / "configs" / "small.toml", overrides)
+
+
+# -- processes --------------------------------------------------------------------------------------
+
+
+def proc_mem(pid: int) -> dict[str, int]:
+    """VmHWM (peak RSS) and VmRSS of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, what: str, log_path: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    while not path.exists():
+        if proc.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path.exists() else ""
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening; log tail:\n{tail}")
+        if time.perf_counter() - t0 > START_TIMEOUT_S:
+            raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f}s; see {log_path}")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _stop(proc: subprocess.Popen, what: str) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log(f"{what} ignored SIGTERM for 60s: killing it")
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _child_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+class CoordinatorProcess:
+    """``python -m dtrain.cli coordinator`` on 127.0.0.1:0 with a resolved config; peak RSS from /proc."""
+
+    def __init__(self, cfg, run_dir: Path):
+        from dtrain.config import to_toml
+
+        run_dir.mkdir(parents=True)
+        self.run_dir = run_dir
+        cfg_path = run_dir / "config.toml"
+        cfg_path.write_text(to_toml(cfg))
+        self.log_path = run_dir / "coordinator.log"
+        self._log = open(self.log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dtrain.cli", "coordinator", "--config", str(cfg_path), "--port", "0",
+             "--run-dir", str(run_dir), "--quiet"],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=_child_env())
+        try:
+            info = _wait_for_file(run_dir / "coordinator.json", self.proc, "the coordinator", self.log_path)
+        except BaseException:
+            self.proc.kill()
+            self._log.close()
+            raise
+        self.start_s = time.perf_counter() - t0
+        self.address = f"127.0.0.1:{info['port']}"
+        self.mem_at_start = proc_mem(self.proc.pid)
+
+    def stop(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """Reads the peak RSS, then SIGTERM; returns (memory, the coordinator's exit summary)."""
+        mem = proc_mem(self.proc.pid)
+        rc = _stop(self.proc, "the coordinator")
+        self._log.close()
+        summary: dict[str, Any] = {}
+        for line in reversed(self.log_path.read_text().splitlines()):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "merge_s" in obj:
+                summary = obj
+                break
+        if rc != 0:
+            log(f"warning: the coordinator exited with status {rc}; see {self.log_path}")
+        summary["exit_status"] = rc
+        return mem, summary
+
+
+# -- 1. raw gRPC ------------------------------------------------------------------------------------
+
+
+def raw_server_main(run_dir: str, max_message_bytes: int, workers: int) -> int:
+    """The ceiling's server (run in its own process): counts the bytes of a client stream, answers the count."""
+    import grpc
+
+    from dtrain.wire import channel_options
+
+    def push(request_iterator, context) -> bytes:
+        n = 0
+        for chunk in request_iterator:
+            n += len(chunk)
+        return n.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        RAW_METHOD: grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes),
+                         maximum_concurrent_rpcs=workers * 4)  # the coordinator's settings
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    info = Path(run_dir) / "raw.json"
+    info.with_suffix(".tmp").write_text(json.dumps({"port": port}))
+    info.with_suffix(".tmp").replace(info)
+    stop.wait()
+    server.stop(grace=1.0).wait()
+    return 0
+
+
+def _concurrent(n: int, fn: Callable[[int], Any]) -> list[tuple[float, float, Any]]:
+    """Runs fn(0..n-1) in n threads released together; returns (start, end, result) each; re-raises errors."""
+    barrier = threading.Barrier(n)
+    out: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        try:
+            res, err = fn(i), None
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            res, err = None, e
+        out[i] = (t0, time.perf_counter(), res, err)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"bench-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (_, _, _, err) in enumerate(out):
+        if err is not None:
+            raise RuntimeError(f"thread {i}: {type(err).__name__}: {err}") from err
+    return [(t0, t1, res) for t0, t1, res, _ in out]
+
+
+def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int], repeats: int,
+              work: Path) -> list[dict[str, Any]]:
+    import grpc
+
+    from dtrain.wire import channel_options
+
+    run_dir = work / "raw"
+    run_dir.mkdir()
+    log_path = run_dir / "raw.log"
+    with open(log_path, "w") as lf:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--raw-server", str(run_dir),
+                                 "--max-message-bytes", str(max_msg)], stdout=lf, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=_child_env())
+    try:
+        port = _wait_for_file(run_dir / "raw.json", proc, "the raw gRPC server", log_path)["port"]
+        per_stream = FP32 * n_params
+        blob = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8).tobytes()
+        full, rem = divmod(per_stream, chunk_bytes)
+        chunks = [blob] * full + ([blob[:rem]] if rem else [])
+        rows = []
+        for n in streams:
+            channels = [grpc.insecure_channel(f"127.0.0.1:{port}", channel_options(max_msg)) for _ in range(n)]
+            calls = [ch.stream_unary(f"/{RAW_SERVICE}/{RAW_METHOD}", request_serializer=None,
+                                     response_deserializer=None) for ch in channels]
+            for call in calls:  # connect first (dtrain's islands have joined before they push)
+                call(iter([b"x"]), timeout=60)
+            walls = []
+            for r in range(repeats):
+                res = _concurrent(n, lambda i: calls[i](iter(chunks), timeout=3600))
+                for _, _, got in res:
+                    if int.from_bytes(got, "little") != per_stream:
+                        raise RuntimeError(f"raw server counted {int.from_bytes(got, 'little')} bytes, "
+                                           f"sent {per_stream}")
+                walls.append(max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res))
+                log(f"raw gRPC: {n} stream(s) x {per_stream / MB:.1f} MB: {walls[-1]:.2f}s "
+                    f"({n * per_stream / walls[-1] / MB:.0f} MB/s)")
+            for ch in channels:
+                ch.close()
+            best = min(walls)
+            rows.append({"streams": n, "bytes": n * per_stream, "wall_s": best, "walls_s": walls,
+                         "bytes_per_s": n * per_stream / best})
+        mem = proc_mem(proc.pid)
+        for row in rows:
+            row["server_vmhwm"] = mem["VmHWM"]
+        return rows
+    finally:
+        _stop(proc, "the raw gRPC server")
+
+
+# -- 2. dtrain push-and-merge -----------------------------------------------------------------------
+
+
+def make_frames(codec_name: str, n_params: int, count: int, block: int, level: int) -> list[bytes]:
+    """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state)."""
+    from dtrain import codec
+    from dtrain.wire import CODEC_BITS
+
+    frames = []
+    for i in range(count):
+        delta = np.random.default_rng(1000 + i).standard_normal(n_params, dtype=np.float32)
+        delta *= np.float32(1e-3)
+        frames.append(codec.encode(codec.quantize(delta, CODEC_BITS[codec_name], block), level))
+        del delta
+    return frames
+
+
+def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, n_params: int) -> dict[str, Any]:
+    from dtrain.proto import dtrain_pb2 as pb
+    from workers.client import CoordinatorClient
+
+    coord = CoordinatorProcess(cfg, run_dir)
+    clients: list[Any] = []
+    try:
+        clients = [CoordinatorClient(coord.address, cfg) for _ in range(n)]
+        joins = [c.join(f"island-{i}", "cpu", 1) for i, c in enumerate(clients)]
+        if joins[0].tree_size != n_params:
+            raise RuntimeError(f"the coordinator's tree has {joins[0].tree_size} values, expected {n_params}")
+        tokens = cfg.train.batch_size * cfg.model.seq_len * cfg.outer.inner_steps
+        seqs = cfg.train.batch_size * cfg.outer.inner_steps
+        rounds = []
+        for r in range(repeats):
+            def push(i: int, r: int = r) -> Any:
+                h = pb.PushHeader(island_id=joins[i].island_id, base_version=r, push_id=f"island-{i}-r{r}",
+                                  tokens=tokens, inner_steps=cfg.outer.inner_steps, cursor_start=r * seqs,
+                                  cursor_end=(r + 1) * seqs, tree_digest=joins[i].tree_digest)
+                return clients[i].push(h, frames[i])
+
+            res = _concurrent(n, push)
+            statuses = [pb.PushStatus.Name(resp.status) for _, _, resp in res]
+            last = max(range(n), key=lambda i: res[i][1])
+            merged = [i for i, (_, _, resp) in enumerate(res) if resp.status == pb.PUSH_STATUS_MERGED]
+            if merged != [last] or res[last][2].version != r + 1:
+                raise RuntimeError(f"round {r}: expected exactly the last push to return MERGED into version "
+                                   f"{r + 1}; got statuses {statuses}, versions {[x[2].version for x in res]}")
+            wall = res[last][1] - min(t0 for t0, _, _ in res)
+            wire = sum(len(frames[i]) for i in range(n))
+            rounds.append({"wall_s": wall, "push_s": [t1 - t0 for t0, t1, _ in res], "statuses": statuses})
+            log(f"dtrain {cfg.codec.up} N={n} ckpt={'on' if cfg.coordinator.checkpoint else 'off'} round {r}: "
+                f"{wall:.2f}s, wire {wire / wall / MB:.0f} MB/s, model {n * FP32 * n_params / wall / MB:.0f} MB/s")
+        status = clients[0].status()
+        extra = json.loads(status.json) if status.json else {}
+        retries = sum(c.retries for c in clients)
+        if retries:
+            raise RuntimeError(f"{retries} push retries happened: the timings are not clean")
+    finally:
+        for c in clients:
+            c.close()
+        mem, summary = coord.stop()
+    best = min(rounds, key=lambda x: x["wall_s"])
+    wire = sum(len(frames[i]) for i in range(n))
+    model_bytes = n * FP32 * n_params
+    return {"codec": cfg.codec.up, "islands": n, "checkpoint": cfg.coordinator.checkpoint, "wall_s": best["wall_s"],
+            "walls_s": [x["wall_s"] for x in rounds], "push_s": best["push_s"], "wire_bytes": wire,
+            "model_bytes": model_bytes, "wire_bytes_per_s": wire / best["wall_s"],
+            "model_bytes_per_s": model_bytes / best["wall_s"], "vmhwm": mem["VmHWM"], "vmrss_end": mem["VmRSS"],
+            "vmhwm_at_start": coord.mem_at_start["VmHWM"], "start_s": coord.start_s,
+            "merge_s_total": summary.get("merge_s", extra.get("merge_s")), "bytes_in": status.bytes_in,
+            "versions": status.version, "peak_rss_over_model": mem["VmHWM"] / (FP32 * n_params)}
+
+
+# -- 3. compression ---------------------------------------------------------------------------------
+
+
+def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4) -> tuple[np.ndarray, str]:
+    """θ0 − θ_steps of a short AdamW run of the same model on CPU: an actual pseudo-gradient."""
+    import jax
+
+    from dtrain import codec
+    from dtrain.config import load_config
+    from dtrain.diloco import Island, advance
+    from dtrain.runs import prepare
+
+    cfg = load_config(ROOT / "configs" / "small.toml", _model_overrides(model_fields) + [
+        f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",
+        f"train.steps_per_call={min(10, steps)}", "mesh.data=1"])
+    s = prepare(cfg, islands=1)
+    params0 = s.loop.init_params(cfg.run.seed)
+    _, v0 = codec.flatten(jax.device_get(params0))
+    v0 = np.array(v0, np.float32)
+    isl = Island(index=0, state=s.loop.init_state(params0), stream=s.shards[0].stream)
+    advance(s.loop, isl, steps, batch)
+    _, v1 = codec.flatten(jax.device_get(isl.state.params))
+    v0 -= v1
+    return v0, (f"θ0−θ{steps}: {steps} AdamW steps (lr {cfg.train.lr:g}, warm-up {cfg.train.warmup_steps}), "
+                f"batch {batch}x{cfg.model.seq_len}, corpus {s.corpus.description}")
+
+
+def ratios(delta: np.ndarray, block: int, level: int) -> dict[str, dict[str, float]]:
+    from dtrain import codec
+    from dtrain.wire import CODEC_BITS
+
+    out = {}
+    norm = float(np.linalg.norm(delta))
+    for name in ("fp32", "int8", "int4", "e3m0"):
+        t0 = time.perf_counter()
+        q = codec.quantize(delta, CODEC_BITS[name], block)
+        frame = codec.encode(q, level)
+        enc_s = time.perf_counter() - t0
+        err = float(np.linalg.norm(codec.dequantize(q) - delta)) / norm if norm > 0 else 0.0
+        out[name] = {"frame_bytes": len(frame), "ratio": codec.compression_ratio(delta.size, len(frame)),
+                     "rel_l2_error": err, "encode_s": enc_s}
+    return out
+
+
+# -- 5. where the coordinator's CPU goes ----------------------------------------------------------------
+
+
+def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
+    """One frame through the coordinator's code path, single-threaded, timed stage by stage."""
+    import zlib
+
+    from coordinator.merger import Merger
+    from coordinator.server import merge_options
+    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.wire import FrameReceiver, max_frame_bytes, to_chunks
+
+    spool_dir = work / "breakdown-spool"
+    merger = Merger(np.zeros(n_params, np.float32), merge_options(cfg), spool_dir=spool_dir)
+    chunk_bytes = cfg.codec.chunk_bytes
+    wire_msgs = [pb.PushMessage(chunk=c).SerializeToString() for c in to_chunks(frame, chunk_bytes)]
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+    msgs = [pb.PushMessage.FromString(m) for m in wire_msgs]
+    out["parse"] = time.perf_counter() - t
+    with merger.spool() as spool:
+        t = time.perf_counter()
+        receiver = FrameReceiver(len(frame), len(msgs), zlib.crc32(frame), max_frame_bytes(n_params, cfg.codec.block),
+                                 chunk_bytes)
+        for m in msgs:
+            spool.write(receiver.add(m.chunk))
+        receiver.finish()
+        out["check_spool"] = time.perf_counter() - t
+        del msgs
+        t = time.perf_counter()
+        merger.validate(spool)
+        out["validate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        merger.accumulate(spool, 1.0)
+        out["accumulate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    merger.outer_step()
+    out["outer_step"] = time.perf_counter() - t
+    shutil.rmtree(spool_dir, ignore_errors=True)
+    out["per_push"] = out["parse"] + out["check_spool"] + out["validate"] + out["accumulate"]
+    return out
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+def _met(name: str, value: float) -> str:
+    op, target = TARGETS[name]
+    if value != value:  # nan
+        return "not measured"
+    ok = value >= target if op == ">=" else value <= target
+    return f"{'met' if ok else 'NOT met'} (target {op} {target:g})"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.raw_server:
+        raise SystemExit(raw_server_main(args.raw_server, args.max_message_bytes, args.server_workers))
+    t_start = time.perf_counter()
+    model_fields, n_params = choose_model(args)
+    model_bytes = FP32 * n_params
+    base = make_config(model_fields, Path(tempfile.gettempdir()))
+    chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.zstd_level
+    max_msg = base.coordinator.max_message_bytes
+    islands = sorted(set(args.islands))
+    codecs = list(dict.fromkeys(args.codecs))
+    log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
+        + " ".join(f"{k}={v}" for k, v in model_fields.items())
+        + f"; islands {islands}, codecs {codecs}, chunk {chunk} B, block {block}, zstd {level}, "
+          f"repeats {args.repeats}; {os.cpu_count()} CPUs")
+    work = Path(tempfile.mkdtemp(prefix="dtrain-exchange-"))
+    out: dict[str, Any] = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes},
+                           "chunk_bytes": chunk, "block": block, "zstd_level": level, "repeats": args.repeats,
+                           "cpus": os.cpu_count(), "codec_down": base.codec.down}
+    try:
+        # 3. compression, on the realistic delta (before anything is timed)
+        if args.delta == "trained":
+            log("training the model 20 steps on CPU for an actual pseudo-gradient ...")
+            delta, how = trained_delta(model_fields)
+        else:
+            delta = np.random.default_rng(7).standard_normal(n_params, dtype=np.float32) * np.float32(1e-3)
+            how = "gaussian: normal x 1e-3"
+        comp = ratios(delta, block, level)
+        del delta
+        gauss_comp = comp if args.delta == "gaussian" else None
+        out["compression"] = {"delta": how, "codecs": comp}
+        log(f"compression ({how}): " + ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in comp.items()))
+
+        # 4. the runtime's own peak RSS: a coordinator of a (nearly) empty model
+        baseline = None
+        if not args.no_baseline:
+            tiny = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}
+            cp = CoordinatorProcess(make_config(tiny, work), work / "coord-baseline")
+            mem, _ = cp.stop()
+            baseline = mem["VmHWM"]
+            out["runtime_baseline_vmhwm"] = baseline
+            log(f"runtime baseline: a {count_params(_model_overrides(tiny)):,}-param coordinator peaks at "
+                f"{_fmt_bytes(baseline)}")
+
+        # 1. raw gRPC ceiling
+        log(f"raw gRPC: streams {islands}, {model_bytes / MB:.1f} MB each ...")
+        raw = bench_raw(n_params, chunk, max_msg, islands, args.repeats, work)
+        out["raw_grpc"] = raw
+
+        # 2. + 5. dtrain push-and-merge, per codec; the CPU breakdown per frame
+        runs: list[dict[str, Any]] = []
+        cpu: dict[str, dict[str, float]] = {}
+        gauss_frame_ratio: dict[str, float] = {}
+        for name in codecs:
+            log(f"{name}: encoding {max(islands)} fabricated deltas ...")
+            frames = make_frames(name, n_params, max(islands), block, level)
+            gauss_frame_ratio[name] = model_bytes / len(frames[0])
+            cfg = make_config(model_fields, work, name, 1, False, args.repeats)
+            cpu[name] = breakdown(cfg, frames[0], n_params, work)
+            log(f"{name}: per push {cpu[name]['per_push']:.2f}s CPU, outer step {cpu[name]['outer_step']:.2f}s")
+            for n in islands:
+                cfg = make_config(model_fields, work, name, n, False, args.repeats)
+                runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}", n_params))
+            if name == "int8" and not args.no_checkpoint_run:
+                n = max(islands)
+                cfg = make_config(model_fields, work, name, n, True, args.repeats)
+                runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}-ckpt", n_params))
+            del frames
+        out["dtrain"] = runs
+        out["coordinator_cpu_s"] = cpu
+        out["gaussian_frame_ratio"] = gauss_frame_ratio
+    finally:
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    # -- tables ---------------------------------------------------------------------------------------
+    wall = time.perf_counter() - t_start
+    print(f"\nmodel: {n_params:,} params ({model_bytes / MB:.1f} MB fp32; "
+          + ", ".join(f"{k}={v}" for k, v in model_fields.items())
+          + f"); chunk {chunk:,} B; block {block}; zstd level {level}; codec.down={base.codec.down}; "
+            f"best of {args.repeats} rounds; {os.cpu_count()} CPUs shared by clients and server")
+
+    print(f"\n1. compression ({how})")
+    print(f"{'codec':<6} {'frame bytes':>14} {'ratio':>7} {'gauss ratio':>11} {'rel L2 err':>10} {'encode s':>9}")
+    for name, c in comp.items():
+        g = (gauss_comp or {}).get(name, {}).get("ratio", gauss_frame_ratio.get(name, float("nan")))
+        print(f"{name:<6} {c['frame_bytes']:>14,} {c['ratio']:>7.3f} {g:>11.3f} {c['rel_l2_error']:>10.4f} "
+              f"{c['encode_s']:>9.2f}")
+
+    print("\n2. raw Python gRPC, loopback, bytes serializers (each stream sends one fp32 delta's bytes)")
+    print(f"{'streams':>7} {'total bytes':>14} {'wall s':>8} {'MB/s':>8}")
+    for r in raw:
+        print(f"{r['streams']:>7} {r['bytes']:>14,} {r['wall_s']:>8.2f} {r['bytes_per_s'] / MB:>8.0f}")
+
+    print("\n3. dtrain push-and-merge (coordinator process; first push start -> last push returns MERGED)")
+    raw_by_n = {r["streams"]: r["bytes_per_s"] for r in raw}
+    print(f"{'codec':<6} {'N':>2} {'ckpt':>4} {'wire bytes':>13} {'wall s':>7} {'wire MB/s':>9} {'model MB/s':>10} "
+          f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7}")
+    for r in runs:
+        rawbps = raw_by_n.get(r["islands"], float("nan"))
+        net = (r["vmhwm"] - baseline) / model_bytes if baseline else float("nan")
+        r["net_peak_rss_over_model"] = net
+        merge_s = r["merge_s_total"] / max(r["versions"], 1) if r["merge_s_total"] is not None else float("nan")
+        print(f"{r['codec']:<6} {r['islands']:>2} {'on' if r['checkpoint'] else 'off':>4} {r['wire_bytes']:>13,} "
+              f"{r['wall_s']:>7.2f} {r['wire_bytes_per_s'] / MB:>9.0f} {r['model_bytes_per_s'] / MB:>10.0f} "
+              f"{r['model_bytes_per_s'] / rawbps:>9.3f} {r['wire_bytes_per_s'] / rawbps:>8.3f} "
+              f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f}")
+    print("   model MB/s = N x 4 x params / wall (fp32-equivalent bytes merged per second); ckpt on = "
+          "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version")
+    print(f"   peak RSS = the coordinator's VmHWM just before SIGTERM; RSS/model = VmHWM / (4 x params); "
+          f"net/model = (VmHWM - {('%s, a no-model coordinator' % _fmt_bytes(baseline)) if baseline else 'n/a'})"
+          f" / (4 x params)")
+
+    print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
+    print(f"{'codec':<6} {'parse':>7} {'crc+spool':>9} {'validate':>9} {'accumulate':>10} {'per push':>9} "
+          f"{'outer step':>10} {'N=8 serial':>10}")
+    for name, c in cpu.items():
+        print(f"{name:<6} {c['parse']:>7.3f} {c['check_spool']:>9.3f} {c['validate']:>9.3f} {c['accumulate']:>10.3f} "
+              f"{c['per_push']:>9.3f} {c['outer_step']:>10.3f} {8 * c['per_push'] + c['outer_step']:>10.2f}")
+    print("   validate and accumulate each decode the whole frame (two decodes per push); accumulate holds the "
+          "coordinator's lock; N=8 serial = 8 x per push + outer step (one core, gRPC transport excluded)")
+
+    # -- summary ---------------------------------------------------------------------------------------
+    def pick(codec_name: str, n: int, ckpt: bool = False) -> dict[str, Any] | None:
+        return next((r for r in runs if r["codec"] == codec_name and r["islands"] == n and r["checkpoint"] == ckpt),
+                    None)
+
+    n_sum = 8 if 8 in islands else max(islands)
+    x, y = comp["int8"]["ratio"], comp["int4"]["ratio"]
+    r8 = pick("int8", n_sum)
+    z = r8["model_bytes_per_s"] / raw_by_n[n_sum] if r8 else float("nan")
+    z_wire = r8["wire_bytes_per_s"] / raw_by_n[n_sum] if r8 else float("nan")
+    m = r8["peak_rss_over_model"] if r8 else float("nan")
+    out.update(summary={"int8_ratio": x, "int4_ratio": y, "merge_over_raw": z, "merge_over_raw_wire": z_wire,
+                        "peak_rss_over_model": m, "islands": n_sum, "delta": how, "wall_s": wall})
+    print(f"\ntargets (int8, {n_sum} islands{'' if n_sum == 8 else ' -- 8 not measured'}; ratios on {how}):")
+    print(f"  int8 compression ratio        {x:8.3f}   {_met('int8_ratio', x)}")
+    print(f"  4-bit (int4) ratio            {y:8.3f}   {_met('int4_ratio', y)}")
+    print(f"  merge/raw-gRPC, model bytes   {z:8.3f}   {_met('merge_over_raw', z)}")
+    print(f"  merge/raw-gRPC, WIRE bytes    {z_wire:8.3f}   (the same run counted in bytes actually sent; no target)")
+    print(f"  coordinator peak RSS / model  {m:8.3f}   {_met('peak_rss_over_model', m)}")
+    print(f"\nwall {wall:.0f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
+    print(f"exchange: int8 ratio={x:.2f} 4bit ratio={y:.2f} merge/raw-grpc throughput={z:.3f} "
+          f"coordinator peak-rss/model={m:.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
