@@ -63,3 +63,43 @@ def test_simulate_cli_reports_a_bad_config_before_starting_anything(tmp_path, ca
     assert rc == 2
     assert "[codec] up" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_async_mode_merges_every_delta_on_arrival(tmp_path):
+    cfg = _cfg(tmp_path, "coordinator.mode=async", "codec.up=int4", "codec.down=int4")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
+    events = read_events(Path(s["run_dir"]))
+    merged = [e for e in events if e["event"] == "round_merged"]
+    assert len(merged) == 2 * cfg.rounds  # one version per delta
+    assert all(len(e["pushes"]) == 1 for e in merged)
+    assert s["bit_identical_final_params"] and s["final_eval_loss"] < 4.8
+    assert s["compression_ratio"] > 6.0  # int4 pushes
+    stale = [p["staleness"] for e in merged for p in e["pushes"]]
+    assert max(stale) >= 1  # islands pushed against versions the other had already moved on from
+
+
+def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
+    cfg = _cfg(tmp_path, "worker.round_seconds=1.5", "train.steps=400", "outer.inner_steps=100")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
+    assert s["rounds"] == cfg.rounds == 4 and s["bit_identical_final_params"]
+    events = read_events(Path(s["run_dir"]))
+    for e in (e for e in events if e["event"] == "round_merged"):
+        # Token weights are what each island really trained in its 1.5 s (steps differ between islands).
+        assert all(p["weight"] == p["tokens"] > 0 for p in e["pushes"])
+    assert all(i["steps"] > 0 for i in s["islands"])
+
+
+def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
+    from coordinator.server import initial_parameters, serve
+    from dtrain.cli import main
+
+    cfg = _cfg(tmp_path)
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, tmp_path / "c", theta, spec, port=0, quiet=True)
+    try:
+        rc = main(["status", "--config", str(ROOT / "configs" / "tiny.toml"), "--coordinator", f"127.0.0.1:{port}"])
+        out = json.loads(capsys.readouterr().out)
+        assert rc == 0 and out["run_id"] == service.run_id and out["mode"] == "sync"
+    finally:
+        server.stop(None).wait()
+        service.close()

@@ -298,10 +298,21 @@ class Worker:
                 else:
                     self.blocked_s += time.perf_counter() - t0
         active_s = time.perf_counter() - t_train0 - final_wait
+        t0 = time.perf_counter()
         if self.exchange is not None:  # stopped mid-round with an exchange in flight
-            t0 = time.perf_counter()
             finish_exchange()
-            final_wait += time.perf_counter() - t0
+        # Other islands may still push (async mode, or a slower island): wait for the run's last version, so
+        # every island ends on the same θ; give up if no new version arrives for two lease periods.
+        last_progress = time.perf_counter()
+        while self.total_versions and anchor.version < self.total_versions:
+            g_new = self.pull(anchor, wait_s=PULL_WAIT_S)
+            if g_new.version > anchor.version:
+                anchor, last_progress = g_new, time.perf_counter()
+                g_ref[0] = anchor
+            elif time.perf_counter() - last_progress > 2 * cfg.coordinator.lease_s:
+                self.log.event("final_wait_timeout", version=anchor.version, total_versions=self.total_versions)
+                break
+        final_wait += time.perf_counter() - t0
         self.stopping.set()
         hb.join(timeout=5)
         ckpt.close()
