@@ -47,9 +47,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is about the host side
 
@@ -366,7 +367,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
                 call(iter([b"x"]), timeout=60)
             walls = []
             for r in range(repeats):
-                res = _concurrent(n, lambda i: calls[i](iter(chunks), timeout=3600))
+                res = _concurrent(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
                 for _, _, got in res:
                     if int.from_bytes(got, "little") != per_stream:
                         raise RuntimeError(f"raw server counted {int.from_bytes(got, 'little')} bytes, "
@@ -554,7 +555,7 @@ def _fmt_bytes(n: float) -> str:
 
 def _met(name: str, value: float) -> str:
     op, target = TARGETS[name]
-    if value != value:  # nan
+    if math.isnan(value):
         return "not measured"
     ok = value >= target if op == ">=" else value <= target
     return f"{'met' if ok else 'NOT met'} (target {op} {target:g})"
@@ -657,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in raw:
         print(f"{r['streams']:>7} {r['bytes']:>14,} {r['wall_s']:>8.2f} {r['bytes_per_s'] / MB:>8.0f}")
 
-    print("\n3. dtrain push-and-merge (coordinator process; first push start -> last push returns MERGED)")
+    print("\n3. dtrain push-and-merge (coordinator process; first push start -> last push returns MERGED; "
+          "throughput runs use coordinator.checkpoint=false)")
     raw_by_n = {r["streams"]: r["bytes_per_s"] for r in raw}
     print(f"{'codec':<6} {'N':>2} {'ckpt':>4} {'wire bytes':>13} {'wall s':>7} {'wire MB/s':>9} {'model MB/s':>10} "
           f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7}")
@@ -672,9 +674,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f}")
     print("   model MB/s = N x 4 x params / wall (fp32-equivalent bytes merged per second); ckpt on = "
           "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version")
+    base_txt = f"{_fmt_bytes(baseline)}, a no-model coordinator's VmHWM" if baseline else "n/a"
     print(f"   peak RSS = the coordinator's VmHWM just before SIGTERM; RSS/model = VmHWM / (4 x params); "
-          f"net/model = (VmHWM - {('%s, a no-model coordinator' % _fmt_bytes(baseline)) if baseline else 'n/a'})"
-          f" / (4 x params)")
+          f"net/model = (VmHWM - {base_txt}) / (4 x params)")
 
     print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
     print(f"{'codec':<6} {'parse':>7} {'crc+spool':>9} {'validate':>9} {'accumulate':>10} {'per push':>9} "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,12 +50,24 @@ class MergeOptions:
 
 @dataclass(frozen=True)
 class Update:
-    """One broadcast outer update: θ_version = θ_base + dequantize(frame)."""
+    """One broadcast outer update, kept on disk: θ_version = θ_base + dequantize(frame)."""
 
     version: int
     base_version: int
-    frame: bytes
+    path: Path  # the frame, written once; pulls stream it from here
+    size: int
+    crc32: int
     params_digest: str  # digest of θ_version
+
+    @property
+    def frame(self) -> bytes:
+        return self.path.read_bytes()
+
+    def pieces(self, piece_bytes: int):
+        """The frame in pieces of ``piece_bytes`` (for chunked streaming without loading it whole)."""
+        with open(self.path, "rb") as f:
+            while piece := f.read(piece_bytes):
+                yield piece
 
 
 class Merger:
@@ -79,7 +92,7 @@ class Merger:
         self.acc = np.zeros(self.n, np.float32)
         self.total_weight = 0.0
         self.pushes_in_acc = 0
-        self.updates: collections.deque[Update] = collections.deque(maxlen=opts.keep_updates)
+        self.updates: collections.deque[Update] = collections.deque()
         self.digest = params_digest(self.theta)
         self.spool_dir = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir())
         self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +105,7 @@ class Merger:
 
     def validate(self, spool: "Spool") -> None:
         """Decodes the whole spooled frame once, discarding the values: raises CodecError if anything is wrong."""
-        dec = codec.StreamingDecoder(self.n, self.opts.up_bits, self.opts.block)
+        dec = codec.StreamingDecoder(self.n, self.opts.up_bits, self.opts.block, values=False)
         for piece in spool.read_pieces():
             dec.feed(piece)
         dec.finish()
@@ -101,11 +114,9 @@ class Merger:
         """acc += weight · Δ, decoded block by block from a validated spool (no model-sized temporary)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
-        dec = codec.StreamingDecoder(self.n, self.opts.up_bits, self.opts.block)
-        w = np.float32(weight)
+        dec = codec.StreamingDecoder(self.n, self.opts.up_bits, self.opts.block, weight=weight)
         for piece in spool.read_pieces():
-            for start, values in dec.feed(piece):
-                values *= w
+            for start, values in dec.feed(piece):  # weight · Δ, folded into the block scales
                 self.acc[start:start + values.size] += values
         dec.finish()
         self.total_weight += float(weight)
@@ -155,13 +166,21 @@ class Merger:
             frame_q = codec.QuantizedVec(bits=o.down_bits, block=o.block, n=self.n, scales=np.concatenate(scales),
                                          payload=np.concatenate(payloads))
         frame = codec.encode(frame_q, o.zstd_level)
+        del frame_q, scales, payloads
         self.acc[:] = 0.0
         self.total_weight = 0.0
         self.pushes_in_acc = 0
         self.version += 1
         self.digest = params_digest(self.theta)
-        update = Update(version=self.version, base_version=self.version - 1, frame=frame, params_digest=self.digest)
+        path = self.spool_dir / f"update-{self.version:08d}.frame"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(frame)
+        tmp.replace(path)
+        update = Update(version=self.version, base_version=self.version - 1, path=path, size=len(frame),
+                        crc32=zlib.crc32(frame), params_digest=self.digest)
         self.updates.append(update)
+        while len(self.updates) > self.opts.keep_updates:
+            self.updates.popleft().path.unlink(missing_ok=True)
         return update
 
     def _residual(self, s: int, e: int) -> np.ndarray:
@@ -178,8 +197,10 @@ class Merger:
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What a checkpoint must hold besides the version (the accumulator is empty after a merge)."""
-        return {"theta": self.theta, "momentum": self.momentum, "residual_codes": self.residual_codes,
-                "residual_scales": self.residual_scales}
+        arrays = {"theta": self.theta, "momentum": self.momentum}
+        if self.feedback:
+            arrays.update(residual_codes=self.residual_codes, residual_scales=self.residual_scales)
+        return arrays
 
     # -- outgoing parameters ------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+import zlib
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,13 +24,12 @@ import numpy as np
 from coordinator.merger import Merger, MergeOptions
 from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
-from dtrain.checkpoint import Checkpointer
 from dtrain.config import Config
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.wire import (CODEC_BITS, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         chunk_count, iter_chunks, max_frame_bytes, read_token, server_credentials)
+                         chunk_count, max_frame_bytes, read_token, server_credentials)
 
 TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
 MAX_PULL_WAIT_S = 30.0
@@ -78,7 +78,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.fingerprint_fields = cfg.fingerprint_fields()
         self.lock = threading.Condition(threading.RLock())
         self.opts = state_options(cfg)
-        self.ckpt = Checkpointer(self.run_dir / "coordinator", keep=2) if cfg.coordinator.checkpoint else None
+        if cfg.coordinator.checkpoint:
+            from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
+
+            self.ckpt: Any = Checkpointer(self.run_dir / "coordinator", keep=2)
+        else:
+            self.ckpt = None
         now = clock()
         momentum = residual = None
         version = 0
@@ -89,7 +94,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             version, arrays, meta = self.ckpt.restore(probe.state_arrays())
             del probe
             theta, momentum = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum"))
-            residual = {"codes": np.asarray(arrays["residual_codes"]), "scales": np.asarray(arrays["residual_scales"])}
+            residual = {"codes": np.asarray(arrays["residual_codes"]), "scales": np.asarray(arrays["residual_scales"])} \
+                if "residual_codes" in arrays else None
             self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
             self.run_id = self.state.run_id
             self.log.event("coordinator_resumed", version=version)
@@ -102,6 +108,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bytes_in = 0
         self.bytes_out = 0
         self.merge_s = 0.0
+        self.fatal: str | None = None
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
@@ -139,13 +146,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.lock.notify_all()  # wakes long-polling pulls
 
     def _tick_loop(self) -> None:
-        while not self._stop.wait(TICK_S):
-            with self.lock:
-                now = self.clock()
-                for island_id, reason in self.state.expire(now):
-                    self.log.event("island_lost", island=island_id, reason=reason)
-                    self.log.progress(f"lost {island_id}: {reason}")
-                self._maybe_merge_locked(now)
+        try:
+            while not self._stop.wait(TICK_S):
+                with self.lock:
+                    now = self.clock()
+                    for island_id, reason in self.state.expire(now):
+                        self.log.event("island_lost", island=island_id, reason=reason)
+                        self.log.progress(f"lost {island_id}: {reason}")
+                    self._maybe_merge_locked(now)
+        except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
+            self.fatal = f"{type(e).__name__}: {e}"
+            self.log.event("coordinator_failed", error=self.fatal)
+            raise
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
@@ -263,24 +275,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             version = self.state.version
             chain = None if request.full else self.merger.updates_since(request.have_version)
             if chain is None:
-                frames = [(pb.PULL_KIND_FULL, 0, version, self.merger.full_frame(), self.merger.digest)]
+                full = self.merger.full_frame()
+                frames = [(pb.PULL_KIND_FULL, 0, version, len(full), _crc(full), self.merger.digest,
+                           _pieces_of(full))]
+                del full
             else:
-                frames = [(pb.PULL_KIND_UPDATE, u.base_version, u.version, u.frame, u.params_digest) for u in chain]
+                frames = [(pb.PULL_KIND_UPDATE, u.base_version, u.version, u.size, u.crc32, u.params_digest,
+                           u.pieces) for u in chain]
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
                                                       base_version=version, tree_digest=self.tree_digest))
             return
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
-                       frames=[[pb.PullKind.Name(k), b, v, len(f)] for k, b, v, f, _ in frames])
-        for kind, base, v, frame, digest in frames:
+                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames])
+        chunk_bytes = self.cfg.codec.chunk_bytes
+        for kind, base, v, size, crc, digest, pieces in frames:
             yield pb.PullMessage(header=pb.PullHeader(
-                kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=len(frame),
-                frame_crc32=_crc(frame), chunks=chunk_count(len(frame), self.cfg.codec.chunk_bytes),
-                params_digest=digest))
-            for chunk in iter_chunks(frame, self.cfg.codec.chunk_bytes):
-                yield pb.PullMessage(chunk=chunk)
+                kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
+                frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest))
+            for index, data in enumerate(pieces(chunk_bytes)):
+                yield pb.PullMessage(chunk=pb.Chunk(index=index, data=data, crc32=zlib.crc32(data)))
             with self.lock:
-                self.bytes_out += len(frame)
+                self.bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         import json
@@ -307,9 +323,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 
 def _crc(data: bytes) -> int:
-    import zlib
-
     return zlib.crc32(data)
+
+
+def _pieces_of(frame: bytes) -> Callable[[int], Iterator[bytes]]:
+    def pieces(size: int) -> Iterator[bytes]:
+        view = memoryview(frame)
+        for i in range(0, len(frame), size):
+            yield bytes(view[i:i + size])
+    return pieces
 
 
 def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec, port: int | None = None,
@@ -339,14 +361,26 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec,
 
 
 def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
-    """θ_0 from the run's seed, flattened: every island builds the same tree and checks its digest."""
-    import jax
+    """θ_0 from the run's seed, flattened (every island builds the same tree and checks its digest).
 
-    from dtrain import model
+    Computed in a child process (coordinator/init_params.py), so JAX and the model's temporary copies
+    never enter the coordinator's own memory."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
 
-    params = jax.device_get(model.build(cfg.model).init(cfg.run.seed))
-    spec, vec = codec.flatten(params)
-    return np.array(vec, dtype=np.float32), spec
+    from dtrain.config import to_toml
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-init-") as tmp:
+        (Path(tmp) / "config.toml").write_text(to_toml(cfg))
+        done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"), tmp],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
+        theta = np.load(Path(tmp) / "theta0.npy")
+        spec = json.loads((Path(tmp) / "spec.json").read_text())
+    return np.ascontiguousarray(theta, dtype=np.float32), spec
 
 
 def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, resume: bool = False,
@@ -367,6 +401,10 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         signal.signal(sig, lambda *_: stop.set())
     stopped_at: float | None = None
     while not stop.wait(0.2):
+        if service.fatal:
+            server.stop(grace=1.0).wait()
+            service.close()
+            raise RuntimeError(f"coordinator failed: {service.fatal}")
         with service.lock:
             if service.state.stopped() and stopped_at is None:
                 stopped_at = time.time()

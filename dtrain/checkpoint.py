@@ -15,8 +15,9 @@ import jax
 import orbax.checkpoint as ocp
 
 
-class CheckpointError(RuntimeError):
-    pass
+from dtrain.errors import CheckpointError  # noqa: E402  (re-exported: callers import it from here)
+
+__all__ = ["CheckpointError", "Checkpointer"]
 
 
 class Checkpointer:

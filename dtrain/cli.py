@@ -63,9 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(reference_markdown() if args.reference else to_toml(cfg))
             return 0
-        from dtrain import runs  # imports JAX: after XLA_FLAGS is set
-        from dtrain.checkpoint import CheckpointError
         from dtrain.data import DataError
+        from dtrain.errors import CheckpointError
+
+        if args.command in ("coordinator", "worker", "status"):
+            try:
+                return _service_command(args, cfg)
+            except (DataError, CheckpointError, DtrainError) as e:
+                print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
+                return 1
+        from dtrain import runs  # imports JAX: after XLA_FLAGS is set
+
         try:
             if args.command == "train":
                 summary = runs.run_train(cfg, resume=args.resume, quiet=args.quiet)
@@ -79,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                     from dtrain.simulate import run_simulation
 
                     summary = run_simulation(cfg, islands, quiet=args.quiet)
-            else:
-                return _service_command(args, cfg)
         except (DataError, CheckpointError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
             return 1
@@ -96,7 +102,8 @@ def _service_command(args: argparse.Namespace, cfg) -> int:
     """coordinator / worker / status: the entry points into coordinator/ and workers/ (imported here only)."""
     from pathlib import Path
 
-    from dtrain.runs import run_dir
+    def run_dir(cfg) -> Path:
+        return Path(cfg.run.out_dir) / cfg.run.name
 
     if args.command == "coordinator":
         from coordinator.server import run_coordinator

@@ -646,6 +646,9 @@ def decode(frame: bytes, *, expected_n: int | None = None) -> QuantizedVec:
     return QuantizedVec(header.bits, header.block, header.n, scales, payload)
 
 
+_EMPTY = np.zeros(0, np.float32)
+
+
 class StreamingDecoder:
     """Decode a frame fed in pieces, handing out dequantized float32 segments block by block.
 
@@ -663,7 +666,12 @@ class StreamingDecoder:
     this frame".
     """
 
-    def __init__(self, expected_n: int, bits: Bits, block: int = DEFAULT_BLOCK):
+    def __init__(self, expected_n: int, bits: Bits, block: int = DEFAULT_BLOCK, *, weight: float = 1.0,
+                 values: bool = True):
+        """``weight`` scales every value handed out (folded into the block scales: no extra pass);
+        ``values=False`` checks the frame completely but hands out nothing (a cheap validation pass)."""
+        self.weight = np.float32(weight)
+        self.values = values
         if isinstance(expected_n, bool) or not isinstance(expected_n, int) or expected_n < 0:
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
         self.n = expected_n
@@ -757,7 +765,14 @@ class StreamingDecoder:
         _check_segment(self.bits, self.block, scales, payload, count, first_block)
         start = self._next_value
         self._next_value += count
-        return start, _dequantize_segment(self.bits, self.block, scales, payload, count)
+        if not self.values:
+            return start, _EMPTY
+        if self.weight != 1 and self.bits != 32:
+            return start, _dequantize_segment(self.bits, self.block, scales * self.weight, payload, count)
+        out = _dequantize_segment(self.bits, self.block, scales, payload, count)
+        if self.weight != 1:
+            out *= self.weight
+        return start, out
 
     def finish(self) -> None:
         """Check the frame was complete and intact: all bytes, CRC32, exact decompressed size."""

@@ -3,3 +3,7 @@
 
 class DtrainError(RuntimeError):
     """A run cannot go on as asked; the message says why and what to do."""
+
+
+class CheckpointError(DtrainError):
+    """A checkpoint is missing or does not match this run."""

@@ -44,6 +44,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     if islands != cfg.outer.islands:
         cfg = config_mod.replace(cfg, outer={"islands": islands})
+    if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
+        raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
     cfg = new_run(cfg)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
@@ -91,8 +93,9 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             time.sleep(0.2)
         failed = [(n, p.returncode) for n, p in procs if p.returncode != 0]
         if failed:
-            raise SimulationError("workers failed: " + ", ".join(f"{n} (status {rc}, see islands/{n}/worker.log)"
-                                                                 for n, rc in failed))
+            raise SimulationError("workers failed: " + "; ".join(
+                f"{n} (status {rc}: {_last_line(out / 'islands' / n / 'worker.log')}; see islands/{n}/worker.log)"
+                for n, rc in failed))
         if coordinator.poll() is None:
             coordinator.terminate()
         if coordinator.wait(timeout=60) not in (0, -15):
@@ -128,6 +131,14 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
                  f"{wall:.1f}s -> {out / 'summary.json'}")
     log.close()
     return summary
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "empty log"
 
 
 def _merged_versions(out: Path) -> int:

@@ -116,11 +116,12 @@ def test_simulate_loss_well_below_chance(simulate_run):
     assert loss < math.log(256) - 1.0  # chance for bytes is ln 256 = 5.545
 
 
-def test_simulate_without_inprocess_is_refused(tmp_path: Path):
-    rc, _, err = _main(["simulate", "--config", str(TINY), "--set", f"run.out_dir={tmp_path / 'runs'}", "--quiet"])
-    assert rc == 2
-    assert "--inprocess" in err
-    assert not (tmp_path / "runs").exists()
+def test_process_simulate_with_a_missing_data_source_fails_cleanly(tmp_path: Path):
+    rc, _, err = _main(["simulate", "--config", str(TINY), "--islands", "2", "--set", f"run.out_dir={tmp_path / 'runs'}",
+                        "--set", f"data.source={tmp_path / 'nope.txt'}", "--quiet"])
+    assert rc == 1
+    assert "nope.txt" in err and "no such file" in err
+    assert not (tmp_path / "runs").exists()  # refused before any process started
 
 
 def test_simulate_zero_islands(tmp_path: Path):

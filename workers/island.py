@@ -112,6 +112,7 @@ class Worker:
         self.total_versions = 0
         self.pending_push_id = ""
         self.exchange: Exchange | None = None
+        self.ckpt: Checkpointer | None = None
         self.blocked_s = 0.0
         self.frames_sent = 0
         self.frame_bytes = 0
@@ -198,7 +199,7 @@ class Worker:
         island = Island(index=joined.shard_index, state=loop.init_state(params), stream=shard.stream,
                         cursor=int(joined.cursor))
         island.steps = island.cursor // B  # a rejoining island continues where its shard's merged data ends
-        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
+        ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         if ckpt.latest_step() is not None:
             _, restored, meta = ckpt.restore(island.state)
             if meta.get("fingerprint") == cfg.fingerprint():
@@ -316,6 +317,7 @@ class Worker:
         self.stopping.set()
         hb.join(timeout=5)
         ckpt.close()
+        self.ckpt = None
         g = anchor
         try:  # tell the coordinator this island holds the final version (it stops once all do)
             self.client.heartbeat(island_id=self.island_id, version=g.version, steps=island.steps,
@@ -349,6 +351,11 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         return worker.run()
     finally:
         worker.stopping.set()
+        if worker.ckpt is not None:
+            try:
+                worker.ckpt.close()  # its async writer thread would otherwise keep a failed process alive
+            except Exception as e:  # noqa: BLE001 - already failing; the original error is what matters
+                worker.log.event("checkpoint_close_failed", error=str(e))
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -1,0 +1,33 @@
+"""θ_0 for a config, computed in a child process (``python -m coordinator.init_params CONFIG OUT``).
+
+The coordinator needs θ_0 as one flat float32 vector. Building it means
+importing JAX and materializing the model's parameter tree several times
+over; doing that in a short-lived child keeps the coordinator's own memory
+(and its peak) at the size of the vectors it actually holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(config_path: str, out_dir: str) -> None:
+    import jax
+
+    from dtrain import codec, model
+    from dtrain.config import load_config
+
+    cfg = load_config(config_path)
+    params = jax.device_get(model.build(cfg.model).init(cfg.run.seed))
+    spec, vec = codec.flatten(params)
+    out = Path(out_dir)
+    np.save(out / "theta0.npy", np.asarray(vec, np.float32))
+    (out / "spec.json").write_text(json.dumps(spec))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

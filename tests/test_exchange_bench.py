@@ -1,0 +1,36 @@
+"""benchmarks/exchange.py end to end on a tiny model: a real coordinator process, raw gRPC, the summary line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAST_LINE = re.compile(r"exchange: int8 ratio=(\S+) 4bit ratio=(\S+) merge/raw-grpc throughput=(\S+) "
+                       r"coordinator peak-rss/model=(\S+)")
+
+
+@pytest.mark.slow
+def test_exchange_benchmark_runs_and_ends_with_the_summary_line(tmp_path):
+    out_json = tmp_path / "exchange.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "exchange.py"), "--params", "20k", "--islands", "2",
+         "--codecs", "int8", "--repeats", "1", "--delta", "gaussian", "--no-baseline", "--no-checkpoint-run",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = LAST_LINE.fullmatch(last)
+    assert m, last
+    x, y, z, mem = (float(g) for g in m.groups())
+    assert x > 3.5 and y > 7 and z > 0 and mem > 0  # gaussian ratios; real (not nan) throughput and memory
+    data = json.loads(out_json.read_text())
+    run = data["dtrain"][0]
+    assert run["codec"] == "int8" and run["islands"] == 2 and run["wall_s"] > 0
+    assert [r["streams"] for r in data["raw_grpc"]] == [2]
+    assert data["summary"]["merge_over_raw"] == pytest.approx(z, rel=1e-2)
