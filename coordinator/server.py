@@ -360,6 +360,24 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec,
     return server, service, bound
 
 
+def _return_large_frees_to_the_os() -> None:
+    """glibc keeps freed multi-MiB temporaries (decoded segments, frames) in per-thread arenas, one per gRPC
+    thread, so the coordinator's resident size creeps up to a multiple of the model. A fixed 1 MiB mmap
+    threshold hands every large temporary back to the OS when freed, and two arenas are enough here."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return
+
+
 def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
     """θ_0 from the run's seed, flattened (every island builds the same tree and checks its digest).
 
@@ -390,6 +408,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import json
     import signal
 
+    _return_large_frees_to_the_os()
     theta, spec = initial_parameters(cfg)
     server, service, bound = serve(cfg, run_dir, theta, spec, port=port, resume=resume, quiet=quiet)
     info = Path(run_dir) / "coordinator.json"
