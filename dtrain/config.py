@@ -124,6 +124,8 @@ class CoordinatorConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     overlap: bool = _f(True, "keep training while a push/pull is in flight; fold the new θ in on arrival")
+    max_overlap_steps: int = _f(5, "with overlap: inner steps an island may take past a push before it waits "
+                                "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time)")
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
                               "0: outer.inner_steps steps")
     heartbeat_s: float = _f(2.0, "seconds between heartbeats (keep well under coordinator.lease_s)")
@@ -291,6 +293,8 @@ def _check(cfg: Config, origin: str) -> None:
     if co.workers < 2:
         fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
     w = cfg.worker
+    if w.max_overlap_steps < 0:
+        fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")
     if w.round_seconds < 0:
         fail("worker", "round_seconds", f"must be >= 0, got {w.round_seconds}")
     for name in ("heartbeat_s", "rpc_deadline_s", "retry_initial_s", "retry_max_s", "retry_total_s"):

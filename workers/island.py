@@ -245,6 +245,10 @@ class Worker:
                 break
             round_t0, round_steps = time.perf_counter(), 0
             while not self.stopping.is_set():
+                if self.exchange is not None and round_steps >= w.max_overlap_steps:
+                    t0 = time.perf_counter()  # overlap budget spent: fold the new θ in before going on
+                    finish_exchange()
+                    self.blocked_s += time.perf_counter() - t0
                 if w.round_seconds:
                     if time.perf_counter() - round_t0 >= w.round_seconds and round_steps:
                         break
@@ -253,6 +257,8 @@ class Worker:
                     n = min(t.steps_per_call, cfg.outer.inner_steps - round_steps, t.steps - island.steps)
                     if n <= 0:
                         break
+                if self.exchange is not None:
+                    n = min(n, w.max_overlap_steps - round_steps)  # stop exactly at the overlap budget
                 advance(loop, island, n, B)
                 round_steps += n
                 if self.exchange is not None and not self.exchange.is_alive():
