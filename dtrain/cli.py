@@ -102,8 +102,7 @@ def _service_command(args: argparse.Namespace, cfg) -> int:
     """coordinator / worker / status: the entry points into coordinator/ and workers/ (imported here only)."""
     from pathlib import Path
 
-    def run_dir(cfg) -> Path:
-        return Path(cfg.run.out_dir) / cfg.run.name
+    from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
         from coordinator.server import run_coordinator

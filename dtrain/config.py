@@ -398,6 +398,11 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def run_path(cfg: Config) -> Path:
+    """Where a run writes: OUT_DIR/NAME."""
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
 def reference_markdown() -> str:
     """The config reference table for the README, generated from the dataclasses."""
     rows = ["| field | default | meaning |", "| --- | --- | --- |"]

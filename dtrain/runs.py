@@ -53,8 +53,7 @@ def prepare(cfg: Config, islands: int) -> Setup:
     return Setup(cfg, built, loop, corpus, shards, evals, n_params)
 
 
-def run_dir(cfg: Config) -> Path:
-    return Path(cfg.run.out_dir) / cfg.run.name
+run_dir = config.run_path
 
 
 def new_run(cfg: Config) -> Config:

@@ -17,7 +17,6 @@ exchange has finished; that time is what ``utilization`` counts.
 
 from __future__ import annotations
 
-import json
 import platform
 import threading
 import time
@@ -363,6 +362,3 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
             except Exception as e:  # noqa: BLE001 - already failing; the original error is what matters
                 worker.log.event("checkpoint_close_failed", error=str(e))
 
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2))
