@@ -103,3 +103,64 @@ def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
     finally:
         server.stop(None).wait()
         service.close()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dtrain.config import to_toml
+
+    cfg = _cfg(tmp_path, "model.d_model=96", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16",
+               "train.steps=200", "outer.inner_steps=20", "coordinator.lease_s=30")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text(to_toml(cfg))
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "dtrain.cli"]
+    conf = ["--config", str(out / "config.toml"), "--quiet"]
+    coord = subprocess.Popen(cli + ["coordinator", *conf, "--port", "0", "--run-dir", str(out)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = {}
+    try:
+        deadline = time.time() + 120
+        while not (out / "coordinator.json").exists():
+            assert time.time() < deadline and coord.poll() is None
+            time.sleep(0.1)
+        address = f"127.0.0.1:{json.loads((out / 'coordinator.json').read_text())['port']}"
+
+        def start(name: str) -> subprocess.Popen:
+            return subprocess.Popen(cli + ["worker", *conf, "--coordinator", address, "--island", name,
+                                           "--run-dir", str(out / "islands" / name)], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        workers = {n: start(n) for n in ("a", "b")}
+        while sum(1 for e in read_events(out) if e["event"] == "round_merged") < 2:
+            assert time.time() < deadline and coord.poll() is None
+            time.sleep(0.05)
+        workers["b"].send_signal(signal.SIGKILL)  # mid-run, without warning
+        workers["b"].wait()
+        merged_at_kill = sum(1 for e in read_events(out) if e["event"] == "round_merged")
+        workers["b"] = start("b")  # the same island comes back
+        for p in workers.values():
+            assert p.wait(timeout=240) == 0
+        assert coord.wait(timeout=60) == 0
+    finally:
+        for p in [coord, *workers.values()]:
+            if p.poll() is None:
+                p.kill()
+    assert merged_at_kill < cfg.rounds  # the kill landed mid-run
+    events = read_events(out)
+    joins = [e for e in events if e["event"] == "island_joined" and e["name"] == "b"]
+    assert len(joins) == 2 and "rejoined" in joins[1]["reason"] and joins[0]["shard"] == joins[1]["shard"]
+    assert joins[1]["cursor"] > 0  # it resumed where its merged (or pending) data ended
+    stopped = next(e for e in events if e["event"] == "coordinator_stopped")
+    assert stopped["version"] == cfg.rounds
+    # Exactly-once: every island's shard was merged in full, once.
+    assert stopped["tokens_merged"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+    summaries = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in ("a", "b")]
+    assert summaries[0]["params_digest"] == summaries[1]["params_digest"] == stopped["params_digest"]

@@ -60,15 +60,16 @@ class CoordinatorClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _retry(self, what: str, call: Callable[[], T]) -> T:
+    def _retry(self, what: str, call: Callable[[], T], budget_s: float | None = None) -> T:
         w = self.cfg.worker
+        budget = w.retry_total_s if budget_s is None else budget_s
         delay, waited = w.retry_initial_s, 0.0
         while True:
             try:
                 return call()
             except grpc.RpcError as e:
                 code = e.code()
-                if code not in RETRYABLE or waited >= w.retry_total_s:
+                if code not in RETRYABLE or waited >= budget:
                     raise CoordinatorError(code, e.details() or "") from None
                 pause = delay * random.uniform(0.5, 1.0)
                 self.retries += 1
@@ -83,10 +84,11 @@ class CoordinatorClient:
                              fingerprint_fields=self.cfg.fingerprint_fields())
         return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
-    def heartbeat(self, **fields: object) -> pb.HeartbeatResponse:
+    def heartbeat(self, budget_s: float | None = None, **fields: object) -> pb.HeartbeatResponse:
+        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try)."""
         req = pb.HeartbeatRequest(**fields)
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
-                                                                    metadata=self.metadata))
+                                                                    metadata=self.metadata), budget_s)
 
     def status(self) -> pb.StatusResponse:
         return self._retry("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S,

@@ -324,8 +324,8 @@ class Worker:
         ckpt.close()
         self.ckpt = None
         g = anchor
-        try:  # tell the coordinator this island holds the final version (it stops once all do)
-            self.client.heartbeat(island_id=self.island_id, version=g.version, steps=island.steps,
+        try:  # best effort, one try: tell the coordinator this island holds the final version
+            self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
                                   tokens=island.tokens, params_digest=params_digest(g.vec))
         except CoordinatorError as e:
             self.log.event("heartbeat_failed", error=str(e))
