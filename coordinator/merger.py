@@ -195,6 +195,15 @@ class Merger:
         self.residual_scales[s // b: -(-e // b)] = q.scales
         self.residual_codes[s:e] = q.payload
 
+    @staticmethod
+    def state_layout(n: int, opts: MergeOptions) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of each array in :meth:`state_arrays`, without allocating them (for restores)."""
+        layout = {"theta": ((n,), np.dtype(np.float32)), "momentum": ((n,), np.dtype(np.float32))}
+        if opts.error_feedback and opts.down_bits != 32:
+            layout.update(residual_codes=((n,), np.dtype(np.uint8)),
+                          residual_scales=((-(-n // opts.block),), np.dtype(np.float32)))
+        return layout
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What a checkpoint must hold besides the version (the accumulator is empty after a merge)."""
         arrays = {"theta": self.theta, "momentum": self.momentum}

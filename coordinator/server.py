@@ -10,6 +10,7 @@ push ids) is checkpointed with orbax, atomically.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from coordinator.merger import Merger, MergeOptions
 from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.config import Config
+from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
@@ -72,6 +74,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.cfg = cfg
         self.clock = clock
         self.run_dir = Path(run_dir)
+        ckpt_dir = self.run_dir / "coordinator"
+        if resume and not (cfg.coordinator.checkpoint and ckpt_dir.is_dir()
+                           and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
+            raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
         self.log = RunLog(self.run_dir, quiet=quiet)
         self.spec = spec
         self.tree_digest = codec.spec_digest(spec)
@@ -81,18 +87,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
 
-            self.ckpt: Any = Checkpointer(self.run_dir / "coordinator", keep=2)
+            self.ckpt: Any = Checkpointer(ckpt_dir, keep=2)
         else:
             self.ckpt = None
         now = clock()
         momentum = residual = None
         version = 0
         if resume:
-            if self.ckpt is None or self.ckpt.latest_step() is None:
-                raise FileNotFoundError(f"--resume: no coordinator checkpoint in {self.run_dir / 'coordinator'}")
-            probe = Merger(theta, merge_options(cfg))  # for the shapes and dtypes of the saved arrays
-            version, arrays, meta = self.ckpt.restore(probe.state_arrays())
-            del probe
+            import jax  # loaded with orbax already
+
+            layout = Merger.state_layout(theta.size, merge_options(cfg))
+            version, arrays, meta = self.ckpt.restore({k: jax.ShapeDtypeStruct(*v) for k, v in layout.items()})
             theta, momentum = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum"))
             residual = {"codes": np.asarray(arrays["residual_codes"]), "scales": np.asarray(arrays["residual_scales"])} \
                 if "residual_codes" in arrays else None
@@ -141,7 +146,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "weight": a.weight, "staleness": a.staleness} for i, a in pending],
-                       update_bytes=len(update.frame), params_digest=update.params_digest)
+                       update_bytes=update.size, params_digest=update.params_digest)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
         self.lock.notify_all()  # wakes long-polling pulls
 
@@ -218,14 +223,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         h = first.header
         info = self._push_info(h, context)
         with self.lock:
-            self._island(context, info.island_id)
-            admission = self._admit(info, context)
+            admission = self._admit(info, context)  # an unknown island is NOT_FOUND here
+            if admission.status == "duplicate":
+                self.state.commit_push(info, admission, self.clock())  # counts the retry
+                version = self.state.version
         if admission.status == "duplicate":
-            with self.lock:
-                self.state.commit_push(info, self._admit(info, context), self.clock())  # counts the retry
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
-                                        version=self.state.version, reason=admission.reason)
+                                        version=version, reason=admission.reason)
         try:
             receiver = FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame,
                                      self.cfg.codec.chunk_bytes)
@@ -276,7 +281,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             chain = None if request.full else self.merger.updates_since(request.have_version)
             if chain is None:
                 full = self.merger.full_frame()
-                frames = [(pb.PULL_KIND_FULL, 0, version, len(full), _crc(full), self.merger.digest,
+                frames = [(pb.PULL_KIND_FULL, 0, version, len(full), zlib.crc32(full), self.merger.digest,
                            _pieces_of(full))]
                 del full
             else:
@@ -299,8 +304,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        import json
-
         with self.lock:
             now = self.clock()
             st = self.state.status(now)
@@ -320,10 +323,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.ckpt is not None:
             self.ckpt.close()
         self.log.close()
-
-
-def _crc(data: bytes) -> int:
-    return zlib.crc32(data)
 
 
 def _pieces_of(frame: bytes) -> Callable[[int], Iterator[bytes]]:
@@ -383,7 +382,6 @@ def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
 
     Computed in a child process (coordinator/init_params.py), so JAX and the model's temporary copies
     never enter the coordinator's own memory."""
-    import json
     import subprocess
     import sys
     import tempfile
@@ -395,7 +393,7 @@ def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
         done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"), tmp],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
+            raise DtrainError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
         theta = np.load(Path(tmp) / "theta0.npy")
         spec = json.loads((Path(tmp) / "spec.json").read_text())
     return np.ascontiguousarray(theta, dtype=np.float32), spec
@@ -405,7 +403,6 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
                     quiet: bool = False, linger_s: float = 10.0) -> dict[str, Any]:
     """``dtrain coordinator``: serves until the run's last version is merged and the islands have it
     (or SIGTERM / Ctrl-C); writes RUN_DIR/coordinator.json with the bound address as soon as it listens."""
-    import json
     import signal
 
     _return_large_frees_to_the_os()

@@ -14,8 +14,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-
-from dtrain.errors import CheckpointError  # noqa: E402  (re-exported: callers import it from here)
+from dtrain.errors import CheckpointError  # re-exported: callers import it from here
 
 __all__ = ["CheckpointError", "Checkpointer"]
 

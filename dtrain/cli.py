@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from dtrain.errors import DtrainError
 from dtrain.config import ConfigError, load_config, reference_markdown, to_toml
+from dtrain.errors import DtrainError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -64,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             print(reference_markdown() if args.reference else to_toml(cfg))
             return 0
         from dtrain.data import DataError
-        from dtrain.errors import CheckpointError
 
         if args.command in ("coordinator", "worker", "status"):
             try:
                 return _service_command(args, cfg)
-            except (DataError, CheckpointError, DtrainError) as e:
+            except (DataError, DtrainError) as e:
                 print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
                 return 1
         from dtrain import runs  # imports JAX: after XLA_FLAGS is set
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     from dtrain.simulate import run_simulation
 
                     summary = run_simulation(cfg, islands, quiet=args.quiet)
-        except (DataError, CheckpointError, DtrainError) as e:
+        except (DataError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
             return 1
     except ConfigError as e:

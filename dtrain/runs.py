@@ -9,7 +9,6 @@ the exact DiLoCo math in one process (they share the process's devices).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -61,7 +60,7 @@ def new_run(cfg: Config) -> Config:
     if not run_dir(cfg).exists():
         return cfg
     n = 2
-    while (Path(cfg.run.out_dir) / f"{cfg.run.name}-{n}").exists():
+    while run_dir(cfg).with_name(f"{cfg.run.name}-{n}").exists():
         n += 1
     return config.replace(cfg, run={"name": f"{cfg.run.name}-{n}"})
 

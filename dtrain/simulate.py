@@ -33,10 +33,6 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dtrain.cli", *args]
 
 
-def _config_args(config_path: Path) -> list[str]:
-    return ["--config", str(config_path)]
-
-
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` worker processes; returns (and writes) the summary."""
@@ -56,7 +52,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     t0 = time.perf_counter()
     procs: list[tuple[str, subprocess.Popen]] = []
     coord_log = open(out / "coordinator.log", "w")
-    coordinator = subprocess.Popen(_cli("coordinator", *_config_args(resolved), "--port", "0", "--run-dir", str(out)),
+    coordinator = subprocess.Popen(_cli("coordinator", "--config", str(resolved), "--port", "0", "--run-dir", str(out)),
                                    stdout=coord_log, stderr=subprocess.STDOUT, env=env)
     try:
         info_path = out / "coordinator.json"
@@ -75,7 +71,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             wdir = out / "islands" / name
             wdir.mkdir(parents=True)
             wlog = open(wdir / "worker.log", "w")
-            p = subprocess.Popen(_cli("worker", *_config_args(resolved), "--coordinator", address, "--island", name,
+            p = subprocess.Popen(_cli("worker", "--config", str(resolved), "--coordinator", address, "--island", name,
                                       "--run-dir", str(wdir)), stdout=wlog, stderr=subprocess.STDOUT, env=env)
             procs.append((name, p))
         deadline = time.perf_counter() + timeout_s

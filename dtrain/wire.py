@@ -201,8 +201,3 @@ class FrameReceiver:
         if self._crc != self.frame_crc32:
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frame CRC32 mismatch")
 
-
-def drain_frame(receiver: FrameReceiver, chunks: Iterator[pb.Chunk], sink: Callable[[bytes], None]) -> None:
-    for chunk in chunks:
-        sink(receiver.add(chunk))
-    receiver.finish()

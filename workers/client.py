@@ -112,8 +112,11 @@ class CoordinatorClient:
 
         return self._retry("push", call)
 
-    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False) -> list[PulledFrame]:
-        """The frames that bring ``have_version`` to the latest (empty if current); chunks verified."""
+    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
+             max_frame: int | None = None) -> list[PulledFrame]:
+        """The frames that bring ``have_version`` to the latest (empty if current); chunks verified.
+
+        ``max_frame``: the largest frame to accept (the worker passes the bound for its model's size)."""
         req = pb.PullRequest(island_id=island_id, have_version=have_version, full=full, wait_s=wait_s)
 
         def call() -> list[PulledFrame]:
@@ -121,7 +124,7 @@ class CoordinatorClient:
             header: pb.PullHeader | None = None
             receiver: FrameReceiver | None = None
             parts: list[bytes] = []
-            limit = self.cfg.coordinator.max_message_bytes * (1 << 12)
+            limit = max_frame or self.cfg.coordinator.max_message_bytes * (1 << 12)
             stream = self.stub.PullGlobal(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
                                           metadata=self.metadata)
             for msg in stream:

@@ -38,7 +38,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
 from dtrain.runs import prepare
 from dtrain.train import fmt_rate
-from dtrain.wire import CODEC_BITS, params_digest
+from dtrain.wire import CODEC_BITS, max_frame_bytes, params_digest
 from workers.client import CoordinatorClient, CoordinatorError
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
@@ -102,6 +102,8 @@ class Worker:
         template = jax.device_get(self.setup.built.init(cfg.run.seed))
         self.spec, _ = codec.flatten(template)
         self.n = sum(int(np.prod(s)) for _, s, _ in self.spec)
+        self.tree_digest = codec.spec_digest(self.spec)
+        self.max_frame = max_frame_bytes(self.n, cfg.codec.block)
         k = cfg.codec
         self.up_bits = CODEC_BITS[k.up]
         self.feedback = codec.ErrorFeedback(self.n, self.up_bits, k.block) \
@@ -127,9 +129,9 @@ class Worker:
         devices = len(self.loop.mesh.devices.flat)
         hardware = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
         resp = self.client.join(self.name, hardware, devices)
-        if resp.tree_digest != codec.spec_digest(self.spec) or resp.tree_size != self.n:
+        if resp.tree_digest != self.tree_digest or resp.tree_size != self.n:
             raise WorkerError(f"the coordinator's parameter tree ({resp.tree_size} values, {resp.tree_digest}) "
-                              f"differs from this island's ({self.n}, {codec.spec_digest(self.spec)})")
+                              f"differs from this island's ({self.n}, {self.tree_digest})")
         self.island_id = resp.island_id
         self.total_versions = resp.total_versions
         self.log.event("joined", island_id=resp.island_id, shard=resp.shard_index, cursor=resp.cursor,
@@ -139,7 +141,8 @@ class Worker:
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
         """Brings θ up to the coordinator's latest version; verifies the digest after every frame."""
         have_version = 0 if have is None else have.version
-        frames = self.client.pull(self.island_id, have_version, wait_s=wait_s, full=full or have is None)
+        frames = self.client.pull(self.island_id, have_version, wait_s=wait_s, full=full or have is None,
+                                  max_frame=self.max_frame)
         g = have
         for f in frames:
             h = f.header
@@ -284,7 +287,7 @@ class Worker:
             header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version, push_id=push_id,
                                    tokens=island.tokens - last_push[1], inner_steps=round_steps,
                                    cursor_start=last_push[0], cursor_end=island.cursor,
-                                   tree_digest=codec.spec_digest(self.spec))
+                                   tree_digest=self.tree_digest)
             last_push = (island.cursor, island.tokens)
             self.pending_push_id = push_id
             self.frames_sent += 1
@@ -324,9 +327,10 @@ class Worker:
         ckpt.close()
         self.ckpt = None
         g = anchor
+        final_digest = params_digest(g.vec)
         try:  # best effort, one try: tell the coordinator this island holds the final version
             self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
-                                  tokens=island.tokens, params_digest=params_digest(g.vec))
+                                  tokens=island.tokens, params_digest=final_digest)
         except CoordinatorError as e:
             self.log.event("heartbeat_failed", error=str(e))
         final_params = loop.place_params(codec.unflatten(self.spec, g.vec))
@@ -334,7 +338,7 @@ class Worker:
         summary = {
             "island": self.name, "island_id": self.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
-            "final_eval_loss": final_eval, "params_digest": params_digest(g.vec),
+            "final_eval_loss": final_eval, "params_digest": final_digest,
             "bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down,
             "compression_ratio": (4.0 * self.n * self.frames_sent / self.frame_bytes) if self.frame_bytes else 0.0,
             "utilization": 1.0 - self.blocked_s / active_s if active_s > 0 else 0.0,
