@@ -25,7 +25,7 @@ def main(config_path: str, out_dir: str) -> None:
     params = jax.device_get(model.build(cfg.model).init(cfg.run.seed))
     spec, vec = codec.flatten(params)
     out = Path(out_dir)
-    np.save(out / "theta0.npy", np.asarray(vec, np.float32))
+    np.ascontiguousarray(vec, dtype="<f4").tofile(out / "theta0.f32")  # raw: the coordinator links it in
     (out / "spec.json").write_text(json.dumps(spec))
 
 

@@ -11,6 +11,7 @@ push ids) is checkpointed with orbax, atomically.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import numpy as np
 
-from coordinator.merger import Merger, MergeOptions
+from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
 from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.config import Config
@@ -69,7 +70,7 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec,
+    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
                  clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
         self.clock = clock
@@ -87,19 +88,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
 
-            self.ckpt: Any = Checkpointer(ckpt_dir, keep=2)
+            # Synchronous: a save hard-links the version's θ/momentum files (FileArraysHandler), O(1).
+            self.ckpt: Any = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
         now = clock()
         momentum = residual = None
         version = 0
         if resume:
-            import jax  # loaded with orbax already
-
-            layout = Merger.state_layout(theta.size, merge_options(cfg))
-            version, arrays, meta = self.ckpt.restore({k: jax.ShapeDtypeStruct(*v) for k, v in layout.items()})
-            theta, momentum = (np.asarray(arrays[k], np.float32) for k in ("theta", "momentum"))
-            residual = {"codes": np.asarray(arrays["residual_codes"]), "scales": np.asarray(arrays["residual_scales"])} \
+            version, arrays, meta = self.ckpt.restore_files(("theta", "momentum"))
+            theta, momentum = arrays["theta"], arrays["momentum"]  # files inside the checkpoint: linked, not read
+            residual = {"codes": arrays["residual_codes"], "scales": arrays["residual_scales"]} \
                 if "residual_codes" in arrays else None
             self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
             self.run_id = self.state.run_id
@@ -107,8 +106,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         else:
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
-        self.merger = Merger(theta, merge_options(cfg), version=version, momentum=momentum, residual=residual,
-                             spool_dir=self.run_dir / "spool")
+        try:
+            self.merger = Merger(theta, merge_options(cfg), version=version, momentum=momentum, residual=residual,
+                                 spool_dir=self.run_dir / "spool")
+        except ValueError as e:  # a θ/momentum/residual of the wrong size
+            raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
+        if resume and self.merger.digest != meta.get("params_digest"):
+            raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the recorded "
+                                  f"{meta.get('params_digest')}")
         self.max_frame = max_frame_bytes(self.merger.n, cfg.codec.block)
         self.bytes_in = 0
         self.bytes_out = 0
@@ -133,15 +138,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not ready:
             return
         t0 = time.perf_counter()
-        if self.ckpt is not None:
-            self.ckpt.wait()  # the previous async save may still read θ, which the outer step mutates
         pending = self.state.pending()
         update = self.merger.outer_step()
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
-        if self.ckpt is not None:
-            # Saved without copies: the next outer step first waits for this save (ckpt.wait() above).
-            self.ckpt.save(version, self.merger.state_arrays(), {"state": self.state.to_json(), "version": version})
+        if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
+            self.ckpt.save_files(version, self.merger.state_files(), self.merger.state_arrays(),
+                                 {"state": self.state.to_json(), "version": version,
+                                  "params_digest": self.merger.digest})
         self.merge_s += time.perf_counter() - t0
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
@@ -279,14 +283,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
             version = self.state.version
             chain = None if request.full else self.merger.updates_since(request.have_version)
-            if chain is None:
-                full = self.merger.full_frame()
-                frames = [(pb.PULL_KIND_FULL, 0, version, len(full), zlib.crc32(full), self.merger.digest,
-                           _pieces_of(full))]
-                del full
+            if chain is None:  # θ itself, lossless; written to disk once per version, streamed from there
+                chain, kind = [self.merger.full_update()], pb.PULL_KIND_FULL
             else:
-                frames = [(pb.PULL_KIND_UPDATE, u.base_version, u.version, u.size, u.crc32, u.params_digest,
-                           u.pieces) for u in chain]
+                kind = pb.PULL_KIND_UPDATE
+            # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
+            frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open()) for u in chain]
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
                                                       base_version=version, tree_digest=self.tree_digest))
@@ -294,11 +296,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
                        frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames])
         chunk_bytes = self.cfg.codec.chunk_bytes
-        for kind, base, v, size, crc, digest, pieces in frames:
+        for kind, base, v, size, crc, digest, handle in frames:
             yield pb.PullMessage(header=pb.PullHeader(
                 kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                 frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest))
-            for index, data in enumerate(pieces(chunk_bytes)):
+            for index, data in enumerate(file_pieces(handle, chunk_bytes)):
                 yield pb.PullMessage(chunk=pb.Chunk(index=index, data=data, crc32=zlib.crc32(data)))
             with self.lock:
                 self.bytes_out += size
@@ -325,15 +327,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.close()
 
 
-def _pieces_of(frame: bytes) -> Callable[[int], Iterator[bytes]]:
-    def pieces(size: int) -> Iterator[bytes]:
-        view = memoryview(frame)
-        for i in range(0, len(frame), size):
-            yield bytes(view[i:i + size])
-    return pieces
-
-
-def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec, port: int | None = None,
+def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec, port: int | None = None,
           resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
           ) -> tuple[grpc.Server, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
@@ -353,9 +347,9 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray, spec: codec.Spec,
         raise OSError(f"cannot bind {address}")
     server.start()
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
-                      auth=token is not None, mode=c.mode, params=int(theta.size), run_id=service.run_id)
+                      auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
-                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {theta.size:,} params)")
+                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)")
     return server, service, bound
 
 
@@ -377,26 +371,36 @@ def _return_large_frees_to_the_os() -> None:
         return
 
 
-def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
-    """θ_0 from the run's seed, flattened (every island builds the same tree and checks its digest).
+def initial_parameters_file(cfg: Config, out_dir: str | Path) -> tuple[Path, codec.Spec]:
+    """θ_0 from the run's seed as a file of raw float32 in ``out_dir`` (every island builds the same tree and
+    checks its digest), and the tree's spec.
 
     Computed in a child process (coordinator/init_params.py), so JAX and the model's temporary copies
-    never enter the coordinator's own memory."""
+    never enter the coordinator's memory, and θ_0 itself only as a file the merger links in."""
     import subprocess
     import sys
     import tempfile
 
     from dtrain.config import to_toml
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dtrain-init-") as tmp:
         (Path(tmp) / "config.toml").write_text(to_toml(cfg))
-        done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"), tmp],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise DtrainError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
-        theta = np.load(Path(tmp) / "theta0.npy")
-        spec = json.loads((Path(tmp) / "spec.json").read_text())
-    return np.ascontiguousarray(theta, dtype=np.float32), spec
+        done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"),
+                               str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DtrainError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
+    return out / "theta0.f32", json.loads((out / "spec.json").read_text())
+
+
+def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
+    """θ_0 as an array (tests and tools; the service itself uses :func:`initial_parameters_file`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-theta0-") as tmp:
+        path, spec = initial_parameters_file(cfg, tmp)
+        return np.fromfile(path, "<f4").astype(np.float32), spec
 
 
 def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, resume: bool = False,
@@ -406,8 +410,11 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     _return_large_frees_to_the_os()
-    theta, spec = initial_parameters(cfg)
-    server, service, bound = serve(cfg, run_dir, theta, spec, port=port, resume=resume, quiet=quiet)
+    theta0, spec = initial_parameters_file(cfg, Path(run_dir) / "spool" / "init")
+    try:
+        server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet)
+    finally:
+        shutil.rmtree(theta0.parent, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"
     tmp = info.with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))

@@ -8,15 +8,100 @@ tensorstore, metadata to JSON.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dtrain.errors import CheckpointError  # re-exported: callers import it from here
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "FileArraysHandler", "FileArraysRestore", "FileArraysSave"]
+
+_MANIFEST = "manifest.json"
+_PIECE = 1 << 22
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(_PIECE):
+            crc = zlib.crc32(piece, crc)
+    return crc
+
+
+class FileArraysHandler(ocp.CheckpointHandler):
+    """An orbax handler for flat arrays that already live in files (the coordinator's θ and momentum).
+
+    Saving hard-links each file into orbax's temporary step folder (a copy by the kernel where links are
+    not possible): O(1) time and no memory, however large the model. That is only correct because the
+    coordinator writes a new file per version and never modifies one. Small in-memory arrays are written
+    out. A manifest records dtype, length and CRC32 of each; :meth:`restore` checks them all and returns
+    the paths of the files inside the checkpoint (read-only to the caller) and the small arrays loaded.
+    Orbax's CheckpointManager still does the rest: the temporary folder, the atomic rename, max_to_keep.
+    """
+
+    def save(self, directory: Any, args: "FileArraysSave") -> None:
+        directory = Path(directory)
+        manifest = {}
+        for name, (path, crc) in args.files.items():
+            dest = directory / f"{name}.bin"
+            try:
+                os.link(path, dest)
+            except OSError:
+                shutil.copyfile(path, dest)
+            manifest[name] = {"file": dest.name, "dtype": "float32", "length": Path(path).stat().st_size // 4,
+                              "crc32": crc}
+        for name, arr in args.arrays.items():
+            arr = np.ascontiguousarray(arr)
+            dest = directory / f"{name}.bin"
+            arr.tofile(dest)
+            manifest[name] = {"file": dest.name, "dtype": arr.dtype.str, "length": int(arr.size),
+                              "crc32": zlib.crc32(memoryview(arr).cast("B"))}
+        (directory / _MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    def restore(self, directory: Any, args: "FileArraysRestore | None" = None) -> dict[str, Any]:
+        directory = Path(directory)
+        try:
+            manifest = json.loads((directory / _MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{directory}: unreadable {_MANIFEST}: {e}") from None
+        keep_in_files = set(args.files) if args is not None else set()
+        out: dict[str, Any] = {}
+        for name, entry in manifest.items():
+            path = directory / entry["file"]
+            dtype = np.dtype(entry["dtype"])
+            if not path.is_file() or path.stat().st_size != dtype.itemsize * entry["length"]:
+                raise CheckpointError(f"{path}: missing or not {entry['length']} {dtype} values")
+            if name in keep_in_files:
+                if file_crc32(path) != entry["crc32"]:
+                    raise CheckpointError(f"{path}: CRC32 mismatch (the file is corrupt)")
+                out[name] = path
+            else:
+                arr = np.fromfile(path, dtype)
+                if zlib.crc32(memoryview(arr).cast("B")) != entry["crc32"]:
+                    raise CheckpointError(f"{path}: CRC32 mismatch (the file is corrupt)")
+                out[name] = arr
+        return out
+
+
+@ocp.args.register_with_handler(FileArraysHandler, for_save=True)
+@dataclasses.dataclass
+class FileArraysSave(ocp.args.CheckpointArgs):
+    files: dict[str, tuple[Path, int]]  # name -> (file of raw little-endian float32, its CRC32)
+    arrays: dict[str, np.ndarray]  # small arrays held in memory
+
+
+@ocp.args.register_with_handler(FileArraysHandler, for_restore=True)
+@dataclasses.dataclass
+class FileArraysRestore(ocp.args.CheckpointArgs):
+    files: tuple[str, ...] = ()  # names returned as paths (the rest are loaded as arrays)
 
 
 class Checkpointer:
@@ -32,6 +117,25 @@ class Checkpointer:
         # the step only becomes visible once fully written (atomic rename).
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                       meta=ocp.args.JsonSave(meta)))
+
+    def save_files(self, step: int, files: dict[str, tuple[Path, int]], arrays: dict[str, np.ndarray],
+                   meta: dict[str, Any]) -> None:
+        """A checkpoint of file-backed arrays (see FileArraysHandler): no copy of them passes through memory."""
+        self._mngr.save(step, args=ocp.args.Composite(state=FileArraysSave(files, arrays),
+                                                      meta=ocp.args.JsonSave(meta)))
+
+    def restore_files(self, names: tuple[str, ...], step: int | None = None) -> tuple[int, dict[str, Any],
+                                                                                     dict[str, Any]]:
+        """(step, {name: path inside the checkpoint, or array}, meta) of a :meth:`save_files` checkpoint."""
+        step = self._mngr.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(state=FileArraysRestore(names),
+                                                                   meta=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"checkpoint {self.directory}/{step} cannot be restored: {e}") from None
+        return step, dict(out.state), dict(out.meta)
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()

@@ -436,6 +436,46 @@ def _check_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
         raise CodecError(f"invalid {'int8 code -128' if bits == 8 else 'nibble 0b1000'} near value {index}")
 
 
+def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
+                   weight: float = 1.0) -> None:
+    """out += weight · (the values of whole blocks starting at a block boundary), without a per-value scale
+    array (int8: one fused multiply per block row). For payloads already checked (``_check_segment``)."""
+    count = out.size
+    w = np.float32(weight)
+    if bits == 32:
+        values = payload.view("<f4")[:count]
+        out += values if w == 1 else values * w
+        return
+    scales = scales if w == 1 else scales * w
+    if bits != 8:
+        out += _dequantize_segment(bits, block, scales, payload, count)
+        return
+    codes = payload.view(np.int8)
+    full = count // block
+    if full:
+        rows = out[:full * block].reshape(full, block)
+        rows += np.multiply(codes[:full * block].reshape(full, block), scales[:full, None], dtype=np.float32)
+    if count > full * block:
+        out[full * block:] += codes[full * block:count].astype(np.float32) * scales[full]
+
+
+# Public names for the pieces the coordinator's slab-wise outer step and frame writer use.
+quantize_segment = _quantize_segment
+dequantize_segment = _dequantize_segment
+
+
+def n_scales(bits: Bits, n: int, block: int) -> int:
+    return _n_scales(bits, n, block)
+
+
+def payload_len(bits: Bits, n: int) -> int:
+    return _payload_len(bits, n)
+
+
+def payload_offset(bits: Bits, value_index: int) -> int:
+    return _payload_offset(bits, value_index)
+
+
 def _blocks_per_slab(block: int) -> int:
     return max(1, _SLAB_VALUES // block)
 
@@ -550,10 +590,15 @@ def encode(q: QuantizedVec, level: int = 3) -> bytes:
         body = compressor.compress(scales) + compressor.compress(payload) + compressor.flush()
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd compression failed (level {level!r}): {e}") from e
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[q.bits], 0, q.block, q.n,
-                        len(scales), payload.nbytes, len(body), 0)[:_CRC_OFFSET]
+    head = frame_header(q.bits, q.block, q.n, len(scales), payload.nbytes, len(body))
     crc = zlib.crc32(body, zlib.crc32(head))
     return head + struct.pack("<I", crc) + body
+
+
+def frame_header(bits: Bits, block: int, n: int, scales_len: int, payload_len: int, body_len: int) -> bytes:
+    """The first 44 header bytes (everything but the CRC32, which covers them and the body)."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], 0, block, n, scales_len, payload_len,
+                        body_len, 0)[:_CRC_OFFSET]
 
 
 def _parse_header(raw: bytes, expected_n: int | None) -> _Header:

@@ -39,10 +39,17 @@ class WireError(ValueError):
         self.code = code
 
 
+def params_hasher() -> "hashlib._Hash":
+    """The hash behind :func:`params_digest`, to feed a vector's bytes slab by slab."""
+    return hashlib.sha256()  # SHA-NI: about twice blake2b's speed on current x86
+
+
 def params_digest(vec: np.ndarray) -> str:
     """Digest of a flat float32 parameter vector: islands compare it to prove bit-identical θ."""
     vec = np.ascontiguousarray(vec, dtype=np.float32)
-    return hashlib.blake2b(memoryview(vec).cast("B"), digest_size=16).hexdigest()  # no copy of θ
+    h = params_hasher()
+    h.update(memoryview(vec).cast("B"))  # no copy of θ
+    return h.hexdigest()[:32]
 
 
 def read_token(sec: SecurityConfig) -> str | None:

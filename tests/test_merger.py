@@ -1,14 +1,31 @@
 """The coordinator's streaming merger: same math as dtrain.outer, bit-identical broadcast θ, no partial state."""
 
+import os
+import tempfile
+import zlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coordinator import merger as merger_mod
 from coordinator.merger import Merger, MergeOptions
 from dtrain import codec, outer
 from dtrain.config import OuterConfig
 
 N, BLOCK = 3000, 64
+
+
+@pytest.fixture(params=["one-slab", "many-slabs"], autouse=True)
+def slabs(request, monkeypatch):
+    """Every test runs with one slab and with many (slab = 256 values: 11 full slabs and a partial one)."""
+    if request.param == "many-slabs":
+        monkeypatch.setattr(merger_mod, "SLAB_TARGET", 256)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the mergers' state folders go under tmp_path
 
 
 def _push(m: Merger, vec: np.ndarray, weight: float, bits=32) -> None:
@@ -90,5 +107,53 @@ def test_lagging_island_gets_none_when_updates_were_dropped():
         _push(m, np.ones(N, np.float32), 1.0)
         m.outer_step()
     assert m.updates_since(0) is None  # version 1's update is gone: a full pull is needed
-    full = codec.dequantize(codec.decode(m.full_frame(), expected_n=N))
-    assert np.array_equal(full, m.theta)
+    update = m.full_update()
+    full = codec.dequantize(codec.decode(update.frame, expected_n=N))
+    assert np.array_equal(full, m.theta) and update.version == 3 and update.params_digest == m.digest
+    assert m.full_update() is update  # written once per version
+    assert update.size == len(update.frame) and update.crc32 == zlib.crc32(update.frame)
+    with update.open() as f:  # a pull under way keeps reading after the next version replaces the frame
+        _push(m, np.ones(N, np.float32), 1.0)
+        m.outer_step()
+        newer = m.full_update()
+        assert not update.path.exists() and newer.version == 4
+        assert f.read() == codec.encode(codec.QuantizedVec(32, BLOCK, N, np.zeros(0, np.float32),
+                                                           full.view(np.uint8)), 1)
+
+
+def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
+    rng = np.random.default_rng(4)
+    theta = rng.normal(size=N).astype(np.float32)
+    m = Merger(theta, MergeOptions(up_bits=8, down_bits=8, block=BLOCK), spool_dir=tmp_path / "a")
+    _push(m, rng.normal(size=N).astype(np.float32), 2.0, bits=8)
+    m.outer_step()
+    files = m.state_files()
+    kept = {k: tmp_path / f"kept-{k}" for k in files}
+    for k, (p, crc) in files.items():
+        os.link(p, kept[k])
+        assert zlib.crc32(p.read_bytes()) == crc  # what a checkpoint does
+    before = {k: p.read_bytes() for k, p in kept.items()}
+    _push(m, rng.normal(size=N).astype(np.float32), 1.0, bits=8)
+    m.outer_step()
+    assert {k: p.read_bytes() for k, p in kept.items()} == before  # version 1's files are untouched
+    assert sorted(p.name for p in (tmp_path / "a" / "state").iterdir()) == ["momentum-00000002.f32",
+                                                                           "theta-00000002.f32"]
+    # A merger restored from version 1's files continues exactly like the original did.
+    r = Merger(kept["theta"], MergeOptions(up_bits=8, down_bits=8, block=BLOCK), version=1,
+               momentum=kept["momentum"], spool_dir=tmp_path / "b")
+    assert r.version == 1 and np.array_equal(r.theta, np.frombuffer(before["theta"], np.float32))
+    with pytest.raises(ValueError, match="momentum file .* holds 4 bytes"):
+        (tmp_path / "short").write_bytes(b"\0" * 4)
+        Merger(kept["theta"], MergeOptions(block=BLOCK), momentum=tmp_path / "short", spool_dir=tmp_path / "c")
+
+
+def test_accumulate_matches_dequantize_for_every_codec():
+    rng = np.random.default_rng(5)
+    for bits in (8, 4, "e3m0", 32):
+        m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=bits, block=BLOCK))
+        vecs = [rng.normal(size=N).astype(np.float32) for _ in range(2)]
+        for v, w in zip(vecs, (0.25, 3.0)):
+            _push(m, v, w, bits=bits)
+        want = sum(np.float32(w) * codec.dequantize(codec.quantize(v, bits, BLOCK)) for v, w in zip(vecs, (0.25, 3.0)))
+        np.testing.assert_allclose(m.acc, want, rtol=1e-6, atol=1e-6)
+        assert m.total_weight == 3.25 and m.pushes_in_acc == 2

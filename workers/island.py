@@ -57,6 +57,7 @@ def _fold_in(local: Any, at_push: Any, global_params: Any) -> Any:
 class GlobalParams:
     vec: np.ndarray  # flat float32 θ_version, bit-identical to the coordinator's
     version: int
+    arrived: float = 0.0  # time.perf_counter() when it arrived (wall-time rounds are timed from it)
 
 
 class Exchange(threading.Thread):
@@ -158,6 +159,8 @@ class Worker:
                 return self.pull(None, full=True)
         if g is None:
             raise WorkerError("the coordinator sent no parameters for a full pull")
+        if g is not have:
+            g.arrived = time.perf_counter()
         return g
 
     def _push_frame(self, delta: np.ndarray) -> bytes:
@@ -211,6 +214,8 @@ class Worker:
                        version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node())
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
 
+        if w.overlap:  # compile the fold-in now, not while the other islands wait for this one's push
+            jax.block_until_ready(_fold_in(island.state.params, island.state.params, island.state.params))
         g_ref, rate = [g], [0.0]
         hb = threading.Thread(target=self._heartbeat_loop, args=(island, g_ref, rate), daemon=True)
         hb.start()
@@ -245,22 +250,30 @@ class Worker:
                 break
             if not cfg.worker.round_seconds and island.steps >= t.steps:
                 break
-            round_t0, round_steps = time.perf_counter(), 0
+            round_steps = 0
             while not self.stopping.is_set():
                 if self.exchange is not None and round_steps >= w.max_overlap_steps:
                     t0 = time.perf_counter()  # overlap budget spent: fold the new θ in before going on
                     finish_exchange()
                     self.blocked_s += time.perf_counter() - t0
                 if w.round_seconds:
-                    if time.perf_counter() - round_t0 >= w.round_seconds and round_steps:
+                    # The round ends round_seconds after the current global θ arrived (not after this
+                    # island's own push): every island receives a version at about the same moment, so
+                    # all of them push together and none waits for a straggler. While the previous
+                    # exchange is in flight the deadline is not known yet; the overlap budget bounds that.
+                    if (self.exchange is None and round_steps
+                            and time.perf_counter() - anchor.arrived >= w.round_seconds):
                         break
                     n = t.steps_per_call
                 else:
                     n = min(t.steps_per_call, cfg.outer.inner_steps - round_steps, t.steps - island.steps)
                     if n <= 0:
                         break
-                if self.exchange is not None:
-                    n = min(n, w.max_overlap_steps - round_steps)  # stop exactly at the overlap budget
+                if w.overlap and w.max_overlap_steps and round_steps < w.max_overlap_steps:
+                    # Stop exactly at the overlap budget, in every round (with or without an exchange in
+                    # flight): each round then runs the same chunk lengths, so every scan length is compiled
+                    # in round 1 and no island stalls the others by compiling in the middle of the run.
+                    n = min(n, w.max_overlap_steps - round_steps)
                 advance(loop, island, n, B)
                 round_steps += n
                 if self.exchange is not None and not self.exchange.is_alive():
