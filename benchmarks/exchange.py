@@ -21,8 +21,9 @@ a real GPT config: configs/small.toml with model overrides):
   4. the coordinator's peak RSS (VmHWM, read just before SIGTERM) over the model's
      fp32 size, per run; also net of a no-model coordinator's VmHWM (the runtime).
   5. where the coordinator's CPU goes per pushed frame (in this process, one
-     thread, the same Merger code): protobuf parse, chunk checks + spool,
-     validate (decode #1), accumulate (decode #2), and the outer step.
+     thread, the same Merger code): protobuf parse; chunk checks + the one
+     streaming decode (every code checked) + spooling the decompressed body;
+     the end-of-frame checks (CRC, sizes); accumulate; and the outer step.
 
 The throughput runs use coordinator.checkpoint=false; one extra int8 run with
 checkpointing on (not used in the summary) shows what it costs. Last line:
@@ -679,13 +680,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"net/model = (VmHWM - {base_txt}) / (4 x params)")
 
     print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
-    print(f"{'codec':<6} {'parse':>7} {'crc+spool':>9} {'validate':>9} {'accumulate':>10} {'per push':>9} "
+    print(f"{'codec':<6} {'parse':>7} {'decode+spool':>12} {'finish':>9} {'accumulate':>10} {'per push':>9} "
           f"{'outer step':>10} {'N=8 serial':>10}")
     for name, c in cpu.items():
-        print(f"{name:<6} {c['parse']:>7.3f} {c['check_spool']:>9.3f} {c['validate']:>9.3f} {c['accumulate']:>10.3f} "
+        print(f"{name:<6} {c['parse']:>7.3f} {c['check_spool']:>12.3f} {c['validate']:>9.3f} {c['accumulate']:>10.3f} "
               f"{c['per_push']:>9.3f} {c['outer_step']:>10.3f} {8 * c['per_push'] + c['outer_step']:>10.2f}")
-    print("   validate and accumulate each decode the whole frame (two decodes per push); accumulate holds the "
-          "coordinator's lock; N=8 serial = 8 x per push + outer step (one core, gRPC transport excluded)")
+    print("   decode+spool = chunk CRCs + the one streaming decode (all codes checked) + writing the decompressed "
+          "body; accumulate reads it back (no second decode) and holds the coordinator's lock; "
+          "N=8 serial = 8 x per push + outer step (one core, gRPC transport excluded)")
 
     # -- summary ---------------------------------------------------------------------------------------
     def pick(codec_name: str, n: int, ckpt: bool = False) -> dict[str, Any] | None:

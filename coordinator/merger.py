@@ -43,7 +43,7 @@ import zstandard
 from dtrain import codec
 from dtrain.wire import params_hasher
 
-SLAB_TARGET = 1 << 18  # values per slab of the outer step and of accumulation (1 MiB of float32)
+SLAB_TARGET = 1 << 17  # values per slab (512 KiB of float32: under the 1 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
 
 
@@ -63,7 +63,7 @@ class MergeOptions:
     zstd_level: int = 3
     error_feedback: bool = True
     keep_updates: int = 16
-    threads: int = 2  # outer-step worker threads (and zstd's)
+    threads: int = 2  # outer-step worker threads
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,15 @@ def _write_from(fd: int, buf: np.ndarray | memoryview, offset: int) -> None:
 
 
 def write_frame(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path | None,
-                payload_len: int, level: int, threads: int) -> tuple[int, int]:
+                payload_len: int, level: int) -> tuple[int, int]:
     """Writes header + zstd(scales ‖ payload) to ``path`` (atomically), the payload streamed from a file.
 
     The same layout as ``codec.encode``; returns (frame size, CRC32 of the whole frame). The body is compressed as it is read, so
-    memory stays O(piece) whatever the model size."""
+    memory stays O(piece) whatever the model size. Single-threaded zstd: its multi-threaded mode is barely
+    faster on int8 codes (which hardly compress) and holds ~60 MiB of job buffers."""
     tmp = path.with_name(path.name + ".tmp")
     scale_bytes = np.ascontiguousarray(scales, dtype="<f4").tobytes()
-    cobj = zstandard.ZstdCompressor(level=level, threads=threads if threads > 1 else 0).compressobj(
+    cobj = zstandard.ZstdCompressor(level=level).compressobj(
         size=len(scale_bytes) + payload_len)
     with open(tmp, "w+b") as out:
         out.write(bytes(codec.HEADER_SIZE))
@@ -146,13 +147,14 @@ def write_frame(path: Path, bits: codec.Bits, block: int, n: int, scales: np.nda
 
 
 class Merger:
-    """Holds the accumulator and the down residual in memory; θ and momentum in per-version files."""
+    """Holds the accumulator in memory; θ, momentum and the down residual in per-version files."""
 
     def __init__(self, theta: np.ndarray | Path, opts: MergeOptions, version: int = 0,
-                 momentum: np.ndarray | Path | None = None, residual: dict[str, np.ndarray] | None = None,
+                 momentum: np.ndarray | Path | None = None, residual: np.ndarray | Path | None = None,
                  spool_dir: str | Path | None = None):
-        """``theta``/``momentum``: arrays, or files of raw little-endian float32 (e.g. from a checkpoint:
-        they are hard-linked, or copied, into the state folder; the originals are never modified)."""
+        """``theta``/``momentum``/``residual``: arrays, or files of raw little-endian float32 (e.g. from a
+        checkpoint: hard-linked, or copied, into the state folder; the originals are never modified).
+        ``None``: zeros."""
         self.opts = opts
         self.spool_dir = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="dtrain-merger-"))
         self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -161,35 +163,28 @@ class Merger:
         for stale in self.state_dir.iterdir():  # left by an earlier coordinator in this folder
             stale.unlink()
         self.version = version
-        self.n = self._install(theta, self.theta_path, "theta")
-        self._install(np.zeros(0, np.float32) if momentum is None else momentum, self.momentum_path, "momentum",
-                      n=self.n)
-        # The down path's error-feedback residual, itself stored int8-quantized per block: 1 byte per
-        # parameter instead of 4. Its own rounding error is 1/254 of one quantization step of the update.
+        # The down path's error-feedback residual: what the broadcasts have left out of the true updates.
         self.feedback = opts.error_feedback and opts.down_bits != 32
-        n_blocks = -(-self.n // opts.block)
-        self.residual_codes = np.zeros(self.n if self.feedback else 0, np.uint8)
-        self.residual_scales = np.zeros(n_blocks if self.feedback else 0, np.float32)
-        if residual is not None and self.feedback:
-            self.residual_codes[:] = residual["codes"]
-            self.residual_scales[:] = residual["scales"]
+        self.names = ("theta", "momentum", "residual") if self.feedback else ("theta", "momentum")
+        self.n = self._install(theta, self._path("theta"), "theta")
+        for name, src in (("momentum", momentum), ("residual", residual)):
+            if name in self.names:
+                self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
         self.acc = np.zeros(self.n, np.float32)
         self.total_weight = 0.0
         self.pushes_in_acc = 0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
-        self.digest, theta_crc = self._hash_file(self.theta_path)
-        self.crcs = {"theta": theta_crc, "momentum": self._hash_file(self.momentum_path)[1]}
+        self.digest = self._hash_file(self.theta_path)
 
     # -- the state files ----------------------------------------------------------------------------
 
-    @property
-    def theta_path(self) -> Path:
-        return self.state_dir / f"theta-{self.version:08d}.f32"
+    def _path(self, name: str, version: int | None = None) -> Path:
+        return self.state_dir / f"{name}-{self.version if version is None else version:08d}.f32"
 
     @property
-    def momentum_path(self) -> Path:
-        return self.state_dir / f"momentum-{self.version:08d}.f32"
+    def theta_path(self) -> Path:
+        return self._path("theta")
 
     def _install(self, src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
         if isinstance(src, (str, Path)):
@@ -215,14 +210,12 @@ class Merger:
         return int(arr.size)
 
     @staticmethod
-    def _hash_file(path: Path) -> tuple[str, int]:
-        """(params digest, CRC32) of a file."""
-        h, crc = params_hasher(), 0
+    def _hash_file(path: Path) -> str:
+        h = params_hasher()
         with open(path, "rb") as f:
             while piece := f.read(IO_PIECE):
                 h.update(piece)
-                crc = zlib.crc32(piece, crc)
-        return h.hexdigest()[:32], crc
+        return h.hexdigest()[:32]
 
     @property
     def theta(self) -> np.ndarray:
@@ -231,52 +224,44 @@ class Merger:
 
     @property
     def momentum(self) -> np.ndarray:
-        return np.fromfile(self.momentum_path, "<f4").astype(np.float32, copy=False)
+        return np.fromfile(self._path("momentum"), "<f4").astype(np.float32, copy=False)
 
-    def state_files(self) -> dict[str, tuple[Path, int]]:
-        """The current version's θ and momentum files with their CRC32s (never modified: safe to hard-link
-        into a checkpoint)."""
-        return {"theta": (self.theta_path, self.crcs["theta"]), "momentum": (self.momentum_path, self.crcs["momentum"])}
-
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """The in-memory state a checkpoint must hold besides the files (the accumulator is empty after a merge)."""
-        if not self.feedback:
-            return {}
-        return {"residual_codes": self.residual_codes, "residual_scales": self.residual_scales}
+    def state_files(self) -> dict[str, Path]:
+        """The current version's state files: θ, momentum and (with down-path error feedback) the residual.
+        Everything a checkpoint needs besides the version (the accumulator is empty after a merge). They are
+        never modified: safe to hard-link into a checkpoint; θ is verified on restore by its digest."""
+        return {name: self._path(name) for name in self.names}
 
     # -- incoming deltas ----------------------------------------------------------------------------
 
     def spool(self) -> "Spool":
-        """A temporary file for one incoming frame; delete it with ``close()``."""
-        return Spool(self.spool_dir)
+        """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
+        return Spool(self.spool_dir, self.n, self.opts.up_bits, self.opts.block)
 
     def validate(self, spool: "Spool") -> None:
-        """Decodes the whole spooled frame once, discarding the values: raises CodecError if anything is wrong."""
-        dec = codec.StreamingDecoder(self.n, self.opts.up_bits, self.opts.block, values=False)
-        for piece in spool.read_pieces():
-            dec.feed(piece)
-        dec.finish()
+        """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
+        spool.finish()
 
     def accumulate(self, spool: "Spool", weight: float) -> None:
         """acc += weight · Δ from a spool that :meth:`validate` accepted, slab by slab with no model-sized
-        temporary (the second decode skips the checks the first one made)."""
+        temporary: the spool holds the decompressed, already checked scales and payload."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
+        if not spool.complete:
+            raise RuntimeError("accumulate() needs a spool that validate() accepted")
         o = self.opts
         slab = slab_values(o.block)
-        spool.flush()
-        with open(spool.path, "rb") as f:
-            f.seek(codec.HEADER_SIZE)
-            reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=IO_PIECE)
-            n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
-            scales = np.frombuffer(_read_exact(reader, 4 * n_blocks), "<f4").astype(np.float32)
-            buf = np.empty(codec.payload_len(o.up_bits, slab), np.uint8)
-            for s in range(0, self.n, slab):
-                e = min(s + slab, self.n)
-                payload = buf[:codec.payload_len(o.up_bits, e - s)]
-                _read_exact_into(reader, payload)
-                codec.dequantize_add(o.up_bits, o.block, scales[s // o.block: -(-e // o.block)], payload,
-                                     self.acc[s:e], weight=np.float32(weight))
+        n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
+        scales = np.empty(n_blocks, "<f4")
+        _read_into(spool.fd, scales, 0)
+        buf = np.empty(codec.payload_len(o.up_bits, slab), np.uint8)
+        scratch = np.empty(slab, np.float32)
+        for s in range(0, self.n, slab):
+            e = min(s + slab, self.n)
+            payload = buf[:codec.payload_len(o.up_bits, e - s)]
+            _read_into(spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, s))
+            codec.dequantize_add(o.up_bits, o.block, scales[s // o.block: -(-e // o.block)], payload,
+                                 self.acc[s:e], weight=np.float32(weight), scratch=scratch)
         self.total_weight += float(weight)
         self.pushes_in_acc += 1
 
@@ -290,26 +275,24 @@ class Merger:
         slab = slab_values(o.block)
         inv_w = np.float32(1.0 / self.total_weight)
         new = self.version + 1
-        theta_new = self.state_dir / f"theta-{new:08d}.f32.tmp"
-        mom_new = self.state_dir / f"momentum-{new:08d}.f32.tmp"
+        tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
         payload_path = self.state_dir / f"update-{new:08d}.payload.tmp"
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
         n_scales = codec.n_scales(o.down_bits, self.n, o.block)
         scales = np.zeros(n_scales, np.float32)
         fds = {}
         try:
-            fds["theta"] = os.open(self.theta_path, os.O_RDONLY)
-            fds["mom"] = os.open(self.momentum_path, os.O_RDONLY)
-            fds["theta_new"] = os.open(theta_new, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds["mom_new"] = os.open(mom_new, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            for name in self.names:
+                fds[name] = os.open(self._path(name), os.O_RDONLY)
+                fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
 
-            def step(s: int) -> tuple[np.ndarray, np.ndarray]:
+            def step(s: int) -> np.ndarray:
                 e = min(s + slab, self.n)
                 delta = self.acc[s:e]
                 delta *= inv_w  # Δ, in place in the accumulator
                 m = np.empty(e - s, np.float32)
-                _read_into(fds["mom"], m, 4 * s)
+                _read_into(fds["momentum"], m, 4 * s)
                 if o.momentum:
                     mu = np.float32(o.momentum)
                     m *= mu
@@ -318,11 +301,12 @@ class Merger:
                         delta += mu * m  # Δ + μ·m
                     else:
                         delta[:] = m
-                _write_from(fds["mom_new"], m, 4 * s)
+                _write_from(fds["momentum_new"], m, 4 * s)
                 delta *= np.float32(-o.lr)  # u = −lr·(…)
                 if self.feedback:
-                    b0, b1 = s // o.block, -(-e // o.block)
-                    codec.dequantize_add(8, o.block, self.residual_scales[b0:b1], self.residual_codes[s:e], delta)
+                    r = m  # the momentum slab is written: reuse its buffer
+                    _read_into(fds["residual"], r, 4 * s)
+                    delta += r
                 if o.down_bits == 32:
                     applied = delta
                     _write_from(fds["payload"], applied, 4 * s)
@@ -333,29 +317,24 @@ class Merger:
                     applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
                     if self.feedback:
                         delta -= applied  # what the broadcast left out
-                        rs, rc = codec.quantize_segment(8, o.block, delta)
-                        self.residual_scales[s // o.block: s // o.block + rs.size] = rs
-                        self.residual_codes[s:e] = rc
+                        _write_from(fds["residual_new"], delta, 4 * s)
                 theta = np.empty(e - s, np.float32)
                 _read_into(fds["theta"], theta, 4 * s)
                 theta += applied  # θ is the sum of what was broadcast
                 _write_from(fds["theta_new"], theta, 4 * s)
                 self.acc[s:e] = 0.0
-                return theta, m
+                return theta
 
-            hasher, crcs = params_hasher(), {"theta": 0, "momentum": 0}
+            hasher = params_hasher()
 
             def digest(done: futures.Future) -> None:
-                theta, m = (memoryview(a).cast("B") for a in done.result())
-                hasher.update(theta)
-                crcs["theta"] = zlib.crc32(theta, crcs["theta"])
-                crcs["momentum"] = zlib.crc32(m, crcs["momentum"])
+                hasher.update(memoryview(done.result()).cast("B"))
 
             with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
                 window: collections.deque[futures.Future] = collections.deque()
                 for s in range(0, self.n, slab):  # a bounded window of slabs in flight; digests taken in order
                     window.append(pool.submit(step, s))
-                    if len(window) > 2 * o.threads:
+                    if len(window) > o.threads:
                         digest(window.popleft())
                 while window:
                     digest(window.popleft())
@@ -363,18 +342,16 @@ class Merger:
             for fd in fds.values():
                 os.close(fd)
         size, crc = write_frame(frame_path, o.down_bits, o.block, self.n, scales, payload_path,
-                                codec.payload_len(o.down_bits, self.n), o.zstd_level, o.threads)
+                                codec.payload_len(o.down_bits, self.n), o.zstd_level)
         payload_path.unlink()
-        old_theta, old_mom = self.theta_path, self.momentum_path
+        old = self.state_files()
         self.version = new
-        theta_new.replace(self.theta_path)
-        mom_new.replace(self.momentum_path)
-        old_theta.unlink()
-        old_mom.unlink()
+        for name in self.names:
+            tmp[name].replace(self._path(name))
+            old[name].unlink()  # a checkpoint that linked it keeps its own name for it
         self.total_weight = 0.0
         self.pushes_in_acc = 0
         self.digest = hasher.hexdigest()[:32]
-        self.crcs = crcs
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
                         params_digest=self.digest)
         self.updates.append(update)
@@ -399,7 +376,7 @@ class Merger:
         if self._full is None or self._full.version != self.version:
             path = self.spool_dir / f"theta-{self.version:08d}.frame"
             size, crc = write_frame(path, 32, self.opts.block, self.n, np.zeros(0, np.float32), self.theta_path,
-                                    4 * self.n, 1, self.opts.threads)
+                                    4 * self.n, 1)
             if self._full is not None:
                 self._full.path.unlink(missing_ok=True)  # open handles keep it readable for pulls under way
             self._full = Update(version=self.version, base_version=0, path=path, size=size, crc32=crc,
@@ -407,48 +384,34 @@ class Merger:
         return self._full
 
 
-def _read_exact(reader, size: int) -> bytes:
-    buf = np.empty(size, np.uint8)
-    _read_exact_into(reader, buf)
-    return buf.tobytes()
-
-
-def _read_exact_into(reader, buf: np.ndarray) -> None:
-    view = memoryview(buf).cast("B")
-    got = 0
-    while got < len(view):
-        n = reader.readinto(view[got:])
-        if not n:
-            raise codec.CodecError(f"spooled frame ends early ({got} of {len(view)} bytes)")
-        got += n
-
-
 class Spool:
-    """A temp file an incoming frame is written to while it streams in."""
+    """One incoming frame, decoded and checked as it streams in (``codec.StreamingDecoder``); what is kept, in
+    a temp file, is the decompressed body (scales ‖ payload), so accumulating it needs no second decode."""
 
-    READ = 1 << 20
-
-    def __init__(self, directory: Path):
-        fd, name = tempfile.mkstemp(prefix="push-", suffix=".frame", dir=directory)
+    def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int):
+        fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
         self.path = Path(name)
-        self._f = os.fdopen(fd, "w+b")
-        self.size = 0
+        self.fd = fd
+        self._offset = 0
+        self._decoder = codec.StreamingDecoder(n, bits, block, values=False, raw=self._append)
+        self.size = 0  # frame bytes received
+        self.complete = False
+
+    def _append(self, data: bytes) -> None:
+        _write_from(self.fd, memoryview(data), self._offset)
+        self._offset += len(data)
 
     def write(self, data: bytes) -> None:
-        self._f.write(data)
+        """Feeds frame bytes; raises CodecError as soon as something is wrong."""
+        self._decoder.feed(data)
         self.size += len(data)
 
-    def flush(self) -> None:
-        self._f.flush()
-
-    def read_pieces(self):
-        self._f.flush()
-        self._f.seek(0)
-        while piece := self._f.read(self.READ):
-            yield piece
+    def finish(self) -> None:
+        self._decoder.finish()
+        self.complete = True
 
     def close(self) -> None:
-        self._f.close()
+        os.close(self.fd)
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "Spool":

@@ -96,10 +96,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         momentum = residual = None
         version = 0
         if resume:
-            version, arrays, meta = self.ckpt.restore_files(("theta", "momentum"))
-            theta, momentum = arrays["theta"], arrays["momentum"]  # files inside the checkpoint: linked, not read
-            residual = {"codes": arrays["residual_codes"], "scales": arrays["residual_scales"]} \
-                if "residual_codes" in arrays else None
+            version, files, meta = self.ckpt.restore_files(("theta", "momentum", "residual"))
+            # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
+            theta, momentum, residual = files["theta"], files["momentum"], files.get("residual")
             self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
             self.run_id = self.state.run_id
             self.log.event("coordinator_resumed", version=version)
@@ -143,7 +142,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
-            self.ckpt.save_files(version, self.merger.state_files(), self.merger.state_arrays(),
+            self.ckpt.save_files(version, self.merger.state_files(), {},
                                  {"state": self.state.to_json(), "version": version,
                                   "params_digest": self.merger.digest})
         self.merge_s += time.perf_counter() - t0
@@ -367,6 +366,9 @@ def _return_large_frees_to_the_os() -> None:
         libc = ctypes.CDLL(name)
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-8, 2)  # M_ARENA_MAX
+        # Fixing the mmap threshold also pins the trim threshold at 128 KiB, so the outer step's slab-sized
+        # temporaries would be given back and faulted in again on every slab; keep up to 8 MiB of free heap.
+        libc.mallopt(-1, 8 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to tune
         return
 

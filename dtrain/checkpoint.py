@@ -25,15 +25,6 @@ from dtrain.errors import CheckpointError  # re-exported: callers import it from
 __all__ = ["CheckpointError", "Checkpointer", "FileArraysHandler", "FileArraysRestore", "FileArraysSave"]
 
 _MANIFEST = "manifest.json"
-_PIECE = 1 << 22
-
-
-def file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            crc = zlib.crc32(piece, crc)
-    return crc
 
 
 class FileArraysHandler(ocp.CheckpointHandler):
@@ -42,22 +33,22 @@ class FileArraysHandler(ocp.CheckpointHandler):
     Saving hard-links each file into orbax's temporary step folder (a copy by the kernel where links are
     not possible): O(1) time and no memory, however large the model. That is only correct because the
     coordinator writes a new file per version and never modifies one. Small in-memory arrays are written
-    out. A manifest records dtype, length and CRC32 of each; :meth:`restore` checks them all and returns
-    the paths of the files inside the checkpoint (read-only to the caller) and the small arrays loaded.
+    out. A manifest records dtype and length of each (and a CRC32 of the small arrays); :meth:`restore`
+    checks them and returns the paths of the files inside the checkpoint (read-only to the caller, who
+    verifies their contents: the coordinator checks θ against the digest in its metadata) and the arrays.
     Orbax's CheckpointManager still does the rest: the temporary folder, the atomic rename, max_to_keep.
     """
 
     def save(self, directory: Any, args: "FileArraysSave") -> None:
         directory = Path(directory)
         manifest = {}
-        for name, (path, crc) in args.files.items():
+        for name, path in args.files.items():
             dest = directory / f"{name}.bin"
             try:
                 os.link(path, dest)
             except OSError:
                 shutil.copyfile(path, dest)
-            manifest[name] = {"file": dest.name, "dtype": "float32", "length": Path(path).stat().st_size // 4,
-                              "crc32": crc}
+            manifest[name] = {"file": dest.name, "dtype": "<f4", "length": Path(path).stat().st_size // 4}
         for name, arr in args.arrays.items():
             arr = np.ascontiguousarray(arr)
             dest = directory / f"{name}.bin"
@@ -80,9 +71,7 @@ class FileArraysHandler(ocp.CheckpointHandler):
             if not path.is_file() or path.stat().st_size != dtype.itemsize * entry["length"]:
                 raise CheckpointError(f"{path}: missing or not {entry['length']} {dtype} values")
             if name in keep_in_files:
-                if file_crc32(path) != entry["crc32"]:
-                    raise CheckpointError(f"{path}: CRC32 mismatch (the file is corrupt)")
-                out[name] = path
+                out[name] = path  # the caller verifies it (the coordinator: θ against its recorded digest)
             else:
                 arr = np.fromfile(path, dtype)
                 if zlib.crc32(memoryview(arr).cast("B")) != entry["crc32"]:
@@ -94,7 +83,7 @@ class FileArraysHandler(ocp.CheckpointHandler):
 @ocp.args.register_with_handler(FileArraysHandler, for_save=True)
 @dataclasses.dataclass
 class FileArraysSave(ocp.args.CheckpointArgs):
-    files: dict[str, tuple[Path, int]]  # name -> (file of raw little-endian float32, its CRC32)
+    files: dict[str, Path]  # name -> file of raw little-endian float32
     arrays: dict[str, np.ndarray]  # small arrays held in memory
 
 
@@ -118,7 +107,7 @@ class Checkpointer:
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                       meta=ocp.args.JsonSave(meta)))
 
-    def save_files(self, step: int, files: dict[str, tuple[Path, int]], arrays: dict[str, np.ndarray],
+    def save_files(self, step: int, files: dict[str, Path], arrays: dict[str, np.ndarray],
                    meta: dict[str, Any]) -> None:
         """A checkpoint of file-backed arrays (see FileArraysHandler): no copy of them passes through memory."""
         self._mngr.save(step, args=ocp.args.Composite(state=FileArraysSave(files, arrays),

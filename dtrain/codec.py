@@ -81,7 +81,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -389,8 +389,17 @@ def _quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray
         return scale_B, _pack_nibbles(codes)[:(count + 1) // 2]
     qmax = _QMAX[bits]
     scale_B = _int_scales(absmax_B, qmax)
-    q_BxK = np.divide(x_BxK, scale_B[:, None], out=np.zeros_like(x_BxK), where=nonzero_Bx1)
-    q = np.clip(np.rint(q_BxK), -qmax, qmax).astype(np.int8).ravel()
+    # x · (1/scale): one multiply pass instead of a masked divide. The reciprocal may round down by half an
+    # ulp, so |x|·inv can exceed qmax by ~1e-5 at most: rint still gives qmax, and the clip guarantees it.
+    with np.errstate(over="ignore"):
+        inv_B = np.divide(np.float32(1), scale_B, out=np.zeros_like(scale_B), where=scale_B > 0)
+    q_BxK = np.multiply(x_BxK, inv_B[:, None])
+    tiny = np.flatnonzero(np.isinf(inv_B))  # subnormal scales (1/scale overflows): divide those rows exactly
+    if tiny.size:
+        q_BxK[tiny] = x_BxK[tiny] / scale_B[tiny, None]
+    np.rint(q_BxK, out=q_BxK)
+    np.clip(q_BxK, -qmax, qmax, out=q_BxK)
+    q = q_BxK.astype(np.int8).ravel()
     if bits == 8:
         return scale_B, q.view(np.uint8)[:count]
     return scale_B, _pack_nibbles(q.view(np.uint8) & 0x0F)[:(count + 1) // 2]
@@ -437,9 +446,10 @@ def _check_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
 
 
 def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
-                   weight: float = 1.0) -> None:
+                   weight: float = 1.0, scratch: np.ndarray | None = None) -> None:
     """out += weight · (the values of whole blocks starting at a block boundary), without a per-value scale
-    array (int8: one fused multiply per block row). For payloads already checked (``_check_segment``)."""
+    array (int8: one fused multiply per block row, into ``scratch`` if given: float32, at least out.size).
+    For payloads already checked (``_check_segment``)."""
     count = out.size
     w = np.float32(weight)
     if bits == 32:
@@ -454,7 +464,9 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
     full = count // block
     if full:
         rows = out[:full * block].reshape(full, block)
-        rows += np.multiply(codes[:full * block].reshape(full, block), scales[:full, None], dtype=np.float32)
+        tmp = None if scratch is None else scratch[:full * block].reshape(full, block)
+        rows += np.multiply(codes[:full * block].reshape(full, block), scales[:full, None], out=tmp,
+                            dtype=np.float32)
     if count > full * block:
         out[full * block:] += codes[full * block:count].astype(np.float32) * scales[full]
 
@@ -712,11 +724,13 @@ class StreamingDecoder:
     """
 
     def __init__(self, expected_n: int, bits: Bits, block: int = DEFAULT_BLOCK, *, weight: float = 1.0,
-                 values: bool = True):
+                 values: bool = True, raw: Callable[[bytes], Any] | None = None):
         """``weight`` scales every value handed out (folded into the block scales: no extra pass);
-        ``values=False`` checks the frame completely but hands out nothing (a cheap validation pass)."""
+        ``values=False`` checks the frame completely but hands out nothing (a cheap validation pass);
+        ``raw`` receives the decompressed body (scales, then payload), each piece after its checks."""
         self.weight = np.float32(weight)
         self.values = values
+        self.raw = raw
         if isinstance(expected_n, bool) or not isinstance(expected_n, int) or expected_n < 0:
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
         self.n = expected_n
@@ -792,8 +806,11 @@ class StreamingDecoder:
         if self._scales is None:
             if len(sink.pending) < header.scales_len:
                 return None
-            self._scales = np.frombuffer(bytes(sink.pending[:header.scales_len]), "<f4").astype(np.float32)
+            scale_bytes = bytes(sink.pending[:header.scales_len])
+            self._scales = np.frombuffer(scale_bytes, "<f4").astype(np.float32)
             del sink.pending[:header.scales_len]
+            if self.raw is not None:  # each scale is checked with its blocks, before finish() can succeed
+                self.raw(scale_bytes)
         remaining = self.n - self._next_value
         bytes_per_block = _payload_offset(self.bits, self.block)
         blocks = len(sink.pending) // bytes_per_block
@@ -803,11 +820,14 @@ class StreamingDecoder:
         if count == 0:
             return None
         n_bytes = _payload_len(self.bits, count)
-        payload = np.frombuffer(bytes(sink.pending[:n_bytes]), np.uint8)
+        payload_bytes = bytes(sink.pending[:n_bytes])
+        payload = np.frombuffer(payload_bytes, np.uint8)
         del sink.pending[:n_bytes]
         first_block = self._next_value // self.block
         scales = self._scales[first_block:first_block + -(-count // self.block)] if self.bits != 32 else self._scales
         _check_segment(self.bits, self.block, scales, payload, count, first_block)
+        if self.raw is not None:
+            self.raw(payload_bytes)
         start = self._next_value
         self._next_value += count
         if not self.values:

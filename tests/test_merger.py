@@ -129,19 +129,21 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
     m.outer_step()
     files = m.state_files()
     kept = {k: tmp_path / f"kept-{k}" for k in files}
-    for k, (p, crc) in files.items():
-        os.link(p, kept[k])
-        assert zlib.crc32(p.read_bytes()) == crc  # what a checkpoint does
+    for k, p in files.items():
+        os.link(p, kept[k])  # what a checkpoint does
     before = {k: p.read_bytes() for k, p in kept.items()}
-    _push(m, rng.normal(size=N).astype(np.float32), 1.0, bits=8)
-    m.outer_step()
+    second = rng.normal(size=N).astype(np.float32)
+    _push(m, second, 1.0, bits=8)
+    update2 = m.outer_step()
     assert {k: p.read_bytes() for k, p in kept.items()} == before  # version 1's files are untouched
-    assert sorted(p.name for p in (tmp_path / "a" / "state").iterdir()) == ["momentum-00000002.f32",
-                                                                           "theta-00000002.f32"]
+    assert sorted(p.name for p in (tmp_path / "a" / "state").iterdir()) == [
+        "momentum-00000002.f32", "residual-00000002.f32", "theta-00000002.f32"]
     # A merger restored from version 1's files continues exactly like the original did.
     r = Merger(kept["theta"], MergeOptions(up_bits=8, down_bits=8, block=BLOCK), version=1,
-               momentum=kept["momentum"], spool_dir=tmp_path / "b")
+               momentum=kept["momentum"], residual=kept["residual"], spool_dir=tmp_path / "b")
     assert r.version == 1 and np.array_equal(r.theta, np.frombuffer(before["theta"], np.float32))
+    _push(r, second, 1.0, bits=8)
+    assert r.outer_step().frame == update2.frame and r.digest == m.digest  # bit for bit
     with pytest.raises(ValueError, match="momentum file .* holds 4 bytes"):
         (tmp_path / "short").write_bytes(b"\0" * 4)
         Merger(kept["theta"], MergeOptions(block=BLOCK), momentum=tmp_path / "short", spool_dir=tmp_path / "c")
