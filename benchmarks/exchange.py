@@ -508,11 +508,14 @@ def ratios(delta: np.ndarray, block: int, level: int) -> dict[str, dict[str, flo
 
 
 def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
-    """One frame through the coordinator's code path, single-threaded, timed stage by stage."""
+    """One frame through the coordinator's code path, single-threaded, timed stage by stage (with the
+    coordinator's malloc settings, as in the service)."""
     import zlib
 
     from coordinator.merger import Merger
-    from coordinator.server import merge_options
+    from coordinator.server import _return_large_frees_to_the_os, merge_options
+
+    _return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb
     from dtrain.wire import FrameReceiver, max_frame_bytes, to_chunks
 

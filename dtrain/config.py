@@ -128,6 +128,8 @@ class WorkerConfig:
                                 "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time)")
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
                               "0: outer.inner_steps steps")
+    start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
+                             "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(2.0, "seconds between heartbeats (keep well under coordinator.lease_s)")
     rpc_deadline_s: float = _f(60.0, "deadline of one RPC")
     retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
@@ -297,6 +299,8 @@ def _check(cfg: Config, origin: str) -> None:
         fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")
     if w.round_seconds < 0:
         fail("worker", "round_seconds", f"must be >= 0, got {w.round_seconds}")
+    if w.start_wait_s < 0:
+        fail("worker", "start_wait_s", f"must be >= 0, got {w.start_wait_s}")
     for name in ("heartbeat_s", "rpc_deadline_s", "retry_initial_s", "retry_max_s", "retry_total_s"):
         if not getattr(w, name) > 0:
             fail("worker", name, f"must be > 0, got {getattr(w, name)}")

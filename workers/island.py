@@ -37,7 +37,7 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
 from dtrain.runs import prepare
-from dtrain.train import fmt_rate
+from dtrain.train import chunks, fmt_rate
 from dtrain.wire import CODEC_BITS, max_frame_bytes, params_digest
 from workers.client import CoordinatorClient, CoordinatorError
 
@@ -192,11 +192,32 @@ class Worker:
             if resp.push_unknown and self.exchange is not None:
                 self.exchange.repush.set()
 
+    def _await_peers(self) -> None:
+        """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands are live, so that the
+        first round starts together instead of the first island idling through the others' start-up."""
+        want, limit = self.cfg.outer.islands, self.cfg.worker.start_wait_s
+        t0 = time.perf_counter()
+        while limit > 0 and not self.stopping.is_set():
+            live = sum(1 for i in self.client.status().islands if i.state == "live")
+            if live >= want:
+                break
+            if time.perf_counter() - t0 > limit:
+                self.log.event("start_wait_timeout", live=live, islands=want, waited_s=limit)
+                break
+            time.sleep(0.1)
+        self.log.event("start_barrier", waited_s=round(time.perf_counter() - t0, 3))
+
     def run(self) -> dict[str, Any]:
         cfg, loop = self.cfg, self.loop
         t, w = cfg.train, cfg.worker
         B = t.batch_size
         t_start = time.perf_counter()
+        # Compile every scan length a round uses (and the eval) before joining: a first call that compiles
+        # mid-run would stall this island's round and, in sync mode, every other island with it.
+        tau = w.max_overlap_steps if w.overlap else 0
+        lengths = ({t.steps_per_call, min(tau, t.steps_per_call)} - {0} if w.round_seconds else
+                   set(chunks(cfg.outer.inner_steps, t.steps_per_call, (tau,) if tau else ())))
+        loop.precompile(lengths, len(self.setup.eval_batches))
         joined = self.join()
         g = self.pull(None)
         shard = self.setup.shards[joined.shard_index]
@@ -219,6 +240,7 @@ class Worker:
         g_ref, rate = [g], [0.0]
         hb = threading.Thread(target=self._heartbeat_loop, args=(island, g_ref, rate), daemon=True)
         hb.start()
+        self._await_peers()
         anchor = g
         at_push: Any = None
         last_push = (island.cursor, island.tokens)
@@ -233,6 +255,18 @@ class Worker:
             island.state = island.state.replace(params=_fold_in(island.state.params, at_push, new_global))
             anchor, at_push = result, None
             g_ref[0] = result
+
+        def wait_for_exchange(why: str) -> None:
+            """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched
+            are compute, not idling: the devices finish them before the clock starts (JAX dispatch is
+            asynchronous, so the host reaches this point while they still run)."""
+            jax.block_until_ready(island.state.step)
+            t0 = time.perf_counter()
+            finish_exchange()
+            waited = time.perf_counter() - t0
+            self.blocked_s += waited
+            self.log.event("blocked", seconds=round(waited, 4), why=why, version=anchor.version,
+                           steps=island.steps)
 
         def finish_exchange() -> None:
             ex = self.exchange
@@ -253,9 +287,7 @@ class Worker:
             round_steps = 0
             while not self.stopping.is_set():
                 if self.exchange is not None and round_steps >= w.max_overlap_steps:
-                    t0 = time.perf_counter()  # overlap budget spent: fold the new θ in before going on
-                    finish_exchange()
-                    self.blocked_s += time.perf_counter() - t0
+                    wait_for_exchange("overlap budget spent")  # fold the new θ in before going on
                 if w.round_seconds:
                     # The round ends round_seconds after the current global θ arrived (not after this
                     # island's own push): every island receives a version at about the same moment, so
@@ -289,9 +321,7 @@ class Worker:
                 break
             # Round end: the previous exchange must be folded in before the next delta is taken.
             if self.exchange is not None:
-                t0 = time.perf_counter()
-                finish_exchange()
-                self.blocked_s += time.perf_counter() - t0
+                wait_for_exchange("round ended before the exchange")
             local = jax.device_get(island.state.params)  # note: host sync, once per round
             _, local_vec = codec.flatten(local)
             at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
@@ -312,13 +342,12 @@ class Worker:
                                                    "tokens": island.tokens, "version": anchor.version,
                                                    "fingerprint": cfg.fingerprint()})
             done = (not w.round_seconds and island.steps >= t.steps)
-            if not w.overlap or done:
+            if done:
                 t0 = time.perf_counter()
                 finish_exchange()
-                if done:
-                    final_wait += time.perf_counter() - t0
-                else:
-                    self.blocked_s += time.perf_counter() - t0
+                final_wait += time.perf_counter() - t0
+            elif not w.overlap:
+                wait_for_exchange("no overlap")
         active_s = time.perf_counter() - t_train0 - final_wait
         t0 = time.perf_counter()
         if self.exchange is not None:  # stopped mid-round with an exchange in flight
