@@ -171,6 +171,7 @@ class Merger:
             if name in self.names:
                 self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
         self.acc = np.zeros(self.n, np.float32)
+        self.acc.fill(0.0)  # fault its pages in now, not during the first round's pushes
         self.total_weight = 0.0
         self.pushes_in_acc = 0
         self.updates: collections.deque[Update] = collections.deque()
