@@ -145,11 +145,13 @@ class InnerLoop:
         return self._scan(state, batches)
 
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
-        """Compiles the scan for each chunk length (and the eval) ahead of time: JAX caches the executables,
-        so the first real call of each does not stall training (nor, in a multi-island run, the others)."""
+        """Compiles the state init, the scan for each chunk length and the eval ahead of time (JAX caches the
+        executables,
+        so the first real call of each does not stall training, nor, in a multi-island run, the others)."""
         abstract_state = jax.eval_shape(self._init_state, self.model.abstract_params)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
                              self.state_sharding)
+        self._init.lower(state.params).compile()
         B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
         for k in sorted(chunk_lengths):
             self._scan.lower(state, jax.ShapeDtypeStruct((k, B, L1), jnp.int32, sharding=self.batch_sharding)

@@ -218,6 +218,12 @@ class Worker:
         lengths = ({t.steps_per_call, min(tau, t.steps_per_call)} - {0} if w.round_seconds else
                    set(chunks(cfg.outer.inner_steps, t.steps_per_call, (tau,) if tau else ())))
         loop.precompile(lengths, len(self.setup.eval_batches))
+        if w.overlap:  # and the fold-in
+            abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                    loop.model.abstract_params, loop.params_sharding)
+            _fold_in.lower(abstract, abstract, abstract).compile()
+        ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
+        # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         joined = self.join()
         g = self.pull(None)
         shard = self.setup.shards[joined.shard_index]
@@ -225,7 +231,6 @@ class Worker:
         island = Island(index=joined.shard_index, state=loop.init_state(params), stream=shard.stream,
                         cursor=int(joined.cursor))
         island.steps = island.cursor // B  # a rejoining island continues where its shard's merged data ends
-        ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         if ckpt.latest_step() is not None:
             _, restored, meta = ckpt.restore(island.state)
             if meta.get("fingerprint") == cfg.fingerprint():
@@ -235,8 +240,6 @@ class Worker:
                        version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node())
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
 
-        if w.overlap:  # compile the fold-in now, not while the other islands wait for this one's push
-            jax.block_until_ready(_fold_in(island.state.params, island.state.params, island.state.params))
         g_ref, rate = [g], [0.0]
         hb = threading.Thread(target=self._heartbeat_loop, args=(island, g_ref, rate), daemon=True)
         hb.start()
