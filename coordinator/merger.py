@@ -115,9 +115,10 @@ def write_frame(path: Path, bits: codec.Bits, block: int, n: int, scales: np.nda
                 payload_len: int, level: int) -> tuple[int, int]:
     """Writes header + zstd(scales ‖ payload) to ``path`` (atomically), the payload streamed from a file.
 
-    The same layout as ``codec.encode``; returns (frame size, CRC32 of the whole frame). The body is compressed as it is read, so
-    memory stays O(piece) whatever the model size. Single-threaded zstd: its multi-threaded mode is barely
-    faster on int8 codes (which hardly compress) and holds ~60 MiB of job buffers."""
+    The same layout as ``codec.encode``; returns (frame size, CRC32 of the whole frame). The body is
+    compressed as it is read, so memory stays O(piece) whatever the model size. Single-threaded zstd: its
+    multi-threaded mode is barely faster on int8 codes (which hardly compress) and holds ~60 MiB of job
+    buffers."""
     tmp = path.with_name(path.name + ".tmp")
     scale_bytes = np.ascontiguousarray(scales, dtype="<f4").tobytes()
     cobj = zstandard.ZstdCompressor(level=level).compressobj(

@@ -92,27 +92,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.ckpt: Any = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
-        now = clock()
-        momentum = residual = None
-        version = 0
-        if resume:
-            version, files, meta = self.ckpt.restore_files(("theta", "momentum", "residual"))
-            # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
-            theta, momentum, residual = files["theta"], files["momentum"], files.get("residual")
-            self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
-            self.run_id = self.state.run_id
-            self.log.event("coordinator_resumed", version=version)
-        else:
-            self.run_id = uuid.uuid4().hex[:12]
-            self.state = CoordinatorState(self.opts, self.run_id, now)
         try:
-            self.merger = Merger(theta, merge_options(cfg), version=version, momentum=momentum, residual=residual,
-                                 spool_dir=self.run_dir / "spool")
-        except ValueError as e:  # a θ/momentum/residual of the wrong size
-            raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
-        if resume and self.merger.digest != meta.get("params_digest"):
-            raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the recorded "
-                                  f"{meta.get('params_digest')}")
+            self._load_state(theta, resume, clock())
+        except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
+            if self.ckpt is not None:
+                self.ckpt.close()
+            self.log.close()
+            raise
         self.max_frame = max_frame_bytes(self.merger.n, cfg.codec.block)
         self.bytes_in = 0
         self.bytes_out = 0
@@ -121,6 +107,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
+
+    def _load_state(self, theta: np.ndarray | Path, resume: bool, now: float) -> None:
+        momentum = residual = None
+        version = 0
+        meta: dict[str, Any] = {}
+        if resume:
+            version, files, meta = self.ckpt.restore_files()
+            missing = {"theta", "momentum"} - set(files)
+            if missing:
+                raise CheckpointError(f"checkpoint {version} lacks {sorted(missing)}: not a coordinator checkpoint")
+            # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
+            theta, momentum, residual = files["theta"], files["momentum"], files.get("residual")
+            self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
+            self.run_id = self.state.run_id
+        else:
+            self.run_id = uuid.uuid4().hex[:12]
+            self.state = CoordinatorState(self.opts, self.run_id, now)
+        try:
+            self.merger = Merger(theta, merge_options(self.cfg), version=version, momentum=momentum,
+                                 residual=residual, spool_dir=self.run_dir / "spool")
+        except ValueError as e:  # a θ/momentum/residual of the wrong size
+            raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
+        if resume:
+            if self.merger.digest != meta.get("params_digest"):
+                raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the "
+                                      f"recorded {meta.get('params_digest')}")
+            self.log.event("coordinator_resumed", version=version)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -142,7 +155,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
-            self.ckpt.save_files(version, self.merger.state_files(), {},
+            self.ckpt.save_files(version, self.merger.state_files(),
                                  {"state": self.state.to_json(), "version": version,
                                   "params_digest": self.merger.digest})
         self.merge_s += time.perf_counter() - t0

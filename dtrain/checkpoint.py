@@ -12,12 +12,10 @@ import dataclasses
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from dtrain.errors import CheckpointError  # re-exported: callers import it from here
@@ -28,15 +26,15 @@ _MANIFEST = "manifest.json"
 
 
 class FileArraysHandler(ocp.CheckpointHandler):
-    """An orbax handler for flat arrays that already live in files (the coordinator's θ and momentum).
+    """An orbax handler for flat float32 arrays that already live in files (the coordinator's state).
 
     Saving hard-links each file into orbax's temporary step folder (a copy by the kernel where links are
     not possible): O(1) time and no memory, however large the model. That is only correct because the
-    coordinator writes a new file per version and never modifies one. Small in-memory arrays are written
-    out. A manifest records dtype and length of each (and a CRC32 of the small arrays); :meth:`restore`
-    checks them and returns the paths of the files inside the checkpoint (read-only to the caller, who
-    verifies their contents: the coordinator checks θ against the digest in its metadata) and the arrays.
-    Orbax's CheckpointManager still does the rest: the temporary folder, the atomic rename, max_to_keep.
+    coordinator writes a new file per version and never modifies one. A manifest records each array's
+    length; :meth:`restore` checks every file against it and returns their paths inside the checkpoint
+    (read-only to the caller, who verifies the contents: the coordinator checks θ against the digest in
+    its metadata). Orbax's CheckpointManager does the rest: the temporary folder, the atomic rename,
+    max_to_keep.
     """
 
     def save(self, directory: Any, args: "FileArraysSave") -> None:
@@ -49,34 +47,20 @@ class FileArraysHandler(ocp.CheckpointHandler):
             except OSError:
                 shutil.copyfile(path, dest)
             manifest[name] = {"file": dest.name, "dtype": "<f4", "length": Path(path).stat().st_size // 4}
-        for name, arr in args.arrays.items():
-            arr = np.ascontiguousarray(arr)
-            dest = directory / f"{name}.bin"
-            arr.tofile(dest)
-            manifest[name] = {"file": dest.name, "dtype": arr.dtype.str, "length": int(arr.size),
-                              "crc32": zlib.crc32(memoryview(arr).cast("B"))}
         (directory / _MANIFEST).write_text(json.dumps(manifest, indent=1))
 
-    def restore(self, directory: Any, args: "FileArraysRestore | None" = None) -> dict[str, Any]:
+    def restore(self, directory: Any, args: "FileArraysRestore | None" = None) -> dict[str, Path]:
         directory = Path(directory)
         try:
             manifest = json.loads((directory / _MANIFEST).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{directory}: unreadable {_MANIFEST}: {e}") from None
-        keep_in_files = set(args.files) if args is not None else set()
-        out: dict[str, Any] = {}
+        out: dict[str, Path] = {}
         for name, entry in manifest.items():
             path = directory / entry["file"]
-            dtype = np.dtype(entry["dtype"])
-            if not path.is_file() or path.stat().st_size != dtype.itemsize * entry["length"]:
-                raise CheckpointError(f"{path}: missing or not {entry['length']} {dtype} values")
-            if name in keep_in_files:
-                out[name] = path  # the caller verifies it (the coordinator: θ against its recorded digest)
-            else:
-                arr = np.fromfile(path, dtype)
-                if zlib.crc32(memoryview(arr).cast("B")) != entry["crc32"]:
-                    raise CheckpointError(f"{path}: CRC32 mismatch (the file is corrupt)")
-                out[name] = arr
+            if not path.is_file() or path.stat().st_size != 4 * entry["length"]:
+                raise CheckpointError(f"{path}: missing or not {entry['length']} float32 values")
+            out[name] = path
         return out
 
 
@@ -84,13 +68,12 @@ class FileArraysHandler(ocp.CheckpointHandler):
 @dataclasses.dataclass
 class FileArraysSave(ocp.args.CheckpointArgs):
     files: dict[str, Path]  # name -> file of raw little-endian float32
-    arrays: dict[str, np.ndarray]  # small arrays held in memory
 
 
 @ocp.args.register_with_handler(FileArraysHandler, for_restore=True)
 @dataclasses.dataclass
 class FileArraysRestore(ocp.args.CheckpointArgs):
-    files: tuple[str, ...] = ()  # names returned as paths (the rest are loaded as arrays)
+    pass
 
 
 class Checkpointer:
@@ -107,20 +90,18 @@ class Checkpointer:
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                       meta=ocp.args.JsonSave(meta)))
 
-    def save_files(self, step: int, files: dict[str, Path], arrays: dict[str, np.ndarray],
-                   meta: dict[str, Any]) -> None:
+    def save_files(self, step: int, files: dict[str, Path], meta: dict[str, Any]) -> None:
         """A checkpoint of file-backed arrays (see FileArraysHandler): no copy of them passes through memory."""
-        self._mngr.save(step, args=ocp.args.Composite(state=FileArraysSave(files, arrays),
+        self._mngr.save(step, args=ocp.args.Composite(state=FileArraysSave(files),
                                                       meta=ocp.args.JsonSave(meta)))
 
-    def restore_files(self, names: tuple[str, ...], step: int | None = None) -> tuple[int, dict[str, Any],
-                                                                                     dict[str, Any]]:
-        """(step, {name: path inside the checkpoint, or array}, meta) of a :meth:`save_files` checkpoint."""
+    def restore_files(self, step: int | None = None) -> tuple[int, dict[str, Path], dict[str, Any]]:
+        """(step, {name: path inside the checkpoint}, meta) of a :meth:`save_files` checkpoint."""
         step = self._mngr.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint found in {self.directory}")
         try:
-            out = self._mngr.restore(step, args=ocp.args.Composite(state=FileArraysRestore(names),
+            out = self._mngr.restore(step, args=ocp.args.Composite(state=FileArraysRestore(),
                                                                    meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise CheckpointError(f"checkpoint {self.directory}/{step} cannot be restored: {e}") from None

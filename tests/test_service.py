@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.server import initial_parameters, serve
+from dtrain.errors import CheckpointError
 from dtrain import codec
 from dtrain.config import load_config, replace
 from dtrain.proto import dtrain_pb2 as pb
@@ -327,6 +328,19 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
         client.close()
     finally:
         second.stop()
+    # The checkpoint holds θ as a hard link to the version file: no copy was made. A θ that no longer matches
+    # the digest recorded with it is refused, naming the problem, before anything is served.
+    ckpt_theta = run_dir / "coordinator" / "1" / "state" / "theta.bin"
+    assert ckpt_theta.stat().st_nlink >= 1 and ckpt_theta.stat().st_size == 4 * n
+    raw = bytearray(ckpt_theta.read_bytes())
+    raw[100] ^= 0x01
+    ckpt_theta.unlink()  # write a new inode: the state folder's link keeps the intact bytes
+    ckpt_theta.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="θ digest .* differs from the recorded"):
+        Running(net_cfg, run_dir, resume=True)
+    ckpt_theta.write_bytes(bytes(raw[:-4]))  # and one value short: refused on its size
+    with pytest.raises(CheckpointError, match="missing or not"):
+        Running(net_cfg, run_dir, resume=True)
 
 
 def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
