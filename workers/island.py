@@ -310,6 +310,8 @@ class Worker:
                     # in round 1 and no island stalls the others by compiling in the middle of the run.
                     n = min(n, w.max_overlap_steps - round_steps)
                 advance(loop, island, n, B)
+                if w.round_seconds:  # the deadline is about steps done, not steps queued: JAX dispatch is async
+                    jax.block_until_ready(island.state.step)
                 round_steps += n
                 if self.exchange is not None and not self.exchange.is_alive():
                     finish_exchange()  # fold the new global θ in without waiting
