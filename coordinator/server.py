@@ -146,12 +146,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._abort(context, grpc.StatusCode.NOT_FOUND, f"unknown island_id {island_id!r}: call Join first")
 
     def _maybe_merge_locked(self, now: float) -> None:
+        if self.fatal:
+            return
         ready, reason = self.state.round_ready(now)
         if not ready:
             return
         t0 = time.perf_counter()
         pending = self.state.pending()
-        update = self.merger.outer_step()
+        try:
+            update = self.merger.outer_step()
+        except BaseException as e:
+            # The accumulator is consumed slab by slab, so a failed step (a full disk, say) cannot be retried:
+            # stop serving. `dtrain coordinator --resume` restarts from the last checkpoint, and the islands
+            # push the open round again (HeartbeatResponse.push_unknown).
+            self.fatal = f"outer step for version {self.state.version + 1} failed: {type(e).__name__}: {e}"
+            self.log.event("coordinator_failed", error=self.fatal)
+            raise
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
@@ -225,6 +235,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
 
     def _admit(self, info: PushInfo, context: grpc.ServicerContext) -> Admission:
+        if self.fatal:  # the process is on its way out: nothing more may touch the accumulator
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
         try:
             return self.state.admit_push(info, self.clock())
         except StateError as e:

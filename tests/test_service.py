@@ -364,3 +364,23 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
     assert params_digest(theta1) == coordinator.service.merger.digest
     for c in (c0, c1):
         c.close()
+
+
+def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordinator, net_cfg, monkeypatch):
+    """The accumulator is consumed slab by slab, so a failed outer step (a full disk) cannot be retried in
+    place: the coordinator turns fatal (run_coordinator then exits; --resume restarts it) and refuses pushes."""
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(coordinator.service.merger, "outer_step", full_disk)
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    assert c0.push(_header(j0, "a1"), _delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
+    with pytest.raises(CoordinatorError):  # the push that completes the round hits the failing step
+        c1.push(_header(j1, "b1"), _delta_frame(n, 2)[1])
+    assert "No space left on device" in coordinator.service.fatal and coordinator.service.state.version == 0
+    with pytest.raises(CoordinatorError, match="UNAVAILABLE.*coordinator failed"):
+        c0.push(_header(j0, "a2", base=0), _delta_frame(n, 3)[1])
+    for c in (c0, c1):
+        c.close()
