@@ -193,16 +193,17 @@ class Worker:
                 self.exchange.repush.set()
 
     def _await_peers(self) -> None:
-        """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands are live, so that the
-        first round starts together instead of the first island idling through the others' start-up."""
+        """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands have joined, so that the
+        first round starts together instead of the first island idling through the others' start-up. An
+        island that restarts mid-run finds them all joined already and goes straight on."""
         want, limit = self.cfg.outer.islands, self.cfg.worker.start_wait_s
         t0 = time.perf_counter()
         while limit > 0 and not self.stopping.is_set():
-            live = sum(1 for i in self.client.status().islands if i.state == "live")
-            if live >= want:
+            joined = len(self.client.status().islands)  # live, lost or stopped: each has shown up
+            if joined >= want:
                 break
             if time.perf_counter() - t0 > limit:
-                self.log.event("start_wait_timeout", live=live, islands=want, waited_s=limit)
+                self.log.event("start_wait_timeout", joined=joined, islands=want, waited_s=limit)
                 break
             time.sleep(0.1)
         self.log.event("start_barrier", waited_s=round(time.perf_counter() - t0, 3))
@@ -244,6 +245,7 @@ class Worker:
         hb = threading.Thread(target=self._heartbeat_loop, args=(island, g_ref, rate), daemon=True)
         hb.start()
         self._await_peers()
+        g.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         anchor = g
         at_push: Any = None
         last_push = (island.cursor, island.tokens)
@@ -306,8 +308,8 @@ class Worker:
                         break
                 if w.overlap and w.max_overlap_steps and round_steps < w.max_overlap_steps:
                     # Stop exactly at the overlap budget, in every round (with or without an exchange in
-                    # flight): each round then runs the same chunk lengths, so every scan length is compiled
-                    # in round 1 and no island stalls the others by compiling in the middle of the run.
+                    # flight): each round then runs the same chunk lengths, all compiled before the island
+                    # joined, so no island stalls the others by compiling in the middle of the run.
                     n = min(n, w.max_overlap_steps - round_steps)
                 advance(loop, island, n, B)
                 if w.round_seconds:  # the deadline is about steps done, not steps queued: JAX dispatch is async
