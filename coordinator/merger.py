@@ -161,8 +161,9 @@ class Merger:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.spool_dir / "state"
         self.state_dir.mkdir(exist_ok=True)
-        for stale in self.state_dir.iterdir():  # left by an earlier coordinator in this folder
-            stale.unlink()
+        for pattern in ("state/*", "update-*.frame*", "theta-*.frame*", "push-*.body"):
+            for stale in self.spool_dir.glob(pattern):  # left by an earlier coordinator in this folder
+                stale.unlink()
         self.version = version
         # The down path's error-feedback residual: what the broadcasts have left out of the true updates.
         self.feedback = opts.error_feedback and opts.down_bits != 32

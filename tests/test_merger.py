@@ -124,7 +124,12 @@ def test_lagging_island_gets_none_when_updates_were_dropped():
 def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
     rng = np.random.default_rng(4)
     theta = rng.normal(size=N).astype(np.float32)
+    (tmp_path / "a" / "state").mkdir(parents=True)
+    stale = [tmp_path / "a" / "update-00000099.frame", tmp_path / "a" / "state" / "theta-00000099.f32"]
+    for p in stale:  # what a coordinator that died here left behind
+        p.write_bytes(b"old")
     m = Merger(theta, MergeOptions(up_bits=8, down_bits=8, block=BLOCK), spool_dir=tmp_path / "a")
+    assert not any(p.exists() for p in stale)
     _push(m, rng.normal(size=N).astype(np.float32), 2.0, bits=8)
     m.outer_step()
     files = m.state_files()
