@@ -15,19 +15,22 @@ from pathlib import Path
 import numpy as np
 
 
-def main(config_path: str, out_dir: str) -> None:
+def main(config_path: str, out_dir: str, spec_only: bool = False) -> None:
     import jax
 
     from dtrain import codec, model
     from dtrain.config import load_config
 
     cfg = load_config(config_path)
-    params = jax.device_get(model.build(cfg.model).init(cfg.run.seed))
-    spec, vec = codec.flatten(params)
+    built = model.build(cfg.model)
     out = Path(out_dir)
-    np.ascontiguousarray(vec, dtype="<f4").tofile(out / "theta0.f32")  # raw: the coordinator links it in
+    if spec_only:  # a resuming coordinator takes θ from its checkpoint: shapes suffice, nothing is initialized
+        spec, _ = codec.flatten(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), built.abstract_params))
+    else:
+        spec, vec = codec.flatten(jax.device_get(built.init(cfg.run.seed)))
+        np.ascontiguousarray(vec, dtype="<f4").tofile(out / "theta0.f32")  # raw: the coordinator links it in
     (out / "spec.json").write_text(json.dumps(spec))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], spec_only="--spec-only" in sys.argv[3:])

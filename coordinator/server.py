@@ -70,7 +70,7 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
+    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
                  clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False):
         self.cfg = cfg
         self.clock = clock
@@ -108,7 +108,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
 
-    def _load_state(self, theta: np.ndarray | Path, resume: bool, now: float) -> None:
+    def _load_state(self, theta: np.ndarray | Path | None, resume: bool, now: float) -> None:
+        """θ_0 for a new run (``theta``, required then), or everything from the latest checkpoint."""
         momentum = residual = None
         version = 0
         meta: dict[str, Any] = {}
@@ -122,6 +123,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
             self.run_id = self.state.run_id
         else:
+            if theta is None:
+                raise ValueError("a new coordinator run needs θ_0")
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
         try:
@@ -130,6 +133,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
         if resume:
+            tree_size = sum(int(np.prod(shape)) for _, shape, _ in self.spec)
+            if self.merger.n != tree_size:
+                raise CheckpointError(f"checkpoint {version} holds {self.merger.n} parameters, this config's model "
+                                      f"has {tree_size}")
             if self.merger.digest != meta.get("params_digest"):
                 raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the "
                                       f"recorded {meta.get('params_digest')}")
@@ -351,7 +358,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.close()
 
 
-def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec, port: int | None = None,
+def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec, port: int | None = None,
           resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
           ) -> tuple[grpc.Server, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
@@ -398,9 +405,10 @@ def _return_large_frees_to_the_os() -> None:
         return
 
 
-def initial_parameters_file(cfg: Config, out_dir: str | Path) -> tuple[Path, codec.Spec]:
+def initial_parameters_file(cfg: Config, out_dir: str | Path, spec_only: bool = False
+                            ) -> tuple[Path | None, codec.Spec]:
     """θ_0 from the run's seed as a file of raw float32 in ``out_dir`` (every island builds the same tree and
-    checks its digest), and the tree's spec.
+    checks its digest), and the tree's spec. ``spec_only``: just the spec (from shapes; no θ_0 is built).
 
     Computed in a child process (coordinator/init_params.py), so JAX and the model's temporary copies
     never enter the coordinator's memory, and θ_0 itself only as a file the merger links in."""
@@ -415,10 +423,10 @@ def initial_parameters_file(cfg: Config, out_dir: str | Path) -> tuple[Path, cod
     with tempfile.TemporaryDirectory(prefix="dtrain-init-") as tmp:
         (Path(tmp) / "config.toml").write_text(to_toml(cfg))
         done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"),
-                               str(out)], capture_output=True, text=True)
+                               str(out), *(["--spec-only"] if spec_only else [])], capture_output=True, text=True)
     if done.returncode != 0:
         raise DtrainError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
-    return out / "theta0.f32", json.loads((out / "spec.json").read_text())
+    return None if spec_only else out / "theta0.f32", json.loads((out / "spec.json").read_text())
 
 
 def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
@@ -427,6 +435,7 @@ def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
 
     with tempfile.TemporaryDirectory(prefix="dtrain-theta0-") as tmp:
         path, spec = initial_parameters_file(cfg, tmp)
+        assert path is not None
         return np.fromfile(path, "<f4").astype(np.float32), spec
 
 
@@ -437,11 +446,12 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     _return_large_frees_to_the_os()
-    theta0, spec = initial_parameters_file(cfg, Path(run_dir) / "spool" / "init")
+    init_dir = Path(run_dir) / "spool" / "init"
+    theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:
         server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet)
     finally:
-        shutil.rmtree(theta0.parent, ignore_errors=True)  # the merger holds its own link to θ_0
+        shutil.rmtree(init_dir, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"
     tmp = info.with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))

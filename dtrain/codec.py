@@ -474,18 +474,8 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
 # Public names for the pieces the coordinator's slab-wise outer step and frame writer use.
 quantize_segment = _quantize_segment
 dequantize_segment = _dequantize_segment
-
-
-def n_scales(bits: Bits, n: int, block: int) -> int:
-    return _n_scales(bits, n, block)
-
-
-def payload_len(bits: Bits, n: int) -> int:
-    return _payload_len(bits, n)
-
-
-def payload_offset(bits: Bits, value_index: int) -> int:
-    return _payload_offset(bits, value_index)
+n_scales = _n_scales
+payload_len = _payload_len
 
 
 def _blocks_per_slab(block: int) -> int:
@@ -523,6 +513,9 @@ def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK) -> QuantizedV
 def _payload_offset(bits: Bits, value_index: int) -> int:
     """Byte offset in the payload of a value index that starts a block (blocks are even: byte-aligned)."""
     return {8: value_index, 4: value_index // 2, "e3m0": value_index // 2, 32: 4 * value_index}[bits]
+
+
+payload_offset = _payload_offset
 
 
 def dequantize(q: QuantizedVec) -> np.ndarray:

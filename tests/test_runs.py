@@ -117,7 +117,8 @@ def test_simulate_loss_well_below_chance(simulate_run):
 
 
 def test_process_simulate_with_a_missing_data_source_fails_cleanly(tmp_path: Path):
-    rc, _, err = _main(["simulate", "--config", str(TINY), "--islands", "2", "--set", f"run.out_dir={tmp_path / 'runs'}",
+    rc, _, err = _main(["simulate", "--config", str(TINY), "--islands", "2",
+                        "--set", f"run.out_dir={tmp_path / 'runs'}",
                         "--set", f"data.source={tmp_path / 'nope.txt'}", "--quiet"])
     assert rc == 1
     assert "nope.txt" in err and "no such file" in err

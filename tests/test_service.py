@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.server import initial_parameters, serve
+from coordinator.server import initial_parameters, initial_parameters_file, serve
 from dtrain.errors import CheckpointError
 from dtrain import codec
 from dtrain.config import load_config, replace
@@ -34,7 +34,10 @@ def net_cfg(tmp_path, monkeypatch):
 
 class Running:
     def __init__(self, cfg, run_dir: Path, resume: bool = False):
-        self.theta, self.spec = initial_parameters(cfg)
+        if resume:  # as `dtrain coordinator --resume` starts: the tree's spec only, θ from the checkpoint
+            self.theta, self.spec = initial_parameters_file(cfg, run_dir / "spec", spec_only=True)
+        else:
+            self.theta, self.spec = initial_parameters(cfg)
         self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,
                                                      quiet=True)
         self.address = f"127.0.0.1:{self.port}"
@@ -341,6 +344,10 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
     ckpt_theta.write_bytes(bytes(raw[:-4]))  # and one value short: refused on its size
     with pytest.raises(CheckpointError, match="missing or not"):
         Running(net_cfg, run_dir, resume=True)
+    ckpt_theta.write_bytes(bytes(raw))
+    wider = replace(net_cfg, model={"d_model": 2 * net_cfg.model.d_model})  # another model's run folder
+    with pytest.raises(CheckpointError, match="holds .* parameters, this config's model has"):
+        Running(wider, run_dir, resume=True)
 
 
 def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):

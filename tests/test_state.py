@@ -44,6 +44,13 @@ def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
     return adm
 
 
+def merge_rounds(st: CoordinatorState, island_id: str, rounds: int) -> None:
+    """``rounds`` versions, each merged from one fresh push of ``island_id`` (async mode: one push closes it)."""
+    for _ in range(rounds):
+        push(st, info(island_id, base=st.version))
+        st.close_round(T0)
+
+
 def unchanged(st: CoordinatorState, fn, code: str, *words: str) -> StateError:
     """fn() raises StateError(code) whose reason contains every word, and the state is untouched."""
     before = copy.deepcopy(st.to_json())
@@ -322,9 +329,7 @@ def test_push_id_memory_is_bounded():
 def test_late_delta_discount_weight_exact():
     st = make(islands=2, mode="async", staleness_alpha=0.5)
     a, b = join_all(st, "ab")
-    for _ in range(3):
-        push(st, info(a, base=st.version))
-        st.close_round(T0)
+    merge_rounds(st, a, 3)
     adm = st.admit_push(info(b, base=1, tokens=1000), T0)
     assert adm.status == "accept" and adm.staleness == 2 and adm.target_version == 4
     assert adm.weight == 1000 * (1 + 2) ** -0.5
@@ -349,9 +354,7 @@ def test_drop_policy_drops_and_counts():
 def test_max_staleness_drops_under_discount():
     st = make(islands=2, mode="async", max_staleness=2)
     a, b = join_all(st, "ab")
-    for _ in range(3):
-        push(st, info(a, base=st.version))
-        st.close_round(T0)
+    merge_rounds(st, a, 3)
     assert push(st, info(b, base=1)).status == "accept"  # staleness 2: discounted
     st.close_round(T0)
     adm = push(st, info(b, base=1))
