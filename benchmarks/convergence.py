@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
-    warm_cfg = config.replace(base, train={"steps": max(W, 2), "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))})
+    warm_cfg = config.replace(base, train={"steps": max(W, 2),
+                                           "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))})
     s = prepare(warm_cfg, islands=N)
     streams = [sh.stream for sh in s.shards]
     log(f"model {s.n_params:,} params; corpus {s.corpus.description}; N={N} B={B}x{base.model.seq_len} "
@@ -242,7 +243,8 @@ def compare_process_mode(base, N: int, log) -> dict:
             f"utilization {procs['utilization']:.3f}")
     ratio = procs["final_eval_loss"] / inproc["final_eval_loss"]
     print(f"\nprocess mode ({N} worker processes + coordinator, codec {base.codec.up}/{base.codec.down}, overlap "
-          f"{base.worker.overlap}): eval loss {procs['final_eval_loss']:.4f} vs in-process {inproc['final_eval_loss']:.4f}"
+          f"{base.worker.overlap}): eval loss {procs['final_eval_loss']:.4f} "
+          f"vs in-process {inproc['final_eval_loss']:.4f}"
           f" (ratio {ratio:.4f}); island utilization min {procs['utilization']:.4f}; "
           f"compression {procs['compression_ratio']:.2f}x; wall {procs['wall_s']:.0f}s vs {inproc['wall_s']:.0f}s")
     return {"ratio": ratio, "process": {k: v for k, v in procs.items() if k != "islands"},

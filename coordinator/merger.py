@@ -4,12 +4,13 @@ Memory. The accumulator is the only model-sized array the coordinator keeps
 in RAM. θ and the outer momentum live in files (one pair per version, in the
 merger's state folder) that the outer step reads and rewrites slab by slab;
 update frames and lossless θ frames are written to disk as they are encoded
-and streamed to islands from there. An incoming push is spooled to disk as it
-streams in (its chunks verified), validated end to end by a first decode whose
-output is discarded, and only then decoded a second time straight into the
-accumulator. A push that fails at any point therefore leaves the accumulator
-untouched, and the coordinator's resident size does not grow with the number
-of islands pushing at once.
+and streamed to islands from there. An incoming push is checked as it streams
+in (each chunk's CRC; every scale and code as zstd decompresses it) and its
+decompressed body spooled to a temp file; only once the whole frame has passed
+(length, CRC32, exact size) is the spool added into the accumulator. A push that
+fails at any point therefore leaves the accumulator untouched, and the
+coordinator's resident size does not grow with the number of islands pushing
+at once.
 
 Version files are written once and never modified, so a checkpoint can hard-link
 them instead of copying (see ``dtrain.checkpoint.FileArraysHandler``).
@@ -104,7 +105,7 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
         got += n
 
 
-def _write_from(fd: int, buf: np.ndarray | memoryview, offset: int) -> None:
+def _write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
     view = memoryview(buf).cast("B")
     done = 0
     while done < len(view):
@@ -388,29 +389,30 @@ class Merger:
 
 
 class Spool:
-    """One incoming frame, decoded and checked as it streams in (``codec.StreamingDecoder``); what is kept, in
-    a temp file, is the decompressed body (scales ‖ payload), so accumulating it needs no second decode."""
+    """One incoming frame, checked as it streams in (``codec.FrameValidator``: every scale and code, as zstd
+    decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
+    accumulating it needs no second decode."""
 
     def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int):
         fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
         self.path = Path(name)
         self.fd = fd
         self._offset = 0
-        self._decoder = codec.StreamingDecoder(n, bits, block, values=False, raw=self._append)
+        self._validator = codec.FrameValidator(n, bits, block, out=self._append)
         self.size = 0  # frame bytes received
         self.complete = False
 
-    def _append(self, data: bytes) -> None:
-        _write_from(self.fd, memoryview(data), self._offset)
+    def _append(self, data: bytes | memoryview) -> None:
+        _write_from(self.fd, data, self._offset)
         self._offset += len(data)
 
     def write(self, data: bytes) -> None:
         """Feeds frame bytes; raises CodecError as soon as something is wrong."""
-        self._decoder.feed(data)
+        self._validator.feed(data)
         self.size += len(data)
 
     def finish(self) -> None:
-        self._decoder.finish()
+        self._validator.finish()
         self.complete = True
 
     def close(self) -> None:

@@ -76,6 +76,7 @@ enough that dequantized values stay finite; no invalid codes or padding).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -101,10 +102,12 @@ __all__ = [
     "ChunkVerifier",
     "CodecError",
     "ErrorFeedback",
+    "FrameValidator",
     "QuantizedVec",
     "Spec",
     "StreamingDecoder",
     "compression_ratio",
+    "crc32_combine",
     "decode",
     "dequantize",
     "encode",
@@ -157,6 +160,7 @@ def _largest_scale(qmax: int) -> np.float32:
 
 
 _SCALE_MAX: Final = {qmax: _largest_scale(qmax) for qmax in (127, 7)}
+_BAD_NIBBLES: Final = np.array([(b & 0x0F) == 8 or (b >> 4) == 8 for b in range(256)])  # 4-bit schemes' -8 / "-0"
 
 
 # --------------------------------------------------------------------------- trees
@@ -391,9 +395,9 @@ def _quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray
     scale_B = _int_scales(absmax_B, qmax)
     # x · (1/scale): one multiply pass instead of a masked divide. The reciprocal may round down by half an
     # ulp, so |x|·inv can exceed qmax by ~1e-5 at most: rint still gives qmax, and the clip guarantees it.
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # inf (subnormal scale) · 0 = nan: those rows are redone
         inv_B = np.divide(np.float32(1), scale_B, out=np.zeros_like(scale_B), where=scale_B > 0)
-    q_BxK = np.multiply(x_BxK, inv_B[:, None])
+        q_BxK = np.multiply(x_BxK, inv_B[:, None])
     tiny = np.flatnonzero(np.isinf(inv_B))  # subnormal scales (1/scale overflows): divide those rows exactly
     if tiny.size:
         q_BxK[tiny] = x_BxK[tiny] / scale_B[tiny, None]
@@ -422,27 +426,41 @@ def _dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.
 def _check_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, count: int,
                    first_block: int) -> None:
     """Reject decoded values that quantize() never produces (and that could decode to non-finite)."""
-    if bits == 32:
-        bad = ~np.isfinite(payload.view("<f4"))
-        if bad.any():
-            index = first_block * block + int(np.argmax(bad))
-            raise CodecError(f"lossless payload holds a non-finite value at index {index}")
-        return
+    if bits != 32:
+        _check_scales(bits, scales, first_block)
+    _check_codes(bits, payload, first_block * block)
+    if bits in (4, "e3m0") and count % 2 and payload.size and payload[-1] >> 4:
+        raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
+
+
+def _check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     limit = np.float32(_F32_MAX) if bits == "e3m0" else _SCALE_MAX[_QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))
         raise CodecError(f"invalid scale {scales[i]!r} for block {first_block + i}")
+
+
+def _check_codes(bits: Bits, payload: np.ndarray | bytes | memoryview, first_value: int) -> None:
+    """Payload bytes (starting at value ``first_value``; for 32 bits, whole float32s) hold no invalid code."""
     if bits == 8:
-        bad = payload == 0x80
-    else:
-        bad = (payload & 0x0F) == 8
-        bad |= (payload >> 4) == 8
-        if count % 2 and payload.size and payload[-1] >> 4:
-            raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
+        if isinstance(payload, bytes):  # the one invalid byte: a memchr, no temporary
+            i = payload.find(b"\x80")
+        else:
+            bad = np.frombuffer(payload, np.uint8) == 0x80
+            i = int(np.argmax(bad)) if bad.any() else -1
+        if i >= 0:
+            raise CodecError(f"invalid int8 code -128 near value {first_value + i}")
+        return
+    arr = np.frombuffer(payload, np.uint8)
+    if bits == 32:
+        bad = ~np.isfinite(arr.view("<f4"))
+        if bad.any():
+            raise CodecError(f"lossless payload holds a non-finite value at index {first_value + int(np.argmax(bad))}")
+        return
+    bad = _BAD_NIBBLES[arr]
     if bad.any():
-        index = first_block * block + (int(np.argmax(bad)) if bits == 8 else 2 * int(np.argmax(bad)))
-        raise CodecError(f"invalid {'int8 code -128' if bits == 8 else 'nibble 0b1000'} near value {index}")
+        raise CodecError(f"invalid nibble 0b1000 near value {first_value + 2 * int(np.argmax(bad))}")
 
 
 def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
@@ -696,9 +714,6 @@ def decode(frame: bytes, *, expected_n: int | None = None) -> QuantizedVec:
     return QuantizedVec(header.bits, header.block, header.n, scales, payload)
 
 
-_EMPTY = np.zeros(0, np.float32)
-
-
 class StreamingDecoder:
     """Decode a frame fed in pieces, handing out dequantized float32 segments block by block.
 
@@ -716,14 +731,10 @@ class StreamingDecoder:
     this frame".
     """
 
-    def __init__(self, expected_n: int, bits: Bits, block: int = DEFAULT_BLOCK, *, weight: float = 1.0,
-                 values: bool = True, raw: Callable[[bytes], Any] | None = None):
-        """``weight`` scales every value handed out (folded into the block scales: no extra pass);
-        ``values=False`` checks the frame completely but hands out nothing (a cheap validation pass);
-        ``raw`` receives the decompressed body (scales, then payload), each piece after its checks."""
+    def __init__(self, expected_n: int, bits: Bits, block: int = DEFAULT_BLOCK, *, weight: float = 1.0):
+        """``weight`` scales every value handed out (folded into the block scales: no extra pass). To check a
+        frame without dequantizing it, use :class:`FrameValidator`."""
         self.weight = np.float32(weight)
-        self.values = values
-        self.raw = raw
         if isinstance(expected_n, bool) or not isinstance(expected_n, int) or expected_n < 0:
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
         self.n = expected_n
@@ -799,11 +810,8 @@ class StreamingDecoder:
         if self._scales is None:
             if len(sink.pending) < header.scales_len:
                 return None
-            scale_bytes = bytes(sink.pending[:header.scales_len])
-            self._scales = np.frombuffer(scale_bytes, "<f4").astype(np.float32)
+            self._scales = np.frombuffer(bytes(sink.pending[:header.scales_len]), "<f4").astype(np.float32)
             del sink.pending[:header.scales_len]
-            if self.raw is not None:  # each scale is checked with its blocks, before finish() can succeed
-                self.raw(scale_bytes)
         remaining = self.n - self._next_value
         bytes_per_block = _payload_offset(self.bits, self.block)
         blocks = len(sink.pending) // bytes_per_block
@@ -819,12 +827,8 @@ class StreamingDecoder:
         first_block = self._next_value // self.block
         scales = self._scales[first_block:first_block + -(-count // self.block)] if self.bits != 32 else self._scales
         _check_segment(self.bits, self.block, scales, payload, count, first_block)
-        if self.raw is not None:
-            self.raw(payload_bytes)
         start = self._next_value
         self._next_value += count
-        if not self.values:
-            return start, _EMPTY
         if self.weight != 1 and self.bits != 32:
             return start, _dequantize_segment(self.bits, self.block, scales * self.weight, payload, count)
         out = _dequantize_segment(self.bits, self.block, scales, payload, count)
@@ -852,6 +856,174 @@ class StreamingDecoder:
 
 
 # --------------------------------------------------------------------------- chunks
+
+class FrameValidator:
+    """Checks a frame fed in pieces, completely, without dequantizing anything: the header against the
+    receiver's n/bits/block as soon as it is in, every decompressed piece as zstd hands it out (all scales
+    first, then every code), and in :meth:`finish` the length, the CRC32 and the exact decompressed size.
+
+    ``out`` receives the decompressed body (scales ‖ payload) in order, each piece only after its checks
+    (the piece is not retained: copy or write it). What ``out`` has stored is the whole, checked body once
+    ``finish()`` returns; if any call raises, throw it away. Decompression is bounded by the size the header
+    declares (a zip bomb is stopped after one output piece). Few Python calls per input byte: whole input
+    pieces go to zstd, whose output comes in pieces of up to ``out_piece`` bytes.
+    """
+
+    def __init__(self, expected_n: int, bits: Bits, block: int, out: Callable[[bytes | memoryview], Any],
+                 out_piece: int = 1 << 20):
+        if isinstance(expected_n, bool) or not isinstance(expected_n, int) or expected_n < 0:
+            raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
+        self.n = expected_n
+        self.bits: Bits = _canonical_bits(bits)
+        self.block = _check_block(block)
+        self.out = out
+        self._out_piece = out_piece
+        self._head = bytearray()
+        self._header: _Header | None = None
+        self._writer: Any = None
+        self._crc = 0
+        self._body_received = 0
+        self._total = 0  # decompressed bytes so far
+        self._scales = bytearray()
+        self._carry = b""  # bits=32: bytes of a float32 split across output pieces
+        self._last = 0  # the last payload byte (4-bit schemes: its high nibble may be padding)
+        self._closed: str | None = None
+
+    def feed(self, data: bytes | memoryview) -> None:
+        """Frame bytes, in order; raises CodecError as soon as something is wrong (then the validator is dead)."""
+        if self._closed is not None:
+            raise CodecError(f"validator closed: {self._closed}")
+        try:
+            self._feed(memoryview(data).cast("B"))
+        except CodecError as e:
+            self._closed = f"an earlier error ({e})"
+            raise
+
+    def _feed(self, data: memoryview) -> None:
+        if self._header is None:
+            take = HEADER_SIZE - len(self._head)
+            self._head += data[:take]
+            data = data[take:]
+            if len(self._head) < HEADER_SIZE:
+                return
+            header = _parse_header(self._head, self.n)
+            if header.bits != self.bits or header.block != self.block:
+                raise CodecError(f"frame header says bits={header.bits} block={header.block}, "
+                                 f"expected bits={self.bits} block={self.block}")
+            self._header = header
+            self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
+            self._writer = zstandard.ZstdDecompressor().stream_writer(
+                self, write_size=self._out_piece, write_return_read=True, closefd=False)
+        if not data:
+            return
+        if self._body_received + len(data) > self._header.body_len:
+            extra = self._body_received + len(data) - self._header.body_len
+            raise CodecError(f"trailing garbage: {extra} bytes after the {self._header.body_len}-byte body")
+        self._crc = zlib.crc32(data, self._crc)
+        self._body_received += len(data)
+        _push(self._writer, data)
+
+    def write(self, data: bytes) -> int:
+        """zstd's output sink (not for callers)."""
+        header = self._header
+        assert header is not None
+        size = len(data)
+        if self._total + size > header.scales_len + header.payload_len:
+            raise CodecError(f"body decompresses to more than the {header.scales_len + header.payload_len} bytes "
+                             "the header declares (zip bomb?)")
+        start = 0
+        if self._total < header.scales_len:  # the scales (n/block floats): all checked before any code
+            start = min(size, header.scales_len - self._total)
+            self._scales += memoryview(data)[:start]
+            self._total += start
+            if self._total == header.scales_len:
+                _check_scales(self.bits, np.frombuffer(self._scales, "<f4"), 0)
+                self.out(self._scales)
+            if start == size:
+                return size
+        piece = data if start == 0 else data[start:]
+        first = self._total - header.scales_len  # payload byte offset of this piece
+        if self.bits == 32:
+            if self._carry:
+                piece = self._carry + piece
+                first -= len(self._carry)
+            cut = len(piece) - len(piece) % 4
+            piece, self._carry = piece[:cut], piece[cut:]
+            _check_codes(32, piece, first // 4)
+        else:
+            _check_codes(self.bits, piece, first if self.bits == 8 else 2 * first)
+            self._last = piece[-1]
+        self.out(piece)
+        self._total += size - start
+        return size
+
+    def finish(self) -> None:
+        """Check the frame was complete and intact: all bytes, CRC32, exact decompressed size, padding."""
+        if self._closed is not None:
+            raise CodecError(f"validator closed: {self._closed}")
+        self._closed = "finish() was called"
+        header = self._header
+        if header is None:
+            raise CodecError(f"frame truncated: {len(self._head)} bytes, the header alone needs {HEADER_SIZE}")
+        if self._body_received < header.body_len:
+            raise CodecError(f"frame truncated: header says {header.body_len} body bytes, "
+                             f"got {self._body_received}")
+        if self._crc != header.crc32:
+            raise CodecError(f"CRC32 mismatch: header says {header.crc32:#010x}, computed {self._crc:#010x}")
+        expected = header.scales_len + header.payload_len
+        if self._total != expected or self._carry:
+            raise CodecError(f"body decompresses to {self._total} bytes, header declares {expected}")
+        if self.bits in (4, "e3m0") and header.n % 2 and self._last >> 4:
+            raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
+
+
+# --------------------------------------------------------------------------- CRC32 of concatenations
+
+_CRC_POLY: Final = 0xEDB88320  # zlib's CRC-32, reflected
+
+
+def _crc_multmodp(a: int, b: int) -> int:
+    """a·b modulo the CRC polynomial (reflected bit order, as in zlib)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _crc_x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _crc_multmodp(p, p)
+    return table
+
+
+_CRC_X2N: Final = _crc_x2n_table()  # x^(2^k) mod the polynomial
+
+
+@functools.lru_cache(maxsize=64)
+def _crc_shift(length: int) -> int:
+    """x^(8·length) mod the polynomial: appending ``length`` zero bytes, as an operator."""
+    p, k, n = 1 << 31, 3, length
+    while n:
+        if n & 1:
+            p = _crc_multmodp(_CRC_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A ‖ B from crc32(A), crc32(B) and len(B), without touching the bytes (zlib's crc32_combine,
+    which Python's zlib does not expose). Lets a receiver check a whole frame's CRC from its chunks' CRCs."""
+    if len2 < 0:
+        raise ValueError(f"len2 must be >= 0, got {len2}")
+    return _crc_multmodp(_crc_shift(len2), crc1) ^ crc2 if len2 else crc1
+
 
 @dataclass(frozen=True)
 class Chunk:

@@ -193,9 +193,10 @@ class FrameReceiver:
         if self.size + len(data) > self.total_bytes:
             raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"chunks exceed the header's total_bytes={self.total_bytes}")
-        if zlib.crc32(data) != chunk.crc32:
+        crc = zlib.crc32(data)
+        if crc != chunk.crc32:
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index}: CRC32 mismatch (garbled)")
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = codec.crc32_combine(self._crc, crc, len(data))  # the frame's CRC without a second pass
         self.received += 1
         self.size += len(data)
         return data

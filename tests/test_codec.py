@@ -564,3 +564,93 @@ def test_streaming_decoder_faults() -> None:
     bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
     with pytest.raises(CodecError, match="zip bomb"):
         StreamingDecoder(1024, 8, 1024).feed(_forge(small, body=bomb))
+
+
+# --------------------------------------------------------------------------- validation without decoding
+
+
+def _validate(frame: bytes, n: int, bits: codec.Bits, block: int, piece: int = 1 << 20,
+              out_piece: int = 1 << 20, got: bytearray | None = None) -> bytes:
+    got = bytearray() if got is None else got
+    validator = codec.FrameValidator(n, bits, block, out=got.extend, out_piece=out_piece)
+    for i in range(0, len(frame), piece):
+        validator.feed(frame[i:i + piece])
+    validator.finish()
+    return bytes(got)
+
+
+@given(n=st.integers(0, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 1024]),
+       piece=st.integers(1, 900), out_piece=st.sampled_from([5, 131, 1 << 20]), seed=st.integers(0, 1000))
+@FAST
+def test_frame_validator_hands_out_the_decoded_body(n: int, bits: codec.Bits, block: int, piece: int,
+                                                    out_piece: int, seed: int) -> None:
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    frame = encode(quantize(x, bits, block))
+    q = decode(frame)
+    body = np.asarray(q.scales, "<f4").tobytes() + np.asarray(q.payload, np.uint8).tobytes()
+    assert _validate(frame, n, bits, block, piece, out_piece) == body
+
+
+def test_frame_validator_faults() -> None:
+    frame = _frame(n=1024)  # one scale, 1024 int8 codes
+    ok = _validate(frame, 1024, 8, 1024, piece=100)
+    assert len(ok) == 4 + 1024
+
+    def rejects(bad: bytes, match: str, n: int = 1024, bits: codec.Bits = 8, block: int = 1024,
+                out_piece: int = 1 << 20) -> bytes:
+        got = bytearray()
+        with pytest.raises(CodecError, match=match):
+            _validate(bad, n, bits, block, piece=97, out_piece=out_piece, got=got)
+        return bytes(got)
+
+    rejects(frame, r"header says n=1024, expected n=999", n=999)
+    rejects(frame, r"expected bits=4 block=1024", bits=4)
+    rejects(frame + b"abc", "trailing garbage: 3 bytes")
+    rejects(frame[:-10], r"frame truncated: header says \d+ body bytes")
+    rejects(frame[:30], "frame truncated: 30 bytes")
+    rejects(_forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1), "CRC32 mismatch")
+    rejects(_forge(frame, body=b"not zstd at all"), "zstd decompression failed")
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
+    rejects(_forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
+    rejects(_forge(frame, body=zstandard.ZstdCompressor().compress(bytes(1000))),
+            r"body decompresses to 1000 bytes, header declares 1028")
+
+    def body(scale: float, codes: bytes) -> bytes:
+        return zstandard.ZstdCompressor().compress(np.float32(scale).tobytes() + codes)
+
+    for scale in (np.nan, -1.0, 3e38):
+        assert rejects(_forge(frame, body=body(scale, bytes(1024))), "invalid scale") == b""  # nothing out
+    got = rejects(_forge(frame, body=body(1.0, bytes(700) + b"\x80" + bytes(323))), "int8 code -128 near value 700",
+                  out_piece=512)
+    assert got == np.float32(1.0).tobytes() + bytes(508)  # the scale and the first whole piece; not the bad one
+    frame4 = _frame(n=65, bits=4, block=64)  # 2 scales, 33 payload bytes
+    scales = np.ones(2, np.float32).tobytes()
+    rejects(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(3) + b"\x80" + bytes(29))),
+            "nibble 0b1000 near value 6", n=65, bits=4, block=64)
+    rejects(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")),
+            "padding nibble", n=65, bits=4, block=64)
+    frame32 = _frame(n=4, bits=32)
+    raw = np.array([1, 2, np.inf, 4], np.float32).tobytes()
+    for out_piece in (3, 1 << 20):  # a float split across output pieces, or not
+        rejects(_forge(frame32, body=zstandard.ZstdCompressor().compress(raw)), "non-finite value at index 2",
+                n=4, bits=32, out_piece=out_piece)
+
+    dead = codec.FrameValidator(1024, 8, 1024, out=lambda _: None)
+    with pytest.raises(CodecError, match="trailing garbage"):
+        dead.feed(frame + b"x")
+    with pytest.raises(CodecError, match="validator closed: an earlier error"):
+        dead.feed(b"")
+    done = codec.FrameValidator(1024, 8, 1024, out=lambda _: None)
+    done.feed(frame)
+    done.finish()
+    with pytest.raises(CodecError, match="validator closed: finish"):
+        done.feed(b"")
+
+
+def test_crc32_combine_matches_zlib() -> None:
+    rng = np.random.default_rng(0)
+    for a_len, b_len in [(0, 0), (0, 5), (5, 0), (1, 1), (1000, 1 << 20), (3, 12345)]:
+        a, b = rng.bytes(a_len), rng.bytes(b_len)
+        assert codec.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    with pytest.raises(ValueError, match="len2"):
+        codec.crc32_combine(0, 0, -1)
