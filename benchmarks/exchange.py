@@ -427,7 +427,13 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
                                   cursor_end=(r + 1) * seqs, tree_digest=joins[i].tree_digest)
                 return clients[i].push(h, frames[i])
 
+            def cpu(pid):
+                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+            c0, s0, w0 = cpu(coord.proc.pid), sum(os.times()[:2]), time.perf_counter()
             res = _concurrent(n, push)
+            c1, s1, w1 = cpu(coord.proc.pid), sum(os.times()[:2]), time.perf_counter()
+            log(f"CPU: coordinator {c1 - c0:.2f}s, clients {s1 - s0:.2f}s, wall {w1 - w0:.2f}s")
             statuses = [pb.PushStatus.Name(resp.status) for _, _, resp in res]
             last = max(range(n), key=lambda i: res[i][1])
             merged = [i for i, (_, _, resp) in enumerate(res) if resp.status == pb.PUSH_STATUS_MERGED]
@@ -517,12 +523,12 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
 
     _return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb
-    from dtrain.wire import FrameReceiver, max_frame_bytes, to_chunks
+    from dtrain.wire import FrameReceiver, chunk_message, frame_chunks, max_frame_bytes
 
     spool_dir = work / "breakdown-spool"
     merger = Merger(np.zeros(n_params, np.float32), merge_options(cfg), spool_dir=spool_dir)
     chunk_bytes = cfg.codec.chunk_bytes
-    wire_msgs = [pb.PushMessage(chunk=c).SerializeToString() for c in to_chunks(frame, chunk_bytes)]
+    wire_msgs = [chunk_message(i, d, c) for i, (d, c) in enumerate(frame_chunks(frame, chunk_bytes)[1])]
     out: dict[str, float] = {}
     t = time.perf_counter()
     msgs = [pb.PushMessage.FromString(m) for m in wire_msgs]

@@ -31,8 +31,8 @@ from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
-from dtrain.wire import (CODEC_BITS, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         chunk_count, max_frame_bytes, read_token, server_credentials)
+from dtrain.wire import (CODEC_BITS, SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
+                         chunk_count, chunk_message, max_frame_bytes, read_token, serialize, server_credentials)
 
 TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
 MAX_PULL_WAIT_S = 30.0
@@ -332,7 +332,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                 frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest))
             for index, data in enumerate(file_pieces(handle, chunk_bytes)):
-                yield pb.PullMessage(chunk=pb.Chunk(index=index, data=data, crc32=zlib.crc32(data)))
+                yield chunk_message(index, data, zlib.crc32(data))
             with self.lock:
                 self.bytes_out += size
 
@@ -369,7 +369,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=channel_options(c.max_message_bytes),
                          maximum_concurrent_rpcs=c.workers * 4)
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((service_handler(service),))
     address = f"{c.host}:{c.port if port is None else port}"
     creds = server_credentials(cfg.security)
     bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -382,6 +382,19 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
                          f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)")
     return server, service, bound
+
+
+def service_handler(service: Any) -> grpc.GenericRpcHandler:
+    """The Coordinator service's handlers, one per method of the proto's service (the generated
+    ``add_CoordinatorServicer_to_server`` with one difference): responses go through ``wire.serialize``, so a
+    pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three)."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+    handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
+        getattr(service, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
+        response_serializer=serialize) for m in methods}
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 def _return_large_frees_to_the_os() -> None:

@@ -16,7 +16,7 @@ from dtrain import codec
 from dtrain.config import load_config, replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import auth_metadata, params_digest, to_chunks
+from dtrain.wire import auth_metadata, frame_chunks, params_digest
 from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,12 +161,13 @@ def _raw_push(address: str, messages: list[pb.PushMessage], token: str | None = 
 
 
 def _frame_messages(join, frame: bytes, push_id: str, chunk: int = 4096, **overrides) -> list[pb.PushMessage]:
-    chunks = to_chunks(frame, chunk)
+    _, chunks = frame_chunks(frame, chunk)
     h = _header(join, push_id)
     h.total_bytes, h.frame_crc32, h.chunks = len(frame), zlib.crc32(frame), len(chunks)
     for k, v in overrides.items():
         setattr(h, k, v)
-    return [pb.PushMessage(header=h)] + [pb.PushMessage(chunk=c) for c in chunks]
+    return [pb.PushMessage(header=h)] + [pb.PushMessage(chunk=pb.Chunk(index=i, data=bytes(d), crc32=c))
+                                         for i, (d, c) in enumerate(chunks)]
 
 
 @pytest.mark.parametrize("case,code,match", [

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
@@ -22,7 +21,8 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
-                         auth_metadata, channel_credentials, channel_options, chunk_count, iter_chunks, read_token)
+                         auth_metadata, channel_credentials, channel_options, chunk_message, frame_chunks, method_path,
+                         read_token, serialize)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
@@ -51,6 +51,9 @@ class CoordinatorClient:
         opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name)
         self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # Pushes send pre-encoded chunk messages (wire.chunk_message), so they take a serializer that passes bytes.
+        self._push_delta = self.channel.stream_unary(method_path("PushDelta"), request_serializer=serialize,
+                                                     response_deserializer=pb.PushDeltaResponse.FromString)
         self.metadata = auth_metadata(read_token(sec))
         self.on_retry = on_retry
         self.bytes_up = 0
@@ -97,16 +100,16 @@ class CoordinatorClient:
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
         """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
         header.total_bytes = len(frame)
-        header.frame_crc32 = zlib.crc32(frame)
-        header.chunks = chunk_count(len(frame), self.cfg.codec.chunk_bytes)
+        header.frame_crc32, chunks = frame_chunks(frame, self.cfg.codec.chunk_bytes)
+        header.chunks = len(chunks)
 
-        def messages() -> Iterator[pb.PushMessage]:
+        def messages() -> Iterator[pb.PushMessage | bytes]:
             yield pb.PushMessage(header=header)
-            for chunk in iter_chunks(frame, self.cfg.codec.chunk_bytes):
-                yield pb.PushMessage(chunk=chunk)
+            for index, (data, crc) in enumerate(chunks):
+                yield chunk_message(index, data, crc)
 
         def call() -> pb.PushDeltaResponse:
-            resp = self.stub.PushDelta(messages(), timeout=self.cfg.worker.rpc_deadline_s, metadata=self.metadata)
+            resp = self._push_delta(messages(), timeout=self.cfg.worker.rpc_deadline_s, metadata=self.metadata)
             self.bytes_up += len(frame)
             return resp
 
