@@ -870,7 +870,7 @@ class FrameValidator:
     """
 
     def __init__(self, expected_n: int, bits: Bits, block: int, out: Callable[[bytes | memoryview], Any],
-                 out_piece: int = 1 << 20):
+                 out_piece: int = 1 << 18):
         if isinstance(expected_n, bool) or not isinstance(expected_n, int) or expected_n < 0:
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
         self.n = expected_n
