@@ -1,16 +1,17 @@
 """Streaming merge of pseudo-gradients and the outer step, on flat float32 vectors.
 
-Memory. The accumulator is the only model-sized array the coordinator keeps
-in RAM. θ and the outer momentum live in files (one pair per version, in the
-merger's state folder) that the outer step reads and rewrites slab by slab;
-update frames and lossless θ frames are written to disk as they are encoded
-and streamed to islands from there. An incoming push is checked as it streams
-in (each chunk's CRC; every scale and code as zstd decompresses it) and its
-decompressed body spooled to a temp file; only once the whole frame has passed
-(length, CRC32, exact size) is the spool added into the accumulator. A push that
-fails at any point therefore leaves the accumulator untouched, and the
-coordinator's resident size does not grow with the number of islands pushing
-at once.
+Memory. No model-sized array is kept in RAM. θ, the outer momentum and the
+down-path residual live in files (one set per version, in the merger's state
+folder) that the outer step reads and rewrites slab by slab; update frames and
+lossless θ frames are written to disk as they are encoded and streamed to
+islands from there. An incoming push is checked as it streams in (each chunk's
+CRC; every scale and code as zstd decompresses it) and its decompressed body
+spooled to a temp file. Once the whole frame has passed (length, CRC32, exact
+size) the spool joins the pending pushes with its weight; the outer step sums
+the pending pushes slab by slab (Σ w·Δ / Σ w) on its threads. A push that fails
+at any point therefore changes nothing, and the coordinator's resident size
+does not grow with the number of islands pushing at once. Disk: one spool per
+pending push (the model's size at the up codec's width).
 
 Version files are written once and never modified, so a checkpoint can hard-link
 them instead of copying (see ``dtrain.checkpoint.FileArraysHandler``).
@@ -19,7 +20,7 @@ The outer step is DiLoCo's Nesterov SGD, the same math as
 ``dtrain.outer.outer_step`` (optax.sgd(lr, momentum, nesterov=True)), slab by
 slab, on a small thread pool (numpy and zstd release the GIL):
 
-    Δ = acc / Σw;  m ← μ·m + Δ;  u = −lr·(Δ + μ·m)   (heavy ball: u = −lr·m)
+    Δ = Σ w_i·Δ_i / Σ w_i;  m ← μ·m + Δ;  u = −lr·(Δ + μ·m)   (heavy ball: u = −lr·m)
 
 The broadcast update is u quantized with the down codec, after adding the
 coordinator's own error-feedback residual; the coordinator's θ is defined as
@@ -173,10 +174,8 @@ class Merger:
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
                 self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.acc = np.zeros(self.n, np.float32)
-        self.acc.fill(0.0)  # fault its pages in now, not during the first round's pushes
+        self.pending: list[tuple[Spool, float]] = []  # accepted pushes, summed by the next outer step
         self.total_weight = 0.0
-        self.pushes_in_acc = 0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
         self.digest = self._hash_file(self.theta_path)
@@ -247,33 +246,48 @@ class Merger:
         spool.finish()
 
     def accumulate(self, spool: "Spool", weight: float) -> None:
-        """acc += weight · Δ from a spool that :meth:`validate` accepted, slab by slab with no model-sized
-        temporary: the spool holds the decompressed, already checked scales and payload."""
+        """Adds weight · Δ to the next outer step: the merger takes over the spool (which :meth:`validate`
+        accepted; its decompressed, checked body stays on disk until that step has summed it)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if not spool.complete:
             raise RuntimeError("accumulate() needs a spool that validate() accepted")
-        o = self.opts
-        slab = slab_values(o.block)
-        n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
-        scales = np.empty(n_blocks, "<f4")
-        _read_into(spool.fd, scales, 0)
-        buf = np.empty(codec.payload_len(o.up_bits, slab), np.uint8)
-        scratch = np.empty(slab, np.float32)
-        for s in range(0, self.n, slab):
-            e = min(s + slab, self.n)
-            payload = buf[:codec.payload_len(o.up_bits, e - s)]
-            _read_into(spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, s))
-            codec.dequantize_add(o.up_bits, o.block, scales[s // o.block: -(-e // o.block)], payload,
-                                 self.acc[s:e], weight=np.float32(weight), scratch=scratch)
+        spool.keep()
+        self.pending.append((spool, float(weight)))
         self.total_weight += float(weight)
-        self.pushes_in_acc += 1
+
+    @property
+    def pushes_in_acc(self) -> int:
+        """How many pushes the next outer step will merge."""
+        return len(self.pending)
+
+    def accumulated(self) -> np.ndarray:
+        """Σ w·Δ over the pending pushes, in memory (a full copy: for tests and tools)."""
+        out = np.zeros(self.n, np.float32)
+        for s in range(0, self.n, slab_values(self.opts.block)):
+            self._sum_pending(s, out[s:s + slab_values(self.opts.block)], np.float32(1.0))
+        return out
+
+    def _sum_pending(self, start: int, out: np.ndarray, scale: np.float32) -> None:
+        """out += Σ (w·scale)·Δ over the pending pushes, for values [start, start + out.size) (whole blocks)."""
+        o = self.opts
+        first_block, end_block = start // o.block, -(-(start + out.size) // o.block)
+        n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
+        scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
+        payload = np.empty(codec.payload_len(o.up_bits, out.size), np.uint8)
+        scratch = np.empty(out.size, np.float32)
+        for spool, weight in self.pending:
+            if scales.size:
+                _read_into(spool.fd, scales, 4 * first_block)
+            _read_into(spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
+            codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=np.float32(weight) * scale,
+                                 scratch=scratch)
 
     # -- the outer step -----------------------------------------------------------------------------
 
     def outer_step(self) -> Update:
         """Applies the merged pseudo-gradient; writes version+1's files; returns its broadcast update."""
-        if self.pushes_in_acc == 0 or not self.total_weight > 0:
+        if not self.pending or not self.total_weight > 0:
             raise RuntimeError("outer_step with no accumulated delta")
         o = self.opts
         slab = slab_values(o.block)
@@ -293,8 +307,8 @@ class Merger:
 
             def step(s: int) -> np.ndarray:
                 e = min(s + slab, self.n)
-                delta = self.acc[s:e]
-                delta *= inv_w  # Δ, in place in the accumulator
+                delta = np.zeros(e - s, np.float32)
+                self._sum_pending(s, delta, inv_w)  # Δ = Σ (w/Σw)·Δ_i
                 m = np.empty(e - s, np.float32)
                 _read_into(fds["momentum"], m, 4 * s)
                 if o.momentum:
@@ -326,7 +340,6 @@ class Merger:
                 _read_into(fds["theta"], theta, 4 * s)
                 theta += applied  # θ is the sum of what was broadcast
                 _write_from(fds["theta_new"], theta, 4 * s)
-                self.acc[s:e] = 0.0
                 return theta
 
             hasher = params_hasher()
@@ -353,8 +366,10 @@ class Merger:
         for name in self.names:
             tmp[name].replace(self._path(name))
             old[name].unlink()  # a checkpoint that linked it keeps its own name for it
+        for spool, _ in self.pending:
+            spool.close()
+        self.pending = []
         self.total_weight = 0.0
-        self.pushes_in_acc = 0
         self.digest = hasher.hexdigest()[:32]
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
                         params_digest=self.digest)
@@ -401,6 +416,11 @@ class Spool:
         self._validator = codec.FrameValidator(n, bits, block, out=self._append)
         self.size = 0  # frame bytes received
         self.complete = False
+        self._kept = False
+
+    def keep(self) -> None:
+        """Hands the spool over to the merger: leaving its ``with`` block no longer deletes it."""
+        self._kept = True
 
     def _append(self, data: bytes | memoryview) -> None:
         _write_from(self.fd, data, self._offset)
@@ -416,11 +436,14 @@ class Spool:
         self.complete = True
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "Spool":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if not self._kept:
+            self.close()

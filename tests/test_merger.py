@@ -96,7 +96,8 @@ def test_a_bad_frame_changes_nothing():
         sp.write(bytes(frame))
         with pytest.raises(codec.CodecError):
             m.validate(sp)
-    assert not m.acc.any() and m.total_weight == 0 and m.pushes_in_acc == 0
+    assert m.pending == [] and m.total_weight == 0 and m.pushes_in_acc == 0
+    assert list(m.spool_dir.glob("push-*")) == []  # the rejected spool is gone
     with pytest.raises(RuntimeError, match="no accumulated delta"):
         m.outer_step()
 
@@ -162,5 +163,20 @@ def test_accumulate_matches_dequantize_for_every_codec():
         for v, w in zip(vecs, (0.25, 3.0)):
             _push(m, v, w, bits=bits)
         want = sum(np.float32(w) * codec.dequantize(codec.quantize(v, bits, BLOCK)) for v, w in zip(vecs, (0.25, 3.0)))
-        np.testing.assert_allclose(m.acc, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(m.accumulated(), want, rtol=1e-6, atol=1e-6)
         assert m.total_weight == 3.25 and m.pushes_in_acc == 2
+
+
+def test_pending_pushes_stay_spooled_until_the_outer_step_sums_them():
+    rng = np.random.default_rng(11)
+    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=8, down_bits=32, lr=1.0, momentum=0.0, nesterov=False,
+                                                     block=BLOCK))
+    vecs = [rng.normal(size=N).astype(np.float32) for _ in range(3)]
+    for v, w in zip(vecs, (1.0, 2.0, 5.0)):
+        _push(m, v, w, bits=8)
+    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pushes_in_acc == 3  # kept after their `with`
+    m.outer_step()
+    assert list(m.spool_dir.glob("push-*.body")) == [] and m.pending == [] and m.total_weight == 0
+    deq = [codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]
+    want = -(deq[0] * np.float32(1 / 8) + deq[1] * np.float32(2 / 8) + deq[2] * np.float32(5 / 8))
+    np.testing.assert_allclose(m.theta, want, rtol=1e-5, atol=1e-6)  # θ1 = θ0 − lr·Σ w·Δ / Σ w, lossless down

@@ -70,7 +70,7 @@ def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 64
 
 def _snapshot(service) -> dict:
     with service.lock:
-        return {"state": service.state.to_json(), "acc": service.merger.acc.copy(),
+        return {"state": service.state.to_json(), "acc": service.merger.accumulated(),
                 "w": service.merger.total_weight, "version": service.merger.version}
 
 
