@@ -125,32 +125,35 @@ def write_frame(path: Path, bits: codec.Bits, block: int, n: int, scales: np.nda
     scale_bytes = np.ascontiguousarray(scales, dtype="<f4").tobytes()
     cobj = zstandard.ZstdCompressor(level=level).compressobj(
         size=len(scale_bytes) + payload_len)
-    with open(tmp, "w+b") as out:
+    body_crc = 0  # of the compressed body, taken as it is written: the file is never read back
+
+    def emit(out: BinaryIO, data: bytes) -> None:
+        nonlocal body_crc
+        body_crc = zlib.crc32(data, body_crc)
+        out.write(data)
+
+    with open(tmp, "wb") as out:
         out.write(bytes(codec.HEADER_SIZE))
-        out.write(cobj.compress(scale_bytes))
+        emit(out, cobj.compress(scale_bytes))
         if payload_file is not None:
             with open(payload_file, "rb") as src:
                 while piece := src.read(IO_PIECE):
-                    out.write(cobj.compress(piece))
-        out.write(cobj.flush())
+                    emit(out, cobj.compress(piece))
+        emit(out, cobj.flush())
         body_len = out.tell() - codec.HEADER_SIZE
         head = codec.frame_header(bits, block, n, len(scale_bytes), payload_len, body_len)
-        crc = zlib.crc32(head)
-        out.seek(codec.HEADER_SIZE)
-        while piece := out.read(IO_PIECE):  # the body is hot in the page cache
-            crc = zlib.crc32(piece, crc)
+        crc = codec.crc32_combine(zlib.crc32(head), body_crc, body_len)  # the codec's: header[:44] ‖ body
+        head += crc.to_bytes(4, "little")
         out.seek(0)
-        out.write(head + crc.to_bytes(4, "little"))
-        out.seek(0)
-        whole = 0  # the wire's CRC32 is over the whole frame, the codec's own CRC field included
-        while piece := out.read(IO_PIECE):
-            whole = zlib.crc32(piece, whole)
+        out.write(head)
+    whole = codec.crc32_combine(zlib.crc32(head), body_crc, body_len)  # the wire's: the whole frame
     tmp.replace(path)
     return codec.HEADER_SIZE + body_len, whole
 
 
 class Merger:
-    """Holds the accumulator in memory; θ, momentum and the down residual in per-version files."""
+    """Pending pushes in spool files; θ, momentum and the down residual in per-version files; nothing
+    model-sized in RAM."""
 
     def __init__(self, theta: np.ndarray | Path, opts: MergeOptions, version: int = 0,
                  momentum: np.ndarray | Path | None = None, residual: np.ndarray | Path | None = None,
