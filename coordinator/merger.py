@@ -31,13 +31,15 @@ every island that applies the same frames holds a bit-identical θ.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import tempfile
+import threading
 import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import zstandard
@@ -65,6 +67,7 @@ class MergeOptions:
     zstd_level: int = 3
     error_feedback: bool = True
     keep_updates: int = 16
+    spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
     threads: int = 2  # outer-step worker threads
 
 
@@ -182,6 +185,26 @@ class Merger:
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
         self.digest = self._hash_file(self.theta_path)
+        # Files kept for reuse: writing over a file's existing pages costs a third of filling a new one (the
+        # kernel allocates and zeroes nothing). Spools are reused whatever they held (each push rewrites its
+        # whole body); a state file only once no checkpoint links it (see outer_step).
+        self._spare_spools: list[tuple[int, Path]] = []
+        self._spare_lock = threading.Lock()
+        self._spare_state: dict[str, Path] = {}
+
+    def close(self) -> None:
+        """Drops the pending pushes and the spare spool files (the state files stay: a checkpoint may link
+        them, and the next merger in this folder clears them)."""
+        for spool, _ in self.pending:
+            spool.close()
+        self.pending = []
+        self.total_weight = 0.0
+        with self._spare_lock:
+            spares, self._spare_spools = self._spare_spools, []
+            self.opts = dataclasses.replace(self.opts, spare_spools=0)  # spools closed later are not kept
+        for fd, path in spares:
+            os.close(fd)
+            path.unlink(missing_ok=True)
 
     # -- the state files ----------------------------------------------------------------------------
 
@@ -242,7 +265,18 @@ class Merger:
 
     def spool(self) -> "Spool":
         """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
-        return Spool(self.spool_dir, self.n, self.opts.up_bits, self.opts.block)
+        with self._spare_lock:
+            spare = self._spare_spools.pop() if self._spare_spools else None
+        return Spool(self.spool_dir, self.n, self.opts.up_bits, self.opts.block, spare=spare,
+                     release=self._release_spool)
+
+    def _release_spool(self, fd: int, path: Path) -> bool:
+        """A closed spool's file, kept for the next push (True) unless enough are kept already."""
+        with self._spare_lock:
+            if len(self._spare_spools) < self.opts.spare_spools:
+                self._spare_spools.append((fd, path))
+                return True
+        return False
 
     def validate(self, spool: "Spool") -> None:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
@@ -297,7 +331,7 @@ class Merger:
         inv_w = np.float32(1.0 / self.total_weight)
         new = self.version + 1
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
-        payload_path = self.state_dir / f"update-{new:08d}.payload.tmp"
+        payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
         n_scales = codec.n_scales(o.down_bits, self.n, o.block)
         scales = np.zeros(n_scales, np.float32)
@@ -305,8 +339,11 @@ class Merger:
         try:
             for name in self.names:
                 fds[name] = os.open(self._path(name), os.O_RDONLY)
-                fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                spare = self._spare_state.pop(name, None)
+                if spare is not None:  # a dead version's file, linked by nothing else: overwritten in place
+                    spare.replace(tmp[name])
+                fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
+            fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
 
             def step(s: int) -> np.ndarray:
                 e = min(s + slab, self.n)
@@ -363,12 +400,14 @@ class Merger:
                 os.close(fd)
         size, crc = write_frame(frame_path, o.down_bits, o.block, self.n, scales, payload_path,
                                 codec.payload_len(o.down_bits, self.n), o.zstd_level)
-        payload_path.unlink()
         old = self.state_files()
         self.version = new
         for name in self.names:
             tmp[name].replace(self._path(name))
-            old[name].unlink()  # a checkpoint that linked it keeps its own name for it
+            if os.stat(old[name]).st_nlink == 1:  # nothing else links it: the next step writes over it
+                self._spare_state[name] = old[name].replace(self.state_dir / f"{name}.spare")
+            else:
+                old[name].unlink()  # a checkpoint that linked it keeps its own name for it
         for spool, _ in self.pending:
             spool.close()
         self.pending = []
@@ -411,10 +450,15 @@ class Spool:
     decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
     accumulating it needs no second decode."""
 
-    def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int):
-        fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
-        self.path = Path(name)
-        self.fd = fd
+    def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
+                 spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):
+        """``spare``: an earlier spool's (fd, path) to write over; ``release(fd, path)``: offered the file on
+        close, which keeps it open and in place when it returns True."""
+        if spare is None:
+            fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
+            spare = fd, Path(name)
+        self.fd, self.path = spare
+        self._release = release
         self._offset = 0
         self._validator = codec.FrameValidator(n, bits, block, out=self._append)
         self.size = 0  # frame bytes received
@@ -439,9 +483,12 @@ class Spool:
         self.complete = True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
+        if self._release is not None and self._release(fd, self.path):
+            return
+        os.close(fd)
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "Spool":

@@ -353,6 +353,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def close(self) -> None:
         self._stop.set()
         self._ticker.join(timeout=5)
+        with self.lock:
+            self.merger.close()
         if self.ckpt is not None:
             self.ckpt.close()
         self.log.close()

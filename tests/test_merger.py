@@ -97,9 +97,12 @@ def test_a_bad_frame_changes_nothing():
         with pytest.raises(codec.CodecError):
             m.validate(sp)
     assert m.pending == [] and m.total_weight == 0 and m.pushes_in_acc == 0
-    assert list(m.spool_dir.glob("push-*")) == []  # the rejected spool is gone
+    assert len(list(m.spool_dir.glob("push-*"))) == 1  # the rejected spool's file, kept for the next push
     with pytest.raises(RuntimeError, match="no accumulated delta"):
         m.outer_step()
+    good = rng.normal(size=N).astype(np.float32)  # written over the rejected push's spool file
+    _push(m, good, 2.0, bits=8)
+    np.testing.assert_allclose(m.accumulated(), 2 * codec.dequantize(codec.quantize(good, 8, BLOCK)), rtol=1e-6)
 
 
 def test_lagging_island_gets_none_when_updates_were_dropped():
@@ -142,8 +145,10 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
     _push(m, second, 1.0, bits=8)
     update2 = m.outer_step()
     assert {k: p.read_bytes() for k, p in kept.items()} == before  # version 1's files are untouched
-    assert sorted(p.name for p in (tmp_path / "a" / "state").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "a" / "state").glob("*.f32")) == [
         "momentum-00000002.f32", "residual-00000002.f32", "theta-00000002.f32"]
+    # Version 0's files, linked by nothing else, were written over for version 2; version 1's were kept whole.
+    assert not list((tmp_path / "a" / "state").glob("*.spare"))
     # A merger restored from version 1's files continues exactly like the original did.
     r = Merger(kept["theta"], MergeOptions(up_bits=8, down_bits=8, block=BLOCK), version=1,
                momentum=kept["momentum"], residual=kept["residual"], spool_dir=tmp_path / "b")
@@ -176,7 +181,13 @@ def test_pending_pushes_stay_spooled_until_the_outer_step_sums_them():
         _push(m, v, w, bits=8)
     assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pushes_in_acc == 3  # kept after their `with`
     m.outer_step()
-    assert list(m.spool_dir.glob("push-*.body")) == [] and m.pending == [] and m.total_weight == 0
+    theta1 = m.theta
+    assert m.pending == [] and m.total_weight == 0
+    assert len(list(m.spool_dir.glob("push-*.body"))) == 3  # kept, to be written over by the next pushes
+    _push(m, vecs[0], 1.0, bits=8)
+    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pushes_in_acc == 1
+    m.close()
+    assert list(m.spool_dir.glob("push-*.body")) == []
     deq = [codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]
     want = -(deq[0] * np.float32(1 / 8) + deq[1] * np.float32(2 / 8) + deq[2] * np.float32(5 / 8))
-    np.testing.assert_allclose(m.theta, want, rtol=1e-5, atol=1e-6)  # θ1 = θ0 − lr·Σ w·Δ / Σ w, lossless down
+    np.testing.assert_allclose(theta1, want, rtol=1e-5, atol=1e-6)  # θ1 = θ0 − lr·Σ w·Δ / Σ w, lossless down
