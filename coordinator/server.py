@@ -32,7 +32,8 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.wire import (CODEC_BITS, SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         chunk_count, chunk_message, max_frame_bytes, read_token, serialize, server_credentials)
+                         chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
+                         server_credentials)
 
 TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
 MAX_PULL_WAIT_S = 30.0
@@ -369,7 +370,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     token = read_token(cfg.security)
     interceptors: list[Any] = [TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
-                         interceptors=interceptors, options=channel_options(c.max_message_bytes),
+                         interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
     address = f"{c.host}:{c.port if port is None else port}"
@@ -386,15 +387,28 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     return server, service, bound
 
 
+def server_options(c: Any) -> list[tuple[str, Any]]:
+    """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
+    fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
+    decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
+    1.4 model sizes here."""
+    opts = channel_options(c.max_message_bytes)
+    if c.stream_window_bytes:
+        opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", c.stream_window_bytes)]
+    return opts
+
+
 def service_handler(service: Any) -> grpc.GenericRpcHandler:
-    """The Coordinator service's handlers, one per method of the proto's service (the generated
-    ``add_CoordinatorServicer_to_server`` with one difference): responses go through ``wire.serialize``, so a
-    pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three)."""
+    """The Coordinator service's handlers, one per method of the proto's service: the generated
+    ``add_CoordinatorServicer_to_server`` with two differences. Responses go through ``wire.serialize``, so a
+    pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
+    chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two)."""
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
     handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
-        getattr(service, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
+        getattr(service, m.name), request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
+                                                         else getattr(pb, m.input_type.name).FromString),
         response_serializer=serialize) for m in methods}
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 

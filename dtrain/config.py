@@ -119,6 +119,9 @@ class CoordinatorConfig:
     max_message_bytes: int = _f(8 << 20, "largest gRPC message accepted (chunks must fit)")
     checkpoint: bool = _f(True, "checkpoint the whole coordinator state with orbax after each merge")
     workers: int = _f(16, "gRPC server threads")
+    stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream, fixed: bounds the memory pushes "
+                                  "in flight hold (islands x window); over a WAN set it >= per-island bandwidth x "
+                                  "RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,8 @@ def _check(cfg: Config, origin: str) -> None:
              f"got {co.max_message_bytes}")
     if co.workers < 2:
         fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
+    if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
+        fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
     w = cfg.worker
     if w.max_overlap_steps < 0:
         fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")

@@ -181,6 +181,74 @@ def chunk_message(index: int, data: bytes | memoryview, crc32: int) -> bytes:
     return b"\x12" + _varint(len(fields) + len(data)) + fields + data
 
 
+class RawChunk:
+    """A chunk message parsed without copying its data: ``data`` is a view into the received bytes. Quacks
+    like the generated PushMessage/PullMessage holding a chunk (``WhichOneof("kind")``, ``.chunk``)."""
+
+    __slots__ = ("index", "data", "crc32")
+
+    def __init__(self, index: int, data: memoryview, crc32: int):
+        self.index, self.data, self.crc32 = index, data, crc32
+
+    @property
+    def chunk(self) -> "RawChunk":
+        return self
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - protobuf's name
+        return "chunk"
+
+
+def _varint_at(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position); value -1 if the varint is truncated or longer than 10 bytes."""
+    value = shift = 0
+    while pos < len(buf) and shift < 70:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos
+
+
+def _chunk_fast(raw: bytes) -> RawChunk | None:
+    """The common case of a chunk message, exactly as :func:`chunk_message` (or protobuf) lays it out: one
+    field 2 spanning the message, holding fields 1, 2, 3 at most once each. None for anything else."""
+    if len(raw) < 2 or raw[0] != 0x12:
+        return None
+    length, pos = _varint_at(raw, 1)
+    if length < 0 or pos + length != len(raw):
+        return None
+    fields: dict[int, Any] = {}
+    while pos < len(raw):
+        tag = raw[pos]
+        pos += 1
+        if tag in fields or tag not in (0x08, 0x12, 0x18):
+            return None
+        value, pos = _varint_at(raw, pos)
+        if value < 0:
+            return None
+        if tag == 0x12:
+            if pos + value > len(raw):
+                return None
+            fields[tag] = memoryview(raw)[pos:pos + value]
+            pos += value
+        elif value > 0xFFFFFFFF:  # protobuf would truncate to uint32: leave such oddities to it
+            return None
+        else:
+            fields[tag] = value
+    return RawChunk(fields.get(0x08, 0), fields.get(0x12, memoryview(b"")), fields.get(0x18, 0))
+
+
+def chunk_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+    """Deserializer for PushMessage / PullMessage streams: chunks as :class:`RawChunk` (no copy of their
+    data; the generated classes make two), anything else (headers, unusual encodings) by ``message_class``."""
+    def parse(raw: bytes) -> Any:
+        fast = _chunk_fast(raw)
+        return fast if fast is not None else message_class.FromString(raw)
+    return parse
+
+
 def serialize(message: Any) -> bytes:
     """Serializer for the chunked streams: a pre-encoded message (:func:`chunk_message`) as is, anything
     else through protobuf."""

@@ -166,6 +166,7 @@ def test_overrides_apply_and_validate():
     ("train.warmup_steps=60", "[train] warmup_steps"),
     ("outer.inner_steps=0", "[outer] inner_steps"),
     ("model.n_heads=3", "[model] n_heads"),
+    ("coordinator.stream_window_bytes=1000", "[coordinator] stream_window_bytes"),
     ("nope.x=1", "nope"),
 ])
 def test_bad_override_names_field(override: str, field: str):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ["dtrain_pb2.py", "dtrain_pb2.pyi", "dtrain_pb2_grpc.py"]
 
@@ -71,4 +73,47 @@ def test_the_server_registers_every_method_of_the_proto_service():
         h = handler.service(Details(f"/dtrain.v1.Coordinator/{m.name}"))
         assert isinstance(h, grpc.RpcMethodHandler)
         assert (h.request_streaming, h.response_streaming) == (m.client_streaming, m.server_streaming)
-        assert h.request_deserializer == getattr(pb, m.input_type.name).FromString
+        request_class = getattr(pb, m.input_type.name)
+        assert h.request_deserializer(request_class().SerializeToString()) == request_class()
+
+
+def _fields(index, data, crc, order, extra):
+    """A Chunk's fields in protobuf wire format, in the given order, plus extra raw fields."""
+    from dtrain.wire import _varint
+
+    parts = {"index": b"\x08" + _varint(index), "crc": b"\x18" + _varint(crc),
+             "data": b"\x12" + _varint(len(data)) + data}
+    return b"".join(parts[k] for k in order) + extra
+
+
+def test_chunks_parsed_without_copies_match_protobuf():
+    """wire.chunk_deserializer's fast path must give what protobuf gives, or step aside for protobuf."""
+    import itertools
+
+    from google.protobuf.message import DecodeError
+
+    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.wire import RawChunk, _varint, chunk_deserializer
+
+    parse = chunk_deserializer(pb.PushMessage)
+    cases = []
+    for index, data, crc in [(0, b"", 0), (3, b"abc", 7), (1 << 20, bytes(300), 0xFFFFFFFF), (5, b"x" * 200, 0)]:
+        for order in itertools.permutations(["index", "data", "crc"]):
+            for extra in (b"", b"\x08\x09", b"\x20\x01", b"\x12\x01z"):  # a repeat, an unknown field, a 2nd data
+                cases.append(_fields(index, data, crc, order, extra))
+    cases += [b"\x08" + _varint(1 << 40) + b"\x12\x01a", b"\x88\x00\x01"]  # a 64-bit index; a long tag
+    fast = 0
+    for inner in cases:
+        raw = b"\x12" + _varint(len(inner)) + inner
+        want = pb.PushMessage.FromString(raw)
+        got = parse(raw)
+        fast += isinstance(got, RawChunk)
+        assert got.WhichOneof("kind") == want.WhichOneof("kind") == "chunk"
+        assert (got.chunk.index, bytes(got.chunk.data), got.chunk.crc32) == (
+            want.chunk.index, want.chunk.data, want.chunk.crc32)
+    assert fast >= 24  # every plain layout took the fast path
+    header = pb.PushMessage(header=pb.PushHeader(push_id="p", tokens=3)).SerializeToString()
+    assert parse(header) == pb.PushMessage.FromString(header)
+    for broken in (b"\x12\x05\x08\x01", b"\x12\x03\x12\x09a", b"\x12"):  # truncated: protobuf's error, as before
+        with pytest.raises(DecodeError):
+            parse(broken)

@@ -21,8 +21,8 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
-                         auth_metadata, channel_credentials, channel_options, chunk_message, frame_chunks, method_path,
-                         read_token, serialize)
+                         auth_metadata, channel_credentials, channel_options, chunk_deserializer, chunk_message,
+                         frame_chunks, method_path, read_token, serialize)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
@@ -54,6 +54,9 @@ class CoordinatorClient:
         # Pushes send pre-encoded chunk messages (wire.chunk_message), so they take a serializer that passes bytes.
         self._push_delta = self.channel.stream_unary(method_path("PushDelta"), request_serializer=serialize,
                                                      response_deserializer=pb.PushDeltaResponse.FromString)
+        self._pull_global = self.channel.unary_stream(method_path("PullGlobal"),
+                                                      request_serializer=pb.PullRequest.SerializeToString,
+                                                      response_deserializer=chunk_deserializer(pb.PullMessage))
         self.metadata = auth_metadata(read_token(sec))
         self.on_retry = on_retry
         self.bytes_up = 0
@@ -128,7 +131,7 @@ class CoordinatorClient:
             receiver: FrameReceiver | None = None
             parts: list[bytes] = []
             limit = max_frame or self.cfg.coordinator.max_message_bytes * (1 << 12)
-            stream = self.stub.PullGlobal(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
+            stream = self._pull_global(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
                                           metadata=self.metadata)
             for msg in stream:
                 if msg.WhichOneof("kind") == "header":
