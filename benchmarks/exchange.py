@@ -21,9 +21,12 @@ a real GPT config: configs/small.toml with model overrides):
   4. the coordinator's peak RSS (VmHWM, read just before SIGTERM) over the model's
      fp32 size, per run; also net of a no-model coordinator's VmHWM (the runtime).
   5. where the coordinator's CPU goes per pushed frame (in this process, one
-     thread, the same Merger code): protobuf parse; chunk checks + the one
-     streaming decode (every code checked) + spooling the decompressed body;
-     the end-of-frame checks (CRC, sizes); accumulate; and the outer step.
+     thread, the same Merger code): parsing the chunk messages; chunk checks +
+     the one streaming decode (every code checked) + spooling the decompressed
+     body; the end-of-frame checks (CRC, sizes); summing one push into Δ (done
+     by the outer step's threads); and the outer step itself.
+  Per round, the CPU seconds of the coordinator process and of the client
+  threads (this process) are read from /proc and os.times() around the round.
 
 The throughput runs use coordinator.checkpoint=false; one extra int8 run with
 checkpointing on (not used in the summary) shows what it costs. Last line:
@@ -192,6 +195,12 @@ def make_config(model_fields: dict[str, int], out_dir: Path, codec_up: str = "in
 
 
 # -- processes --------------------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proc_mem(pid: int) -> dict[str, int]:
@@ -427,13 +436,9 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
                                   cursor_end=(r + 1) * seqs, tree_digest=joins[i].tree_digest)
                 return clients[i].push(h, frames[i])
 
-            def cpu(pid):
-                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-                return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-            c0, s0, w0 = cpu(coord.proc.pid), sum(os.times()[:2]), time.perf_counter()
+            cpu0 = _cpu_s(coord.proc.pid), sum(os.times()[:2])
             res = _concurrent(n, push)
-            c1, s1, w1 = cpu(coord.proc.pid), sum(os.times()[:2]), time.perf_counter()
-            log(f"CPU: coordinator {c1 - c0:.2f}s, clients {s1 - s0:.2f}s, wall {w1 - w0:.2f}s")
+            cpu1 = _cpu_s(coord.proc.pid), sum(os.times()[:2])
             statuses = [pb.PushStatus.Name(resp.status) for _, _, resp in res]
             last = max(range(n), key=lambda i: res[i][1])
             merged = [i for i, (_, _, resp) in enumerate(res) if resp.status == pb.PUSH_STATUS_MERGED]
@@ -442,9 +447,11 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
                                    f"{r + 1}; got statuses {statuses}, versions {[x[2].version for x in res]}")
             wall = res[last][1] - min(t0 for t0, _, _ in res)
             wire = sum(len(frames[i]) for i in range(n))
-            rounds.append({"wall_s": wall, "push_s": [t1 - t0 for t0, t1, _ in res], "statuses": statuses})
+            rounds.append({"wall_s": wall, "push_s": [t1 - t0 for t0, t1, _ in res], "statuses": statuses,
+                           "coordinator_cpu_s": cpu1[0] - cpu0[0], "client_cpu_s": cpu1[1] - cpu0[1]})
             log(f"dtrain {cfg.codec.up} N={n} ckpt={'on' if cfg.coordinator.checkpoint else 'off'} round {r}: "
-                f"{wall:.2f}s, wire {wire / wall / MB:.0f} MB/s, model {n * FP32 * n_params / wall / MB:.0f} MB/s")
+                f"{wall:.2f}s, wire {wire / wall / MB:.0f} MB/s, model {n * FP32 * n_params / wall / MB:.0f} MB/s; "
+                f"CPU s: coordinator {cpu1[0] - cpu0[0]:.2f}, clients {cpu1[1] - cpu0[1]:.2f}")
         status = clients[0].status()
         extra = json.loads(status.json) if status.json else {}
         retries = sum(c.retries for c in clients)
@@ -458,6 +465,7 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
     wire = sum(len(frames[i]) for i in range(n))
     model_bytes = n * FP32 * n_params
     return {"codec": cfg.codec.up, "islands": n, "checkpoint": cfg.coordinator.checkpoint, "wall_s": best["wall_s"],
+            "coordinator_cpu_s": best["coordinator_cpu_s"], "client_cpu_s": best["client_cpu_s"],
             "walls_s": [x["wall_s"] for x in rounds], "push_s": best["push_s"], "wire_bytes": wire,
             "model_bytes": model_bytes, "wire_bytes_per_s": wire / best["wall_s"],
             "model_bytes_per_s": model_bytes / best["wall_s"], "vmhwm": mem["VmHWM"], "vmrss_end": mem["VmRSS"],
@@ -523,15 +531,16 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
 
     _return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb
-    from dtrain.wire import FrameReceiver, chunk_message, frame_chunks, max_frame_bytes
+    from dtrain.wire import FrameReceiver, chunk_deserializer, chunk_message, frame_chunks, max_frame_bytes
 
     spool_dir = work / "breakdown-spool"
     merger = Merger(np.zeros(n_params, np.float32), merge_options(cfg), spool_dir=spool_dir)
     chunk_bytes = cfg.codec.chunk_bytes
     wire_msgs = [chunk_message(i, d, c) for i, (d, c) in enumerate(frame_chunks(frame, chunk_bytes)[1])]
+    parse = chunk_deserializer(pb.PushMessage)
     out: dict[str, float] = {}
     t = time.perf_counter()
-    msgs = [pb.PushMessage.FromString(m) for m in wire_msgs]
+    msgs = [parse(m) for m in wire_msgs]
     out["parse"] = time.perf_counter() - t
     with merger.spool() as spool:
         t = time.perf_counter()
@@ -544,15 +553,18 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
         del msgs
         t = time.perf_counter()
         merger.validate(spool)
-        out["validate"] = time.perf_counter() - t
-        t = time.perf_counter()
         merger.accumulate(spool, 1.0)
-        out["accumulate"] = time.perf_counter() - t
+        out["validate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    merger.accumulated()  # what the outer step's slab pass does per pending push (plus one model-sized zeros)
+    out["sum"] = time.perf_counter() - t
     t = time.perf_counter()
     merger.outer_step()
     out["outer_step"] = time.perf_counter() - t
+    merger.close()
     shutil.rmtree(spool_dir, ignore_errors=True)
-    out["per_push"] = out["parse"] + out["check_spool"] + out["validate"] + out["accumulate"]
+    out["per_push"] = out["parse"] + out["check_spool"] + out["validate"] + out["sum"]
+    out["serial_8"] = 8 * out["per_push"] + out["outer_step"] - out["sum"]
     return out
 
 
@@ -689,14 +701,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"net/model = (VmHWM - {base_txt}) / (4 x params)")
 
     print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
-    print(f"{'codec':<6} {'parse':>7} {'decode+spool':>12} {'finish':>9} {'accumulate':>10} {'per push':>9} "
+    print(f"{'codec':<6} {'parse':>7} {'decode+spool':>12} {'finish':>9} {'sum into Δ':>10} {'per push':>9} "
           f"{'outer step':>10} {'N=8 serial':>10}")
     for name, c in cpu.items():
-        print(f"{name:<6} {c['parse']:>7.3f} {c['check_spool']:>12.3f} {c['validate']:>9.3f} {c['accumulate']:>10.3f} "
-              f"{c['per_push']:>9.3f} {c['outer_step']:>10.3f} {8 * c['per_push'] + c['outer_step']:>10.2f}")
+        print(f"{name:<6} {c['parse']:>7.3f} {c['check_spool']:>12.3f} {c['validate']:>9.3f} {c['sum']:>10.3f} "
+              f"{c['per_push']:>9.3f} {c['outer_step']:>10.3f} {c['serial_8']:>10.2f}")
     print("   decode+spool = chunk CRCs + the one streaming decode (all codes checked) + writing the decompressed "
-          "body; accumulate reads it back (no second decode) and holds the coordinator's lock; "
-          "N=8 serial = 8 x per push + outer step (one core, gRPC transport excluded)")
+          "body; sum into Δ = reading it back into the outer step's Δ (done there, on its threads); outer step = "
+          "with one push pending; N=8 serial = 8 x per push + the rest of the outer step (one core, gRPC excluded)")
+    print("   measured per round of section 3 (best round), CPU seconds: "
+          + "; ".join(f"{r['codec']} N={r['islands']}{' ckpt' if r['checkpoint'] else ''}: coordinator "
+                      f"{r['coordinator_cpu_s']:.2f}, clients {r['client_cpu_s']:.2f}" for r in runs))
 
     # -- summary ---------------------------------------------------------------------------------------
     def pick(codec_name: str, n: int, ckpt: bool = False) -> dict[str, Any] | None:

@@ -47,7 +47,7 @@ import zstandard
 from dtrain import codec
 from dtrain.wire import params_hasher
 
-SLAB_TARGET = 1 << 17  # values per slab (512 KiB of float32: under the 1 MiB mmap threshold, so reused)
+SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
 
 
