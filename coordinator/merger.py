@@ -13,8 +13,11 @@ at any point therefore changes nothing, and the coordinator's resident size
 does not grow with the number of islands pushing at once. Disk: one spool per
 pending push (the model's size at the up codec's width).
 
-Version files are written once and never modified, so a checkpoint can hard-link
-them instead of copying (see ``dtrain.checkpoint.FileArraysHandler``).
+A version's files are never modified while it is the current version, nor
+ever if anything else links them, so a checkpoint can hard-link them instead of
+copying (see ``dtrain.checkpoint.FileArraysHandler``). A dead version's files
+that nothing else links are renamed and written over by a later step: writing
+over existing pages costs a third of filling new ones.
 
 The outer step is DiLoCo's Nesterov SGD, the same math as
 ``dtrain.outer.outer_step`` (optax.sgd(lr, momentum, nesterov=True)), slab by
@@ -257,8 +260,9 @@ class Merger:
 
     def state_files(self) -> dict[str, Path]:
         """The current version's state files: θ, momentum and (with down-path error feedback) the residual.
-        Everything a checkpoint needs besides the version (the accumulator is empty after a merge). They are
-        never modified: safe to hard-link into a checkpoint; θ is verified on restore by its digest."""
+        Everything a checkpoint needs besides the version (no push is pending right after a merge). They are
+        never modified while they are a live version, nor later if anything else links them: safe to hard-link
+        into a checkpoint; θ is verified on restore by its digest."""
         return {name: self._path(name) for name in self.names}
 
     # -- incoming deltas ----------------------------------------------------------------------------

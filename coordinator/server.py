@@ -1,6 +1,6 @@
 """The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions) and ``merger`` (math).
 
-One lock serializes every state change and every touch of the accumulator;
+One lock serializes every state change and every touch of the merger (its pending pushes and state files);
 receiving, spooling and validating a pushed frame happen outside it, so many
 islands can stream at once. A background thread expires leases and closes
 rounds whose grace deadline has passed. After each merge the whole
@@ -164,8 +164,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             update = self.merger.outer_step()
         except BaseException as e:
-            # The accumulator is consumed slab by slab, so a failed step (a full disk, say) cannot be retried:
-            # stop serving. `dtrain coordinator --resume` restarts from the last checkpoint, and the islands
+            # A failed step (a full disk, say) stops the service. The step only commits at its end, so the
+            # previous version's files and the pending spools are intact, but a disk that just failed is not
+            # retried blindly: `dtrain coordinator --resume` restarts from the last checkpoint, and the islands
             # push the open round again (HeartbeatResponse.push_unknown).
             self.fatal = f"outer step for version {self.state.version + 1} failed: {type(e).__name__}: {e}"
             self.log.event("coordinator_failed", error=self.fatal)
@@ -243,7 +244,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
 
     def _admit(self, info: PushInfo, context: grpc.ServicerContext) -> Admission:
-        if self.fatal:  # the process is on its way out: nothing more may touch the accumulator
+        if self.fatal:  # the process is on its way out: nothing more may touch the merger
             self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
         try:
             return self.state.admit_push(info, self.clock())
