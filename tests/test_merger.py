@@ -144,17 +144,23 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
     second = rng.normal(size=N).astype(np.float32)
     _push(m, second, 1.0, bits=8)
     update2 = m.outer_step()
+    update2_frame, digest2 = update2.frame, m.digest
     assert {k: p.read_bytes() for k, p in kept.items()} == before  # version 1's files are untouched
     assert sorted(p.name for p in (tmp_path / "a" / "state").glob("*.f32")) == [
         "momentum-00000002.f32", "residual-00000002.f32", "theta-00000002.f32"]
     # Version 0's files, linked by nothing else, were written over for version 2; version 1's were kept whole.
     assert not list((tmp_path / "a" / "state").glob("*.spare"))
+    _push(m, second, 1.0, bits=8)
+    m.outer_step()
+    _push(m, second, 1.0, bits=8)
+    m.outer_step()  # written over version 2's files; the linked version-1 files stay as they were
+    assert {k: p.read_bytes() for k, p in kept.items()} == before
     # A merger restored from version 1's files continues exactly like the original did.
     r = Merger(kept["theta"], MergeOptions(up_bits=8, down_bits=8, block=BLOCK), version=1,
                momentum=kept["momentum"], residual=kept["residual"], spool_dir=tmp_path / "b")
     assert r.version == 1 and np.array_equal(r.theta, np.frombuffer(before["theta"], np.float32))
     _push(r, second, 1.0, bits=8)
-    assert r.outer_step().frame == update2.frame and r.digest == m.digest  # bit for bit
+    assert r.outer_step().frame == update2_frame and r.digest == digest2  # bit for bit
     with pytest.raises(ValueError, match="momentum file .* holds 4 bytes"):
         (tmp_path / "short").write_bytes(b"\0" * 4)
         Merger(kept["theta"], MergeOptions(block=BLOCK), momentum=tmp_path / "short", spool_dir=tmp_path / "c")
