@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
+    p.add_argument("--no-pin", action="store_true", help="do not give each worker process its own share of "
+                   "the CPUs (Linux; by default they are pinned, as islands own their hardware)")
     p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     from dtrain.simulate import run_simulation
 
-                    summary = run_simulation(cfg, islands, quiet=args.quiet)
+                    summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin)
         except (DataError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
             return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from dtrain.config import load_config
 from dtrain.runlog import read_events
 from dtrain.runs import run_simulate_inprocess
-from dtrain.simulate import run_simulation
+from dtrain.simulate import cpu_shares, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per worker process: faster
@@ -45,6 +46,26 @@ def test_process_simulation_end_to_end(tmp_path):
     for isl in s["islands"]:
         assert isl["version"] == 4 and isl["steps"] == 40 and isl["rounds"] == 4
         assert (out / "islands" / isl["island"] / "checkpoints").is_dir()
+    # Each worker ran on its own share of the CPUs, as its island_started event reports from inside it.
+    cpus = sorted(os.sched_getaffinity(0))
+    assert s["worker_cpus"] == cpu_shares(2, cpus)
+    for i, share in enumerate(s["worker_cpus"]):
+        started = [e for e in read_events(out / "islands" / f"island-{i}") if e["event"] == "island_started"]
+        assert started[0]["cpus"] == share
+
+
+def test_cpu_shares_partition_the_host():
+    assert cpu_shares(2, [0, 1]) == [[0], [1]]
+    assert cpu_shares(4, [0, 1]) == [[0], [1], [0], [1]]
+    assert cpu_shares(3, list(range(8))) == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    for islands in range(1, 10):
+        for n in (1, 2, 3, 8):
+            shares = cpu_shares(islands, list(range(n)))
+            assert len(shares) == islands and all(shares)
+            used = [c for share in shares for c in share]
+            assert sorted(set(used)) == list(range(n))  # every CPU is used
+            if islands <= n:
+                assert len(used) == n  # and none twice
 
 
 def test_lossless_process_mode_without_overlap_matches_the_inprocess_math(tmp_path):

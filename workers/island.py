@@ -17,6 +17,7 @@ exchange has finished; that time is what ``utilization`` counts.
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -238,7 +239,8 @@ class Worker:
                 island.state = restored.replace(params=island.state.params)  # optimizer moments; θ from the pull
                 self.log.event("island_restored", step=meta.get("steps"))
         self.log.event("island_started", name=self.name, shard=joined.shard_index, cursor=island.cursor,
-                       version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node())
+                       version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node(),
+                       cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
 
         g_ref, rate = [g], [0.0]
