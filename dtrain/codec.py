@@ -714,6 +714,26 @@ def decode(frame: bytes, *, expected_n: int | None = None) -> QuantizedVec:
     return QuantizedVec(header.bits, header.block, header.n, scales, payload)
 
 
+def _expect_header(raw: bytes | bytearray, n: int, bits: Bits, block: int) -> _Header:
+    """A streamed frame's header, checked against what the receiver expects."""
+    header = _parse_header(raw, n)
+    if header.bits != bits or header.block != block:
+        raise CodecError(f"frame header says bits={header.bits} block={header.block}, "
+                         f"expected bits={bits} block={block}")
+    return header
+
+
+def _check_frame_end(header: _Header | None, head_len: int, body_received: int, crc: int) -> _Header:
+    """The end of a streamed frame: header and body complete, CRC32 right."""
+    if header is None:
+        raise CodecError(f"frame truncated: {head_len} bytes, the header alone needs {HEADER_SIZE}")
+    if body_received < header.body_len:
+        raise CodecError(f"frame truncated: header says {header.body_len} body bytes, got {body_received}")
+    if crc != header.crc32:
+        raise CodecError(f"CRC32 mismatch: header says {header.crc32:#010x}, computed {crc:#010x}")
+    return header
+
+
 class StreamingDecoder:
     """Decode a frame fed in pieces, handing out dequantized float32 segments block by block.
 
@@ -775,7 +795,7 @@ class StreamingDecoder:
             data = data[take:]
             if len(self._head) < HEADER_SIZE:
                 return []
-            self._start(_parse_header(self._head, self.n))
+            self._start(_expect_header(self._head, self.n, self.bits, self.block))
         header = self._header
         assert header is not None and self._sink is not None
         if self._body_received + len(data) > header.body_len:
@@ -793,9 +813,6 @@ class StreamingDecoder:
         return segments
 
     def _start(self, header: _Header) -> None:
-        if header.bits != self.bits or header.block != self.block:
-            raise CodecError(f"frame header says bits={header.bits} block={header.block}, "
-                             f"expected bits={self.bits} block={self.block}")
         self._header = header
         self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
         self._sink = _BoundedSink(header.scales_len + header.payload_len)
@@ -841,14 +858,7 @@ class StreamingDecoder:
         if self._closed is not None:
             raise CodecError(f"decoder closed: {self._closed}")
         self._closed = "finish() was called"
-        header = self._header
-        if header is None:
-            raise CodecError(f"frame truncated: {len(self._head)} bytes, the header alone needs {HEADER_SIZE}")
-        if self._body_received < header.body_len:
-            raise CodecError(f"frame truncated: header says {header.body_len} body bytes, "
-                             f"got {self._body_received}")
-        if self._crc != header.crc32:
-            raise CodecError(f"CRC32 mismatch: header says {header.crc32:#010x}, computed {self._crc:#010x}")
+        header = _check_frame_end(self._header, len(self._head), self._body_received, self._crc)
         assert self._sink is not None
         expected = header.scales_len + header.payload_len
         if self._sink.total != expected or self._next_value != self.n:
@@ -906,11 +916,7 @@ class FrameValidator:
             data = data[take:]
             if len(self._head) < HEADER_SIZE:
                 return
-            header = _parse_header(self._head, self.n)
-            if header.bits != self.bits or header.block != self.block:
-                raise CodecError(f"frame header says bits={header.bits} block={header.block}, "
-                                 f"expected bits={self.bits} block={self.block}")
-            self._header = header
+            header = self._header = _expect_header(self._head, self.n, self.bits, self.block)
             self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
             self._writer = zstandard.ZstdDecompressor().stream_writer(
                 self, write_size=self._out_piece, write_return_read=True, closefd=False)
@@ -962,14 +968,7 @@ class FrameValidator:
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
         self._closed = "finish() was called"
-        header = self._header
-        if header is None:
-            raise CodecError(f"frame truncated: {len(self._head)} bytes, the header alone needs {HEADER_SIZE}")
-        if self._body_received < header.body_len:
-            raise CodecError(f"frame truncated: header says {header.body_len} body bytes, "
-                             f"got {self._body_received}")
-        if self._crc != header.crc32:
-            raise CodecError(f"CRC32 mismatch: header says {header.crc32:#010x}, computed {self._crc:#010x}")
+        header = _check_frame_end(self._header, len(self._head), self._body_received, self._crc)
         expected = header.scales_len + header.payload_len
         if self._total != expected or self._carry:
             raise CodecError(f"body decompresses to {self._total} bytes, header declares {expected}")
