@@ -48,7 +48,7 @@ import numpy as np
 import zstandard
 
 from dtrain import codec
-from dtrain.wire import params_hasher
+from dtrain.wire import hasher_digest, params_hasher
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
@@ -247,7 +247,7 @@ class Merger:
         with open(path, "rb") as f:
             while piece := f.read(IO_PIECE):
                 h.update(piece)
-        return h.hexdigest()[:32]
+        return hasher_digest(h)
 
     @property
     def theta(self) -> np.ndarray:
@@ -416,7 +416,7 @@ class Merger:
             spool.close()
         self.pending = []
         self.total_weight = 0.0
-        self.digest = hasher.hexdigest()[:32]
+        self.digest = hasher_digest(hasher)
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
                         params_digest=self.digest)
         self.updates.append(update)

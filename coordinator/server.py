@@ -134,7 +134,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
         if resume:
-            tree_size = sum(int(np.prod(shape)) for _, shape, _ in self.spec)
+            tree_size = codec.spec_size(self.spec)
             if self.merger.n != tree_size:
                 raise CheckpointError(f"checkpoint {version} holds {self.merger.n} parameters, this config's model "
                                       f"has {tree_size}")
@@ -418,7 +418,7 @@ def _return_large_frees_to_the_os() -> None:
     """glibc keeps freed multi-MiB temporaries in per-thread arenas, one per gRPC thread, so the coordinator's
     resident size would creep up to a multiple of the model. A fixed 4 MiB mmap threshold hands anything
     larger back to the OS when freed, while the chunk-sized buffers of every push (1 MiB messages, 256 KiB
-    zstd output, 512 KiB slabs) come from the heap and are reused instead of mmap'd and faulted in each time
+    zstd output, 1 MiB slabs) come from the heap and are reused instead of mmap'd and faulted in each time
     (a 1 MiB threshold made rounds ~10% slower); two arenas are enough here."""
     import ctypes
     import ctypes.util

@@ -30,7 +30,8 @@ class FileArraysHandler(ocp.CheckpointHandler):
 
     Saving hard-links each file into orbax's temporary step folder (a copy by the kernel where links are
     not possible): O(1) time and no memory, however large the model. That is only correct because the
-    coordinator writes a new file per version and never modifies one. A manifest records each array's
+    coordinator never modifies a version's file while it is current or anything else links it (it writes
+    over a dead version's file only when its link count is 1). A manifest records each array's
     length; :meth:`restore` checks every file against it and returns their paths inside the checkpoint
     (read-only to the caller, who verifies the contents: the coordinator checks θ against the digest in
     its metadata). Orbax's CheckpointManager does the rest: the temporary folder, the atomic rename,

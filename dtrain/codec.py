@@ -115,6 +115,7 @@ __all__ = [
     "flatten",
     "quantize",
     "spec_digest",
+    "spec_size",
     "split_chunks",
     "unflatten",
 ]
@@ -251,6 +252,15 @@ def _parse_spec(spec: Any) -> list[tuple[list[str | int], tuple[int, ...], str]]
     return parsed
 
 
+def _leaf_size(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def spec_size(spec: Spec) -> int:
+    """How many values the flat vector of a (validated) spec holds."""
+    return sum(_leaf_size(shape) for _, shape, _ in _parse_spec(spec))
+
+
 def unflatten(spec: Spec, vec: Any) -> dict:
     """Inverse of :func:`flatten`: rebuild the nested dict (decimal path components become int keys).
 
@@ -262,13 +272,13 @@ def unflatten(spec: Spec, vec: Any) -> dict:
     vec = np.asarray(vec)
     if vec.ndim != 1 or vec.dtype != np.float32:
         raise CodecError(f"vec must be a 1-D float32 array, got shape {vec.shape} dtype {vec.dtype}")
-    total = sum(int(np.prod(shape, dtype=np.int64)) if shape else 1 for _, shape, _ in entries)
+    total = sum(_leaf_size(shape) for _, shape, _ in entries)
     if vec.size != total:
         raise CodecError(f"vec has {vec.size} values but the spec describes {total}")
     root: dict = {}
     offset = 0
     for keys, shape, dtype in entries:
-        size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        size = _leaf_size(shape)
         leaf = vec[offset:offset + size].reshape(shape)
         offset += size
         if dtype != "float32":
@@ -838,8 +848,7 @@ class StreamingDecoder:
         if count == 0:
             return None
         n_bytes = _payload_len(self.bits, count)
-        payload_bytes = bytes(sink.pending[:n_bytes])
-        payload = np.frombuffer(payload_bytes, np.uint8)
+        payload = np.frombuffer(bytes(sink.pending[:n_bytes]), np.uint8)
         del sink.pending[:n_bytes]
         first_block = self._next_value // self.block
         scales = self._scales[first_block:first_block + -(-count // self.block)] if self.bits != 32 else self._scales
@@ -864,8 +873,6 @@ class StreamingDecoder:
         if self._sink.total != expected or self._next_value != self.n:
             raise CodecError(f"body decompresses to {self._sink.total} bytes, header declares {expected}")
 
-
-# --------------------------------------------------------------------------- chunks
 
 class FrameValidator:
     """Checks a frame fed in pieces, completely, without dequantizing anything: the header against the
@@ -1022,6 +1029,9 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 < 0:
         raise ValueError(f"len2 must be >= 0, got {len2}")
     return _crc_multmodp(_crc_shift(len2), crc1) ^ crc2 if len2 else crc1
+
+
+# --------------------------------------------------------------------------- chunks
 
 
 @dataclass(frozen=True)

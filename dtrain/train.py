@@ -146,8 +146,8 @@ class InnerLoop:
 
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
         """Compiles the state init, the scan for each chunk length and the eval ahead of time (JAX caches the
-        executables,
-        so the first real call of each does not stall training, nor, in a multi-island run, the others)."""
+        executables, so the first real call of each does not stall training, nor, in a multi-island run, the
+        others)."""
         abstract_state = jax.eval_shape(self._init_state, self.model.abstract_params)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
                              self.state_sharding)

@@ -44,12 +44,17 @@ def params_hasher() -> "hashlib._Hash":
     return hashlib.sha256()  # SHA-NI: about twice blake2b's speed on current x86
 
 
+def hasher_digest(h: "hashlib._Hash") -> str:
+    """The params digest from a :func:`params_hasher` that has been fed a vector's bytes."""
+    return h.hexdigest()[:32]
+
+
 def params_digest(vec: np.ndarray) -> str:
     """Digest of a flat float32 parameter vector: islands compare it to prove bit-identical θ."""
     vec = np.ascontiguousarray(vec, dtype=np.float32)
     h = params_hasher()
     h.update(memoryview(vec).cast("B"))  # no copy of θ
-    return h.hexdigest()[:32]
+    return hasher_digest(h)
 
 
 def read_token(sec: SecurityConfig) -> str | None:

@@ -654,3 +654,11 @@ def test_crc32_combine_matches_zlib() -> None:
         assert codec.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
     with pytest.raises(ValueError, match="len2"):
         codec.crc32_combine(0, 0, -1)
+
+
+def test_spec_size_counts_the_flat_vector() -> None:
+    tree = {"a": np.zeros((3, 4), np.float32), "b": {"c": np.zeros((), np.float32), "d": np.zeros(0, np.float32)}}
+    spec, vec = codec.flatten(tree)
+    assert codec.spec_size(spec) == vec.size == 13
+    with pytest.raises(CodecError, match="bad shape"):
+        codec.spec_size([["a", [-1], "float32"]])

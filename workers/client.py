@@ -132,7 +132,7 @@ class CoordinatorClient:
             parts: list[bytes] = []
             limit = max_frame or self.cfg.coordinator.max_message_bytes * (1 << 12)
             stream = self._pull_global(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
-                                          metadata=self.metadata)
+                                       metadata=self.metadata)
             for msg in stream:
                 if msg.WhichOneof("kind") == "header":
                     if receiver is not None:

@@ -103,7 +103,7 @@ class Worker:
         self.loop = self.setup.loop
         template = jax.device_get(self.setup.built.init(cfg.run.seed))
         self.spec, _ = codec.flatten(template)
-        self.n = sum(int(np.prod(s)) for _, s, _ in self.spec)
+        self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
         self.max_frame = max_frame_bytes(self.n, cfg.codec.block)
         k = cfg.codec
