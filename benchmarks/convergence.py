@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"diloco: eval loss {curve[-1]:.4f}")
 
     for name in [c for c in args.codecs.split(",") if c]:
-        bits = WIRE_BITS[name]
+        bits = codec.CODEC_BITS[name]
         loop = InnerLoop(phase, s.built, mesh)
         spec, theta_w = codec.flatten(jax.device_get(params_w))
         k = phase.codec
@@ -221,9 +221,6 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
-
-
-WIRE_BITS = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
 
 
 def compare_process_mode(base, N: int, log) -> dict:

@@ -91,9 +91,11 @@ def _int_list(text: str) -> list[int]:
 
 def _codec_list(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in out if x not in ("fp32", "int8", "int4", "e3m0")]
+    from dtrain.codec import CODEC_BITS
+
+    bad = [x for x in out if x not in CODEC_BITS]
     if not out or bad:
-        raise argparse.ArgumentTypeError(f"codecs must be among fp32,int8,int4,e3m0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(CODEC_BITS)}, got {text!r}")
     return out
 
 
@@ -404,7 +406,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
 def make_frames(codec_name: str, n_params: int, count: int, block: int, level: int) -> list[bytes]:
     """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state)."""
     from dtrain import codec
-    from dtrain.wire import CODEC_BITS
+    from dtrain.codec import CODEC_BITS
 
     frames = []
     for i in range(count):
@@ -503,7 +505,7 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
 
 def ratios(delta: np.ndarray, block: int, level: int) -> dict[str, dict[str, float]]:
     from dtrain import codec
-    from dtrain.wire import CODEC_BITS
+    from dtrain.codec import CODEC_BITS
 
     out = {}
     norm = float(np.linalg.norm(delta))

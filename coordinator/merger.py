@@ -38,17 +38,15 @@ import dataclasses
 import os
 import tempfile
 import threading
-import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
-import zstandard
 
 from dtrain import codec
-from dtrain.wire import hasher_digest, params_hasher
+from dtrain.codec import hasher_digest, params_hasher
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
@@ -119,42 +117,15 @@ def _write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offse
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def write_frame(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path | None,
-                payload_len: int, level: int) -> tuple[int, int]:
-    """Writes header + zstd(scales ‖ payload) to ``path`` (atomically), the payload streamed from a file.
-
-    The same layout as ``codec.encode``; returns (frame size, CRC32 of the whole frame). The body is
-    compressed as it is read, so memory stays O(piece) whatever the model size. Single-threaded zstd: its
-    multi-threaded mode is barely faster on int8 codes (which hardly compress) and holds ~60 MiB of job
-    buffers."""
+def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path,
+                     level: int) -> tuple[int, int]:
+    """``codec.write_frame`` to ``path`` (atomically: a .tmp file, then a rename), the payload streamed from
+    ``payload_file`` in pieces of IO_PIECE bytes; returns (frame size, CRC32 of the whole frame)."""
     tmp = path.with_name(path.name + ".tmp")
-    scale_bytes = np.ascontiguousarray(scales, dtype="<f4").tobytes()
-    cobj = zstandard.ZstdCompressor(level=level).compressobj(
-        size=len(scale_bytes) + payload_len)
-    body_crc = 0  # of the compressed body, taken as it is written: the file is never read back
-
-    def emit(out: BinaryIO, data: bytes) -> None:
-        nonlocal body_crc
-        body_crc = zlib.crc32(data, body_crc)
-        out.write(data)
-
-    with open(tmp, "wb") as out:
-        out.write(bytes(codec.HEADER_SIZE))
-        emit(out, cobj.compress(scale_bytes))
-        if payload_file is not None:
-            with open(payload_file, "rb") as src:
-                while piece := src.read(IO_PIECE):
-                    emit(out, cobj.compress(piece))
-        emit(out, cobj.flush())
-        body_len = out.tell() - codec.HEADER_SIZE
-        head = codec.frame_header(bits, block, n, len(scale_bytes), payload_len, body_len)
-        crc = codec.crc32_combine(zlib.crc32(head), body_crc, body_len)  # the codec's: header[:44] ‖ body
-        head += crc.to_bytes(4, "little")
-        out.seek(0)
-        out.write(head)
-    whole = codec.crc32_combine(zlib.crc32(head), body_crc, body_len)  # the wire's: the whole frame
+    with open(tmp, "wb") as out, open(payload_file, "rb") as src:
+        size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level)
     tmp.replace(path)
-    return codec.HEADER_SIZE + body_len, whole
+    return size, crc
 
 
 class Merger:
@@ -335,7 +306,7 @@ class Merger:
         inv_w = np.float32(1.0 / self.total_weight)
         new = self.version + 1
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
-        payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame
+        payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame_file
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
         n_scales = codec.n_scales(o.down_bits, self.n, o.block)
         scales = np.zeros(n_scales, np.float32)
@@ -402,8 +373,7 @@ class Merger:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        size, crc = write_frame(frame_path, o.down_bits, o.block, self.n, scales, payload_path,
-                                codec.payload_len(o.down_bits, self.n), o.zstd_level)
+        size, crc = write_frame_file(frame_path, o.down_bits, o.block, self.n, scales, payload_path, o.zstd_level)
         old = self.state_files()
         self.version = new
         for name in self.names:
@@ -440,8 +410,8 @@ class Merger:
         written once per version on first request and streamed from the θ file (no copy in memory)."""
         if self._full is None or self._full.version != self.version:
             path = self.spool_dir / f"theta-{self.version:08d}.frame"
-            size, crc = write_frame(path, 32, self.opts.block, self.n, np.zeros(0, np.float32), self.theta_path,
-                                    4 * self.n, 1)
+            size, crc = write_frame_file(path, 32, self.opts.block, self.n, np.zeros(0, np.float32),
+                                         self.theta_path, 1)
             if self._full is not None:
                 self._full.path.unlink(missing_ok=True)  # open handles keep it readable for pulls under way
             self._full = Update(version=self.version, base_version=0, path=path, size=size, crc32=crc,

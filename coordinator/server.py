@@ -26,12 +26,13 @@ import numpy as np
 from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
 from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
+from dtrain.codec import CODEC_BITS
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
-from dtrain.wire import (CODEC_BITS, SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
+from dtrain.wire import (SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
                          chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
                          server_credentials)
 

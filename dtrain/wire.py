@@ -6,7 +6,6 @@ in ``dtrain/proto/dtrain.proto``.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import zlib
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import grpc
-import numpy as np
 
 from dtrain import codec
 from dtrain.config import SecurityConfig
@@ -27,7 +25,6 @@ HEARTBEAT_DEADLINE_S = 10.0
 STATUS_DEADLINE_S = 10.0
 
 AUTH_METADATA_KEY = "authorization"
-CODEC_BITS: dict[str, codec.Bits] = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
 MAX_CHUNKS = 1 << 20
 
 
@@ -37,24 +34,6 @@ class WireError(ValueError):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
-
-
-def params_hasher() -> "hashlib._Hash":
-    """The hash behind :func:`params_digest`, to feed a vector's bytes slab by slab."""
-    return hashlib.sha256()  # SHA-NI: about twice blake2b's speed on current x86
-
-
-def hasher_digest(h: "hashlib._Hash") -> str:
-    """The params digest from a :func:`params_hasher` that has been fed a vector's bytes."""
-    return h.hexdigest()[:32]
-
-
-def params_digest(vec: np.ndarray) -> str:
-    """Digest of a flat float32 parameter vector: islands compare it to prove bit-identical θ."""
-    vec = np.ascontiguousarray(vec, dtype=np.float32)
-    h = params_hasher()
-    h.update(memoryview(vec).cast("B"))  # no copy of θ
-    return hasher_digest(h)
 
 
 def read_token(sec: SecurityConfig) -> str | None:

@@ -13,10 +13,11 @@ import pytest
 from coordinator.server import initial_parameters, initial_parameters_file, serve
 from dtrain.errors import CheckpointError
 from dtrain import codec
+from dtrain.codec import params_digest
 from dtrain.config import load_config, replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import auth_metadata, frame_chunks, params_digest
+from dtrain.wire import auth_metadata, frame_chunks
 from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,6 +32,7 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
+from dtrain.codec import CODEC_BITS, params_digest
 from dtrain.config import Config
 from dtrain.diloco import Island, advance
 from dtrain.errors import DtrainError
@@ -39,7 +40,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
 from dtrain.runs import prepare
 from dtrain.train import chunks, fmt_rate
-from dtrain.wire import CODEC_BITS, max_frame_bytes, params_digest
+from dtrain.wire import max_frame_bytes
 from workers.client import CoordinatorClient, CoordinatorError
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives

@@ -1,0 +1,78 @@
+"""The delta codec: trees as flat vectors, block quantization with error feedback, zstd frames.
+
+Pure numpy + zstandard: no JAX, no pickle, no gRPC. Three modules, each
+importing only the ones before it:
+
+* ``spec``: a nested dict of arrays ↔ (spec, one float32 vector); the spec's
+  and the vector's digests; :class:`CodecError`.
+* ``quant``: block quantization (int8, int4, e3m0, lossless 32), error
+  feedback, the checks of scales and codes, and :data:`CODEC_BITS`, the
+  config's codec names → schemes.
+* ``frame``: the frame layout, its one writer (:func:`write_frame`, and
+  :func:`encode` in memory) and its one incremental reader/validator
+  (:class:`FrameValidator`, and :func:`decode` for a whole frame).
+
+An island, per round::
+
+    spec, delta_vec = flatten(delta_tree)           # one float32 vector + its layout
+    q = error_feedback.compress(delta_vec)          # block-quantize delta + residual
+    frame = encode(q)                               # header + zstd(scales ‖ payload)
+
+(``dtrain.wire.frame_chunks`` cuts the frame into the chunk stream.) The
+coordinator checks an incoming frame with :class:`FrameValidator` as its
+chunks arrive, sums the checked bodies slab by slab (:func:`dequantize_add`),
+quantizes its outer update the same way (:func:`quantize_segment`) and writes
+the update's frame with :func:`write_frame`; islands read it back with
+:func:`decode` and :func:`dequantize`.
+"""
+
+from dtrain.codec.frame import (FORMAT_VERSION, HEADER_SIZE, MAGIC, FrameHeader, FrameValidator, compression_ratio,
+                                crc32_combine, decode, encode, write_frame)
+from dtrain.codec.quant import (CODEC_BITS, DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Bits, ErrorFeedback, QuantizedVec,
+                                canonical_bits, check_block, check_codes, check_scales, dequantize, dequantize_add,
+                                dequantize_segment, error_feedback_step, n_scales, payload_len, payload_offset,
+                                quantize, quantize_segment)
+from dtrain.codec.spec import (CodecError, Spec, flatten, hasher_digest, params_digest, params_hasher, spec_digest,
+                               spec_size, unflatten)
+
+__all__ = [
+    "CODEC_BITS",
+    "DEFAULT_BLOCK",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_BLOCK",
+    "MIN_BLOCK",
+    "Bits",
+    "CodecError",
+    "ErrorFeedback",
+    "FrameHeader",
+    "FrameValidator",
+    "QuantizedVec",
+    "Spec",
+    "canonical_bits",
+    "check_block",
+    "check_codes",
+    "check_scales",
+    "compression_ratio",
+    "crc32_combine",
+    "decode",
+    "dequantize",
+    "dequantize_add",
+    "dequantize_segment",
+    "encode",
+    "error_feedback_step",
+    "flatten",
+    "hasher_digest",
+    "n_scales",
+    "params_digest",
+    "params_hasher",
+    "payload_len",
+    "payload_offset",
+    "quantize",
+    "quantize_segment",
+    "spec_digest",
+    "spec_size",
+    "unflatten",
+    "write_frame",
+]

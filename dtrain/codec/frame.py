@@ -1,0 +1,406 @@
+"""Frames: a quantized vector as bytes, with one writer (:func:`write_frame`) and one reader (:class:`FrameValidator`).
+
+Frame layout (all integers little endian)
+-----------------------------------------
+::
+
+    offset size  field
+     0      4    magic        b"DTRC"
+     4      1    version      u8, currently 1
+     5      1    bits code    u8: 8, 4, 32, or 0xE3 for "e3m0"
+     6      2    reserved     u16, must be 0
+     8      4    block        u32, even, in [64, 65536]
+    12      8    n            u64, number of values
+    20      8    scales_len   u64, bytes of scales = 4·ceil(n/block) (0 for bits=32)
+    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32)
+    36      8    body_len     u64, bytes of compressed body following the header
+    44      4    crc32        u32, zlib CRC32 of header bytes [0, 44) followed by the body
+    48   body_len body        one zstd frame; decompresses to exactly
+                              scales (float32 LE, one per block, in order) ‖ payload
+
+The frame is exactly 48 + body_len bytes. The scales and the payload codes are
+described in ``dtrain.codec.quant``. Scales come first, so a reader checks all
+of them (n/block floats) before the first code arrives.
+
+Writing. :func:`write_frame` writes a frame to a seekable binary file from
+pieces: the scales, then the payload in any number of pieces (from memory or
+read from a file), compressed as they come (single-threaded zstd, memory
+O(piece)), the header written last, in place, once the body's length and CRC
+are known; nothing is read back. It returns the frame's size and the CRC32 of
+the whole frame (what the wire's chunk stream carries). :func:`encode` is
+:func:`write_frame` into memory.
+
+Reading. :class:`FrameValidator` takes a frame in pieces of any size and hands
+out the decompressed body (scales ‖ payload), each piece only after its checks.
+It checks, in this order: as soon as the 48 header bytes are in, the magic,
+version, reserved field, bits code, block, n (against the expected n), the two
+lengths against n/block/bits, and bits/block against the expected ones; with
+every input piece, that it does not run past body_len, then zstd's own errors
+and a decompression bounded by scales_len + payload_len (a "zip bomb" that
+expands beyond it is stopped after at most one output piece); all scales
+(finite, ≥ 0 and small enough that dequantized values stay finite) before any
+code; every code as it is decompressed (no invalid code); and at the end
+(:meth:`FrameValidator.finish`) a truncated header or body, the CRC32, the
+exact decompressed size and the padding nibble. :func:`decode` feeds a whole
+frame through it. Hence nothing that :func:`decode` returns can dequantize to
+NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import struct
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Final
+
+import numpy as np
+import zstandard
+
+from dtrain.codec.quant import (MAX_BLOCK, MIN_BLOCK, Bits, QuantizedVec, canonical_bits, check_block, check_codes,
+                                check_scales, n_scales, payload_len)
+from dtrain.codec.spec import CodecError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "FrameHeader",
+    "FrameValidator",
+    "compression_ratio",
+    "crc32_combine",
+    "decode",
+    "encode",
+    "write_frame",
+]
+
+BytesLike = bytes | bytearray | memoryview | np.ndarray  # anything with the buffer protocol, read as bytes
+
+MAGIC: Final = b"DTRC"
+FORMAT_VERSION: Final = 1
+
+_HEADER: Final = struct.Struct("<4sBBHIQQQQI")
+HEADER_SIZE: Final = _HEADER.size  # 48
+_CRC_OFFSET: Final = HEADER_SIZE - 4  # the CRC covers header bytes [0, 44) and the body
+
+_BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 32: 32, "e3m0": 0xE3}
+_CODE_BITS: Final[dict[int, Bits]] = {code: bits for bits, code in _BITS_CODE.items()}
+
+_DECODE_PIECE: Final = 1 << 20  # decode's zstd output pieces: a whole frame in memory, few Python calls
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A frame's 48 header bytes, parsed and checked (see the layout in the module docstring)."""
+
+    bits: Bits
+    block: int
+    n: int
+    scales_len: int
+    payload_len: int
+    body_len: int
+    crc32: int
+    raw: bytes  # the 48 header bytes
+
+
+def _check_level(level: Any) -> int:
+    if isinstance(level, bool) or not isinstance(level, int) or not -(1 << 17) <= level <= 22:
+        raise CodecError(f"zstd level must be an int in [-131072, 22], got {level!r}")
+    return level
+
+
+def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarray, payload: Iterable[BytesLike],
+                level: int = 3) -> tuple[int, int]:
+    """Writes one frame to ``out`` (binary, seekable) from its current position; returns (frame size, CRC32 of
+    the whole frame). ``out`` is left at the frame's end.
+
+    ``scales``: float32, one per block (empty for bits=32); ``payload``: the payload bytes in pieces of any size
+    (e.g. one array in memory, or a file read piece by piece), payload_len(bits, n) bytes in all. Each piece is
+    compressed as it comes and the compressed bytes are written as zstd hands them out, so memory stays
+    O(piece) whatever the frame's size. Single-threaded zstd: its multi-threaded mode is barely faster on int8
+    codes (which hardly compress) and holds ~60 MiB of job buffers. The header goes in last (a placeholder
+    first, then the real one once body_len and the CRC are known); the body is never read back: its CRC32 is
+    taken as it is written and combined with the header's (:func:`crc32_combine`).
+    """
+    bits, block, level = canonical_bits(bits), check_block(block), _check_level(level)
+    scale_bytes = np.ascontiguousarray(scales, dtype="<f4")
+    want_scales, want_payload = n_scales(bits, n, block), payload_len(bits, n)
+    if scale_bytes.shape != (want_scales,):
+        raise CodecError(f"write_frame got {scale_bytes.size} scales, n={n} block={block} bits={bits} "
+                         f"needs {want_scales}")
+    start = out.tell()
+    out.write(bytes(HEADER_SIZE))
+    body_crc = body_len = got = 0
+
+    def emit(data: bytes) -> None:
+        nonlocal body_crc, body_len
+        body_crc = zlib.crc32(data, body_crc)
+        body_len += len(data)
+        out.write(data)
+
+    try:
+        cobj = zstandard.ZstdCompressor(level=level).compressobj(size=scale_bytes.nbytes + want_payload)
+        emit(cobj.compress(scale_bytes))
+        for piece in payload:
+            got += memoryview(piece).nbytes
+            if got > want_payload:
+                raise CodecError(f"write_frame got more than the {want_payload} payload bytes of n={n} bits={bits}")
+            emit(cobj.compress(piece))
+        if got != want_payload:
+            raise CodecError(f"write_frame got {got} payload bytes, n={n} bits={bits} needs {want_payload}")
+        emit(cobj.flush())
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstd compression failed (level {level}): {e}") from e
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], 0, block, n, scale_bytes.nbytes, want_payload,
+                        body_len, 0)[:_CRC_OFFSET]
+    head += crc32_combine(zlib.crc32(head), body_crc, body_len).to_bytes(4, "little")  # header[:44] ‖ body
+    out.seek(start)
+    out.write(head)
+    out.seek(start + HEADER_SIZE + body_len)
+    return HEADER_SIZE + body_len, crc32_combine(zlib.crc32(head), body_crc, body_len)  # the whole frame
+
+
+def encode(q: QuantizedVec, level: int = 3) -> bytes:
+    """Frame a QuantizedVec in memory: :func:`write_frame` into a bytes buffer.
+
+    ``level``: zstd level (3 is fast and already gets what there is to get from
+    quantized codes; negative levels are faster still).
+    """
+    out = io.BytesIO()
+    write_frame(out, q.bits, q.block, q.n, q.scales, (np.ascontiguousarray(q.payload, dtype=np.uint8),), level)
+    return out.getvalue()
+
+
+def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, block: int | None) -> FrameHeader:
+    """The fixed header, checked in itself and against the n/bits/block a receiver expects (None: any)."""
+    magic, version, code, reserved, got_block, got_n, scales_len, got_payload, body_len, crc = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
+    if reserved:
+        raise CodecError(f"reserved header field is {reserved}, must be 0")
+    if code not in _CODE_BITS:
+        raise CodecError(f"unknown bits code {code} (known: 8, 4, 32, 0xE3 for e3m0)")
+    got_bits = _CODE_BITS[code]
+    if not MIN_BLOCK <= got_block <= MAX_BLOCK or got_block % 2:
+        raise CodecError(f"block {got_block} out of range: must be even and in [{MIN_BLOCK}, {MAX_BLOCK}]")
+    if n is not None and got_n != n:
+        raise CodecError(f"header says n={got_n}, expected n={n}")
+    want_scales = 4 * n_scales(got_bits, got_n, got_block)
+    if scales_len != want_scales:
+        raise CodecError(f"scales length {scales_len} inconsistent with n={got_n}, block={got_block}, "
+                         f"bits={got_bits} (expected {want_scales})")
+    want_payload = payload_len(got_bits, got_n)
+    if got_payload != want_payload:
+        raise CodecError(f"payload length {got_payload} inconsistent with n={got_n}, bits={got_bits} "
+                         f"(expected {want_payload})")
+    if (bits is not None and got_bits != bits) or (block is not None and got_block != block):
+        raise CodecError(f"frame header says bits={got_bits} block={got_block}, "
+                         f"expected bits={bits} block={block}")
+    return FrameHeader(got_bits, got_block, got_n, scales_len, got_payload, body_len, crc, bytes(raw[:HEADER_SIZE]))
+
+
+def _push(writer: Any, data: bytes | memoryview) -> None:
+    try:
+        writer.write(data)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstd decompression failed: {e}") from e
+
+
+class FrameValidator:
+    """Checks a frame fed in pieces, completely, without dequantizing anything: the header against the
+    receiver's n/bits/block as soon as it is in, every decompressed piece as zstd hands it out (all scales
+    first, then every code), and in :meth:`finish` the length, the CRC32 and the exact decompressed size
+    (the module docstring lists the checks in order).
+
+    ``expected_n``, ``bits``, ``block``: what the receiver expects; None accepts whatever the header says
+    (:func:`decode` without ``expected_n``). :attr:`header` is the parsed header once its 48 bytes are in.
+
+    ``out`` receives the decompressed body (scales ‖ payload) in order, each piece only after its checks
+    (the piece is not retained: copy or write it). What ``out`` has stored is the whole, checked body once
+    ``finish()`` returns; if any call raises, throw it away. Decompression is bounded by the size the header
+    declares (a zip bomb is stopped after one output piece). Few Python calls per input byte: whole input
+    pieces go to zstd, whose output comes in pieces of up to ``out_piece`` bytes.
+    """
+
+    def __init__(self, expected_n: int | None, bits: Bits | None = None, block: int | None = None, *,
+                 out: Callable[[bytes | memoryview], Any], out_piece: int = 1 << 18):
+        if expected_n is not None and (isinstance(expected_n, bool) or not isinstance(expected_n, int)
+                                       or expected_n < 0):
+            raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
+        self.n = expected_n
+        self.bits: Bits | None = None if bits is None else canonical_bits(bits)
+        self.block = None if block is None else check_block(block)
+        self.out = out
+        self._out_piece = out_piece
+        self._head = bytearray()
+        self.header: FrameHeader | None = None
+        self._writer: Any = None
+        self._crc = 0
+        self._body_received = 0
+        self._total = 0  # decompressed bytes so far
+        self._scales = bytearray()
+        self._carry = b""  # bits=32: bytes of a float32 split across output pieces
+        self._last = 0  # the last payload byte (4-bit schemes: its high nibble may be padding)
+        self._closed: str | None = None
+
+    def feed(self, data: BytesLike) -> None:
+        """Frame bytes, in order; raises CodecError as soon as something is wrong (then the validator is dead)."""
+        if self._closed is not None:
+            raise CodecError(f"validator closed: {self._closed}")
+        try:
+            self._feed(memoryview(data).cast("B"))
+        except CodecError as e:
+            self._closed = f"an earlier error ({e})"
+            raise
+
+    def _feed(self, data: memoryview) -> None:
+        if self.header is None:
+            take = HEADER_SIZE - len(self._head)
+            self._head += data[:take]
+            data = data[take:]
+            if len(self._head) < HEADER_SIZE:
+                return
+            header = self.header = _parse_header(self._head, self.n, self.bits, self.block)
+            self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
+            self._writer = zstandard.ZstdDecompressor().stream_writer(
+                self, write_size=self._out_piece, write_return_read=True, closefd=False)
+        if not data:
+            return
+        if self._body_received + len(data) > self.header.body_len:
+            extra = self._body_received + len(data) - self.header.body_len
+            raise CodecError(f"trailing garbage: {extra} bytes after the {self.header.body_len}-byte body")
+        self._crc = zlib.crc32(data, self._crc)
+        self._body_received += len(data)
+        _push(self._writer, data)
+
+    def write(self, data: bytes) -> int:
+        """zstd's output sink (not for callers)."""
+        header = self.header
+        assert header is not None
+        bits = header.bits
+        size = len(data)
+        if self._total + size > header.scales_len + header.payload_len:
+            raise CodecError(f"body decompresses to more than the {header.scales_len + header.payload_len} bytes "
+                             "the header declares (zip bomb?)")
+        start = 0
+        if self._total < header.scales_len:  # the scales (n/block floats): all checked before any code
+            start = min(size, header.scales_len - self._total)
+            self._scales += memoryview(data)[:start]
+            self._total += start
+            if self._total == header.scales_len:
+                check_scales(bits, np.frombuffer(self._scales, "<f4"), 0)
+                self.out(self._scales)
+            if start == size:
+                return size
+        piece = data if start == 0 else data[start:]
+        first = self._total - header.scales_len  # payload byte offset of this piece
+        if bits == 32:
+            if self._carry:
+                piece = self._carry + piece
+                first -= len(self._carry)
+            cut = len(piece) - len(piece) % 4
+            piece, self._carry = piece[:cut], piece[cut:]
+            check_codes(32, piece, first // 4)
+        else:
+            check_codes(bits, piece, first if bits == 8 else 2 * first)
+            self._last = piece[-1]
+        self.out(piece)
+        self._total += size - start
+        return size
+
+    def finish(self) -> None:
+        """Check the frame was complete and intact: all bytes, CRC32, exact decompressed size, padding."""
+        if self._closed is not None:
+            raise CodecError(f"validator closed: {self._closed}")
+        self._closed = "finish() was called"
+        header = self.header
+        if header is None:
+            raise CodecError(f"frame truncated: {len(self._head)} bytes, the header alone needs {HEADER_SIZE}")
+        if self._body_received < header.body_len:
+            raise CodecError(f"frame truncated: header says {header.body_len} body bytes, got {self._body_received}")
+        if self._crc != header.crc32:
+            raise CodecError(f"CRC32 mismatch: header says {header.crc32:#010x}, computed {self._crc:#010x}")
+        expected = header.scales_len + header.payload_len
+        if self._total != expected or self._carry:
+            raise CodecError(f"body decompresses to {self._total} bytes, header declares {expected}")
+        if header.bits in (4, "e3m0") and header.n % 2 and self._last >> 4:
+            raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
+
+
+def decode(frame: BytesLike, *, expected_n: int | None = None) -> QuantizedVec:
+    """Parse and fully validate a whole frame (:class:`FrameValidator`; the checks are in the module docstring).
+
+    ``expected_n``: the receiver's model size; pass it so a forged header cannot
+    make the decoder read a bigger vector than the model. The returned arrays are
+    read-only views of one buffer holding the decompressed body.
+    """
+    body = bytearray()
+    reader = FrameValidator(expected_n, out=body.extend, out_piece=_DECODE_PIECE)
+    reader.feed(frame)
+    reader.finish()
+    header = reader.header
+    assert header is not None
+    scales = np.frombuffer(body, "<f4", count=header.scales_len // 4).astype(np.float32, copy=False)
+    payload = np.frombuffer(body, np.uint8, offset=header.scales_len)
+    scales.flags.writeable = payload.flags.writeable = False
+    return QuantizedVec(header.bits, header.block, header.n, scales, payload)
+
+
+# --------------------------------------------------------------------------- CRC32 of concatenations
+
+_CRC_POLY: Final = 0xEDB88320  # zlib's CRC-32, reflected
+
+
+def _crc_multmodp(a: int, b: int) -> int:
+    """a·b modulo the CRC polynomial (reflected bit order, as in zlib)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _crc_x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _crc_multmodp(p, p)
+    return table
+
+
+_CRC_X2N: Final = _crc_x2n_table()  # x^(2^k) mod the polynomial
+
+
+@functools.lru_cache(maxsize=64)
+def _crc_shift(length: int) -> int:
+    """x^(8·length) mod the polynomial: appending ``length`` zero bytes, as an operator."""
+    p, k, n = 1 << 31, 3, length
+    while n:
+        if n & 1:
+            p = _crc_multmodp(_CRC_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A ‖ B from crc32(A), crc32(B) and len(B), without touching the bytes (zlib's crc32_combine,
+    which Python's zlib does not expose). Lets a receiver check a whole frame's CRC from its chunks' CRCs,
+    and :func:`write_frame` take the frame's CRCs without reading the body back."""
+    if len2 < 0:
+        raise ValueError(f"len2 must be >= 0, got {len2}")
+    return _crc_multmodp(_crc_shift(len2), crc1) ^ crc2 if len2 else crc1
+
+
+def compression_ratio(n_values: int, frame_len: int) -> float:
+    """Raw float32 bytes over bytes on the wire: 4·n / frame_len."""
+    if frame_len <= 0:
+        raise CodecError(f"frame_len must be positive, got {frame_len}")
+    return 4 * n_values / frame_len
