@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.codec import CODEC_BITS
+
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -95,9 +97,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    up: str = _f("int8", "codec for pushed pseudo-gradients", choices=("fp32", "int8", "int4", "e3m0"))
-    down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless)",
-                   choices=("fp32", "int8", "int4", "e3m0"))
+    up: str = _f("int8", "codec for pushed pseudo-gradients", choices=tuple(CODEC_BITS))
+    down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless)", choices=tuple(CODEC_BITS))
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for frames (1..19)")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")

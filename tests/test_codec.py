@@ -1,10 +1,11 @@
-"""dtrain.codec: trees, block quantization bounds, error feedback, frames, chunks, streaming.
+"""dtrain.codec: trees, block quantization bounds, error feedback, the frame writer and the frame reader.
 
 numpy only (no JAX), deterministic seeds, hypothesis derandomized; the whole file runs in seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -18,13 +19,9 @@ from hypothesis.extra import numpy as hnp
 
 from dtrain import codec
 from dtrain.codec import (
-    Chunk,
-    ChunkAssembler,
-    ChunkVerifier,
     CodecError,
     ErrorFeedback,
     QuantizedVec,
-    StreamingDecoder,
     compression_ratio,
     decode,
     dequantize,
@@ -32,7 +29,6 @@ from dtrain.codec import (
     flatten,
     quantize,
     spec_digest,
-    split_chunks,
     unflatten,
 )
 
@@ -264,6 +260,7 @@ def test_encode_decode_round_trip(n: int, seed: int, bits: codec.Bits, block: in
     assert frame[:4] == b"DTRC" and len(frame) == codec.HEADER_SIZE + struct.unpack_from("<Q", frame, 36)[0]
     r = decode(frame, expected_n=n)
     assert (r.bits, r.block, r.n) == (bits, block, n)
+    assert not r.scales.flags.writeable and not r.payload.flags.writeable
     np.testing.assert_array_equal(r.scales, q.scales)
     np.testing.assert_array_equal(r.payload, q.payload)
     np.testing.assert_array_equal(dequantize(r), dequantize(q))
@@ -298,6 +295,57 @@ def test_compression_ratios_meet_targets() -> None:
     assert ratios["e3m0"] >= 7.5
     assert ratios[32] >= 1.0
     assert compression_ratio(10, 40) == 1.0
+
+
+# --------------------------------------------------------------------------- the frame writer
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_write_frame_from_pieces_is_encode(bits: codec.Bits, tmp_path) -> None:
+    """The one writer: payload pieces from a file or from memory, at any offset of the file, give encode's bytes;
+    the returned size and CRC32 are the whole frame's, taken without reading it back."""
+    x = np.random.default_rng(5).standard_normal(5000).astype(np.float32)
+    q = quantize(x, bits, 128)
+    frame = encode(q, level=1)
+    payload = q.payload.tobytes()
+    (tmp_path / "payload").write_bytes(payload)
+    for piece in (1, 999, len(payload), 1 << 20):
+        with open(tmp_path / "frame", "wb") as out, open(tmp_path / "payload", "rb") as src:
+            out.write(b"prefix")
+            got = codec.write_frame(out, bits, 128, x.size, q.scales, iter(lambda: src.read(piece), b""), level=1)
+            assert out.tell() == 6 + len(frame)
+        assert got == (len(frame), zlib.crc32(frame))
+        assert (tmp_path / "frame").read_bytes() == b"prefix" + frame
+    pieces = [q.payload[i:i + 700] for i in range(0, q.payload.size, 700)]
+    with open(tmp_path / "frame", "wb") as out:
+        assert codec.write_frame(out, bits, 128, x.size, q.scales, pieces, level=1) == (len(frame), zlib.crc32(frame))
+    np.testing.assert_array_equal(dequantize(decode((tmp_path / "frame").read_bytes(), expected_n=x.size)),
+                                  dequantize(q))
+
+
+def test_write_frame_rejects_wrong_sizes_and_levels(tmp_path) -> None:
+    q = quantize(np.ones(1000, np.float32), 8, 256)  # 4 scales, 1000 payload bytes
+    with open(tmp_path / "frame", "wb") as out:
+        with pytest.raises(CodecError, match=r"got 999 payload bytes, n=1000 bits=8 needs 1000"):
+            codec.write_frame(out, 8, 256, 1000, q.scales, [q.payload[:999]])
+        with pytest.raises(CodecError, match=r"more than the 1000 payload bytes"):
+            codec.write_frame(out, 8, 256, 1000, q.scales, [q.payload, b"x"])
+        with pytest.raises(CodecError, match=r"got 3 scales, n=1000 block=256 bits=8 needs 4"):
+            codec.write_frame(out, 8, 256, 1000, q.scales[:3], [q.payload])
+        with pytest.raises(CodecError, match="zstd level"):
+            codec.write_frame(out, 8, 256, 1000, q.scales, [q.payload], level=23)
+        with pytest.raises(CodecError, match="bits must be one of"):
+            codec.write_frame(out, 16, 256, 1000, q.scales, [q.payload])
+
+
+def test_one_table_of_codec_names() -> None:
+    """codec.up/codec.down name the schemes of CODEC_BITS, and the config offers exactly those names."""
+    from dtrain.config import CodecConfig
+
+    assert dict(codec.CODEC_BITS) == {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
+    assert all(codec.canonical_bits(bits) == bits for bits in codec.CODEC_BITS.values())
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(CodecConfig) if f.name in ("up", "down")}
+    assert choices == {"up": tuple(codec.CODEC_BITS), "down": tuple(codec.CODEC_BITS)}
 
 
 # --------------------------------------------------------------------------- error feedback
@@ -378,7 +426,9 @@ def test_forge_helper_reproduces_valid_frames() -> None:
     (lambda f: f[:20], r"frame truncated: 20 bytes, the header alone needs 48"),
     (lambda f: f[:-100], r"frame truncated: header says \d+ body bytes, got \d+"),
     (lambda f: f + b"junk", r"trailing garbage: 4 bytes"),
-    (lambda f: f[:60] + bytes([f[60] ^ 0x01]) + f[61:], r"CRC32 mismatch"),
+    (lambda f: _forge(f, crc=_HEADER.unpack_from(f)[-1] ^ 1), r"CRC32 mismatch"),  # body intact, CRC field off
+    (lambda f: f[:60] + bytes([f[60] ^ 0x01]) + f[61:], r"CRC32 mismatch|zstd decompression failed|invalid"),
+    (lambda f: f[:-5] + bytes([f[-5] ^ 0x40]) + f[-4:], r"CRC32 mismatch|zstd decompression failed|invalid"),
     (lambda f: f[:12] + bytes([f[12] ^ 0x01]) + f[13:], r"inconsistent with n=3001"),  # n flipped, CRC would catch too
     (lambda f: _forge(f, n=2500), r"payload length 3000 inconsistent with n=2500"),
     (lambda f: _forge(f, n=2000), r"scales length 12 inconsistent with n=2000"),
@@ -433,139 +483,6 @@ def test_decode_rejects_short_body_and_forged_values() -> None:
         decode(_forge(frame32, body=zstandard.ZstdCompressor().compress(raw)))
 
 
-# --------------------------------------------------------------------------- chunks
-
-
-def test_split_and_reassemble() -> None:
-    frame = _frame(n=20_000)
-    for max_chunk in (1, 1000, len(frame) - 1, len(frame), 1 << 20):
-        chunks = split_chunks(frame, max_chunk)
-        assert all(len(c.data) <= max_chunk and c.total == len(chunks) for c in chunks)
-        assert [c.index for c in chunks] == list(range(len(chunks)))
-        assembler = ChunkAssembler(max_total=len(frame))
-        for c in chunks:
-            assembler.add(c)
-        assert assembler.complete and assembler.size == len(frame)
-        assert assembler.finish() == frame
-    assert split_chunks(b"", 10) == [Chunk(0, 1, b"", zlib.crc32(b""))]
-    with pytest.raises(CodecError, match="max_chunk"):
-        split_chunks(frame, 0)
-
-
-def _feed(chunks: list[Chunk], max_total: int = 1 << 30) -> ChunkAssembler:
-    assembler = ChunkAssembler(max_total)
-    for c in chunks:
-        assembler.add(c)
-    return assembler
-
-
-def test_chunk_faults() -> None:
-    frame = _frame(n=20_000)
-    chunks = split_chunks(frame, 1000)
-    assert len(chunks) >= 4
-    corrupted = Chunk(2, chunks[2].total, b"X" + chunks[2].data[1:], chunks[2].crc32)
-    with pytest.raises(CodecError, match="chunk 2 CRC32 mismatch"):
-        _feed([*chunks[:2], corrupted])
-    with pytest.raises(CodecError, match="out of order: expected chunk 2, got 3"):
-        _feed([*chunks[:2], chunks[3]])
-    with pytest.raises(CodecError, match="duplicate chunk 1"):
-        _feed([*chunks[:2], chunks[1]])
-    with pytest.raises(CodecError, match="duplicate chunk 0: all"):
-        _feed([*chunks, chunks[0]])
-    with pytest.raises(CodecError, match=rf"missing chunks: received {len(chunks) - 1} of {len(chunks)}"):
-        _feed(chunks[:-1]).finish()
-    with pytest.raises(CodecError, match="missing chunks: none"):
-        ChunkAssembler(10).finish()
-    with pytest.raises(CodecError, match=r"chunk 3 exceeds limit: 4000 bytes > max 3500"):
-        _feed(chunks, max_total=3500)
-    with pytest.raises(CodecError, match="says total 99"):
-        _feed([*chunks[:1], Chunk(1, 99, chunks[1].data, chunks[1].crc32)])
-    with pytest.raises(CodecError, match="out of range"):
-        _feed([Chunk(5, 3, b"", zlib.crc32(b""))])
-
-
-def test_rejected_chunk_can_be_retried() -> None:
-    frame = _frame()
-    chunks = split_chunks(frame, 500)
-    assembler = ChunkAssembler(1 << 20)
-    assembler.add(chunks[0])
-    with pytest.raises(CodecError, match="CRC32"):
-        assembler.add(Chunk(1, chunks[1].total, bytes(len(chunks[1].data)), chunks[1].crc32))
-    for c in chunks[1:]:
-        assembler.add(c)
-    assert assembler.finish() == frame
-
-
-# --------------------------------------------------------------------------- streaming
-
-
-@given(n=st.integers(1, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 512]),
-       piece=st.integers(1, 700), seed=st.integers(0, 1000))
-@FAST
-def test_streaming_decoder_matches_decode(n: int, bits: codec.Bits, block: int, piece: int, seed: int) -> None:
-    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
-    frame = encode(quantize(x, bits, block))
-    expected = dequantize(decode(frame))
-    decoder = StreamingDecoder(n, bits, block)
-    verifier = ChunkVerifier(max_total=len(frame))
-    accumulated = np.zeros(n, np.float32)
-    covered = 0
-    for chunk in split_chunks(frame, piece):
-        for start, values in decoder.feed(verifier.add(chunk)):
-            assert start == covered and (start % block == 0)
-            assert values.size % block == 0 or start + values.size == n  # whole blocks only
-            accumulated[start:start + values.size] += values
-            covered += values.size
-    verifier.finish()
-    decoder.finish()
-    assert covered == n == decoder.values_out
-    np.testing.assert_array_equal(accumulated, expected)
-
-
-def test_streaming_decoder_faults() -> None:
-    frame = _frame(n=5000)
-    with pytest.raises(CodecError, match=r"header says n=5000, expected n=4999"):
-        StreamingDecoder(4999, 8, 1024).feed(frame)
-    with pytest.raises(CodecError, match=r"expected bits=4 block=1024"):
-        StreamingDecoder(5000, 4, 1024).feed(frame)
-    dead = StreamingDecoder(5000, 8, 1024)
-    with pytest.raises(CodecError, match="trailing garbage: 3 bytes"):
-        dead.feed(frame + b"abc")
-    with pytest.raises(CodecError, match="decoder closed: an earlier error"):
-        dead.feed(b"")
-    done = StreamingDecoder(5000, 8, 1024)
-    done.feed(frame)
-    done.finish()
-    with pytest.raises(CodecError, match="decoder closed: finish"):
-        done.feed(b"")
-
-    truncated = StreamingDecoder(5000, 8, 1024)
-    truncated.feed(frame[:-10])
-    with pytest.raises(CodecError, match=r"frame truncated: header says \d+ body bytes"):
-        truncated.finish()
-    headless = StreamingDecoder(5000, 8, 1024)
-    headless.feed(frame[:30])
-    with pytest.raises(CodecError, match="frame truncated: 30 bytes"):
-        headless.finish()
-
-    wrong_crc = _forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1)  # body intact, CRC field off by one bit
-    corrupt = StreamingDecoder(5000, 8, 1024)
-    assert sum(v.size for _, v in corrupt.feed(wrong_crc)) == 5000  # segments go out before the CRC is known
-    with pytest.raises(CodecError, match="CRC32 mismatch"):
-        corrupt.finish()
-    flipped = bytearray(frame)
-    flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
-    corrupt = StreamingDecoder(5000, 8, 1024)
-    with pytest.raises(CodecError, match=r"CRC32 mismatch|zstd decompression failed|invalid"):
-        corrupt.feed(bytes(flipped))
-        corrupt.finish()
-
-    small = _frame(n=1024)
-    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
-    with pytest.raises(CodecError, match="zip bomb"):
-        StreamingDecoder(1024, 8, 1024).feed(_forge(small, body=bomb))
-
-
 # --------------------------------------------------------------------------- validation without decoding
 
 
@@ -585,10 +502,9 @@ def _validate(frame: bytes, n: int, bits: codec.Bits, block: int, piece: int = 1
 def test_frame_validator_hands_out_the_decoded_body(n: int, bits: codec.Bits, block: int, piece: int,
                                                     out_piece: int, seed: int) -> None:
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
-    frame = encode(quantize(x, bits, block))
-    q = decode(frame)
+    q = quantize(x, bits, block)
     body = np.asarray(q.scales, "<f4").tobytes() + np.asarray(q.payload, np.uint8).tobytes()
-    assert _validate(frame, n, bits, block, piece, out_piece) == body
+    assert _validate(encode(q), n, bits, block, piece, out_piece) == body
 
 
 def test_frame_validator_faults() -> None:
@@ -609,6 +525,9 @@ def test_frame_validator_faults() -> None:
     rejects(frame[:-10], r"frame truncated: header says \d+ body bytes")
     rejects(frame[:30], "frame truncated: 30 bytes")
     rejects(_forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1), "CRC32 mismatch")
+    flipped = bytearray(frame)
+    flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
+    rejects(bytes(flipped), r"CRC32 mismatch|zstd decompression failed|invalid")
     rejects(_forge(frame, body=b"not zstd at all"), "zstd decompression failed")
     bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
     rejects(_forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
