@@ -9,6 +9,7 @@ import dataclasses
 import json
 import struct
 import zlib
+from functools import partial
 
 import numpy as np
 import pytest
@@ -312,7 +313,7 @@ def test_write_frame_from_pieces_is_encode(bits: codec.Bits, tmp_path) -> None:
     for piece in (1, 999, len(payload), 1 << 20):
         with open(tmp_path / "frame", "wb") as out, open(tmp_path / "payload", "rb") as src:
             out.write(b"prefix")
-            got = codec.write_frame(out, bits, 128, x.size, q.scales, iter(lambda: src.read(piece), b""), level=1)
+            got = codec.write_frame(out, bits, 128, x.size, q.scales, iter(partial(src.read, piece), b""), level=1)
             assert out.tell() == 6 + len(frame)
         assert got == (len(frame), zlib.crc32(frame))
         assert (tmp_path / "frame").read_bytes() == b"prefix" + frame

@@ -76,7 +76,7 @@ __all__ = [
     "write_frame",
 ]
 
-BytesLike = bytes | bytearray | memoryview | np.ndarray  # anything with the buffer protocol, read as bytes
+BytesLike = bytes | bytearray | memoryview | np.ndarray  # contiguous bytes (arrays are read as their bytes)
 
 MAGIC: Final = b"DTRC"
 FORMAT_VERSION: Final = 1
@@ -125,10 +125,10 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
     taken as it is written and combined with the header's (:func:`crc32_combine`).
     """
     bits, block, level = canonical_bits(bits), check_block(block), _check_level(level)
-    scale_bytes = np.ascontiguousarray(scales, dtype="<f4")
+    scale_array = np.ascontiguousarray(scales, dtype="<f4")
     want_scales, want_payload = n_scales(bits, n, block), payload_len(bits, n)
-    if scale_bytes.shape != (want_scales,):
-        raise CodecError(f"write_frame got {scale_bytes.size} scales, n={n} block={block} bits={bits} "
+    if scale_array.shape != (want_scales,):
+        raise CodecError(f"write_frame got {scale_array.size} scales, n={n} block={block} bits={bits} "
                          f"needs {want_scales}")
     start = out.tell()
     out.write(bytes(HEADER_SIZE))
@@ -141,19 +141,20 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         out.write(data)
 
     try:
-        cobj = zstandard.ZstdCompressor(level=level).compressobj(size=scale_bytes.nbytes + want_payload)
-        emit(cobj.compress(scale_bytes))
+        cobj = zstandard.ZstdCompressor(level=level).compressobj(size=scale_array.nbytes + want_payload)
+        emit(cobj.compress(scale_array.data))
         for piece in payload:
-            got += memoryview(piece).nbytes
+            data = np.ascontiguousarray(piece).data if isinstance(piece, np.ndarray) else memoryview(piece)
+            got += data.nbytes
             if got > want_payload:
                 raise CodecError(f"write_frame got more than the {want_payload} payload bytes of n={n} bits={bits}")
-            emit(cobj.compress(piece))
+            emit(cobj.compress(data))
         if got != want_payload:
             raise CodecError(f"write_frame got {got} payload bytes, n={n} bits={bits} needs {want_payload}")
         emit(cobj.flush())
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd compression failed (level {level}): {e}") from e
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], 0, block, n, scale_bytes.nbytes, want_payload,
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], 0, block, n, scale_array.nbytes, want_payload,
                         body_len, 0)[:_CRC_OFFSET]
     head += crc32_combine(zlib.crc32(head), body_crc, body_len).to_bytes(4, "little")  # header[:44] ‖ body
     out.seek(start)
@@ -169,7 +170,7 @@ def encode(q: QuantizedVec, level: int = 3) -> bytes:
     quantized codes; negative levels are faster still).
     """
     out = io.BytesIO()
-    write_frame(out, q.bits, q.block, q.n, q.scales, (np.ascontiguousarray(q.payload, dtype=np.uint8),), level)
+    write_frame(out, q.bits, q.block, q.n, q.scales, (q.payload,), level)
     return out.getvalue()
 
 
@@ -227,7 +228,7 @@ class FrameValidator:
     """
 
     def __init__(self, expected_n: int | None, bits: Bits | None = None, block: int | None = None, *,
-                 out: Callable[[bytes | memoryview], Any], out_piece: int = 1 << 18):
+                 out: Callable[[bytes | bytearray | memoryview], Any], out_piece: int = 1 << 18):
         if expected_n is not None and (isinstance(expected_n, bool) or not isinstance(expected_n, int)
                                        or expected_n < 0):
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
@@ -247,7 +248,7 @@ class FrameValidator:
         self._last = 0  # the last payload byte (4-bit schemes: its high nibble may be padding)
         self._closed: str | None = None
 
-    def feed(self, data: BytesLike) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Frame bytes, in order; raises CodecError as soon as something is wrong (then the validator is dead)."""
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
@@ -266,8 +267,8 @@ class FrameValidator:
                 return
             header = self.header = _parse_header(self._head, self.n, self.bits, self.block)
             self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
-            self._writer = zstandard.ZstdDecompressor().stream_writer(
-                self, write_size=self._out_piece, write_return_read=True, closefd=False)
+            self._writer = zstandard.ZstdDecompressor().stream_writer(  # zstd only calls self.write
+                self, write_size=self._out_piece, write_return_read=True, closefd=False)  # type: ignore[arg-type]
         if not data:
             return
         if self._body_received + len(data) > self.header.body_len:
@@ -331,7 +332,7 @@ class FrameValidator:
             raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
 
 
-def decode(frame: BytesLike, *, expected_n: int | None = None) -> QuantizedVec:
+def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None) -> QuantizedVec:
     """Parse and fully validate a whole frame (:class:`FrameValidator`; the checks are in the module docstring).
 
     ``expected_n``: the receiver's model size; pass it so a forged header cannot

@@ -278,7 +278,7 @@ def check_codes(bits: Bits, payload: np.ndarray | bytes | bytearray | memoryview
 
 
 def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
-                   weight: float = 1.0, scratch: np.ndarray | None = None) -> None:
+                   weight: float | np.floating = 1.0, scratch: np.ndarray | None = None) -> None:
     """out += weight · (the values of whole blocks starting at a block boundary), without a per-value scale
     array (int8: one fused multiply per block row, into ``scratch`` if given: float32, at least out.size).
     For payloads already checked (a body that ``FrameValidator`` accepted)."""

@@ -194,5 +194,5 @@ def params_digest(vec: np.ndarray) -> str:
     """Digest of a flat float32 parameter vector: islands compare it to prove bit-identical θ."""
     vec = np.ascontiguousarray(vec, dtype=np.float32)
     h = params_hasher()
-    h.update(memoryview(vec).cast("B"))  # no copy of θ
+    h.update(vec.data.cast("B"))  # no copy of θ
     return hasher_digest(h)
