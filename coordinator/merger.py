@@ -443,7 +443,7 @@ class Spool:
         """Hands the spool over to the merger: leaving its ``with`` block no longer deletes it."""
         self._kept = True
 
-    def _append(self, data: bytes | memoryview) -> None:
+    def _append(self, data: bytes | bytearray | memoryview) -> None:
         _write_from(self.fd, data, self._offset)
         self._offset += len(data)
 

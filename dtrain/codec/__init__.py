@@ -32,8 +32,8 @@ from dtrain.codec.quant import (CODEC_BITS, DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK,
                                 canonical_bits, check_block, check_codes, check_scales, dequantize, dequantize_add,
                                 dequantize_segment, error_feedback_step, n_scales, payload_len, payload_offset,
                                 quantize, quantize_segment)
-from dtrain.codec.spec import (CodecError, Spec, flatten, hasher_digest, params_digest, params_hasher, spec_digest,
-                               spec_size, unflatten)
+from dtrain.codec.spec import (CodecError, Hasher, Spec, flatten, hasher_digest, params_digest, params_hasher,
+                               spec_digest, spec_size, unflatten)
 
 __all__ = [
     "CODEC_BITS",
@@ -48,6 +48,7 @@ __all__ = [
     "ErrorFeedback",
     "FrameHeader",
     "FrameValidator",
+    "Hasher",
     "QuantizedVec",
     "Spec",
     "canonical_bits",

@@ -19,15 +19,13 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hashlib import _Hash
-
 __all__ = [
     "CodecError",
+    "Hasher",
     "Spec",
     "flatten",
     "hasher_digest",
@@ -44,6 +42,14 @@ class CodecError(ValueError):
 
 
 Spec = list[list[Any]]  # [[path: str, shape: list[int], dtype: str], ...], JSON-native
+
+
+class Hasher(Protocol):
+    """What :func:`params_hasher` returns (a hashlib hash object)."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 _INT_COMPONENT: Final = re.compile(r"0|[1-9][0-9]*")
 _LEAF_DTYPES: Final = ("float32", "float16", "bfloat16")  # all exactly representable in float32
@@ -180,12 +186,12 @@ def spec_digest(spec: Spec, length: int = 16) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:length]
 
 
-def params_hasher() -> _Hash:
+def params_hasher() -> Hasher:
     """The hash behind :func:`params_digest`, to feed a vector's bytes slab by slab."""
     return hashlib.sha256()  # SHA-NI: about twice blake2b's speed on current x86
 
 
-def hasher_digest(h: _Hash) -> str:
+def hasher_digest(h: Hasher) -> str:
     """The params digest from a :func:`params_hasher` that has been fed a vector's bytes."""
     return h.hexdigest()[:32]
 
