@@ -337,6 +337,8 @@ def test_write_frame_rejects_wrong_sizes_and_levels(tmp_path) -> None:
             codec.write_frame(out, 8, 256, 1000, q.scales, [q.payload], level=23)
         with pytest.raises(CodecError, match="bits must be one of"):
             codec.write_frame(out, 16, 256, 1000, q.scales, [q.payload])
+        with pytest.raises(CodecError, match="n must be a non-negative int"):
+            codec.write_frame(out, 8, 256, -1, q.scales, [q.payload])
 
 
 def test_one_table_of_codec_names() -> None:

@@ -125,6 +125,9 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
     taken as it is written and combined with the header's (:func:`crc32_combine`).
     """
     bits, block, level = canonical_bits(bits), check_block(block), _check_level(level)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise CodecError(f"n must be a non-negative int, got {n!r}")
+    n = int(n)
     scale_array = np.ascontiguousarray(scales, dtype="<f4")
     want_scales, want_payload = n_scales(bits, n, block), payload_len(bits, n)
     if scale_array.shape != (want_scales,):
