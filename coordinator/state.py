@@ -61,7 +61,7 @@ Finite = Annotated[float, schema.FINITE]  # a finite float (times, rates, weight
 Hardware = Literal["cpu", "gpu", "tpu"]
 HARDWARE: tuple[str, ...] = typing.get_args(Hardware)
 Format = Literal[1]  # to_json layout version
-FORMAT: int = typing.get_args(Format)[0]
+FORMAT: Format = 1
 
 
 class StateError(ValueError):

@@ -23,8 +23,9 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Iterable, Literal, NoReturn, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
 T = TypeVar("T")
 FieldPath = tuple[str | int, ...]
@@ -78,7 +79,8 @@ def _got(value: Any) -> str:
 
 def load(cls: type[T], data: Any, partial: bool = False) -> T:
     """``cls`` (a dataclass or NamedTuple) from plain data, checked field by field against the type hints."""
-    return _converter(cls, partial)(data)
+    tp: Any = cls  # a class is hashable (the cache's key); type[T] does not say so
+    return _converter(tp, partial)(data)
 
 
 Convert = Callable[[Any], Any]
@@ -155,7 +157,7 @@ def _converter(tp: Any, partial: bool) -> Convert:
             except SchemaError:
                 _locate((name, convert, x) for (name, convert), x in zip(fields, value))
         return row
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         members = [(name, _converter(hint, partial), has_default) for name, hint, has_default in _fields(tp)]
         known = frozenset(name for name, _, _ in members)
 

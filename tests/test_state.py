@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 import pytest
-
 from conftest import TINY
+
 from coordinator.state import (
     Admission,
     CoordinatorState,
@@ -443,13 +443,13 @@ def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
     for i in (a, b, c):
         push(st, info(i))
     st.close_round(T0 + 1)
-    assert st.finished(T0 + 2) == (False, "the run is over (1 versions); waiting up to 9.0s for islands without "
-                                          "version 1: a-0, b-1, c-2")
+    assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
+                                           "version 1: a-0, b-1, c-2"))
     assert st.next_deadline(T0 + 2) == T0 + 11  # the linger ends before the leases (T0 + 15)
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0 + 3)[0] == "stop"  # a holds version 1 and stops
     assert st.finished(T0 + 3)[1].endswith("waiting up to 8.0s for islands without version 1: b-1, c-2")
-    assert st.finished(T0 + 11) == (True, "the run is over (1 versions); gave up after 10s on islands without "
-                                          "version 1: b-1, c-2")
+    assert st.finished(T0 + 11) == (True, ("the run is over (1 versions); gave up after 10s on islands without "
+                                           "version 1: b-1, c-2"))
     assert st.next_deadline(T0 + 11) == T0 + 15  # past the linger: leases only
     # A resumed run that was already over lingers from the restart.
     again = CoordinatorState.from_json(st.opts, st.to_json(), T0 + 50)
