@@ -2,10 +2,12 @@
 
 One lock serializes every state change and every touch of the merger (its pending pushes and state files);
 receiving, spooling and validating a pushed frame happen outside it, so many
-islands can stream at once. A background thread expires leases and closes
-rounds whose grace deadline has passed. After each merge the whole
-coordinator (θ, outer momentum, down residual, membership, cursors, applied
-push ids) is checkpointed with orbax, atomically.
+islands can stream at once. The lock is a condition, notified on every change: a background thread
+sleeps on it until the state's next deadline (a lease expiry, a round's grace end, the linger after
+the run) or a change, then expires leases, closes rounds whose grace has passed and notes when the
+run is finished; long-polling pulls and :func:`run_coordinator` wait on it too. After each merge the
+whole coordinator (θ, outer momentum, down residual, membership, cursors, applied push ids) is
+checkpointed with orbax, atomically.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import grpc
 import numpy as np
 
 from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
-from coordinator.state import Admission, CoordinatorState, PushInfo, StateError, StateOptions
+from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.codec import CODEC_BITS
 from dtrain.config import Config
@@ -36,22 +38,12 @@ from dtrain.wire import (SERVICE, FrameReceiver, TokenAuthInterceptor, WireError
                          chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
                          server_credentials)
 
-TICK_S = 0.05  # the background thread's period: lease expiry and grace-deadline closes
 MAX_PULL_WAIT_S = 30.0
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
           "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
-
-
-def state_options(cfg: Config) -> StateOptions:
-    c = cfg.coordinator
-    rounds = cfg.rounds
-    return StateOptions(mode=c.mode, islands=cfg.outer.islands, min_quorum=c.min_quorum, grace_s=c.grace_s,
-                        lease_s=c.lease_s, late_policy=c.late_policy, max_staleness=c.max_staleness,
-                        staleness_alpha=cfg.outer.staleness_alpha,
-                        total_versions=rounds if c.mode == "sync" else rounds * cfg.outer.islands)
 
 
 def merge_options(cfg: Config) -> MergeOptions:
@@ -85,8 +77,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.spec = spec
         self.tree_digest = codec.spec_digest(spec)
         self.fingerprint_fields = cfg.fingerprint_fields()
-        self.lock = threading.Condition(threading.RLock())
-        self.opts = state_options(cfg)
+        self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
+        self.opts = StateOptions.from_config(cfg)
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
 
@@ -105,8 +97,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bytes_in = 0
         self.bytes_out = 0
         self.merge_s = 0.0
-        self.fatal: str | None = None
-        self._stop = threading.Event()
+        self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
+        self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
+        self._closing = False
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
 
@@ -150,9 +143,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.event("request_rejected", code=code.name, reason=message)
         context.abort(code, message)
 
-    def _island(self, context: grpc.ServicerContext, island_id: str) -> None:
-        if island_id not in self.state.islands:
-            self._abort(context, grpc.StatusCode.NOT_FOUND, f"unknown island_id {island_id!r}: call Join first")
+    def _decide(self, context: grpc.ServicerContext, decision: Callable[..., Any], *args: Any) -> Any:
+        """Calls a state-machine method; a refusal (StateError) becomes the gRPC status its code names."""
+        try:
+            return decision(*args)
+        except StateError as e:
+            self._abort(context, _CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+
+    def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
+        if self.fatal:  # the process is on its way out: nothing more may touch the merger
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
 
     def _maybe_merge_locked(self, now: float) -> None:
         if self.fatal:
@@ -171,6 +172,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # push the open round again (HeartbeatResponse.push_unknown).
             self.fatal = f"outer step for version {self.state.version + 1} failed: {type(e).__name__}: {e}"
             self.log.event("coordinator_failed", error=self.fatal)
+            self.lock.notify_all()  # wakes run_coordinator
             raise
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
@@ -184,21 +186,49 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                 "weight": a.weight, "staleness": a.staleness} for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
-        self.lock.notify_all()  # wakes long-polling pulls
+        self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 
     def _tick_loop(self) -> None:
+        """The service's clock: expires leases, closes rounds whose grace has passed, notes when the run is
+        finished. Sleeps until the state's next deadline, or until a join, heartbeat or push notifies the
+        lock (which may move that deadline, or finish the run)."""
         try:
-            while not self._stop.wait(TICK_S):
-                with self.lock:
+            with self.lock:
+                while not self._closing:
                     now = self.clock()
                     for island_id, reason in self.state.expire(now):
                         self.log.event("island_lost", island=island_id, reason=reason)
                         self.log.progress(f"lost {island_id}: {reason}")
                     self._maybe_merge_locked(now)
+                    done, why = self.state.finished(now)
+                    if done and self.finished is None:
+                        self.finished = why
+                        self.lock.notify_all()  # wakes run_coordinator
+                    deadline = self.state.next_deadline(now)
+                    self.lock.wait(None if deadline is None else max(0.0, deadline - now))
         except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
-            self.fatal = f"{type(e).__name__}: {e}"
-            self.log.event("coordinator_failed", error=self.fatal)
+            with self.lock:
+                if self.fatal is None:
+                    self.fatal = f"{type(e).__name__}: {e}"
+                    self.log.event("coordinator_failed", error=self.fatal)
+                self.lock.notify_all()
             raise
+
+    def wait_finished(self) -> str:
+        """Blocks until the service may stop, and says why: the state machine found the run finished (the
+        ticker notes it), :meth:`request_stop` was called, or the service failed (then :attr:`fatal` is set).
+        Woken by the lock's notifications, not by polling."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.finished is not None or self.fatal is not None)
+            return f"failed: {self.fatal}" if self.fatal else str(self.finished)
+
+    def request_stop(self, reason: str) -> None:
+        """Ends :meth:`wait_finished` with ``reason``. Safe in a signal handler of the waiting thread: the lock
+        is reentrant, and the wait has released it."""
+        with self.lock:
+            if self.finished is None:
+                self.finished = reason
+            self.lock.notify_all()
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
@@ -207,51 +237,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         with self.lock:
-            try:
-                record, reason = self.state.join(request.island, request.hardware, request.devices, self.clock())
-            except StateError as e:
-                self._abort(context, _CODES[e.code], str(e))
+            record, reason = self._decide(context, self.state.join, request.island, request.hardware,
+                                          request.devices, self.clock())
             cursor = self.state.shard_cursor(record.shard_index)
             version = self.state.version
+            self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
         self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
                        cursor=cursor, hardware=record.hardware, devices=record.devices, reason=reason)
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
-                               shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.lease_s,
+                               shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
                                run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
                                total_versions=self.opts.total_versions)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         with self.lock:
-            try:
-                action, reason = self.state.heartbeat(
-                    request.island_id, request.version, request.steps, request.tokens, request.steps_per_s,
-                    request.params_digest, tuple(request.bad_devices), self.clock())
-            except StateError as e:
-                self._abort(context, _CODES[e.code], str(e))
+            action, reason = self._decide(
+                context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
+                request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock())
             version = self.state.version
+            self.lock.notify_all()  # the island's version may finish the run
             if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
-        return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.lease_s,
+        return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
                                     reason=reason, push_unknown=unknown)
-
-    def _push_info(self, h: pb.PushHeader, context: grpc.ServicerContext) -> PushInfo:
-        if h.tree_digest != self.tree_digest:
-            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
-                        f"{self.tree_digest!r}: the model's parameter tree differs")
-        return PushInfo(push_id=h.push_id, island_id=h.island_id, base_version=h.base_version, tokens=h.tokens,
-                        inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
-
-    def _admit(self, info: PushInfo, context: grpc.ServicerContext) -> Admission:
-        if self.fatal:  # the process is on its way out: nothing more may touch the merger
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
-        try:
-            return self.state.admit_push(info, self.clock())
-        except StateError as e:
-            self._abort(context, _CODES[e.code], str(e))
-            raise  # unreachable: abort raises
 
     def PushDelta(self, request_iterator: Iterator[pb.PushMessage],
                   context: grpc.ServicerContext) -> pb.PushDeltaResponse:
@@ -259,11 +269,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if first is None or first.WhichOneof("kind") != "header":
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
         h = first.header
-        info = self._push_info(h, context)
+        # Checked here, not by the state machine: whether a payload fits the model's parameter tree is a
+        # property of the merger's θ (like Join's config fingerprint); the state machine holds membership,
+        # versions and cursors, and admits a push on those alone.
+        if h.tree_digest != self.tree_digest:
+            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
+                        f"{self.tree_digest!r}: the model's parameter tree differs")
+        info = PushInfo(push_id=h.push_id, island_id=h.island_id, base_version=h.base_version, tokens=h.tokens,
+                        inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
         with self.lock:
-            admission = self._admit(info, context)  # an unknown island is NOT_FOUND here
-            if admission.status == "duplicate":
-                self.state.commit_push(info, admission, self.clock())  # counts the retry
+            self._refuse_if_failed(context)
+            # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
+            admission = self._decide(context, self.state.admit_push, info, self.clock())
+            if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
+                admission = self.state.commit_push(info, self.clock())  # counts the retry
                 version = self.state.version
         if admission.status == "duplicate":
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
@@ -287,11 +307,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except codec.CodecError as e:
                 self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}")
             with self.lock:
-                admission = self._admit(info, context)  # again: the round may have closed meanwhile
+                self._refuse_if_failed(context)
+                # The decision, made again now that the payload is here (the round may have closed meanwhile),
+                # and recorded; summing the accepted delta cannot fail for a spool that validate() accepted.
+                admission = self._decide(context, self.state.commit_push, info, self.clock())
                 if admission.status == "accept":
                     self.merger.accumulate(spool, admission.weight)
-                self.state.commit_push(info, admission, self.clock())
                 self.bytes_in += receiver.size
+                self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
                 status = _STATUS[admission.status]
                 self._maybe_merge_locked(self.clock())
                 version = self.state.version
@@ -307,11 +330,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not 0 <= request.wait_s <= 3600:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
         with self.lock:
-            self._island(context, request.island_id)
-            if request.have_version > self.state.version:
-                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"have_version={request.have_version} is ahead of the coordinator's "
-                            f"version {self.state.version}")
+            self._decide(context, self.state.check_pull, request.island_id, request.have_version)
             if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
                 self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
                                    or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
@@ -348,13 +367,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                        lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
                                        shard_index=r.shard_index) for r in self.state.islands.values()]
             extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest}
-            return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.mode,
+            return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode,
                                      islands=islands, tokens_merged=self.state.tokens_merged,
                                      bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                                      deltas_dropped=self.state.deltas_dropped, json=json.dumps(extra, default=str))
 
     def close(self) -> None:
-        self._stop.set()
+        with self.lock:
+            self._closing = True
+            self.lock.notify_all()  # wakes the ticker, which then ends
         self._ticker.join(timeout=5)
         with self.lock:
             self.merger.close()
@@ -473,9 +494,10 @@ def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
 
 
 def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, resume: bool = False,
-                    quiet: bool = False, linger_s: float = 10.0) -> dict[str, Any]:
-    """``dtrain coordinator``: serves until the run's last version is merged and the islands have it
-    (or SIGTERM / Ctrl-C); writes RUN_DIR/coordinator.json with the bound address as soon as it listens."""
+                    quiet: bool = False) -> dict[str, Any]:
+    """``dtrain coordinator``: serves until the run is finished (``CoordinatorState.finished``: the last version
+    is merged and the live islands have it, or its linger has passed) or SIGTERM / Ctrl-C; writes
+    RUN_DIR/coordinator.json with the bound address as soon as it listens."""
     import signal
 
     _return_large_frees_to_the_os()
@@ -489,27 +511,18 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     tmp = info.with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))
     tmp.replace(info)
-    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stopped_at: float | None = None
-    while not stop.wait(0.2):
-        if service.fatal:
-            server.stop(grace=1.0).wait()
-            service.close()
-            raise RuntimeError(f"coordinator failed: {service.fatal}")
-        with service.lock:
-            if service.state.stopped() and stopped_at is None:
-                stopped_at = time.time()
-            everyone_done = all(r.version >= service.state.version or r.state != "live"
-                                for r in service.state.islands.values())
-        if stopped_at is not None and (everyone_done or time.time() - stopped_at > linger_s):
-            break
+        signal.signal(sig, lambda signum, _frame: service.request_stop(f"{signal.Signals(signum).name} received"))
+    reason = service.wait_finished()
+    if service.fatal:
+        server.stop(grace=1.0).wait()
+        service.close()
+        raise DtrainError(f"coordinator failed: {service.fatal} (restart it with `dtrain coordinator --resume`)")
     server.stop(grace=2.0).wait()
     with service.lock:
         summary = {"version": service.state.version, "tokens_merged": service.state.tokens_merged,
                    "bytes_in": service.bytes_in, "bytes_out": service.bytes_out, "merge_s": service.merge_s,
                    "deltas_dropped": service.state.deltas_dropped, "params_digest": service.merger.digest}
-    service.log.event("coordinator_stopped", **summary)
+    service.log.event("coordinator_stopped", reason=reason, **summary)
     service.close()
     return summary

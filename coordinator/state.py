@@ -1,10 +1,11 @@
-"""The coordinator's state machine: islands, leases, shards, rounds and push admission.
+"""The coordinator's state machine: islands, leases, shards, rounds, push admission and the end of the run.
 
 Pure decisions over plain data. Every method takes the time as ``now`` (seconds,
 from whatever clock the caller injects) and returns its decision together with a
 human-readable reason; nothing here reads a clock, does I/O, logs or starts a
 thread. The gRPC servicer (``coordinator.server``) is a thin adapter that holds
-one lock around every call.
+one lock around every call and turns a :class:`StateError` into the gRPC status
+its code names.
 
 A request the state machine refuses raises :class:`StateError` *before* any
 change, so a refused request leaves the state exactly as it was.
@@ -19,16 +20,23 @@ Model:
   shard of a lost island resumes exactly where that shard's merged (or
   pending, hence certain to be merged) data ends.
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
-  calls it on a timer; :meth:`CoordinatorState.next_deadline` says when) and
+  calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
-- Pushes: :meth:`admit_push` decides without changing anything (the server
-  then streams and validates the payload), :meth:`commit_push` records the
-  decision. A push's weight is ``tokens · (1 + staleness)^−α``, the same factor
-  as ``dtrain.outer.staleness_factor``.
+- Pushes: :meth:`admit_push` previews the decision without changing anything
+  (the server refuses a push before its payload streams in);
+  :meth:`commit_push` decides again, once the payload has arrived (a round may
+  have closed meanwhile), records that decision and returns it. A push's weight
+  is ``tokens · (1 + staleness)^−α``, the same factor as
+  ``dtrain.outer.staleness_factor``.
 - Idempotency: the ids of pending pushes, and of the last
   ``StateOptions.max_push_ids`` (100 000) merged or dropped ones, are
   remembered; a retry (which arrives within seconds) gets ``"duplicate"`` and is
   never applied twice. Older ids are forgotten, oldest first.
+- The end: the run is over once ``total_versions`` are merged;
+  :meth:`CoordinatorState.finished` says when the coordinator may stop serving
+  (every live island holds the last version, or ``linger_s`` has passed).
+- Checkpoint: :meth:`to_json` / :meth:`from_json` follow one declared layout,
+  ``_Snapshot`` (the records below), read by ``dtrain.schema``.
 """
 
 from __future__ import annotations
@@ -36,17 +44,27 @@ from __future__ import annotations
 import collections
 import math
 import re
-from dataclasses import asdict, dataclass
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NamedTuple
+
+from dtrain import schema
+from dtrain.config import Config, CoordinatorConfig
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
+LINGER_S = 10.0
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-HARDWARE = ("cpu", "gpu", "tpu")
-ISLAND_STATES = ("live", "lost", "stopped")
-FORMAT = 1  # to_json layout version
+
+Count = Annotated[int, schema.AtLeast(0)]  # an int >= 0 (versions, counters, cursors, tokens)
+Finite = Annotated[float, schema.FINITE]  # a finite float (times, rates, weights)
+Hardware = Literal["cpu", "gpu", "tpu"]
+HARDWARE: tuple[str, ...] = typing.get_args(Hardware)
+Format = Literal[1]  # to_json layout version
+FORMAT: Format = 1
 
 
-class StateError(Exception):
+class StateError(ValueError):
     """A request the state machine refuses; the state is unchanged.
 
     ``code`` is ``"INVALID_ARGUMENT"``, ``"FAILED_PRECONDITION"`` or ``"NOT_FOUND"``; ``str(e)`` is the reason.
@@ -64,59 +82,48 @@ class StateError(Exception):
 
 @dataclass(frozen=True)
 class StateOptions:
-    mode: str = "sync"  # "sync" | "async"
-    islands: int = 4  # expected islands = number of data shards
-    min_quorum: int = 0  # sync: a round may close with this many pushes once grace has passed (0 = all live islands)
-    grace_s: float = 30.0  # sync: seconds after the first push of a round before a quorum close is allowed
-    lease_s: float = 15.0  # an island whose lease is not renewed for this long is lost
-    late_policy: str = "discount"  # "discount" (weight x (1+s)^-alpha, applied to the open round) | "drop"
-    max_staleness: int = 4  # deltas staler than this are dropped under either policy
-    staleness_alpha: float = 0.5
-    total_versions: int = 0  # the run stops after this many merged versions (0 = never)
+    """What the state machine runs by: the config's [coordinator] section as loaded (validated once, by
+    ``dtrain.config``), the values derived from the rest of the config, and two constants of its own.
+    Build it with :meth:`from_config`."""
+
+    coordinator: CoordinatorConfig  # mode, min_quorum, grace_s, lease_s, late_policy, max_staleness
+    islands: int  # outer.islands: the expected islands = the number of data shards
+    staleness_alpha: float  # outer.staleness_alpha: a delta s versions stale is weighted by (1+s)^-alpha
+    total_versions: int  # the run is over once this many versions are merged
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
+    linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.mode not in ("sync", "async"):
-            problems.append(f"mode {self.mode!r} must be 'sync' or 'async'")
-        if self.late_policy not in ("discount", "drop"):
-            problems.append(f"late_policy {self.late_policy!r} must be 'discount' or 'drop'")
-        if self.islands < 1:
-            problems.append(f"islands={self.islands} must be >= 1")
-        if self.min_quorum < 0:
-            problems.append(f"min_quorum={self.min_quorum} must be >= 0")
-        if not self.grace_s >= 0:
-            problems.append(f"grace_s={self.grace_s} must be >= 0")
-        if not self.lease_s > 0:
-            problems.append(f"lease_s={self.lease_s} must be > 0")
-        if self.max_staleness < 0:
-            problems.append(f"max_staleness={self.max_staleness} must be >= 0")
-        if not self.staleness_alpha >= 0:
-            problems.append(f"staleness_alpha={self.staleness_alpha} must be >= 0")
-        if self.total_versions < 0:
-            problems.append(f"total_versions={self.total_versions} must be >= 0")
         if self.max_push_ids < 1:
-            problems.append(f"max_push_ids={self.max_push_ids} must be >= 1")
-        if problems:
-            raise ValueError("bad StateOptions: " + "; ".join(problems))
+            raise ValueError(f"StateOptions.max_push_ids={self.max_push_ids}: must be >= 1")
+        if not self.linger_s >= 0:
+            raise ValueError(f"StateOptions.linger_s={self.linger_s}: must be >= 0")
+
+    @classmethod
+    def from_config(cls, cfg: Config, max_push_ids: int = MAX_PUSH_IDS, linger_s: float = LINGER_S) -> StateOptions:
+        """The options for ``cfg``: total_versions is ``cfg.rounds`` (sync: one version per round) or
+        ``cfg.rounds × outer.islands`` (async: one version per push)."""
+        rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
+        return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
+                   total_versions=rounds, max_push_ids=max_push_ids, linger_s=linger_s)
 
 
 @dataclass
 class IslandRecord:
     island_id: str
     name: str
-    hardware: str
-    devices: int
-    shard_index: int
-    state: str  # "live" | "lost" | "stopped"
-    lease_expiry: float
-    version: int = 0  # last version the island reported holding
-    steps: int = 0
-    tokens_reported: int = 0
-    steps_per_s: float = 0.0
-    tokens_merged: int = 0
-    pushes_merged: int = 0
-    cursor_merged: int = 0  # end of the data cursor range of its last merged push
+    hardware: Hardware
+    devices: Annotated[int, schema.AtLeast(1)]
+    shard_index: Count
+    state: Literal["live", "lost", "stopped"]
+    lease_expiry: Finite
+    version: Count = 0  # last version the island reported holding
+    steps: Count = 0
+    tokens_reported: Count = 0
+    steps_per_s: Finite = 0.0
+    tokens_merged: Count = 0
+    pushes_merged: Count = 0
+    cursor_merged: Count = 0  # end of the data cursor range of its last merged push
     params_digest: str = ""
     bad_devices: tuple[str, ...] = ()
 
@@ -127,43 +134,64 @@ class PushInfo:
 
     push_id: str
     island_id: str
-    base_version: int
-    tokens: int
-    inner_steps: int
-    cursor_start: int
-    cursor_end: int
+    base_version: Count
+    tokens: Count
+    inner_steps: Count
+    cursor_start: Count
+    cursor_end: Count
 
 
 @dataclass(frozen=True)
 class Admission:
-    status: str  # "accept" | "duplicate" | "drop"
-    weight: float  # merge weight = tokens * (1+staleness)^-alpha (0 for duplicate/drop)
-    staleness: int  # version - base_version
-    target_version: int  # the version this push is (or would have been) merged into
+    status: Literal["accept", "duplicate", "drop"]
+    weight: Finite  # merge weight = tokens * (1+staleness)^-alpha (0 for duplicate/drop)
+    staleness: Count  # version - base_version
+    target_version: Count  # the version this push is (or would have been) merged into
     reason: str
-
-    def same_decision(self, other: Admission) -> bool:
-        """Equal apart from the wording of the reason."""
-        return (self.status, self.weight, self.staleness, self.target_version) == \
-            (other.status, other.weight, other.staleness, other.target_version)
 
 
 @dataclass
 class _Pending:
     info: PushInfo
     admission: Admission
-    shard_index: int  # the shard the island held when it pushed (it may move on a later rejoin)
-    received: float
+    shard_index: Count  # the shard the island held when it pushed (it may move on a later rejoin)
+    received: Finite
+
+
+class _Seen(NamedTuple):
+    """A push id that is no longer pending: merged into ``target_version``, or dropped. A checkpoint stores
+    these as rows (lists), not objects: it may hold 100 000 of them."""
+
+    push_id: str
+    island_id: str
+    status: Literal["merged", "dropped"]
+    target_version: Annotated[int, schema.AtLeast(1)]
+    staleness: Count
 
 
 @dataclass(frozen=True)
-class _Seen:
-    """A push id that is no longer pending: merged into ``target_version``, or dropped."""
+class _Counters:
+    deltas_merged: Count
+    deltas_dropped: Count
+    duplicates: Count
+    tokens_merged: Count
 
-    island_id: str
-    status: str  # "merged" | "dropped"
-    target_version: int
-    staleness: int
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The checkpoint layout (:meth:`CoordinatorState.to_json`); checks that span records are in from_json."""
+
+    format: Format
+    run_id: str
+    created: Finite
+    shards: Count
+    version: Count
+    counters: _Counters
+    islands: list[IslandRecord]
+    shard_cursors: list[Count]
+    pending: list[_Pending]
+    first_pending: Finite | None
+    push_ids: list[_Seen]
 
 
 def staleness_weight(tokens: int, staleness: int, alpha: float) -> float:
@@ -191,12 +219,14 @@ class CoordinatorState:
         self.tokens_merged = 0
         self._pending: dict[str, _Pending] = {}  # push_id -> pending push, in arrival order
         self._first_pending: float | None = None
-        self._seen: collections.OrderedDict[str, _Seen] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[str, _Seen] = collections.OrderedDict()  # push_id -> record, oldest first
+        self._stopped_at: float | None = None  # when the run was over (the last close_round, or a resume after it)
 
     # -- queries ------------------------------------------------------------------------------------
 
     def stopped(self) -> bool:
-        return self.opts.total_versions > 0 and self.version >= self.opts.total_versions
+        """Whether the run is over: all total_versions are merged."""
+        return self.version >= self.opts.total_versions
 
     def live(self) -> list[IslandRecord]:
         return [r for r in self.islands.values() if r.state == "live"]
@@ -243,9 +273,10 @@ class CoordinatorState:
             raise StateError("INVALID_ARGUMENT", f"island name {name!r}: must match [A-Za-z0-9._-]{{1,64}}")
         if hardware not in HARDWARE:
             raise StateError("INVALID_ARGUMENT", f"hardware {hardware!r}: must be one of {', '.join(HARDWARE)}")
+        kind = typing.cast(Hardware, hardware)
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise StateError("INVALID_ARGUMENT", f"devices={devices!r}: must be an integer >= 1")
-        lease = now + self.opts.lease_s
+        lease = now + self.opts.coordinator.lease_s
         old = self._by_name(name)
         if old is not None:
             was = old.state
@@ -262,7 +293,7 @@ class CoordinatorState:
                                      f"islands: {self._holders()}")
                 shard = free[0]
                 how = f"its shard {old.shard_index} was taken over by {taker.island_id}, moved to free shard {shard}"
-            old.hardware, old.devices, old.shard_index = hardware, devices, shard
+            old.hardware, old.devices, old.shard_index = kind, devices, shard
             old.state, old.lease_expiry = "live", lease
             return old, (f"rejoined as {old.island_id} (was {was}): {how}, cursor {self.shard_cursor(shard)}")
         free = self._free_shards()
@@ -280,7 +311,7 @@ class CoordinatorState:
             how = f"took over shard {shard} of lost island {previous[-1].island_id} at cursor {cursor}"
         else:
             how = f"assigned free shard {shard} at cursor {cursor}"
-        record = IslandRecord(island_id=island_id, name=name, hardware=hardware, devices=devices, shard_index=shard,
+        record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, shard_index=shard,
                               state="live", lease_expiry=lease)
         self.islands[island_id] = record
         return record, f"joined as {island_id}: {how}"
@@ -309,7 +340,7 @@ class CoordinatorState:
                               f"(now t={now:.1f}): call Join again")
         record.version, record.steps, record.tokens_reported = version, steps, tokens
         record.steps_per_s, record.params_digest, record.bad_devices = float(steps_per_s), params_digest, bad
-        record.lease_expiry = now + self.opts.lease_s
+        record.lease_expiry = now + self.opts.coordinator.lease_s
         if self.stopped():
             record.state = "stopped"
             return "stop", f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
@@ -331,14 +362,15 @@ class CoordinatorState:
                 r.state = "lost"
                 pending = [p.info.push_id for p in self._pending.values() if p.info.island_id == r.island_id]
                 keep = f"; its pending push {', '.join(pending)} stays in the open round" if pending else ""
-                lost.append((r.island_id, (f"no heartbeat for {self.opts.lease_s:g}s: lease expired at "
+                lost.append((r.island_id, (f"no heartbeat for {self.opts.coordinator.lease_s:g}s: lease expired at "
                                           f"t={r.lease_expiry:.1f}, shard {r.shard_index} is free{keep}")))
         return lost
 
     # -- pushes -------------------------------------------------------------------------------------
 
     def admit_push(self, info: PushInfo, now: float) -> Admission:
-        """Decide what to do with a push from its header alone. Changes nothing."""
+        """What :meth:`commit_push` would decide now, from the push's header alone. Changes nothing: the server
+        asks before the payload streams in, to refuse a push (or answer a retry) without receiving it."""
         if not info.push_id or len(info.push_id) > MAX_PUSH_ID_LEN:
             raise StateError("INVALID_ARGUMENT", f"push_id {info.push_id[:MAX_PUSH_ID_LEN + 1]!r}: must be 1 to "
                                                  f"{MAX_PUSH_ID_LEN} characters")
@@ -368,16 +400,16 @@ class CoordinatorState:
             return Admission("drop", 0.0, staleness, target,
                              f"the run is over ({self.version} of {self.opts.total_versions} versions merged): "
                              f"push {info.push_id} dropped")
-        if self.opts.mode == "sync" and info.island_id in self._pending_islands():
+        if self.opts.coordinator.mode == "sync" and info.island_id in self._pending_islands():
             prior = next(p for p in self._pending.values() if p.info.island_id == info.island_id)
             raise StateError("FAILED_PRECONDITION",
                              f"{info.island_id} already pushed for version {target} (push {prior.info.push_id}); "
                              f"wait for the round to close")
-        if staleness > self.opts.max_staleness:
+        if staleness > self.opts.coordinator.max_staleness:
             return Admission("drop", 0.0, staleness, target,
                              f"delta from version {info.base_version} is {staleness} versions stale "
-                             f"(max_staleness {self.opts.max_staleness}): dropped")
-        if staleness > 0 and self.opts.late_policy == "drop":
+                             f"(max_staleness {self.opts.coordinator.max_staleness}): dropped")
+        if staleness > 0 and self.opts.coordinator.late_policy == "drop":
             return Admission("drop", 0.0, staleness, target,
                              f"delta from version {info.base_version} is {staleness} versions stale and "
                              f"late_policy is 'drop': dropped")
@@ -406,34 +438,36 @@ class CoordinatorState:
         return Admission("duplicate", 0.0, staleness, target,
                          f"push {info.push_id} {what}: a retry, not applied again")
 
-    def commit_push(self, info: PushInfo, admission: Admission, now: float) -> None:
-        """Record an admitted push: pending (accept), counted (drop, duplicate). The push id is remembered.
-
-        ``admission`` must be what :meth:`admit_push` decides now (the server admits again under the same
-        lock just before); a stale one (e.g. the round closed meanwhile) raises FAILED_PRECONDITION.
-        """
-        current = self.admit_push(info, now)
-        if not current.same_decision(admission):
-            raise StateError("FAILED_PRECONDITION",
-                             f"push {info.push_id}: stale admission ({admission.status} for version "
-                             f"{admission.target_version}); now it is {current.status} for version "
-                             f"{current.target_version}: {current.reason}")
+    def commit_push(self, info: PushInfo, now: float) -> Admission:
+        """Decide on a push whose payload has arrived, record the decision and return it: pending (accept),
+        counted (drop, duplicate); the push id is remembered. Decided afresh, not taken from an earlier
+        :meth:`admit_push`: the round may have closed while the payload streamed in."""
+        admission = self.admit_push(info, now)
         if admission.status == "duplicate":
             self.duplicates += 1
         elif admission.status == "drop":
             self.deltas_dropped += 1
-            self._remember(info.push_id, _Seen(info.island_id, "dropped", admission.target_version,
-                                               admission.staleness))
+            self._remember(_Seen(info.push_id, info.island_id, "dropped", admission.target_version,
+                                 admission.staleness))
         else:
             if not self._pending:
                 self._first_pending = float(now)
             self._pending[info.push_id] = _Pending(info, admission, self.islands[info.island_id].shard_index,
                                                    float(now))
+        return admission
 
-    def _remember(self, push_id: str, seen: _Seen) -> None:
-        self._seen[push_id] = seen
+    def _remember(self, seen: _Seen) -> None:
+        self._seen[seen.push_id] = seen
         while len(self._seen) > self.opts.max_push_ids:
             self._seen.popitem(last=False)
+
+    def check_pull(self, island_id: str, have_version: int) -> None:
+        """Refuses a pull from an unknown island, or from one claiming a version the coordinator has not made."""
+        if island_id not in self.islands:
+            raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
+        if have_version > self.version:
+            raise StateError("INVALID_ARGUMENT", f"have_version={have_version} is ahead of the coordinator's "
+                                                 f"version {self.version}")
 
     # -- rounds -------------------------------------------------------------------------------------
 
@@ -442,7 +476,7 @@ class CoordinatorState:
         n = len(self._pending)
         if self.stopped():
             return False, f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
-        if self.opts.mode == "async":
+        if self.opts.coordinator.mode == "async":
             if n:
                 return True, f"{n} push{'es' if n > 1 else ''} pending (async: merge on arrival)"
             return False, "no pushes pending"
@@ -455,10 +489,10 @@ class CoordinatorState:
             extra = len(pushed - {r.island_id for r in live})
             lost = f" (+{extra} from islands no longer live)" if extra else ""
             return True, f"all {len(live)} live islands pushed{lost}"
-        quorum = self.opts.min_quorum or len(live)
-        grace_end = self._first_pending + self.opts.grace_s
+        quorum = self.opts.coordinator.min_quorum or len(live)
+        grace_end = self._first_pending + self.opts.coordinator.grace_s
         if n >= quorum and now >= grace_end:
-            return True, (f"quorum {n} of {len(live)} after {self.opts.grace_s:g}s grace "
+            return True, (f"quorum {n} of {len(live)} after {self.opts.coordinator.grace_s:g}s grace "
                           f"(missing: {_ids(missing)})")
         waiting = f"waiting for {len(missing)} of {len(live)} islands (missing: {_ids(missing)})"
         if n >= quorum:
@@ -482,154 +516,139 @@ class CoordinatorState:
             self.shard_cursors[p.shard_index] = max(self.shard_cursors[p.shard_index], info.cursor_end)
             tokens += info.tokens
             merged.append(info)
-            self._remember(info.push_id, _Seen(info.island_id, "merged", self.version, p.admission.staleness))
+            self._remember(_Seen(info.push_id, info.island_id, "merged", self.version, p.admission.staleness))
         self.deltas_merged += len(merged)
         self.tokens_merged += tokens
         self._pending.clear()
         self._first_pending = None
-        done = f"; the run is over ({self.opts.total_versions} versions)" if self.stopped() else ""
+        done = ""
+        if self.stopped():
+            self._stopped_at = float(now)
+            done = f"; the run is over ({self.opts.total_versions} versions)"
         return self.version, merged, (f"merged {len(merged)} deltas ({', '.join(i.island_id for i in merged)}; "
                                       f"{tokens} tokens) into version {self.version} ({why}){done}")
 
+    def finished(self, now: float) -> tuple[bool, str]:
+        """Whether the coordinator may stop serving, and why (not): the run is over and no live island lacks
+        the last version, or ``linger_s`` has passed since it ended (an island that has not pulled the last
+        version by then finds no coordinator)."""
+        if not self.stopped():
+            return False, f"the run goes on: {self.version} of {self.opts.total_versions} versions merged"
+        behind = [r.island_id for r in sorted(self.live(), key=lambda r: r.shard_index) if r.version < self.version]
+        over = f"the run is over ({self.version} versions)"
+        if not behind:
+            return True, f"{over} and every live island holds version {self.version}"
+        assert self._stopped_at is not None  # set by close_round and from_json whenever stopped()
+        left = self._stopped_at + self.opts.linger_s - now
+        if left <= 0:
+            return True, (f"{over}; gave up after {self.opts.linger_s:g}s on islands without version "
+                          f"{self.version}: {_ids(behind)}")
+        return False, f"{over}; waiting up to {left:.1f}s for islands without version {self.version}: {_ids(behind)}"
+
     def next_deadline(self, now: float) -> float | None:
-        """When round_ready or liveness could next change by time alone: the grace end or the earliest lease
-        expiry of a live island (may be <= now if expire() is due). None if nothing is timed."""
+        """When round_ready, liveness or finished could next change by time alone: the grace end, the earliest
+        lease expiry of a live island (may be <= now if expire() is due) or the end of the linger after the
+        run. None if nothing is timed."""
         times = [r.lease_expiry for r in self.live()]
-        if self.opts.mode == "sync" and self._pending and self._first_pending is not None:
-            grace_end = self._first_pending + self.opts.grace_s
+        if self.opts.coordinator.mode == "sync" and self._pending and self._first_pending is not None:
+            grace_end = self._first_pending + self.opts.coordinator.grace_s
             if grace_end > now:
                 times.append(grace_end)
+        if self._stopped_at is not None and self._stopped_at + self.opts.linger_s > now:
+            times.append(self._stopped_at + self.opts.linger_s)
         return min(times) if times else None
 
     # -- checkpoint ---------------------------------------------------------------------------------
 
-    def to_json(self) -> dict:
-        """Everything, as plain JSON types (for the coordinator checkpoint)."""
-        islands = []
-        for r in self.islands.values():
-            d = asdict(r)
-            d["bad_devices"] = list(r.bad_devices)
-            islands.append(d)
-        return {
-            "format": FORMAT,
-            "run_id": self.run_id,
-            "created": self.created,
-            "shards": self.opts.islands,
-            "version": self.version,
-            "counters": {"deltas_merged": self.deltas_merged, "deltas_dropped": self.deltas_dropped,
-                         "duplicates": self.duplicates, "tokens_merged": self.tokens_merged},
-            "islands": islands,
-            "shard_cursors": list(self.shard_cursors),
-            "pending": [{"info": asdict(p.info), "admission": asdict(p.admission), "shard_index": p.shard_index,
-                         "received": p.received} for p in self._pending.values()],
-            "first_pending": self._first_pending,
-            "push_ids": [[pid, s.island_id, s.status, s.target_version, s.staleness] for pid, s in self._seen.items()],
-        }
+    def to_json(self) -> dict[str, Any]:
+        """Everything, as plain JSON types (for the coordinator checkpoint), laid out as ``_Snapshot``."""
+        return schema.dump(_Snapshot(
+            format=FORMAT, run_id=self.run_id, created=self.created, shards=self.opts.islands, version=self.version,
+            counters=_Counters(self.deltas_merged, self.deltas_dropped, self.duplicates, self.tokens_merged),
+            islands=list(self.islands.values()), shard_cursors=self.shard_cursors,
+            pending=list(self._pending.values()), first_pending=self._first_pending,
+            push_ids=list(self._seen.values())))
 
     @classmethod
-    def from_json(cls, opts: StateOptions, blob: dict, now: float) -> CoordinatorState:
+    def from_json(cls, opts: StateOptions, blob: Any, now: float) -> CoordinatorState:
         """Restore from :meth:`to_json`. Every island's lease is renewed to now + lease_s (islands keep training
         through a coordinator outage). Malformed input raises StateError INVALID_ARGUMENT naming the field.
 
-        Pending pushes are restored as they were; the caller must hold their accumulated deltas too (the server
+        Pending pushes are restored as they were; the caller must hold their summed deltas too (the server
         checkpoints right after close_round, when none are pending).
         """
-        v = _Reader()
-        blob = v.obj(blob, "state")
-        if blob.get("format") != FORMAT:
-            v.fail("state.format", f"expected {FORMAT}, got {blob.get('format')!r}")
-        if v.integer(blob, "shards", "state") != opts.islands:
-            v.fail("state.shards", f"checkpoint has {blob['shards']} shards, the config has {opts.islands} islands")
-        state = cls(opts, v.text(blob, "run_id", "state"), v.number(blob, "created", "state"))
-        state.version = v.integer(blob, "version", "state")
-        counters = v.obj(blob.get("counters"), "state.counters")
-        for k in ("deltas_merged", "deltas_dropped", "duplicates", "tokens_merged"):
-            setattr(state, k, v.integer(counters, k, "state.counters"))
-        for i, d in enumerate(v.arr(blob.get("islands"), "state.islands")):
-            where = f"state.islands[{i}]"
-            d = v.obj(d, where)
-            rec = IslandRecord(
-                island_id=v.text(d, "island_id", where), name=v.text(d, "name", where),
-                hardware=v.text(d, "hardware", where, choices=HARDWARE), devices=v.integer(d, "devices", where, lo=1),
-                shard_index=v.integer(d, "shard_index", where, hi=opts.islands - 1),
-                state=v.text(d, "state", where, choices=ISLAND_STATES), lease_expiry=now + opts.lease_s,
-                version=v.integer(d, "version", where, hi=state.version), steps=v.integer(d, "steps", where),
-                tokens_reported=v.integer(d, "tokens_reported", where), steps_per_s=v.number(d, "steps_per_s", where),
-                tokens_merged=v.integer(d, "tokens_merged", where), pushes_merged=v.integer(d, "pushes_merged", where),
-                cursor_merged=v.integer(d, "cursor_merged", where), params_digest=v.text(d, "params_digest", where),
-                bad_devices=tuple(v.text({"x": x}, "x", f"{where}.bad_devices")
-                                  for x in v.arr(d.get("bad_devices"), f"{where}.bad_devices")))
-            v.number(d, "lease_expiry", where)
+        def fail(path: schema.FieldPath, why: str) -> typing.NoReturn:
+            raise StateError("INVALID_ARGUMENT", f"bad coordinator state: {schema.format_path(path, 'state')}: {why}")
+
+        try:
+            snap = schema.load(_Snapshot, blob)  # every field's type and range
+        except schema.SchemaError as e:
+            fail(e.path, e.why)
+        # What spans records, or needs the options:
+        if snap.shards != opts.islands:
+            fail(("shards",), f"checkpoint has {snap.shards} shards, the config has {opts.islands} islands")
+        if len(snap.shard_cursors) != opts.islands:
+            fail(("shard_cursors",), f"expected {opts.islands} entries, got {len(snap.shard_cursors)}")
+        state = cls(opts, snap.run_id, snap.created)
+        state.version, state.shard_cursors = snap.version, snap.shard_cursors
+        c = snap.counters
+        state.deltas_merged, state.deltas_dropped = c.deltas_merged, c.deltas_dropped
+        state.duplicates, state.tokens_merged = c.duplicates, c.tokens_merged
+        for i, rec in enumerate(snap.islands):
+            if rec.shard_index >= opts.islands:
+                fail(("islands", i, "shard_index"), f"{rec.shard_index}: must be below {opts.islands} shards")
+            if rec.version > snap.version:
+                fail(("islands", i, "version"), f"{rec.version} is ahead of the state's version {snap.version}")
             if not NAME_RE.fullmatch(rec.name):
-                v.fail(f"{where}.name", f"{rec.name!r} is not a valid island name")
+                fail(("islands", i, "name"), f"{rec.name!r} is not a valid island name")
             if rec.island_id in state.islands:
-                v.fail(f"{where}.island_id", f"duplicate island_id {rec.island_id!r}")
+                fail(("islands", i, "island_id"), f"duplicate island_id {rec.island_id!r}")
             if state._by_name(rec.name) is not None:
-                v.fail(f"{where}.name", f"duplicate name {rec.name!r}")
+                fail(("islands", i, "name"), f"duplicate name {rec.name!r}")
             if rec.state == "live" and rec.shard_index not in state._free_shards():
-                v.fail(f"{where}.shard_index", f"shard {rec.shard_index} is held by two live islands")
+                fail(("islands", i, "shard_index"), f"shard {rec.shard_index} is held by two live islands")
+            rec.lease_expiry = now + opts.coordinator.lease_s
             state.islands[rec.island_id] = rec
-        cursors = v.arr(blob.get("shard_cursors"), "state.shard_cursors")
-        if len(cursors) != opts.islands:
-            v.fail("state.shard_cursors", f"expected {opts.islands} entries, got {len(cursors)}")
-        state.shard_cursors = [v.integer({"x": c}, "x", f"state.shard_cursors[{i}]") for i, c in enumerate(cursors)]
-        for i, e in enumerate(v.arr(blob.get("push_ids"), "state.push_ids")):
-            where = f"state.push_ids[{i}]"
-            e = v.arr(e, where)
-            if len(e) != 5:
-                v.fail(where, f"expected [push_id, island_id, status, target_version, staleness], got {e!r}")
-            pid, iid, status, target, stale = e
-            row = dict(zip(("push_id", "island_id", "status", "target_version", "staleness"), e))
-            v.text(row, "push_id", where), v.text(row, "island_id", where)
-            v.text(row, "status", where, choices=("merged", "dropped"))
-            v.integer(row, "target_version", where, lo=1), v.integer(row, "staleness", where)
-            if not pid or len(pid) > MAX_PUSH_ID_LEN or pid in state._seen:
-                v.fail(f"{where}.push_id", f"{pid!r}: empty, too long or repeated")
-            state._seen[pid] = _Seen(iid, status, target, stale)
+        for i, seen in enumerate(snap.push_ids):
+            if not 0 < len(seen.push_id) <= MAX_PUSH_ID_LEN or seen.push_id in state._seen:
+                fail(("push_ids", i, "push_id"), f"{seen.push_id!r}: empty, too long or repeated")
+            state._seen[seen.push_id] = seen
         while len(state._seen) > opts.max_push_ids:
             state._seen.popitem(last=False)
-        for i, e in enumerate(v.arr(blob.get("pending"), "state.pending")):
-            where = f"state.pending[{i}]"
-            e = v.obj(e, where)
-            di, da = v.obj(e.get("info"), f"{where}.info"), v.obj(e.get("admission"), f"{where}.admission")
-            info = PushInfo(push_id=v.text(di, "push_id", f"{where}.info"),
-                            island_id=v.text(di, "island_id", f"{where}.info"),
-                            **{k: v.integer(di, k, f"{where}.info") for k in ("base_version", "tokens", "inner_steps",
-                                                                          "cursor_start", "cursor_end")})
-            adm = Admission(status=v.text(da, "status", f"{where}.admission", choices=("accept",)),
-                            weight=v.number(da, "weight", f"{where}.admission"),
-                            staleness=v.integer(da, "staleness", f"{where}.admission"),
-                            target_version=v.integer(da, "target_version", f"{where}.admission",
-                                                 lo=state.version + 1, hi=state.version + 1),
-                            reason=v.text(da, "reason", f"{where}.admission"))
-            if info.island_id not in state.islands:
-                v.fail(f"{where}.info.island_id", f"unknown island {info.island_id!r}")
-            if info.push_id in state._pending or info.push_id in state._seen:
-                v.fail(f"{where}.info.push_id", f"{info.push_id!r} is repeated")
-            state._pending[info.push_id] = _Pending(info, adm, v.integer(e, "shard_index", where, hi=opts.islands - 1),
-                                                    v.number(e, "received", where))
-        first = blob.get("first_pending")
-        if state._pending:
-            state._first_pending = v.number(blob, "first_pending", "state")
-        elif first is not None:
-            v.fail("state.first_pending", "must be null when nothing is pending")
+        for i, p in enumerate(snap.pending):
+            if p.admission.status != "accept":
+                fail(("pending", i, "admission", "status"), f"a pending push is 'accept', got {p.admission.status!r}")
+            if p.admission.target_version != state.version + 1:
+                fail(("pending", i, "admission", "target_version"), f"a pending push is for version "
+                     f"{state.version + 1}, got {p.admission.target_version}")
+            if p.info.island_id not in state.islands:
+                fail(("pending", i, "info", "island_id"), f"unknown island {p.info.island_id!r}")
+            if state.push_known(p.info.push_id):
+                fail(("pending", i, "info", "push_id"), f"{p.info.push_id!r} is repeated")
+            if p.shard_index >= opts.islands:
+                fail(("pending", i, "shard_index"), f"{p.shard_index}: must be below {opts.islands} shards")
+            state._pending[p.info.push_id] = p
+        if (snap.first_pending is None) == bool(state._pending):
+            fail(("first_pending",), "must be a number when pushes are pending, else null")
+        state._first_pending = snap.first_pending
+        if state.stopped():
+            state._stopped_at = float(now)  # a resumed run that was already over lingers from now
         return state
 
     # -- status -------------------------------------------------------------------------------------
 
-    def status(self, now: float) -> dict:
+    def status(self, now: float) -> dict[str, Any]:
         """Plain-JSON snapshot for the Status RPC and the dashboard."""
         ready, reason = self.round_ready(now)
         islands = []
         for r in sorted(self.islands.values(), key=lambda r: (r.shard_index, r.island_id)):
-            d = asdict(r)
-            d["bad_devices"] = list(r.bad_devices)
+            d = schema.dump(r)
             d["lease_left_s"] = max(0.0, r.lease_expiry - now) if r.state == "live" else 0.0
             islands.append(d)
         return {
             "run_id": self.run_id,
             "version": self.version,
-            "mode": self.opts.mode,
+            "mode": self.opts.coordinator.mode,
             "total_versions": self.opts.total_versions,
             "stopped": self.stopped(),
             "islands": islands,
@@ -644,47 +663,3 @@ class CoordinatorState:
                                    "weight": a.weight, "staleness": a.staleness} for i, a in self.pending()]},
             "next_deadline": self.next_deadline(now),
         }
-
-
-class _Reader:
-    """Checks a checkpoint blob field by field; every failure names the field."""
-
-    @staticmethod
-    def fail(where: str, why: str):
-        raise StateError("INVALID_ARGUMENT", f"bad coordinator state: {where}: {why}")
-
-    def obj(self, x, where: str) -> dict:
-        if not isinstance(x, dict):
-            self.fail(where, f"expected an object, got {type(x).__name__}")
-        return x
-
-    def arr(self, x, where: str) -> list:
-        if not isinstance(x, list):
-            self.fail(where, f"expected a list, got {type(x).__name__}")
-        return x
-
-    def _get(self, d: dict, key: str, where: str):
-        if key not in d:
-            self.fail(f"{where}.{key}", "missing")
-        return d[key]
-
-    def text(self, d: dict, key: str, where: str, choices: tuple[str, ...] | None = None) -> str:
-        x = self._get(d, key, where)
-        if not isinstance(x, str):
-            self.fail(f"{where}.{key}", f"expected a string, got {x!r}")
-        if choices is not None and x not in choices:
-            self.fail(f"{where}.{key}", f"{x!r} is not one of {', '.join(choices)}")
-        return x
-
-    def integer(self, d: dict, key: str, where: str, lo: int = 0, hi: int | None = None) -> int:
-        x = self._get(d, key, where)
-        if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x > hi):
-            rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-            self.fail(f"{where}.{key}", f"expected an integer {rng}, got {x!r}")
-        return x
-
-    def number(self, d: dict, key: str, where: str) -> float:
-        x = self._get(d, key, where)
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            self.fail(f"{where}.{key}", f"expected a finite number, got {x!r}")
-        return float(x)

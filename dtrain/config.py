@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain import schema
 from dtrain.codec import CODEC_BITS
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -192,35 +193,12 @@ SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": Dat
             "worker": WorkerConfig, "security": SecurityConfig}
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Checks one TOML value against a field type; ints widen to float."""
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a new field type needs a branch here
-        raise TypeError(f"unsupported config field type {typ!r}")
-    raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
-
-
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        where = f"{origin}: [{section}] {key}"
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
-        kwargs[key] = _coerce(value, hints[key], where)
-    return cls(**kwargs)
+    """One section from its TOML table: field types checked by ``dtrain.schema``, missing fields defaulted."""
+    try:
+        return schema.load(cls, values, partial=True)
+    except schema.SchemaError as e:
+        raise ConfigError(f"{origin}: [{section}] {schema.format_path(e.path)}: {e.why}") from None
 
 
 def _check(cfg: Config, origin: str) -> None:

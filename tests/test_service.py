@@ -393,3 +393,29 @@ def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordin
         c0.push(_header(j0, "a2", base=0), _delta_frame(n, 3)[1])
     for c in (c0, c1):
         c.close()
+
+
+def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, tmp_path):
+    """The state machine's finished() decision, reached through the ticker: the heartbeats that report the last
+    version notify it, and wait_finished() returns without polling (well before the 10 s linger)."""
+    import time
+
+    running = Running(replace(net_cfg, train={"steps": 10}), tmp_path / "finish")  # a run of one version
+    try:
+        c0, c1 = (CoordinatorClient(running.address, net_cfg) for _ in range(2))
+        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        n = j0.tree_size
+        c0.push(_header(j0, "a1"), _delta_frame(n, 11)[1])
+        assert c1.push(_header(j1, "b1"), _delta_frame(n, 12)[1]).status == pb.PUSH_STATUS_MERGED
+        assert running.service.finished is None  # over, but neither island holds version 1 yet
+        for c, j in ((c0, j0), (c1, j1)):
+            assert c.heartbeat(island_id=j.island_id, version=1).action == pb.ACTION_STOP
+        t0 = time.monotonic()
+        assert running.service.wait_finished() == "the run is over (1 versions) and every live island holds version 1"
+        assert time.monotonic() - t0 < 5.0
+        running.service.request_stop("ignored: already finished")
+        assert running.service.wait_finished().startswith("the run is over")
+        for c in (c0, c1):
+            c.close()
+    finally:
+        running.stop()

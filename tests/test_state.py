@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 import pytest
+from conftest import TINY
 
 from coordinator.state import (
     Admission,
@@ -14,12 +16,20 @@ from coordinator.state import (
     StateError,
     StateOptions,
 )
+from dtrain.config import load_config
 
 T0 = 1000.0
+BASE = ["coordinator.lease_s=15", "train.steps=20000"]  # 15 s leases; 1000 rounds: a run ends only where a test says
 
 
-def make(now: float = T0, **kw) -> CoordinatorState:
-    return CoordinatorState(StateOptions(**kw), "run-1", now)
+def options(*overrides: str, **constants: Any) -> StateOptions:
+    """The options for configs/tiny.toml (4 islands, sync, 30 s grace, alpha 0.5) with BASE and ``--set``
+    overrides; ``constants``: the state's own (max_push_ids, linger_s)."""
+    return StateOptions.from_config(load_config(TINY, [*BASE, *overrides]), **constants)
+
+
+def make(*overrides: str, now: float = T0, **constants: Any) -> CoordinatorState:
+    return CoordinatorState(options(*overrides, **constants), "run-1", now)
 
 
 def join_all(st: CoordinatorState, names=("a", "b", "c", "d"), now: float = T0) -> list[str]:
@@ -39,8 +49,10 @@ def info(island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None 
 
 
 def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
-    adm = st.admit_push(i, now)
-    st.commit_push(i, adm, now)
+    """Previews, then commits: with nothing in between, commit_push records the decision admit_push showed."""
+    preview = st.admit_push(i, now)
+    adm = st.commit_push(i, now)
+    assert adm == preview
     return adm
 
 
@@ -110,7 +122,7 @@ def test_fifth_island_refused_when_all_shards_live():
 
 
 def test_lost_island_shard_taken_over_with_cursor():
-    st = make(islands=2)
+    st = make("outer.islands=2")
     a, b = join_all(st, "ab")
     push(st, info(a, start=0, end=100))
     push(st, info(b, start=0, end=70))
@@ -130,7 +142,7 @@ def test_lost_island_shard_taken_over_with_cursor():
 
 
 def test_takeover_cursor_counts_the_lost_islands_pending_push():
-    st = make(islands=2)
+    st = make("outer.islands=2")
     a, b = join_all(st, "ab")
     push(st, info(b, start=0, end=50))
     st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 10)
@@ -143,7 +155,7 @@ def test_takeover_cursor_counts_the_lost_islands_pending_push():
 
 
 def test_rejoin_moves_to_free_shard_when_taken_over():
-    st = make(islands=3)
+    st = make("outer.islands=3")
     join_all(st, "ab")
     st.heartbeat("b-1", 0, 0, 0, 0.0, "", (), T0 + 10)
     st.expire(T0 + 15)  # a lost
@@ -171,7 +183,7 @@ def test_heartbeat_renews_lease_and_records_report():
 
 
 def test_heartbeat_pull_stop_rejoin_and_errors():
-    st = make(islands=1, total_versions=2)
+    st = make("outer.islands=1", "train.steps=40")
     a, = join_all(st, "a")
     push(st, info(a))
     st.close_round(T0)
@@ -201,7 +213,7 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
 
 
 def test_expire_exactly_at_lease_end_not_before():
-    st = make(lease_s=15.0)
+    st = make("coordinator.lease_s=15")
     a, b, *_ = join_all(st)
     st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 5)
     assert st.next_deadline(T0) == T0 + 15.0
@@ -242,7 +254,7 @@ def test_sync_round_closes_when_all_live_pushed():
 
 
 def test_quorum_and_grace():
-    st = make(min_quorum=3, grace_s=30.0)
+    st = make("coordinator.min_quorum=3", "coordinator.grace_s=30")
     a, b, c, d = join_all(st)
     push(st, info(a), T0)
     push(st, info(c), T0 + 5)
@@ -291,25 +303,22 @@ def test_second_push_in_open_round_refused():
 
 
 def test_duplicate_push_id_pending_and_merged_no_double_count():
-    st = make(islands=2)
+    st = make("outer.islands=2")
     a, b = join_all(st, "ab")
     first = info(a, push_id="retry-me", tokens=700)
-    adm = push(st, first)
+    push(st, first)
     dup = st.admit_push(first, T0 + 1)
     assert dup == Admission("duplicate", 0.0, 0, 1, "push retry-me is pending in the open round for version 1: "
                                                       "a retry, not applied again")
-    st.commit_push(first, dup, T0 + 1)
+    assert st.commit_push(first, T0 + 1) == dup
     assert st.duplicates == 1 and len(st.pending()) == 1
-    # committing the original admission again is refused: stale, and nothing is counted twice
-    unchanged(st, lambda: st.commit_push(first, adm, T0 + 1), "FAILED_PRECONDITION", "stale admission",
-              "now it is duplicate")
     push(st, info(b))
     st.close_round(T0 + 2)
     assert st.tokens_merged == 1700 and st.islands[a].tokens_merged == 700
     dup2 = st.admit_push(first, T0 + 3)
     assert dup2.status == "duplicate" and dup2.target_version == 1 and dup2.weight == 0.0
     assert dup2.reason == "push retry-me was merged into version 1: a retry, not applied again"
-    st.commit_push(first, dup2, T0 + 3)
+    assert st.commit_push(first, T0 + 3) == dup2
     assert st.tokens_merged == 1700 and st.deltas_merged == 2 and st.duplicates == 2
     assert st.push_known("retry-me") and not st.push_known("never")
     # the same id from another island is a client bug, not a retry
@@ -318,7 +327,7 @@ def test_duplicate_push_id_pending_and_merged_no_double_count():
 
 
 def test_push_id_memory_is_bounded():
-    st = make(islands=1, max_push_ids=3)
+    st = make("outer.islands=1", max_push_ids=3)
     a, = join_all(st, "a")
     for v in range(5):
         push(st, info(a, base=v, push_id=f"id{v}"))
@@ -327,7 +336,7 @@ def test_push_id_memory_is_bounded():
 
 
 def test_late_delta_discount_weight_exact():
-    st = make(islands=2, mode="async", staleness_alpha=0.5)
+    st = make("outer.islands=2", "coordinator.mode=async", "outer.staleness_alpha=0.5")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
     adm = st.admit_push(info(b, base=1, tokens=1000), T0)
@@ -337,7 +346,7 @@ def test_late_delta_discount_weight_exact():
 
 
 def test_drop_policy_drops_and_counts():
-    st = make(islands=2, mode="async", late_policy="drop")
+    st = make("outer.islands=2", "coordinator.mode=async", "coordinator.late_policy=drop")
     a, b = join_all(st, "ab")
     push(st, info(a))
     st.close_round(T0)
@@ -352,7 +361,7 @@ def test_drop_policy_drops_and_counts():
 
 
 def test_max_staleness_drops_under_discount():
-    st = make(islands=2, mode="async", max_staleness=2)
+    st = make("outer.islands=2", "coordinator.mode=async", "coordinator.max_staleness=2")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
     assert push(st, info(b, base=1)).status == "accept"  # staleness 2: discounted
@@ -378,7 +387,7 @@ def test_bad_pushes_refused_without_change(change, code, words):
     good = info(a)
     bad = PushInfo(**{**good.__dict__, **change})
     unchanged(st, lambda: st.admit_push(bad, T0), code, *words)
-    unchanged(st, lambda: st.commit_push(bad, Admission("accept", 1.0, 0, 1, ""), T0), code, *words)
+    unchanged(st, lambda: st.commit_push(bad, T0), code, *words)
 
 
 def test_lost_island_push_refused():
@@ -389,7 +398,7 @@ def test_lost_island_push_refused():
 
 
 def test_async_ready_after_each_push():
-    st = make(mode="async")
+    st = make("coordinator.mode=async")
     a, b, *_ = join_all(st)
     assert st.round_ready(T0) == (False, "no pushes pending")
     push(st, info(a))
@@ -403,7 +412,7 @@ def test_async_ready_after_each_push():
 
 
 def test_total_versions_stops_the_run():
-    st = make(islands=1, total_versions=1)
+    st = make("outer.islands=1", "train.steps=20")
     a, = join_all(st, "a")
     push(st, info(a))
     version, _, reason = st.close_round(T0)
@@ -412,14 +421,68 @@ def test_total_versions_stops_the_run():
     adm = push(st, info(a, base=1))
     assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
-    assert make(total_versions=0).stopped() is False
+
+
+def test_commit_decides_again_when_the_round_closed_meanwhile():
+    st = make("outer.islands=2", "coordinator.min_quorum=1", "coordinator.grace_s=5")
+    a, b = join_all(st, "ab")
+    late = info(b)
+    preview = st.admit_push(late, T0)  # b's payload starts streaming in...
+    assert (preview.status, preview.target_version, preview.weight) == ("accept", 1, 1000.0)
+    push(st, info(a), T0)
+    assert st.close_round(T0 + 5)[0] == 1  # ...and the round closes on quorum without it
+    adm = st.commit_push(late, T0 + 6)
+    assert (adm.status, adm.target_version, adm.staleness, adm.weight) == ("accept", 2, 1, 1000 * 2 ** -0.5)
+    assert st.pending() == [(late, adm)]  # recorded as decided now, not as previewed
+
+
+def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
+    st = make("outer.islands=3", "train.steps=20", linger_s=10.0)  # a run of one version
+    a, b, c = join_all(st, "abc")
+    assert st.finished(T0) == (False, "the run goes on: 0 of 1 versions merged")
+    for i in (a, b, c):
+        push(st, info(i))
+    st.close_round(T0 + 1)
+    assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
+                                           "version 1: a-0, b-1, c-2"))
+    assert st.next_deadline(T0 + 2) == T0 + 11  # the linger ends before the leases (T0 + 15)
+    assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0 + 3)[0] == "stop"  # a holds version 1 and stops
+    assert st.finished(T0 + 3)[1].endswith("waiting up to 8.0s for islands without version 1: b-1, c-2")
+    assert st.finished(T0 + 11) == (True, ("the run is over (1 versions); gave up after 10s on islands without "
+                                           "version 1: b-1, c-2"))
+    assert st.next_deadline(T0 + 11) == T0 + 15  # past the linger: leases only
+    # A resumed run that was already over lingers from the restart.
+    again = CoordinatorState.from_json(st.opts, st.to_json(), T0 + 50)
+    assert again.finished(T0 + 50)[1].endswith("waiting up to 10.0s for islands without version 1: b-1, c-2")
+    # Islands that hold the last version (b) or are lost (c) end it at once.
+    st.heartbeat(b, 1, 0, 0, 0.0, "", (), T0 + 4)
+    st.expire(T0 + 15)
+    assert st.finished(T0 + 15) == (True, "the run is over (1 versions) and every live island holds version 1")
+
+
+def test_options_come_from_the_config():
+    cfg = load_config(TINY)
+    opts = StateOptions.from_config(cfg)
+    assert opts.coordinator is cfg.coordinator  # lease_s, grace_s, ...: the config's values, no second default
+    assert (opts.islands, opts.staleness_alpha, opts.total_versions) == (4, 0.5, cfg.rounds) == (4, 0.5, 3)
+    assert StateOptions.from_config(load_config(TINY, ["coordinator.mode=async"])).total_versions == 3 * 4
+    with pytest.raises(ValueError, match="max_push_ids=0"):
+        StateOptions.from_config(cfg, max_push_ids=0)
+
+
+def test_check_pull_refuses_unknown_islands_and_future_versions():
+    st = make()
+    a, *_ = join_all(st)
+    st.check_pull(a, 0)
+    unchanged(st, lambda: st.check_pull("ghost-9", 0), "NOT_FOUND", "unknown island_id 'ghost-9'")
+    unchanged(st, lambda: st.check_pull(a, 1), "INVALID_ARGUMENT", "have_version=1 is ahead of the coordinator's")
 
 
 # -- checkpoint -------------------------------------------------------------------------------------
 
 
 def busy_state() -> CoordinatorState:
-    st = make(min_quorum=2)
+    st = make("coordinator.min_quorum=2")
     a, b, c, d = join_all(st)
     st.heartbeat(a, 0, 10, 100, 2.5, "dig", ("gpu:1",), T0 + 1)
     push(st, info(a, push_id="m1", start=0, end=30), T0 + 1)
@@ -427,7 +490,7 @@ def busy_state() -> CoordinatorState:
     push(st, info(c, push_id="m3"), T0 + 1)
     push(st, info(d, push_id="m4"), T0 + 1)
     st.close_round(T0 + 1)
-    st.commit_push(info(a, push_id="m1"), st.admit_push(info(a, push_id="m1"), T0 + 2), T0 + 2)
+    st.commit_push(info(a, push_id="m1"), T0 + 2)
     push(st, info(b, base=1, push_id="open-1"), T0 + 3)
     return st
 
@@ -443,7 +506,7 @@ def test_json_round_trip():
     st = busy_state()
     blob = st.to_json()
     text = json.dumps(blob)
-    same = CoordinatorState.from_json(StateOptions(min_quorum=2), json.loads(text), T0 + 500)
+    same = CoordinatorState.from_json(options("coordinator.min_quorum=2"), json.loads(text), T0 + 500)
     assert _no_leases(same.to_json()) == _no_leases(blob)  # only the leases move: renewed to now + lease_s
     assert all(r.lease_expiry == T0 + 515 for r in same.islands.values())
     assert same.admit_push(info("a-0", push_id="m1"), T0).status == "duplicate"
@@ -451,10 +514,10 @@ def test_json_round_trip():
     assert same.round_ready(T0 + 500) == st.round_ready(T0 + 500)
     assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 30)
     # leases that all end at now + lease_s: the round trip is exact
-    st2 = make(islands=2)
+    st2 = make("outer.islands=2")
     join_all(st2, "ab")
     blob2 = json.loads(json.dumps(st2.to_json()))
-    assert CoordinatorState.from_json(StateOptions(islands=2), blob2, T0).to_json() == st2.to_json()
+    assert CoordinatorState.from_json(options("outer.islands=2"), blob2, T0).to_json() == st2.to_json()
 
 
 def _mut(path, value):
@@ -472,6 +535,10 @@ def _mut(path, value):
 @pytest.mark.parametrize("mutate, words", [
     (lambda b: "not a dict", ("state: expected an object",)),
     (_mut(["format"], 99), ("state.format",)),
+    (_mut(["format"], True), ("state.format",)),
+    (_mut(["islands", 0, "colour"], "red"), ("state.islands[0].colour: unknown key",)),
+    (_mut(["islands", 0, "steps"], KeyError), ("state.islands[0].steps: missing",)),
+    (_mut(["pending", 0, "admission", "status"], "drop"), ("state.pending[0].admission.status",)),
     (_mut(["shards"], 8), ("state.shards", "8 shards")),
     (_mut(["version"], -1), ("state.version",)),
     (_mut(["version"], "3"), ("state.version",)),
@@ -500,7 +567,7 @@ def test_from_json_rejects_malformed(mutate, words):
         out = mutate(blob)
         blob = out if out is not None else blob
     with pytest.raises(StateError) as e:
-        CoordinatorState.from_json(StateOptions(min_quorum=2), blob, T0)
+        CoordinatorState.from_json(options("coordinator.min_quorum=2"), blob, T0)
     assert e.value.code == "INVALID_ARGUMENT"
     for w in words:
         assert w in str(e.value), (w, str(e.value))
