@@ -31,7 +31,7 @@ from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
-from dtrain.wire import (CODEC_BITS, SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
+from dtrain.wire import (SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
                          chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
                          server_credentials)
 
@@ -51,14 +51,6 @@ def state_options(cfg: Config) -> StateOptions:
                         lease_s=c.lease_s, late_policy=c.late_policy, max_staleness=c.max_staleness,
                         staleness_alpha=cfg.outer.staleness_alpha,
                         total_versions=rounds if c.mode == "sync" else rounds * cfg.outer.islands)
-
-
-def merge_options(cfg: Config) -> MergeOptions:
-    o, k = cfg.outer, cfg.codec
-    lr = o.lr if cfg.coordinator.mode == "sync" else o.lr / cfg.outer.islands
-    return MergeOptions(lr=lr, momentum=o.momentum, nesterov=o.nesterov, up_bits=CODEC_BITS[k.up],
-                        down_bits=CODEC_BITS[k.down], block=k.block, zstd_level=k.zstd_level,
-                        error_feedback=k.error_feedback, keep_updates=cfg.coordinator.keep_updates)
 
 
 def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
@@ -129,7 +121,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
         try:
-            self.merger = Merger(theta, merge_options(self.cfg), version=version, momentum=momentum,
+            self.merger = Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
                                  residual=residual, spool_dir=self.run_dir / "spool")
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
@@ -288,7 +280,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with self.lock:
                 admission = self._admit(info, context)  # again: the round may have closed meanwhile
                 if admission.status == "accept":
-                    self.merger.accumulate(spool, admission.weight)
+                    self.merger.add_pending(spool, admission.weight)
                 self.state.commit_push(info, admission, self.clock())
                 self.bytes_in += receiver.size
                 status = _STATUS[admission.status]

@@ -23,8 +23,8 @@ Model:
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
 - Pushes: :meth:`admit_push` decides without changing anything (the server
   then streams and validates the payload), :meth:`commit_push` records the
-  decision. A push's weight is ``tokens · (1 + staleness)^−α``, the same factor
-  as ``dtrain.outer.staleness_factor``.
+  decision. A push's weight is ``tokens · (1 + staleness)^−α``
+  (``dtrain.outer.staleness_weight``).
 - Idempotency: the ids of pending pushes, and of the last
   ``StateOptions.max_push_ids`` (100 000) merged or dropped ones, are
   remembered; a retry (which arrives within seconds) gets ``"duplicate"`` and is
@@ -37,6 +37,8 @@ import collections
 import math
 import re
 from dataclasses import asdict, dataclass
+
+from dtrain.outer import staleness_weight
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
@@ -164,11 +166,6 @@ class _Seen:
     status: str  # "merged" | "dropped"
     target_version: int
     staleness: int
-
-
-def staleness_weight(tokens: int, staleness: int, alpha: float) -> float:
-    """w = tokens · (1 + s)^−α (``dtrain.outer.staleness_factor``, in float64)."""
-    return float(tokens) * (1.0 + staleness) ** (-alpha)
 
 
 def _ids(ids: list[str]) -> str:
