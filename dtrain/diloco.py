@@ -94,7 +94,7 @@ def init_outer(params: Params) -> OuterState:
 
 def pseudo_gradient(global_params: Params, local_params: Params) -> Params:
     """Δ = θ_global − θ_local: the direction the island moved, with the sign of a gradient."""
-    return jax.tree.map(lambda g, l: (g - l).astype(jnp.float32), global_params, local_params)
+    return jax.tree.map(lambda glob, loc: (glob - loc).astype(jnp.float32), global_params, local_params)
 
 
 def merge_deltas(deltas: Sequence[Params], tokens: Sequence[float], staleness: Sequence[int] | None = None,
@@ -110,11 +110,11 @@ def merge_deltas(deltas: Sequence[Params], tokens: Sequence[float], staleness: S
 def outer_step(state: OuterState, delta: Params, hp: OuterHParams) -> OuterState:
     """θ_{v+1} = θ_v + u, (u, m') = ``outer.outer_update`` (Δ, m) leaf by leaf: a descent step along the merged
     pseudo-gradient Δ."""
-    deltas, treedef = jax.tree.flatten(delta)
-    steps = [outer.outer_update(d, m, hp) for d, m in zip(deltas, treedef.flatten_up_to(state.momentum))]
-    updates = treedef.unflatten([u for u, _ in steps])
+    steps = jax.tree.map(lambda d, m: outer.outer_update(d, m, hp), delta, state.momentum)  # (u, m') per leaf
+    updates = jax.tree.map(lambda _, step: step[0], delta, steps)
+    momentum = jax.tree.map(lambda _, step: step[1], delta, steps)
     return OuterState(version=state.version + 1, params=optax.apply_updates(state.params, updates),
-                      momentum=treedef.unflatten([m for _, m in steps]))
+                      momentum=momentum)
 
 
 @dataclass

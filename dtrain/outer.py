@@ -17,13 +17,16 @@ imports JAX, so nothing here may.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 import numpy as np
 
 from dtrain.config import Config
 
-Array = TypeVar("Array")  # a numpy or jax array (anything with float arithmetic operators)
+if TYPE_CHECKING:  # for the annotations only: importing JAX here would load it into the coordinator
+    import jax
+
+Array = TypeVar("Array", np.ndarray, "jax.Array")  # numpy slabs (the merger) or jax arrays (dtrain.diloco)
 
 
 @dataclass(frozen=True)
