@@ -83,7 +83,7 @@ def advance(loop: InnerLoop, island: Island, steps: int, batch_size: int,
 class OuterState(struct.PyTreeNode):
     version: jax.Array  # int32 scalar: outer steps applied so far (θ_version)
     params: Params  # the global parameters θ_version, float32
-    momentum: Params  # the outer momentum m, float32, the same tree as params (zeros until μ > 0 moves it)
+    momentum: Params  # the outer momentum m, float32, the same tree as params (stays zero when μ = 0)
 
 
 def init_outer(params: Params) -> OuterState:
@@ -109,7 +109,7 @@ def merge_deltas(deltas: Sequence[Params], tokens: Sequence[float], staleness: S
 @partial(jax.jit, static_argnames="hp")
 def outer_step(state: OuterState, delta: Params, hp: OuterHParams) -> OuterState:
     """θ_{v+1} = θ_v + u, (u, m') = ``outer.outer_update`` (Δ, m) leaf by leaf: a descent step along the merged
-    pseudo-gradient Δ."""
+    pseudo-gradient Δ. Jitted, ``hp`` static (one compilation per hyper-parameter record and tree)."""
     steps = jax.tree.map(lambda d, m: outer.outer_update(d, m, hp), delta, state.momentum)  # (u, m') per leaf
     updates = jax.tree.map(lambda _, step: step[0], delta, steps)
     momentum = jax.tree.map(lambda _, step: step[1], delta, steps)
