@@ -35,9 +35,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from coordinator.merger import Merger, MergeOptions  # noqa: E402
-from dtrain import codec, config, outer  # noqa: E402
+from dtrain import codec, config  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
-from dtrain.diloco import ConcatStream, Island, advance, diloco_round, record_loss, round_lengths  # noqa: E402
+from dtrain.diloco import (ConcatStream, Island, advance, diloco_round, init_outer, record_loss,  # noqa: E402
+                           round_lengths)
+from dtrain.outer import OuterHParams  # noqa: E402
 from dtrain.runs import FP32_BYTES, prepare  # noqa: E402
 from dtrain.train import InnerLoop, make_mesh  # noqa: E402
 
@@ -132,13 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "diloco" in only:
         loop = InnerLoop(phase, s.built, mesh)
-        tx = outer.make_outer_optimizer(phase.outer)
-        g = outer.init_outer(loop.place_params(params_w), tx)
+        hp = OuterHParams.from_config(phase, mode="sync")
+        g = init_outer(loop.place_params(params_w))
         islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                    for i in range(N)]
         curve = []
         for steps in round_lengths(T, H):
-            g, _ = diloco_round(loop, g, islands, steps, B, tx, record_loss)
+            g, _ = diloco_round(loop, g, islands, steps, B, hp, record_loss)
             curve.append(loop.evaluate(g.params, s.eval_batches))
         rounds = len(curve)
         results["diloco"] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
@@ -146,13 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"diloco: eval loss {curve[-1]:.4f}")
 
     for name in [c for c in args.codecs.split(",") if c]:
-        bits = codec.CODEC_BITS[name]
         loop = InnerLoop(phase, s.built, mesh)
         spec, theta_w = codec.flatten(jax.device_get(params_w))
         k = phase.codec
-        merger = Merger(theta_w.copy(), MergeOptions(lr=phase.outer.lr, momentum=phase.outer.momentum,
-                                                     nesterov=phase.outer.nesterov, up_bits=bits, down_bits=bits,
-                                                     block=k.block, zstd_level=k.zstd_level, error_feedback=True))
+        # Synchronous rounds, both directions through the codec `name`, with error feedback.
+        merge_cfg = config.replace(phase, codec={"up": name, "down": name, "error_feedback": True},
+                                   coordinator={"mode": "sync"})
+        merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
+        bits = merger.opts.up_bits
         feedback = [codec.ErrorFeedback(theta_w.size, bits, k.block) if bits != 32 else None for _ in range(N)]
         islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                    for i in range(N)]
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
                 with merger.spool() as spool:
                     spool.write(frame)
                     merger.validate(spool)
-                    merger.accumulate(spool, isl.tokens - before)
+                    merger.add_pending(spool, isl.tokens - before)
             update = merger.outer_step()
             wire += N * len(update.frame)  # every island pulls the update
             global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))

@@ -528,15 +528,15 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     coordinator's malloc settings, as in the service)."""
     import zlib
 
-    from coordinator.merger import Merger
-    from coordinator.server import _return_large_frees_to_the_os, merge_options
+    from coordinator.merger import Merger, MergeOptions
+    from coordinator.server import _return_large_frees_to_the_os
 
     _return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb
     from dtrain.wire import FrameReceiver, chunk_deserializer, chunk_message, frame_chunks, max_frame_bytes
 
     spool_dir = work / "breakdown-spool"
-    merger = Merger(np.zeros(n_params, np.float32), merge_options(cfg), spool_dir=spool_dir)
+    merger = Merger(np.zeros(n_params, np.float32), MergeOptions.from_config(cfg), spool_dir=spool_dir)
     chunk_bytes = cfg.codec.chunk_bytes
     wire_msgs = [chunk_message(i, d, c) for i, (d, c) in enumerate(frame_chunks(frame, chunk_bytes)[1])]
     parse = chunk_deserializer(pb.PushMessage)
@@ -555,10 +555,10 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
         del msgs
         t = time.perf_counter()
         merger.validate(spool)
-        merger.accumulate(spool, 1.0)
+        merger.add_pending(spool, 1.0)
         out["validate"] = time.perf_counter() - t
     t = time.perf_counter()
-    merger.accumulated()  # what the outer step's slab pass does per pending push (plus one model-sized zeros)
+    merger.pending_sum()  # what the outer step's slab pass does per pending push (plus one model-sized zeros)
     out["sum"] = time.perf_counter() - t
     t = time.perf_counter()
     merger.outer_step()

@@ -7,11 +7,12 @@ lossless θ frames are written to disk as they are encoded and streamed to
 islands from there. An incoming push is checked as it streams in (each chunk's
 CRC; every scale and code as zstd decompresses it) and its decompressed body
 spooled to a temp file. Once the whole frame has passed (length, CRC32, exact
-size) the spool joins the pending pushes with its weight; the outer step sums
-the pending pushes slab by slab (Σ w·Δ / Σ w) on its threads. A push that fails
-at any point therefore changes nothing, and the coordinator's resident size
-does not grow with the number of islands pushing at once. Disk: one spool per
-pending push (the model's size at the up codec's width).
+size) the spool joins the pending pushes with its weight (:meth:`Merger.add_pending`);
+nothing is summed yet. The outer step sums the pending pushes slab by slab
+(Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes
+nothing, and the coordinator's resident size does not grow with the number of
+islands pushing at once. Disk: one spool per pending push (the model's size at
+the up codec's width).
 
 A version's files are never modified while it is the current version, nor
 ever if anything else links them, so a checkpoint can hard-link them instead of
@@ -19,11 +20,11 @@ copying (see ``dtrain.checkpoint.FileArraysHandler``). A dead version's files
 that nothing else links are renamed and written over by a later step: writing
 over existing pages costs a third of filling new ones.
 
-The outer step is DiLoCo's Nesterov SGD, the same math as
-``dtrain.outer.outer_step`` (optax.sgd(lr, momentum, nesterov=True)), slab by
-slab, on a small thread pool (numpy and zstd release the GIL):
+The outer step applies ``dtrain.outer.outer_update`` (DiLoCo's SGD with
+Nesterov momentum, the same function the in-process simulation maps over its
+pytrees) to each slab, on a small thread pool (numpy and zstd release the GIL):
 
-    Δ = Σ w_i·Δ_i / Σ w_i;  m ← μ·m + Δ;  u = −lr·(Δ + μ·m)   (heavy ball: u = −lr·m)
+    Δ = Σ w_i·Δ_i / Σ w_i;  (u, m) = outer_update(Δ, m)   (m ← μ·m + Δ;  u = −lr·(Δ + μ·m))
 
 The broadcast update is u quantized with the down codec, after adding the
 coordinator's own error-feedback residual; the coordinator's θ is defined as
@@ -46,7 +47,9 @@ from typing import BinaryIO, Callable, Iterator
 import numpy as np
 
 from dtrain import codec
-from dtrain.codec import hasher_digest, params_hasher
+from dtrain.codec import CODEC_BITS, hasher_digest, params_hasher
+from dtrain.config import Config
+from dtrain.outer import OuterHParams, outer_update
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
@@ -59,17 +62,26 @@ def slab_values(block: int) -> int:
 
 @dataclass(frozen=True)
 class MergeOptions:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    up_bits: codec.Bits = 8
-    down_bits: codec.Bits = 8
-    block: int = 1024
-    zstd_level: int = 3
-    error_feedback: bool = True
-    keep_updates: int = 16
+    """What the merger does: everything but the last two fields comes from the config (:meth:`from_config`)."""
+
+    outer: OuterHParams  # the outer update of one merge (lr already divided in async mode)
+    up_bits: codec.Bits  # codec.up: the pushed deltas' codec
+    down_bits: codec.Bits  # codec.down: the broadcast update's codec (32: lossless)
+    block: int  # codec.block: values per quantization block
+    zstd_level: int  # codec.zstd_level of the update frames
+    error_feedback: bool  # codec.error_feedback: the down path keeps its quantization residual
+    keep_updates: int  # coordinator.keep_updates: past update frames kept for lagging islands
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
     threads: int = 2  # outer-step worker threads
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> MergeOptions:
+        """The merger of ``cfg``'s coordinator (merge mode: ``coordinator.mode``), with the default internal knobs
+        (``dataclasses.replace`` them if needed)."""
+        k = cfg.codec
+        return cls(outer=OuterHParams.from_config(cfg), up_bits=CODEC_BITS[k.up], down_bits=CODEC_BITS[k.down],
+                   block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
+                   keep_updates=cfg.coordinator.keep_updates)
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,7 @@ class Merger:
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
                 self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.pending: list[tuple[Spool, float]] = []  # accepted pushes, summed by the next outer step
+        self.pending: list[tuple[Spool, float]] = []  # (spool, weight): accepted, summed by the next outer step
         self.total_weight = 0.0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
@@ -257,23 +269,24 @@ class Merger:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
-    def accumulate(self, spool: "Spool", weight: float) -> None:
-        """Adds weight · Δ to the next outer step: the merger takes over the spool (which :meth:`validate`
-        accepted; its decompressed, checked body stays on disk until that step has summed it)."""
+    def add_pending(self, spool: "Spool", weight: float) -> None:
+        """Makes the push one of those the next outer step merges, with ``weight``: the merger takes over the
+        spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
+        summed it)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if not spool.complete:
-            raise RuntimeError("accumulate() needs a spool that validate() accepted")
+            raise RuntimeError("add_pending() needs a spool that validate() accepted")
         spool.keep()
         self.pending.append((spool, float(weight)))
         self.total_weight += float(weight)
 
     @property
-    def pushes_in_acc(self) -> int:
+    def pending_count(self) -> int:
         """How many pushes the next outer step will merge."""
         return len(self.pending)
 
-    def accumulated(self) -> np.ndarray:
+    def pending_sum(self) -> np.ndarray:
         """Σ w·Δ over the pending pushes, in memory (a full copy: for tests and tools)."""
         out = np.zeros(self.n, np.float32)
         for s in range(0, self.n, slab_values(self.opts.block)):
@@ -300,7 +313,7 @@ class Merger:
     def outer_step(self) -> Update:
         """Applies the merged pseudo-gradient; writes version+1's files; returns its broadcast update."""
         if not self.pending or not self.total_weight > 0:
-            raise RuntimeError("outer_step with no accumulated delta")
+            raise RuntimeError("outer_step with no pending push")
         o = self.opts
         slab = slab_values(o.block)
         inv_w = np.float32(1.0 / self.total_weight)
@@ -326,31 +339,23 @@ class Merger:
                 self._sum_pending(s, delta, inv_w)  # Δ = Σ (w/Σw)·Δ_i
                 m = np.empty(e - s, np.float32)
                 _read_into(fds["momentum"], m, 4 * s)
-                if o.momentum:
-                    mu = np.float32(o.momentum)
-                    m *= mu
-                    m += delta  # m ← μ·m + Δ
-                    if o.nesterov:
-                        delta += mu * m  # Δ + μ·m
-                    else:
-                        delta[:] = m
+                u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
                 _write_from(fds["momentum_new"], m, 4 * s)
-                delta *= np.float32(-o.lr)  # u = −lr·(…)
                 if self.feedback:
                     r = m  # the momentum slab is written: reuse its buffer
                     _read_into(fds["residual"], r, 4 * s)
-                    delta += r
+                    u += r
                 if o.down_bits == 32:
-                    applied = delta
+                    applied = u
                     _write_from(fds["payload"], applied, 4 * s)
                 else:
-                    sc, payload = codec.quantize_segment(o.down_bits, o.block, delta)
+                    sc, payload = codec.quantize_segment(o.down_bits, o.block, u)
                     scales[s // o.block: s // o.block + sc.size] = sc
                     _write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, s))
                     applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
                     if self.feedback:
-                        delta -= applied  # what the broadcast left out
-                        _write_from(fds["residual_new"], delta, 4 * s)
+                        u -= applied  # what the broadcast left out
+                        _write_from(fds["residual_new"], u, 4 * s)
                 theta = np.empty(e - s, np.float32)
                 _read_into(fds["theta"], theta, 4 * s)
                 theta += applied  # θ is the sum of what was broadcast
@@ -422,7 +427,7 @@ class Merger:
 class Spool:
     """One incoming frame, checked as it streams in (``codec.FrameValidator``: every scale and code, as zstd
     decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
-    accumulating it needs no second decode."""
+    summing it needs no second decode."""
 
     def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
                  spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):

@@ -28,7 +28,6 @@ import numpy as np
 from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
 from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
-from dtrain.codec import CODEC_BITS
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
@@ -46,12 +45,6 @@ _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
           "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
 
 
-def merge_options(cfg: Config) -> MergeOptions:
-    o, k = cfg.outer, cfg.codec
-    lr = o.lr if cfg.coordinator.mode == "sync" else o.lr / cfg.outer.islands
-    return MergeOptions(lr=lr, momentum=o.momentum, nesterov=o.nesterov, up_bits=CODEC_BITS[k.up],
-                        down_bits=CODEC_BITS[k.down], block=k.block, zstd_level=k.zstd_level,
-                        error_feedback=k.error_feedback, keep_updates=cfg.coordinator.keep_updates)
 
 
 def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
@@ -123,7 +116,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
         try:
-            self.merger = Merger(theta, merge_options(self.cfg), version=version, momentum=momentum,
+            self.merger = Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
                                  residual=residual, spool_dir=self.run_dir / "spool")
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
@@ -312,7 +305,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # and recorded; summing the accepted delta cannot fail for a spool that validate() accepted.
                 admission = self._decide(context, self.state.commit_push, info, self.clock())
                 if admission.status == "accept":
-                    self.merger.accumulate(spool, admission.weight)
+                    self.merger.add_pending(spool, admission.weight)
                 self.bytes_in += receiver.size
                 self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
                 status = _STATUS[admission.status]

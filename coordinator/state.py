@@ -27,7 +27,7 @@ Model:
   :meth:`commit_push` decides again, once the payload has arrived (a round may
   have closed meanwhile), records that decision and returns it. A push's weight
   is ``tokens · (1 + staleness)^−α``, the same factor as
-  ``dtrain.outer.staleness_factor``.
+  ``dtrain.outer.staleness_weight``.
 - Idempotency: the ids of pending pushes, and of the last
   ``StateOptions.max_push_ids`` (100 000) merged or dropped ones, are
   remembered; a retry (which arrives within seconds) gets ``"duplicate"`` and is
@@ -50,6 +50,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
+
+from dtrain.outer import staleness_weight
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
@@ -192,11 +194,6 @@ class _Snapshot:
     pending: list[_Pending]
     first_pending: Finite | None
     push_ids: list[_Seen]
-
-
-def staleness_weight(tokens: int, staleness: int, alpha: float) -> float:
-    """w = tokens · (1 + s)^−α (``dtrain.outer.staleness_factor``, in float64)."""
-    return float(tokens) * (1.0 + staleness) ** (-alpha)
 
 
 def _ids(ids: list[str]) -> str:

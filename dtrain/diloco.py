@@ -5,19 +5,29 @@
 DiLoCo math (each island its own optimizer state and data shard; all start
 the round from the same global θ). The train and simulate commands and the
 convergence benchmark are all built from these two.
+
+The outer step on parameter pytrees: :func:`pseudo_gradient` (Δ_i = θ_v − θ_i),
+:func:`merge_deltas` (the weighted mean) and :func:`outer_step`, which maps
+``dtrain.outer.outer_update`` (the one outer update, shared with the
+coordinator's merger) over the pytree and applies it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
 from dtrain import outer
+from dtrain.model import Params
+from dtrain.outer import OuterHParams
 from dtrain.train import InnerLoop, TrainState, chunks
 
 
@@ -70,6 +80,43 @@ def advance(loop: InnerLoop, island: Island, steps: int, batch_size: int,
     return island
 
 
+class OuterState(struct.PyTreeNode):
+    version: jax.Array  # int32 scalar: outer steps applied so far (θ_version)
+    params: Params  # the global parameters θ_version, float32
+    momentum: Params  # the outer momentum m, float32, the same tree as params (stays zero when μ = 0)
+
+
+def init_outer(params: Params) -> OuterState:
+    """Version 0: θ_0 = ``params`` and a zero momentum (placed like the parameters)."""
+    return OuterState(version=jnp.zeros((), jnp.int32), params=params,
+                      momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
+
+
+def pseudo_gradient(global_params: Params, local_params: Params) -> Params:
+    """Δ = θ_global − θ_local: the direction the island moved, with the sign of a gradient."""
+    return jax.tree.map(lambda glob, loc: (glob - loc).astype(jnp.float32), global_params, local_params)
+
+
+def merge_deltas(deltas: Sequence[Params], tokens: Sequence[float], staleness: Sequence[int] | None = None,
+                 alpha: float = 0.0) -> Params:
+    """Token- and staleness-weighted mean of pseudo-gradients (weights: ``outer.merge_weights``)."""
+    if len(deltas) != len(tokens) or not deltas:
+        raise ValueError(f"need one token count per delta, got {len(deltas)} deltas and {len(tokens)} counts")
+    w = outer.merge_weights(tokens, staleness, alpha)
+    return jax.tree.map(lambda *ds: sum(w[i] * d for i, d in enumerate(ds)), *deltas)
+
+
+@partial(jax.jit, static_argnames="hp")
+def outer_step(state: OuterState, delta: Params, hp: OuterHParams) -> OuterState:
+    """θ_{v+1} = θ_v + u, (u, m') = ``outer.outer_update`` (Δ, m) leaf by leaf: a descent step along the merged
+    pseudo-gradient Δ. Jitted, ``hp`` static (one compilation per hyper-parameter record and tree)."""
+    steps = jax.tree.map(lambda d, m: outer.outer_update(d, m, hp), delta, state.momentum)  # (u, m') per leaf
+    updates = jax.tree.map(lambda _, step: step[0], delta, steps)
+    momentum = jax.tree.map(lambda _, step: step[1], delta, steps)
+    return OuterState(version=state.version + 1, params=optax.apply_updates(state.params, updates),
+                      momentum=momentum)
+
+
 @dataclass
 class RoundResult:
     version: int
@@ -79,20 +126,20 @@ class RoundResult:
     steps: int
 
 
-def diloco_round(loop: InnerLoop, global_state: outer.OuterState, islands: Sequence[Island], steps: int,
-                 batch_size: int, outer_tx: optax.GradientTransformation,
+def diloco_round(loop: InnerLoop, global_state: OuterState, islands: Sequence[Island], steps: int,
+                 batch_size: int, hp: OuterHParams,
                  on_chunk: Callable[[Island, dict[str, jax.Array]], None] | None = None,
-                 ) -> tuple[outer.OuterState, RoundResult]:
+                 ) -> tuple[OuterState, RoundResult]:
     """One synchronous DiLoCo round: every island trains ``steps`` from θ_v, then one outer step."""
     deltas, tokens = [], []
     for island in islands:
         island.state = loop.with_params(island.state, global_state.params)
         before = island.tokens
         advance(loop, island, steps, batch_size, on_chunk)
-        deltas.append(outer.pseudo_gradient(global_state.params, island.state.params))
+        deltas.append(pseudo_gradient(global_state.params, island.state.params))
         tokens.append(island.tokens - before)
-    merged = outer.merge_deltas(deltas, tokens)
-    new_state = outer.outer_step(global_state, merged, outer_tx)
+    merged = merge_deltas(deltas, tokens)
+    new_state = outer_step(global_state, merged, hp)
     weights = outer.merge_weights(tokens)
     result = RoundResult(
         version=int(new_state.version),

@@ -14,11 +14,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtrain import config, data, model, outer
+from dtrain import config, data, model
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
 from dtrain.errors import DtrainError
-from dtrain.diloco import Island, Timer, advance, diloco_round, record_loss, round_lengths
+from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.outer import OuterHParams
 from dtrain.runlog import RunLog
 from dtrain.train import InnerLoop, fmt_rate, make_mesh
 
@@ -160,9 +161,9 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
     _start_event(log, s, "simulate-inprocess", islands)
     timer = Timer()
     t, o = cfg.train, cfg.outer
-    outer_tx = outer.make_outer_optimizer(o)
+    hp = OuterHParams.from_config(cfg, mode="sync")  # the in-process rounds are synchronous
     params0 = s.loop.init_params(cfg.run.seed)
-    global_state = outer.init_outer(params0, outer_tx)
+    global_state = init_outer(params0)
     isl = [Island(index=i, state=s.loop.init_state(params0), stream=s.shards[i].stream) for i in range(islands)]
     for i in isl:
         log.event("island_joined", island=i.index, shard_tokens=[s.shards[i.index].start, s.shards[i.index].stop])
@@ -177,7 +178,7 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
                 bytes_down[i] += model_bytes
         t_round = timer()
         tokens_before = sum(i.tokens for i in isl)
-        global_state, res = diloco_round(s.loop, global_state, isl, steps, t.batch_size, outer_tx, record_loss)
+        global_state, res = diloco_round(s.loop, global_state, isl, steps, t.batch_size, hp, record_loss)
         for i in range(islands):
             bytes_up[i] += model_bytes  # each island pushes its fp32 pseudo-gradient
         final_eval = s.loop.evaluate(global_state.params, s.eval_batches)

@@ -1,19 +1,30 @@
-"""The coordinator's streaming merger: same math as dtrain.outer, bit-identical broadcast θ, no partial state."""
+"""The coordinator's streaming merger: the outer step against hand computation, bit-identical broadcast θ, no
+partial state."""
 
 import os
+import subprocess
+import sys
 import tempfile
 import zlib
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from coordinator import merger as merger_mod
 from coordinator.merger import Merger, MergeOptions
-from dtrain import codec, outer
-from dtrain.config import OuterConfig
+from dtrain import codec, config
+from dtrain.config import Config
+from dtrain.outer import OuterHParams
 
 N, BLOCK = 3000, 64
+
+
+def opts(up: str = "int8", down: str = "int8", error_feedback: bool = True, keep_updates: int = 16,
+         mode: str = "sync", **outer: object) -> MergeOptions:
+    """The merger options of a default config with these codec, coordinator and outer fields (block: BLOCK)."""
+    cfg = config.replace(Config(), codec={"up": up, "down": down, "block": BLOCK, "error_feedback": error_feedback},
+                         coordinator={"keep_updates": keep_updates, "mode": mode}, outer=outer)
+    return MergeOptions.from_config(cfg)
 
 
 @pytest.fixture(params=["one-slab", "many-slabs"], autouse=True)
@@ -28,41 +39,86 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the mergers' state folders go under tmp_path
 
 
-def _push(m: Merger, vec: np.ndarray, weight: float, bits=32) -> None:
+def _push(m: Merger, vec: np.ndarray, weight: float) -> None:
     with m.spool() as sp:
-        sp.write(codec.encode(codec.quantize(vec, bits, BLOCK)))
+        sp.write(codec.encode(codec.quantize(vec, m.opts.up_bits, BLOCK)))
         m.validate(sp)
-        m.accumulate(sp, weight)
+        m.add_pending(sp, weight)
+
+
+def test_options_come_from_the_config():
+    o = opts(up="int4", down="e3m0", error_feedback=False, keep_updates=3, lr=0.5, momentum=0.8, nesterov=False)
+    assert o.outer == OuterHParams(lr=0.5, momentum=0.8, nesterov=False)
+    assert (o.up_bits, o.down_bits, o.block, o.error_feedback, o.keep_updates) == (4, "e3m0", BLOCK, False, 3)
+    assert o.zstd_level == Config().codec.zstd_level
+    assert opts(up="fp32", down="int8").up_bits == 32
+    # async: every push is merged on its own, with lr / islands
+    assert opts(mode="async", lr=0.8, islands=4).outer == OuterHParams(lr=0.2, momentum=0.9, nesterov=True)
+
+
+def test_the_merger_and_state_machine_keep_jax_out():
+    """The coordinator's resident size is a few model sizes: the JAX runtime (~190 MiB) stays out of it."""
+    code = ("import sys, coordinator.merger, coordinator.state, dtrain.outer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'optax', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def hand_outer_steps(theta0: np.ndarray, rounds: list[tuple[list[np.ndarray], list[float]]], lr: float,
+                     mu: float, nesterov: bool) -> list[np.ndarray]:
+    """θ after each round, in float64: Δ = Σ w·Δ_i / Σ w; m = μ·m + Δ; θ -= lr·(Δ + μ·m) (Nesterov) or lr·m."""
+    theta, m, out = theta0.astype(np.float64), np.zeros(theta0.size), []
+    for deltas, weights in rounds:
+        delta = sum(w * d.astype(np.float64) for d, w in zip(deltas, weights)) / sum(weights)
+        m = mu * m + delta
+        theta = theta - lr * (delta + mu * m if nesterov else m)
+        out.append(theta)
+    return out
 
 
 @pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, False)])
-def test_lossless_merge_matches_the_optax_outer_step(momentum, nesterov):
+def test_lossless_merge_matches_hand_computation(momentum, nesterov):
     rng = np.random.default_rng(0)
     theta = rng.normal(size=N).astype(np.float32)
-    ocfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov)
-    m = Merger(theta.copy(), MergeOptions(lr=0.7, momentum=momentum, nesterov=nesterov, up_bits=32, down_bits=32,
-                                          block=BLOCK))
-    tx = outer.make_outer_optimizer(ocfg)
-    ref = outer.init_outer({"w": jnp.asarray(theta)}, tx)
-    for _ in range(4):
-        deltas = [rng.normal(size=N).astype(np.float32) * 0.01 for _ in range(3)]
-        tokens = [100, 200, 300]
+    m = Merger(theta.copy(), opts(up="fp32", down="fp32", lr=0.7, momentum=momentum, nesterov=nesterov))
+    tokens = [100.0, 200.0, 300.0]
+    rounds = [([rng.normal(size=N).astype(np.float32) * 0.01 for _ in range(3)], tokens) for _ in range(4)]
+    want = hand_outer_steps(theta, rounds, 0.7, momentum, nesterov)
+    for v, ((deltas, _), theta_v) in enumerate(zip(rounds, want), start=1):
         for d, t in zip(deltas, tokens):
             _push(m, d, t)
         update = m.outer_step()
-        ref = outer.outer_step(ref, outer.merge_deltas([{"w": jnp.asarray(d)} for d in deltas], tokens), tx)
-        np.testing.assert_allclose(m.theta, np.asarray(ref.params["w"]), rtol=0, atol=1e-6)
-        assert update.version == int(ref.version)
+        np.testing.assert_allclose(m.theta, theta_v, rtol=0, atol=1e-6)
+        assert update.version == v == m.version
 
 
-@pytest.mark.parametrize("down", [8, 4, "e3m0"])
+@pytest.mark.parametrize("nesterov,theta1,theta2", [(True, 0.335, 0.3175), (False, 0.65, 0.475)])
+def test_outer_step_hand_derived(nesterov: bool, theta1: float, theta2: float):
+    """θ0 = 1, Δ1 = 0.5, Δ2 = -0.2 (each the weighted mean of two pushes), lr 0.7, μ 0.9, lossless both ways.
+
+    Nesterov: m1 = 0.5, θ1 = 1 - 0.7*(0.5 + 0.45) = 0.335; m2 = 0.25, θ2 = 0.335 - 0.7*(-0.2 + 0.225) = 0.3175.
+    Heavy ball: θ1 = 1 - 0.7*0.5 = 0.65; θ2 = 0.65 - 0.7*0.25 = 0.475.
+    """
+    m = Merger(np.ones(N, np.float32), opts(up="fp32", down="fp32", lr=0.7, momentum=0.9, nesterov=nesterov))
+    _push(m, np.full(N, 0.2, np.float32), 1.0)  # (1·0.2 + 3·0.6) / 4 = 0.5
+    _push(m, np.full(N, 0.6, np.float32), 3.0)
+    m.outer_step()
+    np.testing.assert_allclose(m.theta, theta1, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(m.momentum, 0.5, rtol=0, atol=1e-7)
+    _push(m, np.full(N, -0.2, np.float32), 2.0)
+    m.outer_step()
+    np.testing.assert_allclose(m.theta, theta2, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(m.momentum, 0.25, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("down", ["int8", "int4", "e3m0"])
 def test_islands_applying_update_frames_hold_bit_identical_theta(down):
     rng = np.random.default_rng(1)
     theta = rng.normal(size=N).astype(np.float32)
-    m = Merger(theta.copy(), MergeOptions(up_bits=8, down_bits=down, block=BLOCK))
+    m = Merger(theta.copy(), opts(up="int8", down=down))
     island = theta.copy()
     for _ in range(3):
-        _push(m, rng.normal(size=N).astype(np.float32), 1.0, bits=8)
+        _push(m, rng.normal(size=N).astype(np.float32), 1.0)
         update = m.outer_step()
         island = island + codec.dequantize(codec.decode(update.frame, expected_n=N))
         assert np.array_equal(island, m.theta)
@@ -74,9 +130,9 @@ def test_islands_applying_update_frames_hold_bit_identical_theta(down):
 def test_down_error_feedback_keeps_theta_close_to_the_exact_outer_trajectory():
     rng = np.random.default_rng(2)
     theta = rng.normal(size=N).astype(np.float32)
-    exact = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=32, block=BLOCK))
-    with_ef = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=4, block=BLOCK, error_feedback=True))
-    no_ef = Merger(theta.copy(), MergeOptions(up_bits=32, down_bits=4, block=BLOCK, error_feedback=False))
+    exact = Merger(theta.copy(), opts(up="fp32", down="fp32"))
+    with_ef = Merger(theta.copy(), opts(up="fp32", down="int4", error_feedback=True))
+    no_ef = Merger(theta.copy(), opts(up="fp32", down="int4", error_feedback=False))
     for _ in range(20):
         d = rng.normal(size=N).astype(np.float32) * 0.01 + 0.005  # a consistent drift quantization would bias
         for m in (exact, with_ef, no_ef):
@@ -89,24 +145,24 @@ def test_down_error_feedback_keeps_theta_close_to_the_exact_outer_trajectory():
 
 def test_a_bad_frame_changes_nothing():
     rng = np.random.default_rng(3)
-    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=8, block=BLOCK))
+    m = Merger(np.zeros(N, np.float32), opts(up="int8"))
     frame = bytearray(codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), 8, BLOCK)))
     frame[-5] ^= 0xFF
     with m.spool() as sp:
         sp.write(bytes(frame))
         with pytest.raises(codec.CodecError):
             m.validate(sp)
-    assert m.pending == [] and m.total_weight == 0 and m.pushes_in_acc == 0
+    assert m.pending == [] and m.total_weight == 0 and m.pending_count == 0
     assert len(list(m.spool_dir.glob("push-*"))) == 1  # the rejected spool's file, kept for the next push
-    with pytest.raises(RuntimeError, match="no accumulated delta"):
+    with pytest.raises(RuntimeError, match="no pending push"):
         m.outer_step()
     good = rng.normal(size=N).astype(np.float32)  # written over the rejected push's spool file
-    _push(m, good, 2.0, bits=8)
-    np.testing.assert_allclose(m.accumulated(), 2 * codec.dequantize(codec.quantize(good, 8, BLOCK)), rtol=1e-6)
+    _push(m, good, 2.0)
+    np.testing.assert_allclose(m.pending_sum(), 2 * codec.dequantize(codec.quantize(good, 8, BLOCK)), rtol=1e-6)
 
 
 def test_lagging_island_gets_none_when_updates_were_dropped():
-    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=32, down_bits=8, block=BLOCK, keep_updates=2))
+    m = Merger(np.zeros(N, np.float32), opts(up="fp32", down="int8", keep_updates=2))
     for _ in range(3):
         _push(m, np.ones(N, np.float32), 1.0)
         m.outer_step()
@@ -132,9 +188,9 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
     stale = [tmp_path / "a" / "update-00000099.frame", tmp_path / "a" / "state" / "theta-00000099.f32"]
     for p in stale:  # what a coordinator that died here left behind
         p.write_bytes(b"old")
-    m = Merger(theta, MergeOptions(up_bits=8, down_bits=8, block=BLOCK), spool_dir=tmp_path / "a")
+    m = Merger(theta, opts(up="int8", down="int8"), spool_dir=tmp_path / "a")
     assert not any(p.exists() for p in stale)
-    _push(m, rng.normal(size=N).astype(np.float32), 2.0, bits=8)
+    _push(m, rng.normal(size=N).astype(np.float32), 2.0)
     m.outer_step()
     files = m.state_files()
     kept = {k: tmp_path / f"kept-{k}" for k in files}
@@ -142,7 +198,7 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
         os.link(p, kept[k])  # what a checkpoint does
     before = {k: p.read_bytes() for k, p in kept.items()}
     second = rng.normal(size=N).astype(np.float32)
-    _push(m, second, 1.0, bits=8)
+    _push(m, second, 1.0)
     update2 = m.outer_step()
     update2_frame, digest2 = update2.frame, m.digest
     assert {k: p.read_bytes() for k, p in kept.items()} == before  # version 1's files are untouched
@@ -150,48 +206,48 @@ def test_state_lives_in_per_version_files_that_are_never_modified(tmp_path):
         "momentum-00000002.f32", "residual-00000002.f32", "theta-00000002.f32"]
     # Version 0's files, linked by nothing else, were written over for version 2; version 1's were kept whole.
     assert not list((tmp_path / "a" / "state").glob("*.spare"))
-    _push(m, second, 1.0, bits=8)
+    _push(m, second, 1.0)
     m.outer_step()
-    _push(m, second, 1.0, bits=8)
+    _push(m, second, 1.0)
     m.outer_step()  # written over version 2's files; the linked version-1 files stay as they were
     assert {k: p.read_bytes() for k, p in kept.items()} == before
     # A merger restored from version 1's files continues exactly like the original did.
-    r = Merger(kept["theta"], MergeOptions(up_bits=8, down_bits=8, block=BLOCK), version=1,
+    r = Merger(kept["theta"], opts(up="int8", down="int8"), version=1,
                momentum=kept["momentum"], residual=kept["residual"], spool_dir=tmp_path / "b")
     assert r.version == 1 and np.array_equal(r.theta, np.frombuffer(before["theta"], np.float32))
-    _push(r, second, 1.0, bits=8)
+    _push(r, second, 1.0)
     assert r.outer_step().frame == update2_frame and r.digest == digest2  # bit for bit
     with pytest.raises(ValueError, match="momentum file .* holds 4 bytes"):
         (tmp_path / "short").write_bytes(b"\0" * 4)
-        Merger(kept["theta"], MergeOptions(block=BLOCK), momentum=tmp_path / "short", spool_dir=tmp_path / "c")
+        Merger(kept["theta"], opts(), momentum=tmp_path / "short", spool_dir=tmp_path / "c")
 
 
-def test_accumulate_matches_dequantize_for_every_codec():
+def test_pending_sum_matches_dequantize_for_every_codec():
     rng = np.random.default_rng(5)
-    for bits in (8, 4, "e3m0", 32):
-        m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=bits, block=BLOCK))
+    for name, bits in (("int8", 8), ("int4", 4), ("e3m0", "e3m0"), ("fp32", 32)):
+        m = Merger(np.zeros(N, np.float32), opts(up=name))
+        assert m.opts.up_bits == bits
         vecs = [rng.normal(size=N).astype(np.float32) for _ in range(2)]
         for v, w in zip(vecs, (0.25, 3.0)):
-            _push(m, v, w, bits=bits)
+            _push(m, v, w)
         want = sum(np.float32(w) * codec.dequantize(codec.quantize(v, bits, BLOCK)) for v, w in zip(vecs, (0.25, 3.0)))
-        np.testing.assert_allclose(m.accumulated(), want, rtol=1e-6, atol=1e-6)
-        assert m.total_weight == 3.25 and m.pushes_in_acc == 2
+        np.testing.assert_allclose(m.pending_sum(), want, rtol=1e-6, atol=1e-6)
+        assert m.total_weight == 3.25 and m.pending_count == 2
 
 
 def test_pending_pushes_stay_spooled_until_the_outer_step_sums_them():
     rng = np.random.default_rng(11)
-    m = Merger(np.zeros(N, np.float32), MergeOptions(up_bits=8, down_bits=32, lr=1.0, momentum=0.0, nesterov=False,
-                                                     block=BLOCK))
+    m = Merger(np.zeros(N, np.float32), opts(up="int8", down="fp32", lr=1.0, momentum=0.0, nesterov=False))
     vecs = [rng.normal(size=N).astype(np.float32) for _ in range(3)]
     for v, w in zip(vecs, (1.0, 2.0, 5.0)):
-        _push(m, v, w, bits=8)
-    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pushes_in_acc == 3  # kept after their `with`
+        _push(m, v, w)
+    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pending_count == 3  # kept after their `with`
     m.outer_step()
     theta1 = m.theta
     assert m.pending == [] and m.total_weight == 0
     assert len(list(m.spool_dir.glob("push-*.body"))) == 3  # kept, to be written over by the next pushes
-    _push(m, vecs[0], 1.0, bits=8)
-    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pushes_in_acc == 1
+    _push(m, vecs[0], 1.0)
+    assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pending_count == 1
     m.close()
     assert list(m.spool_dir.glob("push-*.body")) == []
     deq = [codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]

@@ -1,17 +1,21 @@
-"""The DiLoCo outer step against an independent numpy implementation and hand-derived numbers."""
+"""The one outer update (dtrain.outer) and the pytree outer step (dtrain.diloco): hand-derived golden numbers,
+optax.sgd as an external oracle, and an independent numpy implementation."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import TINY
 from dtrain import model, outer
-from dtrain.config import OuterConfig, load_config
+from dtrain.config import load_config
 from dtrain.data import SequenceStream, load_corpus
-from dtrain.diloco import Island, advance, diloco_round, record_loss, round_lengths
+from dtrain.diloco import (Island, advance, diloco_round, init_outer, merge_deltas, outer_step, pseudo_gradient,
+                           record_loss, round_lengths)
+from dtrain.outer import OuterHParams
 from dtrain.train import InnerLoop, make_mesh
 
 
@@ -26,7 +30,7 @@ def _np(tree):
 def test_pseudo_gradient_sign_and_dtype():
     g = _tree([1.0, 2.0, -1.0], [[0.0, 1.0], [2.0, 3.0]])
     loc = _tree([0.5, 3.0, -1.0], [[1.0, 1.0], [0.0, 3.5]])
-    d = outer.pseudo_gradient(g, loc)
+    d = pseudo_gradient(g, loc)
     np.testing.assert_allclose(d["a"], [0.5, -1.0, 0.0])  # global - local
     np.testing.assert_allclose(d["b"]["c"], [[-1.0, 0.0], [2.0, -0.5]])
     assert d["a"].dtype == jnp.float32
@@ -39,29 +43,32 @@ def test_pseudo_gradient_sign_and_dtype():
 def test_merge_weights_tokens_and_staleness():
     np.testing.assert_allclose(outer.merge_weights([1, 3]), [0.25, 0.75])
     np.testing.assert_allclose(outer.merge_weights([2, 2, 4]), [0.25, 0.25, 0.5])
-    assert float(outer.staleness_factor(0, 0.5)) == 1.0
-    assert float(outer.staleness_factor(3, 0.5)) == pytest.approx(0.5)
-    assert float(outer.staleness_factor(1, 1.0)) == pytest.approx(0.5)
-    assert float(outer.staleness_factor(7, 0.0)) == 1.0
+    assert outer.staleness_weight(1000, 0, 0.5) == 1000.0
+    assert outer.staleness_weight(1, 3, 0.5) == pytest.approx(0.5)
+    assert outer.staleness_weight(10, 1, 1.0) == pytest.approx(5.0)
+    assert outer.staleness_weight(7, 7, 0.0) == 7.0
     # w = tokens * (1+s)^-alpha = [1 * 1, 3 * 0.5] = [1, 1.5] -> [0.4, 0.6]
     np.testing.assert_allclose(outer.merge_weights([1, 3], staleness=[0, 3], alpha=0.5), [0.4, 0.6], rtol=1e-6)
     s, a = np.array([0, 1, 2, 5]), 0.7
     tok = np.array([10.0, 20.0, 5.0, 40.0])
     w = tok * (1.0 + s) ** -a
     np.testing.assert_allclose(outer.merge_weights(tok, staleness=s, alpha=a), w / w.sum(), rtol=1e-6)
+    assert outer.merge_weights([1, 3]).dtype == np.float32
+    with pytest.raises(ValueError, match="one staleness per token count"):
+        outer.merge_weights([1, 3], staleness=[0])
 
 
 def test_merge_deltas_weighted_mean():
     d1 = _tree([1.0, 0.0, 4.0], [[1.0, 2.0], [3.0, 4.0]])
     d2 = _tree([5.0, 8.0, 0.0], [[-1.0, 2.0], [0.0, 0.0]])
-    m = outer.merge_deltas([d1, d2], tokens=[1, 3])
+    m = merge_deltas([d1, d2], tokens=[1, 3])
     np.testing.assert_allclose(m["a"], [4.0, 6.0, 1.0], rtol=1e-6)  # 0.25 d1 + 0.75 d2
     np.testing.assert_allclose(m["b"]["c"], [[-0.5, 2.0], [0.75, 1.0]], rtol=1e-6)
-    ms = outer.merge_deltas([d1, d2], tokens=[1, 3], staleness=[0, 3], alpha=0.5)  # weights [0.4, 0.6]
+    ms = merge_deltas([d1, d2], tokens=[1, 3], staleness=[0, 3], alpha=0.5)  # weights [0.4, 0.6]
     np.testing.assert_allclose(ms["a"], 0.4 * np.array([1.0, 0.0, 4.0]) + 0.6 * np.array([5.0, 8.0, 0.0]),
                                rtol=1e-6)
     # equal deltas merge to themselves whatever the weights
-    same = outer.merge_deltas([d1, d1, d1], tokens=[1, 50, 7])
+    same = merge_deltas([d1, d1, d1], tokens=[1, 50, 7])
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), same, d1)
 
 
@@ -69,7 +76,77 @@ def test_merge_deltas_weighted_mean():
 def test_merge_deltas_rejects(deltas: int, tokens: list):
     d = _tree([1.0], [[1.0]])
     with pytest.raises(ValueError):
-        outer.merge_deltas([d] * deltas, tokens)
+        merge_deltas([d] * deltas, tokens)
+
+
+def test_hparams_from_config():
+    cfg = load_config(TINY, ["outer.lr=0.8", "outer.momentum=0.5", "outer.nesterov=false", "outer.islands=4"])
+    assert OuterHParams.from_config(cfg) == OuterHParams(lr=0.8, momentum=0.5, nesterov=False)
+    # async mode merges every push on its own: N merges per round of N pushes, each with lr / N
+    acfg = load_config(TINY, ["outer.lr=0.8", "outer.islands=4", "coordinator.mode=async"])
+    assert OuterHParams.from_config(acfg).lr == pytest.approx(0.2)
+    assert OuterHParams.from_config(acfg, mode="sync").lr == 0.8  # the in-process rounds are synchronous
+    with pytest.raises(ValueError, match="merge mode must be 'sync' or 'async'"):
+        OuterHParams.from_config(cfg, mode="lockstep")
+
+
+HP = OuterHParams(lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_outer_update_hand_derived(xp):
+    """Δ1 = 0.5, Δ2 = -0.2, lr 0.7, μ 0.9.
+
+    Nesterov   step 1: m = 0.5;  u = -0.7*(0.5 + 0.9*0.5) = -0.665
+               step 2: m = -0.2 + 0.45 = 0.25;  u = -0.7*(-0.2 + 0.9*0.25) = -0.0175
+    heavy ball step 1: u = -0.7*0.5 = -0.35;  step 2: u = -0.7*0.25 = -0.175
+    μ = 0      u = -0.7*Δ; m is left as it is
+    """
+    d1, d2, zero = (xp.asarray([v, v], xp.float32) for v in (0.5, -0.2, 0.0))
+    u, m = outer.outer_update(d1, zero, HP)
+    np.testing.assert_allclose(np.asarray(u), -0.665, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(m), 0.5, atol=1e-7)
+    u, m = outer.outer_update(d2, m, HP)
+    np.testing.assert_allclose(np.asarray(u), -0.0175, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(m), 0.25, atol=1e-7)
+    assert u.dtype == m.dtype == xp.float32 and isinstance(u, type(d1))
+    heavy = OuterHParams(lr=0.7, momentum=0.9, nesterov=False)
+    u, m = outer.outer_update(d1, zero, heavy)
+    np.testing.assert_allclose(np.asarray(u), -0.35, atol=1e-7)
+    u, m = outer.outer_update(d2, m, heavy)
+    np.testing.assert_allclose(np.asarray(u), -0.175, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(m), 0.25, atol=1e-7)
+    sgd = OuterHParams(lr=0.7, momentum=0.0, nesterov=True)
+    m0 = xp.asarray([3.0, 3.0], xp.float32)
+    u, m = outer.outer_update(d2, m0, sgd)
+    np.testing.assert_allclose(np.asarray(u), 0.14, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(m), [3.0, 3.0])
+
+
+def test_outer_update_leaves_its_inputs_alone():
+    d, m = np.full(4, 0.5, np.float32), np.full(4, 0.25, np.float32)
+    for hp in (HP, OuterHParams(0.7, 0.9, False), OuterHParams(0.7, 0.0, True)):
+        outer.outer_update(d, m, hp)
+        assert (d == 0.5).all() and (m == 0.25).all()
+
+
+@pytest.mark.parametrize("mu,nesterov", [(0.9, True), (0.9, False), (0.0, True), (0.5, True)])
+def test_outer_update_matches_the_optax_oracle(mu: float, nesterov: bool):
+    """optax.sgd(lr, momentum, nesterov) is the external reference: the same updates for numpy slabs (the
+    merger's) and for jax arrays."""
+    rng = np.random.default_rng(7)
+    hp = OuterHParams(lr=0.7, momentum=mu, nesterov=nesterov)
+    tx = optax.sgd(0.7, momentum=mu or None, nesterov=nesterov)
+    x0 = rng.normal(size=300).astype(np.float32)
+    opt_state = tx.init(jnp.asarray(x0))
+    m_np, m_jax = np.zeros_like(x0), jnp.zeros(x0.shape, jnp.float32)
+    for _ in range(5):
+        d = rng.normal(size=x0.shape).astype(np.float32)
+        want, opt_state = tx.update(jnp.asarray(d), opt_state)
+        u_np, m_np = outer.outer_update(d, m_np, hp)
+        u_jax, m_jax = outer.outer_update(jnp.asarray(d), m_jax, hp)
+        np.testing.assert_allclose(u_np, np.asarray(want), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(u_jax), np.asarray(want), rtol=1e-6, atol=1e-7)
 
 
 def numpy_outer(theta0, deltas, lr, mu, nesterov):
@@ -87,18 +164,24 @@ def numpy_outer(theta0, deltas, lr, mu, nesterov):
 
 
 @pytest.mark.parametrize("mu,nesterov", [(0.9, True), (0.9, False), (0.0, True), (0.5, True)])
-def test_outer_step_matches_numpy(mu: float, nesterov: bool):
+def test_outer_step_matches_numpy_and_optax(mu: float, nesterov: bool):
     rng = np.random.default_rng(0)
     theta0 = {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=(4,))}
     deltas = [{k: rng.normal(size=v.shape) for k, v in theta0.items()} for _ in range(5)]
     expected = numpy_outer(theta0, deltas, 0.7, mu, nesterov)
-    tx = outer.make_outer_optimizer(OuterConfig(lr=0.7, momentum=mu, nesterov=nesterov))
-    state = outer.init_outer(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), theta0), tx)
+    hp = OuterHParams(lr=0.7, momentum=mu, nesterov=nesterov)
+    tx = optax.sgd(0.7, momentum=mu or None, nesterov=nesterov)  # the external oracle
+    as_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)  # noqa: E731
+    state = init_outer(as_f32(theta0))
+    oracle, opt_state = as_f32(theta0), tx.init(as_f32(theta0))
     for v, (d, want) in enumerate(zip(deltas, expected), start=1):
-        state = outer.outer_step(state, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), d), tx)
+        state = outer_step(state, as_f32(d), hp)
+        updates, opt_state = tx.update(as_f32(d), opt_state)
+        oracle = optax.apply_updates(oracle, updates)
         assert int(state.version) == v
         for k in theta0:
             np.testing.assert_allclose(np.asarray(state.params[k]), want[k], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(oracle[k]), rtol=1e-6, atol=1e-6)
 
 
 def test_outer_nesterov_hand_derived():
@@ -107,37 +190,34 @@ def test_outer_nesterov_hand_derived():
     step 1: m = 0.5;                u = 0.5 + 0.9*0.5 = 0.95;     θ = 1 - 0.7*0.95 = 0.335
     step 2: m = -0.2 + 0.45 = 0.25; u = -0.2 + 0.9*0.25 = 0.025;  θ = 0.335 - 0.7*0.025 = 0.3175
     """
-    tx = outer.make_outer_optimizer(OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
-    state = outer.init_outer({"x": jnp.array([1.0])}, tx)
-    state = outer.outer_step(state, {"x": jnp.array([0.5])}, tx)
+    state = init_outer({"x": jnp.array([1.0])})
+    state = outer_step(state, {"x": jnp.array([0.5])}, HP)
     assert float(state.params["x"][0]) == pytest.approx(0.335, abs=1e-6)
-    trace = [x for x in jax.tree.leaves(state.opt_state) if x.shape == (1,)]
-    assert float(trace[0][0]) == pytest.approx(0.5, abs=1e-7)  # the momentum buffer
-    state = outer.outer_step(state, {"x": jnp.array([-0.2])}, tx)
+    assert float(state.momentum["x"][0]) == pytest.approx(0.5, abs=1e-7)
+    state = outer_step(state, {"x": jnp.array([-0.2])}, HP)
     assert float(state.params["x"][0]) == pytest.approx(0.3175, abs=1e-6)
-    trace = [x for x in jax.tree.leaves(state.opt_state) if x.shape == (1,)]
-    assert float(trace[0][0]) == pytest.approx(0.25, abs=1e-7)
+    assert float(state.momentum["x"][0]) == pytest.approx(0.25, abs=1e-7)
     assert int(state.version) == 2
 
 
 def test_outer_heavy_ball_hand_derived():
     """The same inputs without Nesterov: θ1 = 1 - 0.7*0.5 = 0.65; θ2 = 0.65 - 0.7*0.25 = 0.475."""
-    tx = outer.make_outer_optimizer(OuterConfig(lr=0.7, momentum=0.9, nesterov=False))
-    state = outer.init_outer({"x": jnp.array([1.0])}, tx)
-    state = outer.outer_step(state, {"x": jnp.array([0.5])}, tx)
+    hp = OuterHParams(lr=0.7, momentum=0.9, nesterov=False)
+    state = init_outer({"x": jnp.array([1.0])})
+    state = outer_step(state, {"x": jnp.array([0.5])}, hp)
     assert float(state.params["x"][0]) == pytest.approx(0.65, abs=1e-6)
-    state = outer.outer_step(state, {"x": jnp.array([-0.2])}, tx)
+    state = outer_step(state, {"x": jnp.array([-0.2])}, hp)
     assert float(state.params["x"][0]) == pytest.approx(0.475, abs=1e-6)
 
 
 def test_momentum_zero_is_plain_sgd():
-    tx = outer.make_outer_optimizer(OuterConfig(lr=0.7, momentum=0.0, nesterov=True))
-    state = outer.init_outer({"x": jnp.array([1.0, -2.0])}, tx)
-    assert [x for x in jax.tree.leaves(state.opt_state) if x.shape == (2,)] == []  # no momentum buffer
-    state = outer.outer_step(state, {"x": jnp.array([0.5, 1.0])}, tx)
+    hp = OuterHParams(lr=0.7, momentum=0.0, nesterov=True)
+    state = init_outer({"x": jnp.array([1.0, -2.0])})
+    state = outer_step(state, {"x": jnp.array([0.5, 1.0])}, hp)
     np.testing.assert_allclose(state.params["x"], [1.0 - 0.35, -2.0 - 0.7], rtol=1e-6)
-    state = outer.outer_step(state, {"x": jnp.array([-0.2, 0.0])}, tx)
+    state = outer_step(state, {"x": jnp.array([-0.2, 0.0])}, hp)
     np.testing.assert_allclose(state.params["x"], [0.65 + 0.14, -2.7], rtol=1e-6)
+    np.testing.assert_array_equal(state.momentum["x"], [0.0, 0.0])  # no momentum is kept
 
 
 def test_round_lengths():
@@ -161,11 +241,11 @@ def test_one_island_lr1_no_momentum_is_plain_training(tmp_path, text_corpus):
     plain = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(tokens, cfg.model.seq_len, 0))
     advance(loop, plain, cfg.train.steps, B, record_loss)
 
-    tx = outer.make_outer_optimizer(cfg.outer)
-    global_state = outer.init_outer(loop.place_params(params0), tx)
+    hp = OuterHParams.from_config(cfg, mode="sync")
+    global_state = init_outer(loop.place_params(params0))
     isl = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(tokens, cfg.model.seq_len, 0))
     for steps in round_lengths(cfg.train.steps, cfg.outer.inner_steps):
-        global_state, res = diloco_round(loop, global_state, [isl], steps, B, tx, record_loss)
+        global_state, res = diloco_round(loop, global_state, [isl], steps, B, hp, record_loss)
         assert res.weights == [1.0] and res.steps == steps
     assert int(global_state.version) == 3
     assert isl.cursor == plain.cursor == 30 * B and isl.tokens == plain.tokens

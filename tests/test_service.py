@@ -71,7 +71,7 @@ def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 64
 
 def _snapshot(service) -> dict:
     with service.lock:
-        return {"state": service.state.to_json(), "acc": service.merger.accumulated(),
+        return {"state": service.state.to_json(), "pending_sum": service.merger.pending_sum(),
                 "w": service.merger.total_weight, "version": service.merger.version}
 
 
@@ -79,7 +79,7 @@ def _assert_unchanged(before: dict, service) -> None:
     after = _snapshot(service)
     assert after["state"] == before["state"]
     assert after["version"] == before["version"] and after["w"] == before["w"]
-    assert np.array_equal(after["acc"], before["acc"])
+    assert np.array_equal(after["pending_sum"], before["pending_sum"])
 
 
 def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg):
@@ -376,8 +376,8 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
 
 
 def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordinator, net_cfg, monkeypatch):
-    """The accumulator is consumed slab by slab, so a failed outer step (a full disk) cannot be retried in
-    place: the coordinator turns fatal (run_coordinator then exits; --resume restarts it) and refuses pushes."""
+    """A failed outer step (a full disk) is not retried in place: the coordinator turns fatal (run_coordinator
+    then exits; --resume restarts it) and refuses pushes."""
     def full_disk():
         raise OSError(28, "No space left on device")
 
