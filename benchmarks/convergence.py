@@ -38,7 +38,8 @@ from coordinator.merger import Merger, MergeOptions  # noqa: E402
 from dtrain import codec, config, outer  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, record_loss, round_lengths  # noqa: E402
-from dtrain.runs import FP32_BYTES, prepare  # noqa: E402
+from dtrain.runs import FP32_BYTES  # noqa: E402
+from dtrain.setup import prepare  # noqa: E402
 from dtrain.train import InnerLoop, make_mesh  # noqa: E402
 
 MODES = {
