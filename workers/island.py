@@ -93,20 +93,22 @@ class Puller:
 
     def pull(self, island_id: str, have: GlobalParams | None, wait_s: float = 0.0,
              full: bool = False) -> GlobalParams:
-        for attempt in range(2):
-            frames = self.client.pull(island_id, 0 if have is None else have.version, wait_s=wait_s,
-                                      full=full or have is None, max_frame=self.max_frame)
-            g, problem = self._apply(have, frames)
-            if not problem:
-                if g is None:
-                    raise WorkerError("the coordinator sent no parameters for a full pull")
-                if g is not have:
-                    g.arrived = time.perf_counter()
-                return g
-            if attempt:
+        g, problem = self._pull_once(island_id, have, wait_s, full)
+        if problem:
+            g, problem = self._pull_once(island_id, None, 0.0, True)  # start over from a full θ, once
+            if problem:
                 raise WorkerError(f"pull: {problem}, again after a full re-pull")
-            have, wait_s, full = None, 0.0, True  # start over from a full θ
-        raise AssertionError("unreachable")
+        if g is None:
+            raise WorkerError("the coordinator sent no parameters for a full pull")
+        if g is not have:
+            g.arrived = time.perf_counter()
+        return g
+
+    def _pull_once(self, island_id: str, have: GlobalParams | None, wait_s: float,
+                   full: bool) -> tuple[GlobalParams | None, str]:
+        frames = self.client.pull(island_id, 0 if have is None else have.version, wait_s=wait_s,
+                                  full=full or have is None, max_frame=self.max_frame)
+        return self._apply(have, frames)
 
     def _apply(self, have: GlobalParams | None, frames: list[PulledFrame]) -> tuple[GlobalParams | None, str]:
         """θ after the frames, or the first problem: a broken update chain or a digest mismatch."""
@@ -322,6 +324,7 @@ class Worker:
         return island
 
     def run(self) -> dict[str, Any]:
+        """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary."""
         t_start = time.perf_counter()
         self._precompile()
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
