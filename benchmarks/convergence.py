@@ -40,7 +40,8 @@ from dtrain.config import load_config  # noqa: E402
 from dtrain.diloco import (ConcatStream, Island, advance, diloco_round, init_outer, record_loss,  # noqa: E402
                            round_lengths)
 from dtrain.outer import OuterHParams  # noqa: E402
-from dtrain.runs import FP32_BYTES, prepare  # noqa: E402
+from dtrain.runs import FP32_BYTES  # noqa: E402
+from dtrain.setup import prepare  # noqa: E402
 from dtrain.train import InnerLoop, make_mesh  # noqa: E402
 
 MODES = {

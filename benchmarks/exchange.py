@@ -486,7 +486,7 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
     from dtrain import codec
     from dtrain.config import load_config
     from dtrain.diloco import Island, advance
-    from dtrain.runs import prepare
+    from dtrain.setup import prepare
 
     cfg = load_config(ROOT / "configs" / "small.toml", _model_overrides(model_fields) + [
         f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",

@@ -168,3 +168,13 @@ class Timer:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
+
+
+@jax.jit
+def fold_in(local: optax.Params, at_push: optax.Params, global_params: optax.Params) -> optax.Params:
+    """The synchronize step of overlapped DiLoCo (Streaming DiLoCo), pure: θ_local ← θ' + (θ_local − θ_at_push).
+
+    An island that trained on while its push was in flight takes the new global θ' and keeps the progress made
+    since the push, so its next pseudo-gradient covers exactly the steps since then. With nothing trained since
+    the push (``local`` equal to ``at_push``) it is θ' exactly: plain DiLoCo."""
+    return jax.tree.map(lambda x, a, g: g + (x - a), local, at_push, global_params)

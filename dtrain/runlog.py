@@ -1,4 +1,4 @@
-"""The run folder: ``events.jsonl`` (one JSON object per event) and ``summary.json``."""
+"""The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress lines."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "tolist"):
         return x.tolist()
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def fmt_rate(x: float) -> str:
+    """A rate for a progress line: ``12.3k`` below a million, ``1.23M`` from there."""
+    return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:

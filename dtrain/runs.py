@@ -8,49 +8,25 @@ the exact DiLoCo math in one process (they share the process's devices).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-from dtrain import config, data, model
+from dtrain import config, data
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.outer import OuterHParams
-from dtrain.runlog import RunLog
-from dtrain.train import InnerLoop, fmt_rate, make_mesh
+from dtrain.runlog import RunLog, fmt_rate
+from dtrain.setup import Setup, prepare
 
 FP32_BYTES = 4
 
 
 class RunError(DtrainError):
     """A run cannot start as asked (e.g. it would overwrite another run); nothing was changed."""
-
-
-@dataclass
-class Setup:
-    cfg: Config
-    built: model.BuiltModel
-    loop: InnerLoop
-    corpus: data.Corpus
-    shards: list[data.IslandShard]
-    eval_batches: np.ndarray
-    n_params: int
-
-
-def prepare(cfg: Config, islands: int) -> Setup:
-    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches."""
-    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
-    parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
-    shards = data.island_shards(parts.train, islands, cfg.model.seq_len, cfg.run.seed)
-    evals = data.eval_batches(parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
-    built = model.build(cfg.model)
-    loop = InnerLoop(cfg, built, make_mesh(cfg))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))
-    return Setup(cfg, built, loop, corpus, shards, evals, n_params)
 
 
 run_dir = config.run_path

@@ -181,7 +181,3 @@ def chunks(total: int, per_call: int, boundaries: tuple[int, ...] = ()) -> list[
             done += n
     return out
 
-
-def fmt_rate(x: float) -> str:
-    return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
-

@@ -2,17 +2,22 @@
 
 Per round the island trains H steps (or ``worker.round_seconds`` of wall time),
 then pushes Δ = θ_anchor − θ_local (θ_anchor: the global θ its trajectory is
-based on), compressed with error feedback. With ``worker.overlap`` the push
-and the following pull run in a background thread while training continues;
-when the new global θ' arrives the island folds it in at the next chunk
-boundary, keeping the progress made since the push (Streaming-DiLoCo style):
+based on), compressed with error feedback. The push and the pulls that follow
+it run as an :class:`Exchange` on a thread of its own, which hands the new
+global θ' back through a Future. With ``worker.overlap`` training continues
+meanwhile; when θ' arrives the island folds it in at the next chunk boundary,
+keeping the progress made since the push (``dtrain.diloco.fold_in``,
+Streaming-DiLoCo style):
 
     θ_local ← θ' + (θ_local − θ_at_push);   θ_anchor ← θ'
 
 so the next Δ covers exactly the steps since the last push and no step's
-progress is pushed twice or lost. Without overlap θ_local ← θ' exactly
-(plain DiLoCo). The island only blocks when a round ends before the previous
-exchange has finished; that time is what ``utilization`` counts.
+progress is pushed twice or lost. Without overlap the island waits for θ'
+right after the push, so θ_local ← θ' exactly (plain DiLoCo). What to do at
+each chunk boundary (train, wait, push, stop) is decided by the pure planner
+``workers.rounds.next_action``; :meth:`Worker.run` only carries it out. The
+island blocks only when the planner says to wait; that time is what
+``utilization`` counts.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import platform
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +40,15 @@ from dtrain import codec
 from dtrain.checkpoint import Checkpointer
 from dtrain.codec import CODEC_BITS, params_digest
 from dtrain.config import Config
-from dtrain.diloco import Island, advance
+from dtrain.diloco import Island, advance, fold_in
 from dtrain.errors import DtrainError
+from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
-from dtrain.runlog import RunLog
-from dtrain.runs import prepare
-from dtrain.train import chunks, fmt_rate
+from dtrain.runlog import RunLog, fmt_rate
+from dtrain.setup import prepare
 from dtrain.wire import max_frame_bytes
-from workers.client import CoordinatorClient, CoordinatorError
+from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
+from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 
@@ -50,9 +57,23 @@ class WorkerError(DtrainError):
     pass
 
 
-@jax.jit
-def _fold_in(local: Any, at_push: Any, global_params: Any) -> Any:
-    return jax.tree.map(lambda l, a, g: g + (l - a), local, at_push, global_params)
+class EventLog(Protocol):
+    """Records one event (``RunLog.event``)."""
+
+    def __call__(self, kind: str, **fields: Any) -> object: ...
+
+
+class PullClient(Protocol):
+    """The part of :class:`CoordinatorClient` a :class:`Puller` uses."""
+
+    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
+             max_frame: int | None = None) -> list[PulledFrame]: ...
+
+
+class PushClient(Protocol):
+    """The part of :class:`CoordinatorClient` an :class:`Exchange` uses."""
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse: ...
 
 
 @dataclass
@@ -62,35 +83,123 @@ class GlobalParams:
     arrived: float = 0.0  # time.perf_counter() when it arrived (wall-time rounds are timed from it)
 
 
-class Exchange(threading.Thread):
-    """One round's push, then pulls until a newer global θ arrives (or the run stops)."""
+class Puller:
+    """Brings the island's global θ up to the coordinator's latest version, verifying the digest after every frame.
 
-    def __init__(self, worker: "Worker", frame: bytes, header: pb.PushHeader, base: GlobalParams):
-        super().__init__(name=f"exchange-{header.push_id}", daemon=True)
-        self.worker, self.frame, self.header, self.base = worker, frame, header, base
-        self.result: GlobalParams | None = None
-        self.error: BaseException | None = None
-        self.response: pb.PushDeltaResponse | None = None
+    A broken update chain or a digest mismatch is answered with one full pull; if that does not verify either,
+    the pull fails with a :class:`WorkerError` (no endless re-pulling of a θ that cannot be reproduced)."""
+
+    def __init__(self, client: PullClient, n: int, max_frame: int, log: EventLog):
+        self.client, self.n, self.max_frame, self.log = client, n, max_frame, log
+
+    def pull(self, island_id: str, have: GlobalParams | None, wait_s: float = 0.0,
+             full: bool = False) -> GlobalParams:
+        g, problem = self._pull_once(island_id, have, wait_s, full)
+        if problem:
+            g, problem = self._pull_once(island_id, None, 0.0, True)  # start over from a full θ, once
+            if problem:
+                raise WorkerError(f"pull: {problem}, again after a full re-pull")
+        if g is None:
+            raise WorkerError("the coordinator sent no parameters for a full pull")
+        if g is not have:
+            g.arrived = time.perf_counter()
+        return g
+
+    def _pull_once(self, island_id: str, have: GlobalParams | None, wait_s: float,
+                   full: bool) -> tuple[GlobalParams | None, str]:
+        frames = self.client.pull(island_id, 0 if have is None else have.version, wait_s=wait_s,
+                                  full=full or have is None, max_frame=self.max_frame)
+        return self._apply(have, frames)
+
+    def _apply(self, have: GlobalParams | None, frames: list[PulledFrame]) -> tuple[GlobalParams | None, str]:
+        """θ after the frames, or the first problem: a broken update chain or a digest mismatch."""
+        g = have
+        for f in frames:
+            h = f.header
+            values = codec.dequantize(codec.decode(f.frame, expected_n=self.n))
+            if h.kind == pb.PULL_KIND_FULL:
+                g = GlobalParams(values, h.version)
+            elif h.kind == pb.PULL_KIND_UPDATE:
+                if g is None or h.base_version != g.version:
+                    held = "no θ" if g is None else f"v{g.version}"
+                    return g, f"the update to v{h.version} applies to v{h.base_version}, the island holds {held}"
+                g = GlobalParams(g.vec + values, h.version)  # θ_v = θ_{v-1} + dequantize(update)
+            if g is None:
+                return g, f"a {pb.PullKind.Name(h.kind)} frame for v{h.version} without a θ to apply it to"
+            digest = params_digest(g.vec)
+            if digest != h.params_digest:
+                self.log("digest_mismatch", version=h.version)
+                return g, (f"v{h.version} decodes to params digest {digest}, the coordinator's θ has "
+                           f"{h.params_digest}")
+        return g, ""
+
+
+class Exchange:
+    """One round's push, then pulls until a newer global θ arrives (or the run stops), on a thread of its own.
+
+    It is given everything it uses and returns the new θ (or the error that ended it) through :attr:`future`.
+    The heartbeat sets :attr:`repush` when the coordinator has lost the push (a restart): it is sent again."""
+
+    def __init__(self, client: PushClient, puller: Puller, frame: bytes, header: pb.PushHeader,
+                 base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog):
+        self.client, self.puller, self.frame, self.header, self.base = client, puller, frame, header, base
+        self.total_versions, self.stop, self.log = total_versions, stop, log
         self.repush = threading.Event()
+        self.future: Future[GlobalParams] = Future()
 
-    def run(self) -> None:
+    @property
+    def push_id(self) -> str:
+        return self.header.push_id
+
+    def start(self) -> Future[GlobalParams]:
+        # A daemon thread rather than an executor's: a pull stuck in retries never keeps a failed worker alive.
+        self.future.set_running_or_notify_cancel()
+        threading.Thread(target=self._run, name=f"exchange-{self.push_id}", daemon=True).start()
+        return self.future
+
+    def _run(self) -> None:
         try:
-            self.response = self.worker.client.push(self.header, self.frame)
-            self.worker.log.event("push_sent", push_id=self.header.push_id, base_version=self.header.base_version,
-                                  status=pb.PushStatus.Name(self.response.status), bytes=len(self.frame),
-                                  tokens=self.header.tokens, reason=self.response.reason)
-            g = self.base
-            while g.version <= self.base.version and not self.worker.stopping.is_set():
-                if self.repush.is_set():  # the coordinator lost our push (restart): send it again
-                    self.repush.clear()
-                    self.response = self.worker.client.push(self.header, self.frame)
-                    self.worker.log.event("push_resent", push_id=self.header.push_id)
-                g = self.worker.pull(g, wait_s=PULL_WAIT_S)
-                if self.worker.total_versions and g.version >= self.worker.total_versions:
-                    break
-            self.result = g
-        except BaseException as e:  # surfaced to the training loop
-            self.error = e
+            result = self._exchange()
+        except BaseException as e:  # noqa: BLE001 - raised in the training loop by future.result()
+            self.future.set_exception(e)
+        else:
+            self.future.set_result(result)
+
+    def _exchange(self) -> GlobalParams:
+        h = self.header
+        response = self.client.push(h, self.frame)
+        self.log("push_sent", push_id=h.push_id, base_version=h.base_version,
+                 status=pb.PushStatus.Name(response.status), bytes=len(self.frame), tokens=h.tokens,
+                 reason=response.reason)
+        g = self.base
+        while g.version <= self.base.version and not self.stop.is_set():
+            if self.repush.is_set():  # the coordinator lost our push (restart): send it again
+                self.repush.clear()
+                self.client.push(h, self.frame)
+                self.log("push_resent", push_id=h.push_id)
+            g = self.puller.pull(h.island_id, g, wait_s=PULL_WAIT_S)
+            if self.total_versions and g.version >= self.total_versions:
+                break
+        return g
+
+
+@dataclass
+class Pending:
+    """A pushed round whose exchange has not been folded in yet."""
+
+    exchange: Exchange
+    at_push: Params  # θ_local when the delta was taken (a device copy: training donates the state)
+
+
+@dataclass
+class IslandStatus:
+    """What the heartbeat reports. The training loop writes it, the heartbeat thread only reads it."""
+
+    version: int  # the global version the island's trajectory is based on
+    steps: int
+    tokens: int
+    steps_per_s: float = 0.0
+    exchange: Exchange | None = None  # in flight: its push id is reported, and a lost push is sent again
 
 
 class Worker:
@@ -102,11 +211,12 @@ class Worker:
         self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry)
         self.setup = prepare(cfg, cfg.outer.islands)
         self.loop = self.setup.loop
+        self.schedule = Schedule.from_config(cfg)
         template = jax.device_get(self.setup.built.init(cfg.run.seed))
         self.spec, _ = codec.flatten(template)
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
-        self.max_frame = max_frame_bytes(self.n, cfg.codec.block)
+        self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event)
         k = cfg.codec
         self.up_bits = CODEC_BITS[k.up]
         self.feedback = codec.ErrorFeedback(self.n, self.up_bits, k.block) \
@@ -114,13 +224,10 @@ class Worker:
         self.stopping = threading.Event()
         self.island_id = ""
         self.total_versions = 0
-        self.pending_push_id = ""
-        self.exchange: Exchange | None = None
         self.ckpt: Checkpointer | None = None
         self.blocked_s = 0.0
         self.frames_sent = 0
         self.frame_bytes = 0
-        self.pushes = 0
 
     def _on_retry(self, what: str, pause: float) -> None:
         self.log.event("retry", what=what, pause_s=pause)
@@ -142,28 +249,8 @@ class Worker:
         return resp
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
-        """Brings θ up to the coordinator's latest version; verifies the digest after every frame."""
-        have_version = 0 if have is None else have.version
-        frames = self.client.pull(self.island_id, have_version, wait_s=wait_s, full=full or have is None,
-                                  max_frame=self.max_frame)
-        g = have
-        for f in frames:
-            h = f.header
-            values = codec.dequantize(codec.decode(f.frame, expected_n=self.n))
-            if h.kind == pb.PULL_KIND_FULL:
-                g = GlobalParams(values, h.version)
-            elif h.kind == pb.PULL_KIND_UPDATE:
-                if g is None or h.base_version != g.version:
-                    return self.pull(None, full=True)
-                g = GlobalParams(g.vec + values, h.version)  # θ_v = θ_{v-1} + dequantize(update)
-            if params_digest(g.vec) != h.params_digest:
-                self.log.event("digest_mismatch", version=h.version)
-                return self.pull(None, full=True)
-        if g is None:
-            raise WorkerError("the coordinator sent no parameters for a full pull")
-        if g is not have:
-            g.arrived = time.perf_counter()
-        return g
+        """Brings θ up to the coordinator's latest version (see :class:`Puller`)."""
+        return self.puller.pull(self.island_id, have, wait_s=wait_s, full=full)
 
     def _push_frame(self, delta: np.ndarray) -> bytes:
         k = self.cfg.codec
@@ -172,13 +259,13 @@ class Worker:
 
     # -- the loop -----------------------------------------------------------------------------------
 
-    def _heartbeat_loop(self, island: Island, g_ref: list[GlobalParams], rate: list[float]) -> None:
+    def _heartbeat_loop(self, status: IslandStatus) -> None:
         while not self.stopping.wait(self.cfg.worker.heartbeat_s):
+            exchange = status.exchange
             try:
-                g = g_ref[0]
-                resp = self.client.heartbeat(island_id=self.island_id, version=g.version, steps=island.steps,
-                                             tokens=island.tokens, steps_per_s=rate[0],
-                                             pending_push_id=self.pending_push_id)
+                resp = self.client.heartbeat(island_id=self.island_id, version=status.version, steps=status.steps,
+                                             tokens=status.tokens, steps_per_s=status.steps_per_s,
+                                             pending_push_id=exchange.push_id if exchange is not None else "")
             except CoordinatorError as e:
                 self.log.event("heartbeat_failed", error=str(e))
                 continue
@@ -191,8 +278,8 @@ class Worker:
                     self.join()
                 except CoordinatorError as e:
                     self.log.event("rejoin_failed", error=str(e))
-            if resp.push_unknown and self.exchange is not None:
-                self.exchange.repush.set()
+            if resp.push_unknown and exchange is not None:
+                exchange.repush.set()
 
     def _await_peers(self) -> None:
         """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands have joined, so that the
@@ -210,30 +297,22 @@ class Worker:
             time.sleep(0.1)
         self.log.event("start_barrier", waited_s=round(time.perf_counter() - t0, 3))
 
-    def run(self) -> dict[str, Any]:
-        cfg, loop = self.cfg, self.loop
-        t, w = cfg.train, cfg.worker
-        B = t.batch_size
-        t_start = time.perf_counter()
-        # Compile every scan length a round uses (and the eval) before joining: a first call that compiles
-        # mid-run would stall this island's round and, in sync mode, every other island with it.
-        tau = w.max_overlap_steps if w.overlap else 0
-        lengths = ({t.steps_per_call, min(tau, t.steps_per_call)} - {0} if w.round_seconds else
-                   set(chunks(cfg.outer.inner_steps, t.steps_per_call, (tau,) if tau else ())))
-        loop.precompile(lengths, len(self.setup.eval_batches))
-        if w.overlap:  # and the fold-in
-            abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                    loop.model.abstract_params, loop.params_sharding)
-            _fold_in.lower(abstract, abstract, abstract).compile()
-        ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
-        # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
-        joined = self.join()
-        g = self.pull(None)
-        shard = self.setup.shards[joined.shard_index]
+    def _precompile(self) -> None:
+        """Compiles every chunk length the schedule uses, the eval and the fold-in. Done before joining: a first
+        call that compiles mid-run would stall this island's round and, in sync mode, every other island."""
+        loop = self.loop
+        loop.precompile(self.schedule.chunk_lengths(), len(self.setup.eval_batches))
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                loop.model.abstract_params, loop.params_sharding)
+        fold_in.lower(abstract, abstract, abstract).compile()
+
+    def _start_island(self, joined: pb.JoinResponse, g: GlobalParams, ckpt: Checkpointer) -> Island:
+        """The island on its shard from the coordinator's cursor, θ from the pull, moments from a checkpoint."""
+        loop, cfg = self.loop, self.cfg
         params = loop.place_params(codec.unflatten(self.spec, g.vec))
-        island = Island(index=joined.shard_index, state=loop.init_state(params), stream=shard.stream,
-                        cursor=int(joined.cursor))
-        island.steps = island.cursor // B  # a rejoining island continues where its shard's merged data ends
+        island = Island(index=joined.shard_index, state=loop.init_state(params),
+                        stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor))
+        island.steps = island.cursor // cfg.train.batch_size  # a rejoining island goes on where its data ends
         if ckpt.latest_step() is not None:
             _, restored, meta = ckpt.restore(island.state)
             if meta.get("fingerprint") == cfg.fingerprint():
@@ -243,125 +322,127 @@ class Worker:
                        version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node(),
                        cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
+        return island
 
-        g_ref, rate = [g], [0.0]
-        hb = threading.Thread(target=self._heartbeat_loop, args=(island, g_ref, rate), daemon=True)
+    def run(self) -> dict[str, Any]:
+        """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary."""
+        t_start = time.perf_counter()
+        self._precompile()
+        ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
+        # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
+        joined = self.join()
+        anchor = self.pull(None)
+        island = self._start_island(joined, anchor, ckpt)
+        status = IslandStatus(version=anchor.version, steps=island.steps, tokens=island.tokens)
+        hb = threading.Thread(target=self._heartbeat_loop, args=(status,), daemon=True)
         hb.start()
         self._await_peers()
-        g.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
-        anchor = g
-        at_push: Any = None
-        last_push = (island.cursor, island.tokens)
+        anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         t_train0 = time.perf_counter()
-        last_log = [t_train0, island.steps]
-        final_wait = 0.0
-        rounds = 0
+        anchor, pending, rounds = self._train(island, anchor, status, ckpt)
+        active_s = time.perf_counter() - t_train0
+        t0 = time.perf_counter()
+        anchor = self._final_wait(island, anchor, pending, status)
+        final_wait = time.perf_counter() - t0
+        self.stopping.set()
+        hb.join(timeout=5)
+        ckpt.close()
+        self.ckpt = None
+        return self._finish(island, anchor, rounds, t_start, active_s, final_wait)
 
-        def fold_in(result: GlobalParams) -> None:
-            nonlocal anchor, at_push
-            new_global = loop.place_params(codec.unflatten(self.spec, result.vec))
-            island.state = island.state.replace(params=_fold_in(island.state.params, at_push, new_global))
-            anchor, at_push = result, None
-            g_ref[0] = result
-
-        def wait_for_exchange(why: str) -> None:
-            """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched
-            are compute, not idling: the devices finish them before the clock starts (JAX dispatch is
-            asynchronous, so the host reaches this point while they still run)."""
-            jax.block_until_ready(island.state.step)
-            t0 = time.perf_counter()
-            finish_exchange()
-            waited = time.perf_counter() - t0
-            self.blocked_s += waited
-            self.log.event("blocked", seconds=round(waited, 4), why=why, version=anchor.version,
-                           steps=island.steps)
-
-        def finish_exchange() -> None:
-            ex = self.exchange
-            assert ex is not None
-            ex.join()
-            self.exchange = None
-            if ex.error is not None:
-                raise ex.error
-            assert ex.result is not None
-            self.pending_push_id = ""
-            fold_in(ex.result)
-
+    def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
+               ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
+        """Carries out the planner's actions until it ends the run or the coordinator stops it; returns θ_anchor,
+        the exchange still in flight (the last round's, or one cut short by a stop) and the rounds pushed."""
+        sched = self.schedule
+        pending: Pending | None = None
+        round_steps = rounds = 0
+        round_start = (island.cursor, island.tokens)
+        last_log = (time.perf_counter(), island.steps)
         while not self.stopping.is_set():
-            if self.total_versions and anchor.version >= self.total_versions:
+            action = next_action(sched, RoundProgress(
+                round_steps=round_steps, island_steps=island.steps, exchange_in_flight=pending is not None,
+                since_arrival_s=time.perf_counter() - anchor.arrived,
+                final_version=bool(self.total_versions) and anchor.version >= self.total_versions))
+            if action.kind is Kind.END_RUN:
                 break
-            if not cfg.worker.round_seconds and island.steps >= t.steps:
-                break
-            round_steps = 0
-            while not self.stopping.is_set():
-                if self.exchange is not None and round_steps >= w.max_overlap_steps:
-                    wait_for_exchange("overlap budget spent")  # fold the new θ in before going on
-                if w.round_seconds:
-                    # The round ends round_seconds after the current global θ arrived (not after this
-                    # island's own push): every island receives a version at about the same moment, so
-                    # all of them push together and none waits for a straggler. While the previous
-                    # exchange is in flight the deadline is not known yet; the overlap budget bounds that.
-                    if (self.exchange is None and round_steps
-                            and time.perf_counter() - anchor.arrived >= w.round_seconds):
-                        break
-                    n = t.steps_per_call
-                else:
-                    n = min(t.steps_per_call, cfg.outer.inner_steps - round_steps, t.steps - island.steps)
-                    if n <= 0:
-                        break
-                if w.overlap and w.max_overlap_steps and round_steps < w.max_overlap_steps:
-                    # Stop exactly at the overlap budget, in every round (with or without an exchange in
-                    # flight): each round then runs the same chunk lengths, all compiled before the island
-                    # joined, so no island stalls the others by compiling in the middle of the run.
-                    n = min(n, w.max_overlap_steps - round_steps)
-                advance(loop, island, n, B)
-                if w.round_seconds:  # the deadline is about steps done, not steps queued: JAX dispatch is async
+            if action.kind is Kind.WAIT:
+                assert pending is not None
+                anchor, pending = self._wait(island, pending, status, action.reason), None
+            elif action.kind is Kind.TRAIN:
+                n = action.steps
+                advance(self.loop, island, n, self.cfg.train.batch_size)
+                if sched.round_seconds:  # the deadline is about steps done, not steps queued: dispatch is async
                     jax.block_until_ready(island.state.step)
                 round_steps += n
-                if self.exchange is not None and not self.exchange.is_alive():
-                    finish_exchange()  # fold the new global θ in without waiting
-                if island.steps % cfg.run.log_every < n:
-                    jax.block_until_ready(island.state.step)  # note: host sync, once per log interval
-                    now = time.perf_counter()
-                    rate[0] = (island.steps - last_log[1]) / max(now - last_log[0], 1e-9)
-                    last_log[:] = [now, island.steps]
-                    self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} "
-                                      f"tok/s {fmt_rate(rate[0] * B * cfg.model.seq_len)}")
-            if self.stopping.is_set() or round_steps == 0:
-                break
-            # Round end: the previous exchange must be folded in before the next delta is taken.
-            if self.exchange is not None:
-                wait_for_exchange("round ended before the exchange")
-            local = jax.device_get(island.state.params)  # note: host sync, once per round
-            _, local_vec = codec.flatten(local)
-            at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
-            frame = self._push_frame(anchor.vec - local_vec)
-            push_id = f"{self.island_id}-{uuid.uuid4().hex[:12]}"
-            header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version, push_id=push_id,
-                                   tokens=island.tokens - last_push[1], inner_steps=round_steps,
-                                   cursor_start=last_push[0], cursor_end=island.cursor,
-                                   tree_digest=self.tree_digest)
-            last_push = (island.cursor, island.tokens)
-            self.pending_push_id = push_id
-            self.frames_sent += 1
-            self.frame_bytes += len(frame)
-            rounds += 1
-            self.exchange = Exchange(self, frame, header, anchor)
-            self.exchange.start()
-            ckpt.save(island.steps, island.state, {"steps": island.steps, "cursor": island.cursor,
-                                                   "tokens": island.tokens, "version": anchor.version,
-                                                   "fingerprint": cfg.fingerprint()})
-            done = (not w.round_seconds and island.steps >= t.steps)
-            if done:
-                t0 = time.perf_counter()
-                finish_exchange()
-                final_wait += time.perf_counter() - t0
-            elif not w.overlap:
-                wait_for_exchange("no overlap")
-        active_s = time.perf_counter() - t_train0 - final_wait
+                status.steps, status.tokens = island.steps, island.tokens
+                if pending is not None and pending.exchange.future.done():
+                    anchor, pending = self._fold_in(island, pending, status), None  # without waiting
+                if island.steps % self.cfg.run.log_every < n:
+                    last_log = self._log_rate(island, anchor, status, last_log)
+            else:  # Kind.END_ROUND: the previous exchange is folded in; push this round's delta
+                pending = self._push(island, anchor, round_steps, round_start, status, ckpt)
+                round_start = (island.cursor, island.tokens)
+                round_steps, rounds = 0, rounds + 1
+        return anchor, pending, rounds
+
+    def _log_rate(self, island: Island, anchor: GlobalParams, status: IslandStatus,
+                  last_log: tuple[float, int]) -> tuple[float, int]:
+        """Measures steps/s since the last log line and prints one; returns the new (time, steps) mark."""
+        jax.block_until_ready(island.state.step)  # note: host sync, once per log interval
+        now = time.perf_counter()
+        status.steps_per_s = (island.steps - last_log[1]) / max(now - last_log[0], 1e-9)
+        tokens_per_s = status.steps_per_s * self.cfg.train.batch_size * self.cfg.model.seq_len
+        self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} tok/s {fmt_rate(tokens_per_s)}")
+        return now, island.steps
+
+    def _fold_in(self, island: Island, pending: Pending, status: IslandStatus) -> GlobalParams:
+        """Waits for the exchange's θ' (raising its error, if it failed) and folds it in; θ' is the new anchor."""
+        result = pending.exchange.future.result()
+        new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
+        island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+        status.exchange, status.version = None, result.version
+        return result
+
+    def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str) -> GlobalParams:
+        """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched are
+        compute, not idling: the devices finish them before the clock starts (JAX dispatch is asynchronous, so
+        the host reaches this point while they still run)."""
+        jax.block_until_ready(island.state.step)
         t0 = time.perf_counter()
-        if self.exchange is not None:  # stopped mid-round with an exchange in flight
-            finish_exchange()
+        anchor = self._fold_in(island, pending, status)
+        waited = time.perf_counter() - t0
+        self.blocked_s += waited
+        self.log.event("blocked", seconds=round(waited, 4), why=why, version=anchor.version, steps=island.steps)
+        return anchor
+
+    def _push(self, island: Island, anchor: GlobalParams, round_steps: int, round_start: tuple[int, int],
+              status: IslandStatus, ckpt: Checkpointer) -> Pending:
+        """Takes this round's Δ = θ_anchor − θ_local, starts its exchange and checkpoints the island."""
+        local = jax.device_get(island.state.params)  # note: host sync, once per round
+        _, local_vec = codec.flatten(local)
+        at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
+        frame = self._push_frame(anchor.vec - local_vec)
+        header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version,
+                               push_id=f"{self.island_id}-{uuid.uuid4().hex[:12]}",
+                               tokens=island.tokens - round_start[1], inner_steps=round_steps,
+                               cursor_start=round_start[0], cursor_end=island.cursor, tree_digest=self.tree_digest)
+        self.frames_sent += 1
+        self.frame_bytes += len(frame)
+        exchange = Exchange(self.client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
+                            self.log.event)
+        status.exchange = exchange
+        exchange.start()
+        ckpt.save(island.steps, island.state, {"steps": island.steps, "cursor": island.cursor,
+                                               "tokens": island.tokens, "version": anchor.version,
+                                               "fingerprint": self.cfg.fingerprint()})
+        return Pending(exchange, at_push)
+
+    def _final_wait(self, island: Island, anchor: GlobalParams, pending: Pending | None,
+                    status: IslandStatus) -> GlobalParams:
+        """After the last round: folds in the exchange still in flight, then waits for the run's last version."""
+        if pending is not None:
+            anchor = self._fold_in(island, pending, status)
         # Other islands may still push (async mode, or a slower island): wait for the run's last version, so
         # every island ends on the same θ; give up if no new version arrives for two lease periods.
         last_progress = time.perf_counter()
@@ -369,24 +450,23 @@ class Worker:
             g_new = self.pull(anchor, wait_s=PULL_WAIT_S)
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
-                g_ref[0] = anchor
-            elif time.perf_counter() - last_progress > 2 * cfg.coordinator.lease_s:
+                status.version = anchor.version
+            elif time.perf_counter() - last_progress > 2 * self.cfg.coordinator.lease_s:
                 self.log.event("final_wait_timeout", version=anchor.version, total_versions=self.total_versions)
                 break
-        final_wait += time.perf_counter() - t0
-        self.stopping.set()
-        hb.join(timeout=5)
-        ckpt.close()
-        self.ckpt = None
-        g = anchor
+        return anchor
+
+    def _finish(self, island: Island, g: GlobalParams, rounds: int, t_start: float, active_s: float,
+                final_wait: float) -> dict[str, Any]:
+        """The final heartbeat, eval and summary (``t_start``: when :meth:`run` began)."""
         final_digest = params_digest(g.vec)
         try:  # best effort, one try: tell the coordinator this island holds the final version
             self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
                                   tokens=island.tokens, params_digest=final_digest)
         except CoordinatorError as e:
             self.log.event("heartbeat_failed", error=str(e))
-        final_params = loop.place_params(codec.unflatten(self.spec, g.vec))
-        final_eval = loop.evaluate(final_params, self.setup.eval_batches)
+        final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
+        final_eval = self.loop.evaluate(final_params, self.setup.eval_batches)
         summary = {
             "island": self.name, "island_id": self.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
@@ -395,7 +475,7 @@ class Worker:
             "compression_ratio": (4.0 * self.n * self.frames_sent / self.frame_bytes) if self.frame_bytes else 0.0,
             "utilization": 1.0 - self.blocked_s / active_s if active_s > 0 else 0.0,
             "blocked_s": self.blocked_s, "final_wait_s": final_wait, "active_s": active_s,
-            "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": w.overlap,
+            "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
         }
         self.log.event("island_finished", **summary)
         self.log.write_summary(summary)
@@ -417,4 +497,3 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
                 worker.ckpt.close()  # its async writer thread would otherwise keep a failed process alive
             except Exception as e:  # noqa: BLE001 - already failing; the original error is what matters
                 worker.log.event("checkpoint_close_failed", error=str(e))
-

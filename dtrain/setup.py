@@ -1,0 +1,41 @@
+"""What every run builds before its first step: model, mesh, inner loop, corpus, shards, eval batches.
+
+:func:`prepare` is shared by the ``train`` and in-process ``simulate`` commands
+(``dtrain.runs``), the island worker (``workers.island``) and the benchmarks,
+so all of them see the same model, the same per-island data shards and the
+same fixed eval batches for a given config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from dtrain import data, model
+from dtrain.config import Config
+from dtrain.train import InnerLoop, make_mesh
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    built: model.BuiltModel
+    loop: InnerLoop
+    corpus: data.Corpus
+    shards: list[data.IslandShard]
+    eval_batches: np.ndarray
+    n_params: int
+
+
+def prepare(cfg: Config, islands: int) -> Setup:
+    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches."""
+    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+    parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+    shards = data.island_shards(parts.train, islands, cfg.model.seq_len, cfg.run.seed)
+    evals = data.eval_batches(parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
+    built = model.build(cfg.model)
+    loop = InnerLoop(cfg, built, make_mesh(cfg))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))
+    return Setup(cfg, built, loop, corpus, shards, evals, n_params)

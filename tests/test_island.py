@@ -1,0 +1,271 @@
+"""workers.rounds (the island's round planner) and the pieces of the island's exchange: the bounded pull and
+the exchange thread, against fake coordinator clients (the real path: tests/test_simulate_processes.py)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from dtrain import codec
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.train import chunks
+from dtrain.codec import params_digest
+from workers.client import CoordinatorError, PulledFrame
+from workers.island import Exchange, GlobalParams, Puller, WorkerError
+from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
+
+TRAIN, WAIT, END_ROUND, END_RUN = Kind.TRAIN, Kind.WAIT, Kind.END_ROUND, Kind.END_RUN
+
+
+def _schedule(H: int = 20, per_call: int = 10, total: int = 40, overlap: bool = True, tau: int = 5,
+              round_seconds: float = 0.0) -> Schedule:
+    return Schedule(inner_steps=H, steps_per_call=per_call, total_steps=total, overlap=overlap,
+                    overlap_steps=tau if overlap else 0, round_seconds=round_seconds)
+
+
+def _run(s: Schedule, exchange_chunks: int | None, limit: int = 1000) -> list[Action]:
+    """Replays a step-round run: an exchange returns after ``exchange_chunks`` chunks (None: only when waited
+    for). Returns every action, as the worker's loop would carry it out."""
+    actions: list[Action] = []
+    round_steps = steps = 0
+    in_flight, chunks_since_push = False, 0
+    while len(actions) < limit:
+        a = next_action(s, RoundProgress(round_steps=round_steps, island_steps=steps, exchange_in_flight=in_flight))
+        actions.append(a)
+        if a.kind is END_RUN:
+            return actions
+        if a.kind is WAIT:
+            in_flight = False
+        elif a.kind is TRAIN:
+            round_steps, steps, chunks_since_push = round_steps + a.steps, steps + a.steps, chunks_since_push + 1
+            if in_flight and exchange_chunks is not None and chunks_since_push >= exchange_chunks:
+                in_flight = False  # folded in at the chunk boundary, without waiting
+        else:
+            assert not in_flight, "a round ended with the previous exchange in flight"
+            round_steps, in_flight, chunks_since_push = 0, True, 0
+    raise AssertionError("the run did not end")
+
+
+def _short(actions: list[Action]) -> list[object]:
+    return [a.steps if a.kind is TRAIN else a.reason if a.kind is WAIT else a.kind.value for a in actions]
+
+
+def test_step_rounds_without_overlap_wait_right_after_each_push_but_the_last():
+    s = _schedule(overlap=False)
+    assert _short(_run(s, exchange_chunks=None)) == [
+        10, 10, "end_round", "no overlap", 10, 10, "end_round", "end_run"]
+
+
+def test_step_rounds_with_overlap_stop_at_tau_and_wait_there_for_a_slow_exchange():
+    s = _schedule(tau=5)
+    assert _short(_run(s, exchange_chunks=None)) == [
+        5, 10, 5, "end_round", 5, "overlap budget spent", 10, 5, "end_round", "end_run"]
+    # An exchange that returns within the first chunk is folded in without waiting.
+    assert _short(_run(s, exchange_chunks=1)) == [5, 10, 5, "end_round", 5, 10, 5, "end_round", "end_run"]
+
+
+def test_a_round_shorter_than_tau_waits_at_its_end():
+    s = _schedule(H=3, total=6, tau=5)
+    assert _short(_run(s, exchange_chunks=None)) == [
+        3, "end_round", 3, "round ended before the exchange", "end_round", "end_run"]
+
+
+def test_overlap_with_a_zero_budget_waits_at_the_start_of_each_round():
+    s = _schedule(tau=0)
+    assert _short(_run(s, exchange_chunks=None)) == [
+        10, 10, "end_round", "overlap budget spent", 10, 10, "end_round", "end_run"]
+
+
+def test_the_last_round_is_cut_to_the_step_budget():
+    s = _schedule(H=20, total=45, tau=5)
+    assert _short(_run(s, exchange_chunks=1)) == [
+        5, 10, 5, "end_round", 5, 10, 5, "end_round", 5, "end_round", "end_run"]
+
+
+def test_the_run_ends_only_at_a_round_start_on_the_last_version():
+    s = _schedule(round_seconds=1.5)
+    assert next_action(s, RoundProgress(0, 7, final_version=True)) == Action(END_RUN)
+    assert next_action(s, RoundProgress(5, 7, final_version=True)) == Action(TRAIN, 10)  # the round goes on
+    assert next_action(_schedule(), RoundProgress(0, 3, final_version=True)) == Action(END_RUN)
+
+
+def test_wall_time_rounds():
+    s = _schedule(round_seconds=1.5, tau=5, total=10)
+    # A round takes at least one chunk, and the step budget does not apply.
+    assert next_action(s, RoundProgress(0, 500, since_arrival_s=9.0)) == Action(TRAIN, 5)
+    assert next_action(s, RoundProgress(5, 505, since_arrival_s=1.0)) == Action(TRAIN, 10)
+    assert next_action(s, RoundProgress(15, 515, since_arrival_s=1.5)) == Action(END_ROUND)
+    # With the exchange in flight the deadline is not known yet: train up to τ, then wait.
+    assert next_action(s, RoundProgress(3, 3, exchange_in_flight=True, since_arrival_s=9.0)) == Action(TRAIN, 2)
+    assert (next_action(s, RoundProgress(5, 5, exchange_in_flight=True, since_arrival_s=9.0))
+            == Action(WAIT, reason="overlap budget spent"))
+    assert (next_action(_schedule(round_seconds=1.5, overlap=False), RoundProgress(0, 9, exchange_in_flight=True))
+            == Action(WAIT, reason="no overlap"))
+
+
+@pytest.mark.parametrize("H, per_call, tau, total", [
+    (20, 10, 5, 60), (20, 10, 0, 60), (25, 10, 5, 100), (20, 7, 5, 40), (10, 10, 10, 30), (5, 10, 5, 20)])
+def test_step_round_chunk_lengths_are_the_chunks_of_one_round_split_at_tau(H, per_call, tau, total):
+    # The set the worker compiled before the planner existed, for runs whose rounds are all H steps.
+    assert _schedule(H, per_call, total, tau=tau).chunk_lengths() == set(chunks(H, per_call, (tau,) if tau else ()))
+
+
+def test_chunk_lengths_cover_a_short_last_round_and_wall_time_rounds():
+    assert _schedule(H=20, per_call=10, total=63, tau=5).chunk_lengths() == {3, 5, 10}
+    assert _schedule(H=20, per_call=10, total=8, tau=5).chunk_lengths() == {3, 5}
+    assert _schedule(round_seconds=1.0, per_call=10, tau=5).chunk_lengths() == {5, 10}
+    assert _schedule(round_seconds=1.0, per_call=10, tau=0).chunk_lengths() == {10}
+    assert _schedule(round_seconds=1.0, per_call=10, tau=15).chunk_lengths() == {10, 5}
+    assert _schedule(round_seconds=1.0, per_call=10, overlap=False).chunk_lengths() == {10}
+
+
+def test_every_chunk_a_run_trains_was_compiled():
+    rng = random.Random(0)
+    for _ in range(200):
+        s = _schedule(H=rng.randint(1, 30), per_call=rng.randint(1, 12), total=rng.randint(1, 120),
+                      overlap=rng.random() < 0.7, tau=rng.randint(0, 12))
+        timing = rng.choice([None, 1, 2, 3])
+        actions = _run(s, exchange_chunks=timing)
+        trained = [a.steps for a in actions if a.kind is TRAIN]
+        assert sum(trained) == s.total_steps and all(0 < n <= s.steps_per_call for n in trained)
+        assert set(trained) == s.chunk_lengths(), (s, timing)
+        pushes = sum(a.kind is END_ROUND for a in actions)
+        assert pushes == -(-s.total_steps // s.inner_steps)  # one push per round: ceil(steps / H)
+
+
+# --- the pull -------------------------------------------------------------------------------------
+
+
+N = 64
+
+
+def _frame(vec: np.ndarray) -> bytes:
+    return codec.encode(codec.quantize(vec, 32), 1)
+
+
+def _full(version: int, vec: np.ndarray, digest: str | None = None) -> PulledFrame:
+    h = pb.PullHeader(kind=pb.PULL_KIND_FULL, version=version,
+                      params_digest=params_digest(vec) if digest is None else digest)
+    return PulledFrame(header=h, frame=_frame(vec))
+
+
+def _update(base: int, version: int, values: np.ndarray, result: np.ndarray) -> PulledFrame:
+    h = pb.PullHeader(kind=pb.PULL_KIND_UPDATE, version=version, base_version=base,
+                      params_digest=params_digest(result))
+    return PulledFrame(header=h, frame=_frame(values))
+
+
+class FakeClient:
+    """Answers pulls from a script; records each request; pushes are recorded and answered PENDING."""
+
+    def __init__(self, answers: list[list[PulledFrame]], push_error: Exception | None = None):
+        self.answers, self.push_error = list(answers), push_error
+        self.pulls: list[tuple[str, int, float, bool]] = []
+        self.pushes: list[str] = []
+
+    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
+             max_frame: int | None = None) -> list[PulledFrame]:
+        self.pulls.append((island_id, have_version, wait_s, full))
+        return self.answers.pop(0) if self.answers else []
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
+        if self.push_error is not None:
+            raise self.push_error
+        self.pushes.append(header.push_id)
+        return pb.PushDeltaResponse(status=pb.PUSH_STATUS_PENDING, reason="round open")
+
+
+class Events(list):
+    def __call__(self, kind: str, **fields: object) -> None:
+        self.append((kind, fields))
+
+
+def _vec(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(N).astype(np.float32)
+
+
+def test_a_digest_mismatch_is_answered_by_one_full_pull():
+    theta = _vec(0)
+    client = FakeClient([[_full(4, theta, digest="0" * 16)], [_full(4, theta)]])
+    events = Events()
+    g = Puller(client, N, 1 << 20, events).pull("a-0", None)
+    assert g.version == 4 and np.array_equal(g.vec, theta) and g.arrived > 0
+    assert client.pulls == [("a-0", 0, 0.0, True), ("a-0", 0, 0.0, True)]
+    assert events == [("digest_mismatch", {"version": 4})]
+
+
+def test_a_repeated_digest_mismatch_fails_naming_the_version_and_both_digests():
+    theta = _vec(0)
+    client = FakeClient([[_full(4, theta, digest="0" * 16)]] * 5)
+    events = Events()
+    have = GlobalParams(_vec(1), 3)
+    with pytest.raises(WorkerError, match=rf"v4 decodes to params digest {params_digest(theta)}, the "
+                                          rf"coordinator's θ has {'0' * 16}, again after a full re-pull"):
+        Puller(client, N, 1 << 20, events).pull("a-0", have, wait_s=5.0)
+    assert client.pulls == [("a-0", 3, 5.0, False), ("a-0", 0, 0.0, True)]  # bounded: one full re-pull
+    assert [e[0] for e in events] == ["digest_mismatch", "digest_mismatch"]
+
+
+def test_updates_apply_in_a_chain_and_a_broken_chain_is_answered_by_one_full_pull():
+    v3, d = _vec(0), _vec(1)
+    have = GlobalParams(v3.copy(), 3)
+    g = Puller(FakeClient([[_update(3, 4, d, v3 + d)]]), N, 1 << 20, Events()).pull("a-0", have)
+    assert g.version == 4 and np.array_equal(g.vec, v3 + d)
+    client = FakeClient([[_update(2, 4, d, v3 + d)], [_full(4, v3 + d)]])
+    g = Puller(client, N, 1 << 20, Events()).pull("a-0", have)
+    assert g.version == 4 and [p[3] for p in client.pulls] == [False, True]
+    client = FakeClient([[_update(2, 4, d, v3 + d)]] * 3)
+    with pytest.raises(WorkerError, match="the update to v4 applies to v2, the island holds no θ"):
+        Puller(client, N, 1 << 20, Events()).pull("a-0", have)
+    assert len(client.pulls) == 2
+
+
+def test_a_current_island_keeps_its_params():
+    have = GlobalParams(_vec(0), 3, arrived=1.0)
+    assert Puller(FakeClient([[]]), N, 1 << 20, Events()).pull("a-0", have) is have and have.arrived == 1.0
+    with pytest.raises(WorkerError, match="no parameters for a full pull"):
+        Puller(FakeClient([[]]), N, 1 << 20, Events()).pull("a-0", None)
+
+
+# --- the exchange ---------------------------------------------------------------------------------
+
+
+def _exchange(client: FakeClient, events: Events, stop: threading.Event | None = None,
+              total_versions: int = 0) -> Exchange:
+    header = pb.PushHeader(island_id="a-0", base_version=3, push_id="a-0-p1", tokens=640)
+    return Exchange(client, Puller(client, N, 1 << 20, events), b"frame", header, GlobalParams(_vec(0), 3),
+                    total_versions, stop or threading.Event(), events)
+
+
+def test_the_exchange_pushes_then_pulls_until_a_newer_version_and_returns_it_through_its_future():
+    theta = _vec(5)
+    client = FakeClient([[], [], [_full(4, theta)]])  # two long polls with nothing new, then θ_4
+    events = Events()
+    ex = _exchange(client, events)
+    ex.repush.set()  # the heartbeat heard that the coordinator lost the push
+    g = ex.start().result(timeout=10)
+    assert g.version == 4 and np.array_equal(g.vec, theta)
+    assert client.pushes == ["a-0-p1", "a-0-p1"] and [p[1] for p in client.pulls] == [3, 3, 3]
+    assert events == [("push_sent", {"push_id": "a-0-p1", "base_version": 3, "status": "PUSH_STATUS_PENDING",
+                                     "bytes": 5, "tokens": 640, "reason": "round open"}),
+                      ("push_resent", {"push_id": "a-0-p1"})]
+
+
+def test_the_exchange_stops_with_the_run_and_hands_errors_to_the_future():
+    stop = threading.Event()
+    stop.set()
+    ex = _exchange(FakeClient([]), Events(), stop=stop)
+    assert ex.start().result(timeout=10) is ex.base  # nothing newer: the loop sees the stop and ends
+    error = CoordinatorError(grpc.StatusCode.UNAVAILABLE, "gone")
+    ex = _exchange(FakeClient([], push_error=error), Events())
+    assert ex.start().exception(timeout=10) is error
+
+
+def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():
+    client = FakeClient([[], [_full(4, _vec(6))]])  # no version follows the last one
+    ex = _exchange(client, Events(), total_versions=3)  # the push is based on v3, the last version
+    assert ex.start().result(timeout=10) is ex.base and len(client.pulls) == 1

@@ -1,0 +1,117 @@
+"""The island's round planner: a pure function from the schedule and the round's progress to the next action.
+
+The island loop (``workers.island.Worker``) asks :func:`next_action` what to do
+at every chunk boundary and does it: train ``n`` steps, wait for the exchange
+in flight (and fold its θ in), end the round (push), or end the run. All of the
+schedule lives here: step rounds of ``H`` inner steps or wall-time rounds of
+``round_seconds``, the overlap budget τ, chunk lengths of at most
+``steps_per_call`` that stop exactly at τ, and the total step budget.
+:meth:`Schedule.chunk_lengths` replays the planner to find every chunk length a
+run uses, so the island compiles exactly those before it joins.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dtrain.config import Config
+
+
+class Kind(enum.Enum):
+    TRAIN = "train"  # run ``n`` inner steps
+    WAIT = "wait"  # block until the exchange in flight returns, then fold its θ in
+    END_ROUND = "end_round"  # push this round's delta (no exchange is in flight)
+    END_RUN = "end_run"  # no more rounds
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    steps: int = 0  # TRAIN: the chunk length
+    reason: str = ""  # WAIT: why the island blocks (the ``why`` of its ``blocked`` event)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The island's round schedule, from the config."""
+
+    inner_steps: int  # H: inner steps per round (step rounds)
+    steps_per_call: int  # longest fused chunk
+    total_steps: int  # the island's step budget (step rounds)
+    overlap: bool  # train on while the exchange is in flight
+    overlap_steps: int  # τ: steps a round may take with the exchange in flight (0 without overlap)
+    round_seconds: float  # > 0: a round is this long after θ arrived (wall-time rounds; H and the budget unused)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Schedule:
+        w = cfg.worker
+        return cls(inner_steps=cfg.outer.inner_steps, steps_per_call=cfg.train.steps_per_call,
+                   total_steps=cfg.train.steps, overlap=w.overlap,
+                   overlap_steps=w.max_overlap_steps if w.overlap else 0, round_seconds=w.round_seconds)
+
+    def chunk_lengths(self) -> set[int]:
+        """Every chunk length :func:`next_action` asks for in a run from step 0 (the scan lengths to compile).
+
+        Chunk lengths do not depend on the exchange, only on the steps taken: step rounds replay the first
+        round and the last (the rounds between repeat the first); wall-time rounds replay one round until the
+        overlap budget is behind it and one more chunk (after that every chunk is ``steps_per_call``)."""
+        if self.round_seconds:
+            lengths, done = set(), 0
+            while True:
+                n = next_action(self, RoundProgress(round_steps=done, island_steps=done)).steps
+                lengths.add(n)
+                done += n
+                if done > self.overlap_steps:
+                    return lengths
+        last_start = (max(self.total_steps - 1, 0) // self.inner_steps) * self.inner_steps
+        return _round_chunks(self, 0) | _round_chunks(self, last_start)
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """Where the island stands, at a chunk boundary."""
+
+    round_steps: int  # inner steps taken in this round
+    island_steps: int  # inner steps this island has taken in the run
+    exchange_in_flight: bool = False  # the previous round's push (or its pull) has not returned
+    since_arrival_s: float = 0.0  # seconds since the current global θ arrived (wall-time rounds end on it)
+    final_version: bool = False  # the island holds the run's last global version
+
+
+def next_action(s: Schedule, p: RoundProgress) -> Action:
+    """What the island does next.
+
+    At a round's start the run ends once the island holds the last version, or (step rounds) has taken its
+    step budget; an exchange still in flight is then finished outside the rounds. An exchange in flight is
+    waited for once the round has taken τ steps (without overlap τ = 0: right after the push), and before a
+    round may end. A step round ends after H steps (or when the budget runs out); a wall-time round ends
+    ``round_seconds`` after the current θ arrived, once it has taken a step; while an exchange is in flight
+    that moment is not known yet, and the overlap budget bounds the wait for it. Chunks are at most
+    ``steps_per_call`` long and stop exactly at τ in every round, so every round runs the same lengths."""
+    if p.round_steps == 0 and (p.final_version or (not s.round_seconds and p.island_steps >= s.total_steps)):
+        return Action(Kind.END_RUN)
+    if p.exchange_in_flight and p.round_steps >= s.overlap_steps:
+        return Action(Kind.WAIT, reason="overlap budget spent" if s.overlap else "no overlap")
+    if s.round_seconds:
+        if not p.exchange_in_flight and p.round_steps and p.since_arrival_s >= s.round_seconds:
+            return Action(Kind.END_ROUND)
+        n = s.steps_per_call
+    else:
+        n = min(s.steps_per_call, s.inner_steps - p.round_steps, s.total_steps - p.island_steps)
+        if n <= 0:
+            if p.exchange_in_flight:
+                return Action(Kind.WAIT, reason="round ended before the exchange")
+            return Action(Kind.END_ROUND)
+    if p.round_steps < s.overlap_steps:
+        n = min(n, s.overlap_steps - p.round_steps)
+    return Action(Kind.TRAIN, steps=n)
+
+
+def _round_chunks(s: Schedule, start: int) -> set[int]:
+    """The chunk lengths of one step round that starts at island step ``start``."""
+    lengths, done = set(), 0
+    while (a := next_action(s, RoundProgress(round_steps=done, island_steps=start + done))).kind is Kind.TRAIN:
+        lengths.add(a.steps)
+        done += a.steps
+    return lengths
