@@ -111,7 +111,8 @@ def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
 
 
 def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
-    from coordinator.server import initial_parameters, serve
+    from conftest import initial_parameters
+    from coordinator.server import serve
     from dtrain_cli.main import main
 
     cfg = _cfg(tmp_path)
