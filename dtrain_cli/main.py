@@ -1,7 +1,7 @@
 """``dtrain`` command line: parse arguments, call a library function.
 
-This package sits on top of the three others: it is the one place that imports ``coordinator`` and
-``workers`` (for ``dtrain coordinator|worker|status``) next to ``dtrain`` (``train``, ``simulate``, ``config``).
+It sits above the three packages: ``train``, ``simulate`` and ``config`` call ``dtrain``; ``coordinator``,
+``worker`` and ``status`` call ``coordinator`` and ``workers``, which the library itself never imports.
 """
 
 from __future__ import annotations
