@@ -145,14 +145,14 @@ def _project_modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def test_every_package_is_read():
+def test_every_package_is_read() -> None:
     modules = _project_modules()
     for pkg in PACKAGES:
         assert (ROOT / pkg / "__init__.py") in modules, f"{pkg}/__init__.py not found"
     assert (ROOT / "dtrain_cli" / "main.py") in modules and (ROOT / "coordinator" / "server.py") in modules
 
 
-def test_no_upward_or_sideways_imports():
+def test_no_upward_or_sideways_imports() -> None:
     found = []
     for path in _project_modules():
         found += layering_violations(path.read_text(), str(path.relative_to(ROOT)), _module_name(path, ROOT),
@@ -160,7 +160,7 @@ def test_no_upward_or_sideways_imports():
     assert not found, "imports against the layering:\n" + "\n".join(found)
 
 
-def test_benchmarks_use_only_public_names_of_the_installed_packages():
+def test_benchmarks_use_only_public_names_of_the_installed_packages() -> None:
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     assert scripts
     found = []
@@ -182,7 +182,7 @@ def serve():
 '''
 
 
-def test_checker_finds_an_upward_import_inside_a_function():
+def test_checker_finds_an_upward_import_inside_a_function() -> None:
     found = layering_violations(BAD_LIBRARY, "dtrain/fake.py", "dtrain.fake")
     assert found == ["dtrain/fake.py:6: import coordinator.server: dtrain/ must not import coordinator/ "
                      "(it may import dtrain/)"]
@@ -198,12 +198,12 @@ def test_checker_finds_an_upward_import_inside_a_function():
     ("workers.island", "if True:\n    from coordinator import merger", "coordinator/"),
     ("workers.island", "from dtrain_cli import main", "dtrain_cli/"),
 ])
-def test_checker_names_each_forbidden_direction(module, source, bad):
+def test_checker_names_each_forbidden_direction(module: str, source: str, bad: str) -> None:
     found = layering_violations(source, "f.py", module)
     assert len(found) == 1 and f"must not import {bad}" in found[0], found
 
 
-def test_checker_resolves_relative_imports():
+def test_checker_resolves_relative_imports() -> None:
     assert layering_violations("from ..coordinator import server", "dtrain/x.py", "dtrain.x") == [
         "dtrain/x.py:1: relative import '<beyond the top level>.coordinator' climbs out of dtrain/"]
     assert layering_violations("from . import state\nfrom .merger import Merger", "coordinator/server.py",
@@ -211,7 +211,7 @@ def test_checker_resolves_relative_imports():
     assert layering_violations("from . import main", "dtrain_cli/__init__.py", "dtrain_cli", is_package=True) == []
 
 
-def test_checker_allows_the_layers_own_directions():
+def test_checker_allows_the_layers_own_directions() -> None:
     assert layering_violations("from dtrain import codec\nimport grpc\nimport numpy", "c.py", "coordinator.x") == []
     assert layering_violations("from coordinator.server import serve\nfrom workers.island import run_worker\n"
                                "from dtrain.config import Config", "m.py", "dtrain_cli.main") == []
@@ -225,12 +225,12 @@ def test_checker_allows_the_layers_own_directions():
     ("import sys\nsys.path.insert(0, 'x')", "sys.path"),
     ("import os\nenv = {**os.environ, 'PYTHONPATH': '.'}", "PYTHONPATH"),
 ])
-def test_benchmark_checker_finds_private_names_and_path_edits(source, what):
+def test_benchmark_checker_finds_private_names_and_path_edits(source: str, what: str) -> None:
     found = benchmark_violations(source, "benchmarks/b.py")
     assert len(found) == 1 and what in found[0], found
 
 
-def test_benchmark_checker_allows_public_names_and_other_privates():
+def test_benchmark_checker_allows_public_names_and_other_privates() -> None:
     ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.server import merge_options\n"
           "class A:\n    def f(self):\n        return self._log, codec.encode, sys.executable\n")
     assert benchmark_violations(ok, "benchmarks/b.py") == []
