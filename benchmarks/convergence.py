@@ -232,7 +232,7 @@ def compare_process_mode(base, N: int, log) -> dict:
     import tempfile
 
     from dtrain.runs import run_simulate_inprocess
-    from dtrain.simulate import run_simulation
+    from dtrain_cli.simulate import run_simulation
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config.replace(base, run={"out_dir": tmp}, outer={"islands": N})

@@ -9,7 +9,7 @@ a real GPT config: configs/small.toml with model overrides):
      one fp32 delta's worth of bytes (4·P) in codec.chunk_bytes chunks at once.
      bytes/s = all bytes sent / (last call returns − first call starts).
   2. dtrain push-and-merge: ``dtrain coordinator`` as a separate process
-     (``python -m dtrain.cli coordinator``), one per (codec, N); N island threads,
+     (``python -m dtrain_cli coordinator``), one per (codec, N); N island threads,
      each with its own CoordinatorClient, join, then all push one fabricated delta
      (random normal × 1e-3, encoded with dtrain.codec before timing) at once. The
      interval runs from the first push's start until the last push returns MERGED
@@ -59,8 +59,6 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is about the host side
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # coordinator/ and workers/ even when the package is not installed
 
 import numpy as np  # noqa: E402
 
@@ -241,13 +239,11 @@ def _stop(proc: subprocess.Popen, what: str) -> int:
 
 
 def _child_env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
 
 
 class CoordinatorProcess:
-    """``python -m dtrain.cli coordinator`` on 127.0.0.1:0 with a resolved config; peak RSS from /proc."""
+    """``python -m dtrain_cli coordinator`` on 127.0.0.1:0 with a resolved config; peak RSS from /proc."""
 
     def __init__(self, cfg, run_dir: Path):
         from dtrain.config import to_toml
@@ -260,7 +256,7 @@ class CoordinatorProcess:
         self._log = open(self.log_path, "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dtrain.cli", "coordinator", "--config", str(cfg_path), "--port", "0",
+            [sys.executable, "-m", "dtrain_cli", "coordinator", "--config", str(cfg_path), "--port", "0",
              "--run-dir", str(run_dir), "--quiet"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=_child_env())
         try:
@@ -529,9 +525,9 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     import zlib
 
     from coordinator.merger import Merger, MergeOptions
-    from coordinator.server import _return_large_frees_to_the_os
+    from coordinator.server import return_large_frees_to_the_os
 
-    _return_large_frees_to_the_os()
+    return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb
     from dtrain.wire import FrameReceiver, chunk_deserializer, chunk_message, frame_chunks, max_frame_bytes
 

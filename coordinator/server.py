@@ -429,7 +429,7 @@ def service_handler(service: Any) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
-def _return_large_frees_to_the_os() -> None:
+def return_large_frees_to_the_os() -> None:
     """glibc keeps freed multi-MiB temporaries in per-thread arenas, one per gRPC thread, so the coordinator's
     resident size would creep up to a multiple of the model. A fixed 4 MiB mmap threshold hands anything
     larger back to the OS when freed, while the chunk-sized buffers of every push (1 MiB messages, 256 KiB
@@ -493,7 +493,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     RUN_DIR/coordinator.json with the bound address as soon as it listens."""
     import signal
 
-    _return_large_frees_to_the_os()
+    return_large_frees_to_the_os()
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

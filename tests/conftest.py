@@ -13,12 +13,17 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import copy  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dtrain.config import Config, load_config  # noqa: E402
+from dtrain.config import Config, ModelConfig, load_config  # noqa: E402
+
+if TYPE_CHECKING:
+    from dtrain.codec import Spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -70,3 +75,32 @@ def text_corpus(tmp_path: Path, text_bytes: bytes) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_bytes(text_bytes)
     return path
+
+
+# θ_0 per (model, seed), shared by the whole session. The coordinator computes θ_0 in a child process
+# (coordinator/init_params.py: it imports JAX and builds the model, seconds per call); the service tests start
+# a coordinator per test, all from the same few configs. test_init_params.py checks the real child path on its own,
+# against the model built in this process, and that its spec-only answer is the full one's spec.
+_THETA0: dict[tuple[ModelConfig, int], tuple[np.ndarray, Spec]] = {}
+
+
+def _theta0(cfg: Config) -> tuple[np.ndarray, Spec]:
+    key = (cfg.model, cfg.run.seed)  # the only inputs of coordinator/init_params.py
+    if key not in _THETA0:
+        from coordinator.server import initial_parameters as computed_in_a_child
+
+        _THETA0[key] = computed_in_a_child(cfg)
+    return _THETA0[key]
+
+
+def initial_parameters(cfg: Config) -> tuple[np.ndarray, Spec]:
+    """``coordinator.server.initial_parameters(cfg)``, computed once per (``cfg.model``, ``cfg.run.seed``) in
+    this session. Every caller gets its own copy of θ_0 and of the spec."""
+    theta, spec = _theta0(cfg)
+    return theta.copy(), copy.deepcopy(spec)
+
+
+def initial_spec(cfg: Config) -> Spec:
+    """The spec of ``cfg``'s parameter tree, as ``initial_parameters_file(..., spec_only=True)`` gives it (what
+    a resuming coordinator starts from), from the same shared computation."""
+    return copy.deepcopy(_theta0(cfg)[1])

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
-from dtrain import cli, model
+from dtrain import model
 from dtrain.config import load_config, replace
 from dtrain.runlog import read_events
 from dtrain.runs import RunError, run_dir, run_train
+from dtrain_cli import main as cli
 
 ISLANDS = 4
 
@@ -275,7 +276,7 @@ def test_run_error_when_resuming_nothing(tmp_path: Path, tiny_cfg):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dtrain.cli", *args]
+    return [sys.executable, "-m", "dtrain_cli", *args]
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.server import initial_parameters, initial_parameters_file, serve
+from conftest import initial_parameters, initial_spec
+from coordinator.server import serve
 from dtrain.errors import CheckpointError
 from dtrain import codec
 from dtrain.codec import params_digest
@@ -29,14 +30,16 @@ def net_cfg(tmp_path, monkeypatch):
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "coordinator.lease_s=30",
         "outer.islands=2", "train.steps=40", "outer.inner_steps=10", "worker.heartbeat_s=0.5",
-        "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=5"])
+        "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=1"])
     return cfg
 
 
 class Running:
+    """A coordinator on 127.0.0.1:0 in this process, started from the session's shared θ_0 (conftest.py)."""
+
     def __init__(self, cfg, run_dir: Path, resume: bool = False):
         if resume:  # as `dtrain coordinator --resume` starts: the tree's spec only, θ from the checkpoint
-            self.theta, self.spec = initial_parameters_file(cfg, run_dir / "spec", spec_only=True)
+            self.theta, self.spec = None, initial_spec(cfg)
         else:
             self.theta, self.spec = initial_parameters(cfg)
         self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,

@@ -11,7 +11,7 @@ import pytest
 from dtrain.config import load_config
 from dtrain.runlog import read_events
 from dtrain.runs import run_simulate_inprocess
-from dtrain.simulate import cpu_shares, run_simulation
+from dtrain_cli.simulate import cpu_shares, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per worker process: faster
@@ -77,7 +77,7 @@ def test_lossless_process_mode_without_overlap_matches_the_inprocess_math(tmp_pa
 
 
 def test_simulate_cli_reports_a_bad_config_before_starting_anything(tmp_path, capsys):
-    from dtrain.cli import main
+    from dtrain_cli.main import main
 
     rc = main(["simulate", "--config", str(ROOT / "configs" / "tiny.toml"), "--islands", "2",
                "--set", f"run.out_dir={tmp_path}", "--set", "codec.up=int3"])
@@ -111,8 +111,9 @@ def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
 
 
 def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
-    from coordinator.server import initial_parameters, serve
-    from dtrain.cli import main
+    from conftest import initial_parameters
+    from coordinator.server import serve
+    from dtrain_cli.main import main
 
     cfg = _cfg(tmp_path)
     theta, spec = initial_parameters(cfg)
@@ -142,7 +143,7 @@ def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice
     out.mkdir()
     (out / "config.toml").write_text(to_toml(cfg))
     env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "dtrain.cli"]
+    cli = [sys.executable, "-m", "dtrain_cli"]
     conf = ["--config", str(out / "config.toml"), "--quiet"]
     coord = subprocess.Popen(cli + ["coordinator", *conf, "--port", "0", "--run-dir", str(out)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

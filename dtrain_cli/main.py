@@ -1,4 +1,8 @@
-"""``dtrain`` command line: parse arguments, call a library function."""
+"""``dtrain`` command line: parse arguments, call a library function.
+
+It sits above the three packages: ``train``, ``simulate`` and ``config`` call ``dtrain``; ``coordinator``,
+``worker`` and ``status`` call ``coordinator`` and ``workers``, which the library itself never imports.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import os
 import sys
 
-from dtrain.config import ConfigError, load_config, reference_markdown, to_toml
+from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
 from dtrain.errors import DtrainError
 
 
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.inprocess:
                     summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
                 else:
-                    from dtrain.simulate import run_simulation
+                    from dtrain_cli.simulate import run_simulation
 
                     summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin)
         except (DataError, DtrainError) as e:
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _service_command(args: argparse.Namespace, cfg) -> int:
+def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     """coordinator / worker / status: the entry points into coordinator/ and workers/ (imported here only)."""
     from pathlib import Path
 
@@ -131,7 +135,3 @@ def _service_command(args: argparse.Namespace, cfg) -> int:
         client.close()
     print(json_format.MessageToJson(status, preserving_proto_field_name=True))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

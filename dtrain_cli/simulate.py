@@ -1,6 +1,6 @@
 """``dtrain simulate`` in its default mode: one coordinator and N worker processes on loopback.
 
-The driver only starts processes (``python -m dtrain.cli coordinator|worker``),
+The driver only starts processes (``python -m dtrain_cli coordinator|worker``),
 waits, and aggregates what they wrote; it imports neither ``coordinator`` nor
 ``workers`` (they meet only through the protocol). Each worker writes
 ``RUN_DIR/islands/NAME/{events.jsonl,summary.json,worker.log}``; the coordinator
@@ -30,7 +30,7 @@ class SimulationError(DtrainError):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dtrain.cli", *args]
+    return [sys.executable, "-m", "dtrain_cli", *args]
 
 
 def cpu_shares(islands: int, cpus: list[int]) -> list[list[int]]:

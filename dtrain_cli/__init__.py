@@ -1,0 +1,1 @@
+"""The ``dtrain`` command line, the layer above ``dtrain``, ``coordinator`` and ``workers``."""

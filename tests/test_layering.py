@@ -1,0 +1,236 @@
+"""The import graph holds its layers, read from the source with ``ast`` (imports inside functions included).
+
+    dtrain_cli/                      the command line: may import all three below
+    coordinator/      workers/       import dtrain/; never each other, never dtrain_cli/
+    dtrain/                          the library: imports none of the other three
+
+Benchmarks use only public names of the installed packages: no ``from x import _y``, no ``x._y`` on a
+project module, no ``sys.path`` (or child ``PYTHONPATH``) edits.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dtrain", "coordinator", "workers", "dtrain_cli")
+# package -> the project packages it may import (itself included)
+ALLOWED: dict[str, frozenset[str]] = {
+    "dtrain": frozenset({"dtrain"}),
+    "coordinator": frozenset({"dtrain", "coordinator"}),
+    "workers": frozenset({"dtrain", "workers"}),
+    "dtrain_cli": frozenset(PACKAGES),
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _by_line(found: list[str]) -> list[str]:
+    """Each finding once, in line order (``ast.walk`` goes breadth-first)."""
+    return sorted(set(found), key=lambda f: int(f.split(":")[1]))
+
+
+def imports(tree: ast.AST, module: str, is_package: bool = False) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, absolute module, names imported from it) for every import in ``tree``, at any depth; relative
+    imports are resolved against ``module``. Also ``importlib.import_module("x.y")`` / ``__import__("x.y")`` and
+    ``[..., "-m", "x.y", ...]`` (a module run as a child process) with literal names."""
+    package_parts = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.level == 0:
+                yield node.lineno, node.module or "", names
+                continue
+            keep = len(package_parts) - (node.level - 1)
+            base = package_parts[:keep] if keep > 0 else ["<beyond the top level>"]
+            target = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None:  # from . import x: each x is a module of the package (or a name in it)
+                for name in names:
+                    yield node.lineno, f"{target}.{name}", []
+            else:
+                yield node.lineno, target, names
+        elif isinstance(node, ast.Call):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if fname in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value, []
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            items = node.elts
+            for flag, mod in zip(items, items[1:]):
+                if isinstance(flag, ast.Constant) and flag.value == "-m" and isinstance(mod, ast.Constant) \
+                        and isinstance(mod.value, str):
+                    yield node.lineno, mod.value, []
+
+
+def layering_violations(source: str, path: str, module: str, is_package: bool = False) -> list[str]:
+    """``path:line: import X`` with the rule it breaks, for every import of ``module`` (in package
+    ``module.split('.')[0]``) that goes up or sideways between the project packages."""
+    package = module.split(".")[0]
+    allowed = ALLOWED[package]
+    found = []
+    for line, target, _ in imports(ast.parse(source, filename=path), module, is_package):
+        top = target.split(".")[0]
+        if top == "<beyond the top level>":
+            found.append(f"{path}:{line}: relative import {target!r} climbs out of {package}/")
+        elif top in PACKAGES and top not in allowed:
+            found.append(f"{path}:{line}: import {target}: {package}/ must not import {top}/ "
+                         f"(it may import {', '.join(sorted(p + '/' for p in allowed))})")
+    return _by_line(found)
+
+
+def benchmark_violations(source: str, path: str) -> list[str]:
+    """``path:line`` and what is wrong, for private names of the project's packages and ``sys.path`` /
+    ``PYTHONPATH`` edits in a benchmark script."""
+    tree = ast.parse(source, filename=path)
+    found = []
+    project_names: set[str] = set()  # names bound to a project module (or to a name imported from one)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                if top in PACKAGES:
+                    project_names.add(alias.asname or top)
+                if top in PACKAGES and any(_is_private(p) for p in alias.name.split(".")):
+                    found.append(f"{path}:{node.lineno}: import {alias.name}: a private module")
+                if alias.name == "site":
+                    found.append(f"{path}:{node.lineno}: import site: benchmarks use the installed package")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top = node.module.split(".")[0]
+            if node.module == "sys" and any(a.name == "path" for a in node.names):
+                found.append(f"{path}:{node.lineno}: from sys import path: benchmarks do not edit sys.path")
+            if top not in PACKAGES:
+                continue
+            for alias in node.names:
+                project_names.add(alias.asname or alias.name)
+            private = [a.name for a in node.names if _is_private(a.name)]
+            if private or any(_is_private(p) for p in node.module.split(".")):
+                found.append(f"{path}:{node.lineno}: from {node.module} import {', '.join(private or ['...'])}: "
+                             f"private names of the project")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys":
+                found.append(f"{path}:{node.lineno}: sys.path: benchmarks use the installed package, "
+                             f"never edit the import path")
+                continue
+            chain: list[str] = []
+            value: ast.expr = node
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in project_names and _is_private(node.attr):
+                found.append(f"{path}:{node.lineno}: {value.id}.{'.'.join(reversed(chain))}: "
+                             f"a private name of the project")
+        elif isinstance(node, ast.Constant) and node.value == "PYTHONPATH":
+            found.append(f"{path}:{node.lineno}: PYTHONPATH: benchmarks (and their child processes) use the "
+                         f"installed package")
+    return _by_line(found)
+
+
+def _project_modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def test_every_package_is_read() -> None:
+    modules = _project_modules()
+    for pkg in PACKAGES:
+        assert (ROOT / pkg / "__init__.py") in modules, f"{pkg}/__init__.py not found"
+    assert (ROOT / "dtrain_cli" / "main.py") in modules and (ROOT / "coordinator" / "server.py") in modules
+
+
+def test_no_upward_or_sideways_imports() -> None:
+    found = []
+    for path in _project_modules():
+        found += layering_violations(path.read_text(), str(path.relative_to(ROOT)), _module_name(path, ROOT),
+                                     is_package=path.name == "__init__.py")
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_benchmarks_use_only_public_names_of_the_installed_packages() -> None:
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    assert scripts
+    found = []
+    for path in scripts:
+        found += benchmark_violations(path.read_text(), str(path.relative_to(ROOT)))
+    assert not found, "benchmarks:\n" + "\n".join(found)
+
+
+# --- the checkers themselves can fail -------------------------------------------------------------------
+
+
+BAD_LIBRARY = '''
+import numpy as np
+from dtrain import codec
+
+def serve():
+    from coordinator.server import serve as inner  # inside a function
+    return inner
+'''
+
+
+def test_checker_finds_an_upward_import_inside_a_function() -> None:
+    found = layering_violations(BAD_LIBRARY, "dtrain/fake.py", "dtrain.fake")
+    assert found == ["dtrain/fake.py:6: import coordinator.server: dtrain/ must not import coordinator/ "
+                     "(it may import dtrain/)"]
+
+
+@pytest.mark.parametrize("module, source, bad", [
+    ("dtrain.x", "import workers.island", "workers/"),
+    ("dtrain.x", "import dtrain_cli.main as m", "dtrain_cli/"),
+    ("dtrain.x", "import importlib\nimportlib.import_module('coordinator.state')", "coordinator/"),
+    ("dtrain.x", "cmd = ['python', '-m', 'workers.island']", "workers/"),
+    ("coordinator.server", "from workers.client import CoordinatorClient", "workers/"),
+    ("coordinator.server", "from dtrain_cli.simulate import run_simulation", "dtrain_cli/"),
+    ("workers.island", "if True:\n    from coordinator import merger", "coordinator/"),
+    ("workers.island", "from dtrain_cli import main", "dtrain_cli/"),
+])
+def test_checker_names_each_forbidden_direction(module: str, source: str, bad: str) -> None:
+    found = layering_violations(source, "f.py", module)
+    assert len(found) == 1 and f"must not import {bad}" in found[0], found
+
+
+def test_checker_resolves_relative_imports() -> None:
+    assert layering_violations("from ..coordinator import server", "dtrain/x.py", "dtrain.x") == [
+        "dtrain/x.py:1: relative import '<beyond the top level>.coordinator' climbs out of dtrain/"]
+    assert layering_violations("from . import state\nfrom .merger import Merger", "coordinator/server.py",
+                               "coordinator.server") == []
+    assert layering_violations("from . import main", "dtrain_cli/__init__.py", "dtrain_cli", is_package=True) == []
+
+
+def test_checker_allows_the_layers_own_directions() -> None:
+    assert layering_violations("from dtrain import codec\nimport grpc\nimport numpy", "c.py", "coordinator.x") == []
+    assert layering_violations("from coordinator.server import serve\nfrom workers.island import run_worker\n"
+                               "from dtrain.config import Config", "m.py", "dtrain_cli.main") == []
+
+
+@pytest.mark.parametrize("source, what", [
+    ("from coordinator.server import _helper", "private names"),
+    ("from dtrain import codec\nx = codec._table", "codec._table"),
+    ("import dtrain.wire\nx = dtrain.wire._limit", "dtrain.wire._limit"),
+    ("import coordinator.server as srv\nsrv._helper()", "srv._helper"),
+    ("import sys\nsys.path.insert(0, 'x')", "sys.path"),
+    ("import os\nenv = {**os.environ, 'PYTHONPATH': '.'}", "PYTHONPATH"),
+])
+def test_benchmark_checker_finds_private_names_and_path_edits(source: str, what: str) -> None:
+    found = benchmark_violations(source, "benchmarks/b.py")
+    assert len(found) == 1 and what in found[0], found
+
+
+def test_benchmark_checker_allows_public_names_and_other_privates() -> None:
+    ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.server import merge_options\n"
+          "class A:\n    def f(self):\n        return self._log, codec.encode, sys.executable\n")
+    assert benchmark_violations(ok, "benchmarks/b.py") == []
