@@ -60,7 +60,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is a
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 RAW_SERVICE, RAW_METHOD = "dtrain.bench.Raw", "Push"
 START_TIMEOUT_S = 300.0
@@ -524,7 +524,7 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     coordinator's malloc settings, as in the service)."""
     import zlib
 
-    from coordinator.merger import Merger, MergeOptions
+    from coordinator.merger import MergeOptions, Merger
     from coordinator.server import return_large_frees_to_the_os
 
     return_large_frees_to_the_os()

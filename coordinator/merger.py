@@ -39,10 +39,11 @@ import dataclasses
 import os
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -250,7 +251,7 @@ class Merger:
 
     # -- incoming deltas ----------------------------------------------------------------------------
 
-    def spool(self) -> "Spool":
+    def spool(self) -> Spool:
         """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
         with self._spare_lock:
             spare = self._spare_spools.pop() if self._spare_spools else None
@@ -265,11 +266,11 @@ class Merger:
                 return True
         return False
 
-    def validate(self, spool: "Spool") -> None:
+    def validate(self, spool: Spool) -> None:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
-    def add_pending(self, spool: "Spool", weight: float) -> None:
+    def add_pending(self, spool: Spool, weight: float) -> None:
         """Makes the push one of those the next outer step merges, with ``weight``: the merger takes over the
         spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
         summed it)."""
@@ -470,7 +471,7 @@ class Spool:
         os.close(fd)
         self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "Spool":
+    def __enter__(self) -> Spool:
         return self
 
     def __exit__(self, *exc: object) -> None:

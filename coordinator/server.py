@@ -18,14 +18,16 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
-from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
+from coordinator.merger import MergeOptions, Merger
+from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.config import Config
@@ -33,9 +35,20 @@ from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
-from dtrain.wire import (SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
-                         server_credentials)
+from dtrain.wire import (
+    SERVICE,
+    FrameReceiver,
+    TokenAuthInterceptor,
+    WireError,
+    channel_options,
+    chunk_count,
+    chunk_deserializer,
+    chunk_message,
+    max_frame_bytes,
+    read_token,
+    serialize,
+    server_credentials,
+)
 
 MAX_PULL_WAIT_S = 30.0
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}

@@ -50,7 +50,6 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
-
 from dtrain.outer import staleness_weight
 
 MAX_PUSH_IDS = 100_000

@@ -16,8 +16,8 @@ import numpy as np
 from dtrain import config, data
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
-from dtrain.errors import DtrainError
 from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.errors import DtrainError
 from dtrain.outer import OuterHParams
 from dtrain.runlog import RunLog, fmt_rate
 from dtrain.setup import Setup, prepare

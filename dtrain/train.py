@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtrain.config import Config, ConfigError, TrainConfig
 from dtrain.model import ApplyFn, BuiltModel, Params

@@ -9,8 +9,9 @@ from __future__ import annotations
 import hmac
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -175,7 +176,7 @@ class RawChunk:
         self.index, self.data, self.crc32 = index, data, crc32
 
     @property
-    def chunk(self) -> "RawChunk":
+    def chunk(self) -> RawChunk:
         return self
 
     def WhichOneof(self, group: str) -> str:  # noqa: N802 - protobuf's name

@@ -10,8 +10,16 @@ import jax
 import pytest
 
 from conftest import CONFIG_DIR, TINY
-from dtrain.config import (SECTIONS, Config, ConfigError, load_config, parse_override, replace, resolve_config_path,
-                           to_toml)
+from dtrain.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+    replace,
+    resolve_config_path,
+    to_toml,
+)
 from dtrain.train import make_mesh
 
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dtrain.config import DataConfig
-from dtrain.data import (Corpus, DataError, SequenceStream, eval_batches, island_shards, load_corpus, split)
+from dtrain.data import Corpus, DataError, SequenceStream, eval_batches, island_shards, load_corpus, split
 
 VOCAB = 65536
 SEQ = 16

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator import merger as merger_mod
-from coordinator.merger import Merger, MergeOptions
+from coordinator.merger import MergeOptions, Merger
 from dtrain import codec, config
 from dtrain.config import Config
 from dtrain.outer import OuterHParams

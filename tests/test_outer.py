@@ -13,8 +13,17 @@ from conftest import TINY
 from dtrain import model, outer
 from dtrain.config import load_config
 from dtrain.data import SequenceStream, load_corpus
-from dtrain.diloco import (Island, advance, diloco_round, init_outer, merge_deltas, outer_step, pseudo_gradient,
-                           record_loss, round_lengths)
+from dtrain.diloco import (
+    Island,
+    advance,
+    diloco_round,
+    init_outer,
+    merge_deltas,
+    outer_step,
+    pseudo_gradient,
+    record_loss,
+    round_lengths,
+)
 from dtrain.outer import OuterHParams
 from dtrain.train import InnerLoop, make_mesh
 

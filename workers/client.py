@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -20,9 +21,22 @@ from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
-                         auth_metadata, channel_credentials, channel_options, chunk_deserializer, chunk_message,
-                         frame_chunks, method_path, read_token, serialize)
+from dtrain.wire import (
+    HEARTBEAT_DEADLINE_S,
+    JOIN_DEADLINE_S,
+    STATUS_DEADLINE_S,
+    FrameReceiver,
+    WireError,
+    auth_metadata,
+    channel_credentials,
+    channel_options,
+    chunk_deserializer,
+    chunk_message,
+    frame_chunks,
+    method_path,
+    read_token,
+    serialize,
+)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
