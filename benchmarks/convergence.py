@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                    for i in range(N)]
         global_vec, wire, curve = theta_w.copy(), 0, []
         for steps in round_lengths(T, H):
-            for isl, ef in zip(islands, feedback):
+            for isl, ef in zip(islands, feedback, strict=True):
                 isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
                 before = isl.tokens
                 advance(loop, isl, steps, B, record_loss)

@@ -374,7 +374,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
             for call in calls:  # connect first (dtrain's islands have joined before they push)
                 call(iter([b"x"]), timeout=60)
             walls = []
-            for r in range(repeats):
+            for _ in range(repeats):
                 res = _concurrent(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
                 for _, _, got in res:
                     if int.from_bytes(got, "little") != per_stream:

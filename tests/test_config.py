@@ -239,7 +239,7 @@ def test_to_toml_round_trip_non_defaults(tmp_path: Path):
                              "data.source=/x/y z.txt", "outer.staleness_alpha=0.25", "train.min_lr_ratio=1e-5"])
     text = to_toml(cfg)
     # every field of every section is written, with its comment
-    for section, cls in SECTIONS.items():
+    for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):
             assert any(line.startswith(f"{f.name} = ") and f.metadata["help"] in line for line in text.splitlines())
     out = tmp_path / "resolved.toml"
