@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -104,9 +104,14 @@ class CoordinatorClient:
                              fingerprint_fields=self.cfg.fingerprint_fields())
         return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
-    def heartbeat(self, budget_s: float | None = None, **fields: object) -> pb.HeartbeatResponse:
-        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try)."""
-        req = pb.HeartbeatRequest(**fields)
+    def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,
+                  tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
+                  pending_push_id: str = "") -> pb.HeartbeatResponse:
+        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
+        are the fields of the HeartbeatRequest; left out, a field keeps the proto's default."""
+        req = pb.HeartbeatRequest(island_id=island_id, version=version, steps=steps, tokens=tokens,
+                                  steps_per_s=steps_per_s, params_digest=params_digest, bad_devices=bad_devices,
+                                  pending_push_id=pending_push_id)
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
