@@ -114,7 +114,7 @@ def pieces(f: BinaryIO, piece_bytes: int) -> Iterator[bytes]:
 
 
 def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")  # ndarray.data: the array's buffer as a memoryview, no copy
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
@@ -124,7 +124,7 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 def _write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(buf).cast("B")
+    view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
@@ -49,6 +49,9 @@ from dtrain.wire import (
     serialize,
     server_credentials,
 )
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
@@ -145,14 +148,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         self.log.event("request_rejected", code=code.name, reason=message)
         context.abort(code, message)
 
-    def _decide(self, context: grpc.ServicerContext, decision: Callable[..., Any], *args: Any) -> Any:
+    def _decide(self, context: grpc.ServicerContext, decision: Callable[P, R], *args: P.args,
+                **kwargs: P.kwargs) -> R:
         """Calls a state-machine method; a refusal (StateError) becomes the gRPC status its code names."""
         try:
-            return decision(*args)
+            return decision(*args, **kwargs)
         except StateError as e:
             self._abort(context, _CODES[e.code], str(e))
             raise  # unreachable: abort raises
@@ -332,7 +336,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
                                     reason=admission.reason, weight=admission.weight)
 
-    def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage]:
+    def PullGlobal(self, request: pb.PullRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
         if not 0 <= request.wait_s <= 3600:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
         with self.lock:
