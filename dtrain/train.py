@@ -90,7 +90,7 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
     if fsdp > 1:
         for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
             if shape[dim] % fsdp == 0 and shape[dim] >= fsdp:
-                spec = [None] * len(shape)
+                spec: list[str | None] = [None] * len(shape)
                 spec[dim] = "fsdp"
                 return P(*spec)
     return P()
