@@ -453,7 +453,7 @@ class Spool:
         _write_from(self.fd, data, self._offset)
         self._offset += len(data)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         """Feeds frame bytes; raises CodecError as soon as something is wrong."""
         self._validator.feed(data)
         self.size += len(data)

@@ -38,6 +38,7 @@ from dtrain.runlog import RunLog
 from dtrain.wire import (
     SERVICE,
     FrameReceiver,
+    RawChunk,
     TokenAuthInterceptor,
     WireError,
     channel_options,
@@ -273,10 +274,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
                                     reason=reason, push_unknown=unknown)
 
-    def PushDelta(self, request_iterator: Iterator[pb.PushMessage],
+    def PushDelta(self, request_iterator: Iterator[pb.PushMessage | RawChunk],
                   context: grpc.ServicerContext) -> pb.PushDeltaResponse:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        first = next(request_iterator, None)  # chunks arrive as RawChunk (wire.chunk_deserializer)
+        if first is None or isinstance(first, RawChunk) or first.WhichOneof("kind") != "header":
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
         h = first.header
         # Checked here, not by the state machine: whether a payload fits the model's parameter tree is a

@@ -26,6 +26,7 @@ from dtrain.wire import (
     JOIN_DEADLINE_S,
     STATUS_DEADLINE_S,
     FrameReceiver,
+    RawChunk,
     WireError,
     auth_metadata,
     channel_credentials,
@@ -148,12 +149,12 @@ class CoordinatorClient:
             out: list[PulledFrame] = []
             header: pb.PullHeader | None = None
             receiver: FrameReceiver | None = None
-            parts: list[bytes] = []
+            parts: list[bytes | memoryview] = []
             limit = max_frame or self.cfg.coordinator.max_message_bytes * (1 << 12)
             stream = self._pull_global(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
                                        metadata=self.metadata)
-            for msg in stream:
-                if msg.WhichOneof("kind") == "header":
+            for msg in stream:  # chunks arrive as RawChunk (wire.chunk_deserializer)
+                if not isinstance(msg, RawChunk) and msg.WhichOneof("kind") == "header":
                     if receiver is not None:
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a header before the last frame ended")
                     header = msg.header
