@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
@@ -30,7 +30,7 @@ from coordinator.merger import MergeOptions, Merger
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, CoordinatorConfig
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
@@ -50,6 +50,9 @@ from dtrain.wire import (
     serialize,
     server_credentials,
 )
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -93,7 +96,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
 
             # Synchronous: a save hard-links the version's θ/momentum files (FileArraysHandler), O(1).
-            self.ckpt: Any = Checkpointer(ckpt_dir, keep=2, async_save=False)
+            self.ckpt: Checkpointer | None = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
         try:
@@ -119,6 +122,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version = 0
         meta: dict[str, Any] = {}
         if resume:
+            assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
             version, files, meta = self.ckpt.restore_files()
             missing = {"theta", "momentum"} - set(files)
             if missing:
@@ -403,7 +407,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     c = cfg.coordinator
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
-    interceptors: list[Any] = [TokenAuthInterceptor(token)] if token else []
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
@@ -422,7 +426,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     return server, service, bound
 
 
-def server_options(c: Any) -> list[tuple[str, Any]]:
+def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
     """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
     fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
     decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
@@ -433,7 +437,7 @@ def server_options(c: Any) -> list[tuple[str, Any]]:
     return opts
 
 
-def service_handler(service: Any) -> grpc.GenericRpcHandler:
+def service_handler(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHandler:
     """The Coordinator service's handlers, one per method of the proto's service: the generated
     ``add_CoordinatorServicer_to_server`` with two differences. Responses go through ``wire.serialize``, so a
     pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
