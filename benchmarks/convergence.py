@@ -31,18 +31,17 @@ import time
 os.environ.setdefault("XLA_FLAGS", "")  # before JAX: no fake devices here, one CPU device per process
 
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from coordinator.merger import Merger, MergeOptions  # noqa: E402
-from dtrain import codec, config  # noqa: E402
-from dtrain.config import load_config  # noqa: E402
-from dtrain.diloco import (ConcatStream, Island, advance, diloco_round, init_outer, record_loss,  # noqa: E402
-                           round_lengths)
-from dtrain.outer import OuterHParams  # noqa: E402
-from dtrain.runs import FP32_BYTES  # noqa: E402
-from dtrain.setup import prepare  # noqa: E402
-from dtrain.train import InnerLoop, make_mesh  # noqa: E402
+from coordinator.merger import MergeOptions, Merger
+from dtrain import codec, config
+from dtrain.config import load_config
+from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.outer import OuterHParams
+from dtrain.runs import FP32_BYTES
+from dtrain.setup import prepare
+from dtrain.train import InnerLoop, make_mesh
 
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                    for i in range(N)]
         global_vec, wire, curve = theta_w.copy(), 0, []
         for steps in round_lengths(T, H):
-            for isl, ef in zip(islands, feedback):
+            for isl, ef in zip(islands, feedback, strict=True):
                 isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
                 before = isl.tokens
                 advance(loop, isl, steps, B, record_loss)

@@ -60,7 +60,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is a
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 RAW_SERVICE, RAW_METHOD = "dtrain.bench.Raw", "Push"
 START_TIMEOUT_S = 300.0
@@ -374,7 +374,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
             for call in calls:  # connect first (dtrain's islands have joined before they push)
                 call(iter([b"x"]), timeout=60)
             walls = []
-            for r in range(repeats):
+            for _ in range(repeats):
                 res = _concurrent(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
                 for _, _, got in res:
                     if int.from_bytes(got, "little") != per_stream:
@@ -524,7 +524,7 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     coordinator's malloc settings, as in the service)."""
     import zlib
 
-    from coordinator.merger import Merger, MergeOptions
+    from coordinator.merger import MergeOptions, Merger
     from coordinator.server import return_large_frees_to_the_os
 
     return_large_frees_to_the_os()

@@ -39,10 +39,11 @@ import dataclasses
 import os
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def pieces(f: BinaryIO, piece_bytes: int) -> Iterator[bytes]:
 
 
 def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")  # ndarray.data: the array's buffer as a memoryview, no copy
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
@@ -123,7 +124,7 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 def _write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(buf).cast("B")
+    view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -250,7 +251,7 @@ class Merger:
 
     # -- incoming deltas ----------------------------------------------------------------------------
 
-    def spool(self) -> "Spool":
+    def spool(self) -> Spool:
         """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
         with self._spare_lock:
             spare = self._spare_spools.pop() if self._spare_spools else None
@@ -265,11 +266,11 @@ class Merger:
                 return True
         return False
 
-    def validate(self, spool: "Spool") -> None:
+    def validate(self, spool: Spool) -> None:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
-    def add_pending(self, spool: "Spool", weight: float) -> None:
+    def add_pending(self, spool: Spool, weight: float) -> None:
         """Makes the push one of those the next outer step merges, with ``weight``: the merger takes over the
         spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
         summed it)."""
@@ -452,7 +453,7 @@ class Spool:
         _write_from(self.fd, data, self._offset)
         self._offset += len(data)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         """Feeds frame bytes; raises CodecError as soon as something is wrong."""
         self._validator.feed(data)
         self.size += len(data)
@@ -470,7 +471,7 @@ class Spool:
         os.close(fd)
         self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "Spool":
+    def __enter__(self) -> Spool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,24 +18,44 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
 
-from coordinator.merger import Merger, MergeOptions, pieces as file_pieces
+from coordinator.merger import MergeOptions, Merger
+from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, CoordinatorConfig
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
-from dtrain.wire import (SERVICE, FrameReceiver, TokenAuthInterceptor, WireError, channel_options,
-                         chunk_count, chunk_deserializer, chunk_message, max_frame_bytes, read_token, serialize,
-                         server_credentials)
+from dtrain.wire import (
+    SERVICE,
+    FrameReceiver,
+    RawChunk,
+    TokenAuthInterceptor,
+    WireError,
+    channel_options,
+    chunk_count,
+    chunk_deserializer,
+    chunk_message,
+    max_frame_bytes,
+    read_token,
+    serialize,
+    server_credentials,
+)
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
@@ -76,7 +96,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
 
             # Synchronous: a save hard-links the version's θ/momentum files (FileArraysHandler), O(1).
-            self.ckpt: Any = Checkpointer(ckpt_dir, keep=2, async_save=False)
+            self.ckpt: Checkpointer | None = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
         try:
@@ -102,6 +122,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version = 0
         meta: dict[str, Any] = {}
         if resume:
+            assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
             version, files, meta = self.ckpt.restore_files()
             missing = {"theta", "momentum"} - set(files)
             if missing:
@@ -132,14 +153,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         self.log.event("request_rejected", code=code.name, reason=message)
         context.abort(code, message)
 
-    def _decide(self, context: grpc.ServicerContext, decision: Callable[..., Any], *args: Any) -> Any:
+    def _decide(self, context: grpc.ServicerContext, decision: Callable[P, R], *args: P.args,
+                **kwargs: P.kwargs) -> R:
         """Calls a state-machine method; a refusal (StateError) becomes the gRPC status its code names."""
         try:
-            return decision(*args)
+            return decision(*args, **kwargs)
         except StateError as e:
             self._abort(context, _CODES[e.code], str(e))
             raise  # unreachable: abort raises
@@ -256,10 +278,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
                                     reason=reason, push_unknown=unknown)
 
-    def PushDelta(self, request_iterator: Iterator[pb.PushMessage],
+    def PushDelta(self, request_iterator: Iterator[pb.PushMessage | RawChunk],
                   context: grpc.ServicerContext) -> pb.PushDeltaResponse:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        first = next(request_iterator, None)  # chunks arrive as RawChunk (wire.chunk_deserializer)
+        if first is None or isinstance(first, RawChunk) or first.WhichOneof("kind") != "header":
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
         h = first.header
         # Checked here, not by the state machine: whether a payload fits the model's parameter tree is a
@@ -319,7 +341,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
                                     reason=admission.reason, weight=admission.weight)
 
-    def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage]:
+    def PullGlobal(self, request: pb.PullRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
         if not 0 <= request.wait_s <= 3600:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
         with self.lock:
@@ -384,7 +407,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     c = cfg.coordinator
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
-    interceptors: list[Any] = [TokenAuthInterceptor(token)] if token else []
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
@@ -403,7 +426,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     return server, service, bound
 
 
-def server_options(c: Any) -> list[tuple[str, Any]]:
+def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
     """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
     fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
     decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
@@ -414,7 +437,7 @@ def server_options(c: Any) -> list[tuple[str, Any]]:
     return opts
 
 
-def service_handler(service: Any) -> grpc.GenericRpcHandler:
+def service_handler(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHandler:
     """The Coordinator service's handlers, one per method of the proto's service: the generated
     ``add_CoordinatorServicer_to_server`` with two differences. Responses go through ``wire.serialize``, so a
     pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed

@@ -50,7 +50,6 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
-
 from dtrain.outer import staleness_weight
 
 MAX_PUSH_IDS = 100_000
@@ -487,6 +486,7 @@ class CoordinatorState:
             lost = f" (+{extra} from islands no longer live)" if extra else ""
             return True, f"all {len(live)} live islands pushed{lost}"
         quorum = self.opts.coordinator.min_quorum or len(live)
+        assert self._first_pending is not None, "pushes are pending, so the first one's time is set"
         grace_end = self._first_pending + self.opts.coordinator.grace_s
         if n >= quorum and now >= grace_end:
             return True, (f"quorum {n} of {len(live)} after {self.opts.coordinator.grace_s:g}s grace "

@@ -38,7 +38,7 @@ class FileArraysHandler(ocp.CheckpointHandler):
     max_to_keep.
     """
 
-    def save(self, directory: Any, args: "FileArraysSave") -> None:
+    def save(self, directory: Any, args: FileArraysSave) -> None:
         directory = Path(directory)
         manifest = {}
         for name, path in args.files.items():
@@ -50,7 +50,7 @@ class FileArraysHandler(ocp.CheckpointHandler):
             manifest[name] = {"file": dest.name, "dtype": "<f4", "length": Path(path).stat().st_size // 4}
         (directory / _MANIFEST).write_text(json.dumps(manifest, indent=1))
 
-    def restore(self, directory: Any, args: "FileArraysRestore | None" = None) -> dict[str, Path]:
+    def restore(self, directory: Any, args: FileArraysRestore | None = None) -> dict[str, Path]:
         directory = Path(directory)
         try:
             manifest = json.loads((directory / _MANIFEST).read_text())

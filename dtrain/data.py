@@ -133,6 +133,15 @@ def split(corpus: Corpus, eval_fraction: float, seq_len: int) -> Split:
     return Split(train=corpus.tokens[: n - n_eval], eval=corpus.tokens[n - n_eval:])
 
 
+@lru_cache(maxsize=4)
+def _window_permutation(seed: int, epoch: int, n_windows: int) -> np.ndarray:
+    """The order of a stream's windows in ``epoch``. Cached here, keyed by the arguments, not on the stream (an
+    ``lru_cache`` on the method would keep the last streams and their tokens alive); read-only, as it is shared."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n_windows)
+    perm.flags.writeable = False
+    return perm
+
+
 class SequenceStream:
     """Deterministic, resumable batches of windows from one token shard.
 
@@ -150,17 +159,13 @@ class SequenceStream:
             raise DataError(f"{name}: {len(tokens)} tokens hold no window of seq_len+1={seq_len + 1}; "
                             "use a larger corpus (data.max_bytes) or fewer islands")
 
-    @lru_cache(maxsize=4)
-    def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-
     def window_ids(self, cursor: int, count: int) -> np.ndarray:
         pos = np.arange(cursor, cursor + count)
         epochs, idx = np.divmod(pos, self.n_windows)
         out = np.empty(count, np.int64)
         for e in np.unique(epochs):
             sel = epochs == e
-            out[sel] = self._perm(int(e))[idx[sel]]
+            out[sel] = _window_permutation(self.seed, int(e), self.n_windows)[idx[sel]]
         return out
 
     def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray:

@@ -15,9 +15,10 @@ coordinator's merger) over the pytree and applies it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp

@@ -10,8 +10,9 @@ arrays, which is what the optimizers, the codecs and the checkpoints see.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

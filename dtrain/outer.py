@@ -16,8 +16,9 @@ imports JAX, so nothing here may.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -76,7 +77,7 @@ def merge_weights(tokens: Sequence[float], staleness: Sequence[int] | None = Non
     stale = [0] * len(tokens) if staleness is None else list(staleness)
     if len(stale) != len(tokens):
         raise ValueError(f"need one staleness per token count, got {len(stale)} and {len(tokens)}")
-    w = np.array([staleness_weight(t, s, alpha) for t, s in zip(tokens, stale)], np.float64)
+    w = np.array([staleness_weight(t, s, alpha) for t, s in zip(tokens, stale, strict=True)], np.float64)
     total = w.sum()
     if not total > 0:
         raise ValueError(f"merge weights must have a positive sum, got tokens={list(tokens)}")

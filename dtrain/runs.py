@@ -16,8 +16,8 @@ import numpy as np
 from dtrain import config, data
 from dtrain.checkpoint import Checkpointer, CheckpointError
 from dtrain.config import Config
-from dtrain.errors import DtrainError
 from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.errors import DtrainError
 from dtrain.outer import OuterHParams
 from dtrain.runlog import RunLog, fmt_rate
 from dtrain.setup import Setup, prepare
@@ -141,8 +141,9 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
     params0 = s.loop.init_params(cfg.run.seed)
     global_state = init_outer(params0)
     isl = [Island(index=i, state=s.loop.init_state(params0), stream=s.shards[i].stream) for i in range(islands)]
-    for i in isl:
-        log.event("island_joined", island=i.index, shard_tokens=[s.shards[i.index].start, s.shards[i.index].stop])
+    for island in isl:
+        log.event("island_joined", island=island.index,
+                  shard_tokens=[s.shards[island.index].start, s.shards[island.index].stop])
     model_bytes = s.n_params * FP32_BYTES
     bytes_up = [0] * islands
     bytes_down = [0] * islands
@@ -176,7 +177,7 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
     log.event("run_finished", final_eval_loss=final_eval, wall_s=wall)
     log.write_summary(summary)
     log.progress(f"done: {len(lengths)} rounds, eval loss {final_eval:.4f}, {summary['tokens']:,} tokens, "
-                 f"{(summary['bytes_up'] + summary['bytes_down']) / 1e6:.1f} MB exchanged, {wall:.1f}s "
+                 f"{(sum(bytes_up) + sum(bytes_down)) / 1e6:.1f} MB exchanged, {wall:.1f}s "
                  f"-> {out / 'summary.json'}")
     log.close()
     return summary

@@ -153,9 +153,9 @@ def _converter(tp: Any, partial: bool) -> Convert:
             if not isinstance(value, list) or len(value) != len(fields):
                 raise SchemaError((), f"expected a list of {len(fields)} fields [{names}], got {value!r}")
             try:
-                return tp(*[convert(x) for (_, convert), x in zip(fields, value)])
+                return tp(*[convert(x) for (_, convert), x in zip(fields, value, strict=True)])
             except SchemaError:
-                _locate((name, convert, x) for (name, convert), x in zip(fields, value))
+                _locate((name, convert, x) for (name, convert), x in zip(fields, value, strict=True))
         return row
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         members = [(name, _converter(hint, partial), has_default) for name, hint, has_default in _fields(tp)]

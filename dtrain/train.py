@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtrain.config import Config, ConfigError, TrainConfig
 from dtrain.model import ApplyFn, BuiltModel, Params
@@ -89,7 +90,7 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
     if fsdp > 1:
         for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
             if shape[dim] % fsdp == 0 and shape[dim] >= fsdp:
-                spec = [None] * len(shape)
+                spec: list[str | None] = [None] * len(shape)
                 spec[dim] = "fsdp"
                 return P(*spec)
     return P()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import hmac
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from dtrain import codec
 from dtrain.config import SecurityConfig
@@ -78,8 +80,8 @@ def channel_credentials(sec: SecurityConfig) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(ca)
 
 
-def channel_options(max_message_bytes: int, server_name: str = "") -> list[tuple[str, Any]]:
-    opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
+def channel_options(max_message_bytes: int, server_name: str = "") -> list[tuple[str, int | str]]:
+    opts: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", max_message_bytes),
                                    ("grpc.max_send_message_length", max_message_bytes)]
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
@@ -92,21 +94,24 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        def deny(_request: object, context: grpc.ServicerContext) -> NoReturn:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
                           "(set the token in the environment variable named by security.token_env)")
 
-        self._deny = {
+        # Any: one handler per streaming kind serves every method, whatever its message types.
+        self._deny: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
             (False, False): grpc.unary_unary_rpc_method_handler(deny),
             (True, False): grpc.stream_unary_rpc_method_handler(deny),
             (False, True): grpc.unary_stream_rpc_method_handler(deny),
             (True, True): grpc.stream_stream_rpc_method_handler(deny),
         }
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+    def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         got = ""
         for key, value in details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
+            if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"
                 got = value
         if hmac.compare_digest(got.encode(), self._expected):
             return continuation(details)
@@ -165,6 +170,9 @@ def chunk_message(index: int, data: bytes | memoryview, crc32: int) -> bytes:
     return b"\x12" + _varint(len(fields) + len(data)) + fields + data
 
 
+M = TypeVar("M", bound=Message)
+
+
 class RawChunk:
     """A chunk message parsed without copying its data: ``data`` is a view into the received bytes. Quacks
     like the generated PushMessage/PullMessage holding a chunk (``WhichOneof("kind")``, ``.chunk``)."""
@@ -175,7 +183,7 @@ class RawChunk:
         self.index, self.data, self.crc32 = index, data, crc32
 
     @property
-    def chunk(self) -> "RawChunk":
+    def chunk(self) -> RawChunk:
         return self
 
     def WhichOneof(self, group: str) -> str:  # noqa: N802 - protobuf's name
@@ -224,16 +232,16 @@ def _chunk_fast(raw: bytes) -> RawChunk | None:
     return RawChunk(fields.get(0x08, 0), fields.get(0x12, memoryview(b"")), fields.get(0x18, 0))
 
 
-def chunk_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+def chunk_deserializer(message_class: type[M]) -> Callable[[bytes], RawChunk | M]:
     """Deserializer for PushMessage / PullMessage streams: chunks as :class:`RawChunk` (no copy of their
     data; the generated classes make two), anything else (headers, unusual encodings) by ``message_class``."""
-    def parse(raw: bytes) -> Any:
+    def parse(raw: bytes) -> RawChunk | M:
         fast = _chunk_fast(raw)
         return fast if fast is not None else message_class.FromString(raw)
     return parse
 
 
-def serialize(message: Any) -> bytes:
+def serialize(message: bytes | Message) -> bytes:
     """Serializer for the chunked streams: a pre-encoded message (:func:`chunk_message`) as is, anything
     else through protobuf."""
     return message if isinstance(message, bytes) else message.SerializeToString()
@@ -269,7 +277,7 @@ class FrameReceiver:
         self.size = 0
         self._crc = 0
 
-    def add(self, chunk: pb.Chunk) -> bytes:
+    def add(self, chunk: pb.Chunk | RawChunk) -> bytes | memoryview:
         if chunk.index != self.received:
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"chunk index {chunk.index} out of order: expected {self.received}")

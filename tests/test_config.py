@@ -10,8 +10,16 @@ import jax
 import pytest
 
 from conftest import CONFIG_DIR, TINY
-from dtrain.config import (SECTIONS, Config, ConfigError, load_config, parse_override, replace, resolve_config_path,
-                           to_toml)
+from dtrain.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+    replace,
+    resolve_config_path,
+    to_toml,
+)
 from dtrain.train import make_mesh
 
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
@@ -231,7 +239,7 @@ def test_to_toml_round_trip_non_defaults(tmp_path: Path):
                              "data.source=/x/y z.txt", "outer.staleness_alpha=0.25", "train.min_lr_ratio=1e-5"])
     text = to_toml(cfg)
     # every field of every section is written, with its comment
-    for section, cls in SECTIONS.items():
+    for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):
             assert any(line.startswith(f"{f.name} = ") and f.metadata["help"] in line for line in text.splitlines())
     out = tmp_path / "resolved.toml"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dtrain.config import DataConfig
-from dtrain.data import (Corpus, DataError, SequenceStream, eval_batches, island_shards, load_corpus, split)
+from dtrain.data import Corpus, DataError, SequenceStream, eval_batches, island_shards, load_corpus, split
 
 VOCAB = 65536
 SEQ = 16
@@ -38,7 +39,7 @@ def test_island_shards_disjoint_contiguous(tmp_path: Path, islands: int):
     size = len(parts.train) // islands
     assert [s.index for s in shards] == list(range(islands))
     assert shards[0].start == 0
-    for a, b in zip(shards, shards[1:]):
+    for a, b in itertools.pairwise(shards):
         assert a.stop == b.start
     for s in shards:
         assert s.stop - s.start == size

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dtrain import codec
+from dtrain.codec import params_digest
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.train import chunks
-from dtrain.codec import params_digest
 from workers.client import CoordinatorError, PulledFrame
 from workers.island import Exchange, GlobalParams, Puller, WorkerError
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action

@@ -11,6 +11,7 @@ project module, no ``sys.path`` (or child ``PYTHONPATH``) edits.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def imports(tree: ast.AST, module: str, is_package: bool = False) -> Iterator[tu
                 yield node.lineno, node.args[0].value, []
         elif isinstance(node, (ast.List, ast.Tuple)):
             items = node.elts
-            for flag, mod in zip(items, items[1:]):
+            for flag, mod in itertools.pairwise(items):
                 if isinstance(flag, ast.Constant) and flag.value == "-m" and isinstance(mod, ast.Constant) \
                         and isinstance(mod.value, str):
                     yield node.lineno, mod.value, []

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator import merger as merger_mod
-from coordinator.merger import Merger, MergeOptions
+from coordinator.merger import MergeOptions, Merger
 from dtrain import codec, config
 from dtrain.config import Config
 from dtrain.outer import OuterHParams
@@ -69,7 +69,7 @@ def hand_outer_steps(theta0: np.ndarray, rounds: list[tuple[list[np.ndarray], li
     """θ after each round, in float64: Δ = Σ w·Δ_i / Σ w; m = μ·m + Δ; θ -= lr·(Δ + μ·m) (Nesterov) or lr·m."""
     theta, m, out = theta0.astype(np.float64), np.zeros(theta0.size), []
     for deltas, weights in rounds:
-        delta = sum(w * d.astype(np.float64) for d, w in zip(deltas, weights)) / sum(weights)
+        delta = sum(w * d.astype(np.float64) for d, w in zip(deltas, weights, strict=True)) / sum(weights)
         m = mu * m + delta
         theta = theta - lr * (delta + mu * m if nesterov else m)
         out.append(theta)
@@ -84,8 +84,8 @@ def test_lossless_merge_matches_hand_computation(momentum, nesterov):
     tokens = [100.0, 200.0, 300.0]
     rounds = [([rng.normal(size=N).astype(np.float32) * 0.01 for _ in range(3)], tokens) for _ in range(4)]
     want = hand_outer_steps(theta, rounds, 0.7, momentum, nesterov)
-    for v, ((deltas, _), theta_v) in enumerate(zip(rounds, want), start=1):
-        for d, t in zip(deltas, tokens):
+    for v, ((deltas, _), theta_v) in enumerate(zip(rounds, want, strict=True), start=1):
+        for d, t in zip(deltas, tokens, strict=True):
             _push(m, d, t)
         update = m.outer_step()
         np.testing.assert_allclose(m.theta, theta_v, rtol=0, atol=1e-6)
@@ -228,9 +228,11 @@ def test_pending_sum_matches_dequantize_for_every_codec():
         m = Merger(np.zeros(N, np.float32), opts(up=name))
         assert m.opts.up_bits == bits
         vecs = [rng.normal(size=N).astype(np.float32) for _ in range(2)]
-        for v, w in zip(vecs, (0.25, 3.0)):
+        weights = (0.25, 3.0)
+        for v, w in zip(vecs, weights, strict=True):
             _push(m, v, w)
-        want = sum(np.float32(w) * codec.dequantize(codec.quantize(v, bits, BLOCK)) for v, w in zip(vecs, (0.25, 3.0)))
+        want = sum(np.float32(w) * codec.dequantize(codec.quantize(v, bits, BLOCK))
+                   for v, w in zip(vecs, weights, strict=True))
         np.testing.assert_allclose(m.pending_sum(), want, rtol=1e-6, atol=1e-6)
         assert m.total_weight == 3.25 and m.pending_count == 2
 
@@ -239,7 +241,7 @@ def test_pending_pushes_stay_spooled_until_the_outer_step_sums_them():
     rng = np.random.default_rng(11)
     m = Merger(np.zeros(N, np.float32), opts(up="int8", down="fp32", lr=1.0, momentum=0.0, nesterov=False))
     vecs = [rng.normal(size=N).astype(np.float32) for _ in range(3)]
-    for v, w in zip(vecs, (1.0, 2.0, 5.0)):
+    for v, w in zip(vecs, (1.0, 2.0, 5.0), strict=True):
         _push(m, v, w)
     assert len(list(m.spool_dir.glob("push-*.body"))) == 3 and m.pending_count == 3  # kept after their `with`
     m.outer_step()

@@ -13,8 +13,17 @@ from conftest import TINY
 from dtrain import model, outer
 from dtrain.config import load_config
 from dtrain.data import SequenceStream, load_corpus
-from dtrain.diloco import (Island, advance, diloco_round, init_outer, merge_deltas, outer_step, pseudo_gradient,
-                           record_loss, round_lengths)
+from dtrain.diloco import (
+    Island,
+    advance,
+    diloco_round,
+    init_outer,
+    merge_deltas,
+    outer_step,
+    pseudo_gradient,
+    record_loss,
+    round_lengths,
+)
 from dtrain.outer import OuterHParams
 from dtrain.train import InnerLoop, make_mesh
 
@@ -174,7 +183,7 @@ def test_outer_step_matches_numpy_and_optax(mu: float, nesterov: bool):
     as_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)  # noqa: E731
     state = init_outer(as_f32(theta0))
     oracle, opt_state = as_f32(theta0), tx.init(as_f32(theta0))
-    for v, (d, want) in enumerate(zip(deltas, expected), start=1):
+    for v, (d, want) in enumerate(zip(deltas, expected, strict=True), start=1):
         state = outer_step(state, as_f32(d), hp)
         updates, opt_state = tx.update(as_f32(d), opt_state)
         oracle = optax.apply_updates(oracle, updates)

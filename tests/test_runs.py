@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -80,7 +81,7 @@ def test_simulate_summary(simulate_run):
         assert i["bytes_down"] == (rounds - 1) * n_params * 4
         assert np.isfinite(i["final_train_loss"])
     shards = [i["shard_tokens"] for i in islands]
-    assert shards[0][0] == 0 and all(a[1] == b[0] for a, b in zip(shards, shards[1:]))  # disjoint, contiguous
+    assert shards[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(shards))  # disjoint, contiguous
     # the one line on stdout is the summary's headline
     line = json.loads(stdout.strip())
     assert line["final_eval_loss"] == summary["final_eval_loss"] and line["run_dir"] == str(rdir)

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import initial_parameters, initial_spec
 from coordinator.server import serve
-from dtrain.errors import CheckpointError
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import load_config, replace
+from dtrain.errors import CheckpointError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import auth_metadata, frame_chunks

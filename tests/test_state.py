@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 import pytest
-from conftest import TINY
 
+from conftest import TINY
 from coordinator.state import (
     Admission,
     CoordinatorState,

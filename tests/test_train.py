@@ -70,7 +70,7 @@ def test_single_device_reference_trains(equiv_inputs, single_device_reference):
     assert step == 6
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     moved = max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(params),
-                                                                          jax.tree.leaves(params0)))
+                                                                          jax.tree.leaves(params0), strict=True))
     assert moved > 1e-3  # the steps really changed the parameters, so equality below means something
 
 

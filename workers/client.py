@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -20,9 +21,23 @@ from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import (HEARTBEAT_DEADLINE_S, JOIN_DEADLINE_S, STATUS_DEADLINE_S, FrameReceiver, WireError,
-                         auth_metadata, channel_credentials, channel_options, chunk_deserializer, chunk_message,
-                         frame_chunks, method_path, read_token, serialize)
+from dtrain.wire import (
+    HEARTBEAT_DEADLINE_S,
+    JOIN_DEADLINE_S,
+    STATUS_DEADLINE_S,
+    FrameReceiver,
+    RawChunk,
+    WireError,
+    auth_metadata,
+    channel_credentials,
+    channel_options,
+    chunk_deserializer,
+    chunk_message,
+    frame_chunks,
+    method_path,
+    read_token,
+    serialize,
+)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
@@ -90,9 +105,14 @@ class CoordinatorClient:
                              fingerprint_fields=self.cfg.fingerprint_fields())
         return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
-    def heartbeat(self, budget_s: float | None = None, **fields: object) -> pb.HeartbeatResponse:
-        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try)."""
-        req = pb.HeartbeatRequest(**fields)
+    def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,
+                  tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
+                  pending_push_id: str = "") -> pb.HeartbeatResponse:
+        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
+        are the fields of the HeartbeatRequest; left out, a field keeps the proto's default."""
+        req = pb.HeartbeatRequest(island_id=island_id, version=version, steps=steps, tokens=tokens,
+                                  steps_per_s=steps_per_s, params_digest=params_digest, bad_devices=bad_devices,
+                                  pending_push_id=pending_push_id)
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
@@ -129,12 +149,12 @@ class CoordinatorClient:
             out: list[PulledFrame] = []
             header: pb.PullHeader | None = None
             receiver: FrameReceiver | None = None
-            parts: list[bytes] = []
+            parts: list[bytes | memoryview] = []
             limit = max_frame or self.cfg.coordinator.max_message_bytes * (1 << 12)
             stream = self._pull_global(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
                                        metadata=self.metadata)
-            for msg in stream:
-                if msg.WhichOneof("kind") == "header":
+            for msg in stream:  # chunks arrive as RawChunk (wire.chunk_deserializer)
+                if not isinstance(msg, RawChunk) and msg.WhichOneof("kind") == "header":
                     if receiver is not None:
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a header before the last frame ended")
                     header = msg.header

@@ -26,14 +26,52 @@ the update's frame with :func:`write_frame`; islands read it back with
 :func:`decode` and :func:`dequantize`.
 """
 
-from dtrain.codec.frame import (FORMAT_VERSION, HEADER_SIZE, MAGIC, FrameHeader, FrameValidator, compression_ratio,
-                                crc32_combine, decode, encode, write_frame)
-from dtrain.codec.quant import (CODEC_BITS, DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, Bits, ErrorFeedback, QuantizedVec,
-                                canonical_bits, check_block, check_codes, check_scales, dequantize, dequantize_add,
-                                dequantize_segment, error_feedback_step, n_scales, payload_len, payload_offset,
-                                quantize, quantize_segment)
-from dtrain.codec.spec import (CodecError, Hasher, Spec, flatten, hasher_digest, params_digest, params_hasher,
-                               spec_digest, spec_size, unflatten)
+from dtrain.codec.frame import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    FrameHeader,
+    FrameValidator,
+    compression_ratio,
+    crc32_combine,
+    decode,
+    encode,
+    write_frame,
+)
+from dtrain.codec.quant import (
+    CODEC_BITS,
+    DEFAULT_BLOCK,
+    MAX_BLOCK,
+    MIN_BLOCK,
+    Bits,
+    ErrorFeedback,
+    QuantizedVec,
+    canonical_bits,
+    check_block,
+    check_codes,
+    check_scales,
+    dequantize,
+    dequantize_add,
+    dequantize_segment,
+    error_feedback_step,
+    n_scales,
+    payload_len,
+    payload_offset,
+    quantize,
+    quantize_segment,
+)
+from dtrain.codec.spec import (
+    CodecError,
+    Hasher,
+    Spec,
+    flatten,
+    hasher_digest,
+    params_digest,
+    params_hasher,
+    spec_digest,
+    spec_size,
+    unflatten,
+)
 
 __all__ = [
     "CODEC_BITS",

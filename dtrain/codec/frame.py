@@ -59,8 +59,18 @@ from typing import Any, BinaryIO, Final
 import numpy as np
 import zstandard
 
-from dtrain.codec.quant import (MAX_BLOCK, MIN_BLOCK, Bits, QuantizedVec, canonical_bits, check_block, check_codes,
-                                check_scales, n_scales, payload_len)
+from dtrain.codec.quant import (
+    MAX_BLOCK,
+    MIN_BLOCK,
+    Bits,
+    QuantizedVec,
+    canonical_bits,
+    check_block,
+    check_codes,
+    check_scales,
+    n_scales,
+    payload_len,
+)
 from dtrain.codec.spec import CodecError
 
 __all__ = [
