@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
     p.add_argument("--no-pin", action="store_true", help="do not give each worker process its own share of "
                    "the CPUs (Linux; by default they are pinned, as islands own their hardware)")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
+                   help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
+                   "hang, kill-coordinator, cut, slow; e.g. kill:island-1@v3+10s (see dtrain_cli/faults.py)")
     p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
@@ -87,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                 if islands < 1:
                     raise ConfigError(f"--islands: must be >= 1, got {islands}")
                 if args.inprocess:
+                    if args.faults:
+                        raise ConfigError("--fault needs worker processes: drop --inprocess")
                     summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
                 else:
+                    from dtrain_cli.faults import parse_fault
                     from dtrain_cli.simulate import run_simulation
 
-                    summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin)
+                    faults = [parse_fault(text, islands) for text in args.faults]
+                    summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults)
         except (DataError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
             return 1

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dtrain import config as config_mod
 from dtrain.config import Config
 from dtrain.errors import DtrainError
-from dtrain.runlog import RunLog
+from dtrain.runlog import RunLog, read_events
+from dtrain_cli.faults import LINK_KINDS, FaultSpec, LinkProxy
 
 START_TIMEOUT_S = 120.0
 
@@ -48,110 +50,292 @@ def _pinned(cpus: list[int]) -> Callable[[], None]:
 
 
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
-                   env: dict[str, str] | None = None, pin: bool = True) -> dict[str, Any]:
+                   env: dict[str, str] | None = None, pin: bool = True,
+                   faults: Sequence[FaultSpec] = ()) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` worker processes; returns (and writes) the summary.
 
     ``pin``: give each worker its own share of this host's CPUs (:func:`cpu_shares`; Linux), as an island
     owns its hardware in production. Unpinned, 4 workers on 2 cores drift apart by 10-20% per round under
-    the scheduler and the fast ones wait for the slow ones; the coordinator is never pinned."""
+    the scheduler and the fast ones wait for the slow ones; the coordinator is never pinned.
+
+    ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
+    ``RUN_DIR/driver/events.jsonl`` and, with when it was detected and what was done, in the summary."""
     from dtrain.runs import new_run, run_dir
 
     if islands != cfg.outer.islands:
         cfg = config_mod.replace(cfg, outer={"islands": islands})
     if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
         raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
+    if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
+        raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
     cfg = new_run(cfg)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
-    resolved = out / "config.toml"
-    resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
-    log = RunLog(out / "driver", quiet=quiet)
-    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    t0 = time.perf_counter()
-    procs: list[tuple[str, subprocess.Popen]] = []
-    coord_log = open(out / "coordinator.log", "w")
-    coordinator = subprocess.Popen(_cli("coordinator", "--config", str(resolved), "--port", "0", "--run-dir", str(out)),
-                                   stdout=coord_log, stderr=subprocess.STDOUT, env=env)
+    sim = _Simulation(cfg, out, islands, quiet, {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, pin,
+                      list(faults))
     try:
-        info_path = out / "coordinator.json"
+        sim.run(timeout_s)
+    finally:
+        sim.stop_all()
+    return sim.summarize()
+
+
+class _Simulation:
+    """The driver's processes (a coordinator, N workers, their restarts) and the faults it injects."""
+
+    def __init__(self, cfg: Config, out: Path, islands: int, quiet: bool, env: dict[str, str], pin: bool,
+                 faults: list[FaultSpec]):
+        self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
+        self.resolved = out / "config.toml"
+        self.resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
+        self.log = RunLog(out / "driver", quiet=quiet)
+        self.names = [f"island-{i}" for i in range(islands)]
+        self.shares: list[list[int] | None] = [None] * islands
+        if pin and hasattr(os, "sched_setaffinity"):
+            self.shares = list(cpu_shares(islands, sorted(os.sched_getaffinity(0))))
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.gone: set[str] = set()  # islands killed for good (no restart): not waited for
+        self.stopped: set[str] = set()  # islands stopped by the driver after the run ended without them
+        self.coordinator: subprocess.Popen | None = None
+        self.port = 0
+        self.proxies: dict[str, LinkProxy] = {}
+        self.faults = faults
+        self.fired: list[dict[str, Any]] = []  # one record per injected fault
+        self.recoveries: list[tuple[float, Callable[[], None]]] = []  # (monotonic time, action)
+        self.t0 = time.perf_counter()
+        self.t_workers = 0.0
+        self.logs: list[Any] = []
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    def _start_coordinator(self, resume: bool) -> None:
+        clog = open(self.out / "coordinator.log", "a")
+        self.logs.append(clog)
+        info_path = self.out / "coordinator.json"
+        info_path.unlink(missing_ok=True)
+        args = ["coordinator", "--config", str(self.resolved), "--port", str(self.port), "--run-dir", str(self.out)]
+        self.coordinator = subprocess.Popen(_cli(*args, *(["--resume"] if resume else [])), stdout=clog,
+                                            stderr=subprocess.STDOUT, env=self.env)
+        t_start = time.perf_counter()
         while not info_path.exists():
-            if coordinator.poll() is not None:
-                raise SimulationError(f"the coordinator exited with status {coordinator.returncode}; "
-                                      f"see {out / 'coordinator.log'}")
-            if time.perf_counter() - t0 > START_TIMEOUT_S:
+            if self.coordinator.poll() is not None:
+                raise SimulationError(f"the coordinator exited with status {self.coordinator.returncode}; "
+                                      f"see {self.out / 'coordinator.log'}")
+            if time.perf_counter() - t_start > START_TIMEOUT_S:
                 raise SimulationError(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
-        info = json.loads(info_path.read_text())
-        address = f"{cfg.coordinator.host}:{info['port']}"
-        shares: list[list[int] | None] = [None] * islands
-        if pin and hasattr(os, "sched_setaffinity"):
-            shares = list(cpu_shares(islands, sorted(os.sched_getaffinity(0))))
-        log.progress(f"coordinator at {address}; starting {islands} workers"
-                     + (f", pinned to CPUs {shares}" if shares[0] is not None else ""))
-        for i in range(islands):
-            name = f"island-{i}"
-            wdir = out / "islands" / name
-            wdir.mkdir(parents=True)
-            wlog = open(wdir / "worker.log", "w")
-            share = shares[i]
-            p = subprocess.Popen(_cli("worker", "--config", str(resolved), "--coordinator", address, "--island", name,
-                                      "--run-dir", str(wdir)), stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                                 preexec_fn=None if share is None else _pinned(share))
-            procs.append((name, p))
-        deadline = time.perf_counter() + timeout_s
+        self.port = int(json.loads(info_path.read_text())["port"])
+
+    def _start_worker(self, name: str) -> None:
+        i = self.names.index(name)
+        wdir = self.out / "islands" / name
+        wdir.mkdir(parents=True, exist_ok=True)
+        wlog = open(wdir / "worker.log", "a")
+        self.logs.append(wlog)
+        port = self.proxies[name].port if name in self.proxies else self.port
+        share = self.shares[i]
+        self.workers[name] = subprocess.Popen(
+            _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
+                 "--island", name, "--run-dir", str(wdir)),
+            stdout=wlog, stderr=subprocess.STDOUT, env=self.env, preexec_fn=None if share is None else _pinned(share))
+
+    def run(self, timeout_s: float) -> None:
+        self._start_coordinator(resume=False)
+        address = f"{self.cfg.coordinator.host}:{self.port}"
+        for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS}):
+            self.proxies[name] = LinkProxy(self.port, self.cfg.coordinator.host)
+        self.log.progress(f"coordinator at {address}; starting {self.islands} workers"
+                          + (f", pinned to CPUs {self.shares}" if self.shares[0] is not None else "")
+                          + (f"; {len(self.faults)} fault(s) to inject" if self.faults else ""))
+        for name in self.names:
+            self._start_worker(name)
+        self.t_workers = time.perf_counter()
+        deadline = self.t_workers + timeout_s
         last_report = 0.0
-        while any(p.poll() is None for _, p in procs):
-            if time.perf_counter() > deadline:
+        pending = list(self.faults)
+        ended_at = 0.0
+        while self.recoveries or any(p.poll() is None for n, p in self.workers.items() if n not in self.gone):
+            now = time.perf_counter()
+            if now > deadline:
                 raise SimulationError(f"workers still running after {timeout_s:.0f}s")
-            if coordinator.poll() not in (None, 0):  # 0: it served the last version and shut down
-                raise SimulationError(f"the coordinator failed with status {coordinator.returncode}; "
-                                      f"see {out / 'coordinator.log'}")
-            if time.perf_counter() - last_report > 10:
-                last_report = time.perf_counter()
-                log.progress(f"{sum(p.poll() is None for _, p in procs)} workers running; "
-                             f"{_merged_versions(out)} versions merged")
+            version = _merged_versions(self.out)
+            for f in [f for f in pending if self._due(f, version, now)]:
+                pending.remove(f)
+                self._inject(f, version)
+            for due, action in [r for r in self.recoveries if r[0] <= now]:
+                self.recoveries.remove((due, action))
+                action()
+            coord = self.coordinator
+            restarting = any(f["kind"] == "kill-coordinator" and f.get("recovered_t") is None for f in self.fired)
+            if coord is not None and coord.poll() not in (None, 0) and not restarting:
+                raise SimulationError(f"the coordinator failed with status {coord.returncode}; "
+                                      f"see {self.out / 'coordinator.log'}")
+            if coord is not None and coord.poll() == 0 and not self.recoveries:
+                # The run is over and the coordinator has gone: an island that was away (hung, cut off) can no
+                # longer learn that from it. Give it a few leases to finish, then stop it.
+                ended_at = ended_at or now
+                if now - ended_at > max(5.0, 2 * self.cfg.coordinator.lease_s):
+                    self._stop_stragglers()
+            if now - last_report > 10:
+                last_report = now
+                running = sum(p.poll() is None for p in self.workers.values())
+                self.log.progress(f"{running} workers running; {version} versions merged")
             time.sleep(0.2)
-        failed = [(n, p.returncode) for n, p in procs if p.returncode != 0]
+        for f in pending:
+            self.log.event("fault_not_injected", fault=f.text, reason="the run ended first")
+        failed = [(n, p.returncode) for n, p in self.workers.items()
+                  if p.returncode != 0 and n not in self.gone | self.stopped]
         if failed:
             raise SimulationError("workers failed: " + "; ".join(
-                f"{n} (status {rc}: {_last_line(out / 'islands' / n / 'worker.log')}; see islands/{n}/worker.log)"
+                f"{n} (status {rc}: {_last_line(self.out / 'islands' / n / 'worker.log')}; see islands/{n}/worker.log)"
                 for n, rc in failed))
-        if coordinator.poll() is None:
-            coordinator.terminate()
-        if coordinator.wait(timeout=60) not in (0, -15):
-            raise SimulationError(f"the coordinator failed with status {coordinator.returncode}")
-    finally:
-        for _, p in procs:
+        coord = self.coordinator
+        if coord is not None:
+            if coord.poll() is None:
+                coord.terminate()
+            if coord.wait(timeout=60) not in (0, -15):
+                raise SimulationError(f"the coordinator failed with status {coord.returncode}")
+
+    def _stop_stragglers(self) -> None:
+        for name, p in self.workers.items():
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+                self.stopped.add(name)
+                self.log.event("worker_stopped", island=name,
+                               reason="the coordinator finished the run and exited; this island had not finished")
+                self.log.progress(f"{name}: stopped (the run ended while it was away)")
+
+    def stop_all(self) -> None:
+        for p in self.workers.values():
             if p.poll() is None:
                 p.kill()
-        if coordinator.poll() is None:
-            coordinator.kill()
-        coord_log.close()
-    wall = time.perf_counter() - t0
-    per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n, _ in procs]
-    evals = {round(s["final_eval_loss"], 6) for s in per_island}
-    digests = {s["params_digest"] for s in per_island}
-    summary = {
-        "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
-        "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
-        "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
-        "wall_s": wall, "islands": per_island, "run_dir": str(out),
-        "utilization": min(s["utilization"] for s in per_island),
-        "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
-        "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
-        "worker_cpus": shares,
-    }
-    if len(digests) != 1 or len(evals) != 1:
-        raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
-    log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
-    log.write_summary(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
-                 f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB on the "
-                 f"wire, compression {summary['compression_ratio']:.1f}x, utilization {summary['utilization']:.3f}, "
-                 f"{wall:.1f}s -> {out / 'summary.json'}")
-    log.close()
-    return summary
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+        for proxy in self.proxies.values():
+            proxy.close()
+        for f in self.logs:
+            f.close()
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def _due(self, f: FaultSpec, version: int, now: float) -> bool:
+        if f.at_version is not None:
+            return version >= f.at_version
+        return f.at_s is not None and now - self.t_workers >= f.at_s
+
+    def _inject(self, f: FaultSpec, version: int) -> None:
+        record = self.log.event("fault_injected", fault=f.text, fault_kind=f.kind, target=f.target, version=version,
+                                what=f.describe())
+        self.fired.append({"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": record["t"],
+                           "version": version, "recovered_t": None})
+        entry = self.fired[-1]
+        self.log.progress(f"fault: {f.describe()} (version {version})")
+        later = (time.perf_counter() + f.duration_s) if f.duration_s else None
+        if f.kind == "kill":
+            self.workers[f.target].kill()
+            self.workers[f.target].wait()
+            if later is None:
+                self.gone.add(f.target)
+            else:
+                self.recoveries.append((later, lambda: self._recover(entry, "restarted",
+                                                                       lambda: self._start_worker(f.target))))
+        elif f.kind == "hang":
+            self.workers[f.target].send_signal(signal.SIGSTOP)
+            assert later is not None
+            self.recoveries.append((later, lambda: self._recover(
+                entry, "resumed (SIGCONT)", lambda: self.workers[f.target].send_signal(signal.SIGCONT))))
+        elif f.kind == "kill-coordinator":
+            assert self.coordinator is not None
+            self.coordinator.kill()
+            self.coordinator.wait()
+            if later is not None:
+                self.recoveries.append((later, lambda: self._recover(
+                    entry, "restarted with --resume", lambda: self._start_coordinator(resume=True))))
+        elif f.kind in LINK_KINDS:
+            proxy = self.proxies[f.target]
+            if f.kind == "cut":
+                proxy.cut()
+            else:
+                proxy.slow(f.delay_ms / 1000.0)
+            assert later is not None
+            self.recoveries.append((later, lambda: self._recover(entry, "link restored", proxy.restore)))
+
+    def _recover(self, entry: dict[str, Any], what: str, action: Callable[[], None]) -> None:
+        action()
+        record = self.log.event("fault_recovered", fault=entry["fault"], action=what)
+        entry["recovered_t"], entry["recovery"] = record["t"], what
+        self.log.progress(f"fault {entry['fault']}: {what}")
+
+    def _detections(self) -> list[dict[str, Any]]:
+        """Each injected fault with when the system noticed it (from the coordinator's and the islands'
+        events) and what it did."""
+        coord_events = _events(self.out)
+        island_events = {n: _events(self.out / "islands" / n) for n in self.names}
+        result = []
+        for f in self.fired:
+            t = f["injected_t"]
+            seen: dict[str, Any] | None = None
+            if f["kind"] in ("kill", "hang", "cut"):
+                # The coordinator notices a dead or hung island when its lease expires, or earlier when a
+                # restarted one joins again under the same name.
+                seen = next((e for e in coord_events if e["t"] >= t and e.get("name", e.get("island")) is not None
+                             and (e.get("event") == "island_lost"
+                                  and str(e.get("island", "")).startswith(f["target"] + "-")
+                                  or e.get("event") == "island_joined" and e.get("name") == f["target"])), None)
+                action = {"island_lost": "lease expired: island dropped from the quorum",
+                          "island_joined": "rejoined before its lease expired: kept its shard and cursor",
+                          None: "none: lease not expired"}[seen.get("event") if seen else None]
+            elif f["kind"] == "kill-coordinator":
+                seen = min((e for evs in island_events.values() for e in evs
+                            if e.get("event") in ("retry", "heartbeat_failed") and e["t"] >= t),
+                           key=lambda e: e["t"], default=None)
+                action = "islands retried with backoff"
+            else:  # slow: a slow link is not a failure; the island keeps its lease
+                action = "none: a slow link keeps its lease"
+            result.append({**f, "detected_t": seen["t"] if seen else None,
+                           "detection_s": round(seen["t"] - t, 3) if seen else None,
+                           "detected_by": seen.get("event") if seen else None, "action": action})
+        return result
+
+    # -- the summary -------------------------------------------------------------------------------
+
+    def summarize(self) -> dict[str, Any]:
+        out, cfg = self.out, self.cfg
+        wall = time.perf_counter() - self.t0
+        finished = [n for n in self.names if n not in self.gone | self.stopped]
+        per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
+        evals = {round(s["final_eval_loss"], 6) for s in per_island}
+        digests = {s["params_digest"] for s in per_island}
+        summary = {
+            "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
+            "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
+            "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
+            "wall_s": wall, "islands": per_island, "run_dir": str(out),
+            "utilization": min(s["utilization"] for s in per_island),
+            "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
+            "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
+            "worker_cpus": self.shares, "faults": self._detections(),
+            "unfinished_islands": sorted(self.gone | self.stopped),
+        }
+        if len(digests) != 1 or len(evals) != 1:
+            raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
+        self.log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
+        self.log.write_summary(summary)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
+                          f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
+                          f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
+                          f"{summary['utilization']:.3f}, {wall:.1f}s -> {out / 'summary.json'}")
+        self.log.close()
+        return summary
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return read_events(run_dir)
+    except OSError:
+        return []
 
 
 def _last_line(path: Path) -> str:
