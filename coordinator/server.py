@@ -405,6 +405,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
           ) -> tuple[grpc.Server, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
     c = cfg.coordinator
+    address = f"{c.host}:{c.port if port is None else port}"
+    check_address_free(c.host, c.port if port is None else port)  # before anything is written to the run folder
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
@@ -412,12 +414,14 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
-    address = f"{c.host}:{c.port if port is None else port}"
     creds = server_credentials(cfg.security)
-    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
+        bound = 0
     if bound == 0:
         service.close()
-        raise OSError(f"cannot bind {address}")
+        raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
     server.start()
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
                       auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
@@ -426,12 +430,44 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     return server, service, bound
 
 
+_IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
+           "with --port or coordinator.port")
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Raises DtrainError naming ``host:port`` if it cannot be bound, e.g. another coordinator listens there.
+
+    The server itself binds with SO_REUSEPORT off (:func:`server_options`), so it would fail too; checking first,
+    with a plain socket bound the way gRPC binds (SO_REUSEADDR on), gives a clear error before anything is
+    started or written, and keeps gRPC's own multi-line bind log off the terminal. Port 0 is always free."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise DtrainError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DtrainError(f"cannot listen on {host}:{port}: {_IN_USE}") from None
+                raise DtrainError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
     """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
     fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
     decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
     1.4 model sizes here."""
-    opts = channel_options(c.max_message_bytes)
+    # SO_REUSEPORT off: gRPC turns it on by default, which lets a second coordinator bind the same port and
+    # share its connections at random; off, the second one's bind fails (see check_address_free).
+    opts = channel_options(c.max_message_bytes) + [("grpc.so_reuseport", 0)]
     if c.stream_window_bytes:
         opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", c.stream_window_bytes)]
     return opts
@@ -517,6 +553,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     return_large_frees_to_the_os()
+    check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

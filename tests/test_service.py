@@ -422,3 +422,34 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
             c.close()
     finally:
         running.stop()
+
+
+def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, monkeypatch, capsys):
+    """SO_REUSEPORT is off: a second coordinator on the first one's port is refused with one line naming the
+    address, by the check before anything starts and, were that check raced, by gRPC's own bind."""
+    import coordinator.server as server_mod
+    from dtrain.errors import DtrainError
+    from dtrain_cli.main import main
+
+    first = Running(net_cfg, tmp_path / "first")
+    try:
+        theta, spec = initial_parameters(net_cfg)
+        with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: the address is already "
+                                              f"in use .*--port or coordinator.port"):
+            serve(net_cfg, tmp_path / "second", theta, spec, port=first.port, quiet=True)
+        assert not (tmp_path / "second").exists()  # refused before anything was written
+        monkeypatch.setattr(server_mod, "check_address_free", lambda host, port: None)
+        with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: gRPC could not bind it"):
+            serve(net_cfg, tmp_path / "third", theta, spec, port=first.port, quiet=True)
+        monkeypatch.undo()
+        rc = main(["coordinator", "--config", str(ROOT / "configs" / "tiny.toml"), "--port", str(first.port),
+                   "--run-dir", str(tmp_path / "cli"), "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+        assert err.startswith(f"dtrain coordinator: error: cannot listen on 127.0.0.1:{first.port}: the address is")
+        # The first coordinator still serves, alone.
+        client = CoordinatorClient(first.address, net_cfg)
+        assert client.status().run_id == first.service.run_id
+        client.close()
+    finally:
+        first.stop()
