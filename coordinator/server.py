@@ -45,6 +45,7 @@ from dtrain.wire import (
     chunk_count,
     chunk_deserializer,
     chunk_message,
+    keepalive_options,
     max_frame_bytes,
     read_token,
     serialize,
@@ -58,6 +59,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
+DEAF_S = 0.5  # the ticker woke this much past a deadline: the lock was busy; leases are paused for that time
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
@@ -99,8 +101,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.ckpt: Checkpointer | None = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
+        self.loaded_at = clock()  # the state's time of loading: a restored state's leases run from it
         try:
-            self._load_state(theta, resume, clock())
+            self._load_state(theta, resume, self.loaded_at)
         except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
             if self.ckpt is not None:
                 self.ckpt.close()
@@ -209,8 +212,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         lock (which may move that deadline, or finish the run)."""
         try:
             with self.lock:
+                deadline: float | None = None
                 while not self._closing:
                     now = self.clock()
+                    if deadline is not None and now - deadline > DEAF_S:
+                        # The lock was held past the deadline (a long merge): heartbeats waited on it unheard.
+                        self.state.pause_leases(now - deadline)
+                        self.log.event("leases_paused", seconds=round(now - deadline, 3))
                     for island_id, reason in self.state.expire(now):
                         self.log.event("island_lost", island=island_id, reason=reason)
                         self.log.progress(f"lost {island_id}: {reason}")
@@ -221,6 +229,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         self.lock.notify_all()  # wakes run_coordinator
                     deadline = self.state.next_deadline(now)
                     self.lock.wait(None if deadline is None else max(0.0, deadline - now))
+                    if deadline is not None and self.clock() < deadline:
+                        deadline = None  # woken early, by a notification: not late for anything
         except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
             with self.lock:
                 if self.fatal is None:
@@ -423,6 +433,9 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
         service.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
     server.start()
+    if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
+        with service.lock:
+            service.state.pause_leases(max(0.0, clock() - service.loaded_at))
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
                       auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
@@ -467,7 +480,7 @@ def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
     1.4 model sizes here."""
     # SO_REUSEPORT off: gRPC turns it on by default, which lets a second coordinator bind the same port and
     # share its connections at random; off, the second one's bind fails (see check_address_free).
-    opts = channel_options(c.max_message_bytes) + [("grpc.so_reuseport", 0)]
+    opts = channel_options(c.max_message_bytes) + [("grpc.so_reuseport", 0)] + keepalive_options(server=True)
     if c.stream_window_bytes:
         opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", c.stream_window_bytes)]
     return opts

@@ -362,6 +362,15 @@ class CoordinatorState:
                                           f"t={r.lease_expiry:.1f}, shard {r.shard_index} is free{keep}")))
         return lost
 
+    def pause_leases(self, seconds: float) -> None:
+        """Moves every live island's lease end ``seconds`` later: time in which the coordinator could not hear
+        heartbeats (the server calls it when a long merge held its lock past a lease's end), which no island is
+        to be blamed for. A dead island is then found that much later."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"pause_leases: seconds={seconds!r}: must be a finite number >= 0")
+        for r in self.live():
+            r.lease_expiry += seconds
+
     # -- pushes -------------------------------------------------------------------------------------
 
     def admit_push(self, info: PushInfo, now: float) -> Admission:

@@ -34,6 +34,7 @@ from dtrain.wire import (
     chunk_deserializer,
     chunk_message,
     frame_chunks,
+    keepalive_options,
     method_path,
     read_token,
     serialize,
@@ -63,7 +64,7 @@ class CoordinatorClient:
         self.cfg = cfg
         sec = cfg.security
         creds = channel_credentials(sec)
-        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name)
+        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
         self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         # Pushes send pre-encoded chunk messages (wire.chunk_message), so they take a serializer that passes bytes.

@@ -260,15 +260,24 @@ class Worker:
     # -- the loop -----------------------------------------------------------------------------------
 
     def _heartbeat_loop(self, status: IslandStatus) -> None:
+        """One heartbeat every worker.heartbeat_s, one try each (no backoff: the next tick is the retry, so a
+        coordinator that comes back hears from the island within a heartbeat, well inside its lease). A run of
+        failures is one event, and its end another."""
+        failing_since: float | None = None
         while not self.stopping.wait(self.cfg.worker.heartbeat_s):
             exchange = status.exchange
             try:
-                resp = self.client.heartbeat(island_id=self.island_id, version=status.version, steps=status.steps,
-                                             tokens=status.tokens, steps_per_s=status.steps_per_s,
+                resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
+                                             steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "")
             except CoordinatorError as e:
-                self.log.event("heartbeat_failed", error=str(e))
+                if failing_since is None:
+                    failing_since = time.perf_counter()
+                    self.log.event("heartbeat_failed", error=str(e))
                 continue
+            if failing_since is not None:
+                self.log.event("heartbeat_restored", after_s=round(time.perf_counter() - failing_since, 3))
+                failing_since = None
             if resp.action == pb.ACTION_STOP:
                 self.log.event("stop_requested", reason=resp.reason)
                 self.stopping.set()
@@ -331,11 +340,14 @@ class Worker:
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         joined = self.join()
+        # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
+        # take longer than a lease, and nothing the training loop does may delay them.
+        status = IslandStatus(version=joined.version, steps=0, tokens=0)
+        hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
+        hb.start()
         anchor = self.pull(None)
         island = self._start_island(joined, anchor, ckpt)
-        status = IslandStatus(version=anchor.version, steps=island.steps, tokens=island.tokens)
-        hb = threading.Thread(target=self._heartbeat_loop, args=(status,), daemon=True)
-        hb.start()
+        status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
         self._await_peers()
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         t_train0 = time.perf_counter()
@@ -444,14 +456,16 @@ class Worker:
         if pending is not None:
             anchor = self._fold_in(island, pending, status)
         # Other islands may still push (async mode, or a slower island): wait for the run's last version, so
-        # every island ends on the same θ; give up if no new version arrives for two lease periods.
+        # every island ends on the same θ; give up if no new version arrives for a sync round's grace (the
+        # longest a round waits for a quorum) plus two lease periods (a lost island's lease).
+        patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
         last_progress = time.perf_counter()
         while self.total_versions and anchor.version < self.total_versions:
             g_new = self.pull(anchor, wait_s=PULL_WAIT_S)
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
                 status.version = anchor.version
-            elif time.perf_counter() - last_progress > 2 * self.cfg.coordinator.lease_s:
+            elif time.perf_counter() - last_progress > patience:
                 self.log.event("final_wait_timeout", version=anchor.version, total_versions=self.total_versions)
                 break
         return anchor
