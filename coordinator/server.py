@@ -120,39 +120,70 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ticker.start()
 
     def _load_state(self, theta: np.ndarray | Path | None, resume: bool, now: float) -> None:
-        """θ_0 for a new run (``theta``, required then), or everything from the latest checkpoint."""
-        momentum = residual = None
-        version = 0
-        meta: dict[str, Any] = {}
-        if resume:
-            assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
-            version, files, meta = self.ckpt.restore_files()
-            missing = {"theta", "momentum"} - set(files)
-            if missing:
-                raise CheckpointError(f"checkpoint {version} lacks {sorted(missing)}: not a coordinator checkpoint")
-            # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
-            theta, momentum, residual = files["theta"], files["momentum"], files.get("residual")
-            self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
-            self.run_id = self.state.run_id
-        else:
+        """θ_0 for a new run (``theta``, required then), or everything from the newest good checkpoint.
+
+        Resuming, checkpoints are tried newest first; one that cannot be restored (a corrupt or missing state
+        file or metadata, a save that did not finish, a state that does not fit this config) is skipped, and
+        once a good one is found each skipped one is set aside (``Checkpointer.set_aside``) with a
+        ``checkpoint_skipped`` event and a progress line. If none is good, CheckpointError names each and why."""
+        if not resume:
             if theta is None:
                 raise ValueError("a new coordinator run needs θ_0")
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
+            self.merger = self._merger(theta, 0, None, None)
+            return
+        assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
+        skipped: list[tuple[int, str]] = []
+        for step in self.ckpt.steps():
+            try:
+                self._restore(step, now)
+                break
+            except (CheckpointError, StateError) as e:
+                skipped.append((step, " ".join(str(e).split())))  # one line, whatever the underlying error
+        else:
+            reasons = "; ".join(f"checkpoint {step}: {why}" for step, why in skipped)
+            raise CheckpointError(f"--resume: no good coordinator checkpoint in {self.ckpt.directory}: {reasons}")
+        for step, why in skipped:
+            moved = self.ckpt.set_aside(step)
+            self.log.event("checkpoint_skipped", step=step, reason=why, moved_to=str(moved))
+            self.log.progress(f"skipped checkpoint {step}: {why} (moved to {moved})")
+        self.log.event("coordinator_resumed", version=self.state.version,
+                       skipped=[step for step, _ in skipped])
+        if skipped:
+            self.log.progress(f"resumed from checkpoint {self.state.version}")
+
+    def _merger(self, theta: np.ndarray | Path, version: int, momentum: Path | None, residual: Path | None) -> Merger:
         try:
-            self.merger = Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
-                                 residual=residual, spool_dir=self.run_dir / "spool")
+            return Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
+                          residual=residual, spool_dir=self.run_dir / "spool")
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
-        if resume:
-            tree_size = codec.spec_size(self.spec)
-            if self.merger.n != tree_size:
-                raise CheckpointError(f"checkpoint {version} holds {self.merger.n} parameters, this config's model "
-                                      f"has {tree_size}")
-            if self.merger.digest != meta.get("params_digest"):
-                raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the "
-                                      f"recorded {meta.get('params_digest')}")
-            self.log.event("coordinator_resumed", version=version)
+
+    def _restore(self, step: int, now: float) -> None:
+        """The state and merger from checkpoint ``step``, or CheckpointError / StateError saying what is wrong."""
+        assert self.ckpt is not None
+        version, files, meta = self.ckpt.restore_files(step)
+        missing = {"theta", "momentum"} - set(files)
+        if missing:
+            raise CheckpointError(f"checkpoint {version} lacks {sorted(missing)}: not a coordinator checkpoint")
+        if meta.get("version", version) != version or "state" not in meta:
+            raise CheckpointError(f"checkpoint {version}: its metadata records version {meta.get('version')} "
+                                  f"and {'a' if 'state' in meta else 'no'} coordinator state")
+        state = CoordinatorState.from_json(self.opts, meta["state"], now)
+        # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
+        merger = self._merger(files["theta"], version, files["momentum"], files.get("residual"))
+        tree_size = codec.spec_size(self.spec)
+        problem = ""
+        if merger.n != tree_size:
+            problem = f"checkpoint {version} holds {merger.n} parameters, this config's model has {tree_size}"
+        elif merger.digest != meta.get("params_digest"):
+            problem = (f"checkpoint {version}: θ digest {merger.digest} differs from the recorded "
+                       f"{meta.get('params_digest')}")
+        if problem:
+            merger.close()
+            raise CheckpointError(problem)
+        self.state, self.run_id, self.merger = state, state.run_id, merger
 
     # -- helpers ------------------------------------------------------------------------------------
 
