@@ -36,6 +36,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.wire import (
+    RUN_OVER_METADATA_KEY,
     SERVICE,
     FrameReceiver,
     RawChunk,
@@ -293,6 +294,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         with self.lock:
+            if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
+                context.set_trailing_metadata(((RUN_OVER_METADATA_KEY,
+                                                f"{self.state.version}/{self.opts.total_versions}"),))
             record, reason = self._decide(context, self.state.join, request.island, request.hardware,
                                           request.devices, self.clock())
             cursor = self.state.shard_cursor(record.shard_index)

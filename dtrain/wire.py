@@ -34,6 +34,8 @@ KEEPALIVE_TIME_S = 10.0
 KEEPALIVE_TIMEOUT_S = 5.0
 
 AUTH_METADATA_KEY = "authorization"
+# Trailing metadata on a Join refused because the run is over ("VERSION/TOTAL"): the island exits 0 on it.
+RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
 
 

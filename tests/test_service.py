@@ -577,3 +577,76 @@ def test_resume_without_a_good_checkpoint_names_each_and_why(net_cfg, tmp_path):
     assert "checkpoint 3: " in msg and "momentum.bin: CRC-32" in msg
     assert "checkpoint 2: " in msg and "cannot be restored" in msg
     assert sorted(p.name for p in (run_dir / "coordinator").iterdir()) == ["2", "3"]  # nothing set aside
+
+
+def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_cfg, tmp_path, capsys):
+    """A Join after the run is over is refused, marked so the island's client raises RunOverError; a worker
+    started then returns at once without training, and `dtrain worker` prints one line and exits 0."""
+    import time
+
+    from dtrain_cli.main import main
+    from workers.client import RunOverError
+    from workers.island import run_worker
+
+    cfg = replace(net_cfg, train={"steps": 10})  # a run of one version
+    running = Running(cfg, tmp_path / "over")
+    try:
+        c0, c1 = (CoordinatorClient(running.address, cfg) for _ in range(2))
+        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        c0.push(_header(j0, "a1"), _delta_frame(j0.tree_size, 1)[1])
+        c1.push(_header(j1, "b1"), _delta_frame(j0.tree_size, 2)[1])
+        with pytest.raises(RunOverError, match="FAILED_PRECONDITION: the run is over: 1 of 1 versions merged"):
+            _join(c0, "a")  # a restarted island
+        with pytest.raises(RunOverError, match="the run is over"):
+            _join(c0, "late-newcomer")
+        t0 = time.monotonic()
+        out = run_worker(cfg, running.address, "a", tmp_path / "island-a", quiet=True)
+        assert out == {"island": "a", "run_over": f"the run is over: 1 of 1 versions merged (coordinator at "
+                                                  f"{running.address})"}
+        assert time.monotonic() - t0 < 5.0
+        rc = main(["worker", "--config", str(ROOT / "configs" / "tiny.toml"), "--coordinator", running.address,
+                   "--island", "b", "--run-dir", str(tmp_path / "island-b"), "--quiet"])
+        printed = capsys.readouterr().out
+        assert rc == 0 and printed == (f"dtrain worker: the run is over: 1 of 1 versions merged (coordinator at "
+                                       f"{running.address}): nothing to do\n")
+        for c in (c0, c1):
+            c.close()
+    finally:
+        running.stop()
+
+
+def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_path):
+    """Retries name the address and how long they go on; giving up names both, in one line."""
+    import socket
+    import time
+
+    from workers.island import run_worker
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    retries: list[tuple[str, float, float]] = []
+    client = CoordinatorClient(address, replace(net_cfg, worker={"retry_total_s": 1.0, "retry_initial_s": 0.1}),
+                               on_retry=lambda what, pause, left: retries.append((what, pause, left)))
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorError) as e:
+        _join(client, "a")
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"UNAVAILABLE: join: the coordinator at {address} did not answer "
+                                              f"(retried for 1s (worker.retry_total_s), giving up); last error: ")
+    assert retries and all(what == f"join: UNAVAILABLE from the coordinator at {address}" for what, _, _ in retries)
+    assert all(0 < left <= 1.0 for _, _, left in retries) and retries[-1][2] < retries[0][2]
+    client.close()
+    # A worker restarted after it finished the run, its coordinator gone: its own summary.json says so.
+    island_dir = tmp_path / "island-a"
+    island_dir.mkdir()
+    summary = {"version": 4, "total_versions": 4, "fingerprint": net_cfg.fingerprint()}
+    (island_dir / "summary.json").write_text(json.dumps(summary))
+    t0 = time.monotonic()
+    out = run_worker(net_cfg, address, "a", island_dir, quiet=True)
+    assert time.monotonic() - t0 < 5.0 and out["run_over"].startswith("this island finished the run (version 4 of 4")
+    assert f"the coordinator at {address} does not answer" in out["run_over"]
+    (island_dir / "summary.json").write_text(json.dumps({**summary, "version": 3}))  # it had not: Join retries
+    with pytest.raises(CoordinatorError, match=f"join: the coordinator at {address} did not answer"):
+        run_worker(net_cfg, address, "a", island_dir, quiet=True)

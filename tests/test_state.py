@@ -462,6 +462,22 @@ def test_total_versions_stops_the_run():
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
 
 
+def test_after_the_run_a_join_is_refused_and_a_lost_island_told_to_stop():
+    st = make("outer.islands=2", "train.steps=20")  # a run of one version
+    a, b = join_all(st, "ab")
+    st.expire(T0 + 15)  # both lost
+    a, _ = join_all(st, "ab", now=T0 + 16)  # back again
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 30)
+    st.expire(T0 + 31)  # b lost again; a lives
+    push(st, info(a), T0 + 31)
+    assert st.close_round(T0 + 31)[0] == 1 and st.stopped()
+    unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 32), "FAILED_PRECONDITION",
+              "the run is over: 1 of 1 versions merged: nothing left to train")
+    unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 32), "FAILED_PRECONDITION", "the run is over")
+    assert st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 32) == ("stop", "the run is over: 1 of 1 versions merged")
+    assert st.islands[b].state == "lost"  # told to stop, not brought back
+
+
 def test_commit_decides_again_when_the_round_closed_meanwhile():
     st = make("outer.islands=2", "coordinator.min_quorum=1", "coordinator.grace_s=5")
     a, b = join_all(st, "ab")
