@@ -36,6 +36,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.wire import (
+    RUN_OVER_METADATA_KEY,
     SERVICE,
     FrameReceiver,
     RawChunk,
@@ -45,6 +46,7 @@ from dtrain.wire import (
     chunk_count,
     chunk_deserializer,
     chunk_message,
+    keepalive_options,
     max_frame_bytes,
     read_token,
     serialize,
@@ -58,6 +60,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
+DEAF_S = 0.5  # the ticker woke this much past a deadline: the lock was busy; leases are paused for that time
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
@@ -99,8 +102,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.ckpt: Checkpointer | None = Checkpointer(ckpt_dir, keep=2, async_save=False)
         else:
             self.ckpt = None
+        self.loaded_at = clock()  # the state's time of loading: a restored state's leases run from it
         try:
-            self._load_state(theta, resume, clock())
+            self._load_state(theta, resume, self.loaded_at)
         except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
             if self.ckpt is not None:
                 self.ckpt.close()
@@ -117,39 +121,70 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ticker.start()
 
     def _load_state(self, theta: np.ndarray | Path | None, resume: bool, now: float) -> None:
-        """θ_0 for a new run (``theta``, required then), or everything from the latest checkpoint."""
-        momentum = residual = None
-        version = 0
-        meta: dict[str, Any] = {}
-        if resume:
-            assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
-            version, files, meta = self.ckpt.restore_files()
-            missing = {"theta", "momentum"} - set(files)
-            if missing:
-                raise CheckpointError(f"checkpoint {version} lacks {sorted(missing)}: not a coordinator checkpoint")
-            # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
-            theta, momentum, residual = files["theta"], files["momentum"], files.get("residual")
-            self.state = CoordinatorState.from_json(self.opts, meta["state"], now)
-            self.run_id = self.state.run_id
-        else:
+        """θ_0 for a new run (``theta``, required then), or everything from the newest good checkpoint.
+
+        Resuming, checkpoints are tried newest first; one that cannot be restored (a corrupt or missing state
+        file or metadata, a save that did not finish, a state that does not fit this config) is skipped, and
+        once a good one is found each skipped one is set aside (``Checkpointer.set_aside``) with a
+        ``checkpoint_skipped`` event and a progress line. If none is good, CheckpointError names each and why."""
+        if not resume:
             if theta is None:
                 raise ValueError("a new coordinator run needs θ_0")
             self.run_id = uuid.uuid4().hex[:12]
             self.state = CoordinatorState(self.opts, self.run_id, now)
+            self.merger = self._merger(theta, 0, None, None)
+            return
+        assert self.ckpt is not None, "__init__ refuses resume without a coordinator checkpoint"
+        skipped: list[tuple[int, str]] = []
+        for step in self.ckpt.steps():
+            try:
+                self._restore(step, now)
+                break
+            except (CheckpointError, StateError) as e:
+                skipped.append((step, " ".join(str(e).split())))  # one line, whatever the underlying error
+        else:
+            reasons = "; ".join(f"checkpoint {step}: {why}" for step, why in skipped)
+            raise CheckpointError(f"--resume: no good coordinator checkpoint in {self.ckpt.directory}: {reasons}")
+        for step, why in skipped:
+            moved = self.ckpt.set_aside(step)
+            self.log.event("checkpoint_skipped", step=step, reason=why, moved_to=str(moved))
+            self.log.progress(f"skipped checkpoint {step}: {why} (moved to {moved})")
+        self.log.event("coordinator_resumed", version=self.state.version,
+                       skipped=[step for step, _ in skipped])
+        if skipped:
+            self.log.progress(f"resumed from checkpoint {self.state.version}")
+
+    def _merger(self, theta: np.ndarray | Path, version: int, momentum: Path | None, residual: Path | None) -> Merger:
         try:
-            self.merger = Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
-                                 residual=residual, spool_dir=self.run_dir / "spool")
+            return Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
+                          residual=residual, spool_dir=self.run_dir / "spool")
         except ValueError as e:  # a θ/momentum/residual of the wrong size
             raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
-        if resume:
-            tree_size = codec.spec_size(self.spec)
-            if self.merger.n != tree_size:
-                raise CheckpointError(f"checkpoint {version} holds {self.merger.n} parameters, this config's model "
-                                      f"has {tree_size}")
-            if self.merger.digest != meta.get("params_digest"):
-                raise CheckpointError(f"checkpoint {version}: θ digest {self.merger.digest} differs from the "
-                                      f"recorded {meta.get('params_digest')}")
-            self.log.event("coordinator_resumed", version=version)
+
+    def _restore(self, step: int, now: float) -> None:
+        """The state and merger from checkpoint ``step``, or CheckpointError / StateError saying what is wrong."""
+        assert self.ckpt is not None
+        version, files, meta = self.ckpt.restore_files(step)
+        missing = {"theta", "momentum"} - set(files)
+        if missing:
+            raise CheckpointError(f"checkpoint {version} lacks {sorted(missing)}: not a coordinator checkpoint")
+        if meta.get("version", version) != version or "state" not in meta:
+            raise CheckpointError(f"checkpoint {version}: its metadata records version {meta.get('version')} "
+                                  f"and {'a' if 'state' in meta else 'no'} coordinator state")
+        state = CoordinatorState.from_json(self.opts, meta["state"], now)
+        # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
+        merger = self._merger(files["theta"], version, files["momentum"], files.get("residual"))
+        tree_size = codec.spec_size(self.spec)
+        problem = ""
+        if merger.n != tree_size:
+            problem = f"checkpoint {version} holds {merger.n} parameters, this config's model has {tree_size}"
+        elif merger.digest != meta.get("params_digest"):
+            problem = (f"checkpoint {version}: θ digest {merger.digest} differs from the recorded "
+                       f"{meta.get('params_digest')}")
+        if problem:
+            merger.close()
+            raise CheckpointError(problem)
+        self.state, self.run_id, self.merger = state, state.run_id, merger
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -209,8 +244,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         lock (which may move that deadline, or finish the run)."""
         try:
             with self.lock:
+                deadline: float | None = None
                 while not self._closing:
                     now = self.clock()
+                    if deadline is not None and now - deadline > DEAF_S:
+                        # The lock was held past the deadline (a long merge): heartbeats waited on it unheard.
+                        self.state.pause_leases(now - deadline)
+                        self.log.event("leases_paused", seconds=round(now - deadline, 3))
                     for island_id, reason in self.state.expire(now):
                         self.log.event("island_lost", island=island_id, reason=reason)
                         self.log.progress(f"lost {island_id}: {reason}")
@@ -221,6 +261,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         self.lock.notify_all()  # wakes run_coordinator
                     deadline = self.state.next_deadline(now)
                     self.lock.wait(None if deadline is None else max(0.0, deadline - now))
+                    if deadline is not None and self.clock() < deadline:
+                        deadline = None  # woken early, by a notification: not late for anything
         except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
             with self.lock:
                 if self.fatal is None:
@@ -252,6 +294,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         with self.lock:
+            if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
+                context.set_trailing_metadata(((RUN_OVER_METADATA_KEY,
+                                                f"{self.state.version}/{self.opts.total_versions}"),))
             record, reason = self._decide(context, self.state.join, request.island, request.hardware,
                                           request.devices, self.clock())
             cursor = self.state.shard_cursor(record.shard_index)
@@ -405,6 +450,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
           ) -> tuple[grpc.Server, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
     c = cfg.coordinator
+    address = f"{c.host}:{c.port if port is None else port}"
+    check_address_free(c.host, c.port if port is None else port)  # before anything is written to the run folder
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
@@ -412,13 +459,18 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
-    address = f"{c.host}:{c.port if port is None else port}"
     creds = server_credentials(cfg.security)
-    bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
+        bound = 0
     if bound == 0:
         service.close()
-        raise OSError(f"cannot bind {address}")
+        raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
     server.start()
+    if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
+        with service.lock:
+            service.state.pause_leases(max(0.0, clock() - service.loaded_at))
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
                       auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
@@ -426,12 +478,44 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     return server, service, bound
 
 
+_IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
+           "with --port or coordinator.port")
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Raises DtrainError naming ``host:port`` if it cannot be bound, e.g. another coordinator listens there.
+
+    The server itself binds with SO_REUSEPORT off (:func:`server_options`), so it would fail too; checking first,
+    with a plain socket bound the way gRPC binds (SO_REUSEADDR on), gives a clear error before anything is
+    started or written, and keeps gRPC's own multi-line bind log off the terminal. Port 0 is always free."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise DtrainError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DtrainError(f"cannot listen on {host}:{port}: {_IN_USE}") from None
+                raise DtrainError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
     """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
     fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
     decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
     1.4 model sizes here."""
-    opts = channel_options(c.max_message_bytes)
+    # SO_REUSEPORT off: gRPC turns it on by default, which lets a second coordinator bind the same port and
+    # share its connections at random; off, the second one's bind fails (see check_address_free).
+    opts = channel_options(c.max_message_bytes) + [("grpc.so_reuseport", 0)] + keepalive_options(server=True)
     if c.stream_window_bytes:
         opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", c.stream_window_bytes)]
     return opts
@@ -517,6 +601,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     return_large_frees_to_the_os()
+    check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

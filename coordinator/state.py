@@ -224,6 +224,10 @@ class CoordinatorState:
         """Whether the run is over: all total_versions are merged."""
         return self.version >= self.opts.total_versions
 
+    def run_over(self) -> str:
+        """The reason given to islands once the run is over (a Join refused, a heartbeat told to stop)."""
+        return f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
+
     def live(self) -> list[IslandRecord]:
         return [r for r in self.islands.values() if r.state == "live"]
 
@@ -272,6 +276,8 @@ class CoordinatorState:
         kind = typing.cast(Hardware, hardware)
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise StateError("INVALID_ARGUMENT", f"devices={devices!r}: must be an integer >= 1")
+        if self.stopped():
+            raise StateError("FAILED_PRECONDITION", f"{self.run_over()}: nothing left to train")
         lease = now + self.opts.coordinator.lease_s
         old = self._by_name(name)
         if old is not None:
@@ -332,6 +338,8 @@ class CoordinatorState:
         if len(bad) > 4096 or not all(isinstance(d, str) and len(d) <= 256 for d in bad):
             raise StateError("INVALID_ARGUMENT", "bad_devices: at most 4096 strings of at most 256 characters")
         if record.state == "lost":
+            if self.stopped():  # nothing to rejoin for: the island's lease is not renewed either
+                return "stop", self.run_over()
             return "rejoin", (f"{island_id}'s lease expired at t={record.lease_expiry:.1f} "
                               f"(now t={now:.1f}): call Join again")
         record.version, record.steps, record.tokens_reported = version, steps, tokens
@@ -339,7 +347,7 @@ class CoordinatorState:
         record.lease_expiry = now + self.opts.coordinator.lease_s
         if self.stopped():
             record.state = "stopped"
-            return "stop", f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
+            return "stop", self.run_over()
         if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
             record.state = "live"
         if version < self.version:
@@ -361,6 +369,15 @@ class CoordinatorState:
                 lost.append((r.island_id, (f"no heartbeat for {self.opts.coordinator.lease_s:g}s: lease expired at "
                                           f"t={r.lease_expiry:.1f}, shard {r.shard_index} is free{keep}")))
         return lost
+
+    def pause_leases(self, seconds: float) -> None:
+        """Moves every live island's lease end ``seconds`` later: time in which the coordinator could not hear
+        heartbeats (the server calls it when a long merge held its lock past a lease's end), which no island is
+        to be blamed for. A dead island is then found that much later."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"pause_leases: seconds={seconds!r}: must be a finite number >= 0")
+        for r in self.live():
+            r.lease_expiry += seconds
 
     # -- pushes -------------------------------------------------------------------------------------
 

@@ -113,7 +113,8 @@ class CoordinatorConfig:
     mode: str = _f("sync", "sync: rounds with quorum; async: merge each delta on arrival", choices=("sync", "async"))
     min_quorum: int = _f(0, "sync: pushes that may close a round once grace_s has passed (0: every live island)")
     grace_s: float = _f(30.0, "sync: seconds after a round's first push before a quorum close is allowed")
-    lease_s: float = _f(20.0, "an island that sends no heartbeat for this long is lost")
+    lease_s: float = _f(4.0, "an island that sends no heartbeat for this long is lost (4 s with 1 s heartbeats: "
+                        "a dead island is found within 4 s, three late heartbeats are forgiven)")
     late_policy: str = _f("discount", "late deltas: apply to the open round with weight (1+s)^-alpha, or drop them "
                           "(always counted)", choices=("discount", "drop"))
     max_staleness: int = _f(4, "deltas more than this many versions old are dropped (counted)")
@@ -135,7 +136,7 @@ class WorkerConfig:
                               "0: outer.inner_steps steps")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
                              "have joined, so round 1 starts together (0: start at once)")
-    heartbeat_s: float = _f(2.0, "seconds between heartbeats (keep well under coordinator.lease_s)")
+    heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")
     rpc_deadline_s: float = _f(60.0, "deadline of one RPC")
     retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
     retry_max_s: float = _f(5.0, "backoff ceiling")
@@ -288,8 +289,9 @@ def _check(cfg: Config, origin: str) -> None:
     for name in ("heartbeat_s", "rpc_deadline_s", "retry_initial_s", "retry_max_s", "retry_total_s"):
         if not getattr(w, name) > 0:
             fail("worker", name, f"must be > 0, got {getattr(w, name)}")
-    if w.heartbeat_s >= co.lease_s:
-        fail("worker", "heartbeat_s", f"must be below coordinator.lease_s ({co.lease_s}), got {w.heartbeat_s}")
+    if w.heartbeat_s > co.lease_s / 2:  # two heartbeats per lease at least: one lost heartbeat loses no island
+        fail("worker", "heartbeat_s", f"must be at most half of coordinator.lease_s ({co.lease_s}), "
+             f"got {w.heartbeat_s}")
     sec = cfg.security
     if bool(sec.server_cert) != bool(sec.server_key):
         fail("security", "server_key" if sec.server_cert else "server_cert",

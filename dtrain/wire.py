@@ -26,7 +26,16 @@ JOIN_DEADLINE_S = 30.0
 HEARTBEAT_DEADLINE_S = 10.0
 STATUS_DEADLINE_S = 10.0
 
+# HTTP/2 keepalive on both ends: a peer whose host died without closing its connections (power loss, a cut
+# link) is noticed within KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, so a call in flight to it fails then instead of
+# at its deadline, and the coordinator drops a dead island's half-received push. Liveness itself stays the
+# coordinator's lease (worker.heartbeat_s, coordinator.lease_s): a failed call can have other causes.
+KEEPALIVE_TIME_S = 10.0
+KEEPALIVE_TIMEOUT_S = 5.0
+
 AUTH_METADATA_KEY = "authorization"
+# Trailing metadata on a Join refused because the run is over ("VERSION/TOTAL"): the island exits 0 on it.
+RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
 
 
@@ -85,6 +94,19 @@ def channel_options(max_message_bytes: int, server_name: str = "") -> list[tuple
                                    ("grpc.max_send_message_length", max_message_bytes)]
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
+    return opts
+
+
+def keepalive_options(server: bool) -> list[tuple[str, int | str]]:
+    """gRPC keepalive options (see KEEPALIVE_TIME_S): both ends ping an idle connection every KEEPALIVE_TIME_S and
+    drop it when no answer comes within KEEPALIVE_TIMEOUT_S; the server accepts the workers' pings that often."""
+    opts: list[tuple[str, int | str]] = [("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+                                         ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                                         ("grpc.keepalive_permit_without_calls", 1)]
+    if server:  # pings from workers at KEEPALIVE_TIME_S are welcome, not "too many pings"
+        opts.append(("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2))
+    else:
+        opts.append(("grpc.http2.max_pings_without_data", 0))
     return opts
 
 

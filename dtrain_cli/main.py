@@ -129,6 +129,9 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
 
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
         summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet)
+        if "run_over" in summary:  # nothing was trained: one line, exit 0
+            print(f"dtrain worker: {summary['run_over']}: nothing to do")
+            return 0
         print(json.dumps({k: summary[k] for k in ("final_eval_loss", "version", "tokens", "utilization")}))
         return 0
     from google.protobuf import json_format

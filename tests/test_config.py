@@ -109,6 +109,8 @@ BAD_FILES = [
     ("[mesh]\ndata = 0\n", "[mesh] data"),
     ("[mesh]\ndata = -2\n", "[mesh] data"),
     ("[mesh]\nfsdp = 0\n", "[mesh] fsdp"),
+    ("[worker]\nheartbeat_s = 2.5\n", "[worker] heartbeat_s"),  # more than half of the default 4 s lease
+    ("[coordinator]\nlease_s = 1.5\n", "[worker] heartbeat_s"),  # the default 1 s heartbeat: over half of it
 ]
 
 

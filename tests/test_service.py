@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import zlib
 from pathlib import Path
@@ -344,6 +346,12 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
     raw[100] ^= 0x01
     ckpt_theta.unlink()  # write a new inode: the state folder's link keeps the intact bytes
     ckpt_theta.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="theta.bin: CRC-32 .* differs from the recorded"):
+        Running(net_cfg, run_dir, resume=True)
+    manifest_path = run_dir / "coordinator" / "1" / "state" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["theta"]["crc32"] = zlib.crc32(bytes(raw))  # a CRC forged to match: θ's digest still refuses it
+    manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="θ digest .* differs from the recorded"):
         Running(net_cfg, run_dir, resume=True)
     ckpt_theta.write_bytes(bytes(raw[:-4]))  # and one value short: refused on its size
@@ -422,3 +430,223 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
             c.close()
     finally:
         running.stop()
+
+
+def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, monkeypatch, capsys):
+    """SO_REUSEPORT is off: a second coordinator on the first one's port is refused with one line naming the
+    address, by the check before anything starts and, were that check raced, by gRPC's own bind."""
+    import coordinator.server as server_mod
+    from dtrain.errors import DtrainError
+    from dtrain_cli.main import main
+
+    first = Running(net_cfg, tmp_path / "first")
+    try:
+        theta, spec = initial_parameters(net_cfg)
+        with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: the address is already "
+                                              f"in use .*--port or coordinator.port"):
+            serve(net_cfg, tmp_path / "second", theta, spec, port=first.port, quiet=True)
+        assert not (tmp_path / "second").exists()  # refused before anything was written
+        monkeypatch.setattr(server_mod, "check_address_free", lambda host, port: None)
+        with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: gRPC could not bind it"):
+            serve(net_cfg, tmp_path / "third", theta, spec, port=first.port, quiet=True)
+        monkeypatch.undo()
+        rc = main(["coordinator", "--config", str(ROOT / "configs" / "tiny.toml"), "--port", str(first.port),
+                   "--run-dir", str(tmp_path / "cli"), "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+        assert err.startswith(f"dtrain coordinator: error: cannot listen on 127.0.0.1:{first.port}: the address is")
+        # The first coordinator still serves, alone.
+        client = CoordinatorClient(first.address, net_cfg)
+        assert client.status().run_id == first.service.run_id
+        client.close()
+    finally:
+        first.stop()
+
+
+def _three_versions(cfg, run_dir: Path) -> dict:
+    """A coordinator run to version 3 (checkpoints 2 and 3 kept); returns θ and momentum at version 2."""
+    first = Running(cfg, run_dir)
+    c0, c1 = (CoordinatorClient(first.address, cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    at_v2 = {}
+    for v in range(3):
+        c0.push(_header(j0, f"a{v}", base=v), _delta_frame(n, 20 + v)[1])
+        c1.push(_header(j1, f"b{v}", base=v), _delta_frame(n, 30 + v)[1])
+        if v == 1:
+            m = first.service.merger
+            at_v2 = {"theta": m.theta.copy(), "momentum": m.momentum.copy(), "digest": m.digest}
+    assert first.service.merger.version == 3
+    for c in (c0, c1):
+        c.close()
+    first.stop()
+    assert sorted(int(p.name) for p in (run_dir / "coordinator").iterdir() if p.name.isdigit()) == [2, 3]
+    return at_v2
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    path.unlink()  # a new inode: the other links to the file (the merger's state folder) keep their bytes
+    path.write_bytes(data)
+
+
+def _poke_momentum(step_dir: Path) -> None:
+    """One momentum value set to -1949 (the issue's case: a plausible float where ~0.005 was)."""
+    path = step_dir / "state" / "momentum.bin"
+    values = np.fromfile(path, "<f4")
+    values[10] = -1949.0
+    _rewrite(path, values.tobytes())
+
+
+def _truncate_theta(step_dir: Path) -> None:
+    path = step_dir / "state" / "theta.bin"
+    _rewrite(path, path.read_bytes()[: path.stat().st_size // 2])
+
+
+# How the latest checkpoint (3) is damaged, and a word its skip reason must contain.
+DAMAGE = {
+    "momentum_value": (_poke_momentum, "momentum.bin: CRC-32"),
+    "metadata_garbled": (lambda d: (d / "meta" / "metadata").write_text('{"state": [1, 2'), "cannot be restored"),
+    "metadata_missing": (lambda d: (d / "meta" / "metadata").unlink(), "cannot be restored"),
+    "manifest_garbled": (lambda d: (d / "state" / "manifest.json").write_text("[]"), "manifest.json"),
+    "theta_truncated": (_truncate_theta, "theta.bin: missing or not"),
+    "no_commit_marker": (lambda d: (d / "commit_success.txt").unlink(), "incomplete (no commit_success.txt"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, damage):
+    """A bad latest checkpoint is skipped, named in a checkpoint_skipped event and set aside; the run resumes
+    from the one before, exactly, and goes on (the next merge saves the skipped step's number again)."""
+    from dtrain.runlog import read_events
+
+    run_dir = tmp_path / "run"
+    at_v2 = _three_versions(net_cfg, run_dir)
+    harm, words = DAMAGE[damage]
+    harm(run_dir / "coordinator" / "3")
+    second = Running(net_cfg, run_dir, resume=True)
+    try:
+        m = second.service.merger
+        assert (m.version, m.digest) == (2, at_v2["digest"])
+        assert np.array_equal(m.theta, at_v2["theta"]) and np.array_equal(m.momentum, at_v2["momentum"])
+        skipped = [e for e in read_events(run_dir) if e["event"] == "checkpoint_skipped"]
+        assert len(skipped) == 1 and skipped[0]["step"] == 3 and words in skipped[0]["reason"], skipped
+        assert Path(skipped[0]["moved_to"]).parent == run_dir / "coordinator.skipped"
+        assert not (run_dir / "coordinator" / "3").exists()
+        c0, c1 = (CoordinatorClient(second.address, net_cfg) for _ in range(2))
+        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        n = j0.tree_size
+        c0.push(_header(j0, "a-again", base=2), _delta_frame(n, 40)[1])
+        c1.push(_header(j1, "b-again", base=2), _delta_frame(n, 41)[1])
+        assert second.service.merger.version == 3
+        for c in (c0, c1):
+            c.close()
+    finally:
+        second.stop()
+    assert (run_dir / "coordinator" / "3" / "commit_success.txt").is_file()  # version 3 saved afresh
+
+
+def test_a_crash_mid_checkpoint_restores_the_last_complete_one(net_cfg, tmp_path):
+    """Orbax writes a step into a temporary folder and renames it when complete: a crash mid-save leaves that
+    folder, which a resume ignores (nothing is skipped: it never was a checkpoint)."""
+    from dtrain.runlog import read_events
+
+    run_dir = tmp_path / "run"
+    _three_versions(net_cfg, run_dir)
+    ckpt = run_dir / "coordinator"
+    partial = ckpt / "4.orbax-checkpoint-tmp-1700000000000000"
+    shutil.copytree(ckpt / "3", partial)
+    (partial / "commit_success.txt").unlink()
+    (partial / "state" / "momentum.bin").write_bytes(b"\0" * 64)  # half written
+    second = Running(net_cfg, run_dir, resume=True)
+    try:
+        assert second.service.merger.version == 3
+        assert not [e for e in read_events(run_dir) if e["event"] == "checkpoint_skipped"]
+    finally:
+        second.stop()
+
+
+def test_resume_without_a_good_checkpoint_names_each_and_why(net_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    _three_versions(net_cfg, run_dir)
+    _poke_momentum(run_dir / "coordinator" / "3")
+    (run_dir / "coordinator" / "2" / "meta" / "metadata").write_text("not json")
+    with pytest.raises(CheckpointError) as e:
+        Running(net_cfg, run_dir, resume=True)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--resume: no good coordinator checkpoint in ")
+    assert "checkpoint 3: " in msg and "momentum.bin: CRC-32" in msg
+    assert "checkpoint 2: " in msg and "cannot be restored" in msg
+    assert sorted(p.name for p in (run_dir / "coordinator").iterdir()) == ["2", "3"]  # nothing set aside
+
+
+def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_cfg, tmp_path, capsys):
+    """A Join after the run is over is refused, marked so the island's client raises RunOverError; a worker
+    started then returns at once without training, and `dtrain worker` prints one line and exits 0."""
+    import time
+
+    from dtrain_cli.main import main
+    from workers.client import RunOverError
+    from workers.island import run_worker
+
+    cfg = replace(net_cfg, train={"steps": 10})  # a run of one version
+    running = Running(cfg, tmp_path / "over")
+    try:
+        c0, c1 = (CoordinatorClient(running.address, cfg) for _ in range(2))
+        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        c0.push(_header(j0, "a1"), _delta_frame(j0.tree_size, 1)[1])
+        c1.push(_header(j1, "b1"), _delta_frame(j0.tree_size, 2)[1])
+        with pytest.raises(RunOverError, match="FAILED_PRECONDITION: the run is over: 1 of 1 versions merged"):
+            _join(c0, "a")  # a restarted island
+        with pytest.raises(RunOverError, match="the run is over"):
+            _join(c0, "late-newcomer")
+        t0 = time.monotonic()
+        out = run_worker(cfg, running.address, "a", tmp_path / "island-a", quiet=True)
+        assert out == {"island": "a", "run_over": f"the run is over: 1 of 1 versions merged (coordinator at "
+                                                  f"{running.address})"}
+        assert time.monotonic() - t0 < 5.0
+        rc = main(["worker", "--config", str(ROOT / "configs" / "tiny.toml"), "--coordinator", running.address,
+                   "--island", "b", "--run-dir", str(tmp_path / "island-b"), "--quiet"])
+        printed = capsys.readouterr().out
+        assert rc == 0 and printed == (f"dtrain worker: the run is over: 1 of 1 versions merged (coordinator at "
+                                       f"{running.address}): nothing to do\n")
+        for c in (c0, c1):
+            c.close()
+    finally:
+        running.stop()
+
+
+def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_path):
+    """Retries name the address and how long they go on; giving up names both, in one line."""
+    import socket
+    import time
+
+    from workers.island import run_worker
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    retries: list[tuple[str, float, float]] = []
+    client = CoordinatorClient(address, replace(net_cfg, worker={"retry_total_s": 1.0, "retry_initial_s": 0.1}),
+                               on_retry=lambda what, pause, left: retries.append((what, pause, left)))
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorError) as e:
+        _join(client, "a")
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"UNAVAILABLE: join: the coordinator at {address} did not answer "
+                                              f"(retried for 1s (worker.retry_total_s), giving up); last error: ")
+    assert retries and all(what == f"join: UNAVAILABLE from the coordinator at {address}" for what, _, _ in retries)
+    assert all(0 < left <= 1.0 for _, _, left in retries) and retries[-1][2] < retries[0][2]
+    client.close()
+    # A worker restarted after it finished the run, its coordinator gone: its own summary.json says so.
+    island_dir = tmp_path / "island-a"
+    island_dir.mkdir()
+    summary = {"version": 4, "total_versions": 4, "fingerprint": net_cfg.fingerprint()}
+    (island_dir / "summary.json").write_text(json.dumps(summary))
+    t0 = time.monotonic()
+    out = run_worker(net_cfg, address, "a", island_dir, quiet=True)
+    assert time.monotonic() - t0 < 5.0 and out["run_over"].startswith("this island finished the run (version 4 of 4")
+    assert f"the coordinator at {address} does not answer" in out["run_over"]
+    (island_dir / "summary.json").write_text(json.dumps({**summary, "version": 3}))  # it had not: Join retries
+    with pytest.raises(CoordinatorError, match=f"join: the coordinator at {address} did not answer"):
+        run_worker(net_cfg, address, "a", island_dir, quiet=True)

@@ -186,3 +186,61 @@ def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice
     assert stopped["tokens_merged"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
     summaries = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in ("a", "b")]
     assert summaries[0]["params_digest"] == summaries[1]["params_digest"] == stopped["params_digest"]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(tmp_path):
+    """Default heartbeats and lease (1 s, 4 s): a worker process SIGKILLed mid-run is reported lost by the
+    coordinator within 5 s, the sync round goes on without it (no 30 s grace, no old 20 s lease), and the run
+    still finishes with exit status 0 everywhere."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dtrain.config import to_toml
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=300", "outer.inner_steps=20"])
+    assert (cfg.coordinator.lease_s, cfg.worker.heartbeat_s) == (4.0, 1.0)  # the defaults
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text(to_toml(cfg))
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "dtrain_cli"]
+    conf = ["--config", str(out / "config.toml"), "--quiet"]
+    coord = subprocess.Popen(cli + ["coordinator", *conf, "--port", "0", "--run-dir", str(out)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: dict[str, subprocess.Popen] = {}
+    try:
+        deadline = time.time() + 180
+        while not (out / "coordinator.json").exists():
+            assert time.time() < deadline and coord.poll() is None
+            time.sleep(0.1)
+        address = f"127.0.0.1:{json.loads((out / 'coordinator.json').read_text())['port']}"
+        workers = {n: subprocess.Popen(cli + ["worker", *conf, "--coordinator", address, "--island", n,
+                                              "--run-dir", str(out / "islands" / n)], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in ("a", "b")}
+        while sum(1 for e in read_events(out) if e["event"] == "round_merged") < 2:
+            assert time.time() < deadline and coord.poll() is None
+            time.sleep(0.05)
+        killed_at = time.time()
+        workers["b"].send_signal(signal.SIGKILL)
+        workers["b"].wait()
+        lost: list[dict] = []
+        while not lost:
+            assert time.time() < killed_at + 30, "the killed island was never reported lost"
+            time.sleep(0.05)
+            lost = [e for e in read_events(out) if e["event"] == "island_lost"]
+        assert workers["a"].wait(timeout=240) == 0
+        assert coord.wait(timeout=60) == 0
+    finally:
+        for p in [coord, *workers.values()]:
+            if p.poll() is None:
+                p.kill()
+    assert len(lost) == 1 and lost[0]["island"].startswith("b-")
+    assert lost[0]["t"] - killed_at <= 5.0, lost[0]["t"] - killed_at
+    events = read_events(out)
+    after = [e for e in events if e["event"] == "round_merged" and e["t"] > killed_at]
+    assert after and after[0]["t"] - killed_at <= 10.0  # the open round closed without waiting for a grace
+    assert [e["version"] for e in events if e["event"] == "round_merged"][-1] == cfg.rounds

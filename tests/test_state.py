@@ -228,6 +228,45 @@ def test_expire_exactly_at_lease_end_not_before():
     assert st.next_deadline(T0 + 15.0) == T0 + 20.0
 
 
+def test_default_leases_find_a_dead_island_within_5s_and_the_sync_round_does_not_wait_longer():
+    """With the default config (1 s heartbeats, 4 s leases), an island that dies at any moment between two
+    heartbeats is lost within 4 s of its death (<= 5 s, the issue's target), and a sync round with the default
+    min_quorum (every live island) closes then, not after its 30 s grace."""
+    cfg = load_config(TINY, ["outer.islands=2", "train.steps=20000"])  # the defaults for lease and heartbeat
+    assert (cfg.coordinator.lease_s, cfg.worker.heartbeat_s, cfg.coordinator.min_quorum) == (4.0, 1.0, 0)
+    lease, beat = cfg.coordinator.lease_s, cfg.worker.heartbeat_s
+    for died_after in (0.0, 0.5, 0.999):  # seconds after the dead island's last heartbeat
+        st = CoordinatorState(StateOptions.from_config(cfg), "run-1", T0)
+        a, b = join_all(st, "ab")
+        last = T0 + 10 * beat
+        for k in range(1, 11):  # both beat every second until t=10; then b dies, a beats on and pushes
+            for i in (a, b):
+                st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + k * beat)
+        death = last + died_after
+        push(st, info(a), death)
+        t = last
+        while not st.expire(t):  # the server's ticker wakes at next_deadline; a beats on schedule
+            st.heartbeat(a, 0, 0, 0, 0.0, "", (), t)
+            t = min(st.next_deadline(t), t + beat)
+        assert st.islands[b].state == "lost" and st.islands[a].state == "live"
+        assert t == last + lease and t - death <= lease <= 5.0  # found within one lease (<= 4 heartbeats)
+        assert st.round_ready(t) == (True, "all 1 live islands pushed")  # the round goes on at once
+
+
+def test_paused_leases_forgive_the_time_the_coordinator_could_not_listen():
+    st = make("outer.islands=2")
+    a, b = join_all(st, "ab")  # leases end at T0 + 15
+    st.expire(T0 + 20)  # (both lost: not paused in time) ...
+    a2, b2 = join_all(st, "ab", now=T0 + 20)  # ... they rejoin: leases end at T0 + 35
+    st.pause_leases(6.0)  # a merge held the lock 6 s past the deadline: heartbeats waited unheard
+    assert st.next_deadline(T0 + 20) == T0 + 41 and st.expire(T0 + 40.9) == []
+    assert sorted(i for i, _ in st.expire(T0 + 41)) == [a2, b2]
+    st.pause_leases(3.0)  # only live islands' leases move
+    assert st.islands[a].lease_expiry == T0 + 41
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        st.pause_leases(-1.0)
+
+
 # -- sync rounds ------------------------------------------------------------------------------------
 
 
@@ -421,6 +460,22 @@ def test_total_versions_stops_the_run():
     adm = push(st, info(a, base=1))
     assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
+
+
+def test_after_the_run_a_join_is_refused_and_a_lost_island_told_to_stop():
+    st = make("outer.islands=2", "train.steps=20")  # a run of one version
+    a, b = join_all(st, "ab")
+    st.expire(T0 + 15)  # both lost
+    a, _ = join_all(st, "ab", now=T0 + 16)  # back again
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 30)
+    st.expire(T0 + 31)  # b lost again; a lives
+    push(st, info(a), T0 + 31)
+    assert st.close_round(T0 + 31)[0] == 1 and st.stopped()
+    unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 32), "FAILED_PRECONDITION",
+              "the run is over: 1 of 1 versions merged: nothing left to train")
+    unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 32), "FAILED_PRECONDITION", "the run is over")
+    assert st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 32) == ("stop", "the run is over: 1 of 1 versions merged")
+    assert st.islands[b].state == "lost"  # told to stop, not brought back
 
 
 def test_commit_decides_again_when_the_round_closed_meanwhile():

@@ -2,9 +2,12 @@
 
 Every call has a deadline. UNAVAILABLE (the coordinator restarting, a cut
 link) and DEADLINE_EXCEEDED are retried with exponential backoff and jitter
-for up to ``worker.retry_total_s``; pushes are safe to retry because they
-carry a push id the coordinator applies at most once. Other errors are
-raised as :class:`CoordinatorError` with the coordinator's message.
+for up to ``worker.retry_total_s`` of wall time; each retry is reported (with
+the coordinator's address and the time left) and giving up names both. Pushes
+are safe to retry because they carry a push id the coordinator applies at most
+once. Other errors are raised as :class:`CoordinatorError` with the
+coordinator's message; a Join refused because the run is over, as
+:class:`RunOverError`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (
     HEARTBEAT_DEADLINE_S,
     JOIN_DEADLINE_S,
+    RUN_OVER_METADATA_KEY,
     STATUS_DEADLINE_S,
     FrameReceiver,
     RawChunk,
@@ -34,6 +38,7 @@ from dtrain.wire import (
     chunk_deserializer,
     chunk_message,
     frame_chunks,
+    keepalive_options,
     method_path,
     read_token,
     serialize,
@@ -49,6 +54,15 @@ class CoordinatorError(DtrainError):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(f"{code.name}: {message}")
         self.code = code
+        self.message = message
+
+
+class RunOverError(CoordinatorError):
+    """The coordinator refused a Join because the run is over (``str(e)`` says how many versions it merged)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 @dataclass
@@ -58,12 +72,14 @@ class PulledFrame:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, cfg: Config, on_retry: Callable[[str, float], None] | None = None):
+    def __init__(self, address: str, cfg: Config, on_retry: Callable[[str, float, float], None] | None = None):
+        """``on_retry(what, pause_s, left_s)``: told before each retry's pause; ``what`` names the call, the
+        error and the address, ``left_s`` how much longer the call keeps retrying."""
         self.address = address
         self.cfg = cfg
         sec = cfg.security
         creds = channel_credentials(sec)
-        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name)
+        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
         self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         # Pushes send pre-encoded chunk messages (wire.chunk_message), so they take a serializer that passes bytes.
@@ -82,22 +98,29 @@ class CoordinatorClient:
         self.channel.close()
 
     def _retry(self, what: str, call: Callable[[], T], budget_s: float | None = None) -> T:
+        """``call()``, retried on UNAVAILABLE / DEADLINE_EXCEEDED until ``budget_s`` (default
+        worker.retry_total_s; 0: one try) of wall time has passed since the first try."""
         w = self.cfg.worker
         budget = w.retry_total_s if budget_s is None else budget_s
-        delay, waited = w.retry_initial_s, 0.0
+        delay, t0 = w.retry_initial_s, time.monotonic()
         while True:
             try:
                 return call()
             except grpc.RpcError as e:
-                code = e.code()
-                if code not in RETRYABLE or waited >= budget:
-                    raise CoordinatorError(code, e.details() or "") from None
-                pause = delay * random.uniform(0.5, 1.0)
+                code, details = e.code(), _one_line(e.details() or "")
+                if code not in RETRYABLE:
+                    over = what == "join" and any(m.key == RUN_OVER_METADATA_KEY for m in e.trailing_metadata() or ())
+                    raise (RunOverError if over else CoordinatorError)(code, details) from None
+                left = budget - (time.monotonic() - t0)
+                if left <= 0:
+                    tried = f"retried for {budget:g}s (worker.retry_total_s), giving up" if budget else "one try"
+                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} did not answer "
+                                                 f"({tried}); last error: {details}") from None
+                pause = min(delay * random.uniform(0.5, 1.0), left)
                 self.retries += 1
                 if self.on_retry is not None:
-                    self.on_retry(f"{what}: {code.name}", pause)
+                    self.on_retry(f"{what}: {code.name} from the coordinator at {self.address}", pause, left)
                 time.sleep(pause)
-                waited += pause
                 delay = min(delay * 2, w.retry_max_s)
 
     def join(self, island: str, hardware: str, devices: int) -> pb.JoinResponse:
@@ -116,9 +139,10 @@ class CoordinatorClient:
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
-    def status(self) -> pb.StatusResponse:
+    def status(self, budget_s: float | None = None) -> pb.StatusResponse:
+        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try)."""
         return self._retry("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S,
-                                                               metadata=self.metadata))
+                                                               metadata=self.metadata), budget_s)
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
         """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""

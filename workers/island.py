@@ -22,6 +22,7 @@ island blocks only when the planner says to wait; that time is what
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import threading
@@ -47,7 +48,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_rate
 from dtrain.setup import prepare
 from dtrain.wire import max_frame_bytes
-from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
+from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
 from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
@@ -229,9 +230,10 @@ class Worker:
         self.frames_sent = 0
         self.frame_bytes = 0
 
-    def _on_retry(self, what: str, pause: float) -> None:
-        self.log.event("retry", what=what, pause_s=pause)
-        self.log.progress(f"{self.name}: {what}, retrying in {pause:.1f}s")
+    def _on_retry(self, what: str, pause: float, left: float) -> None:
+        self.log.event("retry", what=what, pause_s=pause, left_s=round(left, 3))
+        self.log.progress(f"{self.name}: {what}, retrying in {pause:.1f}s (giving up in {left:.0f}s, "
+                          f"worker.retry_total_s={self.cfg.worker.retry_total_s:g})")
 
     # -- exchange pieces ----------------------------------------------------------------------------
 
@@ -260,15 +262,24 @@ class Worker:
     # -- the loop -----------------------------------------------------------------------------------
 
     def _heartbeat_loop(self, status: IslandStatus) -> None:
+        """One heartbeat every worker.heartbeat_s, one try each (no backoff: the next tick is the retry, so a
+        coordinator that comes back hears from the island within a heartbeat, well inside its lease). A run of
+        failures is one event, and its end another."""
+        failing_since: float | None = None
         while not self.stopping.wait(self.cfg.worker.heartbeat_s):
             exchange = status.exchange
             try:
-                resp = self.client.heartbeat(island_id=self.island_id, version=status.version, steps=status.steps,
-                                             tokens=status.tokens, steps_per_s=status.steps_per_s,
+                resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
+                                             steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "")
             except CoordinatorError as e:
-                self.log.event("heartbeat_failed", error=str(e))
+                if failing_since is None:
+                    failing_since = time.perf_counter()
+                    self.log.event("heartbeat_failed", error=str(e))
                 continue
+            if failing_since is not None:
+                self.log.event("heartbeat_restored", after_s=round(time.perf_counter() - failing_since, 3))
+                failing_since = None
             if resp.action == pb.ACTION_STOP:
                 self.log.event("stop_requested", reason=resp.reason)
                 self.stopping.set()
@@ -276,6 +287,9 @@ class Worker:
                 self.log.event("rejoin", reason=resp.reason)
                 try:
                     self.join()
+                except RunOverError as e:
+                    self.log.event("stop_requested", reason=str(e))
+                    self.stopping.set()
                 except CoordinatorError as e:
                     self.log.event("rejoin_failed", error=str(e))
             if resp.push_unknown and exchange is not None:
@@ -325,17 +339,24 @@ class Worker:
         return island
 
     def run(self) -> dict[str, Any]:
-        """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary."""
+        """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary, or
+        ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
         self._precompile()
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
-        joined = self.join()
+        try:
+            joined = self.join()
+        except RunOverError as e:  # it ended before this island joined
+            return self._run_over(f"{e.message} (coordinator at {self.client.address})")
+        # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
+        # take longer than a lease, and nothing the training loop does may delay them.
+        status = IslandStatus(version=joined.version, steps=0, tokens=0)
+        hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
+        hb.start()
         anchor = self.pull(None)
         island = self._start_island(joined, anchor, ckpt)
-        status = IslandStatus(version=anchor.version, steps=island.steps, tokens=island.tokens)
-        hb = threading.Thread(target=self._heartbeat_loop, args=(status,), daemon=True)
-        hb.start()
+        status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
         self._await_peers()
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         t_train0 = time.perf_counter()
@@ -444,17 +465,24 @@ class Worker:
         if pending is not None:
             anchor = self._fold_in(island, pending, status)
         # Other islands may still push (async mode, or a slower island): wait for the run's last version, so
-        # every island ends on the same θ; give up if no new version arrives for two lease periods.
+        # every island ends on the same θ; give up if no new version arrives for a sync round's grace (the
+        # longest a round waits for a quorum) plus two lease periods (a lost island's lease).
+        patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
         last_progress = time.perf_counter()
         while self.total_versions and anchor.version < self.total_versions:
             g_new = self.pull(anchor, wait_s=PULL_WAIT_S)
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
                 status.version = anchor.version
-            elif time.perf_counter() - last_progress > 2 * self.cfg.coordinator.lease_s:
+            elif time.perf_counter() - last_progress > patience:
                 self.log.event("final_wait_timeout", version=anchor.version, total_versions=self.total_versions)
                 break
         return anchor
+
+    def _run_over(self, reason: str) -> dict[str, Any]:
+        """The run ended before this island joined: nothing to train."""
+        self.client.close()
+        return _report_run_over(self.log, self.name, reason)
 
     def _finish(self, island: Island, g: GlobalParams, rounds: int, t_start: float, active_s: float,
                 final_wait: float) -> dict[str, Any]:
@@ -476,6 +504,7 @@ class Worker:
             "utilization": 1.0 - self.blocked_s / active_s if active_s > 0 else 0.0,
             "blocked_s": self.blocked_s, "final_wait_s": final_wait, "active_s": active_s,
             "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
+            "total_versions": self.total_versions, "fingerprint": self.cfg.fingerprint(),
         }
         self.log.event("island_finished", **summary)
         self.log.write_summary(summary)
@@ -486,7 +515,49 @@ class Worker:
         return summary
 
 
+def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path) -> str:
+    """Why an island has nothing to train, asked before any slow start-up: the coordinator says the run is
+    over (one Status call, no retries), or it does not answer and the island's own summary.json records that
+    it finished the run (same model and codecs). '' otherwise: then Join decides (and retries)."""
+    try:
+        status = client.status(budget_s=0.0)
+    except CoordinatorError:
+        status = None
+    if status is not None:
+        state = json.loads(status.json or "{}").get("state", {})
+        return (f"the run is over: {status.version} of {state.get('total_versions')} versions merged "
+                f"(coordinator at {client.address})") if state.get("stopped") else ""
+    try:
+        done = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    total = done.get("total_versions") if isinstance(done, dict) else None
+    if isinstance(total, int) and total > 0 and done.get("version") == total \
+            and done.get("fingerprint") == cfg.fingerprint():
+        return (f"this island finished the run (version {total} of {total}, {run_dir / 'summary.json'}) and "
+                f"the coordinator at {client.address} does not answer: the run is over (remove summary.json to "
+                f"start a new run in this folder)")
+    return ""
+
+
+def _report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
+    """One event, one progress line, and what :func:`run_worker` returns for a run that is over."""
+    log.event("run_over", reason=reason)
+    log.progress(f"{name}: {reason}: nothing to do")
+    log.close()
+    return {"island": name, "run_over": reason}
+
+
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
+    """Runs one island to the end of the run; returns its summary, or ``{"island", "run_over"}`` (exit 0, no
+    training) when the run is over already: checked first, before the island builds or compiles anything."""
+    client = CoordinatorClient(address, cfg)
+    try:
+        over = run_over_already(client, cfg, Path(run_dir))
+    finally:
+        client.close()
+    if over:
+        return _report_run_over(RunLog(run_dir, quiet=quiet), name, over)
     worker = Worker(cfg, address, name, run_dir, quiet=quiet)
     try:
         return worker.run()
