@@ -39,13 +39,19 @@ def join_all(st: CoordinatorState, names=("a", "b", "c", "d"), now: float = T0) 
 _n = [0]
 
 
-def info(island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None, start: int = 0,
-         end: int = 10) -> PushInfo:
+def info(st: CoordinatorState, island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None,
+         start: int | None = None, end: int | None = None) -> PushInfo:
+    """A push over [start, end): by default from where the island's shard cursor is in ``st`` (0 for an unknown
+    island), 40 sequences long (40 x seq_len 32 = 1280 tokens, within tiny's inner_steps 20 x batch_size 8 = 160
+    sequences a push may cover)."""
     if push_id is None:
         _n[0] += 1
         push_id = f"p{_n[0]}"
+    if start is None:
+        record = st.islands.get(island_id)
+        start = 0 if record is None else st.shard_cursor(record.shard_index)
     return PushInfo(push_id=push_id, island_id=island_id, base_version=base, tokens=tokens, inner_steps=5,
-                    cursor_start=start, cursor_end=end)
+                    cursor_start=start, cursor_end=start + 40 if end is None else end)
 
 
 def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
@@ -59,7 +65,7 @@ def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
 def merge_rounds(st: CoordinatorState, island_id: str, rounds: int) -> None:
     """``rounds`` versions, each merged from one fresh push of ``island_id`` (async mode: one push closes it)."""
     for _ in range(rounds):
-        push(st, info(island_id, base=st.version))
+        push(st, info(st, island_id, base=st.version))
         st.close_round(T0)
 
 
@@ -124,8 +130,8 @@ def test_fifth_island_refused_when_all_shards_live():
 def test_lost_island_shard_taken_over_with_cursor():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    push(st, info(a, start=0, end=100))
-    push(st, info(b, start=0, end=70))
+    push(st, info(st, a, start=0, end=100))
+    push(st, info(st, b, start=0, end=70))
     st.close_round(T0)
     assert st.shard_cursor(0) == 100 and st.shard_cursor(1) == 70
     assert st.islands[b].cursor_merged == 70
@@ -144,12 +150,12 @@ def test_lost_island_shard_taken_over_with_cursor():
 def test_takeover_cursor_counts_the_lost_islands_pending_push():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    push(st, info(b, start=0, end=50))
+    push(st, info(st, b, start=0, end=50))
     st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 10)
     st.expire(T0 + 15)
     rec, reason = st.join("c", "cpu", 1, T0 + 16)
     assert rec.shard_index == 1 and "at cursor 50" in reason  # b's pending push will merge: don't retrain it
-    push(st, info(a, start=0, end=40), T0 + 16)
+    push(st, info(st, a, start=0, end=40), T0 + 16)
     ready, why = st.round_ready(T0 + 16)
     assert not ready and "missing: c-1" in why  # the newcomer is live and has not pushed
 
@@ -185,7 +191,7 @@ def test_heartbeat_renews_lease_and_records_report():
 def test_heartbeat_pull_stop_rejoin_and_errors():
     st = make("outer.islands=1", "train.steps=40")
     a, = join_all(st, "a")
-    push(st, info(a))
+    push(st, info(st, a))
     st.close_round(T0)
     assert st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1) == ("pull", ("holding version 0, the global version is "
                                                                       "1: pull"))
@@ -195,7 +201,7 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
               "call Join first")
     unchanged(st, lambda: st.heartbeat(a, 1, 1, 1, float("nan"), "", (), T0 + 1), "INVALID_ARGUMENT",
               "steps_per_s")
-    push(st, info(a, base=1))
+    push(st, info(st, a, base=1))
     st.close_round(T0 + 2)
     assert st.stopped()
     action, reason = st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3)
@@ -236,13 +242,13 @@ def test_sync_round_closes_when_all_live_pushed():
     ids = join_all(st)
     assert st.round_ready(T0) == (False, "waiting for the first push for version 1 (4 live islands)")
     for i in ids[:3]:
-        adm = push(st, info(i, start=0, end=10))
+        adm = push(st, info(st, i, start=0, end=40))
         assert adm.status == "accept" and adm.target_version == 1 and adm.staleness == 0 and adm.weight == 1000.0
         assert adm.reason == "accepted for version 1: weight 1000 = 1000 tokens"
     ready, why = st.round_ready(T0 + 1)
     assert not ready and why == "waiting for 1 of 4 islands (missing: d-3); a quorum close needs 4 pushes, have 3"
     unchanged(st, lambda: st.close_round(T0 + 1), "FAILED_PRECONDITION", "cannot close", "missing: d-3")
-    push(st, info(ids[3], tokens=500, start=0, end=5))
+    push(st, info(st, ids[3], tokens=500, start=0, end=20))
     assert st.round_ready(T0 + 2) == (True, "all 4 live islands pushed")
     assert [i.island_id for i, _ in st.pending()] == ids
     version, merged, reason = st.close_round(T0 + 2)
@@ -250,17 +256,17 @@ def test_sync_round_closes_when_all_live_pushed():
     assert "merged 4 deltas (a-0, b-1, c-2, d-3; 3500 tokens) into version 1 (all 4 live islands pushed)" == reason
     assert st.pending() == [] and st.deltas_merged == 4 and st.tokens_merged == 3500
     assert st.islands["d-3"].tokens_merged == 500 and st.islands["d-3"].pushes_merged == 1
-    assert st.islands["d-3"].cursor_merged == 5 and st.shard_cursor(3) == 5
+    assert st.islands["d-3"].cursor_merged == 20 and st.shard_cursor(3) == 20
 
 
 def test_quorum_and_grace():
     st = make("coordinator.min_quorum=3", "coordinator.grace_s=30")
     a, b, c, d = join_all(st)
-    push(st, info(a), T0)
-    push(st, info(c), T0 + 5)
+    push(st, info(st, a), T0)
+    push(st, info(st, c), T0 + 5)
     assert st.round_ready(T0 + 40) == (False, ("waiting for 2 of 4 islands (missing: b-1, d-3); "
                                               "a quorum close needs 3 pushes, have 2"))
-    push(st, info(d), T0 + 10)
+    push(st, info(st, d), T0 + 10)
     ready, why = st.round_ready(T0 + 18)
     assert not ready and why == "waiting for 1 of 4 islands (missing: b-1); quorum close possible in 12.0s"
     assert st.next_deadline(T0 + 18) == T0 + 15  # earliest lease first
@@ -280,10 +286,10 @@ def test_quorum_and_grace():
 def test_lost_island_no_longer_blocks_round_and_its_push_stays():
     st = make()
     a, b, c, d = join_all(st)
-    push(st, info(b), T0 + 1)
+    push(st, info(st, b), T0 + 1)
     for i in (a, c):
         st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + 10)
-        push(st, info(i), T0 + 10)
+        push(st, info(st, i), T0 + 10)
     assert st.round_ready(T0 + 11)[1].startswith("waiting for 1 of 4 islands (missing: d-3)")
     lost = dict(st.expire(T0 + 15))  # b (pending push) and d are lost
     assert set(lost) == {b, d}
@@ -297,22 +303,22 @@ def test_lost_island_no_longer_blocks_round_and_its_push_stays():
 def test_second_push_in_open_round_refused():
     st = make()
     a, *_ = join_all(st)
-    push(st, info(a))
-    unchanged(st, lambda: st.admit_push(info(a), T0), "FAILED_PRECONDITION",
+    push(st, info(st, a))
+    unchanged(st, lambda: st.admit_push(info(st, a), T0), "FAILED_PRECONDITION",
               "a-0 already pushed for version 1", "wait for the round to close")
 
 
 def test_duplicate_push_id_pending_and_merged_no_double_count():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    first = info(a, push_id="retry-me", tokens=700)
+    first = info(st, a, push_id="retry-me", tokens=700)
     push(st, first)
     dup = st.admit_push(first, T0 + 1)
     assert dup == Admission("duplicate", 0.0, 0, 1, "push retry-me is pending in the open round for version 1: "
                                                       "a retry, not applied again")
     assert st.commit_push(first, T0 + 1) == dup
     assert st.duplicates == 1 and len(st.pending()) == 1
-    push(st, info(b))
+    push(st, info(st, b))
     st.close_round(T0 + 2)
     assert st.tokens_merged == 1700 and st.islands[a].tokens_merged == 700
     dup2 = st.admit_push(first, T0 + 3)
@@ -322,7 +328,7 @@ def test_duplicate_push_id_pending_and_merged_no_double_count():
     assert st.tokens_merged == 1700 and st.deltas_merged == 2 and st.duplicates == 2
     assert st.push_known("retry-me") and not st.push_known("never")
     # the same id from another island is a client bug, not a retry
-    unchanged(st, lambda: st.admit_push(info(b, push_id="retry-me"), T0 + 3), "INVALID_ARGUMENT",
+    unchanged(st, lambda: st.admit_push(info(st, b, push_id="retry-me"), T0 + 3), "INVALID_ARGUMENT",
               "already used by island a-0")
 
 
@@ -330,7 +336,7 @@ def test_push_id_memory_is_bounded():
     st = make("outer.islands=1", max_push_ids=3)
     a, = join_all(st, "a")
     for v in range(5):
-        push(st, info(a, base=v, push_id=f"id{v}"))
+        push(st, info(st, a, base=v, push_id=f"id{v}"))
         st.close_round(T0)
     assert [st.push_known(f"id{v}") for v in range(5)] == [False, False, True, True, True]
 
@@ -339,7 +345,7 @@ def test_late_delta_discount_weight_exact():
     st = make("outer.islands=2", "coordinator.mode=async", "outer.staleness_alpha=0.5")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
-    adm = st.admit_push(info(b, base=1, tokens=1000), T0)
+    adm = st.admit_push(info(st, b, base=1, tokens=1000), T0)
     assert adm.status == "accept" and adm.staleness == 2 and adm.target_version == 4
     assert adm.weight == 1000 * (1 + 2) ** -0.5
     assert adm.reason == "accepted for version 4: 2 versions late: weight 577.35 = 1000 tokens x (1+2)^-0.5"
@@ -348,25 +354,25 @@ def test_late_delta_discount_weight_exact():
 def test_drop_policy_drops_and_counts():
     st = make("outer.islands=2", "coordinator.mode=async", "coordinator.late_policy=drop")
     a, b = join_all(st, "ab")
-    push(st, info(a))
+    push(st, info(st, a))
     st.close_round(T0)
-    late = info(b, base=0)
+    late = info(st, b, base=0)
     adm = push(st, late)
     assert adm.status == "drop" and adm.weight == 0.0 and adm.staleness == 1
     assert adm.reason == "delta from version 0 is 1 versions stale and late_policy is 'drop': dropped"
     assert st.deltas_dropped == 1 and st.pending() == [] and st.round_ready(T0) == (False, "no pushes pending")
     retry = st.admit_push(late, T0)
     assert retry.status == "duplicate" and "was dropped" in retry.reason
-    assert push(st, info(b, base=1)).status == "accept"  # fresh deltas are fine
+    assert push(st, info(st, b, base=1)).status == "accept"  # fresh deltas are fine
 
 
 def test_max_staleness_drops_under_discount():
     st = make("outer.islands=2", "coordinator.mode=async", "coordinator.max_staleness=2")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
-    assert push(st, info(b, base=1)).status == "accept"  # staleness 2: discounted
+    assert push(st, info(st, b, base=1)).status == "accept"  # staleness 2: discounted
     st.close_round(T0)
-    adm = push(st, info(b, base=1))
+    adm = push(st, info(st, b, base=1))
     assert adm.status == "drop" and adm.staleness == 3
     assert adm.reason == "delta from version 1 is 3 versions stale (max_staleness 2): dropped"
     assert st.deltas_dropped == 1
@@ -384,7 +390,7 @@ def test_max_staleness_drops_under_discount():
 def test_bad_pushes_refused_without_change(change, code, words):
     st = make()
     a, *_ = join_all(st)
-    good = info(a)
+    good = info(st, a)
     bad = PushInfo(**{**good.__dict__, **change})
     unchanged(st, lambda: st.admit_push(bad, T0), code, *words)
     unchanged(st, lambda: st.commit_push(bad, T0), code, *words)
@@ -394,18 +400,18 @@ def test_lost_island_push_refused():
     st = make()
     a, *_ = join_all(st)
     st.expire(T0 + 15)
-    unchanged(st, lambda: st.admit_push(info(a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
+    unchanged(st, lambda: st.admit_push(info(st, a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
 
 
 def test_async_ready_after_each_push():
     st = make("coordinator.mode=async")
     a, b, *_ = join_all(st)
     assert st.round_ready(T0) == (False, "no pushes pending")
-    push(st, info(a))
+    push(st, info(st, a))
     assert st.round_ready(T0) == (True, "1 push pending (async: merge on arrival)")
     assert st.close_round(T0)[0] == 1
-    push(st, info(b, base=0))
-    push(st, info(a, base=1))  # async: an island may push again before its last merges
+    push(st, info(st, b, base=0))
+    push(st, info(st, a, base=1))  # async: an island may push again before its last merges
     ready, why = st.round_ready(T0)
     assert ready and why == "2 pushes pending (async: merge on arrival)"
     assert st.next_deadline(T0) == T0 + 15  # leases only: no grace in async
@@ -414,11 +420,11 @@ def test_async_ready_after_each_push():
 def test_total_versions_stops_the_run():
     st = make("outer.islands=1", "train.steps=20")
     a, = join_all(st, "a")
-    push(st, info(a))
+    push(st, info(st, a))
     version, _, reason = st.close_round(T0)
     assert version == 1 and st.stopped() and reason.endswith("; the run is over (1 versions)")
     assert st.round_ready(T0) == (False, "the run is over: 1 of 1 versions merged")
-    adm = push(st, info(a, base=1))
+    adm = push(st, info(st, a, base=1))
     assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
 
@@ -426,10 +432,10 @@ def test_total_versions_stops_the_run():
 def test_commit_decides_again_when_the_round_closed_meanwhile():
     st = make("outer.islands=2", "coordinator.min_quorum=1", "coordinator.grace_s=5")
     a, b = join_all(st, "ab")
-    late = info(b)
+    late = info(st, b)
     preview = st.admit_push(late, T0)  # b's payload starts streaming in...
     assert (preview.status, preview.target_version, preview.weight) == ("accept", 1, 1000.0)
-    push(st, info(a), T0)
+    push(st, info(st, a), T0)
     assert st.close_round(T0 + 5)[0] == 1  # ...and the round closes on quorum without it
     adm = st.commit_push(late, T0 + 6)
     assert (adm.status, adm.target_version, adm.staleness, adm.weight) == ("accept", 2, 1, 1000 * 2 ** -0.5)
@@ -441,7 +447,7 @@ def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
     a, b, c = join_all(st, "abc")
     assert st.finished(T0) == (False, "the run goes on: 0 of 1 versions merged")
     for i in (a, b, c):
-        push(st, info(i))
+        push(st, info(st, i))
     st.close_round(T0 + 1)
     assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
                                            "version 1: a-0, b-1, c-2"))
@@ -485,13 +491,13 @@ def busy_state() -> CoordinatorState:
     st = make("coordinator.min_quorum=2")
     a, b, c, d = join_all(st)
     st.heartbeat(a, 0, 10, 100, 2.5, "dig", ("gpu:1",), T0 + 1)
-    push(st, info(a, push_id="m1", start=0, end=30), T0 + 1)
-    push(st, info(b, push_id="m2"), T0 + 1)
-    push(st, info(c, push_id="m3"), T0 + 1)
-    push(st, info(d, push_id="m4"), T0 + 1)
+    push(st, info(st, a, push_id="m1", start=0, end=35), T0 + 1)
+    push(st, info(st, b, push_id="m2"), T0 + 1)
+    push(st, info(st, c, push_id="m3"), T0 + 1)
+    push(st, info(st, d, push_id="m4"), T0 + 1)
     st.close_round(T0 + 1)
-    st.commit_push(info(a, push_id="m1"), T0 + 2)
-    push(st, info(b, base=1, push_id="open-1"), T0 + 3)
+    st.commit_push(info(st, a, push_id="m1"), T0 + 2)
+    push(st, info(st, b, base=1, push_id="open-1"), T0 + 3)
     return st
 
 
@@ -509,10 +515,10 @@ def test_json_round_trip():
     same = CoordinatorState.from_json(options("coordinator.min_quorum=2"), json.loads(text), T0 + 500)
     assert _no_leases(same.to_json()) == _no_leases(blob)  # only the leases move: renewed to now + lease_s
     assert all(r.lease_expiry == T0 + 515 for r in same.islands.values())
-    assert same.admit_push(info("a-0", push_id="m1"), T0).status == "duplicate"
+    assert same.admit_push(info(same, "a-0", push_id="m1"), T0).status == "duplicate"
     assert [i.push_id for i, _ in same.pending()] == ["open-1"]
     assert same.round_ready(T0 + 500) == st.round_ready(T0 + 500)
-    assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 30)
+    assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 35)
     # leases that all end at now + lease_s: the round trip is exact
     st2 = make("outer.islands=2")
     join_all(st2, "ab")
@@ -582,8 +588,8 @@ def test_status_contents():
     isl = {i["island_id"]: i for i in s["islands"]}
     assert isl["a-0"]["lease_left_s"] == 6.0 and isl["b-1"]["lease_left_s"] == 5.0
     assert isl["a-0"]["bad_devices"] == ["gpu:1"] and isl["a-0"]["steps_per_s"] == 2.5
-    assert isl["a-0"]["tokens_merged"] == 1000 and isl["a-0"]["cursor_merged"] == 30
-    assert s["shard_cursors"] == [30, 10, 10, 10]
+    assert isl["a-0"]["tokens_merged"] == 1000 and isl["a-0"]["cursor_merged"] == 35
+    assert s["shard_cursors"] == [35, 80, 40, 40]  # shard 1: its pending push open-1 ends at 80
     rnd = s["round"]
     assert rnd["target_version"] == 2 and rnd["ready"] is False and [p["push_id"] for p in rnd["pending"]] == \
         ["open-1"]
