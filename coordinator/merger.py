@@ -220,7 +220,7 @@ class Merger:
         self.total_weight = 0.0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
-        self.digest = self._hash_file(self.theta_path)
+        self.digest, self.theta_norm = self._scan_theta(self.theta_path)  # θ's digest and L2 norm
         # Files kept for reuse: writing over a file's existing pages costs a third of filling a new one (the
         # kernel allocates and zeroes nothing). Spools are reused whatever they held (each push rewrites its
         # whole body); a state file only once no checkpoint links it (see outer_step).
@@ -275,12 +275,16 @@ class Merger:
         return int(arr.size)
 
     @staticmethod
-    def _hash_file(path: Path) -> str:
+    def _scan_theta(path: Path) -> tuple[str, float]:
+        """The digest and the L2 norm of a θ file, in one read."""
         h = params_hasher()
+        sum_sq = 0.0
         with open(path, "rb") as f:
             while piece := f.read(IO_PIECE):
                 h.update(piece)
-        return hasher_digest(h)
+                values = np.frombuffer(piece, "<f4")
+                sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
+        return hasher_digest(h), math.sqrt(sum_sq)
 
     @property
     def theta(self) -> np.ndarray:
@@ -425,7 +429,7 @@ class Merger:
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
 
-            def step(s: int) -> np.ndarray:
+            def step(s: int) -> tuple[np.ndarray, float]:
                 e = min(s + slab, self.n)
                 if o.rule == "mean":
                     delta = np.zeros(e - s, np.float32)
@@ -465,12 +469,15 @@ class Merger:
                     theta += applied  # θ is the sum of what was broadcast
                 self._check_finite("theta", s, theta)
                 _write_from(fds["theta_new"], theta, 4 * s)
-                return theta
+                return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64))
 
             hasher = params_hasher()
+            theta_sq = [0.0]
 
             def digest(done: futures.Future) -> None:
-                hasher.update(memoryview(done.result()).cast("B"))
+                theta, sq = done.result()
+                hasher.update(memoryview(theta).cast("B"))
+                theta_sq[0] += sq
 
             with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
                 window: collections.deque[futures.Future] = collections.deque()
@@ -501,6 +508,7 @@ class Merger:
         self.pending = []
         self.total_weight = 0.0
         self.digest = hasher_digest(hasher)
+        self.theta_norm = math.sqrt(theta_sq[0])
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
                         params_digest=self.digest)
         self.updates.append(update)

@@ -357,7 +357,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # with the payload's norm, and recorded; summing the accepted delta cannot fail for a spool that
                 # validate() accepted.
                 admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(),
-                                              norm=spool.norm)
+                                              norm=spool.norm, theta_norm=self.merger.theta_norm)
                 if admission.status == "accept":
                     self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
                 self.bytes_in += receiver.size

@@ -39,7 +39,9 @@ Model:
   ``train.batch_size`` sequences. It may start later than the shard's cursor:
   an island goes on past a range the coordinator dropped or rejected.
 - Norms: with the payload's L2 norm (the server takes it as it spools the
-  frame), :meth:`commit_push` rejects ("quarantines") an outlier, a norm more
+  frame), :meth:`commit_push` rejects ("quarantines") a norm over
+  ``coordinator.norm_max_ratio`` × ‖θ‖ (from the first round: a delta that
+  would move θ farther than many times its own length), and an outlier: a norm more
   than ``coordinator.norm_z_max`` robust deviations above the median of the
   last ``coordinator.norm_window`` merged norms (``dtrain.outer.robust_z``; once
   ``norm_window_min`` are in), and gives an accepted push the factor that clips
@@ -505,16 +507,18 @@ class CoordinatorState:
         return Admission("duplicate", 0.0, staleness, target,
                          f"push {info.push_id} {what}: a retry, not applied again")
 
-    def commit_push(self, info: PushInfo, now: float, norm: float | None = None) -> Admission:
+    def commit_push(self, info: PushInfo, now: float, norm: float | None = None,
+                    theta_norm: float = 0.0) -> Admission:
         """Decide on a push whose payload has arrived, record the decision and return it: pending (accept),
         counted (drop, duplicate, reject); the push id is remembered. Decided afresh, not taken from an earlier
         :meth:`admit_push`: the round may have closed while the payload streamed in.
 
         ``norm``: the payload's L2 norm; with it, an outlier is rejected and an accepted push gets its clip
-        factor (see the module docstring). None: no norm checks (tools and tests of the other rules)."""
+        factor (see the module docstring). None: no norm checks (tools and tests of the other rules).
+        ``theta_norm``: the L2 norm of the current θ (0: the ratio check is skipped)."""
         admission = self.admit_push(info, now)
         if admission.status == "accept" and norm is not None:
-            admission = self._screen_norm(info, admission, norm)
+            admission = self._screen_norm(info, admission, norm, theta_norm)
         if admission.status == "reject":
             self._record_rejection(info, admission.target_version, admission.staleness, admission.reason)
         elif admission.status == "duplicate":
@@ -531,12 +535,17 @@ class CoordinatorState:
             self._rejections.pop(info.island_id, None)
         return admission
 
-    def _screen_norm(self, info: PushInfo, admission: Admission, norm: float) -> Admission:
+    def _screen_norm(self, info: PushInfo, admission: Admission, norm: float, theta_norm: float) -> Admission:
         """An accepted push, screened by its norm: rejected as an outlier, or accepted with its clip factor."""
         c = self.opts.coordinator
         if not (math.isfinite(norm) and norm >= 0):
             return dataclasses.replace(admission, status="reject", weight=0.0, norm=0.0,
                                        reason=f"rejected: push {info.push_id} has a non-finite norm {norm}")
+        if c.norm_max_ratio and theta_norm > 0 and norm > c.norm_max_ratio * theta_norm:
+            return dataclasses.replace(
+                admission, status="reject", weight=0.0, norm=norm,
+                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than norm_max_ratio "
+                        f"{c.norm_max_ratio:g} x the L2 norm of θ ({theta_norm:.4g})"))
         if c.norm_z_max and len(self.norms) >= c.norm_window_min:
             z = robust_z(norm, self.norms)
             if z > c.norm_z_max:

@@ -132,6 +132,8 @@ class CoordinatorConfig:
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
     norm_z_max: float = _f(8.0, "a push whose L2 norm is more than this many robust deviations above the median of "
                            "the recent accepted norms is rejected (quarantined); 0: off")
+    norm_max_ratio: float = _f(10.0, "a push whose L2 norm exceeds this multiple of the L2 norm of θ is rejected "
+                               "(quarantined), from the first round on (while θ is not 0); 0: off")
     norm_window: int = _f(32, "how many recent accepted push norms the outlier check compares against")
     norm_window_min: int = _f(4, "the outlier check applies once the window holds this many norms")
     clip_norm: float = _f(0.0, "> 0: a push whose L2 norm exceeds this is scaled down to it (through its merge "
@@ -293,7 +295,7 @@ def _check(cfg: Config, origin: str) -> None:
     for name in ("max_push_steps", "trim"):
         if getattr(co, name) < 0:
             fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
-    for name in ("norm_z_max", "clip_norm"):
+    for name in ("norm_z_max", "norm_max_ratio", "clip_norm"):
         if not (math.isfinite(getattr(co, name)) and getattr(co, name) >= 0):
             fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
     if co.norm_window < 1:
