@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 import pytest
@@ -597,3 +598,126 @@ def test_status_contents():
                             "pushes, have 1"
     st.expire(T0 + 16)
     assert all(i["lease_left_s"] == 0.0 and i["state"] == "lost" for i in st.status(T0 + 16)["islands"])
+
+
+# -- deltas cannot poison θ: the weight bound, the norm screen, rejections ------------------------------------
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tokens": 10 ** 9, "start": 0, "end": 80},
+     ("tokens=1000000000 exceed its cursor range [0, 80) = 80 sequences x seq_len 32 = 2560 tokens",)),
+    ({"tokens": 1281, "start": 0, "end": 40}, ("tokens=1281", "= 1280 tokens")),
+    ({"tokens": 1000, "start": 0, "end": 161},
+     ("[0, 161) is 161 sequences, more than one push may cover: max_push_steps 20 x batch_size 8 = 160",)),
+    ({"tokens": 10 ** 9, "start": 0, "end": 10 ** 9}, ("more than one push may cover",)),
+    ({"tokens": 1000, "start": 39, "end": 79}, ("cursor_start=39 is before shard 0's cursor 40",)),
+    ({"tokens": 1000, "start": 159_990, "end": 160_030},
+     ("cursor_end=160030 is past the end of shard 0: train.steps 20000 x batch_size 8 = 160000 sequences",)),
+])
+def test_a_push_weight_is_bounded_by_its_assigned_cursor_range(fields, words):
+    """tokens <= range x seq_len; range <= max_push_steps (H = 20) x batch 8; no earlier than the shard's cursor;
+    within the shard's train.steps x batch: refused, naming the numbers, with the state unchanged."""
+    st = make("coordinator.mode=async")
+    a, _ = join_all(st, "ab")
+    push(st, info(st, a, start=0, end=40))  # shard 0's cursor: 40 (pending counts)
+    st.close_round(T0)
+    bad = info(st, a, base=1, **fields)
+    for decide in (st.admit_push, st.commit_push):
+        unchanged(st, lambda decide=decide: decide(bad, T0), "INVALID_ARGUMENT", f"push {bad.push_id} from a-0", *words)
+    # At the bounds: accepted. A range may start past the cursor (the island went on past a dropped push).
+    assert push(st, info(st, a, base=1, tokens=160 * 32, start=40, end=200)).status == "accept"
+    st.close_round(T0)
+    assert push(st, info(st, a, base=2, start=300, end=340)).status == "accept"
+
+
+def test_the_push_bound_follows_the_config():
+    assert options().max_push_steps == 20 and options().shard_steps == 20000
+    assert options("coordinator.max_push_steps=7").max_push_steps == 7
+    wall = options("worker.round_seconds=2")  # wall-time rounds: 4 x H per push, no shard end
+    assert wall.max_push_steps == 80 and wall.shard_steps == 0
+    st = CoordinatorState(wall, "run-1", T0)
+    (a,) = join_all(st, "a")
+    assert push(st, info(st, a, tokens=640 * 32, start=10 ** 9, end=10 ** 9 + 640)).status == "accept"
+
+
+def _merged_norms(st: CoordinatorState, island_id: str, norms: list[float]) -> None:
+    for norm in norms:  # async: each push is merged on its own
+        assert st.commit_push(info(st, island_id, base=st.version), T0, norm=norm).status == "accept"
+        st.close_round(T0)
+
+
+def test_a_norm_outlier_is_quarantined_once_the_window_fills():
+    st = make("coordinator.mode=async", "coordinator.norm_window=5", "coordinator.norm_window_min=4")
+    a, b = join_all(st, "ab")
+    _merged_norms(st, a, [1.0, 1.1, 0.9])
+    assert list(st.norms) == [1.0, 1.1, 0.9]
+    # Three norms: the check does not apply yet (the push is accepted; it joins the window once merged).
+    assert st.commit_push(info(st, b, base=st.version), T0, norm=3.0).status == "accept"
+    st.close_round(T0)
+    _merged_norms(st, a, [1.0, 1.05])
+    assert list(st.norms) == [1.1, 0.9, 3.0, 1.0, 1.05]  # the last norm_window=5
+    ok = st.commit_push(info(st, b, base=st.version), T0, norm=2.5)  # median 1.05: z = 1.45/0.2625 = 5.5 <= 8
+    assert ok.status == "accept" and ok.norm == 2.5 and ok.scale == 1.0
+    st.close_round(T0)
+    poison = info(st, b, base=st.version)
+    adm = st.commit_push(poison, T0, norm=1e6)
+    assert adm.status == "reject" and adm.weight == 0.0 and st.pending() == [] and st.deltas_rejected == 1
+    assert adm.reason.startswith(f"quarantined: push {poison.push_id} has L2 norm 1e+06") and \
+        "robust deviations above the median 1.05 of the last 5 merged pushes (norm_z_max 8)" in adm.reason
+    assert 1e6 not in st.norms
+    # Its island is told in every heartbeat reply until a push of its own is accepted; a retry is a duplicate.
+    action, why = st.heartbeat(b, st.version, 0, 0, 0.0, "", (), T0 + 1)
+    assert action == "continue" and f"your push {poison.push_id} was rejected: quarantined" in why
+    assert st.rejected(poison.push_id) is not None and st.rejected("p-unknown") is None
+    retry = st.commit_push(poison, T0 + 1, norm=1e6)
+    assert retry.status == "duplicate" and "was rejected" in retry.reason
+    assert st.commit_push(info(st, b, base=st.version), T0 + 2, norm=1.2).status == "accept"
+    assert "rejected" not in st.heartbeat(b, st.version, 0, 0, 0.0, "", (), T0 + 3)[1]
+    st.close_round(T0 + 3)
+    # off: norm_z_max = 0
+    off = make("coordinator.mode=async", "coordinator.norm_z_max=0", "coordinator.norm_window_min=1")
+    (c,) = join_all(off, "c")
+    _merged_norms(off, c, [1.0, 1e6])
+
+
+def test_norm_max_ratio_and_clip_norm():
+    st = make("coordinator.mode=async", "coordinator.clip_norm=2")
+    (a,) = join_all(st, "a")
+    big = info(st, a)
+    adm = st.commit_push(big, T0, norm=10.5, theta_norm=1.0)  # first round: no window yet, the ratio applies
+    assert adm.status == "reject" and "more than norm_max_ratio 10 x the L2 norm of θ (1)" in adm.reason
+    assert st.commit_push(info(st, a), T0, norm=10.5, theta_norm=0.0).status == "accept"  # θ = 0: skipped
+    st.close_round(T0)
+    clipped = st.commit_push(info(st, a, base=1), T0, norm=8.0, theta_norm=1.0)
+    assert clipped.status == "accept" and clipped.scale == 0.25 and clipped.weight == 1000.0
+    assert clipped.reason.endswith("; norm 8 clipped to 2")
+    nan = st.commit_push(info(st, a, base=1), T0, norm=math.nan)
+    assert nan.status == "reject" and "non-finite norm nan" in nan.reason
+
+
+def test_rejected_pending_push_does_not_hold_up_its_round():
+    """reject_pending (a merge it made non-finite): out of the round, counted, its island told, and the round
+    closes with the others (the rejected island counts as having pushed)."""
+    st = make("outer.islands=2")
+    a, b = join_all(st, "ab")
+    pa, pb = info(st, a, tokens=700), info(st, b, tokens=300)
+    push(st, pa)
+    push(st, pb)
+    unchanged(st, lambda: st.reject_pending(["nope"], "x"), "NOT_FOUND", "nope not pending")
+    assert st.reject_pending([pa.push_id], "the outer step makes theta[3] non-finite") == [pa]
+    assert [i.push_id for i, _ in st.pending()] == [pb.push_id] and st.deltas_rejected == 1
+    assert st.round_ready(T0) == (True, "all 2 live islands pushed, 1 of them rejected")
+    assert "was rejected: the outer step makes theta[3] non-finite" in st.heartbeat(a, 0, 0, 0, 0.0, "", (),
+                                                                                     T0)[1]
+    # The state round-trips through a checkpoint with its rejection and norms.
+    same = CoordinatorState.from_json(options("outer.islands=2"), json.loads(json.dumps(st.to_json())), T0)
+    assert same.round_ready(T0) == st.round_ready(T0) and same.deltas_rejected == 1
+    version, merged, reason = st.close_round(T0)
+    assert version == 1 and merged == [pb] and st.tokens_merged == 300 and st.shard_cursor(0) == 0
+    assert st.admit_push(pa, T0).status == "duplicate"
+    assert st.round_ready(T0)[0] is False  # the next round waits for both again
+    # All pushes rejected: nothing to merge, the round stays open.
+    push(st, info(st, a, base=1))
+    (only,) = st.pending()
+    st.reject_pending([only[0].push_id], "bad")
+    assert st.round_ready(T0) == (False, "waiting for the first push for version 2 (2 live islands)")
