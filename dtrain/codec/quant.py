@@ -264,8 +264,9 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
     if n_blocks * block != count:
         levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
     levels_BxK = levels.reshape(n_blocks, block)
-    # float32 sums of small integers (int8: at most 127² · block) are exact up to 2^24; float64 for the rest.
-    return np.einsum("ij,ij->i", levels_BxK, levels_BxK, dtype=np.float64)
+    # Summed in float32 (exact for int8 blocks up to 1024 values: 127² x 1024 < 2^24; a relative error of ~1e-7
+    # beyond), returned as float64 so that scale² (up to ~1e73) can multiply it.
+    return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
 
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
