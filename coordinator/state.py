@@ -32,8 +32,9 @@ Model:
   island's word alone (:meth:`_check_bounds`, refused INVALID_ARGUMENT): its
   tokens are at most its cursor range × ``model.seq_len``; the range covers at
   most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
-  ``outer.inner_steps``, the length of a step round; 4 × that with wall-time
-  rounds, whose length varies with an island's speed); it starts no earlier
+  ``outer.inner_steps``, the length of a step round; with wall-time rounds,
+  whose length is an island's speed × ``worker.round_seconds``, there is no
+  default cap: set one); it starts no earlier
   than the shard's cursor (merged and pending data is never counted twice) and,
   with step rounds, ends within the shard's ``train.steps`` ×
   ``train.batch_size`` sequences. It may start later than the shard's cursor:
@@ -117,7 +118,7 @@ class StateOptions:
     total_versions: int  # the run is over once this many versions are merged
     seq_len: int  # model.seq_len: tokens per sequence (a push's tokens <= its cursor range x seq_len)
     batch_size: int  # train.batch_size: sequences per inner step
-    max_push_steps: int  # inner steps one push may cover (coordinator.max_push_steps resolved, see from_config)
+    max_push_steps: int  # inner steps one push may cover (coordinator.max_push_steps resolved; 0: no cap)
     shard_steps: int  # inner steps a shard holds in the run (train.steps); 0: no end (wall-time rounds)
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
@@ -134,7 +135,7 @@ class StateOptions:
         ``cfg.rounds × outer.islands`` (async: one version per push)."""
         rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
         wall_time = cfg.worker.round_seconds > 0
-        max_steps = cfg.coordinator.max_push_steps or cfg.outer.inner_steps * (4 if wall_time else 1)
+        max_steps = cfg.coordinator.max_push_steps or (0 if wall_time else cfg.outer.inner_steps)
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
                    total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size,
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
@@ -476,7 +477,7 @@ class CoordinatorState:
             raise StateError("INVALID_ARGUMENT", f"{what}: tokens={info.tokens} exceed its cursor range "
                              f"[{info.cursor_start}, {info.cursor_end}) = {sequences} sequences x seq_len "
                              f"{o.seq_len} = {sequences * o.seq_len} tokens")
-        if sequences > o.max_push_steps * o.batch_size:
+        if o.max_push_steps and sequences > o.max_push_steps * o.batch_size:
             raise StateError("INVALID_ARGUMENT", f"{what}: its cursor range [{info.cursor_start}, {info.cursor_end}) "
                              f"is {sequences} sequences, more than one push may cover: max_push_steps "
                              f"{o.max_push_steps} x batch_size {o.batch_size} = {o.max_push_steps * o.batch_size}")

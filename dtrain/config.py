@@ -126,7 +126,7 @@ class CoordinatorConfig:
                                   "RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
-                             "with step rounds, 4 x outer.inner_steps with wall-time rounds)")
+                             "with step rounds; no cap with wall-time rounds, where it is worth setting)")
     merge_rule: str = _f("mean", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
                          "a trimmed mean or the median (both unweighted)", choices=("mean", "trimmed_mean", "median"))
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")

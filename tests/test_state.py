@@ -633,11 +633,15 @@ def test_a_push_weight_is_bounded_by_its_assigned_cursor_range(fields, words):
 def test_the_push_bound_follows_the_config():
     assert options().max_push_steps == 20 and options().shard_steps == 20000
     assert options("coordinator.max_push_steps=7").max_push_steps == 7
-    wall = options("worker.round_seconds=2")  # wall-time rounds: 4 x H per push, no shard end
-    assert wall.max_push_steps == 80 and wall.shard_steps == 0
+    wall = options("worker.round_seconds=2")  # wall-time rounds: no cap per push unless set, no shard end
+    assert wall.max_push_steps == 0 and wall.shard_steps == 0
     st = CoordinatorState(wall, "run-1", T0)
     (a,) = join_all(st, "a")
-    assert push(st, info(st, a, tokens=640 * 32, start=10 ** 9, end=10 ** 9 + 640)).status == "accept"
+    assert push(st, info(st, a, tokens=6400 * 32, start=10 ** 9, end=10 ** 9 + 6400)).status == "accept"
+    capped = CoordinatorState(options("worker.round_seconds=2", "coordinator.max_push_steps=50"), "run-1", T0)
+    (a,) = join_all(capped, "a")
+    unchanged(capped, lambda: capped.admit_push(info(capped, a, start=0, end=401), T0), "INVALID_ARGUMENT",
+              "[0, 401) is 401 sequences, more than one push may cover: max_push_steps 50 x batch_size 8 = 400")
 
 
 def _merged_norms(st: CoordinatorState, island_id: str, norms: list[float]) -> None:
