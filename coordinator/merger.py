@@ -30,12 +30,33 @@ The broadcast update is u quantized with the down codec, after adding the
 coordinator's own error-feedback residual; the coordinator's θ is defined as
 the sum of the updates it broadcast, θ_{v+1} = θ_v + dequantize(q(u + r)), so
 every island that applies the same frames holds a bit-identical θ.
+
+Guards against a poisoned delta:
+
+- Each spool measures its push's L2 norm as the frame is validated, from the
+  checked scales and codes (``codec.block_sum_squares``: no dequantization, no
+  second pass over the body); the coordinator screens it (``coordinator.state``)
+  and may give the push a clip factor c ≤ 1 (:meth:`Merger.add_pending`). With
+  ``merge_rule = "mean"`` the merged Δ is Σ w_i·c_i·Δ_i / Σ w_i (the divisor keeps
+  the unclipped weights, so clipping shrinks the push's contribution).
+- ``coordinator.merge_rule`` ``trimmed_mean`` / ``median``: per slab, each push's
+  c_i·Δ_i is dequantized into a row of a (pushes × slab) array and the rule
+  (``dtrain.outer.trimmed_mean`` / ``coordinate_median``, unweighted) reduces it:
+  memory stays pushes × slab.
+- Before it commits, the step checks every slab of the update, the momentum, the
+  residual and θ for non-finite values. If any is found, it deletes its temp
+  files, leaves the version as it was and raises :class:`NonFiniteResult`
+  naming the push to blame: a validated payload's values are always finite
+  (the codec caps the scales), so the blame goes to the pending push with the
+  largest contribution (c·‖Δ‖, times its weight under the mean). The caller
+  drops it (:meth:`Merger.drop_pending`) and may step again.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import tempfile
 import threading
@@ -50,7 +71,7 @@ import numpy as np
 from dtrain import codec
 from dtrain.codec import CODEC_BITS, hasher_digest, params_hasher
 from dtrain.config import Config
-from dtrain.outer import OuterHParams, outer_update
+from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
@@ -72,6 +93,8 @@ class MergeOptions:
     zstd_level: int  # codec.zstd_level of the update frames
     error_feedback: bool  # codec.error_feedback: the down path keeps its quantization residual
     keep_updates: int  # coordinator.keep_updates: past update frames kept for lagging islands
+    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean" or "median"
+    trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
     threads: int = 2  # outer-step worker threads
 
@@ -82,7 +105,33 @@ class MergeOptions:
         k = cfg.codec
         return cls(outer=OuterHParams.from_config(cfg), up_bits=CODEC_BITS[k.up], down_bits=CODEC_BITS[k.down],
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
-                   keep_updates=cfg.coordinator.keep_updates)
+                   keep_updates=cfg.coordinator.keep_updates, rule=cfg.coordinator.merge_rule,
+                   trim=cfg.coordinator.trim)
+
+
+class NonFiniteResult(ValueError):
+    """The outer step would have made the state non-finite; nothing was committed. ``blame``: the key of the
+    pending push held responsible (see the module docstring); ``what``: which array, at which value index."""
+
+    def __init__(self, what: str, blame: str, reason: str):
+        super().__init__(reason)
+        self.what = what
+        self.blame = blame
+
+
+@dataclass
+class PendingPush:
+    """A push the next outer step merges: its validated, spooled body and how it counts."""
+
+    spool: Spool
+    weight: float  # merge weight (tokens x staleness factor)
+    scale: float = 1.0  # clip factor on its values (1: not clipped)
+    key: str = ""  # the caller's name for it (the push id)
+
+    @property
+    def norm(self) -> float:
+        """The L2 norm of its values, as spooled (before the clip factor)."""
+        return self.spool.norm
 
 
 @dataclass(frozen=True)
@@ -167,11 +216,11 @@ class Merger:
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
                 self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.pending: list[tuple[Spool, float]] = []  # (spool, weight): accepted, summed by the next outer step
+        self.pending: list[PendingPush] = []  # accepted, summed by the next outer step
         self.total_weight = 0.0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
-        self.digest = self._hash_file(self.theta_path)
+        self.digest, self.theta_norm = self._scan_theta(self.theta_path)  # θ's digest and L2 norm
         # Files kept for reuse: writing over a file's existing pages costs a third of filling a new one (the
         # kernel allocates and zeroes nothing). Spools are reused whatever they held (each push rewrites its
         # whole body); a state file only once no checkpoint links it (see outer_step).
@@ -182,8 +231,8 @@ class Merger:
     def close(self) -> None:
         """Drops the pending pushes and the spare spool files (the state files stay: a checkpoint may link
         them, and the next merger in this folder clears them)."""
-        for spool, _ in self.pending:
-            spool.close()
+        for p in self.pending:
+            p.spool.close()
         self.pending = []
         self.total_weight = 0.0
         with self._spare_lock:
@@ -226,12 +275,16 @@ class Merger:
         return int(arr.size)
 
     @staticmethod
-    def _hash_file(path: Path) -> str:
+    def _scan_theta(path: Path) -> tuple[str, float]:
+        """The digest and the L2 norm of a θ file, in one read."""
         h = params_hasher()
+        sum_sq = 0.0
         with open(path, "rb") as f:
             while piece := f.read(IO_PIECE):
                 h.update(piece)
-        return hasher_digest(h)
+                values = np.frombuffer(piece, "<f4")
+                sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
+        return hasher_digest(h), math.sqrt(sum_sq)
 
     @property
     def theta(self) -> np.ndarray:
@@ -270,17 +323,31 @@ class Merger:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
-    def add_pending(self, spool: Spool, weight: float) -> None:
-        """Makes the push one of those the next outer step merges, with ``weight``: the merger takes over the
-        spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
-        summed it)."""
+    def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "") -> None:
+        """Makes the push one of those the next outer step merges, with ``weight`` and its values times ``scale``
+        (a clip factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger
+        takes over the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until
+        that step has summed it)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
+        if not 0 < scale <= 1:
+            raise ValueError(f"clip factor must be in (0, 1], got {scale}")
         if not spool.complete:
             raise RuntimeError("add_pending() needs a spool that validate() accepted")
         spool.keep()
-        self.pending.append((spool, float(weight)))
+        self.pending.append(PendingPush(spool, float(weight), float(scale), key))
         self.total_weight += float(weight)
+
+    def drop_pending(self, keys: list[str]) -> None:
+        """Removes the pending pushes named ``keys`` (rejected after all); their spools are released."""
+        keep = []
+        for p in self.pending:
+            if p.key in keys:
+                p.spool.close()
+            else:
+                keep.append(p)
+        self.pending = keep
+        self.total_weight = sum(p.weight for p in keep)
 
     @property
     def pending_count(self) -> int:
@@ -295,19 +362,47 @@ class Merger:
         return out
 
     def _sum_pending(self, start: int, out: np.ndarray, scale: np.float32) -> None:
-        """out += Σ (w·scale)·Δ over the pending pushes, for values [start, start + out.size) (whole blocks)."""
+        """out += Σ (w·c·scale)·Δ over the pending pushes (c: each one's clip factor), for values
+        [start, start + out.size) (whole blocks)."""
+        self._read_pending(start, [out] * len(self.pending),
+                           [np.float32(p.weight * p.scale) * scale for p in self.pending])
+
+    def _stack_pending(self, start: int, count: int) -> np.ndarray:
+        """The pending pushes' values [start, start + count) (whole blocks), each times its clip factor, one row
+        per push: (pushes × count) float32."""
+        rows = np.zeros((len(self.pending), count), np.float32)
+        self._read_pending(start, list(rows), [np.float32(p.scale) for p in self.pending])
+        return rows
+
+    def _read_pending(self, start: int, outs: list[np.ndarray], weights: list[np.float32]) -> None:
+        """outs[i] += weights[i]·Δ_i for each pending push i, values [start, start + outs[i].size)."""
         o = self.opts
-        first_block, end_block = start // o.block, -(-(start + out.size) // o.block)
+        count = outs[0].size if outs else 0
+        first_block, end_block = start // o.block, -(-(start + count) // o.block)
         n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
         scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
-        payload = np.empty(codec.payload_len(o.up_bits, out.size), np.uint8)
-        scratch = np.empty(out.size, np.float32)
-        for spool, weight in self.pending:
+        payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
+        scratch = np.empty(count, np.float32)
+        for p, out, weight in zip(self.pending, outs, weights, strict=True):
             if scales.size:
-                _read_into(spool.fd, scales, 4 * first_block)
-            _read_into(spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
-            codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=np.float32(weight) * scale,
-                                 scratch=scratch)
+                _read_into(p.spool.fd, scales, 4 * first_block)
+            _read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
+            codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
+
+    def _blame(self) -> PendingPush:
+        """The pending push held responsible for a non-finite result: the largest contribution."""
+        mean = self.opts.rule == "mean"
+        return max(self.pending, key=lambda p: p.scale * p.norm * (p.weight if mean else 1.0))
+
+    def _check_finite(self, what: str, start: int, values: np.ndarray) -> None:
+        if not np.isfinite(values).all():
+            index = start + int(np.argmin(np.isfinite(values)))
+            blame = self._blame()
+            where = f"{what}[{index}] = {values[index - start]}"
+            raise NonFiniteResult(where, blame.key, (
+                f"the outer step for version {self.version + 1} makes {where} non-finite; blamed: push "
+                f"{blame.key or '?'} (largest contribution: L2 norm {blame.norm:.4g} x clip {blame.scale:.3g}"
+                f"{f' x weight {blame.weight:g}' if self.opts.rule == 'mean' else ''})"))
 
     # -- the outer step -----------------------------------------------------------------------------
 
@@ -334,18 +429,27 @@ class Merger:
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
 
-            def step(s: int) -> np.ndarray:
+            def step(s: int) -> tuple[np.ndarray, float]:
                 e = min(s + slab, self.n)
-                delta = np.zeros(e - s, np.float32)
-                self._sum_pending(s, delta, inv_w)  # Δ = Σ (w/Σw)·Δ_i
+                if o.rule == "mean":
+                    delta = np.zeros(e - s, np.float32)
+                    self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
+                elif o.rule == "trimmed_mean":
+                    delta = trimmed_mean(self._stack_pending(s, e - s), o.trim)
+                else:
+                    delta = coordinate_median(self._stack_pending(s, e - s))
                 m = np.empty(e - s, np.float32)
                 _read_into(fds["momentum"], m, 4 * s)
-                u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
+                with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, by value
+                    u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
+                self._check_finite("momentum", s, m)
                 _write_from(fds["momentum_new"], m, 4 * s)
                 if self.feedback:
                     r = m  # the momentum slab is written: reuse its buffer
                     _read_into(fds["residual"], r, 4 * s)
-                    u += r
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        u += r
+                self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
                 if o.down_bits == 32:
                     applied = u
                     _write_from(fds["payload"], applied, 4 * s)
@@ -355,18 +459,25 @@ class Merger:
                     _write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, s))
                     applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
                     if self.feedback:
-                        u -= applied  # what the broadcast left out
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            u -= applied  # what the broadcast left out
+                        self._check_finite("residual", s, u)
                         _write_from(fds["residual_new"], u, 4 * s)
                 theta = np.empty(e - s, np.float32)
                 _read_into(fds["theta"], theta, 4 * s)
-                theta += applied  # θ is the sum of what was broadcast
+                with np.errstate(over="ignore", invalid="ignore"):
+                    theta += applied  # θ is the sum of what was broadcast
+                self._check_finite("theta", s, theta)
                 _write_from(fds["theta_new"], theta, 4 * s)
-                return theta
+                return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64))
 
             hasher = params_hasher()
+            theta_sq = [0.0]
 
             def digest(done: futures.Future) -> None:
-                hasher.update(memoryview(done.result()).cast("B"))
+                theta, sq = done.result()
+                hasher.update(memoryview(theta).cast("B"))
+                theta_sq[0] += sq
 
             with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
                 window: collections.deque[futures.Future] = collections.deque()
@@ -376,6 +487,10 @@ class Merger:
                         digest(window.popleft())
                 while window:
                     digest(window.popleft())
+        except BaseException:  # a non-finite result, or an I/O error: nothing is committed
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
+            raise
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -388,11 +503,12 @@ class Merger:
                 self._spare_state[name] = old[name].replace(self.state_dir / f"{name}.spare")
             else:
                 old[name].unlink()  # a checkpoint that linked it keeps its own name for it
-        for spool, _ in self.pending:
-            spool.close()
+        for p in self.pending:
+            p.spool.close()
         self.pending = []
         self.total_weight = 0.0
         self.digest = hasher_digest(hasher)
+        self.theta_norm = math.sqrt(theta_sq[0])
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
                         params_digest=self.digest)
         self.updates.append(update)
@@ -425,10 +541,70 @@ class Merger:
         return self._full
 
 
+class BodyNorm:
+    """The L2 norm of a frame body (scales ‖ payload, the validator's output) fed in order, piece by piece:
+    Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
+    Σ value². Pieces need not align with blocks: the bytes of a split block wait for the rest (at most one block).
+    """
+
+    def __init__(self, n: int, bits: codec.Bits, block: int):
+        self.n, self.bits, self.block = n, bits, block
+        self._scales_len = 4 * codec.n_scales(bits, n, block)
+        self._scales = bytearray()
+        self._scales_sq = np.zeros(0, np.float64)
+        self._unit = 4 if bits == 32 else codec.payload_len(bits, block)  # payload bytes of one block (one value)
+        self._per_unit = 1 if bits == 32 else block  # values per unit
+        self._carry = bytearray()
+        self._units = 0  # whole units summed so far
+        self._sum_sq = 0.0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if len(self._scales) < self._scales_len:
+            take = self._scales_len - len(self._scales)
+            self._scales += view[:take]
+            view = view[take:]
+            if len(self._scales) == self._scales_len:
+                self._scales_sq = np.square(np.frombuffer(self._scales, "<f4").astype(np.float64))
+        if not view:
+            return
+        if self._carry:  # complete the split unit first
+            take = self._unit - len(self._carry)
+            self._carry += view[:take]
+            view = view[take:]
+            if len(self._carry) < self._unit:
+                return
+            self._add(self._carry, self._per_unit)
+            self._carry = bytearray()
+        whole = len(view) - len(view) % self._unit
+        if whole:
+            self._add(view[:whole], whole // self._unit * self._per_unit)
+        self._carry += view[whole:]
+
+    def _add(self, payload: bytes | bytearray | memoryview, count: int) -> None:
+        if self.bits == 32:
+            values = np.frombuffer(payload, "<f4").astype(np.float64)
+            self._sum_sq += float(np.dot(values, values))
+        else:
+            first = self._units
+            sums = codec.block_sum_squares(self.bits, self.block, payload, count)
+            self._sum_sq += float(np.dot(self._scales_sq[first:first + sums.size], sums))
+        self._units += -(-count // self._per_unit)
+
+    def norm(self) -> float:
+        """The norm of what was fed, counting the last, partial block still waiting (call once all is in)."""
+        total = self._sum_sq
+        if self._carry and self.bits != 32:
+            count = self.n - self._units * self.block
+            sums = codec.block_sum_squares(self.bits, self.block, self._carry, count)
+            total += float(np.dot(self._scales_sq[self._units:self._units + 1], sums))
+        return math.sqrt(total)
+
+
 class Spool:
     """One incoming frame, checked as it streams in (``codec.FrameValidator``: every scale and code, as zstd
     decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
-    summing it needs no second decode."""
+    summing it needs no second decode. Its L2 norm is measured in the same pass (:class:`BodyNorm`)."""
 
     def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
                  spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):
@@ -441,8 +617,10 @@ class Spool:
         self._release = release
         self._offset = 0
         self._validator = codec.FrameValidator(n, bits, block, out=self._append)
+        self._norm = BodyNorm(n, bits, block)
         self.size = 0  # frame bytes received
         self.complete = False
+        self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it
         self._kept = False
 
     def keep(self) -> None:
@@ -451,6 +629,7 @@ class Spool:
 
     def _append(self, data: bytes | bytearray | memoryview) -> None:
         _write_from(self.fd, data, self._offset)
+        self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
         self._offset += len(data)
 
     def write(self, data: bytes | memoryview) -> None:
@@ -460,6 +639,7 @@ class Spool:
 
     def finish(self) -> None:
         self._validator.finish()
+        self.norm = self._norm.norm()
         self.complete = True
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ checkpointed with orbax, atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 import grpc
 import numpy as np
 
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
 from dtrain import codec
@@ -61,7 +62,8 @@ R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
 DEAF_S = 0.5  # the ticker woke this much past a deadline: the lock was busy; leases are paused for that time
-_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED}
+_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
+           "reject": pb.PUSH_STATUS_REJECTED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -114,6 +116,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bytes_in = 0
         self.bytes_out = 0
         self.merge_s = 0.0
+        self.pushes_refused = 0  # pushes the state machine refused (bad header, a weight over its bound, ...)
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
         self._closing = False
@@ -201,6 +204,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._abort(context, _CODES[e.code], str(e))
             raise  # unreachable: abort raises
 
+    def _decide_push(self, context: grpc.ServicerContext, decision: Callable[P, R], info: PushInfo, *args: P.args,
+                     **kwargs: P.kwargs) -> R:
+        """:meth:`_decide` for a push: a refusal is also counted and is a ``push_refused`` event (the caller
+        holds the lock)."""
+        try:
+            return decision(*args, **kwargs)
+        except StateError as e:
+            self.pushes_refused += 1
+            self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=e.code,
+                           tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=str(e))
+            self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
+            self._abort(context, _CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+
     def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
         if self.fatal:  # the process is on its way out: nothing more may touch the merger
             self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
@@ -215,6 +232,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         pending = self.state.pending()
         try:
             update = self.merger.outer_step()
+        except NonFiniteResult as e:
+            # Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
+            # replies) and the round is tried again without it, here, if it is still ready.
+            version = self.state.version + 1
+            (info,) = self.state.reject_pending([e.blame], str(e))
+            self.merger.drop_pending([e.blame])
+            self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
+                           what=e.what, reason=str(e))
+            self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")
+            self.lock.notify_all()
+            self._maybe_merge_locked(now)
+            return
         except BaseException as e:
             # A failed step (a full disk, say) stops the service. The step only commits at its end, so the
             # previous version's files and the pending spools are intact, but a disk that just failed is not
@@ -233,7 +262,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.merge_s += time.perf_counter() - t0
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
-                                "weight": a.weight, "staleness": a.staleness} for i, a in pending],
+                                "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
+                               for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
@@ -341,7 +371,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.lock:
             self._refuse_if_failed(context)
             # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
-            admission = self._decide(context, self.state.admit_push, info, self.clock())
+            admission = self._decide_push(context, self.state.admit_push, info, info, self.clock())
             if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
                 admission = self.state.commit_push(info, self.clock())  # counts the retry
                 version = self.state.version
@@ -369,20 +399,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with self.lock:
                 self._refuse_if_failed(context)
                 # The decision, made again now that the payload is here (the round may have closed meanwhile),
-                # and recorded; summing the accepted delta cannot fail for a spool that validate() accepted.
-                admission = self._decide(context, self.state.commit_push, info, self.clock())
+                # with the payload's norm, and recorded; summing the accepted delta cannot fail for a spool that
+                # validate() accepted.
+                admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(),
+                                              norm=spool.norm, theta_norm=self.merger.theta_norm)
                 if admission.status == "accept":
-                    self.merger.add_pending(spool, admission.weight)
+                    self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
                 self.bytes_in += receiver.size
                 self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
                 status = _STATUS[admission.status]
                 self._maybe_merge_locked(self.clock())
                 version = self.state.version
-                if status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
+                rejected = self.state.rejected(info.push_id)
+                if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
+                    status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
+                elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
                     status = pb.PUSH_STATUS_MERGED
         self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
                        base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
-                       staleness=admission.staleness, bytes=receiver.size, reason=admission.reason)
+                       staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
+                       scale=admission.scale, reason=admission.reason)
+        if admission.status == "reject":
+            self.log.event("push_quarantined", island=info.island_id, push_id=info.push_id, norm=admission.norm,
+                           reason=admission.reason)
+            self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
                                     reason=admission.reason, weight=admission.weight)
 
@@ -427,7 +467,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                        tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
                                        lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
                                        shard_index=r.shard_index) for r in self.state.islands.values()]
-            extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest}
+            extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest,
+                     "pushes_refused": self.pushes_refused}
             return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode,
                                      islands=islands, tokens_merged=self.state.tokens_merged,
                                      bytes_in=self.bytes_in, bytes_out=self.bytes_out,

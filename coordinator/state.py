@@ -28,6 +28,29 @@ Model:
   have closed meanwhile), records that decision and returns it. A push's weight
   is ``tokens · (1 + staleness)^−α``, the same factor as
   ``dtrain.outer.staleness_weight``.
+- A push's weight is bounded by what the coordinator assigned, never the
+  island's word alone (:meth:`_check_bounds`, refused INVALID_ARGUMENT): its
+  tokens are at most its cursor range × ``model.seq_len``; the range covers at
+  most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
+  ``outer.inner_steps``, the length of a step round; with wall-time rounds,
+  whose length is an island's speed × ``worker.round_seconds``, there is no
+  default cap: set one); it starts no earlier
+  than the shard's cursor (merged and pending data is never counted twice) and,
+  with step rounds, ends within the shard's ``train.steps`` ×
+  ``train.batch_size`` sequences. It may start later than the shard's cursor:
+  an island goes on past a range the coordinator dropped or rejected.
+- Norms: with the payload's L2 norm (the server takes it as it spools the
+  frame), :meth:`commit_push` rejects ("quarantines") a norm over
+  ``coordinator.norm_max_ratio`` × ‖θ‖ (from the first round: a delta that
+  would move θ farther than many times its own length), and an outlier: a norm more
+  than ``coordinator.norm_z_max`` robust deviations above the median of the
+  last ``coordinator.norm_window`` merged norms (``dtrain.outer.robust_z``; once
+  ``norm_window_min`` are in), and gives an accepted push the factor that clips
+  its norm to ``coordinator.clip_norm`` (:attr:`Admission.scale`). A merge that
+  would make θ non-finite rejects pending pushes through :meth:`reject_pending`.
+  A rejected push is counted, remembered (a retry is a duplicate) and does not
+  hold up its round (:meth:`round_ready` counts its island as having pushed); the
+  island's heartbeat replies carry the reason until its next accepted push.
 - Idempotency: the ids of pending pushes, and of the last
   ``StateOptions.max_push_ids`` (100 000) merged or dropped ones, are
   remembered; a retry (which arrives within seconds) gets ``"duplicate"`` and is
@@ -42,15 +65,17 @@ Model:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
+import statistics
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
-from dtrain.outer import staleness_weight
+from dtrain.outer import clip_factor, robust_z, staleness_weight
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
@@ -91,6 +116,10 @@ class StateOptions:
     islands: int  # outer.islands: the expected islands = the number of data shards
     staleness_alpha: float  # outer.staleness_alpha: a delta s versions stale is weighted by (1+s)^-alpha
     total_versions: int  # the run is over once this many versions are merged
+    seq_len: int  # model.seq_len: tokens per sequence (a push's tokens <= its cursor range x seq_len)
+    batch_size: int  # train.batch_size: sequences per inner step
+    max_push_steps: int  # inner steps one push may cover (coordinator.max_push_steps resolved; 0: no cap)
+    shard_steps: int  # inner steps a shard holds in the run (train.steps); 0: no end (wall-time rounds)
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
 
@@ -105,8 +134,12 @@ class StateOptions:
         """The options for ``cfg``: total_versions is ``cfg.rounds`` (sync: one version per round) or
         ``cfg.rounds × outer.islands`` (async: one version per push)."""
         rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
+        wall_time = cfg.worker.round_seconds > 0
+        max_steps = cfg.coordinator.max_push_steps or (0 if wall_time else cfg.outer.inner_steps)
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
-                   total_versions=rounds, max_push_ids=max_push_ids, linger_s=linger_s)
+                   total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size,
+                   max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
+                   max_push_ids=max_push_ids, linger_s=linger_s)
 
 
 @dataclass
@@ -144,11 +177,13 @@ class PushInfo:
 
 @dataclass(frozen=True)
 class Admission:
-    status: Literal["accept", "duplicate", "drop"]
-    weight: Finite  # merge weight = tokens * (1+staleness)^-alpha (0 for duplicate/drop)
+    status: Literal["accept", "duplicate", "drop", "reject"]
+    weight: Finite  # merge weight = tokens * (1+staleness)^-alpha (0 for duplicate/drop/reject)
     staleness: Count  # version - base_version
     target_version: Count  # the version this push is (or would have been) merged into
     reason: str
+    norm: Finite = 0.0  # the payload's L2 norm (0: not known, e.g. a preview)
+    scale: Finite = 1.0  # factor on its values that clips the norm to coordinator.clip_norm (1: not clipped)
 
 
 @dataclass
@@ -165,7 +200,7 @@ class _Seen(NamedTuple):
 
     push_id: str
     island_id: str
-    status: Literal["merged", "dropped"]
+    status: Literal["merged", "dropped", "rejected"]
     target_version: Annotated[int, schema.AtLeast(1)]
     staleness: Count
 
@@ -176,6 +211,7 @@ class _Counters:
     deltas_dropped: Count
     duplicates: Count
     tokens_merged: Count
+    deltas_rejected: Count  # quarantined norm outliers and pushes that made a merge non-finite
 
 
 @dataclass(frozen=True)
@@ -193,6 +229,7 @@ class _Snapshot:
     pending: list[_Pending]
     first_pending: Finite | None
     push_ids: list[_Seen]
+    norms: list[Finite]  # the L2 norms of the last coordinator.norm_window merged pushes, oldest first
 
 
 def _ids(ids: list[str]) -> str:
@@ -213,6 +250,10 @@ class CoordinatorState:
         self.deltas_dropped = 0
         self.duplicates = 0
         self.tokens_merged = 0
+        self.deltas_rejected = 0
+        self.norms: collections.deque[float] = collections.deque(maxlen=opts.coordinator.norm_window)
+        self._rejections: dict[str, str] = {}  # island_id -> why its last push was rejected (until one is accepted)
+        self._round_rejected: set[str] = set()  # islands whose push for version + 1 was rejected
         self._pending: dict[str, _Pending] = {}  # push_id -> pending push, in arrival order
         self._first_pending: float | None = None
         self._seen: collections.OrderedDict[str, _Seen] = collections.OrderedDict()  # push_id -> record, oldest first
@@ -237,6 +278,13 @@ class CoordinatorState:
     def push_known(self, push_id: str) -> bool:
         """Whether a push id is pending or remembered as merged/dropped (Heartbeat's push_unknown is the negation)."""
         return push_id in self._pending or push_id in self._seen
+
+    def rejected(self, push_id: str) -> str | None:
+        """Why a push was rejected (its island's notice), or None if it was not."""
+        seen = self._seen.get(push_id)
+        if seen is None or seen.status != "rejected":
+            return None
+        return self._rejections.get(seen.island_id, f"push {push_id} was rejected")
 
     def shard_cursor(self, shard_index: int) -> int:
         """Where the shard's merged data ends, counting pushes pending in the open round (they will be merged)."""
@@ -350,10 +398,11 @@ class CoordinatorState:
             return "stop", self.run_over()
         if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
             record.state = "live"
+        rejected = f"; {self._rejections[island_id]}" if island_id in self._rejections else ""
         if version < self.version:
-            return "pull", f"holding version {version}, the global version is {self.version}: pull"
+            return "pull", f"holding version {version}, the global version is {self.version}: pull{rejected}"
         return "continue", (f"holding the latest version {self.version}; lease renewed until "
-                            f"t={record.lease_expiry:.1f}")
+                            f"t={record.lease_expiry:.1f}{rejected}")
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Mark live islands whose lease ended (now >= lease_expiry) as lost; returns (island_id, reason) for each.
@@ -407,6 +456,7 @@ class CoordinatorState:
         if info.base_version > self.version:
             raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: base_version={info.base_version} is ahead "
                                                  f"of the coordinator's version {self.version}")
+        self._check_bounds(info, record)
         staleness = self.version - info.base_version
         target = self.version + 1
         if self.stopped():
@@ -434,6 +484,30 @@ class CoordinatorState:
                    f"(1+{staleness})^-{self.opts.staleness_alpha:g}")
         return Admission("accept", weight, staleness, target, f"accepted for version {target}: {why}")
 
+    def _check_bounds(self, info: PushInfo, record: IslandRecord) -> None:
+        """Refuses (INVALID_ARGUMENT) a push whose weight the coordinator did not assign: the rules are in the
+        module docstring. The reason names the numbers."""
+        o = self.opts
+        sequences = info.cursor_end - info.cursor_start
+        what = f"push {info.push_id} from {info.island_id}"
+        if info.tokens > sequences * o.seq_len:
+            raise StateError("INVALID_ARGUMENT", f"{what}: tokens={info.tokens} exceed its cursor range "
+                             f"[{info.cursor_start}, {info.cursor_end}) = {sequences} sequences x seq_len "
+                             f"{o.seq_len} = {sequences * o.seq_len} tokens")
+        if o.max_push_steps and sequences > o.max_push_steps * o.batch_size:
+            raise StateError("INVALID_ARGUMENT", f"{what}: its cursor range [{info.cursor_start}, {info.cursor_end}) "
+                             f"is {sequences} sequences, more than one push may cover: max_push_steps "
+                             f"{o.max_push_steps} x batch_size {o.batch_size} = {o.max_push_steps * o.batch_size}")
+        shard = record.shard_index
+        cursor = self.shard_cursor(shard)
+        if info.cursor_start < cursor:
+            raise StateError("INVALID_ARGUMENT", f"{what}: cursor_start={info.cursor_start} is before shard "
+                             f"{shard}'s cursor {cursor} (data already merged or pending is not counted twice)")
+        if o.shard_steps and info.cursor_end > o.shard_steps * o.batch_size:
+            raise StateError("INVALID_ARGUMENT", f"{what}: cursor_end={info.cursor_end} is past the end of shard "
+                             f"{shard}: train.steps {o.shard_steps} x batch_size {o.batch_size} = "
+                             f"{o.shard_steps * o.batch_size} sequences")
+
     def _duplicate(self, info: PushInfo) -> Admission | None:
         p = self._pending.get(info.push_id)
         if p is not None:
@@ -445,18 +519,27 @@ class CoordinatorState:
                 return None
             owner, target, staleness = s.island_id, s.target_version, s.staleness
             what = (f"was merged into version {target}" if s.status == "merged"
-                    else f"was dropped (round for version {target})")
+                    else f"was {s.status} (round for version {target})")
         if owner != info.island_id:
             raise StateError("INVALID_ARGUMENT", f"push_id {info.push_id!r} was already used by island {owner}")
         return Admission("duplicate", 0.0, staleness, target,
                          f"push {info.push_id} {what}: a retry, not applied again")
 
-    def commit_push(self, info: PushInfo, now: float) -> Admission:
+    def commit_push(self, info: PushInfo, now: float, norm: float | None = None,
+                    theta_norm: float = 0.0) -> Admission:
         """Decide on a push whose payload has arrived, record the decision and return it: pending (accept),
-        counted (drop, duplicate); the push id is remembered. Decided afresh, not taken from an earlier
-        :meth:`admit_push`: the round may have closed while the payload streamed in."""
+        counted (drop, duplicate, reject); the push id is remembered. Decided afresh, not taken from an earlier
+        :meth:`admit_push`: the round may have closed while the payload streamed in.
+
+        ``norm``: the payload's L2 norm; with it, an outlier is rejected and an accepted push gets its clip
+        factor (see the module docstring). None: no norm checks (tools and tests of the other rules).
+        ``theta_norm``: the L2 norm of the current θ (0: the ratio check is skipped)."""
         admission = self.admit_push(info, now)
-        if admission.status == "duplicate":
+        if admission.status == "accept" and norm is not None:
+            admission = self._screen_norm(info, admission, norm, theta_norm)
+        if admission.status == "reject":
+            self._record_rejection(info, admission.target_version, admission.staleness, admission.reason)
+        elif admission.status == "duplicate":
             self.duplicates += 1
         elif admission.status == "drop":
             self.deltas_dropped += 1
@@ -467,7 +550,55 @@ class CoordinatorState:
                 self._first_pending = float(now)
             self._pending[info.push_id] = _Pending(info, admission, self.islands[info.island_id].shard_index,
                                                    float(now))
+            self._rejections.pop(info.island_id, None)
         return admission
+
+    def _screen_norm(self, info: PushInfo, admission: Admission, norm: float, theta_norm: float) -> Admission:
+        """An accepted push, screened by its norm: rejected as an outlier, or accepted with its clip factor."""
+        c = self.opts.coordinator
+        if not (math.isfinite(norm) and norm >= 0):
+            return dataclasses.replace(admission, status="reject", weight=0.0, norm=0.0,
+                                       reason=f"rejected: push {info.push_id} has a non-finite norm {norm}")
+        if c.norm_max_ratio and theta_norm > 0 and norm > c.norm_max_ratio * theta_norm:
+            return dataclasses.replace(
+                admission, status="reject", weight=0.0, norm=norm,
+                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than norm_max_ratio "
+                        f"{c.norm_max_ratio:g} x the L2 norm of θ ({theta_norm:.4g})"))
+        if c.norm_z_max and len(self.norms) >= c.norm_window_min:
+            z = robust_z(norm, self.norms)
+            if z > c.norm_z_max:
+                median = statistics.median(self.norms)
+                return dataclasses.replace(
+                    admission, status="reject", weight=0.0, norm=norm,
+                    reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, {z:.3g} robust deviations "
+                            f"above the median {median:.4g} of the last {len(self.norms)} merged pushes "
+                            f"(norm_z_max {c.norm_z_max:g})"))
+        scale = clip_factor(norm, c.clip_norm)
+        clipped = f"; norm {norm:.4g} clipped to {c.clip_norm:g}" if scale < 1 else ""
+        return dataclasses.replace(admission, norm=norm, scale=scale, reason=admission.reason + clipped)
+
+    def _record_rejection(self, info: PushInfo, target: int, staleness: int, reason: str) -> None:
+        self.deltas_rejected += 1
+        self._remember(_Seen(info.push_id, info.island_id, "rejected", target, staleness))
+        self._rejections[info.island_id] = f"your push {info.push_id} was rejected: {reason}"
+        if target == self.version + 1:
+            self._round_rejected.add(info.island_id)
+
+    def reject_pending(self, push_ids: list[str], reason: str) -> list[PushInfo]:
+        """Rejects pending pushes (a merge they would have made non-finite): dropped from the open round,
+        counted, remembered as rejected; their islands are told in their heartbeat replies and the round does
+        not wait for them. Returns their infos."""
+        unknown = [p for p in push_ids if p not in self._pending]
+        if unknown:
+            raise StateError("NOT_FOUND", f"reject_pending: {', '.join(unknown)} not pending")
+        out = []
+        for push_id in push_ids:
+            p = self._pending.pop(push_id)
+            self._record_rejection(p.info, p.admission.target_version, p.admission.staleness, reason)
+            out.append(p.info)
+        if not self._pending:
+            self._first_pending = None
+        return out
 
     def _remember(self, seen: _Seen) -> None:
         self._seen[seen.push_id] = seen
@@ -495,13 +626,15 @@ class CoordinatorState:
             return False, "no pushes pending"
         live = sorted(self.live(), key=lambda r: r.shard_index)
         pushed = self._pending_islands()
-        missing = [r.island_id for r in live if r.island_id not in pushed]
+        missing = [r.island_id for r in live if r.island_id not in pushed | self._round_rejected]
         if n == 0:
             return False, f"waiting for the first push for version {self.version + 1} ({len(live)} live islands)"
         if not missing:
             extra = len(pushed - {r.island_id for r in live})
             lost = f" (+{extra} from islands no longer live)" if extra else ""
-            return True, f"all {len(live)} live islands pushed{lost}"
+            rejected = len(self._round_rejected & {r.island_id for r in live})
+            refused = f", {rejected} of them rejected" if rejected else ""
+            return True, f"all {len(live)} live islands pushed{refused}{lost}"
         quorum = self.opts.coordinator.min_quorum or len(live)
         assert self._first_pending is not None, "pushes are pending, so the first one's time is set"
         grace_end = self._first_pending + self.opts.coordinator.grace_s
@@ -531,10 +664,13 @@ class CoordinatorState:
             tokens += info.tokens
             merged.append(info)
             self._remember(_Seen(info.push_id, info.island_id, "merged", self.version, p.admission.staleness))
+            if p.admission.norm > 0:
+                self.norms.append(p.admission.norm)
         self.deltas_merged += len(merged)
         self.tokens_merged += tokens
         self._pending.clear()
         self._first_pending = None
+        self._round_rejected.clear()
         done = ""
         if self.stopped():
             self._stopped_at = float(now)
@@ -578,10 +714,11 @@ class CoordinatorState:
         """Everything, as plain JSON types (for the coordinator checkpoint), laid out as ``_Snapshot``."""
         return schema.dump(_Snapshot(
             format=FORMAT, run_id=self.run_id, created=self.created, shards=self.opts.islands, version=self.version,
-            counters=_Counters(self.deltas_merged, self.deltas_dropped, self.duplicates, self.tokens_merged),
+            counters=_Counters(self.deltas_merged, self.deltas_dropped, self.duplicates, self.tokens_merged,
+                               self.deltas_rejected),
             islands=list(self.islands.values()), shard_cursors=self.shard_cursors,
             pending=list(self._pending.values()), first_pending=self._first_pending,
-            push_ids=list(self._seen.values())))
+            push_ids=list(self._seen.values()), norms=list(self.norms)))
 
     @classmethod
     def from_json(cls, opts: StateOptions, blob: Any, now: float) -> CoordinatorState:
@@ -607,7 +744,8 @@ class CoordinatorState:
         state.version, state.shard_cursors = snap.version, snap.shard_cursors
         c = snap.counters
         state.deltas_merged, state.deltas_dropped = c.deltas_merged, c.deltas_dropped
-        state.duplicates, state.tokens_merged = c.duplicates, c.tokens_merged
+        state.duplicates, state.tokens_merged, state.deltas_rejected = c.duplicates, c.tokens_merged, c.deltas_rejected
+        state.norms.extend(snap.norms)  # the last norm_window of them
         for i, rec in enumerate(snap.islands):
             if rec.shard_index >= opts.islands:
                 fail(("islands", i, "shard_index"), f"{rec.shard_index}: must be below {opts.islands} shards")
@@ -627,6 +765,8 @@ class CoordinatorState:
             if not 0 < len(seen.push_id) <= MAX_PUSH_ID_LEN or seen.push_id in state._seen:
                 fail(("push_ids", i, "push_id"), f"{seen.push_id!r}: empty, too long or repeated")
             state._seen[seen.push_id] = seen
+            if seen.status == "rejected" and seen.target_version == snap.version + 1:
+                state._round_rejected.add(seen.island_id)
         while len(state._seen) > opts.max_push_ids:
             state._seen.popitem(last=False)
         for i, p in enumerate(snap.pending):
@@ -670,10 +810,12 @@ class CoordinatorState:
             "deltas_merged": self.deltas_merged,
             "deltas_dropped": self.deltas_dropped,
             "duplicates": self.duplicates,
+            "deltas_rejected": self.deltas_rejected,
             "tokens_merged": self.tokens_merged,
             "shard_cursors": [self.shard_cursor(s) for s in range(self.opts.islands)],
             "round": {"target_version": self.version + 1, "ready": ready, "reason": reason,
                       "pending": [{"push_id": i.push_id, "island_id": i.island_id, "tokens": i.tokens,
-                                   "weight": a.weight, "staleness": a.staleness} for i, a in self.pending()]},
+                                   "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
+                                  for i, a in self.pending()]},
             "next_deadline": self.next_deadline(now),
         }

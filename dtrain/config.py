@@ -125,6 +125,20 @@ class CoordinatorConfig:
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream, fixed: bounds the memory pushes "
                                   "in flight hold (islands x window); over a WAN set it >= per-island bandwidth x "
                                   "RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
+    max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
+                             "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
+                             "with step rounds; no cap with wall-time rounds, where it is worth setting)")
+    merge_rule: str = _f("mean", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
+                         "a trimmed mean or the median (both unweighted)", choices=("mean", "trimmed_mean", "median"))
+    trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
+    norm_z_max: float = _f(8.0, "a push whose L2 norm is more than this many robust deviations above the median of "
+                           "the recent accepted norms is rejected (quarantined); 0: off")
+    norm_max_ratio: float = _f(10.0, "a push whose L2 norm exceeds this multiple of the L2 norm of θ is rejected "
+                               "(quarantined), from the first round on (while θ is not 0); 0: off")
+    norm_window: int = _f(32, "how many recent accepted push norms the outlier check compares against")
+    norm_window_min: int = _f(4, "the outlier check applies once the window holds this many norms")
+    clip_norm: float = _f(0.0, "> 0: a push whose L2 norm exceeds this is scaled down to it (through its merge "
+                          "weight); 0: off")
 
 
 @dataclass(frozen=True)
@@ -279,6 +293,17 @@ def _check(cfg: Config, origin: str) -> None:
         fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
+    for name in ("max_push_steps", "trim"):
+        if getattr(co, name) < 0:
+            fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
+    for name in ("norm_z_max", "norm_max_ratio", "clip_norm"):
+        if not (math.isfinite(getattr(co, name)) and getattr(co, name) >= 0):
+            fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
+    if co.norm_window < 1:
+        fail("coordinator", "norm_window", f"must be >= 1, got {co.norm_window}")
+    if not 1 <= co.norm_window_min <= co.norm_window:
+        fail("coordinator", "norm_window_min", f"must be in [1, norm_window={co.norm_window}], "
+             f"got {co.norm_window_min}")
     w = cfg.worker
     if w.max_overlap_steps < 0:
         fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")

@@ -7,6 +7,11 @@
 - θ_{v+1} = θ_v + u, with (u, m) from :func:`outer_update`: SGD with
   (Nesterov) momentum, the outer optimizer of DiLoCo.
 
+The coordinator can combine a round's pushes by a robust rule instead of the
+mean (``coordinator.merge_rule``): :func:`trimmed_mean` and
+:func:`coordinate_median`, per coordinate over one slab of every push, and it
+screens each push's norm first (:func:`robust_z`, :func:`clip_factor`).
+
 :func:`outer_update` uses arithmetic operators only, so the one implementation
 serves the coordinator's merger (numpy slabs of flat vectors, see
 ``coordinator.merger``) and the in-process simulation (jax arrays, mapped over
@@ -16,6 +21,7 @@ imports JAX, so nothing here may.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -82,3 +88,61 @@ def merge_weights(tokens: Sequence[float], staleness: Sequence[int] | None = Non
     if not total > 0:
         raise ValueError(f"merge weights must have a positive sum, got tokens={list(tokens)}")
     return (w / total).astype(np.float32)
+
+
+MERGE_RULES = ("mean", "trimmed_mean", "median")
+
+
+def effective_trim(trim: int, pushes: int) -> int:
+    """The values :func:`trimmed_mean` drops at each end: ``trim``, but at most (pushes − 1) // 2 so one is left."""
+    return max(0, min(trim, (pushes - 1) // 2))
+
+
+def trimmed_mean(values_NxS: np.ndarray, trim: int) -> np.ndarray:
+    """Per coordinate (column), the mean of the N values left after dropping the ``trim`` largest and the ``trim``
+    smallest (``trim`` capped by :func:`effective_trim`). Unweighted: every push is one vote. float32 result."""
+    n = values_NxS.shape[0]
+    if n == 0:
+        raise ValueError("trimmed_mean of no pushes")
+    k = effective_trim(trim, n)
+    if k == 0:
+        return values_NxS.mean(axis=0, dtype=np.float32)
+    ordered = np.sort(values_NxS, axis=0)  # a slab-sized copy per push: the slab is small
+    return ordered[k:n - k].mean(axis=0, dtype=np.float32)
+
+
+def coordinate_median(values_NxS: np.ndarray) -> np.ndarray:
+    """Per coordinate (column), the median of the N values (the mean of the middle two when N is even), as
+    ``np.median`` computes it. Unweighted. float32 result."""
+    if values_NxS.shape[0] == 0:
+        raise ValueError("median of no pushes")
+    return np.median(values_NxS, axis=0).astype(np.float32, copy=False)
+
+
+NORM_SPREAD_FLOOR = 0.25  # the deviation used by robust_z is at least this fraction of the median
+
+
+def robust_z(norm: float, window: Sequence[float]) -> float:
+    """How far ``norm`` lies above the median of ``window``, in robust deviations: (norm − median) / σ with
+    σ = max(1.4826 · MAD, NORM_SPREAD_FLOOR · median) (1.4826 · MAD estimates a normal distribution's σ; the floor
+    keeps a window of near-equal norms from making every small change an outlier). One-sided: a norm below the
+    median gives z ≤ 0 (a small delta cannot swamp a merge). ``inf`` for a non-finite norm, or a positive norm
+    over a window of zeros."""
+    if not math.isfinite(norm):
+        return math.inf
+    values = np.asarray(window, np.float64)
+    if values.size == 0:
+        raise ValueError("robust_z needs a non-empty window")
+    median = float(np.median(values))
+    sigma = max(1.4826 * float(np.median(np.abs(values - median))), NORM_SPREAD_FLOOR * median)
+    if sigma <= 0:
+        return math.inf if norm > median else 0.0
+    return (norm - median) / sigma
+
+
+def clip_factor(norm: float, clip_norm: float) -> float:
+    """The factor that scales a push of L2 norm ``norm`` down to at most ``clip_norm`` (1 when it is within it,
+    or ``clip_norm`` is 0: off)."""
+    if clip_norm <= 0 or norm <= clip_norm:
+        return 1.0
+    return clip_norm / norm

@@ -1,6 +1,7 @@
 """The coordinator's streaming merger: the outer step against hand computation, bit-identical broadcast θ, no
 partial state."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -255,3 +256,112 @@ def test_pending_pushes_stay_spooled_until_the_outer_step_sums_them():
     deq = [codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]
     want = -(deq[0] * np.float32(1 / 8) + deq[1] * np.float32(2 / 8) + deq[2] * np.float32(5 / 8))
     np.testing.assert_allclose(theta1, want, rtol=1e-5, atol=1e-6)  # θ1 = θ0 − lr·Σ w·Δ / Σ w, lossless down
+
+
+# -- deltas cannot poison θ: norms, robust rules, the finite check --------------------------------------------
+
+
+def _push_keyed(m: Merger, vec: np.ndarray, weight: float, key: str, scale: float = 1.0) -> float:
+    with m.spool() as sp:
+        sp.write(codec.encode(codec.quantize(vec, m.opts.up_bits, BLOCK)))
+        m.validate(sp)
+        m.add_pending(sp, weight, scale=scale, key=key)
+        return sp.norm
+
+
+@pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32"])
+def test_the_spool_measures_the_push_norm_as_it_validates(up):
+    rng = np.random.default_rng(21)
+    m = Merger(np.zeros(N, np.float32), opts(up=up))
+    for n_values, scale in ((N, 1.0), (N, 3e37)):
+        vec = (rng.normal(size=n_values) * scale).astype(np.float32)
+        want = np.linalg.norm(codec.dequantize(codec.quantize(vec, m.opts.up_bits, BLOCK)).astype(np.float64))
+        assert _push_keyed(m, vec, 1.0, "k") == pytest.approx(want, rel=1e-6)
+    m.close()
+
+
+@pytest.mark.parametrize("rule,trim", [("trimmed_mean", 1), ("trimmed_mean", 2), ("median", 0)])
+@pytest.mark.parametrize("pushes", [3, 4, 5])
+def test_robust_rules_match_numpy_on_the_full_vectors(rule, trim, pushes):
+    """The merger's slab-by-slab rule vs numpy's on whole vectors: with lr 1, no momentum and a lossless down
+    path, θ1 = θ0 − rule(c_i·Δ_i). One push is poisoned (x1e6), one clipped (c = 0.5)."""
+    rng = np.random.default_rng(pushes)
+    theta = rng.normal(size=N).astype(np.float32)
+    o = dataclasses.replace(opts(up="int8", down="fp32", lr=1.0, momentum=0.0, nesterov=False), rule=rule,
+                            trim=trim)
+    m = Merger(theta.copy(), o)
+    vecs = [rng.normal(size=N).astype(np.float32) * 0.01 for _ in range(pushes)]
+    vecs[1] *= 1e6
+    scales = [1.0, 1.0, 0.5] + [1.0] * (pushes - 3)
+    for i, (v, c) in enumerate(zip(vecs, scales, strict=True)):
+        _push_keyed(m, v, float(1 + i), f"p{i}", scale=c)  # weights do not count in these rules
+    rows = np.stack([np.float32(c) * codec.dequantize(codec.quantize(v, 8, BLOCK))
+                     for v, c in zip(vecs, scales, strict=True)])
+    if rule == "median":
+        want = np.median(rows, axis=0)
+    else:
+        k = min(trim, (pushes - 1) // 2)
+        want = np.sort(rows, axis=0)[k:pushes - k].mean(axis=0)
+    m.outer_step()
+    np.testing.assert_allclose(m.theta, theta - want, rtol=1e-5, atol=1e-5)
+    assert np.abs(m.theta - theta).max() < 1.0  # the poisoned push did not get through
+
+
+def test_the_clip_factor_scales_a_push_in_the_mean():
+    rng = np.random.default_rng(8)
+    m = Merger(np.zeros(N, np.float32), opts(up="fp32", down="fp32", lr=1.0, momentum=0.0, nesterov=False))
+    a, b = (rng.normal(size=N).astype(np.float32) for _ in range(2))
+    _push_keyed(m, a, 1.0, "a", scale=0.25)
+    _push_keyed(m, b, 3.0, "b")
+    m.outer_step()
+    np.testing.assert_allclose(m.theta, -(0.25 * 1.0 * a + 3.0 * b) / 4.0, rtol=1e-5, atol=1e-6)
+
+
+def _poisoned_merger(rule: str = "mean") -> tuple[Merger, np.ndarray, list[np.ndarray]]:
+    """θ0 and two pending pushes: an honest one and an int8 frame of 3e38 values, weighted 1e9 (the island's
+    word for its tokens, unchecked here)."""
+    rng = np.random.default_rng(30)
+    theta = rng.normal(size=N).astype(np.float32)
+    m = Merger(theta.copy(), dataclasses.replace(opts(up="int8", down="int8"), rule=rule))
+    honest = rng.normal(size=N).astype(np.float32) * 1e-3
+    poison = np.full(N, 3e38, np.float32)
+    _push_keyed(m, honest, 640.0, "honest")
+    _push_keyed(m, poison, 1e9, "poison")
+    return m, theta, [honest, poison]
+
+
+def test_a_plain_mean_without_the_guards_poisons_theta(monkeypatch):
+    """What the guards stop: the same merge with the finite check bypassed leaves θ non-finite."""
+    monkeypatch.setattr(Merger, "_check_finite", lambda self, what, start, values: None)
+    for down in (8, 32):
+        m, theta, _ = _poisoned_merger()
+        m.opts = dataclasses.replace(m.opts, down_bits=down)
+        with np.errstate(over="ignore", invalid="ignore"):
+            m.outer_step()
+        assert m.version == 1 and np.abs(m.momentum).min() > 1e38  # m = μ·0 + Δ ≈ 3e38
+        with np.errstate(over="ignore", invalid="ignore"):
+            moved = np.abs(m.theta.astype(np.float64) - theta)
+        assert not np.isfinite(moved).all() or moved.max() > 1e30  # θ: inf (lossless) or absurd (int8)
+
+
+def test_a_non_finite_outer_step_commits_nothing_and_blames_the_largest_push():
+    m, theta, (honest, _) = _poisoned_merger()
+    before = {name: path.read_bytes() for name, path in m.state_files().items()}
+    with pytest.raises(merger_mod.NonFiniteResult) as e:
+        m.outer_step()
+    assert e.value.blame == "poison" and e.value.what.startswith("update[0] = ")  # -0.7·(Δ + 0.9·m): -inf
+    assert "the outer step for version 1 makes" in str(e.value) and "blamed: push poison" in str(e.value)
+    assert m.version == 0 and m.pending_count == 2 and m.updates_since(0) == []
+    assert {name: path.read_bytes() for name, path in m.state_files().items()} == before
+    assert list(m.state_dir.glob("*.tmp")) == [] and not list(m.spool_dir.glob("update-*.frame"))
+    m.drop_pending([e.value.blame])
+    assert m.pending_count == 1 and m.total_weight == 640.0
+    update = m.outer_step()  # the run goes on without it
+    assert update.version == 1 == m.version and np.isfinite(m.theta).all()
+    assert np.abs(m.theta - theta).max() < 0.1
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
+def test_robust_rules_blame_by_norm_alone(rule):
+    m, _, _ = _poisoned_merger(rule)
+    assert m._blame().key == "poison"

@@ -3,6 +3,8 @@ optax.sgd as an external oracle, and an independent numpy implementation."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,3 +267,60 @@ def test_one_island_lr1_no_momentum_is_plain_training(tmp_path, text_corpus):
     want = _np(plain.state.params)
     for got in (_np(global_state.params), _np(isl.state.params)):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+# -- robust merge rules and norm screening (the coordinator's, per slab) --------------------------------------
+
+
+@pytest.mark.parametrize("pushes", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("trim", [0, 1, 2])
+def test_trimmed_mean_matches_sorting_and_dropping(pushes: int, trim: int) -> None:
+    rng = np.random.default_rng(pushes * 10 + trim)
+    values = rng.normal(size=(pushes, 257)).astype(np.float32)
+    values[0, :5] = [1e30, -1e30, 3e38, -3e38, 7.0]  # outliers in one push
+    k = outer.effective_trim(trim, pushes)
+    assert k == min(trim, (pushes - 1) // 2)
+    ordered = np.sort(values.astype(np.float64), axis=0)
+    want = ordered[k:pushes - k].mean(axis=0)
+    got = outer.trimmed_mean(values, trim)
+    assert got.dtype == np.float32 and got.shape == (257,)
+    if k:  # one push's outliers are trimmed away: the result is ordinary
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert np.abs(got).max() < 10
+    else:
+        np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pushes", [1, 2, 3, 4, 7])
+def test_coordinate_median_is_numpys_median(pushes: int) -> None:
+    values = np.random.default_rng(pushes).normal(size=(pushes, 300)).astype(np.float32)
+    values[-1] *= 1e6  # one poisoned push moves the median by at most one rank
+    got = outer.coordinate_median(values)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.median(values, axis=0).astype(np.float32))
+
+
+def test_robust_rules_refuse_no_pushes() -> None:
+    with pytest.raises(ValueError, match="no pushes"):
+        outer.trimmed_mean(np.zeros((0, 4), np.float32), 1)
+    with pytest.raises(ValueError, match="no pushes"):
+        outer.coordinate_median(np.zeros((0, 4), np.float32))
+
+
+def test_robust_z_is_one_sided_median_mad_with_a_floor() -> None:
+    window = [1.0, 1.1, 0.9, 1.2, 0.8]  # median 1, MAD 0.1: sigma = max(0.14826, 0.25) = 0.25
+    assert outer.robust_z(1.0, window) == 0.0
+    assert outer.robust_z(2.0, window) == pytest.approx(4.0)
+    assert outer.robust_z(0.01, window) < 0  # small deltas are never outliers
+    spread = [1.0, 2.0, 3.0, 4.0, 5.0]  # median 3, MAD 1: sigma = 1.4826 (above the floor 0.75)
+    assert outer.robust_z(3.0 + 1.4826 * 6, spread) == pytest.approx(6.0)
+    assert outer.robust_z(1e30, window) > 1e29 and outer.robust_z(math.inf, window) == math.inf
+    assert outer.robust_z(1.0, [0.0, 0.0]) == math.inf and outer.robust_z(0.0, [0.0]) == 0.0
+    with pytest.raises(ValueError, match="non-empty"):
+        outer.robust_z(1.0, [])
+
+
+def test_clip_factor() -> None:
+    assert outer.clip_factor(5.0, 0.0) == 1.0  # off
+    assert outer.clip_factor(0.5, 1.0) == 1.0
+    assert outer.clip_factor(4.0, 1.0) == 0.25

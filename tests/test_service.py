@@ -20,6 +20,7 @@ from dtrain.config import load_config, replace
 from dtrain.errors import CheckpointError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.runlog import read_events
 from dtrain.wire import auth_metadata, frame_chunks
 from workers.client import CoordinatorClient, CoordinatorError
 
@@ -69,9 +70,11 @@ def _delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, byt
     return delta, codec.encode(codec.quantize(delta, bits, block))
 
 
-def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640) -> pb.PushHeader:
+def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640, start: int = 0) -> pb.PushHeader:
+    """A push of 10 steps x batch 8 = 80 sequences from cursor ``start`` (the coordinator bounds its tokens by
+    that range and refuses a range that starts before the shard's merged cursor)."""
     return pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=tokens,
-                         inner_steps=10, cursor_start=0, cursor_end=80, tree_digest=join.tree_digest)
+                         inner_steps=10, cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest)
 
 
 def _snapshot(service) -> dict:
@@ -471,8 +474,8 @@ def _three_versions(cfg, run_dir: Path) -> dict:
     n = j0.tree_size
     at_v2 = {}
     for v in range(3):
-        c0.push(_header(j0, f"a{v}", base=v), _delta_frame(n, 20 + v)[1])
-        c1.push(_header(j1, f"b{v}", base=v), _delta_frame(n, 30 + v)[1])
+        c0.push(_header(j0, f"a{v}", base=v, start=80 * v), _delta_frame(n, 20 + v)[1])
+        c1.push(_header(j1, f"b{v}", base=v, start=80 * v), _delta_frame(n, 30 + v)[1])
         if v == 1:
             m = first.service.merger
             at_v2 = {"theta": m.theta.copy(), "momentum": m.momentum.copy(), "digest": m.digest}
@@ -535,8 +538,8 @@ def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, dama
         c0, c1 = (CoordinatorClient(second.address, net_cfg) for _ in range(2))
         j0, j1 = _join(c0, "a"), _join(c1, "b")
         n = j0.tree_size
-        c0.push(_header(j0, "a-again", base=2), _delta_frame(n, 40)[1])
-        c1.push(_header(j1, "b-again", base=2), _delta_frame(n, 41)[1])
+        c0.push(_header(j0, "a-again", base=2, start=160), _delta_frame(n, 40)[1])
+        c1.push(_header(j1, "b-again", base=2, start=160), _delta_frame(n, 41)[1])
         assert second.service.merger.version == 3
         for c in (c0, c1):
             c.close()
@@ -650,3 +653,118 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
     (island_dir / "summary.json").write_text(json.dumps({**summary, "version": 3}))  # it had not: Join retries
     with pytest.raises(CoordinatorError, match=f"join: the coordinator at {address} did not answer"):
         run_worker(net_cfg, address, "a", island_dir, quiet=True)
+
+
+# -- deltas cannot poison θ, over the wire ---------------------------------------------------------------------
+
+
+def _poison_frame(n: int) -> bytes:
+    """The issue's poisoned delta: an int8 frame of 3e38 values (valid: every scale and code is in range)."""
+    return codec.encode(codec.quantize(np.full(n, 3e38, np.float32), 8, 1024))
+
+
+def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(coordinator, net_cfg, tmp_path):
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    before = _snapshot(coordinator.service)
+    with pytest.raises(grpc.RpcError) as e:  # cursor range [0, 80) holds 80 x seq_len 32 = 2560 tokens
+        _raw_push(coordinator.address, _frame_messages(j0, _poison_frame(n), "poison", tokens=10 ** 9))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokens=1000000000 exceed its cursor range [0, 80) = 80 sequences x seq_len 32 = 2560 tokens" in \
+        e.value.details()
+    _assert_unchanged(before, coordinator.service)
+    assert coordinator.service.pushes_refused == 1
+    # The round goes on with honest pushes: θ moves by them alone and stays finite.
+    d0, f0 = _delta_frame(n, 40)
+    d1, f1 = _delta_frame(n, 41)
+    assert c0.push(_header(j0, "a1"), f0).status == pb.PUSH_STATUS_PENDING
+    assert c1.push(_header(j1, "b1"), f1).status == pb.PUSH_STATUS_MERGED
+    theta = coordinator.service.merger.theta
+    assert np.isfinite(theta).all() and np.abs(theta - coordinator.theta).max() < 0.01
+    events = read_events(tmp_path / "coord")
+    refused = [ev for ev in events if ev["event"] == "push_refused"]
+    assert len(refused) == 1 and refused[0]["push_id"] == "poison" and "tokens=1000000000" in refused[0]["reason"]
+    for c in (c0, c1):
+        c.close()
+
+
+def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on(coordinator, net_cfg, tmp_path):
+    """Its norm is far over coordinator.norm_max_ratio x ||θ||: rejected in the first round already; the island is
+    told in the push reply and its heartbeats; the round does not wait for it."""
+    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
+    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    n = j0.tree_size
+    r = c0.push(_header(j0, "poison"), _poison_frame(n))
+    assert r.status == pb.PUSH_STATUS_REJECTED and r.reason.startswith("quarantined: push poison has L2 norm")
+    assert "more than norm_max_ratio 10 x the L2 norm of θ" in r.reason
+    hb = c0.heartbeat(island_id=j0.island_id, version=0)
+    assert "your push poison was rejected: quarantined" in hb.reason
+    assert c1.push(_header(j1, "b1"), _delta_frame(n, 42)[1]).status == pb.PUSH_STATUS_MERGED
+    service = coordinator.service
+    assert service.state.version == 1 and service.state.deltas_rejected == 1 and service.state.tokens_merged == 640
+    assert np.isfinite(service.merger.theta).all() and np.abs(service.merger.theta - coordinator.theta).max() < 0.01
+    assert [ev["push_id"] for ev in read_events(tmp_path / "coord") if ev["event"] == "push_quarantined"] == \
+        ["poison"]
+    for c in (c0, c1):
+        c.close()
+
+
+def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(net_cfg, tmp_path):
+    """With the norm screen off, the poisoned push is accepted (with the most tokens its range allows: 2560); the
+    outer step (lr 1) finds its update non-finite (-(Δ + 0.9·m) = -1.9 x 0.8 x 3e38), commits nothing, rejects
+    the push (the largest) and merges the round without it. Not fatal."""
+    cfg = replace(net_cfg, coordinator={"norm_max_ratio": 0.0, "norm_z_max": 0.0}, outer={"lr": 1.0})
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        c0, c1 = (CoordinatorClient(running.address, cfg) for _ in range(2))
+        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        n = j0.tree_size
+        d1, f1 = _delta_frame(n, 43)
+        assert c1.push(_header(j1, "b1"), f1).status == pb.PUSH_STATUS_PENDING
+        r = c0.push(_header(j0, "poison", tokens=2560), _poison_frame(n))  # completes the round: rejected
+        assert r.status == pb.PUSH_STATUS_REJECTED and "the outer step for version 1 makes update[" in r.reason
+        assert "blamed: push poison" in r.reason and r.version == 1
+        service = running.service
+        assert service.fatal is None and service.state.version == 1 and service.state.deltas_rejected == 1
+        assert service.state.tokens_merged == 640 and np.isfinite(service.merger.theta).all()
+        assert "your push poison was rejected" in c0.heartbeat(island_id=j0.island_id, version=1).reason
+        assert list((tmp_path / "coord" / "spool" / "state").glob("*.tmp")) == []
+        events = read_events(tmp_path / "coord")
+        assert [ev["push_id"] for ev in events if ev["event"] == "merge_rejected"] == ["poison"]
+        merged = [ev for ev in events if ev["event"] == "round_merged"]
+        assert len(merged) == 1 and [p["push_id"] for p in merged[0]["pushes"]] == ["b1"]
+        for c in (c0, c1):
+            c.close()
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("up,bad", [("fp32", np.nan), ("fp32", np.inf), ("int8", np.nan), ("int4", np.inf),
+                                    ("e3m0", np.nan)])
+def test_a_nan_or_inf_delta_is_refused_at_validation_in_every_codec(net_cfg, tmp_path, up, bad):
+    cfg = replace(net_cfg, codec={"up": up})
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        client = CoordinatorClient(running.address, cfg)
+        join = _join(client, "a")
+        n, bits = join.tree_size, codec.CODEC_BITS[up]
+        q = codec.quantize(np.ones(n, np.float32), bits, 1024)
+        if bits == 32:  # the value itself
+            payload = q.payload.copy().view("<f4")
+            payload[5] = bad
+            q = codec.QuantizedVec(bits, q.block, n, q.scales, payload.view(np.uint8))
+        else:  # a block's scale (quantized codes are always finite)
+            scales = q.scales.copy()
+            scales[1] = bad
+            q = codec.QuantizedVec(bits, q.block, n, scales, q.payload)
+        before = _snapshot(running.service)
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_push(running.address, _frame_messages(join, codec.encode(q), "nan"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        want = "non-finite value at index 5" if bits == 32 else f"invalid scale {np.float32(bad)!r} for block 1"
+        assert "push nan: bad frame" in e.value.details() and want in e.value.details(), e.value.details()
+        _assert_unchanged(before, running.service)
+        client.close()
+    finally:
+        running.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 import pytest
@@ -39,13 +40,19 @@ def join_all(st: CoordinatorState, names=("a", "b", "c", "d"), now: float = T0) 
 _n = [0]
 
 
-def info(island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None, start: int = 0,
-         end: int = 10) -> PushInfo:
+def info(st: CoordinatorState, island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None,
+         start: int | None = None, end: int | None = None) -> PushInfo:
+    """A push over [start, end): by default from where the island's shard cursor is in ``st`` (0 for an unknown
+    island), 40 sequences long (40 x seq_len 32 = 1280 tokens, within tiny's inner_steps 20 x batch_size 8 = 160
+    sequences a push may cover)."""
     if push_id is None:
         _n[0] += 1
         push_id = f"p{_n[0]}"
+    if start is None:
+        record = st.islands.get(island_id)
+        start = 0 if record is None else st.shard_cursor(record.shard_index)
     return PushInfo(push_id=push_id, island_id=island_id, base_version=base, tokens=tokens, inner_steps=5,
-                    cursor_start=start, cursor_end=end)
+                    cursor_start=start, cursor_end=start + 40 if end is None else end)
 
 
 def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
@@ -59,7 +66,7 @@ def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
 def merge_rounds(st: CoordinatorState, island_id: str, rounds: int) -> None:
     """``rounds`` versions, each merged from one fresh push of ``island_id`` (async mode: one push closes it)."""
     for _ in range(rounds):
-        push(st, info(island_id, base=st.version))
+        push(st, info(st, island_id, base=st.version))
         st.close_round(T0)
 
 
@@ -124,8 +131,8 @@ def test_fifth_island_refused_when_all_shards_live():
 def test_lost_island_shard_taken_over_with_cursor():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    push(st, info(a, start=0, end=100))
-    push(st, info(b, start=0, end=70))
+    push(st, info(st, a, start=0, end=100))
+    push(st, info(st, b, start=0, end=70))
     st.close_round(T0)
     assert st.shard_cursor(0) == 100 and st.shard_cursor(1) == 70
     assert st.islands[b].cursor_merged == 70
@@ -144,12 +151,12 @@ def test_lost_island_shard_taken_over_with_cursor():
 def test_takeover_cursor_counts_the_lost_islands_pending_push():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    push(st, info(b, start=0, end=50))
+    push(st, info(st, b, start=0, end=50))
     st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 10)
     st.expire(T0 + 15)
     rec, reason = st.join("c", "cpu", 1, T0 + 16)
     assert rec.shard_index == 1 and "at cursor 50" in reason  # b's pending push will merge: don't retrain it
-    push(st, info(a, start=0, end=40), T0 + 16)
+    push(st, info(st, a, start=0, end=40), T0 + 16)
     ready, why = st.round_ready(T0 + 16)
     assert not ready and "missing: c-1" in why  # the newcomer is live and has not pushed
 
@@ -185,7 +192,7 @@ def test_heartbeat_renews_lease_and_records_report():
 def test_heartbeat_pull_stop_rejoin_and_errors():
     st = make("outer.islands=1", "train.steps=40")
     a, = join_all(st, "a")
-    push(st, info(a))
+    push(st, info(st, a))
     st.close_round(T0)
     assert st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1) == ("pull", ("holding version 0, the global version is "
                                                                       "1: pull"))
@@ -195,7 +202,7 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
               "call Join first")
     unchanged(st, lambda: st.heartbeat(a, 1, 1, 1, float("nan"), "", (), T0 + 1), "INVALID_ARGUMENT",
               "steps_per_s")
-    push(st, info(a, base=1))
+    push(st, info(st, a, base=1))
     st.close_round(T0 + 2)
     assert st.stopped()
     action, reason = st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3)
@@ -243,7 +250,7 @@ def test_default_leases_find_a_dead_island_within_5s_and_the_sync_round_does_not
             for i in (a, b):
                 st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + k * beat)
         death = last + died_after
-        push(st, info(a), death)
+        push(st, info(st, a), death)
         t = last
         while not st.expire(t):  # the server's ticker wakes at next_deadline; a beats on schedule
             st.heartbeat(a, 0, 0, 0, 0.0, "", (), t)
@@ -275,13 +282,13 @@ def test_sync_round_closes_when_all_live_pushed():
     ids = join_all(st)
     assert st.round_ready(T0) == (False, "waiting for the first push for version 1 (4 live islands)")
     for i in ids[:3]:
-        adm = push(st, info(i, start=0, end=10))
+        adm = push(st, info(st, i, start=0, end=40))
         assert adm.status == "accept" and adm.target_version == 1 and adm.staleness == 0 and adm.weight == 1000.0
         assert adm.reason == "accepted for version 1: weight 1000 = 1000 tokens"
     ready, why = st.round_ready(T0 + 1)
     assert not ready and why == "waiting for 1 of 4 islands (missing: d-3); a quorum close needs 4 pushes, have 3"
     unchanged(st, lambda: st.close_round(T0 + 1), "FAILED_PRECONDITION", "cannot close", "missing: d-3")
-    push(st, info(ids[3], tokens=500, start=0, end=5))
+    push(st, info(st, ids[3], tokens=500, start=0, end=20))
     assert st.round_ready(T0 + 2) == (True, "all 4 live islands pushed")
     assert [i.island_id for i, _ in st.pending()] == ids
     version, merged, reason = st.close_round(T0 + 2)
@@ -289,17 +296,17 @@ def test_sync_round_closes_when_all_live_pushed():
     assert "merged 4 deltas (a-0, b-1, c-2, d-3; 3500 tokens) into version 1 (all 4 live islands pushed)" == reason
     assert st.pending() == [] and st.deltas_merged == 4 and st.tokens_merged == 3500
     assert st.islands["d-3"].tokens_merged == 500 and st.islands["d-3"].pushes_merged == 1
-    assert st.islands["d-3"].cursor_merged == 5 and st.shard_cursor(3) == 5
+    assert st.islands["d-3"].cursor_merged == 20 and st.shard_cursor(3) == 20
 
 
 def test_quorum_and_grace():
     st = make("coordinator.min_quorum=3", "coordinator.grace_s=30")
     a, b, c, d = join_all(st)
-    push(st, info(a), T0)
-    push(st, info(c), T0 + 5)
+    push(st, info(st, a), T0)
+    push(st, info(st, c), T0 + 5)
     assert st.round_ready(T0 + 40) == (False, ("waiting for 2 of 4 islands (missing: b-1, d-3); "
                                               "a quorum close needs 3 pushes, have 2"))
-    push(st, info(d), T0 + 10)
+    push(st, info(st, d), T0 + 10)
     ready, why = st.round_ready(T0 + 18)
     assert not ready and why == "waiting for 1 of 4 islands (missing: b-1); quorum close possible in 12.0s"
     assert st.next_deadline(T0 + 18) == T0 + 15  # earliest lease first
@@ -319,10 +326,10 @@ def test_quorum_and_grace():
 def test_lost_island_no_longer_blocks_round_and_its_push_stays():
     st = make()
     a, b, c, d = join_all(st)
-    push(st, info(b), T0 + 1)
+    push(st, info(st, b), T0 + 1)
     for i in (a, c):
         st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + 10)
-        push(st, info(i), T0 + 10)
+        push(st, info(st, i), T0 + 10)
     assert st.round_ready(T0 + 11)[1].startswith("waiting for 1 of 4 islands (missing: d-3)")
     lost = dict(st.expire(T0 + 15))  # b (pending push) and d are lost
     assert set(lost) == {b, d}
@@ -336,22 +343,22 @@ def test_lost_island_no_longer_blocks_round_and_its_push_stays():
 def test_second_push_in_open_round_refused():
     st = make()
     a, *_ = join_all(st)
-    push(st, info(a))
-    unchanged(st, lambda: st.admit_push(info(a), T0), "FAILED_PRECONDITION",
+    push(st, info(st, a))
+    unchanged(st, lambda: st.admit_push(info(st, a), T0), "FAILED_PRECONDITION",
               "a-0 already pushed for version 1", "wait for the round to close")
 
 
 def test_duplicate_push_id_pending_and_merged_no_double_count():
     st = make("outer.islands=2")
     a, b = join_all(st, "ab")
-    first = info(a, push_id="retry-me", tokens=700)
+    first = info(st, a, push_id="retry-me", tokens=700)
     push(st, first)
     dup = st.admit_push(first, T0 + 1)
     assert dup == Admission("duplicate", 0.0, 0, 1, "push retry-me is pending in the open round for version 1: "
                                                       "a retry, not applied again")
     assert st.commit_push(first, T0 + 1) == dup
     assert st.duplicates == 1 and len(st.pending()) == 1
-    push(st, info(b))
+    push(st, info(st, b))
     st.close_round(T0 + 2)
     assert st.tokens_merged == 1700 and st.islands[a].tokens_merged == 700
     dup2 = st.admit_push(first, T0 + 3)
@@ -361,7 +368,7 @@ def test_duplicate_push_id_pending_and_merged_no_double_count():
     assert st.tokens_merged == 1700 and st.deltas_merged == 2 and st.duplicates == 2
     assert st.push_known("retry-me") and not st.push_known("never")
     # the same id from another island is a client bug, not a retry
-    unchanged(st, lambda: st.admit_push(info(b, push_id="retry-me"), T0 + 3), "INVALID_ARGUMENT",
+    unchanged(st, lambda: st.admit_push(info(st, b, push_id="retry-me"), T0 + 3), "INVALID_ARGUMENT",
               "already used by island a-0")
 
 
@@ -369,7 +376,7 @@ def test_push_id_memory_is_bounded():
     st = make("outer.islands=1", max_push_ids=3)
     a, = join_all(st, "a")
     for v in range(5):
-        push(st, info(a, base=v, push_id=f"id{v}"))
+        push(st, info(st, a, base=v, push_id=f"id{v}"))
         st.close_round(T0)
     assert [st.push_known(f"id{v}") for v in range(5)] == [False, False, True, True, True]
 
@@ -378,7 +385,7 @@ def test_late_delta_discount_weight_exact():
     st = make("outer.islands=2", "coordinator.mode=async", "outer.staleness_alpha=0.5")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
-    adm = st.admit_push(info(b, base=1, tokens=1000), T0)
+    adm = st.admit_push(info(st, b, base=1, tokens=1000), T0)
     assert adm.status == "accept" and adm.staleness == 2 and adm.target_version == 4
     assert adm.weight == 1000 * (1 + 2) ** -0.5
     assert adm.reason == "accepted for version 4: 2 versions late: weight 577.35 = 1000 tokens x (1+2)^-0.5"
@@ -387,25 +394,25 @@ def test_late_delta_discount_weight_exact():
 def test_drop_policy_drops_and_counts():
     st = make("outer.islands=2", "coordinator.mode=async", "coordinator.late_policy=drop")
     a, b = join_all(st, "ab")
-    push(st, info(a))
+    push(st, info(st, a))
     st.close_round(T0)
-    late = info(b, base=0)
+    late = info(st, b, base=0)
     adm = push(st, late)
     assert adm.status == "drop" and adm.weight == 0.0 and adm.staleness == 1
     assert adm.reason == "delta from version 0 is 1 versions stale and late_policy is 'drop': dropped"
     assert st.deltas_dropped == 1 and st.pending() == [] and st.round_ready(T0) == (False, "no pushes pending")
     retry = st.admit_push(late, T0)
     assert retry.status == "duplicate" and "was dropped" in retry.reason
-    assert push(st, info(b, base=1)).status == "accept"  # fresh deltas are fine
+    assert push(st, info(st, b, base=1)).status == "accept"  # fresh deltas are fine
 
 
 def test_max_staleness_drops_under_discount():
     st = make("outer.islands=2", "coordinator.mode=async", "coordinator.max_staleness=2")
     a, b = join_all(st, "ab")
     merge_rounds(st, a, 3)
-    assert push(st, info(b, base=1)).status == "accept"  # staleness 2: discounted
+    assert push(st, info(st, b, base=1)).status == "accept"  # staleness 2: discounted
     st.close_round(T0)
-    adm = push(st, info(b, base=1))
+    adm = push(st, info(st, b, base=1))
     assert adm.status == "drop" and adm.staleness == 3
     assert adm.reason == "delta from version 1 is 3 versions stale (max_staleness 2): dropped"
     assert st.deltas_dropped == 1
@@ -423,7 +430,7 @@ def test_max_staleness_drops_under_discount():
 def test_bad_pushes_refused_without_change(change, code, words):
     st = make()
     a, *_ = join_all(st)
-    good = info(a)
+    good = info(st, a)
     bad = PushInfo(**{**good.__dict__, **change})
     unchanged(st, lambda: st.admit_push(bad, T0), code, *words)
     unchanged(st, lambda: st.commit_push(bad, T0), code, *words)
@@ -433,18 +440,18 @@ def test_lost_island_push_refused():
     st = make()
     a, *_ = join_all(st)
     st.expire(T0 + 15)
-    unchanged(st, lambda: st.admit_push(info(a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
+    unchanged(st, lambda: st.admit_push(info(st, a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
 
 
 def test_async_ready_after_each_push():
     st = make("coordinator.mode=async")
     a, b, *_ = join_all(st)
     assert st.round_ready(T0) == (False, "no pushes pending")
-    push(st, info(a))
+    push(st, info(st, a))
     assert st.round_ready(T0) == (True, "1 push pending (async: merge on arrival)")
     assert st.close_round(T0)[0] == 1
-    push(st, info(b, base=0))
-    push(st, info(a, base=1))  # async: an island may push again before its last merges
+    push(st, info(st, b, base=0))
+    push(st, info(st, a, base=1))  # async: an island may push again before its last merges
     ready, why = st.round_ready(T0)
     assert ready and why == "2 pushes pending (async: merge on arrival)"
     assert st.next_deadline(T0) == T0 + 15  # leases only: no grace in async
@@ -453,11 +460,11 @@ def test_async_ready_after_each_push():
 def test_total_versions_stops_the_run():
     st = make("outer.islands=1", "train.steps=20")
     a, = join_all(st, "a")
-    push(st, info(a))
+    push(st, info(st, a))
     version, _, reason = st.close_round(T0)
     assert version == 1 and st.stopped() and reason.endswith("; the run is over (1 versions)")
     assert st.round_ready(T0) == (False, "the run is over: 1 of 1 versions merged")
-    adm = push(st, info(a, base=1))
+    adm = push(st, info(st, a, base=1))
     assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
 
@@ -469,7 +476,7 @@ def test_after_the_run_a_join_is_refused_and_a_lost_island_told_to_stop():
     a, _ = join_all(st, "ab", now=T0 + 16)  # back again
     st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 30)
     st.expire(T0 + 31)  # b lost again; a lives
-    push(st, info(a), T0 + 31)
+    push(st, info(st, a), T0 + 31)
     assert st.close_round(T0 + 31)[0] == 1 and st.stopped()
     unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 32), "FAILED_PRECONDITION",
               "the run is over: 1 of 1 versions merged: nothing left to train")
@@ -481,10 +488,10 @@ def test_after_the_run_a_join_is_refused_and_a_lost_island_told_to_stop():
 def test_commit_decides_again_when_the_round_closed_meanwhile():
     st = make("outer.islands=2", "coordinator.min_quorum=1", "coordinator.grace_s=5")
     a, b = join_all(st, "ab")
-    late = info(b)
+    late = info(st, b)
     preview = st.admit_push(late, T0)  # b's payload starts streaming in...
     assert (preview.status, preview.target_version, preview.weight) == ("accept", 1, 1000.0)
-    push(st, info(a), T0)
+    push(st, info(st, a), T0)
     assert st.close_round(T0 + 5)[0] == 1  # ...and the round closes on quorum without it
     adm = st.commit_push(late, T0 + 6)
     assert (adm.status, adm.target_version, adm.staleness, adm.weight) == ("accept", 2, 1, 1000 * 2 ** -0.5)
@@ -496,7 +503,7 @@ def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
     a, b, c = join_all(st, "abc")
     assert st.finished(T0) == (False, "the run goes on: 0 of 1 versions merged")
     for i in (a, b, c):
-        push(st, info(i))
+        push(st, info(st, i))
     st.close_round(T0 + 1)
     assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
                                            "version 1: a-0, b-1, c-2"))
@@ -540,13 +547,13 @@ def busy_state() -> CoordinatorState:
     st = make("coordinator.min_quorum=2")
     a, b, c, d = join_all(st)
     st.heartbeat(a, 0, 10, 100, 2.5, "dig", ("gpu:1",), T0 + 1)
-    push(st, info(a, push_id="m1", start=0, end=30), T0 + 1)
-    push(st, info(b, push_id="m2"), T0 + 1)
-    push(st, info(c, push_id="m3"), T0 + 1)
-    push(st, info(d, push_id="m4"), T0 + 1)
+    push(st, info(st, a, push_id="m1", start=0, end=35), T0 + 1)
+    push(st, info(st, b, push_id="m2"), T0 + 1)
+    push(st, info(st, c, push_id="m3"), T0 + 1)
+    push(st, info(st, d, push_id="m4"), T0 + 1)
     st.close_round(T0 + 1)
-    st.commit_push(info(a, push_id="m1"), T0 + 2)
-    push(st, info(b, base=1, push_id="open-1"), T0 + 3)
+    st.commit_push(info(st, a, push_id="m1"), T0 + 2)
+    push(st, info(st, b, base=1, push_id="open-1"), T0 + 3)
     return st
 
 
@@ -564,10 +571,10 @@ def test_json_round_trip():
     same = CoordinatorState.from_json(options("coordinator.min_quorum=2"), json.loads(text), T0 + 500)
     assert _no_leases(same.to_json()) == _no_leases(blob)  # only the leases move: renewed to now + lease_s
     assert all(r.lease_expiry == T0 + 515 for r in same.islands.values())
-    assert same.admit_push(info("a-0", push_id="m1"), T0).status == "duplicate"
+    assert same.admit_push(info(same, "a-0", push_id="m1"), T0).status == "duplicate"
     assert [i.push_id for i, _ in same.pending()] == ["open-1"]
     assert same.round_ready(T0 + 500) == st.round_ready(T0 + 500)
-    assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 30)
+    assert (same.version, same.tokens_merged, same.duplicates, same.shard_cursor(0)) == (1, 4000, 1, 35)
     # leases that all end at now + lease_s: the round trip is exact
     st2 = make("outer.islands=2")
     join_all(st2, "ab")
@@ -637,8 +644,8 @@ def test_status_contents():
     isl = {i["island_id"]: i for i in s["islands"]}
     assert isl["a-0"]["lease_left_s"] == 6.0 and isl["b-1"]["lease_left_s"] == 5.0
     assert isl["a-0"]["bad_devices"] == ["gpu:1"] and isl["a-0"]["steps_per_s"] == 2.5
-    assert isl["a-0"]["tokens_merged"] == 1000 and isl["a-0"]["cursor_merged"] == 30
-    assert s["shard_cursors"] == [30, 10, 10, 10]
+    assert isl["a-0"]["tokens_merged"] == 1000 and isl["a-0"]["cursor_merged"] == 35
+    assert s["shard_cursors"] == [35, 80, 40, 40]  # shard 1: its pending push open-1 ends at 80
     rnd = s["round"]
     assert rnd["target_version"] == 2 and rnd["ready"] is False and [p["push_id"] for p in rnd["pending"]] == \
         ["open-1"]
@@ -646,3 +653,130 @@ def test_status_contents():
                             "pushes, have 1"
     st.expire(T0 + 16)
     assert all(i["lease_left_s"] == 0.0 and i["state"] == "lost" for i in st.status(T0 + 16)["islands"])
+
+
+# -- deltas cannot poison θ: the weight bound, the norm screen, rejections ------------------------------------
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tokens": 10 ** 9, "start": 0, "end": 80},
+     ("tokens=1000000000 exceed its cursor range [0, 80) = 80 sequences x seq_len 32 = 2560 tokens",)),
+    ({"tokens": 1281, "start": 0, "end": 40}, ("tokens=1281", "= 1280 tokens")),
+    ({"tokens": 1000, "start": 0, "end": 161},
+     ("[0, 161) is 161 sequences, more than one push may cover: max_push_steps 20 x batch_size 8 = 160",)),
+    ({"tokens": 10 ** 9, "start": 0, "end": 10 ** 9}, ("more than one push may cover",)),
+    ({"tokens": 1000, "start": 39, "end": 79}, ("cursor_start=39 is before shard 0's cursor 40",)),
+    ({"tokens": 1000, "start": 159_990, "end": 160_030},
+     ("cursor_end=160030 is past the end of shard 0: train.steps 20000 x batch_size 8 = 160000 sequences",)),
+])
+def test_a_push_weight_is_bounded_by_its_assigned_cursor_range(fields, words):
+    """tokens <= range x seq_len; range <= max_push_steps (H = 20) x batch 8; no earlier than the shard's cursor;
+    within the shard's train.steps x batch: refused, naming the numbers, with the state unchanged."""
+    st = make("coordinator.mode=async")
+    a, _ = join_all(st, "ab")
+    push(st, info(st, a, start=0, end=40))  # shard 0's cursor: 40 (pending counts)
+    st.close_round(T0)
+    bad = info(st, a, base=1, **fields)
+    for decide in (st.admit_push, st.commit_push):
+        unchanged(st, lambda decide=decide: decide(bad, T0), "INVALID_ARGUMENT", f"push {bad.push_id} from a-0", *words)
+    # At the bounds: accepted. A range may start past the cursor (the island went on past a dropped push).
+    assert push(st, info(st, a, base=1, tokens=160 * 32, start=40, end=200)).status == "accept"
+    st.close_round(T0)
+    assert push(st, info(st, a, base=2, start=300, end=340)).status == "accept"
+
+
+def test_the_push_bound_follows_the_config():
+    assert options().max_push_steps == 20 and options().shard_steps == 20000
+    assert options("coordinator.max_push_steps=7").max_push_steps == 7
+    wall = options("worker.round_seconds=2")  # wall-time rounds: no cap per push unless set, no shard end
+    assert wall.max_push_steps == 0 and wall.shard_steps == 0
+    st = CoordinatorState(wall, "run-1", T0)
+    (a,) = join_all(st, "a")
+    assert push(st, info(st, a, tokens=6400 * 32, start=10 ** 9, end=10 ** 9 + 6400)).status == "accept"
+    capped = CoordinatorState(options("worker.round_seconds=2", "coordinator.max_push_steps=50"), "run-1", T0)
+    (a,) = join_all(capped, "a")
+    unchanged(capped, lambda: capped.admit_push(info(capped, a, start=0, end=401), T0), "INVALID_ARGUMENT",
+              "[0, 401) is 401 sequences, more than one push may cover: max_push_steps 50 x batch_size 8 = 400")
+
+
+def _merged_norms(st: CoordinatorState, island_id: str, norms: list[float]) -> None:
+    for norm in norms:  # async: each push is merged on its own
+        assert st.commit_push(info(st, island_id, base=st.version), T0, norm=norm).status == "accept"
+        st.close_round(T0)
+
+
+def test_a_norm_outlier_is_quarantined_once_the_window_fills():
+    st = make("coordinator.mode=async", "coordinator.norm_window=5", "coordinator.norm_window_min=4")
+    a, b = join_all(st, "ab")
+    _merged_norms(st, a, [1.0, 1.1, 0.9])
+    assert list(st.norms) == [1.0, 1.1, 0.9]
+    # Three norms: the check does not apply yet (the push is accepted; it joins the window once merged).
+    assert st.commit_push(info(st, b, base=st.version), T0, norm=3.0).status == "accept"
+    st.close_round(T0)
+    _merged_norms(st, a, [1.0, 1.05])
+    assert list(st.norms) == [1.1, 0.9, 3.0, 1.0, 1.05]  # the last norm_window=5
+    ok = st.commit_push(info(st, b, base=st.version), T0, norm=2.5)  # median 1.05: z = 1.45/0.2625 = 5.5 <= 8
+    assert ok.status == "accept" and ok.norm == 2.5 and ok.scale == 1.0
+    st.close_round(T0)
+    poison = info(st, b, base=st.version)
+    adm = st.commit_push(poison, T0, norm=1e6)
+    assert adm.status == "reject" and adm.weight == 0.0 and st.pending() == [] and st.deltas_rejected == 1
+    assert adm.reason.startswith(f"quarantined: push {poison.push_id} has L2 norm 1e+06") and \
+        "robust deviations above the median 1.05 of the last 5 merged pushes (norm_z_max 8)" in adm.reason
+    assert 1e6 not in st.norms
+    # Its island is told in every heartbeat reply until a push of its own is accepted; a retry is a duplicate.
+    action, why = st.heartbeat(b, st.version, 0, 0, 0.0, "", (), T0 + 1)
+    assert action == "continue" and f"your push {poison.push_id} was rejected: quarantined" in why
+    assert st.rejected(poison.push_id) is not None and st.rejected("p-unknown") is None
+    retry = st.commit_push(poison, T0 + 1, norm=1e6)
+    assert retry.status == "duplicate" and "was rejected" in retry.reason
+    assert st.commit_push(info(st, b, base=st.version), T0 + 2, norm=1.2).status == "accept"
+    assert "rejected" not in st.heartbeat(b, st.version, 0, 0, 0.0, "", (), T0 + 3)[1]
+    st.close_round(T0 + 3)
+    # off: norm_z_max = 0
+    off = make("coordinator.mode=async", "coordinator.norm_z_max=0", "coordinator.norm_window_min=1")
+    (c,) = join_all(off, "c")
+    _merged_norms(off, c, [1.0, 1e6])
+
+
+def test_norm_max_ratio_and_clip_norm():
+    st = make("coordinator.mode=async", "coordinator.clip_norm=2")
+    (a,) = join_all(st, "a")
+    big = info(st, a)
+    adm = st.commit_push(big, T0, norm=10.5, theta_norm=1.0)  # first round: no window yet, the ratio applies
+    assert adm.status == "reject" and "more than norm_max_ratio 10 x the L2 norm of θ (1)" in adm.reason
+    assert st.commit_push(info(st, a), T0, norm=10.5, theta_norm=0.0).status == "accept"  # θ = 0: skipped
+    st.close_round(T0)
+    clipped = st.commit_push(info(st, a, base=1), T0, norm=8.0, theta_norm=1.0)
+    assert clipped.status == "accept" and clipped.scale == 0.25 and clipped.weight == 1000.0
+    assert clipped.reason.endswith("; norm 8 clipped to 2")
+    nan = st.commit_push(info(st, a, base=1), T0, norm=math.nan)
+    assert nan.status == "reject" and "non-finite norm nan" in nan.reason
+
+
+def test_rejected_pending_push_does_not_hold_up_its_round():
+    """reject_pending (a merge it made non-finite): out of the round, counted, its island told, and the round
+    closes with the others (the rejected island counts as having pushed)."""
+    st = make("outer.islands=2")
+    a, b = join_all(st, "ab")
+    pa, pb = info(st, a, tokens=700), info(st, b, tokens=300)
+    push(st, pa)
+    push(st, pb)
+    unchanged(st, lambda: st.reject_pending(["nope"], "x"), "NOT_FOUND", "nope not pending")
+    assert st.reject_pending([pa.push_id], "the outer step makes theta[3] non-finite") == [pa]
+    assert [i.push_id for i, _ in st.pending()] == [pb.push_id] and st.deltas_rejected == 1
+    assert st.round_ready(T0) == (True, "all 2 live islands pushed, 1 of them rejected")
+    assert "was rejected: the outer step makes theta[3] non-finite" in st.heartbeat(a, 0, 0, 0, 0.0, "", (),
+                                                                                     T0)[1]
+    # The state round-trips through a checkpoint with its rejection and norms.
+    same = CoordinatorState.from_json(options("outer.islands=2"), json.loads(json.dumps(st.to_json())), T0)
+    assert same.round_ready(T0) == st.round_ready(T0) and same.deltas_rejected == 1
+    version, merged, reason = st.close_round(T0)
+    assert version == 1 and merged == [pb] and st.tokens_merged == 300 and st.shard_cursor(0) == 0
+    assert st.admit_push(pa, T0).status == "duplicate"
+    assert st.round_ready(T0)[0] is False  # the next round waits for both again
+    # All pushes rejected: nothing to merge, the round stays open.
+    push(st, info(st, a, base=1))
+    (only,) = st.pending()
+    st.reject_pending([only[0].push_id], "bad")
+    assert st.round_ready(T0) == (False, "waiting for the first push for version 2 (2 live islands)")

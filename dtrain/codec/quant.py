@@ -246,6 +246,29 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
     return np.where(codes & 8, -magnitude, magnitude)
 
 
+def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | bytearray | memoryview,
+                      count: int) -> np.ndarray:
+    """Per block, Σ level² over the ``count`` codes of ``payload`` (whole blocks, the last one maybe partial), as
+    float64: times the block's scale², the squared L2 norm of its dequantized values, with no dequantization.
+    Not for bits=32 (no blocks: square the values)."""
+    arr = np.frombuffer(payload, np.uint8)
+    if bits == 8:
+        levels = arr[:count].view(np.int8).astype(np.float32)
+    else:
+        codes = _unpack_nibbles(arr, count)
+        if bits == 4:
+            levels = ((codes ^ 8).astype(np.int8) - 8).astype(np.float32)
+        else:
+            levels = _E3M0_LEVELS[codes & 7]
+    n_blocks = -(-count // block)
+    if n_blocks * block != count:
+        levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
+    levels_BxK = levels.reshape(n_blocks, block)
+    # Summed in float32 (exact for int8 blocks up to 1024 values: 127² x 1024 < 2^24; a relative error of ~1e-7
+    # beyond), returned as float64 so that scale² (up to ~1e73) can multiply it.
+    return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
+
+
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
     limit = np.float32(_F32_MAX) if bits == "e3m0" else _SCALE_MAX[_QMAX[bits]]

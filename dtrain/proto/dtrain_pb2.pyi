@@ -21,6 +21,7 @@ class PushStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_STATUS_PENDING: _ClassVar[PushStatus]
     PUSH_STATUS_DUPLICATE: _ClassVar[PushStatus]
     PUSH_STATUS_DROPPED: _ClassVar[PushStatus]
+    PUSH_STATUS_REJECTED: _ClassVar[PushStatus]
 
 class PullKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ PUSH_STATUS_MERGED: PushStatus
 PUSH_STATUS_PENDING: PushStatus
 PUSH_STATUS_DUPLICATE: PushStatus
 PUSH_STATUS_DROPPED: PushStatus
+PUSH_STATUS_REJECTED: PushStatus
 PULL_KIND_UNSPECIFIED: PullKind
 PULL_KIND_UPDATE: PullKind
 PULL_KIND_FULL: PullKind
