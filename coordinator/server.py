@@ -262,6 +262,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.merge_s += time.perf_counter() - t0
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
+                                "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
+                                "steps": i.inner_steps,
                                 "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest)
@@ -367,7 +369,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
                         f"{self.tree_digest!r}: the model's parameter tree differs")
         info = PushInfo(push_id=h.push_id, island_id=h.island_id, base_version=h.base_version, tokens=h.tokens,
-                        inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end)
+                        inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end,
+                        shard_index=h.shard_index)
         with self.lock:
             self._refuse_if_failed(context)
             # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.

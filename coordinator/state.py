@@ -173,6 +173,7 @@ class PushInfo:
     inner_steps: Count
     cursor_start: Count
     cursor_end: Count
+    shard_index: Count = 0  # the shard the range lies in
 
 
 @dataclass(frozen=True)

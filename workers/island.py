@@ -227,6 +227,7 @@ class Worker:
         self.total_versions = 0
         self.ckpt: Checkpointer | None = None
         self.blocked_s = 0.0
+        self.executed_steps = 0  # inner steps this process has run (rewound ones too): the compute it spent
         self.frames_sent = 0
         self.frame_bytes = 0
 
@@ -396,6 +397,10 @@ class Worker:
                 if sched.round_seconds:  # the deadline is about steps done, not steps queued: dispatch is async
                     jax.block_until_ready(island.state.step)
                 round_steps += n
+                self.executed_steps += n
+                # One line per chunk: a killed process's compute is known to within a chunk (goodput).
+                self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index,
+                               cursor=island.cursor)
                 status.steps, status.tokens = island.steps, island.tokens
                 if pending is not None and pending.exchange.future.done():
                     anchor, pending = self._fold_in(island, pending, status), None  # without waiting
@@ -447,7 +452,8 @@ class Worker:
         header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version,
                                push_id=f"{self.island_id}-{uuid.uuid4().hex[:12]}",
                                tokens=island.tokens - round_start[1], inner_steps=round_steps,
-                               cursor_start=round_start[0], cursor_end=island.cursor, tree_digest=self.tree_digest)
+                               cursor_start=round_start[0], cursor_end=island.cursor, shard_index=island.index,
+                               tree_digest=self.tree_digest)
         self.frames_sent += 1
         self.frame_bytes += len(frame)
         exchange = Exchange(self.client, self.puller, frame, header, anchor, self.total_versions, self.stopping,

@@ -124,7 +124,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ..., push_unknown: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks")
+    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks", "shard_index")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PushHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FRAME_CRC32_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     base_version: int
     push_id: str
@@ -147,7 +148,8 @@ class PushHeader(_message.Message):
     total_bytes: int
     frame_crc32: int
     chunks: int
-    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    shard_index: int
+    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data", "crc32")
@@ -168,18 +170,20 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushDeltaResponse(_message.Message):
-    __slots__ = ("status", "merged_version", "version", "reason", "weight")
+    __slots__ = ("status", "merged_version", "version", "reason", "weight", "cursor")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MERGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
     status: PushStatus
     merged_version: int
     version: int
     reason: str
     weight: float
-    def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    cursor: int
+    def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("island_id", "have_version", "full", "wait_s")
