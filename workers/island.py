@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,8 @@ from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, Run
 from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
+# A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
 
 class WorkerError(DtrainError):
@@ -146,6 +149,7 @@ class Exchange:
         self.client, self.puller, self.frame, self.header, self.base = client, puller, frame, header, base
         self.total_versions, self.stop, self.log = total_versions, stop, log
         self.repush = threading.Event()
+        self.response: pb.PushDeltaResponse | None = None  # the coordinator's answer to the push, once it came
         self.future: Future[GlobalParams] = Future()
 
     @property
@@ -168,10 +172,20 @@ class Exchange:
 
     def _exchange(self) -> GlobalParams:
         h = self.header
-        response = self.client.push(h, self.frame)
+        try:
+            response = self.client.push(h, self.frame)
+        except CoordinatorError as e:
+            if e.code not in REFUSALS:
+                raise
+            # Refused whole (a bad frame, a range outside the bounds, an unknown island): nothing of it was
+            # applied. The island goes on; its range is trained again from where it began (a rewind).
+            response = pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
+            self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
+        self.response = response
         self.log("push_sent", push_id=h.push_id, base_version=h.base_version,
                  status=pb.PushStatus.Name(response.status), bytes=len(self.frame), tokens=h.tokens,
-                 reason=response.reason)
+                 reason=response.reason, shard=h.shard_index, start=h.cursor_start, end=h.cursor_end,
+                 cursor=response.cursor)
         g = self.base
         while g.version <= self.base.version and not self.stop.is_set():
             if self.repush.is_set():  # the coordinator lost our push (restart): send it again
