@@ -15,10 +15,17 @@ Model:
 - ``version`` counts merged outer steps (θ_version). A round collects the
   pushes that will be merged into ``version + 1``.
 - Every island holds one data shard (``islands`` shards in all). A shard is
-  free when no *live* island holds it; a new island takes the lowest free one.
-  The merged data cursor is tracked per shard, so an island taking over the
-  shard of a lost island resumes exactly where that shard's merged (or
-  pending, hence certain to be merged) data ends.
+  free when no *live* island holds it. Exactly-once data: each shard's pushes
+  must follow one another without gap or overlap (a push starts exactly at the
+  shard's cursor: where its merged and pending data ends), so the merged ranges
+  of a shard always form one prefix of it. A push that would break that (its
+  range was dropped, rejected or taken over meanwhile) is dropped, and its
+  island rewinds to the cursor the reply names and trains that range again.
+  Rerouting: a lost island's shard is free; the next island to need one takes
+  it, from its cursor: a new island, the lost island returning, or an island
+  whose own shard is done (its heartbeat reply says ``rejoin`` while a free
+  shard has data left, and its Join moves it there). With step rounds a run
+  ends when every shard's data is merged, not after a fixed number of versions.
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
   calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
@@ -34,11 +41,9 @@ Model:
   most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
   ``outer.inner_steps``, the length of a step round; with wall-time rounds,
   whose length is an island's speed × ``worker.round_seconds``, there is no
-  default cap: set one); it starts no earlier
-  than the shard's cursor (merged and pending data is never counted twice) and,
-  with step rounds, ends within the shard's ``train.steps`` ×
-  ``train.batch_size`` sequences. It may start later than the shard's cursor:
-  an island goes on past a range the coordinator dropped or rejected.
+  default cap: set one) and, with step rounds, ends within the shard's
+  ``train.steps`` × ``train.batch_size`` sequences; and it starts exactly at
+  its shard's cursor (else it is dropped, above), so no data counts twice.
 - Norms: with the payload's L2 norm (the server takes it as it spools the
   frame), :meth:`commit_push` rejects ("quarantines") a norm over
   ``coordinator.norm_max_ratio`` × ‖θ‖ (from the first round: a delta that
@@ -55,7 +60,8 @@ Model:
   ``StateOptions.max_push_ids`` (100 000) merged or dropped ones, are
   remembered; a retry (which arrives within seconds) gets ``"duplicate"`` and is
   never applied twice. Older ids are forgotten, oldest first.
-- The end: the run is over once ``total_versions`` are merged;
+- The end: the run is over once every shard's data is merged (step rounds) or
+  ``total_versions`` are merged (wall-time rounds; :meth:`stopped`);
   :meth:`CoordinatorState.finished` says when the coordinator may stop serving
   (every live island holds the last version, or ``linger_s`` has passed).
 - Checkpoint: :meth:`to_json` / :meth:`from_json` follow one declared layout,
@@ -122,6 +128,17 @@ class StateOptions:
     shard_steps: int  # inner steps a shard holds in the run (train.steps); 0: no end (wall-time rounds)
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
+
+    @property
+    def shard_end(self) -> int:
+        """Sequences in each shard (train.steps x batch_size); 0 with wall-time rounds (no end)."""
+        return self.shard_steps * self.batch_size
+
+    @property
+    def end_version(self) -> int:
+        """The version the run ends at, when it is known ahead (wall-time rounds); 0 when the data decides (step
+        rounds: a lost island's shard finished by another takes extra versions). Sent in JoinResponse."""
+        return 0 if self.shard_steps else self.total_versions
 
     def __post_init__(self) -> None:
         if self.max_push_ids < 1:
@@ -263,12 +280,24 @@ class CoordinatorState:
     # -- queries ------------------------------------------------------------------------------------
 
     def stopped(self) -> bool:
-        """Whether the run is over: all total_versions are merged."""
+        """Whether the run is over. Step rounds: every shard's data is merged (however many versions that took:
+        ``total_versions`` with no faults, more when a lost island's shard was finished by another). Wall-time
+        rounds (no end to the data): ``total_versions`` are merged."""
+        end = self.opts.shard_end
+        if end:
+            return all(c >= end for c in self.shard_cursors)
         return self.version >= self.opts.total_versions
 
     def run_over(self) -> str:
         """The reason given to islands once the run is over (a Join refused, a heartbeat told to stop)."""
+        if self.opts.shard_end:
+            return (f"the run is over: all {self.opts.islands} shards' data ({self.opts.shard_end} sequences each) "
+                    f"merged, in {self.version} versions")
         return f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
+
+    def data_left(self, shard_index: int) -> bool:
+        """Whether the shard has data no push covers yet (merged or pending); always with wall-time rounds."""
+        return not self.opts.shard_end or self.shard_cursor(shard_index) < self.opts.shard_end
 
     def live(self) -> list[IslandRecord]:
         return [r for r in self.islands.values() if r.state == "live"]
@@ -304,8 +333,14 @@ class CoordinatorState:
         return None
 
     def _free_shards(self, exclude: str | None = None) -> list[int]:
+        """Shards no live island holds (but ``exclude``), those with data left first (then by index)."""
         held = {r.shard_index for r in self.live() if r.island_id != exclude}
-        return [s for s in range(self.opts.islands) if s not in held]
+        return sorted((s for s in range(self.opts.islands) if s not in held), key=lambda s: not self.data_left(s))
+
+    def _orphan(self, exclude: str) -> int | None:
+        """The free shard with data left, if any (the lowest): a lost island's, for an island with none."""
+        free = [s for s in self._free_shards(exclude=exclude) if self.data_left(s)]
+        return free[0] if free else None
 
     def _holders(self) -> str:
         return ", ".join(f"{r.island_id} (shard {r.shard_index})" for r in sorted(self.live(),
@@ -333,8 +368,16 @@ class CoordinatorState:
             was = old.state
             taker = next((r for r in self.live() if r.shard_index == old.shard_index and r.island_id != old.island_id),
                          None)
-            if taker is None:
+            orphan = self._orphan(exclude=old.island_id)
+            if taker is None and self.data_left(old.shard_index):
                 shard, how = old.shard_index, f"kept shard {old.shard_index}"
+            elif orphan is not None:  # the island's shard is done (or taken): it finishes another's
+                shard = orphan
+                mine = (f"its shard {old.shard_index} was taken over by {taker.island_id}" if taker is not None
+                        else f"its shard {old.shard_index} is done")
+                how = f"{mine}; took over shard {shard}, which no live island holds and has data left"
+            elif taker is None:
+                shard, how = old.shard_index, f"kept shard {old.shard_index} (done: no shard has data left to take)"
             else:
                 free = self._free_shards(exclude=old.island_id)
                 if not free:
@@ -400,6 +443,11 @@ class CoordinatorState:
         if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
             record.state = "live"
         rejected = f"; {self._rejections[island_id]}" if island_id in self._rejections else ""
+        orphan = None if self.data_left(record.shard_index) else self._orphan(exclude=island_id)
+        if orphan is not None:
+            return "rejoin", (f"{island_id}'s shard {record.shard_index} is done and shard {orphan} has data no "
+                              f"live island trains (from cursor {self.shard_cursor(orphan)}): call Join to take it "
+                              f"over{rejected}")
         if version < self.version:
             return "pull", f"holding version {version}, the global version is {self.version}: pull{rejected}"
         return "continue", (f"holding the latest version {self.version}; lease renewed until "
@@ -452,18 +500,30 @@ class CoordinatorState:
         dup = self._duplicate(info)
         if dup is not None:
             return dup
-        if record.state == "lost":
-            raise StateError("FAILED_PRECONDITION", f"{info.island_id}: lease expired: rejoin (call Join again)")
         if info.base_version > self.version:
             raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: base_version={info.base_version} is ahead "
                                                  f"of the coordinator's version {self.version}")
-        self._check_bounds(info, record)
         staleness = self.version - info.base_version
         target = self.version + 1
-        if self.stopped():
+        if self.stopped():  # weight 0 whatever it claims
+            return Admission("drop", 0.0, staleness, target, f"{self.run_over()}: push {info.push_id} dropped")
+        self._check_bounds(info)
+        cursor = self.shard_cursor(info.shard_index)
+        rewind = f"not merged: its range is trained again from shard {info.shard_index}'s cursor {cursor}"
+        if record.state == "lost":
             return Admission("drop", 0.0, staleness, target,
-                             f"the run is over ({self.version} of {self.opts.total_versions} versions merged): "
-                             f"push {info.push_id} dropped")
+                             f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f}: push {info.push_id} "
+                             f"dropped, rejoin (call Join again); {rewind}")
+        if info.shard_index != record.shard_index:
+            return Admission("drop", 0.0, staleness, target,
+                             f"push {info.push_id} covers shard {info.shard_index}, but {info.island_id} now holds "
+                             f"shard {record.shard_index}: dropped, {rewind}")
+        if info.cursor_start != cursor:
+            why = ("overlaps data merged or pending" if info.cursor_start < cursor
+                   else "leaves a gap after data merged or pending (a range before it was dropped or rejected)")
+            return Admission("drop", 0.0, staleness, target,
+                             f"push {info.push_id}'s range [{info.cursor_start}, {info.cursor_end}) {why}: "
+                             f"dropped, {rewind}")
         if self.opts.coordinator.mode == "sync" and info.island_id in self._pending_islands():
             prior = next(p for p in self._pending.values() if p.info.island_id == info.island_id)
             raise StateError("FAILED_PRECONDITION",
@@ -485,7 +545,7 @@ class CoordinatorState:
                    f"(1+{staleness})^-{self.opts.staleness_alpha:g}")
         return Admission("accept", weight, staleness, target, f"accepted for version {target}: {why}")
 
-    def _check_bounds(self, info: PushInfo, record: IslandRecord) -> None:
+    def _check_bounds(self, info: PushInfo) -> None:
         """Refuses (INVALID_ARGUMENT) a push whose weight the coordinator did not assign: the rules are in the
         module docstring. The reason names the numbers."""
         o = self.opts
@@ -499,11 +559,9 @@ class CoordinatorState:
             raise StateError("INVALID_ARGUMENT", f"{what}: its cursor range [{info.cursor_start}, {info.cursor_end}) "
                              f"is {sequences} sequences, more than one push may cover: max_push_steps "
                              f"{o.max_push_steps} x batch_size {o.batch_size} = {o.max_push_steps * o.batch_size}")
-        shard = record.shard_index
-        cursor = self.shard_cursor(shard)
-        if info.cursor_start < cursor:
-            raise StateError("INVALID_ARGUMENT", f"{what}: cursor_start={info.cursor_start} is before shard "
-                             f"{shard}'s cursor {cursor} (data already merged or pending is not counted twice)")
+        shard = info.shard_index
+        if shard >= o.islands:
+            raise StateError("INVALID_ARGUMENT", f"{what}: shard_index={shard}: must be below {o.islands} shards")
         if o.shard_steps and info.cursor_end > o.shard_steps * o.batch_size:
             raise StateError("INVALID_ARGUMENT", f"{what}: cursor_end={info.cursor_end} is past the end of shard "
                              f"{shard}: train.steps {o.shard_steps} x batch_size {o.batch_size} = "
@@ -549,8 +607,7 @@ class CoordinatorState:
         else:
             if not self._pending:
                 self._first_pending = float(now)
-            self._pending[info.push_id] = _Pending(info, admission, self.islands[info.island_id].shard_index,
-                                                   float(now))
+            self._pending[info.push_id] = _Pending(info, admission, info.shard_index, float(now))
             self._rejections.pop(info.island_id, None)
         return admission
 
@@ -620,14 +677,15 @@ class CoordinatorState:
         """Whether the open round can close now, and why (not)."""
         n = len(self._pending)
         if self.stopped():
-            return False, f"the run is over: {self.version} of {self.opts.total_versions} versions merged"
+            return False, self.run_over()
         if self.opts.coordinator.mode == "async":
             if n:
                 return True, f"{n} push{'es' if n > 1 else ''} pending (async: merge on arrival)"
             return False, "no pushes pending"
         live = sorted(self.live(), key=lambda r: r.shard_index)
         pushed = self._pending_islands()
-        missing = [r.island_id for r in live if r.island_id not in pushed | self._round_rejected]
+        missing = [r.island_id for r in live
+                   if r.island_id not in pushed | self._round_rejected and self.data_left(r.shard_index)]
         if n == 0:
             return False, f"waiting for the first push for version {self.version + 1} ({len(live)} live islands)"
         if not missing:

@@ -41,18 +41,21 @@ _n = [0]
 
 
 def info(st: CoordinatorState, island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None,
-         start: int | None = None, end: int | None = None) -> PushInfo:
-    """A push over [start, end): by default from where the island's shard cursor is in ``st`` (0 for an unknown
-    island), 40 sequences long (40 x seq_len 32 = 1280 tokens, within tiny's inner_steps 20 x batch_size 8 = 160
+         start: int | None = None, end: int | None = None, shard: int | None = None,
+         length: int = 40) -> PushInfo:
+    """A push over [start, end) of ``shard`` (by default the island's): by default from where that shard's cursor
+    is in ``st`` (0 for an unknown island), ``length`` (40) sequences long (40 x seq_len 32 = 1280 tokens, within tiny's inner_steps 20 x batch_size 8 = 160
     sequences a push may cover)."""
     if push_id is None:
         _n[0] += 1
         push_id = f"p{_n[0]}"
+    record = st.islands.get(island_id)
+    if shard is None:
+        shard = 0 if record is None else record.shard_index
     if start is None:
-        record = st.islands.get(island_id)
-        start = 0 if record is None else st.shard_cursor(record.shard_index)
+        start = 0 if record is None else st.shard_cursor(shard)
     return PushInfo(push_id=push_id, island_id=island_id, base_version=base, tokens=tokens, inner_steps=5,
-                    cursor_start=start, cursor_end=start + 40 if end is None else end)
+                    cursor_start=start, cursor_end=start + length if end is None else end, shard_index=shard)
 
 
 def push(st: CoordinatorState, i: PushInfo, now: float = T0) -> Admission:
@@ -170,7 +173,8 @@ def test_rejoin_moves_to_free_shard_when_taken_over():
     assert c.shard_index == 0
     rec, reason = st.join("a", "cpu", 1, T0 + 17)
     assert rec.island_id == "a-0" and rec.shard_index == 2
-    assert "its shard 0 was taken over by c-0, moved to free shard 2" in reason
+    assert "its shard 0 was taken over by c-0; took over shard 2, which no live island holds and has data left" \
+        in reason
 
 
 # -- heartbeat / expire -----------------------------------------------------------------------------
@@ -192,7 +196,7 @@ def test_heartbeat_renews_lease_and_records_report():
 def test_heartbeat_pull_stop_rejoin_and_errors():
     st = make("outer.islands=1", "train.steps=40")
     a, = join_all(st, "a")
-    push(st, info(st, a))
+    push(st, info(st, a, length=160))
     st.close_round(T0)
     assert st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1) == ("pull", ("holding version 0, the global version is "
                                                                       "1: pull"))
@@ -202,11 +206,12 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
               "call Join first")
     unchanged(st, lambda: st.heartbeat(a, 1, 1, 1, float("nan"), "", (), T0 + 1), "INVALID_ARGUMENT",
               "steps_per_s")
-    push(st, info(st, a, base=1))
+    push(st, info(st, a, base=1, length=160))
     st.close_round(T0 + 2)
     assert st.stopped()
     action, reason = st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3)
-    assert action == "stop" and reason == "the run is over: 2 of 2 versions merged"
+    assert action == "stop"
+    assert reason == "the run is over: all 1 shards' data (320 sequences each) merged, in 2 versions"
     assert st.islands[a].state == "stopped"
     assert st.expire(T0 + 1000) == []  # stopped islands are not "lost"
     # lost -> rejoin, lease not renewed
@@ -436,11 +441,16 @@ def test_bad_pushes_refused_without_change(change, code, words):
     unchanged(st, lambda: st.commit_push(bad, T0), code, *words)
 
 
-def test_lost_island_push_refused():
+def test_lost_island_push_dropped():
+    """A lost island's push (a late delta from a hang) is dropped and counted; its range stays unmerged and the
+    reply names the cursor to train it again from."""
     st = make()
     a, *_ = join_all(st)
     st.expire(T0 + 15)
-    unchanged(st, lambda: st.admit_push(info(st, a), T0 + 16), "FAILED_PRECONDITION", "lease expired: rejoin")
+    adm = push(st, info(st, a), T0 + 16)
+    assert adm.status == "drop" and st.deltas_dropped == 1 and st.shard_cursor(0) == 0
+    assert "lease expired at t=1015.0" in adm.reason and "rejoin (call Join again)" in adm.reason
+    assert "trained again from shard 0's cursor 0" in adm.reason
 
 
 def test_async_ready_after_each_push():
@@ -457,33 +467,87 @@ def test_async_ready_after_each_push():
     assert st.next_deadline(T0) == T0 + 15  # leases only: no grace in async
 
 
-def test_total_versions_stops_the_run():
+def test_the_run_ends_when_every_shards_data_is_merged():
     st = make("outer.islands=1", "train.steps=20")
     a, = join_all(st, "a")
-    push(st, info(st, a))
+    assert st.opts.end_version == 0  # step rounds: the data decides, islands are told
+    push(st, info(st, a, length=160))
     version, _, reason = st.close_round(T0)
     assert version == 1 and st.stopped() and reason.endswith("; the run is over (1 versions)")
-    assert st.round_ready(T0) == (False, "the run is over: 1 of 1 versions merged")
-    adm = push(st, info(st, a, base=1))
-    assert adm.status == "drop" and "the run is over" in adm.reason and st.deltas_dropped == 1
+    over = "the run is over: all 1 shards' data (160 sequences each) merged, in 1 versions"
+    assert st.round_ready(T0) == (False, over)
+    adm = push(st, info(st, a, base=1, tokens=10 ** 9, end=10 ** 9))  # whatever it claims: weight 0
+    assert adm.status == "drop" and over in adm.reason and st.deltas_dropped == 1 and adm.weight == 0
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0)[0] == "stop"
 
 
-def test_after_the_run_a_join_is_refused_and_a_lost_island_told_to_stop():
-    st = make("outer.islands=2", "train.steps=20")  # a run of one version
+def test_total_versions_stops_a_wall_time_run():
+    st = make("outer.islands=1", "train.steps=20", "worker.round_seconds=1")
+    a, = join_all(st, "a")
+    assert st.opts.end_version == st.opts.total_versions == 1
+    push(st, info(st, a, length=40))
+    assert st.close_round(T0)[0] == 1 and st.stopped()
+    assert st.round_ready(T0) == (False, "the run is over: 1 of 1 versions merged")
+
+
+def test_a_lost_islands_shard_is_finished_by_an_island_whose_own_is_done():
+    """Rerouting: a's shard is done, b is lost with its shard untrained; a's heartbeat says rejoin, its Join moves
+    it to b's shard at b's cursor, and the run ends only when that data is merged too (a second version)."""
+    st = make("outer.islands=2", "train.steps=20")  # one round of 160 sequences per shard
     a, b = join_all(st, "ab")
-    st.expire(T0 + 15)  # both lost
-    a, _ = join_all(st, "ab", now=T0 + 16)  # back again
-    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 30)
-    st.expire(T0 + 31)  # b lost again; a lives
-    push(st, info(st, a), T0 + 31)
-    assert st.close_round(T0 + 31)[0] == 1 and st.stopped()
-    unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 32), "FAILED_PRECONDITION",
-              "the run is over: 1 of 1 versions merged: nothing left to train")
-    unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 32), "FAILED_PRECONDITION", "the run is over")
-    assert st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 32) == ("stop", "the run is over: 1 of 1 versions merged")
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 10)
+    st.expire(T0 + 15)  # b lost
+    push(st, info(st, a, length=160), T0 + 16)
+    assert st.close_round(T0 + 16)[0] == 1 and not st.stopped()
+    assert not st.data_left(0) and st.data_left(1)
+    action, reason = st.heartbeat(a, 1, 20, 0, 0.0, "", (), T0 + 17)
+    assert action == "rejoin" and "shard 0 is done and shard 1 has data no live island trains (from cursor 0)" \
+        in reason
+    rec, why = st.join("a", "cpu", 1, T0 + 17)
+    assert rec.island_id == a and rec.shard_index == 1 and "its shard 0 is done; took over shard 1" in why
+    assert st.round_ready(T0 + 17)[1].startswith("waiting for the first push")
+    push(st, info(st, a, base=1, length=160), T0 + 18)  # shard 1, from its cursor 0
+    assert st.close_round(T0 + 18)[0] == 2 and st.stopped()
+    assert st.shard_cursors == [160, 160] and st.tokens_merged == 2000
+    unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 19), "FAILED_PRECONDITION",
+              "the run is over: all 2 shards' data (160 sequences each) merged, in 2 versions: nothing left to train")
+    unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 19), "FAILED_PRECONDITION", "the run is over")
+    assert st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 19)[0] == "stop"
     assert st.islands[b].state == "lost"  # told to stop, not brought back
 
+
+def test_a_sync_round_does_not_wait_for_an_island_without_data():
+    """An island whose shard is done (its data merged or pending) is not waited for; one with data left is."""
+    st = make("outer.islands=2", "train.steps=40")  # two rounds of 160 sequences per shard
+    a, b = join_all(st, "ab")
+    push(st, info(st, a, length=160))
+    push(st, info(st, b, length=160))
+    st.close_round(T0)
+    push(st, info(st, a, base=1, length=160))
+    assert st.round_ready(T0)[0] is False  # b has data left
+    push(st, info(st, b, base=1, length=120))
+    st.close_round(T0)
+    assert st.data_left(1) and not st.data_left(0) and not st.stopped()
+    push(st, info(st, b, base=2, length=40))  # b's last 40 sequences; a has nothing to push
+    assert st.round_ready(T0) == (True, "all 2 live islands pushed")
+    assert st.close_round(T0)[0] == 3 and st.stopped()
+
+
+def test_a_push_must_start_at_its_shards_cursor():
+    """A push that overlaps merged or pending data, leaves a gap, or covers a shard its island no longer holds is
+    dropped and counted, naming the cursor its island rewinds to; the shard's data stays one prefix."""
+    st = make("coordinator.mode=async")
+    a, b = join_all(st, "ab")
+    push(st, info(st, a, start=0, end=40))
+    st.close_round(T0)
+    for kwargs, words in [({"start": 39, "end": 79}, "[39, 79) overlaps data merged or pending"),
+                          ({"start": 41, "end": 81}, "[41, 81) leaves a gap after data merged or pending"),
+                          ({"start": 0, "end": 40, "shard": 1}, "covers shard 1, but a-0 now holds shard 0")]:
+        adm = push(st, info(st, a, base=1, **kwargs))
+        assert adm.status == "drop" and words in adm.reason, adm.reason
+        assert "not merged: its range is trained again from shard" in adm.reason
+    assert st.deltas_dropped == 3 and st.shard_cursors[:2] == [40, 0] and not st.pending()
+    assert push(st, info(st, a, base=1, start=40, end=80)).status == "accept"
 
 def test_commit_decides_again_when_the_round_closed_meanwhile():
     st = make("outer.islands=2", "coordinator.min_quorum=1", "coordinator.grace_s=5")
@@ -503,7 +567,7 @@ def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
     a, b, c = join_all(st, "abc")
     assert st.finished(T0) == (False, "the run goes on: 0 of 1 versions merged")
     for i in (a, b, c):
-        push(st, info(st, i))
+        push(st, info(st, i, length=160))
     st.close_round(T0 + 1)
     assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
                                            "version 1: a-0, b-1, c-2"))
@@ -665,7 +729,6 @@ def test_status_contents():
     ({"tokens": 1000, "start": 0, "end": 161},
      ("[0, 161) is 161 sequences, more than one push may cover: max_push_steps 20 x batch_size 8 = 160",)),
     ({"tokens": 10 ** 9, "start": 0, "end": 10 ** 9}, ("more than one push may cover",)),
-    ({"tokens": 1000, "start": 39, "end": 79}, ("cursor_start=39 is before shard 0's cursor 40",)),
     ({"tokens": 1000, "start": 159_990, "end": 160_030},
      ("cursor_end=160030 is past the end of shard 0: train.steps 20000 x batch_size 8 = 160000 sequences",)),
 ])
@@ -679,10 +742,8 @@ def test_a_push_weight_is_bounded_by_its_assigned_cursor_range(fields, words):
     bad = info(st, a, base=1, **fields)
     for decide in (st.admit_push, st.commit_push):
         unchanged(st, lambda decide=decide: decide(bad, T0), "INVALID_ARGUMENT", f"push {bad.push_id} from a-0", *words)
-    # At the bounds: accepted. A range may start past the cursor (the island went on past a dropped push).
+    # At the bounds: accepted.
     assert push(st, info(st, a, base=1, tokens=160 * 32, start=40, end=200)).status == "accept"
-    st.close_round(T0)
-    assert push(st, info(st, a, base=2, start=300, end=340)).status == "accept"
 
 
 def test_the_push_bound_follows_the_config():
@@ -692,7 +753,7 @@ def test_the_push_bound_follows_the_config():
     assert wall.max_push_steps == 0 and wall.shard_steps == 0
     st = CoordinatorState(wall, "run-1", T0)
     (a,) = join_all(st, "a")
-    assert push(st, info(st, a, tokens=6400 * 32, start=10 ** 9, end=10 ** 9 + 6400)).status == "accept"
+    assert push(st, info(st, a, tokens=6400 * 32, start=0, end=6400)).status == "accept"
     capped = CoordinatorState(options("worker.round_seconds=2", "coordinator.max_push_steps=50"), "run-1", T0)
     (a,) = join_all(capped, "a")
     unchanged(capped, lambda: capped.admit_push(info(capped, a, start=0, end=401), T0), "INVALID_ARGUMENT",
