@@ -327,8 +327,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         with self.lock:
             if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
-                context.set_trailing_metadata(((RUN_OVER_METADATA_KEY,
-                                                f"{self.state.version}/{self.opts.total_versions}"),))
+                context.set_trailing_metadata(((RUN_OVER_METADATA_KEY, str(self.state.version)),))
             record, reason = self._decide(context, self.state.join, request.island, request.hardware,
                                           request.devices, self.clock())
             cursor = self.state.shard_cursor(record.shard_index)
@@ -340,7 +339,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
                                run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
-                               total_versions=self.opts.total_versions)
+                               total_versions=self.opts.end_version)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         with self.lock:
@@ -378,10 +377,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
                 admission = self.state.commit_push(info, self.clock())  # counts the retry
                 version = self.state.version
+                cursor = self._cursor(info)
         if admission.status == "duplicate":
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
-                                        version=version, reason=admission.reason)
+                                        version=version, reason=admission.reason, cursor=cursor)
         try:
             receiver = FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame,
                                      self.cfg.codec.chunk_bytes)
@@ -413,6 +413,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 status = _STATUS[admission.status]
                 self._maybe_merge_locked(self.clock())
                 version = self.state.version
+                cursor = self._cursor(info)
                 rejected = self.state.rejected(info.push_id)
                 if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
                     status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
@@ -427,7 +428,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                            reason=admission.reason)
             self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
-                                    reason=admission.reason, weight=admission.weight)
+                                    reason=admission.reason, weight=admission.weight, cursor=cursor)
+
+    def _cursor(self, info: PushInfo) -> int:
+        """The push's shard's cursor now (merged + pending data): where its island's next range starts, or where
+        it rewinds to when the push was dropped or rejected. Called under the lock, after the state decided."""
+        return self.state.shard_cursor(info.shard_index) if info.shard_index < self.opts.islands else 0
 
     def PullGlobal(self, request: pb.PullRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:

@@ -251,7 +251,8 @@ def test_the_exchange_pushes_then_pulls_until_a_newer_version_and_returns_it_thr
     assert g.version == 4 and np.array_equal(g.vec, theta)
     assert client.pushes == ["a-0-p1", "a-0-p1"] and [p[1] for p in client.pulls] == [3, 3, 3]
     assert events == [("push_sent", {"push_id": "a-0-p1", "base_version": 3, "status": "PUSH_STATUS_PENDING",
-                                     "bytes": 5, "tokens": 640, "reason": "round open"}),
+                                     "bytes": 5, "tokens": 640, "reason": "round open", "shard": 0, "start": 0,
+                                     "end": 0, "cursor": 0}),
                       ("push_resent", {"push_id": "a-0-p1"})]
 
 

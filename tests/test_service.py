@@ -72,9 +72,10 @@ def _delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, byt
 
 def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640, start: int = 0) -> pb.PushHeader:
     """A push of 10 steps x batch 8 = 80 sequences from cursor ``start`` (the coordinator bounds its tokens by
-    that range and refuses a range that starts before the shard's merged cursor)."""
+    that range and drops one that does not start at the shard's cursor), on the island's shard."""
     return pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=tokens,
-                         inner_steps=10, cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest)
+                         inner_steps=10, cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest,
+                         shard_index=join.shard_index)
 
 
 def _snapshot(service) -> dict:

@@ -22,6 +22,7 @@ island blocks only when the planner says to wait; that time is what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -53,6 +54,7 @@ from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, Run
 from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
+FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
@@ -198,6 +200,18 @@ class Exchange:
         return g
 
 
+@dataclass(frozen=True)
+class Rewind:
+    """Where the island trains next, set by the coordinator: after a (re)join (its shard and cursor) or after a
+    push it dropped or rejected (the cursor its range started at). The island discards what it trained since its
+    last accepted push and goes on from here on the newest global θ: no range is merged twice or left out."""
+
+    shard: int
+    cursor: int
+    reason: str
+    joined: bool = False  # from a Join (authoritative: replaces any other); else from a push reply
+
+
 @dataclass
 class Pending:
     """A pushed round whose exchange has not been folded in yet."""
@@ -238,7 +252,10 @@ class Worker:
             if k.error_feedback and self.up_bits != 32 else None
         self.stopping = threading.Event()
         self.island_id = ""
-        self.total_versions = 0
+        self.total_versions = 0  # the version the run ends at, if the coordinator knows it ahead (0: it says stop)
+        self.final_version = 0  # the coordinator's version when it said the run is over
+        self._rewind: Rewind | None = None  # set by the heartbeat thread or a fold-in, applied by the training loop
+        self._rewind_lock = threading.Lock()
         self.ckpt: Checkpointer | None = None
         self.blocked_s = 0.0
         self.executed_steps = 0  # inner steps this process has run (rewound ones too): the compute it spent
@@ -296,12 +313,14 @@ class Worker:
                 self.log.event("heartbeat_restored", after_s=round(time.perf_counter() - failing_since, 3))
                 failing_since = None
             if resp.action == pb.ACTION_STOP:
-                self.log.event("stop_requested", reason=resp.reason)
+                self.log.event("stop_requested", reason=resp.reason, version=resp.version)
+                self.final_version = resp.version
                 self.stopping.set()
             elif resp.action == pb.ACTION_REJOIN:
                 self.log.event("rejoin", reason=resp.reason)
                 try:
-                    self.join()
+                    joined = self.join()
+                    self.post_rewind(Rewind(joined.shard_index, joined.cursor, resp.reason, joined=True))
                 except RunOverError as e:
                     self.log.event("stop_requested", reason=str(e))
                     self.stopping.set()
@@ -309,6 +328,18 @@ class Worker:
                     self.log.event("rejoin_failed", error=str(e))
             if resp.push_unknown and exchange is not None:
                 exchange.repush.set()
+
+    def post_rewind(self, rewind: Rewind) -> None:
+        """Hands the training loop a :class:`Rewind` (applied at its next chunk boundary). One from a Join replaces
+        any other; one from a push reply does not replace one from a Join."""
+        with self._rewind_lock:
+            if rewind.joined or self._rewind is None or not self._rewind.joined:
+                self._rewind = rewind
+
+    def _take_rewind(self) -> Rewind | None:
+        with self._rewind_lock:
+            rewind, self._rewind = self._rewind, None
+            return rewind
 
     def _await_peers(self) -> None:
         """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands have joined, so that the
@@ -374,12 +405,14 @@ class Worker:
         status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
         self._await_peers()
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
-        t_train0 = time.perf_counter()
-        anchor, pending, rounds = self._train(island, anchor, status, ckpt)
-        active_s = time.perf_counter() - t_train0
-        t0 = time.perf_counter()
-        anchor = self._final_wait(island, anchor, pending, status)
-        final_wait = time.perf_counter() - t0
+        rounds, active_s, final_wait, more = 0, 0.0, 0.0, True
+        while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
+            t0 = time.perf_counter()
+            anchor, pending, n = self._train(island, anchor, status, ckpt)
+            rounds, active_s = rounds + n, active_s + time.perf_counter() - t0
+            t0 = time.perf_counter()
+            anchor, more = self._final_wait(island, anchor, pending, status)
+            final_wait += time.perf_counter() - t0
         self.stopping.set()
         hb.join(timeout=5)
         ckpt.close()
@@ -396,6 +429,12 @@ class Worker:
         round_start = (island.cursor, island.tokens)
         last_log = (time.perf_counter(), island.steps)
         while not self.stopping.is_set():
+            rewind = self._take_rewind()
+            if rewind is not None:
+                anchor, pending, moved = self._apply_rewind(island, anchor, pending, status, rewind, round_start[0])
+                if moved:
+                    round_steps, round_start = 0, (island.cursor, island.tokens)
+                continue
             action = next_action(sched, RoundProgress(
                 round_steps=round_steps, island_steps=island.steps, exchange_in_flight=pending is not None,
                 since_arrival_s=time.perf_counter() - anchor.arrived,
@@ -437,12 +476,54 @@ class Worker:
         return now, island.steps
 
     def _fold_in(self, island: Island, pending: Pending, status: IslandStatus) -> GlobalParams:
-        """Waits for the exchange's θ' (raising its error, if it failed) and folds it in; θ' is the new anchor."""
+        """Waits for the exchange's θ' (raising its error, if it failed) and folds it in; θ' is the new anchor.
+        If the coordinator dropped or rejected the push, a :class:`Rewind` to its cursor is posted: the loop
+        then trains the push's range again (the fold-in's progress is discarded there)."""
         result = pending.exchange.future.result()
         new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
         island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
         status.exchange, status.version = None, result.version
+        resp, h = pending.exchange.response, pending.exchange.header
+        if resp is not None and resp.status in (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED) \
+                and h.shard_index == island.index:
+            self.post_rewind(Rewind(h.shard_index, resp.cursor,
+                                    f"push {h.push_id} {pb.PushStatus.Name(resp.status)}: {resp.reason}"))
         return result
+
+    def _apply_rewind(self, island: Island, anchor: GlobalParams, pending: Pending | None, status: IslandStatus,
+                      rewind: Rewind, start: int) -> tuple[GlobalParams, None, bool]:
+        """Moves the island to ``rewind``'s shard and cursor on the newest θ, discarding what it trained since
+        ``start`` (the cursor its unpushed progress began at); returns (θ_anchor, no exchange, whether it moved).
+        The exchange in flight is finished first: if the coordinator accepted its push, the rewind starts after
+        that push's range; if its island still stands where the coordinator says, nothing is discarded."""
+        if pending is not None:
+            h = pending.exchange.header
+            anchor = self._wait(island, pending, status, "rewind: finish the exchange in flight first")
+            later = self._take_rewind()  # the fold-in's own, if the coordinator dropped or rejected the push
+            if later is not None and (later.joined or not rewind.joined):
+                rewind = later
+            resp = pending.exchange.response
+            accepted = resp is not None and resp.status in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED,
+                                                            pb.PUSH_STATUS_DUPLICATE)
+            if accepted and h.shard_index == rewind.shard and h.cursor_start <= rewind.cursor < h.cursor_end:
+                rewind = dataclasses.replace(rewind, cursor=h.cursor_end)  # the coordinator holds that range
+            # ``start`` is h.cursor_end: the island's progress since that push is what it has not pushed yet
+        if rewind.shard == island.index and rewind.cursor == start:
+            self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
+            return anchor, None, False
+        batch = self.cfg.train.batch_size
+        discarded = (island.cursor - start) // batch
+        latest = self.pull(anchor)  # the newest θ: the retrained range is pushed against it
+        island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, latest.vec)))
+        self.log.event("rewound", from_shard=island.index, from_cursor=island.cursor, to_shard=rewind.shard,
+                       to_cursor=rewind.cursor, discarded_steps=discarded, version=latest.version,
+                       reason=rewind.reason)
+        self.log.progress(f"{self.name}: rewound to shard {rewind.shard} cursor {rewind.cursor} "
+                          f"({discarded} steps discarded): {rewind.reason}")
+        island.index, island.stream = rewind.shard, self.setup.shards[rewind.shard].stream
+        island.cursor, island.steps = rewind.cursor, rewind.cursor // batch
+        status.version, status.steps = latest.version, island.steps
+        return latest, None, True
 
     def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str) -> GlobalParams:
         """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched are
@@ -480,24 +561,36 @@ class Worker:
         return Pending(exchange, at_push)
 
     def _final_wait(self, island: Island, anchor: GlobalParams, pending: Pending | None,
-                    status: IslandStatus) -> GlobalParams:
-        """After the last round: folds in the exchange still in flight, then waits for the run's last version."""
+                    status: IslandStatus) -> tuple[GlobalParams, bool]:
+        """After the island's data: folds in the exchange still in flight, then waits for the run's last version
+        (the coordinator says stop, or the known end version arrives); returns (θ, False). Returns (θ, True) as
+        soon as the coordinator hands it more data (a rewind: its push was dropped or rejected, or it takes over
+        a lost island's shard)."""
         if pending is not None:
             anchor = self._fold_in(island, pending, status)
-        # Other islands may still push (async mode, or a slower island): wait for the run's last version, so
-        # every island ends on the same θ; give up if no new version arrives for a sync round's grace (the
-        # longest a round waits for a quorum) plus two lease periods (a lost island's lease).
+        # Other islands may still push (async mode, a slower island, a shard taken over): wait for the run's
+        # last version, so every island ends on the same θ; give up if no new version arrives for a sync
+        # round's grace (the longest a round waits for a quorum) plus two lease periods (a lost island's lease).
         patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
         last_progress = time.perf_counter()
-        while self.total_versions and anchor.version < self.total_versions:
-            g_new = self.pull(anchor, wait_s=PULL_WAIT_S)
+        while True:
+            if self.total_versions and anchor.version >= self.total_versions:
+                break
+            if self.stopping.is_set():
+                if anchor.version >= self.final_version:
+                    break
+            else:
+                with self._rewind_lock:
+                    if self._rewind is not None:
+                        return anchor, True
+            g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
                 status.version = anchor.version
             elif time.perf_counter() - last_progress > patience:
-                self.log.event("final_wait_timeout", version=anchor.version, total_versions=self.total_versions)
+                self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
                 break
-        return anchor
+        return anchor, False
 
     def _run_over(self, reason: str) -> dict[str, Any]:
         """The run ended before this island joined: nothing to train."""
@@ -524,7 +617,7 @@ class Worker:
             "utilization": 1.0 - self.blocked_s / active_s if active_s > 0 else 0.0,
             "blocked_s": self.blocked_s, "final_wait_s": final_wait, "active_s": active_s,
             "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
-            "total_versions": self.total_versions, "fingerprint": self.cfg.fingerprint(),
+            "total_versions": self.final_version or self.total_versions, "fingerprint": self.cfg.fingerprint(),
         }
         self.log.event("island_finished", **summary)
         self.log.write_summary(summary)
