@@ -864,6 +864,7 @@ class CoordinatorState:
             "mode": self.opts.coordinator.mode,
             "total_versions": self.opts.total_versions,
             "stopped": self.stopped(),
+            "run_over": self.run_over() if self.stopped() else "",
             "islands": islands,
             "live": len(self.live()),
             "deltas_merged": self.deltas_merged,
