@@ -134,3 +134,44 @@ def test_chaos_run_with_real_processes(tmp_path: Path) -> None:
     assert driver.count("fault_injected") == driver.count("fault_recovered") == len(faults)
     coordinator = [e["event"] for e in read_events(s["run_dir"])]
     assert "coordinator_resumed" in coordinator
+
+
+def _merged_ranges(run_dir: Path) -> dict[int, list[tuple[int, int]]]:
+    """Every (shard, [start, end)) that went into a merged version, from the coordinator's round_merged events;
+    a coordinator resumed at version V drops the merges logged before it past V (θ was rolled back)."""
+    merged: list[tuple[int, int, int, int]] = []  # (version, shard, start, end)
+    for e in read_events(run_dir):
+        if e["event"] == "coordinator_resumed":
+            merged = [m for m in merged if m[0] <= e["version"]]
+        elif e["event"] == "round_merged":
+            merged += [(e["version"], p["shard"], p["start"], p["end"]) for p in e["pushes"]]
+    out: dict[int, list[tuple[int, int]]] = {}
+    for _, shard, start, end in merged:
+        out.setdefault(shard, []).append((start, end))
+    return {s: sorted(r) for s, r in out.items()}
+
+
+def _assert_every_sequence_once(run_dir: Path, shards: int, shard_end: int) -> None:
+    ranges = _merged_ranges(run_dir)
+    assert sorted(ranges) == list(range(shards)), ranges
+    for shard, rs in ranges.items():
+        cursor = 0
+        for start, end in rs:
+            assert start == cursor, f"shard {shard}: {'gap' if start > cursor else 'overlap'} at {cursor}: {rs}"
+            cursor = end
+        assert cursor == shard_end, (shard, rs)
+
+
+def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> None:
+    """island-1 is SIGKILLed after version 1 and never comes back: once a survivor's own shard is done it takes
+    over shard 1 from its merged cursor, so the run trains every sequence of every shard exactly once (a
+    version more than without the fault per round of shard 1 left) and the survivors end on the same θ."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", "outer.islands=3"])
+    s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault("kill:island-1@v1", 3)])
+    assert s["bit_identical_final_params"]
+    _assert_every_sequence_once(Path(s["run_dir"]), 3, cfg.train.steps * cfg.train.batch_size)
+    joins = [e for e in read_events(s["run_dir"]) if e["event"] == "island_joined" and e["shard"] == 1]
+    assert len(joins) == 2 and "took over shard 1" in joins[1]["reason"], joins
+    left = (cfg.train.steps * cfg.train.batch_size - joins[1]["cursor"]) // (cfg.outer.inner_steps * 8)
+    assert left >= 1 and s["rounds"] == cfg.rounds + left  # shard 1's rounds left, trained by the survivor
