@@ -438,8 +438,10 @@ class CoordinatorState:
         record.steps_per_s, record.params_digest, record.bad_devices = float(steps_per_s), params_digest, bad
         record.lease_expiry = now + self.opts.coordinator.lease_s
         if self.stopped():
-            record.state = "stopped"
-            return "stop", self.run_over()
+            if version >= self.version:  # it holds the last θ; until then finished() waits for it (linger_s)
+                record.state = "stopped"
+                return "stop", self.run_over()
+            return "stop", f"{self.run_over()}: pull version {self.version}, the last"
         if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
             record.state = "live"
         rejected = f"; {self._rejections[island_id]}" if island_id in self._rejections else ""

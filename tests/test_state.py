@@ -209,10 +209,12 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
     push(st, info(st, a, base=1, length=160))
     st.close_round(T0 + 2)
     assert st.stopped()
-    action, reason = st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3)
-    assert action == "stop"
-    assert reason == "the run is over: all 1 shards' data (320 sequences each) merged, in 2 versions"
-    assert st.islands[a].state == "stopped"
+    over = "the run is over: all 1 shards' data (320 sequences each) merged, in 2 versions"
+    # Told to stop, but without the last θ it stays live: finished() waits (up to linger_s) for its pull.
+    assert st.heartbeat(a, 1, 1, 1, 1.0, "", (), T0 + 3) == ("stop", f"{over}: pull version 2, the last")
+    assert st.islands[a].state == "live" and not st.finished(T0 + 3)[0]
+    assert st.heartbeat(a, 2, 1, 1, 1.0, "", (), T0 + 3) == ("stop", over)
+    assert st.islands[a].state == "stopped" and st.finished(T0 + 3)[0]
     assert st.expire(T0 + 1000) == []  # stopped islands are not "lost"
     # lost -> rejoin, lease not renewed
     st2 = make()

@@ -583,7 +583,16 @@ class Worker:
                 with self._rewind_lock:
                     if self._rewind is not None:
                         return anchor, True
-            g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
+            try:
+                g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
+            except CoordinatorError as e:
+                if not self.stopping.is_set():
+                    raise
+                # The run is over and the coordinator stopped serving (its linger_s ran out) before this island
+                # had the last version: it ends on the version it holds, and says so.
+                self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
+                               error=str(e))
+                break
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
                 status.version = anchor.version
