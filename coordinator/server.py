@@ -230,6 +230,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.progress(f"refused push {info.push_id} from {info.island_id}: {message}")
         self._abort(context, code, message)
 
+    def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, received: int, chunks: int) -> NoReturn:
+        """A push whose stream ended before its last chunk: the client cancelled the call, lost its connection or
+        closed the stream early. Nothing was admitted and the partial spool is discarded as it closes; a
+        ``push_aborted`` event. The call ends with INVALID_ARGUMENT (a cancelled caller never sees it); the
+        island may send the whole push again under the same push_id."""
+        reason = (f"push {info.push_id}: stream truncated: got {received} of {chunks} chunks (the upload was "
+                  f"cancelled, cut or closed early); the partial frame is discarded, nothing was applied")
+        self.log.event("push_aborted", island=info.island_id, push_id=info.push_id, chunks_received=received,
+                       chunks=chunks, reason=reason)
+        self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after {received} of "
+                          f"{chunks} chunks; discarded")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        raise AssertionError("unreachable: abort raises")
+
     def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
         if self.fatal:  # the process is on its way out: nothing more may touch the merger
             self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.fatal}")
@@ -405,6 +419,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if msg.WhichOneof("kind") != "chunk":
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
                     spool.write(receiver.add(msg.chunk))
+                if receiver.received < receiver.chunks:
+                    self._upload_broke(context, info, receiver.received, receiver.chunks)
                 receiver.finish()
                 self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
             except WireError as e:
@@ -412,17 +428,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except codec.CodecError as e:
                 self._refuse_payload(context, info, grpc.StatusCode.INVALID_ARGUMENT,
                                      f"push {info.push_id}: bad frame: {e}")
-            except grpc.RpcError:
-                # The upload broke off (the client cancelled the call, or its connection was lost) before the
-                # frame ended: nothing was admitted, the partial spool is discarded as it closes, and the island
-                # sends the whole push again (same push_id) if it can.
-                self.log.event("push_aborted", island=info.island_id, push_id=info.push_id,
-                               chunks_received=receiver.received, chunks=h.chunks,
-                               reason=f"the upload stream broke after {receiver.received} of {h.chunks} chunks: "
-                                      f"partial frame discarded, nothing applied")
-                self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after "
-                                  f"{receiver.received} of {h.chunks} chunks; discarded")
-                raise  # grpc's own error for the cancelled call: it ends the call quietly
+            except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
+                self._upload_broke(context, info, receiver.received, receiver.chunks)
             with self.lock:
                 self._refuse_if_failed(context)
                 # The decision, made again now that the payload is here (the round may have closed meanwhile),

@@ -72,6 +72,8 @@ def parse_fault(text: str, islands: int) -> FaultSpec:
         if target:
             raise ConfigError(f"--fault {text!r}: kill-coordinator takes no target")
         target = "coordinator"
+    elif not target:
+        raise ConfigError(f"--fault {text!r}: {kind} needs an island, e.g. {kind}:{names[-1]}@v2")
     elif target not in names:
         raise ConfigError(f"--fault {text!r}: target {target!r} is not an island of this run "
                           f"({names[0]} .. {names[-1]})")
@@ -164,7 +166,7 @@ class LinkProxy:
                 if delay:
                     time.sleep(delay)
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: cut() closed the socket meanwhile (its fd is -1)
             pass
         finally:
             for s in (src, dst):

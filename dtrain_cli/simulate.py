@@ -279,7 +279,7 @@ class _Simulation:
     def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
         """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
         return next((e for e in _events(self.out / "islands" / f.target, tolerant=True)
-                     if e.get("event") == "fault_injected" and e.get("kind") == f.kind
+                     if e.get("event") == "fault_injected" and e.get("fault_kind") == f.kind
                      and e.get("at_version") == f.at_version), None)
 
     def _push_detection(self, f: FaultSpec, injected: dict[str, Any],

@@ -2,7 +2,7 @@
 ``dtrain simulate --fault KIND:ISLAND@vN`` passes to the worker it starts). Never used in a real run.
 
 An injection fires once, on the island's first push whose base version is >= N, and is an event
-``fault_injected`` {kind, push_id, at_version, base_version, ...} in the island's events. The kinds, what the
+``fault_injected`` {fault_kind, push_id, at_version, base_version, ...} in the island's events. The kinds, what the
 island sends, and what in the coordinator stops it:
 
 - ``nan``: the real Δ, quantized as usual (no error feedback), with the first block's scale replaced by NaN
@@ -125,7 +125,7 @@ def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb
     if injection.kind == "truncate":
         return encode(delta), TruncatedUpload(client, injection, log)
     frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.block, codec_cfg.zstd_level)
-    log("fault_injected", kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
+    log("fault_injected", fault_kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
         base_version=header.base_version, **detail)
     return frame, client
 
@@ -143,7 +143,7 @@ class TruncatedUpload:
             self.cut = True
 
             def injected(chunks_sent: int, chunks: int) -> None:  # logged just before the call is cancelled
-                self.log("fault_injected", kind=self.injection.kind, at_version=self.injection.at_version,
+                self.log("fault_injected", fault_kind=self.injection.kind, at_version=self.injection.at_version,
                          push_id=header.push_id, base_version=header.base_version, chunks_sent=chunks_sent,
                          chunks=chunks, what=f"upload cancelled after {chunks_sent} of {chunks} chunks")
 
