@@ -472,7 +472,7 @@ class Worker:
                                tokens=island.tokens - round_start[1], inner_steps=round_steps,
                                cursor_start=round_start[0], cursor_end=island.cursor, shard_index=island.index,
                                tree_digest=self.tree_digest)
-        # Testing only (workers.inject): a push fault due now changes what is sent; otherwise frame_push(Δ).
+        # Testing only (workers.inject): a push fault due now changes what is sent; otherwise _push_frame(Δ).
         frame, client = injected_push(self.injections, anchor.vec - local_vec, header, self._push_frame, self.client,
                                       self.up_bits, self.cfg.codec, self.log.event)
         self.frames_sent += 1
