@@ -116,7 +116,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bytes_in = 0
         self.bytes_out = 0
         self.merge_s = 0.0
-        self.pushes_refused = 0  # pushes the state machine refused (bad header, a weight over its bound, ...)
+        # Pushes refused: by the state machine (bad header, a weight over its bound, ...) or for a bad payload.
+        self.pushes_refused = 0
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
         self._closing = False
@@ -217,6 +218,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
             self._abort(context, _CODES[e.code], str(e))
             raise  # unreachable: abort raises
+
+    def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, code: grpc.StatusCode,
+                        message: str) -> NoReturn:
+        """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
+        a ``push_refused`` event naming the push, and the call ends with ``code``."""
+        with self.lock:
+            self.pushes_refused += 1
+        self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=code.name,
+                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=message)
+        self.log.progress(f"refused push {info.push_id} from {info.island_id}: {message}")
+        self._abort(context, code, message)
+
+    def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, received: int, chunks: int) -> NoReturn:
+        """A push whose stream ended before its last chunk: the client cancelled the call, lost its connection or
+        closed the stream early. Nothing was admitted and the partial spool is discarded as it closes; a
+        ``push_aborted`` event. The call ends with INVALID_ARGUMENT (a cancelled caller never sees it); the
+        island may send the whole push again under the same push_id."""
+        reason = (f"push {info.push_id}: stream truncated: got {received} of {chunks} chunks (the upload was "
+                  f"cancelled, cut or closed early); the partial frame is discarded, nothing was applied")
+        self.log.event("push_aborted", island=info.island_id, push_id=info.push_id, chunks_received=received,
+                       chunks=chunks, reason=reason)
+        self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after {received} of "
+                          f"{chunks} chunks; discarded")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        raise AssertionError("unreachable: abort raises")
 
     def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
         if self.fatal:  # the process is on its way out: nothing more may touch the merger
@@ -393,12 +419,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if msg.WhichOneof("kind") != "chunk":
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
                     spool.write(receiver.add(msg.chunk))
+                if receiver.received < receiver.chunks:
+                    self._upload_broke(context, info, receiver.received, receiver.chunks)
                 receiver.finish()
                 self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
             except WireError as e:
-                self._abort(context, e.code, f"push {info.push_id}: {e}")
+                self._refuse_payload(context, info, e.code, f"push {info.push_id}: {e}")
             except codec.CodecError as e:
-                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}")
+                self._refuse_payload(context, info, grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"push {info.push_id}: bad frame: {e}")
+            except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
+                self._upload_broke(context, info, receiver.received, receiver.chunks)
             with self.lock:
                 self._refuse_if_failed(context)
                 # The decision, made again now that the payload is here (the round may have closed meanwhile),

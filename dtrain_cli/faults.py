@@ -6,14 +6,19 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   ``hang`` (SIGSTOP an island, SIGCONT after ``DURATION``), ``kill-coordinator`` (SIGKILL the coordinator;
   with ``+DURATION`` it is started again with ``--resume`` on the same port), ``cut`` (the island's link to
   the coordinator drops every connection and accepts none for ``DURATION``), ``slow`` (the island's link
-  delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``).
+  delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``); the push faults ``nan`` (the
+  island's next push carries a NaN), ``poison`` (its real delta x -1000, honest tokens), ``inflate`` (a
+  constant delta as large as the codec carries, tokens claimed 10**9) and ``truncate`` (its upload is cancelled
+  after about half of its chunks, then sent whole again): the driver passes these to the island's worker
+  (``dtrain worker --inject KIND@vN``), which corrupts its first push based on version >= N
+  (:mod:`workers.inject` says exactly what is sent and what in the coordinator stops it).
 - ``TARGET``: an island name (``island-0`` ... ``island-N-1``); none for ``kill-coordinator``.
 - ``WHEN``: ``vN`` (once the coordinator has merged version N) or ``Ns`` (N seconds after the workers
-  were started).
-- ``DURATION``: seconds, e.g. ``+10s``; ``hang``, ``cut`` and ``slow`` need one.
+  were started); push faults take ``vN`` only (the island's first push based on version N or later).
+- ``DURATION``: seconds, e.g. ``+10s``; ``hang``, ``cut`` and ``slow`` need one; push faults take none.
 
 Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinator@v5+3s``,
-``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``.
+``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``, ``nan:island-1@v2``, ``truncate:island-0@v1``.
 
 Everything here is plain parsing and sockets; the driver (:mod:`dtrain_cli.simulate`) decides when a fault
 fires and records it in the run's events.
@@ -30,7 +35,8 @@ from dataclasses import dataclass, field
 
 from dtrain.config import ConfigError
 
-KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow")
+PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.inject)
+KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS)
 NEEDS_DURATION = ("hang", "cut", "slow")
 LINK_KINDS = ("cut", "slow")
 _SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?@(?P<when>v\d+|\d+(?:\.\d+)?s)"
@@ -66,10 +72,18 @@ def parse_fault(text: str, islands: int) -> FaultSpec:
         if target:
             raise ConfigError(f"--fault {text!r}: kill-coordinator takes no target")
         target = "coordinator"
+    elif not target:
+        raise ConfigError(f"--fault {text!r}: {kind} needs an island, e.g. {kind}:{names[-1]}@v2")
     elif target not in names:
         raise ConfigError(f"--fault {text!r}: target {target!r} is not an island of this run "
                           f"({names[0]} .. {names[-1]})")
     duration = float(m["duration"]) if m["duration"] else None
+    if kind in PUSH_KINDS:
+        if not m["when"].startswith("v"):
+            raise ConfigError(f"--fault {text!r}: {kind} fires at a version only (the island's first push based "
+                              f"on it), e.g. {kind}:{target}@v2")
+        if m["duration"]:
+            raise ConfigError(f"--fault {text!r}: {kind} takes no duration (it corrupts one push)")
     if kind in NEEDS_DURATION and not duration:
         raise ConfigError(f"--fault {text!r}: {kind} needs a duration, e.g. {kind}:{target}@v2+10s")
     opts = dict(kv.split("=") for kv in m["opts"].split(",") if kv)
@@ -152,7 +166,7 @@ class LinkProxy:
                 if delay:
                     time.sleep(delay)
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: cut() closed the socket meanwhile (its fd is -1)
             pass
         finally:
             for s in (src, dst):

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the CPUs (Linux; by default they are pinned, as islands own their hardware)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
-                   "hang, kill-coordinator, cut, slow; e.g. kill:island-1@v3+10s (see dtrain_cli/faults.py)")
+                   "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate; e.g. kill:island-1@v3+10s "
+                   "(see dtrain_cli/faults.py)")
     p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     p.add_argument("--island", required=True, help="this island's name (unique; a restart reuses it)")
     p.add_argument("--run-dir", default=None, help="events and checkpoints (default: runs/NAME/islands/ISLAND)")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@vN",
+                   help="testing knob (what simulate --fault passes): corrupt this island's first push based on "
+                   "version >= N, once; KIND one of nan, poison, inflate, truncate (see workers/inject.py)")
     p = sub.add_parser("status", help="ask a coordinator how the run is going")
     _common(p)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -125,10 +129,12 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         print(json.dumps(summary))
         return 0
     if args.command == "worker":
+        from workers.inject import Injection
         from workers.island import run_worker
 
+        inject = [Injection.parse(text) for text in args.inject]
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
-        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet)
+        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject)
         if "run_over" in summary:  # nothing was trained: one line, exit 0
             print(f"dtrain worker: {summary['run_over']}: nothing to do")
             return 0

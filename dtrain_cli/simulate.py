@@ -23,9 +23,13 @@ from dtrain import config as config_mod
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.runlog import RunLog, read_events
-from dtrain_cli.faults import LINK_KINDS, FaultSpec, LinkProxy
+from dtrain_cli.faults import LINK_KINDS, PUSH_KINDS, FaultSpec, LinkProxy
 
 START_TIMEOUT_S = 120.0
+# The coordinator's events that answer a bad push, and the action each means (push_refused and push_aborted
+# are told apart further in _Simulation._push_detection).
+PUSH_DETECTIONS = {"push_quarantined": "quarantined", "merge_rejected": "rejected: non-finite merge",
+                   "push_refused": "refused", "push_aborted": "upload aborted"}
 
 
 class SimulationError(DtrainError):
@@ -59,7 +63,9 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     the scheduler and the fast ones wait for the slow ones; the coordinator is never pinned.
 
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
-    ``RUN_DIR/driver/events.jsonl`` and, with when it was detected and what was done, in the summary."""
+    ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
+    ``fault_injected`` in the island's events when it fires) and, with when it was detected and what was done,
+    in the summary."""
     from dtrain.runs import new_run, run_dir
 
     if islands != cfg.outer.islands:
@@ -134,9 +140,14 @@ class _Simulation:
         self.logs.append(wlog)
         port = self.proxies[name].port if name in self.proxies else self.port
         share = self.shares[i]
+        inject = []
+        for f in self.faults:  # push faults the island injects itself; one that fired is not passed again
+            if f.kind in PUSH_KINDS and f.target == name and self._push_fault_event(f) is None:
+                inject += ["--inject", f"{f.kind}@v{f.at_version}"]
+                self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
         self.workers[name] = subprocess.Popen(
             _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
-                 "--island", name, "--run-dir", str(wdir)),
+                 "--island", name, "--run-dir", str(wdir), *inject),
             stdout=wlog, stderr=subprocess.STDOUT, env=self.env, preexec_fn=None if share is None else _pinned(share))
 
     def run(self, timeout_s: float) -> None:
@@ -152,7 +163,7 @@ class _Simulation:
         self.t_workers = time.perf_counter()
         deadline = self.t_workers + timeout_s
         last_report = 0.0
-        pending = list(self.faults)
+        pending = [f for f in self.faults if f.kind not in PUSH_KINDS]  # push faults: the workers inject them
         ended_at = 0.0
         while self.recoveries or any(p.poll() is None for n, p in self.workers.items() if n not in self.gone):
             now = time.perf_counter()
@@ -183,6 +194,10 @@ class _Simulation:
             time.sleep(0.2)
         for f in pending:
             self.log.event("fault_not_injected", fault=f.text, reason="the run ended first")
+        for f in self.faults:
+            if f.kind in PUSH_KINDS and self._push_fault_event(f) is None:
+                self.log.event("fault_not_injected", fault=f.text,
+                               reason=f"{f.target} made no push based on version {f.at_version} or later")
         failed = [(n, p.returncode) for n, p in self.workers.items()
                   if p.returncode != 0 and n not in self.gone | self.stopped]
         if failed:
@@ -261,6 +276,42 @@ class _Simulation:
             assert later is not None
             self.recoveries.append((later, lambda: self._recover(entry, "link restored", proxy.restore)))
 
+    def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
+        """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
+        return next((e for e in _events(self.out / "islands" / f.target, tolerant=True)
+                     if e.get("event") == "fault_injected" and e.get("fault_kind") == f.kind
+                     and e.get("at_version") == f.at_version), None)
+
+    def _push_detection(self, f: FaultSpec, injected: dict[str, Any],
+                        coord_events: list[dict[str, Any]]) -> dict[str, Any]:
+        """A push fault's summary entry: the coordinator's first event about the bad push (by its push id) and
+        the action it took; latency from the island's ``fault_injected``."""
+        push_id = injected["push_id"]
+        about = [e for e in coord_events if e.get("push_id") == push_id]
+        seen = next((e for e in about if e.get("event") in PUSH_DETECTIONS), None)
+        merged = any(p.get("push_id") == push_id for e in coord_events if e.get("event") == "round_merged"
+                     for p in e.get("pushes", ()))
+        recovered = None
+        if seen is None:
+            action = "merged: not detected" if merged else "none: not detected"
+        elif seen["event"] == "push_refused":
+            reason = str(seen.get("reason", ""))
+            action = ("refused: bad frame" if "bad frame" in reason else
+                      "refused: tokens beyond its assigned range" if "exceed its cursor range" in reason else
+                      f"refused: {seen.get('code')}")
+        elif seen["event"] == "push_aborted":
+            retry = next((e for e in about if e.get("event") == "push_received" and e["t"] >= seen["t"]), None)
+            action = "upload retried" if retry is not None else "upload discarded, not retried"
+            recovered = retry["t"] if retry is not None else None
+        else:
+            action = PUSH_DETECTIONS[seen["event"]]
+        t = injected["t"]
+        return {"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": t,
+                "version": injected.get("base_version"), "recovered_t": recovered, "push_id": push_id,
+                "merged": merged, "detected_t": seen["t"] if seen else None,
+                "detection_s": round(seen["t"] - t, 3) if seen else None,
+                "detected_by": seen["event"] if seen else None, "action": action}
+
     def _recover(self, entry: dict[str, Any], what: str, action: Callable[[], None]) -> None:
         action()
         record = self.log.event("fault_recovered", fault=entry["fault"], action=what)
@@ -296,6 +347,10 @@ class _Simulation:
             result.append({**f, "detected_t": seen["t"] if seen else None,
                            "detection_s": round(seen["t"] - t, 3) if seen else None,
                            "detected_by": seen.get("event") if seen else None, "action": action})
+        for spec in self.faults:
+            injected = self._push_fault_event(spec) if spec.kind in PUSH_KINDS else None
+            if injected is not None:
+                result.append(self._push_detection(spec, injected, coord_events))
         return result
 
     # -- the summary -------------------------------------------------------------------------------
@@ -331,11 +386,25 @@ class _Simulation:
         return summary
 
 
-def _events(run_dir: Path) -> list[dict[str, Any]]:
+def _events(run_dir: Path, tolerant: bool = False) -> list[dict[str, Any]]:
+    """The events in ``run_dir`` ([] if none); ``tolerant``: skip lines that do not parse (a process killed
+    while it wrote one)."""
+    if not tolerant:
+        try:
+            return read_events(run_dir)
+        except OSError:
+            return []
     try:
-        return read_events(run_dir)
+        lines = (run_dir / "events.jsonl").read_text(errors="replace").splitlines()
     except OSError:
         return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _last_line(path: Path) -> str:

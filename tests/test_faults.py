@@ -3,18 +3,28 @@ processes and real signals."""
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from dtrain.config import ConfigError, load_config
+from conftest import initial_parameters
+from coordinator.server import serve
+from dtrain import codec
+from dtrain.config import Config, ConfigError, load_config
+from dtrain.outer import OuterHParams, merge_weights, outer_update
+from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
-from dtrain_cli.faults import LinkProxy, parse_fault
+from dtrain_cli.faults import PUSH_KINDS, LinkProxy, parse_fault
 from dtrain_cli.main import main
 from dtrain_cli.simulate import run_simulation
+from workers.client import CoordinatorClient, CoordinatorError
+from workers.inject import PUSH_FAULTS, Injection, corrupt_push, take_injection
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -30,6 +40,11 @@ def test_parse_fault_specs() -> None:
     f = parse_fault("slow:island-1@1.5s+2s,delay=250", 2)
     assert (f.kind, f.delay_ms, f.at_s) == ("slow", 250.0, 1.5)
     assert parse_fault("kill:island-1@v2", 2).duration_s is None  # killed for good
+    f = parse_fault("truncate:island-1@v2", 2)
+    assert (f.kind, f.target, f.at_version, f.duration_s) == ("truncate", "island-1", 2, None)
+    assert PUSH_KINDS == PUSH_FAULTS  # the driver's grammar and the worker's --inject know the same push faults
+    assert [(i.kind, i.at_version) for i in map(Injection.parse, ("nan@v0", "inflate@v12"))] == \
+        [("nan", 0), ("inflate", 12)]
 
 
 @pytest.mark.parametrize("text, why", [
@@ -39,11 +54,30 @@ def test_parse_fault_specs() -> None:
     ("kill-coordinator:island-0@v1", "takes no target"),
     ("kill:island-0@v1,delay=5", "unknown option(s) delay"),
     ("kill:island-0", "expected KIND[:ISLAND]@"),
+    ("nan:island-0@5s", "nan fires at a version only"),
+    ("poison:island-1@v2+3s", "poison takes no duration"),
+    ("truncate@v1", "truncate needs an island, e.g. truncate:island-1@v2"),
 ])
 def test_parse_fault_rejects_bad_specs(text: str, why: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_fault(text, 2)
     assert why in str(e.value)
+
+
+@pytest.mark.parametrize("text, why", [("nan@5s", "push faults fire at a version only"),
+                                       ("explode@v1", "unknown kind 'explode'")])
+def test_worker_inject_rejects_bad_specs(text: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Injection.parse(text)
+    assert why in str(e.value)
+
+
+def test_an_injection_fires_once_on_the_first_push_at_or_after_its_version() -> None:
+    injections = [Injection("nan", 2), Injection("poison", 2)]
+    assert take_injection(injections, 1) is None
+    assert take_injection(injections, 3) is injections[0]  # the first push based on version >= 2 ...
+    assert take_injection(injections, 3) is injections[1]  # ... takes one; the next push the other
+    assert take_injection(injections, 4) is None  # each fires once
 
 
 def test_cli_refuses_a_bad_fault_before_starting(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -178,3 +212,176 @@ def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> Non
     assert len(taken) == 1 and f"took over shard {shard}" in taken[0]["reason"], joins
     left = (cfg.train.steps * cfg.train.batch_size - taken[0]["cursor"]) // (cfg.outer.inner_steps * 8)
     assert left >= 1 and s["rounds"] == cfg.rounds + left  # the shard's rounds left, trained by the survivor
+
+
+def _push_fault_cfg(tmp_path: Path) -> Config:
+    """Two islands, four rounds; a round missing a refused island closes on a quorum of one after 2 s; frames of
+    ~28 KB go in 4 KiB chunks (7 of them: a truncated upload breaks off mid-frame)."""
+    return load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40", "outer.inner_steps=10",
+        "worker.heartbeat_s=0.5", "coordinator.grace_s=2", "coordinator.min_quorum=1", "codec.chunk_bytes=4096"])
+
+
+def _check_push_faults(s: dict[str, Any], texts: list[str]) -> dict[str, dict[str, Any]]:
+    """What must hold after push faults: the run finished with a finite θ, each fault fired once and was detected
+    by the coordinator, and no bad push (every one but a truncated upload's, sent again whole) was merged."""
+    out = Path(s["run_dir"])
+    assert math.isfinite(s["final_eval_loss"]) and s["bit_identical_final_params"]
+    last = max((p for p in (out / "coordinator").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    theta = np.fromfile(last / "state" / "theta.bin", "<f4")
+    assert theta.size > 0 and np.isfinite(theta).all()
+    by_fault = {f["fault"]: f for f in s["faults"]}
+    assert set(by_fault) == set(texts)
+    merged_ids = {p["push_id"] for e in read_events(out) if e["event"] == "round_merged" for p in e["pushes"]}
+    for f in s["faults"]:
+        assert f["detected_by"] is not None and 0 <= f["detection_s"] < 5, f
+        assert f["merged"] == (f["push_id"] in merged_ids) == (f["kind"] == "truncate"), f
+        island = read_events(out / "islands" / f["target"])
+        fired = [e for e in island if e["event"] == "fault_injected" and e["fault_kind"] == f["kind"]]
+        assert [e["push_id"] for e in fired] == [f["push_id"]] and fired[0]["base_version"] >= int(f["fault"][-1])
+    return by_fault
+
+
+_EXPECTED = {"nan": ("push_refused", "refused: bad frame"), "poison": ("push_quarantined", "quarantined"),
+             "inflate": ("push_refused", "refused: tokens beyond its assigned range"),
+             "truncate": ("push_aborted", "upload retried")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", PUSH_FAULTS)
+def test_a_push_fault_is_stopped_and_the_run_finishes(tmp_path: Path, kind: str) -> None:
+    """One push fault in a real two-island run: the coordinator stops it (or, for a broken upload, discards the
+    partial frame and takes the island's whole retry), θ stays finite, the run finishes."""
+    text = f"{kind}:island-1@v1"
+    s = run_simulation(_push_fault_cfg(tmp_path), 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault(text, 2)])
+    f = _check_push_faults(s, [text])[text]
+    assert (f["detected_by"], f["action"]) == _EXPECTED[kind]
+
+
+@pytest.mark.slow
+def test_every_push_fault_in_one_run(tmp_path: Path) -> None:
+    """The four push faults in one real two-island run, on rounds where the other island's push is honest."""
+    texts = ["nan:island-0@v1", "truncate:island-1@v1", "poison:island-1@v2", "inflate:island-0@v3"]
+    s = run_simulation(_push_fault_cfg(tmp_path), 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault(t, 2) for t in texts])
+    by_fault = _check_push_faults(s, texts)
+    for f in by_fault.values():
+        assert (f["detected_by"], f["action"]) == _EXPECTED[f["kind"]], f
+    truncated = by_fault["truncate:island-1@v1"]
+    assert truncated["recovered_t"] is not None  # the whole push, sent again, was received
+    coordinator = read_events(s["run_dir"])
+    aborted = [e for e in coordinator if e["event"] == "push_aborted"]
+    assert [e["push_id"] for e in aborted] == [truncated["push_id"]]
+    assert 0 < aborted[0]["chunks_received"] < aborted[0]["chunks"]  # broken off mid-frame, not before it
+    driver = [e["event"] for e in read_events(Path(s["run_dir"]) / "driver")]
+    assert driver.count("fault_armed") == len(texts) and "fault_not_injected" not in driver
+
+
+def _coordinator(cfg: Config, run_dir: Path) -> tuple[Any, Any, str, np.ndarray]:
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
+    return server, service, f"127.0.0.1:{port}", theta
+
+
+def _push_header(join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
+    """10 steps x batch 8 = 80 sequences x seq_len 32: 2560 tokens at most; it claims 640."""
+    return pb.PushHeader(island_id=join.island_id, base_version=0, push_id=push_id, tokens=640, inner_steps=10,
+                         cursor_start=0, cursor_end=80, tree_digest=join.tree_digest)
+
+
+def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_does_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's poisoned and inflated frames (workers.inject.corrupt_push) against a real coordinator: it
+    quarantines / refuses them, and θ moves by the honest push alone. The same frames through a plain
+    token-weighted mean and the outer update (no bounds, no norm screen) put them into θ: the inflated one makes
+    θ non-finite, the poisoned one moves it ~1000x farther than the honest delta would."""
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "outer.islands=2",
+        "train.steps=40", "outer.inner_steps=10", "codec.chunk_bytes=4096", "worker.retry_total_s=1"])
+    server, service, address, theta0 = _coordinator(cfg, tmp_path / "coord")
+    try:
+        c0, c1 = (CoordinatorClient(address, cfg) for _ in range(2))
+        j0, j1 = c0.join("bad", "cpu", 1), c1.join("good", "cpu", 1)
+        n, k = j0.tree_size, cfg.codec
+        rng = np.random.default_rng(0)
+        real_delta = (rng.normal(size=n) * 1e-3).astype(np.float32)  # what the bad island trained
+        honest = codec.encode(codec.quantize((rng.normal(size=n) * 1e-3).astype(np.float32), 8, k.block))
+        frames = {}
+        for kind in ("nan", "inflate", "poison"):
+            header = _push_header(j0, kind)
+            frame, _ = corrupt_push(kind, real_delta, header, 8, k.block, k.zstd_level)
+            frames[kind] = (header, frame)
+        assert frames["inflate"][0].tokens == 10 ** 9 and frames["poison"][0].tokens == 640
+        for kind, words in (("nan", "bad frame: invalid scale"), ("inflate", "tokens=1000000000 exceed")):
+            with pytest.raises(CoordinatorError) as e:
+                c0.push(*frames[kind])
+            assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message
+        r = c0.push(*frames["poison"])  # a valid frame, honest tokens: quarantined, the round goes on
+        assert r.status == pb.PUSH_STATUS_REJECTED and r.reason.startswith("quarantined: push poison has L2 norm")
+        assert c1.push(_push_header(j1, "honest"), honest).status == pb.PUSH_STATUS_MERGED
+        theta = service.merger.theta
+        hp = OuterHParams.from_config(cfg)
+        honest_delta = codec.dequantize(codec.decode(honest, expected_n=n))
+        u, _ = outer_update(honest_delta, np.zeros(n, np.float32), hp)
+        assert np.isfinite(theta).all()
+        np.testing.assert_allclose(theta, theta0 + u, rtol=0, atol=1e-6)  # the honest push alone moved θ
+        # The same pushes through a plain token-weighted mean: the bad deltas reach θ.
+        for kind in ("inflate", "poison"):
+            header, frame = frames[kind]
+            bad_delta = codec.dequantize(codec.decode(frame, expected_n=n))
+            w = merge_weights([header.tokens, 640])
+            with np.errstate(over="ignore", invalid="ignore"):
+                mean = (w[0] * bad_delta.astype(np.float64) + w[1] * honest_delta).astype(np.float32)
+                plain, _ = outer_update(mean, np.zeros(n, np.float32), hp)
+                plain_theta = theta0 + plain
+            if kind == "inflate":  # non-finite (or astronomically far): ~0.7-1.9 x 3.4e38 per value
+                assert not (np.abs(plain_theta - theta0) < 1e30).all()
+            else:
+                assert np.abs(plain_theta - theta0).max() > 100 * np.abs(theta - theta0).max()
+        for c in (c0, c1):
+            c.close()
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+
+
+def test_a_truncated_upload_changes_nothing_and_its_retry_is_merged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CoordinatorClient.push_broken against a real coordinator: the stream is cancelled after 3 of its 7 chunks;
+    the coordinator logs push_aborted and admits nothing (no pending push, no state change); the whole push,
+    sent again under the same push_id, is received and merged."""
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "outer.islands=1", "train.steps=40",
+        "outer.inner_steps=10", "codec.chunk_bytes=4096", "worker.retry_total_s=1"])
+    server, service, address, theta0 = _coordinator(cfg, tmp_path / "coord")
+    try:
+        client = CoordinatorClient(address, cfg)
+        join = client.join("a", "cpu", 1)
+        n = join.tree_size
+        delta = (np.random.default_rng(1).normal(size=n) * 1e-3).astype(np.float32)
+        frame = codec.encode(codec.quantize(delta, 8, cfg.codec.block))
+        header = _push_header(join, "cut")
+        before = service.state.to_json()
+        told: list[tuple[int, int]] = []
+        assert client.push_broken(header, frame, lambda sent, total: told.append((sent, total)))
+        assert told == [(3, 7)]
+        deadline = time.monotonic() + 10
+        while not [e for e in read_events(tmp_path / "coord") if e["event"] == "push_aborted"]:
+            assert time.monotonic() < deadline, "the coordinator logged no push_aborted"
+            time.sleep(0.05)
+        (aborted,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "push_aborted"]
+        assert (aborted["push_id"], aborted["chunks_received"], aborted["chunks"]) == ("cut", 3, 7)
+        with service.lock:
+            assert service.state.to_json() == before and service.merger.pending_count == 0
+        assert service.state.version == 0 and np.array_equal(service.merger.theta, theta0)
+        r = client.push(header, frame)  # the retry: the same push id, whole
+        assert r.status == pb.PUSH_STATUS_MERGED and r.version == 1
+        events = read_events(tmp_path / "coord")
+        assert [p["push_id"] for e in events if e["event"] == "round_merged" for p in e["pushes"]] == ["cut"]
+        client.close()
+    finally:
+        server.stop(grace=None).wait()
+        service.close()

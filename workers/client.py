@@ -13,6 +13,7 @@ coordinator's message; a Join refused because the run is over, as
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from dtrain.wire import (
     serialize,
 )
 
+BROKEN_PUSH_SETTLE_S = 0.3  # push_broken: how long the sent chunks get to reach the coordinator
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
 
@@ -144,19 +146,52 @@ class CoordinatorClient:
         return self._retry("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S,
                                                                metadata=self.metadata), budget_s)
 
-    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
-        """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
+    def _chunked(self, header: pb.PushHeader, frame: bytes) -> list[tuple[memoryview, int]]:
+        """The frame's chunks (bytes, CRC32); completes ``header`` with the frame's size, CRC and chunk count."""
         header.total_bytes = len(frame)
         header.frame_crc32, chunks = frame_chunks(frame, self.cfg.codec.chunk_bytes)
         header.chunks = len(chunks)
+        return chunks
 
-        def messages() -> Iterator[pb.PushMessage | bytes]:
-            yield pb.PushMessage(header=header)
-            for index, (data, crc) in enumerate(chunks):
-                yield chunk_message(index, data, crc)
+    @staticmethod
+    def _messages(header: pb.PushHeader, chunks: list[tuple[memoryview, int]]) -> Iterator[pb.PushMessage | bytes]:
+        yield pb.PushMessage(header=header)
+        for index, (data, crc) in enumerate(chunks):
+            yield chunk_message(index, data, crc)
+
+    def push_broken(self, header: pb.PushHeader, frame: bytes,
+                    before_cancel: Callable[[int, int], None] | None = None) -> bool:
+        """Fault injection (``workers.inject``, truncate): a push whose upload breaks off mid-stream. Sends the
+        header and the first half of the frame's chunks (rounded down: none of a one-chunk frame), waits
+        :data:`BROKEN_PUSH_SETTLE_S` for them to reach the coordinator, calls ``before_cancel(chunks_sent,
+        chunks)``, then cancels the call with the stream still open (a real broken upload, not a short one).
+        No retry; True if the call was cancelled (False: the coordinator had answered first, e.g. refused it)."""
+        chunks = self._chunked(header, frame)
+        keep = len(chunks) // 2
+        sent, release = threading.Event(), threading.Event()
+
+        def held() -> Iterator[pb.PushMessage | bytes]:
+            yield from self._messages(header, chunks[:keep])  # a yield returns once the message before it is sent
+            sent.set()
+            release.wait(self.cfg.worker.rpc_deadline_s)  # no half-close: the stream stays open until cancelled
+
+        call = self._push_delta.future(held(), timeout=self.cfg.worker.rpc_deadline_s, metadata=self.metadata)
+        try:
+            sent.wait(self.cfg.worker.rpc_deadline_s)
+            time.sleep(BROKEN_PUSH_SETTLE_S)
+            if before_cancel is not None:
+                before_cancel(keep, len(chunks))
+            return bool(call.cancel())
+        finally:
+            release.set()
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
+        """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
+        chunks = self._chunked(header, frame)
 
         def call() -> pb.PushDeltaResponse:
-            resp = self._push_delta(messages(), timeout=self.cfg.worker.rpc_deadline_s, metadata=self.metadata)
+            resp = self._push_delta(self._messages(header, chunks), timeout=self.cfg.worker.rpc_deadline_s,
+                                    metadata=self.metadata)
             self.bytes_up += len(frame)
             return resp
 

@@ -29,6 +29,7 @@ import platform
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from dtrain.runlog import RunLog, fmt_rate
 from dtrain.setup import prepare
 from dtrain.wire import max_frame_bytes
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
+from workers.inject import Injection, injected_push
 from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
@@ -232,8 +234,11 @@ class IslandStatus:
 
 
 class Worker:
-    def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False):
+    def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
+                 inject: Sequence[Injection] = ()):
+        """``inject``: push faults to inject (testing only: :mod:`workers.inject`)."""
         self.cfg = cfg
+        self.injections = list(inject)
         self.name = name
         self.run_dir = Path(run_dir)
         self.log = RunLog(self.run_dir, quiet=quiet)
@@ -543,15 +548,17 @@ class Worker:
         local = jax.device_get(island.state.params)  # note: host sync, once per round
         _, local_vec = codec.flatten(local)
         at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
-        frame = self._push_frame(anchor.vec - local_vec)
         header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version,
                                push_id=f"{self.island_id}-{uuid.uuid4().hex[:12]}",
                                tokens=island.tokens - round_start[1], inner_steps=round_steps,
                                cursor_start=round_start[0], cursor_end=island.cursor, shard_index=island.index,
                                tree_digest=self.tree_digest)
+        # Testing only (workers.inject): a push fault due now changes what is sent; otherwise _push_frame(Δ).
+        frame, client = injected_push(self.injections, anchor.vec - local_vec, header, self._push_frame, self.client,
+                                      self.up_bits, self.cfg.codec, self.log.event)
         self.frames_sent += 1
         self.frame_bytes += len(frame)
-        exchange = Exchange(self.client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
+        exchange = Exchange(client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
                             self.log.event)
         status.exchange = exchange
         exchange.start()
@@ -670,9 +677,11 @@ def _report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
     return {"island": name, "run_over": reason}
 
 
-def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
+def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
+               inject: Sequence[Injection] = ()) -> dict[str, Any]:
     """Runs one island to the end of the run; returns its summary, or ``{"island", "run_over"}`` (exit 0, no
-    training) when the run is over already: checked first, before the island builds or compiles anything."""
+    training) when the run is over already: checked first, before the island builds or compiles anything.
+    ``inject``: push faults (testing only: :mod:`workers.inject`)."""
     client = CoordinatorClient(address, cfg)
     try:
         over = run_over_already(client, cfg, Path(run_dir))
@@ -680,7 +689,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         client.close()
     if over:
         return _report_run_over(RunLog(run_dir, quiet=quiet), name, over)
-    worker = Worker(cfg, address, name, run_dir, quiet=quiet)
+    worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject)
     try:
         return worker.run()
     finally:

@@ -1,0 +1,152 @@
+"""Push faults, injected by the island itself: a testing knob (``dtrain worker --inject KIND@vN``, which
+``dtrain simulate --fault KIND:ISLAND@vN`` passes to the worker it starts). Never used in a real run.
+
+An injection fires once, on the island's first push whose base version is >= N, and is an event
+``fault_injected`` {fault_kind, push_id, at_version, base_version, ...} in the island's events. The kinds, what the
+island sends, and what in the coordinator stops it:
+
+- ``nan``: the real Δ, quantized as usual (no error feedback), with the first block's scale replaced by NaN
+  (for the lossless ``up`` codec, bits=32, the first value itself). The codec's encoder refuses non-finite
+  values, so the frame is written below that check (``codec.encode`` of a hand-made QuantizedVec); it is a
+  well-formed frame (right sizes, right CRC) that carries a NaN. The coordinator's frame validation
+  (``FrameValidator``: every scale finite and small enough, every lossless value finite) refuses it as the
+  first chunk is spooled: INVALID_ARGUMENT "bad frame", a ``push_refused`` event; nothing is admitted.
+- ``poison``: the real Δ × −1000 (:data:`POISON_FACTOR`), quantized without error feedback, with the honest
+  header (tokens, cursor range). A valid frame with a valid weight: the coordinator's norm screen quarantines
+  it (L2 norm over ``coordinator.norm_max_ratio`` × ‖θ‖, or a robust-z outlier among the recent merged norms),
+  a ``push_quarantined`` event; its island is told why.
+- ``inflate``: a huge constant direction, every value as large as the ``up`` codec can carry (float32's
+  largest, quantized: every code at its maximum with the largest scale the codec allows), with
+  ``tokens`` = 10**9 (:data:`INFLATED_TOKENS`) in the header. The coordinator refuses it from the header alone,
+  before the payload streams in: the tokens exceed the cursor range it assigned (a ``push_refused`` event).
+- ``truncate``: the real frame, but the upload is cut off: the client sends the header and about half of the
+  chunks, then cancels the call (a real broken stream to the real server), and sends the whole push again
+  with the same push_id, which succeeds. The coordinator discards the partial spool and changes nothing
+  (a ``push_aborted`` event).
+
+Error feedback is left alone by ``nan``, ``poison`` and ``inflate``: the island's residual is that of a round
+whose real Δ was never sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dtrain import codec
+from dtrain.config import CodecConfig, ConfigError
+from dtrain.proto import dtrain_pb2 as pb
+from workers.client import CoordinatorClient
+
+PUSH_FAULTS = ("nan", "poison", "inflate", "truncate")
+POISON_FACTOR = -1000.0  # poison: the real Δ times this
+INFLATED_TOKENS = 10**9  # inflate: the tokens the header claims
+
+
+_INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)")
+
+
+@dataclass
+class Injection:
+    """One push fault: ``kind`` on the first push whose base version is >= ``at_version``, once."""
+
+    kind: str
+    at_version: int
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Injection:
+        """``KIND@vN`` (``--inject``); raises ConfigError naming what is wrong."""
+        m = _INJECT_RE.fullmatch(text.strip())
+        if m is None:
+            raise ConfigError(f"--inject {text!r}: expected KIND@vN with KIND one of {', '.join(PUSH_FAULTS)}, "
+                              f"e.g. nan@v2 (push faults fire at a version only, not at a time)")
+        if m["kind"] not in PUSH_FAULTS:
+            raise ConfigError(f"--inject {text!r}: unknown kind {m['kind']!r} (one of {', '.join(PUSH_FAULTS)})")
+        return cls(m["kind"], int(m["version"]))
+
+
+def take_injection(injections: Sequence[Injection], base_version: int) -> Injection | None:
+    """The first injection not fired yet that is due for a push based on ``base_version``, marked fired."""
+    for injection in injections:
+        if not injection.fired and base_version >= injection.at_version:
+            injection.fired = True
+            return injection
+    return None
+
+
+def corrupt_push(kind: str, delta: np.ndarray, header: pb.PushHeader, bits: codec.Bits, block: int,
+                 level: int) -> tuple[bytes, dict[str, Any]]:
+    """The frame push fault ``kind`` (nan, poison or inflate) sends instead of Δ's, and what the
+    ``fault_injected`` event records about it; ``header`` is changed in place where the fault says so
+    (inflate's tokens). See the module docstring."""
+    if kind == "nan":
+        q = codec.quantize(delta, bits, block)
+        if q.scales.size:
+            scales = q.scales.copy()
+            scales[0] = np.float32("nan")
+            q = dataclasses.replace(q, scales=scales)
+        else:  # bits=32: the values themselves are the payload
+            payload = q.payload.copy()
+            payload[:4] = np.frombuffer(np.float32("nan").tobytes(), np.uint8)
+            q = dataclasses.replace(q, payload=payload)
+        return codec.encode(q, level), {"what": "the real delta with a NaN in its first block"}
+    if kind == "poison":
+        poisoned = delta * np.float32(POISON_FACTOR)
+        return (codec.encode(codec.quantize(poisoned, bits, block), level),
+                {"what": f"the real delta x {POISON_FACTOR:g}, honest tokens",
+                 "norm": float(np.linalg.norm(poisoned)), "honest_norm": float(np.linalg.norm(delta))})
+    if kind == "inflate":
+        honest = header.tokens
+        header.tokens = INFLATED_TOKENS
+        huge = np.full(delta.size, np.finfo(np.float32).max, np.float32)
+        return (codec.encode(codec.quantize(huge, bits, block), level),
+                {"what": "a constant delta as large as the codec carries", "tokens": INFLATED_TOKENS,
+                 "honest_tokens": honest})
+    raise ValueError(f"corrupt_push: {kind!r} is not a frame fault (nan, poison, inflate)")
+
+
+def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb.PushHeader,
+                  encode: Callable[[np.ndarray], bytes], client: CoordinatorClient, bits: codec.Bits,
+                  codec_cfg: CodecConfig, log: Callable[..., object]
+                  ) -> tuple[bytes, CoordinatorClient | TruncatedUpload]:
+    """What :meth:`Worker._push <workers.island.Worker._push>` sends for Δ = ``delta``: (the frame, the client
+    that pushes it). With no injection due (:func:`take_injection`) that is ``encode(delta)`` and ``client``;
+    nan/poison/inflate send :func:`corrupt_push`'s frame (and log ``fault_injected`` now), truncate sends the
+    real frame through a :class:`TruncatedUpload` (which logs ``fault_injected`` as it cuts the upload)."""
+    injection = take_injection(injections, header.base_version)
+    if injection is None:
+        return encode(delta), client
+    if injection.kind == "truncate":
+        return encode(delta), TruncatedUpload(client, injection, log)
+    frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.block, codec_cfg.zstd_level)
+    log("fault_injected", fault_kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
+        base_version=header.base_version, **detail)
+    return frame, client
+
+
+class TruncatedUpload:
+    """The push client for a ``truncate`` injection: the first push is cut off mid-stream
+    (:meth:`CoordinatorClient.push_broken`), then sent whole; later pushes (a resend) go straight through."""
+
+    def __init__(self, client: CoordinatorClient, injection: Injection, log: Callable[..., object]):
+        self.client, self.injection, self.log = client, injection, log
+        self.cut = False
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
+        if not self.cut:
+            self.cut = True
+
+            def injected(chunks_sent: int, chunks: int) -> None:  # logged just before the call is cancelled
+                self.log("fault_injected", fault_kind=self.injection.kind, at_version=self.injection.at_version,
+                         push_id=header.push_id, base_version=header.base_version, chunks_sent=chunks_sent,
+                         chunks=chunks, what=f"upload cancelled after {chunks_sent} of {chunks} chunks")
+
+            self.client.push_broken(header, frame, injected)
+            self.log("push_retried", push_id=header.push_id, why="the upload was cut off (fault injection)")
+        return self.client.push(header, frame)
