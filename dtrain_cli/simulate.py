@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain import config as config_mod
+from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.runlog import RunLog, read_events
@@ -300,6 +301,15 @@ class _Simulation:
 
     # -- the summary -------------------------------------------------------------------------------
 
+    def audit(self) -> Audit:
+        """The token-range audit and goodput (:mod:`dtrain.audit`) from the coordinator's events and every
+        island's (all its processes')."""
+        try:
+            return audit(_events(self.out), {n: _events(self.out / "islands" / n) for n in self.names},
+                         AuditParams.from_config(self.cfg))
+        except AuditError as e:
+            raise SimulationError(f"token-range audit of {self.out}: {e}") from None
+
     def summarize(self) -> dict[str, Any]:
         out, cfg = self.out, self.cfg
         wall = time.perf_counter() - self.t0
@@ -307,6 +317,7 @@ class _Simulation:
         per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
         evals = {round(s["final_eval_loss"], 6) for s in per_island}
         digests = {s["params_digest"] for s in per_island}
+        checked = self.audit()
         summary = {
             "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
             "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
@@ -316,6 +327,7 @@ class _Simulation:
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
             "worker_cpus": self.shares, "faults": self._detections(),
+            "goodput": checked.goodput, "audit": checked.to_dict(),
             "unfinished_islands": sorted(self.gone | self.stopped),
         }
         if len(digests) != 1 or len(evals) != 1:
@@ -326,7 +338,9 @@ class _Simulation:
         self.log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
                           f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
                           f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
-                          f"{summary['utilization']:.3f}, {wall:.1f}s -> {out / 'summary.json'}")
+                          f"{summary['utilization']:.3f}, goodput {_fmt_goodput(checked.goodput)}, "
+                          f"lost {checked.lost_tokens:,} / doubled {checked.doubled_tokens:,} tokens, "
+                          f"{wall:.1f}s -> {out / 'summary.json'}")
         self.log.close()
         return summary
 
@@ -336,6 +350,10 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
         return read_events(run_dir)
     except OSError:
         return []
+
+
+def _fmt_goodput(goodput: float | None) -> str:
+    return "n/a (no step executed)" if goodput is None else f"{goodput:.3f}"
 
 
 def _last_line(path: Path) -> str:
