@@ -60,7 +60,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     the scheduler and the fast ones wait for the slow ones; the coordinator is never pinned.
 
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
-    ``RUN_DIR/driver/events.jsonl`` and, with when it was detected and what was done, in the summary."""
+    ``RUN_DIR/driver/events.jsonl`` and, with when it was detected and what was done, in the summary.
+
+    The summary's ``goodput`` and ``audit`` (lost and doubled tokens, gaps, overlaps) come from the
+    coordinator's and every island process's events (:mod:`dtrain.audit`)."""
     from dtrain.runs import new_run, run_dir
 
     if islands != cfg.outer.islands:
