@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain import config as config_mod
+from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.runlog import RunLog, read_events
@@ -65,7 +66,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
     ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
     ``fault_injected`` in the island's events when it fires) and, with when it was detected and what was done,
-    in the summary."""
+    in the summary.
+
+    The summary's ``goodput`` and ``audit`` (lost and doubled tokens, gaps, overlaps) come from the
+    coordinator's and every island process's events (:mod:`dtrain.audit`)."""
     from dtrain.runs import new_run, run_dir
 
     if islands != cfg.outer.islands:
@@ -355,6 +359,15 @@ class _Simulation:
 
     # -- the summary -------------------------------------------------------------------------------
 
+    def audit(self) -> Audit:
+        """The token-range audit and goodput (:mod:`dtrain.audit`) from the coordinator's events and every
+        island's (all its processes')."""
+        try:
+            return audit(_events(self.out), {n: _events(self.out / "islands" / n) for n in self.names},
+                         AuditParams.from_config(self.cfg))
+        except AuditError as e:
+            raise SimulationError(f"token-range audit of {self.out}: {e}") from None
+
     def summarize(self) -> dict[str, Any]:
         out, cfg = self.out, self.cfg
         wall = time.perf_counter() - self.t0
@@ -362,6 +375,7 @@ class _Simulation:
         per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
         evals = {round(s["final_eval_loss"], 6) for s in per_island}
         digests = {s["params_digest"] for s in per_island}
+        checked = self.audit()
         summary = {
             "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
             "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
@@ -371,6 +385,7 @@ class _Simulation:
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
             "worker_cpus": self.shares, "faults": self._detections(),
+            "goodput": checked.goodput, "audit": checked.to_dict(),
             "unfinished_islands": sorted(self.gone | self.stopped),
         }
         if len(digests) != 1 or len(evals) != 1:
@@ -381,7 +396,9 @@ class _Simulation:
         self.log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
                           f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
                           f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
-                          f"{summary['utilization']:.3f}, {wall:.1f}s -> {out / 'summary.json'}")
+                          f"{summary['utilization']:.3f}, goodput {_fmt_goodput(checked.goodput)}, "
+                          f"lost {checked.lost_tokens:,} / doubled {checked.doubled_tokens:,} tokens, "
+                          f"{wall:.1f}s -> {out / 'summary.json'}")
         self.log.close()
         return summary
 
@@ -405,6 +422,10 @@ def _events(run_dir: Path, tolerant: bool = False) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def _fmt_goodput(goodput: float | None) -> str:
+    return "n/a (no step executed)" if goodput is None else f"{goodput:.3f}"
 
 
 def _last_line(path: Path) -> str:

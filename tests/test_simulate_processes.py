@@ -36,6 +36,12 @@ def test_process_simulation_end_to_end(tmp_path):
     saved = json.loads((out / "summary.json").read_text())
     assert {"final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down", "wall_s", "islands",
             "utilization", "compression_ratio"} <= saved.keys()
+    # The token-range audit: every sequence of both shards merged exactly once; all compute went into merges.
+    assert saved["audit"]["lost_tokens"] == saved["audit"]["doubled_tokens"] == 0
+    assert saved["audit"]["gaps"] == saved["audit"]["overlaps"] == []
+    assert saved["audit"]["merged_ranges"] == 2 * cfg.rounds
+    assert saved["audit"]["shard_end"] == 40 * cfg.train.batch_size
+    assert 0.0 < saved["goodput"] <= 1.0
     events = read_events(out)
     merged = [e for e in events if e["event"] == "round_merged"]
     assert [e["version"] for e in merged] == [1, 2, 3, 4]
@@ -108,6 +114,9 @@ def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
         # Token weights are what each island really trained in its 1.5 s (steps differ between islands).
         assert all(p["weight"] == p["tokens"] > 0 for p in e["pushes"])
     assert all(i["steps"] > 0 for i in s["islands"])
+    # No fixed shard end: each shard is audited below its highest merged end.
+    assert s["audit"]["shard_end"] is None and s["audit"]["merged_ranges"] == 2 * cfg.rounds
+    assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0 and 0.0 < s["goodput"] <= 1.0
 
 
 def test_status_command_shows_the_coordinator_view(tmp_path, capsys):

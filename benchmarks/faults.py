@@ -1,0 +1,200 @@
+"""Faults: a fault-free `dtrain simulate` next to a chaos run of the same config, in one run.
+
+Both are real process-mode simulations (``dtrain_cli.simulate.run_simulation``: a coordinator and N worker
+processes on loopback, 4 islands of configs/small.toml by default, the default heartbeats and lease). The
+chaos run injects :data:`FAULTS` (``--fault SPEC``, repeatable, replaces the list; the grammar is in
+dtrain_cli/faults.py): an island SIGKILLed and restarted twice, one hung (SIGSTOP) past its lease, the
+coordinator SIGKILLed and resumed once, a poisoned delta, a NaN delta, a slowed link.
+
+Figures, all from the chaos run's summary.json except L:
+
+  I, D   faults injected; of those, detected (``faults[].detected_t`` set: the system noticed them)
+  G      goodput: inner steps in merged pushes / inner steps executed by every island process (dtrain/audit.py)
+  L      chaos / fault-free final eval loss
+  T, U   lost and doubled tokens of the token-range audit (dtrain/audit.py: ranges of a shard no merged push
+         covers; ranges merged twice or more)
+  X, Y   median and largest detection latency over the detected faults, seconds
+
+Targets: D = I; G >= 0.90; L <= 1.02; T = U = 0; a dead (SIGKILLed) island detected in <= 5 s. A missed
+target is reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad
+argument or a run that fails does (one line on stderr, exit 2 or 1). Last line:
+
+  faults: injected=I detected=D goodput=G loss-ratio=L lost-tokens=T doubled-tokens=U detect-p50=Xs detect-max=Ys
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and the workers it starts)
+
+from dtrain import config as config_mod
+from dtrain.config import Config, ConfigError, load_config
+from dtrain.errors import DtrainError
+from dtrain_cli.faults import FaultSpec, parse_fault
+from dtrain_cli.simulate import run_simulation
+
+# The chaos run, for 4 islands of configs/small.toml (12 versions, ~5 s each on 2 cores after ~40 s of start-up).
+FAULTS = (
+    "kill:island-1@v1+2s",  # SIGKILL, restarted 2 s later (the first time)
+    "slow:island-3@v2+15s,delay=50",  # 50 ms added to every piece of data on island-3's link for 15 s
+    "hang:island-2@v3+8s",  # SIGSTOP for 8 s: past the 4 s lease
+    "poison:island-0@v4",  # its next push: the real delta x -1000
+    "kill-coordinator@v5+2s",  # SIGKILL, restarted with --resume 2 s later
+    "nan:island-3@v6",  # its next push carries a NaN
+    "kill:island-1@v8+2s",  # SIGKILL, restarted 2 s later (the second time)
+)
+TARGETS = {"detected": "= injected", "goodput": ">= 0.90", "loss_ratio": "<= 1.02", "lost_tokens": "= 0",
+           "doubled_tokens": "= 0", "dead_island_detect_s": "<= 5"}
+GOODPUT_MIN, LOSS_RATIO_MAX, DEAD_ISLAND_DETECT_MAX_S = 0.90, 1.02, 5.0
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="small", help="config file or name (default: small)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--islands", type=int, default=4, help="islands in both runs (default 4)")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
+                   help="a fault of the chaos run (repeatable; replaces the default list, see FAULTS)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its share of the CPUs")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds each simulation may take (default 1800)")
+    p.add_argument("--keep", action="store_true", help="keep both run folders (events, logs, summaries)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
+    args = p.parse_args(argv)
+    if args.islands < 2:
+        p.error("--islands must be >= 2 (one island cannot lose another)")
+    return args
+
+
+def chaos_faults(texts: list[str] | tuple[str, ...], islands: int) -> list[FaultSpec]:
+    """The chaos run's faults, parsed before anything starts (ConfigError names a bad one)."""
+    return [parse_fault(text, islands) for text in texts]
+
+
+def figures(clean: dict[str, Any], chaos: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's figures from the two runs' summaries."""
+    faults = chaos["faults"]
+    latencies = [f["detection_s"] for f in faults if f["detected_t"] is not None]
+    dead = [f["detection_s"] for f in faults if f["kind"] == "kill" and f["detected_t"] is not None]
+    killed = sum(1 for f in faults if f["kind"] == "kill")
+    return {
+        "injected": len(faults), "detected": len(latencies),
+        "undetected": [f["fault"] for f in faults if f["detected_t"] is None],
+        "goodput": chaos["goodput"], "loss_ratio": chaos["final_eval_loss"] / clean["final_eval_loss"],
+        "lost_tokens": chaos["audit"]["lost_tokens"], "doubled_tokens": chaos["audit"]["doubled_tokens"],
+        "detect_p50_s": statistics.median(latencies) if latencies else None,
+        "detect_max_s": max(latencies) if latencies else None,
+        # None when an island was killed but its loss never noticed (counted as a miss), or none was killed
+        "dead_island_detect_s": max(dead) if dead and len(dead) == killed else None,
+        "islands_killed": killed,
+    }
+
+
+def _met(ok: bool | None) -> str:
+    return "not measured" if ok is None else "met" if ok else "NOT met"
+
+
+def targets_line(f: dict[str, Any]) -> str:
+    g, dead = f["goodput"], f["dead_island_detect_s"]
+    checks = [
+        (f"detected {f['detected']}/{f['injected']} (target D = I)", f["detected"] == f["injected"]),
+        (f"goodput {_fmt(g, '.3f')} (target >= {GOODPUT_MIN:.2f})", None if g is None else g >= GOODPUT_MIN),
+        (f"loss-ratio {f['loss_ratio']:.4f} (target <= {LOSS_RATIO_MAX})", f["loss_ratio"] <= LOSS_RATIO_MAX),
+        (f"lost-tokens {f['lost_tokens']:,} (target 0)", f["lost_tokens"] == 0),
+        (f"doubled-tokens {f['doubled_tokens']:,} (target 0)", f["doubled_tokens"] == 0),
+        (f"dead island detected in {_fmt(dead, '.2f', 's')} (target <= {DEAD_ISLAND_DETECT_MAX_S:g}s)",
+         None if not f["islands_killed"] else dead is not None and dead <= DEAD_ISLAND_DETECT_MAX_S),
+    ]
+    return "targets: " + "; ".join(f"{what} {_met(ok)}" for what, ok in checks)
+
+
+def final_line(f: dict[str, Any]) -> str:
+    return (f"faults: injected={f['injected']} detected={f['detected']} goodput={_fmt(f['goodput'], '.3f')} "
+            f"loss-ratio={f['loss_ratio']:.4f} lost-tokens={f['lost_tokens']} doubled-tokens={f['doubled_tokens']} "
+            f"detect-p50={_fmt(f['detect_p50_s'], '.2f', 's')} detect-max={_fmt(f['detect_max_s'], '.2f', 's')}")
+
+
+def _fmt(x: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], args: argparse.Namespace,
+              out_dir: Path) -> dict[str, Any]:
+    cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(out_dir)})
+    t0 = time.perf_counter()
+    summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout, faults=faults)
+    a = summary["audit"]
+    log(f"{name}: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, goodput "
+        f"{_fmt(summary['goodput'], '.3f')}, lost {a['lost_tokens']:,} / doubled {a['doubled_tokens']:,} tokens, "
+        f"{a['merged_ranges']} merged ranges, {time.perf_counter() - t0:.0f}s -> {summary['run_dir']}")
+    return summary
+
+
+def _print_faults(chaos: dict[str, Any]) -> None:
+    print(f"\n{'fault':<34} {'detected by':<18} {'after':>8}  action; recovery")
+    for f in chaos["faults"]:
+        after = _fmt(f["detection_s"], ".2f", "s")
+        print(f"{f['fault']:<34} {f['detected_by'] or '-':<18} {after:>8}  {f['action']}; "
+              f"{f.get('recovery') or 'no recovery'}")
+    a = chaos["audit"]
+    for kind in ("gaps", "overlaps"):
+        if a[kind]:
+            print(f"audit {kind}: " + ", ".join(f"shard {r['shard']} [{r['start']}, {r['end']})" for r in a[kind]))
+    if chaos["unfinished_islands"]:
+        print(f"islands that did not finish: {', '.join(chaos['unfinished_islands'])}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        faults = chaos_faults(args.faults or FAULTS, args.islands)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    work = Path(tempfile.mkdtemp(prefix="dtrain-faults-"))
+    log(f"config {args.config}: {args.islands} islands, {cfg.train.steps} steps x batch {cfg.train.batch_size}, "
+        f"H={cfg.outer.inner_steps}, heartbeat {cfg.worker.heartbeat_s:g}s, lease {cfg.coordinator.lease_s:g}s; "
+        f"chaos faults: {' '.join(f.text for f in faults)}; runs under {work}")
+    try:
+        clean = _simulate(cfg, "fault-free", args.islands, [], args, work)
+        chaos = _simulate(cfg, "chaos", args.islands, faults, args, work)
+    except DtrainError as e:
+        print(f"error: {e} (run folders kept under {work})", file=sys.stderr)
+        raise SystemExit(1) from None
+    result = figures(clean, chaos)
+    _print_faults(chaos)
+    print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f}, goodput {_fmt(clean['goodput'], '.3f')}, "
+          f"{clean['wall_s']:.0f}s; chaos: eval loss {chaos['final_eval_loss']:.4f}, {chaos['rounds']} versions, "
+          f"{chaos['wall_s']:.0f}s" + (f"; undetected: {', '.join(result['undetected'])}" if result["undetected"]
+                                        else ""))
+    out = {"figures": result, "targets": TARGETS, "faults": list(args.faults or FAULTS),
+           "fault_free": {k: v for k, v in clean.items() if k != "islands"},
+           "chaos": {k: v for k, v in chaos.items() if k != "islands"}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.keep:
+        log(f"run folders kept under {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    print(targets_line(result))
+    print(final_line(result))
+    return out
+
+
+if __name__ == "__main__":
+    main()
