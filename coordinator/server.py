@@ -281,11 +281,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise
         version, merged, close_reason = self.state.close_round(now)
         assert version == update.version, (version, update.version)
-        if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
-            self.ckpt.save_files(version, self.merger.state_files(),
-                                 {"state": self.state.to_json(), "version": version,
-                                  "params_digest": self.merger.digest})
-        self.merge_s += time.perf_counter() - t0
+        # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
+        # and its coordinator_resumed event tells a reader (dtrain.audit) that this merge was rolled back; the
+        # other order would leave a checkpointed version with no record of what went into it.
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
@@ -293,6 +291,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                 "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest)
+        if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
+            self.ckpt.save_files(version, self.merger.state_files(),
+                                 {"state": self.state.to_json(), "version": version,
+                                  "params_digest": self.merger.digest})
+        self.merge_s += time.perf_counter() - t0
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 

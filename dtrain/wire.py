@@ -32,9 +32,12 @@ STATUS_DEADLINE_S = 10.0
 # coordinator's lease (worker.heartbeat_s, coordinator.lease_s): a failed call can have other causes.
 KEEPALIVE_TIME_S = 10.0
 KEEPALIVE_TIMEOUT_S = 5.0
+# A worker's channel tries to reconnect to a coordinator that went away at most this often (gRPC's default
+# backoff grows to 120 s: after a 2 s restart the first heartbeat could then wait longer than the 4 s lease).
+RECONNECT_BACKOFF_MAX_S = 0.5
 
 AUTH_METADATA_KEY = "authorization"
-# Trailing metadata on a Join refused because the run is over ("VERSION/TOTAL"): the island exits 0 on it.
+# Trailing metadata on a Join refused because the run is over (its value: the last version): the island exits 0.
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
 
@@ -99,14 +102,17 @@ def channel_options(max_message_bytes: int, server_name: str = "") -> list[tuple
 
 def keepalive_options(server: bool) -> list[tuple[str, int | str]]:
     """gRPC keepalive options (see KEEPALIVE_TIME_S): both ends ping an idle connection every KEEPALIVE_TIME_S and
-    drop it when no answer comes within KEEPALIVE_TIMEOUT_S; the server accepts the workers' pings that often."""
+    drop it when no answer comes within KEEPALIVE_TIMEOUT_S; the server accepts the workers' pings that often.
+    A worker's channel also reconnects every RECONNECT_BACKOFF_MAX_S while the coordinator is away."""
     opts: list[tuple[str, int | str]] = [("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
                                          ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
                                          ("grpc.keepalive_permit_without_calls", 1)]
     if server:  # pings from workers at KEEPALIVE_TIME_S are welcome, not "too many pings"
         opts.append(("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2))
     else:
-        opts.append(("grpc.http2.max_pings_without_data", 0))
+        ms = int(RECONNECT_BACKOFF_MAX_S * 1000)
+        opts += [("grpc.http2.max_pings_without_data", 0), ("grpc.initial_reconnect_backoff_ms", ms),
+                 ("grpc.min_reconnect_backoff_ms", ms), ("grpc.max_reconnect_backoff_ms", ms)]
     return opts
 
 

@@ -333,21 +333,26 @@ class _Simulation:
             seen: dict[str, Any] | None = None
             if f["kind"] in ("kill", "hang", "cut"):
                 # The coordinator notices a dead or hung island when its lease expires, or earlier when a
-                # restarted one joins again under the same name.
+                # restarted one joins again under the same name (not a live island moving to another shard).
                 seen = next((e for e in coord_events if e["t"] >= t and e.get("name", e.get("island")) is not None
                              and (e.get("event") == "island_lost"
                                   and str(e.get("island", "")).startswith(f["target"] + "-")
-                                  or e.get("event") == "island_joined" and e.get("name") == f["target"])), None)
-                action = {"island_lost": "lease expired: island dropped from the quorum",
-                          "island_joined": "rejoined before its lease expired: kept its shard and cursor",
+                                  or e.get("event") == "island_joined" and e.get("name") == f["target"]
+                                  and "is done; took over" not in str(e.get("reason", "")))), None)
+                action = {"island_lost": "lease expired: dropped from the round; its shard's unmerged data goes "
+                                         "to the next island to take the shard",
+                          "island_joined": "rejoined before its lease expired: kept its shard, from the "
+                                           "coordinator's cursor",
                           None: "none: lease not expired"}[seen.get("event") if seen else None]
             elif f["kind"] == "kill-coordinator":
                 seen = min((e for evs in island_events.values() for e in evs
                             if e.get("event") in ("retry", "heartbeat_failed") and e["t"] >= t),
                            key=lambda e: e["t"], default=None)
                 action = "islands retried with backoff"
-            else:  # slow: a slow link is not a failure; the island keeps its lease
-                action = "none: a slow link keeps its lease"
+            else:  # slow: not a failure (the island keeps its lease); the island notices its round trips grow
+                seen = next((e for e in island_events.get(f["target"], [])
+                             if e.get("event") == "link_slow" and e["t"] >= t), None)
+                action = "the island reported its link slow (heartbeat round trips); it keeps its lease"
             result.append({**f, "detected_t": seen["t"] if seen else None,
                            "detection_s": round(seen["t"] - t, 3) if seen else None,
                            "detected_by": seen.get("event") if seen else None, "action": action})

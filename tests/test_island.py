@@ -4,6 +4,7 @@ the exchange thread, against fake coordinator clients (the real path: tests/test
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 
 import grpc
@@ -270,3 +271,18 @@ def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():
     client = FakeClient([[], [_full(4, _vec(6))]])  # no version follows the last one
     ex = _exchange(client, Events(), total_versions=3)  # the push is based on v3, the last version
     assert ex.start().result(timeout=10) is ex.base and len(client.pulls) == 1
+
+
+def test_link_watch_reports_a_slow_link_after_a_streak_and_its_recovery():
+    from workers.island import LinkWatch
+
+    w = LinkWatch(warmup=5, streak=3, factor=3.0, margin_s=0.010)
+    assert [w.observe(0.002) for _ in range(5)] == [None] * 5  # baseline 2 ms: the limit is 16 ms
+    assert w.observe(0.100) is None and w.observe(0.015) is None  # one slow trip, then a normal one: no streak
+    assert [w.observe(0.100) for _ in range(2)] == [None, None]
+    kind, fields = w.observe(0.100)  # the third in a row
+    assert kind == "link_slow" and fields == {"rtt_s": 0.1, "baseline_s": 0.002, "limit_s": 0.016}
+    assert w.observe(0.100) is None  # reported once
+    assert statistics.median(w.rtts) == 0.002  # slow trips stay out of the baseline
+    kind, _ = w.observe(0.003)
+    assert kind == "link_recovered" and w.observe(0.003) is None

@@ -22,10 +22,12 @@ island blocks only when the planner says to wait; that time is what
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import platform
+import statistics
 import threading
 import time
 import uuid
@@ -202,6 +204,41 @@ class Exchange:
         return g
 
 
+class LinkWatch:
+    """Notices a link to the coordinator that became slow, from heartbeat round trips: once ``warmup`` of them
+    set a baseline (their median), ``streak`` round trips in a row above ``factor`` × baseline + ``margin_s``
+    are a slow link, and one back under it a recovery. Slow round trips stay out of the baseline. A slow link
+    is not a failure (the island keeps its lease); it is reported, since it will make the island's rounds late."""
+
+    def __init__(self, window: int = 30, warmup: int = 5, streak: int = 3, factor: float = 3.0,
+                 margin_s: float = 0.010):
+        self.rtts: collections.deque[float] = collections.deque(maxlen=window)
+        self.warmup, self.streak, self.factor, self.margin_s = warmup, streak, factor, margin_s
+        self.over = 0
+        self.slow = False
+
+    def observe(self, rtt: float) -> tuple[str, dict[str, float]] | None:
+        """Records one round trip; returns ("link_slow" | "link_recovered", fields) when the state changes."""
+        if len(self.rtts) < self.warmup:
+            self.rtts.append(rtt)
+            return None
+        baseline = statistics.median(self.rtts)
+        limit = self.factor * baseline + self.margin_s
+        fields = {"rtt_s": round(rtt, 4), "baseline_s": round(baseline, 4), "limit_s": round(limit, 4)}
+        if rtt > limit:
+            self.over += 1
+            if self.over >= self.streak and not self.slow:
+                self.slow = True
+                return "link_slow", fields
+            return None
+        self.over = 0
+        self.rtts.append(rtt)
+        if self.slow:
+            self.slow = False
+            return "link_recovered", fields
+        return None
+
+
 @dataclass(frozen=True)
 class Rewind:
     """Where the island trains next, set by the coordinator: after a (re)join (its shard and cursor) or after a
@@ -303,12 +340,17 @@ class Worker:
         coordinator that comes back hears from the island within a heartbeat, well inside its lease). A run of
         failures is one event, and its end another."""
         failing_since: float | None = None
+        link = LinkWatch()
         while not self.stopping.wait(self.cfg.worker.heartbeat_s):
             exchange = status.exchange
             try:
+                t0 = time.perf_counter()
                 resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "")
+                change = link.observe(time.perf_counter() - t0)
+                if change is not None:
+                    self.log.event(change[0], **change[1])
             except CoordinatorError as e:
                 if failing_since is None:
                     failing_since = time.perf_counter()
