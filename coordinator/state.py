@@ -29,6 +29,9 @@ Model:
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
   calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
+- A lost island's push (a hung island that wakes up) is a late delta like any
+  other (``late_policy``, the contiguity rule) while no live island holds its
+  shard; once another took the shard over, it is dropped.
 - Pushes: :meth:`admit_push` previews the decision without changing anything
   (the server refuses a push before its payload streams in);
   :meth:`commit_push` decides again, once the payload has arrived (a round may
@@ -512,10 +515,13 @@ class CoordinatorState:
         self._check_bounds(info)
         cursor = self.shard_cursor(info.shard_index)
         rewind = f"not merged: its range is trained again from shard {info.shard_index}'s cursor {cursor}"
-        if record.state == "lost":
-            return Admission("drop", 0.0, staleness, target,
-                             f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f}: push {info.push_id} "
-                             f"dropped, rejoin (call Join again); {rewind}")
+        if record.state == "lost":  # a late delta (a hung island back): judged like any other while its shard
+            holder = next((r for r in self.live() if r.shard_index == record.shard_index), None)  # is free
+            if holder is not None:
+                return Admission("drop", 0.0, staleness, target,
+                                 f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f} and "
+                                 f"{holder.island_id} took over shard {record.shard_index}: push {info.push_id} "
+                                 f"dropped, rejoin (call Join again); {rewind}")
         if info.shard_index != record.shard_index:
             return Admission("drop", 0.0, staleness, target,
                              f"push {info.push_id} covers shard {info.shard_index}, but {info.island_id} now holds "

@@ -443,17 +443,20 @@ def test_bad_pushes_refused_without_change(change, code, words):
     unchanged(st, lambda: st.commit_push(bad, T0), code, *words)
 
 
-def test_lost_island_push_dropped():
-    """A lost island's push (a late delta from a hang) is dropped and counted; its range stays unmerged and the
-    reply names the cursor to train it again from."""
-    st = make()
+def test_a_lost_islands_late_push_is_judged_like_any_other_until_its_shard_is_taken():
+    """A lost island's push (a hung island back) is a late delta under late_policy while its shard is free;
+    once another island holds the shard, it is dropped and counted, naming the cursor to train it from."""
+    st = make("coordinator.mode=async")
     a, *_ = join_all(st)
-    st.expire(T0 + 15)
+    st.expire(T0 + 15)  # all four lost
     adm = push(st, info(st, a), T0 + 16)
-    assert adm.status == "drop" and st.deltas_dropped == 1 and st.shard_cursor(0) == 0
-    assert "lease expired at t=1015.0" in adm.reason and "rejoin (call Join again)" in adm.reason
-    assert "trained again from shard 0's cursor 0" in adm.reason
-
+    assert adm.status == "accept" and st.shard_cursor(0) == 40
+    st.close_round(T0 + 16)
+    st.join("e", "cpu", 1, T0 + 17)  # takes shard 0, the lowest free one with data left
+    adm = push(st, info(st, a, base=1), T0 + 18)
+    assert adm.status == "drop" and st.deltas_dropped == 1 and st.shard_cursor(0) == 40
+    assert "lease expired at t=1015.0 and e-0 took over shard 0" in adm.reason
+    assert "rejoin (call Join again)" in adm.reason and "trained again from shard 0's cursor 40" in adm.reason
 
 def test_async_ready_after_each_push():
     st = make("coordinator.mode=async")
