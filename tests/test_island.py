@@ -161,12 +161,13 @@ def _update(base: int, version: int, values: np.ndarray, result: np.ndarray) -> 
 
 
 class FakeClient:
-    """Answers pulls from a script; records each request; pushes are recorded and answered PENDING."""
+    """Answers pulls from a script; records each request; pushes are recorded and answered ``status``."""
 
     def __init__(self, answers: list[list[PulledFrame]], push_error: Exception | None = None):
         self.answers, self.push_error = list(answers), push_error
         self.pulls: list[tuple[str, int, float, bool]] = []
         self.pushes: list[str] = []
+        self.status = pb.PUSH_STATUS_PENDING  # how every push is answered
 
     def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
              max_frame: int | None = None) -> list[PulledFrame]:
@@ -177,7 +178,7 @@ class FakeClient:
         if self.push_error is not None:
             raise self.push_error
         self.pushes.append(header.push_id)
-        return pb.PushDeltaResponse(status=pb.PUSH_STATUS_PENDING, reason="round open")
+        return pb.PushDeltaResponse(status=self.status, reason="round open")
 
 
 class Events(list):
@@ -254,7 +255,8 @@ def test_the_exchange_pushes_then_pulls_until_a_newer_version_and_returns_it_thr
     assert events == [("push_sent", {"push_id": "a-0-p1", "base_version": 3, "status": "PUSH_STATUS_PENDING",
                                      "bytes": 5, "tokens": 640, "reason": "round open", "shard": 0, "start": 0,
                                      "end": 0, "cursor": 0}),
-                      ("push_resent", {"push_id": "a-0-p1"})]
+                      ("push_resent", {"push_id": "a-0-p1", "status": "PUSH_STATUS_PENDING", "reason": "round open",
+                                       "cursor": 0})]
 
 
 def test_the_exchange_stops_with_the_run_and_hands_errors_to_the_future():
@@ -265,6 +267,24 @@ def test_the_exchange_stops_with_the_run_and_hands_errors_to_the_future():
     error = CoordinatorError(grpc.StatusCode.UNAVAILABLE, "gone")
     ex = _exchange(FakeClient([], push_error=error), Events())
     assert ex.start().exception(timeout=10) is error
+
+
+def test_an_exchange_whose_push_is_dropped_or_refused_returns_the_newest_theta_at_once():
+    """No version waits for a push the coordinator did not take: the exchange does not wait for one (the
+    island rewinds and trains the range again); a refusal is answered as REJECTED at the range's start."""
+    for push_error, status in [(None, pb.PUSH_STATUS_DROPPED),
+                               (CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad frame"), None)]:
+        client = FakeClient([[_full(3, _vec(7))]], push_error=push_error)
+        if status is not None:
+            client.status = status
+        events = Events()
+        ex = _exchange(client, events)
+        g = ex.start().result(timeout=10)
+        assert g.version == 3 and len(client.pulls) == 1 and client.pulls[0][2] == 0.0  # one pull, no long poll
+        assert ex.response is not None
+        assert ex.response.status == (status or pb.PUSH_STATUS_REJECTED)
+        if push_error is not None:
+            assert ("push_refused", {"push_id": "a-0-p1", "code": "INVALID_ARGUMENT", "error": "bad frame"}) in events
 
 
 def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():

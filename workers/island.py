@@ -176,28 +176,37 @@ class Exchange:
         else:
             self.future.set_result(result)
 
-    def _exchange(self) -> GlobalParams:
+    def _send(self) -> pb.PushDeltaResponse:
+        """Pushes the frame; a refusal (a bad frame, a range outside the bounds, an unknown island: nothing of
+        it was applied, and a retry would be refused too) is answered as REJECTED at its range's start."""
         h = self.header
         try:
-            response = self.client.push(h, self.frame)
+            return self.client.push(h, self.frame)
         except CoordinatorError as e:
             if e.code not in REFUSALS:
                 raise
-            # Refused whole (a bad frame, a range outside the bounds, an unknown island): nothing of it was
-            # applied. The island goes on; its range is trained again from where it began (a rewind).
-            response = pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
             self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
-        self.response = response
+            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
+
+    def _exchange(self) -> GlobalParams:
+        h = self.header
+        response = self.response = self._send()
         self.log("push_sent", push_id=h.push_id, base_version=h.base_version,
                  status=pb.PushStatus.Name(response.status), bytes=len(self.frame), tokens=h.tokens,
                  reason=response.reason, shard=h.shard_index, start=h.cursor_start, end=h.cursor_end,
                  cursor=response.cursor)
         g = self.base
         while g.version <= self.base.version and not self.stop.is_set():
+            if response.status in (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED):
+                # Not merged, and no version waits for it: back at once with the newest θ, so the island trains
+                # the range again (a rewind) without waiting for a round that may be waiting for it.
+                return self.puller.pull(h.island_id, g)
             if self.repush.is_set():  # the coordinator lost our push (restart): send it again
                 self.repush.clear()
-                self.client.push(h, self.frame)
-                self.log("push_resent", push_id=h.push_id)
+                response = self.response = self._send()
+                self.log("push_resent", push_id=h.push_id, status=pb.PushStatus.Name(response.status),
+                         reason=response.reason, cursor=response.cursor)
+                continue
             g = self.puller.pull(h.island_id, g, wait_s=PULL_WAIT_S)
             if self.total_versions and g.version >= self.total_versions:
                 break
