@@ -367,3 +367,23 @@ def test_a_truncated_upload_changes_nothing_and_its_retry_is_merged(
     finally:
         server.stop(grace=None).wait()
         service.close()
+
+
+@pytest.mark.slow
+def test_a_partitioned_minority_cannot_commit(tmp_path: Path) -> None:
+    """island-2's link is cut for 8 s (past its 4 s lease): the coordinator is the one commit point, so while
+    the minority is cut off nothing of it is merged; the majority goes on without waiting for it; afterwards
+    it rejoins at the coordinator's cursor, every sequence is merged once and all islands end on one θ."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", "outer.islands=3"])
+    s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault("cut:island-2@v1+8s", 3)])
+    assert s["bit_identical_final_params"] and not s["unfinished_islands"]
+    _assert_every_sequence_once(s)
+    (cut,) = s["faults"]
+    assert cut["detected_by"] == "island_lost" and cut["detection_s"] <= 5.0, cut
+    events = read_events(s["run_dir"])
+    during = [e for e in events if e["event"] == "round_merged" and cut["injected_t"] <= e["t"] < cut["recovered_t"]]
+    assert during, "the majority merged versions while the minority was cut off"
+    assert all(not p["island"].startswith("island-2-") for e in during for p in e["pushes"]), during
+    assert any(e["event"] == "island_joined" and e["name"] == "island-2" and "was lost" in e["reason"]
+               for e in events if e["t"] >= cut["recovered_t"])

@@ -568,11 +568,14 @@ class Worker:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
             return anchor, None, False
         batch = self.cfg.train.batch_size
-        discarded = (island.cursor - start) // batch
+        discarded = (island.cursor - start) // batch  # unpushed progress, thrown away
+        # Steps trained again: a dropped or rejected range, and the progress after it, on the same shard.
+        again = (island.cursor - rewind.cursor) // batch if rewind.shard == island.index else 0
         latest = self.pull(anchor)  # the newest θ: the retrained range is pushed against it
         island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, latest.vec)))
         self.log.event("rewound", from_shard=island.index, from_cursor=island.cursor, to_shard=rewind.shard,
-                       to_cursor=rewind.cursor, discarded_steps=discarded, version=latest.version,
+                       to_cursor=rewind.cursor, discarded_steps=discarded, retrained_steps=max(again, 0),
+                       version=latest.version,
                        reason=rewind.reason)
         self.log.progress(f"{self.name}: rewound to shard {rewind.shard} cursor {rewind.cursor} "
                           f"({discarded} steps discarded): {rewind.reason}")
