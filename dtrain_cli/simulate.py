@@ -309,9 +309,18 @@ class _Simulation:
             recovered = retry["t"] if retry is not None else None
         else:
             action = PUSH_DETECTIONS[seen["event"]]
+        recovery = "upload sent again" if recovered is not None else None
+        if seen is not None and seen["event"] != "push_aborted":  # not merged: the island trains its range again
+            rewound = next((e for e in _events(self.out / "islands" / f.target)
+                            if e.get("event") == "rewound" and push_id in str(e.get("reason", ""))), None)
+            if rewound is not None:
+                recovered = rewound["t"]
+                recovery = (f"the island rewound to cursor {rewound.get('to_cursor')} and trained the range again "
+                            f"({rewound.get('retrained_steps')} steps)")
         t = injected["t"]
         return {"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": t,
-                "version": injected.get("base_version"), "recovered_t": recovered, "push_id": push_id,
+                "version": injected.get("base_version"), "recovered_t": recovered, "recovery": recovery,
+                "push_id": push_id,
                 "merged": merged, "detected_t": seen["t"] if seen else None,
                 "detection_s": round(seen["t"] - t, 3) if seen else None,
                 "detected_by": seen["event"] if seen else None, "action": action}
