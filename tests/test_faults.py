@@ -274,7 +274,7 @@ def _coordinator(cfg: Config, run_dir: Path) -> tuple[Any, Any, str, np.ndarray]
 def _push_header(join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
     """10 steps x batch 8 = 80 sequences x seq_len 32: 2560 tokens at most; it claims 640."""
     return pb.PushHeader(island_id=join.island_id, base_version=0, push_id=push_id, tokens=640, inner_steps=10,
-                         cursor_start=0, cursor_end=80, tree_digest=join.tree_digest)
+                         cursor_start=0, cursor_end=80, tree_digest=join.tree_digest, shard_index=join.shard_index)
 
 
 def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_does_not(
