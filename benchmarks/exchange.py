@@ -431,7 +431,8 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
             def push(i: int, r: int = r) -> Any:
                 h = pb.PushHeader(island_id=joins[i].island_id, base_version=r, push_id=f"island-{i}-r{r}",
                                   tokens=tokens, inner_steps=cfg.outer.inner_steps, cursor_start=r * seqs,
-                                  cursor_end=(r + 1) * seqs, tree_digest=joins[i].tree_digest)
+                                  cursor_end=(r + 1) * seqs, shard_index=joins[i].shard_index,
+                                  tree_digest=joins[i].tree_digest)
                 return clients[i].push(h, frames[i])
 
             cpu0 = _cpu_s(coord.proc.pid), sum(os.times()[:2])

@@ -394,3 +394,24 @@ def test_a_partitioned_minority_cannot_commit(tmp_path: Path) -> None:
     shard = next(e["shard"] for e in events if e["event"] == "island_joined" and e["name"] == "island-2")
     assert any(e["event"] == "island_joined" and e["shard"] == shard and "took over" in e["reason"]
                for e in events), "the majority finished the minority's shard"
+
+
+@pytest.mark.slow
+def test_a_hung_islands_dropped_late_delta_is_trained_again(tmp_path: Path) -> None:
+    """late_policy = "drop": island-0, hung (SIGSTOP) for 6 s past its 3 s lease, wakes with a delta based on
+    a version the other island has long moved past; it is dropped (counted), island-0 rewinds to its shard's
+    cursor and trains that range again, so every sequence is still merged exactly once."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=120", "coordinator.late_policy=drop",
+        "worker.heartbeat_s=0.5", "coordinator.lease_s=3"])
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault("hang:island-0@v1+6s", 2)])
+    assert s["bit_identical_final_params"]
+    _assert_every_sequence_once(s)
+    (hang,) = s["faults"]
+    assert hang["detected_by"] == "island_lost", hang
+    dropped = [e for e in read_events(s["run_dir"])
+               if e["event"] == "push_received" and e["status"] == "drop" and e["island"].startswith("island-0-")]
+    assert dropped, "the hung island's late delta was dropped"
+    rewound = [e for e in read_events(Path(s["run_dir"]) / "islands" / "island-0") if e["event"] == "rewound"]
+    assert any(e["retrained_steps"] > 0 for e in rewound), rewound
