@@ -483,7 +483,7 @@ class Worker:
         pending: Pending | None = None
         round_steps = rounds = 0
         round_start = (island.cursor, island.tokens)
-        last_log = (time.perf_counter(), island.steps)
+        last_log = (time.perf_counter(), self.executed_steps)
         while not self.stopping.is_set():
             rewind = self._take_rewind()
             if rewind is not None:
@@ -526,10 +526,12 @@ class Worker:
         """Measures steps/s since the last log line and prints one; returns the new (time, steps) mark."""
         jax.block_until_ready(island.state.step)  # note: host sync, once per log interval
         now = time.perf_counter()
-        status.steps_per_s = (island.steps - last_log[1]) / max(now - last_log[0], 1e-9)
+        # From the steps this process ran, not the island's position: a rewind moves that back (or to another
+        # shard), and a negative rate would have the coordinator refuse the island's heartbeats.
+        status.steps_per_s = (self.executed_steps - last_log[1]) / max(now - last_log[0], 1e-9)
         tokens_per_s = status.steps_per_s * self.cfg.train.batch_size * self.cfg.model.seq_len
         self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} tok/s {fmt_rate(tokens_per_s)}")
-        return now, island.steps
+        return now, self.executed_steps
 
     def _fold_in(self, island: Island, pending: Pending, status: IslandStatus) -> GlobalParams:
         """Waits for the exchange's θ' (raising its error, if it failed) and folds it in; θ' is the new anchor.
