@@ -168,6 +168,7 @@ class FakeClient:
         self.pulls: list[tuple[str, int, float, bool]] = []
         self.pushes: list[str] = []
         self.status = pb.PUSH_STATUS_PENDING  # how every push is answered
+        self.merged_version = 4  # the version a push is answered to go into
 
     def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
              max_frame: int | None = None) -> list[PulledFrame]:
@@ -178,7 +179,7 @@ class FakeClient:
         if self.push_error is not None:
             raise self.push_error
         self.pushes.append(header.push_id)
-        return pb.PushDeltaResponse(status=self.status, reason="round open")
+        return pb.PushDeltaResponse(status=self.status, reason="round open", merged_version=self.merged_version)
 
 
 class Events(list):
@@ -285,6 +286,22 @@ def test_an_exchange_whose_push_is_dropped_or_refused_returns_the_newest_theta_a
         assert ex.response.status == (status or pb.PUSH_STATUS_REJECTED)
         if push_error is not None:
             assert ("push_refused", {"push_id": "a-0-p1", "code": "INVALID_ARGUMENT", "error": "bad frame"}) in events
+
+
+def test_a_late_push_waits_for_the_version_it_goes_into():
+    """A push based on v3 that the coordinator takes into v6 (a hung island's late delta): θ_5 does not end the
+    exchange, θ_6 does; the island's next push then belongs to the round after it."""
+    client = FakeClient([[_full(5, _vec(5))], [_full(6, _vec(6))]])
+    client.merged_version = 6
+    ex = _exchange(client, Events())
+    g = ex.start().result(timeout=10)
+    assert g.version == 6 and len(client.pulls) == 2
+    ex.header = pb.PushHeader(push_id="a-0-p1", shard_index=1, cursor_start=80, cursor_end=160)
+    # A cursor named before this push arrived ([80, 160) of shard 1, taken into v6) moves past its range.
+    assert [ex.accepted_range_end(1, c) for c in (80, 120, 160)] == [160, 160, 160]
+    assert ex.accepted_range_end(0, 80) == 80 and ex.accepted_range_end(1, 40) == 40
+    ex.response = pb.PushDeltaResponse(status=pb.PUSH_STATUS_DROPPED, merged_version=6)
+    assert ex.accepted_range_end(1, 80) == 80  # not taken: the cursor stays where the coordinator said
 
 
 def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():

@@ -188,6 +188,20 @@ class Exchange:
             self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
 
+    def _awaited(self) -> int:
+        """The version the push goes (or went) into, if the coordinator took it; 0 otherwise."""
+        r = self.response
+        taken = r is not None and r.status in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED, pb.PUSH_STATUS_DUPLICATE)
+        return r.merged_version if taken and r is not None else 0
+
+    def accepted_range_end(self, shard: int, cursor: int) -> int:
+        """``cursor`` moved past this push's range if the coordinator took the push and the range covers it on
+        ``shard`` (a cursor named before the push arrived); else ``cursor``."""
+        h = self.header
+        if self._awaited() and h.shard_index == shard and h.cursor_start <= cursor < h.cursor_end:
+            return h.cursor_end
+        return cursor
+
     def _exchange(self) -> GlobalParams:
         h = self.header
         response = self.response = self._send()
@@ -196,7 +210,10 @@ class Exchange:
                  reason=response.reason, shard=h.shard_index, start=h.cursor_start, end=h.cursor_end,
                  cursor=response.cursor)
         g = self.base
-        while g.version <= self.base.version and not self.stop.is_set():
+        # Done once θ is newer than the push's base and, for a push pending in a round, holds that round's
+        # version: a late push (a hung island back) goes into a round after the next, and the island's next
+        # push belongs to the round after that one.
+        while (g.version <= self.base.version or g.version < self._awaited()) and not self.stop.is_set():
             if response.status in (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED):
                 # Not merged, and no version waits for it: back at once with the newest θ, so the island trains
                 # the range again (a rewind) without waiting for a round that may be waiting for it.
@@ -306,6 +323,7 @@ class Worker:
         self.total_versions = 0  # the version the run ends at, if the coordinator knows it ahead (0: it says stop)
         self.final_version = 0  # the coordinator's version when it said the run is over
         self._rewind: Rewind | None = None  # set by the heartbeat thread or a fold-in, applied by the training loop
+        self._last_exchange: Exchange | None = None  # the last one folded in
         self._rewind_lock = threading.Lock()
         self.ckpt: Checkpointer | None = None
         self.blocked_s = 0.0
@@ -538,6 +556,7 @@ class Worker:
         If the coordinator dropped or rejected the push, a :class:`Rewind` to its cursor is posted: the loop
         then trains the push's range again (the fold-in's progress is discarded there)."""
         result = pending.exchange.future.result()
+        self._last_exchange = pending.exchange
         new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
         island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
         status.exchange, status.version = None, result.version
@@ -555,17 +574,14 @@ class Worker:
         The exchange in flight is finished first: if the coordinator accepted its push, the rewind starts after
         that push's range; if its island still stands where the coordinator says, nothing is discarded."""
         if pending is not None:
-            h = pending.exchange.header
             anchor = self._wait(island, pending, status, "rewind: finish the exchange in flight first")
             later = self._take_rewind()  # the fold-in's own, if the coordinator dropped or rejected the push
             if later is not None and (later.joined or not rewind.joined):
                 rewind = later
-            resp = pending.exchange.response
-            accepted = resp is not None and resp.status in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED,
-                                                            pb.PUSH_STATUS_DUPLICATE)
-            if accepted and h.shard_index == rewind.shard and h.cursor_start <= rewind.cursor < h.cursor_end:
-                rewind = dataclasses.replace(rewind, cursor=h.cursor_end)  # the coordinator holds that range
-            # ``start`` is h.cursor_end: the island's progress since that push is what it has not pushed yet
+        if self._last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
+            rewind = dataclasses.replace(rewind, cursor=self._last_exchange.accepted_range_end(rewind.shard,
+                                                                                               rewind.cursor))
+        # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
         if rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
             return anchor, None, False
