@@ -405,7 +405,8 @@ def test_a_hung_islands_dropped_late_delta_is_trained_again(tmp_path: Path) -> N
     a version the other island has long moved past; it is dropped (counted), island-0 rewinds to its shard's
     cursor and trains that range again, so every sequence is still merged exactly once."""
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
-        f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=120", "coordinator.late_policy=drop",
+        # 100 rounds per shard: island-1 is still training its own when island-0 wakes (tiny rounds take ~0.1 s)
+        f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=2000", "coordinator.late_policy=drop",
         "worker.heartbeat_s=0.5", "coordinator.lease_s=3"])
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        faults=[parse_fault("hang:island-0@v1+6s", 2)])
