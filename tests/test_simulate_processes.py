@@ -252,4 +252,10 @@ def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(t
     events = read_events(out)
     after = [e for e in events if e["event"] == "round_merged" and e["t"] > killed_at]
     assert after and after[0]["t"] - killed_at <= 10.0  # the open round closed without waiting for a grace
-    assert [e["version"] for e in events if e["event"] == "round_merged"][-1] == cfg.rounds
+    # The survivor finished b's shard too (b never came back): every sequence of both shards merged once, in
+    # more versions than the fault-free cfg.rounds.
+    from dtrain.audit import AuditParams, audit
+
+    checked = audit(events, {n: read_events(out / "islands" / n) for n in ("a", "b")}, AuditParams.from_config(cfg))
+    assert checked.lost_tokens == 0 and checked.doubled_tokens == 0, checked.to_dict()
+    assert [e["version"] for e in events if e["event"] == "round_merged"][-1] > cfg.rounds
