@@ -156,6 +156,8 @@ def _print_faults(chaos: dict[str, Any]) -> None:
             print(f"audit {kind}: " + ", ".join(f"shard {r['shard']} [{r['start']}, {r['end']})" for r in a[kind]))
     if chaos["unfinished_islands"]:
         print(f"islands that did not finish: {', '.join(chaos['unfinished_islands'])}")
+    for f in chaos.get("faults_not_injected", ()):  # not in I: the run did not test it
+        print(f"NOT INJECTED: {f['fault']} ({f['reason']})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

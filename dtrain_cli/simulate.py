@@ -111,6 +111,7 @@ class _Simulation:
         self.proxies: dict[str, LinkProxy] = {}
         self.faults = faults
         self.fired: list[dict[str, Any]] = []  # one record per injected fault
+        self.not_injected: list[dict[str, str]] = []  # faults that never fired, and why
         self.recoveries: list[tuple[float, Callable[[], None]]] = []  # (monotonic time, action)
         self.t0 = time.perf_counter()
         self.t_workers = 0.0
@@ -196,12 +197,13 @@ class _Simulation:
                 running = sum(p.poll() is None for p in self.workers.values())
                 self.log.progress(f"{running} workers running; {version} versions merged")
             time.sleep(0.2)
-        for f in pending:
-            self.log.event("fault_not_injected", fault=f.text, reason="the run ended first")
-        for f in self.faults:
-            if f.kind in PUSH_KINDS and self._push_fault_event(f) is None:
-                self.log.event("fault_not_injected", fault=f.text,
-                               reason=f"{f.target} made no push based on version {f.at_version} or later")
+        missed = [(f, "the run ended first") for f in pending]
+        missed += [(f, f"{f.target} made no push based on version {f.at_version} or later") for f in self.faults
+                   if f.kind in PUSH_KINDS and self._push_fault_event(f) is None]
+        for f, reason in missed:
+            self.log.event("fault_not_injected", fault=f.text, reason=reason)
+            self.log.progress(f"fault {f.text}: not injected ({reason})")
+            self.not_injected.append({"fault": f.text, "reason": reason})
         failed = [(n, p.returncode) for n, p in self.workers.items()
                   if p.returncode != 0 and n not in self.gone | self.stopped]
         if failed:
@@ -399,6 +401,7 @@ class _Simulation:
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
             "worker_cpus": self.shares, "faults": self._detections(),
+            "faults_not_injected": self.not_injected,
             "goodput": checked.goodput, "audit": checked.to_dict(),
             "unfinished_islands": sorted(self.gone | self.stopped),
         }
