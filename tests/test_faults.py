@@ -185,8 +185,12 @@ def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> Non
     (a version more than without the fault per round of that shard left) and the survivors end on the same θ."""
     cfg = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", "outer.islands=3"])
     s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
-                       faults=[parse_fault("kill:island-1@v1", 3)])
+                       faults=[parse_fault("kill:island-1@v1", 3), parse_fault("nan:island-1@v50", 3)])
     assert s["bit_identical_final_params"]
+    # island-1 never pushed again: its NaN push never fired, and the summary says so (it is not in "faults").
+    assert s["faults_not_injected"] == [{"fault": "nan:island-1@v50",
+                                         "reason": "island-1 made no push based on version 50 or later"}]
+    assert [f["fault"] for f in s["faults"]] == ["kill:island-1@v1"]
     _assert_every_sequence_once(s)
     joins = [e for e in read_events(s["run_dir"]) if e["event"] == "island_joined"]
     (shard,) = [e["shard"] for e in joins if e["name"] == "island-1"]  # joined once, then killed for good
