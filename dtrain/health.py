@@ -370,7 +370,9 @@ class Probes:
     def replay(self, params: Params, batch_bxL1: np.ndarray, indices: Sequence[int], step: int = 0,
                rtol: float = 0.0) -> Replay:
         """The (loss, gradient) of micro-batch ``batch_bxL1`` computed on each device ``indices`` (positions in
-        ``mesh.devices.flat``; 2 to check, 3 to decide) and compared pairwise on the first one's device."""
+        ``mesh.devices.flat``; 2 to check, 3 to decide) and compared pairwise on the first one's device. The
+        single-device program is compiled once per device (JAX caches it): the first replay on a device costs a
+        compilation."""
         if len(indices) < 2 or len(set(indices)) != len(indices):
             raise ValueError(f"replay: indices {list(indices)} must name at least 2 distinct devices")
         ids = [self.device_ids[i] for i in indices]

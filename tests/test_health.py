@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, make_text
 
+from conftest import TINY, make_text
 from dtrain.config import load_config
 from dtrain.health import (
     KNOWN_ANSWER_N,
