@@ -139,6 +139,7 @@ def test_robust_z_rule() -> None:
         outliers([1.0, 2.0])
 
 
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
 def test_clean_control_flags_nothing(island: Island) -> None:
     """200 random clean micro-batch sets (100 at θ_0, 100 after 30 inner steps): no device flagged by the
     statistics; clean replays agree bit for bit; the known answer holds."""
@@ -162,6 +163,7 @@ def test_clean_control_flags_nothing(island: Island) -> None:
     assert all(r.ok for r in probes.known_answer(step=99))
 
 
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
 def test_replay_finds_a_silent_bit_flip_on_the_right_device(island: Island) -> None:
     """A flip of the lowest mantissa bit of 1% of one device's gradient entries: invisible to the statistics,
     found by replay, and pinned on the device by a third one."""
@@ -179,6 +181,7 @@ def test_replay_finds_a_silent_bit_flip_on_the_right_device(island: Island) -> N
     assert probes.replay(island.params, mb, [1, 2]).suspects == []  # two healthy devices agree
 
 
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
 def test_replay_tolerance_mode(island: Island) -> None:
     mb = micro_batch(island.batch(np.random.default_rng(4)), island.mesh, 0)
     tiny = island.probes(DeviceFault("scale", island.ids[3], factor=1.0 + 2**-22))  # a few ulps
