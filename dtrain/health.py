@@ -1,0 +1,410 @@
+"""Chip health inside an island: probes that find a faulty device, and device faults to test them with.
+
+Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports per device of the island's
+``Mesh``; a device is named by its position in ``mesh.devices.flat`` (``index``) and by its JAX ``device.id``
+(stable when the mesh is rebuilt without a device).
+
+- **Known answer** (:func:`known_answer_values`, :meth:`Probes.known_answer`): each device, separately,
+  multiplies the integer-valued float32 matrices ``A[i, k] = i + k`` and ``B[k, j] = k + j`` (``n = 128``),
+  compares every entry with its closed form ``C[i, j] = n·i·j + (i + j)·S1 + S2`` (``S1 = Σk``, ``S2 = Σk²``)
+  and sums the entries in int32 (wrapping). Every entry is below 2²⁴ and all terms are non-negative, so the
+  float32 matmul is exact in any summation order, at any matmul precision whose mantissa holds 8 bits
+  (float32, TF32, bfloat16), and an int32 sum wraps the same way on every backend: a correct device gives
+  exactly ``T = 3n·S1² + n²·S2`` (mod 2³², :func:`known_answer_expected`) and zero mismatching entries. A device
+  whose computation raises (a dead chip) is reported bad with the error.
+- **Per-device statistics** (:meth:`Probes.grad_stats`, :func:`outliers`): each device computes the loss and
+  the gradient of *its own* micro-batch (the rows of the global batch the island's step gives it, before the
+  cross-device reduction), by :func:`dtrain.train.loss_fn` in a ``shard_map`` over the mesh; the gradient
+  norms are compared across devices by a two-sided robust z-score (median and MAD, with a floor).
+- **Deterministic replay** (:meth:`Probes.replay`, :func:`agreement`): one micro-batch's gradient is computed
+  on two (or, to decide which one is wrong, three) devices by the same single-device program and compared.
+  On CPU and TPU the same program gives the same bits on every healthy device: compare bit for bit
+  (``rtol=0``, the default). On GPU the program is deterministic unless XLA picks atomics (scatter-add in the
+  embedding's backward pass, some reductions): run with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` and keep
+  ``rtol=0``, or pass a tight ``rtol`` (1e-6 relative to the gradient's largest entry is far above atomics'
+  reordering noise and far below any fault the statistics probe misses).
+- **NaN/Inf guard** (:func:`all_finite`): a jittable predicate over any pytrees (loss, gradients).
+
+Fault injection (:class:`DeviceFault`, :func:`inject`) perturbs one device's outputs inside a jitted
+computation, keyed by the device's ``id``: its results scaled, bits flipped (always or with a probability per
+call, from a key folded with the step), or its computation raising (a dead device: :func:`check_alive`, on the host at
+dispatch, as a lost chip's ``XlaRuntimeError`` reaches a worker). On CPU the fake devices of
+``--xla_force_host_platform_device_count`` are the devices; on GPU/TPU the probes run unchanged (the same
+``shard_map`` and per-device ``jit``) on the real chips, and a real fault takes the place of :func:`inject`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dtrain.model import ApplyFn, Params
+from dtrain.train import BATCH_AXES, loss_fn
+
+KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
+STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
+STAT_SPREAD_FLOOR = 0.5  # the deviation the z-score divides by is at least this fraction of |median|
+_ABS_FLOOR = 1e-12  # ... and at least this (identical zero values never flag)
+FAULT_KINDS = ("scale", "bitflip", "dead")
+
+
+# ---------------------------------------------------------------------------------------------- fault injection
+
+
+@dataclass(frozen=True)
+class DeviceFault:
+    """One device's outputs perturbed inside the jitted probes (and, later, the step). Hashable: a static
+    argument of ``jit``."""
+
+    kind: str  # "scale": outputs × factor; "bitflip": bit `bit` flipped; "dead": its computations raise
+    device: int  # the JAX device id of the faulty device
+    prob: float = 1.0  # probability that the fault fires on one call (1: always; below 1: intermittent)
+    factor: float = 10.0  # "scale": the factor
+    bit: int = 22  # "bitflip": which bit of each float32 element (22: the mantissa's highest; 30: exponent's)
+    rate: float = 1.0  # "bitflip": fraction of elements whose bit flips when the fault fires
+    seed: int = 0  # the fault's key: fold_in(PRNGKey(seed), step) decides firing and flipped elements
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"DeviceFault.kind: {self.kind!r} is not one of {FAULT_KINDS}")
+        if self.device < 0:
+            raise ValueError(f"DeviceFault.device: {self.device} is not a device id (>= 0)")
+        if not 0.0 < self.prob <= 1.0:
+            raise ValueError(f"DeviceFault.prob: {self.prob} is not in (0, 1]")
+        if not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"DeviceFault.rate: {self.rate} is not in (0, 1]")
+        if not 0 <= self.bit < 32:
+            raise ValueError(f"DeviceFault.bit: {self.bit} is not a bit of a 32-bit float (0..31)")
+        if not math.isfinite(self.factor):
+            raise ValueError(f"DeviceFault.factor: {self.factor} is not finite")
+
+
+class DeadDeviceError(RuntimeError):
+    """A computation was dispatched to a device injected as dead (what a lost chip's ``XlaRuntimeError`` is to a
+    worker)."""
+
+
+def _fires(fault: DeviceFault, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+    """(does the fault fire at ``step``, the key for its bit flips): the same draw in a jitted computation and on
+    the host."""
+    fire_key, flip_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(fault.seed), step))
+    return jax.random.bernoulli(fire_key, fault.prob), flip_key
+
+
+def check_alive(fault: DeviceFault | None, device_ids: Sequence[int], step: int) -> None:
+    """Raises :class:`DeadDeviceError` if ``fault`` is a dead device among ``device_ids`` that fires at ``step``.
+
+    Called on the host before dispatching a computation to those devices. A dead device is modelled here and not
+    inside the computation: a computation that raises on one device (an ``io_callback``) inside a program with
+    collectives leaves the other fake CPU devices waiting at the rendezvous until XLA aborts the process, and a
+    raising callback leaves JAX's runtime token failed for the rest of the process."""
+    if fault is not None and fault.kind == "dead" and fault.device in device_ids and bool(_fires(fault, step)[0]):
+        raise DeadDeviceError(f"device {fault.device} is dead (injected fault, step {step})")
+
+
+def _flip(x: jax.Array, key: jax.Array, fault: DeviceFault) -> jax.Array:
+    if x.dtype.itemsize != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x  # bit flips are modelled on 32-bit floats only (gradients, losses, probe results)
+    mask = jax.random.bernoulli(key, fault.rate, x.shape)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    flipped = jnp.where(mask, bits ^ jnp.uint32(1 << fault.bit), bits)
+    return jax.lax.bitcast_convert_type(flipped, x.dtype)
+
+
+def inject(tree: Any, device_id: jax.Array | int, step: jax.Array | int, fault: DeviceFault | None) -> Any:
+    """``tree`` as the device ``device_id`` would produce it under ``fault`` at ``step`` (jittable; ``fault``
+    is static): scaled, or with bits flipped. Identity where ``fault`` is None or "dead" (see
+    :func:`check_alive`), on other devices, and on steps where the fault does not fire (probability
+    ``fault.prob``)."""
+    if fault is None or fault.kind == "dead":
+        return tree
+    fire, flip_key = _fires(fault, step)
+    fires = (jnp.asarray(device_id) == fault.device) & fire
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for i, x in enumerate(leaves):
+        bad = x * jnp.asarray(fault.factor, x.dtype) if fault.kind == "scale" else \
+            _flip(x, jax.random.fold_in(flip_key, i), fault)
+        out.append(jnp.where(fires, bad, x))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------- NaN/Inf guard
+
+
+def all_finite(*trees: Any) -> jax.Array:
+    """True (a bool scalar) iff every entry of every leaf is finite. Jittable."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+# ---------------------------------------------------------------------------------------------- known answer
+
+
+def known_answer_expected(n: int = KNOWN_ANSWER_N) -> int:
+    """The int32 (wrapped) sum of ``A @ B`` in closed form: ``3n·S1² + n²·S2`` mod 2³², as a signed int."""
+    s1, s2 = n * (n - 1) // 2, (n - 1) * n * (2 * n - 1) // 6
+    total = 3 * n * s1 * s1 + n * n * s2
+    return (total + 2**31) % 2**32 - 2**31
+
+
+def known_answer_values(device_id: jax.Array, step: jax.Array, *, n: int = KNOWN_ANSWER_N,
+                        fault: DeviceFault | None = None) -> tuple[jax.Array, jax.Array]:
+    """On one device: (the int32 sum of ``A @ B``, how many entries differ from their closed form)."""
+    if not 1 <= n <= KNOWN_ANSWER_N:
+        raise ValueError(f"known answer: n={n} must be in 1..{KNOWN_ANSWER_N} (larger entries are not exact)")
+    idx = jnp.arange(n, dtype=jnp.int32)
+    a_NxN = (idx[:, None] + idx[None, :]).astype(jnp.float32)  # A[i, k] = i + k; B[k, j] = k + j is the same
+    c_NxN = jnp.matmul(a_NxN, a_NxN, precision=jax.lax.Precision.HIGHEST)
+    c_NxN = inject(c_NxN, device_id, step, fault)
+    s1, s2 = n * (n - 1) // 2, (n - 1) * n * (2 * n - 1) // 6
+    expected_NxN = n * idx[:, None] * idx[None, :] + (idx[:, None] + idx[None, :]) * s1 + s2
+    mismatches = jnp.sum(c_NxN != expected_NxN.astype(jnp.float32), dtype=jnp.int32)
+    finite = jnp.where(jnp.isfinite(c_NxN), c_NxN, 0.0)  # float->int of NaN/Inf is backend-defined
+    return jnp.sum(finite.astype(jnp.int32), dtype=jnp.int32), mismatches
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    """One device's known-answer result."""
+
+    index: int  # position in mesh.devices.flat
+    device_id: int
+    ok: bool
+    value: int | None  # the int32 sum it got (None when the computation raised)
+    expected: int
+    mismatches: int | None  # entries of A @ B that differ from the closed form
+    error: str | None = None  # the exception, when the computation raised
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Outlier:
+    index: int  # position in the values (= in mesh.devices.flat)
+    value: float
+    z: float
+
+
+def robust_z(values: Sequence[float], spread_floor: float = STAT_SPREAD_FLOOR) -> np.ndarray:
+    """Two-sided robust z-score of each value against all of them: ``|v − median| / σ`` with
+    ``σ = max(1.4826 · MAD, spread_floor · |median|, 1e-12)`` (1.4826 · MAD estimates a normal σ; the floor keeps
+    a tight healthy spread, identical values above all, from flagging). A non-finite value has ``z = inf``; the
+    median and MAD are taken over the finite values only."""
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v)
+    z = np.full(v.shape, np.inf)
+    if not finite.any():
+        return z
+    median = float(np.median(v[finite]))
+    mad = float(np.median(np.abs(v[finite] - median)))
+    sigma = max(1.4826 * mad, spread_floor * abs(median), _ABS_FLOOR)
+    z[finite] = np.abs(v[finite] - median) / sigma
+    return z
+
+
+def outliers(values: Sequence[float], z_max: float = STAT_Z_MAX,
+             spread_floor: float = STAT_SPREAD_FLOOR) -> list[Outlier]:
+    """The values whose :func:`robust_z` exceeds ``z_max`` (non-finite values always), with their z-scores.
+    Needs at least 3 values to say which one is odd."""
+    if len(values) < 3:
+        raise ValueError(f"outliers: {len(values)} values; comparing devices needs at least 3")
+    z = robust_z(values, spread_floor)
+    return [Outlier(i, float(values[i]), float(z[i])) for i in range(len(values)) if z[i] > z_max]
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """Per device (in mesh.devices.flat order): its micro-batch's loss and gradient norm, and whether both
+    were finite."""
+
+    device_ids: list[int]
+    loss: np.ndarray  # float32 [D]
+    grad_norm: np.ndarray  # float32 [D]
+    finite: np.ndarray  # bool [D]
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, device_id: jax.Array, step: jax.Array,
+                     fault: DeviceFault | None = None) -> tuple[jax.Array, Params]:
+    """One device's (loss, gradient) of ``loss_fn`` on its micro-batch, as that device (``fault``) produces it."""
+    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(params, batch_bxL1)
+    return inject((loss, grads), device_id, step, fault)
+
+
+def _device_grad_stats(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Array, params: Params,
+                       batch_bxL1: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``shard_map`` body: this device's micro-batch loss, gradient norm and finiteness, each ``[1]``."""
+    device_id = ids_D[jax.lax.axis_index(BATCH_AXES)]
+    # The parameters enter replicated; marked as varying per device, their gradient stays this device's own
+    # (the gradient of an invariant input would be summed over the devices, with a collective).
+    params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
+    loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
+    return loss[None], _global_norm(grads)[None], all_finite(loss, grads)[None]
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One micro-batch's gradient computed on several devices and compared.
+
+    ``agree[i][j]``: devices i and j gave the same result (bit for bit, or within ``rtol``). ``suspects``: the
+    devices whose computation raised, and those outside the majority of the others (more than half agreeing);
+    when there is no majority (two devices that disagree), both are suspects and ``conclusive`` is False: replay
+    on a third device to decide."""
+
+    device_ids: list[int]
+    agree: list[list[bool]]
+    max_abs_diff: float  # the largest |a − b| between any two of the results (inf where one is not finite)
+    suspects: list[int]  # device ids
+    conclusive: bool
+    error: dict[int, str]  # device id -> exception, for devices whose computation raised (suspects too)
+
+
+def agreement(agree: Sequence[Sequence[bool]], ids: Sequence[int]) -> tuple[list[int], bool]:
+    """(suspects, conclusive) from a symmetric agreement matrix: the largest group of mutually agreeing results
+    is the truth if it holds more than half of them; the others are suspects."""
+    k = len(ids)
+    best = max(range(k), key=lambda i: sum(agree[i]))
+    group = [j for j in range(k) if agree[best][j]]
+    if 2 * len(group) > k:
+        return [ids[j] for j in range(k) if j not in group], True
+    return [ids[j] for j in range(k) if sum(agree[j]) < k], False
+
+
+def compare(a: Any, b: Any, rtol: float) -> tuple[jax.Array, jax.Array]:
+    """(same, max |a − b|) of two pytrees on one device; ``same`` is bit equality when ``rtol`` is 0, else
+    ``max |a − b| <= rtol · max |a|`` with both finite. Jittable (``rtol`` static)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    diff = jnp.max(jnp.stack([jnp.max(jnp.abs(x - y)) for x, y in zip(la, lb, strict=True)]))
+    if rtol == 0.0:
+        same = jnp.all(jnp.stack([jnp.all(jax.lax.bitcast_convert_type(x, jnp.uint32)
+                                          == jax.lax.bitcast_convert_type(y, jnp.uint32))
+                                  for x, y in zip(la, lb, strict=True)]))
+    else:
+        scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in la]))
+        same = all_finite(a, b) & (diff <= rtol * scale)
+    return same, jnp.where(all_finite(a, b), diff, jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------------- the binder
+
+
+def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
+    """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
+    is split over ``BATCH_AXES`` in row-major device order)."""
+    n = mesh.devices.size
+    if batch_BxL1.shape[0] % n:
+        raise ValueError(f"micro_batch: batch of {batch_BxL1.shape[0]} rows does not split over {n} devices")
+    b = batch_BxL1.shape[0] // n
+    return batch_BxL1[index * b:(index + 1) * b]
+
+
+class Probes:
+    """Binds the probes to a model's ``apply``, an island's mesh and an optional injected fault, and jits each
+    once. Every method is a host-device sync point (it returns numbers the caller decides on)."""
+
+    def __init__(self, apply: ApplyFn, mesh: Mesh, fault: DeviceFault | None = None):
+        if set(mesh.axis_names) != set(BATCH_AXES):
+            raise ValueError(f"Probes: the mesh's axes {mesh.axis_names} are not the island's {BATCH_AXES}")
+        self.apply = apply
+        self.mesh = mesh
+        self.fault = fault
+        self.devices: list[Any] = list(mesh.devices.flat)
+        self.device_ids = [int(d.id) for d in self.devices]
+        self._ids_D = jnp.asarray(self.device_ids, jnp.int32)
+        self._known = jax.jit(partial(known_answer_values, fault=fault))
+        self._stats = jax.jit(jax.shard_map(
+            partial(_device_grad_stats, apply, fault), mesh=mesh,
+            in_specs=(P(), P(), P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES),) * 3))
+        self._grad = jax.jit(partial(micro_batch_grad, apply, fault=fault))
+        self._compare = jax.jit(compare, static_argnames="rtol")
+
+    def known_answer(self, step: int = 0) -> list[KnownAnswer]:
+        """The known-answer computation on each device separately (all dispatched before any is read)."""
+        expected = known_answer_expected()
+        pending: list[tuple[Any, BaseException | None]] = []
+        for dev, did in zip(self.devices, self.device_ids, strict=True):
+            try:
+                check_alive(self.fault, [did], step)
+                pending.append((self._known(jax.device_put(jnp.int32(did), dev), jax.device_put(jnp.int32(step), dev)),
+                                None))
+            except Exception as e:  # noqa: BLE001 - a dead device raises at dispatch or when read
+                pending.append((None, e))
+        out = []
+        for i, (did, (result, err)) in enumerate(zip(self.device_ids, pending, strict=True)):
+            if err is None:
+                try:
+                    value, mismatches = (int(x) for x in jax.device_get(result))
+                    out.append(KnownAnswer(i, did, value == expected and mismatches == 0, value, expected,
+                                           mismatches))
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    err = e
+            out.append(KnownAnswer(i, did, False, None, expected, None, f"{type(err).__name__}: {err}"))
+        return out
+
+    def grad_stats(self, params: Params, batch_BxL1: np.ndarray | jax.Array, step: int = 0) -> GradStats:
+        """Each device's loss and gradient norm on its own micro-batch of ``batch_BxL1`` (one SPMD call: a
+        dead device makes it raise; :meth:`known_answer` then says which)."""
+        check_alive(self.fault, self.device_ids, step)
+        loss, norm, finite = jax.device_get(self._stats(self._ids_D, params, jnp.asarray(batch_BxL1),
+                                                        jnp.int32(step)))
+        return GradStats(self.device_ids, np.asarray(loss), np.asarray(norm), np.asarray(finite))
+
+    def replay(self, params: Params, batch_bxL1: np.ndarray, indices: Sequence[int], step: int = 0,
+               rtol: float = 0.0) -> Replay:
+        """The (loss, gradient) of micro-batch ``batch_bxL1`` computed on each device ``indices`` (positions in
+        ``mesh.devices.flat``; 2 to check, 3 to decide) and compared pairwise on the first one's device. The
+        single-device program is compiled once per device (JAX caches it): the first replay on a device costs a
+        compilation."""
+        if len(indices) < 2 or len(set(indices)) != len(indices):
+            raise ValueError(f"replay: indices {list(indices)} must name at least 2 distinct devices")
+        ids = [self.device_ids[i] for i in indices]
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for i, did in zip(indices, ids, strict=True):
+            dev = self.devices[i]
+            try:
+                check_alive(self.fault, [did], step)
+                on_dev = jax.device_put((params, jnp.asarray(batch_bxL1), jnp.int32(did), jnp.int32(step)), dev)
+                results[did] = self._grad(*on_dev)
+                jax.block_until_ready(results[did])
+            except Exception as e:  # noqa: BLE001 - a dead device's computation raises
+                errors[did] = f"{type(e).__name__}: {e}"
+        k = len(ids)
+        agree = [[i == j for j in range(k)] for i in range(k)]
+        worst = 0.0
+        for i in range(k):
+            for j in range(i + 1, k):
+                if ids[i] in errors or ids[j] in errors:
+                    worst = math.inf
+                    continue
+                ref = results[ids[i]]
+                other = jax.device_put(results[ids[j]], jax.tree.leaves(ref)[0].sharding)
+                same, diff = (jax.device_get(x) for x in self._compare(ref, other, rtol=rtol))
+                agree[i][j] = agree[j][i] = bool(same)
+                worst = max(worst, float(diff))
+        # A device that raised is a suspect outright; the others decide among themselves.
+        alive = [i for i in range(k) if ids[i] not in errors]
+        if len(alive) >= 2:
+            suspects, conclusive = agreement([[agree[i][j] for j in alive] for i in alive], [ids[i] for i in alive])
+        else:
+            suspects, conclusive = [], len(alive) == 1
+        suspects = [did for did in ids if did in errors] + suspects
+        return Replay(ids, agree, worst, suspects, conclusive, errors)

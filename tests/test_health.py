@@ -1,0 +1,228 @@
+"""Chip-health probes on the 8 fake CPU devices: each finds its injected device fault on the right device, and
+none flags a healthy device over many clean repetitions."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, make_text
+from dtrain.config import load_config
+from dtrain.health import (
+    KNOWN_ANSWER_N,
+    STAT_Z_MAX,
+    DeadDeviceError,
+    DeviceFault,
+    Probes,
+    all_finite,
+    check_alive,
+    inject,
+    known_answer_expected,
+    micro_batch,
+    outliers,
+    robust_z,
+)
+from dtrain.model import build
+from dtrain.train import InnerLoop, loss_fn, make_mesh
+
+
+class Island:
+    def __init__(self) -> None:
+        cfg = load_config(TINY, [])
+        self.model = build(cfg.model)
+        self.mesh = make_mesh(cfg)
+        self.loop = InnerLoop(cfg, self.model, self.mesh)
+        self.params = self.loop.init_params(0)
+        self.B, self.L1 = cfg.train.batch_size, cfg.model.seq_len + 1
+        self.text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
+        self.ids = [d.id for d in self.mesh.devices.flat]
+        self._probes: dict[DeviceFault | None, Probes] = {}
+
+    def batch(self, rng: np.random.Generator, steps: int | None = None) -> np.ndarray:
+        shape = (self.B,) if steps is None else (steps, self.B)
+        starts = rng.integers(0, len(self.text) - self.L1, shape)
+        return self.text[starts[..., None] + np.arange(self.L1)]
+
+    def probes(self, fault: DeviceFault | None = None) -> Probes:
+        if fault not in self._probes:
+            self._probes[fault] = Probes(self.model.apply, self.mesh, fault)
+        return self._probes[fault]
+
+
+@pytest.fixture(scope="module")
+def island() -> Island:
+    isl = Island()
+    assert len(isl.ids) == 8
+    return isl
+
+
+def test_known_answer_closed_form_is_the_exact_sum() -> None:
+    for n in (1, 2, 7, 64, KNOWN_ANSWER_N):
+        idx = np.arange(n, dtype=np.int64)
+        a = idx[:, None] + idx[None, :]
+        wrapped = int((a @ a).sum()) % 2**32  # the int32 sum, wrapping
+        assert known_answer_expected(n) == (wrapped - 2**32 if wrapped >= 2**31 else wrapped)
+        assert (a @ a).max() < 2**24  # every entry exact in float32
+
+
+def test_known_answer_healthy_devices(island: Island) -> None:
+    for step in range(5):
+        results = island.probes().known_answer(step)
+        assert [r.device_id for r in results] == island.ids
+        assert all(r.ok and r.value == r.expected == known_answer_expected() and r.mismatches == 0 for r in results)
+
+
+@pytest.mark.parametrize("fault", [DeviceFault("scale", 3, factor=1.5), DeviceFault("bitflip", 5, bit=0, rate=0.01),
+                                   DeviceFault("bitflip", 1, bit=30), DeviceFault("dead", 6)],
+                         ids=["scale", "bitflip-low", "bitflip-exponent", "dead"])
+def test_known_answer_finds_the_faulty_device(island: Island, fault: DeviceFault) -> None:
+    results = island.probes(fault).known_answer(step=0)
+    assert [r.device_id for r in results if not r.ok] == [fault.device]
+    bad = next(r for r in results if not r.ok)
+    if fault.kind == "dead":
+        assert bad.value is None and bad.error is not None and "DeadDeviceError" in bad.error
+    else:
+        assert bad.mismatches and bad.mismatches > 0 and bad.error is None
+
+
+def test_intermittent_fault_fires_on_some_steps_only(island: Island) -> None:
+    fault = DeviceFault("scale", 2, factor=2.0, prob=0.3, seed=7)
+    flagged = [any(not r.ok for r in island.probes(fault).known_answer(step)) for step in range(40)]
+    assert 4 <= sum(flagged) <= 24  # ~12 expected
+    for step, was in enumerate(flagged):  # a dead device with the same draw is dead on exactly those steps
+        dead = DeviceFault("dead", 2, prob=0.3, seed=7)
+        if was:
+            with pytest.raises(DeadDeviceError, match="device 2 is dead"):
+                check_alive(dead, island.ids, step)
+        else:
+            check_alive(dead, island.ids, step)
+    check_alive(DeviceFault("dead", 2), [0, 1, 3], 0)  # a dead device outside the computation's devices
+
+
+def test_grad_stats_are_each_devices_own_micro_batch(island: Island) -> None:
+    batch = island.batch(np.random.default_rng(0))
+    stats = island.probes().grad_stats(island.params, batch)
+    assert stats.device_ids == island.ids and stats.finite.all()
+    grad = jax.jit(jax.value_and_grad(partial(loss_fn, island.model.apply)))
+    for i in range(8):
+        loss, g = grad(island.params, micro_batch(batch, island.mesh, i))
+        norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
+        assert stats.loss[i] == pytest.approx(float(loss), rel=1e-5)
+        assert stats.grad_norm[i] == pytest.approx(norm, rel=1e-4)
+    assert len(set(stats.grad_norm.tolist())) > 1  # not one reduced gradient seen eight times
+
+
+@pytest.mark.parametrize("fault", [DeviceFault("scale", 4, factor=10.0), DeviceFault("bitflip", 7, bit=30),
+                                   DeviceFault("scale", 0, factor=-8.0)], ids=["scale", "bitflip-exponent", "neg"])
+def test_grad_stats_flag_the_faulty_device(island: Island, fault: DeviceFault) -> None:
+    rng = np.random.default_rng(1)
+    for step in range(5):
+        stats = island.probes(fault).grad_stats(island.params, island.batch(rng), step)
+        flagged = outliers(stats.grad_norm)
+        assert [stats.device_ids[o.index] for o in flagged] == [fault.device]
+        assert flagged[0].z > STAT_Z_MAX
+
+
+def test_robust_z_rule() -> None:
+    assert robust_z([3.0] * 8).tolist() == [0.0] * 8  # identical healthy values never flag
+    assert robust_z([0.0] * 8).tolist() == [0.0] * 8
+    assert outliers([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 5.0])[0].index == 7
+    z = robust_z([1.0, 1.0, float("nan"), 1.0])
+    assert z[2] == np.inf and z[0] == 0.0
+    assert [o.index for o in outliers([1.0, float("inf"), 1.0])] == [1]
+    with pytest.raises(ValueError, match="at least 3"):
+        outliers([1.0, 2.0])
+
+
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
+def test_clean_control_flags_nothing(island: Island) -> None:
+    """200 random clean micro-batch sets (100 at θ_0, 100 after 30 inner steps): no device flagged by the
+    statistics; clean replays agree bit for bit; the known answer holds."""
+    rng = np.random.default_rng(2)
+    probes = island.probes()
+    state = island.loop.init_state(island.params)
+    worst = 0.0
+    for phase in range(2):
+        for step in range(100):
+            stats = probes.grad_stats(state.params, island.batch(rng), step)
+            assert stats.finite.all() and outliers(stats.grad_norm) == [] and outliers(stats.loss) == []
+            worst = max(worst, float(robust_z(stats.grad_norm).max()))
+        if phase == 0:
+            state, _ = island.loop.run(state, island.batch(rng, steps=30))
+    assert worst < STAT_Z_MAX / 2  # a margin, not just under the threshold
+    for step in range(12):
+        src, dst = rng.choice(8, size=2, replace=False).tolist()
+        batch = island.batch(rng)
+        replay = probes.replay(state.params, micro_batch(batch, island.mesh, src), [src, dst], step)
+        assert replay.suspects == [] and replay.conclusive and replay.max_abs_diff == 0.0
+    assert all(r.ok for r in probes.known_answer(step=99))
+
+
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
+def test_replay_finds_a_silent_bit_flip_on_the_right_device(island: Island) -> None:
+    """A flip of the lowest mantissa bit of 1% of one device's gradient entries: invisible to the statistics,
+    found by replay, and pinned on the device by a third one."""
+    fault = DeviceFault("bitflip", island.ids[4], bit=0, rate=0.01, seed=3)
+    probes = island.probes(fault)
+    batch = island.batch(np.random.default_rng(3))
+    assert outliers(probes.grad_stats(island.params, batch).grad_norm) == []
+    mb = micro_batch(batch, island.mesh, 4)
+    pair = probes.replay(island.params, mb, [4, 1])
+    assert not pair.conclusive and sorted(pair.suspects) == sorted([island.ids[4], island.ids[1]])
+    assert 0.0 < pair.max_abs_diff < 1e-6
+    vote = probes.replay(island.params, mb, [4, 1, 2])
+    assert vote.conclusive and vote.suspects == [island.ids[4]]
+    assert vote.agree[1][2] and not vote.agree[0][1] and not vote.agree[0][2]
+    assert probes.replay(island.params, mb, [1, 2]).suspects == []  # two healthy devices agree
+
+
+@pytest.mark.slow  # compiles a program per device: ~10 s on 2 cores
+def test_replay_tolerance_mode(island: Island) -> None:
+    mb = micro_batch(island.batch(np.random.default_rng(4)), island.mesh, 0)
+    tiny = island.probes(DeviceFault("scale", island.ids[3], factor=1.0 + 2**-22))  # a few ulps
+    assert tiny.replay(island.params, mb, [3, 0, 5]).suspects == [island.ids[3]]  # bit exact: found
+    assert tiny.replay(island.params, mb, [3, 0, 5], rtol=1e-5).suspects == []  # within the tolerance
+    big = island.probes(DeviceFault("scale", island.ids[3], factor=1.01))
+    assert big.replay(island.params, mb, [3, 0, 5], rtol=1e-5).suspects == [island.ids[3]]
+
+
+def test_dead_device_in_replay_and_stats(island: Island) -> None:
+    fault = DeviceFault("dead", island.ids[5])
+    probes = island.probes(fault)
+    mb = micro_batch(island.batch(np.random.default_rng(5)), island.mesh, 5)
+    replay = probes.replay(island.params, mb, [5, 0])
+    assert replay.suspects == [island.ids[5]] and replay.conclusive and "DeadDeviceError" in replay.error[island.ids[5]]
+    with pytest.raises(DeadDeviceError):  # the whole mesh's computation fails; the known answer names the device
+        probes.grad_stats(island.params, island.batch(np.random.default_rng(5)))
+    with pytest.raises(ValueError, match="at least 2 distinct"):
+        probes.replay(island.params, mb, [5, 5])
+
+
+def test_nan_inf_guard() -> None:
+    guard = jax.jit(all_finite)
+    clean: dict[str, Any] = {"a": jnp.ones((3, 2)), "b": [jnp.zeros(4), jnp.float32(2.0)]}
+    assert bool(guard(jnp.float32(1.5), clean))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        assert not bool(guard(jnp.float32(bad), clean))  # the loss
+        tree = jax.tree.map(lambda x: x, clean)
+        tree["b"][0] = tree["b"][0].at[2].set(bad)
+        assert not bool(guard(jnp.float32(1.5), tree))  # a gradient entry
+    assert bool(all_finite())
+    flipped = jax.jit(partial(inject, fault=DeviceFault("bitflip", 1, bit=30)))(jnp.ones(4), 1, 0)
+    assert not bool(guard(flipped))  # 1.0 with its exponent's top bit flipped is inf
+    assert bool(guard(jax.jit(partial(inject, fault=DeviceFault("bitflip", 1, bit=30)))(jnp.ones(4), 2, 0)))
+
+
+def test_fault_spec_validation() -> None:
+    for kwargs, match in [({"kind": "melt", "device": 0}, "kind"), ({"kind": "scale", "device": -1}, "device"),
+                          ({"kind": "scale", "device": 0, "prob": 0.0}, "prob"),
+                          ({"kind": "bitflip", "device": 0, "bit": 32}, "bit"),
+                          ({"kind": "bitflip", "device": 0, "rate": 2.0}, "rate"),
+                          ({"kind": "scale", "device": 0, "factor": float("inf")}, "factor")]:
+        with pytest.raises(ValueError, match=f"DeviceFault.{match}"):
+            DeviceFault(**kwargs)
