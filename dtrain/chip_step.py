@@ -22,7 +22,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -51,7 +50,7 @@ def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyF
     """One inner step with per-device gradients. Metrics: ``loss`` (mean of the devices' micro-batch losses),
     ``grad_norm`` (of the averaged gradient), ``finite`` (every device's loss and gradient, and the average,
     finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``, ``device_finite``."""
-    ids_D = np.asarray([d.id for d in mesh.devices.flat], np.int32)
+    ids_D = jnp.asarray([d.id for d in mesh.devices.flat], jnp.int32)
     grads, loss_D, norm_D, finite_D = jax.shard_map(
         partial(_local_grads, apply, fault), mesh=mesh,
         in_specs=(P(), P(), P(BATCH_AXES), P()),
