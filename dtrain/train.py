@@ -10,7 +10,7 @@ step would dominate a small model), and jits it with ``NamedSharding``s over a
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from dtrain.config import Config, ConfigError, TrainConfig
 from dtrain.model import ApplyFn, BuiltModel, Params
+
+if TYPE_CHECKING:
+    from dtrain.health import DeviceFault
 
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FSDP is data parallel too)
 
@@ -97,12 +100,21 @@ def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
 
 
 class InnerLoop:
-    """Binds the pure step to a model, an optimizer and a mesh, and jits it once per chunk length."""
+    """Binds the pure step to a model, an optimizer and a mesh, and jits it once per chunk length.
 
-    def __init__(self, cfg: Config, model: BuiltModel, mesh: Mesh):
+    ``per_device=True`` runs :func:`dtrain.chip_step.device_inner_steps` instead of :func:`inner_steps`: each
+    device's gradient on its own micro-batch, then an explicit mean (the same loss and optimizer update), with
+    per-device metrics and, for tests and the fault harness, an injected device ``fault``."""
+
+    def __init__(self, cfg: Config, model: BuiltModel, mesh: Mesh, *, per_device: bool = False,
+                 fault: DeviceFault | None = None):
+        if fault is not None and not per_device:
+            raise ValueError("InnerLoop: a device fault is injected into the per-device step only (per_device=True)")
         self.cfg = cfg
         self.model = model
         self.mesh = mesh
+        self.per_device = per_device
+        self.fault = fault
         self.tx = make_optimizer(cfg.train)
         fsdp = mesh.shape["fsdp"]
         abstract_state = jax.eval_shape(self._init_state, model.abstract_params)
@@ -111,8 +123,13 @@ class InnerLoop:
         self.batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # [K, B, L+1]
         self.eval_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
         self._replicated = NamedSharding(mesh, P())
+        if per_device:
+            from dtrain.chip_step import device_inner_steps  # chip_step imports this module (via health)
+            steps: Any = partial(device_inner_steps, apply=model.apply, tx=self.tx, mesh=mesh, fault=fault)
+        else:
+            steps = partial(inner_steps, apply=model.apply, tx=self.tx)
         self._scan = jax.jit(
-            partial(inner_steps, apply=model.apply, tx=self.tx),
+            steps,
             in_shardings=(self.state_sharding, self.batch_sharding),
             out_shardings=(self.state_sharding, self._replicated),
             donate_argnums=(0,),  # the old state's buffers are reused for the new one
@@ -141,7 +158,13 @@ class InnerLoop:
         return state.replace(params=self.place_params(params))
 
     def run(self, state: TrainState, batches_KxBxL1: np.ndarray) -> tuple[TrainState, dict[str, jax.Array]]:
-        """K steps; ``state`` is donated and must not be used afterwards."""
+        """K steps; ``state`` is donated and must not be used afterwards. With an injected dead device, raises
+        :class:`dtrain.health.DeadDeviceError` (before dispatch) when it fires on one of the K steps."""
+        if self.fault is not None and self.fault.kind == "dead":
+            from dtrain.health import check_alive
+            ids, first = [int(d.id) for d in self.mesh.devices.flat], int(state.step)  # a host sync: dead faults only
+            for step in range(first, first + len(batches_KxBxL1)):
+                check_alive(self.fault, ids, step)
         batches = jax.device_put(batches_KxBxL1, self.batch_sharding)
         return self._scan(state, batches)
 

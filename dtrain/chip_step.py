@@ -1,0 +1,71 @@
+"""The per-device inner step: each device's gradient on its own micro-batch, then an explicit mean over devices.
+
+The same step as :func:`dtrain.train.inner_step` (the same :func:`dtrain.train.loss_fn`, the same optimizer
+``tx`` and update), with the gradient computed in a ``shard_map`` over the island's batch axes: each device
+takes ``value_and_grad`` of its own rows of the global batch (:func:`dtrain.health.micro_batch_grad`), and the
+gradients are averaged by an explicit ``pmean`` over the devices. Between the two, the step has each device's
+own gradient in hand, which gives it two things the fused step cannot:
+
+- a :class:`dtrain.health.DeviceFault` injected into one device's (loss, gradient) inside the real jitted step
+  (on CPU the stand-in for a faulty chip; on GPU/TPU, with no fault, a faulty chip perturbs it there itself);
+- each device's micro-batch loss, gradient norm and finiteness as metrics of the step (``[D]`` per step, in
+  ``mesh.devices.flat`` order): the statistics probe (:meth:`dtrain.health.Probes.grad_stats`) for free.
+
+With no fault it computes the same update as the fused step up to float32 rounding: the mean of equal-sized
+micro-batch means (and of their gradients) is the full batch's mean, summed in a different order.
+Selected by ``InnerLoop(..., per_device=True)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dtrain.health import DeviceFault, all_finite, micro_batch_grad
+from dtrain.model import ApplyFn, Params
+from dtrain.train import BATCH_AXES, TrainState
+
+
+def _local_grads(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Array, params: Params, batch_bxL1: jax.Array,
+                 step: jax.Array) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
+    """The ``shard_map`` body: (the gradient averaged over the devices, and this device's own micro-batch loss,
+    gradient norm and finiteness, each ``[1]``)."""
+    device_id = ids_D[jax.lax.axis_index(BATCH_AXES)]
+    # The parameters enter replicated; marked as varying per device, their gradient stays this device's own
+    # (the gradient of an invariant input would already be summed over the devices).
+    params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
+    loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
+    norm = optax.tree.norm(grads)
+    finite = all_finite(loss, grads) & jnp.isfinite(norm)  # a norm that overflows float32 is garbage too
+    return jax.lax.pmean(grads, BATCH_AXES), loss[None], norm[None], finite[None]
+
+
+def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
+                      mesh: Mesh, fault: DeviceFault | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One inner step with per-device gradients. Metrics: ``loss`` (mean of the devices' micro-batch losses),
+    ``grad_norm`` (of the averaged gradient), ``finite`` (every device's loss and gradient, and the average,
+    finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``, ``device_finite``."""
+    ids_D = jnp.asarray([d.id for d in mesh.devices.flat], jnp.int32)
+    grads, loss_D, norm_D, finite_D = jax.shard_map(
+        partial(_local_grads, apply, fault), mesh=mesh,
+        in_specs=(P(), P(), P(BATCH_AXES), P()),
+        out_specs=(P(), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES)))(ids_D, state.params, batch_BxL1, state.step)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss_D.mean(), "grad_norm": optax.tree.norm(grads),
+               "finite": jnp.all(finite_D) & all_finite(grads),
+               "device_loss": loss_D, "device_grad_norm": norm_D, "device_finite": finite_D}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def device_inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
+                       tx: optax.GradientTransformation, mesh: Mesh,
+                       fault: DeviceFault | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """K per-device inner steps in one ``lax.scan``; metrics come back stacked ``[K]`` (``[K, D]`` per device)."""
+    return jax.lax.scan(partial(device_inner_step, apply=apply, tx=tx, mesh=mesh, fault=fault), state,
+                        batches_KxBxL1)

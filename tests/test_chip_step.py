@@ -1,0 +1,112 @@
+"""The per-device inner step (dtrain/chip_step.py, ``InnerLoop(per_device=True)``) on the 8 fake CPU devices: the
+same training as the fused step, the statistics probe's numbers as its metrics, and an injected device fault
+found by them."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TINY, make_text
+from dtrain.config import load_config
+from dtrain.health import DeadDeviceError, DeviceFault, Probes, outliers
+from dtrain.model import build
+from dtrain.train import InnerLoop, TrainState, make_mesh
+
+K = 4  # steps per scan
+# Loss trajectories agree to this relative tolerance, not bit for bit: the per-device step averages 8 micro-batch
+# means (and their gradients) where the fused step takes one mean over the batch, so float32 sums run in another
+# order (measured: at most 1 ulp, ~1e-7 relative, over the 8 steps; the tolerance leaves a 10x margin).
+LOSS_RTOL = 1e-6
+
+
+class Island:
+    def __init__(self) -> None:
+        self.cfg = load_config(TINY, [])
+        self.model = build(self.cfg.model)
+        self.mesh = make_mesh(self.cfg)
+        self.ids = [int(d.id) for d in self.mesh.devices.flat]
+        self.params = InnerLoop(self.cfg, self.model, self.mesh).init_params(0)
+        B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
+        text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
+        starts = np.random.default_rng(0).integers(0, len(text) - L1, (2, K, B))
+        self.batches = text[starts[..., None] + np.arange(L1)]  # [2 chunks, K, B, L+1]
+        self._loops: dict[tuple[bool, DeviceFault | None], InnerLoop] = {}
+
+    def loop(self, per_device: bool, fault: DeviceFault | None = None) -> InnerLoop:
+        if (per_device, fault) not in self._loops:
+            self._loops[per_device, fault] = InnerLoop(self.cfg, self.model, self.mesh, per_device=per_device,
+                                                       fault=fault)
+        return self._loops[per_device, fault]
+
+    def train(self, loop: InnerLoop) -> tuple[list[TrainState], dict[str, np.ndarray]]:
+        """Two chunks of K steps from the same start; the state before each chunk (a copy, the run donates it)
+        and the metrics of all 2K steps."""
+        state = loop.init_state(self.params)
+        before, metrics = [], []
+        for batches in self.batches:
+            before.append(jax.tree.map(lambda x: np.asarray(x).copy(), state))
+            state, m = loop.run(state, batches)
+            metrics.append(jax.device_get(m))
+        return before, {k: np.concatenate([m[k] for m in metrics]) for k in metrics[0]}
+
+
+@pytest.fixture(scope="module")
+def island() -> Island:
+    isl = Island()
+    assert len(isl.ids) == 8
+    return isl
+
+
+def test_default_is_the_fused_step(island: Island) -> None:
+    assert not island.loop(False).per_device
+    with pytest.raises(ValueError, match="per_device=True"):
+        InnerLoop(island.cfg, island.model, island.mesh, fault=DeviceFault("scale", 0))
+
+
+def test_same_loss_trajectory_as_the_fused_step(island: Island) -> None:
+    _, fused = island.train(island.loop(False))
+    _, per_device = island.train(island.loop(True))
+    assert fused["loss"].shape == per_device["loss"].shape == (2 * K,)
+    np.testing.assert_allclose(per_device["loss"], fused["loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(per_device["grad_norm"], fused["grad_norm"], rtol=LOSS_RTOL)
+    assert per_device["loss"][-1] < per_device["loss"][0]  # it trains
+    assert per_device["device_grad_norm"].shape == (2 * K, 8)
+    assert per_device["finite"].all() and per_device["device_finite"].all()
+    # the average of the devices' micro-batch losses is the step's loss
+    np.testing.assert_allclose(per_device["device_loss"].mean(axis=1), per_device["loss"], rtol=1e-6)
+    assert outliers(per_device["device_grad_norm"][-1]) == []
+
+
+def test_per_device_norms_are_the_statistics_probe(island: Island) -> None:
+    before, metrics = island.train(island.loop(True))
+    probes = Probes(island.model.apply, island.mesh)
+    for chunk, state in enumerate(before):
+        stats = probes.grad_stats(state.params, island.batches[chunk][0], step=int(state.step))
+        assert stats.device_ids == island.ids
+        np.testing.assert_allclose(metrics["device_grad_norm"][chunk * K], stats.grad_norm, rtol=1e-5)
+        np.testing.assert_allclose(metrics["device_loss"][chunk * K], stats.loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("index", [3, 6])
+def test_scaled_device_is_the_one_outlier(island: Island, index: int) -> None:
+    fault = DeviceFault("scale", island.ids[index], factor=10.0)
+    _, metrics = island.train(island.loop(True, fault))
+    for norms_D in metrics["device_grad_norm"]:
+        assert [o.index for o in outliers(norms_D)] == [index]
+
+
+def test_nan_guard_sees_the_corrupt_device(island: Island) -> None:
+    fault = DeviceFault("bitflip", island.ids[5], bit=30)  # exponent bit: values blow up to inf/NaN or ~2^127
+    _, metrics = island.train(island.loop(True, fault))
+    first = metrics["device_finite"][0]
+    assert [i for i in range(8) if not first[i]] == [5]
+    assert not metrics["finite"][0]
+    assert not metrics["finite"].any()
+
+
+def test_dead_device_raises_before_dispatch(island: Island) -> None:
+    loop = island.loop(True, DeviceFault("dead", island.ids[2]))
+    with pytest.raises(DeadDeviceError, match=f"device {island.ids[2]} is dead"):
+        loop.run(loop.init_state(island.params), island.batches[0])
