@@ -193,7 +193,7 @@ class PushInfo:
     inner_steps: Count
     cursor_start: Count
     cursor_end: Count
-    shard_index: Count = 0  # the shard the range lies in
+    shard_index: Count  # the shard the range lies in
 
 
 @dataclass(frozen=True)
@@ -209,9 +209,8 @@ class Admission:
 
 @dataclass
 class _Pending:
-    info: PushInfo
+    info: PushInfo  # info.shard_index: the shard its range lies in (its island may move on a later rejoin)
     admission: Admission
-    shard_index: Count  # the shard the island held when it pushed (it may move on a later rejoin)
     received: Finite
 
 
@@ -325,7 +324,7 @@ class CoordinatorState:
             raise StateError("INVALID_ARGUMENT", f"shard_index={shard_index}: must be in [0, {self.opts.islands})")
         cursor = self.shard_cursors[shard_index]
         for p in self._pending.values():
-            if p.shard_index == shard_index:
+            if p.info.shard_index == shard_index:
                 cursor = max(cursor, p.info.cursor_end)
         return cursor
 
@@ -615,7 +614,7 @@ class CoordinatorState:
         else:
             if not self._pending:
                 self._first_pending = float(now)
-            self._pending[info.push_id] = _Pending(info, admission, info.shard_index, float(now))
+            self._pending[info.push_id] = _Pending(info, admission, float(now))
             self._rejections.pop(info.island_id, None)
         return admission
 
@@ -727,7 +726,7 @@ class CoordinatorState:
             r.tokens_merged += info.tokens
             r.pushes_merged += 1
             r.cursor_merged = info.cursor_end
-            self.shard_cursors[p.shard_index] = max(self.shard_cursors[p.shard_index], info.cursor_end)
+            self.shard_cursors[info.shard_index] = max(self.shard_cursors[info.shard_index], info.cursor_end)
             tokens += info.tokens
             merged.append(info)
             self._remember(_Seen(info.push_id, info.island_id, "merged", self.version, p.admission.staleness))
@@ -846,8 +845,9 @@ class CoordinatorState:
                 fail(("pending", i, "info", "island_id"), f"unknown island {p.info.island_id!r}")
             if state.push_known(p.info.push_id):
                 fail(("pending", i, "info", "push_id"), f"{p.info.push_id!r} is repeated")
-            if p.shard_index >= opts.islands:
-                fail(("pending", i, "shard_index"), f"{p.shard_index}: must be below {opts.islands} shards")
+            if p.info.shard_index >= opts.islands:
+                fail(("pending", i, "info", "shard_index"), f"{p.info.shard_index}: must be below {opts.islands} "
+                     f"shards")
             state._pending[p.info.push_id] = p
         if (snap.first_pending is None) == bool(state._pending):
             fail(("first_pending",), "must be a number when pushes are pending, else null")

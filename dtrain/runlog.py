@@ -53,6 +53,17 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
-def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    with open(Path(run_dir) / "events.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, Any]]:
+    """The events of ``RUN_DIR/events.jsonl``. ``skip_torn``: leave out lines that do not parse, which a process
+    killed while it wrote one leaves behind (a restarted process appends after them); else they raise."""
+    with open(Path(run_dir) / "events.jsonl", errors="replace" if skip_torn else "strict") as f:
+        lines = [line for line in f if line.strip()]
+    if not skip_torn:
+        return [json.loads(line) for line in lines]
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

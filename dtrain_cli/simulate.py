@@ -284,7 +284,7 @@ class _Simulation:
 
     def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
         """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
-        return next((e for e in _events(self.out / "islands" / f.target, tolerant=True)
+        return next((e for e in _events(self.out / "islands" / f.target)
                      if e.get("event") == "fault_injected" and e.get("fault_kind") == f.kind
                      and e.get("at_version") == f.at_version), None)
 
@@ -420,25 +420,12 @@ class _Simulation:
         return summary
 
 
-def _events(run_dir: Path, tolerant: bool = False) -> list[dict[str, Any]]:
-    """The events in ``run_dir`` ([] if none); ``tolerant``: skip lines that do not parse (a process killed
-    while it wrote one)."""
-    if not tolerant:
-        try:
-            return read_events(run_dir)
-        except OSError:
-            return []
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events in ``run_dir`` ([] if none yet), less lines torn by a process the driver killed mid-write."""
     try:
-        lines = (run_dir / "events.jsonl").read_text(errors="replace").splitlines()
+        return read_events(run_dir, skip_torn=True)
     except OSError:
         return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def _fmt_goodput(goodput: float | None) -> str:

@@ -331,3 +331,12 @@ def test_sigkill_and_resume_subprocess(tmp_path: Path):
     s_crash = json.loads((out_dir / "crash" / "summary.json").read_text())
     assert s_crash["final_eval_loss"] == pytest.approx(s_ref["final_eval_loss"], rel=1e-6, abs=1e-6)
     assert s_crash["tokens"] == s_ref["tokens"] and s_crash["steps"] == 400
+
+
+def test_read_events_can_skip_a_line_torn_by_a_killed_writer(tmp_path: Path):
+    """A process killed mid-write leaves a partial line; the next process appends after it. Strict reading
+    refuses the file; skip_torn leaves out only that line."""
+    (tmp_path / "events.jsonl").write_text('{"event": "a"}\n{"event": "tr' + '{"event": "b"}\n{"event": "c"}\n')
+    with pytest.raises(ValueError):
+        read_events(tmp_path)
+    assert [e["event"] for e in read_events(tmp_path, skip_torn=True)] == ["a", "c"]
