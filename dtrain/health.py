@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtrain.model import ApplyFn, Params
+from dtrain.outer import robust_scores
 from dtrain.train import BATCH_AXES, loss_fn
 
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
@@ -198,19 +199,14 @@ class Outlier:
 
 def robust_z(values: Sequence[float], spread_floor: float = STAT_SPREAD_FLOOR) -> np.ndarray:
     """Two-sided robust z-score of each value against all of them: ``|v − median| / σ`` with
-    ``σ = max(1.4826 · MAD, spread_floor · |median|, 1e-12)`` (1.4826 · MAD estimates a normal σ; the floor keeps
-    a tight healthy spread, identical values above all, from flagging). A non-finite value has ``z = inf``; the
+    ``σ = max(1.4826 · MAD, spread_floor · |median|, 1e-12)`` (``dtrain.outer.robust_scores``; the floor keeps a
+    tight healthy spread, identical values above all, from flagging). A non-finite value has ``z = inf``; the
     median and MAD are taken over the finite values only."""
     v = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(v)
-    z = np.full(v.shape, np.inf)
     if not finite.any():
-        return z
-    median = float(np.median(v[finite]))
-    mad = float(np.median(np.abs(v[finite] - median)))
-    sigma = max(1.4826 * mad, spread_floor * abs(median), _ABS_FLOOR)
-    z[finite] = np.abs(v[finite] - median) / sigma
-    return z
+        return np.full(v.shape, np.inf)
+    return np.abs(robust_scores(v, v[finite], spread_floor, _ABS_FLOOR))
 
 
 def outliers(values: Sequence[float], z_max: float = STAT_Z_MAX,

@@ -21,7 +21,6 @@ imports JAX, so nothing here may.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -122,22 +121,37 @@ def coordinate_median(values_NxS: np.ndarray) -> np.ndarray:
 NORM_SPREAD_FLOOR = 0.25  # the deviation used by robust_z is at least this fraction of the median
 
 
+def robust_scores(values: Sequence[float] | np.ndarray, window: Sequence[float] | np.ndarray, spread_floor: float,
+                  abs_floor: float = 0.0) -> np.ndarray:
+    """The one robust z-score: how far each of ``values`` lies from the median of ``window``, signed, in robust
+    deviations: (v − median) / σ with σ = max(1.4826 · MAD, ``spread_floor`` · |median|, ``abs_floor``) over the
+    window (1.4826 · MAD estimates a normal distribution's σ; the floors keep a window of near-equal values from
+    making every small change an outlier). A non-finite value gives ``inf``; with σ = 0, a value above the
+    median gives ``inf`` and any other 0. The window must be finite and non-empty.
+
+    Used by the coordinator's norm screen (:func:`robust_z`: one norm against the recent ones) and by the chip
+    probes (``dtrain.health.robust_z``: each device against all of them)."""
+    w = np.asarray(window, np.float64)
+    if w.size == 0:
+        raise ValueError("robust_scores needs a non-empty window")
+    v = np.asarray(values, np.float64)
+    median = float(np.median(w))
+    sigma = max(1.4826 * float(np.median(np.abs(w - median))), spread_floor * abs(median), abs_floor)
+    with np.errstate(invalid="ignore"):
+        if sigma > 0:
+            z = (v - median) / sigma
+        else:
+            z = np.where(v > median, np.inf, 0.0)
+    return np.where(np.isfinite(v), z, np.inf)
+
+
 def robust_z(norm: float, window: Sequence[float]) -> float:
-    """How far ``norm`` lies above the median of ``window``, in robust deviations: (norm − median) / σ with
-    σ = max(1.4826 · MAD, NORM_SPREAD_FLOOR · median) (1.4826 · MAD estimates a normal distribution's σ; the floor
-    keeps a window of near-equal norms from making every small change an outlier). One-sided: a norm below the
-    median gives z ≤ 0 (a small delta cannot swamp a merge). ``inf`` for a non-finite norm, or a positive norm
-    over a window of zeros."""
-    if not math.isfinite(norm):
-        return math.inf
-    values = np.asarray(window, np.float64)
-    if values.size == 0:
+    """How far ``norm`` lies above the median of ``window`` (:func:`robust_scores` with the spread floor
+    ``NORM_SPREAD_FLOOR``): one-sided in use, a norm below the median gives z ≤ 0 (a small delta cannot swamp a
+    merge). ``inf`` for a non-finite norm, or a positive norm over a window of zeros."""
+    if len(window) == 0:
         raise ValueError("robust_z needs a non-empty window")
-    median = float(np.median(values))
-    sigma = max(1.4826 * float(np.median(np.abs(values - median))), NORM_SPREAD_FLOOR * median)
-    if sigma <= 0:
-        return math.inf if norm > median else 0.0
-    return (norm - median) / sigma
+    return float(robust_scores([norm], window, NORM_SPREAD_FLOOR)[0])
 
 
 def clip_factor(norm: float, clip_norm: float) -> float:
