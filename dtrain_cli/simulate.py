@@ -288,10 +288,10 @@ class _Simulation:
                      if e.get("event") == "fault_injected" and e.get("fault_kind") == f.kind
                      and e.get("at_version") == f.at_version), None)
 
-    def _push_detection(self, f: FaultSpec, injected: dict[str, Any],
-                        coord_events: list[dict[str, Any]]) -> dict[str, Any]:
+    def _push_detection(self, f: FaultSpec, injected: dict[str, Any], coord_events: list[dict[str, Any]],
+                        island_events: list[dict[str, Any]]) -> dict[str, Any]:
         """A push fault's summary entry: the coordinator's first event about the bad push (by its push id) and
-        the action it took; latency from the island's ``fault_injected``."""
+        the action it took; latency from the island's ``fault_injected``; its recovery from the island's events."""
         push_id = injected["push_id"]
         about = [e for e in coord_events if e.get("push_id") == push_id]
         seen = next((e for e in about if e.get("event") in PUSH_DETECTIONS), None)
@@ -313,7 +313,7 @@ class _Simulation:
             action = PUSH_DETECTIONS[seen["event"]]
         recovery = "upload sent again" if recovered is not None else None
         if seen is not None and seen["event"] != "push_aborted":  # not merged: the island trains its range again
-            rewound = next((e for e in _events(self.out / "islands" / f.target)
+            rewound = next((e for e in island_events
                             if e.get("event") == "rewound" and push_id in str(e.get("reason", ""))), None)
             if rewound is not None:
                 recovered = rewound["t"]
@@ -370,7 +370,7 @@ class _Simulation:
         for spec in self.faults:
             injected = self._push_fault_event(spec) if spec.kind in PUSH_KINDS else None
             if injected is not None:
-                result.append(self._push_detection(spec, injected, coord_events))
+                result.append(self._push_detection(spec, injected, coord_events, island_events[spec.target]))
         return result
 
     # -- the summary -------------------------------------------------------------------------------

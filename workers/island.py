@@ -61,6 +61,9 @@ PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+# Push replies: the coordinator took the push (it goes, or went, into a version), or it did not (a rewind).
+TAKEN = (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED, pb.PUSH_STATUS_DUPLICATE)
+NOT_TAKEN = (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED)
 
 
 class WorkerError(DtrainError):
@@ -191,8 +194,7 @@ class Exchange:
     def _awaited(self) -> int:
         """The version the push goes (or went) into, if the coordinator took it; 0 otherwise."""
         r = self.response
-        taken = r is not None and r.status in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED, pb.PUSH_STATUS_DUPLICATE)
-        return r.merged_version if taken and r is not None else 0
+        return r.merged_version if r is not None and r.status in TAKEN else 0
 
     def accepted_range_end(self, shard: int, cursor: int) -> int:
         """``cursor`` moved past this push's range if the coordinator took the push and the range covers it on
@@ -214,7 +216,7 @@ class Exchange:
         # version: a late push (a hung island back) goes into a round after the next, and the island's next
         # push belongs to the round after that one.
         while (g.version <= self.base.version or g.version < self._awaited()) and not self.stop.is_set():
-            if response.status in (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED):
+            if response.status in NOT_TAKEN:
                 # Not merged, and no version waits for it: back at once with the newest θ, so the island trains
                 # the range again (a rewind) without waiting for a round that may be waiting for it.
                 return self.puller.pull(h.island_id, g)
@@ -505,7 +507,8 @@ class Worker:
         while not self.stopping.is_set():
             rewind = self._take_rewind()
             if rewind is not None:
-                anchor, pending, moved = self._apply_rewind(island, anchor, pending, status, rewind, round_start[0])
+                anchor, moved = self._apply_rewind(island, anchor, pending, status, rewind, round_start[0])
+                pending = None  # finished by the rewind
                 if moved:
                     round_steps, round_start = 0, (island.cursor, island.tokens)
                 continue
@@ -561,16 +564,15 @@ class Worker:
         island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
-        if resp is not None and resp.status in (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED) \
-                and h.shard_index == island.index:
+        if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
             self.post_rewind(Rewind(h.shard_index, resp.cursor,
                                     f"push {h.push_id} {pb.PushStatus.Name(resp.status)}: {resp.reason}"))
         return result
 
     def _apply_rewind(self, island: Island, anchor: GlobalParams, pending: Pending | None, status: IslandStatus,
-                      rewind: Rewind, start: int) -> tuple[GlobalParams, None, bool]:
+                      rewind: Rewind, start: int) -> tuple[GlobalParams, bool]:
         """Moves the island to ``rewind``'s shard and cursor on the newest θ, discarding what it trained since
-        ``start`` (the cursor its unpushed progress began at); returns (θ_anchor, no exchange, whether it moved).
+        ``start`` (the cursor its unpushed progress began at); returns (θ_anchor, whether it moved).
         The exchange in flight is finished first: if the coordinator accepted its push, the rewind starts after
         that push's range; if its island still stands where the coordinator says, nothing is discarded."""
         if pending is not None:
@@ -584,7 +586,7 @@ class Worker:
         # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
         if rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
-            return anchor, None, False
+            return anchor, False
         batch = self.cfg.train.batch_size
         discarded = (island.cursor - start) // batch  # unpushed progress, thrown away
         # Steps trained again: a dropped or rejected range, and the progress after it, on the same shard.
@@ -600,7 +602,7 @@ class Worker:
         island.index, island.stream = rewind.shard, self.setup.shards[rewind.shard].stream
         island.cursor, island.steps = rewind.cursor, rewind.cursor // batch
         status.version, status.steps = latest.version, island.steps
-        return latest, None, True
+        return latest, True
 
     def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str) -> GlobalParams:
         """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched are
