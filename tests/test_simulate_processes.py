@@ -136,54 +136,83 @@ def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
         service.close()
 
 
+class _Processes:
+    """A ``dtrain coordinator`` and ``dtrain worker`` processes on loopback, for the tests that kill a worker
+    themselves: the config written to ``out``, the coordinator started, its address read once it listens."""
+
+    def __init__(self, cfg, out: Path, timeout_s: float):
+        import subprocess
+        import sys
+        import time
+
+        from dtrain.config import to_toml
+
+        self.out, self.deadline = out, time.time() + timeout_s
+        out.mkdir()
+        (out / "config.toml").write_text(to_toml(cfg))
+        self.env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
+        self.cli = [sys.executable, "-m", "dtrain_cli"]
+        self.conf = ["--config", str(out / "config.toml"), "--quiet"]
+        self.coord = subprocess.Popen(self.cli + ["coordinator", *self.conf, "--port", "0", "--run-dir", str(out)],
+                                      env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.workers: dict[str, subprocess.Popen] = {}
+        try:
+            while not (out / "coordinator.json").exists():
+                self._in_time()
+                time.sleep(0.1)
+        except BaseException:
+            self.kill()
+            raise
+        self.address = f"127.0.0.1:{json.loads((out / 'coordinator.json').read_text())['port']}"
+
+    def _in_time(self) -> None:
+        import time
+
+        assert time.time() < self.deadline and self.coord.poll() is None
+
+    def start(self, name: str):
+        import subprocess
+
+        self.workers[name] = subprocess.Popen(
+            self.cli + ["worker", *self.conf, "--coordinator", self.address, "--island", name,
+                        "--run-dir", str(self.out / "islands" / name)],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self.workers[name]
+
+    def wait_merged(self, versions: int) -> None:
+        """Until the coordinator has merged ``versions`` versions."""
+        import time
+
+        while sum(1 for e in read_events(self.out) if e["event"] == "round_merged") < versions:
+            self._in_time()
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        for p in [self.coord, *self.workers.values()]:
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.mark.slow
 def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice(tmp_path):
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
-
-    from dtrain.config import to_toml
 
     cfg = _cfg(tmp_path, "model.d_model=96", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16",
                "train.steps=200", "outer.inner_steps=20", "coordinator.lease_s=30")
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.toml").write_text(to_toml(cfg))
-    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "dtrain_cli"]
-    conf = ["--config", str(out / "config.toml"), "--quiet"]
-    coord = subprocess.Popen(cli + ["coordinator", *conf, "--port", "0", "--run-dir", str(out)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers = {}
+    run = _Processes(cfg, out, timeout_s=120)
     try:
-        deadline = time.time() + 120
-        while not (out / "coordinator.json").exists():
-            assert time.time() < deadline and coord.poll() is None
-            time.sleep(0.1)
-        address = f"127.0.0.1:{json.loads((out / 'coordinator.json').read_text())['port']}"
-
-        def start(name: str) -> subprocess.Popen:
-            return subprocess.Popen(cli + ["worker", *conf, "--coordinator", address, "--island", name,
-                                           "--run-dir", str(out / "islands" / name)], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-        workers = {n: start(n) for n in ("a", "b")}
-        while sum(1 for e in read_events(out) if e["event"] == "round_merged") < 2:
-            assert time.time() < deadline and coord.poll() is None
-            time.sleep(0.05)
+        workers = {n: run.start(n) for n in ("a", "b")}
+        run.wait_merged(2)
         workers["b"].send_signal(signal.SIGKILL)  # mid-run, without warning
         workers["b"].wait()
         merged_at_kill = sum(1 for e in read_events(out) if e["event"] == "round_merged")
-        workers["b"] = start("b")  # the same island comes back
+        workers["b"] = run.start("b")  # the same island comes back
         for p in workers.values():
             assert p.wait(timeout=240) == 0
-        assert coord.wait(timeout=60) == 0
+        assert run.coord.wait(timeout=60) == 0
     finally:
-        for p in [coord, *workers.values()]:
-            if p.poll() is None:
-                p.kill()
+        run.kill()
     assert merged_at_kill < cfg.rounds  # the kill landed mid-run
     events = read_events(out)
     joins = [e for e in events if e["event"] == "island_joined" and e["name"] == "b"]
@@ -203,36 +232,16 @@ def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(t
     coordinator within 5 s, the sync round goes on without it (no 30 s grace, no old 20 s lease), and the run
     still finishes with exit status 0 everywhere."""
     import signal
-    import subprocess
-    import sys
     import time
-
-    from dtrain.config import to_toml
 
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=300", "outer.inner_steps=20"])
     assert (cfg.coordinator.lease_s, cfg.worker.heartbeat_s) == (4.0, 1.0)  # the defaults
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.toml").write_text(to_toml(cfg))
-    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "dtrain_cli"]
-    conf = ["--config", str(out / "config.toml"), "--quiet"]
-    coord = subprocess.Popen(cli + ["coordinator", *conf, "--port", "0", "--run-dir", str(out)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers: dict[str, subprocess.Popen] = {}
+    run = _Processes(cfg, out, timeout_s=180)
     try:
-        deadline = time.time() + 180
-        while not (out / "coordinator.json").exists():
-            assert time.time() < deadline and coord.poll() is None
-            time.sleep(0.1)
-        address = f"127.0.0.1:{json.loads((out / 'coordinator.json').read_text())['port']}"
-        workers = {n: subprocess.Popen(cli + ["worker", *conf, "--coordinator", address, "--island", n,
-                                              "--run-dir", str(out / "islands" / n)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in ("a", "b")}
-        while sum(1 for e in read_events(out) if e["event"] == "round_merged") < 2:
-            assert time.time() < deadline and coord.poll() is None
-            time.sleep(0.05)
+        workers = {n: run.start(n) for n in ("a", "b")}
+        run.wait_merged(2)
         killed_at = time.time()
         workers["b"].send_signal(signal.SIGKILL)
         workers["b"].wait()
@@ -242,11 +251,9 @@ def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(t
             time.sleep(0.05)
             lost = [e for e in read_events(out) if e["event"] == "island_lost"]
         assert workers["a"].wait(timeout=240) == 0
-        assert coord.wait(timeout=60) == 0
+        assert run.coord.wait(timeout=60) == 0
     finally:
-        for p in [coord, *workers.values()]:
-            if p.poll() is None:
-                p.kill()
+        run.kill()
     assert len(lost) == 1 and lost[0]["island"].startswith("b-")
     assert lost[0]["t"] - killed_at <= 5.0, lost[0]["t"] - killed_at
     events = read_events(out)
