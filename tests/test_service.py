@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import zlib
 from pathlib import Path
 
@@ -641,6 +642,15 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
                                               f"(retried for 1s (worker.retry_total_s), giving up); last error: ")
     assert retries and all(what == f"join: UNAVAILABLE from the coordinator at {address}" for what, _, _ in retries)
     assert all(0 < left <= 1.0 for _, _, left in retries) and retries[-1][2] < retries[0][2]
+    client.close()
+    # An island that is done (its give_up event set: the run is over) does not wait for a coordinator that left.
+    done = threading.Event()
+    done.set()
+    client = CoordinatorClient(address, net_cfg, give_up=done)  # retry_total_s 600 s: not waited for
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorError, match="did not answer and the island is done: not retried"):
+        client.pull("a-0", 3, wait_s=1.0)
+    assert time.monotonic() - t0 < 5.0 and client.retries == 0
     client.close()
     # A worker restarted after it finished the run, its coordinator gone: its own summary.json says so.
     island_dir = tmp_path / "island-a"

@@ -74,9 +74,12 @@ class PulledFrame:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, cfg: Config, on_retry: Callable[[str, float, float], None] | None = None):
+    def __init__(self, address: str, cfg: Config, on_retry: Callable[[str, float, float], None] | None = None,
+                 give_up: threading.Event | None = None):
         """``on_retry(what, pause_s, left_s)``: told before each retry's pause; ``what`` names the call, the
-        error and the address, ``left_s`` how much longer the call keeps retrying."""
+        error and the address, ``left_s`` how much longer the call keeps retrying. ``give_up``: once set, a
+        failed call is not retried any more (the island is done: a coordinator that stopped serving after the
+        run is not waited for)."""
         self.address = address
         self.cfg = cfg
         sec = cfg.security
@@ -92,6 +95,7 @@ class CoordinatorClient:
                                                       response_deserializer=chunk_deserializer(pb.PullMessage))
         self.metadata = auth_metadata(read_token(sec))
         self.on_retry = on_retry
+        self.give_up = give_up
         self.bytes_up = 0
         self.bytes_down = 0
         self.retries = 0
@@ -114,6 +118,9 @@ class CoordinatorClient:
                     over = what == "join" and any(m.key == RUN_OVER_METADATA_KEY for m in e.trailing_metadata() or ())
                     raise (RunOverError if over else CoordinatorError)(code, details) from None
                 left = budget - (time.monotonic() - t0)
+                if self.give_up is not None and self.give_up.is_set():
+                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} did not answer and "
+                                                 f"the island is done: not retried; last error: {details}") from None
                 if left <= 0:
                     tried = f"retried for {budget:g}s (worker.retry_total_s), giving up" if budget else "one try"
                     raise CoordinatorError(code, f"{what}: the coordinator at {self.address} did not answer "

@@ -307,7 +307,8 @@ class Worker:
         self.name = name
         self.run_dir = Path(run_dir)
         self.log = RunLog(self.run_dir, quiet=quiet)
-        self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry)
+        self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
+        self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry, give_up=self.stopping)
         self.setup = prepare(cfg, cfg.outer.islands)
         self.loop = self.setup.loop
         self.schedule = Schedule.from_config(cfg)
@@ -320,7 +321,6 @@ class Worker:
         self.up_bits = CODEC_BITS[k.up]
         self.feedback = codec.ErrorFeedback(self.n, self.up_bits, k.block) \
             if k.error_feedback and self.up_bits != 32 else None
-        self.stopping = threading.Event()
         self.island_id = ""
         self.total_versions = 0  # the version the run ends at, if the coordinator knows it ahead (0: it says stop)
         self.final_version = 0  # the coordinator's version when it said the run is over
@@ -648,7 +648,14 @@ class Worker:
         soon as the coordinator hands it more data (a rewind: its push was dropped or rejected, or it takes over
         a lost island's shard)."""
         if pending is not None:
-            anchor = self._fold_in(island, pending, status)
+            try:
+                anchor = self._fold_in(island, pending, status)
+            except CoordinatorError as e:
+                if not self.stopping.is_set():
+                    raise
+                self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
+                               error=str(e))
+                return anchor, False
         # Other islands may still push (async mode, a slower island, a shard taken over): wait for the run's
         # last version, so every island ends on the same θ; give up if no new version arrives for a sync
         # round's grace (the longest a round waits for a quorum) plus two lease periods (a lost island's lease).
@@ -669,10 +676,11 @@ class Worker:
             except CoordinatorError as e:
                 if not self.stopping.is_set():
                     raise
-                # The run is over and the coordinator stopped serving (its linger_s ran out) before this island
-                # had the last version: it ends on the version it holds, and says so.
-                self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
-                               error=str(e))
+                # The run is over and the coordinator stopped serving before this island had the last version (its
+                # linger_s ran out, or a pull was in flight as it stopped): it ends on the version it holds.
+                if anchor.version < self.final_version:
+                    self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
+                                   error=str(e))
                 break
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
