@@ -158,6 +158,21 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    enabled: bool = _f(False, "island workers run the per-device inner step and the chip-health probes, and "
+                       "quarantine a device found faulty (workers/chips.py)")
+    known_answer_every: int = _f(50, "inner steps between known-answer probes on every device (also run at start; "
+                                 "0: only at start)")
+    stats: bool = _f(True, "compare the devices' micro-batch gradient norms from the per-device step (robust "
+                     "z-score); a device flagged on two consecutive checks is quarantined")
+    z_max: float = _f(6.0, "stats: a device whose gradient norm is more than this many robust deviations from "
+                      "the median is an outlier")
+    replay_every: int = _f(100, "inner steps between deterministic replays of one device's micro-batch on another "
+                           "device (a mismatch is decided by a third; 0: off)")
+    min_devices: int = _f(1, "the fewest healthy devices an island trains on; below it the island drains")
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     token_env: str = _f("DTRAIN_TOKEN", "environment variable with the bearer token ('' or unset: no auth)")
     ca: str = _f("", "PEM CA bundle: workers verify the coordinator with it; with client_auth, the "
@@ -181,6 +196,7 @@ class Config:
     codec: CodecConfig = field(default_factory=CodecConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @property
@@ -205,7 +221,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
-            "worker": WorkerConfig, "security": SecurityConfig}
+            "worker": WorkerConfig, "health": HealthConfig, "security": SecurityConfig}
 
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
@@ -317,6 +333,14 @@ def _check(cfg: Config, origin: str) -> None:
     if w.heartbeat_s > co.lease_s / 2:  # two heartbeats per lease at least: one lost heartbeat loses no island
         fail("worker", "heartbeat_s", f"must be at most half of coordinator.lease_s ({co.lease_s}), "
              f"got {w.heartbeat_s}")
+    h = cfg.health
+    for name in ("known_answer_every", "replay_every"):
+        if getattr(h, name) < 0:
+            fail("health", name, f"must be >= 0 (0: off), got {getattr(h, name)}")
+    if not (math.isfinite(h.z_max) and h.z_max > 0):
+        fail("health", "z_max", f"must be a finite number > 0, got {h.z_max}")
+    if h.min_devices < 1:
+        fail("health", "min_devices", f"must be >= 1, got {h.min_devices}")
     sec = cfg.security
     if bool(sec.server_cert) != bool(sec.server_key):
         fail("security", "server_key" if sec.server_cert else "server_cert",

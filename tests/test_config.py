@@ -111,6 +111,12 @@ BAD_FILES = [
     ("[mesh]\nfsdp = 0\n", "[mesh] fsdp"),
     ("[worker]\nheartbeat_s = 2.5\n", "[worker] heartbeat_s"),  # more than half of the default 4 s lease
     ("[coordinator]\nlease_s = 1.5\n", "[worker] heartbeat_s"),  # the default 1 s heartbeat: over half of it
+    ("[health]\nknown_answer_every = -1\n", "[health] known_answer_every"),
+    ("[health]\nreplay_every = -10\n", "[health] replay_every"),
+    ("[health]\nz_max = 0.0\n", "[health] z_max"),
+    ("[health]\nz_max = inf\n", "[health] z_max"),
+    ("[health]\nmin_devices = 0\n", "[health] min_devices"),
+    ("[health]\nstats = 1\n", "[health] stats"),
 ]
 
 

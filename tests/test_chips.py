@@ -1,0 +1,159 @@
+"""The island's chip health (workers/chips.py) on the 8 fake CPU devices: each quarantine rule finds its injected
+device fault, with evidence, and a clean run quarantines nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TINY, make_text
+from dtrain.config import HealthConfig, load_config
+from dtrain.health import DeadDeviceError, DeviceFault
+from dtrain.model import build
+from dtrain.train import InnerLoop, make_mesh
+from workers.chips import ChipHealth
+
+K = 4  # steps per chunk
+CHUNKS = 3
+
+
+class Island:
+    def __init__(self) -> None:
+        self.cfg = load_config(TINY, [])
+        self.model = build(self.cfg.model)
+        self.mesh = make_mesh(self.cfg)
+        self.ids = [int(d.id) for d in self.mesh.devices.flat]
+        self.params = InnerLoop(self.cfg, self.model, self.mesh).init_params(0)
+        B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
+        text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
+        starts = np.random.default_rng(0).integers(0, len(text) - L1, (CHUNKS, K, B))
+        self.batches = text[starts[..., None] + np.arange(L1)]  # [CHUNKS, K, B, L+1]
+
+    def health(self, fault: DeviceFault | None = None, **cfg: object) -> ChipHealth:
+        return ChipHealth(dataclasses.replace(HealthConfig(enabled=True), **cfg), self.model.apply, self.mesh,
+                          fault=fault)
+
+    def train(self, chips: ChipHealth, fault: DeviceFault | None = None) -> list[dict]:
+        """CHUNKS chunks of the per-device step with ``chips`` checking after each; every quarantine's evidence."""
+        loop = InnerLoop(self.cfg, self.model, self.mesh, per_device=True, fault=fault)
+        state = loop.init_state(self.params)
+        found = []
+        for batches in self.batches:
+            first = int(state.step)
+            state, metrics = loop.run(state, batches)
+            found += chips.check(first, jax.device_get(metrics), state.params, batches)
+        return found
+
+    def clean_metrics(self, steps: int = 1) -> dict[str, np.ndarray]:
+        return {"device_finite": np.ones((steps, 8), bool), "device_grad_norm": np.ones((steps, 8))}
+
+
+@pytest.fixture(scope="module")
+def island() -> Island:
+    isl = Island()
+    assert len(isl.ids) == 8
+    return isl
+
+
+def test_clean_run_quarantines_nothing(island: Island) -> None:
+    chips = island.health(known_answer_every=K, replay_every=K * CHUNKS)  # one replay: each costs compilations
+    assert chips.start() == []
+    assert island.train(chips) == []
+    assert chips.bad_devices == [] and chips.healthy_ids == island.ids and not chips.too_few()
+    # every probe ran: the known answer at start and after each chunk, a replay after each chunk
+    assert chips.probe_calls == {"known_answer": 1 + CHUNKS, "replay": 1}
+
+
+def test_failed_known_answer_quarantines_at_start(island: Island) -> None:
+    bad = island.ids[5]
+    chips = island.health(DeviceFault("bitflip", bad, bit=3, rate=0.01))  # silent: a few low mantissa bits
+    (ev,) = chips.start()
+    assert (ev["device"], ev["index"], ev["probe"], ev["step"]) == (bad, 5, "known_answer", 0)
+    assert ev["value"] != ev["expected"] or ev["mismatches"] > 0
+    assert chips.bad_devices == [bad] and bad not in chips.healthy_ids
+    json.dumps(ev, allow_nan=False)  # evidence is strict JSON for the events and the heartbeat
+
+
+def test_statistics_outlier_on_two_consecutive_steps(island: Island) -> None:
+    bad = island.ids[2]
+    fault = DeviceFault("scale", bad, factor=10.0)
+    chips = island.health(fault, known_answer_every=0, replay_every=0)  # only the statistics can find it
+    (ev,) = island.train(chips, fault)
+    assert (ev["device"], ev["probe"], ev["step"]) == (bad, "stats", 1)  # flagged at step 0, quarantined at 1
+    assert ev["z"] > chips.cfg.z_max and ev["value"] > 5 * ev["median"]
+    assert chips.bad_devices == [bad]
+
+
+def test_non_finite_device(island: Island) -> None:
+    bad = island.ids[7]
+    fault = DeviceFault("scale", bad, factor=1e30)  # its gradient norm overflows float32
+    chips = island.health(fault, known_answer_every=0, replay_every=0, stats=False)
+    (ev,) = island.train(chips, fault)
+    assert (ev["device"], ev["probe"], ev["step"]) == (bad, "finite", 0)
+    json.dumps(ev, allow_nan=False)
+
+
+def test_replay_suspect_confirmed_by_a_third_device(island: Island) -> None:
+    bad = island.ids[3]  # the 1st replay pairs devices 0 and 1, the 2nd 2 and 3: only the 2nd sees it
+    fault = DeviceFault("bitflip", bad, bit=3, rate=0.01)  # silent: the statistics do not see it
+    chips = island.health(fault, known_answer_every=0, replay_every=2)
+    batches = island.batches[0]
+    assert chips.check(0, island.clean_metrics(1), island.params, batches) == []  # no replay before step 2
+    assert chips.check(1, island.clean_metrics(1), island.params, batches) == []  # devices 0, 1 agree
+    assert chips.probe_calls["replay"] == 1
+    assert chips.check(2, island.clean_metrics(1), island.params, batches) == []  # not yet (next at step 4)
+    (ev,) = chips.check(3, island.clean_metrics(), island.params, batches)  # devices 2, 3 differ; 4 decides
+    assert (ev["device"], ev["probe"], ev["step"]) == (bad, "replay", 4)
+    assert "outvoted by devices [2, 4]" in ev["detail"] and ev["value"] > 0 and ev["expected"] == 0
+    assert chips.probe_calls["replay"] == 2
+
+
+def test_dead_device_diagnosed_after_the_chunk_raises(island: Island) -> None:
+    bad = island.ids[3]
+    fault = DeviceFault("dead", bad)
+    chips = island.health(fault)
+    loop = InnerLoop(island.cfg, island.model, island.mesh, per_device=True, fault=fault)
+    with pytest.raises(DeadDeviceError):
+        loop.run(loop.init_state(island.params), island.batches[0])
+    (ev,) = chips.diagnose(0)
+    assert (ev["device"], ev["probe"], ev["value"]) == (bad, "known_answer", None)
+    assert "DeadDeviceError" in ev["detail"]
+
+
+def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statistics(island: Island) -> None:
+    chips = island.health(known_answer_every=0, replay_every=0, min_devices=8)
+    m = island.clean_metrics(3)
+    m["device_grad_norm"][0, 4] = 100.0  # an outlier once, then normal: forgiven
+    assert chips.check(0, m, island.params, island.batches[0]) == []
+    assert chips.bad_devices == [] and not chips.too_few()
+    m = island.clean_metrics(2)
+    m["device_grad_norm"][:, 4] = 100.0
+    (ev,) = chips.check(3, m, island.params, island.batches[0])
+    assert (ev["device"], ev["step"]) == (island.ids[4], 4)
+    # the quarantined device's numbers no longer count: a garbage value there flags nothing
+    m = island.clean_metrics(2)
+    m["device_grad_norm"][:, 4] = np.nan
+    m["device_finite"][:, 4] = False
+    assert chips.check(5, m, island.params, island.batches[0]) == []
+    assert chips.healthy_ids == [d for d in island.ids if d != island.ids[4]]
+    assert chips.too_few()  # 7 healthy devices, min_devices 8
+
+
+def test_divergence_is_no_chips_fault(island: Island) -> None:
+    chips = island.health(known_answer_every=0, replay_every=0)
+    m = island.clean_metrics(2)
+    m["device_finite"][:, :5] = False  # most devices non-finite: the training diverged
+    m["device_grad_norm"][:, :5] = np.inf
+    assert chips.check(0, m, island.params, island.batches[0]) == []
+    assert chips.bad_devices == []
+
+
+def test_check_names_wrong_metrics(island: Island) -> None:
+    chips = island.health()
+    with pytest.raises(ValueError, match=r"per-device metrics.*InnerLoop\(per_device=True\)"):
+        chips.check(0, {"device_finite": np.ones((2, 7), bool), "device_grad_norm": np.ones((2, 7))},
+                    island.params, island.batches[0])

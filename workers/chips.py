@@ -1,0 +1,219 @@
+"""Chip health of one island: runs the probes of :mod:`dtrain.health` on a schedule and decides which devices to
+quarantine.
+
+The island worker owns one :class:`ChipHealth` (built when ``[health] enabled``) and calls it at chunk
+boundaries: :meth:`ChipHealth.start` before the first step, :meth:`ChipHealth.check` after each chunk of the
+per-device inner step (``InnerLoop(per_device=True)``, whose metrics carry each device's micro-batch gradient norm
+and finiteness), and :meth:`ChipHealth.diagnose` when a chunk raised (a dead device). Each returns the devices it
+quarantined just now, each with its evidence.
+
+The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any one of):
+
+1. **a failed known answer** (run on every device at start and every ``known_answer_every`` steps, and after a
+   chunk raised): a wrong sum, a mismatching entry, or a computation that raised. Exact arithmetic: one failure is
+   proof.
+2. **a non-finite device**: its micro-batch loss or gradient was NaN/Inf on some step of the chunk while fewer
+   than half of the healthy devices were (when most are non-finite, the training diverged: that is no chip's
+   fault, and nothing is quarantined).
+3. **a statistics outlier on two consecutive checks**: a check is one inner step's row of per-device gradient
+   norms (the per-device step gives one each step at no extra cost; ``stats``); a device whose robust z-score
+   (:func:`dtrain.health.outliers` over the healthy devices finite at that step, ``z_max``) exceeds the threshold
+   on two consecutive steps. One outlier step alone is forgiven (a rare micro-batch).
+4. **a replay suspect confirmed by a 3-device vote** (every ``replay_every`` steps): one healthy device's
+   micro-batch of the chunk's last batch is recomputed on it and on the next healthy device (round robin over the
+   devices, so every device is covered every ``D/2`` replays) and compared bit for bit; if they differ (or one
+   raises), the micro-batch is computed on a third healthy device and the device outside the agreeing majority
+   (:func:`dtrain.health.agreement`) is quarantined.
+
+Quarantined devices leave every later probe: statistics are compared over the healthy devices only (at least 3),
+replays run on healthy devices only. Nothing here rebuilds the mesh: the quarantined devices still run the
+island's step until the island remeshes on :attr:`ChipHealth.healthy_ids` (or drains when
+:meth:`ChipHealth.too_few` says it has fewer than ``min_devices``).
+
+Evidence (:data:`Evidence`), one JSON-ready dict per quarantined device: ``device`` (JAX id), ``index`` (position
+in ``mesh.devices.flat``), ``probe`` (``known_answer``, ``finite``, ``stats``, ``replay``), ``step`` (the inner
+step of the state the probe saw), ``value`` and ``expected`` (known answer; replay: the largest difference and 0)
+or ``z`` (statistics), and ``detail`` (a sentence). Non-finite numbers are written as strings (``"nan"``,
+``"inf"``) so the events stay strict JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from dtrain.config import HealthConfig
+from dtrain.health import DeviceFault, Probes, micro_batch, outliers
+from dtrain.model import ApplyFn, Params
+
+Evidence = dict[str, Any]
+
+
+def _num(x: float | int | None) -> float | int | str | None:
+    """A number for a JSON event: non-finite floats as their name."""
+    if x is None or isinstance(x, int) or math.isfinite(x):
+        return x
+    return str(float(x))
+
+
+class ChipHealth:
+    """The island's chip-health state: which devices are quarantined (with evidence), when each probe last ran,
+    and the statistics probe's streak of consecutive outliers. Every method is a host-device sync point."""
+
+    def __init__(self, cfg: HealthConfig, apply: ApplyFn, mesh: Mesh, *, fault: DeviceFault | None = None,
+                 rtol: float = 0.0):
+        self.cfg = cfg
+        self.rtol = rtol  # replay: 0 compares bit for bit (CPU, TPU, GPU with deterministic ops)
+        self.probes = Probes(apply, mesh, fault)
+        self.device_ids: list[int] = list(self.probes.device_ids)
+        self.quarantined: dict[int, Evidence] = {}  # device id -> the evidence that quarantined it
+        self._streak: set[int] = set()  # device ids that were statistics outliers on the last check
+        # the step at (or after) which check() runs the next known answer (inf: only start() and diagnose() do)
+        self._next_known: float = cfg.known_answer_every or math.inf
+        self._next_replay = cfg.replay_every
+        self._replay_turn = 0  # the index (in mesh.devices.flat) whose micro-batch the next replay recomputes
+        self.probe_calls: dict[str, int] = {"known_answer": 0, "replay": 0}
+
+    # ------------------------------------------------------------------------------------------ the island's view
+
+    @property
+    def bad_devices(self) -> list[int]:
+        """The quarantined device ids, sorted (the heartbeat's ``bad_devices``)."""
+        return sorted(self.quarantined)
+
+    @property
+    def healthy_ids(self) -> list[int]:
+        """The device ids not quarantined, in ``mesh.devices.flat`` order (the devices to remesh on)."""
+        return [d for d in self.device_ids if d not in self.quarantined]
+
+    def too_few(self) -> bool:
+        """Fewer healthy devices than ``min_devices``: the island must drain."""
+        return len(self.healthy_ids) < self.cfg.min_devices
+
+    def _healthy_indices(self) -> list[int]:
+        return [i for i, d in enumerate(self.device_ids) if d not in self.quarantined]
+
+    def _quarantine(self, index: int, probe: str, step: int, detail: str, **numbers: float | int | None
+                    ) -> Evidence | None:
+        did = self.device_ids[index]
+        if did in self.quarantined:
+            return None
+        evidence: Evidence = {"device": did, "index": index, "probe": probe, "step": step,
+                              **{k: _num(v) for k, v in numbers.items()}, "detail": detail}
+        self.quarantined[did] = evidence
+        self._streak.discard(did)
+        return evidence
+
+    # ------------------------------------------------------------------------------------------ the probes
+
+    def start(self, step: int = 0) -> list[Evidence]:
+        """The known answer on every device before training; the devices it quarantined."""
+        return self._known_answer(step)
+
+    def diagnose(self, step: int) -> list[Evidence]:
+        """After a chunk raised (a device's computation failed): the known answer on every healthy device says which
+        one; the devices it quarantined (empty: the failure was not a device's)."""
+        return self._known_answer(step)
+
+    def _known_answer(self, step: int) -> list[Evidence]:
+        self.probe_calls["known_answer"] += 1
+        self._next_known = step + self.cfg.known_answer_every if self.cfg.known_answer_every else math.inf
+        found = []
+        for result in self.probes.known_answer(step):
+            if result.ok or result.device_id in self.quarantined:
+                continue
+            detail = (f"known answer raised: {result.error}" if result.error is not None else
+                      f"known answer {result.value} != {result.expected} ({result.mismatches} entries wrong)")
+            ev = self._quarantine(result.index, "known_answer", step, detail, value=result.value,
+                                  expected=result.expected, mismatches=result.mismatches)
+            if ev is not None:
+                found.append(ev)
+        return found
+
+    def check(self, first_step: int, metrics: Mapping[str, Any], params: Params,
+              batches_KxBxL1: np.ndarray) -> list[Evidence]:
+        """After one chunk of K per-device steps, the first of which ran at inner step ``first_step``: reads the
+        chunk's per-device metrics (``device_finite`` and ``device_grad_norm``, ``[K, D]``), then runs the known
+        answer and the replay if their step has come (the replay on ``params``, the state after the chunk, and the
+        chunk's last batch). The devices quarantined by this check."""
+        finite_KxD = np.asarray(metrics["device_finite"], bool)
+        norm_KxD = np.asarray(metrics["device_grad_norm"], np.float64)
+        if finite_KxD.ndim != 2 or finite_KxD.shape != norm_KxD.shape or finite_KxD.shape[1] != len(self.device_ids):
+            raise ValueError(f"ChipHealth.check: per-device metrics of shape {finite_KxD.shape} / {norm_KxD.shape}; "
+                             f"expected [K, {len(self.device_ids)}] (InnerLoop(per_device=True))")
+        found: list[Evidence] = []
+        for k in range(finite_KxD.shape[0]):
+            found += self._check_step(first_step + k, finite_KxD[k], norm_KxD[k])
+        end = first_step + finite_KxD.shape[0]
+        if end >= self._next_known:
+            found += self._known_answer(end)
+        if self.cfg.replay_every and end >= self._next_replay:
+            self._next_replay = end + self.cfg.replay_every
+            found += self._replay(params, np.asarray(batches_KxBxL1)[-1], end)
+        return found
+
+    def _check_step(self, step: int, finite_D: np.ndarray, norm_D: np.ndarray) -> list[Evidence]:
+        """Rules 2 and 3 on one step's row."""
+        healthy = self._healthy_indices()
+        found = []
+        bad = [i for i in healthy if not finite_D[i]]
+        if bad and 2 * len(bad) < len(healthy):
+            for i in bad:
+                ev = self._quarantine(i, "finite", step, "micro-batch loss or gradient not finite",
+                                      value=float(norm_D[i]))
+                if ev is not None:
+                    found.append(ev)
+        if not self.cfg.stats:
+            return found
+        # Non-finite devices are rule 2's (or, when most are, a divergence's): compared here are the finite ones.
+        healthy = [i for i in self._healthy_indices() if finite_D[i] and np.isfinite(norm_D[i])]
+        if len(healthy) < 3:  # the statistics cannot say which of two devices is odd
+            self._streak.clear()
+            return found
+        flagged = {healthy[o.index]: o for o in outliers([float(norm_D[i]) for i in healthy], self.cfg.z_max)}
+        median = float(np.median([norm_D[i] for i in healthy]))
+        streak = set()
+        for i, o in flagged.items():
+            did = self.device_ids[i]
+            if did in self._streak:
+                ev = self._quarantine(i, "stats", step, f"gradient norm an outlier on two consecutive steps "
+                                      f"(median {median:.4g}, z_max {self.cfg.z_max})", value=o.value, z=o.z,
+                                      median=median)
+                if ev is not None:
+                    found.append(ev)
+            else:
+                streak.add(did)
+        self._streak = streak
+        return found
+
+    def _replay(self, params: Params, batch_BxL1: np.ndarray, step: int) -> list[Evidence]:
+        """Rule 4: one healthy device's micro-batch recomputed on it and the next healthy device; a third decides a
+        mismatch."""
+        healthy = self._healthy_indices()
+        if len(healthy) < 3:  # no third device to decide a mismatch
+            return []
+        self.probe_calls["replay"] += 1
+        pos = next((p for p, i in enumerate(healthy) if i >= self._replay_turn), 0)
+        trio: Sequence[int] = [healthy[(pos + j) % len(healthy)] for j in range(3)]
+        self._replay_turn = trio[1] + 1  # the next pair starts after this one's: D/2 replays cover every device
+        rows = micro_batch(batch_BxL1, self.probes.mesh, trio[0])
+        first = self.probes.replay(params, rows, trio[:2], step, self.rtol)
+        if not first.suspects:
+            return []
+        vote = self.probes.replay(params, rows, trio, step, self.rtol)
+        if not vote.conclusive:
+            return []
+        found = []
+        for did in vote.suspects:
+            index = self.device_ids.index(did)
+            detail = (f"replay raised: {vote.error[did]}" if did in vote.error else
+                      f"replay of device {self.device_ids[trio[0]]}'s micro-batch: outvoted by devices "
+                      f"{[d for d in vote.device_ids if d not in vote.suspects]}")
+            ev = self._quarantine(index, "replay", step, detail, value=vote.max_abs_diff, expected=0.0)
+            if ev is not None:
+                found.append(ev)
+        return found
