@@ -73,6 +73,7 @@ class DeviceFault:
     bit: int = 22  # "bitflip": which bit of each float32 element (22: the mantissa's highest; 30: exponent's)
     rate: float = 1.0  # "bitflip": fraction of elements whose bit flips when the fault fires
     seed: int = 0  # the fault's key: fold_in(PRNGKey(seed), step) decides firing and flipped elements
+    start: int = 0  # the first inner step the fault can fire on (the onset of a chip going bad)
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -87,6 +88,8 @@ class DeviceFault:
             raise ValueError(f"DeviceFault.bit: {self.bit} is not a bit of a 32-bit float (0..31)")
         if not math.isfinite(self.factor):
             raise ValueError(f"DeviceFault.factor: {self.factor} is not finite")
+        if self.start < 0:
+            raise ValueError(f"DeviceFault.start: {self.start} is not an inner step (>= 0)")
 
 
 class DeadDeviceError(RuntimeError):
@@ -96,9 +99,9 @@ class DeadDeviceError(RuntimeError):
 
 def _fires(fault: DeviceFault, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """(does the fault fire at ``step``, the key for its bit flips): the same draw in a jitted computation and on
-    the host."""
+    the host. Never before ``fault.start``."""
     fire_key, flip_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(fault.seed), step))
-    return jax.random.bernoulli(fire_key, fault.prob), flip_key
+    return jax.random.bernoulli(fire_key, fault.prob) & (jnp.asarray(step) >= fault.start), flip_key
 
 
 def check_alive(fault: DeviceFault | None, device_ids: Sequence[int], step: int) -> None:

@@ -104,6 +104,15 @@ def test_intermittent_fault_fires_on_some_steps_only(island: Island) -> None:
     check_alive(DeviceFault("dead", 2), [0, 1, 3], 0)  # a dead device outside the computation's devices
 
 
+def test_fault_starts_at_its_onset_step(island: Island) -> None:
+    fault = DeviceFault("scale", 5, factor=3.0, start=7)
+    bad = [[r.device_id for r in island.probes(fault).known_answer(step) if not r.ok] for step in range(5, 10)]
+    assert bad == [[], [], [5], [5], [5]]
+    check_alive(DeviceFault("dead", 5, start=7), island.ids, 6)
+    with pytest.raises(DeadDeviceError, match="step 7"):
+        check_alive(DeviceFault("dead", 5, start=7), island.ids, 7)
+
+
 def test_grad_stats_are_each_devices_own_micro_batch(island: Island) -> None:
     batch = island.batch(np.random.default_rng(0))
     stats = island.probes().grad_stats(island.params, batch)
@@ -223,6 +232,7 @@ def test_fault_spec_validation() -> None:
                           ({"kind": "scale", "device": 0, "prob": 0.0}, "prob"),
                           ({"kind": "bitflip", "device": 0, "bit": 32}, "bit"),
                           ({"kind": "bitflip", "device": 0, "rate": 2.0}, "rate"),
-                          ({"kind": "scale", "device": 0, "factor": float("inf")}, "factor")]:
+                          ({"kind": "scale", "device": 0, "factor": float("inf")}, "factor"),
+                          ({"kind": "dead", "device": 0, "start": -1}, "start")]:
         with pytest.raises(ValueError, match=f"DeviceFault.{match}"):
             DeviceFault(**kwargs)
