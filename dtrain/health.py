@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtrain.model import ApplyFn, Params
 from dtrain.outer import robust_scores
-from dtrain.train import BATCH_AXES, loss_fn
+from dtrain.train import BATCH_AXES, loss_fn, rows_per_device
 
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
 STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
@@ -238,9 +238,10 @@ def _global_norm(tree: Any) -> jax.Array:
 
 
 def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, device_id: jax.Array, step: jax.Array,
-                     fault: DeviceFault | None = None) -> tuple[jax.Array, Params]:
-    """One device's (loss, gradient) of ``loss_fn`` on its micro-batch, as that device (``fault``) produces it."""
-    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(params, batch_bxL1)
+                     fault: DeviceFault | None = None, rows: jax.Array | None = None) -> tuple[jax.Array, Params]:
+    """One device's (loss, gradient) of ``loss_fn`` on its micro-batch (its first ``rows`` rows when the rest is
+    padding), as that device (``fault``) produces it."""
+    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(params, batch_bxL1, rows)
     return inject((loss, grads), device_id, step, fault)
 
 
@@ -306,12 +307,10 @@ def compare(a: Any, b: Any, rtol: float) -> tuple[jax.Array, jax.Array]:
 
 def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
     """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
-    is split over ``BATCH_AXES`` in row-major device order)."""
-    n = mesh.devices.size
-    if batch_BxL1.shape[0] % n:
-        raise ValueError(f"micro_batch: batch of {batch_BxL1.shape[0]} rows does not split over {n} devices")
-    b = batch_BxL1.shape[0] // n
-    return batch_BxL1[index * b:(index + 1) * b]
+    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.train.rows_per_device` rows each)."""
+    counts = rows_per_device(batch_BxL1.shape[0], mesh.devices.size)
+    start = sum(counts[:index])
+    return batch_BxL1[start:start + counts[index]]
 
 
 class Probes:
