@@ -74,6 +74,7 @@ class DeviceFault:
     rate: float = 1.0  # "bitflip": fraction of elements whose bit flips when the fault fires
     seed: int = 0  # the fault's key: fold_in(PRNGKey(seed), step) decides firing and flipped elements
     start: int = 0  # the first inner step the fault can fire on (the onset of a chip going bad)
+    until: int = 0  # the first inner step it no longer fires on (0: never stops; a transient fault: start + 1)
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -90,6 +91,8 @@ class DeviceFault:
             raise ValueError(f"DeviceFault.factor: {self.factor} is not finite")
         if self.start < 0:
             raise ValueError(f"DeviceFault.start: {self.start} is not an inner step (>= 0)")
+        if self.until and self.until <= self.start:
+            raise ValueError(f"DeviceFault.until: {self.until} must be after start ({self.start}), or 0 (never stops)")
 
 
 class DeadDeviceError(RuntimeError):
@@ -99,9 +102,12 @@ class DeadDeviceError(RuntimeError):
 
 def _fires(fault: DeviceFault, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """(does the fault fire at ``step``, the key for its bit flips): the same draw in a jitted computation and on
-    the host. Never before ``fault.start``."""
+    the host. Only on steps in ``[fault.start, fault.until)``."""
     fire_key, flip_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(fault.seed), step))
-    return jax.random.bernoulli(fire_key, fault.prob) & (jnp.asarray(step) >= fault.start), flip_key
+    window = jnp.asarray(step) >= fault.start
+    if fault.until:
+        window &= jnp.asarray(step) < fault.until
+    return jax.random.bernoulli(fire_key, fault.prob) & window, flip_key
 
 
 def check_alive(fault: DeviceFault | None, device_ids: Sequence[int], step: int) -> None:
