@@ -530,7 +530,7 @@ class CoordinatorState:
         report: list[DeviceEvidence] = []
         for i, item in enumerate(quarantined):
             try:
-                ev = schema.load(DeviceEvidence, dict(item))
+                ev = schema.load(DeviceEvidence, dict(item), partial=True)  # absent numbers: None
             except schema.SchemaError as e:
                 refuse(f"{schema.format_path(e.path, f'quarantined[{i}]')}: {e.why}")
             except (TypeError, ValueError) as e:  # not a mapping
