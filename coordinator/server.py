@@ -71,7 +71,7 @@ _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
 _MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
 
 
-def evidence_data(e: pb.DeviceEvidence) -> dict[str, Any]:
+def evidence_from_message(e: pb.DeviceEvidence) -> dict[str, Any]:
     """A DeviceEvidence message as the plain data ``CoordinatorState.heartbeat`` checks: the numbers the probe did
     not measure (unset optional fields) left out."""
     data: dict[str, Any] = {"device": e.device, "index": e.index, "probe": e.probe, "step": e.step,
@@ -80,7 +80,7 @@ def evidence_data(e: pb.DeviceEvidence) -> dict[str, Any]:
     return data
 
 
-def evidence_message(e: DeviceEvidence) -> pb.DeviceEvidence:
+def evidence_to_message(e: DeviceEvidence) -> pb.DeviceEvidence:
     """A recorded device's evidence for Status: numbers the probe did not measure stay unset."""
     return pb.DeviceEvidence(**{k: v for k, v in dataclasses.asdict(e).items() if v is not None})
 
@@ -392,7 +392,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             action, reason = self._decide(
                 context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
                 request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock(),
-                quarantined=[evidence_data(e) for e in request.quarantined], devices=request.devices)
+                quarantined=[evidence_from_message(e) for e in request.quarantined], devices=request.devices)
             new = record.quarantined[known:] if record is not None else ()
             healthy, name = (record.devices, record.name) if record is not None else (0, "")
             version = self.state.version
@@ -534,7 +534,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                        tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
                                        lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
                                        shard_index=r.shard_index, devices=r.devices,
-                                       quarantined=[evidence_message(e) for e in r.quarantined])
+                                       quarantined=[evidence_to_message(e) for e in r.quarantined])
                        for r in self.state.islands.values()]
             extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest,
                      "pushes_refused": self.pushes_refused}
