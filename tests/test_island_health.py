@@ -49,14 +49,13 @@ def _run(cfg: Config, tmp_path: Path, faults: dict[str, DeviceFault | None]) -> 
         if errors:
             raise errors[0]
         assert not any(t.is_alive() for t in threads), "a worker did not finish"
-        out["coordinator"] = service.state.snapshot() if hasattr(service.state, "snapshot") else None
         out["digest"] = service.merger.digest
         out["version"] = service.state.version
     finally:
         server.stop(grace=None).wait()
         service.close()
-    out["events"] = {name: read_events(tmp_path / name / "events.jsonl") for name in faults}
-    out["coordinator_events"] = read_events(tmp_path / "coordinator" / "events.jsonl")
+    out["events"] = {name: read_events(tmp_path / name) for name in faults}
+    out["coordinator_events"] = read_events(tmp_path / "coordinator")
     return out
 
 
@@ -110,8 +109,7 @@ def test_nan_guard_rolls_back_and_every_pushed_delta_is_finite(tmp_path: Path) -
     assert rewound["restored"] and rewound["to_cursor"] == 0 and rewound["discarded_steps"] == 20
     assert a["nan_rollbacks"] == 1 and a["quarantined"] == [] and a["devices"] == 8
     sent = _of(events, "push_sent")
-    assert [e["status"] for e in sent] == ["PUSH_STATUS_MERGED"] * 3 or all(
-        e["status"] in ("PUSH_STATUS_MERGED", "PUSH_STATUS_PENDING") for e in sent)
+    assert all(e["status"] in ("PUSH_STATUS_MERGED", "PUSH_STATUS_PENDING") for e in sent)
     assert len(sent) == 3 and [(e["start"], e["end"]) for e in sent] == [(0, 160), (160, 320), (320, 480)]
     refused = [e for e in run["coordinator_events"] if e.get("event") in ("push_refused", "push_quarantined")]
     assert refused == []
@@ -131,18 +129,3 @@ def test_dead_device_is_found_by_the_known_answer_and_quarantined(clean: dict[st
     assert remesh["devices"] == 7 and 5 not in remesh["device_ids"]
     assert a["params_digest"] == run["digest"] and a["version"] == 3
     assert a["final_eval_loss"] / clean["a"]["final_eval_loss"] < 1.02
-
-
-@pytest.mark.slow
-def test_island_with_too_few_devices_drains_and_its_shard_is_rerouted(tmp_path: Path) -> None:
-    """min_devices=8: one quarantined device drains island a; b finishes its own shard, then a's."""
-    cfg = _cfg(tmp_path, "health.enabled=true", "health.min_devices=8", "outer.islands=2",
-               "coordinator.lease_s=2", "coordinator.grace_s=2")
-    run = _run(cfg, tmp_path, {"a": DeviceFault("scale", 3, factor=10.0, start=25), "b": None})
-    a, b = run["a"], run["b"]
-    [drained] = _of(run["events"]["a"], "drained")
-    assert "min_devices=8" in drained["reason"] and drained["devices"] == 7
-    assert a["drained"] and a["steps"] < 60
-    assert b["params_digest"] == run["digest"]
-    rejoined = _of(run["events"]["b"], "rewound")
-    assert any(e["to_shard"] != e["from_shard"] for e in rejoined), "b took over a's shard"

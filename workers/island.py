@@ -332,6 +332,7 @@ class Worker:
         self.setup = prepare(cfg, cfg.outer.islands, per_device=cfg.health.enabled or device_fault is not None,
                              fault=device_fault)
         self.loop: InnerLoop = self.setup.loop
+        self.mesh_devices = self.loop.mesh.devices.size  # the island's devices before any quarantine
         self.health = ChipHealth(cfg.health, self.loop.model.apply, self.loop.mesh, fault=device_fault) \
             if cfg.health.enabled else None
         self.rollbacks = 0  # NaN-guard rollbacks since the last push
@@ -368,7 +369,7 @@ class Worker:
     # -- exchange pieces ----------------------------------------------------------------------------
 
     def join(self) -> pb.JoinResponse:
-        devices = len(self.loop.mesh.devices.flat)
+        devices = self.mesh_devices  # the whole mesh: a quarantined device's evidence names its place in it
         hardware = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
         resp = self.client.join(self.name, hardware, devices)
         if resp.tree_digest != self.tree_digest or resp.tree_size != self.n:
@@ -401,12 +402,10 @@ class Worker:
             exchange = status.exchange
             try:
                 t0 = time.perf_counter()
-                quarantined = status.quarantined
                 resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "",
-                                             bad_devices=[str(e["device"]) for e in quarantined],
-                                             quarantined=quarantined, devices=status.devices)
+                                             **_chip_report(status.quarantined, status.devices))
                 change = link.observe(time.perf_counter() - t0)
                 if change is not None:
                     self.log.event(change[0], **change[1])
@@ -645,10 +644,12 @@ class Worker:
         except Exception as e:
             if self.health is None:
                 raise
-            found = self.health.diagnose(first)  # which device failed? none: not a device's failure
+            # Which device failed? The known answer on each, now (at the chunk's last step: a dead chip stays dead).
+            # None: not a device's failure, or one gone again (an intermittent one): the error stands.
+            found = self.health.diagnose(first + n - 1)
             if not found:
                 raise
-            self.log.event("chunk_failed", step=first, error=f"{type(e).__name__}: {e}")
+            self.log.event("chunk_failed", step=first, steps=n, error=f"{type(e).__name__}: {e}")
             return self._quarantine_recovery(found, status, "its computation raised")
         self.executed_steps += n
         # One line per chunk: a killed process's compute is known to within a chunk (goodput).
@@ -730,6 +731,7 @@ class Worker:
         if later is not None and (later.joined or not rewind.joined):
             rewind = later
         remeshed: dict[str, Any] = {}
+        executed_step = self._step_counter(island) if recovery is not None else 0  # before the mesh goes
         if recovery is not None and recovery.remesh:
             remeshed = self._remesh()
         if self._last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
@@ -750,13 +752,16 @@ class Worker:
             if remeshed:
                 self._precompile()
             assert self.ckpt is not None
-            island.state = self._state_from(latest, self.ckpt)
+            # The step counter goes on (a fault tied to device time does not replay with the retrained range)
+            step = jax.device_put(jnp.asarray(executed_step, jnp.int32), self.loop.state_sharding.step)
+            island.state = self._state_from(latest, self.ckpt).replace(step=step)
             self._finite.clear()
         self.log.event("rewound", from_shard=island.index, from_cursor=island.cursor, to_shard=rewind.shard,
                        to_cursor=rewind.cursor, discarded_steps=discarded, retrained_steps=max(again, 0),
                        version=latest.version, restored=recovery is not None,
                        reason=rewind.reason if recovery is None else recovery.reason)
         if remeshed:
+            status.devices = self.loop.mesh.devices.size
             self.log.event("remeshed", **remeshed, cursor=rewind.cursor, version=latest.version,
                            restored="last push")
             self.log.progress(f"{self.name}: remeshed on {remeshed['devices']} devices "
@@ -806,6 +811,15 @@ class Worker:
                                                "tokens": island.tokens, "version": anchor.version,
                                                "fingerprint": self.cfg.fingerprint()})
         return Pending(exchange, at_push)
+
+    @staticmethod
+    def _step_counter(island: Island) -> int:
+        """The state's inner-step counter; the island's step where a failed computation took the state with it
+        (a real device failure after dispatch: the donated buffers are gone)."""
+        try:
+            return int(island.state.step)
+        except Exception:  # noqa: BLE001 - any runtime error reading a lost buffer
+            return island.steps
 
     def _drain(self, island: Island, anchor: GlobalParams, pending: Pending | None,
                status: IslandStatus) -> GlobalParams:
@@ -883,7 +897,9 @@ class Worker:
         if not self.drained:  # a drained island lets its lease run out (its shard is then rerouted)
             try:  # best effort, one try: tell the coordinator this island holds the final version
                 self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
-                                      tokens=island.tokens, params_digest=final_digest)
+                                      tokens=island.tokens, params_digest=final_digest,
+                                      **_chip_report(tuple(self.health.quarantined.values()) if self.health else (),
+                                                     self.loop.mesh.devices.size))
             except CoordinatorError as e:
                 self.log.event("heartbeat_failed", error=str(e))
             final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
@@ -910,6 +926,12 @@ class Worker:
         self.log.close()
         self.client.close()
         return summary
+
+
+def _chip_report(quarantined: tuple[Evidence, ...], devices: int) -> dict[str, Any]:
+    """A heartbeat's chip-health fields: the whole report every time (the coordinator keeps each device's first
+    evidence; ``bad_devices`` must name the same devices as the evidence)."""
+    return {"bad_devices": [str(e["device"]) for e in quarantined], "quarantined": quarantined, "devices": devices}
 
 
 def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path) -> str:
