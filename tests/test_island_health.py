@@ -1,11 +1,14 @@
-"""Chip health inside a real island: a worker (in this process, 8 fake CPU devices) against a real coordinator on
+"""Chip health inside a real island: a ``dtrain worker`` process on 8 fake CPU devices against a real coordinator on
 127.0.0.1:0, with a device fault injected into its per-device inner step. The island finds the device, quarantines
 it, rebuilds its mesh on the healthy devices with the same global batch, goes back to its last good state and
 trains on; the NaN/Inf guard rolls a non-finite round back instead of pushing it."""
 
 from __future__ import annotations
 
-import threading
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,44 +17,51 @@ import pytest
 
 from conftest import TINY, initial_parameters
 from coordinator.server import serve
-from dtrain.config import Config, load_config
+from dtrain.config import Config, load_config, to_toml
 from dtrain.health import DeviceFault
 from dtrain.runlog import read_events
-from workers.island import run_worker
 
 
 def _cfg(tmp_path: Path, *extra: str) -> Config:
+    # coordinator.checkpoint=false: the coordinator runs in this process, and orbax's async checkpointing does not
+    # bear two checkpoint managers at work in one process (the workers are processes of their own)
     return load_config(TINY, [
-        f"run.out_dir={tmp_path}", "coordinator.port=0", "outer.islands=1", "train.steps=60", "outer.inner_steps=20",
-        "worker.heartbeat_s=0.5", "worker.retry_total_s=20", "worker.start_wait_s=0", *extra])
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.checkpoint=false", "outer.islands=1",
+        "train.steps=60", "outer.inner_steps=20", "worker.heartbeat_s=0.5", "worker.retry_total_s=20",
+        "worker.start_wait_s=0", *extra])
+
+
+def _spec(f: DeviceFault) -> str:
+    """``dtrain worker --device-fault`` for ``f``."""
+    opts = {"scale": f",factor={f.factor}", "bitflip": f",bit={f.bit}", "dead": ""}[f.kind]
+    return f"{f.kind}:{f.device}@{f.start}{opts}" + (f",until={f.until}" if f.until else "")
 
 
 def _run(cfg: Config, tmp_path: Path, faults: dict[str, DeviceFault | None]) -> dict[str, Any]:
-    """One coordinator and one worker thread per island (``faults``: island name -> its device fault); returns
-    the coordinator's status and each island's summary and events."""
+    """A coordinator in this process and one ``dtrain worker`` process per island on 8 fake devices (``faults``:
+    island name -> its device fault); returns each island's summary and events and the coordinator's θ."""
     theta, spec = initial_parameters(cfg)
     server, service, port = serve(cfg, tmp_path / "coordinator", theta, spec, port=0, quiet=True)
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    procs = {}
     out: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def work(name: str, fault: DeviceFault | None) -> None:
-        try:
-            out[name] = run_worker(cfg, f"127.0.0.1:{port}", name, tmp_path / name, quiet=True, device_fault=fault)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=item) for item in faults.items()]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        if errors:
-            raise errors[0]
-        assert not any(t.is_alive() for t in threads), "a worker did not finish"
+        for name, fault in faults.items():
+            cmd = [sys.executable, "-m", "dtrain_cli", "worker", "--config", str(tmp_path / "config.toml"),
+                   "--host-devices", "8", "--coordinator", f"127.0.0.1:{port}", "--island", name,
+                   "--run-dir", str(tmp_path / name), "--quiet", *(["--device-fault", _spec(fault)] if fault else [])]
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, proc in procs.items():
+            printed, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"worker {name} exited {proc.returncode}: {printed[-3000:]}"
+            out[name] = json.loads((tmp_path / name / "summary.json").read_text())
         out["digest"] = service.merger.digest
         out["version"] = service.state.version
     finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
         server.stop(grace=None).wait()
         service.close()
     out["events"] = {name: read_events(tmp_path / name) for name in faults}
@@ -129,3 +139,18 @@ def test_dead_device_is_found_by_the_known_answer_and_quarantined(clean: dict[st
     assert remesh["devices"] == 7 and 5 not in remesh["device_ids"]
     assert a["params_digest"] == run["digest"] and a["version"] == 3
     assert a["final_eval_loss"] / clean["a"]["final_eval_loss"] < 1.02
+
+
+@pytest.mark.slow
+def test_island_with_too_few_devices_drains_and_its_shard_is_rerouted(tmp_path: Path) -> None:
+    """min_devices=8: one quarantined device drains island a; b finishes its own shard, then a's."""
+    cfg = _cfg(tmp_path, "health.enabled=true", "health.min_devices=8", "outer.islands=2",
+               "coordinator.lease_s=2", "coordinator.grace_s=2", "worker.start_wait_s=120")
+    run = _run(cfg, tmp_path, {"a": DeviceFault("scale", 3, factor=10.0, start=25), "b": None})
+    a, b = run["a"], run["b"]
+    [drained] = _of(run["events"]["a"], "drained")
+    assert "min_devices=8" in drained["reason"] and drained["devices"] == 7
+    assert a["drained"] and a["steps"] < 60
+    [took] = [e for e in _of(run["events"]["b"], "rewound") if e["to_shard"] != e["from_shard"]]
+    assert took["to_shard"] == a["shard"] and took["to_cursor"] == 20 * 8  # a's merged cursor: its first round
+    assert b["params_digest"] == run["digest"] and run["version"] == 6  # both shards' data merged, 3 rounds each
