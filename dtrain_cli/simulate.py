@@ -216,6 +216,9 @@ class _Simulation:
         missed = [(f, "the run ended first") for f in pending]
         missed += [(f, f"{f.target} made no push based on version {f.at_version} or later") for f in self.faults
                    if f.kind in PUSH_KINDS and self._push_fault_event(f) is None]
+        for f in self.faults:
+            if f.device_fault is not None and not device_fault_reached(f, _events(self.out / "islands" / f.target)):
+                missed.append((f, f"{f.target} never trained past inner step {f.device_fault.start}"))
         for f, reason in missed:
             self.log.event("fault_not_injected", fault=f.text, reason=reason)
             self.log.progress(f"fault {f.text}: not injected ({reason})")
@@ -388,7 +391,8 @@ class _Simulation:
             if injected is not None:
                 result.append(self._push_detection(spec, injected, coord_events, island_events[spec.target]))
         device_faults = [f for f in self.faults if f.kind in DEVICE_KINDS]
-        result += [device_fault_entry(f, island_events[f.target], device_faults) for f in device_faults]
+        result += [device_fault_entry(f, island_events[f.target], device_faults) for f in device_faults
+                   if device_fault_reached(f, island_events[f.target])]
         return result
 
     # -- the summary -------------------------------------------------------------------------------
@@ -462,6 +466,16 @@ def device_quarantines(island_events: dict[str, list[dict[str, Any]]], device_fa
                 found.append({"island": island, "t": e["t"], "device": e.get("device"), "probe": e.get("probe"),
                               "step": e.get("step"), "detail": e.get("detail"), "fault": f.text if f else None})
     return sorted(found, key=lambda q: q["t"])
+
+
+def device_fault_reached(spec: FaultSpec, island_events: list[dict[str, Any]]) -> bool:
+    """Whether device fault ``spec`` was injected: some process of its island ran past its start step (a
+    ``trained`` event's ``executed``), or the island quarantined the device for it."""
+    fault = spec.device_fault
+    assert fault is not None, spec
+    return any(e.get("event") == "trained" and int(e["executed"]) > fault.start
+               or e.get("event") == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None
+               for e in island_events)
 
 
 def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], device_faults: Sequence[FaultSpec]

@@ -3,6 +3,7 @@ processes and real signals."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -23,7 +24,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
 from dtrain_cli.faults import DEVICE_KINDS, PUSH_KINDS, LinkProxy, check_devices, host_device_count, parse_fault
 from dtrain_cli.main import main
-from dtrain_cli.simulate import device_fault_entry, device_quarantines, run_simulation
+from dtrain_cli.simulate import device_fault_entry, device_fault_reached, device_quarantines, run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.inject import (
     PUSH_FAULTS,
@@ -237,8 +238,13 @@ def test_device_fault_summary_undetected_and_drained() -> None:
     assert (e["detected_t"], e["detection_s"], e["detection_steps"], e["detected_by"], e["probe"]) == \
         (None, None, None, None, None)
     assert e["action"] == "none: not detected" and e["injected_t"] == 1.5 and e["false_positives"] == []
-    assert device_fault_entry(fault, _island_events((0.5, "worker_started", {}), *_chunks(10)), [fault])[
-        "injected_t"] is None  # the island never ran step 15
+    short = _island_events((0.5, "worker_started", {}), *_chunks(10))
+    assert device_fault_entry(fault, short, [fault])["injected_t"] is None  # the island never ran step 15 ...
+    assert not device_fault_reached(fault, short)  # ... so the fault was not injected (faults_not_injected)
+    assert device_fault_reached(fault, _island_events(*_chunks(20)))
+    restarted = _island_events(*_chunks(10), *_chunks(10, t0=5.0), (6.0, "device_quarantined", {
+        "device": 6, "probe": "stats", "step": 16, "detail": "z"}))  # a restarted process's state went on
+    assert device_fault_reached(fault, restarted)
     dead = parse_fault("device-dead:island-0@step0,device=1", 2)
     events = _island_events((0.5, "worker_started", {}), *_chunks(10), (
         2.0, "device_quarantined", {"device": 1, "probe": "known_answer", "step": 0, "detail": "raised"}),
@@ -608,3 +614,33 @@ def test_a_hung_islands_dropped_late_delta_is_trained_again(tmp_path: Path) -> N
     assert dropped, "the hung island's late delta was dropped"
     rewound = [e for e in read_events(Path(s["run_dir"]) / "islands" / "island-0") if e["event"] == "rewound"]
     assert any(e["retrained_steps"] > 0 for e in rewound), rewound
+
+
+@pytest.mark.slow
+def test_a_corrupted_device_is_quarantined_and_the_islands_end_bit_identical(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """dtrain simulate, two islands of 8 fake devices with chip health on, device 3 of island-1 scaled x10 from
+    inner step 20: island-1 quarantines device 3 (and no other device), remeshes on the 7 others, and both
+    islands end on the same parameters; the summary's fault entry says detected."""
+    text = "device-scale:island-1@step20,device=3,factor=10"
+    rc = main(["simulate", "--config", "tiny", "--islands", "2", "--quiet", "--set", f"run.out_dir={tmp_path}",
+               "--set", "health.enabled=true", "--fault", text])
+    assert rc == 0, capsys.readouterr().err
+    run_dir = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_dir"])
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["bit_identical_final_params"] and len({i["params_digest"] for i in s["islands"]}) == 1
+    assert math.isfinite(s["final_eval_loss"])
+    _assert_every_sequence_once(s)
+    events = read_events(run_dir / "islands" / "island-1")
+    quarantined = [e for e in events if e["event"] == "device_quarantined"]
+    assert [e["device"] for e in quarantined] == [3], quarantined
+    remeshed = [e for e in events if e["event"] == "remeshed"]
+    assert remeshed and remeshed[0]["devices"] == 7 and 3 not in remeshed[0]["device_ids"], remeshed
+    assert not [e for e in read_events(run_dir / "islands" / "island-0") if e["event"] == "device_quarantined"]
+    (f,) = s["faults"]
+    assert (f["fault"], f["detected_by"], f["device"], f["false_positives"]) == \
+        (text, "device_quarantined", 3, []), f
+    assert 0 <= f["detection_steps"] <= 50 and f["action"].endswith("remeshed on 7 devices"), f
+    assert [(q["island"], q["device"], q["fault"]) for q in s["device_quarantines"]] == [("island-1", 3, text)]
+    driver = [e for e in read_events(run_dir / "driver") if e["event"] == "fault_armed"]
+    assert [e["fault"] for e in driver] == [text]
