@@ -29,7 +29,7 @@ import numpy as np
 
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
-from coordinator.state import CoordinatorState, PushInfo, StateError, StateOptions
+from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.config import Config, CoordinatorConfig
 from dtrain.errors import CheckpointError, DtrainError
@@ -68,6 +68,21 @@ _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.A
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
           "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
+_MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
+
+
+def evidence_from_message(e: pb.DeviceEvidence) -> dict[str, Any]:
+    """A DeviceEvidence message as the plain data ``CoordinatorState.heartbeat`` checks: the numbers the probe did
+    not measure (unset optional fields) left out."""
+    data: dict[str, Any] = {"device": e.device, "index": e.index, "probe": e.probe, "step": e.step,
+                            "detail": e.detail}
+    data.update({name: getattr(e, name) for name in _MEASURES if e.HasField(name)})
+    return data
+
+
+def evidence_to_message(e: DeviceEvidence) -> pb.DeviceEvidence:
+    """A recorded device's evidence for Status: numbers the probe did not measure stay unset."""
+    return pb.DeviceEvidence(**{k: v for k, v in dataclasses.asdict(e).items() if v is not None})
 
 
 
@@ -372,14 +387,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         with self.lock:
+            record = self.state.islands.get(request.island_id)
+            known = len(record.quarantined) if record is not None else 0  # the record's list only grows
             action, reason = self._decide(
                 context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
-                request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock())
+                request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock(),
+                quarantined=[evidence_from_message(e) for e in request.quarantined], devices=request.devices)
+            new = record.quarantined[known:] if record is not None else ()
+            healthy, name = (record.devices, record.name) if record is not None else (0, "")
             version = self.state.version
             self.lock.notify_all()  # the island's version may finish the run
             if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
+        for e in new:  # once per (island, device): a later report naming it again adds nothing to the record
+            self.log.event("device_quarantined", island=request.island_id, name=name, **e.to_json(), healthy=healthy)
+            self.log.progress(f"{request.island_id} quarantined device {e.device} (mesh index {e.index}; {e.probe} "
+                              f"probe, step {e.step}): {e.detail}")
         return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
                                     reason=reason, push_unknown=unknown)
 
@@ -509,7 +533,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             islands = [pb.IslandStatus(island_id=r.island_id, name=r.name, state=r.state, version=r.version,
                                        tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
                                        lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
-                                       shard_index=r.shard_index) for r in self.state.islands.values()]
+                                       shard_index=r.shard_index, devices=r.devices,
+                                       quarantined=[evidence_to_message(e) for e in r.quarantined])
+                       for r in self.state.islands.values()]
             extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest,
                      "pushes_refused": self.pushes_refused}
             return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode,

@@ -26,6 +26,13 @@ Model:
   whose own shard is done (its heartbeat reply says ``rejoin`` while a free
   shard has data left, and its Join moves it there). With step rounds a run
   ends when every shard's data is merged, not after a fixed number of versions.
+- Chip health: a heartbeat may carry the devices the island's probes quarantined, each with its evidence
+  (:class:`DeviceEvidence`), and the devices it trains on now. The report is checked before anything changes
+  (at most the devices the island's mesh holds, each device and mesh index once, indices inside the mesh,
+  known probes, bounded details). Quarantine is permanent for the island's record: a device enters
+  ``IslandRecord.quarantined`` with the evidence of its first report and a later report that omits it does not
+  take it out (a heartbeat without a report, or an island process restarted before its probes find the chip
+  again, is no proof the chip is good); ``bad_devices`` is derived from it.
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
   calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
@@ -79,12 +86,14 @@ import math
 import re
 import statistics
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
 from dtrain.outer import clip_factor, robust_z, staleness_weight
+from dtrain.wire import MAX_EVIDENCE, MAX_EVIDENCE_DETAIL, PROBES
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
@@ -95,6 +104,8 @@ Count = Annotated[int, schema.AtLeast(0)]  # an int >= 0 (versions, counters, cu
 Finite = Annotated[float, schema.FINITE]  # a finite float (times, rates, weights)
 Hardware = Literal["cpu", "gpu", "tpu"]
 HARDWARE: tuple[str, ...] = typing.get_args(Hardware)
+Probe = Literal["known_answer", "finite", "stats", "replay"]  # dtrain.wire.PROBES: the chip-health probes
+assert typing.get_args(Probe) == PROBES
 Format = Literal[1]  # to_json layout version
 FORMAT: Format = 1
 
@@ -162,12 +173,42 @@ class StateOptions:
                    max_push_ids=max_push_ids, linger_s=linger_s)
 
 
+def _json_number(x: float | int) -> float | int | str:
+    """A number for strict JSON: NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"`` (as the islands' events
+    write them)."""
+    return x if isinstance(x, int) or math.isfinite(x) else str(float(x))
+
+
+@dataclass(frozen=True)
+class DeviceEvidence:
+    """One device an island's probes quarantined and why: the heartbeat's DeviceEvidence, workers/chips.py's
+    Evidence. A number the probe did not measure is None; NaN and infinities are values (a non-finite norm)."""
+
+    device: Count  # the JAX device id
+    index: Count  # its position in the island's original mesh (below IslandRecord.mesh_devices)
+    probe: Probe
+    step: Count  # the inner step of the state the probe saw
+    value: float | None = None  # known_answer: the sum computed; finite, stats: the norm; replay: largest difference
+    expected: float | None = None  # known_answer: the exact sum; replay: 0
+    z: float | None = None  # stats: the norm's robust z-score
+    median: float | None = None  # stats: the median norm over the healthy devices
+    mismatches: Count | None = None  # known_answer: entries of the result that were wrong
+    detail: str = ""  # a sentence (at most dtrain.wire.MAX_EVIDENCE_DETAIL characters)
+
+    def to_json(self) -> dict[str, Any]:
+        """Strict JSON (Status, events): the numbers the probe measured, non-finite ones as strings."""
+        return {f.name: _json_number(v) if isinstance(v, (int, float)) else v
+                for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+
 @dataclass
 class IslandRecord:
     island_id: str
     name: str
     hardware: Hardware
-    devices: Annotated[int, schema.AtLeast(1)]
+    devices: Annotated[int, schema.AtLeast(1)]  # the devices it trains on now: its Join's, then its heartbeats'
+    mesh_devices: Annotated[int, schema.AtLeast(1)]  # the most it declared at a Join: its full mesh, which the
+    # evidence's indices lie in (a Join after a remesh declares only the healthy devices)
     shard_index: Count
     state: Literal["live", "lost", "stopped"]
     lease_expiry: Finite
@@ -179,7 +220,8 @@ class IslandRecord:
     pushes_merged: Count = 0
     cursor_merged: Count = 0  # end of the data cursor range of its last merged push
     params_digest: str = ""
-    bad_devices: tuple[str, ...] = ()
+    bad_devices: tuple[str, ...] = ()  # str(device) of each quarantined device; else the island's own names
+    quarantined: tuple[DeviceEvidence, ...] = ()  # in the order first reported; never shrinks (module docstring)
 
 
 @dataclass(frozen=True)
@@ -390,6 +432,7 @@ class CoordinatorState:
                 shard = free[0]
                 how = f"its shard {old.shard_index} was taken over by {taker.island_id}, moved to free shard {shard}"
             old.hardware, old.devices, old.shard_index = kind, devices, shard
+            old.mesh_devices = max(old.mesh_devices, devices)
             old.state, old.lease_expiry = "live", lease
             return old, (f"rejoined as {old.island_id} (was {was}): {how}, cursor {self.shard_cursor(shard)}")
         free = self._free_shards()
@@ -407,14 +450,20 @@ class CoordinatorState:
             how = f"took over shard {shard} of lost island {previous[-1].island_id} at cursor {cursor}"
         else:
             how = f"assigned free shard {shard} at cursor {cursor}"
-        record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, shard_index=shard,
-                              state="live", lease_expiry=lease)
+        record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, mesh_devices=devices,
+                              shard_index=shard, state="live", lease_expiry=lease)
         self.islands[island_id] = record
         return record, f"joined as {island_id}: {how}"
 
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
-                  params_digest: str, bad_devices: tuple[str, ...], now: float) -> tuple[str, str]:
-        """Renew a live island's lease and record its report; returns (action, reason)."""
+                  params_digest: str, bad_devices: tuple[str, ...], now: float, *,
+                  quarantined: Sequence[Mapping[str, Any]] = (), devices: int = 0) -> tuple[str, str]:
+        """Renew a live island's lease and record its report; returns (action, reason).
+
+        ``quarantined``: the devices the island quarantined, as plain data with :class:`DeviceEvidence`'s fields
+        (absent numbers left out or None); devices not in the record yet join it. ``devices``: the devices it
+        trains on now (0: unchanged). A report that does not fit the island's mesh is refused (see
+        :meth:`_check_report`)."""
         record = self.islands.get(island_id)
         if record is None:
             raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
@@ -431,13 +480,19 @@ class CoordinatorState:
         bad = tuple(bad_devices)
         if len(bad) > 4096 or not all(isinstance(d, str) and len(d) <= 256 for d in bad):
             raise StateError("INVALID_ARGUMENT", "bad_devices: at most 4096 strings of at most 256 characters")
+        report = self._check_report(record, quarantined, devices, bad)
         if record.state == "lost":
             if self.stopped():  # nothing to rejoin for: the island's lease is not renewed either
                 return "stop", self.run_over()
             return "rejoin", (f"{island_id}'s lease expired at t={record.lease_expiry:.1f} "
                               f"(now t={now:.1f}): call Join again")
         record.version, record.steps, record.tokens_reported = version, steps, tokens
-        record.steps_per_s, record.params_digest, record.bad_devices = float(steps_per_s), params_digest, bad
+        record.steps_per_s, record.params_digest = float(steps_per_s), params_digest
+        known = {e.device for e in record.quarantined}
+        record.quarantined += tuple(e for e in report if e.device not in known)
+        record.bad_devices = tuple(str(e.device) for e in sorted(record.quarantined, key=lambda e: e.device)) or bad
+        if devices:
+            record.devices = devices
         record.lease_expiry = now + self.opts.coordinator.lease_s
         if self.stopped():
             if version >= self.version:  # it holds the last θ; until then finished() waits for it (linger_s)
@@ -456,6 +511,52 @@ class CoordinatorState:
             return "pull", f"holding version {version}, the global version is {self.version}: pull{rejected}"
         return "continue", (f"holding the latest version {self.version}; lease renewed until "
                             f"t={record.lease_expiry:.1f}{rejected}")
+
+    @staticmethod
+    def _check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]], devices: int,
+                      bad_devices: tuple[str, ...]) -> list[DeviceEvidence]:
+        """A heartbeat's chip-health report, checked against the island's mesh (``mesh_devices``: the most it
+        declared at a Join) and its record; the evidence, or StateError INVALID_ARGUMENT naming the problem."""
+        def refuse(why: str) -> typing.NoReturn:
+            raise StateError("INVALID_ARGUMENT", why)
+
+        mesh = record.mesh_devices
+        if isinstance(devices, bool) or not isinstance(devices, int) or not 0 <= devices <= mesh:
+            refuse(f"devices={devices!r}: must be an integer from 0 (not reported) to the {mesh} devices "
+                   f"{record.island_id} declared at Join")
+        if len(quarantined) > min(mesh, MAX_EVIDENCE):
+            refuse(f"quarantined: {len(quarantined)} devices reported, {record.island_id}'s mesh holds {mesh} "
+                   f"(declared at Join)")
+        report: list[DeviceEvidence] = []
+        for i, item in enumerate(quarantined):
+            try:
+                ev = schema.load(DeviceEvidence, dict(item), partial=True)  # absent numbers: None
+            except schema.SchemaError as e:
+                refuse(f"{schema.format_path(e.path, f'quarantined[{i}]')}: {e.why}")
+            except (TypeError, ValueError) as e:  # not a mapping
+                refuse(f"quarantined[{i}]: {e}")
+            if len(ev.detail) > MAX_EVIDENCE_DETAIL:
+                refuse(f"quarantined[{i}].detail: {len(ev.detail)} characters, at most {MAX_EVIDENCE_DETAIL}")
+            if ev.index >= mesh:
+                refuse(f"quarantined[{i}].index={ev.index}: outside {record.island_id}'s mesh of {mesh} devices")
+            for other in report:
+                if other.device == ev.device:
+                    refuse(f"quarantined[{i}]: device {ev.device} is named twice")
+                if other.index == ev.index:
+                    refuse(f"quarantined[{i}]: mesh index {ev.index} is named twice (devices {other.device} and "
+                           f"{ev.device})")
+            report.append(ev)
+        if devices and devices + len(report) > mesh:
+            refuse(f"devices={devices} healthy and {len(report)} quarantined: more than the {mesh} devices of "
+                   f"{record.island_id}'s mesh")
+        known = {e.device for e in record.quarantined}
+        total = len(known | {e.device for e in report})
+        if total > mesh:
+            refuse(f"quarantined: {record.island_id} would have {total} devices quarantined, its mesh holds {mesh}")
+        names = {str(e.device) for e in report}
+        if report and bad_devices and set(bad_devices) != names:
+            refuse(f"bad_devices {sorted(bad_devices)} do not name the quarantined devices {sorted(names)}")
+        return report
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Mark live islands whose lease ended (now >= lease_expiry) as lost; returns (island_id, reason) for each.
@@ -825,6 +926,17 @@ class CoordinatorState:
                 fail(("islands", i, "name"), f"duplicate name {rec.name!r}")
             if rec.state == "live" and rec.shard_index not in state._free_shards():
                 fail(("islands", i, "shard_index"), f"shard {rec.shard_index} is held by two live islands")
+            if rec.devices > rec.mesh_devices:
+                fail(("islands", i, "devices"), f"{rec.devices}: more than its mesh_devices {rec.mesh_devices}")
+            if len(rec.quarantined) > rec.mesh_devices:
+                fail(("islands", i, "quarantined"), f"{len(rec.quarantined)} devices, more than its mesh_devices "
+                     f"{rec.mesh_devices}")
+            for j, ev in enumerate(rec.quarantined):
+                if ev.index >= rec.mesh_devices:
+                    fail(("islands", i, "quarantined", j, "index"), f"{ev.index}: outside its mesh of "
+                         f"{rec.mesh_devices} devices")
+                if any(e.device == ev.device for e in rec.quarantined[:j]):
+                    fail(("islands", i, "quarantined", j, "device"), f"device {ev.device} is named twice")
             rec.lease_expiry = now + opts.coordinator.lease_s
             state.islands[rec.island_id] = rec
         for i, seen in enumerate(snap.push_ids):
@@ -865,6 +977,7 @@ class CoordinatorState:
         for r in sorted(self.islands.values(), key=lambda r: (r.shard_index, r.island_id)):
             d = schema.dump(r)
             d["lease_left_s"] = max(0.0, r.lease_expiry - now) if r.state == "live" else 0.0
+            d["quarantined"] = [e.to_json() for e in r.quarantined]  # strict JSON: non-finite numbers as strings
             islands.append(d)
         return {
             "run_id": self.run_id,

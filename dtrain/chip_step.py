@@ -26,46 +26,63 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dtrain.health import DeviceFault, all_finite, micro_batch_grad
+from dtrain.health import DeviceFault, micro_batch_grad
 from dtrain.model import ApplyFn, Params
 from dtrain.train import BATCH_AXES, TrainState
 
 
-def _local_grads(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Array, params: Params, batch_bxL1: jax.Array,
-                 step: jax.Array) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
-    """The ``shard_map`` body: (the gradient averaged over the devices, and this device's own micro-batch loss,
-    gradient norm and finiteness, each ``[1]``)."""
-    device_id = ids_D[jax.lax.axis_index(BATCH_AXES)]
+def _local_grads(apply: ApplyFn, fault: DeviceFault | None, rows: tuple[int, ...], ids_D: jax.Array,
+                 params: Params, batch_bxL1: jax.Array, step: jax.Array
+                 ) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
+    """The ``shard_map`` body: (the gradient of the global batch's mean loss, and this device's own micro-batch
+    loss, gradient norm and finiteness, each ``[1]``)."""
+    index = jax.lax.axis_index(BATCH_AXES)
+    device_id = ids_D[index]
     # The parameters enter replicated; marked as varying per device, their gradient stays this device's own
     # (the gradient of an invariant input would already be summed over the devices).
     params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
-    loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
+    if len(set(rows)) == 1:  # an even split: the mean of the devices' micro-batch means is the batch's mean
+        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
+        mean_grads = jax.lax.pmean(grads, BATCH_AXES)
+    else:  # uneven (a remeshed island): device j's mean over its rows[j] real rows, weighted by rows[j] / B
+        count = jnp.asarray(rows, jnp.int32)[index]
+        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault, rows=count)
+        weight = count.astype(jnp.float32) / sum(rows)
+        mean_grads = jax.lax.psum(jax.tree.map(lambda g: g * weight, grads), BATCH_AXES)
     norm = optax.tree.norm(grads)
-    finite = all_finite(loss, grads) & jnp.isfinite(norm)  # a norm that overflows float32 is garbage too
-    return jax.lax.pmean(grads, BATCH_AXES), loss[None], norm[None], finite[None]
+    # NaN/Inf in the loss or any gradient entry makes the norm non-finite (an overflowing norm is garbage too)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    return mean_grads, loss[None], norm[None], finite[None]
 
 
 def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
-                      mesh: Mesh, fault: DeviceFault | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One inner step with per-device gradients. Metrics: ``loss`` (mean of the devices' micro-batch losses),
-    ``grad_norm`` (of the averaged gradient), ``finite`` (every device's loss and gradient, and the average,
-    finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``, ``device_finite``."""
+                      mesh: Mesh, fault: DeviceFault | None = None, rows: tuple[int, ...] | None = None
+                      ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One inner step with per-device gradients. ``rows``: the real rows per device (default: an even split of
+    ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.train.pad_rows`. Metrics:
+    ``loss`` (the global batch's mean loss), ``grad_norm`` (of the averaged gradient), ``finite`` (every device's
+    loss and gradient, and the average, finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``,
+    ``device_finite``."""
+    n = mesh.devices.size
+    rows = rows or (batch_BxL1.shape[0] // n,) * n
     ids_D = jnp.asarray([d.id for d in mesh.devices.flat], jnp.int32)
     grads, loss_D, norm_D, finite_D = jax.shard_map(
-        partial(_local_grads, apply, fault), mesh=mesh,
+        partial(_local_grads, apply, fault, rows), mesh=mesh,
         in_specs=(P(), P(), P(BATCH_AXES), P()),
         out_specs=(P(), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES)))(ids_D, state.params, batch_BxL1, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_D.mean(), "grad_norm": optax.tree.norm(grads),
-               "finite": jnp.all(finite_D) & all_finite(grads),
+    grad_norm = optax.tree.norm(grads)
+    weights_D = jnp.asarray(rows, jnp.float32) / sum(rows)
+    metrics = {"loss": jnp.sum(loss_D * weights_D), "grad_norm": grad_norm,
+               "finite": jnp.all(finite_D) & jnp.isfinite(grad_norm),
                "device_loss": loss_D, "device_grad_norm": norm_D, "device_finite": finite_D}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def device_inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
-                       tx: optax.GradientTransformation, mesh: Mesh,
-                       fault: DeviceFault | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+                       tx: optax.GradientTransformation, mesh: Mesh, fault: DeviceFault | None = None,
+                       rows: tuple[int, ...] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """K per-device inner steps in one ``lax.scan``; metrics come back stacked ``[K]`` (``[K, D]`` per device)."""
-    return jax.lax.scan(partial(device_inner_step, apply=apply, tx=tx, mesh=mesh, fault=fault), state,
+    return jax.lax.scan(partial(device_inner_step, apply=apply, tx=tx, mesh=mesh, fault=fault, rows=rows), state,
                         batches_KxBxL1)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtrain.model import ApplyFn, Params
 from dtrain.outer import robust_scores
-from dtrain.train import BATCH_AXES, loss_fn
+from dtrain.train import BATCH_AXES, loss_fn, rows_per_device
 
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
 STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
@@ -74,6 +74,7 @@ class DeviceFault:
     rate: float = 1.0  # "bitflip": fraction of elements whose bit flips when the fault fires
     seed: int = 0  # the fault's key: fold_in(PRNGKey(seed), step) decides firing and flipped elements
     start: int = 0  # the first inner step the fault can fire on (the onset of a chip going bad)
+    until: int = 0  # the first inner step it no longer fires on (0: never stops; a transient fault: start + 1)
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -90,6 +91,8 @@ class DeviceFault:
             raise ValueError(f"DeviceFault.factor: {self.factor} is not finite")
         if self.start < 0:
             raise ValueError(f"DeviceFault.start: {self.start} is not an inner step (>= 0)")
+        if self.until and self.until <= self.start:
+            raise ValueError(f"DeviceFault.until: {self.until} must be after start ({self.start}), or 0 (never stops)")
 
 
 class DeadDeviceError(RuntimeError):
@@ -99,9 +102,12 @@ class DeadDeviceError(RuntimeError):
 
 def _fires(fault: DeviceFault, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """(does the fault fire at ``step``, the key for its bit flips): the same draw in a jitted computation and on
-    the host. Never before ``fault.start``."""
+    the host. Only on steps in ``[fault.start, fault.until)``."""
     fire_key, flip_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(fault.seed), step))
-    return jax.random.bernoulli(fire_key, fault.prob) & (jnp.asarray(step) >= fault.start), flip_key
+    window = jnp.asarray(step) >= fault.start
+    if fault.until:
+        window &= jnp.asarray(step) < fault.until
+    return jax.random.bernoulli(fire_key, fault.prob) & window, flip_key
 
 
 def check_alive(fault: DeviceFault | None, device_ids: Sequence[int], step: int) -> None:
@@ -238,9 +244,10 @@ def _global_norm(tree: Any) -> jax.Array:
 
 
 def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, device_id: jax.Array, step: jax.Array,
-                     fault: DeviceFault | None = None) -> tuple[jax.Array, Params]:
-    """One device's (loss, gradient) of ``loss_fn`` on its micro-batch, as that device (``fault``) produces it."""
-    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(params, batch_bxL1)
+                     fault: DeviceFault | None = None, rows: jax.Array | None = None) -> tuple[jax.Array, Params]:
+    """One device's (loss, gradient) of ``loss_fn`` on its micro-batch (its first ``rows`` rows when the rest is
+    padding), as that device (``fault``) produces it."""
+    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(params, batch_bxL1, rows)
     return inject((loss, grads), device_id, step, fault)
 
 
@@ -306,12 +313,10 @@ def compare(a: Any, b: Any, rtol: float) -> tuple[jax.Array, jax.Array]:
 
 def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
     """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
-    is split over ``BATCH_AXES`` in row-major device order)."""
-    n = mesh.devices.size
-    if batch_BxL1.shape[0] % n:
-        raise ValueError(f"micro_batch: batch of {batch_BxL1.shape[0]} rows does not split over {n} devices")
-    b = batch_BxL1.shape[0] // n
-    return batch_BxL1[index * b:(index + 1) * b]
+    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.train.rows_per_device` rows each)."""
+    counts = rows_per_device(batch_BxL1.shape[0], mesh.devices.size)
+    start = sum(counts[:index])
+    return batch_BxL1[start:start + counts[index]]
 
 
 class Probes:

@@ -15,6 +15,7 @@ import numpy as np
 
 from dtrain import data, model
 from dtrain.config import Config
+from dtrain.health import DeviceFault
 from dtrain.train import InnerLoop, make_mesh
 
 
@@ -29,13 +30,14 @@ class Setup:
     n_params: int
 
 
-def prepare(cfg: Config, islands: int) -> Setup:
-    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches."""
+def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: DeviceFault | None = None) -> Setup:
+    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches. ``per_device``: the inner loop
+    runs the per-device step (chip health: ``dtrain.chip_step``), with ``fault`` injected into one device."""
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
     parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
     shards = data.island_shards(parts.train, islands, cfg.model.seq_len, cfg.run.seed)
     evals = data.eval_batches(parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
     built = model.build(cfg.model)
-    loop = InnerLoop(cfg, built, make_mesh(cfg))
+    loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))
     return Setup(cfg, built, loop, corpus, shards, evals, n_params)

@@ -9,6 +9,7 @@ step would dominate a small model), and jits it with ``NamedSharding``s over a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +48,35 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``."""
+def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``; with ``rows``, of the first
+    ``rows`` rows only (the others are padding: a device's share of a batch that does not split evenly)."""
     logits_BxLxV = apply(params, batch_BxL1[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch_BxL1[:, 1:]).mean()
+    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch_BxL1[:, 1:])
+    if rows is None:
+        return loss_BxL.mean()
+    real_B = jnp.arange(loss_BxL.shape[0]) < rows
+    return jnp.sum(jnp.where(real_B[:, None], loss_BxL, 0.0)) / (rows * loss_BxL.shape[1])
+
+
+def rows_per_device(batch_size: int, devices: int) -> tuple[int, ...]:
+    """How many rows of a global batch each device takes, in ``mesh.devices.flat`` order: ``B // D`` each, and one
+    more for the first ``B % D`` (an island remeshed on fewer devices keeps its global batch)."""
+    if batch_size < devices:
+        raise ConfigError(f"[train] batch_size: {batch_size} rows cannot give each of {devices} devices one")
+    return tuple(batch_size // devices + (j < batch_size % devices) for j in range(devices))
+
+
+def pad_rows(batches_KxBxL1: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """The batches laid out for devices that take ``counts`` rows each: device j's rows, then padding (copies of
+    row 0, masked out by the loss) up to ``max(counts)`` rows per device. Identity when the counts are equal."""
+    if len(set(counts)) == 1:
+        return batches_KxBxL1
+    b = max(counts)
+    offsets = np.cumsum((0, *counts[:-1]))
+    index = np.concatenate([np.r_[np.arange(o, o + c), np.zeros(b - c, np.int64)]
+                            for o, c in zip(offsets, counts, strict=True)])
+    return np.take(batches_KxBxL1, index, axis=1)
 
 
 def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
@@ -58,7 +84,9 @@ def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
     loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    # The NaN/Inf guard: a non-finite gradient makes its norm non-finite (an overflowing one too), at no extra pass
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -73,10 +101,18 @@ def eval_loss(params: Params, batches_NxBxL1: jax.Array, *, apply: ApplyFn) -> j
     return jax.lax.map(partial(loss_fn, apply, params), batches_NxBxL1).mean()
 
 
-def make_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh:
-    """The island's ``Mesh(('data', 'fsdp'))``; checks the batch divides over it."""
+def make_mesh(cfg: Config, devices: Sequence[Any] | None = None, *, remesh: bool = False) -> Mesh:
+    """The island's ``Mesh(('data', 'fsdp'))``; checks the batch divides over it.
+
+    ``remesh``: the mesh of an island rebuilt on its healthy ``devices`` (all of them), for the per-device step,
+    which splits a batch unevenly (:func:`rows_per_device`): no divisibility check, ``[mesh] data`` ignored, and
+    ``fsdp`` kept only if it divides the device count (else 1: the parameters are replicated)."""
     devices = list(jax.devices() if devices is None else devices)
     fsdp = cfg.mesh.fsdp
+    if remesh:
+        fsdp = fsdp if len(devices) % fsdp == 0 else 1
+        rows_per_device(cfg.train.batch_size, len(devices))
+        return Mesh(np.array(devices, dtype=object).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)
     data = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // fsdp
     if data < 1 or data * fsdp > len(devices):
         raise ConfigError(f"[mesh] data={cfg.mesh.data} fsdp={fsdp}: needs {max(data, 1) * fsdp} devices, "
@@ -123,9 +159,19 @@ class InnerLoop:
         self.batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # [K, B, L+1]
         self.eval_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
         self._replicated = NamedSharding(mesh, P())
+        n_devices, B = mesh.devices.size, cfg.train.batch_size
+        # Rows of the global batch per device; uneven only on a remeshed island (the per-device step's padding)
+        self.rows = rows_per_device(B, n_devices)
+        self.padded_batch = max(self.rows) * n_devices  # the batch as laid out on the devices
+        if self.padded_batch != B and not per_device:
+            raise ConfigError(f"[train] batch_size: {B} is not divisible by the mesh's {n_devices} devices (an "
+                              f"uneven split needs the per-device step: [health] enabled)")
+        if B % n_devices:  # eval batches are not padded: each device evaluates them whole (eval is rare)
+            self.eval_sharding = self._replicated
         if per_device:
             from dtrain.chip_step import device_inner_steps  # chip_step imports this module (via health)
-            steps: Any = partial(device_inner_steps, apply=model.apply, tx=self.tx, mesh=mesh, fault=fault)
+            steps: Any = partial(device_inner_steps, apply=model.apply, tx=self.tx, mesh=mesh, fault=fault,
+                                 rows=self.rows)
         else:
             steps = partial(inner_steps, apply=model.apply, tx=self.tx)
         self._scan = jax.jit(
@@ -165,7 +211,7 @@ class InnerLoop:
             ids, first = [int(d.id) for d in self.mesh.devices.flat], int(state.step)  # a host sync: dead faults only
             for step in range(first, first + len(batches_KxBxL1)):
                 check_alive(self.fault, ids, step)
-        batches = jax.device_put(batches_KxBxL1, self.batch_sharding)
+        batches = jax.device_put(pad_rows(batches_KxBxL1, self.rows), self.batch_sharding)
         return self._scan(state, batches)
 
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
@@ -178,8 +224,8 @@ class InnerLoop:
         self._init.lower(state.params).compile()
         B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
         for k in sorted(chunk_lengths):
-            self._scan.lower(state, jax.ShapeDtypeStruct((k, B, L1), jnp.int32, sharding=self.batch_sharding)
-                             ).compile()
+            self._scan.lower(state, jax.ShapeDtypeStruct((k, self.padded_batch, L1), jnp.int32,
+                                                         sharding=self.batch_sharding)).compile()
         if eval_batches:
             self._eval.lower(state.params, jax.ShapeDtypeStruct((eval_batches, B, L1), jnp.int32,
                                                                 sharding=self.eval_sharding)).compile()

@@ -41,6 +41,13 @@ AUTH_METADATA_KEY = "authorization"
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
 
+# A heartbeat's quarantined devices (DeviceEvidence): the probes an island may name (workers/chips.py runs them),
+# the longest detail the coordinator accepts (the client shortens a longer one: a dead device's error message can
+# run to kilobytes) and the most devices one report may name (also at most the island's mesh).
+PROBES = ("known_answer", "finite", "stats", "replay")
+MAX_EVIDENCE_DETAIL = 512
+MAX_EVIDENCE = 4096
+
 
 class WireError(ValueError):
     """A received message or stream is malformed; ``code`` is the gRPC status to answer with."""

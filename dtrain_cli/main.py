@@ -161,5 +161,7 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         status = client.status()
     finally:
         client.close()
-    print(json_format.MessageToJson(status, preserving_proto_field_name=True))
+    # Fields at their default printed too: a quarantined device 0 at mesh index 0 keeps its "device" and "index".
+    print(json_format.MessageToJson(status, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True))
     return 0

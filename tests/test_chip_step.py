@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
-from dtrain.config import load_config
+from dtrain.config import ConfigError, load_config
 from dtrain.health import DeadDeviceError, DeviceFault, Probes, outliers
 from dtrain.model import build
-from dtrain.train import InnerLoop, TrainState, make_mesh
+from dtrain.train import InnerLoop, TrainState, make_mesh, pad_rows, rows_per_device
 
 K = 4  # steps per scan
 # Loss trajectories agree to this relative tolerance, not bit for bit: the per-device step averages 8 micro-batch
@@ -110,3 +110,40 @@ def test_dead_device_raises_before_dispatch(island: Island) -> None:
     loop = island.loop(True, DeviceFault("dead", island.ids[2]))
     with pytest.raises(DeadDeviceError, match=f"device {island.ids[2]} is dead"):
         loop.run(loop.init_state(island.params), island.batches[0])
+
+
+def test_rows_per_device_and_padding() -> None:
+    assert rows_per_device(8, 8) == (1,) * 8
+    assert rows_per_device(8, 7) == (2, 1, 1, 1, 1, 1, 1)
+    assert rows_per_device(32, 6) == (6, 6, 5, 5, 5, 5)
+    with pytest.raises(ConfigError, match="cannot give each of 9 devices"):
+        rows_per_device(8, 9)
+    batches = np.arange(2 * 5 * 3).reshape(2, 5, 3)  # [K=2, B=5, L+1=3]
+    assert pad_rows(batches, (1,) * 5) is batches
+    padded = pad_rows(batches, (2, 2, 1))  # device 0: rows 0-1; device 1: rows 2-3; device 2: row 4 + padding
+    assert padded.shape == (2, 6, 3)
+    np.testing.assert_array_equal(padded[:, :5], batches)
+    np.testing.assert_array_equal(padded[:, 5], batches[:, 0])
+
+
+def test_remeshed_on_seven_devices_same_global_batch(island: Island) -> None:
+    """A quarantined device's island, rebuilt on the 7 others with the same global batch (its row rerouted to the
+    first device: 2, 1, ..., 1 rows), trains the same loss trajectory as the 8 devices, up to float32 rounding."""
+    healthy = [d for d in island.mesh.devices.flat if d.id != island.ids[3]]
+    mesh7 = make_mesh(island.cfg, healthy, remesh=True)
+    assert mesh7.devices.size == 7 and island.ids[3] not in [d.id for d in mesh7.devices.flat]
+    with pytest.raises(ConfigError, match="not divisible"):
+        make_mesh(island.cfg, healthy)  # the fused step's mesh still needs an even split
+    loop7 = InnerLoop(island.cfg, island.model, mesh7, per_device=True)
+    assert loop7.rows == (2, 1, 1, 1, 1, 1, 1) and loop7.padded_batch == 14
+    _, eight = island.train(island.loop(True))
+    _, seven = island.train(loop7)
+    assert seven["device_grad_norm"].shape == (2 * K, 7) and seven["finite"].all()
+    np.testing.assert_allclose(seven["loss"], eight["loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(seven["grad_norm"], eight["grad_norm"], rtol=1e-5)
+    # the first device's micro-batch is rows 0-1 (their mean loss), each other device's one row: the row the
+    # 8-device mesh gave the device one further on (device 3's row went to its neighbours)
+    np.testing.assert_allclose(seven["device_loss"][0, 0], eight["device_loss"][0, :2].mean(), rtol=1e-5)
+    np.testing.assert_allclose(seven["device_loss"][0, 1:], eight["device_loss"][0, 2:], rtol=1e-5)
+    params = jax.device_get(loop7.init_params(0))
+    assert np.isfinite(loop7.evaluate(params, island.batches[0][:2])), "eval on an uneven mesh (replicated)"

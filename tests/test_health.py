@@ -108,6 +108,9 @@ def test_fault_starts_at_its_onset_step(island: Island) -> None:
     fault = DeviceFault("scale", 5, factor=3.0, start=7)
     bad = [[r.device_id for r in island.probes(fault).known_answer(step) if not r.ok] for step in range(5, 10)]
     assert bad == [[], [], [5], [5], [5]]
+    transient = DeviceFault("scale", 5, factor=3.0, start=7, until=8)
+    assert [[r.device_id for r in island.probes(transient).known_answer(step) if not r.ok]
+            for step in range(6, 9)] == [[], [5], []]
     check_alive(DeviceFault("dead", 5, start=7), island.ids, 6)
     with pytest.raises(DeadDeviceError, match="step 7"):
         check_alive(DeviceFault("dead", 5, start=7), island.ids, 7)
@@ -233,6 +236,7 @@ def test_fault_spec_validation() -> None:
                           ({"kind": "bitflip", "device": 0, "bit": 32}, "bit"),
                           ({"kind": "bitflip", "device": 0, "rate": 2.0}, "rate"),
                           ({"kind": "scale", "device": 0, "factor": float("inf")}, "factor"),
-                          ({"kind": "dead", "device": 0, "start": -1}, "start")]:
+                          ({"kind": "dead", "device": 0, "start": -1}, "start"),
+                          ({"kind": "dead", "device": 0, "start": 4, "until": 4}, "until")]:
         with pytest.raises(ValueError, match=f"DeviceFault.{match}"):
             DeviceFault(**kwargs)

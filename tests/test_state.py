@@ -226,6 +226,88 @@ def test_heartbeat_pull_stop_rejoin_and_errors():
     assert st2.to_json() == before
 
 
+def _ev(device: int, index: int | None = None, probe: str = "known_answer", step: int = 50, **more: Any
+        ) -> dict[str, Any]:
+    """A heartbeat's evidence for one device, as the server passes it (absent numbers left out)."""
+    return {"device": device, "index": device if index is None else index, "probe": probe, "step": step,
+            "detail": f"{probe} failed", **more}
+
+
+def test_heartbeat_records_quarantined_devices_once_and_for_good():
+    st = make()
+    a = st.join("a", "gpu", 8, T0)[0].island_id
+    stats = _ev(5, probe="stats", step=120, value=9.5, z=14.0, median=1.0)
+    st.heartbeat(a, 0, 60, 100, 1.0, "", ("3",), T0 + 1,
+                 quarantined=[_ev(3, value=7.0, expected=8.0, mismatches=2)], devices=7)
+    r = st.islands[a]
+    assert (r.devices, r.mesh_devices, r.bad_devices) == (7, 8, ("3",))
+    assert [(e.device, e.index, e.probe, e.step, e.value, e.expected, e.z, e.mismatches) for e in r.quarantined] == \
+        [(3, 3, "known_answer", 50, 7.0, 8.0, None, 2)]
+    # The next report names device 3 again (its first evidence stays) and device 5; bad_devices may be left out.
+    st.heartbeat(a, 0, 130, 200, 1.0, "", (), T0 + 2,
+                 quarantined=[_ev(3, step=99, value=1.0), stats], devices=6)
+    assert [(e.device, e.step, e.value) for e in r.quarantined] == [(3, 50, 7.0), (5, 120, 9.5)]
+    assert (r.devices, r.bad_devices) == (6, ("3", "5"))
+    # A report without them (a final heartbeat, a restarted process) takes nothing out; devices=0 changes nothing.
+    st.heartbeat(a, 0, 140, 210, 1.0, "", (), T0 + 3)
+    assert [e.device for e in r.quarantined] == [3, 5] and (r.devices, r.bad_devices) == (6, ("3", "5"))
+    # Status: each device with the numbers its probe measured (non-finite ones as strings: strict JSON).
+    st.heartbeat(a, 0, 150, 220, 1.0, "", (), T0 + 4, quarantined=[_ev(1, probe="finite", value=float("nan"))])
+    s = st.status(T0 + 4)
+    json.dumps(s, allow_nan=False)
+    (isl,) = s["islands"]
+    assert isl["devices"] == 6 and isl["bad_devices"] == ["1", "3", "5"]
+    assert isl["quarantined"] == [
+        {"device": 3, "index": 3, "probe": "known_answer", "step": 50, "value": 7.0, "expected": 8.0,
+         "mismatches": 2, "detail": "known_answer failed"},
+        {"device": 5, "index": 5, "probe": "stats", "step": 120, "value": 9.5, "z": 14.0, "median": 1.0,
+         "detail": "stats failed"},
+        {"device": 1, "index": 1, "probe": "finite", "step": 50, "value": "nan", "detail": "finite failed"}]
+    # The checkpoint keeps them (NaN included) and a restored state checks them.
+    same = CoordinatorState.from_json(options(), json.loads(json.dumps(st.to_json())), T0 + 5)
+    assert same.status(T0 + 4)["islands"][0]["quarantined"] == isl["quarantined"]
+    # A rejoin after a remesh declares only the healthy devices: the mesh stays 8 and index 7 is still inside it.
+    st.expire(T0 + 100)
+    rec, _ = st.join("a", "gpu", 5, T0 + 101)
+    assert (rec.devices, rec.mesh_devices) == (5, 8)
+    st.heartbeat(a, 0, 150, 220, 1.0, "", (), T0 + 102, quarantined=[_ev(7)], devices=4)
+    assert [e.device for e in rec.quarantined] == [3, 5, 1, 7] and rec.devices == 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"quarantined": [_ev(d) for d in range(9)]}, ("quarantined: 9 devices reported", "mesh holds 8")),
+    ({"quarantined": [_ev(3), _ev(3, index=4)]}, ("quarantined[1]: device 3 is named twice",)),
+    ({"quarantined": [_ev(3), _ev(4, index=3)]}, ("quarantined[1]: mesh index 3 is named twice",)),
+    ({"quarantined": [_ev(3, index=8)]}, ("quarantined[0].index=8: outside a-0's mesh of 8 devices",)),
+    ({"quarantined": [_ev(3, probe="astrology")]}, ("quarantined[0].probe: 'astrology' is not one of",)),
+    ({"quarantined": [{**_ev(3), "detail": "x" * 513}]}, ("quarantined[0].detail: 513 characters, at most 512",)),
+    ({"quarantined": [_ev(3, step=-1)]}, ("quarantined[0].step: expected an int >= 0",)),
+    ({"quarantined": [_ev(3, value="7")]}, ("quarantined[0].value: expected a number",)),
+    ({"quarantined": [{**_ev(3), "colour": "red"}]}, ("quarantined[0].colour: unknown key",)),
+    ({"quarantined": [{"device": 3}]}, ("quarantined[0].index: missing",)),
+    ({"devices": 9}, ("devices=9: must be an integer from 0",)),
+    ({"devices": -1}, ("devices=-1",)),
+    ({"devices": 8, "quarantined": [_ev(3)]}, ("devices=8 healthy and 1 quarantined: more than the 8 devices",)),
+    ({"bad_devices": ("4",), "quarantined": [_ev(3)]}, ("bad_devices ['4'] do not name the quarantined devices",)),
+])
+def test_a_bad_chip_health_report_is_refused_and_changes_nothing(kwargs, words):
+    st = make()
+    a = st.join("a", "gpu", 8, T0)[0].island_id
+    st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1, quarantined=[_ev(6, index=6)], devices=7)
+    bad = kwargs.pop("bad_devices", ())
+    unchanged(st, lambda: st.heartbeat(a, 0, 2, 2, 1.0, "", bad, T0 + 2, **kwargs), "INVALID_ARGUMENT", *words)
+
+
+def test_the_quarantined_devices_of_an_island_never_outnumber_its_mesh():
+    st = make()
+    a = st.join("a", "gpu", 4, T0)[0].island_id
+    st.heartbeat(a, 0, 1, 1, 1.0, "", (), T0 + 1, quarantined=[_ev(0), _ev(1), _ev(2)])
+    # Each report fits the mesh of 4, but the record would then hold 5 devices.
+    unchanged(st, lambda: st.heartbeat(a, 0, 2, 2, 1.0, "", (), T0 + 2, quarantined=[_ev(10, index=0),
+                                                                                      _ev(11, index=1)]),
+              "INVALID_ARGUMENT", "a-0 would have 5 devices quarantined, its mesh holds 4")
+
+
 def test_expire_exactly_at_lease_end_not_before():
     st = make("coordinator.lease_s=15")
     a, b, *_ = join_all(st)
@@ -684,6 +766,13 @@ def _mut(path, value):
     (_mut(["islands", 2, "steps_per_s"], float("nan")), ("state.islands[2].steps_per_s",)),
     (_mut(["islands", 2, "bad_devices"], [3]), ("bad_devices",)),
     (_mut(["islands", 3, "version"], 9), ("state.islands[3].version",)),
+    (_mut(["islands", 0, "devices"], 2), ("state.islands[0].devices", "more than its mesh_devices 1")),
+    (_mut(["islands", 0, "quarantined"], [{"device": 0, "index": 1, "probe": "stats", "step": 0, "value": None,
+                                           "expected": None, "z": None, "median": None, "mismatches": None,
+                                           "detail": ""}]), ("state.islands[0].quarantined[0].index",)),
+    (_mut(["islands", 0, "quarantined"], [{"device": 0, "index": 0, "probe": "magic", "step": 0, "value": None,
+                                           "expected": None, "z": None, "median": None, "mismatches": None,
+                                           "detail": ""}]), ("state.islands[0].quarantined[0].probe",)),
     (_mut(["shard_cursors"], [0, 0]), ("state.shard_cursors", "expected 4 entries")),
     (_mut(["push_ids", 0], ["x", "a-0", "merged"]), ("state.push_ids[0]",)),
     (_mut(["push_ids", 0, 2], "eaten"), ("state.push_ids[0].status",)),

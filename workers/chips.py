@@ -90,6 +90,19 @@ class ChipHealth:
         """The device ids not quarantined, in ``mesh.devices.flat`` order (the devices to remesh on)."""
         return [d for d in self.device_ids if d not in self.quarantined]
 
+    def rebind(self, mesh: Mesh) -> None:
+        """The island remeshed on its healthy devices: the probes run on ``mesh`` from now on. Quarantined devices
+        stay quarantined with their evidence (whose ``index`` is the device's position in the mesh it was found
+        on); the statistics streak and the replay turn start over."""
+        ids = [int(d.id) for d in mesh.devices.flat]
+        back = sorted(set(ids) & set(self.quarantined))
+        if back:
+            raise ValueError(f"ChipHealth.rebind: the new mesh holds quarantined devices {back}")
+        self.probes = Probes(self.probes.apply, mesh, self.probes.fault)
+        self.device_ids = ids
+        self._streak.clear()
+        self._replay_turn = 0
+
     def too_few(self) -> bool:
         """Fewer healthy devices than ``min_devices``: the island must drain."""
         return len(self.healthy_ids) < self.cfg.min_devices

@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -28,6 +28,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (
     HEARTBEAT_DEADLINE_S,
     JOIN_DEADLINE_S,
+    MAX_EVIDENCE_DETAIL,
     RUN_OVER_METADATA_KEY,
     STATUS_DEADLINE_S,
     FrameReceiver,
@@ -65,6 +66,30 @@ class RunOverError(CoordinatorError):
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def evidence_message(evidence: Mapping[str, Any]) -> pb.DeviceEvidence:
+    """workers/chips.py's Evidence dict as a DeviceEvidence: ``device``, ``index``, ``probe``, ``step`` and
+    ``detail``, and the numbers the probe measured (``value``, ``expected``, ``z``, ``median``: floats, or
+    ``"nan"``/``"inf"``/``"-inf"``; ``mismatches``); a number absent or None stays unset. Other keys (an event's
+    ``healthy``) are ignored. A detail over :data:`dtrain.wire.MAX_EVIDENCE_DETAIL` characters is shortened to
+    fit (the coordinator refuses a longer one). ValueError names a missing or malformed field."""
+    try:
+        msg = pb.DeviceEvidence(device=int(evidence["device"]), index=int(evidence["index"]),
+                                probe=str(evidence["probe"]), step=int(evidence["step"]))
+    except KeyError as e:
+        raise ValueError(f"evidence {dict(evidence)!r}: no {e.args[0]!r}") from None
+    for name in ("value", "expected", "z", "median"):
+        if evidence.get(name) is not None:
+            try:
+                setattr(msg, name, float(evidence[name]))  # float() reads "nan", "inf" and "-inf" too
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"evidence of device {msg.device}: {name}={evidence[name]!r}: {e}") from None
+    if evidence.get("mismatches") is not None:
+        msg.mismatches = int(evidence["mismatches"])
+    detail = str(evidence.get("detail", ""))
+    msg.detail = detail if len(detail) <= MAX_EVIDENCE_DETAIL else detail[:MAX_EVIDENCE_DETAIL - 3] + "..."
+    return msg
 
 
 @dataclass
@@ -139,12 +164,16 @@ class CoordinatorClient:
 
     def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,
                   tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
-                  pending_push_id: str = "") -> pb.HeartbeatResponse:
+                  pending_push_id: str = "", quarantined: Sequence[Mapping[str, Any]] = (),
+                  devices: int = 0) -> pb.HeartbeatResponse:
         """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
-        are the fields of the HeartbeatRequest; left out, a field keeps the proto's default."""
+        are the fields of the HeartbeatRequest; left out, a field keeps the proto's default. ``quarantined``: the
+        island's quarantined devices as workers/chips.py's Evidence dicts (:func:`evidence_message`);
+        ``devices``: the devices it trains on now (0: not reported)."""
         req = pb.HeartbeatRequest(island_id=island_id, version=version, steps=steps, tokens=tokens,
                                   steps_per_s=steps_per_s, params_digest=params_digest, bad_devices=bad_devices,
-                                  pending_push_id=pending_push_id)
+                                  pending_push_id=pending_push_id,
+                                  quarantined=[evidence_message(e) for e in quarantined], devices=devices)
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 

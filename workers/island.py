@@ -48,17 +48,21 @@ from dtrain.codec import CODEC_BITS, params_digest
 from dtrain.config import Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.errors import DtrainError
+from dtrain.health import DeviceFault
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_rate
 from dtrain.setup import prepare
+from dtrain.train import InnerLoop, make_mesh
 from dtrain.wire import max_frame_bytes
+from workers.chips import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
 from workers.inject import Injection, injected_push
 from workers.rounds import Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
+MAX_ROLLBACKS = 3  # NaN-guard rollbacks in a row (no push in between) before the island gives up: it diverges
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 # Push replies: the coordinator took the push (it goes, or went, into a version), or it did not (a rewind).
@@ -279,6 +283,16 @@ class Rewind:
     joined: bool = False  # from a Join (authoritative: replaces any other); else from a push reply
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """The island's own state is not to be trusted (a device was quarantined, or the NaN/Inf guard fired): it goes
+    back to its last good state, its last push (optimizer moments from that push's checkpoint, θ the newest
+    global one, its data cursor where that push ended), on a mesh of its healthy devices if ``remesh``."""
+
+    reason: str
+    remesh: bool = False
+
+
 @dataclass
 class Pending:
     """A pushed round whose exchange has not been folded in yet."""
@@ -296,21 +310,35 @@ class IslandStatus:
     tokens: int
     steps_per_s: float = 0.0
     exchange: Exchange | None = None  # in flight: its push id is reported, and a lost push is sent again
+    devices: int = 0  # the devices the island trains on (fewer after a quarantine)
+    quarantined: tuple[Evidence, ...] = ()  # the quarantined devices' evidence (replaced whole, never mutated)
 
 
 class Worker:
     def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
-                 inject: Sequence[Injection] = ()):
-        """``inject``: push faults to inject (testing only: :mod:`workers.inject`)."""
+                 inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None):
+        """``inject``: push faults to inject; ``device_fault``: a faulty device inside the island, injected into
+        the per-device inner step (testing only: :mod:`workers.inject`, :mod:`dtrain.health`)."""
         self.cfg = cfg
+        self.device_fault = device_fault
         self.injections = list(inject)
         self.name = name
         self.run_dir = Path(run_dir)
         self.log = RunLog(self.run_dir, quiet=quiet)
         self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
         self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry, give_up=self.stopping)
-        self.setup = prepare(cfg, cfg.outer.islands)
-        self.loop = self.setup.loop
+        # Chip health ([health] enabled) runs the per-device step, whose metrics are the statistics probe; so does an
+        # injected device fault (the fault lives in that step), detected or not.
+        self.setup = prepare(cfg, cfg.outer.islands, per_device=cfg.health.enabled or device_fault is not None,
+                             fault=device_fault)
+        self.loop: InnerLoop = self.setup.loop
+        self.mesh_devices = self.loop.mesh.devices.size  # the island's devices before any quarantine
+        self.health = ChipHealth(cfg.health, self.loop.model.apply, self.loop.mesh, fault=device_fault) \
+            if cfg.health.enabled else None
+        self.rollbacks = 0  # NaN-guard rollbacks since the last push
+        self.nan_rollbacks = 0  # all of them
+        self._finite: list[Any] = []  # the NaN/Inf guard's per-step flags not looked at yet (device arrays)
+        self.drained = ""  # why the island stopped training early (too few healthy devices), if it did
         self.schedule = Schedule.from_config(cfg)
         template = jax.device_get(self.setup.built.init(cfg.run.seed))
         self.spec, _ = codec.flatten(template)
@@ -341,7 +369,7 @@ class Worker:
     # -- exchange pieces ----------------------------------------------------------------------------
 
     def join(self) -> pb.JoinResponse:
-        devices = len(self.loop.mesh.devices.flat)
+        devices = self.mesh_devices  # the whole mesh: a quarantined device's evidence names its place in it
         hardware = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
         resp = self.client.join(self.name, hardware, devices)
         if resp.tree_digest != self.tree_digest or resp.tree_size != self.n:
@@ -376,7 +404,8 @@ class Worker:
                 t0 = time.perf_counter()
                 resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
-                                             pending_push_id=exchange.push_id if exchange is not None else "")
+                                             pending_push_id=exchange.push_id if exchange is not None else "",
+                                             **_chip_report(status.quarantined, status.devices))
                 change = link.observe(time.perf_counter() - t0)
                 if change is not None:
                     self.log.event(change[0], **change[1])
@@ -445,25 +474,72 @@ class Worker:
     def _start_island(self, joined: pb.JoinResponse, g: GlobalParams, ckpt: Checkpointer) -> Island:
         """The island on its shard from the coordinator's cursor, θ from the pull, moments from a checkpoint."""
         loop, cfg = self.loop, self.cfg
-        params = loop.place_params(codec.unflatten(self.spec, g.vec))
-        island = Island(index=joined.shard_index, state=loop.init_state(params),
+        island = Island(index=joined.shard_index, state=self._state_from(g, ckpt),
                         stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor))
         island.steps = island.cursor // cfg.train.batch_size  # a rejoining island goes on where its data ends
-        if ckpt.latest_step() is not None:
-            _, restored, meta = ckpt.restore(island.state)
-            if meta.get("fingerprint") == cfg.fingerprint():
-                island.state = restored.replace(params=island.state.params)  # optimizer moments; θ from the pull
-                self.log.event("island_restored", step=meta.get("steps"))
         self.log.event("island_started", name=self.name, shard=joined.shard_index, cursor=island.cursor,
                        version=g.version, devices=len(loop.mesh.devices.flat), host=platform.node(),
                        cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
         return island
 
+    def _state_from(self, g: GlobalParams, ckpt: Checkpointer) -> Any:
+        """A train state on the island's mesh: θ from ``g``, the optimizer moments from the island's last checkpoint
+        (saved at its last push) when there is one of this run, else fresh ones."""
+        params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
+        state = self.loop.init_state(params)
+        ckpt.wait()  # a save still being written is the last push's
+        if ckpt.latest_step() is not None:
+            _, restored, meta = ckpt.restore(state)  # into this mesh's shardings (a remeshed island's too)
+            if meta.get("fingerprint") == self.cfg.fingerprint():
+                self.log.event("island_restored", step=meta.get("steps"))
+                return restored.replace(params=state.params)  # optimizer moments; θ from the pull
+        return state
+
+    # -- chip health -----------------------------------------------------------------------------------
+
+    def _quarantined(self, found: list[Evidence], status: IslandStatus | None) -> None:
+        """Logs each device just quarantined, and hands the evidence to the heartbeat."""
+        assert self.health is not None
+        for ev in found:
+            self.log.event("device_quarantined", **ev, healthy=len(self.health.healthy_ids))
+            self.log.progress(f"{self.name}: device {ev['device']} quarantined ({ev['probe']}, step {ev['step']}): "
+                              f"{ev['detail']}")
+        if status is not None:
+            status.quarantined = tuple(self.health.quarantined.values())
+
+    def _remesh(self) -> dict[str, Any]:
+        """Rebuilds the inner loop on the healthy devices, with the same global batch (the quarantined devices'
+        rows go to the others: :func:`dtrain.train.rows_per_device`); the caller compiles it before it trains."""
+        assert self.health is not None
+        old = self.loop
+        healthy = set(self.health.healthy_ids)
+        mesh = make_mesh(self.cfg, [d for d in old.mesh.devices.flat if d.id in healthy], remesh=True)
+        self.loop = self.setup.loop = InnerLoop(self.cfg, old.model, mesh, per_device=True, fault=self.device_fault)
+        self.health.rebind(mesh)
+        return {"devices": mesh.devices.size, "device_ids": [int(d.id) for d in mesh.devices.flat],
+                "rows_per_device": list(self.loop.rows), "from_devices": old.mesh.devices.size,
+                "fsdp": mesh.shape["fsdp"]}
+
+    def _start_health(self) -> None:
+        """The known answer on every device before anything compiles; a device that fails it is quarantined and
+        the island starts on the others."""
+        if self.health is None:
+            return
+        found = self.health.start(0)
+        self._quarantined(found, None)
+        if self.health.too_few():
+            raise WorkerError(f"{len(self.health.healthy_ids)} healthy device(s) of {len(self.health.device_ids)}, "
+                              f"fewer than [health] min_devices={self.cfg.health.min_devices}: this island cannot "
+                              f"train (see the device_quarantined events in {self.run_dir / 'events.jsonl'})")
+        if found:  # the first compile is then the healthy mesh's
+            self.log.event("remeshed", **self._remesh(), cursor=0, version=0, restored="start")
+
     def run(self) -> dict[str, Any]:
         """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary, or
         ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
+        self._start_health()
         self._precompile()
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
@@ -473,7 +549,8 @@ class Worker:
             return self._run_over(f"{e.message} (coordinator at {self.client.address})")
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
-        status = IslandStatus(version=joined.version, steps=0, tokens=0)
+        status = IslandStatus(version=joined.version, steps=0, tokens=0, devices=self.loop.mesh.devices.size,
+                              quarantined=tuple(self.health.quarantined.values()) if self.health else ())
         hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
         hb.start()
         anchor = self.pull(None)
@@ -486,6 +563,9 @@ class Worker:
             t0 = time.perf_counter()
             anchor, pending, n = self._train(island, anchor, status, ckpt)
             rounds, active_s = rounds + n, active_s + time.perf_counter() - t0
+            if self.drained:
+                anchor = self._drain(island, anchor, pending, status)
+                break
             t0 = time.perf_counter()
             anchor, more = self._final_wait(island, anchor, pending, status)
             final_wait += time.perf_counter() - t0
@@ -523,24 +603,89 @@ class Worker:
                 anchor, pending = self._wait(island, pending, status, action.reason), None
             elif action.kind is Kind.TRAIN:
                 n = action.steps
-                advance(self.loop, island, n, self.cfg.train.batch_size)
+                recovery = self._train_chunk(island, n, status)
+                if recovery is not None:  # back to the last push's state (on the healthy devices), or drain
+                    if self.drained:
+                        break
+                    anchor, _ = self._apply_rewind(island, anchor, pending, status,
+                                                   Rewind(island.index, round_start[0], recovery.reason),
+                                                   round_start[0], recovery)
+                    pending, round_steps, round_start = None, 0, (island.cursor, island.tokens)
+                    continue
                 if sched.round_seconds:  # the deadline is about steps done, not steps queued: dispatch is async
                     jax.block_until_ready(island.state.step)
                 round_steps += n
-                self.executed_steps += n
-                # One line per chunk: a killed process's compute is known to within a chunk (goodput).
-                self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index,
-                               cursor=island.cursor)
-                status.steps, status.tokens = island.steps, island.tokens
                 if pending is not None and pending.exchange.future.done():
                     anchor, pending = self._fold_in(island, pending, status), None  # without waiting
                 if island.steps % self.cfg.run.log_every < n:
                     last_log = self._log_rate(island, anchor, status, last_log)
             else:  # Kind.END_ROUND: the previous exchange is folded in; push this round's delta
+                if self._guard_tripped():  # a non-finite step in this round: never push it; back to the last push
+                    anchor, _ = self._apply_rewind(island, anchor, pending, status,
+                                                   Rewind(island.index, round_start[0], "NaN/Inf guard"),
+                                                   round_start[0], self._nan_recovery(island))
+                    pending, round_steps, round_start = None, 0, (island.cursor, island.tokens)
+                    continue
+                self.rollbacks = 0
                 pending = self._push(island, anchor, round_steps, round_start, status, ckpt)
                 round_start = (island.cursor, island.tokens)
                 round_steps, rounds = 0, rounds + 1
         return anchor, pending, rounds
+
+    def _train_chunk(self, island: Island, n: int, status: IslandStatus) -> Recovery | None:
+        """Runs one chunk of ``n`` inner steps; with chip health, checks it (and diagnoses a chunk that raised).
+        A :class:`Recovery` when the island's state since its last push is not to be trusted: a device was
+        quarantined (then :attr:`drained` is set if too few are left), or a step was not finite."""
+        batch = self.cfg.train.batch_size
+        cursor, metrics = island.cursor, {}
+        first = int(island.state.step) if self.health is not None else 0  # synced already: the last check read it
+        try:
+            advance(self.loop, island, n, batch, on_chunk=lambda _, m: metrics.update(m))
+        except Exception as e:
+            if self.health is None:
+                raise
+            # Which device failed? The known answer on each, now (at the chunk's last step: a dead chip stays dead).
+            # None: not a device's failure, or one gone again (an intermittent one): the error stands.
+            found = self.health.diagnose(first + n - 1)
+            if not found:
+                raise
+            self.log.event("chunk_failed", step=first, steps=n, error=f"{type(e).__name__}: {e}")
+            return self._quarantine_recovery(found, status, "its computation raised")
+        self.executed_steps += n
+        # One line per chunk: a killed process's compute is known to within a chunk (goodput).
+        self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index, cursor=island.cursor)
+        status.steps, status.tokens = island.steps, island.tokens
+        self._finite.append(metrics["finite"])
+        if self.health is None:
+            return None  # the NaN/Inf guard is read at the push (no host sync per chunk)
+        found = self.health.check(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
+        if found:
+            return self._quarantine_recovery(found, status, "a probe found it")
+        return self._nan_recovery(island) if self._guard_tripped() else None
+
+    def _guard_tripped(self) -> bool:
+        """The NaN/Inf guard: was any step since the last look not finite (loss or gradient, any device)?"""
+        flags, self._finite = self._finite, []
+        return not all(bool(np.all(np.asarray(f))) for f in flags)
+
+    def _nan_recovery(self, island: Island) -> Recovery:
+        self.rollbacks += 1
+        self.nan_rollbacks += 1
+        self.log.event("nan_guard", step=island.steps, cursor=island.cursor, rollbacks=self.rollbacks)
+        if self.rollbacks > MAX_ROLLBACKS:
+            raise WorkerError(f"training diverges: a non-finite loss or gradient again after {MAX_ROLLBACKS} "
+                              f"rollbacks to the last push (island step {island.steps}); lower [train] lr or "
+                              f"grad_clip, or check the data")
+        return Recovery(f"NaN/Inf guard: a non-finite loss or gradient before island step {island.steps}")
+
+    def _quarantine_recovery(self, found: list[Evidence], status: IslandStatus, how: str) -> Recovery:
+        assert self.health is not None
+        self._quarantined(found, status)
+        devices = [ev["device"] for ev in found]
+        if self.health.too_few():
+            self.drained = (f"{len(self.health.healthy_ids)} healthy device(s) left, fewer than [health] "
+                            f"min_devices={self.cfg.health.min_devices}")
+        return Recovery(f"device(s) {devices} quarantined ({how})", remesh=True)
 
     def _log_rate(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                   last_log: tuple[float, int]) -> tuple[float, int]:
@@ -554,14 +699,16 @@ class Worker:
         self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} tok/s {fmt_rate(tokens_per_s)}")
         return now, self.executed_steps
 
-    def _fold_in(self, island: Island, pending: Pending, status: IslandStatus) -> GlobalParams:
+    def _fold_in(self, island: Island, pending: Pending, status: IslandStatus, fold: bool = True) -> GlobalParams:
         """Waits for the exchange's θ' (raising its error, if it failed) and folds it in; θ' is the new anchor.
         If the coordinator dropped or rejected the push, a :class:`Rewind` to its cursor is posted: the loop
-        then trains the push's range again (the fold-in's progress is discarded there)."""
+        then trains the push's range again (the fold-in's progress is discarded there). ``fold=False``: θ' only,
+        the island's state is about to be replaced (a :class:`Recovery`)."""
         result = pending.exchange.future.result()
         self._last_exchange = pending.exchange
-        new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
-        island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+        if fold:
+            new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
+            island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
@@ -570,21 +717,28 @@ class Worker:
         return result
 
     def _apply_rewind(self, island: Island, anchor: GlobalParams, pending: Pending | None, status: IslandStatus,
-                      rewind: Rewind, start: int) -> tuple[GlobalParams, bool]:
+                      rewind: Rewind, start: int, recovery: Recovery | None = None) -> tuple[GlobalParams, bool]:
         """Moves the island to ``rewind``'s shard and cursor on the newest θ, discarding what it trained since
         ``start`` (the cursor its unpushed progress began at); returns (θ_anchor, whether it moved).
         The exchange in flight is finished first: if the coordinator accepted its push, the rewind starts after
-        that push's range; if its island still stands where the coordinator says, nothing is discarded."""
+        that push's range; if its island still stands where the coordinator says, nothing is discarded.
+        With a ``recovery`` the island's state is replaced whatever the cursor: θ the newest, the optimizer
+        moments from the last push's checkpoint, on the healthy devices' mesh if it remeshes."""
         if pending is not None:
-            anchor = self._wait(island, pending, status, "rewind: finish the exchange in flight first")
-            later = self._take_rewind()  # the fold-in's own, if the coordinator dropped or rejected the push
-            if later is not None and (later.joined or not rewind.joined):
-                rewind = later
+            anchor = self._wait(island, pending, status, "rewind: finish the exchange in flight first",
+                                fold=recovery is None)
+        later = self._take_rewind()  # the fold-in's own (the coordinator dropped or rejected the push), or a Join's
+        if later is not None and (later.joined or not rewind.joined):
+            rewind = later
+        remeshed: dict[str, Any] = {}
+        executed_step = self._step_counter(island) if recovery is not None else 0  # before the mesh goes
+        if recovery is not None and recovery.remesh:
+            remeshed = self._remesh()
         if self._last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
             rewind = dataclasses.replace(rewind, cursor=self._last_exchange.accepted_range_end(rewind.shard,
                                                                                                rewind.cursor))
         # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
-        if rewind.shard == island.index and rewind.cursor == start:
+        if recovery is None and rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
             return anchor, False
         batch = self.cfg.train.batch_size
@@ -592,11 +746,26 @@ class Worker:
         # Steps trained again: a dropped or rejected range, and the progress after it, on the same shard.
         again = (island.cursor - rewind.cursor) // batch if rewind.shard == island.index else 0
         latest = self.pull(anchor)  # the newest θ: the retrained range is pushed against it
-        island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, latest.vec)))
+        if recovery is None:
+            island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, latest.vec)))
+        else:
+            if remeshed:
+                self._precompile()
+            assert self.ckpt is not None
+            # The step counter goes on (a fault tied to device time does not replay with the retrained range)
+            step = jax.device_put(jnp.asarray(executed_step, jnp.int32), self.loop.state_sharding.step)
+            island.state = self._state_from(latest, self.ckpt).replace(step=step)
+            self._finite.clear()
         self.log.event("rewound", from_shard=island.index, from_cursor=island.cursor, to_shard=rewind.shard,
                        to_cursor=rewind.cursor, discarded_steps=discarded, retrained_steps=max(again, 0),
-                       version=latest.version,
-                       reason=rewind.reason)
+                       version=latest.version, restored=recovery is not None,
+                       reason=rewind.reason if recovery is None else recovery.reason)
+        if remeshed:
+            status.devices = self.loop.mesh.devices.size
+            self.log.event("remeshed", **remeshed, cursor=rewind.cursor, version=latest.version,
+                           restored="last push")
+            self.log.progress(f"{self.name}: remeshed on {remeshed['devices']} devices "
+                              f"(rows per device {remeshed['rows_per_device']})")
         self.log.progress(f"{self.name}: rewound to shard {rewind.shard} cursor {rewind.cursor} "
                           f"({discarded} steps discarded): {rewind.reason}")
         island.index, island.stream = rewind.shard, self.setup.shards[rewind.shard].stream
@@ -604,13 +773,15 @@ class Worker:
         status.version, status.steps = latest.version, island.steps
         return latest, True
 
-    def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str) -> GlobalParams:
+    def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str, fold: bool = True
+              ) -> GlobalParams:
         """Folds in the exchange in flight, counting the wait as blocked time. Steps already dispatched are
         compute, not idling: the devices finish them before the clock starts (JAX dispatch is asynchronous, so
         the host reaches this point while they still run)."""
-        jax.block_until_ready(island.state.step)
+        if fold:
+            jax.block_until_ready(island.state.step)
         t0 = time.perf_counter()
-        anchor = self._fold_in(island, pending, status)
+        anchor = self._fold_in(island, pending, status, fold)
         waited = time.perf_counter() - t0
         self.blocked_s += waited
         self.log.event("blocked", seconds=round(waited, 4), why=why, version=anchor.version, steps=island.steps)
@@ -640,6 +811,29 @@ class Worker:
                                                "tokens": island.tokens, "version": anchor.version,
                                                "fingerprint": self.cfg.fingerprint()})
         return Pending(exchange, at_push)
+
+    @staticmethod
+    def _step_counter(island: Island) -> int:
+        """The state's inner-step counter; the island's step where a failed computation took the state with it
+        (a real device failure after dispatch: the donated buffers are gone)."""
+        try:
+            return int(island.state.step)
+        except Exception:  # noqa: BLE001 - any runtime error reading a lost buffer
+            return island.steps
+
+    def _drain(self, island: Island, anchor: GlobalParams, pending: Pending | None,
+               status: IslandStatus) -> GlobalParams:
+        """Too few healthy devices: the island stops training. The exchange in flight is finished (a push the
+        coordinator took stays merged); the progress since it is dropped. The island then stops heartbeating
+        (no final heartbeat either): its lease runs out and the coordinator hands its shard, from the merged
+        cursor, to the next island that needs data."""
+        if pending is not None:
+            anchor = self._wait(island, pending, status, "drain: finish the exchange in flight first", fold=False)
+        assert self.health is not None
+        self.log.event("drained", reason=self.drained, devices=len(self.health.healthy_ids), shard=island.index,
+                       cursor=island.cursor, version=anchor.version)
+        self.log.progress(f"{self.name}: drained: {self.drained}; the coordinator reroutes shard {island.index}")
+        return anchor
 
     def _final_wait(self, island: Island, anchor: GlobalParams, pending: Pending | None,
                     status: IslandStatus) -> tuple[GlobalParams, bool]:
@@ -699,13 +893,17 @@ class Worker:
                 final_wait: float) -> dict[str, Any]:
         """The final heartbeat, eval and summary (``t_start``: when :meth:`run` began)."""
         final_digest = params_digest(g.vec)
-        try:  # best effort, one try: tell the coordinator this island holds the final version
-            self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
-                                  tokens=island.tokens, params_digest=final_digest)
-        except CoordinatorError as e:
-            self.log.event("heartbeat_failed", error=str(e))
-        final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
-        final_eval = self.loop.evaluate(final_params, self.setup.eval_batches)
+        final_eval = float("nan")
+        if not self.drained:  # a drained island lets its lease run out (its shard is then rerouted)
+            try:  # best effort, one try: tell the coordinator this island holds the final version
+                self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
+                                      tokens=island.tokens, params_digest=final_digest,
+                                      **_chip_report(tuple(self.health.quarantined.values()) if self.health else (),
+                                                     self.loop.mesh.devices.size))
+            except CoordinatorError as e:
+                self.log.event("heartbeat_failed", error=str(e))
+            final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
+            final_eval = self.loop.evaluate(final_params, self.setup.eval_batches)
         summary = {
             "island": self.name, "island_id": self.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
@@ -716,14 +914,24 @@ class Worker:
             "blocked_s": self.blocked_s, "final_wait_s": final_wait, "active_s": active_s,
             "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
             "total_versions": self.final_version or self.total_versions, "fingerprint": self.cfg.fingerprint(),
+            "devices": self.loop.mesh.devices.size, "nan_rollbacks": self.nan_rollbacks,
+            "quarantined": list(self.health.quarantined.values()) if self.health is not None else [],
+            **({"drained": self.drained} if self.drained else {}),
         }
         self.log.event("island_finished", **summary)
         self.log.write_summary(summary)
-        self.log.progress(f"{self.name}: done v{g.version}, eval loss {final_eval:.4f}, "
-                          f"utilization {summary['utilization']:.3f}")
+        if not self.drained:
+            self.log.progress(f"{self.name}: done v{g.version}, eval loss {final_eval:.4f}, "
+                              f"utilization {summary['utilization']:.3f}")
         self.log.close()
         self.client.close()
         return summary
+
+
+def _chip_report(quarantined: tuple[Evidence, ...], devices: int) -> dict[str, Any]:
+    """A heartbeat's chip-health fields: the whole report every time (the coordinator keeps each device's first
+    evidence; ``bad_devices`` must name the same devices as the evidence)."""
+    return {"bad_devices": [str(e["device"]) for e in quarantined], "quarantined": quarantined, "devices": devices}
 
 
 def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path) -> str:
@@ -760,10 +968,10 @@ def _report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
 
 
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
-               inject: Sequence[Injection] = ()) -> dict[str, Any]:
+               inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None) -> dict[str, Any]:
     """Runs one island to the end of the run; returns its summary, or ``{"island", "run_over"}`` (exit 0, no
     training) when the run is over already: checked first, before the island builds or compiles anything.
-    ``inject``: push faults (testing only: :mod:`workers.inject`)."""
+    ``inject``: push faults; ``device_fault``: a faulty device in the island (testing only: :mod:`workers.inject`)."""
     client = CoordinatorClient(address, cfg)
     try:
         over = run_over_already(client, cfg, Path(run_dir))
@@ -771,7 +979,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         client.close()
     if over:
         return _report_run_over(RunLog(run_dir, quiet=quiet), name, over)
-    worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject)
+    worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault)
     try:
         return worker.run()
     finally:

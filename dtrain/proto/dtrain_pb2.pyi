@@ -90,7 +90,7 @@ class JoinResponse(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id")
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class HeartbeatRequest(_message.Message):
     PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BAD_DEVICES_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     steps: int
@@ -107,7 +109,33 @@ class HeartbeatRequest(_message.Message):
     params_digest: str
     bad_devices: _containers.RepeatedScalarFieldContainer[str]
     pending_push_id: str
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[DeviceEvidence]
+    devices: int
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ...) -> None: ...
+
+class DeviceEvidence(_message.Message):
+    __slots__ = ("device", "index", "probe", "step", "value", "expected", "z", "median", "mismatches", "detail")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    index: int
+    probe: str
+    step: int
+    value: float
+    expected: float
+    z: float
+    median: float
+    mismatches: int
+    detail: str
+    def __init__(self, device: _Optional[int] = ..., index: _Optional[int] = ..., probe: _Optional[str] = ..., step: _Optional[int] = ..., value: _Optional[float] = ..., expected: _Optional[float] = ..., z: _Optional[float] = ..., median: _Optional[float] = ..., mismatches: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("action", "version", "lease_s", "reason", "push_unknown")
@@ -230,7 +258,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IslandStatus(_message.Message):
-    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index")
+    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +268,8 @@ class IslandStatus(_message.Message):
     LEASE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     name: str
     state: str
@@ -249,7 +279,9 @@ class IslandStatus(_message.Message):
     lease_left_s: float
     steps_per_s: float
     shard_index: int
-    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[DeviceEvidence]
+    devices: int
+    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "json")

@@ -1,0 +1,131 @@
+"""Chip health inside a real island: a worker (in this process, 8 fake CPU devices) against a real coordinator on
+127.0.0.1:0, with a device fault injected into its per-device inner step. The island finds the device, quarantines
+it, rebuilds its mesh on the healthy devices with the same global batch, goes back to its last good state and
+trains on; the NaN/Inf guard rolls a non-finite round back instead of pushing it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import TINY, initial_parameters
+from coordinator.server import serve
+from dtrain.config import Config, load_config
+from dtrain.health import DeviceFault
+from dtrain.runlog import read_events
+from workers.island import run_worker
+
+
+def _cfg(tmp_path: Path, *extra: str) -> Config:
+    return load_config(TINY, [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "outer.islands=1", "train.steps=60", "outer.inner_steps=20",
+        "worker.heartbeat_s=0.5", "worker.retry_total_s=20", "worker.start_wait_s=0", *extra])
+
+
+def _run(cfg: Config, tmp_path: Path, faults: dict[str, DeviceFault | None]) -> dict[str, Any]:
+    """One coordinator and one worker thread per island (``faults``: island name -> its device fault); returns
+    the coordinator's status and each island's summary and events."""
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, tmp_path / "coordinator", theta, spec, port=0, quiet=True)
+    out: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def work(name: str, fault: DeviceFault | None) -> None:
+        try:
+            out[name] = run_worker(cfg, f"127.0.0.1:{port}", name, tmp_path / name, quiet=True, device_fault=fault)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=item) for item in faults.items()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        if errors:
+            raise errors[0]
+        assert not any(t.is_alive() for t in threads), "a worker did not finish"
+        out["digest"] = service.merger.digest
+        out["version"] = service.state.version
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+    out["events"] = {name: read_events(tmp_path / name) for name in faults}
+    out["coordinator_events"] = read_events(tmp_path / "coordinator")
+    return out
+
+
+def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == kind]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("clean")
+    return _run(_cfg(tmp, "health.enabled=true"), tmp, {"a": None})
+
+
+def test_clean_island_quarantines_nothing(clean: dict[str, Any]) -> None:
+    a = clean["a"]
+    assert a["quarantined"] == [] and a["devices"] == 8 and a["nan_rollbacks"] == 0
+    assert _of(clean["events"]["a"], "device_quarantined") == [] and _of(clean["events"]["a"], "remeshed") == []
+    assert a["params_digest"] == clean["digest"] and a["version"] == clean["version"] == 3
+    assert np.isfinite(a["final_eval_loss"])
+
+
+def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict[str, Any], tmp_path: Path) -> None:
+    fault = DeviceFault("scale", 3, factor=10.0, start=25)
+    run = _run(_cfg(tmp_path, "health.enabled=true"), tmp_path, {"a": fault})
+    a, events = run["a"], run["events"]["a"]
+    [q] = _of(events, "device_quarantined")
+    assert q["device"] == 3 and q["probe"] == "stats" and 25 <= q["step"] <= 27 and q["healthy"] == 7
+    [remesh] = _of(events, "remeshed")
+    assert remesh["devices"] == 7 and 3 not in remesh["device_ids"] and sum(remesh["rows_per_device"]) == 8
+    rewound = [e for e in _of(events, "rewound") if e["restored"]]
+    assert len(rewound) == 1 and rewound[0]["to_cursor"] == 20 * 8  # back to the last push (round 1's end)
+    # it trained on: the same data, every version, and ends on the coordinator's θ
+    assert a["devices"] == 7 and [e["device"] for e in a["quarantined"]] == [3]
+    assert a["cursor"] == clean["a"]["cursor"] and a["version"] == run["version"] == 3
+    assert a["params_digest"] == run["digest"]
+    assert a["final_eval_loss"] / clean["a"]["final_eval_loss"] < 1.02
+    # the coordinator heard of it
+    [cq] = _of(run["coordinator_events"], "device_quarantined")
+    assert cq["device"] == 3 and cq["probe"] == "stats"
+
+
+def test_nan_guard_rolls_back_and_every_pushed_delta_is_finite(tmp_path: Path) -> None:
+    """Health probes off; one device's gradients get their exponent bit flipped on one step (a transient fault):
+    the round is never pushed, the island goes back to its start and trains it again, cleanly."""
+    fault = DeviceFault("bitflip", 2, bit=30, start=5, until=6)
+    run = _run(_cfg(tmp_path), tmp_path, {"a": fault})
+    a, events = run["a"], run["events"]["a"]
+    [guard] = _of(events, "nan_guard")
+    assert guard["rollbacks"] == 1
+    [rewound] = _of(events, "rewound")
+    assert rewound["restored"] and rewound["to_cursor"] == 0 and rewound["discarded_steps"] == 20
+    assert a["nan_rollbacks"] == 1 and a["quarantined"] == [] and a["devices"] == 8
+    sent = _of(events, "push_sent")
+    assert all(e["status"] in ("PUSH_STATUS_MERGED", "PUSH_STATUS_PENDING") for e in sent)
+    assert len(sent) == 3 and [(e["start"], e["end"]) for e in sent] == [(0, 160), (160, 320), (320, 480)]
+    refused = [e for e in run["coordinator_events"] if e.get("event") in ("push_refused", "push_quarantined")]
+    assert refused == []
+    assert a["params_digest"] == run["digest"] and np.isfinite(a["final_eval_loss"])
+
+
+@pytest.mark.slow
+def test_dead_device_is_found_by_the_known_answer_and_quarantined(clean: dict[str, Any], tmp_path: Path) -> None:
+    fault = DeviceFault("dead", 5, start=30)
+    run = _run(_cfg(tmp_path, "health.enabled=true"), tmp_path, {"a": fault})
+    a, events = run["a"], run["events"]["a"]
+    [failed] = _of(events, "chunk_failed")
+    assert "device 5 is dead" in failed["error"]
+    [q] = _of(events, "device_quarantined")
+    assert q["device"] == 5 and q["probe"] == "known_answer" and "raised" in q["detail"]
+    [remesh] = _of(events, "remeshed")
+    assert remesh["devices"] == 7 and 5 not in remesh["device_ids"]
+    assert a["params_digest"] == run["digest"] and a["version"] == 3
+    assert a["final_eval_loss"] / clean["a"]["final_eval_loss"] < 1.02
