@@ -146,7 +146,8 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         if device_fault is not None:
             check_device_fault(device_fault, [d.id for d in jax.devices()])
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
-        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject)
+        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject,
+                             device_fault=device_fault)
         if "run_over" in summary:  # nothing was trained: one line, exit 0
             print(f"dtrain worker: {summary['run_over']}: nothing to do")
             return 0

@@ -483,9 +483,9 @@ def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], dev
     """A device fault's summary entry from its island's events (all its worker processes'): detected by the
     island's first ``device_quarantined`` of the fault's device at or after its start step (the probe that found
     it, ``detection_steps`` = the evidence's step - the start step, ``detection_s`` from the time the island
-    reached the start step, where its events say); the action from the island's next ``remeshed`` (or
-    ``drained``); ``false_positives``: the island's quarantines that found none of its device faults
-    (``device_faults``: every device fault of the run)."""
+    began the chunk that holds the start step, where its events say: :func:`_step_reached_t`); the action from
+    the island's next ``remeshed`` (or ``drained``); ``false_positives``: the island's quarantines that found none
+    of its device faults (``device_faults``: every device fault of the run)."""
     fault = spec.device_fault
     assert fault is not None, spec
     quarantines = [e for e in island_events if e.get("event") == "device_quarantined"]
@@ -493,7 +493,7 @@ def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], dev
     false_positives = [{"device": e.get("device"), "probe": e.get("probe"), "step": e.get("step"), "t": e["t"],
                         "detail": e.get("detail")}
                        for e in quarantines if _quarantine_fault(spec.target, e, device_faults) is None]
-    onset_t = _step_reached_t(island_events, fault.start)
+    onset_t = _step_reached_t(island_events, spec)
     entry: dict[str, Any] = {
         "fault": spec.text, "kind": spec.kind, "target": spec.target, "device": fault.device,
         "start_step": fault.start, "injected_t": onset_t, "recovered_t": None, "recovery": None,
@@ -503,7 +503,8 @@ def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], dev
         return entry
     step = int(seen["step"])
     entry.update(detected_t=seen["t"], detected_by="device_quarantined", probe=seen.get("probe"),
-                 detection_steps=step - fault.start, evidence=seen,
+                 detection_steps=step - fault.start,
+                 evidence={k: v for k, v in seen.items() if k not in ("t", "elapsed_s", "event")},
                  detection_s=round(seen["t"] - onset_t, 3) if onset_t is not None else None)
     action = f"quarantined device {fault.device} ({seen.get('probe')})"
     after = next((e for e in island_events if e.get("event") in ("remeshed", "drained") and e["t"] >= seen["t"]),
@@ -519,20 +520,32 @@ def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], dev
     return entry
 
 
-def _step_reached_t(island_events: list[dict[str, Any]], step: int) -> float | None:
-    """When the island's first worker process began inner step ``step`` (counted from 0): the end of its last
-    chunk that ended at or before it (``trained`` events count the process's steps in ``executed``), or None where
-    that process never ran it."""
-    first: list[dict[str, Any]] = []
+def _step_reached_t(island_events: list[dict[str, Any]], spec: FaultSpec) -> float | None:
+    """When the island's first worker process began the chunk of inner steps that holds device fault ``spec``'s
+    start step: the end of its chunk before it (a ``trained`` event; ``island_started`` for the first chunk). That
+    chunk is known by the first event that shows it ran: a ``trained`` event whose ``executed`` (the process's
+    steps so far) passes the start step, a ``chunk_failed`` whose steps reach past it, or the fault's
+    ``device_quarantined``. None where the first process's events show none (it never ran that step, or a
+    restarted process did, whose step counter was restored from a checkpoint)."""
+    assert spec.device_fault is not None, spec
+    start = spec.device_fault.start
+    last_t: float | None = None
+    executed = 0
     for e in island_events:
-        if e.get("event") == "trained":
-            if first and int(e["executed"]) < int(first[-1]["executed"]):
-                break  # a restarted process counts from 0 again
-            first.append(e)
-    if not first or int(first[-1]["executed"]) <= step:
-        return None
-    before = [e for e in first if int(e["executed"]) <= step]
-    return float(before[-1]["t"]) if before else float(island_events[0]["t"])
+        event = e.get("event")
+        if event == "island_started" and last_t is None:
+            last_t = float(e["t"])
+        elif event == "trained":
+            if int(e["executed"]) < executed:
+                return None  # a restarted process: it counts from 0 again
+            executed = int(e["executed"])
+            if executed > start:
+                return last_t
+            last_t = float(e["t"])
+        elif event == "chunk_failed" and int(e["step"]) + int(e["steps"]) > start or \
+                event == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None:
+            return last_t
+    return None
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

@@ -215,7 +215,7 @@ def _chunks(until: int, chunk: int = 10, t0: float = 1.0, dt: float = 0.5) -> li
 
 def test_device_fault_summary_detected_with_its_delay_probe_and_action() -> None:
     fault = parse_fault("device-scale:island-1@step20,device=3,factor=10", 2)
-    events = _island_events((0.5, "worker_started", {}), *_chunks(60), (
+    events = _island_events((0.5, "island_started", {}), *_chunks(60), (
         3.1, "device_quarantined", {"device": 3, "index": 3, "probe": "stats", "step": 22, "z": 40.0,
                                     "detail": "gradient norm an outlier on two consecutive steps", "healthy": 7}),
         (3.3, "remeshed", {"devices": 7, "device_ids": [0, 1, 2, 4, 5, 6, 7], "rows_per_device": 1,
@@ -234,23 +234,28 @@ def test_device_fault_summary_detected_with_its_delay_probe_and_action() -> None
 
 def test_device_fault_summary_undetected_and_drained() -> None:
     fault = parse_fault("device-bitflip:island-0@step15,device=6,bit=3", 2)
-    e = device_fault_entry(fault, _island_events((0.5, "worker_started", {}), *_chunks(40)), [fault])
+    e = device_fault_entry(fault, _island_events((0.5, "island_started", {}), *_chunks(40)), [fault])
     assert (e["detected_t"], e["detection_s"], e["detection_steps"], e["detected_by"], e["probe"]) == \
         (None, None, None, None, None)
     assert e["action"] == "none: not detected" and e["injected_t"] == 1.5 and e["false_positives"] == []
-    short = _island_events((0.5, "worker_started", {}), *_chunks(10))
+    short = _island_events((0.5, "island_started", {}), *_chunks(10))
     assert device_fault_entry(fault, short, [fault])["injected_t"] is None  # the island never ran step 15 ...
     assert not device_fault_reached(fault, short)  # ... so the fault was not injected (faults_not_injected)
     assert device_fault_reached(fault, _island_events(*_chunks(20)))
     restarted = _island_events(*_chunks(10), *_chunks(10, t0=5.0), (6.0, "device_quarantined", {
         "device": 6, "probe": "stats", "step": 16, "detail": "z"}))  # a restarted process's state went on
     assert device_fault_reached(fault, restarted)
-    dead = parse_fault("device-dead:island-0@step0,device=1", 2)
-    events = _island_events((0.5, "worker_started", {}), *_chunks(10), (
-        2.0, "device_quarantined", {"device": 1, "probe": "known_answer", "step": 0, "detail": "raised"}),
-        (2.1, "drained", {"reason": "1 healthy device left, fewer than health.min_devices = 2", "devices": 1}))
+    # A dead device: the chunk holding its start step raised (no trained event for it), the known answer found it.
+    dead = parse_fault("device-dead:island-0@step30,device=1", 2)
+    events = _island_events((0.5, "island_started", {}), *_chunks(20), (2.5, "trained", {"executed": 25}),
+                            (2.7, "chunk_failed", {"step": 25, "steps": 10}), (
+        2.7, "device_quarantined", {"device": 1, "probe": "known_answer", "step": 34, "detail": "raised"}),
+        (2.8, "drained", {"reason": "1 healthy device left, fewer than health.min_devices = 2", "devices": 1}),
+        (3.0, "trained", {"executed": 30}), (3.5, "trained", {"executed": 40}))
     e = device_fault_entry(dead, events, [dead])
-    assert (e["detection_steps"], e["injected_t"], e["detection_s"]) == (0, 0.5, 1.5)
+    assert (e["detection_steps"], e["injected_t"], e["detection_s"]) == (4, 2.5, 0.2)
+    assert device_fault_entry(parse_fault("device-dead:island-0@step0,device=1", 2), events, [dead])[
+        "injected_t"] == 0.5  # the first chunk began when the island started
     assert e["action"] == "quarantined device 1 (known_answer); drained (1 healthy device left, fewer than " \
         "health.min_devices = 2)" and e["recovered_t"] is None
 
@@ -641,6 +646,7 @@ def test_a_corrupted_device_is_quarantined_and_the_islands_end_bit_identical(
     assert (f["fault"], f["detected_by"], f["device"], f["false_positives"]) == \
         (text, "device_quarantined", 3, []), f
     assert 0 <= f["detection_steps"] <= 50 and f["action"].endswith("remeshed on 7 devices"), f
+    assert f["detection_s"] is not None and 0 <= f["detection_s"] < 60, f
     assert [(q["island"], q["device"], q["fault"]) for q in s["device_quarantines"]] == [("island-1", 3, text)]
     driver = [e for e in read_events(run_dir / "driver") if e["event"] == "fault_armed"]
     assert [e["fault"] for e in driver] == [text]
