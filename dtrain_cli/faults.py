@@ -11,14 +11,24 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   constant delta as large as the codec carries, tokens claimed 10**9) and ``truncate`` (its upload is cancelled
   after about half of its chunks, then sent whole again): the driver passes these to the island's worker
   (``dtrain worker --inject KIND@vN``), which corrupts its first push based on version >= N
-  (:mod:`workers.inject` says exactly what is sent and what in the coordinator stops it).
+  (:mod:`workers.inject` says exactly what is sent and what in the coordinator stops it); the device faults
+  ``device-scale`` (one device's outputs x ``factor=F``, default 10), ``device-bitflip`` (bit ``bit=B`` of its
+  float32 outputs flipped, default 22, in a fraction ``rate=R`` of them, default 1) and ``device-dead`` (its
+  computations raise), on the device ``device=ID`` (a JAX device id of the island, required), each step with
+  probability ``prob=P`` (default 1: always; below 1 intermittent, drawn from ``seed=S``): the driver passes
+  these to the island's worker (``dtrain worker --device-fault KIND:ID@N,...``, and again to a restarted
+  worker: the chip is still bad), which injects them into its per-device inner step from inner step N on
+  (:class:`dtrain.health.DeviceFault`).
 - ``TARGET``: an island name (``island-0`` ... ``island-N-1``); none for ``kill-coordinator``.
 - ``WHEN``: ``vN`` (once the coordinator has merged version N) or ``Ns`` (N seconds after the workers
-  were started); push faults take ``vN`` only (the island's first push based on version N or later).
-- ``DURATION``: seconds, e.g. ``+10s``; ``hang``, ``cut`` and ``slow`` need one; push faults take none.
+  were started); push faults take ``vN`` only (the island's first push based on version N or later); device
+  faults take ``stepN`` only (inner step N of that island), and only they do.
+- ``DURATION``: seconds, e.g. ``+10s``; ``hang``, ``cut`` and ``slow`` need one; push and device faults take none.
 
 Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinator@v5+3s``,
-``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``, ``nan:island-1@v2``, ``truncate:island-0@v1``.
+``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``, ``nan:island-1@v2``, ``truncate:island-0@v1``,
+``device-bitflip:island-1@step120,device=3,bit=30``, ``device-scale:island-0@step200,device=5,factor=8``,
+``device-dead:island-2@step150,device=6``.
 
 Everything here is plain parsing and sockets; the driver (:mod:`dtrain_cli.simulate`) decides when a fault
 fires and records it in the run's events.
@@ -26,21 +36,32 @@ fires and records it in the run's events.
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dtrain.config import ConfigError
+from dtrain.health import DeviceFault
 
 PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.inject)
-KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS)
+DEVICE_KINDS = ("device-scale", "device-bitflip", "device-dead")  # injected by the island's worker into one device
+KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS, *DEVICE_KINDS)
 NEEDS_DURATION = ("hang", "cut", "slow")
 LINK_KINDS = ("cut", "slow")
-_SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?@(?P<when>v\d+|\d+(?:\.\d+)?s)"
-                      r"(?:\+(?P<duration>\d+(?:\.\d+)?)s)?(?P<opts>(?:,[a-z_]+=[0-9.]+)*)")
+# A device fault's options (besides device=ID), their types, and the DeviceFault kinds each applies to.
+DEVICE_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "prob": (float, ("scale", "bitflip", "dead")), "seed": (int, ("scale", "bitflip", "dead")),
+    "factor": (float, ("scale",)), "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
+_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+_SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?"
+                      r"@(?P<when>v\d+|step\d+|\d+(?:\.\d+)?s)"
+                      r"(?:\+(?P<duration>\d+(?:\.\d+)?)s)?(?P<opts>(?:,[a-z_]+=[0-9.eE+-]+)*)")
 
 
 @dataclass(frozen=True)
@@ -52,18 +73,33 @@ class FaultSpec:
     duration_s: float | None  # restart / resume / restore after this long (None: never)
     delay_ms: float = 0.0  # slow: added per forwarded piece of data
     text: str = ""  # the spec as given
+    device_fault: DeviceFault | None = None  # device faults: what the island's worker injects (start = stepN)
 
     def describe(self) -> str:
+        if self.device_fault is not None:
+            f = self.device_fault
+            return f"{self.kind} {self.target} device {f.device} from inner step {f.start}"
         when = f"after version {self.at_version}" if self.at_version is not None else f"at {self.at_s:g}s"
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
 
+    def worker_arg(self) -> str:
+        """A device fault as ``dtrain worker --device-fault`` takes it (:func:`workers.inject.parse_device_fault`):
+        ``KIND:DEVICE@STEP`` and the options that differ from their defaults."""
+        f = self.device_fault
+        if f is None:
+            raise ValueError(f"FaultSpec.worker_arg: {self.text!r} is not a device fault")
+        defaults = DeviceFault(kind=f.kind, device=f.device)
+        opts = "".join(f",{k}={getattr(f, k)!r}" for k in DEVICE_OPTIONS if getattr(f, k) != getattr(defaults, k))
+        return f"{f.kind}:{f.device}@{f.start}{opts}"
 
-def parse_fault(text: str, islands: int) -> FaultSpec:
-    """One ``--fault`` value; raises ConfigError naming what is wrong."""
+
+def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpec:
+    """One ``--fault`` value; raises ConfigError naming what is wrong. ``devices``: each island's device count,
+    where known (a device fault's ``device`` must be below it)."""
     m = _SPEC_RE.fullmatch(text.strip())
     if m is None:
-        raise ConfigError(f"--fault {text!r}: expected KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS], "
-                          f"e.g. kill:island-1@v3+10s")
+        raise ConfigError(f"--fault {text!r}: expected KIND[:ISLAND]@(vN|Ns|stepN)[+Ds][,KEY=VALUE...], "
+                          f"e.g. kill:island-1@v3+10s or device-scale:island-0@step20,device=3")
     kind, target = m["kind"], m["target"]
     if kind not in KINDS:
         raise ConfigError(f"--fault {text!r}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
@@ -73,7 +109,8 @@ def parse_fault(text: str, islands: int) -> FaultSpec:
             raise ConfigError(f"--fault {text!r}: kill-coordinator takes no target")
         target = "coordinator"
     elif not target:
-        raise ConfigError(f"--fault {text!r}: {kind} needs an island, e.g. {kind}:{names[-1]}@v2")
+        example = f"{kind}:{names[-1]}@step20,device=3" if kind in DEVICE_KINDS else f"{kind}:{names[-1]}@v2"
+        raise ConfigError(f"--fault {text!r}: {kind} needs an island, e.g. {example}")
     elif target not in names:
         raise ConfigError(f"--fault {text!r}: target {target!r} is not an island of this run "
                           f"({names[0]} .. {names[-1]})")
@@ -86,16 +123,84 @@ def parse_fault(text: str, islands: int) -> FaultSpec:
             raise ConfigError(f"--fault {text!r}: {kind} takes no duration (it corrupts one push)")
     if kind in NEEDS_DURATION and not duration:
         raise ConfigError(f"--fault {text!r}: {kind} needs a duration, e.g. {kind}:{target}@v2+10s")
-    opts = dict(kv.split("=") for kv in m["opts"].split(",") if kv)
+    pairs = [kv.split("=") for kv in m["opts"].split(",") if kv]
+    opts = dict(pairs)
+    if len(opts) < len(pairs):
+        raise ConfigError(f"--fault {text!r}: an option is given twice")
+    if kind in DEVICE_KINDS:
+        return _device_fault(text, kind, target, m["when"], m["duration"], opts, devices)
+    if m["when"].startswith("step"):
+        raise ConfigError(f"--fault {text!r}: stepN (an island's inner step) is for device faults only "
+                          f"({', '.join(DEVICE_KINDS)}); {kind} takes vN or Ns")
     unknown = set(opts) - ({"delay"} if kind == "slow" else set())
     if unknown:
         raise ConfigError(f"--fault {text!r}: unknown option(s) {', '.join(sorted(unknown))}")
-    delay = float(opts.get("delay", 100.0 if kind == "slow" else 0.0))
+    delay = _number(f"--fault {text!r}", "delay", opts["delay"], float) if "delay" in opts else \
+        (100.0 if kind == "slow" else 0.0)
     when = m["when"]
     at_version = int(when[1:]) if when.startswith("v") else None
     at_s = float(when[:-1]) if at_version is None else None
     return FaultSpec(kind=kind, target=target, at_version=at_version, at_s=at_s, duration_s=duration,
                      delay_ms=delay, text=text.strip())
+
+
+def _device_fault(text: str, kind: str, target: str, when: str, duration: str | None, opts: dict[str, str],
+                  devices: int | None) -> FaultSpec:
+    """A device fault's FaultSpec (``parse_fault`` past the kind and the target)."""
+    where = f"--fault {text!r}"
+    if not when.startswith("step"):
+        raise ConfigError(f"{where}: {kind} starts at an inner step of the island only, e.g. {kind}:{target}@step20")
+    if duration:
+        raise ConfigError(f"{where}: {kind} takes no duration (the device stays faulty)")
+    fault_kind = kind.removeprefix("device-")
+    if "device" not in opts:
+        raise ConfigError(f"{where}: {kind} needs the device, e.g. {kind}:{target}@{when},device=3")
+    values: dict[str, Any] = {}
+    for key, raw in opts.items():
+        if key == "device":
+            continue
+        if key not in DEVICE_OPTIONS:
+            raise ConfigError(f"{where}: unknown option {key!r} (a device fault takes device, "
+                              f"{', '.join(DEVICE_OPTIONS)})")
+        typ, kinds = DEVICE_OPTIONS[key]
+        if fault_kind not in kinds:
+            raise ConfigError(f"{where}: option {key} is for {' and '.join('device-' + k for k in kinds)}, "
+                              f"not {kind}")
+        values[key] = _number(where, key, raw, typ)
+    device = _number(where, "device", opts["device"], int)
+    try:
+        fault = DeviceFault(kind=fault_kind, device=device, start=int(when.removeprefix("step")), **values)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    spec = FaultSpec(kind=kind, target=target, at_version=None, at_s=None, duration_s=None, text=text.strip(),
+                     device_fault=fault)
+    check_devices([spec], devices)
+    return spec
+
+
+def _number(where: str, key: str, raw: str, typ: type) -> Any:
+    try:
+        return typ(raw)
+    except ValueError:
+        raise ConfigError(f"{where}: option {key}={raw} is not {'an integer' if typ is int else 'a number'}"
+                          ) from None
+
+
+def host_device_count(env: Mapping[str, str] = os.environ) -> int | None:
+    """The fake CPU devices each process started with ``env`` has (``--xla_force_host_platform_device_count``
+    in its ``XLA_FLAGS``, the last one if repeated), or None where that flag is absent (the device count is
+    then the backend's)."""
+    found = _DEVICES_FLAG.findall(env.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else None
+
+
+def check_devices(faults: Sequence[FaultSpec], devices: int | None) -> None:
+    """Raises ConfigError for a device fault whose device is not below ``devices`` (an island's device count;
+    None: unknown, nothing to check: the worker refuses a device id it does not have)."""
+    for f in faults:
+        if f.device_fault is not None and devices is not None and f.device_fault.device >= devices:
+            raise ConfigError(f"--fault {f.text!r}: device {f.device_fault.device} is not a device of {f.target} "
+                              f"(it has {devices}: ids 0..{devices - 1})")
 
 
 @dataclass

@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the CPUs (Linux; by default they are pinned, as islands own their hardware)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
-                   "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate; e.g. kill:island-1@v3+10s "
-                   "(see dtrain_cli/faults.py)")
+                   "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
+                   "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
+                   "[,prob=P][,seed=S] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
+                   "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/faults.py)")
     p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", action="append", default=[], metavar="KIND@vN",
                    help="testing knob (what simulate --fault passes): corrupt this island's first push based on "
                    "version >= N, once; KIND one of nan, poison, inflate, truncate (see workers/inject.py)")
+    p.add_argument("--device-fault", default=None, metavar="KIND:DEVICE@STEP[,OPTION=VALUE...]",
+                   help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
+                   "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
+                   "(bit=B, rate=R), dead; every kind takes prob=P, seed=S (see workers/inject.py)")
     p = sub.add_parser("status", help="ask a coordinator how the run is going")
     _common(p)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -98,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                         raise ConfigError("--fault needs worker processes: drop --inprocess")
                     summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
                 else:
-                    from dtrain_cli.faults import parse_fault
+                    from dtrain_cli.faults import host_device_count, parse_fault
                     from dtrain_cli.simulate import run_simulation
 
-                    faults = [parse_fault(text, islands) for text in args.faults]
+                    # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
+                    faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
                     summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults)
         except (DataError, DtrainError) as e:
             print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
@@ -129,12 +136,18 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         print(json.dumps(summary))
         return 0
     if args.command == "worker":
-        from workers.inject import Injection
+        import jax
+
+        from workers.inject import Injection, check_device_fault, parse_device_fault
         from workers.island import run_worker
 
         inject = [Injection.parse(text) for text in args.inject]
+        device_fault = parse_device_fault(args.device_fault) if args.device_fault is not None else None
+        if device_fault is not None:
+            check_device_fault(device_fault, [d.id for d in jax.devices()])
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
-        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject)
+        summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject,
+                             device_fault=device_fault)
         if "run_over" in summary:  # nothing was trained: one line, exit 0
             print(f"dtrain worker: {summary['run_over']}: nothing to do")
             return 0

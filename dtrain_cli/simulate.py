@@ -24,7 +24,15 @@ from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.runlog import RunLog, read_events
-from dtrain_cli.faults import LINK_KINDS, PUSH_KINDS, FaultSpec, LinkProxy
+from dtrain_cli.faults import (
+    DEVICE_KINDS,
+    LINK_KINDS,
+    PUSH_KINDS,
+    FaultSpec,
+    LinkProxy,
+    check_devices,
+    host_device_count,
+)
 
 START_TIMEOUT_S = 120.0
 # The coordinator's events that answer a bad push, and the action each means (push_refused and push_aborted
@@ -65,8 +73,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
     ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
-    ``fault_injected`` in the island's events when it fires) and, with when it was detected and what was done,
-    in the summary.
+    ``fault_injected`` in the island's events when it fires; a device fault: ``fault_armed`` each time its
+    island's worker is started with it) and, with when it was detected and what was done, in the summary
+    (a device fault: :func:`device_fault_entry`; every device an island quarantined, matched to its fault or
+    a false positive: :func:`device_quarantines`).
 
     The summary's ``goodput`` and ``audit`` (lost and doubled tokens, gaps, overlaps) come from the
     coordinator's and every island process's events (:mod:`dtrain.audit`)."""
@@ -78,11 +88,12 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
         raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
     if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
         raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
+    worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
     cfg = new_run(cfg)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
-    sim = _Simulation(cfg, out, islands, quiet, {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, pin,
-                      list(faults))
+    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults))
     try:
         sim.run(timeout_s)
     finally:
@@ -150,6 +161,10 @@ class _Simulation:
             if f.kind in PUSH_KINDS and f.target == name and self._push_fault_event(f) is None:
                 inject += ["--inject", f"{f.kind}@v{f.at_version}"]
                 self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
+        for f in self.faults:  # device faults: passed on every start (a restarted worker still has the bad chip)
+            if f.kind in DEVICE_KINDS and f.target == name:
+                inject += ["--device-fault", f.worker_arg()]
+                self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
         self.workers[name] = subprocess.Popen(
             _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
                  "--island", name, "--run-dir", str(wdir), *inject),
@@ -168,7 +183,8 @@ class _Simulation:
         self.t_workers = time.perf_counter()
         deadline = self.t_workers + timeout_s
         last_report = 0.0
-        pending = [f for f in self.faults if f.kind not in PUSH_KINDS]  # push faults: the workers inject them
+        # push and device faults: the workers inject them
+        pending = [f for f in self.faults if f.kind not in PUSH_KINDS + DEVICE_KINDS]
         ended_at = 0.0
         while self.recoveries or any(p.poll() is None for n, p in self.workers.items() if n not in self.gone):
             now = time.perf_counter()
@@ -200,6 +216,9 @@ class _Simulation:
         missed = [(f, "the run ended first") for f in pending]
         missed += [(f, f"{f.target} made no push based on version {f.at_version} or later") for f in self.faults
                    if f.kind in PUSH_KINDS and self._push_fault_event(f) is None]
+        for f in self.faults:
+            if f.device_fault is not None and not device_fault_reached(f, _events(self.out / "islands" / f.target)):
+                missed.append((f, f"{f.target} never trained past inner step {f.device_fault.start}"))
         for f, reason in missed:
             self.log.event("fault_not_injected", fault=f.text, reason=reason)
             self.log.progress(f"fault {f.text}: not injected ({reason})")
@@ -371,6 +390,9 @@ class _Simulation:
             injected = self._push_fault_event(spec) if spec.kind in PUSH_KINDS else None
             if injected is not None:
                 result.append(self._push_detection(spec, injected, coord_events, island_events[spec.target]))
+        device_faults = [f for f in self.faults if f.kind in DEVICE_KINDS]
+        result += [device_fault_entry(f, island_events[f.target], device_faults) for f in device_faults
+                   if device_fault_reached(f, island_events[f.target])]
         return result
 
     # -- the summary -------------------------------------------------------------------------------
@@ -401,6 +423,8 @@ class _Simulation:
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
             "worker_cpus": self.shares, "faults": self._detections(),
+            "device_quarantines": device_quarantines({n: _events(self.out / "islands" / n) for n in self.names},
+                                                     [f for f in self.faults if f.kind in DEVICE_KINDS]),
             "faults_not_injected": self.not_injected,
             "goodput": checked.goodput, "audit": checked.to_dict(),
             "unfinished_islands": sorted(self.gone | self.stopped),
@@ -418,6 +442,110 @@ class _Simulation:
                           f"{wall:.1f}s -> {out / 'summary.json'}")
         self.log.close()
         return summary
+
+
+def _quarantine_fault(island: str, evidence: dict[str, Any], device_faults: Sequence[FaultSpec]) -> FaultSpec | None:
+    """The device fault of ``island`` that a ``device_quarantined`` event (``evidence``) found: one on the same
+    device whose start step is not after the evidence's step; None: a false positive (a healthy device
+    quarantined, or the faulty one before its fault could fire)."""
+    return next((f for f in device_faults if f.target == island and f.device_fault is not None
+                 and f.device_fault.device == evidence.get("device")
+                 and int(evidence.get("step", -1)) >= f.device_fault.start), None)
+
+
+def device_quarantines(island_events: dict[str, list[dict[str, Any]]], device_faults: Sequence[FaultSpec]
+                       ) -> list[dict[str, Any]]:
+    """Every ``device_quarantined`` event of every island, in time order, as {island, t, device, probe, step,
+    detail, fault}: ``fault`` is the device fault (its spec text) that the quarantine found, or None for a false
+    positive (see :func:`_quarantine_fault`)."""
+    found = []
+    for island, events in island_events.items():
+        for e in events:
+            if e.get("event") == "device_quarantined":
+                f = _quarantine_fault(island, e, device_faults)
+                found.append({"island": island, "t": e["t"], "device": e.get("device"), "probe": e.get("probe"),
+                              "step": e.get("step"), "detail": e.get("detail"), "fault": f.text if f else None})
+    return sorted(found, key=lambda q: q["t"])
+
+
+def device_fault_reached(spec: FaultSpec, island_events: list[dict[str, Any]]) -> bool:
+    """Whether device fault ``spec`` was injected: some process of its island ran past its start step (a
+    ``trained`` event's ``executed``), or the island quarantined the device for it."""
+    fault = spec.device_fault
+    assert fault is not None, spec
+    return any(e.get("event") == "trained" and int(e["executed"]) > fault.start
+               or e.get("event") == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None
+               for e in island_events)
+
+
+def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], device_faults: Sequence[FaultSpec]
+                       ) -> dict[str, Any]:
+    """A device fault's summary entry from its island's events (all its worker processes'): detected by the
+    island's first ``device_quarantined`` of the fault's device at or after its start step (the probe that found
+    it, ``detection_steps`` = the evidence's step - the start step, ``detection_s`` from the time the island
+    began the chunk that holds the start step, where its events say: :func:`_step_reached_t`); the action from
+    the island's next ``remeshed`` (or ``drained``); ``false_positives``: the island's quarantines that found none
+    of its device faults (``device_faults``: every device fault of the run)."""
+    fault = spec.device_fault
+    assert fault is not None, spec
+    quarantines = [e for e in island_events if e.get("event") == "device_quarantined"]
+    seen = next((e for e in quarantines if _quarantine_fault(spec.target, e, [spec]) is not None), None)
+    false_positives = [{"device": e.get("device"), "probe": e.get("probe"), "step": e.get("step"), "t": e["t"],
+                        "detail": e.get("detail")}
+                       for e in quarantines if _quarantine_fault(spec.target, e, device_faults) is None]
+    onset_t = _step_reached_t(island_events, spec)
+    entry: dict[str, Any] = {
+        "fault": spec.text, "kind": spec.kind, "target": spec.target, "device": fault.device,
+        "start_step": fault.start, "injected_t": onset_t, "recovered_t": None, "recovery": None,
+        "detected_t": None, "detection_s": None, "detection_steps": None, "detected_by": None, "probe": None,
+        "action": "none: not detected", "false_positives": false_positives}
+    if seen is None:
+        return entry
+    step = int(seen["step"])
+    entry.update(detected_t=seen["t"], detected_by="device_quarantined", probe=seen.get("probe"),
+                 detection_steps=step - fault.start,
+                 evidence={k: v for k, v in seen.items() if k not in ("t", "elapsed_s", "event")},
+                 detection_s=round(seen["t"] - onset_t, 3) if onset_t is not None else None)
+    action = f"quarantined device {fault.device} ({seen.get('probe')})"
+    after = next((e for e in island_events if e.get("event") in ("remeshed", "drained") and e["t"] >= seen["t"]),
+                 None)
+    if after is None:
+        entry["action"] = action
+    elif after["event"] == "remeshed":
+        entry.update(action=f"{action}; remeshed on {after.get('devices')} devices", recovered_t=after["t"],
+                     recovery=f"remeshed on devices {after.get('device_ids')} from {after.get('from_devices')}, "
+                              f"the same global batch")
+    else:
+        entry["action"] = f"{action}; drained ({after.get('reason')})"
+    return entry
+
+
+def _step_reached_t(island_events: list[dict[str, Any]], spec: FaultSpec) -> float | None:
+    """When the island's first worker process began the chunk of inner steps that holds device fault ``spec``'s
+    start step: the end of its chunk before it (a ``trained`` event; ``island_started`` for the first chunk). That
+    chunk is known by the first event that shows it ran: a ``trained`` event whose ``executed`` (the process's
+    steps so far) passes the start step, a ``chunk_failed`` whose steps reach past it, or the fault's
+    ``device_quarantined``. None where the first process's events show none (it never ran that step, or a
+    restarted process did, whose step counter was restored from a checkpoint)."""
+    assert spec.device_fault is not None, spec
+    start = spec.device_fault.start
+    last_t: float | None = None
+    executed = 0
+    for e in island_events:
+        event = e.get("event")
+        if event == "island_started" and last_t is None:
+            last_t = float(e["t"])
+        elif event == "trained":
+            if int(e["executed"]) < executed:
+                return None  # a restarted process: it counts from 0 again
+            executed = int(e["executed"])
+            if executed > start:
+                return last_t
+            last_t = float(e["t"])
+        elif event == "chunk_failed" and int(e["step"]) + int(e["steps"]) > start or \
+                event == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None:
+            return last_t
+    return None
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

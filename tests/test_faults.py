@@ -3,6 +3,7 @@ processes and real signals."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -17,14 +18,22 @@ from conftest import initial_parameters
 from coordinator.server import serve
 from dtrain import codec
 from dtrain.config import Config, ConfigError, load_config
+from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.outer import OuterHParams, merge_weights, outer_update
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
-from dtrain_cli.faults import PUSH_KINDS, LinkProxy, parse_fault
+from dtrain_cli.faults import DEVICE_KINDS, PUSH_KINDS, LinkProxy, check_devices, host_device_count, parse_fault
 from dtrain_cli.main import main
-from dtrain_cli.simulate import run_simulation
+from dtrain_cli.simulate import device_fault_entry, device_fault_reached, device_quarantines, run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
-from workers.inject import PUSH_FAULTS, Injection, corrupt_push, take_injection
+from workers.inject import (
+    PUSH_FAULTS,
+    Injection,
+    check_device_fault,
+    corrupt_push,
+    parse_device_fault,
+    take_injection,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -85,6 +94,192 @@ def test_cli_refuses_a_bad_fault_before_starting(capsys: pytest.CaptureFixture[s
     assert rc == 2
     assert "island-5" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_parse_device_fault_specs_and_what_the_worker_is_given() -> None:
+    """A device fault of --fault becomes the DeviceFault the island's worker injects: the driver passes it as
+    --device-fault (FaultSpec.worker_arg), which the worker's parser reads back as the same DeviceFault."""
+    assert DEVICE_KINDS == tuple(f"device-{k}" for k in FAULT_KINDS)  # the driver's kinds are the worker's
+    cases = {
+        "device-bitflip:island-1@step120,device=3,bit=30":
+            (DeviceFault("bitflip", 3, bit=30, start=120), "bitflip:3@120,bit=30"),
+        "device-scale:island-0@step200,device=5,factor=8":
+            (DeviceFault("scale", 5, factor=8.0, start=200), "scale:5@200,factor=8.0"),
+        "device-dead:island-1@step150,device=6": (DeviceFault("dead", 6, start=150), "dead:6@150"),
+        "device-scale:island-1@step0,device=0,prob=0.25,seed=7,factor=-2":
+            (DeviceFault("scale", 0, prob=0.25, seed=7, factor=-2.0), "scale:0@0,prob=0.25,seed=7,factor=-2.0"),
+        "device-bitflip:island-0@step5,device=7,rate=0.001,bit=31,prob=0.5":
+            (DeviceFault("bitflip", 7, prob=0.5, bit=31, rate=0.001, start=5),
+             "bitflip:7@5,prob=0.5,bit=31,rate=0.001"),
+    }
+    for text, (fault, arg) in cases.items():
+        f = parse_fault(text, 2, devices=8)
+        assert (f.kind, f.target, f.device_fault, f.at_version, f.at_s, f.duration_s) == \
+            (f"device-{fault.kind}", text.split(":")[1].split("@")[0], fault, None, None, None), text
+        assert f.worker_arg() == arg
+        assert parse_device_fault(arg) == fault
+    assert parse_fault("device-dead:island-1@step1,device=40", 2).device_fault == DeviceFault("dead", 40, start=1)
+    with pytest.raises(ValueError, match="is not a device fault"):
+        parse_fault("kill:island-1@v1", 2).worker_arg()
+
+
+@pytest.mark.parametrize("text, why", [
+    ("device-scale:island-1@v2,device=3", "device-scale starts at an inner step of the island only"),
+    ("device-scale:island-1@20s,device=3", "device-scale starts at an inner step of the island only"),
+    ("device-dead:island-1@step2+3s,device=3", "device-dead takes no duration"),
+    ("device-scale:island-1@step2", "device-scale needs the device, e.g. device-scale:island-1@step2,device=3"),
+    ("device-scale@step2,device=1", "device-scale needs an island, e.g. device-scale:island-1@step20,device=3"),
+    ("device-scale:island-2@step2,device=1", "'island-2' is not an island of this run"),
+    ("device-scale:island-1@step2,device=8", "device 8 is not a device of island-1 (it has 8: ids 0..7)"),
+    ("device-scale:island-1@step2,device=1.5", "option device=1.5 is not an integer"),
+    ("device-scale:island-1@step2,device=1,bit=3", "option bit is for device-bitflip, not device-scale"),
+    ("device-dead:island-1@step2,device=1,factor=3", "option factor is for device-scale, not device-dead"),
+    ("device-bitflip:island-1@step2,device=1,delay=3", "unknown option 'delay'"),
+    ("device-bitflip:island-1@step2,device=1,bit=32", "DeviceFault.bit: 32 is not a bit of a 32-bit float"),
+    ("device-bitflip:island-1@step2,device=1,rate=0", "DeviceFault.rate: 0.0 is not in (0, 1]"),
+    ("device-scale:island-1@step2,device=1,prob=1.5", "DeviceFault.prob: 1.5 is not in (0, 1]"),
+    ("device-scale:island-1@step2,device=1,device=2", "an option is given twice"),
+    ("kill:island-1@step3", "stepN (an island's inner step) is for device faults only"),
+    ("hang:island-1@step3+2s", "stepN (an island's inner step) is for device faults only"),
+    ("nan:island-1@step3", "nan fires at a version only"),
+    ("slow:island-0@v1+2s,delay=1e", "option delay=1e is not a number"),
+])
+def test_parse_fault_rejects_bad_device_specs(text: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_fault(text, 2, devices=8)
+    assert why in str(e.value)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("bitflip:3", "expected KIND:DEVICE@STEP[,OPTION=VALUE...]"),
+    ("bitflip:x@3", "expected KIND:DEVICE@STEP[,OPTION=VALUE...]"),
+    ("melt:3@10", "unknown kind 'melt' (one of scale, bitflip, dead)"),
+    ("scale:3@10,bit=4", "option bit is for bitflip faults, not scale"),
+    ("dead:3@10,rate=0.5", "option rate is for bitflip faults, not dead"),
+    ("scale:3@10,speed=2", "unknown option 'speed'"),
+    ("scale:3@10,factor=big", "option factor='big' is not a number"),
+    ("bitflip:3@10,bit=2.5", "option bit='2.5' is not an integer"),
+    ("scale:3@10,prob", "option prob='' is not a number"),
+    ("scale:3@10,seed=1,seed=2", "option seed given twice"),
+    ("scale:3@10,factor=nan", "DeviceFault.factor: nan is not finite"),
+    ("dead:3@10,prob=0", "DeviceFault.prob: 0.0 is not in (0, 1]"),
+])
+def test_worker_device_fault_rejects_bad_specs(text: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_device_fault(text)
+    assert str(e.value).startswith(f"--device-fault {text!r}: ") and why in str(e.value)
+
+
+def test_a_device_fault_needs_a_device_the_island_has() -> None:
+    check_device_fault(DeviceFault("dead", 7), range(8))
+    with pytest.raises(ConfigError, match=r"device 8 is not a device of this worker \(JAX device ids 0, 1, 2\)"):
+        check_device_fault(DeviceFault("dead", 8), [2, 0, 1])
+    assert host_device_count({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) == 4
+    assert host_device_count({"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                                           "--xla_force_host_platform_device_count=2"}) == 2  # the last one wins
+    assert host_device_count({"XLA_FLAGS": ""}) is None and host_device_count({}) is None
+    faults = [parse_fault("kill:island-0@v1", 2), parse_fault("device-dead:island-1@step3,device=5", 2)]
+    check_devices(faults, 6)
+    check_devices(faults, None)  # unknown: the worker checks
+    with pytest.raises(ConfigError, match="device 5 is not a device of island-1 .it has 4: ids 0..3."):
+        check_devices(faults, 4)
+
+
+def test_cli_refuses_a_bad_device_fault(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """simulate (8 fake devices per worker, from XLA_FLAGS) and worker refuse a bad device fault with one line and
+    exit status 2, before anything starts."""
+    rc = main(["simulate", "--config", "tiny", "--set", f"run.out_dir={tmp_path}", "--fault",
+               "device-scale:island-1@step20,device=8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "device 8 is not a device of island-1 (it has 8" in err, err
+    assert not any(tmp_path.iterdir())
+    for spec, why in (("scale:3@20,bit=1", "option bit is for bitflip faults, not scale"),
+                      ("dead:8@20", "device 8 is not a device of this worker (JAX device ids 0, 1, 2, 3, 4, 5, 6, 7)")):
+        rc = main(["worker", "--config", "tiny", "--set", f"run.out_dir={tmp_path}", "--coordinator",
+                   "127.0.0.1:1", "--island", "island-0", "--device-fault", spec])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("dtrain worker: config error: --device-fault")
+        assert why in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def _island_events(*events: tuple[float, str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"t": t, "event": name, **fields} for t, name, fields in events]
+
+
+def _chunks(until: int, chunk: int = 10, t0: float = 1.0, dt: float = 0.5) -> list[tuple[float, str, dict[str, Any]]]:
+    """The ``trained`` events of one worker process that ran chunks of ``chunk`` steps up to ``until``."""
+    return [(t0 + dt * (i + 1), "trained", {"steps": chunk, "executed": chunk * (i + 1), "shard": 1,
+                                           "cursor": 8 * chunk * (i + 1)}) for i in range(until // chunk)]
+
+
+def test_device_fault_summary_detected_with_its_delay_probe_and_action() -> None:
+    fault = parse_fault("device-scale:island-1@step20,device=3,factor=10", 2)
+    events = _island_events((0.5, "island_started", {}), *_chunks(60), (
+        3.1, "device_quarantined", {"device": 3, "index": 3, "probe": "stats", "step": 22, "z": 40.0,
+                                    "detail": "gradient norm an outlier on two consecutive steps", "healthy": 7}),
+        (3.3, "remeshed", {"devices": 7, "device_ids": [0, 1, 2, 4, 5, 6, 7], "rows_per_device": 1,
+                           "from_devices": 8, "cursor": 160, "version": 2, "restored": True}))
+    e = device_fault_entry(fault, events, [fault])
+    assert (e["detected_by"], e["probe"], e["device"], e["start_step"], e["detection_steps"]) == \
+        ("device_quarantined", "stats", 3, 20, 2)
+    assert e["injected_t"] == 2.0  # the island's chunk that ended at step 20 ended at t = 2.0: step 20 began then
+    assert e["detected_t"] == 3.1 and e["detection_s"] == pytest.approx(1.1)
+    assert e["action"] == "quarantined device 3 (stats); remeshed on 7 devices"
+    assert e["recovered_t"] == 3.3 and "remeshed on devices [0, 1, 2, 4, 5, 6, 7] from 8" in e["recovery"]
+    assert e["false_positives"] == [] and e["evidence"]["z"] == 40.0
+    (q,) = device_quarantines({"island-0": [], "island-1": events}, [fault])
+    assert (q["island"], q["device"], q["probe"], q["fault"]) == ("island-1", 3, "stats", fault.text)
+
+
+def test_device_fault_summary_undetected_and_drained() -> None:
+    fault = parse_fault("device-bitflip:island-0@step15,device=6,bit=3", 2)
+    e = device_fault_entry(fault, _island_events((0.5, "island_started", {}), *_chunks(40)), [fault])
+    assert (e["detected_t"], e["detection_s"], e["detection_steps"], e["detected_by"], e["probe"]) == \
+        (None, None, None, None, None)
+    assert e["action"] == "none: not detected" and e["injected_t"] == 1.5 and e["false_positives"] == []
+    short = _island_events((0.5, "island_started", {}), *_chunks(10))
+    assert device_fault_entry(fault, short, [fault])["injected_t"] is None  # the island never ran step 15 ...
+    assert not device_fault_reached(fault, short)  # ... so the fault was not injected (faults_not_injected)
+    assert device_fault_reached(fault, _island_events(*_chunks(20)))
+    restarted = _island_events(*_chunks(10), *_chunks(10, t0=5.0), (6.0, "device_quarantined", {
+        "device": 6, "probe": "stats", "step": 16, "detail": "z"}))  # a restarted process's state went on
+    assert device_fault_reached(fault, restarted)
+    # A dead device: the chunk holding its start step raised (no trained event for it), the known answer found it.
+    dead = parse_fault("device-dead:island-0@step30,device=1", 2)
+    events = _island_events((0.5, "island_started", {}), *_chunks(20), (2.5, "trained", {"executed": 25}),
+                            (2.7, "chunk_failed", {"step": 25, "steps": 10}), (
+        2.7, "device_quarantined", {"device": 1, "probe": "known_answer", "step": 34, "detail": "raised"}),
+        (2.8, "drained", {"reason": "1 healthy device left, fewer than health.min_devices = 2", "devices": 1}),
+        (3.0, "trained", {"executed": 30}), (3.5, "trained", {"executed": 40}))
+    e = device_fault_entry(dead, events, [dead])
+    assert (e["detection_steps"], e["injected_t"], e["detection_s"]) == (4, 2.5, 0.2)
+    assert device_fault_entry(parse_fault("device-dead:island-0@step0,device=1", 2), events, [dead])[
+        "injected_t"] == 0.5  # the first chunk began when the island started
+    assert e["action"] == "quarantined device 1 (known_answer); drained (1 healthy device left, fewer than " \
+        "health.min_devices = 2)" and e["recovered_t"] is None
+
+
+def test_a_wrong_device_quarantined_is_a_false_positive() -> None:
+    """A quarantine of a device with no fault, or of the faulty device before its fault could fire, is a false
+    positive: in the fault's entry (its island) and in the run's device_quarantines (every island)."""
+    fault = parse_fault("device-scale:island-1@step30,device=3", 2)
+    other = parse_fault("device-dead:island-1@step50,device=5", 2)
+    events = _island_events(*_chunks(80), (
+        2.0, "device_quarantined", {"device": 3, "probe": "known_answer", "step": 10, "detail": "too early"}),
+        (2.5, "device_quarantined", {"device": 2, "probe": "replay", "step": 40, "detail": "outvoted"}),
+        (2.8, "device_quarantined", {"device": 5, "probe": "known_answer", "step": 50, "detail": "raised"}),
+        (3.0, "remeshed", {"devices": 5, "device_ids": [0, 1, 4, 6, 7], "from_devices": 8}))
+    e = device_fault_entry(fault, events, [fault, other])
+    assert e["detected_t"] is None and e["action"] == "none: not detected"
+    assert [(fp["device"], fp["probe"], fp["step"]) for fp in e["false_positives"]] == \
+        [(3, "known_answer", 10), (2, "replay", 40)]
+    e = device_fault_entry(other, events, [fault, other])  # the other fault on the island was found
+    assert e["detection_steps"] == 0 and e["action"] == "quarantined device 5 (known_answer); remeshed on 5 devices"
+    clean = _island_events((4.0, "device_quarantined", {"device": 0, "probe": "stats", "step": 9, "detail": "z"}))
+    found = device_quarantines({"island-0": clean, "island-1": events}, [fault, other])
+    assert [(q["island"], q["device"], q["fault"]) for q in found] == [
+        ("island-1", 3, None), ("island-1", 2, None), ("island-1", 5, other.text), ("island-0", 0, None)]
 
 
 class _Echo:
@@ -424,3 +619,34 @@ def test_a_hung_islands_dropped_late_delta_is_trained_again(tmp_path: Path) -> N
     assert dropped, "the hung island's late delta was dropped"
     rewound = [e for e in read_events(Path(s["run_dir"]) / "islands" / "island-0") if e["event"] == "rewound"]
     assert any(e["retrained_steps"] > 0 for e in rewound), rewound
+
+
+@pytest.mark.slow
+def test_a_corrupted_device_is_quarantined_and_the_islands_end_bit_identical(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """dtrain simulate, two islands of 8 fake devices with chip health on, device 3 of island-1 scaled x10 from
+    inner step 20: island-1 quarantines device 3 (and no other device), remeshes on the 7 others, and both
+    islands end on the same parameters; the summary's fault entry says detected."""
+    text = "device-scale:island-1@step20,device=3,factor=10"
+    rc = main(["simulate", "--config", "tiny", "--islands", "2", "--quiet", "--set", f"run.out_dir={tmp_path}",
+               "--set", "health.enabled=true", "--fault", text])
+    assert rc == 0, capsys.readouterr().err
+    run_dir = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_dir"])
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["bit_identical_final_params"] and len({i["params_digest"] for i in s["islands"]}) == 1
+    assert math.isfinite(s["final_eval_loss"])
+    _assert_every_sequence_once(s)
+    events = read_events(run_dir / "islands" / "island-1")
+    quarantined = [e for e in events if e["event"] == "device_quarantined"]
+    assert [e["device"] for e in quarantined] == [3], quarantined
+    remeshed = [e for e in events if e["event"] == "remeshed"]
+    assert remeshed and remeshed[0]["devices"] == 7 and 3 not in remeshed[0]["device_ids"], remeshed
+    assert not [e for e in read_events(run_dir / "islands" / "island-0") if e["event"] == "device_quarantined"]
+    (f,) = s["faults"]
+    assert (f["fault"], f["detected_by"], f["device"], f["false_positives"]) == \
+        (text, "device_quarantined", 3, []), f
+    assert 0 <= f["detection_steps"] <= 50 and f["action"].endswith("remeshed on 7 devices"), f
+    assert f["detection_s"] is not None and 0 <= f["detection_s"] < 60, f
+    assert [(q["island"], q["device"], q["fault"]) for q in s["device_quarantines"]] == [("island-1", 3, text)]
+    driver = [e for e in read_events(run_dir / "driver") if e["event"] == "fault_armed"]
+    assert [e["fault"] for e in driver] == [text]

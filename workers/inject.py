@@ -26,6 +26,14 @@ island sends, and what in the coordinator stops it:
 
 Error feedback is left alone by ``nan``, ``poison`` and ``inflate``: the island's residual is that of a round
 whose real Δ was never sent.
+
+Device faults (``dtrain worker --device-fault KIND:DEVICE@STEP[,OPTION=VALUE...]``, which ``dtrain simulate --fault
+device-KIND:ISLAND@stepN,device=D,...`` passes to the worker it starts, and again to a restarted one: the chip is
+still bad) are parsed here by :func:`parse_device_fault` into a :class:`dtrain.health.DeviceFault`, which the worker
+injects into its per-device inner step and probes (:mod:`dtrain.chip_step`, :mod:`dtrain.health`): ``scale`` (the
+device's outputs × ``factor``), ``bitflip`` (bit ``bit`` of a fraction ``rate`` of its float32 outputs flipped) or
+``dead`` (its computations raise), from inner step ``STEP`` on, on each step with probability ``prob`` (drawn from
+``seed``). :func:`check_device_fault` refuses a device id the worker does not have.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.config import CodecConfig, ConfigError
+from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.proto import dtrain_pb2 as pb
 from workers.client import CoordinatorClient
 
@@ -49,6 +58,11 @@ INFLATED_TOKENS = 10**9  # inflate: the tokens the header claims
 
 
 _INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)")
+_DEVICE_FAULT_RE = re.compile(r"(?P<kind>[a-z]+):(?P<device>\d+)@(?P<step>\d+)(?P<opts>(?:,[^,]*)*)")
+# The options of --device-fault, their types, and the kinds each applies to (prob and seed: every kind).
+DEVICE_FAULT_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "prob": (float, FAULT_KINDS), "seed": (int, FAULT_KINDS), "factor": (float, ("scale",)),
+    "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 
 
 @dataclass
@@ -69,6 +83,45 @@ class Injection:
         if m["kind"] not in PUSH_FAULTS:
             raise ConfigError(f"--inject {text!r}: unknown kind {m['kind']!r} (one of {', '.join(PUSH_FAULTS)})")
         return cls(m["kind"], int(m["version"]))
+
+
+def parse_device_fault(text: str) -> DeviceFault:
+    """``KIND:DEVICE@STEP[,prob=P][,factor=F][,bit=B][,rate=R][,seed=S]`` (``--device-fault``) as a
+    :class:`DeviceFault` starting at inner step STEP; raises ConfigError naming what is wrong."""
+    where = f"--device-fault {text!r}"
+    m = _DEVICE_FAULT_RE.fullmatch(text.strip())
+    if m is None:
+        raise ConfigError(f"{where}: expected KIND:DEVICE@STEP[,OPTION=VALUE...] with KIND one of "
+                          f"{', '.join(FAULT_KINDS)}, e.g. bitflip:3@120,bit=30")
+    kind = m["kind"]
+    if kind not in FAULT_KINDS:
+        raise ConfigError(f"{where}: unknown kind {kind!r} (one of {', '.join(FAULT_KINDS)})")
+    values: dict[str, Any] = {}
+    for item in m["opts"].split(",")[1:]:
+        key, _, raw = item.partition("=")
+        if key not in DEVICE_FAULT_OPTIONS:
+            raise ConfigError(f"{where}: unknown option {key!r} (options: {', '.join(DEVICE_FAULT_OPTIONS)})")
+        typ, kinds = DEVICE_FAULT_OPTIONS[key]
+        if kind not in kinds:
+            raise ConfigError(f"{where}: option {key} is for {' and '.join(kinds)} faults, not {kind}")
+        if key in values:
+            raise ConfigError(f"{where}: option {key} given twice")
+        try:
+            values[key] = typ(raw)
+        except ValueError:
+            raise ConfigError(f"{where}: option {key}={raw!r} is not {'an integer' if typ is int else 'a number'}"
+                              ) from None
+    try:
+        return DeviceFault(kind=kind, device=int(m["device"]), start=int(m["step"]), **values)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def check_device_fault(fault: DeviceFault, device_ids: Sequence[int]) -> None:
+    """Raises ConfigError if ``fault``'s device is not one of ``device_ids`` (this worker's JAX devices)."""
+    if fault.device not in device_ids:
+        raise ConfigError(f"--device-fault: device {fault.device} is not a device of this worker "
+                          f"(JAX device ids {', '.join(map(str, sorted(device_ids)))})")
 
 
 def take_injection(injections: Sequence[Injection], base_version: int) -> Injection | None:
