@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-fault", default=None, metavar="KIND:DEVICE@STEP[,OPTION=VALUE...]",
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
-                   "(bit=B, rate=R), dead; every kind takes prob=P, seed=S (see workers/inject.py)")
+                   "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/inject.py)")
     p = sub.add_parser("status", help="ask a coordinator how the run is going")
     _common(p)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")

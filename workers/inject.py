@@ -59,9 +59,10 @@ INFLATED_TOKENS = 10**9  # inflate: the tokens the header claims
 
 _INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)")
 _DEVICE_FAULT_RE = re.compile(r"(?P<kind>[a-z]+):(?P<device>\d+)@(?P<step>\d+)(?P<opts>(?:,[^,]*)*)")
-# The options of --device-fault, their types, and the kinds each applies to (prob and seed: every kind).
+# The options of --device-fault, their types, and the kinds each applies to (prob, seed, until: every kind).
 DEVICE_FAULT_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "prob": (float, FAULT_KINDS), "seed": (int, FAULT_KINDS), "factor": (float, ("scale",)),
+    "prob": (float, FAULT_KINDS), "seed": (int, FAULT_KINDS), "until": (int, FAULT_KINDS),
+    "factor": (float, ("scale",)),
     "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 
 
@@ -86,7 +87,7 @@ class Injection:
 
 
 def parse_device_fault(text: str) -> DeviceFault:
-    """``KIND:DEVICE@STEP[,prob=P][,factor=F][,bit=B][,rate=R][,seed=S]`` (``--device-fault``) as a
+    """``KIND:DEVICE@STEP[,prob=P][,factor=F][,bit=B][,rate=R][,seed=S][,until=STEP]`` (``--device-fault``) as a
     :class:`DeviceFault` starting at inner step STEP; raises ConfigError naming what is wrong."""
     where = f"--device-fault {text!r}"
     m = _DEVICE_FAULT_RE.fullmatch(text.strip())
