@@ -16,13 +16,15 @@ Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports 
   the gradient of *its own* micro-batch (the rows of the global batch the island's step gives it, before the
   cross-device reduction), by :func:`dtrain.train.loss_fn` in a ``shard_map`` over the mesh; the gradient
   norms are compared across devices by a two-sided robust z-score (median and MAD, with a floor).
-- **Deterministic replay** (:meth:`Probes.replay`, :func:`agreement`): one micro-batch's gradient is computed
-  on two (or, to decide which one is wrong, three) devices by the same single-device program and compared.
-  On CPU and TPU the same program gives the same bits on every healthy device: compare bit for bit
-  (``rtol=0``, the default). On GPU the program is deterministic unless XLA picks atomics (scatter-add in the
-  embedding's backward pass, some reductions): run with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` and keep
-  ``rtol=0``, or pass a tight ``rtol`` (1e-6 relative to the gradient's largest entry is far above atomics'
-  reordering noise and far below any fault the statistics probe misses).
+- **Deterministic replay** (:meth:`Probes.replay`, :func:`digest`, :func:`majority`): the same small piece of
+  work (the loss and gradient of a few rows of one device's micro-batch) is computed on every device by the same
+  single-device program, all dispatched at once; each device reduces its result to a bit-exact uint32
+  :func:`digest` (any flipped bit changes it), and only the D digests come back to the host. A device whose digest
+  differs from a strict majority's, or whose computation raises, is a suspect. This needs deterministic programs:
+  on CPU and TPU the same program gives the same bits on every healthy device; on GPU, XLA may pick atomics
+  (scatter-add in the embedding's backward pass, some reductions) whose order varies from run to run, so run with
+  ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``. Without it the healthy devices' digests differ, no strict
+  majority forms and the replay is inconclusive (it flags nothing, and finds nothing).
 - **NaN/Inf guard** (:func:`all_finite`): a jittable predicate over any pytrees (loss, gradients).
 
 Fault injection (:class:`DeviceFault`, :func:`inject`) perturbs one device's outputs inside a jitted
@@ -264,48 +266,108 @@ def _device_grad_stats(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Arr
 
 # ---------------------------------------------------------------------------------------------- replay
 
+_MIX_1 = 0x85EBCA6B  # murmur3's 32-bit finalizer constants (odd: multiplying by one is a bijection mod 2**32)
+_MIX_2 = 0xC2B2AE35
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of every element of ``x`` as uint32 words, flat (an 8-byte element is two words)."""
+    size = x.dtype.itemsize
+    if size in (4, 8):
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    if size in (1, 2):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16).astype(jnp.uint32).ravel()
+    raise ValueError(f"digest: a leaf of dtype {x.dtype} ({size} bytes per element) has no word layout")
+
+
+def _mix(w: jax.Array) -> jax.Array:
+    """A bijection of uint32 (murmur3's finalizer: xor-shifts and odd multiplications, each invertible)."""
+    w = w ^ (w >> 16)
+    w = w * jnp.uint32(_MIX_1)
+    w = w ^ (w >> 13)
+    w = w * jnp.uint32(_MIX_2)
+    return w ^ (w >> 16)
+
+
+def digest(tree: Any) -> jax.Array:
+    """A bit-exact uint32 digest of every bit of every leaf of ``tree`` (jittable; one scalar on the device that
+    computes it).
+
+    The leaves' elements, bitcast to uint32 words ``x_k`` numbered across the leaves in order, are combined as
+    ``Σ_k (2k + 1) · mix(x_k)`` in wrapping uint32 arithmetic, ``mix`` a bijection of uint32 (:func:`_mix`).
+    Integer addition mod 2³² is exact and order-free, so every backend and every reduction order gives the same
+    digest. Any change to one element, a single flipped bit above all, always changes it: the word changes, so
+    ``mix`` of it changes by some ``δ ≢ 0`` (mod 2³²), and the digest by ``(2k + 1) · δ``, which an odd factor
+    (invertible mod 2³²) keeps nonzero. Changes to several elements cancel only by a coincidence of the mixed
+    words (about one chance in 2³²); the positional weights make a permutation of the elements count as a change,
+    and the mixing keeps structured faults (every element scaled by 2: each exponent one higher) from cancelling
+    the way a plain weighted sum of the words could."""
+    total = jnp.uint32(0)
+    offset = 0
+    for leaf in jax.tree.leaves(tree):
+        words = _words(jnp.asarray(leaf))
+        weights = jnp.uint32(2 * offset + 1) + jnp.uint32(2) * jnp.arange(words.size, dtype=jnp.uint32)
+        total = total + jnp.sum(weights * _mix(words), dtype=jnp.uint32)
+        offset += words.size
+    return total
+
+
+def replay_digest(apply: ApplyFn, params: Params, rows_bxL1: jax.Array, device_id: jax.Array, step: jax.Array,
+                  fault: DeviceFault | None = None) -> jax.Array:
+    """On one device: the :func:`digest` of the (loss, gradient) of ``rows_bxL1`` (:func:`micro_batch_grad`), as
+    that device (``fault``) computes it."""
+    return digest(micro_batch_grad(apply, params, rows_bxL1, device_id, step, fault))
+
+
+def _device_replay_digest(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Array, params: Params,
+                          rows_bxL1: jax.Array, step: jax.Array) -> jax.Array:
+    """The ``shard_map`` body: this device's :func:`replay_digest` of the (replicated) rows, ``[1]``."""
+    device_id = ids_D[jax.lax.axis_index(BATCH_AXES)]
+    # Marked as varying per device, the parameters' gradient is this device's own computation (no collective).
+    params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
+    return replay_digest(apply, params, rows_bxL1, device_id, step, fault)[None]
+
+
+def majority(digests: Sequence[int | None]) -> int | None:
+    """The digest more than half of the given ones are (None entries, devices that raised, do not count); None
+    when there is no strict majority."""
+    got = [d for d in digests if d is not None]
+    if not got:
+        return None
+    best = max(set(got), key=got.count)
+    return best if 2 * got.count(best) > len(got) else None
+
 
 @dataclass(frozen=True)
 class Replay:
-    """One micro-batch's gradient computed on several devices and compared.
+    """The same piece of work (a few rows' loss and gradient) computed on several devices, each result reduced to
+    its :func:`digest` on its device.
 
-    ``agree[i][j]``: devices i and j gave the same result (bit for bit, or within ``rtol``). ``suspects``: the
-    devices whose computation raised, and those outside the majority of the others (more than half agreeing);
-    when there is no majority (two devices that disagree), both are suspects and ``conclusive`` is False: replay
-    on a third device to decide."""
+    ``suspects``: the devices whose computation raised, and, when a strict majority of the others agree
+    (``conclusive``), those whose digest differs from the majority's. With no strict majority (every healthy
+    device gives the same bits on deterministic hardware, so this means nondeterministic ops, or several faults)
+    only the raising devices are suspects."""
 
     device_ids: list[int]
-    agree: list[list[bool]]
-    max_abs_diff: float  # the largest |a − b| between any two of the results (inf where one is not finite)
-    suspects: list[int]  # device ids
-    conclusive: bool
+    digests: list[int | None]  # per device (in device_ids order); None where the computation raised
+    majority: int | None  # the digest of the strict majority of the devices that computed; None: no majority
+    suspects: list[int]  # device ids, in device_ids order
     error: dict[int, str]  # device id -> exception, for devices whose computation raised (suspects too)
 
-
-def agreement(agree: Sequence[Sequence[bool]], ids: Sequence[int]) -> tuple[list[int], bool]:
-    """(suspects, conclusive) from a symmetric agreement matrix: the largest group of mutually agreeing results
-    is the truth if it holds more than half of them; the others are suspects."""
-    k = len(ids)
-    best = max(range(k), key=lambda i: sum(agree[i]))
-    group = [j for j in range(k) if agree[best][j]]
-    if 2 * len(group) > k:
-        return [ids[j] for j in range(k) if j not in group], True
-    return [ids[j] for j in range(k) if sum(agree[j]) < k], False
+    @property
+    def conclusive(self) -> bool:
+        return self.majority is not None
 
 
-def compare(a: Any, b: Any, rtol: float) -> tuple[jax.Array, jax.Array]:
-    """(same, max |a − b|) of two pytrees on one device; ``same`` is bit equality when ``rtol`` is 0, else
-    ``max |a − b| <= rtol · max |a|`` with both finite. Jittable (``rtol`` static)."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    diff = jnp.max(jnp.stack([jnp.max(jnp.abs(x - y)) for x, y in zip(la, lb, strict=True)]))
-    if rtol == 0.0:
-        same = jnp.all(jnp.stack([jnp.all(jax.lax.bitcast_convert_type(x, jnp.uint32)
-                                          == jax.lax.bitcast_convert_type(y, jnp.uint32))
-                                  for x, y in zip(la, lb, strict=True)]))
-    else:
-        scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in la]))
-        same = all_finite(a, b) & (diff <= rtol * scale)
-    return same, jnp.where(all_finite(a, b), diff, jnp.inf)
+def _on_device(tree: Any, device: Any) -> Any:
+    """``tree``'s leaves on ``device``: a replicated array's own shard there (no copy), anything else copied."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                if shard.device == device and shard.data.shape == x.shape:
+                    return shard.data
+        return jax.device_put(x, device)
+    return jax.tree.map(leaf, tree)
 
 
 # ---------------------------------------------------------------------------------------------- the binder
@@ -336,8 +398,10 @@ class Probes:
         self._stats = jax.jit(jax.shard_map(
             partial(_device_grad_stats, apply, fault), mesh=mesh,
             in_specs=(P(), P(), P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES),) * 3))
-        self._grad = jax.jit(partial(micro_batch_grad, apply, fault=fault))
-        self._compare = jax.jit(compare, static_argnames="rtol")
+        self._replay_all = jax.jit(jax.shard_map(
+            partial(_device_replay_digest, apply, fault), mesh=mesh,
+            in_specs=(P(BATCH_AXES), P(), P(), P()), out_specs=P(BATCH_AXES)))
+        self._replay_one = jax.jit(partial(replay_digest, apply, fault=fault))
 
     def known_answer(self, step: int = 0) -> list[KnownAnswer]:
         """The known-answer computation on each device separately (all dispatched before any is read)."""
@@ -371,44 +435,52 @@ class Probes:
                                                         jnp.int32(step)))
         return GradStats(self.device_ids, np.asarray(loss), np.asarray(norm), np.asarray(finite))
 
-    def replay(self, params: Params, batch_bxL1: np.ndarray, indices: Sequence[int], step: int = 0,
-               rtol: float = 0.0) -> Replay:
-        """The (loss, gradient) of micro-batch ``batch_bxL1`` computed on each device ``indices`` (positions in
-        ``mesh.devices.flat``; 2 to check, 3 to decide) and compared pairwise on the first one's device. The
-        single-device program is compiled once per device (JAX caches it): the first replay on a device costs a
-        compilation."""
-        if len(indices) < 2 or len(set(indices)) != len(indices):
-            raise ValueError(f"replay: indices {list(indices)} must name at least 2 distinct devices")
+    def replay(self, params: Params, rows_bxL1: np.ndarray, step: int = 0,
+               indices: Sequence[int] | None = None) -> Replay:
+        """The (loss, gradient) of ``rows_bxL1`` (a few rows of one device's micro-batch) computed on every device
+        ``indices`` (positions in ``mesh.devices.flat``; default: all), each result reduced to its :func:`digest`
+        on its own device, and the digests compared by :func:`majority`.
+
+        One SPMD program over the mesh computes it on every device at once (no collective: each device runs the
+        same single-device computation on its own copy of the replicated inputs) and the D digests are fetched
+        together, the one host sync. If that program raises (a dead device), the computation is dispatched to each
+        device ``indices`` separately, all before any is read, and each is read alone to say which raised (each
+        device then compiles its own program once)."""
+        indices = list(range(len(self.devices))) if indices is None else list(indices)
+        if not indices or len(set(indices)) != len(indices):
+            raise ValueError(f"replay: indices {indices} must name distinct devices (at least one)")
         ids = [self.device_ids[i] for i in indices]
-        results: dict[int, Any] = {}
+        rows = np.asarray(rows_bxL1)
         errors: dict[int, str] = {}
-        for i, did in zip(indices, ids, strict=True):
-            dev = self.devices[i]
+        try:
+            check_alive(self.fault, self.device_ids, step)  # the program runs on every device of the mesh
+            all_D = jax.device_get(self._replay_all(self._ids_D, params, rows, jnp.int32(step)))
+            got = {did: int(all_D[i]) for i, did in zip(indices, ids, strict=True)}
+        except Exception:  # noqa: BLE001 - some device's computation raised: each alone says which
+            got, errors = self._replay_each(params, rows, indices, step)
+        digests = [got.get(did) for did in ids]
+        agreed = majority(digests)
+        suspects = [did for did, d in zip(ids, digests, strict=True)
+                    if did in errors or (agreed is not None and d != agreed)]
+        return Replay(ids, digests, agreed, suspects, errors)
+
+    def _replay_each(self, params: Params, rows_bxL1: np.ndarray, indices: Sequence[int], step: int
+                     ) -> tuple[dict[int, int], dict[int, str]]:
+        """:meth:`replay`'s digests computed on each device alone: (device id -> digest, device id -> error)."""
+        pending: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for i in indices:
+            dev, did = self.devices[i], self.device_ids[i]
             try:
                 check_alive(self.fault, [did], step)
-                on_dev = jax.device_put((params, jnp.asarray(batch_bxL1), jnp.int32(did), jnp.int32(step)), dev)
-                results[did] = self._grad(*on_dev)
-                jax.block_until_ready(results[did])
-            except Exception as e:  # noqa: BLE001 - a dead device's computation raises
+                pending[did] = self._replay_one(_on_device(params, dev), *jax.device_put(
+                    (rows_bxL1, np.int32(did), np.int32(step)), dev))
+            except Exception as e:  # noqa: BLE001 - a dead device raises at dispatch or when read
                 errors[did] = f"{type(e).__name__}: {e}"
-        k = len(ids)
-        agree = [[i == j for j in range(k)] for i in range(k)]
-        worst = 0.0
-        for i in range(k):
-            for j in range(i + 1, k):
-                if ids[i] in errors or ids[j] in errors:
-                    worst = math.inf
-                    continue
-                ref = results[ids[i]]
-                other = jax.device_put(results[ids[j]], jax.tree.leaves(ref)[0].sharding)
-                same, diff = (jax.device_get(x) for x in self._compare(ref, other, rtol=rtol))
-                agree[i][j] = agree[j][i] = bool(same)
-                worst = max(worst, float(diff))
-        # A device that raised is a suspect outright; the others decide among themselves.
-        alive = [i for i in range(k) if ids[i] not in errors]
-        if len(alive) >= 2:
-            suspects, conclusive = agreement([[agree[i][j] for j in alive] for i in alive], [ids[i] for i in alive])
-        else:
-            suspects, conclusive = [], len(alive) == 1
-        suspects = [did for did in ids if did in errors] + suspects
-        return Replay(ids, agree, worst, suspects, conclusive, errors)
+        got: dict[int, int] = {}
+        for did, result in pending.items():
+            try:
+                got[did] = int(jax.device_get(result))
+            except Exception as e:  # noqa: BLE001
+                errors[did] = f"{type(e).__name__}: {e}"
+        return got, errors

@@ -19,11 +19,13 @@ The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any o
    norms (the per-device step gives one each step at no extra cost; ``stats``); a device whose robust z-score
    (:func:`dtrain.health.outliers` over the healthy devices finite at that step, ``z_max``) exceeds the threshold
    on two consecutive steps. One outlier step alone is forgiven (a rare micro-batch).
-4. **a replay suspect confirmed by a 3-device vote** (every ``replay_every`` steps): one healthy device's
-   micro-batch of the chunk's last batch is recomputed on it and on the next healthy device (round robin over the
-   devices, so every device is covered every ``D/2`` replays) and compared bit for bit; if they differ (or one
-   raises), the micro-batch is computed on a third healthy device and the device outside the agreeing majority
-   (:func:`dtrain.health.agreement`) is quarantined.
+4. **a replay suspect outside a strict majority** (every ``replay_every`` steps): a few rows (``REPLAY_ROWS``) of
+   one healthy device's micro-batch of the chunk's last batch (the device, and the rows in its micro-batch, taken
+   in turn, so that over time every device's data is replayed) have their loss and gradient recomputed on every
+   healthy device at once, each reduced to a bit-exact digest on its device (:meth:`dtrain.health.Probes.replay`);
+   with at least 3 healthy devices, a device whose digest differs from a strict majority's, or whose computation
+   raised, is quarantined. No strict majority (nondeterministic ops: see :mod:`dtrain.health`) quarantines
+   nothing.
 
 Quarantined devices leave every later probe: statistics are compared over the healthy devices only (at least 3),
 replays run on healthy devices only. Nothing here rebuilds the mesh: the quarantined devices still run the
@@ -32,15 +34,16 @@ island's step until the island remeshes on :attr:`ChipHealth.healthy_ids` (or dr
 
 Evidence (:data:`Evidence`), one JSON-ready dict per quarantined device: ``device`` (JAX id), ``index`` (position
 in ``mesh.devices.flat``), ``probe`` (``known_answer``, ``finite``, ``stats``, ``replay``), ``step`` (the inner
-step of the state the probe saw), ``value`` and ``expected`` (known answer; replay: the largest difference and 0)
-or ``z`` (statistics), and ``detail`` (a sentence). Non-finite numbers are written as strings (``"nan"``,
-``"inf"``) so the events stay strict JSON.
+step of the state the probe saw), ``value`` and ``expected`` (known answer: the sum and the exact sum; replay: the
+device's digest, None when it raised, and the majority's), ``mismatches`` (known answer: wrong entries; replay: the
+devices outside the majority) or ``z`` and ``median`` (statistics), and ``detail`` (a sentence). Non-finite numbers
+are written as strings (``"nan"``, ``"inf"``) so the events stay strict JSON.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,6 +52,8 @@ from jax.sharding import Mesh
 from dtrain.config import HealthConfig
 from dtrain.health import DeviceFault, Probes, micro_batch, outliers
 from dtrain.model import ApplyFn, Params
+
+REPLAY_ROWS = 1  # rows of a device's micro-batch each replay recomputes on every healthy device
 
 Evidence = dict[str, Any]
 
@@ -64,10 +69,8 @@ class ChipHealth:
     """The island's chip-health state: which devices are quarantined (with evidence), when each probe last ran,
     and the statistics probe's streak of consecutive outliers. Every method is a host-device sync point."""
 
-    def __init__(self, cfg: HealthConfig, apply: ApplyFn, mesh: Mesh, *, fault: DeviceFault | None = None,
-                 rtol: float = 0.0):
+    def __init__(self, cfg: HealthConfig, apply: ApplyFn, mesh: Mesh, *, fault: DeviceFault | None = None):
         self.cfg = cfg
-        self.rtol = rtol  # replay: 0 compares bit for bit (CPU, TPU, GPU with deterministic ops)
         self.probes = Probes(apply, mesh, fault)
         self.device_ids: list[int] = list(self.probes.device_ids)
         self.quarantined: dict[int, Evidence] = {}  # device id -> the evidence that quarantined it
@@ -75,7 +78,7 @@ class ChipHealth:
         # the step at (or after) which check() runs the next known answer (inf: only start() and diagnose() do)
         self._next_known: float = cfg.known_answer_every or math.inf
         self._next_replay = cfg.replay_every
-        self._replay_turn = 0  # the index (in mesh.devices.flat) whose micro-batch the next replay recomputes
+        self._replay_turn = 0  # counts replays: picks the healthy device (and rows) the next replay recomputes
         self.probe_calls: dict[str, int] = {"known_answer": 0, "replay": 0}
 
     # ------------------------------------------------------------------------------------------ the island's view
@@ -204,29 +207,28 @@ class ChipHealth:
         return found
 
     def _replay(self, params: Params, batch_BxL1: np.ndarray, step: int) -> list[Evidence]:
-        """Rule 4: one healthy device's micro-batch recomputed on it and the next healthy device; a third decides a
-        mismatch."""
+        """Rule 4: a few rows of one healthy device's micro-batch recomputed on every healthy device; a device
+        outside a strict majority of the digests (or whose computation raised) is quarantined."""
         healthy = self._healthy_indices()
-        if len(healthy) < 3:  # no third device to decide a mismatch
+        if len(healthy) < 3:  # two devices that differ cannot say which one is wrong
             return []
         self.probe_calls["replay"] += 1
-        pos = next((p for p, i in enumerate(healthy) if i >= self._replay_turn), 0)
-        trio: Sequence[int] = [healthy[(pos + j) % len(healthy)] for j in range(3)]
-        self._replay_turn = trio[1] + 1  # the next pair starts after this one's: D/2 replays cover every device
-        rows = micro_batch(batch_BxL1, self.probes.mesh, trio[0])
-        first = self.probes.replay(params, rows, trio[:2], step, self.rtol)
-        if not first.suspects:
-            return []
-        vote = self.probes.replay(params, rows, trio, step, self.rtol)
-        if not vote.conclusive:
-            return []
+        turn, self._replay_turn = self._replay_turn, self._replay_turn + 1
+        source = healthy[turn % len(healthy)]  # every healthy device's micro-batch in turn ...
+        micro = micro_batch(batch_BxL1, self.probes.mesh, source)
+        first = (turn // len(healthy)) * REPLAY_ROWS % len(micro)  # ... and, round after round, its other rows
+        rows = micro[first:first + REPLAY_ROWS]
+        result = self.probes.replay(params, rows, step, healthy)
         found = []
-        for did in vote.suspects:
-            index = self.device_ids.index(did)
-            detail = (f"replay raised: {vote.error[did]}" if did in vote.error else
-                      f"replay of device {self.device_ids[trio[0]]}'s micro-batch: outvoted by devices "
-                      f"{[d for d in vote.device_ids if d not in vote.suspects]}")
-            ev = self._quarantine(index, "replay", step, detail, value=vote.max_abs_diff, expected=0.0)
+        for did in result.suspects:
+            digest = result.digests[result.device_ids.index(did)]
+            what = f"raised: {result.error[did]}" if did in result.error else f"gave digest {digest:#010x}"
+            agreed = "no majority" if result.majority is None else f"the majority's digest {result.majority:#010x}"
+            detail = (f"replay of rows {first}..{first + len(rows) - 1} of device {self.device_ids[source]}'s "
+                      f"micro-batch on {len(healthy)} devices: this one {what}, {agreed}; "
+                      f"{len(result.suspects)} device(s) outside the majority")
+            ev = self._quarantine(self.device_ids.index(did), "replay", step, detail, value=digest,
+                                  expected=result.majority, mismatches=len(result.suspects))
             if ev is not None:
                 found.append(ev)
         return found
