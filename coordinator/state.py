@@ -188,11 +188,11 @@ class DeviceEvidence:
     index: Count  # its position in the island's original mesh (below IslandRecord.mesh_devices)
     probe: Probe
     step: Count  # the inner step of the state the probe saw
-    value: float | None = None  # known_answer: the sum computed; finite, stats: the norm; replay: largest difference
-    expected: float | None = None  # known_answer: the exact sum; replay: 0
+    value: float | None = None  # known_answer: the sum computed; finite, stats: the norm; replay: the device's digest
+    expected: float | None = None  # known_answer: the exact sum; replay: the majority's digest
     z: float | None = None  # stats: the norm's robust z-score
     median: float | None = None  # stats: the median norm over the healthy devices
-    mismatches: Count | None = None  # known_answer: entries of the result that were wrong
+    mismatches: Count | None = None  # known_answer: entries of the result that were wrong; replay: devices outside
     detail: str = ""  # a sentence (at most dtrain.wire.MAX_EVIDENCE_DETAIL characters)
 
     def to_json(self) -> dict[str, Any]:
