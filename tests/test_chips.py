@@ -161,8 +161,25 @@ def test_dead_device_diagnosed_after_the_chunk_raises(island: Island) -> None:
     assert "DeadDeviceError" in ev["detail"]
 
 
+def test_a_statistics_suspect_the_replay_clears_is_not_quarantined(island: Island) -> None:
+    """A healthy device whose micro-batch gradient is an outlier twice in a row (an odd row of data) computes its
+    micro-batch as every other device does: the confirming replay clears it."""
+    chips = island.health(known_answer_every=0, replay_every=0)
+    m = island.clean_metrics(2)
+    m["device_grad_norm"][:, 6] = 100.0
+    assert chips.check(0, m, island.params, island.batches[0]) == []
+    assert chips.bad_devices == [] and chips.probe_calls["replay"] == 1
+    (cleared,) = chips.cleared
+    assert (cleared["device"], cleared["probe"], cleared["step"]) == (island.ids[6], "stats", 1)
+    assert cleared["value"] == 100.0
+    assert "cleared" in cleared["detail"]
+    json.dumps(cleared, allow_nan=False)
+
+
 def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statistics(island: Island) -> None:
-    chips = island.health(known_answer_every=0, replay_every=0, min_devices=8)
+    # device 4 is faulty (the confirming replay sees it), and its norms below are the statistics' view of it
+    chips = island.health(DeviceFault("scale", island.ids[4], factor=10.0), known_answer_every=0, replay_every=0,
+                          min_devices=8)
     m = island.clean_metrics(3)
     m["device_grad_norm"][0, 4] = 100.0  # an outlier once, then normal: forgiven
     assert chips.check(0, m, island.params, island.batches[0]) == []
@@ -170,7 +187,8 @@ def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statisti
     m = island.clean_metrics(2)
     m["device_grad_norm"][:, 4] = 100.0
     (ev,) = chips.check(3, m, island.params, island.batches[0])
-    assert (ev["device"], ev["step"]) == (island.ids[4], 4)
+    assert (ev["device"], ev["step"], ev["probe"]) == (island.ids[4], 4, "stats")
+    assert "confirmed by a replay" in ev["detail"] and chips.cleared == []
     # the quarantined device's numbers no longer count: a garbage value there flags nothing
     m = island.clean_metrics(2)
     m["device_grad_norm"][:, 4] = np.nan

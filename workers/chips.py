@@ -18,7 +18,11 @@ The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any o
 3. **a statistics outlier on two consecutive checks**: a check is one inner step's row of per-device gradient
    norms (the per-device step gives one each step at no extra cost; ``stats``); a device whose robust z-score
    (:func:`dtrain.health.outliers` over the healthy devices finite at that step, ``z_max``) exceeds the threshold
-   on two consecutive steps. One outlier step alone is forgiven (a rare micro-batch).
+   on two consecutive steps, *confirmed by a replay*: a row of that device's own micro-batch of the chunk's last
+   batch recomputed on every healthy device (as in rule 4) puts it outside the majority. One outlier step alone
+   is forgiven, and so is a suspect the replay clears (:attr:`ChipHealth.cleared`): a micro-batch whose gradient
+   is far from the others' (an odd row of data, which a device with one or two rows sees often) is not a chip's
+   fault, and a healthy device computes it as its peers do.
 4. **a replay suspect outside a strict majority** (every ``replay_every`` steps): a few rows (``REPLAY_ROWS``) of
    one healthy device's micro-batch of the chunk's last batch (the device, and the rows in its micro-batch, taken
    in turn, so that over time every device's data is replayed) have their loss and gradient recomputed on every
@@ -80,6 +84,7 @@ class ChipHealth:
         self._next_replay = cfg.replay_every
         self._replay_turn = 0  # counts replays: picks the healthy device (and rows) the next replay recomputes
         self.probe_calls: dict[str, int] = {"known_answer": 0, "replay": 0}
+        self.cleared: list[Evidence] = []  # statistics suspects a replay cleared (the island logs them)
 
     # ------------------------------------------------------------------------------------------ the island's view
 
@@ -162,9 +167,13 @@ class ChipHealth:
             raise ValueError(f"ChipHealth.check: per-device metrics of shape {finite_KxD.shape} / {norm_KxD.shape}; "
                              f"expected [K, {len(self.device_ids)}] (InnerLoop(per_device=True))")
         found: list[Evidence] = []
+        suspects: dict[int, Evidence] = {}  # rule 3's, by index, awaiting the replay's word
         for k in range(finite_KxD.shape[0]):
-            found += self._check_step(first_step + k, finite_KxD[k], norm_KxD[k])
+            found += self._check_step(first_step + k, finite_KxD[k], norm_KxD[k], suspects)
         end = first_step + finite_KxD.shape[0]
+        last_batch = np.asarray(batches_KxBxL1)[-1]
+        for index, ev in suspects.items():
+            found += self._confirm(index, ev, params, last_batch, end)
         if end >= self._next_known:
             found += self._known_answer(end)
         if self.cfg.replay_every and end >= self._next_replay:
@@ -172,8 +181,9 @@ class ChipHealth:
             found += self._replay(params, np.asarray(batches_KxBxL1)[-1], end)
         return found
 
-    def _check_step(self, step: int, finite_D: np.ndarray, norm_D: np.ndarray) -> list[Evidence]:
-        """Rules 2 and 3 on one step's row."""
+    def _check_step(self, step: int, finite_D: np.ndarray, norm_D: np.ndarray,
+                    suspects: dict[int, Evidence]) -> list[Evidence]:
+        """Rule 2 on one step's row, and rule 3's suspects (added to ``suspects``, to be confirmed by a replay)."""
         healthy = self._healthy_indices()
         found = []
         bad = [i for i in healthy if not finite_D[i]]
@@ -196,15 +206,36 @@ class ChipHealth:
         for i, o in flagged.items():
             did = self.device_ids[i]
             if did in self._streak:
-                ev = self._quarantine(i, "stats", step, f"gradient norm an outlier on two consecutive steps "
-                                      f"(median {median:.4g}, z_max {self.cfg.z_max})", value=o.value, z=o.z,
-                                      median=median)
-                if ev is not None:
-                    found.append(ev)
+                suspects.setdefault(i, {"device": did, "index": i, "probe": "stats", "step": step,
+                                        "value": o.value, "z": o.z, "median": median,
+                                        "detail": f"gradient norm an outlier on two consecutive steps "
+                                                  f"(median {median:.4g}, z_max {self.cfg.z_max})"})
             else:
                 streak.add(did)
         self._streak = streak
         return found
+
+    def _confirm(self, index: int, suspect: Evidence, params: Params, batch_BxL1: np.ndarray,
+                 step: int) -> list[Evidence]:
+        """Rule 3's replay: a row of the suspect's own micro-batch on every healthy device. Outvoted (or raised): the
+        suspect is quarantined with the statistics' evidence, and the replay's in the detail; else it is cleared."""
+        healthy = self._healthy_indices()
+        if index not in healthy or len(healthy) < 3:
+            return []
+        self.probe_calls["replay"] += 1
+        result = self.probes.replay(params, micro_batch(batch_BxL1, self.probes.mesh, index)[:REPLAY_ROWS], step,
+                                    healthy)
+        did = self.device_ids[index]
+        if did not in result.suspects:
+            self.cleared.append({**suspect, **{k: _num(suspect[k]) for k in ("value", "z", "median")},
+                                 "detail": suspect["detail"] + "; cleared: a replay of its micro-batch gave the same "
+                                 "digest on every healthy device (the data, not the chip)"})
+            return []
+        why = f"raised: {result.error[did]}" if did in result.error else "outside the majority of digests"
+        ev = self._quarantine(index, "stats", suspect["step"], f"{suspect['detail']}; confirmed by a replay of its "
+                              f"micro-batch on {len(healthy)} devices ({why})", value=suspect["value"],
+                              z=suspect["z"], median=suspect["median"])
+        return [ev] if ev is not None else []
 
     def _replay(self, params: Params, batch_BxL1: np.ndarray, step: int) -> list[Evidence]:
         """Rule 4: a few rows of one healthy device's micro-batch recomputed on every healthy device; a device

@@ -658,7 +658,10 @@ class Worker:
         self._finite.append(metrics["finite"])
         if self.health is None:
             return None  # the NaN/Inf guard is read at the push (no host sync per chunk)
+        cleared = len(self.health.cleared)
         found = self.health.check(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
+        for ev in self.health.cleared[cleared:]:
+            self.log.event("device_suspect_cleared", **ev)
         if found:
             return self._quarantine_recovery(found, status, "a probe found it")
         return self._nan_recovery(island) if self._guard_tripped() else None
