@@ -4,10 +4,11 @@ device fault, and the probes' cost, all in one run.
 Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
 break orbax's async checkpointing) against a real coordinator (``dtrain coordinator``: ``coordinator.server.serve``
 on 127.0.0.1, port 0, in a child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
-the default probe intervals (workers/chips.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml with :data:`OVERRIDES`: 16 rows a step (2 per device, so each
-device's micro-batch gradient is a mean over more than one row), 1,000 inner steps, one island, 10 rounds of 100
-inner steps, a 20 s lease (an island compiling on a loaded 2-core machine keeps its lease). The whole benchmark
-takes ~5 minutes on 2 CPU cores (``--quick``: ~1.5 minutes).
+the default probe intervals (workers/chips.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
+with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
+than one row), 1,000 inner steps, one island, 10 rounds of 100 inner steps, a 20 s lease (an island compiling on a
+loaded 2-core machine keeps its lease). Each run takes about a minute on 2 CPU cores, the whole benchmark about 10
+(``--quick``: 200 steps, two faults, about 4).
 
 The runs: a clean control run (no fault), then one per fault of :data:`FAULTS`, each a
 ``dtrain.health.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the onset,
