@@ -173,7 +173,8 @@ def run_record(fault_name: str, fault: DeviceFault | None, events: list[dict[str
                summary: dict[str, Any]) -> dict[str, Any]:
     """One run's row from its island's events and summary: what was quarantined (device, probe, step), whether
     (and how many steps after its onset) the fault was found, and its false positives."""
-    quarantined = [{"device": e["device"], "probe": e["probe"], "step": e["step"], "detail": e.get("detail", "")}
+    quarantined = [{"device": e["device"], "probe": e["probe"], "step": e["step"], "detail": e.get("detail", ""),
+                    **{k: e[k] for k in ("value", "expected", "z", "median") if k in e}}
                    for e in events if e.get("event") == "device_quarantined"]
     found = None
     false_positives = []

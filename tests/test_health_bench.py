@@ -33,7 +33,7 @@ def _bench() -> ModuleType:
 
 def _quarantined(device: int, step: int, probe: str = "stats") -> dict[str, Any]:
     return {"event": "device_quarantined", "device": device, "index": device, "probe": probe, "step": step,
-            "detail": "x", "healthy": 7}
+            "detail": "x", "z": 9.5, "healthy": 7}
 
 
 def _summary(loss: float, steps: int = 1000, devices: int = 8) -> dict[str, Any]:
@@ -69,6 +69,7 @@ def test_records_count_detection_only_for_the_faulty_device_after_its_onset() ->
     r = bench.run_record("scale", fault, events, _summary(2.5, devices=7))
     assert (r["detected"], r["detected_step"], r["detect_steps"], r["probe"]) == (True, 412, 12, "stats")
     assert (r["false_positives"], r["remeshes"], r["devices_left"], r["onset"]) == (0, 1, 7, 400)
+    assert r["quarantined"] == [{"device": 3, "probe": "stats", "step": 412, "detail": "x", "z": 9.5}]
     # another device, and the faulty one before its fault began, are false positives, not a detection
     r = bench.run_record("scale", fault, [_quarantined(5, 300), _quarantined(3, 390)], _summary(2.5, devices=6))
     assert (r["detected"], r["detect_steps"], r["false_positives"]) == (False, None, 2)
