@@ -2,8 +2,8 @@
 device fault, and the probes' cost, all in one run.
 
 Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
-break orbax's async checkpointing) against a real coordinator (``dtrain coordinator``: ``coordinator.server.serve``
-on 127.0.0.1, port 0, in a child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
+break orbax's async checkpointing) against a real coordinator (``coordinator.server.serve`` on 127.0.0.1, port 0, in a
+child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
 the default probe intervals (workers/chips.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
 with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
 than one row), 1,000 inner steps, one island, 10 rounds of 100 inner steps, a 20 s lease (an island compiling on a
@@ -285,7 +285,9 @@ def island_run(cfg: Config, work: Path, name: str, fault_name: str, fault: Devic
         port = _coordinator_port(coordinator, run_dir, timeout_s)
         summary = run_worker(cfg, f"127.0.0.1:{port}", "island-0", run_dir / "island-0", quiet=True,
                              device_fault=fault)
-        try:  # it stops by itself once the island holds the last version
+        assert coordinator.stdin is not None
+        coordinator.stdin.close()  # the island has returned: the coordinator stops
+        try:
             coordinator.wait(timeout=60)
         except subprocess.TimeoutExpired:
             raise DtrainError(f"run {name}: the coordinator did not stop after the run (log: "
@@ -303,19 +305,38 @@ def island_run(cfg: Config, work: Path, name: str, fault_name: str, fault: Devic
     return record
 
 
+# The coordinator's child process: serve() on port 0 until its stdin closes (the island has returned).
+_COORDINATOR = """
+import json, sys
+from pathlib import Path
+from coordinator.server import initial_parameters, serve
+from dtrain.config import load_config
+cfg, run_dir = load_config(sys.argv[1]), Path(sys.argv[2])
+theta, spec = initial_parameters(cfg)
+server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
+(run_dir / "port.tmp").write_text(json.dumps({"port": port}))
+(run_dir / "port.tmp").replace(run_dir / "coordinator.json")
+sys.stdin.read()
+server.stop(grace=None).wait()
+service.close()
+"""
+
+
 def _start_coordinator(cfg: Config, run_dir: Path) -> subprocess.Popen[bytes]:
-    """``dtrain coordinator`` (``coordinator.server.run_coordinator``: ``serve`` on 127.0.0.1, port 0) for the run,
-    in a child process: orbax numbers checkpoint saves by one operation id per process, and a coordinator and a
+    """The run's coordinator (``coordinator.server.serve`` on 127.0.0.1, port 0) in a child process, which serves
+    until its stdin is closed (as the in-process tests' coordinator is stopped once the island returns: a
+    ``dtrain coordinator`` that stops by itself when the run is over can cut the island's last call short).
+    Not in this process: orbax numbers checkpoint saves by one operation id per process, and a coordinator and a
     worker in one process that save at the same moment can leave a save waiting for the other's signal (seen here:
     a 300 s timeout, then the worker failing)."""
     (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    (run_dir / "coordinator").mkdir()
     root = str(Path(config_mod.__file__).resolve().parent.parent)  # the child runs this process's copy of the code
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with open(run_dir / "coordinator.log", "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "dtrain_cli", "coordinator", "--config", str(run_dir / "config.toml"),
-             "--port", "0", "--run-dir", str(run_dir / "coordinator"), "--quiet"],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(run_dir / "config.toml"),
+                                 str(run_dir / "coordinator")], stdin=subprocess.PIPE, stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
 
 
 def _coordinator_port(proc: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> int:
