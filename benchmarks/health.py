@@ -255,14 +255,14 @@ def final_line(f: dict[str, Any]) -> str:
 def table(clean: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """The runs as text rows (the clean run first)."""
     head = (f"{'fault':<17} {'device':>6} {'onset':>6} {'found at':>8} {'probe':<13} {'delay':>5}  "
-            f"{'quarantined':<22} {'eval loss':>9} {'ratio':>7}")
+            f"{'quarantined':<36} {'eval loss':>9} {'ratio':>7}")
     rows = [head]
     for r in [clean, *runs]:
         ratio = r["final_eval_loss"] / clean["final_eval_loss"] if r is not clean else None
         q = ", ".join(f"{x['device']}@{x['step']}({x['probe']})" for x in r["quarantined"]) or "-"
         rows.append(f"{r['fault']:<17} {_fmt(r['device'], 'd'):>6} {_fmt(r['onset'], 'd'):>6} "
                     f"{_fmt(r['detected_step'], 'd'):>8} {r['probe'] or '-':<13} {_fmt(r['detect_steps'], 'd'):>5}  "
-                    f"{q:<22} {r['final_eval_loss']:>9.4f} {_fmt(ratio, '.4f'):>7}")
+                    f"{q:<36} {r['final_eval_loss']:>9.4f} {_fmt(ratio, '.4f'):>7}")
     return rows
 
 
