@@ -331,12 +331,10 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> subprocess.Popen[bytes]:
     a 300 s timeout, then the worker failing)."""
     (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
     (run_dir / "coordinator").mkdir()
-    root = str(Path(config_mod.__file__).resolve().parent.parent)  # the child runs this process's copy of the code
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    with open(run_dir / "coordinator.log", "wb") as out:
+    with open(run_dir / "coordinator.log", "wb") as out:  # the child imports the installed package, as we do
         return subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(run_dir / "config.toml"),
                                  str(run_dir / "coordinator")], stdin=subprocess.PIPE, stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT)
 
 
 def _coordinator_port(proc: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> int:
