@@ -56,7 +56,7 @@ from dtrain.train import BATCH_AXES, loss_fn, rows_per_device
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
 STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
 STAT_SPREAD_FLOOR = 0.5  # the deviation the z-score divides by is at least this fraction of |median|
-_ABS_FLOOR = 1e-12  # ... and at least this (identical zero values never flag)
+STAT_ABS_FLOOR = 1e-12  # ... and at least this (identical zero values never flag)
 FAULT_KINDS = ("scale", "bitflip", "dead")
 
 
@@ -217,7 +217,7 @@ def robust_z(values: Sequence[float], spread_floor: float = STAT_SPREAD_FLOOR) -
     finite = np.isfinite(v)
     if not finite.any():
         return np.full(v.shape, np.inf)
-    return np.abs(robust_scores(v, v[finite], spread_floor, _ABS_FLOOR))
+    return np.abs(robust_scores(v, v[finite], spread_floor, STAT_ABS_FLOOR))
 
 
 def outliers(values: Sequence[float], z_max: float = STAT_Z_MAX,

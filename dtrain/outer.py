@@ -135,14 +135,15 @@ def robust_scores(values: Sequence[float] | np.ndarray, window: Sequence[float] 
     if w.size == 0:
         raise ValueError("robust_scores needs a non-empty window")
     v = np.asarray(values, np.float64)
-    median = float(np.median(w))
-    sigma = max(1.4826 * float(np.median(np.abs(w - median))), spread_floor * abs(median), abs_floor)
-    with np.errstate(invalid="ignore"):
-        if sigma > 0:
-            z = (v - median) / sigma
-        else:
-            z = np.where(v > median, np.inf, 0.0)
-    return np.where(np.isfinite(v), z, np.inf)
+    # Over the last axis: a 2-D window is one window per row (rows of ``values`` against their own row), e.g. a
+    # chunk's per-device gradient norms, step by step, in one call.
+    median = np.median(w, axis=-1, keepdims=True)
+    sigma = np.maximum(np.maximum(1.4826 * np.median(np.abs(w - median), axis=-1, keepdims=True),
+                                  spread_floor * np.abs(median)), abs_floor)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.where(sigma > 0, (v - median) / np.where(sigma > 0, sigma, 1.0), np.where(v > median, np.inf, 0.0))
+    z = np.where(np.isfinite(v), z, np.inf)
+    return z if w.ndim > 1 else z.reshape(v.shape)
 
 
 def robust_z(norm: float, window: Sequence[float]) -> float:

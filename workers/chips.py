@@ -54,8 +54,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dtrain.config import HealthConfig
-from dtrain.health import DeviceFault, Probes, micro_batch, outliers
+from dtrain.health import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, DeviceFault, Probes, micro_batch, outliers
 from dtrain.model import ApplyFn, Params
+from dtrain.outer import robust_scores
 
 REPLAY_ROWS = 1  # rows of a device's micro-batch each replay recomputes on every healthy device
 
@@ -69,6 +70,11 @@ def _num(x: float | int | None) -> float | int | str | None:
     return str(float(x))
 
 
+def _due(step: int, every: int) -> int:
+    """The first multiple of ``every`` after ``step``."""
+    return (step // every + 1) * every
+
+
 class ChipHealth:
     """The island's chip-health state: which devices are quarantined (with evidence), when each probe last ran,
     and the statistics probe's streak of consecutive outliers. Every method is a host-device sync point."""
@@ -79,9 +85,11 @@ class ChipHealth:
         self.device_ids: list[int] = list(self.probes.device_ids)
         self.quarantined: dict[int, Evidence] = {}  # device id -> the evidence that quarantined it
         self._streak: set[int] = set()  # device ids that were statistics outliers on the last check
-        # the step at (or after) which check() runs the next known answer (inf: only start() and diagnose() do)
+        # The steps at (or after) which check() runs the next known answer (inf: only start() and diagnose() do) and
+        # the next replay: on fixed grids (multiples of the interval), which do not drift with the chunks: with
+        # chunks that divide the interval, a probe runs exactly every interval.
         self._next_known: float = cfg.known_answer_every or math.inf
-        self._next_replay = cfg.replay_every
+        self._next_replay: float = cfg.replay_every or math.inf
         self._replay_turn = 0  # counts replays: picks the healthy device (and rows) the next replay recomputes
         self.probe_calls: dict[str, int] = {"known_answer": 0, "replay": 0}
         self.cleared: list[Evidence] = []  # statistics suspects a replay cleared (the island logs them)
@@ -142,7 +150,8 @@ class ChipHealth:
 
     def _known_answer(self, step: int) -> list[Evidence]:
         self.probe_calls["known_answer"] += 1
-        self._next_known = step + self.cfg.known_answer_every if self.cfg.known_answer_every else math.inf
+        every = self.cfg.known_answer_every
+        self._next_known = _due(step, every) if every else math.inf
         found = []
         for result in self.probes.known_answer(step):
             if result.ok or result.device_id in self.quarantined:
@@ -168,7 +177,18 @@ class ChipHealth:
                              f"expected [K, {len(self.device_ids)}] (InnerLoop(per_device=True))")
         found: list[Evidence] = []
         suspects: dict[int, Evidence] = {}  # rule 3's, by index, awaiting the replay's word
+        # The common case in one call: every healthy device finite on every step of the chunk, and no step with a
+        # statistics outlier. Such a step changes nothing but the outlier streak (it ends); the others go one by one.
+        healthy = self._healthy_indices()
+        quiet_K = np.zeros(finite_KxD.shape[0], bool)
+        if self.cfg.stats and len(healthy) >= 3 and finite_KxD[:, healthy].all() \
+                and np.isfinite(norm_KxD[:, healthy]).all():
+            z_KxH = np.abs(robust_scores(norm_KxD[:, healthy], norm_KxD[:, healthy], STAT_SPREAD_FLOOR, STAT_ABS_FLOOR))
+            quiet_K = ~(z_KxH > self.cfg.z_max).any(axis=1)
         for k in range(finite_KxD.shape[0]):
+            if quiet_K[k]:
+                self._streak.clear()
+                continue
             found += self._check_step(first_step + k, finite_KxD[k], norm_KxD[k], suspects)
         end = first_step + finite_KxD.shape[0]
         last_batch = np.asarray(batches_KxBxL1)[-1]
@@ -176,8 +196,9 @@ class ChipHealth:
             found += self._confirm(index, ev, params, last_batch, end)
         if end >= self._next_known:
             found += self._known_answer(end)
-        if self.cfg.replay_every and end >= self._next_replay:
-            self._next_replay = end + self.cfg.replay_every
+        if end >= self._next_replay:
+            every = self.cfg.replay_every
+            self._next_replay = _due(end, every)
             found += self._replay(params, np.asarray(batches_KxBxL1)[-1], end)
         return found
 
