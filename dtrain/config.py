@@ -161,8 +161,9 @@ class WorkerConfig:
 class HealthConfig:
     enabled: bool = _f(False, "island workers run the per-device inner step and the chip-health probes, and "
                        "quarantine a device found faulty (workers/chips.py)")
-    known_answer_every: int = _f(50, "inner steps between known-answer probes on every device (also run at start; "
-                                 "0: only at start)")
+    known_answer_every: int = _f(100, "inner steps between known-answer probes on every device (also run at start "
+                                 "and after a chunk raised; 0: only then); the replay, every replay_every steps, "
+                                 "sees a device computing wrong too")
     stats: bool = _f(True, "compare the devices' micro-batch gradient norms from the per-device step (robust "
                      "z-score); a device flagged on two consecutive checks is quarantined")
     z_max: float = _f(6.0, "stats: a device whose gradient norm is more than this many robust deviations from "

@@ -125,7 +125,7 @@ def test_silent_flip_quarantined_within_50_steps_by_default(island: Island, step
     """A bit-22 mantissa flip of every gradient entry on one device, starting on the step right after a replay
     (the worst case), with the default replay interval and the chunk lengths of configs/tiny.toml (10) and
     configs/small.toml (25): the replay quarantines it within 50 inner steps, and nothing else is flagged. The
-    known answer (every 50 steps by default, which also sees this flip) is off so that the replay alone finds it."""
+    known answer (every 100 steps by default, which also sees this flip) is off so that the replay alone finds it."""
     defaults = HealthConfig()
     onset = defaults.replay_every + 1  # the first replay runs at step 50 (the end of the chunk it falls in)
     bad = island.ids[6]
