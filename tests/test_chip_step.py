@@ -89,7 +89,7 @@ def test_per_device_norms_are_the_statistics_probe(island: Island) -> None:
         np.testing.assert_allclose(metrics["device_loss"][chunk * K], stats.loss, rtol=1e-6)
 
 
-@pytest.mark.parametrize("index", [3, 6])
+@pytest.mark.parametrize("index", [3, pytest.param(6, marks=pytest.mark.slow)])  # the default run keeps one
 def test_scaled_device_is_the_one_outlier(island: Island, index: int) -> None:
     fault = DeviceFault("scale", island.ids[index], factor=10.0)
     _, metrics = island.train(island.loop(True, fault))
