@@ -15,7 +15,8 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   ``device-scale`` (one device's outputs x ``factor=F``, default 10), ``device-bitflip`` (bit ``bit=B`` of its
   float32 outputs flipped, default 22, in a fraction ``rate=R`` of them, default 1) and ``device-dead`` (its
   computations raise), on the device ``device=ID`` (a JAX device id of the island, required), each step with
-  probability ``prob=P`` (default 1: always; below 1 intermittent, drawn from ``seed=S``): the driver passes
+  probability ``prob=P`` (default 1: always; below 1 intermittent, drawn from ``seed=S``), up to inner step
+  ``until=U`` (excluded; default: to the end, a transient fault ends): the driver passes
   these to the island's worker (``dtrain worker --device-fault KIND:ID@N,...``, and again to a restarted
   worker: the chip is still bad), which injects them into its per-device inner step from inner step N on
   (:class:`dtrain.health.DeviceFault`).
@@ -57,6 +58,7 @@ LINK_KINDS = ("cut", "slow")
 # A device fault's options (besides device=ID), their types, and the DeviceFault kinds each applies to.
 DEVICE_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "prob": (float, ("scale", "bitflip", "dead")), "seed": (int, ("scale", "bitflip", "dead")),
+    "until": (int, ("scale", "bitflip", "dead")),
     "factor": (float, ("scale",)), "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 _DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 _SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?"
@@ -78,7 +80,8 @@ class FaultSpec:
     def describe(self) -> str:
         if self.device_fault is not None:
             f = self.device_fault
-            return f"{self.kind} {self.target} device {f.device} from inner step {f.start}"
+            return f"{self.kind} {self.target} device {f.device} from inner step {f.start}" + \
+                (f" until step {f.until}" if f.until else "")
         when = f"after version {self.at_version}" if self.at_version is not None else f"at {self.at_s:g}s"
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
 

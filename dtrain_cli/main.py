@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
                    "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
-                   "[,prob=P][,seed=S] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
+                   "[,prob=P][,seed=S][,until=STEP] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
                    "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/faults.py)")
     p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
     _common(p)

@@ -22,11 +22,20 @@ from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.outer import OuterHParams, merge_weights, outer_update
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
-from dtrain_cli.faults import DEVICE_KINDS, PUSH_KINDS, LinkProxy, check_devices, host_device_count, parse_fault
+from dtrain_cli.faults import (
+    DEVICE_KINDS,
+    DEVICE_OPTIONS,
+    PUSH_KINDS,
+    LinkProxy,
+    check_devices,
+    host_device_count,
+    parse_fault,
+)
 from dtrain_cli.main import main
 from dtrain_cli.simulate import device_fault_entry, device_fault_reached, device_quarantines, run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.inject import (
+    DEVICE_FAULT_OPTIONS,
     PUSH_FAULTS,
     Injection,
     check_device_fault,
@@ -99,7 +108,8 @@ def test_cli_refuses_a_bad_fault_before_starting(capsys: pytest.CaptureFixture[s
 def test_parse_device_fault_specs_and_what_the_worker_is_given() -> None:
     """A device fault of --fault becomes the DeviceFault the island's worker injects: the driver passes it as
     --device-fault (FaultSpec.worker_arg), which the worker's parser reads back as the same DeviceFault."""
-    assert DEVICE_KINDS == tuple(f"device-{k}" for k in FAULT_KINDS)  # the driver's kinds are the worker's
+    assert DEVICE_KINDS == tuple(f"device-{k}" for k in FAULT_KINDS)  # the driver's kinds are the worker's ...
+    assert DEVICE_OPTIONS == DEVICE_FAULT_OPTIONS  # ... and so are its options (types, the kinds each is for)
     cases = {
         "device-bitflip:island-1@step120,device=3,bit=30":
             (DeviceFault("bitflip", 3, bit=30, start=120), "bitflip:3@120,bit=30"),
@@ -108,6 +118,8 @@ def test_parse_device_fault_specs_and_what_the_worker_is_given() -> None:
         "device-dead:island-1@step150,device=6": (DeviceFault("dead", 6, start=150), "dead:6@150"),
         "device-scale:island-1@step0,device=0,prob=0.25,seed=7,factor=-2":
             (DeviceFault("scale", 0, prob=0.25, seed=7, factor=-2.0), "scale:0@0,prob=0.25,seed=7,factor=-2.0"),
+        "device-dead:island-0@step40,device=2,until=41":
+            (DeviceFault("dead", 2, start=40, until=41), "dead:2@40,until=41"),
         "device-bitflip:island-0@step5,device=7,rate=0.001,bit=31,prob=0.5":
             (DeviceFault("bitflip", 7, prob=0.5, bit=31, rate=0.001, start=5),
              "bitflip:7@5,prob=0.5,bit=31,rate=0.001"),
@@ -138,6 +150,7 @@ def test_parse_device_fault_specs_and_what_the_worker_is_given() -> None:
     ("device-bitflip:island-1@step2,device=1,bit=32", "DeviceFault.bit: 32 is not a bit of a 32-bit float"),
     ("device-bitflip:island-1@step2,device=1,rate=0", "DeviceFault.rate: 0.0 is not in (0, 1]"),
     ("device-scale:island-1@step2,device=1,prob=1.5", "DeviceFault.prob: 1.5 is not in (0, 1]"),
+    ("device-scale:island-1@step2,device=1,until=2", "DeviceFault.until: 2 must be after start (2)"),
     ("device-scale:island-1@step2,device=1,device=2", "an option is given twice"),
     ("kill:island-1@step3", "stepN (an island's inner step) is for device faults only"),
     ("hang:island-1@step3+2s", "stepN (an island's inner step) is for device faults only"),
