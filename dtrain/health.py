@@ -58,6 +58,11 @@ STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than t
 STAT_SPREAD_FLOOR = 0.5  # the deviation the z-score divides by is at least this fraction of |median|
 STAT_ABS_FLOOR = 1e-12  # ... and at least this (identical zero values never flag)
 FAULT_KINDS = ("scale", "bitflip", "dead")
+# DeviceFault's options as a fault spec gives them (--fault device-KIND, --device-fault): their types, and the kinds
+# each applies to (the one table the driver's and the worker's parsers read)
+FAULT_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "prob": (float, FAULT_KINDS), "seed": (int, FAULT_KINDS), "until": (int, FAULT_KINDS),
+    "factor": (float, ("scale",)), "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 
 
 # ---------------------------------------------------------------------------------------------- fault injection

@@ -48,18 +48,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.config import ConfigError
-from dtrain.health import DeviceFault
+from dtrain.health import FAULT_OPTIONS, DeviceFault
 
 PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.inject)
 DEVICE_KINDS = ("device-scale", "device-bitflip", "device-dead")  # injected by the island's worker into one device
 KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS, *DEVICE_KINDS)
 NEEDS_DURATION = ("hang", "cut", "slow")
 LINK_KINDS = ("cut", "slow")
-# A device fault's options (besides device=ID), their types, and the DeviceFault kinds each applies to.
-DEVICE_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "prob": (float, ("scale", "bitflip", "dead")), "seed": (int, ("scale", "bitflip", "dead")),
-    "until": (int, ("scale", "bitflip", "dead")),
-    "factor": (float, ("scale",)), "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 _DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 _SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?"
                       r"@(?P<when>v\d+|step\d+|\d+(?:\.\d+)?s)"
@@ -92,7 +87,7 @@ class FaultSpec:
         if f is None:
             raise ValueError(f"FaultSpec.worker_arg: {self.text!r} is not a device fault")
         defaults = DeviceFault(kind=f.kind, device=f.device)
-        opts = "".join(f",{k}={getattr(f, k)!r}" for k in DEVICE_OPTIONS if getattr(f, k) != getattr(defaults, k))
+        opts = "".join(f",{k}={getattr(f, k)!r}" for k in FAULT_OPTIONS if getattr(f, k) != getattr(defaults, k))
         return f"{f.kind}:{f.device}@{f.start}{opts}"
 
 
@@ -162,10 +157,10 @@ def _device_fault(text: str, kind: str, target: str, when: str, duration: str | 
     for key, raw in opts.items():
         if key == "device":
             continue
-        if key not in DEVICE_OPTIONS:
+        if key not in FAULT_OPTIONS:
             raise ConfigError(f"{where}: unknown option {key!r} (a device fault takes device, "
-                              f"{', '.join(DEVICE_OPTIONS)})")
-        typ, kinds = DEVICE_OPTIONS[key]
+                              f"{', '.join(FAULT_OPTIONS)})")
+        typ, kinds = FAULT_OPTIONS[key]
         if fault_kind not in kinds:
             raise ConfigError(f"{where}: option {key} is for {' and '.join('device-' + k for k in kinds)}, "
                               f"not {kind}")

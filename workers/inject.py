@@ -48,7 +48,7 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.config import CodecConfig, ConfigError
-from dtrain.health import FAULT_KINDS, DeviceFault
+from dtrain.health import FAULT_KINDS, FAULT_OPTIONS, DeviceFault
 from dtrain.proto import dtrain_pb2 as pb
 from workers.client import CoordinatorClient
 
@@ -59,11 +59,6 @@ INFLATED_TOKENS = 10**9  # inflate: the tokens the header claims
 
 _INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)")
 _DEVICE_FAULT_RE = re.compile(r"(?P<kind>[a-z]+):(?P<device>\d+)@(?P<step>\d+)(?P<opts>(?:,[^,]*)*)")
-# The options of --device-fault, their types, and the kinds each applies to (prob, seed, until: every kind).
-DEVICE_FAULT_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "prob": (float, FAULT_KINDS), "seed": (int, FAULT_KINDS), "until": (int, FAULT_KINDS),
-    "factor": (float, ("scale",)),
-    "bit": (int, ("bitflip",)), "rate": (float, ("bitflip",))}
 
 
 @dataclass
@@ -100,9 +95,9 @@ def parse_device_fault(text: str) -> DeviceFault:
     values: dict[str, Any] = {}
     for item in m["opts"].split(",")[1:]:
         key, _, raw = item.partition("=")
-        if key not in DEVICE_FAULT_OPTIONS:
-            raise ConfigError(f"{where}: unknown option {key!r} (options: {', '.join(DEVICE_FAULT_OPTIONS)})")
-        typ, kinds = DEVICE_FAULT_OPTIONS[key]
+        if key not in FAULT_OPTIONS:
+            raise ConfigError(f"{where}: unknown option {key!r} (options: {', '.join(FAULT_OPTIONS)})")
+        typ, kinds = FAULT_OPTIONS[key]
         if kind not in kinds:
             raise ConfigError(f"{where}: option {key} is for {' and '.join(kinds)} faults, not {kind}")
         if key in values:
