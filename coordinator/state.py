@@ -93,6 +93,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from dtrain import schema
 from dtrain.config import Config, CoordinatorConfig
 from dtrain.outer import clip_factor, robust_z, staleness_weight
+from dtrain.runlog import json_number
 from dtrain.wire import MAX_EVIDENCE, MAX_EVIDENCE_DETAIL, PROBES
 
 MAX_PUSH_IDS = 100_000
@@ -173,12 +174,6 @@ class StateOptions:
                    max_push_ids=max_push_ids, linger_s=linger_s)
 
 
-def _json_number(x: float | int) -> float | int | str:
-    """A number for strict JSON: NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"`` (as the islands' events
-    write them)."""
-    return x if isinstance(x, int) or math.isfinite(x) else str(float(x))
-
-
 @dataclass(frozen=True)
 class DeviceEvidence:
     """One device an island's probes quarantined and why: the heartbeat's DeviceEvidence, workers/chips.py's
@@ -197,7 +192,7 @@ class DeviceEvidence:
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON (Status, events): the numbers the probe measured, non-finite ones as strings."""
-        return {f.name: _json_number(v) if isinstance(v, (int, float)) else v
+        return {f.name: json_number(v) if isinstance(v, (int, float)) else v
                 for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
 

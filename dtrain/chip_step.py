@@ -2,9 +2,10 @@
 
 The same step as :func:`dtrain.train.inner_step` (the same :func:`dtrain.train.loss_fn`, the same optimizer
 ``tx`` and update), with the gradient computed in a ``shard_map`` over the island's batch axes: each device
-takes ``value_and_grad`` of its own rows of the global batch (:func:`dtrain.health.micro_batch_grad`), and the
-gradients are averaged by an explicit ``pmean`` over the devices. Between the two, the step has each device's
-own gradient in hand, which gives it two things the fused step cannot:
+takes ``value_and_grad`` of its own rows of the global batch, and the gradients are averaged by an explicit
+``pmean`` over the devices (:func:`dtrain.health.device_grads`, the body the statistics probe runs too).
+Between the two, the step has each device's own gradient in hand, which gives it two things the fused step
+cannot:
 
 - a :class:`dtrain.health.DeviceFault` injected into one device's (loss, gradient) inside the real jitted step
   (on CPU the stand-in for a faulty chip; on GPU/TPU, with no fault, a faulty chip perturbs it there itself);
@@ -26,33 +27,9 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dtrain.health import DeviceFault, micro_batch_grad
-from dtrain.model import ApplyFn, Params
+from dtrain.health import DeviceFault, device_grads
+from dtrain.model import ApplyFn
 from dtrain.train import BATCH_AXES, TrainState
-
-
-def _local_grads(apply: ApplyFn, fault: DeviceFault | None, rows: tuple[int, ...], ids_D: jax.Array,
-                 params: Params, batch_bxL1: jax.Array, step: jax.Array
-                 ) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
-    """The ``shard_map`` body: (the gradient of the global batch's mean loss, and this device's own micro-batch
-    loss, gradient norm and finiteness, each ``[1]``)."""
-    index = jax.lax.axis_index(BATCH_AXES)
-    device_id = ids_D[index]
-    # The parameters enter replicated; marked as varying per device, their gradient stays this device's own
-    # (the gradient of an invariant input would already be summed over the devices).
-    params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
-    if len(set(rows)) == 1:  # an even split: the mean of the devices' micro-batch means is the batch's mean
-        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
-        mean_grads = jax.lax.pmean(grads, BATCH_AXES)
-    else:  # uneven (a remeshed island): device j's mean over its rows[j] real rows, weighted by rows[j] / B
-        count = jnp.asarray(rows, jnp.int32)[index]
-        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault, rows=count)
-        weight = count.astype(jnp.float32) / sum(rows)
-        mean_grads = jax.lax.psum(jax.tree.map(lambda g: g * weight, grads), BATCH_AXES)
-    norm = optax.tree.norm(grads)
-    # NaN/Inf in the loss or any gradient entry makes the norm non-finite (an overflowing norm is garbage too)
-    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-    return mean_grads, loss[None], norm[None], finite[None]
 
 
 def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
@@ -67,7 +44,7 @@ def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyF
     rows = rows or (batch_BxL1.shape[0] // n,) * n
     ids_D = jnp.asarray([d.id for d in mesh.devices.flat], jnp.int32)
     grads, loss_D, norm_D, finite_D = jax.shard_map(
-        partial(_local_grads, apply, fault, rows), mesh=mesh,
+        partial(device_grads, apply, fault, rows), mesh=mesh,
         in_specs=(P(), P(), P(BATCH_AXES), P()),
         out_specs=(P(), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES)))(ids_D, state.params, batch_BxL1, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

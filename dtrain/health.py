@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -246,10 +247,6 @@ class GradStats:
     finite: np.ndarray  # bool [D]
 
 
-def _global_norm(tree: Any) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
 def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, device_id: jax.Array, step: jax.Array,
                      fault: DeviceFault | None = None, rows: jax.Array | None = None) -> tuple[jax.Array, Params]:
     """One device's (loss, gradient) of ``loss_fn`` on its micro-batch (its first ``rows`` rows when the rest is
@@ -258,15 +255,30 @@ def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, devi
     return inject((loss, grads), device_id, step, fault)
 
 
-def _device_grad_stats(apply: ApplyFn, fault: DeviceFault | None, ids_D: jax.Array, params: Params,
-                       batch_bxL1: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The ``shard_map`` body: this device's micro-batch loss, gradient norm and finiteness, each ``[1]``."""
-    device_id = ids_D[jax.lax.axis_index(BATCH_AXES)]
+def device_grads(apply: ApplyFn, fault: DeviceFault | None, rows: tuple[int, ...] | None, ids_D: jax.Array,
+                 params: Params, batch_bxL1: jax.Array, step: jax.Array
+                 ) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
+    """The ``shard_map`` body of the per-device step (:mod:`dtrain.chip_step`) and of the statistics probe
+    (:meth:`Probes.grad_stats`): (the gradient of the global batch's mean loss, and this device's own micro-batch
+    loss, gradient norm and finiteness, each ``[1]``). ``rows``: the real rows per device (None: an even split)."""
+    index = jax.lax.axis_index(BATCH_AXES)
+    device_id = ids_D[index]
     # The parameters enter replicated; marked as varying per device, their gradient stays this device's own
-    # (the gradient of an invariant input would be summed over the devices, with a collective).
+    # (the gradient of an invariant input would already be summed over the devices).
     params = jax.tree.map(lambda x: jax.lax.pcast(x, BATCH_AXES, to="varying"), params)
-    loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
-    return loss[None], _global_norm(grads)[None], all_finite(loss, grads)[None]
+    if rows is None or len(set(rows)) == 1:  # even: the mean of the devices' micro-batch means is the batch's
+        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault)
+        mean_grads = jax.lax.pmean(grads, BATCH_AXES)
+    else:  # uneven (a remeshed island): device j's mean over its rows[j] real rows, weighted by rows[j] / B
+        count = jnp.asarray(rows, jnp.int32)[index]
+        loss, grads = micro_batch_grad(apply, params, batch_bxL1, device_id, step, fault, rows=count)
+        weight = count.astype(jnp.float32) / sum(rows)
+        mean_grads = jax.lax.psum(jax.tree.map(lambda g: g * weight, grads), BATCH_AXES)
+    norm = optax.tree.norm(grads)
+    # NaN/Inf in the loss or any gradient entry makes the norm non-finite (an overflowing norm is garbage too)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    return mean_grads, loss[None], norm[None], finite[None]
+
 
 
 # ---------------------------------------------------------------------------------------------- replay
@@ -401,8 +413,8 @@ class Probes:
         self._ids_D = jnp.asarray(self.device_ids, jnp.int32)
         self._known = jax.jit(partial(known_answer_values, fault=fault))
         self._stats = jax.jit(jax.shard_map(
-            partial(_device_grad_stats, apply, fault), mesh=mesh,
-            in_specs=(P(), P(), P(BATCH_AXES), P()), out_specs=(P(BATCH_AXES),) * 3))
+            partial(device_grads, apply, fault, None), mesh=mesh,
+            in_specs=(P(), P(), P(BATCH_AXES), P()), out_specs=(P(), *(P(BATCH_AXES),) * 3)))
         self._replay_all = jax.jit(jax.shard_map(
             partial(_device_replay_digest, apply, fault), mesh=mesh,
             in_specs=(P(BATCH_AXES), P(), P(), P()), out_specs=P(BATCH_AXES)))
@@ -436,8 +448,8 @@ class Probes:
         """Each device's loss and gradient norm on its own micro-batch of ``batch_BxL1`` (one SPMD call: a
         dead device makes it raise; :meth:`known_answer` then says which)."""
         check_alive(self.fault, self.device_ids, step)
-        loss, norm, finite = jax.device_get(self._stats(self._ids_D, params, jnp.asarray(batch_BxL1),
-                                                        jnp.int32(step)))
+        _, loss, norm, finite = jax.device_get(self._stats(self._ids_D, params, jnp.asarray(batch_BxL1),
+                                                           jnp.int32(step)))
         return GradStats(self.device_ids, np.asarray(loss), np.asarray(norm), np.asarray(finite))
 
     def replay(self, params: Params, rows_bxL1: np.ndarray, step: int = 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,14 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "tolist"):
         return x.tolist()
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def json_number(x: float | int | None) -> float | int | str | None:
+    """A number for strict JSON (events, Status): NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"``; ints and
+    None as they are."""
+    if x is None or isinstance(x, int) or math.isfinite(x):
+        return x
+    return str(float(x))
 
 
 def fmt_rate(x: float) -> str:

@@ -57,17 +57,11 @@ from dtrain.config import HealthConfig
 from dtrain.health import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, DeviceFault, Probes, micro_batch, outliers
 from dtrain.model import ApplyFn, Params
 from dtrain.outer import robust_scores
+from dtrain.runlog import json_number
 
 REPLAY_ROWS = 1  # rows of a device's micro-batch each replay recomputes on every healthy device
 
 Evidence = dict[str, Any]
-
-
-def _num(x: float | int | None) -> float | int | str | None:
-    """A number for a JSON event: non-finite floats as their name."""
-    if x is None or isinstance(x, int) or math.isfinite(x):
-        return x
-    return str(float(x))
 
 
 def _due(step: int, every: int) -> int:
@@ -132,7 +126,7 @@ class ChipHealth:
         if did in self.quarantined:
             return None
         evidence: Evidence = {"device": did, "index": index, "probe": probe, "step": step,
-                              **{k: _num(v) for k, v in numbers.items()}, "detail": detail}
+                              **{k: json_number(v) for k, v in numbers.items()}, "detail": detail}
         self.quarantined[did] = evidence
         self._streak.discard(did)
         return evidence
@@ -197,9 +191,8 @@ class ChipHealth:
         if end >= self._next_known:
             found += self._known_answer(end)
         if end >= self._next_replay:
-            every = self.cfg.replay_every
-            self._next_replay = _due(end, every)
-            found += self._replay(params, np.asarray(batches_KxBxL1)[-1], end)
+            self._next_replay = _due(end, self.cfg.replay_every)
+            found += self._replay(params, last_batch, end)
         return found
 
     def _check_step(self, step: int, finite_D: np.ndarray, norm_D: np.ndarray,
@@ -248,7 +241,7 @@ class ChipHealth:
                                     healthy)
         did = self.device_ids[index]
         if did not in result.suspects:
-            self.cleared.append({**suspect, **{k: _num(suspect[k]) for k in ("value", "z", "median")},
+            self.cleared.append({**suspect, **{k: json_number(suspect[k]) for k in ("value", "z", "median")},
                                  "detail": suspect["detail"] + "; cleared: a replay of its micro-batch gave the same "
                                  "digest on every healthy device (the data, not the chip)"})
             return []

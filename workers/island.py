@@ -506,7 +506,18 @@ class Worker:
             self.log.progress(f"{self.name}: device {ev['device']} quarantined ({ev['probe']}, step {ev['step']}): "
                               f"{ev['detail']}")
         if status is not None:
-            status.quarantined = tuple(self.health.quarantined.values())
+            status.quarantined = self._evidence()
+
+    def _evidence(self) -> tuple[Evidence, ...]:
+        """The quarantined devices' evidence, in the order found (none without chip health)."""
+        return tuple(self.health.quarantined.values()) if self.health is not None else ()
+
+    def _too_few(self) -> str:
+        """Why the island cannot train on its healthy devices ('' if it can)."""
+        if self.health is None or not self.health.too_few():
+            return ""
+        return (f"{len(self.health.healthy_ids)} healthy device(s) left, fewer than [health] "
+                f"min_devices={self.cfg.health.min_devices}")
 
     def _remesh(self) -> dict[str, Any]:
         """Rebuilds the inner loop on the healthy devices, with the same global batch (the quarantined devices'
@@ -528,10 +539,10 @@ class Worker:
             return
         found = self.health.start(0)
         self._quarantined(found, None)
-        if self.health.too_few():
-            raise WorkerError(f"{len(self.health.healthy_ids)} healthy device(s) of {len(self.health.device_ids)}, "
-                              f"fewer than [health] min_devices={self.cfg.health.min_devices}: this island cannot "
-                              f"train (see the device_quarantined events in {self.run_dir / 'events.jsonl'})")
+        too_few = self._too_few()
+        if too_few:
+            raise WorkerError(f"{too_few}: this island cannot train (see the device_quarantined events in "
+                              f"{self.run_dir / 'events.jsonl'})")
         if found:  # the first compile is then the healthy mesh's
             self.log.event("remeshed", **self._remesh(), cursor=0, version=0, restored="start")
 
@@ -550,7 +561,7 @@ class Worker:
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
         status = IslandStatus(version=joined.version, steps=0, tokens=0, devices=self.loop.mesh.devices.size,
-                              quarantined=tuple(self.health.quarantined.values()) if self.health else ())
+                              quarantined=self._evidence())
         hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
         hb.start()
         anchor = self.pull(None)
@@ -598,38 +609,35 @@ class Worker:
                 final_version=bool(self.total_versions) and anchor.version >= self.total_versions))
             if action.kind is Kind.END_RUN:
                 break
+            recovery: Recovery | None = None
             if action.kind is Kind.WAIT:
                 assert pending is not None
                 anchor, pending = self._wait(island, pending, status, action.reason), None
             elif action.kind is Kind.TRAIN:
                 n = action.steps
                 recovery = self._train_chunk(island, n, status)
-                if recovery is not None:  # back to the last push's state (on the healthy devices), or drain
-                    if self.drained:
-                        break
-                    anchor, _ = self._apply_rewind(island, anchor, pending, status,
-                                                   Rewind(island.index, round_start[0], recovery.reason),
-                                                   round_start[0], recovery)
-                    pending, round_steps, round_start = None, 0, (island.cursor, island.tokens)
-                    continue
-                if sched.round_seconds:  # the deadline is about steps done, not steps queued: dispatch is async
-                    jax.block_until_ready(island.state.step)
-                round_steps += n
-                if pending is not None and pending.exchange.future.done():
-                    anchor, pending = self._fold_in(island, pending, status), None  # without waiting
-                if island.steps % self.cfg.run.log_every < n:
-                    last_log = self._log_rate(island, anchor, status, last_log)
+                if recovery is None:
+                    if sched.round_seconds:  # the deadline is about steps done, not queued: dispatch is async
+                        jax.block_until_ready(island.state.step)
+                    round_steps += n
+                    if pending is not None and pending.exchange.future.done():
+                        anchor, pending = self._fold_in(island, pending, status), None  # without waiting
+                    if island.steps % self.cfg.run.log_every < n:
+                        last_log = self._log_rate(island, anchor, status, last_log)
+            elif self._guard_tripped():  # Kind.END_ROUND with a non-finite step in the round: never pushed
+                recovery = self._nan_recovery(island)
             else:  # Kind.END_ROUND: the previous exchange is folded in; push this round's delta
-                if self._guard_tripped():  # a non-finite step in this round: never push it; back to the last push
-                    anchor, _ = self._apply_rewind(island, anchor, pending, status,
-                                                   Rewind(island.index, round_start[0], "NaN/Inf guard"),
-                                                   round_start[0], self._nan_recovery(island))
-                    pending, round_steps, round_start = None, 0, (island.cursor, island.tokens)
-                    continue
                 self.rollbacks = 0
                 pending = self._push(island, anchor, round_steps, round_start, status, ckpt)
                 round_start = (island.cursor, island.tokens)
                 round_steps, rounds = 0, rounds + 1
+            if recovery is not None:  # back to the last push's state (on the healthy devices), or drain
+                if self.drained:
+                    break
+                anchor, _ = self._apply_rewind(island, anchor, pending, status,
+                                               Rewind(island.index, round_start[0], recovery.reason),
+                                               round_start[0], recovery)
+                pending, round_steps, round_start = None, 0, (island.cursor, island.tokens)
         return anchor, pending, rounds
 
     def _train_chunk(self, island: Island, n: int, status: IslandStatus) -> Recovery | None:
@@ -685,9 +693,7 @@ class Worker:
         assert self.health is not None
         self._quarantined(found, status)
         devices = [ev["device"] for ev in found]
-        if self.health.too_few():
-            self.drained = (f"{len(self.health.healthy_ids)} healthy device(s) left, fewer than [health] "
-                            f"min_devices={self.cfg.health.min_devices}")
+        self.drained = self._too_few()
         return Recovery(f"device(s) {devices} quarantined ({how})", remesh=True)
 
     def _log_rate(self, island: Island, anchor: GlobalParams, status: IslandStatus,
@@ -901,8 +907,7 @@ class Worker:
             try:  # best effort, one try: tell the coordinator this island holds the final version
                 self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
                                       tokens=island.tokens, params_digest=final_digest,
-                                      **_chip_report(tuple(self.health.quarantined.values()) if self.health else (),
-                                                     self.loop.mesh.devices.size))
+                                      **_chip_report(self._evidence(), self.loop.mesh.devices.size))
             except CoordinatorError as e:
                 self.log.event("heartbeat_failed", error=str(e))
             final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
@@ -918,7 +923,7 @@ class Worker:
             "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
             "total_versions": self.final_version or self.total_versions, "fingerprint": self.cfg.fingerprint(),
             "devices": self.loop.mesh.devices.size, "nan_rollbacks": self.nan_rollbacks,
-            "quarantined": list(self.health.quarantined.values()) if self.health is not None else [],
+            "quarantined": list(self._evidence()),
             **({"drained": self.drained} if self.drained else {}),
         }
         self.log.event("island_finished", **summary)
