@@ -179,7 +179,7 @@ def run_record(fault_name: str, fault: DeviceFault | None, events: list[dict[str
     found = None
     false_positives = []
     for q in quarantined:
-        if fault is not None and q["device"] == fault.device and q["step"] >= fault.start and found is None:
+        if fault is not None and fault.found_by(q) and found is None:
             found = q
         else:  # the clean run's, another device, or the faulty one before its fault began
             false_positives.append(q)
@@ -398,9 +398,9 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     block("fused", 1)
     block("per_device", 1)  # compiled both steps
     compile_steps_s = time.perf_counter() - t0
-    # Warm-up with the probes until the replay has run on every device (round robin, 2 devices a replay): each
-    # device compiles its replay program on first use; the known answer compiles in start().
-    warm_chunks = max(block_chunks, math.ceil((h.replay_every or K) * math.ceil(N_DEVICES / 2) / K) + 1)
+    # Warm-up with the probes until the replay has run (its one program over the mesh compiles on first use); the
+    # known answer compiles in start().
+    warm_chunks = max(block_chunks, math.ceil((h.replay_every or K) / K) + 1)
     t0 = time.perf_counter()
     health.start(0)
     warm_s = time.perf_counter() - t0 + block("probes", warm_chunks) * warm_chunks * K

@@ -38,7 +38,7 @@ dispatch, as a lost chip's ``XlaRuntimeError`` reaches a worker). On CPU the fak
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -101,6 +101,12 @@ class DeviceFault:
             raise ValueError(f"DeviceFault.start: {self.start} is not an inner step (>= 0)")
         if self.until and self.until <= self.start:
             raise ValueError(f"DeviceFault.until: {self.until} must be after start ({self.start}), or 0 (never stops)")
+
+
+    def found_by(self, evidence: Mapping[str, Any]) -> bool:
+        """Whether a quarantine's evidence (``device``, ``step``) found this fault: its device, at or after the
+        step it could first fire on (an earlier quarantine of the device is a false positive)."""
+        return evidence.get("device") == self.device and int(evidence.get("step", -1)) >= self.start
 
 
 class DeadDeviceError(RuntimeError):

@@ -449,8 +449,7 @@ def _quarantine_fault(island: str, evidence: dict[str, Any], device_faults: Sequ
     device whose start step is not after the evidence's step; None: a false positive (a healthy device
     quarantined, or the faulty one before its fault could fire)."""
     return next((f for f in device_faults if f.target == island and f.device_fault is not None
-                 and f.device_fault.device == evidence.get("device")
-                 and int(evidence.get("step", -1)) >= f.device_fault.start), None)
+                 and f.device_fault.found_by(evidence)), None)
 
 
 def device_quarantines(island_events: dict[str, list[dict[str, Any]]], device_faults: Sequence[FaultSpec]
