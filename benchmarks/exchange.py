@@ -452,7 +452,6 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
                 f"{wall:.2f}s, wire {wire / wall / MB:.0f} MB/s, model {n * FP32 * n_params / wall / MB:.0f} MB/s; "
                 f"CPU s: coordinator {cpu1[0] - cpu0[0]:.2f}, clients {cpu1[1] - cpu0[1]:.2f}")
         status = clients[0].status()
-        extra = json.loads(status.json) if status.json else {}
         retries = sum(c.retries for c in clients)
         if retries:
             raise RuntimeError(f"{retries} push retries happened: the timings are not clean")
@@ -469,7 +468,7 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
             "model_bytes": model_bytes, "wire_bytes_per_s": wire / best["wall_s"],
             "model_bytes_per_s": model_bytes / best["wall_s"], "vmhwm": mem["VmHWM"], "vmrss_end": mem["VmRSS"],
             "vmhwm_at_start": coord.mem_at_start["VmHWM"], "start_s": coord.start_s,
-            "merge_s_total": summary.get("merge_s", extra.get("merge_s")), "bytes_in": status.bytes_in,
+            "merge_s_total": summary.get("merge_s", status.merge_s), "bytes_in": status.bytes_in,
             "versions": status.version, "peak_rss_over_model": mem["VmHWM"] / (FP32 * n_params)}
 
 

@@ -536,12 +536,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                        shard_index=r.shard_index, devices=r.devices,
                                        quarantined=[evidence_to_message(e) for e in r.quarantined])
                        for r in self.state.islands.values()]
-            extra = {"state": st, "merge_s": self.merge_s, "params_digest": self.merger.digest,
-                     "pushes_refused": self.pushes_refused}
             return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode,
                                      islands=islands, tokens_merged=self.state.tokens_merged,
                                      bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-                                     deltas_dropped=self.state.deltas_dropped, json=json.dumps(extra, default=str))
+                                     deltas_dropped=self.state.deltas_dropped, stopped=st["stopped"],
+                                     run_over=st["run_over"], total_versions=st["total_versions"],
+                                     merge_s=self.merge_s, params_digest=self.merger.digest,
+                                     pushes_refused=self.pushes_refused)
 
     def close(self) -> None:
         with self.lock:

@@ -821,7 +821,8 @@ def test_quarantined_devices_reach_status_once_with_their_evidence(coordinator, 
         3, "known_answer", 50, 7.0, 8.0, 2, _KNOWN_ANSWER["detail"])
     assert not ka.HasField("z") and not ka.HasField("median")
     assert (nf.index, nf.probe, nf.step) == (0, "finite", 61) and np.isnan(nf.value) and not nf.HasField("expected")
-    state = json.loads(client.status().json)["state"]
+    with coordinator.service.lock:
+        state = coordinator.service.state.status(coordinator.service.clock())
     (rec,) = state["islands"]
     assert rec["bad_devices"] == ["0", "3"] and rec["devices"] == 6
     assert rec["quarantined"][1] == {"device": 0, "index": 0, "probe": "finite", "step": 61, "value": "nan",

@@ -951,9 +951,8 @@ def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path) -> s
     except CoordinatorError:
         status = None
     if status is not None:
-        state = json.loads(status.json or "{}").get("state", {})
-        over = state.get("run_over") or f"the run is over: {status.version} versions merged"
-        return f"{over} (coordinator at {client.address})" if state.get("stopped") else ""
+        over = status.run_over or f"the run is over: {status.version} versions merged"
+        return f"{over} (coordinator at {client.address})" if status.stopped else ""
     try:
         done = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):

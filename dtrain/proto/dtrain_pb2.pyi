@@ -45,7 +45,7 @@ PULL_KIND_FULL: PullKind
 PULL_KIND_CURRENT: PullKind
 
 class JoinRequest(_message.Message):
-    __slots__ = ("island", "hardware", "devices", "fingerprint", "fingerprint_fields")
+    __slots__ = ("island", "hardware", "devices", "fingerprint", "fingerprint_fields", "device_kind")
     class FingerprintFieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,12 +58,14 @@ class JoinRequest(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     island: str
     hardware: str
     devices: int
     fingerprint: str
     fingerprint_fields: _containers.ScalarMap[str, str]
-    def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    device_kind: str
+    def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions")
@@ -90,7 +92,7 @@ class JoinResponse(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices")
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,9 @@ class HeartbeatRequest(_message.Message):
     PENDING_PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     steps: int
@@ -111,7 +116,18 @@ class HeartbeatRequest(_message.Message):
     pending_push_id: str
     quarantined: _containers.RepeatedCompositeFieldContainer[DeviceEvidence]
     devices: int
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ...) -> None: ...
+    train_loss: float
+    utilization: float
+    evals: _containers.RepeatedCompositeFieldContainer[EvalReport]
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalReport, _Mapping]]] = ...) -> None: ...
+
+class EvalReport(_message.Message):
+    __slots__ = ("version", "loss")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    loss: float
+    def __init__(self, version: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class DeviceEvidence(_message.Message):
     __slots__ = ("device", "index", "probe", "step", "value", "expected", "z", "median", "mismatches", "detail")
@@ -226,7 +242,7 @@ class PullRequest(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., have_version: _Optional[int] = ..., full: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest")
+    __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest", "evaluate")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +251,7 @@ class PullHeader(_message.Message):
     FRAME_CRC32_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     kind: PullKind
     version: int
     base_version: int
@@ -243,7 +260,8 @@ class PullHeader(_message.Message):
     frame_crc32: int
     chunks: int
     params_digest: str
-    def __init__(self, kind: _Optional[_Union[PullKind, str]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., params_digest: _Optional[str] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, kind: _Optional[_Union[PullKind, str]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., params_digest: _Optional[str] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -258,7 +276,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IslandStatus(_message.Message):
-    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices")
+    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices", "hardware", "device_kind", "steps", "tokens", "train_loss", "utilization", "params_digest", "cursor", "bytes_in", "bytes_out", "last_seen_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +288,17 @@ class IslandStatus(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     name: str
     state: str
@@ -281,10 +310,21 @@ class IslandStatus(_message.Message):
     shard_index: int
     quarantined: _containers.RepeatedCompositeFieldContainer[DeviceEvidence]
     devices: int
-    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ...) -> None: ...
+    hardware: str
+    device_kind: str
+    steps: int
+    tokens: int
+    train_loss: float
+    utilization: float
+    params_digest: str
+    cursor: int
+    bytes_in: int
+    bytes_out: int
+    last_seen_s: float
+    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "json")
+    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -293,7 +333,24 @@ class StatusResponse(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     DELTAS_DROPPED_FIELD_NUMBER: _ClassVar[int]
-    JSON_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    RUN_OVER_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SHARD_CURSORS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MERGE_S_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     mode: str
@@ -302,5 +359,80 @@ class StatusResponse(_message.Message):
     bytes_in: int
     bytes_out: int
     deltas_dropped: int
-    json: str
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+    total_versions: int
+    tokens_total: int
+    stopped: bool
+    run_over: str
+    deltas_merged: int
+    deltas_rejected: int
+    duplicates: int
+    pushes_refused: int
+    shard_cursors: _containers.RepeatedScalarFieldContainer[int]
+    round: OpenRound
+    merge_s: float
+    params_digest: str
+    started_at: float
+    now: float
+    eval_loss: float
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundRecord]
+    evals: _containers.RepeatedCompositeFieldContainer[EvalPoint]
+    faults: _containers.RepeatedCompositeFieldContainer[FaultRecord]
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ...) -> None: ...
+
+class OpenRound(_message.Message):
+    __slots__ = ("target_version", "ready", "reason", "pending", "deadline_s")
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    target_version: int
+    ready: bool
+    reason: str
+    pending: int
+    deadline_s: float
+    def __init__(self, target_version: _Optional[int] = ..., ready: _Optional[bool] = ..., reason: _Optional[str] = ..., pending: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class RoundRecord(_message.Message):
+    __slots__ = ("version", "t", "pushes", "tokens", "bytes_in", "merge_s", "max_staleness")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    T_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    MERGE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    t: float
+    pushes: int
+    tokens: int
+    bytes_in: int
+    merge_s: float
+    max_staleness: float
+    def __init__(self, version: _Optional[int] = ..., t: _Optional[float] = ..., pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., merge_s: _Optional[float] = ..., max_staleness: _Optional[float] = ...) -> None: ...
+
+class EvalPoint(_message.Message):
+    __slots__ = ("version", "tokens", "loss", "island_id", "t")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    T_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tokens: int
+    loss: float
+    island_id: str
+    t: float
+    def __init__(self, version: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., island_id: _Optional[str] = ..., t: _Optional[float] = ...) -> None: ...
+
+class FaultRecord(_message.Message):
+    __slots__ = ("t", "kind", "island_id", "detail")
+    T_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    t: float
+    kind: str
+    island_id: str
+    detail: str
+    def __init__(self, t: _Optional[float] = ..., kind: _Optional[str] = ..., island_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
