@@ -527,6 +527,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        return self.status_message()
+
+    def status_message(self) -> pb.StatusResponse:
+        """The run's status: what the Status RPC answers and the dashboard shows (as JSON:
+        :func:`dtrain.status.message_dict`)."""
         with self.lock:
             now = self.clock()
             st = self.state.status(now)
