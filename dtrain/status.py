@@ -32,11 +32,12 @@ def message_dict(msg: Message) -> dict[str, Any]:
     return out
 
 
-def _value(f: FieldDescriptor, v: Any) -> Any:
+def _value(f: Any, v: Any) -> Any:  # Any: the descriptor is upb's or the pure-Python one
     if f.type == FieldDescriptor.TYPE_MESSAGE:
         return message_dict(v)
     if f.type == FieldDescriptor.TYPE_ENUM:
-        return f.enum_type.values_by_number[v].name if v in f.enum_type.values_by_number else int(v)
+        known = f.enum_type.values_by_number
+        return known[v].name if v in known else int(v)
     if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
         return json_number(float(v))
     if f.type == FieldDescriptor.TYPE_BYTES:
