@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,10 +21,14 @@ class RunLog:
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
         self.stream = stream or sys.stderr
+        # Called with each event's record as it is written (dtrain.telemetry counts faults from them).
+        self.listeners: list[Callable[[dict[str, Any]], object]] = []
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         record = {"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 3), "event": kind, **fields}
         self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def progress(self, line: str) -> None:
