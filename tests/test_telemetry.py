@@ -327,3 +327,50 @@ def test_otlp_exports_spans_and_metrics_to_a_collector_on_loopback(tmp_path):
     threading.Thread(target=lambda: (tel.shutdown(), done.set()), daemon=True).start()
     assert done.wait(timeout=15), "shutdown hung with the collector gone"
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.slow
+def test_an_islands_exchanges_are_spans_with_push_pull_and_fold_in(tmp_path, monkeypatch):
+    """One island in this process (tiny model, two rounds) against an in-process coordinator, both with the
+    in-memory exporter: one exchange span per round, with its push, pull(s) and fold-in, and the island's byte
+    counters equal to what its client sent and received. About 25 s on 2 cores (the island compiles)."""
+    from workers.island import Worker
+
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    # coordinator.checkpoint=false: orbax's async checkpointing bears one checkpoint manager at work per process
+    cfg = _cfg(tmp_path, "outer.islands=1", "train.steps=20", "train.warmup_steps=2", "coordinator.checkpoint=false",
+               "worker.start_wait_s=0", "worker.retry_total_s=20")
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        worker = Worker(cfg, running.address, "island-a", tmp_path / "island-a", quiet=True)
+        summary = worker.run()
+    finally:
+        running.stop()
+    assert summary["version"] == 2
+    tel = worker.telemetry
+    spans = tel.finished_spans()
+    exchanges = sorted((s for s in spans if s.name == "dtrain.exchange"),
+                       key=lambda s: _attrs(s)["dtrain.base_version"])
+    assert [(_attrs(e)["dtrain.base_version"], _attrs(e)["dtrain.version"]) for e in exchanges] == [(0, 1), (1, 2)]
+    sent = {e["push_id"]: e for e in read_events(tmp_path / "island-a") if e["event"] == "push_sent"}
+    for e in exchanges:
+        a = _attrs(e)
+        assert a["dtrain.island"] == worker.island_id and a["dtrain.name"] == "island-a"
+        assert a["dtrain.bytes"] == sent[a["dtrain.push_id"]]["bytes"]
+        children = [s for s in spans if s.parent is not None and s.parent.span_id == e.context.span_id]
+        names = [c.name for c in sorted(children, key=lambda s: s.start_time)]
+        assert names[0] == "dtrain.push" and names[-1] == "dtrain.fold_in" and "dtrain.pull" in names
+        assert set(names[1:-1]) == {"dtrain.pull"}
+        push = _attrs(next(c for c in children if c.name == "dtrain.push"))
+        assert push["dtrain.push_id"] == a["dtrain.push_id"] and push["dtrain.status"] in ("PUSH_STATUS_MERGED",
+                                                                                         "PUSH_STATUS_PENDING")
+        fold = _attrs(next(c for c in children if c.name == "dtrain.fold_in"))
+        assert fold["dtrain.base_version"] == a["dtrain.base_version"] and fold["dtrain.version"] == a["dtrain.version"]
+        assert all(c.end_time <= e.end_time for c in children)
+    metrics = tel.collect()  # as they were at the island's shutdown
+    assert _one(metrics["dtrain.bytes_up"]).value == summary["bytes_up"] == sum(e["bytes"] for e in sent.values())
+    assert _one(metrics["dtrain.bytes_down"]).value == summary["bytes_down"]
+    ratio = _one(metrics["dtrain.compression_ratio"])
+    assert ratio.count == 2 and ratio.sum == pytest.approx(sum(4 * worker.n / e["bytes"] for e in sent.values()))
+    assert exchanges[0].resource.attributes["service.instance.id"] == "island-a"
+    assert exchanges[0].resource.attributes["dtrain.run_id"] == running.service.run_id
