@@ -763,6 +763,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
 
     return_large_frees_to_the_os()
     check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
+    require_exporter(cfg.telemetry)  # likewise
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

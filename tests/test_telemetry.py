@@ -263,7 +263,7 @@ def test_an_otlp_endpoint_without_scheme_or_port_is_refused(endpoint):
         load_config(TINY, ["telemetry.exporter=otlp", f"telemetry.otlp_endpoint={endpoint}"])
 
 
-def test_otlp_without_the_extra_says_how_to_install_it(tmp_path, monkeypatch):
+def test_otlp_without_the_extra_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
     cfg = load_config(TINY, ["telemetry.exporter=otlp"])
     with pytest.raises(DtrainError) as e:
@@ -273,6 +273,12 @@ def test_otlp_without_the_extra_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(DtrainError, match=r"pip install 'dtrain\[otlp\]'"):  # the coordinator: before it writes
         serve(_cfg(tmp_path, "telemetry.exporter=otlp"), tmp_path / "coord", None, [], port=0, quiet=True)
     assert not (tmp_path / "coord").exists()
+    from dtrain_cli.main import main
+
+    rc = main(["coordinator", "--config", str(TINY), "--set", "telemetry.exporter=otlp", "--set",
+               f"run.out_dir={tmp_path}", "--port", "0"])  # refused before θ_0 is computed
+    assert rc == 1
+    assert capsys.readouterr().err.strip().endswith("pip install 'dtrain[otlp]'")
 
 
 def test_otlp_exports_spans_and_metrics_to_a_collector_on_loopback(tmp_path):
