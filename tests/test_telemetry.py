@@ -24,7 +24,7 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
-from dtrain.telemetry import FAULT_EVENTS, Telemetry
+from dtrain.telemetry import FAULT_KINDS, Telemetry
 from dtrain.wire import auth_metadata
 from workers.client import CoordinatorClient
 
@@ -154,16 +154,21 @@ def test_faults_are_counted_by_kind_from_the_events(tmp_path):
     from dtrain.runlog import RunLog
 
     log = RunLog(tmp_path / "log", quiet=True)
-    log.listeners.append(tel.on_event)
+    log.subscribe(tel.on_event)
     log.event("island_lost", island="i-1", reason="lease")
     log.event("push_refused", island="i-2", push_id="x")
     log.event("push_refused", island="i-2", push_id="y")
+    log.event("push_received", island="i-1", push_id="z", status="drop")
+    log.event("push_received", island="i-1", push_id="w", status="accept")  # not a fault
+    log.event("push_quarantined", island="i-2", push_id="v")
+    log.event("merge_rejected", island="i-1", push_id="u")
     log.event("round_merged", version=1)  # not a fault
     log.close()
     counts = {(p.attributes["dtrain.kind"], p.attributes["dtrain.island"]): p.value
               for p in tel.collect()["dtrain.faults"]}
-    assert counts == {("island_lost", "i-1"): 1, ("push_refused", "i-2"): 2}
-    assert {"island_lost", "push_refused", "device_quarantined", "auth_failed"} <= FAULT_EVENTS
+    assert counts == {("island_lost", "i-1"): 1, ("push_refused", "i-2"): 2, ("delta_dropped", "i-1"): 1,
+                      ("delta_rejected", "i-2"): 1, ("delta_rejected", "i-1"): 1}
+    assert {"island_lost", "device_quarantined", "auth_failed", "request_invalid"} <= set(FAULT_KINDS.values())
     tel.shutdown()
 
 

@@ -408,7 +408,7 @@ class Worker:
     def _start_telemetry(self, run_id: str) -> None:
         self.telemetry = Telemetry(self.cfg.telemetry, "island", self.name, run_id)
         island_counters(self.telemetry, lambda: self.client.bytes_up, lambda: self.client.bytes_down)
-        self.log.listeners.append(self.telemetry.on_event)
+        self.log.subscribe(self.telemetry.on_event)
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
         """Brings θ up to the coordinator's latest version (see :class:`Puller`)."""
