@@ -666,12 +666,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._closing = True
             self.lock.notify_all()  # wakes the ticker, which then ends
         self._ticker.join(timeout=5)
+        self.rounds.close_all()
+        self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
         with self.lock:
             self.merger.close()
         if self.ckpt is not None:
             self.ckpt.close()
-        self.rounds.close_all()
-        self.telemetry.shutdown()
         self.log.close()
 
 

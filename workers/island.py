@@ -743,16 +743,16 @@ class Worker:
         then trains the push's range again (the fold-in's progress is discarded there). ``fold=False``: θ' only,
         the island's state is about to be replaced (a :class:`Recovery`)."""
         exchange = pending.exchange
-        with self.telemetry.ending(exchange.span), self.telemetry.span(
-                "dtrain.fold_in", parent=exchange.span, island=self.island_id, base_version=exchange.base.version,
-                folded=fold) as span:
+        with self.telemetry.ending(exchange.span):  # the exchange's span ends with its fold-in (or its error)
             result = exchange.future.result()
-            self.telemetry.annotate(span, version=result.version)
             self.telemetry.annotate(exchange.span, version=result.version)
             self._last_exchange = exchange
-            if fold:
-                new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
-                island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+            with self.telemetry.span("dtrain.fold_in", parent=exchange.span, island=self.island_id,
+                                     base_version=exchange.base.version, version=result.version, folded=fold):
+                if fold:
+                    new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
+                    island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push,
+                                                                       new_global))
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
