@@ -379,9 +379,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise
 
     def _set_health(self) -> None:
-        """grpc.health.v1: SERVING while the run goes on; NOT_SERVING once it is over, the service failed or a stop
-        was requested (the ticker calls this on every change)."""
-        serving = not (self.finished or self.fatal or self._closing or self.state.stopped())
+        """grpc.health.v1: SERVING while the coordinator serves, including after the run's last version while it
+        lingers for the islands' last pulls (a readiness probe must keep routing them here); NOT_SERVING once it is
+        finished, failed or asked to stop (the ticker calls this on every change)."""
+        serving = not (self.finished or self.fatal or self._closing)
         if serving == self._serving:
             return  # unchanged: a Watch hears of changes only
         self._serving = serving

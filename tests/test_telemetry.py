@@ -228,7 +228,9 @@ def test_health_answers_without_a_token_and_goes_not_serving_when_stopping(tmp_p
         running.stop()
 
 
-def test_health_goes_not_serving_once_the_run_is_over(tmp_path, monkeypatch):
+def test_health_stays_serving_while_islands_lack_the_last_version_then_not_serving(tmp_path, monkeypatch):
+    """The run's last version merged, the coordinator lingers for the islands' last pulls: a readiness probe must
+    keep routing to it (SERVING); once every island holds that version it is finished (NOT_SERVING)."""
     monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
     cfg = replace(_cfg(tmp_path), train={"steps": 10})  # one version
     running = Running(cfg, tmp_path / "coord")
@@ -238,9 +240,14 @@ def test_health_goes_not_serving_once_the_run_is_over(tmp_path, monkeypatch):
         assert _health(running.address) == health_pb2.HealthCheckResponse.SERVING
         _push(clients[0], joins[0], "p0", 0)
         _push(clients[1], joins[1], "p1", 1)
+        assert clients[0].status().stopped  # the run is over ...
+        time.sleep(0.2)
+        assert _health(running.address) == health_pb2.HealthCheckResponse.SERVING  # ... the islands lack v1
+        for c, j in zip(clients, joins, strict=True):
+            c.heartbeat(island_id=j.island_id, version=1)
         deadline = time.monotonic() + 5
         while _health(running.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline, "the health service still says SERVING after the run's last version"
+            assert time.monotonic() < deadline, "still SERVING after every island holds the last version"
             time.sleep(0.02)
         for c in clients:
             c.close()
