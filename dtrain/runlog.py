@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,3 +85,23 @@ def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, 
         except ValueError:
             continue
     return out
+
+
+# The events that record a fault, or a service's answer to one, and the kind each is (:func:`fault_kind`): what the
+# coordinator's Status lists as recent faults, the ``dtrain.faults`` metric counts and ``dtrain plot`` marks.
+FAULT_EVENTS = {
+    "island_lost": "island_lost", "push_quarantined": "delta_rejected", "merge_rejected": "delta_rejected",
+    "push_refused": "push_refused", "push_aborted": "push_aborted", "device_quarantined": "device_quarantined",
+    "auth_failed": "auth_failed", "request_invalid": "request_invalid", "digest_mismatch": "digest_mismatch",
+    "nan_guard": "nan_guard", "coordinator_failed": "coordinator_failed", "coordinator_resumed": "coordinator_resumed",
+    "leases_paused": "leases_paused", "checkpoint_skipped": "checkpoint_skipped",
+}
+
+
+def fault_kind(record: Mapping[str, Any]) -> str:
+    """The fault an event records (:data:`FAULT_EVENTS`; a ``push_received`` with status "drop" is a
+    ``delta_dropped``), or ''."""
+    kind = str(record.get("event", ""))
+    if kind == "push_received":
+        return "delta_dropped" if record.get("status") == "drop" else ""
+    return FAULT_EVENTS.get(kind, "")

@@ -32,6 +32,7 @@ from opentelemetry.util.types import AttributeValue
 
 from dtrain.config import TelemetryConfig
 from dtrain.errors import DtrainError
+from dtrain.runlog import fault_kind
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -41,16 +42,6 @@ if TYPE_CHECKING:
 
     from dtrain.proto import dtrain_pb2 as pb
 
-# The events that count as faults (metric ``dtrain.faults``), wherever a RunLog that :meth:`Telemetry.on_event`
-# subscribes to records them, and the kind (attribute ``dtrain.kind``) each is counted as. A ``push_received`` with
-# status "drop" is a ``delta_dropped`` too (:func:`fault_kind`).
-FAULT_KINDS = {
-    "island_lost": "island_lost", "delta_dropped": "delta_dropped", "delta_rejected": "delta_rejected",
-    "push_quarantined": "delta_rejected", "merge_rejected": "delta_rejected", "push_refused": "push_refused",
-    "push_aborted": "push_aborted", "device_quarantined": "device_quarantined", "auth_failed": "auth_failed",
-    "request_invalid": "request_invalid", "digest_mismatch": "digest_mismatch", "nan_guard": "nan_guard",
-    "coordinator_failed": "coordinator_failed",
-}
 # Histogram bucket boundaries: compression ratios (raw fp32 bytes / frame bytes; int8 is about 4, fp32 about 1) and
 # round latencies in seconds (a loopback round of a tiny model: tens of ms; a WAN round of a large one: minutes).
 RATIO_BUCKETS = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0)
@@ -66,14 +57,6 @@ def attributes(values: Mapping[str, Any]) -> dict[str, AttributeValue]:
             continue
         out[f"dtrain.{key}"] = tuple(value) if isinstance(value, list | tuple) else value
     return out
-
-
-def fault_kind(record: Mapping[str, Any]) -> str:
-    """The fault an event records (:data:`FAULT_KINDS`), or ''."""
-    kind = str(record.get("event", ""))
-    if kind == "push_received":
-        return "delta_dropped" if record.get("status") == "drop" else ""
-    return FAULT_KINDS.get(kind, "")
 
 
 def require_exporter(cfg: TelemetryConfig) -> None:

@@ -23,8 +23,8 @@ from dtrain.config import ConfigError, load_config, replace
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.runlog import read_events
-from dtrain.telemetry import FAULT_KINDS, Telemetry
+from dtrain.runlog import FAULT_EVENTS, read_events
+from dtrain.telemetry import Telemetry
 from dtrain.wire import auth_metadata
 from workers.client import CoordinatorClient
 
@@ -168,7 +168,7 @@ def test_faults_are_counted_by_kind_from_the_events(tmp_path):
               for p in tel.collect()["dtrain.faults"]}
     assert counts == {("island_lost", "i-1"): 1, ("push_refused", "i-2"): 2, ("delta_dropped", "i-1"): 1,
                       ("delta_rejected", "i-2"): 1, ("delta_rejected", "i-1"): 1}
-    assert {"island_lost", "device_quarantined", "auth_failed", "request_invalid"} <= set(FAULT_KINDS.values())
+    assert {"island_lost", "device_quarantined", "auth_failed", "request_invalid"} <= set(FAULT_EVENTS.values())
     tel.shutdown()
 
 
