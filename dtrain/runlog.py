@@ -49,7 +49,7 @@ class RunLog:
         if self._bar is not None:
             from rich.text import Text
 
-            self._bar.console.print(Text(text))
+            self._bar.console.print(Text(text), soft_wrap=True)  # one line, as in plain mode
         else:
             print(text, file=self.stream, flush=True)
 
@@ -128,7 +128,7 @@ def fmt_rate(x: float) -> str:
 def fmt_progress(name: str, *, step: int | None = None, version: int | None = None, total: int | str = 0,
                  data: tuple[int, int] | None = None, loss: float | None = None, eval_loss: float | None = None,
                  tokens_per_s: float | None = None, extra: str = "") -> str:
-    """A progress line: ``NAME: step S vX/TOTAL data C/N loss L eval loss E tok/s R EXTRA``, each part only when
+    """A progress line: ``NAME: step S vX/TOTAL data C/N train loss L eval loss E tok/s R EXTRA``, each part only when
     given. ``total``: the version the run ends at (0: not known; a string such as ``"~3"`` for an estimate);
     ``data``: (cursor, length) of the data, for a run whose end the data decides."""
     parts = [f"{name}:"]
@@ -139,7 +139,7 @@ def fmt_progress(name: str, *, step: int | None = None, version: int | None = No
     if data is not None:
         parts.append(f"data {data[0]}/{data[1]}")
     if loss is not None:
-        parts.append(f"loss {loss:.4f}")
+        parts.append(f"train loss {loss:.4f}")
     if eval_loss is not None:
         parts.append(f"eval loss {eval_loss:.4f}")
     if tokens_per_s is not None:

@@ -415,7 +415,7 @@ class Worker:
         self.island_id = resp.island_id
         self.total_versions = resp.total_versions
         self.log.event("joined", island_id=resp.island_id, shard=resp.shard_index, cursor=resp.cursor,
-                       version=resp.version, run_id=resp.run_id)
+                       version=resp.version, run_id=resp.run_id, total_versions=resp.total_versions)
         return resp
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
