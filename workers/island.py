@@ -825,6 +825,7 @@ class Worker:
         if fold:
             new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
             island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+        self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
@@ -995,6 +996,7 @@ class Worker:
                 break
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
+                self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
                 status.version = anchor.version
             elif time.perf_counter() - last_progress > patience:
                 self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
