@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,10 +36,18 @@ class RunLog:
         self._bar: Any = None  # rich.progress.Progress, started by the first live status line
         self._tasks: dict[str, Any] = {}  # status key -> its rich task id
         self._shown: dict[str, float] = {}  # plain mode: status key -> when its line was last printed
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Calls ``listener(record)`` after each event is written (the coordinator's dashboard history, its
+        telemetry's fault counters): what a run shows and exports is what its events.jsonl records."""
+        self._listeners.append(listener)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         record = {"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 3), "event": kind, **fields}
         self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        for listener in self._listeners:
+            listener(record)
         return record
 
     def progress(self, line: str) -> None:
