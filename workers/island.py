@@ -55,7 +55,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_progress, json_number
 from dtrain.setup import prepare
 from dtrain.train import InnerLoop, make_mesh
-from dtrain.wire import max_frame_bytes
+from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
 from workers.inject import Injection, injected_push
@@ -455,9 +455,10 @@ class Worker:
         return loss
 
     def _pending_evals(self) -> list[tuple[int, float]]:
-        """The eval reports not yet carried by an answered heartbeat, as (version, loss)."""
+        """The eval reports not yet carried by an answered heartbeat, as (version, loss): the oldest
+        :data:`dtrain.wire.MAX_EVAL_REPORTS` (the coordinator refuses a heartbeat with more)."""
         with self._eval_lock:
-            return sorted(self._eval_reports.items())
+            return sorted(self._eval_reports.items())[:MAX_EVAL_REPORTS]
 
     def _evals_answered(self, sent: list[tuple[int, float]]) -> None:
         """A heartbeat carrying ``sent`` was answered: those reports are delivered."""
