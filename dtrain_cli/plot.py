@@ -110,6 +110,11 @@ def _num(x: Any) -> float | None:
     return None
 
 
+def _x(point: Point) -> float:
+    """A point's x: series are sorted by it, keeping the order of points with the same x (a stable sort)."""
+    return point[0]
+
+
 def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]],
                driver: list[dict[str, Any]]) -> RunSeries:
     """The plotted series from a run's events (:func:`read_run`)."""
@@ -158,12 +163,13 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
             loss, tokens = _num(e.get("loss")), _num(e.get("tokens"))
             if loss is not None and tokens is not None:
                 train["train"].append((tokens, loss))
-        elif kind == "eval":
+    for e in top:  # after the merges: an eval without its tokens takes its version's
+        if e.get("event") == "eval":
             loss = _num(e.get("loss", e.get("eval_loss")))
             tokens = _num(e.get("tokens"))
             if tokens is None and e.get("version") is not None:
                 tokens = merged_tokens.get(int(e["version"]))
-            if tokens is None and e.get("step") is not None:
+            if tokens is None and e.get("step") is not None:  # dtrain train: its step's tokens
                 tokens = float(int(e["step"]) * tokens_per_step)
             if loss is not None and tokens is not None:
                 s.eval_loss.append((tokens, loss))
@@ -173,8 +179,8 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
         if done is not None and loss is not None:
             version = int(done.get("version", 0))
             s.final_eval[name] = (merged_tokens.get(version, total), loss)
-    s.train_loss = {k: sorted(v) for k, v in sorted(train.items())}
-    s.eval_loss.sort()
+    s.train_loss = {k: sorted(v, key=_x) for k, v in sorted(train.items())}
+    s.eval_loss.sort(key=_x)
 
     # -- bytes (the coordinator's view: what it received and sent)
     up: dict[str, float] = defaultdict(float)
@@ -209,7 +215,7 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
         if done is not None and _num(done.get("utilization")) is not None:
             points.append((float(done["t"]) - t0, float(done["utilization"])))
         if points:
-            s.utilization[name] = sorted(points)
+            s.utilization[name] = sorted(points, key=_x)
 
     # -- timeline
     marks: list[Mark] = []
