@@ -134,15 +134,16 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
-def fmt_progress(name: str, *, step: int | None = None, version: int | None = None, total: int | str = 0,
-                 data: tuple[int, int] | None = None, loss: float | None = None, eval_loss: float | None = None,
-                 tokens_per_s: float | None = None, extra: str = "") -> str:
-    """A progress line: ``NAME: step S vX/TOTAL data C/N train loss L eval loss E tok/s R EXTRA``, each part only when
-    given. ``total``: the version the run ends at (0: not known; a string such as ``"~3"`` for an estimate);
-    ``data``: (cursor, length) of the data, for a run whose end the data decides."""
+def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version: int | None = None,
+                 total: int | str = 0, data: tuple[int, int] | None = None, loss: float | None = None,
+                 eval_loss: float | None = None, tokens_per_s: float | None = None, extra: str = "") -> str:
+    """A progress line: ``NAME: step S/STEPS vX/TOTAL data C/N train loss L eval loss E tok/s R EXTRA``, each part
+    only when given. ``steps``: the step the run ends at; ``total``: the version the run ends at (0: not known; a
+    string such as ``"~3"`` for an estimate); ``data``: (cursor, length) of the data, for a run whose end the data
+    decides."""
     parts = [f"{name}:"]
     if step is not None:
-        parts.append(f"step {step}")
+        parts.append(f"step {step}/{steps}" if steps else f"step {step}")
     if version is not None:
         parts.append(f"v{version}/{total}" if total else f"v{version}")
     if data is not None:

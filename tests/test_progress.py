@@ -34,6 +34,7 @@ def test_fmt_progress_shows_version_of_total_or_the_data_cursor_loss_and_rate():
     line = fmt_progress("island-0", step=40, version=2, data=(320, 480), loss=3.5, eval_loss=3.25)
     assert line == "island-0: step 40 v2 data 320/480 train loss 3.5000 eval loss 3.2500"
     assert fmt_progress("simulate", version=1, total="~3") == "simulate: v1/~3"
+    assert fmt_progress("train", step=10, steps=60, loss=3.2) == "train: step 10/60 train loss 3.2000"
 
 
 def test_plain_status_lines_are_progress_lines_at_most_one_per_every_s(tmp_path):
