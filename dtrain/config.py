@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from dtrain import schema
 from dtrain.codec import CODEC_BITS
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_OTLP_ENDPOINT = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}/?")
 
 
 class ConfigError(ValueError):
@@ -192,6 +194,19 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    exporter: str = _f("none", "where OpenTelemetry spans and metrics go: none (off), console (stderr), otlp (a "
+                       "collector over gRPC; needs pip install 'dtrain[otlp]'), memory (kept in the process, for "
+                       "tests)", choices=("none", "console", "otlp", "memory"))
+    otlp_endpoint: str = _f("http://127.0.0.1:4317", "otlp: the collector's OTLP/gRPC endpoint, http://HOST:PORT "
+                            "(plaintext) or https://HOST:PORT (TLS)")
+    otlp_timeout_s: float = _f(5.0, "otlp: seconds one export may take, retries included (also bounds the "
+                               "flush at shutdown)")
+    export_interval_s: float = _f(10.0, "console and otlp: seconds between metric exports")
+    service_name: str = _f("dtrain", "prefix of the OpenTelemetry service.name: PREFIX-coordinator, PREFIX-island")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -204,6 +219,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @property
     def rounds(self) -> int:
@@ -227,7 +243,8 @@ class Config:
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
-            "worker": WorkerConfig, "health": HealthConfig, "security": SecurityConfig}
+            "worker": WorkerConfig, "health": HealthConfig, "security": SecurityConfig,
+            "telemetry": TelemetryConfig}
 
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
@@ -356,6 +373,15 @@ def _check(cfg: Config, origin: str) -> None:
              "client_cert and client_key go together")
     if sec.client_auth and not (sec.ca and sec.server_cert):
         fail("security", "client_auth", "mutual TLS needs security.ca and security.server_cert")
+    tel = cfg.telemetry
+    for name in ("otlp_timeout_s", "export_interval_s"):
+        if not (math.isfinite(getattr(tel, name)) and getattr(tel, name) > 0):
+            fail("telemetry", name, f"must be a finite number > 0, got {getattr(tel, name)}")
+    if tel.exporter == "otlp" and not _OTLP_ENDPOINT.fullmatch(tel.otlp_endpoint):
+        fail("telemetry", "otlp_endpoint", f"must be http://HOST:PORT or https://HOST:PORT, got "
+             f"{tel.otlp_endpoint!r}")
+    if not tel.service_name.strip():
+        fail("telemetry", "service_name", "must not be empty")
     if t.batch_size % fixed:
         fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
              f"(mesh.data x mesh.fsdp)")

@@ -37,6 +37,9 @@ KEEPALIVE_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_MAX_S = 0.5
 
 AUTH_METADATA_KEY = "authorization"
+# The calls answered without a token: grpc.health.v1's Check and Watch (Kubernetes' gRPC probes and load balancers
+# send none). They tell whether the coordinator serves, nothing about the run.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 # Trailing metadata on a Join refused because the run is over (its value: the last version): the island exits 0.
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
@@ -125,7 +128,8 @@ def keepalive_options(server: bool) -> list[tuple[str, int | str]]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare)."""
+    """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare), except the health
+    checks of :data:`OPEN_METHODS`."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -145,6 +149,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if details.method in OPEN_METHODS:
+            return continuation(details)
         got = ""
         for key, value in details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"

@@ -42,6 +42,7 @@ import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
@@ -54,6 +55,7 @@ from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_progress, json_number
 from dtrain.setup import prepare
+from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop, make_mesh
 from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
@@ -176,9 +178,14 @@ class Exchange:
     The heartbeat sets :attr:`repush` when the coordinator has lost the push (a restart): it is sent again."""
 
     def __init__(self, client: PushClient, puller: Puller, frame: bytes, header: pb.PushHeader,
-                 base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog):
+                 base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog,
+                 telemetry: Telemetry | None = None, span: Span | None = None):
+        """``span``: the exchange's ``dtrain.exchange`` span (ended by the fold-in), parent of its push and pull
+        spans."""
         self.client, self.puller, self.frame, self.header, self.base = client, puller, frame, header, base
         self.total_versions, self.stop, self.log = total_versions, stop, log
+        self.telemetry = telemetry or Telemetry.disabled()
+        self.span = span or INVALID_SPAN
         self.repush = threading.Event()
         self.response: pb.PushDeltaResponse | None = None  # the coordinator's answer to the push, once it came
         self.future: Future[GlobalParams] = Future()
@@ -206,7 +213,11 @@ class Exchange:
         it was applied, and a retry would be refused too) is answered as REJECTED at its range's start."""
         h = self.header
         try:
-            return self.client.push(h, self.frame)
+            with self.telemetry.span("dtrain.push", parent=self.span, island=h.island_id, push_id=h.push_id,
+                                     base_version=h.base_version, bytes=len(self.frame)) as span:
+                response = self.client.push(h, self.frame)
+                self.telemetry.annotate(span, status=pb.PushStatus.Name(response.status), version=response.version)
+                return response
         except CoordinatorError as e:
             if e.code not in REFUSALS:
                 raise
@@ -241,17 +252,25 @@ class Exchange:
             if response.status in NOT_TAKEN:
                 # Not merged, and no version waits for it: back at once with the newest θ, so the island trains
                 # the range again (a rewind) without waiting for a round that may be waiting for it.
-                return self.puller.pull(h.island_id, g)
+                return self._pull(g)
             if self.repush.is_set():  # the coordinator lost our push (restart): send it again
                 self.repush.clear()
                 response = self.response = self._send()
                 self.log("push_resent", push_id=h.push_id, status=pb.PushStatus.Name(response.status),
                          reason=response.reason, cursor=response.cursor)
                 continue
-            g = self.puller.pull(h.island_id, g, wait_s=PULL_WAIT_S)
+            g = self._pull(g, wait_s=PULL_WAIT_S)
             if self.total_versions and g.version >= self.total_versions:
                 break
         return g
+
+    def _pull(self, have: GlobalParams, wait_s: float = 0.0) -> GlobalParams:
+        """One pull of the exchange (a ``dtrain.pull`` span)."""
+        with self.telemetry.span("dtrain.pull", parent=self.span, island=self.header.island_id,
+                                 base_version=have.version, wait_s=wait_s) as span:
+            g = self.puller.pull(self.header.island_id, have, wait_s=wait_s)
+            self.telemetry.annotate(span, version=g.version)
+            return g
 
 
 class LinkWatch:
@@ -353,7 +372,10 @@ class Worker:
         self.injections = list(inject)
         self.name = name
         self.run_dir = Path(run_dir)
+        require_exporter(cfg.telemetry)  # a missing extra, before anything slow
         self.log = RunLog(self.run_dir, quiet=quiet)
+        # Built at the first Join (its Resource names the run id); until then it records nothing.
+        self.telemetry = Telemetry.disabled()
         self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
         self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry, give_up=self.stopping)
         # Chip health ([health] enabled) runs the per-device step, whose metrics are the statistics probe; so does an
@@ -414,9 +436,16 @@ class Worker:
                               f"differs from this island's ({self.n}, {self.tree_digest})")
         self.island_id = resp.island_id
         self.total_versions = resp.total_versions
+        if not self.telemetry.enabled and self.cfg.telemetry.exporter != "none":
+            self._start_telemetry(resp.run_id)
         self.log.event("joined", island_id=resp.island_id, shard=resp.shard_index, cursor=resp.cursor,
                        version=resp.version, run_id=resp.run_id, total_versions=resp.total_versions)
         return resp
+
+    def _start_telemetry(self, run_id: str) -> None:
+        self.telemetry = Telemetry(self.cfg.telemetry, "island", self.name, run_id)
+        island_counters(self.telemetry, lambda: self.client.bytes_up, lambda: self.client.bytes_down)
+        self.log.subscribe(self.telemetry.on_event)
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
         """Brings θ up to the coordinator's latest version (see :class:`Puller`)."""
@@ -821,11 +850,17 @@ class Worker:
         If the coordinator dropped or rejected the push, a :class:`Rewind` to its cursor is posted: the loop
         then trains the push's range again (the fold-in's progress is discarded there). ``fold=False``: θ' only,
         the island's state is about to be replaced (a :class:`Recovery`)."""
-        result = pending.exchange.future.result()
-        self._last_exchange = pending.exchange
-        if fold:
-            new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
-            island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+        exchange = pending.exchange
+        with self.telemetry.ending(exchange.span):  # the exchange's span ends with its fold-in (or its error)
+            result = exchange.future.result()
+            self.telemetry.annotate(exchange.span, version=result.version)
+            self._last_exchange = exchange
+            with self.telemetry.span("dtrain.fold_in", parent=exchange.span, island=self.island_id,
+                                     base_version=exchange.base.version, version=result.version, folded=fold):
+                if fold:
+                    new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
+                    island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push,
+                                                                       new_global))
         self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
@@ -908,6 +943,8 @@ class Worker:
     def _push(self, island: Island, anchor: GlobalParams, round_steps: int, round_start: tuple[int, int],
               status: IslandStatus, ckpt: Checkpointer) -> Pending:
         """Takes this round's Δ = θ_anchor − θ_local, starts its exchange and checkpoints the island."""
+        span = self.telemetry.start_span("dtrain.exchange", island=self.island_id, name=self.name,
+                                         base_version=anchor.version, steps=round_steps)
         local = jax.device_get(island.state.params)  # note: host sync, once per round
         _, local_vec = codec.flatten(local)
         at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
@@ -921,8 +958,10 @@ class Worker:
                                       self.up_bits, self.cfg.codec, self.log.event)
         self.frames_sent += 1
         self.frame_bytes += len(frame)
+        self.telemetry.record_ratio(4 * self.n, len(frame), "up")
+        self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
-                            self.log.event)
+                            self.log.event, self.telemetry, span)
         status.exchange = exchange
         exchange.start()
         ckpt.save(island.steps, island.state, {"steps": island.steps, "cursor": island.cursor,
@@ -1047,6 +1086,7 @@ class Worker:
         if not self.drained:
             self.log.progress(f"{self.name}: done v{g.version}, eval loss {final_eval:.4f}, "
                               f"utilization {summary['utilization']:.3f}")
+        self.telemetry.shutdown()
         self.log.close()
         self.client.close()
         return summary
@@ -1112,6 +1152,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         return worker.run()
     finally:
         worker.stopping.set()
+        worker.telemetry.shutdown()  # flushes (idempotent: a finished run's was shut down already)
         if worker.ckpt is not None:
             try:
                 worker.ckpt.close()  # its async writer thread would otherwise keep a failed process alive
