@@ -49,6 +49,7 @@ MAX_CHUNKS = 1 << 20
 # run to kilobytes) and the most devices one report may name (also at most the island's mesh).
 PROBES = ("known_answer", "finite", "stats", "replay")
 MAX_EVIDENCE_DETAIL = 512
+MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry (an island sends its oldest first)
 MAX_EVIDENCE = 4096
 
 

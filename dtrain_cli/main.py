@@ -66,11 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config as TOML with every field's comment")
     _common(p)
     p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
+    p = sub.add_parser("plot", help="write PNGs of a run (loss, bytes, utilization, a fault timeline) from its "
+                       "events; a finished or a live run", description="e.g. dtrain plot runs/tiny")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, e.g. runs/tiny")
+    p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plot":  # no config: it reads what the run wrote
+        from dtrain_cli import plot
+
+        return plot.main(args.run_dir, args.out)
     if args.host_devices:
         if "jax" in sys.modules:
             print("--host-devices must be set before JAX is imported", file=sys.stderr)
