@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.runlog import fault_kind, read_events
+from dtrain.wire import MAX_EVAL_REPORTS
 
 MAX_ROUNDS = 500  # RoundRecords kept for Status (the dashboard's bytes chart)
 MAX_EVALS = 500  # EvalPoints kept
 MAX_FAULTS = 100  # FaultRecords kept
-MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry
 EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: the next puller is asked instead
 
 _DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")

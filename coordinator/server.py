@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.history import MAX_EVAL_REPORTS, RunHistory, check_eval_reports
+from coordinator.history import RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
@@ -41,6 +41,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
 from dtrain.wire import (
+    MAX_EVAL_REPORTS,
     RUN_OVER_METADATA_KEY,
     SERVICE,
     FrameReceiver,
