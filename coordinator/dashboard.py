@@ -278,14 +278,15 @@ def peer_name(address: Any) -> str:
 
 def open_dashboard(service: CoordinatorService, port: int, token: str | None) -> Dashboard:
     """The coordinator's dashboard on ``coordinator.host:port``, bound (not yet serving): the service's status
-    as JSON, a refused request as the service's ``auth_failed`` event {peer, method, path}."""
+    as JSON, a refused request as the service's ``auth_failed`` event {peer, method} (method: ``GET /PATH``, as the
+    gRPC side names the method called), which its history lists among the run's faults."""
 
     def status() -> dict[str, Any]:
         return message_dict(service.status_message())
 
     def auth_failed(peer: str, path: str) -> None:
         with service.lock:  # the event log is written under the service's lock everywhere else too
-            service.log.event("auth_failed", peer=peer, method="GET", path=path, via="dashboard")
+            service.log.event("auth_failed", peer=peer, method=f"GET {path}", via="dashboard")
 
     cfg = service.cfg
     return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, auth_failed)
