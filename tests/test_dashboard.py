@@ -230,6 +230,7 @@ def _chromium(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[
 
 def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> dict[str, Any]:
     deadline = time.monotonic() + RUN_TIMEOUT_S
+    doc = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"the simulation ended (status {proc.returncode}) before the page was loaded:\n"
@@ -241,7 +242,10 @@ def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path)
         if doc is not None and ready(doc):
             return doc
         time.sleep(0.3)
-    raise AssertionError(f"the run did not get far enough within {RUN_TIMEOUT_S:.0f}s:\n{log.read_text()[-3000:]}")
+    seen = doc and {"version": doc["version"], "evals": len(doc["evals"]),
+                    "islands": [(i["name"], i["steps"], i["train_loss"]) for i in doc["islands"]]}
+    raise AssertionError(f"the run did not get far enough within {RUN_TIMEOUT_S:.0f}s (last status: {seen}):\n"
+                         f"{log.read_text()[-3000:]}")
 
 
 def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
@@ -269,6 +273,7 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
         assert isinstance(info["dashboard_port"], int) and info["dashboard_port"] > 0
         url = info["dashboard"]
         assert url == f"http://127.0.0.1:{info['dashboard_port']}/"
+        assert f"live dashboard at {url}" in log.read_text()  # the driver says where
         # Live: both islands have trained and reported, a few versions are merged and evaluated.
         doc = _wait_status(url, lambda d: d["version"] >= 2 and len(d["evals"]) >= 2 and len(d["islands"]) == 2
                            and all(i["steps"] > 0 and i["train_loss"] is not None for i in d["islands"]), proc, log)
