@@ -159,11 +159,12 @@ class Dashboard:
         self._expected = f"Bearer {token}".encode() if token else None
         self._token = token.encode() if token else None
         self.auth_failures = AuthFailures(auth_failed)
-        self._page = page_html()
+        self.page = page_html()
         self.server = _bind(host, port)
         self.server.dashboard = self
         self.port: int = self.server.server_address[1]
         self._thread: threading.Thread | None = None
+        self._closing = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -177,12 +178,14 @@ class Dashboard:
         self._thread.start()
 
     def close(self) -> None:
-        """Stops serving and releases the port; requests in flight finish on their own (daemon) threads."""
-        if self._thread is not None:
-            self.server.shutdown()
-            self._thread.join(timeout=5)
-            self._thread = None
-        self.server.server_close()
+        """Stops serving and releases the port (idempotent); requests in flight finish on their own (daemon)
+        threads."""
+        with self._closing:
+            if self._thread is not None:
+                self.server.shutdown()
+                self._thread.join(timeout=5)
+                self._thread = None
+            self.server.server_close()
 
     def authorized(self, header: str, query_token: str | None) -> bool:
         """With no token configured, always; else the ``Authorization`` header, or (the page only) ``?token=``;
@@ -198,7 +201,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "dtrain-dashboard"
     sys_version = ""
-    protocol_version = "HTTP/1.1"  # keep-alive: a page polling every 1.5 s reuses its connection
+    # HTTP/1.0: one request per connection, so a closed dashboard (close()) leaves no kept-alive connection
+    # serving; a page polling every 1.5 s opens a connection per poll, which costs nothing here.
+    protocol_version = "HTTP/1.0"
 
     def log_message(self, format: str, *args: Any) -> None:
         """Silent: the stdlib's access log would print each poll, and a ``?token=`` with it."""
@@ -225,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._send(200, body)
         else:
-            self._send(200, dash._page, content_type="text/html; charset=utf-8")
+            self._send(200, dash.page, content_type="text/html; charset=utf-8")
 
     def do_HEAD(self) -> None:
         self._not_allowed()

@@ -12,6 +12,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,7 @@ net_cfg = test_service.net_cfg  # the same fixtures
 certs = test_service.certs
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-dash-token"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOW = 1_700_000_000.0  # the in-process coordinators' clock: frozen, so two status snapshots are equal
 
 
@@ -62,6 +64,15 @@ def coord(net_cfg, tmp_path):
     c = Coordinator(net_cfg, tmp_path / "coord")
     yield c
     c.stop()
+
+
+def _chromium(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Debian's chromium, headless; ``--virtual-time-budget``: the page's timers (its polls) run for 5 s of virtual
+    time before the DOM is dumped or the screenshot taken."""
+    assert Path(CHROMIUM).exists(), "chromium is not installed (.ci/run installs it: apt-get install chromium)"
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--no-first-run", "--disable-extensions", "--virtual-time-budget=5000", *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _get(url: str, token: str | None = None, method: str = "GET",
@@ -216,16 +227,36 @@ def test_dashboard_port_config(net_cfg, tmp_path):
         _get(c.url + "api/status")
 
 
+def test_the_page_says_when_the_coordinator_stops_answering(coord, tmp_path):
+    """In chromium: the page shows the first answer, then the dashboard goes away (as with a stopped coordinator):
+    a red banner says the coordinator is not answering, and the last values stay on the page."""
+    dash = coord.service.dashboard
+    answered = threading.Event()
+    status = dash.status
+
+    def status_then_stop() -> dict[str, Any]:
+        doc = status()
+        if not answered.is_set():
+            answered.set()
+            threading.Thread(target=dash.close, daemon=True).start()  # after this answer is sent
+        return doc
+
+    dash.status = status_then_stop
+    dom = _chromium("--dump-dom", coord.url)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert answered.is_set()
+    assert 'id="conn" class="down"' in html
+    banner = re.search(r'<div id="banner" class="show">([^<]*)</div>', html)
+    assert banner and banner.group(1).startswith("The coordinator is not answering since ")
+    assert "the values below are from " in banner.group(1)
+    assert f"run {coord.service.run_id}" in html  # the first answer's values are still shown
+    assert re.search(r'id="card-version"><div class="k">version</div><div class="v">0</div>', html)
+
+
 # ---- the page in a real browser, during a live run -----------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 RUN_TIMEOUT_S = 120.0
-
-
-def _chromium(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--no-first-run", "--disable-extensions", "--virtual-time-budget=5000", *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> dict[str, Any]:
@@ -251,7 +282,6 @@ def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path)
 def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
     """Loads the page in chromium while a 2-island `dtrain simulate` runs: the island table lists the live islands
     with their versions and steps, the loss chart has the global evals' points, the screenshot is a real PNG."""
-    assert Path(CHROMIUM).exists(), "chromium is not installed (.ci/run installs it: apt-get install chromium)"
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("DTRAIN_TOKEN", None)
     # Long enough that the run is still going when the browser looks (it is stopped after); an eval every version.
