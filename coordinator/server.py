@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator.dashboard import Dashboard, check_port_free, dashboard_port, open_dashboard
 from coordinator.history import RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
@@ -157,6 +158,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.rounds = RoundSpans(self.telemetry)
         status_gauges(self.telemetry, self.status_message)
         self.log.subscribe(self.telemetry.on_event)
+        self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
 
@@ -664,6 +666,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()  # NOT_SERVING from now on
+        if self.dashboard is not None:
+            self.dashboard.close()
         with self.lock:
             self._closing = True
             self.lock.notify_all()  # wakes the ticker, which then ends
@@ -684,6 +688,9 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
     check_address_free(c.host, c.port if port is None else port)  # before anything is written to the run folder
+    dash_port = dashboard_port(cfg, port)
+    if dash_port is not None:
+        check_port_free(c.host, dash_port)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
@@ -700,7 +707,15 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if bound == 0:
         service.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
+    if dash_port is not None:
+        try:
+            service.dashboard = open_dashboard(service, dash_port, token)
+        except DtrainError:
+            service.close()
+            raise
     server.start()
+    if service.dashboard is not None:
+        service.dashboard.start()
     if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
         with service.lock:
             service.state.pause_leases(max(0.0, clock() - service.loaded_at))
@@ -710,10 +725,13 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                           total_versions=o.end_version, expected_versions=o.total_versions,
                           tokens_total=o.islands * o.shard_end * o.seq_len, params=service.merger.n,
                           fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
+    dash_url = service.dashboard.url if service.dashboard is not None else None
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
-                      auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
+                      auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id,
+                      dashboard=dash_url)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
-                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)")
+                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)"
+                         + (f"; dashboard at {dash_url}" if dash_url else "; no dashboard"))
     return server, service, bound
 
 
@@ -842,6 +860,9 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     return_large_frees_to_the_os()
     check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
     require_exporter(cfg.telemetry)  # likewise
+    dash_port = dashboard_port(cfg, port)
+    if dash_port is not None:
+        check_port_free(cfg.coordinator.host, dash_port)
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:
@@ -850,7 +871,9 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         shutil.rmtree(init_dir, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"
     tmp = info.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))
+    dash = service.dashboard
+    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id,
+                               "dashboard_port": dash.port if dash else None, "dashboard": dash.url if dash else None}))
     tmp.replace(info)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: service.request_stop(f"{signal.Signals(signum).name} received"))

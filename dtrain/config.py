@@ -112,6 +112,9 @@ class CodecConfig:
 class CoordinatorConfig:
     host: str = _f("127.0.0.1", "address the coordinator binds (dtrain coordinator)")
     port: int = _f(50051, "port the coordinator binds (0: any free port)")
+    dashboard_port: int = _f(8051, "port of the live dashboard (HTTP, or HTTPS with TLS; same host and token as "
+                             "the coordinator): the page / and /api/status; 0: any free port, also taken whenever "
+                             "the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
     mode: str = _f("sync", "sync: rounds with quorum; async: merge each delta on arrival", choices=("sync", "async"))
     min_quorum: int = _f(0, "sync: pushes that may close a round once grace_s has passed (0: every live island)")
     grace_s: float = _f(30.0, "sync: seconds after a round's first push before a quorum close is allowed")
@@ -316,6 +319,10 @@ def _check(cfg: Config, origin: str) -> None:
     co = cfg.coordinator
     if not 0 <= co.port <= 65535:
         fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
+    if not -1 <= co.dashboard_port <= 65535:
+        fail("coordinator", "dashboard_port", f"must be -1 (no dashboard) or in [0, 65535], got {co.dashboard_port}")
+    if co.dashboard_port == co.port != 0:
+        fail("coordinator", "dashboard_port", f"must differ from coordinator.port ({co.port})")
     if co.min_quorum < 0:
         fail("coordinator", "min_quorum", f"must be >= 0, got {co.min_quorum}")
     for name in ("grace_s", "lease_s"):

@@ -85,6 +85,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     if islands != cfg.outer.islands:
         cfg = config_mod.replace(cfg, outer={"islands": islands})
+    if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
+        cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
     if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
         raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
     if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
@@ -212,7 +214,10 @@ class _Simulation:
             if time.perf_counter() - t_start > START_TIMEOUT_S:
                 raise SimulationError(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
-        self.port = int(json.loads(info_path.read_text())["port"])
+        info = json.loads(info_path.read_text())
+        self.port = int(info["port"])
+        if info.get("dashboard"):
+            self.log.progress(f"live dashboard at {info['dashboard']}")
 
     def _start_worker(self, name: str) -> None:
         i = self.names.index(name)
