@@ -57,6 +57,12 @@ class ModelConfig:
     mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
     dtype: str = _f("float32", "compute dtype; parameters are always kept in float32",
                     choices=("float32", "bfloat16"))
+    attention: str = _f("xla", "gpt: the attention kernel: jax.nn.dot_product_attention's xla or cudnn (fused "
+                        "flash attention: NVIDIA GPUs, bfloat16, head size a multiple of 8) implementation, or einsum "
+                        "(written out, a reference); how the model computes, not what: not in the fingerprint",
+                        choices=("xla", "cudnn", "einsum"))
+    remat: bool = _f(False, "gpt: recompute each block's activations in the backward pass instead of keeping them "
+                     "(less memory, about a third more FLOPs); not in the fingerprint")
 
 
 @dataclass(frozen=True)
@@ -233,8 +239,11 @@ class Config:
         return dataclasses.asdict(self)
 
     def fingerprint_fields(self) -> dict[str, str]:
-        """What must match between the coordinator and every island: model shapes, dtype, codecs."""
-        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items()}
+        """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
+        compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
+        train the same model)."""
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items()
+                  if k not in COMPUTE_ONLY_MODEL_FIELDS}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         return fields
 
@@ -243,6 +252,8 @@ class Config:
         blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+
+COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
@@ -286,6 +297,13 @@ def _check(cfg: Config, origin: str) -> None:
     m, t, o, d = cfg.model, cfg.train, cfg.outer, cfg.data
     if m.d_model % m.n_heads:
         fail("model", "n_heads", f"must divide d_model ({m.d_model} % {m.n_heads} = {m.d_model % m.n_heads})")
+    if m.attention == "cudnn" and m.kind == "gpt":
+        if m.dtype != "bfloat16":
+            fail("model", "attention", f"cudnn (fused flash attention) needs model.dtype = \"bfloat16\", "
+                 f"got {m.dtype!r}")
+        if (m.d_model // m.n_heads) % 8:
+            fail("model", "attention", f"cudnn needs a head size (d_model / n_heads) that is a multiple of 8, got "
+                 f"{m.d_model // m.n_heads}")
     if m.vocab_size > 65536:
         fail("model", "vocab_size", f"tokens are stored as uint16, so at most 65536, got {m.vocab_size}")
     if not 0.0 < d.eval_fraction < 0.5:

@@ -140,10 +140,11 @@ class InnerLoop:
 
     ``per_device=True`` runs :func:`dtrain.chip_step.device_inner_steps` instead of :func:`inner_steps`: each
     device's gradient on its own micro-batch, then an explicit mean (the same loss and optimizer update), with
-    per-device metrics and, for tests and the fault harness, an injected device ``fault``."""
+    per-device metrics and, for tests and the fault harness, an injected device ``fault``. ``donate=False`` keeps
+    the state's buffers alive across :meth:`run` (only benchmarks/mfu.py measures that; islands always donate)."""
 
     def __init__(self, cfg: Config, model: BuiltModel, mesh: Mesh, *, per_device: bool = False,
-                 fault: DeviceFault | None = None):
+                 fault: DeviceFault | None = None, donate: bool = True):
         if fault is not None and not per_device:
             raise ValueError("InnerLoop: a device fault is injected into the per-device step only (per_device=True)")
         self.cfg = cfg
@@ -178,7 +179,7 @@ class InnerLoop:
             steps,
             in_shardings=(self.state_sharding, self.batch_sharding),
             out_shardings=(self.state_sharding, self._replicated),
-            donate_argnums=(0,),  # the old state's buffers are reused for the new one
+            donate_argnums=(0,) if donate else (),  # the old state's buffers are reused for the new one
         )
         self._eval = jax.jit(partial(eval_loss, apply=model.apply),
                              in_shardings=(self.params_sharding, self.eval_sharding),
@@ -214,18 +215,28 @@ class InnerLoop:
         batches = jax.device_put(pad_rows(batches_KxBxL1, self.rows), self.batch_sharding)
         return self._scan(state, batches)
 
+    def abstract_state(self) -> TrainState:
+        """The state's shapes, dtypes and shardings, as ``jax.ShapeDtypeStruct``s (no memory)."""
+        abstract_state = jax.eval_shape(self._init_state, self.model.abstract_params)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
+                            self.state_sharding)
+
+    def compile_scan(self, k: int) -> jax.stages.Compiled:
+        """The jitted scan of ``k`` steps, compiled ahead of time; its ``cost_analysis()`` and
+        ``memory_analysis()`` are XLA's view of the step (benchmarks/mfu.py)."""
+        L1 = self.cfg.model.seq_len + 1
+        return self._scan.lower(self.abstract_state(), jax.ShapeDtypeStruct(
+            (k, self.padded_batch, L1), jnp.int32, sharding=self.batch_sharding)).compile()
+
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
         """Compiles the state init, the scan for each chunk length and the eval ahead of time (JAX caches the
         executables, so the first real call of each does not stall training, nor, in a multi-island run, the
         others)."""
-        abstract_state = jax.eval_shape(self._init_state, self.model.abstract_params)
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
-                             self.state_sharding)
+        state = self.abstract_state()
         self._init.lower(state.params).compile()
         B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
         for k in sorted(chunk_lengths):
-            self._scan.lower(state, jax.ShapeDtypeStruct((k, self.padded_batch, L1), jnp.int32,
-                                                         sharding=self.batch_sharding)).compile()
+            self.compile_scan(k)
         if eval_batches:
             self._eval.lower(state.params, jax.ShapeDtypeStruct((eval_batches, B, L1), jnp.int32,
                                                                 sharding=self.eval_sharding)).compile()

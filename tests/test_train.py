@@ -153,7 +153,8 @@ def test_param_count_and_flops(overrides):
     expected = 6.0 * (total - embed)
     if cfg.kind == "gpt":
         expected += 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
-    assert model.flops_per_token(cfg, total) == expected
+    assert model.embedding_param_count(cfg) == embed
+    assert model.flops_per_token(cfg) == expected
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
 
 
