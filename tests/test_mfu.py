@@ -1,0 +1,173 @@
+"""benchmarks/mfu.py and the knobs it turns: the model FLOPs formula against a hand count, the peak table, a short
+CPU run's last line, one-line errors; the [model] attention and remat switches (same loss, kept out of the
+fingerprint)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+
+import jax
+import numpy as np
+import pytest
+
+from dtrain import model
+from dtrain.config import ConfigError, load_config
+from dtrain.train import loss_fn
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.toml"
+LAST_LINE = re.compile(r"mfu: config=(\S+) device=(.+) tokens/s=(\d+) mfu=(n/a|\d+\.\d%)")
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mfu_bench", ROOT / "benchmarks" / "mfu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_flops_per_token_of_the_tiny_config_by_hand() -> None:
+    """configs/tiny.toml: V=256, seq 32, d 32, 1 layer, MLP 4d. Non-embedding parameters: the block's LayerNorms
+    2 x 2d = 128, qkv 3d^2 = 3072, proj d^2 = 1024, MLP up and down 2 x 4d^2 = 8192; the final LayerNorm 2d = 64;
+    the head d x V = 8192: N = 20,672. 6N = 124,032, attention 12 x 1 x 32 x 32 = 12,288: 136,320."""
+    cfg = load_config(TINY).model
+    assert model.embedding_param_count(cfg) == 256 * 32 + 32 * 32  # the token and position tables
+    assert model.flops_per_token(cfg) == 136_320
+    # the knobs change how, not what: the same model FLOPs
+    assert model.flops_per_token(load_config(TINY, ["model.remat=true", "model.attention=einsum"]).model) == 136_320
+
+
+def test_the_peak_table_by_device_kind() -> None:
+    bench = _bench()
+    expected = {"NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756, "NVIDIA H200": 989,
+                "NVIDIA A100-SXM4-80GB": 312, "NVIDIA L4": 121, "TPU v4": 275, "TPU v5 lite": 197, "TPU v5": 459,
+                "TPU v6 lite": 918}
+    for kind, tflops in expected.items():
+        peak = bench.peak_tflops(kind)
+        assert peak is not None and peak[0] == tflops, kind
+    for kind, (tflops, source) in bench.PEAK_TFLOPS.items():
+        assert tflops > 0 and ("datasheet" in source or "documentation" in source), kind
+    assert bench.peak_tflops("cpu") is None and bench.peak_tflops("NVIDIA GeForce RTX 9999") is None
+
+
+def test_mfu_is_model_flops_per_second_over_the_devices_peak() -> None:
+    bench = _bench()
+    assert bench.model_flops_utilization(1e6, 3e8, 1, 989.0) == pytest.approx(3e14 / 989e12)
+    assert bench.model_flops_utilization(1e6, 3e8, 4, 989.0) == pytest.approx(3e14 / (4 * 989e12))
+    assert bench.model_flops_utilization(1e6, 3e8, 1, None) is None
+
+
+def test_a_short_cpu_run_prints_the_last_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (8 fake CPU devices), the tiny config, one step a call (one compile): positive tokens/s in
+    the last line, MFU n/a (a CPU has no peak in the table); XLA's FLOPs a step near the model's. The same result
+    against a stated peak: a percentage."""
+    bench = _bench()
+    out = bench.main(["--config", "tiny", "--steps", "4", "--steps-per-call", "1", "--repeats", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = LAST_LINE.fullmatch(last)
+    assert m is not None, last
+    assert m.group(1) == "tiny" and m.group(2) == jax.devices()[0].device_kind and m.group(4) == "n/a"
+    r = out["results"][0]
+    assert float(m.group(3)) == pytest.approx(r["tokens_per_s"], abs=1) and r["tokens_per_s"] > 0
+    assert r["timed_steps"] == 4 and len(r["repeat_s"]) == 2 and all(t > 0 for t in r["repeat_s"])
+    assert r["tokens_per_s"] == pytest.approx(4 * 8 * 32 / float(np.median(r["repeat_s"])))
+    assert r["model_flops_per_step"] == 136_320 * 8 * 32 and r["mfu"] is None
+    assert 0.9 < r["xla_flops_per_step"] / r["model_flops_per_step"] < 1.5
+
+    mfu = bench.model_flops_utilization(r["tokens_per_s"], r["model_flops_per_token"], r["devices"], 0.5)
+    stated = bench.Result(**{**r, "peak_tflops": 0.5, "peak_source": "given by --peak-tflops", "mfu": mfu})
+    m = LAST_LINE.fullmatch(bench.report(stated)[-1])
+    assert m is not None and float(m.group(4).rstrip("%")) == pytest.approx(100 * mfu, abs=0.05) and mfu > 0
+
+
+def test_the_knob_flags_become_config_overrides_after_set() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--set", "train.batch_size=4", "--batch-size", "16", "--seq-len", "64",
+                             "--steps-per-call", "5", "--remat", "--attention", "einsum"])
+    assert bench.knob_overrides(args) == ["train.batch_size=4", "train.batch_size=16", "model.seq_len=64",
+                                          "train.steps_per_call=5", "model.remat=true", "model.attention=einsum"]
+    assert bench.knob_overrides(bench.parse_args([])) == []  # no flag: the config as it is
+    assert bench.parse_args([]).donate and not bench.parse_args(["--no-donate"]).donate
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "no-such-config"], "config error: no-such-config: config file not found"),
+    (["--config", "tiny", "--set", "model.attention=flash"], "attention: must be one of"),
+    (["--config", "gpt-125m"], "needs an accelerator"),
+    (["--config", "tiny", "--set", "model.dtype=bfloat16", "--attention", "cudnn"], "needs an NVIDIA GPU"),
+    (["--config", "tiny", "--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_a_bad_flag_or_config_is_one_line_and_a_nonzero_exit(argv: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mfu.py"), *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("benchmarks/mfu.py: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# ------------------------------------------------------------------------ [model] attention and remat
+
+
+def _loss_and_grads(overrides: list[str], tokens_BxL1: jax.Array) -> tuple[float, dict]:
+    """The tiny model's loss and gradients with the knobs in ``overrides``, from the same parameters (the knobs
+    do not change them)."""
+    params = model.build(load_config(TINY).model).init(0)
+    built = model.build(load_config(TINY, overrides).model)
+    loss, grads = jax.jit(jax.value_and_grad(partial(loss_fn, built.apply)))(params, tokens_BxL1)
+    return float(loss), grads
+
+
+def test_the_attention_implementations_and_remat_give_the_same_loss_and_gradients() -> None:
+    tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, 256)
+    ref_loss, ref_grads = _loss_and_grads([], tokens)  # the default: xla, no remat
+    assert math.isfinite(ref_loss)
+    for knobs in (["model.attention=einsum"], ["model.remat=true"]):
+        loss, grads = _loss_and_grads(knobs, tokens)
+        assert loss == pytest.approx(ref_loss, rel=1e-5), knobs
+        jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7), grads, ref_grads)
+    for remat in (False, True):  # remat is really there: a remat primitive in the gradient's program
+        built = model.build(load_config(TINY, [f"model.remat={str(remat).lower()}"]).model)
+        jaxpr = jax.make_jaxpr(jax.grad(partial(loss_fn, built.apply)))(built.abstract_params, tokens)
+        assert ("remat" in str(jaxpr)) == remat
+
+
+def test_cudnn_attention_calls_the_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN needs an NVIDIA GPU: here, in bfloat16 as cuDNN requires, the call is checked (and served by XLA);
+    the loss is the same."""
+    calls: list[str | None] = []
+    real = jax.nn.dot_product_attention
+
+    def recording(*args, implementation=None, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(implementation)
+        return real(*args, implementation="xla", **kwargs)
+
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
+    ref_loss, _ = _loss_and_grads(["model.dtype=bfloat16"], tokens)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    loss, _ = _loss_and_grads(["model.dtype=bfloat16", "model.attention=cudnn"], tokens)
+    assert calls and set(calls) == {"cudnn"} and loss == ref_loss
+
+
+def test_the_knobs_are_validated_defaulted_and_kept_out_of_the_fingerprint() -> None:
+    base = load_config(TINY)
+    assert (base.model.attention, base.model.remat) == ("xla", False)
+    with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn .* needs model.dtype"):
+        load_config(TINY, ["model.attention=cudnn"])
+    with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn needs a head size .* multiple of 8, got 12"):
+        load_config(TINY, ["model.dtype=bfloat16", "model.attention=cudnn", "model.d_model=48", "model.n_heads=4"])
+    with pytest.raises(ConfigError, match=r"\[model\] attention: must be one of"):
+        load_config(TINY, ["model.attention=flash"])
+    other = load_config(TINY, ["model.dtype=bfloat16", "model.attention=cudnn", "model.remat=true"])
+    bf16 = load_config(TINY, ["model.dtype=bfloat16"])
+    assert other.fingerprint() == bf16.fingerprint() != base.fingerprint()  # dtype counts; the knobs do not
+    assert not any(k in base.fingerprint_fields() for k in ("model.attention", "model.remat"))
