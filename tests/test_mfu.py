@@ -12,6 +12,7 @@ import sys
 from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import jax
 import numpy as np
@@ -147,7 +148,7 @@ def test_cudnn_attention_calls_the_fused_kernel(monkeypatch: pytest.MonkeyPatch)
     calls: list[str | None] = []
     real = jax.nn.dot_product_attention
 
-    def recording(*args, implementation=None, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(*args: Any, implementation: str | None = None, **kwargs: Any) -> Any:
         calls.append(implementation)
         return real(*args, implementation="xla", **kwargs)
 
