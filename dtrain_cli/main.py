@@ -157,11 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     fix, each one line on stderr: :mod:`dtrain_cli.entry`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = f"dtrain {argv[0]}" if argv and argv[0] in COMMANDS else "dtrain"
-    return run_main(prog, lambda: _run(argv))
+    return run_main(prog, lambda: _run(argv, prog))
 
 
-def _run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def _run(argv: list[str], prog: str) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named here, not by the top parser: the command's own flags are the ones to look up
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} ({prog} --help shows the usage)\n")
     if args.command == "status":
         return _status(args)
     if getattr(args, "host_devices", 0):
