@@ -41,7 +41,7 @@ def fetch(address: str, cfg: Config, wait_s: float) -> pb.StatusResponse:
         return client.status(within_s=wait_s)
     except CoordinatorError as e:
         if e.code in RETRYABLE:
-            words = in_words(e.message)
+            words = in_words(e.details)
             raise DtrainError(f"no coordinator answers at {address} (waited {wait_s:g}s; {e.code.name}"
                               f"{', ' + words if words else ''}): is it running? check --coordinator") from None
         if e.code.name == "UNAUTHENTICATED":

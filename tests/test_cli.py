@@ -359,7 +359,7 @@ def test_retry_progress_lines_name_the_address_and_the_time_left_at_most_every_3
     stream = io.StringIO()
     worker = SimpleNamespace(name="w0", cfg=load_config(TINY), log=RunLog(tmp_path, stream=stream),
                              RETRY_LINE_S=island.Worker.RETRY_LINE_S, _retry_line=island.Worker._retry_line)
-    what = "join: no answer from the coordinator at 127.0.0.1:9 (UNAVAILABLE, connection refused)"
+    what = "join: the coordinator at 127.0.0.1:9 is unavailable (UNAVAILABLE, connection refused)"
     for left in (600.0, 599.5, 598.7, 570.0, 560.0):  # the first retry, then one line 30 s later
         clock[0] = 1000.0 + 600.0 - left
         island.Worker._on_retry(worker, what, 0.4, left)

@@ -639,10 +639,10 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
     assert 1.0 <= time.monotonic() - t0 < 3.0
     msg = str(e.value)
     # gRPC's code and what it means, not its raw debug text ("failed to connect to all addresses; last error: ...")
-    assert msg == (f"UNAVAILABLE: join: no answer from the coordinator at {address} after trying for 1s "
+    assert msg == (f"UNAVAILABLE: join: gave up on the coordinator at {address} after trying for 1s "
                    f"(worker.retry_total_s): connection refused: nothing listens there; is it running? check the "
                    f"address (--coordinator) and the coordinator's log")
-    assert retries and all(what == f"join: no answer from the coordinator at {address} (UNAVAILABLE, connection "
+    assert retries and all(what == f"join: the coordinator at {address} is unavailable (UNAVAILABLE, connection "
                                    f"refused: nothing listens there)" for what, _, _ in retries)
     assert all(0 < left <= 1.0 for _, _, left in retries) and retries[-1][2] < retries[0][2]
     client.close()
@@ -651,7 +651,7 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
     done.set()
     client = CoordinatorClient(address, net_cfg, give_up=done)  # retry_total_s 600 s: not waited for
     t0 = time.monotonic()
-    with pytest.raises(CoordinatorError, match=f"no answer from the coordinator at {address} .* and the island is "
+    with pytest.raises(CoordinatorError, match=f"the coordinator at {address} is unavailable .* and the island is "
                                                f"done: not retried"):
         client.pull("a-0", 3, wait_s=1.0)
     assert time.monotonic() - t0 < 5.0 and client.retries == 0
@@ -666,7 +666,7 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
     assert time.monotonic() - t0 < 5.0 and out["run_over"].startswith("this island finished the run (version 4 of 4")
     assert f"the coordinator at {address} does not answer" in out["run_over"]
     (island_dir / "summary.json").write_text(json.dumps({**summary, "version": 3}))  # it had not: Join retries
-    with pytest.raises(CoordinatorError, match=f"join: no answer from the coordinator at {address} after trying"):
+    with pytest.raises(CoordinatorError, match=f"join: gave up on the coordinator at {address} after trying"):
         run_worker(net_cfg, address, "a", island_dir, quiet=True)
 
 

@@ -57,10 +57,12 @@ T = TypeVar("T")
 class CoordinatorError(DtrainError):
     """The coordinator refused a call (or stayed unreachable past the retry budget)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, details: str = ""):
+        """``details``: gRPC's own text of the last failure, when ``message`` is ours (a call given up)."""
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.details = details or message
 
 
 class RunOverError(CoordinatorError):
@@ -86,15 +88,20 @@ _CAUSES = (("connection refused", "connection refused: nothing listens there"),
            ("timed out", "the connection timed out"))
 
 
+MAX_DETAILS = 200  # the most of an unrecognized error text a message repeats
+
+
 def in_words(details: str) -> str:
-    """What gRPC's debug text says went wrong, in words, when it is recognized (else '')."""
+    """What went wrong: in words when gRPC's debug text is recognized, else the text itself (the coordinator's own
+    message, e.g. "coordinator failed: ..."), shortened to MAX_DETAILS characters."""
     text = details.lower()
-    return next((words for phrase, words in _CAUSES if phrase in text), "")
+    words = next((words for phrase, words in _CAUSES if phrase in text), "")
+    return words or (details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS - 3] + "...")
 
 
 def cause(code: grpc.StatusCode, details: str) -> str:
-    """gRPC's status code and, when recognized, what went wrong in words: e.g. ``UNAVAILABLE, connection
-    refused: nothing listens there``."""
+    """gRPC's status code and what went wrong (:func:`in_words`): e.g. ``UNAVAILABLE, connection refused: nothing
+    listens there``."""
     words = in_words(details)
     return f"{code.name}, {words}" if words else code.name
 
@@ -176,20 +183,21 @@ class CoordinatorClient:
                     raise (RunOverError if over else CoordinatorError)(code, details) from None
                 left = budget - (time.monotonic() - t0)
                 if self.give_up is not None and self.give_up.is_set():
-                    raise CoordinatorError(code, f"{what}: no answer from the coordinator at {self.address} "
-                                                 f"({cause(code, details)}) and the island is done: not retried"
-                                           ) from None
+                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} is unavailable "
+                                                 f"({cause(code, details)}) and the island is done: not retried",
+                                           details) from None
                 if left <= 0:
                     tried = (f"after trying for {budget:g}s" + (" (worker.retry_total_s)" if budget_s is None else "")
                              if budget else "(one try)")
                     words = in_words(details)
-                    raise CoordinatorError(code, f"{what}: no answer from the coordinator at {self.address} {tried}"
+                    raise CoordinatorError(code, f"{what}: gave up on the coordinator at {self.address} {tried}"
                                                  f"{': ' + words if words else ''}; is it running? check the "
-                                                 f"address (--coordinator) and the coordinator's log") from None
+                                                 f"address (--coordinator) and the coordinator's log",
+                                           details) from None
                 pause = min(delay * random.uniform(0.5, 1.0), left)
                 self.retries += 1
                 if self.on_retry is not None:
-                    self.on_retry(f"{what}: no answer from the coordinator at {self.address} ({cause(code, details)})",
+                    self.on_retry(f"{what}: the coordinator at {self.address} is unavailable ({cause(code, details)})",
                                   pause, left)
                 time.sleep(pause)
                 delay = min(delay * 2, w.retry_max_s)
