@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 import grpc
 import numpy as np
 
+from coordinator.history import MAX_EVAL_REPORTS, RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
@@ -116,6 +118,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                            and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
         self.log = RunLog(self.run_dir, quiet=quiet)
+        # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
+        # coordinator's), then over each event as it is logged.
+        self.history = RunHistory()
+        if resume:
+            self.history.replay(self.run_dir)
+        self.log.subscribe(self.history.observe)
+        self.started_at = clock()
+        self._push_bytes: dict[str, int] = {}  # frame bytes of each push pending in the open round
         self.spec = spec
         self.tree_digest = codec.spec_digest(spec)
         self.fingerprint_fields = cfg.fingerprint_fields()
@@ -319,6 +329,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             version = self.state.version + 1
             (info,) = self.state.reject_pending([e.blame], str(e))
             self.merger.drop_pending([e.blame])
+            self._push_bytes.pop(e.blame, None)
             self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                            what=e.what, reason=str(e))
             self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")
@@ -342,10 +353,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
-                                "steps": i.inner_steps,
+                                "steps": i.inner_steps, "bytes": self._push_bytes.pop(i.push_id, 0),
                                 "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
                                for i, a in pending],
-                       update_bytes=update.size, params_digest=update.params_digest)
+                       update_bytes=update.size, params_digest=update.params_digest,
+                       merge_s=round(time.perf_counter() - t0, 6))
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
             self.ckpt.save_files(version, self.merger.state_files(),
                                  {"state": self.state.to_json(), "version": version,
@@ -409,6 +421,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
+        if len(request.device_kind) > 128:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"device_kind: {len(request.device_kind)} characters, at most 128")
         with self.lock:
             if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
                 context.set_trailing_metadata(((RUN_OVER_METADATA_KEY, str(self.state.version)),))
@@ -416,9 +431,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                           request.devices, self.clock())
             cursor = self.state.shard_cursor(record.shard_index)
             version = self.state.version
+            view = self.history.island(record.island_id)
+            view.device_kind, view.last_seen = request.device_kind, self.clock()
             self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
         self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
-                       cursor=cursor, hardware=record.hardware, devices=record.devices, reason=reason)
+                       cursor=cursor, hardware=record.hardware, devices=record.devices,
+                       device_kind=request.device_kind, reason=reason)
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
@@ -426,6 +444,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                total_versions=self.opts.end_version)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        # The reports the state machine does not judge, checked first: a refused heartbeat changes nothing.
+        if request.HasField("train_loss") and not (math.isfinite(request.train_loss) and request.train_loss >= 0):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"train_loss={request.train_loss}: must be a finite number >= 0 (or absent)")
+        if not 0.0 <= request.utilization <= 1.0:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"utilization={request.utilization}: must be in [0, 1]")
+        evals = [(e.version, e.loss) for e in request.evals[:MAX_EVAL_REPORTS + 1]]
+        with self.lock:
+            problem = check_eval_reports(evals, self.state.version)
+        if problem:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         with self.lock:
             record = self.state.islands.get(request.island_id)
             known = len(record.quarantined) if record is not None else 0  # the record's list only grows
@@ -440,6 +470,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
+            view = self.history.island(request.island_id)
+            view.utilization, view.last_seen = request.utilization, self.clock()
+            if request.HasField("train_loss"):
+                view.train_loss = request.train_loss
+            recorded = [(v, loss, self.history.tokens_merged_at(v)) for v, loss in evals
+                        if self.history.eval_report(request.island_id, v, loss)]
+        for v, loss, tokens in recorded:  # the history folds each in (RunLog.subscribe)
+            self.log.event("eval", version=v, loss=loss, tokens=tokens, island=request.island_id, name=name)
+            self.log.progress(f"v{v}: global eval loss {loss:.4f} ({tokens:,} tokens; evaluated by "
+                              f"{request.island_id})")
         for e in new:  # once per (island, device): a later report naming it again adds nothing to the record
             self.log.event("device_quarantined", island=request.island_id, name=name, **e.to_json(), healthy=healthy)
             self.log.progress(f"{request.island_id} quarantined device {e.device} (mesh index {e.index}; {e.probe} "
@@ -506,7 +546,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                               norm=spool.norm, theta_norm=self.merger.theta_norm)
                 if admission.status == "accept":
                     self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
+                    self._push_bytes[info.push_id] = receiver.size
                 self.bytes_in += receiver.size
+                view = self.history.island(info.island_id)
+                view.bytes_in += receiver.size
+                view.last_seen = self.clock()
                 self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
                 status = _STATUS[admission.status]
                 self._maybe_merge_locked(self.clock())
@@ -550,21 +594,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 kind = pb.PULL_KIND_UPDATE
             # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
             frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open()) for u in chain]
+            final = self.state.stopped() or version == self.opts.end_version
+            evaluate = bool(frames) and self.history.assign_eval(request.island_id, version, final,
+                                                                 self.cfg.coordinator.eval_every, self.clock())
+            self.history.island(request.island_id).last_seen = self.clock()
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
                                                       base_version=version, tree_digest=self.tree_digest))
             return
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
-                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames])
+                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=evaluate)
         chunk_bytes = self.cfg.codec.chunk_bytes
         for kind, base, v, size, crc, digest, handle in frames:
             yield pb.PullMessage(header=pb.PullHeader(
                 kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
-                frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest))
+                frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest,
+                evaluate=evaluate and v == version))
             for index, data in enumerate(file_pieces(handle, chunk_bytes)):
                 yield chunk_message(index, data, zlib.crc32(data))
             with self.lock:
                 self.bytes_out += size
+                self.history.island(request.island_id).bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.status_message()
@@ -575,19 +625,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.lock:
             now = self.clock()
             st = self.state.status(now)
-            islands = [pb.IslandStatus(island_id=r.island_id, name=r.name, state=r.state, version=r.version,
-                                       tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
-                                       lease_left_s=max(0.0, r.lease_expiry - now), steps_per_s=r.steps_per_s,
-                                       shard_index=r.shard_index, devices=r.devices,
-                                       quarantined=[evidence_to_message(e) for e in r.quarantined])
-                       for r in self.state.islands.values()]
-            return pb.StatusResponse(run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode,
-                                     islands=islands, tokens_merged=self.state.tokens_merged,
-                                     bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-                                     deltas_dropped=self.state.deltas_dropped, stopped=st["stopped"],
-                                     run_over=st["run_over"], total_versions=st["total_versions"],
-                                     merge_s=self.merge_s, params_digest=self.merger.digest,
-                                     pushes_refused=self.pushes_refused)
+            h = self.history
+            islands = []
+            for r in sorted(self.state.islands.values(), key=lambda r: (r.shard_index, r.island_id)):
+                view = h.island(r.island_id)
+                islands.append(pb.IslandStatus(
+                    island_id=r.island_id, name=r.name, state=r.state, version=r.version,
+                    tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
+                    lease_left_s=max(0.0, r.lease_expiry - now) if r.state == "live" else 0.0,
+                    steps_per_s=r.steps_per_s, shard_index=r.shard_index, devices=r.devices,
+                    quarantined=[evidence_to_message(e) for e in r.quarantined], hardware=r.hardware,
+                    device_kind=view.device_kind, steps=r.steps, tokens=r.tokens_reported,
+                    train_loss=view.train_loss, utilization=view.utilization, params_digest=r.params_digest,
+                    cursor=self.state.shard_cursor(r.shard_index) if r.shard_index < self.opts.islands else 0,
+                    bytes_in=view.bytes_in, bytes_out=view.bytes_out,
+                    last_seen_s=max(0.0, now - view.last_seen) if view.last_seen else 0.0))
+            rnd = st["round"]
+            deadline = st["next_deadline"]
+            return pb.StatusResponse(
+                run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode, islands=islands,
+                tokens_merged=self.state.tokens_merged, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                deltas_dropped=self.state.deltas_dropped, total_versions=self.opts.end_version,
+                tokens_total=self.opts.islands * self.opts.shard_end * self.opts.seq_len,
+                stopped=st["stopped"], run_over=st["run_over"], deltas_merged=self.state.deltas_merged,
+                deltas_rejected=self.state.deltas_rejected, duplicates=self.state.duplicates,
+                pushes_refused=self.pushes_refused, shard_cursors=st["shard_cursors"],
+                round=pb.OpenRound(target_version=rnd["target_version"], ready=rnd["ready"], reason=rnd["reason"],
+                                   pending=len(rnd["pending"]),
+                                   deadline_s=None if deadline is None else max(0.0, deadline - now)),
+                merge_s=self.merge_s, params_digest=self.merger.digest, started_at=self.started_at, now=now,
+                eval_loss=h.evals[-1].loss if h.evals else None,
+                rounds=[pb.RoundRecord(**dataclasses.asdict(r)) for r in h.rounds],
+                evals=[pb.EvalPoint(**dataclasses.asdict(e)) for e in h.evals],
+                faults=[pb.FaultRecord(**dataclasses.asdict(f)) for f in h.faults])
 
     def close(self) -> None:
         with self.lock:
@@ -633,6 +703,12 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
         with service.lock:
             service.state.pause_leases(max(0.0, clock() - service.loaded_at))
+    if not resume:  # once per run: what it is, for a reader of its events (dtrain plot, dtrain.audit)
+        o = service.opts
+        service.log.event("run_started", run_id=service.run_id, mode=c.mode, islands=o.islands,
+                          total_versions=o.end_version, expected_versions=o.total_versions,
+                          tokens_total=o.islands * o.shard_end * o.seq_len, params=service.merger.n,
+                          fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
                       auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "

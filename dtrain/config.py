@@ -139,6 +139,9 @@ class CoordinatorConfig:
     norm_window_min: int = _f(4, "the outlier check applies once the window holds this many norms")
     clip_norm: float = _f(0.0, "> 0: a push whose L2 norm exceeds this is scaled down to it (through its merge "
                           "weight); 0: off")
+    eval_every: int = _f(5, "evaluate the global θ on the held-out split every this many versions (θ_0 and the "
+                         "final version too): the first island to pull such a version evaluates it and reports it "
+                         "in a heartbeat (an `eval` event); 0: only the final version")
 
 
 @dataclass(frozen=True)
@@ -314,7 +317,7 @@ def _check(cfg: Config, origin: str) -> None:
         fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
-    for name in ("max_push_steps", "trim"):
+    for name in ("max_push_steps", "trim", "eval_every"):
         if getattr(co, name) < 0:
             fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
     for name in ("norm_z_max", "norm_max_ratio", "clip_norm"):

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,10 +21,18 @@ class RunLog:
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
         self.stream = stream or sys.stderr
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Calls ``listener(record)`` after each event is written (the coordinator's dashboard history, its
+        telemetry's fault counters): what a run shows and exports is what its events.jsonl records."""
+        self._listeners.append(listener)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         record = {"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 3), "event": kind, **fields}
         self._events.write(json.dumps(record, default=_jsonable) + "\n")
+        for listener in self._listeners:
+            listener(record)
         return record
 
     def progress(self, line: str) -> None:

@@ -58,6 +58,14 @@ def test_figures_and_lines_from_the_summaries() -> None:
     assert "NOT met" not in targets and targets.count(" met") == 6
 
 
+def test_a_device_fault_found_before_its_onset_time_counts_as_detected_without_a_latency() -> None:
+    device = {"fault": "device-scale:island-1@step5,device=2", "kind": "device-scale", "detected_t": 130.0,
+              "detection_s": None, "detected_by": "stats", "action": "quarantined"}
+    f = _bench().figures(*_summaries([_fault("kill:island-1@v1+2s", "kill", 3.0), device]))
+    assert (f["injected"], f["detected"], f["undetected"]) == (2, 2, [])
+    assert (f["detect_p50_s"], f["detect_max_s"]) == (3.0, 3.0)
+
+
 def test_missed_targets_are_reported() -> None:
     bench = _bench()
     faults = [_fault("kill:island-1@v1+2s", "kill", 6.5), _fault("slow:island-3@v2+15s,delay=50", "slow", None),

@@ -74,6 +74,7 @@ def test_cpu_shares_partition_the_host():
                 assert len(used) == n  # and none twice
 
 
+@pytest.mark.slow  # ~30 s alone; the default run keeps test_process_simulation_end_to_end
 def test_lossless_process_mode_without_overlap_matches_the_inprocess_math(tmp_path):
     extra = ("codec.up=fp32", "codec.down=fp32", "worker.overlap=false")
     procs = run_simulation(_cfg(tmp_path / "p", *extra), 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
@@ -105,6 +106,7 @@ def test_async_mode_merges_every_delta_on_arrival(tmp_path):
     assert max(stale) >= 1  # islands pushed against versions the other had already moved on from
 
 
+@pytest.mark.slow  # ~30 s alone; the default run keeps test_process_simulation_end_to_end
 def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
     cfg = _cfg(tmp_path, "worker.round_seconds=1.5", "train.steps=400", "outer.inner_steps=100")
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)

@@ -1,0 +1,179 @@
+"""What the coordinator shows of a run's past (the Status RPC's rounds, evals and faults; the dashboard's charts): a
+fold over its own events, so it shows exactly what ``events.jsonl`` records, and a resumed coordinator rebuilds it
+by reading that file back (:meth:`RunHistory.replay`).
+
+It also holds what the islands report that the state machine does not decide on (:class:`IslandView`: train loss,
+utilization, device kind, bytes, last call) and which island evaluates which version (:meth:`RunHistory.assign_eval`).
+None of it is checkpointed: it is a view, and the events are its record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtrain.runlog import read_events
+
+MAX_ROUNDS = 500  # RoundRecords kept for Status (the dashboard's bytes chart)
+MAX_EVALS = 500  # EvalPoints kept
+MAX_FAULTS = 100  # FaultRecords kept
+MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry
+EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: the next puller is asked instead
+
+# Events that are faults, or the coordinator's answers to one: the dashboard's "recent faults" and the timeline.
+FAULT_EVENTS = frozenset({
+    "island_lost", "push_quarantined", "merge_rejected", "push_refused", "push_aborted", "request_rejected",
+    "auth_failed", "device_quarantined", "digest_mismatch", "coordinator_failed", "coordinator_resumed",
+    "leases_paused", "checkpoint_skipped", "eval_refused",
+})
+_DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")
+
+
+@dataclass
+class IslandView:
+    """An island's latest reports (heartbeats, Join) and its traffic, as Status shows them."""
+
+    device_kind: str = ""
+    train_loss: float | None = None
+    utilization: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    last_seen: float = 0.0
+
+
+@dataclass(frozen=True)
+class Round:
+    version: int
+    t: float
+    pushes: int
+    tokens: int
+    bytes_in: int
+    merge_s: float
+    max_staleness: float
+
+
+@dataclass(frozen=True)
+class Eval:
+    version: int
+    tokens: int
+    loss: float
+    island_id: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Fault:
+    t: float
+    kind: str
+    island_id: str
+    detail: str
+
+
+def fault_detail(record: dict[str, Any]) -> str:
+    """One line saying what a fault event recorded."""
+    if record["event"] == "device_quarantined":
+        return f"device {record.get('device')} ({record.get('probe')}, step {record.get('step')}): " \
+               f"{record.get('detail', '')}"
+    if record["event"] == "coordinator_resumed":
+        return f"resumed at version {record.get('version')}"
+    parts = [f"{k}={record[k]}" if k in ("code", "method", "peer") else str(record[k])
+             for k in _DETAIL_KEYS if record.get(k) not in (None, "")]
+    return "; ".join(parts)[:512]
+
+
+class RunHistory:
+    """The fold (see the module docstring). :meth:`observe` takes each event as the coordinator logs it."""
+
+    def __init__(self) -> None:
+        self.rounds: deque[Round] = deque(maxlen=MAX_ROUNDS)
+        self.evals: deque[Eval] = deque(maxlen=MAX_EVALS)
+        self.faults: deque[Fault] = deque(maxlen=MAX_FAULTS)
+        self.tokens_at: dict[int, int] = {0: 0}  # version -> tokens merged into it (cumulative)
+        self.evaluated: set[int] = set()
+        self.islands: dict[str, IslandView] = {}
+        self._asked: dict[int, tuple[str, float]] = {}  # version -> (island asked to evaluate it, when)
+
+    def replay(self, run_dir: Path) -> None:
+        """Folds the events a previous coordinator of this run wrote (a resume): torn lines are skipped."""
+        path = Path(run_dir) / "events.jsonl"
+        if path.exists():
+            for record in read_events(run_dir, skip_torn=True):
+                self.observe(record)
+
+    def observe(self, record: dict[str, Any]) -> None:
+        kind = record.get("event")
+        t = float(record.get("t", 0.0))
+        if kind == "round_merged":
+            pushes = record.get("pushes", [])
+            version = int(record["version"])
+            tokens = sum(int(p.get("tokens", 0)) for p in pushes)
+            self.tokens_at[version] = self.tokens_at.get(version - 1, self._tokens_before(version)) + tokens
+            self.rounds.append(Round(version=version, t=t, pushes=len(pushes), tokens=tokens,
+                                     bytes_in=sum(int(p.get("bytes", 0)) for p in pushes),
+                                     merge_s=float(record.get("merge_s", 0.0)),
+                                     max_staleness=max((float(p.get("staleness", 0)) for p in pushes), default=0.0)))
+        elif kind == "coordinator_resumed":  # merges logged after the restored checkpoint were rolled back
+            version = int(record.get("version", 0))
+            self.tokens_at = {v: n for v, n in self.tokens_at.items() if v <= version}
+            while self.rounds and self.rounds[-1].version > version:
+                self.rounds.pop()
+        elif kind == "eval":
+            version = int(record["version"])
+            self.evaluated.add(version)
+            self.evals.append(Eval(version=version, tokens=int(record.get("tokens", 0)), loss=float(record["loss"]),
+                                   island_id=str(record.get("island", "")), t=t))
+        if kind in FAULT_EVENTS or (kind == "push_received" and record.get("status") == "drop"):
+            self.faults.append(Fault(t=t, kind="delta_dropped" if kind == "push_received" else str(kind),
+                                     island_id=str(record.get("island", "")), detail=fault_detail(record)))
+
+    def _tokens_before(self, version: int) -> int:
+        earlier = [v for v in self.tokens_at if v < version]
+        return self.tokens_at[max(earlier)] if earlier else 0
+
+    def tokens_merged_at(self, version: int) -> int:
+        """Tokens merged into ``version`` (0 for θ_0), as the round_merged events recorded them."""
+        return self.tokens_at[version] if version in self.tokens_at else self._tokens_before(version)
+
+    def island(self, island_id: str) -> IslandView:
+        return self.islands.setdefault(island_id, IslandView())
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def assign_eval(self, island_id: str, version: int, final: bool, every: int, now: float) -> bool:
+        """Whether the island that is about to hold ``version`` (a pull) should evaluate it: a version on the
+        ``every`` grid (θ_0 included; 0: none) or the run's final one, not evaluated yet, and not asked of
+        another island that is still expected to answer (asked less than EVAL_REASSIGN_S ago)."""
+        if version in self.evaluated or not (final or (every > 0 and version % every == 0)):
+            return False
+        asked = self._asked.get(version)
+        if asked is not None and asked[0] != island_id and now - asked[1] < EVAL_REASSIGN_S:
+            return False
+        self._asked[version] = (island_id, now)
+        return True
+
+    def eval_report(self, island_id: str, version: int, loss: float) -> bool:
+        """Whether an island's eval report is new and was asked of it (a retried report, or one never asked for,
+        is not recorded again). The caller has checked its values (:func:`check_eval_reports`)."""
+        asked = self._asked.get(version)
+        if version in self.evaluated or asked is None or asked[0] != island_id:
+            return False
+        del self._asked[version]
+        return True
+
+
+def check_eval_reports(reports: Iterable[tuple[int, float]], version: int) -> str:
+    """'' if every (version, loss) an island reported can be true, else what is wrong with the first that cannot:
+    a version the coordinator has not produced, a loss that is not a finite number >= 0, or too many."""
+    reports = list(reports)
+    if len(reports) > MAX_EVAL_REPORTS:
+        return f"evals: {len(reports)} reports in one heartbeat, at most {MAX_EVAL_REPORTS}"
+    for v, loss in reports:
+        if v > version:
+            return f"evals: version {v} is newer than the coordinator's latest, {version}"
+        if not (math.isfinite(loss) and loss >= 0):
+            return f"evals: version {v}: loss {loss} is not a finite number >= 0"
+    return ""

@@ -1,0 +1,153 @@
+"""The typed Status the coordinator answers (and the dashboard shows): islands' reports, rounds with their bytes,
+the global evals the coordinator asks islands for, faults; and the JSON form (dtrain.status.message_dict)."""
+
+import dataclasses
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+import test_service
+from coordinator.history import MAX_EVAL_REPORTS, RunHistory, check_eval_reports
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.runlog import read_events
+from dtrain.status import message_dict
+from test_service import Running, _delta_frame, _header, _join
+from workers.client import CoordinatorClient
+
+net_cfg = test_service.net_cfg  # the same fixture
+
+
+@pytest.fixture
+def coord(net_cfg, tmp_path):
+    running = Running(net_cfg, tmp_path / "coord")
+    yield running
+    running.stop()
+
+
+def _merge_one_round(coord, net_cfg):
+    clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(2)]
+    joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+    n = joins[0].tree_size
+    frames = [_delta_frame(n, i)[1] for i in range(2)]
+    for c, j, f, name in zip(clients, joins, frames, ("p0", "p1"), strict=True):
+        c.push(_header(j, name), f)
+    return clients, joins, frames
+
+
+def test_status_shows_rounds_with_their_bytes_and_each_islands_reports(coord, net_cfg):
+    clients, joins, frames = _merge_one_round(coord, net_cfg)
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=joins[0].island_id, version=0, steps=10, tokens=640,
+                                       train_loss=2.5, utilization=0.75), timeout=10)
+    st = clients[0].status()
+    assert st.version == 1 and st.total_versions == 0  # step rounds: the data decides
+    assert st.tokens_total == 2 * 40 * 8 * net_cfg.model.seq_len  # islands x train.steps x batch x seq_len
+    (rnd,) = st.rounds
+    assert (rnd.version, rnd.pushes, rnd.tokens) == (1, 2, 1280)
+    assert rnd.bytes_in == sum(len(f) for f in frames) == st.bytes_in
+    a, b = st.islands  # by shard
+    assert (a.shard_index, b.shard_index) == (0, 1) and a.hardware == "cpu" and a.devices == 1
+    assert a.train_loss == 2.5 and a.utilization == 0.75 and a.steps == 10 and a.tokens == 640
+    assert not b.HasField("train_loss")  # never reported: absent, not 0
+    assert a.bytes_in == len(frames[int(a.island_id != joins[0].island_id)]) and a.cursor == 80
+    assert st.round.target_version == 2 and st.round.pending == 0
+    doc = message_dict(st)
+    assert json.loads(json.dumps(doc)) == doc  # strict JSON
+    assert doc["version"] == 1 and isinstance(doc["bytes_in"], int) and doc["islands"][0]["shard_index"] == 0
+    assert doc["islands"][1]["train_loss"] is None and doc["rounds"][0]["bytes_in"] == rnd.bytes_in
+    for c in clients:
+        c.close()
+
+
+def test_the_coordinator_asks_one_island_per_version_to_evaluate_and_records_its_report(coord, net_cfg, tmp_path):
+    clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(2)]
+    a, b = (_join(c, f"isl-{i}") for i, c in enumerate(clients))
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+    # Every island starts with a full pull of θ_0: the first is asked to evaluate it (eval_every=5: v0, v5, ...).
+    assert [f.header.evaluate for f in clients[0].pull(a.island_id, 0, full=True)] == [True]
+    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=b.island_id, version=0, evals=[pb.EvalReport(version=0, loss=3.0)]),
+                   timeout=10)  # not asked of b: ignored
+    for _ in range(2):  # the island sends its report until a heartbeat is answered: a retry is recorded once
+        stub.Heartbeat(pb.HeartbeatRequest(island_id=a.island_id, version=0,
+                                           evals=[pb.EvalReport(version=0, loss=3.25)]), timeout=10)
+    st = clients[0].status()
+    assert [(e.version, e.loss, e.tokens, e.island_id) for e in st.evals] == [(0, 3.25, 0, a.island_id)]
+    assert st.eval_loss == 3.25
+    evals = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
+    assert [(e["version"], e["loss"], e["tokens"], e["island"]) for e in evals] == [(0, 3.25, 0, a.island_id)]
+    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]  # evaluated
+    for c in clients:
+        c.close()
+
+
+def test_the_final_version_is_evaluated_with_the_tokens_merged_into_it(net_cfg, tmp_path):
+    cfg = dataclasses.replace(net_cfg, train=dataclasses.replace(net_cfg.train, steps=10))  # one push per shard
+    coord = Running(cfg, tmp_path / "coord")
+    try:
+        clients = [CoordinatorClient(coord.address, cfg) for _ in range(2)]
+        joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+        for c, j, name in zip(clients, joins, ("p0", "p1"), strict=True):
+            c.push(_header(j, name), _delta_frame(j.tree_size, len(name))[1])
+        st = clients[0].status()
+        assert st.version == 1 and st.stopped  # every shard's data merged: version 1 is the final one
+        (first,) = clients[1].pull(joins[1].island_id, 0)
+        (second,) = clients[0].pull(joins[0].island_id, 0)
+        assert first.header.version == 1 and first.header.evaluate and not second.header.evaluate
+        clients[1].heartbeat(island_id=joins[1].island_id, version=1)
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+        stub.Heartbeat(pb.HeartbeatRequest(island_id=joins[1].island_id, version=1,
+                                           evals=[pb.EvalReport(version=1, loss=2.0)]), timeout=10)
+        st = clients[0].status()
+        assert [(e.version, e.tokens, e.loss) for e in st.evals] == [(1, 1280, 2.0)] and st.eval_loss == 2.0
+        for c in clients:
+            c.close()
+    finally:
+        coord.stop()
+
+
+@pytest.mark.parametrize("request_fields, message", [
+    ({"train_loss": float("nan")}, "train_loss=nan"),
+    ({"train_loss": -1.0}, "train_loss=-1.0"),
+    ({"utilization": 1.5}, "utilization=1.5"),
+    ({"evals": [pb.EvalReport(version=7, loss=1.0)]}, "version 7 is newer"),
+    ({"evals": [pb.EvalReport(version=0, loss=float("inf"))]}, "loss inf"),
+    ({"evals": [pb.EvalReport(version=0, loss=1.0)] * (MAX_EVAL_REPORTS + 1)}, "at most 16"),
+])
+def test_a_heartbeat_with_an_impossible_report_is_refused_and_changes_nothing(coord, net_cfg, request_fields,
+                                                                             message):
+    client = CoordinatorClient(coord.address, net_cfg)
+    join = _join(client, "a")
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+    with coord.service.lock:
+        before = coord.service.state.to_json()
+        expiry = coord.service.state.islands[join.island_id].lease_expiry
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Heartbeat(pb.HeartbeatRequest(island_id=join.island_id, version=0, steps=5, **request_fields), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+    with coord.service.lock:
+        assert coord.service.state.to_json() == before
+        assert coord.service.state.islands[join.island_id].lease_expiry == expiry
+    (isl,) = client.status().islands
+    assert not isl.HasField("train_loss") and isl.utilization == 0.0 and isl.steps == 0
+    client.close()
+
+
+def test_history_is_a_fold_over_events_and_a_resume_rolls_back_unsaved_merges(tmp_path):
+    h = RunHistory()
+    push = {"tokens": 100, "bytes": 10, "staleness": 1}
+    for v in (1, 2, 3):
+        h.observe({"event": "round_merged", "t": float(v), "version": v, "pushes": [push, push], "merge_s": 0.5})
+    h.observe({"event": "push_received", "t": 4.0, "island": "x", "status": "drop", "reason": "too stale"})
+    h.observe({"event": "coordinator_resumed", "t": 5.0, "version": 2})  # v3 was merged, never checkpointed
+    assert [r.version for r in h.rounds] == [1, 2] and h.tokens_merged_at(2) == 400 and h.tokens_merged_at(3) == 400
+    h.observe({"event": "round_merged", "t": 6.0, "version": 3, "pushes": [push], "merge_s": 0.1})
+    assert h.tokens_merged_at(3) == 500 and h.rounds[-1].bytes_in == 10 and h.rounds[-1].max_staleness == 1
+    assert [(f.kind, f.island_id, f.detail) for f in h.faults] == [("delta_dropped", "x", "too stale"),
+                                                                   ("coordinator_resumed", "", "resumed at version 2")]
+    assert check_eval_reports([(3, 1.0)], 3) == "" and "newer" in check_eval_reports([(4, 1.0)], 3)
+    assert "finite" in check_eval_reports([(1, float("nan"))], 3) and "finite" in check_eval_reports([(1, -0.5)], 3)
+    assert np.isfinite(h.rounds[0].merge_s)
