@@ -28,7 +28,7 @@ EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: 
 FAULT_EVENTS = frozenset({
     "island_lost", "push_quarantined", "merge_rejected", "push_refused", "push_aborted", "request_rejected",
     "auth_failed", "device_quarantined", "digest_mismatch", "coordinator_failed", "coordinator_resumed",
-    "leases_paused", "checkpoint_skipped", "eval_refused",
+    "leases_paused", "checkpoint_skipped", "eval_refused", "request_invalid",
 })
 _DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")
 

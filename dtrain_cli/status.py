@@ -107,17 +107,19 @@ def summary_lines(st: pb.StatusResponse) -> list[str]:
 
 def sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
     """The summary lines and the tables (islands, latest rounds, latest faults) as plain strings."""
-    islands = Table("islands", ["island", "state", "shard", "cursor", "version", "steps/s", "tokens", "train loss",
-                                "util", "devices", "quarantined", "seen"], right=frozenset(range(2, 11)))
+    # quar.: the devices the island quarantined; seen: seconds since its last call
+    islands = Table("islands", ["island", "state", "shard", "cursor", "version", "steps/s", "tokens", "loss", "util",
+                                "devices", "quar.", "seen"], right=frozenset(range(2, 12)))
     for i in st.islands:
-        name = i.name if i.name == i.island_id or not i.name else f"{i.name} ({i.island_id})"
+        # its id, which starts with its name unless the id was given otherwise (then both)
+        name = i.island_id if i.island_id.startswith(i.name) else f"{i.name} ({i.island_id})"
         devices = f"{i.devices} {i.hardware}".strip()
         islands.rows.append([
             name, i.state, str(i.shard_index), _int(i.cursor), str(i.version), f"{i.steps_per_s:.2f}", _int(i.tokens),
             _loss(i.train_loss) if i.HasField("train_loss") else "-", f"{i.utilization:.0%}", devices,
-            str(len(i.quarantined)), f"{i.last_seen_s:.1f}s ago"])
+            str(len(i.quarantined)), f"{i.last_seen_s:.1f}s"])
     rounds = Table(f"rounds (latest {SHOW_ROUNDS})", ["version", "pushes", "tokens", "bytes in", "merge s",
-                                                     "max staleness", "merged"], right=frozenset(range(6)))
+                                                     "max staleness", "merged"], right=frozenset(range(7)))
     for r in st.rounds[-SHOW_ROUNDS:]:
         rounds.rows.append([str(r.version), str(r.pushes), _int(r.tokens), _bytes(r.bytes_in), f"{r.merge_s:.2f}",
                             f"{r.max_staleness:g}", _ago(st, r.t)])
@@ -150,6 +152,7 @@ def print_status(st: pb.StatusResponse, as_json: bool, stream: TextIO | None = N
     if not stream.isatty():
         print(plain(lines, tables), file=stream)
         return
+    from rich import box
     from rich.console import Console
     from rich.table import Table as RichTable
     from rich.text import Text
@@ -158,7 +161,9 @@ def print_status(st: pb.StatusResponse, as_json: bool, stream: TextIO | None = N
     for line in lines:
         console.print(line, markup=False)
     for t in tables:
-        table = RichTable(title=Text(t.title), title_justify="left")
+        # no padding: the box's one-space column divider only, so the islands' table fits 80 columns
+        table = RichTable(title=Text(t.title), title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0),
+                          pad_edge=False)
         for i, h in enumerate(t.headers):
             table.add_column(h, justify="right" if i in t.right else "left")
         for row in t.rows:

@@ -892,6 +892,6 @@ def test_dtrain_status_names_the_quarantined_device(coordinator, net_cfg, capsys
     rc = main(["status", "--coordinator", coordinator.address])  # the table: its island row counts the device
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("island "))
-    row = next(line for line in lines if line.startswith(isl["name"]))
+    row = next(line for line in lines if line.startswith(isl["island_id"] + " "))
     cells = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", row.strip()), strict=True))
-    assert rc == 0 and cells["devices"].split()[0] == "7" and cells["quarantined"] == "1", cells
+    assert rc == 0 and cells["devices"].split()[0] == "7" and cells["quar."] == "1", cells
