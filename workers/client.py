@@ -4,12 +4,11 @@ Every call has a deadline. UNAVAILABLE (the coordinator restarting, a cut
 link) and DEADLINE_EXCEEDED are retried with exponential backoff and jitter
 for up to ``worker.retry_total_s`` of wall time; each retry is reported (with
 the coordinator's address, gRPC's status code and what it means, and the time
-left) and giving up names the address, how long it tried and what to check,
-never gRPC's raw debug text. Pushes
-are safe to retry because they carry a push id the coordinator applies at most
-once. Other errors are raised as :class:`CoordinatorError` with the
-coordinator's message; a Join refused because the run is over, as
-:class:`RunOverError`.
+left) and giving up names the address, how long it tried and what to check, in
+words rather than gRPC's debug text. Pushes are safe to retry because they
+carry a push id the coordinator applies at most once. Other errors are raised
+as :class:`CoordinatorError` with the coordinator's message; a Join refused
+because the run is over, as :class:`RunOverError`.
 """
 
 from __future__ import annotations
