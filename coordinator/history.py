@@ -16,20 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtrain.runlog import read_events
+from dtrain.runlog import fault_kind, read_events
+from dtrain.wire import MAX_EVAL_REPORTS
 
 MAX_ROUNDS = 500  # RoundRecords kept for Status (the dashboard's bytes chart)
 MAX_EVALS = 500  # EvalPoints kept
 MAX_FAULTS = 100  # FaultRecords kept
-MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry
 EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: the next puller is asked instead
 
-# Events that are faults, or the coordinator's answers to one: the dashboard's "recent faults" and the timeline.
-FAULT_EVENTS = frozenset({
-    "island_lost", "push_quarantined", "merge_rejected", "push_refused", "push_aborted", "request_rejected",
-    "auth_failed", "device_quarantined", "digest_mismatch", "coordinator_failed", "coordinator_resumed",
-    "leases_paused", "checkpoint_skipped", "eval_refused", "request_invalid",
-})
 _DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")
 
 
@@ -126,9 +120,10 @@ class RunHistory:
             self.evaluated.add(version)
             self.evals.append(Eval(version=version, tokens=int(record.get("tokens", 0)), loss=float(record["loss"]),
                                    island_id=str(record.get("island", "")), t=t))
-        if kind in FAULT_EVENTS or (kind == "push_received" and record.get("status") == "drop"):
-            self.faults.append(Fault(t=t, kind="delta_dropped" if kind == "push_received" else str(kind),
-                                     island_id=str(record.get("island", "")), detail=fault_detail(record)))
+        fault = fault_kind(record)
+        if fault:
+            self.faults.append(Fault(t=t, kind=fault, island_id=str(record.get("island", "")),
+                                     detail=fault_detail(record)))
 
     def _tokens_before(self, version: int) -> int:
         earlier = [v for v in self.tokens_at if v < version]

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.history import MAX_EVAL_REPORTS, RunHistory, check_eval_reports
+from coordinator.dashboard import Dashboard, check_port_free, dashboard_port, open_dashboard
+from coordinator.history import RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
@@ -38,7 +40,9 @@ from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
+from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
 from dtrain.wire import (
+    MAX_EVAL_REPORTS,
     RUN_OVER_METADATA_KEY,
     SERVICE,
     AuthDenied,
@@ -117,6 +121,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if resume and not (cfg.coordinator.checkpoint and ckpt_dir.is_dir()
                            and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
+        require_exporter(cfg.telemetry)  # a missing extra, before anything is written
         self.log = RunLog(self.run_dir, quiet=quiet)
         # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
         # coordinator's), then over each event as it is logged.
@@ -159,6 +164,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._auth_lock = threading.Lock()
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
         self._closing = False
+        # grpc.health.v1 (registered by serve()): SERVING until the run is over, the service failed, or it stops.
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._serving: bool | None = None  # what the health service says now (None: nothing yet)
+        self.telemetry = Telemetry(cfg.telemetry, "coordinator", "coordinator", self.run_id)
+        self.rounds = RoundSpans(self.telemetry)
+        status_gauges(self.telemetry, self.status_message)
+        self.log.subscribe(self.telemetry.on_event)
+        self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-tick", daemon=True)
         self._ticker.start()
 
@@ -235,8 +248,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         island (from the request: service_handler notes them): ``request_invalid`` for a bad request
         (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
         kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
-        self.log.event(kind, method=getattr(_CALL, "method", ""), island=getattr(_CALL, "island", ""),
-                       code=code.name, error=message)
+        with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
+            self.log.event(kind, method=getattr(_CALL, "method", ""), island=getattr(_CALL, "island", ""),
+                           code=code.name, error=message)
         context.abort(code, message)
 
     def auth_failed(self, peer: str, method: str, why: str) -> None:
@@ -257,7 +271,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._report_auth_failed(peer, method, why, count + 1)
 
     def _report_auth_failed(self, peer: str, method: str, why: str, count: int) -> None:
-        self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
+        with self.lock:  # the event's listeners (history, telemetry) are updated under the lock
+            self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
         self.log.progress(f"refused {count} call{'s' * (count != 1)} from {peer} without the right token ({why}; "
                           f"last: {method.rsplit('/', 1)[-1]})")
 
@@ -320,9 +335,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not ready:
             return
         t0 = time.perf_counter()
+        round_span = self.rounds.ready(self.state.version + 1, reason)
         pending = self.state.pending()
         try:
-            update = self.merger.outer_step()
+            with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
+                                     pushes=len(pending)):
+                update = self.merger.outer_step()
         except NonFiniteResult as e:
             # Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
             # replies) and the round is tried again without it, here, if it is still ready.
@@ -359,10 +377,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        update_bytes=update.size, params_digest=update.params_digest,
                        merge_s=round(time.perf_counter() - t0, 6))
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
-            self.ckpt.save_files(version, self.merger.state_files(),
-                                 {"state": self.state.to_json(), "version": version,
-                                  "params_digest": self.merger.digest})
+            with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
+                self.ckpt.save_files(version, self.merger.state_files(),
+                                     {"state": self.state.to_json(), "version": version,
+                                      "params_digest": self.merger.digest})
         self.merge_s += time.perf_counter() - t0
+        self.telemetry.record_ratio(4 * self.merger.n, update.size, "down")
+        self.rounds.close(version, pushes=len(pending), tokens=sum(i.tokens for i, _ in pending),
+                          islands=sorted({i.island_id for i, _ in pending}), update_bytes=update.size)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 
@@ -387,6 +409,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     if done and self.finished is None:
                         self.finished = why
                         self.lock.notify_all()  # wakes run_coordinator
+                    self._set_health()
                     deadline = self.state.next_deadline(now)
                     self.lock.wait(None if deadline is None else max(0.0, deadline - now))
                     if deadline is not None and self.clock() < deadline:
@@ -397,7 +420,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self.fatal = f"{type(e).__name__}: {e}"
                     self.log.event("coordinator_failed", error=self.fatal)
                 self.lock.notify_all()
+                self._set_health()
             raise
+
+    def _set_health(self) -> None:
+        """grpc.health.v1: SERVING while the coordinator serves, including after the run's last version while it
+        lingers for the islands' last pulls (a readiness probe must keep routing them here); NOT_SERVING once it is
+        finished, failed or asked to stop (the ticker calls this on every change)."""
+        serving = not (self.finished or self.fatal or self._closing)
+        if serving == self._serving:
+            return  # unchanged: a Watch hears of changes only
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):  # "": the server as a whole (what a Kubernetes gRPC probe asks by default)
+            self.health.set(name, status)
 
     def wait_finished(self) -> str:
         """Blocks until the service may stop, and says why: the state machine found the run finished (the
@@ -515,12 +551,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
                                         version=version, reason=admission.reason, cursor=cursor)
+        # Its round's span (an accepted preview starts it); a push to be dropped or rejected is a trace of its own.
+        round_span = self.rounds.open(admission.target_version) if admission.status == "accept" else None
         try:
             receiver = FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame,
                                      self.cfg.codec.chunk_bytes)
         except WireError as e:
             self._abort(context, e.code, str(e))
         with self.merger.spool() as spool:
+            receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
+                                                push_id=info.push_id, version=admission.target_version,
+                                                preview=admission.status)
             try:
                 for msg in request_iterator:
                     if msg.WhichOneof("kind") != "chunk":
@@ -529,7 +570,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if receiver.received < receiver.chunks:
                     self._upload_broke(context, info, receiver.received, receiver.chunks)
                 receiver.finish()
-                self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
+                self.telemetry.end(receive, bytes=receiver.size)
+                with self.telemetry.span("dtrain.validate", parent=round_span, island=info.island_id,
+                                         push_id=info.push_id, version=admission.target_version):
+                    self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
             except WireError as e:
                 self._refuse_payload(context, info, e.code, f"push {info.push_id}: {e}")
             except codec.CodecError as e:
@@ -537,6 +581,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                      f"push {info.push_id}: bad frame: {e}")
             except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
                 self._upload_broke(context, info, receiver.received, receiver.chunks)
+            finally:  # a refused or broken upload's span ends here, with what arrived
+                self.telemetry.end(receive, bytes=receiver.size)
             with self.lock:
                 self._refuse_if_failed(context)
                 # The decision, made again now that the payload is here (the round may have closed meanwhile),
@@ -548,6 +594,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
                     self._push_bytes[info.push_id] = receiver.size
                 self.bytes_in += receiver.size
+                self.telemetry.record_ratio(4 * self.merger.n, receiver.size, "up")
                 view = self.history.island(info.island_id)
                 view.bytes_in += receiver.size
                 view.last_seen = self.clock()
@@ -660,19 +707,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 faults=[pb.FaultRecord(**dataclasses.asdict(f)) for f in h.faults])
 
     def close(self) -> None:
+        self.health.enter_graceful_shutdown()  # NOT_SERVING from now on
+        if self.dashboard is not None:
+            self.dashboard.close()
         with self.lock:
             self._closing = True
             self.lock.notify_all()  # wakes the ticker, which then ends
         self._ticker.join(timeout=5)
-        with self.lock:
-            self.merger.close()
-        if self.ckpt is not None:
-            self.ckpt.close()
-        with self._auth_lock:  # the refused calls counted since each host's last auth_failed event
+        # the refused calls counted since each host's last auth_failed event: before telemetry shuts down
+        with self._auth_lock:
             pending = [entry for entry in self._auth_failures.values() if entry[1]]
             self._auth_failures.clear()
         for _, count, peer, method, why in pending:
             self._report_auth_failed(peer, method, why, count)
+        self.rounds.close_all()
+        self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
+        with self.lock:
+            self.merger.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
         self.log.close()
 
 
@@ -683,6 +736,9 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
     check_address_free(c.host, c.port if port is None else port)  # before anything is written to the run folder
+    dash_port = dashboard_port(cfg, port)
+    if dash_port is not None:
+        check_port_free(c.host, dash_port)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
     on_denied: AuthDenied = service.auth_failed
@@ -691,6 +747,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     creds = server_credentials(cfg.security)
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -699,7 +756,15 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if bound == 0:
         service.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
+    if dash_port is not None:
+        try:
+            service.dashboard = open_dashboard(service, dash_port, token)
+        except DtrainError:
+            service.close()
+            raise
     server.start()
+    if service.dashboard is not None:
+        service.dashboard.start()
     if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
         with service.lock:
             service.state.pause_leases(max(0.0, clock() - service.loaded_at))
@@ -709,10 +774,13 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                           total_versions=o.end_version, expected_versions=o.total_versions,
                           tokens_total=o.islands * o.shard_end * o.seq_len, params=service.merger.n,
                           fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
+    dash_url = service.dashboard.url if service.dashboard is not None else None
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
-                      auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id)
+                      auth=token is not None, mode=c.mode, params=service.merger.n, run_id=service.run_id,
+                      dashboard=dash_url)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if creds else 'plaintext'}, "
-                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)")
+                         f"{'token auth' if token else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)"
+                         + (f"; dashboard at {dash_url}" if dash_url else "; no dashboard"))
     return server, service, bound
 
 
@@ -877,6 +945,10 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
 
     return_large_frees_to_the_os()
     check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
+    require_exporter(cfg.telemetry)  # likewise
+    dash_port = dashboard_port(cfg, port)
+    if dash_port is not None:
+        check_port_free(cfg.coordinator.host, dash_port)
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:
@@ -885,7 +957,9 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         shutil.rmtree(init_dir, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"
     tmp = info.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id}))
+    dash = service.dashboard
+    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "run_id": service.run_id,
+                               "dashboard_port": dash.port if dash else None, "dashboard": dash.url if dash else None}))
     tmp.replace(info)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: service.request_stop(f"{signal.Signals(signum).name} received"))

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from dtrain import schema
 from dtrain.codec import CODEC_BITS
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_OTLP_ENDPOINT = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}/?")
 
 
 class ConfigError(ValueError):
@@ -110,6 +112,9 @@ class CodecConfig:
 class CoordinatorConfig:
     host: str = _f("127.0.0.1", "address the coordinator binds (dtrain coordinator)")
     port: int = _f(50051, "port the coordinator binds (0: any free port)")
+    dashboard_port: int = _f(8051, "port of the live dashboard (HTTP, or HTTPS with TLS; same host and token as "
+                             "the coordinator): the page / and /api/status; 0: any free port, also taken whenever "
+                             "the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
     mode: str = _f("sync", "sync: rounds with quorum; async: merge each delta on arrival", choices=("sync", "async"))
     min_quorum: int = _f(0, "sync: pushes that may close a round once grace_s has passed (0: every live island)")
     grace_s: float = _f(30.0, "sync: seconds after a round's first push before a quorum close is allowed")
@@ -192,6 +197,19 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    exporter: str = _f("none", "where OpenTelemetry spans and metrics go: none (off), console (stderr), otlp (a "
+                       "collector over gRPC; needs pip install 'dtrain[otlp]'), memory (kept in the process, for "
+                       "tests)", choices=("none", "console", "otlp", "memory"))
+    otlp_endpoint: str = _f("http://127.0.0.1:4317", "otlp: the collector's OTLP/gRPC endpoint, http://HOST:PORT "
+                            "(plaintext) or https://HOST:PORT (TLS)")
+    otlp_timeout_s: float = _f(5.0, "otlp: seconds one export may take, retries included (also bounds the "
+                               "flush at shutdown)")
+    export_interval_s: float = _f(10.0, "console and otlp: seconds between metric exports")
+    service_name: str = _f("dtrain", "prefix of the OpenTelemetry service.name: PREFIX-coordinator, PREFIX-island")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -204,6 +222,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @property
     def rounds(self) -> int:
@@ -227,7 +246,8 @@ class Config:
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
-            "worker": WorkerConfig, "health": HealthConfig, "security": SecurityConfig}
+            "worker": WorkerConfig, "health": HealthConfig, "security": SecurityConfig,
+            "telemetry": TelemetryConfig}
 
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
@@ -301,6 +321,10 @@ def _check(cfg: Config, origin: str) -> None:
     co = cfg.coordinator
     if not 0 <= co.port <= 65535:
         fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
+    if not -1 <= co.dashboard_port <= 65535:
+        fail("coordinator", "dashboard_port", f"must be -1 (no dashboard) or in [0, 65535], got {co.dashboard_port}")
+    if co.dashboard_port == co.port != 0:
+        fail("coordinator", "dashboard_port", f"must differ from coordinator.port ({co.port})")
     if co.min_quorum < 0:
         fail("coordinator", "min_quorum", f"must be >= 0, got {co.min_quorum}")
     for name in ("grace_s", "lease_s"):
@@ -358,6 +382,15 @@ def _check(cfg: Config, origin: str) -> None:
              "client_cert and client_key go together")
     if sec.client_auth and not (sec.ca and sec.server_cert):
         fail("security", "client_auth", "mutual TLS needs security.ca and security.server_cert")
+    tel = cfg.telemetry
+    for name in ("otlp_timeout_s", "export_interval_s"):
+        if not (math.isfinite(getattr(tel, name)) and getattr(tel, name) > 0):
+            fail("telemetry", name, f"must be a finite number > 0, got {getattr(tel, name)}")
+    if tel.exporter == "otlp" and not _OTLP_ENDPOINT.fullmatch(tel.otlp_endpoint):
+        fail("telemetry", "otlp_endpoint", f"must be http://HOST:PORT or https://HOST:PORT, got "
+             f"{tel.otlp_endpoint!r}")
+    if not tel.service_name.strip():
+        fail("telemetry", "service_name", "must not be empty")
     if t.batch_size % fixed:
         fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
              f"(mesh.data x mesh.fsdp)")

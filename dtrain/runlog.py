@@ -1,4 +1,10 @@
-"""The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress lines."""
+"""The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress lines.
+
+Progress has two kinds of line: :meth:`RunLog.progress` prints one line that stays (``[ 12.3s] text``), and
+:meth:`RunLog.status` shows how far something is (an island's step, version and loss; the simulation's state).
+On a terminal a status line is a live line that ``rich`` redraws in place, with a bar when its total is known;
+elsewhere (a pipe, a log file) it is printed as a progress line, at most once per ``every_s`` seconds.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +12,30 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+STATUS_REFRESH_HZ = 4  # how often a live status line is redrawn
+
 
 class RunLog:
-    """Appends events to ``RUN_DIR/events.jsonl`` and prints progress lines."""
+    """Appends events to ``RUN_DIR/events.jsonl`` and prints progress and status lines."""
 
-    def __init__(self, run_dir: str | Path, quiet: bool = False, stream: TextIO | None = None):
+    def __init__(self, run_dir: str | Path, quiet: bool = False, stream: TextIO | None = None,
+                 live: bool | None = None):
+        """``live``: status lines as live lines redrawn in place (rich); None: when ``stream`` (default stderr) is a
+        terminal. ``quiet``: no lines at all (events are still written)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.t0 = time.time()
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
         self.stream = stream or sys.stderr
+        self.live = not quiet and (_is_terminal(self.stream) if live is None else live)
+        self._bar: Any = None  # rich.progress.Progress, started by the first live status line
+        self._tasks: dict[str, Any] = {}  # status key -> its rich task id
+        self._shown: dict[str, float] = {}  # plain mode: status key -> when its line was last printed
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
@@ -36,8 +51,46 @@ class RunLog:
         return record
 
     def progress(self, line: str) -> None:
-        if not self.quiet:
-            print(f"[{time.time() - self.t0:7.1f}s] {line}", file=self.stream, flush=True)
+        """One line that stays: ``[ elapsed s] line`` (above the live status lines, if any)."""
+        if self.quiet:
+            return
+        text = f"[{time.time() - self.t0:7.1f}s] {line}"
+        if self._bar is not None:
+            from rich.text import Text
+
+            self._bar.console.print(Text(text), soft_wrap=True)  # one line, as in plain mode
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def status(self, key: str, line: str, done: int | None = None, total: int | None = None,
+               every_s: float = 0.0) -> None:
+        """Shows status line ``key`` as ``line`` (build it with :func:`fmt_progress`). Live: redraws it in place,
+        with a bar of ``done`` out of ``total`` when ``total`` is given. Plain: prints it as a progress line unless
+        this key's line was printed less than ``every_s`` seconds ago."""
+        if self.quiet:
+            return
+        if not self.live:
+            now = time.monotonic()
+            if now - self._shown.get(key, -math.inf) >= every_s:
+                self._shown[key] = now
+                self.progress(line)
+            return
+        bar = self._live_bar()
+        if key in self._tasks:
+            bar.update(self._tasks[key], description=line, total=total or None, completed=done or 0)
+        else:
+            self._tasks[key] = bar.add_task(line, total=total or None, completed=done or 0)
+
+    def _live_bar(self) -> Any:
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            console = Console(file=self.stream, force_terminal=True)
+            self._bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24),
+                                 TimeElapsedColumn(), console=console, refresh_per_second=STATUS_REFRESH_HZ)
+            self._bar.start()
+        return self._bar
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / "summary.json"
@@ -47,7 +100,17 @@ class RunLog:
         return path
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()  # the last state of the live lines stays on the terminal
+            self._bar = None
         self._events.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _jsonable(x: Any) -> Any:
@@ -71,6 +134,62 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"
 
 
+def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version: int | None = None,
+                 total: int | str = 0, data: tuple[int, int] | None = None, loss: float | None = None,
+                 eval_loss: float | None = None, tokens_per_s: float | None = None, extra: str = "") -> str:
+    """A progress line: ``NAME: step S/STEPS vX/TOTAL data C/N train loss L eval loss E tok/s R EXTRA``, each part
+    only when given. ``steps``: the step the run ends at; ``total``: the version the run ends at (0: not known; a
+    string such as ``"~3"`` for an estimate); ``data``: (cursor, length) of the data, for a run whose end the data
+    decides."""
+    parts = [f"{name}:"]
+    if step is not None:
+        parts.append(f"step {step}/{steps}" if steps else f"step {step}")
+    if version is not None:
+        parts.append(f"v{version}/{total}" if total else f"v{version}")
+    if data is not None:
+        parts.append(f"data {data[0]}/{data[1]}")
+    if loss is not None:
+        parts.append(f"train loss {loss:.4f}")
+    if eval_loss is not None:
+        parts.append(f"eval loss {eval_loss:.4f}")
+    if tokens_per_s is not None:
+        parts.append(f"tok/s {fmt_rate(tokens_per_s)}")
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)
+
+
+class EventTail:
+    """Reads a growing ``RUN_DIR/events.jsonl`` (a live run's): each :meth:`read` returns the events appended since
+    the last one. A line not yet ended is kept for the next read; one that does not parse (torn by a process killed
+    while writing it) is skipped. A file not there yet reads as no events."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "events.jsonl"
+        self.offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
 def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, Any]]:
     """The events of ``RUN_DIR/events.jsonl``. ``skip_torn``: leave out lines that do not parse, which a process
     killed while it wrote one leaves behind (a restarted process appends after them); else they raise."""
@@ -85,3 +204,23 @@ def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, 
         except ValueError:
             continue
     return out
+
+
+# The events that record a fault, or a service's answer to one, and the kind each is (:func:`fault_kind`): what the
+# coordinator's Status lists as recent faults, the ``dtrain.faults`` metric counts and ``dtrain plot`` marks.
+FAULT_EVENTS = {
+    "island_lost": "island_lost", "push_quarantined": "delta_rejected", "merge_rejected": "delta_rejected",
+    "push_refused": "push_refused", "push_aborted": "push_aborted", "device_quarantined": "device_quarantined",
+    "auth_failed": "auth_failed", "request_invalid": "request_invalid", "digest_mismatch": "digest_mismatch",
+    "nan_guard": "nan_guard", "coordinator_failed": "coordinator_failed", "coordinator_resumed": "coordinator_resumed",
+    "leases_paused": "leases_paused", "checkpoint_skipped": "checkpoint_skipped",
+}
+
+
+def fault_kind(record: Mapping[str, Any]) -> str:
+    """The fault an event records (:data:`FAULT_EVENTS`; a ``push_received`` with status "drop" is a
+    ``delta_dropped``), or ''."""
+    kind = str(record.get("event", ""))
+    if kind == "push_received":
+        return "delta_dropped" if record.get("status") == "drop" else ""
+    return FAULT_EVENTS.get(kind, "")

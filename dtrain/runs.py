@@ -19,7 +19,7 @@ from dtrain.config import Config
 from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.errors import DtrainError
 from dtrain.outer import OuterHParams
-from dtrain.runlog import RunLog, fmt_rate
+from dtrain.runlog import RunLog, fmt_progress, fmt_rate
 from dtrain.setup import Setup, prepare
 
 FP32_BYTES = 4
@@ -96,7 +96,8 @@ def run_train(cfg: Config, resume: bool = False, quiet: bool = False) -> dict[st
             last.update(t=now, tokens=isl.tokens)
             log.event("train", step=step, loss=loss, grad_norm=float(np.asarray(metrics["grad_norm"])[-1]),
                       lr=s.loop.lr_at(step - 1), tokens=isl.tokens, tokens_per_s=rate)
-            log.progress(f"step {step:>6}/{t.steps}  loss {loss:.4f}  tok/s {fmt_rate(rate)}")
+            log.status("train", fmt_progress("train", step=step, steps=t.steps, loss=loss, tokens_per_s=rate),
+                       done=step, total=t.steps)
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < t.steps:
             ev = s.loop.evaluate(isl.state.params, s.eval_batches)
             log.event("eval", step=step, eval_loss=ev)

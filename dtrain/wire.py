@@ -37,6 +37,9 @@ KEEPALIVE_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_MAX_S = 0.5
 
 AUTH_METADATA_KEY = "authorization"
+# The calls answered without a token: grpc.health.v1's Check and Watch (Kubernetes' gRPC probes and load balancers
+# send none). They tell whether the coordinator serves, nothing about the run.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 # Trailing metadata on a Join refused because the run is over (its value: the last version): the island exits 0.
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
@@ -46,6 +49,7 @@ MAX_CHUNKS = 1 << 20
 # run to kilobytes) and the most devices one report may name (also at most the island's mesh).
 PROBES = ("known_answer", "finite", "stats", "replay")
 MAX_EVIDENCE_DETAIL = 512
+MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry (an island sends its oldest first)
 MAX_EVIDENCE = 4096
 
 
@@ -134,8 +138,9 @@ _HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare). ``on_denied``, if
-    given, is told of each refused call (:data:`AuthDenied`), from the call's own thread, before it ends."""
+    """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare), except the health
+    checks of :data:`OPEN_METHODS`. ``on_denied``, if given, is told of each refused call (:data:`AuthDenied`),
+    from the call's own thread, before it ends."""
 
     def __init__(self, token: str, on_denied: AuthDenied | None = None):
         self._expected = f"Bearer {token}".encode()
@@ -156,6 +161,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if details.method in OPEN_METHODS:
+            return continuation(details)
         got = ""
         for key, value in details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"

@@ -15,7 +15,7 @@ from typing import NoReturn
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
 from dtrain_cli.entry import run_main
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                  "dtrain config --config tiny --set train.lr=1e-3 > my.toml")
     _config_flags(p, required=False)
     p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
+    p = _command(sub, "plot", "write PNGs of a run (loss, bytes, utilization, a fault timeline) from its events; "
+                 "a finished or a live run",
+                 "Reads the events a run wrote (the coordinator's and each island's) and writes PNGs: eval and train\n"
+                 "loss over tokens, bytes, utilization, and a timeline of faults and their detection.",
+                 "dtrain plot runs/tiny --out /tmp/plots")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, e.g. runs/tiny")
+    p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
     return parser
 
 
@@ -167,6 +174,10 @@ def _run(argv: list[str], prog: str) -> int:
         parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} ({prog} --help shows the usage)\n")
     if args.command == "status":
         return _status(args)
+    if args.command == "plot":  # no config: it reads what the run wrote
+        from dtrain_cli import plot
+
+        return plot.main(args.run_dir, args.out)
     if getattr(args, "host_devices", 0):
         if "jax" in sys.modules:
             raise ConfigError("--host-devices must be set before JAX is imported")

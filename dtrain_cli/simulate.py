@@ -23,7 +23,7 @@ from dtrain import config as config_mod
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config
 from dtrain.errors import DtrainError
-from dtrain.runlog import RunLog, read_events
+from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
 from dtrain_cli.faults import (
     DEVICE_KINDS,
     LINK_KINDS,
@@ -35,6 +35,7 @@ from dtrain_cli.faults import (
 )
 
 START_TIMEOUT_S = 120.0
+STATUS_EVERY_S = 10.0  # the driver's status line, when not on a terminal: one every this many seconds
 # The coordinator's events that answer a bad push, and the action each means (push_refused and push_aborted
 # are told apart further in _Simulation._push_detection).
 PUSH_DETECTIONS = {"push_quarantined": "quarantined", "merge_rejected": "rejected: non-finite merge",
@@ -84,6 +85,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     if islands != cfg.outer.islands:
         cfg = config_mod.replace(cfg, outer={"islands": islands})
+    if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
+        cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
     if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
         raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
     if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
@@ -99,6 +102,67 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     finally:
         sim.stop_all()
     return sim.summarize()
+
+
+class RunWatch:
+    """What the driver's status line says, from the events the coordinator and the workers write: what the run
+    waits for (workers compiling before they join, the first round), then the version out of the total, the latest
+    global eval loss and the islands' latest train loss. Fed with new events (:class:`dtrain.runlog.EventTail`)."""
+
+    def __init__(self, islands: int, expected_versions: int, shard_end: int):
+        """``expected_versions``: the version a run ends at without faults (shown ``~N`` when the coordinator does
+        not know the end ahead); ``shard_end``: sequences per shard (0: no end, wall-time rounds)."""
+        self.islands, self.expected, self.shard_end = islands, expected_versions, shard_end
+        self.joined: set[str] = set()
+        self.version = 0
+        self.total = 0  # the version the run ends at, as the coordinator told the islands (0: the data decides)
+        self.eval_loss: float | None = None
+        self.train_loss: dict[str, float] = {}  # island name -> its latest train loss
+        self.cursors: dict[int, int] = {}  # shard -> merged cursor (sequences)
+        self.over = ""
+
+    def coordinator(self, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            kind = e.get("event")
+            if kind == "island_joined" and e.get("name"):
+                self.joined.add(str(e["name"]))
+            elif kind == "round_merged":
+                self.version = max(self.version, int(e.get("version", 0)))
+                for p in e.get("pushes", ()):
+                    shard = int(p.get("shard", 0))
+                    self.cursors[shard] = max(self.cursors.get(shard, 0), int(p.get("end", 0)))
+            elif kind == "eval":
+                loss = e.get("loss", e.get("eval_loss"))
+                if isinstance(loss, (int, float)):
+                    self.eval_loss = float(loss)
+            elif kind == "coordinator_stopped":
+                self.over = str(e.get("reason", "stopped"))
+
+    def island(self, name: str, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            kind = e.get("event")
+            if kind == "joined":
+                self.total = int(e.get("total_versions", 0) or 0)
+            elif kind == "train" and isinstance(e.get("loss"), (int, float)):
+                self.train_loss[name] = float(e["loss"])
+
+    @property
+    def known_total(self) -> int:
+        """The version the run ends at: the coordinator's, else the expected one (0: not known)."""
+        return self.total or self.expected
+
+    def line(self, running: int) -> str:
+        """The status line; ``running``: worker processes alive now."""
+        n = self.islands
+        if not self.joined:
+            return f"simulate: waiting for {n} workers to join (compiling; {running} running)"
+        if self.version == 0 and not self.over:
+            return f"simulate: {len(self.joined)}/{n} workers joined, waiting for the first round"
+        losses = list(self.train_loss.values())
+        data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
+        return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
+                            data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
+                            extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
 
 
 class _Simulation:
@@ -127,6 +191,10 @@ class _Simulation:
         self.t0 = time.perf_counter()
         self.t_workers = 0.0
         self.logs: list[Any] = []
+        expected = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * islands
+        shard_end = 0 if cfg.worker.round_seconds else cfg.train.steps * cfg.train.batch_size  # sequences per shard
+        self.watch = RunWatch(islands, expected, shard_end)
+        self.tails = {"": EventTail(out), **{n: EventTail(out / "islands" / n) for n in self.names}}
 
     # -- processes ---------------------------------------------------------------------------------
 
@@ -146,7 +214,10 @@ class _Simulation:
             if time.perf_counter() - t_start > START_TIMEOUT_S:
                 raise SimulationError(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
-        self.port = int(json.loads(info_path.read_text())["port"])
+        info = json.loads(info_path.read_text())
+        self.port = int(info["port"])
+        if info.get("dashboard"):
+            self.log.progress(f"live dashboard at {info['dashboard']}")
 
     def _start_worker(self, name: str) -> None:
         i = self.names.index(name)
@@ -182,7 +253,6 @@ class _Simulation:
             self._start_worker(name)
         self.t_workers = time.perf_counter()
         deadline = self.t_workers + timeout_s
-        last_report = 0.0
         # push and device faults: the workers inject them
         pending = [f for f in self.faults if f.kind not in PUSH_KINDS + DEVICE_KINDS]
         ended_at = 0.0
@@ -208,11 +278,9 @@ class _Simulation:
                 ended_at = ended_at or now
                 if now - ended_at > max(5.0, 2 * self.cfg.coordinator.lease_s):
                     self._stop_stragglers()
-            if now - last_report > 10:
-                last_report = now
-                running = sum(p.poll() is None for p in self.workers.values())
-                self.log.progress(f"{running} workers running; {version} versions merged")
+            self._show_status()
             time.sleep(0.2)
+        self._show_status()
         missed = [(f, "the run ended first") for f in pending]
         missed += [(f, f"{f.target} made no push based on version {f.at_version} or later") for f in self.faults
                    if f.kind in PUSH_KINDS and self._push_fault_event(f) is None]
@@ -235,6 +303,18 @@ class _Simulation:
                 coord.terminate()
             if coord.wait(timeout=60) not in (0, -15):
                 raise SimulationError(f"the coordinator failed with status {coord.returncode}")
+
+    def _show_status(self) -> None:
+        """The driver's status line (:class:`RunWatch`): live on a terminal, else a line every STATUS_EVERY_S."""
+        for name, tail in self.tails.items():
+            if name:
+                self.watch.island(name, tail.read())
+            else:
+                self.watch.coordinator(tail.read())
+        running = sum(p.poll() is None for p in self.workers.values())
+        total = self.watch.known_total
+        self.log.status("simulate", self.watch.line(running), done=self.watch.version, total=total,
+                        every_s=STATUS_EVERY_S)
 
     def _stop_stragglers(self) -> None:
         for name, p in self.workers.items():

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import test_service
-from coordinator.history import MAX_EVAL_REPORTS, RunHistory, check_eval_reports
+from coordinator.history import RunHistory, check_eval_reports
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status import message_dict
+from dtrain.wire import MAX_EVAL_REPORTS
 from test_service import Running, _delta_frame, _header, _join
 from workers.client import CoordinatorClient
 

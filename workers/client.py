@@ -201,23 +201,31 @@ class CoordinatorClient:
                 time.sleep(pause)
                 delay = min(delay * 2, w.retry_max_s)
 
-    def join(self, island: str, hardware: str, devices: int) -> pb.JoinResponse:
+    def join(self, island: str, hardware: str, devices: int, device_kind: str = "") -> pb.JoinResponse:
+        """``device_kind``: jax's device_kind of the island's devices ("" unknown)."""
         req = pb.JoinRequest(island=island, hardware=hardware, devices=devices, fingerprint=self.cfg.fingerprint(),
-                             fingerprint_fields=self.cfg.fingerprint_fields())
+                             fingerprint_fields=self.cfg.fingerprint_fields(), device_kind=device_kind)
         return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
     def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,
                   tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
                   pending_push_id: str = "", quarantined: Sequence[Mapping[str, Any]] = (),
-                  devices: int = 0) -> pb.HeartbeatResponse:
+                  devices: int = 0, train_loss: float | None = None, utilization: float = 0.0,
+                  evals: Sequence[tuple[int, float]] = ()) -> pb.HeartbeatResponse:
         """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
         are the fields of the HeartbeatRequest; left out, a field keeps the proto's default. ``quarantined``: the
         island's quarantined devices as workers/chips.py's Evidence dicts (:func:`evidence_message`);
-        ``devices``: the devices it trains on now (0: not reported)."""
+        ``devices``: the devices it trains on now (0: not reported); ``train_loss``: the latest chunk's mean train
+        loss (None: left unset); ``utilization``: fraction of its wall time in inner steps; ``evals``: (version,
+        eval loss) of the global θs the coordinator asked it to evaluate."""
         req = pb.HeartbeatRequest(island_id=island_id, version=version, steps=steps, tokens=tokens,
                                   steps_per_s=steps_per_s, params_digest=params_digest, bad_devices=bad_devices,
                                   pending_push_id=pending_push_id,
-                                  quarantined=[evidence_message(e) for e in quarantined], devices=devices)
+                                  quarantined=[evidence_message(e) for e in quarantined], devices=devices,
+                                  utilization=utilization, evals=[pb.EvalReport(version=v, loss=loss)
+                                                                  for v, loss in evals])
+        if train_loss is not None:
+            req.train_loss = train_loss
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
@@ -287,7 +295,8 @@ class CoordinatorClient:
 
     def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
              max_frame: int | None = None) -> list[PulledFrame]:
-        """The frames that bring ``have_version`` to the latest (empty if current); chunks verified.
+        """The frames that bring ``have_version`` to the latest (empty if current; a frameless CURRENT header when it
+        asks the island to evaluate the θ it holds); chunks verified.
 
         ``max_frame``: the largest frame to accept (the worker passes the bound for its model's size)."""
         req = pb.PullRequest(island_id=island_id, have_version=have_version, full=full, wait_s=wait_s)
@@ -306,6 +315,8 @@ class CoordinatorClient:
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a header before the last frame ended")
                     header = msg.header
                     if header.kind == pb.PULL_KIND_CURRENT:
+                        if header.evaluate:  # no frame, but the island is asked to evaluate the θ it holds
+                            out.append(PulledFrame(header=header, frame=b""))
                         continue
                     receiver = FrameReceiver(header.total_bytes, header.chunks, header.frame_crc32, limit,
                                              self.cfg.codec.chunk_bytes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,6 +42,7 @@ import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
@@ -51,10 +53,11 @@ from dtrain.errors import DtrainError
 from dtrain.health import DeviceFault
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
-from dtrain.runlog import RunLog, fmt_rate
+from dtrain.runlog import RunLog, fmt_progress, json_number
 from dtrain.setup import prepare
+from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop, make_mesh
-from dtrain.wire import max_frame_bytes
+from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
 from workers.inject import Injection, injected_push
@@ -108,6 +111,15 @@ class Puller:
 
     def __init__(self, client: PullClient, n: int, max_frame: int, log: EventLog):
         self.client, self.n, self.max_frame, self.log = client, n, max_frame, log
+        self._to_evaluate: dict[int, GlobalParams] = {}  # version -> θ_version the coordinator asked to evaluate
+        self._lock = threading.Lock()  # pulls run on the exchange's thread and on the training loop's
+
+    def take_eval_requests(self) -> list[GlobalParams]:
+        """The global θs the coordinator asked this island to evaluate (PullHeader.evaluate) since the last call,
+        oldest version first: each exactly as pulled and verified, before any local progress was folded in."""
+        with self._lock:
+            out, self._to_evaluate = sorted(self._to_evaluate.values(), key=lambda g: g.version), {}
+        return out
 
     def pull(self, island_id: str, have: GlobalParams | None, wait_s: float = 0.0,
              full: bool = False) -> GlobalParams:
@@ -133,6 +145,11 @@ class Puller:
         g = have
         for f in frames:
             h = f.header
+            if h.kind == pb.PULL_KIND_CURRENT:  # no frame: the island holds θ_version (sent to ask for an eval)
+                if h.evaluate and g is not None and g.version == h.version:
+                    with self._lock:
+                        self._to_evaluate[g.version] = g
+                continue
             values = codec.dequantize(codec.decode(f.frame, expected_n=self.n))
             if h.kind == pb.PULL_KIND_FULL:
                 g = GlobalParams(values, h.version)
@@ -148,6 +165,9 @@ class Puller:
                 self.log("digest_mismatch", version=h.version)
                 return g, (f"v{h.version} decodes to params digest {digest}, the coordinator's θ has "
                            f"{h.params_digest}")
+            if h.evaluate:  # verified: the exact global θ_version (g.vec is a new array, never changed in place)
+                with self._lock:
+                    self._to_evaluate[g.version] = g
         return g, ""
 
 
@@ -158,9 +178,14 @@ class Exchange:
     The heartbeat sets :attr:`repush` when the coordinator has lost the push (a restart): it is sent again."""
 
     def __init__(self, client: PushClient, puller: Puller, frame: bytes, header: pb.PushHeader,
-                 base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog):
+                 base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog,
+                 telemetry: Telemetry | None = None, span: Span | None = None):
+        """``span``: the exchange's ``dtrain.exchange`` span (ended by the fold-in), parent of its push and pull
+        spans."""
         self.client, self.puller, self.frame, self.header, self.base = client, puller, frame, header, base
         self.total_versions, self.stop, self.log = total_versions, stop, log
+        self.telemetry = telemetry or Telemetry.disabled()
+        self.span = span or INVALID_SPAN
         self.repush = threading.Event()
         self.response: pb.PushDeltaResponse | None = None  # the coordinator's answer to the push, once it came
         self.future: Future[GlobalParams] = Future()
@@ -188,7 +213,11 @@ class Exchange:
         it was applied, and a retry would be refused too) is answered as REJECTED at its range's start."""
         h = self.header
         try:
-            return self.client.push(h, self.frame)
+            with self.telemetry.span("dtrain.push", parent=self.span, island=h.island_id, push_id=h.push_id,
+                                     base_version=h.base_version, bytes=len(self.frame)) as span:
+                response = self.client.push(h, self.frame)
+                self.telemetry.annotate(span, status=pb.PushStatus.Name(response.status), version=response.version)
+                return response
         except CoordinatorError as e:
             if e.code not in REFUSALS:
                 raise
@@ -223,17 +252,25 @@ class Exchange:
             if response.status in NOT_TAKEN:
                 # Not merged, and no version waits for it: back at once with the newest θ, so the island trains
                 # the range again (a rewind) without waiting for a round that may be waiting for it.
-                return self.puller.pull(h.island_id, g)
+                return self._pull(g)
             if self.repush.is_set():  # the coordinator lost our push (restart): send it again
                 self.repush.clear()
                 response = self.response = self._send()
                 self.log("push_resent", push_id=h.push_id, status=pb.PushStatus.Name(response.status),
                          reason=response.reason, cursor=response.cursor)
                 continue
-            g = self.puller.pull(h.island_id, g, wait_s=PULL_WAIT_S)
+            g = self._pull(g, wait_s=PULL_WAIT_S)
             if self.total_versions and g.version >= self.total_versions:
                 break
         return g
+
+    def _pull(self, have: GlobalParams, wait_s: float = 0.0) -> GlobalParams:
+        """One pull of the exchange (a ``dtrain.pull`` span)."""
+        with self.telemetry.span("dtrain.pull", parent=self.span, island=self.header.island_id,
+                                 base_version=have.version, wait_s=wait_s) as span:
+            g = self.puller.pull(self.header.island_id, have, wait_s=wait_s)
+            self.telemetry.annotate(span, version=g.version)
+            return g
 
 
 class LinkWatch:
@@ -312,6 +349,17 @@ class IslandStatus:
     exchange: Exchange | None = None  # in flight: its push id is reported, and a lost push is sent again
     devices: int = 0  # the devices the island trains on (fewer after a quarantine)
     quarantined: tuple[Evidence, ...] = ()  # the quarantined devices' evidence (replaced whole, never mutated)
+    chunk_loss: Any = None  # the latest chunk's per-step train losses (a device array, maybe still computing)
+    train_loss: float | None = None  # its mean, once read (None: no chunk read yet)
+    utilization: float = 0.0  # fraction of the island's training wall time spent in inner steps so far
+
+    def latest_loss(self, block: bool) -> float | None:
+        """The mean train loss of the latest chunk; without ``block``, of the latest chunk already computed (the
+        heartbeat never waits for the devices)."""
+        losses = self.chunk_loss
+        if losses is not None and (block or losses.is_ready()):
+            self.train_loss = float(np.mean(np.asarray(losses)))  # note: a host-device sync (ready: no wait)
+        return self.train_loss
 
 
 class Worker:
@@ -324,7 +372,10 @@ class Worker:
         self.injections = list(inject)
         self.name = name
         self.run_dir = Path(run_dir)
+        require_exporter(cfg.telemetry)  # a missing extra, before anything slow
         self.log = RunLog(self.run_dir, quiet=quiet)
+        # Built at the first Join (its Resource names the run id); until then it records nothing.
+        self.telemetry = Telemetry.disabled()
         self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
         self.client = CoordinatorClient(address, cfg, on_retry=self._on_retry, give_up=self.stopping)
         # Chip health ([health] enabled) runs the per-device step, whose metrics are the statistics probe; so does an
@@ -360,6 +411,13 @@ class Worker:
         self.executed_steps = 0  # inner steps this process has run (rewound ones too): the compute it spent
         self.frames_sent = 0
         self.frame_bytes = 0
+        self.eval_s = 0.0  # seconds spent evaluating global θs the coordinator asked for while training
+        self._active_s = 0.0  # training wall time of the finished _train calls
+        self._train_since: float | None = None  # time.perf_counter() when the running _train call began
+        self._eval_reports: dict[int, float] = {}  # version -> eval loss, sent by heartbeats until one is answered
+        self._evaluated: dict[int, float] = {}  # every version evaluated by this process: each is evaluated once
+        self._eval_lock = threading.Lock()
+        self._hb_wake = threading.Event()  # set: send a heartbeat now (an eval report is ready, or the island stops)
 
     RETRY_LINE_S = 30.0  # a retried call's progress line: at its first retry, then at most this often
     _retry_line: tuple[str, float] = ("", float("-inf"))  # the last one's text and time.monotonic() (_on_retry)
@@ -381,15 +439,23 @@ class Worker:
     def join(self) -> pb.JoinResponse:
         devices = self.mesh_devices  # the whole mesh: a quarantined device's evidence names its place in it
         hardware = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
-        resp = self.client.join(self.name, hardware, devices)
+        device_kind = str(getattr(next(iter(self.loop.mesh.devices.flat)), "device_kind", ""))
+        resp = self.client.join(self.name, hardware, devices, device_kind=device_kind)
         if resp.tree_digest != self.tree_digest or resp.tree_size != self.n:
             raise WorkerError(f"the coordinator's parameter tree ({resp.tree_size} values, {resp.tree_digest}) "
                               f"differs from this island's ({self.n}, {self.tree_digest})")
         self.island_id = resp.island_id
         self.total_versions = resp.total_versions
+        if not self.telemetry.enabled and self.cfg.telemetry.exporter != "none":
+            self._start_telemetry(resp.run_id)
         self.log.event("joined", island_id=resp.island_id, shard=resp.shard_index, cursor=resp.cursor,
-                       version=resp.version, run_id=resp.run_id)
+                       version=resp.version, run_id=resp.run_id, total_versions=resp.total_versions)
         return resp
+
+    def _start_telemetry(self, run_id: str) -> None:
+        self.telemetry = Telemetry(self.cfg.telemetry, "island", self.name, run_id)
+        island_counters(self.telemetry, lambda: self.client.bytes_up, lambda: self.client.bytes_down)
+        self.log.subscribe(self.telemetry.on_event)
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
         """Brings θ up to the coordinator's latest version (see :class:`Puller`)."""
@@ -400,6 +466,55 @@ class Worker:
         q = self.feedback.compress(delta) if self.feedback is not None else codec.quantize(delta, self.up_bits, k.block)
         return codec.encode(q, k.zstd_level)
 
+    # -- evaluation on request, utilization ------------------------------------------------------------
+
+    def _evaluate_requested(self) -> None:
+        """Evaluates each global θ the coordinator asked for (PullHeader.evaluate) on the held-out split, with the
+        island's final-eval function, and hands the losses to the heartbeat (woken to send them at once)."""
+        requests = self.puller.take_eval_requests()
+        for g in requests:
+            loss = self._eval_loss(g)
+            with self._eval_lock:
+                if math.isfinite(loss):  # the coordinator refuses a non-finite eval report
+                    self._eval_reports[g.version] = loss
+        if requests:
+            self._hb_wake.set()
+
+    def _eval_loss(self, g: GlobalParams) -> float:
+        """The held-out eval loss of global θ ``g`` (computed once per version)."""
+        if g.version in self._evaluated:
+            return self._evaluated[g.version]
+        t0 = time.perf_counter()
+        loss = self.loop.evaluate(self.loop.place_params(codec.unflatten(self.spec, g.vec)), self.setup.eval_batches)
+        seconds = time.perf_counter() - t0
+        if self._train_since is not None:  # not inner steps: utilization leaves it out
+            self.eval_s += seconds
+        self._evaluated[g.version] = loss
+        self.log.event("evaluated", version=g.version, eval_loss=json_number(loss), seconds=round(seconds, 4))
+        return loss
+
+    def _pending_evals(self) -> list[tuple[int, float]]:
+        """The eval reports not yet carried by an answered heartbeat, as (version, loss): the oldest
+        :data:`dtrain.wire.MAX_EVAL_REPORTS` (the coordinator refuses a heartbeat with more)."""
+        with self._eval_lock:
+            return sorted(self._eval_reports.items())[:MAX_EVAL_REPORTS]
+
+    def _evals_answered(self, sent: list[tuple[int, float]]) -> None:
+        """A heartbeat carrying ``sent`` was answered: those reports are delivered."""
+        with self._eval_lock:
+            for version, _ in sent:
+                self._eval_reports.pop(version, None)
+
+    def _utilization(self) -> float:
+        """Fraction of the island's training wall time so far spent in inner steps: not blocked waiting for a
+        global θ, nor evaluating one the coordinator asked for."""
+        active = self._active_s
+        if self._train_since is not None:
+            active += time.perf_counter() - self._train_since
+        if active <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - (self.blocked_s + self.eval_s) / active))
+
     # -- the loop -----------------------------------------------------------------------------------
 
     def _heartbeat_loop(self, status: IslandStatus) -> None:
@@ -408,14 +523,22 @@ class Worker:
         failures is one event, and its end another."""
         failing_since: float | None = None
         link = LinkWatch()
-        while not self.stopping.wait(self.cfg.worker.heartbeat_s):
+        while not self.stopping.is_set():
+            self._hb_wake.wait(self.cfg.worker.heartbeat_s)  # a tick, or woken early (an eval report is ready)
+            self._hb_wake.clear()
+            if self.stopping.is_set():
+                break
             exchange = status.exchange
+            evals = self._pending_evals()
             try:
                 t0 = time.perf_counter()
                 resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "",
+                                             train_loss=_finite_or_none(status.latest_loss(block=False)),
+                                             utilization=self._utilization(), evals=evals,
                                              **_chip_report(status.quarantined, status.devices))
+                self._evals_answered(evals)
                 change = link.observe(time.perf_counter() - t0)
                 if change is not None:
                     self.log.event(change[0], **change[1])
@@ -579,11 +702,11 @@ class Worker:
         status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
         self._await_peers()
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
-        rounds, active_s, final_wait, more = 0, 0.0, 0.0, True
+        rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
-            t0 = time.perf_counter()
+            t0 = self._train_since = time.perf_counter()
             anchor, pending, n = self._train(island, anchor, status, ckpt)
-            rounds, active_s = rounds + n, active_s + time.perf_counter() - t0
+            rounds, self._active_s, self._train_since = rounds + n, self._active_s + time.perf_counter() - t0, None
             if self.drained:
                 anchor = self._drain(island, anchor, pending, status)
                 break
@@ -591,10 +714,11 @@ class Worker:
             anchor, more = self._final_wait(island, anchor, pending, status)
             final_wait += time.perf_counter() - t0
         self.stopping.set()
+        self._hb_wake.set()
         hb.join(timeout=5)
         ckpt.close()
         self.ckpt = None
-        return self._finish(island, anchor, rounds, t_start, active_s, final_wait)
+        return self._finish(island, anchor, status, rounds, t_start, final_wait)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -606,6 +730,7 @@ class Worker:
         round_start = (island.cursor, island.tokens)
         last_log = (time.perf_counter(), self.executed_steps)
         while not self.stopping.is_set():
+            self._evaluate_requested()
             rewind = self._take_rewind()
             if rewind is not None:
                 anchor, moved = self._apply_rewind(island, anchor, pending, status, rewind, round_start[0])
@@ -673,6 +798,7 @@ class Worker:
         # One line per chunk: a killed process's compute is known to within a chunk (goodput).
         self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index, cursor=island.cursor)
         status.steps, status.tokens = island.steps, island.tokens
+        status.chunk_loss, status.utilization = metrics["loss"], self._utilization()
         self._finite.append(metrics["finite"])
         if self.health is None:
             return None  # the NaN/Inf guard is read at the push (no host sync per chunk)
@@ -708,14 +834,25 @@ class Worker:
 
     def _log_rate(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                   last_log: tuple[float, int]) -> tuple[float, int]:
-        """Measures steps/s since the last log line and prints one; returns the new (time, steps) mark."""
+        """Every run.log_every steps: measures steps/s since the last mark, records a ``train`` event (the latest
+        chunk's mean loss) and shows the island's status line; returns the new (time, steps) mark."""
         jax.block_until_ready(island.state.step)  # note: host sync, once per log interval
         now = time.perf_counter()
         # From the steps this process ran, not the island's position: a rewind moves that back (or to another
         # shard), and a negative rate would have the coordinator refuse the island's heartbeats.
         status.steps_per_s = (self.executed_steps - last_log[1]) / max(now - last_log[0], 1e-9)
         tokens_per_s = status.steps_per_s * self.cfg.train.batch_size * self.cfg.model.seq_len
-        self.log.progress(f"{self.name}: step {island.steps} v{anchor.version} tok/s {fmt_rate(tokens_per_s)}")
+        loss = status.latest_loss(block=True)
+        status.utilization = self._utilization()
+        self.log.event("train", step=island.steps, loss=json_number(loss), tokens=island.tokens,
+                       tokens_per_s=round(tokens_per_s, 1), version=anchor.version, shard=island.index,
+                       cursor=island.cursor, utilization=round(status.utilization, 4))
+        total = self.total_versions
+        shard_end = self.cfg.train.steps * self.cfg.train.batch_size  # sequences per shard (step rounds)
+        self.log.status(self.name, fmt_progress(self.name, step=island.steps, version=anchor.version, total=total,
+                                                data=None if total else (island.cursor, shard_end), loss=loss,
+                                                tokens_per_s=tokens_per_s),
+                        done=anchor.version if total else island.cursor, total=total or shard_end)
         return now, self.executed_steps
 
     def _fold_in(self, island: Island, pending: Pending, status: IslandStatus, fold: bool = True) -> GlobalParams:
@@ -723,11 +860,18 @@ class Worker:
         If the coordinator dropped or rejected the push, a :class:`Rewind` to its cursor is posted: the loop
         then trains the push's range again (the fold-in's progress is discarded there). ``fold=False``: θ' only,
         the island's state is about to be replaced (a :class:`Recovery`)."""
-        result = pending.exchange.future.result()
-        self._last_exchange = pending.exchange
-        if fold:
-            new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
-            island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push, new_global))
+        exchange = pending.exchange
+        with self.telemetry.ending(exchange.span):  # the exchange's span ends with its fold-in (or its error)
+            result = exchange.future.result()
+            self.telemetry.annotate(exchange.span, version=result.version)
+            self._last_exchange = exchange
+            with self.telemetry.span("dtrain.fold_in", parent=exchange.span, island=self.island_id,
+                                     base_version=exchange.base.version, version=result.version, folded=fold):
+                if fold:
+                    new_global = self.loop.place_params(codec.unflatten(self.spec, result.vec))
+                    island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push,
+                                                                       new_global))
+        self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
         status.exchange, status.version = None, result.version
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
@@ -809,6 +953,8 @@ class Worker:
     def _push(self, island: Island, anchor: GlobalParams, round_steps: int, round_start: tuple[int, int],
               status: IslandStatus, ckpt: Checkpointer) -> Pending:
         """Takes this round's Δ = θ_anchor − θ_local, starts its exchange and checkpoints the island."""
+        span = self.telemetry.start_span("dtrain.exchange", island=self.island_id, name=self.name,
+                                         base_version=anchor.version, steps=round_steps)
         local = jax.device_get(island.state.params)  # note: host sync, once per round
         _, local_vec = codec.flatten(local)
         at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
@@ -822,8 +968,10 @@ class Worker:
                                       self.up_bits, self.cfg.codec, self.log.event)
         self.frames_sent += 1
         self.frame_bytes += len(frame)
+        self.telemetry.record_ratio(4 * self.n, len(frame), "up")
+        self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
-                            self.log.event)
+                            self.log.event, self.telemetry, span)
         status.exchange = exchange
         exchange.start()
         ckpt.save(island.steps, island.state, {"steps": island.steps, "cursor": island.cursor,
@@ -875,6 +1023,7 @@ class Worker:
         patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
         last_progress = time.perf_counter()
         while True:
+            self._evaluate_requested()
             if self.total_versions and anchor.version >= self.total_versions:
                 break
             if self.stopping.is_set():
@@ -897,6 +1046,7 @@ class Worker:
                 break
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
+                self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
                 status.version = anchor.version
             elif time.perf_counter() - last_progress > patience:
                 self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
@@ -908,28 +1058,33 @@ class Worker:
         self.client.close()
         return _report_run_over(self.log, self.name, reason)
 
-    def _finish(self, island: Island, g: GlobalParams, rounds: int, t_start: float, active_s: float,
+    def _finish(self, island: Island, g: GlobalParams, status: IslandStatus, rounds: int, t_start: float,
                 final_wait: float) -> dict[str, Any]:
         """The final heartbeat, eval and summary (``t_start``: when :meth:`run` began)."""
         final_digest = params_digest(g.vec)
         final_eval = float("nan")
+        active_s = self._active_s
         if not self.drained:  # a drained island lets its lease run out (its shard is then rerouted)
+            self._evaluate_requested()  # the final version's eval, if asked, goes with the final heartbeat
+            evals = self._pending_evals()
             try:  # best effort, one try: tell the coordinator this island holds the final version
                 self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
                                       tokens=island.tokens, params_digest=final_digest,
+                                      train_loss=_finite_or_none(status.latest_loss(block=True)),
+                                      utilization=self._utilization(), evals=evals,
                                       **_chip_report(self._evidence(), self.loop.mesh.devices.size))
+                self._evals_answered(evals)
             except CoordinatorError as e:
                 self.log.event("heartbeat_failed", error=str(e))
-            final_params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
-            final_eval = self.loop.evaluate(final_params, self.setup.eval_batches)
+            final_eval = self._eval_loss(g)
         summary = {
             "island": self.name, "island_id": self.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
             "final_eval_loss": final_eval, "params_digest": final_digest,
             "bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down,
             "compression_ratio": (4.0 * self.n * self.frames_sent / self.frame_bytes) if self.frame_bytes else 0.0,
-            "utilization": 1.0 - self.blocked_s / active_s if active_s > 0 else 0.0,
-            "blocked_s": self.blocked_s, "final_wait_s": final_wait, "active_s": active_s,
+            "utilization": self._utilization(),
+            "blocked_s": self.blocked_s, "eval_s": self.eval_s, "final_wait_s": final_wait, "active_s": active_s,
             "wall_s": time.perf_counter() - t_start, "retries": self.client.retries, "overlap": self.cfg.worker.overlap,
             "total_versions": self.final_version or self.total_versions, "fingerprint": self.cfg.fingerprint(),
             "devices": self.loop.mesh.devices.size, "nan_rollbacks": self.nan_rollbacks,
@@ -941,9 +1096,15 @@ class Worker:
         if not self.drained:
             self.log.progress(f"{self.name}: done v{g.version}, eval loss {final_eval:.4f}, "
                               f"utilization {summary['utilization']:.3f}")
+        self.telemetry.shutdown()
         self.log.close()
         self.client.close()
         return summary
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """A heartbeat's train loss: None (not sent) unless finite (a diverging chunk's loss is the NaN guard's)."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def _chip_report(quarantined: tuple[Evidence, ...], devices: int) -> dict[str, Any]:
@@ -1001,6 +1162,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         return worker.run()
     finally:
         worker.stopping.set()
+        worker.telemetry.shutdown()  # flushes (idempotent: a finished run's was shut down already)
         if worker.ckpt is not None:
             try:
                 worker.ckpt.close()  # its async writer thread would otherwise keep a failed process alive
