@@ -48,6 +48,28 @@ def coordinator_address(text: str) -> str:
     return text
 
 
+def port_number(text: str) -> int:
+    """``coordinator --port``: 0..65535 (0: any free port); gRPC would bind a random port for a larger one."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not in 0..65535 (0: any free port)")
+    return port
+
+
+def device_count(text: str) -> int:
+    """``--host-devices``: a count >= 0 (0: leave XLA_FLAGS as it is)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of devices") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: must be >= 0 (0: leave XLA_FLAGS as it is)")
+    return n
+
+
 def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     help = "TOML file, or a name from configs/ (tiny, small, ...)" + ("" if required else "; default: the defaults")
     p.add_argument("--config", required=required, default=None, help=help)
@@ -57,7 +79,7 @@ def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     _config_flags(p)
-    p.add_argument("--host-devices", type=int, default=0, metavar="N",
+    p.add_argument("--host-devices", type=device_count, default=0, metavar="N",
                    help="on CPU: split the host into N fake JAX devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -103,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "live island holds it (or SIGTERM); checkpoints into RUN_DIR/coordinator/VERSION.",
                  "dtrain coordinator --config small --port 50051 --run-dir runs/demo")
     _common(p)
-    p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
+    p.add_argument("--port", type=port_number, default=None,
+                   help="port to bind (default: coordinator.port; 0: any)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
     p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
     p = _command(sub, "worker", "run one island against a coordinator",

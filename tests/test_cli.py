@@ -123,6 +123,12 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
     (["worker", "--config", "tiny", "--coordinator", "127.0.0.1:9", "--island", "a", "--inject", "melt@v1"],
      2, "dtrain worker: config error: --inject 'melt@v1': unknown kind 'melt' (one of nan, poison, inflate, "
         "truncate)"),
+    (["coordinator", "--config", "tiny", "--port", "99999"],
+     2, "dtrain coordinator: error: argument --port: 99999 is not in 0..65535 (0: any free port) (dtrain coordinator "
+        "--help shows the usage)"),
+    (["train", "--config", "tiny", "--host-devices", "-3"],
+     2, "dtrain train: error: argument --host-devices: -3: must be >= 0 (0: leave XLA_FLAGS as it is) (dtrain train "
+        "--help shows the usage)"),
     (["frobnicate"], 2, "dtrain: error: argument COMMAND: invalid choice: 'frobnicate' (choose from 'train', "
                         "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot') (dtrain --help shows the "
                         "usage)"),
