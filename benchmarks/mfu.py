@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.errors import DtrainError
+from dtrain_cli.entry import run_main
 
 ACCELERATOR_CONFIGS = ("gpt-125m", "gpt-350m")
 CPU_CONFIGS = ("tiny",)
@@ -296,21 +297,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return out
-
-
-def run_main(prog: str, main_fn: Any) -> int:
-    """A config error is one line on stderr and exit 2, a run that cannot go on one line and exit 1, not a
-    traceback (what ``dtrain_cli.entry.run_main`` does for every entry point once it is on this branch; it then
-    replaces this function)."""
-    try:
-        main_fn()
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        return 2
-    except DtrainError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":
