@@ -13,13 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
 from coordinator.server import serve
+from dtrain import model
+from dtrain.checkpoint import Checkpointer
 from dtrain.config import ConfigError, load_config, to_toml
 from dtrain.runlog import read_events
-from workers.hosts import AUTO, Processes, resolve_processes
+from dtrain.train import InnerLoop, make_mesh
+from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
+from workers.island import Worker, WorkerError
 
 
 def _free_port() -> int:
@@ -70,7 +76,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         "multi-0": json.loads((tmp / "multi" / "summary.json").read_text()),
                         "multi-1": json.loads((tmp / "multi" / "process-1" / "summary.json").read_text())}
     out["events"] = {"multi-0": read_events(tmp / "multi"), "multi-1": read_events(tmp / "multi" / "process-1")}
-    out["tmp"] = tmp
+    out["tmp"], out["cfg"] = tmp, cfg
     return out
 
 
@@ -93,6 +99,29 @@ def test_one_coordinator_merges_a_two_process_island_and_a_single_one(run: dict[
                for p in ("multi-0", "multi-1")]
     assert trained[0] == trained[1] and trained[0]
     assert any((run["tmp"] / "multi" / "checkpoints").iterdir())
+
+
+def test_the_two_process_checkpoint_restores_whole(run: dict[str, Any]) -> None:
+    """Both processes wrote their shards of one orbax checkpoint (the state at the last push): it restores whole,
+    here into one process's 8-device mesh."""
+    cfg = run["cfg"]
+    folder = run["tmp"] / "multi" / "checkpoints"
+    assert sorted(p.name for p in (folder / "40" / "state").glob("ocdbt.process_*")) == ["ocdbt.process_0",
+                                                                                        "ocdbt.process_1"]
+    built = model.build(cfg.model)
+    loop = InnerLoop(cfg, built, make_mesh(cfg))
+    fresh = loop.init_state(built.init(cfg.run.seed))
+    ckpt = Checkpointer(folder, keep=1)
+    try:
+        step, restored, meta = ckpt.restore(fresh)
+    finally:
+        ckpt.close()
+    assert (step, meta["steps"], meta["cursor"], meta["version"]) == (40, 40, 320, 1)
+    assert int(restored.step) == 40
+    leaves = jax.tree.leaves(jax.device_get(restored.params))
+    assert all(np.isfinite(x).all() for x in leaves)
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves, jax.tree.leaves(jax.device_get(fresh.params)),
+                                                        strict=True))
 
 
 def test_resolve_processes_flags_and_environment() -> None:
@@ -131,9 +160,15 @@ def test_resolve_processes_flags_and_environment() -> None:
 ])
 def test_resolve_processes_errors(args: tuple[Any, ...], env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
-        resolve_processes(*args, env)
+        resolve_processes(args[0], args[1], args[2], env)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_an_island_of_several_processes_refuses_chip_health(tmp_path: Path) -> None:
+    cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "health.enabled=true"])
+    with pytest.raises(WorkerError, match=r"an island of 2 processes cannot run chip health \(\[health\] enabled\)"):
+        Worker(cfg, "127.0.0.1:1", "a", tmp_path / "a", quiet=True, hosts=HostGroup(1, 2))
 
 
 def test_worker_refuses_a_bad_process_flag(tmp_path: Path) -> None:
