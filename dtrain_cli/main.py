@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
-    p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
+    p.add_argument("--resume", nargs="?", const="always", default=None, choices=("always", "auto"),
+                   help="restore the latest coordinator checkpoint in --run-dir; --resume=auto: if there is one, "
+                   "else start the run (a Deployment's every start)")
     p = sub.add_parser("worker", help="run one island against a coordinator")
     _common(p)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -136,11 +138,12 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
-        from coordinator.server import run_coordinator
+        from coordinator.server import has_checkpoint, run_coordinator
 
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        summary = run_coordinator(cfg, out, port=args.port, resume=args.resume, quiet=args.quiet)
+        resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
+        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet)
         print(json.dumps(summary))
         return 0
     if args.command == "worker":
