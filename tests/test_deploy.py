@@ -360,11 +360,19 @@ def test_container_command_is_accepted_by_the_dtrain_parser(cluster, where):
         assert args.coordinator.rsplit(":", 1)[1] == str(CoordinatorConfig().port), where
 
 
-def test_the_configmap_is_the_repos_config():
+def test_the_configmap_is_the_repos_config_for_the_islands_deployed(tmp_path):
+    """The ConfigMap's TOML loads, equals configs/NAME.toml but for outer.islands, and that is the number of islands
+    deploy/ launches (the coordinator cuts the data into that many shards, one per island)."""
     (cm,) = _named(build(DEPLOY / "base"), "ConfigMap").values()
+    islands = {c["args"][c["args"].index("--island") + 1] for cluster in CLUSTERS
+               for _, _, c in _containers(build(DEPLOY / cluster)) if c["args"][0] == "worker"}
+    assert islands == {"gpu-a", "tpu-a"}
     for name, text in cm["data"].items():
-        assert text == (ROOT / "configs" / name).read_text(), f"ConfigMap {name} differs from configs/{name}"
-        assert load_config(ROOT / "configs" / name).model.n_layers > 0
+        (tmp_path / name).write_text(text)
+        deployed, repo = load_config(tmp_path / name).to_dict(), load_config(ROOT / "configs" / name).to_dict()
+        assert deployed["outer"].pop("islands") == len(islands), f"ConfigMap {name}: outer.islands"
+        repo["outer"].pop("islands")
+        assert deployed == repo, f"ConfigMap {name} differs from configs/{name} beyond outer.islands"
 
 
 def test_has_checkpoint_decides_resume_auto(tmp_path):
