@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=None,
                    help="port to bind (default: coordinator.port; 0: any)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
-    p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
+    p.add_argument("--resume", nargs="?", const="always", default=None, choices=("always", "auto"),
+                   help="restore the latest coordinator checkpoint in --run-dir; --resume=auto: if there is one, "
+                   "else start the run (a Deployment's every start)")
     p = _command(sub, "worker", "run one island against a coordinator",
                  "Trains one island on all local devices against a running coordinator; a restarted worker with\n"
                  "the same --island name rejoins its shard. An unreachable coordinator is retried for\n"
@@ -273,11 +275,12 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
-        from coordinator.server import run_coordinator
+        from coordinator.server import has_checkpoint, run_coordinator
 
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        summary = run_coordinator(cfg, out, port=args.port, resume=args.resume, quiet=args.quiet)
+        resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
+        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet)
         print(json.dumps(summary))
         return 0
     if args.command == "worker":
