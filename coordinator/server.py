@@ -111,6 +111,13 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
     return "; ".join(diffs)
 
 
+def has_checkpoint(cfg: Config, run_dir: str | Path) -> bool:
+    """Whether RUN_DIR holds a coordinator checkpoint to resume from (good or not: resuming tries each); what
+    ``dtrain coordinator --resume=auto`` asks at every start of a restarted Deployment."""
+    ckpt_dir = Path(run_dir) / "coordinator"
+    return cfg.coordinator.checkpoint and ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
                  clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False):
@@ -118,8 +125,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.clock = clock
         self.run_dir = Path(run_dir)
         ckpt_dir = self.run_dir / "coordinator"
-        if resume and not (cfg.coordinator.checkpoint and ckpt_dir.is_dir()
-                           and any(p.name.isdigit() for p in ckpt_dir.iterdir())):
+        if resume and not has_checkpoint(cfg, self.run_dir):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
         require_exporter(cfg.telemetry)  # a missing extra, before anything is written
         self.log = RunLog(self.run_dir, quiet=quiet)

@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=None,
                    help="port to bind (default: coordinator.port; 0: any)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
-    p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
+    p.add_argument("--resume", nargs="?", const="always", default=None, choices=("always", "auto"),
+                   help="restore the latest coordinator checkpoint in --run-dir; --resume=auto: if there is one, "
+                   "else start the run (a Deployment's every start)")
     p = _command(sub, "worker", "run one island against a coordinator",
                  "Trains one island on all local devices against a running coordinator; a restarted worker with\n"
                  "the same --island name rejoins its shard. An unreachable coordinator is retried for\n"
@@ -146,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
                    "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/inject.py)")
+    p.add_argument("--num-processes", type=int, default=None, metavar="P",
+                   help="an island of P processes, one per host, one jax.distributed job (default: "
+                   "DTRAIN_NUM_PROCESSES, SLURM_NTASKS or a TPU slice's hosts, else 1); only process 0 talks to the "
+                   "coordinator")
+    p.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's id in the island, 0..P-1 (default: DTRAIN_PROCESS_ID, JOB_COMPLETION_INDEX, "
+                   "SLURM_PROCID or TPU_WORKER_ID)")
+    p.add_argument("--jax-coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's jax.distributed address, the same for every process (default: "
+                   "DTRAIN_JAX_COORDINATOR; 'auto' under SLURM and on TPU slices: JAX finds it)")
     p = _command(sub, "status", "ask a coordinator how the run is going",
                  "Prints the run's progress (version x of y, tokens), the global eval loss, each island (state,\n"
                  "shard, cursor, step rate, loss, utilization, devices), the open round, the latest rounds, bytes\n"
@@ -263,14 +275,19 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
-        from coordinator.server import run_coordinator
+        from coordinator.server import has_checkpoint, run_coordinator
 
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        summary = run_coordinator(cfg, out, port=args.port, resume=args.resume, quiet=args.quiet)
+        resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
+        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet)
         print(json.dumps(summary))
         return 0
     if args.command == "worker":
+        from workers.hosts import initialize, resolve_processes
+
+        # jax.distributed starts before anything touches a JAX backend (the device check below does)
+        hosts = initialize(resolve_processes(args.num_processes, args.process_id, args.jax_coordinator, os.environ))
         import jax
 
         from workers.inject import Injection, check_device_fault, parse_device_fault
@@ -282,7 +299,7 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
             check_device_fault(device_fault, [d.id for d in jax.devices()])
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
         summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject,
-                             device_fault=device_fault)
+                             device_fault=device_fault, hosts=hosts)
         if "run_over" in summary:  # nothing was trained: one line, exit 0
             print(f"dtrain worker: {summary['run_over']}: nothing to do")
             return 0

@@ -233,6 +233,29 @@ def test_status_table_shows_the_run_and_its_islands(live, capsys):
     assert "─" not in out and "\x1b" not in out  # no box drawing, no colour in a pipe
 
 
+def test_status_of_a_finished_run_says_it_is_over(tmp_path, capsys):
+    """A run whose every shard's data is merged (train.steps=10: one push) while the coordinator lingers for the
+    islands' last pulls: the table says it is over and why, the JSON says stopped with every token merged."""
+    cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.lease_s=30",
+                             "outer.islands=1", "train.steps=10", "outer.inner_steps=10",
+                             "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536"])
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, tmp_path / "coord", theta, spec, port=0, quiet=True)
+    try:
+        _island_with_a_merge(SimpleNamespace(cfg=cfg, address=f"127.0.0.1:{port}"))
+        rc, out, err = _exit(["status", "--coordinator", f"127.0.0.1:{port}"], capsys)
+        assert rc == 0 and err == ""
+        first = out.splitlines()[0]
+        assert first.startswith(f"run {service.run_id} (sync mode): over: the run is over: all 1 shards' data")
+        assert f"tokens merged 640 of {80 * cfg.model.seq_len:,}" in out  # the push claimed 640 of its 80 sequences
+        rc, out, _ = _exit(["status", "--coordinator", f"127.0.0.1:{port}", "--json"], capsys)
+        doc = json.loads(out)
+        assert rc == 0 and doc["stopped"] is True and doc["shard_cursors"] == [80] and doc["round"]["pending"] == 0
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+
+
 def test_status_table_on_a_terminal_is_drawn_by_rich(live):
     _island_with_a_merge(live)
 

@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +60,9 @@ from dtrain.train import InnerLoop, make_mesh
 from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
+from workers.hosts import HostGroup
 from workers.inject import Injection, injected_push
-from workers.rounds import Kind, RoundProgress, Schedule, next_action
+from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
@@ -364,16 +365,24 @@ class IslandStatus:
 
 class Worker:
     def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
-                 inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None):
+                 inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
+                 hosts: HostGroup | None = None):
         """``inject``: push faults to inject; ``device_fault``: a faulty device inside the island, injected into
-        the per-device inner step (testing only: :mod:`workers.inject`, :mod:`dtrain.health`)."""
+        the per-device inner step (testing only: :mod:`workers.inject`, :mod:`dtrain.health`). ``hosts``: the
+        island's processes when it spans several (:mod:`workers.hosts`); process 0 talks to the coordinator."""
+        self.hosts = hosts or HostGroup.single()
+        if not self.hosts.alone and (cfg.health.enabled or device_fault is not None or inject):
+            raise WorkerError(f"an island of {self.hosts.count} processes cannot run chip health ([health] enabled), "
+                              f"device faults or push faults yet: run it as one process per island, or set "
+                              f"[health] enabled = false")
         self.cfg = cfg
         self.device_fault = device_fault
         self.injections = list(inject)
         self.name = name
         self.run_dir = Path(run_dir)
         require_exporter(cfg.telemetry)  # a missing extra, before anything slow
-        self.log = RunLog(self.run_dir, quiet=quiet)
+        # Process 0 writes the island's events and summary; another process its own, under process-I, quietly.
+        self.log = RunLog(self.run_dir / self.hosts.log_dir_name(), quiet=quiet or not self.hosts.leader)
         # Built at the first Join (its Resource names the run id); until then it records nothing.
         self.telemetry = Telemetry.disabled()
         self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
@@ -458,8 +467,77 @@ class Worker:
         self.log.subscribe(self.telemetry.on_event)
 
     def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
-        """Brings θ up to the coordinator's latest version (see :class:`Puller`)."""
-        return self.puller.pull(self.island_id, have, wait_s=wait_s, full=full)
+        """Brings θ up to the coordinator's latest version (see :class:`Puller`); on every process of the island."""
+        return self._shared_params(lambda: self.puller.pull(self.island_id, have, wait_s=wait_s, full=full), have)
+
+    # -- the island's processes (workers.hosts): process 0 decides, the others follow ---------------------------
+
+    def _shared_params(self, fetch: Callable[[], GlobalParams], have: GlobalParams | None = None) -> GlobalParams:
+        """``fetch()`` on process 0 (a pull, an exchange's θ'), its θ bit for bit on every process. ``have``: the θ
+        each process holds; when process 0's answer is that θ (no newer version), nothing more is sent."""
+        if self.hosts.alone:
+            return fetch()
+        got: list[GlobalParams] = []
+
+        def lead() -> list[Any]:
+            got.append(fetch())
+            return [got[0].version, got[0] is have]
+
+        version, same = self.hosts.lead(lead)
+        if same:
+            assert have is not None
+            return have
+        vec = self.hosts.share_vec(got[0].vec if got else None, self.n)
+        return got[0] if got else GlobalParams(vec, version, arrived=time.perf_counter())
+
+    def _join_island(self) -> pb.JoinResponse:
+        """Process 0 joins (:meth:`join`); every process learns the reply (island id, shard, cursor, version)."""
+        if self.hosts.alone:
+            return self.join()
+        sent = self.hosts.lead(lambda: self.join().SerializeToString().hex())  # JSON carries the message as hex
+        reply = pb.JoinResponse.FromString(bytes.fromhex(sent))
+        if not self.hosts.leader:
+            self.island_id, self.total_versions = reply.island_id, reply.total_versions
+            self.log.event("joined", island_id=reply.island_id, shard=reply.shard_index, cursor=reply.cursor,
+                           version=reply.version, run_id=reply.run_id, total_versions=reply.total_versions)
+        return reply
+
+    def _stopped(self) -> bool:
+        """Whether the island stops (the coordinator said so, or it failed): process 0's answer on every process,
+        which also learns the run's final and total versions from it."""
+        if self.hosts.alone:
+            return self.stopping.is_set()
+        stop, final_version, total_versions = self.hosts.agree(
+            [self.stopping.is_set(), self.final_version, self.total_versions])
+        if not self.hosts.leader:  # process 0's heartbeat thread owns its own values
+            self.final_version, self.total_versions = final_version, total_versions
+            if stop:
+                self.stopping.set()
+        return bool(stop)
+
+    def _agreed_rewind(self, rewind: Rewind | None) -> Rewind | None:
+        """Process 0's rewind (the coordinator's word reaches process 0 only) on every process."""
+        if self.hosts.alone:
+            return rewind
+        shared = self.hosts.agree(dataclasses.asdict(rewind) if rewind is not None else None)
+        return Rewind(**shared) if shared is not None else None
+
+    def _agreed_action(self, action: Action) -> Action:
+        """Process 0's next action on every process (a wall-time round ends by process 0's clock)."""
+        if self.hosts.alone:
+            return action
+        shared: dict[str, Any] = self.hosts.agree({"kind": action.kind.value, "steps": action.steps,
+                                                   "reason": action.reason})
+        return Action(Kind(shared["kind"]), int(shared["steps"]), str(shared["reason"]))
+
+    def _eval_requests(self) -> list[GlobalParams]:
+        """The global θs the coordinator asked to evaluate (:meth:`Puller.take_eval_requests`), on every process."""
+        if self.hosts.alone:
+            return self.puller.take_eval_requests()
+        taken = self.puller.take_eval_requests() if self.hosts.leader else []
+        versions = self.hosts.agree([g.version for g in taken])
+        return [GlobalParams(self.hosts.share_vec(taken[i].vec if taken else None, self.n), v)
+                for i, v in enumerate(versions)]
 
     def _push_frame(self, delta: np.ndarray) -> bytes:
         k = self.cfg.codec
@@ -471,7 +549,7 @@ class Worker:
     def _evaluate_requested(self) -> None:
         """Evaluates each global θ the coordinator asked for (PullHeader.evaluate) on the held-out split, with the
         island's final-eval function, and hands the losses to the heartbeat (woken to send them at once)."""
-        requests = self.puller.take_eval_requests()
+        requests = self._eval_requests()
         for g in requests:
             loss = self._eval_loss(g)
             with self._eval_lock:
@@ -577,7 +655,7 @@ class Worker:
     def _take_rewind(self) -> Rewind | None:
         with self._rewind_lock:
             rewind, self._rewind = self._rewind, None
-            return rewind
+        return self._agreed_rewind(rewind)
 
     def _await_peers(self) -> None:
         """Start barrier: wait (up to worker.start_wait_s) until outer.islands islands have joined, so that the
@@ -688,7 +766,7 @@ class Worker:
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         try:
-            joined = self.join()
+            joined = self._join_island()
         except RunOverError as e:  # it ended before this island joined
             return self._run_over(f"{e.message} (coordinator at {self.client.address})")
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
@@ -696,11 +774,12 @@ class Worker:
         status = IslandStatus(version=joined.version, steps=0, tokens=0, devices=self.loop.mesh.devices.size,
                               quarantined=self._evidence())
         hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
-        hb.start()
+        if self.hosts.leader:  # only process 0 talks to the coordinator
+            hb.start()
         anchor = self.pull(None)
         island = self._start_island(joined, anchor, ckpt)
         status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
-        self._await_peers()
+        self.hosts.lead(self._await_peers)
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
@@ -715,7 +794,8 @@ class Worker:
             final_wait += time.perf_counter() - t0
         self.stopping.set()
         self._hb_wake.set()
-        hb.join(timeout=5)
+        if hb.is_alive():
+            hb.join(timeout=5)
         ckpt.close()
         self.ckpt = None
         return self._finish(island, anchor, status, rounds, t_start, final_wait)
@@ -729,7 +809,7 @@ class Worker:
         round_steps = rounds = 0
         round_start = (island.cursor, island.tokens)
         last_log = (time.perf_counter(), self.executed_steps)
-        while not self.stopping.is_set():
+        while not self._stopped():
             self._evaluate_requested()
             rewind = self._take_rewind()
             if rewind is not None:
@@ -738,10 +818,10 @@ class Worker:
                 if moved:
                     round_steps, round_start = 0, (island.cursor, island.tokens)
                 continue
-            action = next_action(sched, RoundProgress(
+            action = self._agreed_action(next_action(sched, RoundProgress(
                 round_steps=round_steps, island_steps=island.steps, exchange_in_flight=pending is not None,
                 since_arrival_s=time.perf_counter() - anchor.arrived,
-                final_version=bool(self.total_versions) and anchor.version >= self.total_versions))
+                final_version=bool(self.total_versions) and anchor.version >= self.total_versions)))
             if action.kind is Kind.END_RUN:
                 break
             recovery: Recovery | None = None
@@ -755,7 +835,7 @@ class Worker:
                     if sched.round_seconds:  # the deadline is about steps done, not queued: dispatch is async
                         jax.block_until_ready(island.state.step)
                     round_steps += n
-                    if pending is not None and pending.exchange.future.done():
+                    if pending is not None and self.hosts.agree(pending.exchange.future.done()):
                         anchor, pending = self._fold_in(island, pending, status), None  # without waiting
                     if island.steps % self.cfg.run.log_every < n:
                         last_log = self._log_rate(island, anchor, status, last_log)
@@ -862,7 +942,7 @@ class Worker:
         the island's state is about to be replaced (a :class:`Recovery`)."""
         exchange = pending.exchange
         with self.telemetry.ending(exchange.span):  # the exchange's span ends with its fold-in (or its error)
-            result = exchange.future.result()
+            result = self._shared_params(exchange.future.result)  # process 0's exchange, every process's θ'
             self.telemetry.annotate(exchange.span, version=result.version)
             self._last_exchange = exchange
             with self.telemetry.span("dtrain.fold_in", parent=exchange.span, island=self.island_id,
@@ -900,6 +980,10 @@ class Worker:
         if self._last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
             rewind = dataclasses.replace(rewind, cursor=self._last_exchange.accepted_range_end(rewind.shard,
                                                                                                rewind.cursor))
+        if not self.hosts.alone:  # process 0 alone knows its last exchange's reply
+            agreed = self._agreed_rewind(rewind)
+            assert agreed is not None
+            rewind = agreed
         # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
         if recovery is None and rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
@@ -955,7 +1039,7 @@ class Worker:
         """Takes this round's Δ = θ_anchor − θ_local, starts its exchange and checkpoints the island."""
         span = self.telemetry.start_span("dtrain.exchange", island=self.island_id, name=self.name,
                                          base_version=anchor.version, steps=round_steps)
-        local = jax.device_get(island.state.params)  # note: host sync, once per round
+        local = self.hosts.gather(island.state.params)  # note: host sync (a gather across processes), once a round
         _, local_vec = codec.flatten(local)
         at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
         header = pb.PushHeader(island_id=self.island_id, base_version=anchor.version,
@@ -963,17 +1047,21 @@ class Worker:
                                tokens=island.tokens - round_start[1], inner_steps=round_steps,
                                cursor_start=round_start[0], cursor_end=island.cursor, shard_index=island.index,
                                tree_digest=self.tree_digest)
-        # Testing only (workers.inject): a push fault due now changes what is sent; otherwise _push_frame(Δ).
-        frame, client = injected_push(self.injections, anchor.vec - local_vec, header, self._push_frame, self.client,
-                                      self.up_bits, self.cfg.codec, self.log.event)
-        self.frames_sent += 1
-        self.frame_bytes += len(frame)
-        self.telemetry.record_ratio(4 * self.n, len(frame), "up")
-        self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
+        # Another process of the island sends nothing (process 0 pushes) and waits for the same θ'.
+        frame, client = b"", self.client  # type: bytes, PushClient
+        if self.hosts.leader:
+            # Testing only (workers.inject): a push fault due now changes what is sent; otherwise _push_frame(Δ).
+            frame, client = injected_push(self.injections, anchor.vec - local_vec, header, self._push_frame,
+                                          self.client, self.up_bits, self.cfg.codec, self.log.event)
+            self.frames_sent += 1
+            self.frame_bytes += len(frame)
+            self.telemetry.record_ratio(4 * self.n, len(frame), "up")
+            self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.total_versions, self.stopping,
                             self.log.event, self.telemetry, span)
         status.exchange = exchange
-        exchange.start()
+        if self.hosts.leader:
+            exchange.start()
         ckpt.save(island.steps, island.state, {"steps": island.steps, "cursor": island.cursor,
                                                "tokens": island.tokens, "version": anchor.version,
                                                "fingerprint": self.cfg.fingerprint()})
@@ -1012,7 +1100,7 @@ class Worker:
             try:
                 anchor = self._fold_in(island, pending, status)
             except CoordinatorError as e:
-                if not self.stopping.is_set():
+                if not self._stopped():
                     raise
                 self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
                                error=str(e))
@@ -1024,19 +1112,20 @@ class Worker:
         last_progress = time.perf_counter()
         while True:
             self._evaluate_requested()
-            if self.total_versions and anchor.version >= self.total_versions:
+            if self.hosts.agree(bool(self.total_versions) and anchor.version >= self.total_versions):
                 break
-            if self.stopping.is_set():
-                if anchor.version >= self.final_version:
+            if self._stopped():
+                if self.hosts.agree(anchor.version >= self.final_version):
                     break
             else:
                 with self._rewind_lock:
-                    if self._rewind is not None:
-                        return anchor, True
+                    rewound = self._rewind is not None
+                if self.hosts.agree(rewound):
+                    return anchor, True
             try:
                 g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
             except CoordinatorError as e:
-                if not self.stopping.is_set():
+                if not self._stopped():
                     raise
                 # The run is over and the coordinator stopped serving before this island had the last version (its
                 # linger_s ran out, or a pull was in flight as it stopped): it ends on the version it holds.
@@ -1048,7 +1137,7 @@ class Worker:
                 anchor, last_progress = g_new, time.perf_counter()
                 self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
                 status.version = anchor.version
-            elif time.perf_counter() - last_progress > patience:
+            elif self.hosts.agree(time.perf_counter() - last_progress > patience):
                 self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
                 break
         return anchor, False
@@ -1067,13 +1156,14 @@ class Worker:
         if not self.drained:  # a drained island lets its lease run out (its shard is then rerouted)
             self._evaluate_requested()  # the final version's eval, if asked, goes with the final heartbeat
             evals = self._pending_evals()
-            try:  # best effort, one try: tell the coordinator this island holds the final version
-                self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version, steps=island.steps,
-                                      tokens=island.tokens, params_digest=final_digest,
-                                      train_loss=_finite_or_none(status.latest_loss(block=True)),
-                                      utilization=self._utilization(), evals=evals,
-                                      **_chip_report(self._evidence(), self.loop.mesh.devices.size))
-                self._evals_answered(evals)
+            try:  # best effort, one try: tell the coordinator this island holds the final version (process 0)
+                if self.hosts.leader:
+                    self.client.heartbeat(budget_s=0.0, island_id=self.island_id, version=g.version,
+                                          steps=island.steps, tokens=island.tokens, params_digest=final_digest,
+                                          train_loss=_finite_or_none(status.latest_loss(block=True)),
+                                          utilization=self._utilization(), evals=evals,
+                                          **_chip_report(self._evidence(), self.loop.mesh.devices.size))
+                    self._evals_answered(evals)
             except CoordinatorError as e:
                 self.log.event("heartbeat_failed", error=str(e))
             final_eval = self._eval_loss(g)
@@ -1146,18 +1236,23 @@ def _report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
 
 
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
-               inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None) -> dict[str, Any]:
+               inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
+               hosts: HostGroup | None = None) -> dict[str, Any]:
     """Runs one island to the end of the run; returns its summary, or ``{"island", "run_over"}`` (exit 0, no
     training) when the run is over already: checked first, before the island builds or compiles anything.
-    ``inject``: push faults; ``device_fault``: a faulty device in the island (testing only: :mod:`workers.inject`)."""
+    ``inject``: push faults; ``device_fault``: a faulty device in the island (testing only: :mod:`workers.inject`);
+    ``hosts``: this process's place in an island of several processes (:mod:`workers.hosts`)."""
+    hosts = hosts or HostGroup.single()
     client = CoordinatorClient(address, cfg)
     try:
-        over = run_over_already(client, cfg, Path(run_dir))
+        over = hosts.lead(lambda: run_over_already(client, cfg, Path(run_dir)))  # process 0 asks
     finally:
         client.close()
     if over:
-        return _report_run_over(RunLog(run_dir, quiet=quiet), name, over)
-    worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault)
+        return _report_run_over(RunLog(Path(run_dir) / hosts.log_dir_name(), quiet=quiet or not hosts.leader),
+                                name, over)
+    worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault,
+                    hosts=hosts)
     try:
         return worker.run()
     finally:

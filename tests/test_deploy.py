@@ -1,0 +1,463 @@
+"""The container image's Dockerfile and the Kubernetes manifests in deploy/, checked without a cluster or Docker.
+
+Every manifest is parsed (PyYAML), each of the three kustomizations a cluster applies (coordinator/, gpu-worker/,
+tpu-worker/) is resolved as kustomize would list its resources, and within each: kinds and apiVersions, selectors
+against pod labels, Services against container ports, volumes and the Secrets/ConfigMaps/claims they name, probes,
+and every container's ``dtrain`` command line through the real argument parser (a renamed flag fails here) with the
+run's config loaded from the ConfigMap the pod mounts. The coordinator's exec probe is also run against a live
+coordinator serving TLS. The image itself is not built here (no Docker engine in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import initial_parameters
+from coordinator.server import has_checkpoint, serve
+from dtrain.config import Config, CoordinatorConfig, load_config, replace
+from dtrain_cli import probe
+from dtrain_cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+# The kustomizations applied one per cluster (each must be complete on its own), and the base they share.
+CLUSTERS = ("coordinator", "gpu-worker", "tpu-worker")
+KINDS = {
+    "Kustomization": "kustomize.config.k8s.io/v1beta1",
+    "Namespace": "v1",
+    "ConfigMap": "v1",
+    "Secret": "v1",
+    "PersistentVolumeClaim": "v1",
+    "Service": "v1",
+    "Deployment": "apps/v1",
+    "JobSet": "jobset.x-k8s.io/v1alpha2",
+}
+Doc = dict[str, Any]
+
+
+def _docs(path: Path) -> list[Doc]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert all(isinstance(d, dict) for d in docs), f"{path}: every document must be a mapping"
+    return docs
+
+
+def _kustomization(folder: Path) -> Doc:
+    (doc,) = _docs(folder / "kustomization.yaml")
+    return doc
+
+
+def build(folder: Path) -> list[Doc]:
+    """The objects ``kubectl apply -k FOLDER`` creates, as kustomize lists them: each resource file's documents and
+    each resource folder's own build, with the kustomization's namespace set on every namespaced object."""
+    k = _kustomization(folder)
+    assert set(k) <= {"apiVersion", "kind", "namespace", "resources"}, (
+        f"{folder}/kustomization.yaml: only resources and namespace are resolved by this test, got {sorted(k)}")
+    out: list[Doc] = []
+    for entry in k["resources"]:
+        target = (folder / entry).resolve()
+        assert target.is_relative_to(DEPLOY), f"{folder}: resource {entry} is outside deploy/"
+        out += build(target) if target.is_dir() else _docs(target)
+    if "namespace" in k:
+        for doc in out:
+            if doc["kind"] != "Namespace":
+                doc.setdefault("metadata", {})["namespace"] = k["namespace"]
+    return out
+
+
+def pod_templates(doc: Doc) -> list[Doc]:
+    """The pod templates of a workload: a Deployment's, or each replicated Job's in a JobSet."""
+    if doc["kind"] == "Deployment":
+        return [doc["spec"]["template"]]
+    if doc["kind"] == "JobSet":
+        return [rj["template"]["spec"]["template"] for rj in doc["spec"]["replicatedJobs"]]
+    return []
+
+
+def _named(docs: list[Doc], kind: str) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _containers(docs: list[Doc]) -> Iterator[tuple[str, Doc, Doc]]:
+    """(where, pod spec, container) for every container of every workload."""
+    for doc in docs:
+        for template in pod_templates(doc):
+            spec = template["spec"]
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                yield f"{doc['kind']}/{doc['metadata']['name']}/{c['name']}", spec, c
+
+
+def _builds() -> dict[str, list[Doc]]:
+    return {name: build(DEPLOY / name) for name in CLUSTERS}
+
+
+ALL = [(cluster, where) for cluster, docs in _builds().items() for where, _, _ in _containers(docs)]
+
+
+def _container(cluster: str, where: str) -> tuple[list[Doc], Doc, Doc]:
+    docs = build(DEPLOY / cluster)
+    for w, spec, c in _containers(docs):
+        if w == where:
+            return docs, spec, c
+    raise AssertionError(f"{cluster}: no container {where}")
+
+
+# -- the files and the kustomizations ---------------------------------------------------------------------------
+
+
+def test_every_manifest_parses_and_is_applied_by_some_cluster():
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert files, "deploy/ has no manifests"
+    listed = {DEPLOY / name / "kustomization.yaml" for name in CLUSTERS}
+    for folder in [DEPLOY / name for name in CLUSTERS] + [DEPLOY / "base"]:
+        listed.add(folder / "kustomization.yaml")
+        listed |= {(folder / r).resolve() for r in _kustomization(folder)["resources"]}
+    for path in files:
+        for doc in _docs(path):
+            kind = doc.get("kind")
+            assert kind in KINDS, f"{path.relative_to(ROOT)}: unexpected kind {kind!r} (known: {sorted(KINDS)})"
+            assert doc.get("apiVersion") == KINDS[kind], (
+                f"{path.relative_to(ROOT)}: {kind} needs apiVersion {KINDS[kind]}, got {doc.get('apiVersion')!r}")
+        assert path in listed, f"{path.relative_to(ROOT)} is in no kustomization's resources: it is never applied"
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_each_cluster_builds_with_unique_names(cluster):
+    docs = build(DEPLOY / cluster)
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), f"{cluster}: an object is listed twice: {keys}"
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"dtrain"}
+    assert _named(docs, "Namespace").keys() == {"dtrain"}, f"{cluster}: the namespace is not created"
+    assert any(pod_templates(d) for d in docs), f"{cluster}: no workload"
+
+
+def test_the_three_clusters_run_a_coordinator_a_gpu_island_and_a_tpu_island():
+    builds = _builds()
+    (deployment,) = _named(builds["coordinator"], "Deployment").values()
+    assert deployment["spec"]["replicas"] == 1, "one coordinator: the only writer of its run folder"
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}, "never two coordinators on the volume at once"
+    gpu = [c for _, _, c in _containers(builds["gpu-worker"])]
+    tpu_specs = [(s, c) for _, s, c in _containers(builds["tpu-worker"])]
+    assert [c["resources"]["limits"].get("nvidia.com/gpu") for c in gpu] == [8]
+    (gpu_spec,) = [s for _, s, _ in _containers(builds["gpu-worker"])]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in gpu_spec["tolerations"]
+    ((tpu_spec, tpu),) = tpu_specs
+    assert tpu["resources"]["limits"].get("google.com/tpu") == 4
+    tpu_pool = {"cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology"}
+    assert tpu_pool <= tpu_spec["nodeSelector"].keys(), "the TPU slice's node selectors"
+    for cluster in ("gpu-worker", "tpu-worker"):
+        (jobset,) = _named(builds[cluster], "JobSet").values()
+        assert jobset["spec"]["network"]["enableDNSHostnames"] is True, f"{cluster}: process 0 needs a DNS name"
+        (rj,) = jobset["spec"]["replicatedJobs"]
+        job = rj["template"]["spec"]
+        assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"], cluster
+        # --num-processes is the number of pods, and --jax-coordinator is pod 0's JobSet hostname
+        (_, _, c) = next(_containers(builds[cluster]))
+        args = c["args"]
+        assert int(args[args.index("--num-processes") + 1]) == job["parallelism"], cluster
+        host = f"{jobset['metadata']['name']}-{rj['name']}-0-0.{jobset['metadata']['name']}"
+        jax_host, jax_port = args[args.index("--jax-coordinator") + 1].rsplit(":", 1)
+        assert jax_host == host, f"{cluster}: --jax-coordinator must name process 0's pod, {host}"
+        assert int(jax_port) in {p["containerPort"] for p in c["ports"]}, f"{cluster}: {jax_port} is not declared"
+
+
+# -- selectors, Services, volumes, references -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_selectors_match_pod_labels_and_services_reach_container_ports(cluster):
+    docs = build(DEPLOY / cluster)
+    for doc in docs:
+        for template in pod_templates(doc):
+            labels = template["metadata"]["labels"]
+            assert labels, f"{doc['metadata']['name']}: pod template without labels"
+            selector = doc["spec"].get("selector", {}).get("matchLabels")
+            if doc["kind"] == "Deployment":
+                assert selector, f"{doc['metadata']['name']}: a Deployment needs spec.selector.matchLabels"
+            if selector is not None:
+                assert selector.items() <= labels.items(), (
+                    f"{doc['kind']}/{doc['metadata']['name']}: selector {selector} does not match labels {labels}")
+    templates = [t for d in docs for t in pod_templates(d)]
+    for name, svc in _named(docs, "Service").items():
+        selector = svc["spec"]["selector"]
+        matched = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
+        assert matched, f"Service/{name}: selector {selector} matches no pod template"
+        ports = [p for t in matched for c in t["spec"]["containers"] for p in c.get("ports", [])]
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            key = "name" if isinstance(target, str) else "containerPort"
+            assert any(p.get(key) == target for p in ports), f"Service/{name}: targetPort {target} is on no container"
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_volumes_are_mounted_and_what_they_name_exists(cluster):
+    docs = build(DEPLOY / cluster)
+    secrets, configmaps = _named(docs, "Secret"), _named(docs, "ConfigMap")
+    claims = _named(docs, "PersistentVolumeClaim")
+    for where, spec, c in _containers(docs):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts = c.get("volumeMounts", [])
+        for m in mounts:
+            assert m["name"] in volumes, f"{where}: volumeMount {m['name']} has no volume"
+        for name, v in volumes.items():
+            mounted = [m["name"] for _, s, c2 in _containers(docs) if s is spec for m in c2.get("volumeMounts", [])]
+            assert name in mounted, f"{where}: volume {name} is mounted by no container"
+            if "secret" in v:
+                secret = v["secret"]["secretName"]
+                assert secret in secrets, f"{where}: Secret {secret} not in {cluster}"
+            if "configMap" in v:
+                configmap = v["configMap"]["name"]
+                assert configmap in configmaps, f"{where}: ConfigMap {configmap} not in {cluster}"
+            if "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                assert claim in claims, f"{where}: PersistentVolumeClaim {claim} not in {cluster}"
+        for env in c.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                assert ref["name"] in secrets, f"{where}: env {env['name']}: Secret {ref['name']} not in {cluster}"
+                assert ref["key"] in _data(secrets[ref["name"]]), f"{where}: env {env['name']}: no key {ref['key']}"
+
+
+def _data(obj: Doc) -> dict[str, str]:
+    """A Secret's or ConfigMap's keys and text (stringData as written; data is base64, decoded)."""
+    import base64
+
+    out = dict(obj.get("stringData", {}))
+    out.update({k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+               if obj["kind"] == "Secret" else obj.get("data", {}))
+    return out
+
+
+def test_the_token_secret_is_what_security_token_env_names():
+    docs = build(DEPLOY / "coordinator")
+    token_env = load_config(None).security.token_env
+    for cluster in CLUSTERS:
+        for where, _, c in _containers(build(DEPLOY / cluster)):
+            envs = {e["name"]: e for e in c.get("env", [])}
+            assert token_env in envs, f"{where}: no {token_env} (security.token_env): the coordinator would refuse it"
+            assert envs[token_env]["valueFrom"]["secretKeyRef"]["name"] == "dtrain-token", where
+    assert _named(docs, "Secret")["dtrain-coordinator-tls"]["type"] == "kubernetes.io/tls"
+
+
+# -- probes -----------------------------------------------------------------------------------------------------
+
+
+def test_coordinator_probes_ask_its_health_service_on_a_declared_port():
+    docs = build(DEPLOY / "coordinator")
+    ((where, spec, c),) = list(_containers(docs))
+    ports = {p["containerPort"] for p in c["ports"]}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c[kind]
+        for action in ("grpc", "tcpSocket", "httpGet"):
+            if action in p:
+                assert p[action]["port"] in ports | {q["name"] for q in c["ports"]}, f"{where}: {kind} port"
+        command = p["exec"]["command"]
+        assert command[:3] == ["python", "-m", "dtrain_cli.probe"], f"{where}: {kind} is not the health probe"
+        args = _parse(probe.build_parser(), command[3:], f"{where} {kind}")
+        assert int(args.address.rsplit(":", 1)[1]) in ports, f"{where}: {kind} asks an undeclared port"
+        files = _mounted_files(docs, spec, c)
+        cfg = _load(files, args.config, args.overrides, where)
+        assert cfg.security.ca in files, f"{where}: {kind}: security.ca {cfg.security.ca} is not mounted"
+        assert p["timeoutSeconds"] > args.timeout, f"{where}: {kind} would be killed before its own deadline"
+
+
+# -- the dtrain command lines -----------------------------------------------------------------------------------
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], where: str) -> argparse.Namespace:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: {shlex.join(argv)}\nis refused by {parser.prog}: {err.getvalue().strip()}")
+
+
+def _expand(argv: list[str], container: Doc, where: str) -> list[str]:
+    """``$(VAR)`` as the kubelet expands it from the container's env; a downward-API or secret value becomes a
+    stand-in (the completion index: 0). A reference to an undefined variable fails: the kubelet would pass it on
+    literally."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+        elif "job-completion-index" in e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", ""):
+            env[e["name"]] = "0"
+        else:
+            env[e["name"]] = "stand-in"
+
+    def sub(m: re.Match[str]) -> str:
+        assert m.group(1) in env, f"{where}: $({m.group(1)}) is not in the container's env"
+        return env[m.group(1)]
+
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a) for a in argv]
+
+
+def _mounted_files(docs: list[Doc], spec: Doc, c: Doc) -> dict[str, str]:
+    """Path -> text of every file the container sees from its mounted Secrets and ConfigMaps."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    sources = {("secret", n): d for n, d in _named(docs, "Secret").items()}
+    sources |= {("configMap", n): d for n, d in _named(docs, "ConfigMap").items()}
+    files: dict[str, str] = {}
+    for m in c.get("volumeMounts", []):
+        v = volumes[m["name"]]
+        for kind, key in (("secret", "secretName"), ("configMap", "name")):
+            if kind in v:
+                for name, text in _data(sources[(kind, v[kind][key])]).items():
+                    files[f"{m['mountPath'].rstrip('/')}/{name}"] = text
+    return files
+
+
+def _load(files: dict[str, str], config: str, overrides: list[str], where: str) -> Config:
+    assert config in files, f"{where}: --config {config} is not a file of a mounted ConfigMap"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / Path(config).name
+        path.write_text(files[config])
+        return load_config(path, overrides)
+
+
+def _dtrain_argv(c: Doc, where: str) -> list[str]:
+    """The container's dtrain arguments: the image's ENTRYPOINT is dtrain (tini -- dtrain) unless command says
+    otherwise."""
+    command = c.get("command")
+    assert command in (None, ["dtrain"]), f"{where}: runs {command}, not the image's dtrain entry point"
+    return [str(a) for a in c["args"]]
+
+
+@pytest.mark.parametrize("cluster,where", ALL)
+def test_container_command_is_accepted_by_the_dtrain_parser(cluster, where):
+    docs, spec, c = _container(cluster, where)
+    argv = _expand(_dtrain_argv(c, where), c, where)
+    args = _parse(build_parser(), argv, where)
+    assert args.command in ("coordinator", "worker"), f"{where}: runs dtrain {args.command}"
+    files = _mounted_files(docs, spec, c)
+    cfg = _load(files, args.config, args.overrides, where)
+    for field in ("ca", "server_cert", "server_key", "client_cert", "client_key"):
+        path = getattr(cfg.security, field)
+        assert not path or path in files, f"{where}: security.{field} = {path} is no file of a mounted Secret"
+    writable = [m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")]
+    assert any(Path(args.run_dir).is_relative_to(p) for p in writable), f"{where}: --run-dir is on no writable volume"
+    ports = {p["containerPort"] for p in c.get("ports", [])}
+    if args.command == "coordinator":
+        assert cfg.coordinator.host == "0.0.0.0", f"{where}: a coordinator on loopback is unreachable from the Service"
+        assert {cfg.coordinator.port, cfg.coordinator.dashboard_port} <= ports, f"{where}: ports not declared"
+        assert cfg.security.server_cert and cfg.security.server_key, f"{where}: the coordinator must serve TLS"
+        assert args.resume == "auto", f"{where}: a restarted pod must resume (and a first start must start)"
+    else:
+        assert cfg.security.ca, f"{where}: the island must verify the coordinator (security.ca)"
+        assert args.coordinator.rsplit(":", 1)[1] == str(CoordinatorConfig().port), where
+
+
+def test_the_configmap_is_the_repos_config_for_the_islands_deployed(tmp_path):
+    """The ConfigMap's TOML loads, equals configs/NAME.toml but for outer.islands, and that is the number of islands
+    deploy/ launches (the coordinator cuts the data into that many shards, one per island)."""
+    (cm,) = _named(build(DEPLOY / "base"), "ConfigMap").values()
+    islands = {c["args"][c["args"].index("--island") + 1] for cluster in CLUSTERS
+               for _, _, c in _containers(build(DEPLOY / cluster)) if c["args"][0] == "worker"}
+    assert islands == {"gpu-a", "tpu-a"}
+    for name, text in cm["data"].items():
+        (tmp_path / name).write_text(text)
+        deployed, repo = load_config(tmp_path / name).to_dict(), load_config(ROOT / "configs" / name).to_dict()
+        assert deployed["outer"].pop("islands") == len(islands), f"ConfigMap {name}: outer.islands"
+        repo["outer"].pop("islands")
+        assert deployed == repo, f"ConfigMap {name} differs from configs/{name} beyond outer.islands"
+
+
+def test_has_checkpoint_decides_resume_auto(tmp_path):
+    cfg = load_config("tiny")
+    assert not has_checkpoint(cfg, tmp_path / "new")  # a first start: no run folder yet
+    (tmp_path / "run" / "coordinator").mkdir(parents=True)
+    assert not has_checkpoint(cfg, tmp_path / "run")  # started, nothing merged yet: start again from θ_0
+    (tmp_path / "run" / "coordinator" / "3").mkdir()
+    assert has_checkpoint(cfg, tmp_path / "run")
+    assert not has_checkpoint(replace(cfg, coordinator={"checkpoint": False}), tmp_path / "run")
+    assert build_parser().parse_args(["coordinator", "--config", "tiny", "--resume"]).resume == "always"
+    assert build_parser().parse_args(["coordinator", "--config", "tiny"]).resume is None
+
+
+# -- the probe against a live coordinator -----------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_probe_says_serving_over_tls_and_fails_otherwise(tmp_path, monkeypatch):
+    """The README's certificate recipe in small: a CA, a server certificate for IP:127.0.0.1 (what the pod's probe
+    dials); the probe verifies it with the CA and exits 0, and exits 1 without TLS or with nothing listening."""
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+             "-subj", "/CN=dtrain-ca", cwd=tmp_path)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+             "-subj", "/CN=dtrain-coordinator", cwd=tmp_path)
+    (tmp_path / "san.ext").write_text("subjectAltName=DNS:coordinator.dtrain.example.com,IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "server.crt", "-days", "2", "-extfile", "san.ext", cwd=tmp_path)
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    ca = f"security.ca={tmp_path / 'ca.crt'}"
+    cfg = load_config(tiny, [f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.dashboard_port=-1",
+                             "coordinator.checkpoint=false", ca,
+                             f"security.server_cert={tmp_path / 'server.crt'}",
+                             f"security.server_key={tmp_path / 'server.key'}"])
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, tmp_path / "coord", theta, spec, port=0, quiet=True)
+    try:
+        address = f"127.0.0.1:{port}"
+        assert probe.main(["--config", tiny, "--set", ca, "--address", address]) == 0
+        assert probe.main(["--config", tiny, "--address", address, "--timeout", "1"]) == 1  # plaintext
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+    assert probe.main(["--config", tiny, "--set", ca, "--address", address, "--timeout", "1"]) == 1
+
+
+# -- the image --------------------------------------------------------------------------------------------------
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in (ROOT / "Dockerfile").read_text().splitlines()
+                                         if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip() if " " in line.strip() else "")
+            for line in text.splitlines() if line.strip()]
+
+
+def test_dockerfile_installs_the_pinned_set_as_a_non_root_dtrain_entry_point():
+    """Its structure only: no Docker engine runs in CI, so the image is not built here."""
+    import json
+    import tomllib
+
+    ins = _dockerfile()
+    froms = [a for i, a in ins if i == "FROM"]
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for i, a in ins if i == "ARG" and "=" in a}
+    assert froms == ["${PYTHON_IMAGE}"] and args["PYTHON_IMAGE"] == "python:3.11-slim", froms
+    assert args["ACCELERATOR"] == "cpu", "the CPU image is the default"
+    runs = " ".join(a for i, a in ins if i == "RUN")
+    assert "pip install -c constraints.txt . $extra" in runs
+    assert 'cuda) extra="jax[cuda12]"' in runs and 'tpu) extra="jax[tpu]"' in runs
+    copied = {a.split()[0] for i, a in ins if i == "COPY" and not a.startswith("--")}
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for pattern in packages["include"]:
+        assert pattern.rstrip("*") in copied, f"the Dockerfile does not copy the package {pattern.rstrip('*')}"
+    assert {"pyproject.toml", "constraints.txt", "README.md"} <= set(
+        next(a for i, a in ins if i == "COPY" and "pyproject.toml" in a).split()[:-1])
+    users = [a for i, a in ins if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"the image runs as root: {users}"
+    entry = json.loads(next(a for i, a in reversed(ins) if i == "ENTRYPOINT"))
+    assert entry[-1] == "dtrain" and entry[0] == "tini", entry
+    exposed = {int(p) for i, a in ins if i == "EXPOSE" for p in a.split()}
+    assert exposed == {CoordinatorConfig().port, CoordinatorConfig().dashboard_port}
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs", "tests"} <= set(ignored)
