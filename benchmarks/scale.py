@@ -84,6 +84,7 @@ FRAME_POOL = 8  # distinct encoded frames; island i pushes frame (i + round) % F
 LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
+SPARE_THREADS = 16  # server threads beyond one per island (see server_threads)
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
 TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the runtime baseline's coordinator
 
@@ -100,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                         "no warm-up, no runtime baseline")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the no-model coordinator whose VmHWM is the runtime baseline (net/model: n/a)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field of the coordinator's config (repeatable; after the benchmark's own)")
     p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
@@ -239,23 +242,33 @@ class Heartbeats:
             t.join(timeout=30)
 
 
-def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds: int) -> Config:
+def server_threads(islands: int, default: int) -> int:
+    """``coordinator.workers`` for ``islands`` islands: each island's long-polling pull holds a gRPC server thread
+    for up to ``workers.island.PULL_WAIT_S``, so the pool needs one thread per island besides the SPARE_THREADS
+    that serve pushes and heartbeats meanwhile (and gRPC refuses calls beyond 4 x workers in flight: RESOURCE_
+    EXHAUSTED; an island has up to three: heartbeat, push, pull). The default (16) serves up to 16 islands."""
+    return max(default, islands + SPARE_THREADS)
+
+
+def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds: int,
+                 overrides: Sequence[str] = ()) -> Config:
     """The coordinator's config for ``islands`` islands: the shared benchmark config (benchmarks/_common.py
     make_config: no checkpoint, no retries) in sync mode, every island needed to close a round, a real heartbeat
-    period and a lease of LEASE_S."""
+    period, a lease of LEASE_S and :func:`server_threads`; then ``overrides``."""
+    default = make_config(model_fields, work).coordinator.workers
     return make_config(model_fields, work, CODEC, islands, checkpoint=False, repeats=rounds, extra=[
         "coordinator.mode=sync", f"coordinator.min_quorum={islands}", f"coordinator.lease_s={LEASE_S:g}",
-        "worker.heartbeat_s=1"])
+        "worker.heartbeat_s=1", f"coordinator.workers={server_threads(islands, default)}", *overrides])
 
 
 def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], islands: int, rounds: int,
-             warmup: int, work: Path) -> dict[str, Any]:
+             warmup: int, work: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """One coordinator process and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
     from dtrain.proto import dtrain_pb2 as pb
     from workers.client import CoordinatorClient
     from workers.island import PULL_WAIT_S
 
-    cfg = scale_config(model_fields, work, islands, warmup + rounds)
+    cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
     coord = CoordinatorProcess(cfg, work / f"coord-{islands}")
     pid = coord.proc.pid
     clients: list[CoordinatorClient] = []
@@ -348,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     model_fields, n_params = choose_model(args.params)
     model_bytes = FP32 * n_params
-    base_cfg = scale_config(model_fields, Path(tempfile.gettempdir()), 1, 1)
+    base_cfg = scale_config(model_fields, Path(tempfile.gettempdir()), 1, 1, args.overrides)  # a bad --set: here
     block, level = base_cfg.codec.block, base_cfg.codec.zstd_level
     pool = min(FRAME_POOL, max(args.sizes))
     log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
@@ -369,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             log(f"runtime baseline: a {count_params(model_overrides(TINY_MODEL)):,}-param coordinator peaks at "
                 f"{baseline / (1 << 20):.0f} MiB")
         for n in args.sizes:
-            rows.append(run_size(model_fields, n_params, frames, n, args.rounds, args.warmup, work))
+            rows.append(run_size(model_fields, n_params, frames, n, args.rounds, args.warmup, work, args.overrides))
             loads.append(os.getloadavg()[0])
     finally:
         if args.keep:
