@@ -246,7 +246,7 @@ def server_threads(islands: int, default: int) -> int:
     """``coordinator.workers`` for ``islands`` islands: each island's long-polling pull holds a gRPC server thread
     for up to ``workers.island.PULL_WAIT_S``, so the pool needs one thread per island besides the SPARE_THREADS
     that serve pushes and heartbeats meanwhile (and gRPC refuses calls beyond 4 x workers in flight: RESOURCE_
-    EXHAUSTED; an island has up to three: heartbeat, push, pull). The default (16) serves up to 16 islands."""
+    EXHAUSTED; an island has up to three: heartbeat, push, pull). Never fewer than ``default``, the config's."""
     return max(default, islands + SPARE_THREADS)
 
 
