@@ -42,6 +42,7 @@ from dtrain.outer import OuterHParams
 from dtrain.runs import FP32_BYTES
 from dtrain.setup import prepare
 from dtrain.train import InnerLoop, make_mesh
+from dtrain_cli.entry import run_main
 
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
     warm_cfg = config.replace(base, train={"steps": max(W, 2),
-                                           "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))})
+                                           "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))},
+                              outer={"inner_steps": min(base.outer.inner_steps, max(W, 2))})  # H <= steps
     s = prepare(warm_cfg, islands=N)
     streams = [sh.stream for sh in s.shards]
     log(f"model {s.n_params:,} params; corpus {s.corpus.description}; N={N} B={B}x{base.model.seq_len} "
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_w = s.loop.evaluate(params_w, s.eval_batches)
     log(f"warm-up: {W} steps, eval loss {eval_w:.4f}")
 
-    phase = config.replace(base, train={"steps": T})
+    phase = config.replace(base, train={"steps": T}, outer={"inner_steps": H})
     mesh = make_mesh(phase)
     model_bytes = s.n_params * FP32_BYTES
     results: dict[str, dict] = {}
@@ -253,4 +255,4 @@ def compare_process_mode(base, N: int, log) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("benchmarks/convergence.py", main))

@@ -537,4 +537,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from dtrain_cli.entry import run_main  # the one wrapper: a user error is one line, no traceback
+
+    sys.exit(run_main("benchmarks/exchange.py", main))

@@ -38,8 +38,9 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and the workers it starts)
 
 from dtrain import config as config_mod
-from dtrain.config import Config, ConfigError, load_config
+from dtrain.config import Config, load_config
 from dtrain.errors import DtrainError
+from dtrain_cli.entry import run_main
 from dtrain_cli.faults import FaultSpec, parse_fault
 from dtrain_cli.simulate import run_simulation
 
@@ -165,12 +166,8 @@ def _print_faults(chaos: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        faults = chaos_faults(args.faults or FAULTS, args.islands)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = load_config(args.config, args.overrides)
+    faults = chaos_faults(args.faults or FAULTS, args.islands)
     work = Path(tempfile.mkdtemp(prefix="dtrain-faults-"))
     log(f"config {args.config}: {args.islands} islands, {cfg.train.steps} steps x batch {cfg.train.batch_size}, "
         f"H={cfg.outer.inner_steps}, heartbeat {cfg.worker.heartbeat_s:g}s, lease {cfg.coordinator.lease_s:g}s; "
@@ -179,8 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         clean = _simulate(cfg, "fault-free", args.islands, [], args, work)
         chaos = _simulate(cfg, "chaos", args.islands, faults, args, work)
     except DtrainError as e:
-        print(f"error: {e} (run folders kept under {work})", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise DtrainError(f"{e} (run folders kept under {work})") from None
     result = figures(clean, chaos)
     _print_faults(chaos)
     print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f}, goodput {_fmt(clean['goodput'], '.3f')}, "
@@ -202,4 +198,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("benchmarks/faults.py", main))

@@ -68,6 +68,7 @@ from dtrain import config as config_mod  # noqa: E402
 from dtrain.config import Config, ConfigError, load_config  # noqa: E402
 from dtrain.errors import DtrainError  # noqa: E402
 from dtrain.health import DeviceFault  # noqa: E402
+from dtrain_cli.entry import run_main  # noqa: E402
 
 # configs/tiny.toml plus these (then --set): see the module's docstring.
 OVERRIDES = ("train.batch_size=16", "train.steps=1000", "outer.islands=1", "outer.inner_steps=100",
@@ -428,15 +429,11 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    try:
-        cfg = bench_config(args)
-        if cfg.outer.islands != 1:
-            raise ConfigError(f"[outer] islands: this benchmark runs one island, got {cfg.outer.islands}")
-        if not cfg.health.enabled:
-            raise ConfigError("[health] enabled: this benchmark measures chip health; it must stay true")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = bench_config(args)
+    if cfg.outer.islands != 1:
+        raise ConfigError(f"[outer] islands: this benchmark runs one island, got {cfg.outer.islands}")
+    if not cfg.health.enabled:
+        raise ConfigError("[health] enabled: this benchmark measures chip health; it must stay true")
     import jax
 
     device_ids = [int(d.id) for d in jax.devices()]
@@ -464,8 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"run {i + 1}/{len(plan)}: {name} on device {fault.device} from step {fault.start}")
             runs.append(island_run(cfg, work, f"{i + 1}-{name}", name, fault, START_TIMEOUT_S))
     except DtrainError as e:
-        print(f"error: {e} (run folders kept under {work})", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise DtrainError(f"{e} (run folders kept under {work})") from None
     result = figures(clean, runs, timing)
     print()
     print("\n".join(table(clean, runs)))
@@ -496,4 +492,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("benchmarks/health.py", main))

@@ -19,7 +19,6 @@ import json
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 STATUS_PATH = "/api/status"
 PAGE_PATHS = ("/", "/index.html")
 REQUEST_TIMEOUT_S = 10.0  # a client that sends nothing (or never finishes its TLS handshake) is dropped after this
-AUTH_EVENT_EVERY_S = 10.0  # at most one auth_failed event per peer and path this often (a page polls every 1.5 s)
 # Nothing outside this server may be loaded or contacted by the page: its script and style are inline, it talks
 # to /api/status only, and its charts are inline SVG.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -76,33 +74,6 @@ def tls_context(sec: SecurityConfig) -> ssl.SSLContext | None:
 def page_html() -> bytes:
     """The page, a file of this package (``coordinator/dashboard.html``)."""
     return resources.files("coordinator").joinpath("dashboard.html").read_bytes()
-
-
-class AuthFailures:
-    """Reports failed authentications, at most one per client host and path every ``every_s`` seconds: a page
-    left open with a wrong token would otherwise write an event per poll. The host, not host:port: a browser
-    opens new connections (new source ports) as it likes."""
-
-    def __init__(self, report: Callable[[str, str], None], every_s: float = AUTH_EVENT_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.report, self.every_s, self.clock = report, every_s, clock
-        self._last: dict[tuple[str, str], float] = {}
-        self._lock = threading.Lock()
-
-    def failed(self, address: tuple[str, int], path: str) -> bool:
-        """Notes one failure from the client at ``address`` (host, port); reports it (and returns True) unless one
-        for the same host and path was reported within ``every_s``."""
-        now = self.clock()
-        key = (address[0], path)
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.every_s:
-                return False
-            self._last[key] = now
-            if len(self._last) > 4096:  # many clients: forget those past their window
-                self._last = {k: t for k, t in self._last.items() if now - t < self.every_s}
-        self.report(peer_name(address), path)
-        return True
 
 
 class _Server(ThreadingHTTPServer):
@@ -150,15 +121,16 @@ class Dashboard:
     """The HTTP server: bound on construction (so a taken port fails before anything else starts), serving from
     :meth:`start` until :meth:`close`.
 
-    ``status``: the Status document as plain JSON; ``auth_failed(peer, path)``: records a refused request (the
-    coordinator's ``auth_failed`` event), called at most once per peer and path every ``AUTH_EVENT_EVERY_S``."""
+    ``status``: the Status document as plain JSON; ``auth_failed(peer, method, why)``: records a refused request,
+    as the gRPC side's refusals are (:meth:`coordinator.server.CoordinatorService.auth_failed`: one rate-limited
+    ``auth_failed`` event per peer host), with ``method`` = ``GET /PATH``."""
 
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
-                 status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str], None]):
+                 status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str, str], None]):
         self.host, self.tls, self.status = host, tls, status
         self._expected = f"Bearer {token}".encode() if token else None
         self._token = token.encode() if token else None
-        self.auth_failures = AuthFailures(auth_failed)
+        self.auth_failed = auth_failed
         self.page = page_html()
         self.server = _bind(host, port)
         self.server.dashboard = self
@@ -217,7 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         query = parse_qs(url.query).get("token") if path in PAGE_PATHS else None
         if not dash.authorized(self.headers.get("Authorization", ""), query[-1] if query else None):
-            dash.auth_failures.failed(self.client_address, path)
+            dash.auth_failed(peer_name(self.client_address), f"GET {path}", "missing or wrong bearer token")
             self._send(401, _error("missing or wrong bearer token (send 'Authorization: Bearer TOKEN', or open the "
                                    "page as /?token=TOKEN; the token is in the environment variable named by "
                                    "security.token_env)"), extra={"WWW-Authenticate": 'Bearer realm="dtrain"'})
@@ -276,22 +248,18 @@ def _error(message: str) -> bytes:
 
 
 def peer_name(address: Any) -> str:
-    """``host:port`` of a client, as gRPC names peers without its ``ipv4:`` prefix (``[h]:port`` for IPv6)."""
+    """A client's address as gRPC names peers: ``ipv4:HOST:PORT`` or ``ipv6:[HOST]:PORT``."""
     host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 def open_dashboard(service: CoordinatorService, port: int, token: str | None) -> Dashboard:
     """The coordinator's dashboard on ``coordinator.host:port``, bound (not yet serving): the service's status
-    as JSON, a refused request as the service's ``auth_failed`` event {peer, method} (method: ``GET /PATH``, as the
-    gRPC side names the method called), which its history lists among the run's faults."""
+    as JSON, a refused request as the service's ``auth_failed`` event (:meth:`CoordinatorService.auth_failed`, method
+    ``GET /PATH``), which its history lists among the run's faults."""
 
     def status() -> dict[str, Any]:
         return message_dict(service.status_message())
 
-    def auth_failed(peer: str, path: str) -> None:
-        with service.lock:  # the event log is written under the service's lock everywhere else too
-            service.log.event("auth_failed", peer=peer, method=f"GET {path}", via="dashboard")
-
     cfg = service.cfg
-    return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, auth_failed)
+    return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, service.auth_failed)

@@ -45,6 +45,7 @@ from dtrain.wire import (
     MAX_EVAL_REPORTS,
     RUN_OVER_METADATA_KEY,
     SERVICE,
+    AuthDenied,
     FrameReceiver,
     RawChunk,
     TokenAuthInterceptor,
@@ -75,6 +76,14 @@ _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.A
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
           "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
 _MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
+# A refusal with one of these codes is a bad request (malformed, over a bound, not matching the run): a
+# `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
+_BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+AUTH_EVENT_S = 10.0  # `auth_failed`: at most one event per peer host this often; the calls in between are counted
+MAX_AUTH_HOSTS = 1024  # hosts tracked for that; beyond them, the rest share one count ("other hosts")
+# The RPC this thread serves: its method and island (set by service_handler's wrapper), for _abort's events.
+_CALL = threading.local()
 
 
 def evidence_from_message(e: pb.DeviceEvidence) -> dict[str, Any]:
@@ -149,6 +158,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # Pushes refused: by the state machine (bad header, a weight over its bound, ...) or for a bad payload.
         self.pushes_refused = 0
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
+        # auth_failed events, per peer host: (time.monotonic() of its last event, calls refused since, the last
+        # call's peer, method and reason)
+        self._auth_failures: dict[str, tuple[float, int, str, str, str]] = {}
+        self._auth_lock = threading.Lock()
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
         self._closing = False
         # grpc.health.v1 (registered by serve()): SERVING until the run is over, the service failed, or it stops.
@@ -231,8 +244,37 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- helpers ------------------------------------------------------------------------------------
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-        self.log.event("request_rejected", code=code.name, reason=message)
+        """Ends the call with ``code``; every refusal goes through here and is an event naming the method and the
+        island (from the request: service_handler notes them): ``request_invalid`` for a bad request
+        (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
+        kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
+        with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
+            self.log.event(kind, method=getattr(_CALL, "method", ""), island=getattr(_CALL, "island", ""),
+                           code=code.name, error=message)
         context.abort(code, message)
+
+    def auth_failed(self, peer: str, method: str, why: str) -> None:
+        """A call refused for its token (:class:`dtrain.wire.TokenAuthInterceptor`'s ``on_denied``): an
+        ``auth_failed`` event {peer, method, reason, count} and a progress line, at most one per peer host every
+        AUTH_EVENT_S, so a flood of bad calls cannot fill the disk: ``count`` is the calls refused from that host
+        since its last event, this one included (the rest are written by :meth:`close`)."""
+        host = peer_host(peer)
+        now = time.monotonic()
+        with self._auth_lock:
+            if host not in self._auth_failures and len(self._auth_failures) >= MAX_AUTH_HOSTS:
+                host = "other hosts"
+            last, count, _, _, _ = self._auth_failures.get(host, (float("-inf"), 0, "", "", ""))
+            if now - last < AUTH_EVENT_S:
+                self._auth_failures[host] = (last, count + 1, peer, method, why)
+                return
+            self._auth_failures[host] = (now, 0, peer, method, why)
+        self._report_auth_failed(peer, method, why, count + 1)
+
+    def _report_auth_failed(self, peer: str, method: str, why: str, count: int) -> None:
+        with self.lock:  # the event's listeners (history, telemetry) are updated under the lock
+            self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
+        self.log.progress(f"refused {count} call{'s' * (count != 1)} from {peer} without the right token ({why}; "
+                          f"last: {method.rsplit('/', 1)[-1]})")
 
     def _decide(self, context: grpc.ServicerContext, decision: Callable[P, R], *args: P.args,
                 **kwargs: P.kwargs) -> R:
@@ -672,6 +714,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._closing = True
             self.lock.notify_all()  # wakes the ticker, which then ends
         self._ticker.join(timeout=5)
+        # the refused calls counted since each host's last auth_failed event: before telemetry shuts down
+        with self._auth_lock:
+            pending = [entry for entry in self._auth_failures.values() if entry[1]]
+            self._auth_failures.clear()
+        for _, count, peer, method, why in pending:
+            self._report_auth_failed(peer, method, why, count)
         self.rounds.close_all()
         self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
         with self.lock:
@@ -693,7 +741,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
         check_port_free(c.host, dash_port)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
-    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
+    on_denied: AuthDenied = service.auth_failed
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(c),
                          maximum_concurrent_rpcs=c.workers * 4)
@@ -787,10 +836,47 @@ def service_handler(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHand
              (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
     handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
-        getattr(service, m.name), request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
-                                                         else getattr(pb, m.input_type.name).FromString),
+        _noting_call(m.name, getattr(service, m.name), m.client_streaming),
+        request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
+                              else getattr(pb, m.input_type.name).FromString),
         response_serializer=serialize) for m in methods}
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any],
+                 client_streaming: bool) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """``method`` that first notes the call's method name and island in :data:`_CALL` for the service's events
+    (gRPC serves each call, its streams included, on one thread): the island from the request's ``island_id``
+    (Join: ``island``, the name), or from the first message of a push stream, its header."""
+    if client_streaming:
+        def noted_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            _CALL.method, _CALL.island = name, ""
+            return method(_noting_header(requests), context)
+        return noted_stream
+
+    def noted(request: Any, context: grpc.ServicerContext) -> Any:
+        _CALL.method, _CALL.island = name, getattr(request, "island_id", "") or getattr(request, "island", "")
+        return method(request, context)
+    return noted
+
+
+def _noting_header(requests: Iterator[Any]) -> Iterator[Any]:
+    first = next(requests, None)
+    if first is None:
+        return
+    if not isinstance(first, RawChunk) and first.WhichOneof("kind") == "header":
+        _CALL.island = first.header.island_id
+    yield first
+    yield from requests
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string, without its port: ``ipv4:10.0.0.7:53122`` -> ``10.0.0.7``,
+    ``ipv6:[::1]:53122`` -> ``[::1]``; anything else (``unix:...``) as it is."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return rest.rpartition(":")[0]
+    return peer
 
 
 def return_large_frees_to_the_os() -> None:

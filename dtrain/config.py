@@ -226,7 +226,7 @@ class Config:
 
     @property
     def rounds(self) -> int:
-        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H >= steps)."""
+        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H = steps)."""
         return math.ceil(self.train.steps / self.outer.inner_steps)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -299,6 +299,8 @@ def _check(cfg: Config, origin: str) -> None:
             fail("train", name, f"must be in [0, 1), got {getattr(t, name)}")
     if t.warmup_steps >= t.steps:
         fail("train", "warmup_steps", f"must be < train.steps ({t.steps}), got {t.warmup_steps}")
+    if o.inner_steps > t.steps:  # H > steps would be one round shorter than H: the run's length is train.steps
+        fail("outer", "inner_steps", f"must be <= train.steps ({t.steps}), got {o.inner_steps}")
     if not o.lr > 0:
         fail("outer", "lr", f"must be > 0, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:

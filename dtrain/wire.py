@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import Message
 
 from dtrain import codec
-from dtrain.config import SecurityConfig
+from dtrain.config import ConfigError, SecurityConfig
 from dtrain.proto import dtrain_pb2 as pb
 
 # Deadlines (seconds) of each RPC, from the caller's side. Pushes and pulls
@@ -74,12 +74,14 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def _read_pem(path: str, what: str) -> bytes:
+    """The PEM file the config's ``security.WHAT`` names; ConfigError (the CLI's one line, exit 2) if it cannot
+    be read or is not PEM."""
     try:
         data = Path(path).expanduser().read_bytes()
     except OSError as e:
-        raise ValueError(f"[security] {what}: cannot read {path}: {e.strerror}") from None
+        raise ConfigError(f"[security] {what}: cannot read {path}: {e.strerror}") from None
     if b"-----BEGIN" not in data:
-        raise ValueError(f"[security] {what}: {path} is not a PEM file")
+        raise ConfigError(f"[security] {what}: {path} is not a PEM file")
     return data
 
 
@@ -127,24 +129,34 @@ def keepalive_options(server: bool) -> list[tuple[str, int | str]]:
     return opts
 
 
+# What a server's TokenAuthInterceptor tells about a refused call: (the peer as gRPC names it, e.g.
+# "ipv4:10.0.0.7:53122", the method's path, why: "missing token" or "wrong token").
+AuthDenied = Callable[[str, str, str], None]
+_HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
+    (False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare), except the health
-    checks of :data:`OPEN_METHODS`."""
+    checks of :data:`OPEN_METHODS`. ``on_denied``, if given, is told of each refused call (:data:`AuthDenied`),
+    from the call's own thread, before it ends."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_denied: AuthDenied | None = None):
         self._expected = f"Bearer {token}".encode()
+        self._on_denied = on_denied
 
+    def _deny(self, method: str, why: str, streams: tuple[bool, bool]) -> grpc.RpcMethodHandler[Any, Any]:
+        """A handler of the method's streaming kind (Any: it serves every method, whatever its message types)
+        that reports the refusal and ends the call with UNAUTHENTICATED."""
         def deny(_request: object, context: grpc.ServicerContext) -> NoReturn:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
-                          "(set the token in the environment variable named by security.token_env)")
+            if self._on_denied is not None:
+                self._on_denied(context.peer(), method, why)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: missing or wrong bearer token (set the "
+                          "token in the environment variable named by security.token_env)")
 
-        # Any: one handler per streaming kind serves every method, whatever its message types.
-        self._deny: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
+        handler: grpc.RpcMethodHandler[Any, Any] = _HANDLER_KINDS[streams](deny)
+        return handler
 
     def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
@@ -160,7 +172,38 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        return self._deny[(handler.request_streaming, handler.response_streaming)]
+        return self._deny(details.method, "wrong token" if got else "missing token",
+                          (handler.request_streaming, handler.response_streaming))
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50051``) as (host, port); ValueError says what is wrong
+    and shows the form. gRPC itself would take a bare host as port 443, and a scheme or path as a target of
+    its own, so these are refused here, before anything is dialled."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{text!r}: {why}; expected HOST:PORT, e.g. 127.0.0.1:50051 (IPv6: [::1]:50051)")
+
+    if not text or text != text.strip():
+        raise bad("empty" if not text.strip() else "spaces around it")
+    if "/" in text:
+        raise bad("a scheme or path")
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep or not host or "]" in host:
+            raise bad("an IPv6 address goes in brackets, then :PORT")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise bad("no port")
+        if not host:
+            raise bad("no host")
+        if ":" in host:
+            raise bad(f"an IPv6 address goes in brackets: [{host}]:{port}")
+    if not (port.isascii() and port.isdigit()):
+        raise bad(f"the port {port!r} is not a number")
+    if not 1 <= int(port) <= 65535:
+        raise bad(f"the port {port} is not in 1..65535")
+    return host, int(port)
 
 
 def chunk_count(frame_len: int, chunk_bytes: int) -> int:

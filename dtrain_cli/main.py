@@ -10,28 +10,105 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
-from dtrain.errors import DtrainError
+from dtrain_cli.entry import run_main
+
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot")
+STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
+
+
+def version() -> str:
+    """The installed package's version (importlib.metadata)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dtrain")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (``dtrain worker: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help shows the usage)\n")
+
+
+def coordinator_address(text: str) -> str:
+    """``--coordinator``: HOST:PORT (:func:`dtrain.wire.parse_address`), as given."""
+    from dtrain.wire import parse_address
+
+    try:
+        parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def port_number(text: str) -> int:
+    """``coordinator --port``: 0..65535 (0: any free port); gRPC would bind a random port for a larger one."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not in 0..65535 (0: any free port)")
+    return port
+
+
+def device_count(text: str) -> int:
+    """``--host-devices``: a count >= 0 (0: leave XLA_FLAGS as it is)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of devices") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: must be >= 0 (0: leave XLA_FLAGS as it is)")
+    return n
+
+
+def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    help = "TOML file, or a name from configs/ (tiny, small, ...)" + ("" if required else "; default: the defaults")
+    p.add_argument("--config", required=required, default=None, help=help)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config field (repeatable), e.g. --set train.lr=3e-4")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="TOML file, or a name from configs/ (tiny, small, ...)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config field (repeatable), e.g. --set train.lr=3e-4")
-    p.add_argument("--host-devices", type=int, default=0, metavar="N",
+    _config_flags(p)
+    p.add_argument("--host-devices", type=device_count, default=0, metavar="N",
                    help="on CPU: split the host into N fake JAX devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def _command(sub: argparse._SubParsersAction[Parser], name: str, help: str, description: str,
+             example: str) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help (``dtrain --help``), a description and an example (its ``--help``)."""
+    return sub.add_parser(name, help=help, description=description, epilog=f"example:\n  {example}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtrain", description="multi-datacenter asynchronous training on JAX")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="one island: the plain baseline, with orbax checkpoints")
+    parser = Parser(prog="dtrain", description="multi-datacenter asynchronous training on JAX",
+                    epilog="example:\n  dtrain simulate --config small --islands 4\n\n"
+                    "`dtrain COMMAND --help` describes a command.",
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _command(sub, "train", "one island: the plain baseline, with orbax checkpoints",
+                 "Trains one island on all local devices, no coordinator: the baseline DiLoCo is compared with.\n"
+                 "Writes runs/NAME/ (events.jsonl, summary.json, checkpoints/STEP every run.checkpoint_every steps).",
+                 "dtrain train --config tiny --set train.steps=40")
     _common(p)
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its latest checkpoint")
-    p = sub.add_parser("simulate", help="N islands with DiLoCo outer steps: a coordinator and N worker "
-                       "processes on loopback (or --inprocess)")
+    p = _command(sub, "simulate", "N islands with DiLoCo outer steps: a coordinator and N worker processes on "
+                 "loopback (or --inprocess)",
+                 "Runs a coordinator and N worker processes on 127.0.0.1 (or every island in this process with\n"
+                 "--inprocess), optionally injecting faults, and writes runs/NAME/ with a summary.json.",
+                 "dtrain simulate --config small --islands 4 --fault kill:island-1@v3+10s")
     _common(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
@@ -43,14 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
                    "[,prob=P][,seed=S][,until=STEP] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
                    "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/faults.py)")
-    p = sub.add_parser("coordinator", help="serve the coordinator (merges the islands' deltas)")
+    p = _command(sub, "coordinator", "serve the coordinator (merges the islands' deltas)",
+                 "Serves the coordinator on coordinator.host:port until the run's last version is merged and every\n"
+                 "live island holds it (or SIGTERM); checkpoints into RUN_DIR/coordinator/VERSION.",
+                 "dtrain coordinator --config small --port 50051 --run-dir runs/demo")
     _common(p)
-    p.add_argument("--port", type=int, default=None, help="port to bind (default: coordinator.port; 0: any)")
+    p.add_argument("--port", type=port_number, default=None,
+                   help="port to bind (default: coordinator.port; 0: any)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints (default: runs/NAME)")
     p.add_argument("--resume", action="store_true", help="restore the latest coordinator checkpoint in --run-dir")
-    p = sub.add_parser("worker", help="run one island against a coordinator")
+    p = _command(sub, "worker", "run one island against a coordinator",
+                 "Trains one island on all local devices against a running coordinator; a restarted worker with\n"
+                 "the same --island name rejoins its shard. An unreachable coordinator is retried for\n"
+                 "worker.retry_total_s (600 s by default), each retry naming the address and the time left.",
+                 "dtrain worker --config small --coordinator 10.0.0.5:50051 --island dc-east")
     _common(p)
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", type=coordinator_address,
+                   help="the coordinator's address, e.g. 10.0.0.5:50051 or [::1]:50051")
     p.add_argument("--island", required=True, help="this island's name (unique; a restart reuses it)")
     p.add_argument("--run-dir", default=None, help="events and checkpoints (default: runs/NAME/islands/ISLAND)")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@vN",
@@ -60,77 +146,118 @@ def build_parser() -> argparse.ArgumentParser:
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
                    "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/inject.py)")
-    p = sub.add_parser("status", help="ask a coordinator how the run is going")
-    _common(p)
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    p = sub.add_parser("config", help="print the resolved config as TOML with every field's comment")
-    _common(p)
+    p = _command(sub, "status", "ask a coordinator how the run is going",
+                 "Prints the run's progress (version x of y, tokens), the global eval loss, each island (state,\n"
+                 "shard, cursor, step rate, loss, utilization, devices), the open round, the latest rounds, bytes\n"
+                 "and faults: a table, or with --json the Status message as JSON (numbers as numbers). Needs no\n"
+                 "config: the token is read from $DTRAIN_TOKEN (--token-env), TLS is set with the --tls flags.",
+                 "dtrain status --coordinator 127.0.0.1:50051 --json")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", type=coordinator_address,
+                   help="the coordinator's address, e.g. 127.0.0.1:50051 or [::1]:50051")
+    p.add_argument("--json", action="store_true", help="print the Status message as JSON instead of a table")
+    p.add_argument("--wait", type=float, default=STATUS_WAIT_S, metavar="SECONDS",
+                   help=f"give up when no answer comes within this long (default {STATUS_WAIT_S:g})")
+    p.add_argument("--config", default=None, help="optional: take [security] (token variable, TLS files) from "
+                   "this config file or name; the flags below override it")
+    p.add_argument("--token-env", default=None, metavar="NAME",
+                   help="environment variable holding the bearer token (default: security.token_env, DTRAIN_TOKEN)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM CA bundle: speak TLS, verify the coordinator")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate for mutual TLS (PEM)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="client private key for mutual TLS (PEM)")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="the name on the coordinator's certificate, if not the address's host")
+    p = _command(sub, "config", "print the resolved config as TOML with every field's comment",
+                 "Prints the config after --set overrides, every field with its comment, as TOML that loads back;\n"
+                 "or with --reference the README's Markdown table of every field.",
+                 "dtrain config --config tiny --set train.lr=1e-3 > my.toml")
+    _config_flags(p, required=False)
     p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
-    p = sub.add_parser("plot", help="write PNGs of a run (loss, bytes, utilization, a fault timeline) from its "
-                       "events; a finished or a live run", description="e.g. dtrain plot runs/tiny")
+    p = _command(sub, "plot", "write PNGs of a run (loss, bytes, utilization, a fault timeline) from its events; "
+                 "a finished or a live run",
+                 "Reads the events a run wrote (the coordinator's and each island's) and writes PNGs: eval and train\n"
+                 "loss over tokens, bytes, utilization, and a timeline of faults and their detection.",
+                 "dtrain plot runs/tiny --out /tmp/plots")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, e.g. runs/tiny")
     p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """``dtrain ...``: returns the exit status (0; 2 for a usage or config error; 1 for other errors the user can
+    fix, each one line on stderr: :mod:`dtrain_cli.entry`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = f"dtrain {argv[0]}" if argv and argv[0] in COMMANDS else "dtrain"
+    return run_main(prog, lambda: _run(argv, prog))
+
+
+def _run(argv: list[str], prog: str) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named here, not by the top parser: the command's own flags are the ones to look up
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} ({prog} --help shows the usage)\n")
+    if args.command == "status":
+        return _status(args)
     if args.command == "plot":  # no config: it reads what the run wrote
         from dtrain_cli import plot
 
         return plot.main(args.run_dir, args.out)
-    if args.host_devices:
+    if getattr(args, "host_devices", 0):
         if "jax" in sys.modules:
-            print("--host-devices must be set before JAX is imported", file=sys.stderr)
-            return 2
+            raise ConfigError("--host-devices must be set before JAX is imported")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}").strip()
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "config":
-            print(reference_markdown() if args.reference else to_toml(cfg))
-            return 0
-        from dtrain.data import DataError
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "config":
+        print(reference_markdown() if args.reference else to_toml(cfg))
+        return 0
+    if args.command in ("coordinator", "worker"):
+        return _service_command(args, cfg)
+    from dtrain import runs  # imports JAX: after XLA_FLAGS is set
 
-        if args.command in ("coordinator", "worker", "status"):
-            try:
-                return _service_command(args, cfg)
-            except (DataError, DtrainError) as e:
-                print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
-                return 1
-        from dtrain import runs  # imports JAX: after XLA_FLAGS is set
+    if args.command == "train":
+        summary = runs.run_train(cfg, resume=args.resume, quiet=args.quiet)
+    else:
+        islands = args.islands if args.islands is not None else cfg.outer.islands
+        if islands < 1:
+            raise ConfigError(f"--islands: must be >= 1, got {islands}")
+        if args.inprocess:
+            if args.faults:
+                raise ConfigError("--fault needs worker processes: drop --inprocess")
+            summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
+        else:
+            from dtrain_cli.faults import host_device_count, parse_fault
+            from dtrain_cli.simulate import run_simulation
 
-        try:
-            if args.command == "train":
-                summary = runs.run_train(cfg, resume=args.resume, quiet=args.quiet)
-            elif args.command == "simulate":
-                islands = args.islands if args.islands is not None else cfg.outer.islands
-                if islands < 1:
-                    raise ConfigError(f"--islands: must be >= 1, got {islands}")
-                if args.inprocess:
-                    if args.faults:
-                        raise ConfigError("--fault needs worker processes: drop --inprocess")
-                    summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
-                else:
-                    from dtrain_cli.faults import host_device_count, parse_fault
-                    from dtrain_cli.simulate import run_simulation
-
-                    # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
-                    faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
-                    summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults)
-        except (DataError, DtrainError) as e:
-            print(f"dtrain {args.command}: error: {e}", file=sys.stderr)
-            return 1
-    except ConfigError as e:
-        print(f"dtrain {args.command}: config error: {e}", file=sys.stderr)
-        return 2
+            # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
+            faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
+            summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults)
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    """``dtrain status``: the security settings from --config (optional) and the flags; the answer printed."""
+    import dataclasses
+    import math
+
+    from dtrain_cli.status import fetch, print_status
+
+    if not (math.isfinite(args.wait) and args.wait > 0):
+        raise ConfigError(f"--wait: must be a number of seconds > 0, got {args.wait}")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together (mutual TLS needs both)")
+    cfg = load_config(args.config)
+    flags = {"token_env": args.token_env, "ca": args.tls_ca, "client_cert": args.tls_cert,
+             "client_key": args.tls_key, "server_name": args.tls_server_name}
+    security = dataclasses.replace(cfg.security, **{k: v for k, v in flags.items() if v is not None})
+    cfg = dataclasses.replace(cfg, security=security)
+    print_status(fetch(args.coordinator, cfg, args.wait), as_json=args.json)
+    return 0
+
+
 def _service_command(args: argparse.Namespace, cfg: Config) -> int:
-    """coordinator / worker / status: the entry points into coordinator/ and workers/ (imported here only)."""
+    """coordinator / worker: the entry points into coordinator/ and workers/ (imported here only)."""
     from pathlib import Path
 
     from dtrain.config import run_path as run_dir
@@ -161,16 +288,4 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
             return 0
         print(json.dumps({k: summary[k] for k in ("final_eval_loss", "version", "tokens", "utilization")}))
         return 0
-    from google.protobuf import json_format
-
-    from workers.client import CoordinatorClient
-
-    client = CoordinatorClient(args.coordinator, cfg)
-    try:
-        status = client.status()
-    finally:
-        client.close()
-    # Fields at their default printed too: a quarantined device 0 at mesh index 0 keeps its "device" and "index".
-    print(json_format.MessageToJson(status, preserving_proto_field_name=True,
-                                    always_print_fields_with_no_presence=True))
-    return 0
+    raise AssertionError(f"not a service command: {args.command}")

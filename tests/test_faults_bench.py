@@ -99,7 +99,8 @@ def test_a_bad_fault_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --fault 'kill:island-7@v1': target 'island-7' is not an island of this run (island-0 .. island-3)"]
+        "benchmarks/faults.py: config error: --fault 'kill:island-7@v1': target 'island-7' is not an island of this "
+        "run (island-0 .. island-3)"]
 
 
 @pytest.mark.slow

@@ -126,7 +126,8 @@ def test_missed_targets_are_reported() -> None:
                                    "scale,bitflip-exp,bitflip-mantissa,intermittent,dead"),
     (["--repeats", "0"], "error: --repeats must be >= 1, got 0"),
     (["--seed", "x"], "error: argument --seed: invalid int value: 'x'"),
-    (["--set", "outer.islands=2"], "error: [outer] islands: this benchmark runs one island, got 2"),
+    (["--set", "outer.islands=2"], "benchmarks/health.py: config error: [outer] islands: this benchmark runs one "
+                                   "island, got 2"),
 ])
 def test_a_bad_option_is_one_line_and_exit_status_2(tmp_path: Path, args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "health.py"), *args],

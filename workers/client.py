@@ -3,11 +3,12 @@
 Every call has a deadline. UNAVAILABLE (the coordinator restarting, a cut
 link) and DEADLINE_EXCEEDED are retried with exponential backoff and jitter
 for up to ``worker.retry_total_s`` of wall time; each retry is reported (with
-the coordinator's address and the time left) and giving up names both. Pushes
-are safe to retry because they carry a push id the coordinator applies at most
-once. Other errors are raised as :class:`CoordinatorError` with the
-coordinator's message; a Join refused because the run is over, as
-:class:`RunOverError`.
+the coordinator's address, gRPC's status code and what it means, and the time
+left) and giving up names the address, how long it tried and what to check, in
+words rather than gRPC's debug text. Pushes are safe to retry because they
+carry a push id the coordinator applies at most once. Other errors are raised
+as :class:`CoordinatorError` with the coordinator's message; a Join refused
+because the run is over, as :class:`RunOverError`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dtrain.wire import (
     frame_chunks,
     keepalive_options,
     method_path,
+    parse_address,
     read_token,
     serialize,
 )
@@ -54,10 +56,12 @@ T = TypeVar("T")
 class CoordinatorError(DtrainError):
     """The coordinator refused a call (or stayed unreachable past the retry budget)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, details: str = ""):
+        """``details``: gRPC's own text of the last failure, when ``message`` is ours (a call given up)."""
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.details = details or message
 
 
 class RunOverError(CoordinatorError):
@@ -66,6 +70,39 @@ class RunOverError(CoordinatorError):
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+# What gRPC's debug text says went wrong, for the phrases seen on a failed connection, in words (its full text,
+# e.g. "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: Failed to connect to remote
+# host: Connection refused", is not for operators).
+_CAUSES = (("connection refused", "connection refused: nothing listens there"),
+           ("handshake", "TLS handshake failed: plaintext against TLS, or the wrong CA or server name"),
+           ("dns resolution failed", "the host name does not resolve"),
+           ("domain name not found", "the host name does not resolve"),
+           ("no route to host", "no route to the host"),
+           ("network is unreachable", "the network is unreachable"),
+           ("connection reset", "the connection was reset"),
+           ("socket closed", "the connection was closed"),
+           ("deadline exceeded", "no answer before the call's deadline"),
+           ("timed out", "the connection timed out"))
+
+
+MAX_DETAILS = 200  # the most of an unrecognized error text a message repeats
+
+
+def in_words(details: str) -> str:
+    """What went wrong: in words when gRPC's debug text is recognized, else the text itself (the coordinator's own
+    message, e.g. "coordinator failed: ..."), shortened to MAX_DETAILS characters."""
+    text = details.lower()
+    words = next((words for phrase, words in _CAUSES if phrase in text), "")
+    return words or (details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS - 3] + "...")
+
+
+def cause(code: grpc.StatusCode, details: str) -> str:
+    """gRPC's status code and what went wrong (:func:`in_words`): e.g. ``UNAVAILABLE, connection refused: nothing
+    listens there``."""
+    words = in_words(details)
+    return f"{code.name}, {words}" if words else code.name
 
 
 def evidence_message(evidence: Mapping[str, Any]) -> pb.DeviceEvidence:
@@ -105,6 +142,7 @@ class CoordinatorClient:
         error and the address, ``left_s`` how much longer the call keeps retrying. ``give_up``: once set, a
         failed call is not retried any more (the island is done: a coordinator that stopped serving after the
         run is not waited for)."""
+        parse_address(address)  # ValueError naming what is wrong: gRPC would dial a bare host on port 443
         self.address = address
         self.cfg = cfg
         sec = cfg.security
@@ -144,16 +182,22 @@ class CoordinatorClient:
                     raise (RunOverError if over else CoordinatorError)(code, details) from None
                 left = budget - (time.monotonic() - t0)
                 if self.give_up is not None and self.give_up.is_set():
-                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} did not answer and "
-                                                 f"the island is done: not retried; last error: {details}") from None
+                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} is unavailable "
+                                                 f"({cause(code, details)}) and the island is done: not retried",
+                                           details) from None
                 if left <= 0:
-                    tried = f"retried for {budget:g}s (worker.retry_total_s), giving up" if budget else "one try"
-                    raise CoordinatorError(code, f"{what}: the coordinator at {self.address} did not answer "
-                                                 f"({tried}); last error: {details}") from None
+                    tried = (f"after trying for {budget:g}s" + (" (worker.retry_total_s)" if budget_s is None else "")
+                             if budget else "(one try)")
+                    words = in_words(details)
+                    raise CoordinatorError(code, f"{what}: gave up on the coordinator at {self.address} {tried}"
+                                                 f"{': ' + words if words else ''}; is it running? check the "
+                                                 f"address (--coordinator) and the coordinator's log",
+                                           details) from None
                 pause = min(delay * random.uniform(0.5, 1.0), left)
                 self.retries += 1
                 if self.on_retry is not None:
-                    self.on_retry(f"{what}: {code.name} from the coordinator at {self.address}", pause, left)
+                    self.on_retry(f"{what}: the coordinator at {self.address} is unavailable ({cause(code, details)})",
+                                  pause, left)
                 time.sleep(pause)
                 delay = min(delay * 2, w.retry_max_s)
 
@@ -185,10 +229,18 @@ class CoordinatorClient:
         return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
-    def status(self, budget_s: float | None = None) -> pb.StatusResponse:
-        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try)."""
-        return self._retry("status", lambda: self.stub.Status(pb.StatusRequest(), timeout=STATUS_DEADLINE_S,
-                                                               metadata=self.metadata), budget_s)
+    def status(self, budget_s: float | None = None, *, within_s: float | None = None) -> pb.StatusResponse:
+        """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). ``within_s``
+        instead: the answer, or the error, comes within this many seconds, retries included (each try's
+        deadline is the time left, at most STATUS_DEADLINE_S), for a caller that must answer soon
+        (``dtrain status``)."""
+        end = None if within_s is None else time.monotonic() + within_s
+
+        def call() -> pb.StatusResponse:
+            timeout = STATUS_DEADLINE_S if end is None else min(STATUS_DEADLINE_S, max(end - time.monotonic(), 0.01))
+            return self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
+
+        return self._retry("status", call, within_s if within_s is not None else budget_s)
 
     def _chunked(self, header: pb.PushHeader, frame: bytes) -> list[tuple[memoryview, int]]:
         """The frame's chunks (bytes, CRC32); completes ``header`` with the frame's size, CRC and chunk count."""

@@ -419,10 +419,20 @@ class Worker:
         self._eval_lock = threading.Lock()
         self._hb_wake = threading.Event()  # set: send a heartbeat now (an eval report is ready, or the island stops)
 
+    RETRY_LINE_S = 30.0  # a retried call's progress line: at its first retry, then at most this often
+    _retry_line: tuple[str, float] = ("", float("-inf"))  # the last one's text and time.monotonic() (_on_retry)
+
     def _on_retry(self, what: str, pause: float, left: float) -> None:
+        """Each retry is an event; a progress line says what the island waits for (``what``: the call, the
+        coordinator's address and why it failed) and how long it goes on waiting, at the first retry of a call and
+        then every RETRY_LINE_S (a 10-minute outage is 20 lines, not one per backoff)."""
         self.log.event("retry", what=what, pause_s=pause, left_s=round(left, 3))
-        self.log.progress(f"{self.name}: {what}, retrying in {pause:.1f}s (giving up in {left:.0f}s, "
-                          f"worker.retry_total_s={self.cfg.worker.retry_total_s:g})")
+        now = time.monotonic()
+        if what == self._retry_line[0] and now - self._retry_line[1] < self.RETRY_LINE_S:
+            return
+        self._retry_line = (what, now)
+        self.log.progress(f"{self.name}: {what}; retrying for {left:.0f}s more, then giving up "
+                          f"(worker.retry_total_s={self.cfg.worker.retry_total_s:g})")
 
     # -- exchange pieces ----------------------------------------------------------------------------
 
