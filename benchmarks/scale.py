@@ -35,7 +35,7 @@ Then the slope of round s over N (least squares over the sizes) and the targets:
   memory:  peak RSS / model <= 3 at N_max
 
 A missed target is reported (NOT met) but does not change the exit status; a bad argument or a run that fails
-does (one line on stderr). Last line:
+does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
 
   scale: islands=N_max round-s=R rss/model=M round-s-per-island-slope=S
 """
@@ -48,6 +48,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -78,6 +79,7 @@ from _common import (
 
 from dtrain.config import Config
 from dtrain.errors import DtrainError
+from dtrain_cli.entry import run_main
 
 CODEC = "int8"
 FRAME_POOL = 8  # distinct encoded frames; island i pushes frame (i + round) % FRAME_POOL
@@ -420,4 +422,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("benchmarks/scale.py", main))

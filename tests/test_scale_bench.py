@@ -113,6 +113,11 @@ def test_bad_argument_exits_2(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--rounds", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "--rounds must be >= 1, got 0" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick", "--set",
+                           "coordinator.min_quorum=-1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("benchmarks/scale.py: config error: ") and "min_quorum" in lines[0]
 
 
 @pytest.mark.slow
