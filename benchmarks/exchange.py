@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -51,40 +50,40 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is about the host side
 
-ROOT = Path(__file__).resolve().parent.parent
-
 import numpy as np
+from _common import (
+    FP32,
+    MB,
+    ROOT,
+    CoordinatorProcess,
+    child_env,
+    choose_model,
+    count_params,
+    cpu_seconds,
+    int_list,
+    log,
+    make_config,
+    make_frames,
+    model_overrides,
+    param_count,
+    proc_mem,
+    run_concurrently,
+    stop_process,
+    wait_for_file,
+)
 
 RAW_SERVICE, RAW_METHOD = "dtrain.bench.Raw", "Push"
-START_TIMEOUT_S = 300.0
-MB = 1e6
-FP32 = 4
 TARGETS = {"int8_ratio": (">=", 3.9), "int4_ratio": (">=", 7.5), "merge_over_raw": (">=", 0.5),
            "peak_rss_over_model": ("<=", 3.0)}
-MODELS = {"default": {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 64},   # 25.5M params
-          "full": {"d_model": 1024, "n_layers": 8, "n_heads": 8, "seq_len": 64}}     # 101.3M params
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # -- arguments and the model ----------------------------------------------------------------------
-
-
-def _int_list(text: str) -> list[int]:
-    out = [int(x) for x in text.split(",") if x.strip()]
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return out
 
 
 def _codec_list(text: str) -> list[str]:
@@ -97,20 +96,13 @@ def _codec_list(text: str) -> list[str]:
     return out
 
 
-def _count(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a parameter count like 2000000, 500k or 2M, got {text!r}")
-    return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the 100M-parameter model (d_model=1024, n_layers=8)")
-    p.add_argument("--islands", type=_int_list, default=[1, 4, 8], help="island / stream counts (default 1,4,8)")
+    p.add_argument("--islands", type=int_list, default=[1, 4, 8], help="island / stream counts (default 1,4,8)")
     p.add_argument("--codecs", type=_codec_list, default=["fp32", "int8", "int4"],
                    help="codecs pushed (codec.up) (default fp32,int8,int4)")
-    p.add_argument("--params", type=_count, default=None, metavar="N",
+    p.add_argument("--params", type=param_count, default=None, metavar="N",
                    help="quick runs: a model of about N parameters (d_model searched, n_layers 8 from 8M up, else 2)")
     p.add_argument("--d-model", type=int, default=None, help="with or without --params: this d_model")
     p.add_argument("--n-layers", type=int, default=None, help="with or without --params: this many layers")
@@ -131,162 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args
-
-
-def count_params(model_overrides: list[str]) -> int:
-    import jax
-
-    from dtrain import model
-    from dtrain.config import load_config
-
-    cfg = load_config(ROOT / "configs" / "small.toml", model_overrides)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.build(cfg.model).abstract_params))
-
-
-def _model_overrides(fields: dict[str, int]) -> list[str]:
-    return [f"model.{k}={v}" for k, v in fields.items()]
-
-
-def choose_model(args: argparse.Namespace) -> tuple[dict[str, int], int]:
-    """Model fields and the exact parameter count (from the abstract parameter tree)."""
-    fields = dict(MODELS["full" if args.full else "default"])
-    if args.params is not None:
-        layers = args.n_layers or (8 if args.params >= 8_000_000 else 2)
-        fields.update(n_layers=layers)
-        if args.d_model:
-            fields.update(d_model=args.d_model)
-        else:  # the d_model (a multiple of 32) whose count is closest to the target; the count grows with d
-            lo, hi = 1, 128  # d_model = 32·k
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if count_params(_model_overrides({**fields, "d_model": 32 * mid})) < args.params:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            cands = [k for k in (lo - 1, lo) if k >= 1]
-            best = min(cands, key=lambda k: abs(count_params(_model_overrides({**fields, "d_model": 32 * k}))
-                                                 - args.params))
-            fields.update(d_model=32 * best)
-    else:
-        if args.d_model:
-            fields.update(d_model=args.d_model)
-        if args.n_layers:
-            fields.update(n_layers=args.n_layers)
-    fields["n_heads"] = 8 if fields["d_model"] % 8 == 0 else (4 if fields["d_model"] % 4 == 0 else 1)
-    return fields, count_params(_model_overrides(fields))
-
-
-def make_config(model_fields: dict[str, int], out_dir: Path, codec_up: str = "int8", islands: int = 1,
-                checkpoint: bool = False, repeats: int = 1, extra: list[str] = ()):
-    """The benchmark's config: configs/small.toml + the model + what the measurement needs."""
-    from dtrain.config import load_config
-
-    base = load_config(ROOT / "configs" / "small.toml")
-    chunk = base.codec.chunk_bytes
-    overrides = _model_overrides(model_fields) + [
-        f"run.out_dir={out_dir}", "coordinator.port=0", f"codec.up={codec_up}", f"outer.islands={islands}",
-        "coordinator.grace_s=36000", "coordinator.lease_s=36000",  # no quorum close, no lease expiry: no heartbeats
-        f"coordinator.checkpoint={'true' if checkpoint else 'false'}",
-        f"coordinator.max_message_bytes={max(base.coordinator.max_message_bytes, chunk + (64 << 10))}",
-        "outer.inner_steps=50", f"train.steps={50 * (repeats + 2)}",  # versions to spare: the run never stops
-        "worker.rpc_deadline_s=3600", "worker.retry_total_s=0.001",  # a retry would spoil a timing: fail instead
-        *extra]
-    return load_config(ROOT / "configs" / "small.toml", overrides)
-
-
-# -- processes --------------------------------------------------------------------------------------
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_mem(pid: int) -> dict[str, int]:
-    """VmHWM (peak RSS) and VmRSS of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, what: str, log_path: Path) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    while not path.exists():
-        if proc.poll() is not None:
-            tail = log_path.read_text()[-3000:] if log_path.exists() else ""
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening; log tail:\n{tail}")
-        if time.perf_counter() - t0 > START_TIMEOUT_S:
-            raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f}s; see {log_path}")
-        time.sleep(0.05)
-    return json.loads(path.read_text())
-
-
-def _stop(proc: subprocess.Popen, what: str) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            log(f"{what} ignored SIGTERM for 60s: killing it")
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-
-
-class CoordinatorProcess:
-    """``python -m dtrain_cli coordinator`` on 127.0.0.1:0 with a resolved config; peak RSS from /proc."""
-
-    def __init__(self, cfg, run_dir: Path):
-        from dtrain.config import to_toml
-
-        run_dir.mkdir(parents=True)
-        self.run_dir = run_dir
-        cfg_path = run_dir / "config.toml"
-        cfg_path.write_text(to_toml(cfg))
-        self.log_path = run_dir / "coordinator.log"
-        self._log = open(self.log_path, "w")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dtrain_cli", "coordinator", "--config", str(cfg_path), "--port", "0",
-             "--run-dir", str(run_dir), "--quiet"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=_child_env())
-        try:
-            info = _wait_for_file(run_dir / "coordinator.json", self.proc, "the coordinator", self.log_path)
-        except BaseException:
-            self.proc.kill()
-            self._log.close()
-            raise
-        self.start_s = time.perf_counter() - t0
-        self.address = f"127.0.0.1:{info['port']}"
-        self.mem_at_start = proc_mem(self.proc.pid)
-
-    def stop(self) -> tuple[dict[str, int], dict[str, Any]]:
-        """Reads the peak RSS, then SIGTERM; returns (memory, the coordinator's exit summary)."""
-        mem = proc_mem(self.proc.pid)
-        rc = _stop(self.proc, "the coordinator")
-        self._log.close()
-        summary: dict[str, Any] = {}
-        for line in reversed(self.log_path.read_text().splitlines()):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and "merge_s" in obj:
-                summary = obj
-                break
-        if rc != 0:
-            log(f"warning: the coordinator exited with status {rc}; see {self.log_path}")
-        summary["exit_status"] = rc
-        return mem, summary
 
 
 # -- 1. raw gRPC ------------------------------------------------------------------------------------
@@ -322,31 +158,6 @@ def raw_server_main(run_dir: str, max_message_bytes: int, workers: int) -> int:
     return 0
 
 
-def _concurrent(n: int, fn: Callable[[int], Any]) -> list[tuple[float, float, Any]]:
-    """Runs fn(0..n-1) in n threads released together; returns (start, end, result) each; re-raises errors."""
-    barrier = threading.Barrier(n)
-    out: list[Any] = [None] * n
-
-    def run(i: int) -> None:
-        barrier.wait()
-        t0 = time.perf_counter()
-        try:
-            res, err = fn(i), None
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            res, err = None, e
-        out[i] = (t0, time.perf_counter(), res, err)
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"bench-{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for i, (_, _, _, err) in enumerate(out):
-        if err is not None:
-            raise RuntimeError(f"thread {i}: {type(err).__name__}: {err}") from err
-    return [(t0, t1, res) for t0, t1, res, _ in out]
-
-
 def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int], repeats: int,
               work: Path) -> list[dict[str, Any]]:
     import grpc
@@ -359,9 +170,9 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
     with open(log_path, "w") as lf:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--raw-server", str(run_dir),
                                  "--max-message-bytes", str(max_msg)], stdout=lf, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=_child_env())
+                                cwd=ROOT, env=child_env())
     try:
-        port = _wait_for_file(run_dir / "raw.json", proc, "the raw gRPC server", log_path)["port"]
+        port = wait_for_file(run_dir / "raw.json", proc, "the raw gRPC server", log_path)["port"]
         per_stream = FP32 * n_params
         blob = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8).tobytes()
         full, rem = divmod(per_stream, chunk_bytes)
@@ -375,7 +186,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
                 call(iter([b"x"]), timeout=60)
             walls = []
             for _ in range(repeats):
-                res = _concurrent(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
+                res = run_concurrently(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
                 for _, _, got in res:
                     if int.from_bytes(got, "little") != per_stream:
                         raise RuntimeError(f"raw server counted {int.from_bytes(got, 'little')} bytes, "
@@ -393,24 +204,10 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
             row["server_vmhwm"] = mem["VmHWM"]
         return rows
     finally:
-        _stop(proc, "the raw gRPC server")
+        stop_process(proc, "the raw gRPC server")
 
 
 # -- 2. dtrain push-and-merge -----------------------------------------------------------------------
-
-
-def make_frames(codec_name: str, n_params: int, count: int, block: int, level: int) -> list[bytes]:
-    """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state)."""
-    from dtrain import codec
-    from dtrain.codec import CODEC_BITS
-
-    frames = []
-    for i in range(count):
-        delta = np.random.default_rng(1000 + i).standard_normal(n_params, dtype=np.float32)
-        delta *= np.float32(1e-3)
-        frames.append(codec.encode(codec.quantize(delta, CODEC_BITS[codec_name], block), level))
-        del delta
-    return frames
 
 
 def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, n_params: int) -> dict[str, Any]:
@@ -435,9 +232,9 @@ def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, 
                                   tree_digest=joins[i].tree_digest)
                 return clients[i].push(h, frames[i])
 
-            cpu0 = _cpu_s(coord.proc.pid), sum(os.times()[:2])
-            res = _concurrent(n, push)
-            cpu1 = _cpu_s(coord.proc.pid), sum(os.times()[:2])
+            cpu0 = cpu_seconds(coord.proc.pid), sum(os.times()[:2])
+            res = run_concurrently(n, push)
+            cpu1 = cpu_seconds(coord.proc.pid), sum(os.times()[:2])
             statuses = [pb.PushStatus.Name(resp.status) for _, _, resp in res]
             last = max(range(n), key=lambda i: res[i][1])
             merged = [i for i, (_, _, resp) in enumerate(res) if resp.status == pb.PUSH_STATUS_MERGED]
@@ -484,7 +281,7 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
     from dtrain.diloco import Island, advance
     from dtrain.setup import prepare
 
-    cfg = load_config(ROOT / "configs" / "small.toml", _model_overrides(model_fields) + [
+    cfg = load_config(ROOT / "configs" / "small.toml", model_overrides(model_fields) + [
         f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",
         f"train.steps_per_call={min(10, steps)}", "mesh.data=1"])
     s = prepare(cfg, islands=1)
@@ -586,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.raw_server:
         raise SystemExit(raw_server_main(args.raw_server, args.max_message_bytes, args.server_workers))
     t_start = time.perf_counter()
-    model_fields, n_params = choose_model(args)
+    model_fields, n_params = choose_model(args.params, args.d_model, args.n_layers, args.full)
     model_bytes = FP32 * n_params
     base = make_config(model_fields, Path(tempfile.gettempdir()))
     chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.zstd_level
@@ -623,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mem, _ = cp.stop()
             baseline = mem["VmHWM"]
             out["runtime_baseline_vmhwm"] = baseline
-            log(f"runtime baseline: a {count_params(_model_overrides(tiny)):,}-param coordinator peaks at "
+            log(f"runtime baseline: a {count_params(model_overrides(tiny)):,}-param coordinator peaks at "
                 f"{_fmt_bytes(baseline)}")
 
         # 1. raw gRPC ceiling

@@ -616,7 +616,7 @@ class Spool:
         self.fd, self.path = spare
         self._release = release
         self._offset = 0
-        self._validator = codec.FrameValidator(n, bits, block, out=self._append)
+        self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append)
         self._norm = BodyNorm(n, bits, block)
         self.size = 0  # frame bytes received
         self.complete = False
@@ -634,15 +634,22 @@ class Spool:
 
     def write(self, data: bytes | memoryview) -> None:
         """Feeds frame bytes; raises CodecError as soon as something is wrong."""
+        if self._validator is None:
+            raise RuntimeError("write() on a closed spool")
         self._validator.feed(data)
         self.size += len(data)
 
     def finish(self) -> None:
+        if self._validator is None:
+            raise RuntimeError("finish() on a closed spool")
         self._validator.finish()
         self.norm = self._norm.norm()
         self.complete = True
 
     def close(self) -> None:
+        # The validator refers back to this spool (its output sink): dropped, so a closed spool is freed by its
+        # last reference instead of waiting, with its buffers, for the cyclic GC.
+        self._validator = None
         if self.fd < 0:
             return
         fd, self.fd = self.fd, -1

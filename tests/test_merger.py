@@ -365,3 +365,33 @@ def test_a_non_finite_outer_step_commits_nothing_and_blames_the_largest_push():
 def test_robust_rules_blame_by_norm_alone(rule):
     m, _, _ = _poisoned_merger(rule)
     assert m._blame().key == "poison"
+
+
+def test_a_closed_spool_is_freed_without_the_cyclic_gc(tmp_path):
+    """The validator refers back to its spool, and zstd's writer to its validator (its sink): unless close() and the
+    validator's finish() break those cycles, every push's decompression context (megabytes of native memory) waits
+    for Python's cyclic GC, and the coordinator's resident size grows with every round (benchmarks/scale.py: about
+    3 MiB per push at 25M parameters)."""
+    import gc
+    import weakref
+
+    n, block = 10_000, 1024
+    frame = codec.encode(codec.quantize(np.random.default_rng(0).standard_normal(n, dtype=np.float32), 8, block), 3)
+    for broken in (False, True):
+        spool = merger_mod.Spool(tmp_path, n, 8, block)
+        gc.disable()
+        try:
+            if broken:  # a corrupt body: the validator raises mid-stream
+                with pytest.raises(codec.CodecError):
+                    spool.write(frame[:-8] + bytes(8))
+                    spool.finish()
+            else:
+                spool.write(frame)
+                spool.finish()
+            validator = weakref.ref(spool._validator)
+            spool.close()
+            ref = weakref.ref(spool)
+            del spool
+            assert ref() is None and validator() is None, "a reference cycle keeps the spool or its validator"
+        finally:
+            gc.enable()

@@ -269,6 +269,7 @@ class FrameValidator:
             self._feed(memoryview(data).cast("B"))
         except CodecError as e:
             self._closed = f"an earlier error ({e})"
+            self._writer = None  # dead: its decompression context goes now (see finish)
             raise
 
     def _feed(self, data: memoryview) -> None:
@@ -331,6 +332,9 @@ class FrameValidator:
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
         self._closed = "finish() was called"
+        # The zstd writer refers back to this validator (its sink): dropped now, so the decompression context
+        # (megabytes of native memory) is freed with the validator's last reference, not at the next cyclic GC.
+        self._writer = None
         header = self.header
         if header is None:
             raise CodecError(f"frame truncated: {len(self._head)} bytes, the header alone needs {HEADER_SIZE}")

@@ -1,0 +1,425 @@
+"""Scale of one coordinator: 8, 16, 32 and 64 simulated islands pushing and pulling real frames, no training.
+
+Per island count N (``--sizes``), one ``dtrain coordinator`` child process (``python -m dtrain_cli coordinator``
+on 127.0.0.1:0, benchmarks/_common.py's CoordinatorProcess) in sync mode with ``coordinator.min_quorum = N``
+(a round closes when every island has pushed), ``coordinator.checkpoint = false``, and N islands as threads of
+this process. Each island is what a real island does at the wire, without the training:
+
+  - it joins through the real client (workers/client.py ``CoordinatorClient``, one channel per island) and
+    heartbeats every ``worker.heartbeat_s`` (1 s) from a thread of its own, reporting the version it holds;
+  - each round it pushes one real compressed frame (``dtrain.codec``: a random normal x 1e-3 delta of the
+    model's parameter count, quantized with ``codec.up`` = int8 and zstd-encoded; a pool of ``FRAME_POOL``
+    distinct frames encoded before anything is timed, island i pushing frame (i + round) mod pool), then pulls
+    with the worker's long poll (``workers.island.PULL_WAIT_S``) until it holds the new version's update frame.
+
+The model: configs/small.toml's GPT with d_model=512, n_layers=8 (25,478,144 parameters, 101.9 MB fp32; int8
+frames of 25.5 MB), the exchange benchmark's default; ``--params P`` picks another size. At 64 islands the
+coordinator spools 64 frame bodies (1.6 GB) to disk per round; this process holds the frame pool (0.2 GB).
+
+Figures, per N:
+
+  round s      median over ``--rounds`` timed rounds (after ``--warmup`` untimed ones) of: the first island's
+               push starts -> every island holds the new version (its pull returned the update frame)
+  peak RSS     the coordinator's VmHWM over the rounds, warm-up included (reset through /proc/PID/clear_refs
+               after the joins, so the start-up does not count; where the kernel refuses, from the start)
+  RSS/model    peak RSS / (4 x params); net/model: (peak RSS - a no-model coordinator's VmHWM, the Python +
+               gRPC + numpy runtime) / (4 x params). Both are printed; the target is on the raw figure
+  in / out     frame bytes the coordinator received / sent per round (its Status counters), median
+  cpu s        the coordinator's CPU seconds per round (/proc), median; this process's (all island threads)
+  heartbeat    heartbeat round trips during the rounds: median and largest, and the ones that failed
+
+Then the slope of round s over N (least squares over the sizes) and the targets:
+
+  linear:  round_s(N_max) / round_s(N_min) <= LINEAR_TOLERANCE x N_max / N_min (round time grows no faster than
+           the island count, with 25% of slack for noise on this shared machine)
+  memory:  peak RSS / model <= 3 at N_max
+
+A missed target is reported (NOT met) but does not change the exit status; a bad argument or a run that fails
+does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
+
+  scale: islands=N_max round-s=R rss/model=M round-s-per-island-slope=S
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX: this benchmark is about the host side
+
+from _common import (
+    FP32,
+    MB,
+    CoordinatorProcess,
+    choose_model,
+    count_params,
+    cpu_seconds,
+    int_list,
+    log,
+    make_config,
+    make_frames,
+    model_overrides,
+    param_count,
+    proc_mem,
+    reset_peak_rss,
+    run_concurrently,
+)
+
+from dtrain.config import Config
+from dtrain.errors import DtrainError
+from dtrain_cli.entry import run_main
+
+CODEC = "int8"
+FRAME_POOL = 8  # distinct encoded frames; island i pushes frame (i + round) % FRAME_POOL
+LINEAR_TOLERANCE = 1.25
+RSS_OVER_MODEL_MAX = 3.0
+LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
+SPARE_THREADS = 16  # server threads beyond one per island (see server_threads)
+QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
+TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the runtime baseline's coordinator
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int_list, default=None, help="island counts (default 8,16,32,64; --quick: 2,4)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per island count (default 3; --quick: 2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed rounds first, per island count (default 1; --quick: 0)")
+    p.add_argument("--params", type=param_count, default=None, metavar="P",
+                   help="a model of about P parameters (default: d_model=512, n_layers=8, 25.5M; --quick: 100k)")
+    p.add_argument("--quick", action="store_true", help="a smoke test: sizes 2,4, 100k parameters, 2 rounds, "
+                                                        "no warm-up, no runtime baseline")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the no-model coordinator whose VmHWM is the runtime baseline (net/model: n/a)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field of the coordinator's config (repeatable; after the benchmark's own)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
+    args = p.parse_args(argv)
+    for name, default in (("sizes", [8, 16, 32, 64]), ("rounds", 3), ("warmup", 1), ("params", None)):
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else default)
+    if args.quick:
+        args.no_baseline = True
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    args.sizes = sorted(set(args.sizes))
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- figures (pure)
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The least-squares slope of ys over xs (nan with fewer than two distinct xs)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} xs, {len(ys)} ys")
+    if len(set(xs)) < 2:
+        return math.nan
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def growth(sizes: Sequence[int], round_s: Sequence[float]) -> dict[str, float]:
+    """How round time grows from the smallest island count to the largest: ``ratio`` = round_s(max) /
+    round_s(min), ``islands_ratio`` = max / min, ``limit`` = LINEAR_TOLERANCE x islands_ratio, and the
+    ``per_island`` round seconds at each end."""
+    lo, hi = min(range(len(sizes)), key=lambda i: sizes[i]), max(range(len(sizes)), key=lambda i: sizes[i])
+    ratio = round_s[hi] / round_s[lo] if round_s[lo] > 0 else math.inf
+    islands_ratio = sizes[hi] / sizes[lo]
+    return {"ratio": ratio, "islands_ratio": islands_ratio, "limit": LINEAR_TOLERANCE * islands_ratio,
+            "per_island_min": round_s[lo] / sizes[lo], "per_island_max": round_s[hi] / sizes[hi]}
+
+
+def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None) -> dict[str, Any]:
+    """The summary from one row per island count (``islands``, ``round_s``, ``peak_rss``)."""
+    rows = sorted(rows, key=lambda r: r["islands"])
+    sizes = [r["islands"] for r in rows]
+    times = [r["round_s"] for r in rows]
+    top = rows[-1]
+    g = growth(sizes, times) if len(rows) > 1 else None
+    return {
+        "islands": top["islands"], "round_s": top["round_s"],
+        "rss_over_model": top["peak_rss"] / model_bytes,
+        "net_rss_over_model": (top["peak_rss"] - baseline) / model_bytes if baseline is not None else None,
+        "slope": slope(sizes, times), "growth": g,
+        "linear_ok": None if g is None else g["ratio"] <= g["limit"],
+        "memory_ok": top["peak_rss"] / model_bytes <= RSS_OVER_MODEL_MAX,
+    }
+
+
+def _met(ok: bool | None) -> str:
+    return "not measured" if ok is None else "met" if ok else "NOT met"
+
+
+def targets_line(f: dict[str, Any]) -> str:
+    g = f["growth"]
+    linear = ("round time: one island count only" if g is None else
+              f"round time x{g['ratio']:.2f} for x{g['islands_ratio']:g} islands (target <= {LINEAR_TOLERANCE:g} x "
+              f"{g['islands_ratio']:g} = {g['limit']:g})")
+    memory = f"peak RSS / model {f['rss_over_model']:.2f} at {f['islands']} islands (target <= {RSS_OVER_MODEL_MAX:g})"
+    return f"targets: {linear} {_met(f['linear_ok'])}; {memory} {_met(f['memory_ok'])}"
+
+
+def final_line(f: dict[str, Any]) -> str:
+    return (f"scale: islands={f['islands']} round-s={f['round_s']:.3f} rss/model={f['rss_over_model']:.2f} "
+            f"round-s-per-island-slope={f['slope']:.4f}")
+
+
+def table(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None) -> list[str]:
+    head = (f"{'islands':>7} {'round s':>8} {'rounds s':<24} {'peak RSS':>9} {'RSS/model':>9} {'net/model':>9} "
+            f"{'in MB/round':>11} {'out MB/round':>12} {'coord cpu s':>11} {'isl cpu s':>9} {'hb p50 ms':>9} "
+            f"{'hb max ms':>9} {'hb fail':>7}")
+    out = [head]
+    for r in sorted(rows, key=lambda r: r["islands"]):
+        net = f"{(r['peak_rss'] - baseline) / model_bytes:.2f}" if baseline is not None else "n/a"
+        walls = ",".join(f"{x:.2f}" for x in r["rounds_s"])
+        out.append(f"{r['islands']:>7} {r['round_s']:>8.3f} {walls:<24} {r['peak_rss'] / (1 << 20):>5.0f} MiB "
+                   f"{r['peak_rss'] / model_bytes:>9.2f} {net:>9} {r['bytes_in'] / MB:>11.1f} "
+                   f"{r['bytes_out'] / MB:>12.1f} {r['coordinator_cpu_s']:>11.2f} {r['client_cpu_s']:>9.2f} "
+                   f"{r['heartbeat_p50_s'] * 1e3:>9.1f} {r['heartbeat_max_s'] * 1e3:>9.1f} "
+                   f"{r['heartbeat_failed']:>7}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- one island count
+
+
+@dataclass
+class Heartbeats:
+    """Each island's heartbeat thread: every ``period_s``, one try (no retry), reporting the version it holds."""
+
+    clients: list[Any]
+    island_ids: list[str]
+    held: list[int]  # the version each island holds (its round thread updates it)
+    period_s: float
+    stop: threading.Event = field(default_factory=threading.Event)
+    rtts: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    recording: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for i in range(len(self.clients)):
+            t = threading.Thread(target=self._loop, args=(i,), name=f"heartbeat-{i}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _loop(self, i: int) -> None:
+        from workers.client import CoordinatorError
+
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                self.clients[i].heartbeat(0, island_id=self.island_ids[i], version=self.held[i])
+                ok = ""
+            except CoordinatorError as e:
+                ok = f"{self.island_ids[i]}: {e}"
+            rtt = time.perf_counter() - t0
+            with self.lock:
+                if self.recording:
+                    self.rtts.append(rtt)
+                    if ok:
+                        self.failures.append(ok)
+            self.stop.wait(max(0.0, self.period_s - rtt))
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+
+def server_threads(islands: int, default: int) -> int:
+    """``coordinator.workers`` for ``islands`` islands: each island's long-polling pull holds a gRPC server thread
+    for up to ``workers.island.PULL_WAIT_S``, so the pool needs one thread per island besides the SPARE_THREADS
+    that serve pushes and heartbeats meanwhile (and gRPC refuses calls beyond 4 x workers in flight: RESOURCE_
+    EXHAUSTED; an island has up to three: heartbeat, push, pull). Never fewer than ``default``, the config's."""
+    return max(default, islands + SPARE_THREADS)
+
+
+def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds: int,
+                 overrides: Sequence[str] = ()) -> Config:
+    """The coordinator's config for ``islands`` islands: the shared benchmark config (benchmarks/_common.py
+    make_config: no checkpoint, no retries) in sync mode, every island needed to close a round, a real heartbeat
+    period, a lease of LEASE_S and :func:`server_threads`; then ``overrides``."""
+    default = make_config(model_fields, work).coordinator.workers
+    return make_config(model_fields, work, CODEC, islands, checkpoint=False, repeats=rounds, extra=[
+        "coordinator.mode=sync", f"coordinator.min_quorum={islands}", f"coordinator.lease_s={LEASE_S:g}",
+        "worker.heartbeat_s=1", f"coordinator.workers={server_threads(islands, default)}", *overrides])
+
+
+def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], islands: int, rounds: int,
+             warmup: int, work: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One coordinator process and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
+    from dtrain.proto import dtrain_pb2 as pb
+    from workers.client import CoordinatorClient
+    from workers.island import PULL_WAIT_S
+
+    cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
+    coord = CoordinatorProcess(cfg, work / f"coord-{islands}")
+    pid = coord.proc.pid
+    clients: list[CoordinatorClient] = []
+    beats: Heartbeats | None = None
+    try:
+        clients = [CoordinatorClient(coord.address, cfg) for _ in range(islands)]
+        joins = run_concurrently(islands, lambda i: clients[i].join(f"island-{i}", "cpu", 1))
+        joined = [res for _, _, res in joins]
+        if joined[0].tree_size != n_params:
+            raise DtrainError(f"the coordinator's tree has {joined[0].tree_size} values, expected {n_params}")
+        ids = [j.island_id for j in joined]
+        cursors = [j.cursor for j in joined]
+        held = [j.version for j in joined]
+        beats = Heartbeats(clients, ids, held, cfg.worker.heartbeat_s)
+        beats.start()
+        tokens = cfg.train.batch_size * cfg.model.seq_len * cfg.outer.inner_steps
+        seqs = cfg.train.batch_size * cfg.outer.inner_steps
+        idle = proc_mem(pid)["VmRSS"]
+        reset = reset_peak_rss(pid)
+        beats.recording = True
+        records = []
+        for r in range(warmup + rounds):
+            version = held[0]
+
+            def island(i: int, r: int = r, version: int = version) -> tuple[float, int]:
+                h = pb.PushHeader(island_id=ids[i], base_version=version, push_id=f"{ids[i]}-r{r}", tokens=tokens,
+                                  inner_steps=cfg.outer.inner_steps, cursor_start=cursors[i],
+                                  cursor_end=cursors[i] + seqs, shard_index=joined[i].shard_index,
+                                  tree_digest=joined[i].tree_digest)
+                resp = clients[i].push(h, frames[(i + r) % len(frames)])
+                if resp.status not in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED):
+                    raise DtrainError(f"round {r}: {ids[i]}'s push came back {pb.PushStatus.Name(resp.status)}: "
+                                      f"{resp.reason}")
+                cursors[i] = resp.cursor
+                while held[i] <= version:  # the worker's long poll, until the round's version is here
+                    for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
+                        if f.frame:
+                            held[i] = f.header.version
+                return time.perf_counter(), held[i]
+
+            before = clients[0].status()
+            cpu0 = cpu_seconds(pid), sum(os.times()[:2])
+            res = run_concurrently(islands, island)
+            cpu1 = cpu_seconds(pid), sum(os.times()[:2])
+            after = clients[0].status()
+            wall = max(t for _, _, (t, _) in res) - min(t0 for t0, _, _ in res)
+            if {v for _, _, (_, v) in res} != {version + 1}:
+                raise DtrainError(f"round {r}: islands hold versions {sorted({v for _, _, (_, v) in res})}, "
+                                  f"expected {version + 1}")
+            records.append({"wall_s": wall, "bytes_in": after.bytes_in - before.bytes_in,
+                            "bytes_out": after.bytes_out - before.bytes_out,
+                            "coordinator_cpu_s": cpu1[0] - cpu0[0], "client_cpu_s": cpu1[1] - cpu0[1],
+                            "warmup": r < warmup})
+            log(f"{islands} islands, round {r}{' (warm-up)' if r < warmup else ''}: {wall:.2f}s, "
+                f"coordinator {cpu1[0] - cpu0[0]:.2f} CPU s, islands {cpu1[1] - cpu0[1]:.2f} CPU s, "
+                f"RSS {proc_mem(pid)['VmRSS'] / (1 << 20):.0f} MiB")
+        beats.recording = False
+        mem = proc_mem(pid)
+        retries = sum(c.retries for c in clients)
+        if retries:
+            raise DtrainError(f"{retries} retried calls at {islands} islands: the timings are not clean")
+    finally:
+        if beats is not None:
+            beats.close()
+        for c in clients:
+            c.close()
+        end_mem, _ = coord.stop()
+    timed = [x for x in records if not x["warmup"]]
+    rtts = sorted(beats.rtts) if beats is not None else []
+    return {
+        "islands": islands, "round_s": statistics.median(x["wall_s"] for x in timed),
+        "rounds_s": [x["wall_s"] for x in timed], "warmup_s": [x["wall_s"] for x in records if x["warmup"]],
+        "peak_rss": mem["VmHWM"], "peak_reset": reset, "idle_rss": idle, "start_vmhwm": coord.mem_at_start["VmHWM"],
+        "start_s": coord.start_s, "bytes_in": statistics.median(x["bytes_in"] for x in timed),
+        "bytes_out": statistics.median(x["bytes_out"] for x in timed),
+        "coordinator_cpu_s": statistics.median(x["coordinator_cpu_s"] for x in timed),
+        "client_cpu_s": statistics.median(x["client_cpu_s"] for x in timed),
+        "heartbeats": len(rtts), "heartbeat_p50_s": statistics.median(rtts) if rtts else math.nan,
+        "heartbeat_max_s": rtts[-1] if rtts else math.nan, "heartbeat_failed": len(beats.failures) if beats else 0,
+        "heartbeat_failures": beats.failures[:5] if beats else [], "rounds": records,
+        "vmhwm_at_stop": end_mem["VmHWM"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    model_fields, n_params = choose_model(args.params)
+    model_bytes = FP32 * n_params
+    base_cfg = scale_config(model_fields, Path(tempfile.gettempdir()), 1, 1, args.overrides)  # a bad --set: here
+    block, level = base_cfg.codec.block, base_cfg.codec.zstd_level
+    pool = min(FRAME_POOL, max(args.sizes))
+    log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
+        + " ".join(f"{k}={v}" for k, v in model_fields.items())
+        + f"; islands {args.sizes}; {args.warmup} warm-up + {args.rounds} timed rounds each; {CODEC} frames; "
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+    frames = make_frames(CODEC, n_params, pool, block, level)
+    log(f"{pool} frames encoded: {statistics.fmean(len(f) for f in frames) / MB:.1f} MB each")
+    work = Path(tempfile.mkdtemp(prefix="dtrain-scale-"))
+    rows: list[dict[str, Any]] = []
+    baseline: int | None = None
+    loads = [os.getloadavg()[0]]
+    try:
+        if not args.no_baseline:
+            cp = CoordinatorProcess(make_config(TINY_MODEL, work), work / "coord-baseline")
+            mem, _ = cp.stop()
+            baseline = mem["VmHWM"]
+            log(f"runtime baseline: a {count_params(model_overrides(TINY_MODEL)):,}-param coordinator peaks at "
+                f"{baseline / (1 << 20):.0f} MiB")
+        for n in args.sizes:
+            rows.append(run_size(model_fields, n_params, frames, n, args.rounds, args.warmup, work, args.overrides))
+            loads.append(os.getloadavg()[0])
+    finally:
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    f = figures(rows, model_bytes, baseline)
+    wall = time.perf_counter() - t_start
+    print(f"\nmodel: {n_params:,} params ({model_bytes / MB:.1f} MB fp32; "
+          + ", ".join(f"{k}={v}" for k, v in model_fields.items())
+          + f"); {CODEC} frames of {statistics.fmean(len(x) for x in frames) / MB:.1f} MB; sync mode, min_quorum = "
+            f"all islands; median of {args.rounds} rounds after {args.warmup} warm-up; {os.cpu_count()} CPUs "
+            f"shared by the coordinator and every island thread; load average {min(loads):.2f}-{max(loads):.2f}")
+    print("\n".join(table(rows, model_bytes, baseline)))
+    base_txt = f"{baseline / (1 << 20):.0f} MiB, a no-model coordinator's VmHWM" if baseline else "not measured"
+    print(f"   round s = first push starts -> every island holds the new version; peak RSS = the coordinator's "
+          f"VmHWM over the rounds; RSS/model = peak / (4 x params); net/model = (peak - {base_txt}) / (4 x params); "
+          f"in/out = frame bytes per round; cpu s per round: coordinator, island threads; hb = heartbeat round trips")
+    print("   idle RSS after the joins: " + ", ".join(f"{r['islands']}: {r['idle_rss'] / (1 << 20):.0f} MiB"
+                                                       for r in rows))
+    print(f"slope: {f['slope']:.4f} round-s per island (least squares over {len(rows)} sizes); per island: "
+          + ", ".join(f"{r['islands']}: {r['round_s'] / r['islands'] * 1e3:.1f} ms" for r in rows))
+    if f["net_rss_over_model"] is not None:
+        print(f"memory at {f['islands']} islands: raw {f['rss_over_model']:.2f}, net of the runtime "
+              f"{f['net_rss_over_model']:.2f} model sizes")
+    print(f"wall {wall:.0f}s")
+    out = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes}, "codec": CODEC,
+           "rounds": args.rounds, "warmup": args.warmup, "baseline_vmhwm": baseline, "rows": rows, "figures": f,
+           "load_average": loads, "wall_s": wall}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
+    print(targets_line(f))
+    print(final_line(f))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("benchmarks/scale.py", main))

@@ -1,0 +1,141 @@
+"""benchmarks/scale.py: its figures (slope, growth ratio, targets, lines) from synthetic measurements, its
+coordinator config, a bad argument, and a --quick run against a real coordinator process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) round-s-per-island-slope=(\S+)")
+MODEL = 100 << 20  # bytes: a synthetic model's fp32 size
+
+
+@pytest.fixture(scope="module")
+def scale() -> ModuleType:
+    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "benchmarks" / "scale.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["scale_bench"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _row(islands: int, round_s: float, peak_rss: float) -> dict[str, float]:
+    return {"islands": islands, "round_s": round_s, "peak_rss": peak_rss}
+
+
+def test_slope_is_least_squares(scale: ModuleType) -> None:
+    assert scale.slope([8, 16, 32, 64], [1.0, 2.0, 4.0, 8.0]) == pytest.approx(0.125)
+    assert scale.slope([8, 16, 32, 64], [3.0, 3.0, 3.0, 3.0]) == 0.0
+    # Not the end points' slope: (9 - 1) / 3 = 2.667, least squares 2.6 for these points.
+    assert scale.slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 9.0]) == pytest.approx(2.6)
+    assert math.isnan(scale.slope([8, 8], [1.0, 2.0]))
+    with pytest.raises(ValueError):
+        scale.slope([1, 2], [1.0])
+
+
+def test_linear_growth_rule_and_memory_target(scale: ModuleType) -> None:
+    linear = [_row(8, 1.0, 1.5 * MODEL), _row(16, 2.0, 1.8 * MODEL), _row(32, 4.0, 2.2 * MODEL),
+              _row(64, 8.0, 2.9 * MODEL)]
+    f = scale.figures(linear, MODEL, baseline=MODEL // 2)
+    assert f["islands"] == 64 and f["round_s"] == 8.0
+    assert f["growth"]["ratio"] == pytest.approx(8.0) and f["growth"]["limit"] == pytest.approx(10.0)
+    assert f["linear_ok"] is True and f["memory_ok"] is True
+    assert f["rss_over_model"] == pytest.approx(2.9) and f["net_rss_over_model"] == pytest.approx(2.4)
+    assert f["slope"] == pytest.approx(0.125)
+
+    # Quadratic growth (x64 for x8 islands) and 3.5 model sizes: both targets missed.
+    worse = [_row(8, 0.5, MODEL), _row(64, 32.0, 3.5 * MODEL)]
+    g = scale.figures(list(reversed(worse)), MODEL, baseline=None)  # rows in any order
+    assert g["growth"]["ratio"] == pytest.approx(64.0)
+    assert g["linear_ok"] is False and g["memory_ok"] is False and g["net_rss_over_model"] is None
+    line = scale.targets_line(g)
+    assert "round time x64.00 for x8 islands (target <= 1.25 x 8 = 10) NOT met" in line
+    assert "peak RSS / model 3.50 at 64 islands (target <= 3) NOT met" in line
+
+    # Just inside the tolerance: x10 for x8 islands is met, x10.1 is not.
+    assert scale.figures([_row(8, 1.0, MODEL), _row(64, 10.0, MODEL)], MODEL, None)["linear_ok"] is True
+    assert scale.figures([_row(8, 1.0, MODEL), _row(64, 10.1, MODEL)], MODEL, None)["linear_ok"] is False
+
+
+def test_one_size_has_no_growth_target(scale: ModuleType) -> None:
+    f = scale.figures([_row(64, 3.0, 2 * MODEL)], MODEL, None)
+    assert f["growth"] is None and f["linear_ok"] is None and math.isnan(f["slope"])
+    assert "round time: one island count only not measured" in scale.targets_line(f)
+
+
+def test_final_line_format(scale: ModuleType) -> None:
+    f = scale.figures([_row(8, 1.25, MODEL), _row(64, 9.5, 2.5 * MODEL)], MODEL, None)
+    line = scale.final_line(f)
+    m = LAST_LINE.fullmatch(line)
+    assert m, line
+    assert m.groups() == ("64", "9.500", "2.50", f"{(9.5 - 1.25) / 56:.4f}")
+
+
+def test_table_has_one_row_per_size(scale: ModuleType) -> None:
+    row = {**_row(8, 1.0, 2 * MODEL), "rounds_s": [1.0, 1.1, 0.9], "bytes_in": 8e6, "bytes_out": 8e6,
+           "coordinator_cpu_s": 1.0, "client_cpu_s": 0.5, "heartbeat_p50_s": 0.002, "heartbeat_max_s": 0.01,
+           "heartbeat_failed": 0}
+    lines = scale.table([row, {**row, "islands": 16}], MODEL, baseline=MODEL)
+    assert len(lines) == 3 and lines[1].split()[0] == "8" and lines[2].split()[0] == "16"
+    assert " 2.00 " in lines[1] and " 1.00 " in lines[1]  # raw and net RSS / model
+
+
+def test_config_every_island_closes_a_round_and_each_long_poll_has_a_thread(scale: ModuleType,
+                                                                             tmp_path: Path) -> None:
+    fields = {"d_model": 32, "n_layers": 1, "n_heads": 4, "seq_len": 16}
+    cfg = scale.scale_config(fields, tmp_path, 64, 3)
+    c = cfg.coordinator
+    assert c.mode == "sync" and c.min_quorum == 64 and cfg.outer.islands == 64 and not c.checkpoint
+    assert c.workers == 64 + scale.SPARE_THREADS and c.workers * 4 >= 3 * 64  # heartbeat + push + pull each
+    assert cfg.worker.heartbeat_s == 1 and c.lease_s == scale.LEASE_S
+    assert scale.scale_config(fields, tmp_path, 2, 3).coordinator.workers == 2 + scale.SPARE_THREADS
+    assert scale.server_threads(2, default=32) == 32  # never fewer than the config's default
+    assert scale.scale_config(fields, tmp_path, 2, 3, ["coordinator.stream_window_bytes=65536"]
+                              ).coordinator.stream_window_bytes == 65536
+
+
+def test_bad_argument_exits_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--rounds", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--rounds must be >= 1, got 0" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick", "--set",
+                           "coordinator.min_quorum=-1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("benchmarks/scale.py: config error: ") and "min_quorum" in lines[0]
+
+
+@pytest.mark.slow
+def test_quick_run_against_a_real_coordinator(tmp_path: Path) -> None:
+    out_json = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    m = LAST_LINE.fullmatch(lines[-1])
+    assert m, lines[-1]
+    assert lines[-2].startswith("targets: round time x")
+    islands, round_s, rss, _ = m.groups()
+    assert islands == "4" and float(round_s) > 0 and float(rss) > 0
+    data = json.loads(out_json.read_text())
+    rows = {r["islands"]: r for r in data["rows"]}
+    assert sorted(rows) == [2, 4]
+    for n, r in rows.items():
+        assert len(r["rounds_s"]) == 2 and r["heartbeat_failed"] == 0 and r["heartbeats"] > 0
+        # every island pushed one frame (about 0.1 MB at 100k int8 parameters) and pulled one update per round
+        assert all(n * 50_000 < x["bytes_in"] < n * 200_000 and x["bytes_out"] > 0 for x in r["rounds"])
