@@ -86,7 +86,6 @@ FRAME_POOL = 8  # distinct encoded frames; island i pushes frame (i + round) % F
 LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
-SPARE_THREADS = 16  # server threads beyond one per island (see server_threads)
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
 TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the runtime baseline's coordinator
 
@@ -244,23 +243,15 @@ class Heartbeats:
             t.join(timeout=30)
 
 
-def server_threads(islands: int, default: int) -> int:
-    """``coordinator.workers`` for ``islands`` islands: each island's long-polling pull holds a gRPC server thread
-    for up to ``workers.island.PULL_WAIT_S``, so the pool needs one thread per island besides the SPARE_THREADS
-    that serve pushes and heartbeats meanwhile (and gRPC refuses calls beyond 4 x workers in flight: RESOURCE_
-    EXHAUSTED; an island has up to three: heartbeat, push, pull). Never fewer than ``default``, the config's."""
-    return max(default, islands + SPARE_THREADS)
-
-
 def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds: int,
                  overrides: Sequence[str] = ()) -> Config:
     """The coordinator's config for ``islands`` islands: the shared benchmark config (benchmarks/_common.py
     make_config: no checkpoint, no retries) in sync mode, every island needed to close a round, a real heartbeat
-    period, a lease of LEASE_S and :func:`server_threads`; then ``overrides``."""
-    default = make_config(model_fields, work).coordinator.workers
+    period, a lease of LEASE_S, the coordinator's own thread count for that many islands
+    (coordinator.server.server_threads); then ``overrides``."""
     return make_config(model_fields, work, CODEC, islands, checkpoint=False, repeats=rounds, extra=[
         "coordinator.mode=sync", f"coordinator.min_quorum={islands}", f"coordinator.lease_s={LEASE_S:g}",
-        "worker.heartbeat_s=1", f"coordinator.workers={server_threads(islands, default)}", *overrides])
+        "worker.heartbeat_s=1", *overrides])
 
 
 def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], islands: int, rounds: int,

@@ -749,9 +749,10 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     token = read_token(cfg.security)
     on_denied: AuthDenied = service.auth_failed
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=c.workers, thread_name_prefix="rpc"),
+    threads = server_threads(cfg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(c),
-                         maximum_concurrent_rpcs=c.workers * 4)
+                         maximum_concurrent_rpcs=threads * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     creds = server_credentials(cfg.security)
@@ -818,6 +819,14 @@ def check_address_free(host: str, port: int) -> None:
                 if e.errno == errno.EADDRINUSE:
                     raise DtrainError(f"cannot listen on {host}:{port}: {_IN_USE}") from None
                 raise DtrainError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def server_threads(cfg: Config) -> int:
+    """The gRPC server's threads: ``coordinator.workers``, or with 0 (the default) 3 per expected island + 8, at
+    least 16. Each island may hold three calls at once (a push stream, a long-polling pull, a heartbeat), each on a
+    thread for its whole length: with fewer threads than that, heartbeats queue behind long polls and leases
+    expire (benchmarks/scale.py: 64 islands on 16 threads)."""
+    return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
 
 
 def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:

@@ -132,7 +132,8 @@ class CoordinatorConfig:
     keep_updates: int = _f(16, "past compressed updates kept so a lagging island catches up without a full pull")
     max_message_bytes: int = _f(8 << 20, "largest gRPC message accepted (chunks must fit)")
     checkpoint: bool = _f(True, "checkpoint the whole coordinator state with orbax after each merge")
-    workers: int = _f(16, "gRPC server threads")
+    workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
+                      "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream, fixed: bounds the memory pushes "
                                   "in flight hold (islands x window); over a WAN set it >= per-island bandwidth x "
                                   "RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
@@ -355,8 +356,8 @@ def _check(cfg: Config, origin: str) -> None:
     if co.max_message_bytes < c.chunk_bytes + 4096:
         fail("coordinator", "max_message_bytes", f"must exceed codec.chunk_bytes ({c.chunk_bytes}) by 4 KiB, "
              f"got {co.max_message_bytes}")
-    if co.workers < 2:
-        fail("coordinator", "workers", f"must be >= 2, got {co.workers}")
+    if co.workers == 1 or co.workers < 0:
+        fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
     for name in ("max_push_steps", "trim", "eval_every"):

@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from coordinator.server import server_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) round-s-per-island-slope=(\S+)")
 MODEL = 100 << 20  # bytes: a synthetic model's fp32 size
@@ -101,10 +103,9 @@ def test_config_every_island_closes_a_round_and_each_long_poll_has_a_thread(scal
     cfg = scale.scale_config(fields, tmp_path, 64, 3)
     c = cfg.coordinator
     assert c.mode == "sync" and c.min_quorum == 64 and cfg.outer.islands == 64 and not c.checkpoint
-    assert c.workers == 64 + scale.SPARE_THREADS and c.workers * 4 >= 3 * 64  # heartbeat + push + pull each
+    assert c.workers == 0 and server_threads(cfg) == 3 * 64 + 8  # the coordinator's own sizing: no override
     assert cfg.worker.heartbeat_s == 1 and c.lease_s == scale.LEASE_S
-    assert scale.scale_config(fields, tmp_path, 2, 3).coordinator.workers == 2 + scale.SPARE_THREADS
-    assert scale.server_threads(2, default=32) == 32  # never fewer than the config's default
+    assert server_threads(scale.scale_config(fields, tmp_path, 2, 3)) == 16  # never fewer than 16
     assert scale.scale_config(fields, tmp_path, 2, 3, ["coordinator.stream_window_bytes=65536"]
                               ).coordinator.stream_window_bytes == 65536
 
