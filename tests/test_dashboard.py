@@ -291,10 +291,12 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
         assert isinstance(info["dashboard_port"], int) and info["dashboard_port"] > 0
         url = info["dashboard"]
         assert url == f"http://127.0.0.1:{info['dashboard_port']}/"
-        assert f"live dashboard at {url}" in log.read_text()  # the driver says where
         # Live: both islands have trained and reported, a few versions are merged and evaluated.
         doc = _wait_status(url, lambda d: d["version"] >= 2 and len(d["evals"]) >= 2 and len(d["islands"]) == 2
                            and all(i["steps"] > 0 and i["train_loss"] is not None for i in d["islands"]), proc, log)
+        # The driver says where (it reads coordinator.json after the coordinator writes it: checked once the
+        # islands have trained, long after)
+        assert f"live dashboard at {url}" in log.read_text()
 
         dom = _chromium("--dump-dom", url)
         assert dom.returncode == 0, dom.stderr[-2000:]
