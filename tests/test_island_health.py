@@ -107,6 +107,7 @@ def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict
     assert cq["device"] == 3 and cq["probe"] == "stats"
 
 
+@pytest.mark.slow  # ~17 s; the guard's detection is in test_chip_step.py, the rollback path in the test above
 def test_nan_guard_rolls_back_and_every_pushed_delta_is_finite(tmp_path: Path) -> None:
     """Health probes off; one device's gradients get their exponent bit flipped on one step (a transient fault):
     the round is never pushed, the island goes back to its start and trains it again, cleanly."""
