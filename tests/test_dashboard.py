@@ -292,8 +292,10 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
         url = info["dashboard"]
         assert url == f"http://127.0.0.1:{info['dashboard_port']}/"
         # Live: both islands have trained and reported, a few versions are merged and evaluated.
+        # Each island's heartbeats carry the digest of the global θ it holds (verified on arrival): the θ column.
         doc = _wait_status(url, lambda d: d["version"] >= 2 and len(d["evals"]) >= 2 and len(d["islands"]) == 2
-                           and all(i["steps"] > 0 and i["train_loss"] is not None for i in d["islands"]), proc, log)
+                           and all(i["steps"] > 0 and i["train_loss"] is not None and i["params_digest"]
+                                   for i in d["islands"]), proc, log)
         # The driver says where (it reads coordinator.json after the coordinator writes it: checked once the
         # islands have trained, long after)
         assert f"live dashboard at {url}" in log.read_text()

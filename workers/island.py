@@ -102,6 +102,7 @@ class GlobalParams:
     vec: np.ndarray  # flat float32 θ_version, bit-identical to the coordinator's
     version: int
     arrived: float = 0.0  # time.perf_counter() when it arrived (wall-time rounds are timed from it)
+    digest: str = ""  # its params digest, as verified against the coordinator's on arrival ("" if not checked here)
 
 
 class Puller:
@@ -166,6 +167,7 @@ class Puller:
                 self.log("digest_mismatch", version=h.version)
                 return g, (f"v{h.version} decodes to params digest {digest}, the coordinator's θ has "
                            f"{h.params_digest}")
+            g.digest = digest
             if h.evaluate:  # verified: the exact global θ_version (g.vec is a new array, never changed in place)
                 with self._lock:
                     self._to_evaluate[g.version] = g
@@ -353,6 +355,8 @@ class IslandStatus:
     chunk_loss: Any = None  # the latest chunk's per-step train losses (a device array, maybe still computing)
     train_loss: float | None = None  # its mean, once read (None: no chunk read yet)
     utilization: float = 0.0  # fraction of the island's training wall time spent in inner steps so far
+    held: tuple[int, str] = (0, "")  # (version, its verified params digest): one attribute, replaced whole, so the
+    # heartbeat never pairs one version with another's digest
 
     def latest_loss(self, block: bool) -> float | None:
         """The mean train loss of the latest chunk; without ``block``, of the latest chunk already computed (the
@@ -608,9 +612,12 @@ class Worker:
                 break
             exchange = status.exchange
             evals = self._pending_evals()
+            version = status.version
+            held_version, digest = status.held
             try:
                 t0 = time.perf_counter()
-                resp = self.client.heartbeat(0.0, island_id=self.island_id, version=status.version,
+                resp = self.client.heartbeat(0.0, island_id=self.island_id, version=version,
+                                             params_digest=digest if held_version == version else "",
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "",
                                              train_loss=_finite_or_none(status.latest_loss(block=False)),
@@ -953,6 +960,7 @@ class Worker:
                                                                        new_global))
         self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
         status.exchange, status.version = None, result.version
+        status.held = (result.version, result.digest)
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
             self.post_rewind(Rewind(h.shard_index, resp.cursor,
@@ -1137,6 +1145,7 @@ class Worker:
                 anchor, last_progress = g_new, time.perf_counter()
                 self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
                 status.version = anchor.version
+                status.held = (anchor.version, anchor.digest)
             elif self.hosts.agree(time.perf_counter() - last_progress > patience):
                 self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
                 break
