@@ -136,11 +136,12 @@ def fmt_rate(x: float) -> str:
 
 def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version: int | None = None,
                  total: int | str = 0, data: tuple[int, int] | None = None, loss: float | None = None,
-                 eval_loss: float | None = None, tokens_per_s: float | None = None, extra: str = "") -> str:
-    """A progress line: ``NAME: step S/STEPS vX/TOTAL data C/N train loss L eval loss E tok/s R EXTRA``, each part
-    only when given. ``steps``: the step the run ends at; ``total``: the version the run ends at (0: not known; a
-    string such as ``"~3"`` for an estimate); ``data``: (cursor, length) of the data, for a run whose end the data
-    decides."""
+                 eval_loss: float | None = None, eval_version: int | None = None, tokens_per_s: float | None = None,
+                 extra: str = "") -> str:
+    """A progress line: ``NAME: step S/STEPS vX/TOTAL data C/N train loss L eval loss E (vV) tok/s R EXTRA``, each
+    part only when given. ``steps``: the step the run ends at; ``total``: the version the run ends at (0: not known;
+    a string such as ``"~3"`` for an estimate); ``data``: (cursor, length) of the data, for a run whose end the data
+    decides; ``eval_version``: the version the eval loss is of (the coordinator evaluates every few versions)."""
     parts = [f"{name}:"]
     if step is not None:
         parts.append(f"step {step}/{steps}" if steps else f"step {step}")
@@ -151,7 +152,7 @@ def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version:
     if loss is not None:
         parts.append(f"train loss {loss:.4f}")
     if eval_loss is not None:
-        parts.append(f"eval loss {eval_loss:.4f}")
+        parts.append(f"eval loss {eval_loss:.4f}" + (f" (v{eval_version})" if eval_version is not None else ""))
     if tokens_per_s is not None:
         parts.append(f"tok/s {fmt_rate(tokens_per_s)}")
     if extra:

@@ -117,6 +117,7 @@ class RunWatch:
         self.version = 0
         self.total = 0  # the version the run ends at, as the coordinator told the islands (0: the data decides)
         self.eval_loss: float | None = None
+        self.eval_version = 0  # the version the latest eval loss is of
         self.train_loss: dict[str, float] = {}  # island name -> its latest train loss
         self.cursors: dict[int, int] = {}  # shard -> merged cursor (sequences)
         self.over = ""
@@ -134,7 +135,7 @@ class RunWatch:
             elif kind == "eval":
                 loss = e.get("loss", e.get("eval_loss"))
                 if isinstance(loss, (int, float)):
-                    self.eval_loss = float(loss)
+                    self.eval_loss, self.eval_version = float(loss), int(e.get("version", 0))
             elif kind == "coordinator_stopped":
                 self.over = str(e.get("reason", "stopped"))
 
@@ -162,7 +163,7 @@ class RunWatch:
         data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
         return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
                             data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
-                            extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
+                            eval_version=self.eval_version, extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
 
 
 class _Simulation:

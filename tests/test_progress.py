@@ -91,7 +91,7 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
                    {"event": "eval", "version": 1, "loss": 3.5, "tokens": 10240}])
     w.island("island-0", [{"event": "train", "loss": 4.0}])
     w.island("island-1", [{"event": "train", "loss": 3.0}])
-    assert w.line(running=2) == "simulate: v1/~3 data 320/960 train loss 3.5000 eval loss 3.5000 2/2 workers"
+    assert w.line(running=2) == "simulate: v1/~3 data 320/960 train loss 3.5000 eval loss 3.5000 (v1) 2/2 workers"
     assert w.known_total == 3
     w.island("island-1", [{"event": "joined", "total_versions": 6}])  # wall-time rounds: the coordinator knows
     assert w.line(running=1).startswith("simulate: v1/6 ")
