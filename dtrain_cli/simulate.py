@@ -163,7 +163,8 @@ class RunWatch:
         data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
         return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
                             data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
-                            eval_version=self.eval_version, extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
+                            eval_version=self.eval_version,
+                            extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
 
 
 class _Simulation:
