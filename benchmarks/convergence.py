@@ -42,7 +42,7 @@ from dtrain.outer import OuterHParams
 from dtrain.runs import FP32_BYTES
 from dtrain.setup import prepare
 from dtrain.train import InnerLoop, make_mesh
-from dtrain_cli.entry import run_main
+from dtrain_cli.entry import Parser, run_main
 
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
@@ -52,7 +52,8 @@ MODES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="benchmarks/convergence.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"W,H,R = {MODES['quick']} (under 10 minutes on 2 cores)")
     p.add_argument("--config", default="small", help="config file or name (default: small)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")

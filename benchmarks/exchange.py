@@ -97,7 +97,9 @@ def _codec_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from dtrain_cli.entry import Parser  # one-line usage errors, as every entry point's
+
+    p = Parser(prog="benchmarks/exchange.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the 100M-parameter model (d_model=1024, n_layers=8)")
     p.add_argument("--islands", type=int_list, default=[1, 4, 8], help="island / stream counts (default 1,4,8)")
     p.add_argument("--codecs", type=_codec_list, default=["fp32", "int8", "int4"],

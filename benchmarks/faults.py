@@ -40,7 +40,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 from dtrain import config as config_mod
 from dtrain.config import Config, load_config
 from dtrain.errors import DtrainError
-from dtrain_cli.entry import run_main
+from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.faults import FaultSpec, parse_fault
 from dtrain_cli.simulate import run_simulation
 
@@ -65,7 +65,7 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="benchmarks/faults.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help="config file or name (default: small)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--islands", type=int, default=4, help="islands in both runs (default 4)")

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 N_DEVICES = 8
 _DEVICES_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
@@ -68,7 +68,7 @@ from dtrain import config as config_mod  # noqa: E402
 from dtrain.config import Config, ConfigError, load_config  # noqa: E402
 from dtrain.errors import DtrainError  # noqa: E402
 from dtrain.health import DeviceFault  # noqa: E402
-from dtrain_cli.entry import run_main  # noqa: E402
+from dtrain_cli.entry import Parser, run_main  # noqa: E402
 
 # configs/tiny.toml plus these (then --set): see the module's docstring.
 OVERRIDES = ("train.batch_size=16", "train.steps=1000", "outer.islands=1", "outer.inner_steps=100",
@@ -110,14 +110,8 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="benchmarks/health.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny", help="config file or name (default: tiny, with OVERRIDES)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable; after OVERRIDES)")

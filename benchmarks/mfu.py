@@ -44,11 +44,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.errors import DtrainError
-from dtrain_cli.entry import run_main
+from dtrain_cli.entry import Parser, run_main
 
 ACCELERATOR_CONFIGS = ("gpt-125m", "gpt-350m")
 CPU_CONFIGS = ("tiny",)
@@ -92,14 +92,8 @@ def model_flops_utilization(tokens_per_s: float, flops_per_token: float, devices
     return tokens_per_s * flops_per_token / (devices * peak_tflops * 1e12) if peak_tflops else None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        print(f"benchmarks/mfu.py: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="benchmarks/mfu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", dest="configs", action="append", default=None, metavar="NAME",
                    help=f"config file or name, repeatable (default: {', '.join(ACCELERATOR_CONFIGS)} on an "
                         f"accelerator, {', '.join(CPU_CONFIGS)} on a CPU)")

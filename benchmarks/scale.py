@@ -79,7 +79,7 @@ from _common import (
 
 from dtrain.config import Config
 from dtrain.errors import DtrainError
-from dtrain_cli.entry import run_main
+from dtrain_cli.entry import Parser, run_main
 
 CODEC = "int8"
 FRAME_POOL = 8  # distinct encoded frames; island i pushes frame (i + round) % FRAME_POOL
@@ -91,7 +91,7 @@ TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the ru
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="benchmarks/scale.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int_list, default=None, help="island counts (default 8,16,32,64; --quick: 2,4)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per island count (default 3; --quick: 2)")
     p.add_argument("--warmup", type=int, default=None,

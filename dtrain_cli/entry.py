@@ -13,12 +13,22 @@ Anything else is a bug and keeps its traceback. Usage: ``sys.exit(run_main("benc
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from dtrain.config import ConfigError
 from dtrain.errors import DtrainError
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (``dtrain worker: error: ...``), exit status 2: every
+    entry point's (``dtrain``, the benchmarks, ``python -m dtrain_cli.probe``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help shows the usage)\n")
 
 
 def user_error(e: BaseException) -> tuple[int, str] | None:

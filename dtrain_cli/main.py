@@ -10,10 +10,9 @@ import argparse
 import json
 import os
 import sys
-from typing import NoReturn
 
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
-from dtrain_cli.entry import run_main
+from dtrain_cli.entry import Parser, run_main
 
 COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
@@ -28,13 +27,6 @@ def version() -> str:
         return installed("dtrain")
     except PackageNotFoundError:
         return "unknown (not installed: pip install -e .)"
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (``dtrain worker: error: ...``), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help shows the usage)\n")
 
 
 def coordinator_address(text: str) -> str:

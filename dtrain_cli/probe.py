@@ -18,11 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dtrain.config import ConfigError, load_config
 from dtrain.wire import channel_credentials, channel_options
+from dtrain_cli.entry import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dtrain_cli.probe",
-                                description="exit 0 if the coordinator's grpc.health.v1 service says SERVING")
+    p = Parser(prog="python -m dtrain_cli.probe",
+               description="exit 0 if the coordinator's grpc.health.v1 service says SERVING")
     p.add_argument("--config", required=True, help="the coordinator's TOML file (its [security] section is used)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable), as for dtrain")

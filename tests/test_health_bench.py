@@ -121,11 +121,14 @@ def test_missed_targets_are_reported() -> None:
     assert "detect-steps-max n/a (target <= 50) NOT met" in bench.targets_line(f)
 
 
+USAGE = " (benchmarks/health.py --help shows the usage)"
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--faults", "scale,melted"], "error: --faults 'scale,melted': give distinct names from "
-                                   "scale,bitflip-exp,bitflip-mantissa,intermittent,dead"),
-    (["--repeats", "0"], "error: --repeats must be >= 1, got 0"),
-    (["--seed", "x"], "error: argument --seed: invalid int value: 'x'"),
+    (["--faults", "scale,melted"], "benchmarks/health.py: error: --faults 'scale,melted': give distinct names from "
+                                   "scale,bitflip-exp,bitflip-mantissa,intermittent,dead" + USAGE),
+    (["--repeats", "0"], "benchmarks/health.py: error: --repeats must be >= 1, got 0" + USAGE),
+    (["--seed", "x"], "benchmarks/health.py: error: argument --seed: invalid int value: 'x'" + USAGE),
     (["--set", "outer.islands=2"], "benchmarks/health.py: config error: [outer] islands: this benchmark runs one "
                                    "island, got 2"),
 ])
