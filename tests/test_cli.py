@@ -399,3 +399,22 @@ def test_retry_progress_lines_name_the_address_and_the_time_left_at_most_every_3
     assert lines == [f"w0: {what}; retrying for {left:.0f}s more, then giving up (worker.retry_total_s=600)"
                      for left in (600.0, 570.0)]
     assert sum(e["event"] == "retry" for e in read_events(tmp_path)) == 5  # every retry is still an event
+
+
+def test_a_worker_whose_coordinator_does_not_answer_says_so_before_it_builds(tmp_path):
+    """Before the island's slow start-up (model, compile), one Status try: when nothing answers, the worker says
+    so at once, naming the address and how long it will retry, instead of staying silent through its compile."""
+    from workers.island import run_over_already
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(TINY, ["worker.retry_total_s=7"])
+    client = CoordinatorClient(f"127.0.0.1:{port}", cfg)
+    said: list[str] = []
+    try:
+        assert run_over_already(client, cfg, tmp_path, said.append) == ""  # Join will decide, and retry
+    finally:
+        client.close()
+    assert len(said) == 1 and said[0].startswith(f"the coordinator at 127.0.0.1:{port} does not answer yet (")
+    assert "connection refused" in said[0] and said[0].endswith("(retried for up to 7s)")

@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -59,7 +60,7 @@ from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop, make_mesh
 from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
-from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError
+from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError, cause
 from workers.hosts import HostGroup
 from workers.inject import Injection, injected_push
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
@@ -1212,14 +1213,19 @@ def _chip_report(quarantined: tuple[Evidence, ...], devices: int) -> dict[str, A
     return {"bad_devices": [str(e["device"]) for e in quarantined], "quarantined": quarantined, "devices": devices}
 
 
-def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path) -> str:
+def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path,
+                     say: Callable[[str], None] = lambda line: None) -> str:
     """Why an island has nothing to train, asked before any slow start-up: the coordinator says the run is
     over (one Status call, no retries), or it does not answer and the island's own summary.json records that
-    it finished the run (same model and codecs). '' otherwise: then Join decides (and retries)."""
+    it finished the run (same model and codecs). '' otherwise: then Join decides (and retries). ``say``: told
+    when the coordinator does not answer and the island goes on building (a worker would otherwise be silent
+    for its whole compile)."""
     try:
         status = client.status(budget_s=0.0)
-    except CoordinatorError:
+    except CoordinatorError as e:
         status = None
+        say(f"the coordinator at {client.address} does not answer yet ({cause(e.code, e.details)}); building "
+            f"the island meanwhile, then joining (retried for up to {cfg.worker.retry_total_s:g}s)")
     if status is not None:
         over = status.run_over or f"the run is over: {status.version} versions merged"
         return f"{over} (coordinator at {client.address})" if status.stopped else ""
@@ -1254,7 +1260,11 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
     hosts = hosts or HostGroup.single()
     client = CoordinatorClient(address, cfg)
     try:
-        over = hosts.lead(lambda: run_over_already(client, cfg, Path(run_dir)))  # process 0 asks
+        def say(line: str) -> None:
+            if not quiet and hosts.leader:
+                print(f"[{0.0:7.1f}s] {name}: {line}", file=sys.stderr, flush=True)
+
+        over = hosts.lead(lambda: run_over_already(client, cfg, Path(run_dir), say))  # process 0 asks
     finally:
         client.close()
     if over:
