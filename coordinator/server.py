@@ -137,6 +137,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.subscribe(self.history.observe)
         self.started_at = clock()
         self._push_bytes: dict[str, int] = {}  # frame bytes of each push pending in the open round
+        n = cfg.coordinator.max_receiving
+        self._receiving = threading.BoundedSemaphore(n) if n > 0 else None  # see PushDelta
         self.spec = spec
         self.tree_digest = codec.spec_digest(spec)
         self.fingerprint_fields = cfg.fingerprint_fields()
@@ -565,6 +567,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except WireError as e:
             self._abort(context, e.code, str(e))
         with self.merger.spool() as spool:
+            # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
+            # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
+            if self._receiving is not None:
+                self._receiving.acquire()
             receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
                                                 push_id=info.push_id, version=admission.target_version,
                                                 preview=admission.status)
@@ -588,6 +594,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
                 self._upload_broke(context, info, receiver.received, receiver.chunks)
             finally:  # a refused or broken upload's span ends here, with what arrived
+                if self._receiving is not None:
+                    self._receiving.release()
                 self.telemetry.end(receive, bytes=receiver.size)
             with self.lock:
                 self._refuse_if_failed(context)

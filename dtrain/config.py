@@ -132,6 +132,9 @@ class CoordinatorConfig:
     keep_updates: int = _f(16, "past compressed updates kept so a lagging island catches up without a full pull")
     max_message_bytes: int = _f(8 << 20, "largest gRPC message accepted (chunks must fit)")
     checkpoint: bool = _f(True, "checkpoint the whole coordinator state with orbax after each merge")
+    max_receiving: int = _f(16, "pushes whose frames stream in and are decoded at once; the others wait, their data "
+                            "held back by gRPC's flow control (at most stream_window_bytes each): bounds the decoders' "
+                            "memory (a few MiB a push) whatever the number of islands; 0: no limit")
     workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
                       "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream, fixed: bounds the memory pushes "
@@ -360,7 +363,7 @@ def _check(cfg: Config, origin: str) -> None:
         fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
-    for name in ("max_push_steps", "trim", "eval_every"):
+    for name in ("max_push_steps", "trim", "eval_every", "max_receiving"):
         if getattr(co, name) < 0:
             fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
     for name in ("norm_z_max", "norm_max_ratio", "clip_norm"):

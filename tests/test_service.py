@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -895,3 +896,40 @@ def test_dtrain_status_names_the_quarantined_device(coordinator, net_cfg, capsys
     row = next(line for line in lines if line.startswith(isl["island_id"] + " "))
     cells = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", row.strip()), strict=True))
     assert rc == 0 and cells["devices"].split()[0] == "7" and cells["quar."] == "1", cells
+
+
+def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_its_place(net_cfg, tmp_path):
+    """coordinator.max_receiving=1: a garbled push is refused and gives its place back; two pushes sent at once
+    are received one after the other (the second waits, held by flow control), both accepted, one merge."""
+    cfg = dataclasses.replace(net_cfg, coordinator=dataclasses.replace(net_cfg.coordinator, max_receiving=1))
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        clients = [CoordinatorClient(running.address, cfg) for _ in range(2)]
+        joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+        n = joins[0].tree_size
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
+        msgs = _frame_messages(joins[0], _delta_frame(n, 6)[1], "garbled")
+        data = bytearray(msgs[2].chunk.data)
+        data[10] ^= 0xFF
+        msgs[2].chunk.data = bytes(data)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushDelta(iter(msgs), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "CRC32 mismatch" in e.value.details()
+        results: list = [None, None]
+
+        def push(i: int) -> None:
+            results[i] = clients[i].push(_header(joins[i], f"p{i}"), _delta_frame(n, i)[1])
+
+        threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert {r.status for r in results} <= {pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED}
+        st = clients[0].status()
+        assert st.version == 1 and st.tokens_merged == 2 * 640
+        assert running.service._receiving is not None and running.service._receiving.acquire(blocking=False)
+        for c in clients:
+            c.close()
+    finally:
+        running.stop()
