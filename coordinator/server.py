@@ -35,7 +35,7 @@ from coordinator.merger import MergeOptions, Merger, NonFiniteResult
 from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
 from dtrain import codec
-from dtrain.config import Config, CoordinatorConfig
+from dtrain.config import Config
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
@@ -759,7 +759,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
     threads = server_threads(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-                         interceptors=interceptors, options=server_options(c),
+                         interceptors=interceptors, options=server_options(cfg),
                          maximum_concurrent_rpcs=threads * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
@@ -837,16 +837,30 @@ def server_threads(cfg: Config) -> int:
     return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
 
 
-def server_options(c: CoordinatorConfig) -> list[tuple[str, int | str]]:
-    """The gRPC server's options. With ``stream_window_bytes`` > 0 each incoming stream's receive window is
+def stream_window(cfg: Config) -> int:
+    """Each incoming stream's receive window (0: gRPC's auto-tuning): ``coordinator.receive_budget_bytes`` shared
+    by the expected islands, at least 64 KiB, at most ``coordinator.stream_window_bytes``. The bytes received ahead
+    of the handlers stay near the budget however many islands push at once (benchmarks/scale.py)."""
+    c = cfg.coordinator
+    if not c.stream_window_bytes:
+        return 0
+    if not c.receive_budget_bytes:
+        return c.stream_window_bytes
+    return min(c.stream_window_bytes, max(64 << 10, c.receive_budget_bytes // max(1, cfg.outer.islands)))
+
+
+def server_options(cfg: Config) -> list[tuple[str, int | str]]:
+    """The gRPC server's options. With a window (:func:`stream_window`) each incoming stream's receive window is
     fixed at that size (gRPC's BDP probing off), so data received ahead of the handlers, which are CPU-bound
     decoding pushes, is bounded by streams × window: with probing on, 8 pushes over loopback buffered up to
     1.4 model sizes here."""
+    c = cfg.coordinator
     # SO_REUSEPORT off: gRPC turns it on by default, which lets a second coordinator bind the same port and
     # share its connections at random; off, the second one's bind fails (see check_address_free).
     opts = channel_options(c.max_message_bytes) + [("grpc.so_reuseport", 0)] + keepalive_options(server=True)
-    if c.stream_window_bytes:
-        opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", c.stream_window_bytes)]
+    window = stream_window(cfg)
+    if window:
+        opts += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
     return opts
 
 

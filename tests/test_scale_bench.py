@@ -140,3 +140,22 @@ def test_quick_run_against_a_real_coordinator(tmp_path: Path) -> None:
         assert len(r["rounds_s"]) == 2 and r["heartbeat_failed"] == 0 and r["heartbeats"] > 0
         # every island pushed one frame (about 0.1 MB at 100k int8 parameters) and pulled one update per round
         assert all(n * 50_000 < x["bytes_in"] < n * 200_000 and x["bytes_out"] > 0 for x in r["rounds"])
+
+
+def test_the_receive_budget_is_shared_by_the_islands_within_the_per_stream_bounds(tmp_path: Path) -> None:
+    from conftest import TINY
+    from coordinator.server import server_options, stream_window
+    from dtrain.config import load_config
+
+    def window(*overrides: str) -> int:
+        return stream_window(load_config(TINY, list(overrides)))
+
+    assert window("outer.islands=8") == 4 << 20  # 64 MiB / 8 = 8 MiB: the per-stream cap, 4 MiB
+    assert window("outer.islands=64") == 1 << 20  # 64 MiB / 64
+    assert window("outer.islands=64", "coordinator.receive_budget_bytes=1048576") == 64 << 10  # at least 64 KiB
+    assert window("outer.islands=64", "coordinator.receive_budget_bytes=0") == 4 << 20  # no budget: the cap
+    assert window("outer.islands=64", "coordinator.stream_window_bytes=0") == 0  # gRPC's auto-tuning
+    opts = dict(server_options(load_config(TINY, ["outer.islands=64"])))
+    assert opts["grpc.http2.lookahead_bytes"] == 1 << 20 and opts["grpc.http2.bdp_probe"] == 0
+    assert "grpc.http2.lookahead_bytes" not in dict(server_options(load_config(TINY, [
+        "coordinator.stream_window_bytes=0"])))
