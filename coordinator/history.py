@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import fault_kind, read_events
 from dtrain.wire import MAX_EVAL_REPORTS
 
@@ -39,34 +40,6 @@ class IslandView:
     last_seen: float = 0.0
 
 
-@dataclass(frozen=True)
-class Round:
-    version: int
-    t: float
-    pushes: int
-    tokens: int
-    bytes_in: int
-    merge_s: float
-    max_staleness: float
-
-
-@dataclass(frozen=True)
-class Eval:
-    version: int
-    tokens: int
-    loss: float
-    island_id: str
-    t: float
-
-
-@dataclass(frozen=True)
-class Fault:
-    t: float
-    kind: str
-    island_id: str
-    detail: str
-
-
 def fault_detail(record: dict[str, Any]) -> str:
     """One line saying what a fault event recorded."""
     if record["event"] == "device_quarantined":
@@ -80,12 +53,13 @@ def fault_detail(record: dict[str, Any]) -> str:
 
 
 class RunHistory:
-    """The fold (see the module docstring). :meth:`observe` takes each event as the coordinator logs it."""
+    """The fold (see the module docstring). :meth:`observe` takes each event as the coordinator logs it. The past is
+    kept as the Status messages' own records (never changed once made), so Status lists them as they are."""
 
     def __init__(self) -> None:
-        self.rounds: deque[Round] = deque(maxlen=MAX_ROUNDS)
-        self.evals: deque[Eval] = deque(maxlen=MAX_EVALS)
-        self.faults: deque[Fault] = deque(maxlen=MAX_FAULTS)
+        self.rounds: deque[pb.RoundRecord] = deque(maxlen=MAX_ROUNDS)
+        self.evals: deque[pb.EvalPoint] = deque(maxlen=MAX_EVALS)
+        self.faults: deque[pb.FaultRecord] = deque(maxlen=MAX_FAULTS)
         self.tokens_at: dict[int, int] = {0: 0}  # version -> tokens merged into it (cumulative)
         self.evaluated: set[int] = set()
         self.islands: dict[str, IslandView] = {}
@@ -105,11 +79,11 @@ class RunHistory:
             pushes = record.get("pushes", [])
             version = int(record["version"])
             tokens = sum(int(p.get("tokens", 0)) for p in pushes)
-            self.tokens_at[version] = self.tokens_at.get(version - 1, self._tokens_before(version)) + tokens
-            self.rounds.append(Round(version=version, t=t, pushes=len(pushes), tokens=tokens,
-                                     bytes_in=sum(int(p.get("bytes", 0)) for p in pushes),
-                                     merge_s=float(record.get("merge_s", 0.0)),
-                                     max_staleness=max((float(p.get("staleness", 0)) for p in pushes), default=0.0)))
+            self.tokens_at[version] = self.tokens_merged_at(version - 1) + tokens
+            self.rounds.append(pb.RoundRecord(
+                version=version, t=t, pushes=len(pushes), tokens=tokens,
+                bytes_in=sum(int(p.get("bytes", 0)) for p in pushes), merge_s=float(record.get("merge_s", 0.0)),
+                max_staleness=max((float(p.get("staleness", 0)) for p in pushes), default=0.0)))
         elif kind == "coordinator_resumed":  # merges logged after the restored checkpoint were rolled back
             version = int(record.get("version", 0))
             self.tokens_at = {v: n for v, n in self.tokens_at.items() if v <= version}
@@ -118,12 +92,12 @@ class RunHistory:
         elif kind == "eval":
             version = int(record["version"])
             self.evaluated.add(version)
-            self.evals.append(Eval(version=version, tokens=int(record.get("tokens", 0)), loss=float(record["loss"]),
-                                   island_id=str(record.get("island", "")), t=t))
+            self.evals.append(pb.EvalPoint(version=version, tokens=int(record.get("tokens", 0)),
+                                           loss=float(record["loss"]), island_id=str(record.get("island", "")), t=t))
         fault = fault_kind(record)
         if fault:
-            self.faults.append(Fault(t=t, kind=fault, island_id=str(record.get("island", "")),
-                                     detail=fault_detail(record)))
+            self.faults.append(pb.FaultRecord(t=t, kind=fault, island_id=str(record.get("island", "")),
+                                              detail=fault_detail(record)))
 
     def _tokens_before(self, version: int) -> int:
         earlier = [v for v in self.tokens_at if v < version]

@@ -707,7 +707,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 run_id=self.run_id, version=self.state.version, mode=self.opts.coordinator.mode, islands=islands,
                 tokens_merged=self.state.tokens_merged, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                 deltas_dropped=self.state.deltas_dropped, total_versions=self.opts.end_version,
-                tokens_total=self.opts.islands * self.opts.shard_end * self.opts.seq_len,
+                tokens_total=self.opts.tokens_total,
                 stopped=st["stopped"], run_over=st["run_over"], deltas_merged=self.state.deltas_merged,
                 deltas_rejected=self.state.deltas_rejected, duplicates=self.state.duplicates,
                 pushes_refused=self.pushes_refused, shard_cursors=st["shard_cursors"],
@@ -716,9 +716,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    deadline_s=None if deadline is None else max(0.0, deadline - now)),
                 merge_s=self.merge_s, params_digest=self.merger.digest, started_at=self.started_at, now=now,
                 eval_loss=h.evals[-1].loss if h.evals else None,
-                rounds=[pb.RoundRecord(**dataclasses.asdict(r)) for r in h.rounds],
-                evals=[pb.EvalPoint(**dataclasses.asdict(e)) for e in h.evals],
-                faults=[pb.FaultRecord(**dataclasses.asdict(f)) for f in h.faults])
+                rounds=h.rounds, evals=h.evals, faults=h.faults)
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()  # NOT_SERVING from now on
@@ -749,10 +747,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
-    check_address_free(c.host, c.port if port is None else port)  # before anything is written to the run folder
+    check_ports_free(cfg, port)  # before anything is written to the run folder
     dash_port = dashboard_port(cfg, port)
-    if dash_port is not None:
-        check_port_free(c.host, dash_port)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
     token = read_token(cfg.security)
     on_denied: AuthDenied = service.auth_failed
@@ -787,7 +783,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
         o = service.opts
         service.log.event("run_started", run_id=service.run_id, mode=c.mode, islands=o.islands,
                           total_versions=o.end_version, expected_versions=o.total_versions,
-                          tokens_total=o.islands * o.shard_end * o.seq_len, params=service.merger.n,
+                          tokens_total=o.tokens_total, params=service.merger.n,
                           fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
     dash_url = service.dashboard.url if service.dashboard is not None else None
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=creds is not None,
@@ -801,6 +797,16 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
 
 _IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
            "with --port or coordinator.port")
+
+
+def check_ports_free(cfg: Config, port: int | None) -> None:
+    """The gRPC address (``port``, else coordinator.port) and the dashboard's port are free to bind, or a
+    DtrainError naming the one that is not."""
+    c = cfg.coordinator
+    check_address_free(c.host, c.port if port is None else port)
+    dash_port = dashboard_port(cfg, port)
+    if dash_port is not None:
+        check_port_free(c.host, dash_port)
 
 
 def check_address_free(host: str, port: int) -> None:
@@ -981,11 +987,8 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     return_large_frees_to_the_os()
-    check_address_free(cfg.coordinator.host, cfg.coordinator.port if port is None else port)  # before θ_0's work
+    check_ports_free(cfg, port)  # before θ_0's work
     require_exporter(cfg.telemetry)  # likewise
-    dash_port = dashboard_port(cfg, port)
-    if dash_port is not None:
-        check_port_free(cfg.coordinator.host, dash_port)
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

@@ -150,6 +150,11 @@ class StateOptions:
         return self.shard_steps * self.batch_size
 
     @property
+    def tokens_total(self) -> int:
+        """Tokens in the train split over all shards (0 with wall-time rounds: no end to the data)."""
+        return self.islands * self.shard_end * self.seq_len
+
+    @property
     def end_version(self) -> int:
         """The version the run ends at, when it is known ahead (wall-time rounds); 0 when the data decides (step
         rounds: a lost island's shard finished by another takes extra versions). Sent in JoinResponse."""

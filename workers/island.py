@@ -1160,7 +1160,7 @@ class Worker:
     def _finish(self, island: Island, g: GlobalParams, status: IslandStatus, rounds: int, t_start: float,
                 final_wait: float) -> dict[str, Any]:
         """The final heartbeat, eval and summary (``t_start``: when :meth:`run` began)."""
-        final_digest = params_digest(g.vec)
+        final_digest = g.digest or params_digest(g.vec)  # verified on arrival, unless it came another way
         final_eval = float("nan")
         active_s = self._active_s
         if not self.drained:  # a drained island lets its lease run out (its shard is then rerouted)
