@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import DtrainError
-from dtrain.runlog import read_events
+from dtrain.runlog import fault_kind, read_events
 
 Point = tuple[float, float]
 
@@ -45,7 +45,15 @@ MARKS: dict[str, tuple[str, str, str]] = {
     "fault_recovered": ("fault recovered", "+", "black"),
     "coordinator_resumed": ("coordinator resumed", "o", "tab:blue"),
     "request_rejected": ("request rejected", "x", "tab:red"),
+    "coordinator_fault": ("coordinator fault", "x", "tab:brown"),
 }
+# The coordinator's fault events (dtrain.runlog.fault_kind: the one classification, also Status's and the
+# dtrain.faults metric's) as timeline marks, and the lane each goes on: its island's, or the coordinator's.
+FAULT_MARKS = {"delta_dropped": "push_dropped", "delta_rejected": "push_rejected", "push_refused": "push_rejected",
+               "push_aborted": "push_rejected", "island_lost": "island_lost",
+               "coordinator_resumed": "coordinator_resumed", "request_invalid": "request_rejected",
+               "auth_failed": "request_rejected"}
+ISLAND_FAULTS = frozenset({"delta_dropped", "delta_rejected", "push_refused", "push_aborted", "island_lost"})
 
 
 class PlotError(DtrainError):
@@ -229,19 +237,16 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
             name = str(e.get("name", who))
             marks.append(Mark(t, name, "rejoined" if name in seen_names else kind, str(e.get("reason", ""))))
             seen_names.add(name)
-        elif kind == "island_lost":
-            marks.append(Mark(t, who, kind, str(e.get("reason", ""))))
-        elif kind == "push_received" and e.get("status") in ("drop", "dropped"):
-            marks.append(Mark(t, who, "push_dropped", str(e.get("reason", ""))))
-        elif kind in ("push_quarantined", "merge_rejected", "push_refused", "push_aborted"):
-            marks.append(Mark(t, who, "push_rejected", f"{kind}: {e.get('reason', e.get('error', ''))}"))
-        elif kind == "device_quarantined" and not islands.get(who):  # the island's own event is drawn otherwise
-            marks.append(Mark(t, who, kind, str(e.get("detail", ""))))
-        elif kind in ("coordinator_resumed", "request_rejected", "auth_failed", "request_invalid"):
-            marks.append(Mark(t, COORDINATOR, kind if kind in MARKS else "request_rejected",
-                              str(e.get("reason", e.get("version", "")))))
-        elif kind in ("nan_guard", "device_quarantined") and single:
+        elif kind == "device_quarantined":
+            if not islands.get(who):  # the island's own event is drawn otherwise
+                marks.append(Mark(t, who, kind, str(e.get("detail", ""))))
+        elif kind == "nan_guard" and single:  # a train run's own
             marks.append(Mark(t, "train", kind))
+        elif fault_kind(e) or kind == "request_rejected":  # not a fault (an unknown island, ...), still drawn
+            fault = fault_kind(e) or "request_invalid"
+            marks.append(Mark(t, who if fault in ISLAND_FAULTS else COORDINATOR,
+                              FAULT_MARKS.get(fault, "coordinator_fault"),
+                              f"{kind}: {e.get('reason', e.get('error', e.get('version', '')))}"))
     for name, evs in islands.items():
         for e in evs:
             kind, t = str(e.get("event")), float(e.get("t", t0)) - t0
