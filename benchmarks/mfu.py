@@ -48,6 +48,7 @@ from typing import Any
 
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.errors import DtrainError
+from dtrain.runlog import fmt_bytes
 from dtrain_cli.entry import Parser, run_main
 
 ACCELERATOR_CONFIGS = ("gpt-125m", "gpt-350m")
@@ -247,10 +248,6 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
         memory=_memory(compiled))
 
 
-def _bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def report(r: Result) -> list[str]:
     """The lines printed for one config; the last is the ``mfu:`` line."""
     mfu = "n/a" if r.mfu is None else f"{r.mfu:.1%}"
@@ -258,7 +255,7 @@ def report(r: Result) -> list[str]:
            f"XLA FLOPs a step {r.xla_flops_per_step:.4g} (x{r.xla_flops_per_step / r.model_flops_per_step:.3f} "
            f"the model FLOPs: XLA also counts elementwise work, the optimizer update on every device"
            f"{' and the remat recomputation' if r.remat else ''})")
-    mem = ", ".join(f"{k} {_bytes(v)}" for k, v in r.memory.items()) or "n/a"
+    mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.memory.items()) or "n/a"
     peak = "n/a" if r.peak_tflops is None else f"{r.peak_tflops:g} TFLOP/s"
     achieved = r.tokens_per_s * r.model_flops_per_token / r.devices / 1e12
     return [

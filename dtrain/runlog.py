@@ -129,6 +129,18 @@ def json_number(x: float | int | None) -> float | int | str | None:
     return str(float(x))
 
 
+def fmt_bytes(n: int) -> str:
+    """A byte count for people: ``812 B``, ``3.0 MiB``, ``1.2 GiB`` (binary units, one decimal)."""
+    if n < 1024:
+        return f"{n:,} B"
+    x = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if x < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:,.1f} TiB"
+
+
 def fmt_rate(x: float) -> str:
     """A rate for a progress line: ``12.3k`` below a million, ``1.23M`` from there."""
     return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M"

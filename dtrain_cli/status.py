@@ -18,6 +18,7 @@ from typing import TextIO
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
+from dtrain.runlog import fmt_bytes
 from dtrain.status import message_dict
 
 SHOW_ROUNDS = 5  # the latest rounds the table shows (the message holds up to 500)
@@ -57,17 +58,6 @@ def _int(n: int) -> str:
     return f"{n:,}"
 
 
-def _bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n:,} B"
-    x = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if x < 1024:
-            return f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:,.1f} TiB"
-
-
 def _loss(x: float) -> str:
     return f"{x:.4f}" if math.isfinite(x) else str(x)
 
@@ -99,7 +89,7 @@ def summary_lines(st: pb.StatusResponse) -> list[str]:
         lines.append(f"open round (to version {r.target_version}): {r.pending} push{'es' * (r.pending != 1)} "
                      f"pending, {'ready' if r.ready else 'not ready'}{': ' + r.reason if r.reason else ''}{deadline}")
     lines.append(f"rounds: {len(st.rounds)} recorded, {st.merge_s:.2f}s merging in all; bytes in "
-                 f"{_bytes(st.bytes_in)}, out {_bytes(st.bytes_out)}")
+                 f"{fmt_bytes(st.bytes_in)}, out {fmt_bytes(st.bytes_out)}")
     lines.append(f"deltas: {st.deltas_merged} merged, {st.deltas_dropped} dropped, {st.deltas_rejected} rejected, "
                  f"{st.duplicates} duplicates; {st.pushes_refused} pushes refused; {len(st.faults)} faults recorded")
     return lines
@@ -121,7 +111,7 @@ def sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
     rounds = Table(f"rounds (latest {SHOW_ROUNDS})", ["version", "pushes", "tokens", "bytes in", "merge s",
                                                      "max staleness", "merged"], right=frozenset(range(7)))
     for r in st.rounds[-SHOW_ROUNDS:]:
-        rounds.rows.append([str(r.version), str(r.pushes), _int(r.tokens), _bytes(r.bytes_in), f"{r.merge_s:.2f}",
+        rounds.rows.append([str(r.version), str(r.pushes), _int(r.tokens), fmt_bytes(r.bytes_in), f"{r.merge_s:.2f}",
                             f"{r.max_staleness:g}", _ago(st, r.t)])
     faults = Table(f"faults (latest {SHOW_FAULTS})", ["when", "kind", "island", "detail"])
     for f in st.faults[-SHOW_FAULTS:]:
