@@ -50,6 +50,7 @@ import numpy as np
 
 from dtrain.config import ConfigError
 from dtrain.errors import DtrainError
+from dtrain.wire import parse_address
 from workers.client import CoordinatorError, RunOverError
 
 T = TypeVar("T")
@@ -91,10 +92,11 @@ def _address(name: str, text: str) -> str:
     text = text.strip()
     if text == AUTO:
         return text
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}: expected HOST:PORT of process 0 (e.g. island-0.island:8476) or {AUTO!r}, "
-                          f"got {text!r}")
+    try:
+        parse_address(text)  # the one HOST:PORT rule (--coordinator's too)
+    except ValueError as e:
+        raise ConfigError(f"{name}: expected HOST:PORT of process 0 (e.g. island-0.island:8476) or {AUTO!r}: "
+                          f"{e}") from None
     return text
 
 
