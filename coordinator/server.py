@@ -749,8 +749,9 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     address = f"{c.host}:{c.port if port is None else port}"
     check_ports_free(cfg, port)  # before anything is written to the run folder
     dash_port = dashboard_port(cfg, port)
+    token = read_token(cfg.security)  # the secrets, checked (a placeholder refused) before anything is written too
+    creds = server_credentials(cfg.security)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
-    token = read_token(cfg.security)
     on_denied: AuthDenied = service.auth_failed
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
     threads = server_threads(cfg)
@@ -759,7 +760,6 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                          maximum_concurrent_rpcs=threads * 4)
     server.add_generic_rpc_handlers((service_handler(service),))
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
-    creds = server_credentials(cfg.security)
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
@@ -989,6 +989,8 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     return_large_frees_to_the_os()
     check_ports_free(cfg, port)  # before θ_0's work
     require_exporter(cfg.telemetry)  # likewise
+    read_token(cfg.security)  # likewise: a placeholder token or TLS file (deploy/'s, unreplaced) is refused at once
+    server_credentials(cfg.security)
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:

@@ -37,6 +37,20 @@ KEEPALIVE_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_MAX_S = 0.5
 
 AUTH_METADATA_KEY = "authorization"
+# The mark every placeholder secret in deploy/ starts with (tests/test_deploy.py checks each one does): a token or a
+# TLS file that still holds one is refused at start-up, with how to make the real one, instead of a run that
+# "authenticates" with a token printed in the repository, or a TLS error deep in gRPC.
+PLACEHOLDER = "REPLACE-ME"
+# How to make each deployed secret (README, "Deploying", step 4): named in the refusal of its placeholder.
+_MAKE_TOKEN = ('kubectl create secret generic dtrain-token --from-literal=token="$(openssl rand -hex 32)" '
+               "--dry-run=client -o yaml > deploy/base/secret-token.yaml")
+_MAKE_PEM = {
+    "ca": "kubectl create secret generic dtrain-ca --from-file=ca.crt=tls/ca.crt --dry-run=client -o yaml > "
+          "deploy/base/secret-ca.yaml",
+    "server_cert": "kubectl create secret tls dtrain-coordinator-tls --cert=tls/server.crt --key=tls/server.key "
+                   "--dry-run=client -o yaml > deploy/coordinator/secret-tls.yaml",
+}
+_MAKE_PEM["server_key"] = _MAKE_PEM["server_cert"]
 # The calls answered without a token: grpc.health.v1's Check and Watch (Kubernetes' gRPC probes and load balancers
 # send none). They tell whether the coordinator serves, nothing about the run.
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
@@ -62,10 +76,15 @@ class WireError(ValueError):
 
 
 def read_token(sec: SecurityConfig) -> str | None:
-    """The bearer token from the environment variable the config names; None disables auth."""
+    """The bearer token from the environment variable the config names; None disables auth. ConfigError if it
+    is still deploy/'s placeholder (:data:`PLACEHOLDER`): the coordinator and every island read it here."""
     if not sec.token_env:
         return None
     token = os.environ.get(sec.token_env, "")
+    if token.strip().startswith(PLACEHOLDER):
+        raise ConfigError(f"[security] token_env: ${sec.token_env} holds the placeholder of "
+                          f"deploy/base/secret-token.yaml, not a token: make a real one, the same for every cluster "
+                          f"(README, \"Deploying\"): {_MAKE_TOKEN}")
     return token or None
 
 
@@ -75,13 +94,18 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def _read_pem(path: str, what: str) -> bytes:
     """The PEM file the config's ``security.WHAT`` names; ConfigError (the CLI's one line, exit 2) if it cannot
-    be read or is not PEM."""
+    be read, is still deploy/'s placeholder (:data:`PLACEHOLDER`) or is not PEM."""
     try:
         data = Path(path).expanduser().read_bytes()
     except OSError as e:
         raise ConfigError(f"[security] {what}: cannot read {path}: {e.strerror}") from None
+    if data.strip().startswith(PLACEHOLDER.encode()):
+        make = _MAKE_PEM.get(what, f"put the PEM file there (security.{what})")
+        raise ConfigError(f"[security] {what}: {path} holds a placeholder of deploy/'s Secrets, not PEM: make the "
+                          f"real one (README, \"Deploying\"): {make}")
     if b"-----BEGIN" not in data:
-        raise ConfigError(f"[security] {what}: {path} is not a PEM file")
+        raise ConfigError(f"[security] {what}: {path} is not a PEM file (no '-----BEGIN' line): name a PEM file "
+                          f"in security.{what}")
     return data
 
 

@@ -25,9 +25,11 @@ import yaml
 
 from conftest import initial_parameters
 from coordinator.server import has_checkpoint, serve
-from dtrain.config import Config, CoordinatorConfig, load_config, replace
+from dtrain.config import Config, ConfigError, CoordinatorConfig, load_config, replace
+from dtrain.wire import PLACEHOLDER, read_token
 from dtrain_cli import probe
 from dtrain_cli.main import build_parser
+from dtrain_cli.main import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -385,6 +387,82 @@ def test_has_checkpoint_decides_resume_auto(tmp_path):
     assert not has_checkpoint(replace(cfg, coordinator={"checkpoint": False}), tmp_path / "run")
     assert build_parser().parse_args(["coordinator", "--config", "tiny", "--resume"]).resume == "always"
     assert build_parser().parse_args(["coordinator", "--config", "tiny"]).resume is None
+
+
+# -- the placeholder secrets ------------------------------------------------------------------------------------
+
+
+def test_every_secret_in_deploy_is_a_placeholder_the_code_refuses():
+    """deploy/ ships no secret, only placeholders that start with dtrain.wire.PLACEHOLDER, the mark the coordinator
+    and the islands refuse (the next test): manifests applied unedited fail at once, never run with a known token."""
+    secrets = {name: s for cluster in CLUSTERS for name, s in _named(build(DEPLOY / cluster), "Secret").items()}
+    assert set(secrets) == {"dtrain-token", "dtrain-ca", "dtrain-coordinator-tls"}
+    for name, secret in secrets.items():
+        assert "data" not in secret, f"Secret {name}: deploy/ ships placeholders (stringData), never a real secret"
+        for key, value in secret["stringData"].items():
+            assert value.startswith(PLACEHOLDER), f"Secret {name}: {key} = {value!r} lacks the mark {PLACEHOLDER}"
+
+
+_MULTI_HOST_FLAGS = ("--num-processes", "--process-id", "--jax-coordinator")
+
+
+@pytest.mark.parametrize("cluster,where", ALL)
+def test_unedited_placeholders_stop_the_container_with_one_line(cluster, where, tmp_path, monkeypatch, capsys):
+    """The container's own dtrain command (its files under tmp_path; one process standing for a multi-host island's
+    every process, which each read the secrets first) with deploy/'s Secrets as the kubelet mounts them: exit 2 and
+    one line naming the placeholder's file and the command that makes the real one, before anything is written.
+    The coordinator reads the token first: with a real one it refuses the TLS placeholder the same way."""
+    docs, spec, c = _container(cluster, where)
+    root = str(tmp_path)
+    for path, text in _mounted_files(docs, spec, c).items():
+        (tmp_path / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path.lstrip("/")).write_text(text)
+    argv = [re.sub(r"(^|=)/", lambda m: f"{m.group(1)}{root}/", a) for a in _expand(_dtrain_argv(c, where), c, where)]
+    for flag in _MULTI_HOST_FLAGS:
+        if flag in argv:
+            del argv[argv.index(flag):argv.index(flag) + 2]
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    token = _data(_named(docs, "Secret")["dtrain-token"])["token"]
+    monkeypatch.setenv("DTRAIN_TOKEN", token)
+
+    def refused() -> str:
+        assert cli_main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"dtrain {argv[0]}: config error: [security] ") and "placeholder" in err, err
+        assert not run_dir.exists() or not any(run_dir.iterdir()), f"{where}: refused after writing {run_dir}"
+        return err
+
+    if argv[0] == "coordinator":
+        err = refused()
+        assert "$DTRAIN_TOKEN" in err and "deploy/base/secret-token.yaml" in err, err
+        assert 'kubectl create secret generic dtrain-token --from-literal=token="$(openssl rand -hex 32)"' in err
+        monkeypatch.setenv("DTRAIN_TOKEN", "0123456789abcdef" * 4)
+        err = refused()
+        assert f"{root}/etc/dtrain/tls/tls." in err and "kubectl create secret tls dtrain-coordinator-tls" in err, err
+    else:
+        err = refused()  # its channel's CA is read first
+        assert f"{root}/etc/dtrain/ca/ca.crt" in err and "--from-file=ca.crt=tls/ca.crt" in err, err
+        monkeypatch.setenv("DTRAIN_TOKEN", "0123456789abcdef" * 4)
+        (tmp_path / "etc/dtrain/ca/ca.crt").write_text("not pem\n")  # not the placeholder: a plainer refusal
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.strip().endswith(f"{root}/etc/dtrain/ca/ca.crt is not a PEM file (no '-----BEGIN' line): name a "
+                                    "PEM file in security.ca"), err
+
+
+def test_the_placeholder_token_is_refused_wherever_it_is_read(monkeypatch):
+    """read_token, the one reader of the token (the coordinator's serve and run_coordinator, every client): the
+    placeholder (even with the whitespace a copy may add) is refused; a real token, or none, passes."""
+    sec = load_config(None).security
+    for placeholder in ("REPLACE-ME-with-openssl-rand-hex-32", f" {PLACEHOLDER}\n"):
+        monkeypatch.setenv(sec.token_env, placeholder)
+        with pytest.raises(ConfigError, match=r"^\[security\] token_env: \$DTRAIN_TOKEN holds the placeholder"):
+            read_token(sec)
+    monkeypatch.setenv(sec.token_env, "s3cret")  # no minimum length: short tokens in use stay accepted
+    assert read_token(sec) == "s3cret"
+    monkeypatch.delenv(sec.token_env)
+    assert read_token(sec) is None
 
 
 # -- the probe against a live coordinator -----------------------------------------------------------------------

@@ -147,6 +147,7 @@ class CoordinatorClient:
         self.cfg = cfg
         sec = cfg.security
         creds = channel_credentials(sec)
+        token = read_token(sec)  # before any channel: a placeholder token is refused (ConfigError)
         opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
         self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
@@ -156,7 +157,7 @@ class CoordinatorClient:
         self._pull_global = self.channel.unary_stream(method_path("PullGlobal"),
                                                       request_serializer=pb.PullRequest.SerializeToString,
                                                       response_deserializer=chunk_deserializer(pb.PullMessage))
-        self.metadata = auth_metadata(read_token(sec))
+        self.metadata = auth_metadata(token)
         self.on_retry = on_retry
         self.give_up = give_up
         self.bytes_up = 0
