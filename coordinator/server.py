@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
@@ -68,6 +68,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 MAX_PULL_WAIT_S = 30.0
+# `dtrain coordinator --after-finish`: what the coordinator does once its run is finished (CoordinatorService)
+AfterFinish = Literal["exit", "serve"]
 DEAF_S = 0.5  # the ticker woke this much past a deadline: the lock was busy; leases are paused for that time
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
            "reject": pb.PUSH_STATUS_REJECTED}
@@ -120,7 +122,12 @@ def has_checkpoint(cfg: Config, run_dir: str | Path) -> bool:
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
-                 clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False):
+                 clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False,
+                 after_finish: AfterFinish = "exit"):
+        """``after_finish``: what a finished run does (``dtrain coordinator --after-finish``): ``exit`` (health
+        NOT_SERVING once finished, :meth:`wait_finished` returns) or ``serve`` (it keeps serving, health SERVING,
+        until :meth:`request_stop`: :meth:`wait_stop_requested`)."""
+        self.after_finish = after_finish
         self.cfg = cfg
         self.clock = clock
         self.run_dir = Path(run_dir)
@@ -171,8 +178,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._auth_failures: dict[str, tuple[float, int, str, str, str]] = {}
         self._auth_lock = threading.Lock()
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
+        self.stop_requested: str | None = None  # why request_stop was called (a signal), if it was
         self._closing = False
-        # grpc.health.v1 (registered by serve()): SERVING until the run is over, the service failed, or it stops.
+        # grpc.health.v1 (registered by serve()): SERVING until the run is over (after_finish="serve": until asked
+        # to stop), the service failed, or it stops.
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._serving: bool | None = None  # what the health service says now (None: nothing yet)
         self.telemetry = Telemetry(cfg.telemetry, "coordinator", "coordinator", self.run_id)
@@ -434,8 +443,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _set_health(self) -> None:
         """grpc.health.v1: SERVING while the coordinator serves, including after the run's last version while it
         lingers for the islands' last pulls (a readiness probe must keep routing them here); NOT_SERVING once it is
-        finished, failed or asked to stop (the ticker calls this on every change)."""
-        serving = not (self.finished or self.fatal or self._closing)
+        finished, failed or asked to stop (the ticker calls this on every change). With ``after_finish="serve"``
+        a finished run still serves (late islands get its final θ or its end, Status its record), so it stays
+        SERVING until it fails or is asked to stop: a liveness probe must not restart it, nor readiness hide it."""
+        finished = self.stop_requested if self.after_finish == "serve" else self.finished
+        serving = not (finished or self.fatal or self._closing)
         if serving == self._serving:
             return  # unchanged: a Watch hears of changes only
         self._serving = serving
@@ -452,12 +464,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return f"failed: {self.fatal}" if self.fatal else str(self.finished)
 
     def request_stop(self, reason: str) -> None:
-        """Ends :meth:`wait_finished` with ``reason``. Safe in a signal handler of the waiting thread: the lock
-        is reentrant, and the wait has released it."""
+        """Ends :meth:`wait_finished` (and :meth:`wait_stop_requested`) with ``reason``. Safe in a signal handler
+        of the waiting thread: the lock is reentrant, and the wait has released it."""
         with self.lock:
             if self.finished is None:
                 self.finished = reason
+            if self.stop_requested is None:
+                self.stop_requested = reason
+                self._set_health()
             self.lock.notify_all()
+
+    def wait_stop_requested(self) -> str:
+        """Blocks until :meth:`request_stop` is called or the service fails, and says why (``after_finish="serve"``:
+        how a finished run's coordinator ends)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.stop_requested is not None or self.fatal is not None)
+            return f"failed: {self.fatal}" if self.fatal else str(self.stop_requested)
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
@@ -743,15 +765,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec, port: int | None = None,
           resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
-          ) -> tuple[grpc.Server, CoordinatorService, int]:
-    """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one."""
+          after_finish: AfterFinish = "exit") -> tuple[grpc.Server, CoordinatorService, int]:
+    """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one.
+    ``after_finish``: see :class:`CoordinatorService`."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
     check_ports_free(cfg, port)  # before anything is written to the run folder
     dash_port = dashboard_port(cfg, port)
     token = read_token(cfg.security)  # the secrets, checked (a placeholder refused) before anything is written too
     creds = server_credentials(cfg.security)
-    service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet)
+    service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet,
+                                 after_finish=after_finish)
     on_denied: AuthDenied = service.auth_failed
     interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
     threads = server_threads(cfg)
@@ -980,10 +1004,12 @@ def initial_parameters(cfg: Config) -> tuple[np.ndarray, codec.Spec]:
 
 
 def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, resume: bool = False,
-                    quiet: bool = False) -> dict[str, Any]:
+                    quiet: bool = False, after_finish: AfterFinish = "exit") -> dict[str, Any]:
     """``dtrain coordinator``: serves until the run is finished (``CoordinatorState.finished``: the last version
     is merged and the live islands have it, or its linger has passed) or SIGTERM / Ctrl-C; writes
-    RUN_DIR/coordinator.json with the bound address as soon as it listens."""
+    RUN_DIR/coordinator.json with the bound address as soon as it listens. ``after_finish="serve"`` (a
+    Deployment's, which would restart an exited coordinator, resume the finished run and end it again, forever):
+    a finished run says so (``run_finished`` event, one progress line) and keeps serving until SIGTERM / Ctrl-C."""
     import signal
 
     return_large_frees_to_the_os()
@@ -994,7 +1020,8 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:
-        server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet)
+        server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet,
+                                       after_finish=after_finish)
     finally:
         shutil.rmtree(init_dir, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"
@@ -1006,6 +1033,15 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: service.request_stop(f"{signal.Signals(signum).name} received"))
     reason = service.wait_finished()
+    if after_finish == "serve" and service.fatal is None and service.stop_requested is None:
+        with service.lock:
+            version = service.state.version
+        service.log.event("run_finished", reason=reason, version=version)
+        service.log.progress(f"run finished: {reason}; serving its final θ (version {version}), Status, health "
+                             f"and the dashboard until SIGTERM (--after-finish=serve); nothing is left to train: the "
+                             f"Deployment may be scaled to 0 (kubectl -n dtrain scale deployment dtrain-coordinator "
+                             f"--replicas=0)")
+        reason = service.wait_stop_requested()
     if service.fatal:
         server.stop(grace=1.0).wait()
         service.close()

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="always", default=None, choices=("always", "auto"),
                    help="restore the latest coordinator checkpoint in --run-dir; --resume=auto: if there is one, "
                    "else start the run (a Deployment's every start)")
+    p.add_argument("--after-finish", choices=("exit", "serve"), default="exit",
+                   help="once the run is finished: exit (the default), or keep serving its final θ, Status, health "
+                   "and the dashboard until SIGTERM (a Deployment's: it would restart an exited coordinator)")
     p = _command(sub, "worker", "run one island against a coordinator",
                  "Trains one island on all local devices against a running coordinator; a restarted worker with\n"
                  "the same --island name rejoins its shard. An unreachable coordinator is retried for\n"
@@ -272,7 +275,8 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
         resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
-        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet)
+        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
+                                  after_finish=args.after_finish)
         print(json.dumps(summary))
         return 0
     if args.command == "worker":

@@ -357,6 +357,7 @@ def test_container_command_is_accepted_by_the_dtrain_parser(cluster, where):
         assert {cfg.coordinator.port, cfg.coordinator.dashboard_port} <= ports, f"{where}: ports not declared"
         assert cfg.security.server_cert and cfg.security.server_key, f"{where}: the coordinator must serve TLS"
         assert args.resume == "auto", f"{where}: a restarted pod must resume (and a first start must start)"
+        assert args.after_finish == "serve", f"{where}: an exited coordinator would be restarted, resume, exit: a loop"
     else:
         assert cfg.security.ca, f"{where}: the island must verify the coordinator (security.ca)"
         assert args.coordinator.rsplit(":", 1)[1] == str(CoordinatorConfig().port), where
@@ -499,6 +500,103 @@ def test_probe_says_serving_over_tls_and_fails_otherwise(tmp_path, monkeypatch):
         server.stop(grace=None).wait()
         service.close()
     assert probe.main(["--config", tiny, "--set", ca, "--address", address, "--timeout", "1"]) == 1
+
+
+# -- the coordinator after its run ------------------------------------------------------------------------------
+
+
+def _finished_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Path]:
+    """A run of one version, merged from two islands' pushes and checkpointed, its coordinator stopped: the volume
+    a Deployment's next start resumes from (the islands' leases are short, so a resume forgets them quickly)."""
+    from test_service import _delta_frame, _header, _join
+    from workers.client import CoordinatorClient
+
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.dashboard_port=-1", "coordinator.lease_s=1",
+        "outer.islands=2", "train.steps=10", "outer.inner_steps=10", "worker.heartbeat_s=0.25",
+        "worker.retry_total_s=1"])
+    run_dir = tmp_path / "run"
+    theta, spec = initial_parameters(cfg)
+    server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
+    try:
+        clients = [CoordinatorClient(f"127.0.0.1:{port}", cfg) for _ in range(2)]
+        joins = [_join(c, name) for c, name in zip(clients, "ab", strict=True)]
+        for i, (c, j) in enumerate(zip(clients, joins, strict=True)):
+            c.push(_header(j, f"p{i}"), _delta_frame(j.tree_size, i)[1])
+        for c, j in zip(clients, joins, strict=True):
+            c.heartbeat(island_id=j.island_id, version=1)
+            c.close()
+        assert service.wait_finished().startswith("the run is over (1 versions)")
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+    assert has_checkpoint(cfg, run_dir)
+    return cfg, run_dir
+
+
+def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_path, monkeypatch):
+    """The Deployment restarts a coordinator that exits: by default (--after-finish=exit) the resumed finished run
+    ends again by itself, health NOT_SERVING, a restart loop. With --after-finish=serve (the manifest's), the run is
+    resumed, said finished once (a run_finished event), and served: health SERVING (the probes pass, the Service
+    keeps routing), Status, a late island told the run is over (it exits 0), until SIGTERM; then it exits."""
+    import json
+    import os
+    import signal
+    import threading
+
+    import coordinator.server as server_mod
+    from conftest import initial_spec
+    from dtrain.runlog import read_events
+    from workers.client import CoordinatorClient
+    from workers.island import run_over_already
+
+    cfg, run_dir = _finished_run(tmp_path, monkeypatch)
+    tiny = ["--config", str(ROOT / "configs" / "tiny.toml")]
+    server, service, port = serve(cfg, run_dir, None, initial_spec(cfg), port=0, resume=True, quiet=True)
+    try:
+        assert service.wait_finished().startswith("the run is over (1 versions)")  # exit: it would stop here
+        assert probe.main([*tiny, "--address", f"127.0.0.1:{port}", "--timeout", "2"]) == 1  # NOT_SERVING
+    finally:
+        server.stop(grace=None).wait()
+        service.close()
+
+    seen: list[object] = []
+
+    def late_island() -> None:
+        """What the probes and a late island see once the coordinator says the run is finished; then SIGTERM."""
+        try:
+            while not any(e["event"] == "run_finished" for e in read_events(run_dir, skip_torn=True)):
+                threading.Event().wait(0.05)
+            address = f"127.0.0.1:{json.loads((run_dir / 'coordinator.json').read_text())['port']}"
+            threading.Event().wait(0.3)  # later still: it still serves
+            seen.append(probe.main([*tiny, "--address", address, "--timeout", "2"]))
+            client = CoordinatorClient(address, cfg)
+            seen.append(client.status(budget_s=0).run_over)
+            seen.append(run_over_already(client, cfg, tmp_path / "late"))
+            client.close()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # the tree's spec as run_coordinator's child process would compute it for a resume, from the session's copy
+    monkeypatch.setattr(server_mod, "initial_parameters_file", lambda *_args, **_kw: (None, initial_spec(cfg)))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thread = threading.Thread(target=late_island)
+    thread.start()
+    try:
+        summary = server_mod.run_coordinator(cfg, run_dir, port=0, resume=True, quiet=True, after_finish="serve")
+    finally:
+        thread.join()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert seen[0] == 0, "the probe failed after the run finished: readiness would hide it, liveness restart it"
+    assert seen[1].startswith("the run is over") and seen[2].startswith("the run is over"), seen
+    assert summary["version"] == 1
+    events = read_events(run_dir)
+    last = [e["event"] for e in events[next(i for i in range(len(events) - 1, -1, -1)
+                                          if events[i]["event"] == "coordinator_resumed"):]]
+    assert last.count("run_finished") == 1 and last[-2:] == ["run_finished", "coordinator_stopped"], last
+    assert events[-1]["reason"] == "SIGTERM received"
 
 
 # -- the image --------------------------------------------------------------------------------------------------
