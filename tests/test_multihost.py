@@ -1,7 +1,9 @@
 """Multi-host islands: one island made of two ``dtrain worker`` processes (one ``jax.distributed`` job over CPU
 collectives, 2 fake devices each) beside a single-process island, both merged by one real coordinator on
 127.0.0.1:0. The coordinator sees two islands, one of them with 4 devices; every process ends on the coordinator's
-final θ, bit for bit. And the pure resolution of the flags and the environment into the island's processes."""
+final θ, bit for bit. Slow: both processes of an island SIGKILLed mid-run and restarted from the island's orbax
+checkpoint; the coordinator rewinding a two-process island (a refused push, a rejoin after a hang), both processes
+alike. And the pure resolution of the flags and the environment into the island's processes."""
 
 from __future__ import annotations
 
