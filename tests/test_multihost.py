@@ -84,7 +84,7 @@ class Cluster:
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"worker {name} exited {rc}: {self.output(name)[-3000:]}"
 
-    def until(self, what: str, ready: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    def until(self, what: str, ready: Callable[[], bool], timeout_s: float = 180.0) -> None:
         """Polls ``ready()`` until it holds; fails naming ``what`` if it does not within ``timeout_s`` or a process
         exits first."""
         deadline = time.monotonic() + timeout_s
