@@ -60,7 +60,7 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,13 +153,6 @@ class Update:
     def open(self) -> BinaryIO:
         """An open handle: the frame stays readable even if it is deleted before the pull finishes."""
         return open(self.path, "rb")
-
-
-def pieces(f: BinaryIO, piece_bytes: int) -> Iterator[bytes]:
-    """Reads an open frame in pieces of ``piece_bytes`` and closes it."""
-    with f:
-        while piece := f.read(piece_bytes):
-            yield piece
 
 
 def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:

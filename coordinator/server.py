@@ -12,14 +12,17 @@ checkpointed with orbax, atomically.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import json
 import math
 import shutil
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -32,7 +35,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.dashboard import Dashboard, check_port_free, dashboard_port, open_dashboard
 from coordinator.history import RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
-from coordinator.merger import pieces as file_pieces
 from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
 from dtrain import codec
 from dtrain.config import Config
@@ -53,7 +55,7 @@ from dtrain.wire import (
     channel_options,
     chunk_count,
     chunk_deserializer,
-    chunk_message,
+    file_chunk_messages,
     keepalive_options,
     max_frame_bytes,
     read_token,
@@ -146,6 +148,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._push_bytes: dict[str, int] = {}  # frame bytes of each push pending in the open round
         n = cfg.coordinator.max_receiving
         self._receiving = threading.BoundedSemaphore(n) if n > 0 else None  # see PushDelta
+        self.streams = FrameStreams()
+        self.pull_piece = pull_piece(cfg)
         self.spec = spec
         self.tree_digest = codec.spec_digest(spec)
         self.fingerprint_fields = cfg.fingerprint_fields()
@@ -403,6 +407,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.rounds.close(version, pushes=len(pending), tokens=sum(i.tokens for i, _ in pending),
                           islands=sorted({i.island_id for i, _ in pending}), update_bytes=update.size)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
+        self.streams.trim()  # the step's slabs, the merged spools' buffers
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 
     def _tick_loop(self) -> None:
@@ -593,6 +598,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
             if self._receiving is not None:
                 self._receiving.acquire()
+            self.streams.begin()
             receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
                                                 push_id=info.push_id, version=admission.target_version,
                                                 preview=admission.status)
@@ -616,6 +622,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
                 self._upload_broke(context, info, receiver.received, receiver.chunks)
             finally:  # a refused or broken upload's span ends here, with what arrived
+                self.streams.end()
                 if self._receiving is not None:
                     self._receiving.release()
                 self.telemetry.end(receive, bytes=receiver.size)
@@ -687,17 +694,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
                        frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=evaluate)
-        chunk_bytes = self.cfg.codec.chunk_bytes
-        for kind, base, v, size, crc, digest, handle in frames:
-            yield pb.PullMessage(header=pb.PullHeader(
-                kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
-                frame_crc32=crc, chunks=chunk_count(size, chunk_bytes), params_digest=digest,
-                evaluate=evaluate and v == version))
-            for index, data in enumerate(file_pieces(handle, chunk_bytes)):
-                yield chunk_message(index, data, zlib.crc32(data))
-            with self.lock:
-                self.bytes_out += size
-                self.history.island(request.island_id).bytes_out += size
+        piece = self.pull_piece
+        with self.streams.streaming():
+            for kind, base, v, size, crc, digest, handle in frames:
+                yield pb.PullMessage(header=pb.PullHeader(
+                    kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
+                    frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
+                    evaluate=evaluate and v == version))
+                yield from file_chunk_messages(handle, piece)
+                with self.lock:
+                    self.bytes_out += size
+                    self.history.island(request.island_id).bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.status_message()
@@ -867,16 +874,33 @@ def server_threads(cfg: Config) -> int:
     return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
 
 
+def stream_share(cfg: Config) -> int:
+    """Each island's share of ``coordinator.stream_budget_bytes`` (the budget / ``outer.islands``), at least 64 KiB,
+    at most ``coordinator.stream_window_bytes`` where that is set; 0 without a budget."""
+    c = cfg.coordinator
+    if not c.stream_budget_bytes:
+        return 0
+    share = max(64 << 10, c.stream_budget_bytes // max(1, cfg.outer.islands))
+    return min(share, c.stream_window_bytes) if c.stream_window_bytes else share
+
+
 def stream_window(cfg: Config) -> int:
-    """Each incoming stream's receive window (0: gRPC's auto-tuning): ``coordinator.receive_budget_bytes`` shared
-    by the expected islands, at least 64 KiB, at most ``coordinator.stream_window_bytes``. The bytes received ahead
-    of the handlers stay near the budget however many islands push at once (benchmarks/scale.py)."""
+    """Each incoming stream's receive window (0: gRPC's auto-tuning): its island's :func:`stream_share`, or
+    ``coordinator.stream_window_bytes`` without a budget. The bytes received ahead of the handlers stay near the
+    budget however many islands push at once (benchmarks/scale.py)."""
     c = cfg.coordinator
     if not c.stream_window_bytes:
         return 0
-    if not c.receive_budget_bytes:
-        return c.stream_window_bytes
-    return min(c.stream_window_bytes, max(64 << 10, c.receive_budget_bytes // max(1, cfg.outer.islands)))
+    return stream_share(cfg) or c.stream_window_bytes
+
+
+def pull_piece(cfg: Config) -> int:
+    """Bytes per chunk of a pull's frames: ``codec.chunk_bytes``, at most half its island's :func:`stream_share`.
+    A pull being sent holds its chunk twice (the message in Python, gRPC's copy until it is on the wire), so the
+    pulls of every island at once hold about the budget, not islands x 2 x chunk_bytes (64 islands, 1 MiB chunks:
+    +190 MiB). Islands accept any chunk size up to their own ``codec.chunk_bytes``."""
+    share = stream_share(cfg)
+    return min(cfg.codec.chunk_bytes, share // 2) if share else cfg.codec.chunk_bytes
 
 
 def server_options(cfg: Config) -> list[tuple[str, int | str]]:
@@ -946,27 +970,81 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+@functools.cache
+def _glibc() -> Any:
+    """The C library when it is glibc (it has ``mallopt`` and ``malloc_trim``), else None: nothing to tune."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def return_large_frees_to_the_os() -> None:
     """glibc keeps freed multi-MiB temporaries in per-thread arenas, one per gRPC thread, so the coordinator's
     resident size would creep up to a multiple of the model. A fixed 4 MiB mmap threshold hands anything
     larger back to the OS when freed, while the chunk-sized buffers of every push (1 MiB messages, 256 KiB
     zstd output, 1 MiB slabs) come from the heap and are reused instead of mmap'd and faulted in each time
-    (a 1 MiB threshold made rounds ~10% slower); two arenas are enough here."""
-    import ctypes
-    import ctypes.util
+    (a 1 MiB threshold made rounds ~10% slower); two arenas are enough here. What the heap keeps once the
+    streams are done goes back by :class:`FrameStreams`."""
+    libc = _glibc()
+    if libc is None:
+        return
+    libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-8, 2)  # M_ARENA_MAX
+    # Fixing the mmap threshold also pins the trim threshold at 128 KiB, so those buffers would be given
+    # back and faulted in again every time; keep up to 16 MiB of free heap.
+    libc.mallopt(-1, 16 << 20)  # M_TRIM_THRESHOLD
 
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-8, 2)  # M_ARENA_MAX
-        # Fixing the mmap threshold also pins the trim threshold at 128 KiB, so those buffers would be given
-        # back and faulted in again every time; keep up to 16 MiB of free heap.
-        libc.mallopt(-1, 16 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        return
+
+class FrameStreams:
+    """Counts the frames streaming in (pushes) and out (pulls). When the last one ends, and after each merge, the
+    free memory the heap kept from their buffers (chunks, decoders, gRPC's copies: megabytes a stream, freed all
+    over the heap, so glibc's trim threshold cannot return them) goes back to the OS with ``malloc_trim``, at most
+    every ``TRIM_EVERY_S``. Without it a round's pushes leave the heap at their peak and the pulls that follow
+    add theirs on top (benchmarks/scale.py: 64 islands, 317 MiB at rest between rounds, 85 MiB with it)."""
+
+    TRIM_EVERY_S = 1.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.active = 0
+        self._trimmed = -math.inf
+        self.trims = 0
+
+    def begin(self) -> None:
+        with self._lock:
+            self.active += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self.active -= 1
+            if self.active:
+                return
+        self.trim()
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def trim(self) -> None:
+        libc = _glibc()
+        now = time.monotonic()
+        with self._lock:
+            if libc is None or now - self._trimmed < self.TRIM_EVERY_S:
+                return
+            self._trimmed = now
+            self.trims += 1
+        libc.malloc_trim(0)
 
 
 def initial_parameters_file(cfg: Config, out_dir: str | Path, spec_only: bool = False

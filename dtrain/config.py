@@ -140,10 +140,12 @@ class CoordinatorConfig:
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream at most, fixed: bounds the memory "
                                   "pushes in flight hold (islands x window); over a WAN set it >= per-island "
                                   "bandwidth x RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
-    receive_budget_bytes: int = _f(64 << 20, "all islands' receive windows together: each stream's window is this / "
-                                   "outer.islands (at least 64 KiB, at most stream_window_bytes), so the bytes held "
-                                   "in flight do not grow with the islands; set it >= the coordinator's link "
-                                   "bandwidth x RTT; 0: stream_window_bytes each")
+    stream_budget_bytes: int = _f(64 << 20, "what all islands' frame streams may hold in the coordinator at once, "
+                                  "each way: an island's share is this / outer.islands (at least 64 KiB, at most "
+                                  "stream_window_bytes); an incoming stream's receive window is its share, an "
+                                  "outgoing pull's chunks half of it (at most codec.chunk_bytes): memory stays "
+                                  "flat however many islands there are. Set it >= the coordinator's link "
+                                  "bandwidth x RTT; 0: stream_window_bytes windows, codec.chunk_bytes chunks")
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
                              "with step rounds; no cap with wall-time rounds, where it is worth setting)")
@@ -365,8 +367,8 @@ def _check(cfg: Config, origin: str) -> None:
              f"got {co.max_message_bytes}")
     if co.workers == 1 or co.workers < 0:
         fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
-    if co.receive_budget_bytes < 0:
-        fail("coordinator", "receive_budget_bytes", f"must be >= 0, got {co.receive_budget_bytes}")
+    if co.stream_budget_bytes < 0:
+        fail("coordinator", "stream_budget_bytes", f"must be >= 0, got {co.stream_budget_bytes}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
     for name in ("max_push_steps", "trim", "eval_every", "max_receiving"):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hmac
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, BinaryIO, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -277,6 +277,20 @@ def chunk_message(index: int, data: bytes | memoryview, crc32: int) -> bytes:
     if len(data):
         fields += b"\x12" + _varint(len(data))
     return b"\x12" + _varint(len(fields) + len(data)) + fields + data
+
+
+def file_chunk_messages(f: BinaryIO, piece_bytes: int) -> Iterator[bytes]:
+    """A frame file's chunk stream: :func:`chunk_message` of each ``piece_bytes`` read from ``f``, which is closed at
+    the end. While a message is out (gRPC copies it and sends it before asking for the next), the piece it was
+    built from is already dropped: a stream being sent holds one piece in Python, not two."""
+    with f:
+        index = 0
+        while data := f.read(piece_bytes):
+            message = chunk_message(index, data, zlib.crc32(data))
+            del data
+            yield message
+            del message  # sent: not kept while the next piece is read
+            index += 1
 
 
 M = TypeVar("M", bound=Message)

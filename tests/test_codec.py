@@ -20,6 +20,8 @@ from hypothesis.extra import numpy as hnp
 
 from dtrain import codec
 from dtrain.codec import (
+    HEADER_SIZE,
+    WINDOW_LOG,
     CodecError,
     ErrorFeedback,
     QuantizedVec,
@@ -444,15 +446,41 @@ def test_decode_rejects(mutate, match: str) -> None:
         decode(mutate(_frame()))
 
 
+def _zstd(data: bytes, window_log: int = WINDOW_LOG, content_size: bool = True) -> bytes:
+    """``data`` as one zstd frame with the given window (the codec's own by default), like a sender would;
+    ``content_size=False``: streamed, the frame says neither its size nor a window shrunk to fit it."""
+    if content_size:
+        params = zstandard.ZstdCompressionParameters.from_level(3, source_size=len(data), window_log=window_log)
+        return zstandard.ZstdCompressor(compression_params=params).compress(data)
+    params = zstandard.ZstdCompressionParameters(compression_level=3, window_log=window_log, write_content_size=False)
+    writer = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return writer.compress(data) + writer.flush()
+
+
 def test_decode_rejects_zip_bomb() -> None:
     frame = _frame(n=1024)  # header declares 4 + 1024 body bytes
-    bomb = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(bytes(50_000_000))
+    bomb = _zstd(bytes(50_000_000), content_size=False)
     assert len(bomb) < 5000
     with pytest.raises(CodecError, match=r"more than the 1028 bytes the header declares \(zip bomb\?\)"):
         decode(_forge(frame, body=bomb))
-    lying = zstandard.ZstdCompressor(level=3).compress(bytes(50_000_000))  # content size in the zstd frame, too
+    lying = _zstd(bytes(50_000_000))  # content size in the zstd frame, too
     with pytest.raises(CodecError, match="zip bomb"):
         decode(_forge(frame, body=lying))
+
+
+def test_frames_use_the_codec_window_and_a_bigger_one_is_refused() -> None:
+    """Every frame written asks for a window of at most 2**WINDOW_LOG bytes, whatever the level; a frame asking
+    for more (zstd would allow 128 MiB, per decoder) is refused before its window is allocated."""
+    q = quantize(np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32), 8, 1024)
+    for level in (1, 3, 19):
+        body = encode(q, level=level)[HEADER_SIZE:]
+        assert zstandard.get_frame_parameters(body).window_size <= 1 << WINDOW_LOG, level
+    frame = _frame(n=1024)
+    wide = _zstd(np.float32(1.0).tobytes() + bytes(1024), window_log=WINDOW_LOG + 1, content_size=False)
+    assert zstandard.get_frame_parameters(wide).window_size == 2 << WINDOW_LOG
+    with pytest.raises(CodecError, match=rf"window may be at most {1 << WINDOW_LOG} bytes"):
+        decode(_forge(frame, body=wide))
+    assert decode(_forge(frame, body=_zstd(np.float32(1.0).tobytes() + bytes(1024)))).n == 1024  # the codec's: fine
 
 
 def test_decode_rejects_short_body_and_forged_values() -> None:
@@ -532,7 +560,7 @@ def test_frame_validator_faults() -> None:
     flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
     rejects(bytes(flipped), r"CRC32 mismatch|zstd decompression failed|invalid")
     rejects(_forge(frame, body=b"not zstd at all"), "zstd decompression failed")
-    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
+    bomb = _zstd(bytes(50_000_000), content_size=False)
     rejects(_forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
     rejects(_forge(frame, body=zstandard.ZstdCompressor().compress(bytes(1000))),
             r"body decompresses to 1000 bytes, header declares 1028")

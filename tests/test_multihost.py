@@ -1,15 +1,20 @@
 """Multi-host islands: one island made of two ``dtrain worker`` processes (one ``jax.distributed`` job over CPU
 collectives, 2 fake devices each) beside a single-process island, both merged by one real coordinator on
 127.0.0.1:0. The coordinator sees two islands, one of them with 4 devices; every process ends on the coordinator's
-final θ, bit for bit. And the pure resolution of the flags and the environment into the island's processes."""
+final θ, bit for bit. Slow: both processes of an island SIGKILLed mid-run and restarted from the island's orbax
+checkpoint; the coordinator rewinding a two-process island (a refused push, a rejoin after a hang), both processes
+alike. And the pure resolution of the flags and the environment into the island's processes."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,7 @@ import pytest
 from conftest import TINY, initial_parameters
 from coordinator.server import serve
 from dtrain import model
+from dtrain.audit import AuditParams, audit
 from dtrain.checkpoint import Checkpointer
 from dtrain.config import ConfigError, load_config, to_toml
 from dtrain.runlog import read_events
@@ -35,48 +41,99 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("multihost")
-    # coordinator.checkpoint=false: the coordinator runs in this process (orbax's async checkpointing does not bear
-    # two checkpoint managers at work in one process; the workers are processes of their own)
-    cfg = load_config(TINY, [
-        f"run.out_dir={tmp}", "coordinator.port=0", "coordinator.checkpoint=false", "outer.islands=2",
-        "train.steps=40", "outer.inner_steps=20", "worker.heartbeat_s=0.5", "worker.retry_total_s=30",
-        "worker.start_wait_s=60"])
-    theta, spec = initial_parameters(cfg)
-    server, service, port = serve(cfg, tmp / "coordinator", theta, spec, port=0, quiet=True)
-    (tmp / "config.toml").write_text(to_toml(cfg))
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    base = [sys.executable, "-m", "dtrain_cli", "worker", "--config", str(tmp / "config.toml"), "--host-devices", "2",
-            "--coordinator", f"127.0.0.1:{port}", "--quiet"]
-    jax_port = _free_port()
-    commands = {
-        "single": [*base, "--island", "single", "--run-dir", str(tmp / "single")],
-        **{f"multi-{i}": [*base, "--island", "multi", "--run-dir", str(tmp / "multi"), "--num-processes", "2",
-                          "--process-id", str(i), "--jax-coordinator", f"127.0.0.1:{jax_port}"] for i in range(2)},
-    }
-    procs = {name: subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
-    out: dict[str, Any] = {}
-    try:
-        for name, proc in procs.items():
-            printed, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"worker {name} exited {proc.returncode}: {printed[-3000:]}"
-        out["islands"] = {i.name: i for i in service.state.islands.values()}
-        out["digest"] = service.merger.digest
-        out["version"] = service.state.version
-    finally:
-        for proc in procs.values():
+class Cluster:
+    """A tiny run for real: its coordinator in this process (serve() on 127.0.0.1:0; coordinator.checkpoint=false,
+    since orbax's async checkpointing does not bear two checkpoint managers at work in one process) and its islands
+    as ``dtrain worker`` processes, each named here ``ISLAND`` (one process) or ``ISLAND-I`` (process I of an island
+    of two processes; one ``jax.distributed`` job per island, on a port that stays the island's across restarts).
+    Every process's output goes to ``TMP/NAME.log`` (appended by a restart)."""
+
+    def __init__(self, tmp: Path, overrides: Sequence[str] = ()):
+        self.tmp = tmp
+        self.cfg = load_config(TINY, [
+            f"run.out_dir={tmp}", "coordinator.port=0", "coordinator.checkpoint=false", "outer.islands=2",
+            "train.steps=40", "outer.inner_steps=20", "worker.heartbeat_s=0.5", "worker.retry_total_s=30",
+            "worker.start_wait_s=60", *overrides])
+        theta, spec = initial_parameters(self.cfg)
+        self.server, self.service, port = serve(self.cfg, tmp / "coordinator", theta, spec, port=0, quiet=True)
+        (tmp / "config.toml").write_text(to_toml(self.cfg))
+        self.env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        self.base = [sys.executable, "-m", "dtrain_cli", "worker", "--config", str(tmp / "config.toml"),
+                     "--host-devices", "2", "--coordinator", f"127.0.0.1:{port}", "--quiet"]
+        self.jax_ports: dict[str, int] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, *names: str, extra: Sequence[str] = ()) -> None:
+        """Starts each process ``names`` names (again, if it ran before), with ``extra`` arguments."""
+        for name in names:
+            island, _, index = name.partition("-")
+            cmd = [*self.base, "--island", island, "--run-dir", str(self.tmp / island), *extra]
+            if index:
+                port = self.jax_ports.setdefault(island, _free_port())
+                cmd += ["--num-processes", "2", "--process-id", index, "--jax-coordinator", f"127.0.0.1:{port}"]
+            with open(self.tmp / f"{name}.log", "ab") as out:
+                self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, timeout_s: float = 240.0) -> None:
+        """Waits for every process started to exit; each must exit 0."""
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs.items():
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"worker {name} exited {rc}: {self.output(name)[-3000:]}"
+
+    def until(self, what: str, ready: Callable[[], bool], timeout_s: float = 180.0) -> None:
+        """Polls ``ready()`` until it holds; fails naming ``what`` if it does not within ``timeout_s`` or a process
+        exits first."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            ended = {name: proc.returncode for name, proc in self.procs.items() if proc.poll() is not None}
+            assert not ended, f"waiting for {what}: worker(s) exited first: {ended}"
+            assert time.monotonic() < deadline, f"waiting for {what}: not within {timeout_s:g}s"
+            time.sleep(0.05)
+
+    def run_dir(self, name: str) -> Path:
+        """Where process ``name`` writes its events and summary (process 0's: the island's run folder)."""
+        island, _, index = name.partition("-")
+        return self.tmp / island / (f"process-{index}" if index not in ("", "0") else "")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Process ``name``'s events so far (none before it wrote one)."""
+        if not (self.run_dir(name) / "events.jsonl").exists():
+            return []
+        return read_events(self.run_dir(name), skip_torn=True)  # a killed process may have torn its last line
+
+    def summary(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads((self.run_dir(name) / "summary.json").read_text())
+        return result
+
+    def close(self) -> None:
+        """Kills what still runs (a failed test), stops the coordinator."""
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
-        server.stop(grace=None).wait()
-        service.close()
-    out["summaries"] = {"single": json.loads((tmp / "single" / "summary.json").read_text()),
-                        "multi-0": json.loads((tmp / "multi" / "summary.json").read_text()),
-                        "multi-1": json.loads((tmp / "multi" / "process-1" / "summary.json").read_text())}
-    out["events"] = {"multi-0": read_events(tmp / "multi"), "multi-1": read_events(tmp / "multi" / "process-1")}
-    out["tmp"], out["cfg"] = tmp, cfg
+                proc.wait()
+        self.server.stop(grace=None).wait()
+        self.service.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cluster = Cluster(tmp_path_factory.mktemp("multihost"))
+    out: dict[str, Any] = {}
+    try:
+        cluster.start("single", "multi-0", "multi-1")
+        cluster.wait()
+        out["islands"] = {i.name: i for i in cluster.service.state.islands.values()}
+        out["digest"] = cluster.service.merger.digest
+        out["version"] = cluster.service.state.version
+    finally:
+        cluster.close()
+    out["summaries"] = {name: cluster.summary(name) for name in ("single", "multi-0", "multi-1")}
+    out["events"] = {name: cluster.events(name) for name in ("multi-0", "multi-1")}
+    out["tmp"], out["cfg"] = cluster.tmp, cluster.cfg
     return out
 
 
@@ -122,6 +179,139 @@ def test_the_two_process_checkpoint_restores_whole(run: dict[str, Any]) -> None:
     assert all(np.isfinite(x).all() for x in leaves)
     assert any(not np.array_equal(a, b) for a, b in zip(leaves, jax.tree.leaves(jax.device_get(fresh.params)),
                                                         strict=True))
+
+
+def _checkpoints(folder: Path) -> list[int]:
+    """The finished steps of an island's orbax checkpoint folder (a save in flight is a temporary folder)."""
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+def _incarnations(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A process's events split where a new process of it started (its ``island_started``)."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for e in events:
+        if e["event"] == "island_started" and any(x["event"] == "island_started" for x in out[-1]):
+            out.append([])
+        out[-1].append(e)
+    return out
+
+
+def _trained(events: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """The chunks one process ran, as (steps, shard, cursor after it)."""
+    return [(e["steps"], e["shard"], e["cursor"]) for e in events if e["event"] == "trained"]
+
+
+def _assert_every_sequence_once(cluster: Cluster, islands: Sequence[str]) -> None:
+    """Every sequence of every shard went into exactly one merged version (the coordinator's round_merged
+    ranges, :func:`dtrain.audit.audit`)."""
+    a = audit(read_events(cluster.tmp / "coordinator"), {name: cluster.events(name) for name in islands},
+              AuditParams.from_config(cluster.cfg))
+    assert (a.lost_tokens, a.doubled_tokens, a.gaps, a.overlaps, a.missing_versions) == (0, 0, (), (), ()), a
+
+
+@pytest.mark.slow
+def test_a_two_process_island_killed_mid_run_restarts_from_its_checkpoint(tmp_path: Path) -> None:
+    """Both processes of an island SIGKILLed once its first checkpoint is written, then started again on the same
+    run folder: both restore the same checkpoint and start from the same cursor, the coordinator takes the island
+    back under its name, the run completes with every sequence merged exactly once, and every process ends on the
+    coordinator's final θ."""
+    cluster = Cluster(tmp_path, ["outer.islands=1", "train.steps=100", "outer.inner_steps=10"])
+    folder = tmp_path / "multi" / "checkpoints"
+    try:
+        cluster.start("multi-0", "multi-1")
+        cluster.until("the island's first checkpoint", lambda: bool(_checkpoints(folder)))
+        for name in ("multi-0", "multi-1"):
+            cluster.procs[name].kill()  # SIGKILL: no clean-up, a save or a push may be in flight
+        for name in ("multi-0", "multi-1"):
+            cluster.procs[name].wait()
+        saved = _checkpoints(folder)[-1]
+        killed_at = cluster.service.state.version
+        assert killed_at < cluster.cfg.rounds, "killed mid-run"
+        cluster.start("multi-0", "multi-1")
+        cluster.wait()
+        islands = list(cluster.service.state.islands.values())
+        digest, version = cluster.service.merger.digest, cluster.service.state.version
+    finally:
+        cluster.close()
+    assert [i.name for i in islands] == ["multi"] and islands[0].devices == 4  # rejoined, not a new island
+    joins = [e for e in read_events(tmp_path / "coordinator") if e["event"] == "island_joined"]
+    assert [e["island"] for e in joins] == [islands[0].island_id] * 2
+    assert joins[1]["reason"].startswith(f"rejoined as {islands[0].island_id}"), joins[1]
+    assert version == cluster.cfg.rounds > killed_at
+    for name in ("multi-0", "multi-1"):
+        events = cluster.events(name)
+        (restored,) = [e for e in events if e["event"] == "island_restored"]  # the restarted process (logged first)
+        assert restored["step"] == saved, (name, restored, saved)  # the checkpoint the killed processes left
+        # the restarted process starts where the coordinator's merged data of the shard ends
+        assert [e["cursor"] for e in events if e["event"] == "island_started"] == [0, joins[1]["cursor"]], name
+        assert joins[1]["cursor"] > 0
+        summary = cluster.summary(name)
+        assert (summary["version"], summary["params_digest"]) == (version, digest), name
+    # lockstep: before the kill one process may have run a chunk more than the other; after it, the same chunks
+    (before, after) = zip(*(map(_trained, _incarnations(cluster.events(name))) for name in ("multi-0", "multi-1")),
+                          strict=True)
+    shorter, longer = sorted(before, key=len)
+    assert shorter and longer[:len(shorter)] == shorter
+    assert after[0] == after[1] and after[0][0][2] > joins[1]["cursor"]
+    assert cluster.summary("multi-0")["cursor"] == cluster.summary("multi-1")["cursor"] == \
+        cluster.cfg.train.steps * cluster.cfg.train.batch_size
+    _assert_every_sequence_once(cluster, ["multi"])
+
+
+def _rewinds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A process's rewind decisions (moved or kept), without their times."""
+    return [{k: v for k, v in e.items() if k not in ("t", "elapsed_s")} for e in events
+            if e["event"] in ("rewound", "rewind_kept")]
+
+
+@pytest.mark.slow
+def test_a_two_process_island_rewinds_in_lockstep(tmp_path: Path) -> None:
+    """The coordinator rewinds a two-process island twice: (1) it refuses the island's push (process 0 sends a
+    frame with a NaN: ``--inject nan@v1``), so the island trains that range again; (2) both processes hang
+    (SIGSTOP) until the coordinator has declared the island lost and the single-process island, done with its own
+    shard, has taken the lost island's over; woken, the island's heartbeat is told to rejoin and its Join moves it
+    to the other shard. Both processes apply each rewind alike (the same rewinds, the same chunks at the same
+    cursors), the run trains every sequence exactly once, and every process ends on the coordinator's final θ."""
+    cluster = Cluster(tmp_path, ["train.steps=60", "outer.inner_steps=10", "coordinator.lease_s=2"])
+    coordinator = tmp_path / "coordinator"
+    multi = ("multi-0", "multi-1")
+    try:
+        cluster.start("single")
+        cluster.start(*multi, extra=["--inject", "nan@v1"])  # every process gets it; process 0 pushes
+        cluster.until("the refused push's rewind", lambda: any(e["event"] == "rewound"
+                                                               for e in cluster.events("multi-0")))
+        for name in multi:
+            os.kill(cluster.procs[name].pid, signal.SIGSTOP)
+        try:
+            cluster.until("the single island taking over the lost island's shard", lambda: any(
+                e["event"] == "island_joined" and e["name"] == "single" and "took over shard" in e["reason"]
+                for e in read_events(coordinator)))
+        finally:
+            for name in multi:
+                os.kill(cluster.procs[name].pid, signal.SIGCONT)
+        cluster.wait()
+        islands = {i.name: i for i in cluster.service.state.islands.values()}
+        digest, version = cluster.service.merger.digest, cluster.service.state.version
+    finally:
+        cluster.close()
+    assert sorted(islands) == ["multi", "single"]
+    coordinator_events = read_events(coordinator)
+    refused = [e for e in coordinator_events if e["event"] == "push_refused"]
+    assert len(refused) == 1 and refused[0]["island"] == islands["multi"].island_id, refused
+    assert any(e["event"] == "island_lost" and e["island"] == islands["multi"].island_id for e in coordinator_events)
+    events = {name: cluster.events(name) for name in multi}
+    assert any(e["event"] == "push_refused" for e in events["multi-0"])  # process 0 sent it
+    assert any(e["event"] == "rejoin" for e in events["multi-0"])  # the heartbeat's answer after the hang
+    rewinds = [_rewinds(events[name]) for name in multi]
+    assert rewinds[0] == rewinds[1], rewinds  # the same decisions on both processes
+    moves = [e for e in rewinds[0] if e["event"] == "rewound"]
+    assert "PUSH_STATUS_REJECTED" in moves[0]["reason"] and moves[0]["retrained_steps"] > 0, moves
+    assert any(e["to_shard"] != e["from_shard"] for e in moves[1:]), moves  # moved by the rejoin's Join
+    assert _trained(events["multi-0"]) == _trained(events["multi-1"])  # lockstep through both rewinds
+    for name in ("single", *multi):
+        summary = cluster.summary(name)
+        assert (summary["version"], summary["params_digest"]) == (version, digest), name
+    _assert_every_sequence_once(cluster, ["single", "multi"])
 
 
 def test_resolve_processes_flags_and_environment() -> None:

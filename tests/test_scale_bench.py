@@ -142,19 +142,29 @@ def test_quick_run_against_a_real_coordinator(tmp_path: Path) -> None:
         assert all(n * 50_000 < x["bytes_in"] < n * 200_000 and x["bytes_out"] > 0 for x in r["rounds"])
 
 
-def test_the_receive_budget_is_shared_by_the_islands_within_the_per_stream_bounds(tmp_path: Path) -> None:
+def test_the_stream_budget_is_shared_by_the_islands_within_the_per_stream_bounds(tmp_path: Path) -> None:
+    """coordinator.stream_budget_bytes, each way: an incoming stream's receive window is its island's share, an
+    outgoing pull's chunks half of it (at most codec.chunk_bytes)."""
     from conftest import TINY
-    from coordinator.server import server_options, stream_window
+    from coordinator.server import pull_piece, server_options, stream_window
     from dtrain.config import load_config
 
     def window(*overrides: str) -> int:
         return stream_window(load_config(TINY, list(overrides)))
 
+    def piece(*overrides: str) -> int:
+        return pull_piece(load_config(TINY, ["codec.chunk_bytes=1048576", *overrides]))
+
     assert window("outer.islands=8") == 4 << 20  # 64 MiB / 8 = 8 MiB: the per-stream cap, 4 MiB
     assert window("outer.islands=64") == 1 << 20  # 64 MiB / 64
-    assert window("outer.islands=64", "coordinator.receive_budget_bytes=1048576") == 64 << 10  # at least 64 KiB
-    assert window("outer.islands=64", "coordinator.receive_budget_bytes=0") == 4 << 20  # no budget: the cap
+    assert window("outer.islands=64", "coordinator.stream_budget_bytes=1048576") == 64 << 10  # at least 64 KiB
+    assert window("outer.islands=64", "coordinator.stream_budget_bytes=0") == 4 << 20  # no budget: the cap
     assert window("outer.islands=64", "coordinator.stream_window_bytes=0") == 0  # gRPC's auto-tuning
+    assert piece("outer.islands=8") == 1 << 20  # half of 4 MiB is over codec.chunk_bytes
+    assert piece("outer.islands=64") == 512 << 10  # half of 1 MiB
+    assert piece("outer.islands=64", "coordinator.stream_budget_bytes=1048576") == 32 << 10
+    assert piece("outer.islands=64", "coordinator.stream_budget_bytes=0") == 1 << 20  # no budget: chunk_bytes
+    assert piece("outer.islands=64", "coordinator.stream_window_bytes=0") == 512 << 10  # the budget still holds
     opts = dict(server_options(load_config(TINY, ["outer.islands=64"])))
     assert opts["grpc.http2.lookahead_bytes"] == 1 << 20 and opts["grpc.http2.bdp_probe"] == 0
     assert "grpc.http2.lookahead_bytes" not in dict(server_options(load_config(TINY, [

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -931,5 +932,41 @@ def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_
         assert running.service._receiving is not None and running.service._receiving.acquire(blocking=False)
         for c in clients:
             c.close()
+    finally:
+        running.stop()
+
+
+def test_pulls_stream_in_half_the_islands_share_and_the_heap_is_trimmed_when_streams_end(net_cfg, tmp_path):
+    """coordinator.stream_budget_bytes = 128 KiB for 2 islands: each island's share is 64 KiB, so a pull's frame
+    goes in 32 KiB chunks (codec.chunk_bytes is 64 KiB here) that the island takes whole, bit for bit. Once the
+    frame streams are over, none is counted as streaming and the free heap went back to the OS (glibc)."""
+    cfg = replace(net_cfg, codec={"chunk_bytes": 65536},
+                  coordinator={"stream_budget_bytes": 131072, "max_message_bytes": 1 << 20})
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        client = CoordinatorClient(running.address, cfg)
+        join = _join(client, "isl-0")
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
+        messages = list(stub.PullGlobal(pb.PullRequest(island_id=join.island_id, have_version=0, full=True),
+                                        timeout=10))
+        header, chunks = messages[0].header, [m.chunk for m in messages[1:]]
+        assert header.kind == pb.PULL_KIND_FULL and header.total_bytes > 3 * 32768
+        assert header.chunks == len(chunks) == -(-header.total_bytes // 32768)
+        assert all(len(c.data) == 32768 for c in chunks[:-1]) and 0 < len(chunks[-1].data) <= 32768
+        frame = b"".join(c.data for c in chunks)
+        assert zlib.crc32(frame) == header.frame_crc32
+        theta = codec.dequantize(codec.decode(frame, expected_n=join.tree_size))
+        assert np.array_equal(theta, running.theta)
+        (pulled,) = client.pull(join.island_id, 0, full=True)  # the client's own receiver takes such chunks
+        assert pulled.frame == frame
+        r = client.push(_header(join, "p0"), _delta_frame(join.tree_size, 0)[1])
+        assert r.status == pb.PUSH_STATUS_MERGED  # the only live island: its push closes the round
+        streams = running.service.streams
+        deadline = time.monotonic() + 10
+        while streams.active and time.monotonic() < deadline:  # a pull's handler ends just after its last chunk
+            time.sleep(0.01)
+        assert streams.active == 0
+        assert streams.trims >= 1  # glibc here (Debian): malloc_trim ran when the first stream ended
+        client.close()
     finally:
         running.stop()

@@ -376,10 +376,11 @@ class Worker:
         the per-device inner step (testing only: :mod:`workers.inject`, :mod:`dtrain.health`). ``hosts``: the
         island's processes when it spans several (:mod:`workers.hosts`); process 0 talks to the coordinator."""
         self.hosts = hosts or HostGroup.single()
-        if not self.hosts.alone and (cfg.health.enabled or device_fault is not None or inject):
-            raise WorkerError(f"an island of {self.hosts.count} processes cannot run chip health ([health] enabled), "
-                              f"device faults or push faults yet: run it as one process per island, or set "
-                              f"[health] enabled = false")
+        # Push faults need nothing of the other processes: process 0 alone sends the island's pushes (_push).
+        if not self.hosts.alone and (cfg.health.enabled or device_fault is not None):
+            raise WorkerError(f"an island of {self.hosts.count} processes cannot run chip health ([health] enabled) "
+                              f"or device faults yet: run it as one process per island, or set [health] enabled = "
+                              f"false")
         self.cfg = cfg
         self.device_fault = device_fault
         self.injections = list(inject)

@@ -24,10 +24,11 @@ of them (n/block floats) before the first code arrives.
 
 Writing. :func:`write_frame` writes a frame to a seekable binary file from
 pieces: the scales, then the payload in any number of pieces (from memory or
-read from a file), compressed as they come (single-threaded zstd, memory
-O(piece)), the header written last, in place, once the body's length and CRC
-are known; nothing is read back. It returns the frame's size and the CRC32 of
-the whole frame (what the wire's chunk stream carries). :func:`encode` is
+read from a file), compressed as they come (single-threaded zstd with a
+1 MiB window, :data:`WINDOW_LOG`, at every level; memory O(piece)), the
+header written last, in place, once the body's length and CRC are known;
+nothing is read back. It returns the frame's size and the CRC32 of the whole
+frame (what the wire's chunk stream carries). :func:`encode` is
 :func:`write_frame` into memory.
 
 Reading. :class:`FrameValidator` takes a frame in pieces of any size and hands
@@ -36,7 +37,8 @@ It checks, in this order: as soon as the 48 header bytes are in, the magic,
 version, reserved field, bits code, block, n (against the expected n), the two
 lengths against n/block/bits, and bits/block against the expected ones; with
 every input piece, that it does not run past body_len, then zstd's own errors
-and a decompression bounded by scales_len + payload_len (a "zip bomb" that
+(one is a frame asking for a window over :data:`WINDOW_LOG`: a decoder never
+holds more than 1 MiB of window) and a decompression bounded by scales_len + payload_len (a "zip bomb" that
 expands beyond it is stopped after at most one output piece); all scales
 (finite, ≥ 0 and small enough that dequantized values stay finite) before any
 code; every code as it is decompressed (no invalid code); and at the end
@@ -154,7 +156,9 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         out.write(data)
 
     try:
-        cobj = zstandard.ZstdCompressor(level=level).compressobj(size=scale_array.nbytes + want_payload)
+        size = scale_array.nbytes + want_payload
+        params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size, window_log=WINDOW_LOG)
+        cobj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
         emit(cobj.compress(scale_array.data))
         for piece in payload:
             data = np.ascontiguousarray(piece).data if isinstance(piece, np.ndarray) else memoryview(piece)
@@ -217,11 +221,19 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     return FrameHeader(got_bits, got_block, got_n, scales_len, got_payload, body_len, crc, bytes(raw[:HEADER_SIZE]))
 
 
+# zstd's window (log2 bytes) for every frame, whatever the level: each receiver's decompression context holds one
+# window, so this bounds its memory (1 MiB; zstd's default lets a frame ask for 128 MiB, and a coordinator decodes
+# many pushes at once). Quantized codes have no long-range repeats: a 2 MiB window (level 3's own) compresses an
+# int8 frame to the same size, and a 128 KiB one does too.
+WINDOW_LOG: Final = 20
+
+
 def _push(writer: Any, data: bytes | memoryview) -> None:
     try:
         writer.write(data)
     except zstandard.ZstdError as e:
-        raise CodecError(f"zstd decompression failed: {e}") from e
+        hint = f" (a frame's zstd window may be at most {1 << WINDOW_LOG} bytes)" if "memory" in str(e) else ""
+        raise CodecError(f"zstd decompression failed: {e}{hint}") from e
 
 
 class FrameValidator:
@@ -281,7 +293,7 @@ class FrameValidator:
                 return
             header = self.header = _parse_header(self._head, self.n, self.bits, self.block)
             self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
-            self._writer = zstandard.ZstdDecompressor().stream_writer(  # zstd only calls self.write
+            self._writer = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG).stream_writer(  # calls write
                 self, write_size=self._out_piece, write_return_read=True, closefd=False)  # type: ignore[arg-type]
         if not data:
             return
