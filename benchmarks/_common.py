@@ -1,6 +1,7 @@
 """What the benchmarks share: a real ``dtrain coordinator`` child process on 127.0.0.1:0 and its memory and CPU
 from /proc, the benchmark model (configs/small.toml with model overrides, sized by parameter count), fabricated
-encoded deltas, threads released together, argument types and the progress log.
+encoded deltas, threads released together, argument types, the progress log, and a run's end: a target's verdict,
+a figure or n/a, and the closing (the --json file, the run folders, the targets line and the last line).
 
 Imported by the scripts next to it (``from _common import ...``: a script's own folder is first on its import path).
 """
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +38,32 @@ _T0 = time.perf_counter()
 def log(msg: str) -> None:
     """A progress line on stderr, stamped with the seconds since the benchmark started."""
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the end of a run ----------------------------------------------------------------------------
+
+
+def met(ok: bool | None) -> str:
+    """A target's verdict on the targets line: met, NOT met, or (None) not measured."""
+    return "not measured" if ok is None else "met" if ok else "NOT met"
+
+
+def fmt_or_na(x: float | None, spec: str, unit: str = "") -> str:
+    """A figure formatted with ``spec``, ``unit`` appended; n/a for None (not measured)."""
+    return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def finish(out: dict[str, Any], json_path: str | None, work: Path, keep: bool, targets: str, last: str) -> None:
+    """A benchmark's closing: ``out`` (every figure) to ``json_path`` (--json) as indented JSON, the run folders
+    under ``work`` kept (--keep, said on stderr) or removed, then the targets line and the last line on stdout."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    if keep:
+        log(f"run folders kept under {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    print(targets)
+    print(last)
 
 
 # -- arguments and the model ----------------------------------------------------------------------

@@ -25,9 +25,7 @@ argument or a run that fails does (one line on stderr, exit 2 or 1). Last line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and the workers it starts)
+
+from _common import finish, fmt_or_na, log, met
 
 from dtrain import config as config_mod
 from dtrain.config import Config, load_config
@@ -57,11 +57,6 @@ FAULTS = (
 TARGETS = {"detected": "= injected", "goodput": ">= 0.90", "loss_ratio": "<= 1.02", "lost_tokens": "= 0",
            "doubled_tokens": "= 0", "dead_island_detect_s": "<= 5"}
 GOODPUT_MIN, LOSS_RATIO_MAX, DEAD_ISLAND_DETECT_MAX_S = 0.90, 1.02, 5.0
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,32 +103,25 @@ def figures(clean: dict[str, Any], chaos: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _met(ok: bool | None) -> str:
-    return "not measured" if ok is None else "met" if ok else "NOT met"
-
-
 def targets_line(f: dict[str, Any]) -> str:
     g, dead = f["goodput"], f["dead_island_detect_s"]
     checks = [
         (f"detected {f['detected']}/{f['injected']} (target D = I)", f["detected"] == f["injected"]),
-        (f"goodput {_fmt(g, '.3f')} (target >= {GOODPUT_MIN:.2f})", None if g is None else g >= GOODPUT_MIN),
+        (f"goodput {fmt_or_na(g, '.3f')} (target >= {GOODPUT_MIN:.2f})", None if g is None else g >= GOODPUT_MIN),
         (f"loss-ratio {f['loss_ratio']:.4f} (target <= {LOSS_RATIO_MAX})", f["loss_ratio"] <= LOSS_RATIO_MAX),
         (f"lost-tokens {f['lost_tokens']:,} (target 0)", f["lost_tokens"] == 0),
         (f"doubled-tokens {f['doubled_tokens']:,} (target 0)", f["doubled_tokens"] == 0),
-        (f"dead island detected in {_fmt(dead, '.2f', 's')} (target <= {DEAD_ISLAND_DETECT_MAX_S:g}s)",
+        (f"dead island detected in {fmt_or_na(dead, '.2f', 's')} (target <= {DEAD_ISLAND_DETECT_MAX_S:g}s)",
          None if not f["islands_killed"] else dead is not None and dead <= DEAD_ISLAND_DETECT_MAX_S),
     ]
-    return "targets: " + "; ".join(f"{what} {_met(ok)}" for what, ok in checks)
+    return "targets: " + "; ".join(f"{what} {met(ok)}" for what, ok in checks)
 
 
 def final_line(f: dict[str, Any]) -> str:
-    return (f"faults: injected={f['injected']} detected={f['detected']} goodput={_fmt(f['goodput'], '.3f')} "
+    return (f"faults: injected={f['injected']} detected={f['detected']} goodput={fmt_or_na(f['goodput'], '.3f')} "
             f"loss-ratio={f['loss_ratio']:.4f} lost-tokens={f['lost_tokens']} doubled-tokens={f['doubled_tokens']} "
-            f"detect-p50={_fmt(f['detect_p50_s'], '.2f', 's')} detect-max={_fmt(f['detect_max_s'], '.2f', 's')}")
-
-
-def _fmt(x: float | None, spec: str, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:{spec}}{unit}"
+            f"detect-p50={fmt_or_na(f['detect_p50_s'], '.2f', 's')} "
+            f"detect-max={fmt_or_na(f['detect_max_s'], '.2f', 's')}")
 
 
 def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], args: argparse.Namespace,
@@ -143,7 +131,7 @@ def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], arg
     summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout, faults=faults)
     a = summary["audit"]
     log(f"{name}: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, goodput "
-        f"{_fmt(summary['goodput'], '.3f')}, lost {a['lost_tokens']:,} / doubled {a['doubled_tokens']:,} tokens, "
+        f"{fmt_or_na(summary['goodput'], '.3f')}, lost {a['lost_tokens']:,} / doubled {a['doubled_tokens']:,} tokens, "
         f"{a['merged_ranges']} merged ranges, {time.perf_counter() - t0:.0f}s -> {summary['run_dir']}")
     return summary
 
@@ -151,7 +139,7 @@ def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], arg
 def _print_faults(chaos: dict[str, Any]) -> None:
     print(f"\n{'fault':<34} {'detected by':<18} {'after':>8}  action; recovery")
     for f in chaos["faults"]:
-        after = _fmt(f["detection_s"], ".2f", "s")
+        after = fmt_or_na(f["detection_s"], ".2f", "s")
         print(f"{f['fault']:<34} {f['detected_by'] or '-':<18} {after:>8}  {f['action']}; "
               f"{f.get('recovery') or 'no recovery'}")
     a = chaos["audit"]
@@ -179,21 +167,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise DtrainError(f"{e} (run folders kept under {work})") from None
     result = figures(clean, chaos)
     _print_faults(chaos)
-    print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f}, goodput {_fmt(clean['goodput'], '.3f')}, "
+    print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f}, goodput {fmt_or_na(clean['goodput'], '.3f')}, "
           f"{clean['wall_s']:.0f}s; chaos: eval loss {chaos['final_eval_loss']:.4f}, {chaos['rounds']} versions, "
           f"{chaos['wall_s']:.0f}s" + (f"; undetected: {', '.join(result['undetected'])}" if result["undetected"]
                                         else ""))
     out = {"figures": result, "targets": TARGETS, "faults": list(args.faults or FAULTS),
            "fault_free": {k: v for k, v in clean.items() if k != "islands"},
            "chaos": {k: v for k, v in chaos.items() if k != "islands"}}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    if args.keep:
-        log(f"run folders kept under {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-    print(targets_line(result))
-    print(final_line(result))
+    finish(out, args.json, work, args.keep, targets_line(result), final_line(result))
     return out
 
 

@@ -47,7 +47,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,8 @@ _DEVICES_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts: XLA reads it once
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from _common import finish, fmt_or_na, log, met  # noqa: E402
 
 from dtrain import config as config_mod  # noqa: E402
 from dtrain.config import Config, ConfigError, load_config  # noqa: E402
@@ -103,11 +104,6 @@ FAULTS: tuple[FaultKind, ...] = (
               lambda d, start, seed: DeviceFault("dead", d, start=start, seed=seed)),
 )
 QUICK_FAULTS = ("scale", "dead")
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,35 +212,27 @@ def figures(clean: dict[str, Any], runs: list[dict[str, Any]], timing: dict[str,
     }
 
 
-def _met(ok: bool | None) -> str:
-    return "not measured" if ok is None else "met" if ok else "NOT met"
-
-
-def _fmt(x: float | int | None, spec: str, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:{spec}}{unit}"
-
-
 def targets_line(f: dict[str, Any]) -> str:
     y, p, lr = f["detect_steps_max"], f["probe_overhead"], f["loss_ratio"]
     checks = [
         (f"detected {f['detected']}/{f['injected']} (target D = I)", f["detected"] == f["injected"]),
         (f"false-positives {f['false_positives']} (target 0)", f["false_positives"] == 0),
-        (f"detect-steps-max {_fmt(y, 'd')} (target <= {DETECT_STEPS_MAX})",
+        (f"detect-steps-max {fmt_or_na(y, 'd')} (target <= {DETECT_STEPS_MAX})",
          None if not f["injected"] else y is not None and y <= DETECT_STEPS_MAX and f["detected"] == f["injected"]),
         (f"probe-overhead {p:.1%} (target <= {PROBE_OVERHEAD_MAX:.0%})", p <= PROBE_OVERHEAD_MAX),
-        (f"loss-ratio {_fmt(lr, '.4f')} (target <= {LOSS_RATIO_MAX})",
+        (f"loss-ratio {fmt_or_na(lr, '.4f')} (target <= {LOSS_RATIO_MAX})",
          None if lr is None else lr <= LOSS_RATIO_MAX),  # a nan ratio compares False: NOT met
         (f"clean run {f['clean_steps']} inner steps (target >= {CLEAN_STEPS_MIN})",
          f["clean_steps"] >= CLEAN_STEPS_MIN),
     ]
-    return "targets: " + "; ".join(f"{what} {_met(ok)}" for what, ok in checks)
+    return "targets: " + "; ".join(f"{what} {met(ok)}" for what, ok in checks)
 
 
 def final_line(f: dict[str, Any]) -> str:
     p50 = f["detect_steps_p50"]
     return (f"health: injected={f['injected']} detected={f['detected']} false-positives={f['false_positives']} "
-            f"detect-steps-p50={_fmt(p50, 'g')} detect-steps-max={_fmt(f['detect_steps_max'], 'd')} "
-            f"probe-overhead={f['probe_overhead']:.1%} loss-ratio={_fmt(f['loss_ratio'], '.4f')}")
+            f"detect-steps-p50={fmt_or_na(p50, 'g')} detect-steps-max={fmt_or_na(f['detect_steps_max'], 'd')} "
+            f"probe-overhead={f['probe_overhead']:.1%} loss-ratio={fmt_or_na(f['loss_ratio'], '.4f')}")
 
 
 def table(clean: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
@@ -255,9 +243,10 @@ def table(clean: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     for r in [clean, *runs]:
         ratio = r["final_eval_loss"] / clean["final_eval_loss"] if r is not clean else None
         q = ", ".join(f"{x['device']}@{x['step']}({x['probe']})" for x in r["quarantined"]) or "-"
-        rows.append(f"{r['fault']:<17} {_fmt(r['device'], 'd'):>6} {_fmt(r['onset'], 'd'):>6} "
-                    f"{_fmt(r['detected_step'], 'd'):>8} {r['probe'] or '-':<13} {_fmt(r['detect_steps'], 'd'):>5}  "
-                    f"{q:<36} {r['final_eval_loss']:>9.4f} {_fmt(ratio, '.4f'):>7}")
+        rows.append(f"{r['fault']:<17} {fmt_or_na(r['device'], 'd'):>6} {fmt_or_na(r['onset'], 'd'):>6} "
+                    f"{fmt_or_na(r['detected_step'], 'd'):>8} {r['probe'] or '-':<13} "
+                    f"{fmt_or_na(r['detect_steps'], 'd'):>5}  "
+                    f"{q:<36} {r['final_eval_loss']:>9.4f} {fmt_or_na(ratio, '.4f'):>7}")
     return rows
 
 
@@ -474,14 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "config": {"name": args.config, "overrides": [*OVERRIDES, *(QUICK_OVERRIDES if args.quick else ()),
                                                          *args.overrides]},
            "clean": clean, "runs": runs, "timing": timing}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    if args.keep:
-        log(f"run folders kept under {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-    print(targets_line(result))
-    print(final_line(result))
+    finish(out, args.json, work, args.keep, targets_line(result), final_line(result))
     return out
 
 

@@ -23,11 +23,16 @@ LAST_LINE = re.compile(r"faults: injected=(\d+) detected=(\d+) goodput=(\S+) los
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("faults_bench", ROOT / "benchmarks" / "faults.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("faults_bench", ROOT / "benchmarks" / "faults.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def _fault(text: str, kind: str, detection_s: float | None) -> dict[str, Any]:
@@ -80,6 +85,23 @@ def test_missed_targets_are_reported() -> None:
         assert f"{what} (target" in targets and targets.split(what)[1].split(";")[0].endswith("NOT met"), targets
     f = bench.figures(*_summaries([], goodput=None))
     assert "detect-p50=n/a detect-max=n/a" in bench.final_line(f) and "goodput=n/a" in bench.final_line(f)
+
+
+def test_the_closing_writes_the_json_drops_or_keeps_the_runs_and_ends_with_the_two_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/_common.finish, the closing faults.py and health.py share (through the script's own import)."""
+    finish = _bench().finish
+    for keep in (False, True):
+        work, out_json = tmp_path / f"work-{keep}", tmp_path / f"out-{keep}.json"
+        (work / "run").mkdir(parents=True)
+        finish({"figures": {"x": 1.5}}, str(out_json), work, keep, "targets: x met", "faults: x=1.5")
+        assert json.loads(out_json.read_text()) == {"figures": {"x": 1.5}} and out_json.read_text().endswith("}\n")
+        assert work.exists() == keep
+        out, err = capsys.readouterr()
+        assert out == "targets: x met\nfaults: x=1.5\n"
+        assert (f"run folders kept under {work}" in err) == keep
+    finish({}, None, tmp_path / "none", False, "t", "l")  # no --json: no file; a missing folder is no error
+    assert capsys.readouterr().out == "t\nl\n"
 
 
 def test_the_default_chaos_run_has_every_fault_the_issue_asks_for() -> None:

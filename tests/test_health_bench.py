@@ -23,12 +23,17 @@ LAST_LINE = re.compile(r"health: injected=(\d+) detected=(\d+) false-positives=(
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("health_bench", ROOT / "benchmarks" / "health.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("health_bench", ROOT / "benchmarks" / "health.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def _quarantined(device: int, step: int, probe: str = "stats") -> dict[str, Any]:
