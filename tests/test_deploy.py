@@ -544,6 +544,7 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
     import os
     import signal
     import threading
+    import time
 
     import coordinator.server as server_mod
     from conftest import initial_spec
@@ -561,22 +562,28 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
         server.stop(grace=None).wait()
         service.close()
 
-    seen: list[object] = []
+    seen: dict[str, Any] = {}
 
     def late_island() -> None:
-        """What the probes and a late island see once the coordinator says the run is finished; then SIGTERM."""
+        """What the probes and a late island see once the coordinator says the run is finished; then SIGTERM (only
+        to run_coordinator's handler: the test's process must not get the default one)."""
         try:
+            deadline = time.monotonic() + 60
             while not any(e["event"] == "run_finished" for e in read_events(run_dir, skip_torn=True)):
-                threading.Event().wait(0.05)
+                assert time.monotonic() < deadline, "no run_finished event within 60 s"
+                time.sleep(0.05)
             address = f"127.0.0.1:{json.loads((run_dir / 'coordinator.json').read_text())['port']}"
-            threading.Event().wait(0.3)  # later still: it still serves
-            seen.append(probe.main([*tiny, "--address", address, "--timeout", "2"]))
+            time.sleep(0.3)  # later still: it still serves
+            seen["probe"] = probe.main([*tiny, "--address", address, "--timeout", "2"])
             client = CoordinatorClient(address, cfg)
-            seen.append(client.status(budget_s=0).run_over)
-            seen.append(run_over_already(client, cfg, tmp_path / "late"))
+            seen["status"] = client.status(budget_s=0).run_over
+            seen["late island"] = run_over_already(client, cfg, tmp_path / "late")
             client.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread below
+            seen["error"] = e
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]:
+                os.kill(os.getpid(), signal.SIGTERM)
 
     # the tree's spec as run_coordinator's child process would compute it for a resume, from the session's copy
     monkeypatch.setattr(server_mod, "initial_parameters_file", lambda *_args, **_kw: (None, initial_spec(cfg)))
@@ -589,8 +596,9 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
         thread.join()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    assert seen[0] == 0, "the probe failed after the run finished: readiness would hide it, liveness restart it"
-    assert seen[1].startswith("the run is over") and seen[2].startswith("the run is over"), seen
+    assert "error" not in seen, seen
+    assert seen["probe"] == 0, "the probe failed after the run finished: readiness would hide it, liveness restart it"
+    assert seen["status"].startswith("the run is over") and seen["late island"].startswith("the run is over"), seen
     assert summary["version"] == 1
     events = read_events(run_dir)
     last = [e["event"] for e in events[next(i for i in range(len(events) - 1, -1, -1)
