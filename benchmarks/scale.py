@@ -70,6 +70,7 @@ from _common import (
     log,
     make_config,
     make_frames,
+    met,
     model_overrides,
     param_count,
     proc_mem,
@@ -161,17 +162,13 @@ def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | No
     }
 
 
-def _met(ok: bool | None) -> str:
-    return "not measured" if ok is None else "met" if ok else "NOT met"
-
-
 def targets_line(f: dict[str, Any]) -> str:
     g = f["growth"]
     linear = ("round time: one island count only" if g is None else
               f"round time x{g['ratio']:.2f} for x{g['islands_ratio']:g} islands (target <= {LINEAR_TOLERANCE:g} x "
               f"{g['islands_ratio']:g} = {g['limit']:g})")
     memory = f"peak RSS / model {f['rss_over_model']:.2f} at {f['islands']} islands (target <= {RSS_OVER_MODEL_MAX:g})"
-    return f"targets: {linear} {_met(f['linear_ok'])}; {memory} {_met(f['memory_ok'])}"
+    return f"targets: {linear} {met(f['linear_ok'])}; {memory} {met(f['memory_ok'])}"
 
 
 def final_line(f: dict[str, Any]) -> str:
