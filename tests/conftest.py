@@ -14,7 +14,10 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import copy  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -28,6 +31,25 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 TINY = CONFIG_DIR / "tiny.toml"
+
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py as the module ``NAME_bench``, registered in sys.modules (its dataclasses look their module
+    up there), loaded with benchmarks/ on the import path, as a script's own folder is (it imports its neighbour
+    benchmarks/_common.py)."""
+    folder = str(REPO_ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", REPO_ROOT / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(folder)
+
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
           "they you were her she there been one all we their has would when if so no will what can out more up "

@@ -3,7 +3,6 @@ and (slow) a short run end to end on a tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conftest import load_benchmark
 from dtrain_cli.faults import parse_fault
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,16 +23,7 @@ LAST_LINE = re.compile(r"faults: injected=(\d+) detected=(\d+) goodput=(\S+) los
 
 
 def _bench() -> ModuleType:
-    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("faults_bench", ROOT / "benchmarks" / "faults.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("faults")
 
 
 def _fault(text: str, kind: str, detection_s: float | None) -> dict[str, Any]:

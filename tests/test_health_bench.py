@@ -3,7 +3,6 @@ and (slow) a short run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conftest import load_benchmark
 from dtrain.health import DeviceFault
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,17 +23,7 @@ LAST_LINE = re.compile(r"health: injected=(\d+) detected=(\d+) false-positives=(
 
 
 def _bench() -> ModuleType:
-    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("health_bench", ROOT / "benchmarks" / "health.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("health")
 
 
 def _quarantined(device: int, step: int, probe: str = "stats") -> dict[str, Any]:

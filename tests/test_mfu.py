@@ -4,7 +4,6 @@ fingerprint)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import subprocess
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import load_benchmark
 from dtrain import model
 from dtrain.config import ConfigError, load_config
 from dtrain.train import loss_fn
@@ -28,12 +28,7 @@ LAST_LINE = re.compile(r"mfu: config=(\S+) device=(.+) tokens/s=(\d+) mfu=(n/a|\
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mfu_bench", ROOT / "benchmarks" / "mfu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("mfu")
 
 
 def test_model_flops_per_token_of_the_tiny_config_by_hand() -> None:

@@ -3,7 +3,6 @@ coordinator config, a bad argument, and a --quick run against a real coordinator
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -14,6 +13,7 @@ from types import ModuleType
 
 import pytest
 
+from conftest import load_benchmark
 from coordinator.server import server_threads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,17 +23,7 @@ MODEL = 100 << 20  # bytes: a synthetic model's fp32 size
 
 @pytest.fixture(scope="module")
 def scale() -> ModuleType:
-    # The script imports its neighbour benchmarks/_common.py, as a script's own folder is on its import path.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "benchmarks" / "scale.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["scale_bench"] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return load_benchmark("scale")
 
 
 def _row(islands: int, round_s: float, peak_rss: float) -> dict[str, float]:
