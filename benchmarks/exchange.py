@@ -285,7 +285,7 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
 
     cfg = load_config(ROOT / "configs" / "small.toml", model_overrides(model_fields) + [
         f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",
-        f"train.steps_per_call={min(10, steps)}", "mesh.data=1"])
+        f"train.steps_per_call={min(10, steps)}", f"outer.inner_steps={steps}", "mesh.data=1"])
     s = prepare(cfg, islands=1)
     params0 = s.loop.init_params(cfg.run.seed)
     _, v0 = codec.flatten(jax.device_get(params0))

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"exchange: int8 ratio=(\S+) 4bit ratio=(\S+) merge/raw-grpc throughput=(\S+) "
@@ -34,3 +37,15 @@ def test_exchange_benchmark_runs_and_ends_with_the_summary_line(tmp_path):
     assert run["codec"] == "int8" and run["islands"] == 2 and run["wall_s"] > 0
     assert [r["streams"] for r in data["raw_grpc"]] == [2]
     assert data["summary"]["merge_over_raw"] == pytest.approx(z, rel=1e-2)
+
+
+def test_the_trained_delta_is_a_real_pseudo_gradient_of_the_benchmark_model() -> None:
+    """The default ``--delta trained``: a short AdamW run from θ0 of the chosen model (here 2 steps of a 20k-parameter
+    one), θ0 − θ_steps: finite, not zero, one value per parameter. The benchmark's default run failed its config
+    (outer.inner_steps over the short run's train.steps) before this test existed."""
+    bench = load_benchmark("exchange")
+    fields, n_params = bench.choose_model(params=20_000)
+    delta, how = bench.trained_delta(fields, steps=2, batch=2)
+    assert delta.shape == (n_params,) and delta.dtype == np.float32
+    assert np.all(np.isfinite(delta)) and np.count_nonzero(delta) > n_params // 2
+    assert how.startswith("θ0−θ2: 2 AdamW steps")
