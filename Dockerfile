@@ -31,7 +31,7 @@ RUN groupadd --gid 10001 dtrain \
     && mkdir -p /work && chown dtrain:dtrain /work
 
 WORKDIR /src
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY dtrain ./dtrain
 COPY coordinator ./coordinator
 COPY workers ./workers

@@ -635,8 +635,9 @@ def test_dockerfile_installs_the_pinned_set_as_a_non_root_dtrain_entry_point():
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     for pattern in packages["include"]:
         assert pattern.rstrip("*") in copied, f"the Dockerfile does not copy the package {pattern.rstrip('*')}"
-    assert {"pyproject.toml", "constraints.txt", "README.md"} <= set(
-        next(a for i, a in ins if i == "COPY" and "pyproject.toml" in a).split()[:-1])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", "constraints.txt", project["readme"], *project["license-files"]}  # what pip reads
+    assert needed <= set(next(a for i, a in ins if i == "COPY" and "pyproject.toml" in a).split()[:-1])
     users = [a for i, a in ins if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), f"the image runs as root: {users}"
     entry = json.loads(next(a for i, a in reversed(ins) if i == "ENTRYPOINT"))
