@@ -598,10 +598,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
             if self._receiving is not None:
                 self._receiving.acquire()
-            self.streams.begin()
             receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
                                                 push_id=info.push_id, version=admission.target_version,
                                                 preview=admission.status)
+            self.streams.begin()  # counted from here to the finally below: nothing between them can raise
             try:
                 for msg in request_iterator:
                     if msg.WhichOneof("kind") != "chunk":
