@@ -126,7 +126,9 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     chosen at the island's first start and kept across its restarts. Faults act on the whole island: a kill
     SIGKILLs (and a restart starts) all its processes, a hang stops and continues all of them; push faults
     are passed to every process (process 0 sends the pushes); link faults sit between process 0 and the
-    coordinator. Device faults and chip health are refused (:func:`check_island_processes`).
+    coordinator. Device faults and chip health are refused (:func:`check_island_processes`). Every start of an
+    island (a restart too) is a ``worker_started`` event in ``RUN_DIR/driver/events.jsonl``: its processes' ids
+    and its ``jax_coordinator`` (None for single-process islands).
 
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
     ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
@@ -322,6 +324,8 @@ class _Simulation:
                 stdout=wlog, stderr=subprocess.STDOUT, env=self.env,
                 preexec_fn=None if share is None else _pinned(share)))
         self.workers[name] = procs
+        self.log.event("worker_started", island=name, processes=self.processes, pids=[p.pid for p in procs],
+                       jax_coordinator=f"127.0.0.1:{self.jax_ports[name]}" if name in self.jax_ports else None)
 
     def _running(self, name: str) -> bool:
         """Whether some process of island ``name`` still runs."""

@@ -269,3 +269,135 @@ def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(t
     checked = audit(events, {n: read_events(out / "islands" / n) for n in ("a", "b")}, AuditParams.from_config(cfg))
     assert checked.lost_tokens == 0 and checked.doubled_tokens == 0, checked.to_dict()
     assert [e["version"] for e in events if e["event"] == "round_merged"][-1] > cfg.rounds
+
+
+def _digests(run_dir: Path, island: str, processes: int) -> list[str]:
+    """The final θ digest in the summary of every process of ``island`` (process 0's first)."""
+    from dtrain_cli.simulate import process_dir
+
+    return [json.loads((process_dir(run_dir / "islands" / island, i) / "summary.json").read_text())["params_digest"]
+            for i in range(processes)]
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: 4 worker processes and a coordinator start JAX
+def test_process_simulation_with_two_process_islands(tmp_path):
+    """``--island-processes 2``: each of 2 islands is one jax.distributed job of 2 worker processes (one CPU device
+    each): the coordinator sees 2 islands of 2 devices, every process ends on its final θ, the audit is clean and
+    counts each island's steps once, and both processes of an island ran on the island's CPUs."""
+    cfg = _cfg(tmp_path, "train.steps=20")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300, island_processes=2)
+    out = Path(s["run_dir"])
+    assert s["rounds"] == cfg.rounds == 2 and s["bit_identical_final_params"] and s["island_processes"] == 2
+    events = read_events(out)
+    joins = [e for e in events if e["event"] == "island_joined"]
+    assert sorted(e["name"] for e in joins) == ["island-0", "island-1"]  # one island per jax.distributed job
+    stopped = next(e for e in events if e["event"] == "coordinator_stopped")
+    for island in ("island-0", "island-1"):
+        assert _digests(out, island, 2) == [stopped["params_digest"]] * 2, island
+    a = s["audit"]
+    assert (a["lost_tokens"], a["doubled_tokens"], a["gaps"], a["overlaps"]) == (0, 0, [], [])
+    assert a["merged_ranges"] == 2 * cfg.rounds and a["steps_executed"] == 2 * cfg.train.steps  # not 4 x
+    assert s["tokens"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+    for isl in s["islands"]:
+        assert isl["devices"] == 2 and isl["steps"] == cfg.train.steps
+    for i, share in enumerate(s["worker_cpus"]):
+        island = out / "islands" / f"island-{i}"
+        for folder in (island, island / "process-1"):
+            started = [e for e in read_events(folder) if e["event"] == "island_started"]
+            assert [e["cpus"] for e in started] == [share], folder
+            assert (folder / "worker.log").is_file()
+    starts = [e for e in read_events(out / "driver") if e["event"] == "worker_started"]
+    assert len(starts) == 2 and all(e["processes"] == 2 and len(e["pids"]) == 2 for e in starts)
+    assert len({e["jax_coordinator"] for e in starts}) == 2  # a jax.distributed port per island
+
+
+@pytest.mark.slow  # ~45 s on 2 cores
+def test_a_killed_two_process_island_restarts_both_processes_and_rejoins(tmp_path):
+    """``kill:island-1@v1+1s`` on islands of 2 processes: the driver SIGKILLs both processes of island-1 and
+    starts both again (on the island's jax.distributed port); the island rejoins under its name, and the run ends
+    with every sequence merged once and every process on the coordinator's final θ."""
+    from dtrain_cli.faults import parse_fault
+
+    cfg = _cfg(tmp_path, "train.steps=60", "coordinator.lease_s=30")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=400, island_processes=2,
+                       faults=[parse_fault("kill:island-1@v1+1s", 2)])
+    out = Path(s["run_dir"])
+    (fault,) = s["faults"]
+    assert fault["fault"] == "kill:island-1@v1+1s" and fault["recovery"] == "restarted", fault
+    assert s["bit_identical_final_params"] and not s["unfinished_islands"]
+    a = s["audit"]
+    assert (a["lost_tokens"], a["doubled_tokens"], a["gaps"], a["overlaps"]) == (0, 0, [], [])
+    events = read_events(out)
+    joins = [e for e in events if e["event"] == "island_joined" and e["name"] == "island-1"]
+    assert len(joins) == 2 and joins[1]["reason"].startswith("rejoined"), joins
+    stopped = next(e for e in events if e["event"] == "coordinator_stopped")
+    for island in ("island-0", "island-1"):
+        assert _digests(out, island, 2) == [stopped["params_digest"]] * 2, island
+    for folder in ("island-1", "island-1/process-1"):  # both processes started twice; island-0's once
+        started = [e for e in read_events(out / "islands" / folder, skip_torn=True) if e["event"] == "island_started"]
+        assert len(started) == 2, folder
+    starts = [e for e in read_events(out / "driver") if e["event"] == "worker_started" and e["island"] == "island-1"]
+    assert len(starts) == 2 and starts[0]["jax_coordinator"] == starts[1]["jax_coordinator"]
+    assert not set(starts[0]["pids"]) & set(starts[1]["pids"])
+
+
+def test_simulate_refuses_bad_island_process_counts(tmp_path, capsys):
+    from dtrain_cli.main import main
+
+    base = ["simulate", "--config", str(ROOT / "configs" / "tiny.toml"), "--islands", "2",
+            "--set", f"run.out_dir={tmp_path}"]
+    for value, message in (("0", "0: an island has at least 1 process"),
+                           ("two", "'two' is not a number of processes"), ("1.5", "'1.5' is not a number")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, "--island-processes", value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--island-processes" in err[0] and message in err[0], err
+    assert main([*base, "--inprocess", "--island-processes", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dtrain simulate: config error: --island-processes needs worker processes: drop --inprocess"]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--fault", "device-dead:island-1@step5,device=0"],
+     "--fault device-dead:island-1@step5,device=0: device faults need single-process islands"),
+    (["--set", "health.enabled=true"], "[health] enabled: chip health needs single-process islands"),
+])
+def test_simulate_refuses_what_multi_process_islands_cannot_run(tmp_path, capsys, extra, message):
+    from dtrain_cli.main import main
+
+    rc = main(["simulate", "--config", str(ROOT / "configs" / "tiny.toml"), "--islands", "2", "--island-processes",
+               "2", "--set", f"run.out_dir={tmp_path}", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dtrain simulate: config error: ") and message in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+def test_check_island_processes():
+    from dtrain.config import ConfigError
+    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.simulate import check_island_processes
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    check_island_processes(1, cfg, [parse_fault("device-dead:island-0@step5,device=0", 2)])  # one process: fine
+    check_island_processes(3, cfg, [parse_fault("kill:island-0@v1+1s", 2), parse_fault("nan:island-1@v1", 2)])
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ConfigError, match="--island-processes: must be an integer >= 1"):
+            check_island_processes(bad, cfg, [])
+
+
+def test_island_process_flags_and_folders_match_the_worker():
+    from dtrain_cli.simulate import island_process_flags, process_dir
+    from workers.hosts import HostGroup, resolve_processes
+
+    assert island_process_flags(1, 0, "127.0.0.1:1") == []
+    for index in range(3):
+        flags = island_process_flags(3, index, "127.0.0.1:8476")
+        values = dict(zip(flags[::2], flags[1::2], strict=True))
+        got = resolve_processes(int(values["--num-processes"]), int(values["--process-id"]),
+                                values["--jax-coordinator"], {})
+        assert (got.count, got.index, got.coordinator) == (3, index, "127.0.0.1:8476")
+        # where the driver opens a process's log is where that worker process writes its events
+        assert process_dir(Path("isl"), index) == Path("isl") / HostGroup(index, 3).log_dir_name()
