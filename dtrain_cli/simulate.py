@@ -401,10 +401,9 @@ class _Simulation:
             self.log.event("fault_not_injected", fault=f.text, reason=reason)
             self.log.progress(f"fault {f.text}: not injected ({reason})")
             self.not_injected.append({"fault": f.text, "reason": reason})
-        failed = [(n, i, p.returncode) for n, procs in self.workers.items() if n not in self.gone | self.stopped
-                  for i, p in enumerate(procs) if p.returncode != 0 and self.ended.get(n, i) == i]
+        failed = self._failures()
         if failed:
-            raise SimulationError("workers failed: " + "; ".join(self._failure(n, i, rc) for n, i, rc in failed))
+            raise SimulationError("workers failed: " + "; ".join(failed))
         coord = self.coordinator
         if coord is not None:
             if coord.poll() is None:
@@ -412,12 +411,21 @@ class _Simulation:
             if coord.wait(timeout=60) not in (0, -15):
                 raise SimulationError(f"the coordinator failed with status {coord.returncode}")
 
-    def _failure(self, name: str, index: int, status: int) -> str:
-        """A failed worker process for the run's error: its island, its process (several per island), its status,
-        the last line of its log and where the log is."""
-        log = process_dir(Path("islands") / name, index) / "worker.log"
-        who = name if self.processes == 1 else f"{name} process {index}"
-        return f"{who} (status {status}: {_last_line(self.out / log)}; see {log})"
+    def _failures(self) -> list[str]:
+        """The worker processes that failed (exited non-zero) on their own, for the run's error: each one's island,
+        its process (with several per island), its status, the last line of its log and where the log is. Islands
+        killed for good or stopped by the driver are left out, and so are the processes the driver killed because
+        another process of their island had failed (:meth:`_end_broken_islands`)."""
+        out = []
+        for name, procs in self.workers.items():
+            if name in self.gone | self.stopped:
+                continue
+            for index, p in enumerate(procs):
+                if p.poll() not in (None, 0) and self.ended.get(name, index) == index:
+                    log = process_dir(Path("islands") / name, index) / "worker.log"
+                    who = name if self.processes == 1 else f"{name} process {index}"
+                    out.append(f"{who} (status {p.returncode}: {_last_line(self.out / log)}; see {log})")
+        return out
 
     def _show_status(self) -> None:
         """The driver's status line (:class:`RunWatch`): live on a terminal, else a line every STATUS_EVERY_S."""

@@ -401,3 +401,33 @@ def test_island_process_flags_and_folders_match_the_worker():
         assert (got.count, got.index, got.coordinator) == (3, index, "127.0.0.1:8476")
         # where the driver opens a process's log is where that worker process writes its events
         assert process_dir(Path("isl"), index) == Path("isl") / HostGroup(index, 3).log_dir_name()
+
+
+def test_a_failed_process_ends_its_island_and_is_named_with_its_log(tmp_path):
+    """A process of a two-process island exits non-zero: the driver kills the island's other process (which would
+    wait for jax.distributed's peer timeout) and the run's error names the island, the failed process and its log,
+    not the process it killed."""
+    import subprocess
+    import sys
+
+    from dtrain_cli.simulate import _Simulation
+
+    sim = _Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [], 2)
+    try:
+        log = tmp_path / "islands" / "island-1" / "process-1" / "worker.log"
+        log.parent.mkdir(parents=True)
+        log.write_text("compiling\nWorkerError: the island's mesh needs 2 devices\n")
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        sim.workers = {"island-0": [subprocess.Popen(sleep), subprocess.Popen(sleep)],
+                       "island-1": [subprocess.Popen(sleep), subprocess.Popen([sys.executable, "-c", "exit(3)"])]}
+        sim.workers["island-1"][1].wait()
+        sim._end_broken_islands()
+        assert sim.ended == {"island-1": 1}
+        assert [p.poll() for p in sim.workers["island-1"]] == [-9, 3]  # process 0 killed by the driver
+        assert all(p.poll() is None for p in sim.workers["island-0"])  # the other island goes on
+        assert sim._failures() == ["island-1 process 1 (status 3: WorkerError: the island's mesh needs 2 devices; "
+                                   "see islands/island-1/process-1/worker.log)"]
+        ended = [e for e in read_events(tmp_path / "driver") if e["event"] == "island_ended"]
+        assert [(e["island"], e["process"], e["status"]) for e in ended] == [("island-1", 1, 3)]
+    finally:
+        sim.stop_all()
