@@ -431,3 +431,40 @@ def test_a_failed_process_ends_its_island_and_is_named_with_its_log(tmp_path):
         assert [(e["island"], e["process"], e["status"]) for e in ended] == [("island-1", 1, 3)]
     finally:
         sim.stop_all()
+
+
+def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_path, monkeypatch):
+    """How the driver starts an island of 2 processes (the commands recorded, nothing run): both get the island's
+    name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
+    pinning; a restart starts both again on the same address; another island gets its own."""
+    import dtrain_cli.simulate as simulate
+    from dtrain_cli.faults import parse_fault
+
+    started: list[tuple[list[str], bool]] = []
+
+    class Recorded:
+        def __init__(self, cmd, **kwargs):
+            started.append((cmd, kwargs["preexec_fn"] is not None))
+            self.pid = len(started)
+
+    monkeypatch.setattr(simulate.subprocess, "Popen", Recorded)
+    sim = simulate._Simulation(_cfg(tmp_path), tmp_path, 2, True, {}, True, [parse_fault("nan:island-1@v1", 2)], 2)
+    try:
+        sim.port = 1234
+        sim._start_worker("island-1")
+        sim._start_worker("island-1")  # a restart
+        sim._start_worker("island-0")
+    finally:
+        for f in sim.logs:  # nothing ran: the log files alone to close
+            f.close()
+    assert len(started) == 6 and all(pinned for _, pinned in started)
+    args = [cmd[cmd.index("worker") + 1:] for cmd, _ in started]  # every flag takes a value
+    flags = [dict(zip(a[::2], a[1::2], strict=True)) for a in args]
+    assert [f["--process-id"] for f in flags] == ["0", "1"] * 3
+    assert all(f["--num-processes"] == "2" and f["--coordinator"] == "127.0.0.1:1234" for f in flags)
+    assert [f["--island"] for f in flags] == ["island-1"] * 4 + ["island-0"] * 2
+    assert {f["--run-dir"] for f in flags[:4]} == {str(tmp_path / "islands" / "island-1")}  # process-I: the worker's
+    addresses = [f["--jax-coordinator"] for f in flags]
+    assert len(set(addresses[:4])) == 1 and addresses[4] == addresses[5] != addresses[0]
+    assert [f.get("--inject") for f in flags] == ["nan@v1"] * 4 + [None] * 2  # every process of the island
+    assert (tmp_path / "islands" / "island-1" / "process-1" / "worker.log").is_file()
