@@ -2,11 +2,11 @@
 
 A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 
-- ``KIND``: ``kill`` (SIGKILL an island; with ``+DURATION`` it is started again that long after),
-  ``hang`` (SIGSTOP an island, SIGCONT after ``DURATION``), ``kill-coordinator`` (SIGKILL the coordinator;
-  with ``+DURATION`` it is started again with ``--resume`` on the same port), ``cut`` (the island's link to
-  the coordinator drops every connection and accepts none for ``DURATION``), ``slow`` (the island's link
-  delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``); the push faults ``nan`` (the
+- ``KIND``: ``kill`` (SIGKILL an island, every process of it; with ``+DURATION`` it is started again that long
+  after), ``hang`` (SIGSTOP an island, every process of it, SIGCONT after ``DURATION``), ``kill-coordinator``
+  (SIGKILL the coordinator; with ``+DURATION`` it is started again with ``--resume`` on the same port), ``cut``
+  (the island's link to the coordinator drops every connection and accepts none for ``DURATION``), ``slow`` (the
+  island's link delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``); the push faults ``nan`` (the
   island's next push carries a NaN), ``poison`` (its real delta x -1000, honest tokens), ``inflate`` (a
   constant delta as large as the codec carries, tokens claimed 10**9) and ``truncate`` (its upload is cancelled
   after about half of its chunks, then sent whole again): the driver passes these to the island's worker

@@ -62,6 +62,17 @@ def device_count(text: str) -> int:
     return n
 
 
+def process_count(text: str) -> int:
+    """``simulate --island-processes``: worker processes per island, an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes (an integer >= 1)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: an island has at least 1 process")
+    return n
+
+
 def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     help = "TOML file, or a name from configs/ (tiny, small, ...)" + ("" if required else "; default: the defaults")
     p.add_argument("--config", required=required, default=None, help=help)
@@ -104,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
-    p.add_argument("--no-pin", action="store_true", help="do not give each worker process its own share of "
-                   "the CPUs (Linux; by default they are pinned, as islands own their hardware)")
+    p.add_argument("--no-pin", action="store_true", help="do not give each island's worker processes their own "
+                   "share of the CPUs (Linux; by default they are pinned, as islands own their hardware)")
+    p.add_argument("--island-processes", type=process_count, default=1, metavar="P",
+                   help="worker processes per island (default 1): P > 1 makes every island a multi-host island, one "
+                   "jax.distributed job of P processes with P times the devices (no device faults, no chip health)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
@@ -230,6 +244,8 @@ def _run(argv: list[str], prog: str) -> int:
         if args.inprocess:
             if args.faults:
                 raise ConfigError("--fault needs worker processes: drop --inprocess")
+            if args.island_processes > 1:
+                raise ConfigError("--island-processes needs worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
             from dtrain_cli.faults import host_device_count, parse_fault
@@ -237,7 +253,8 @@ def _run(argv: list[str], prog: str) -> int:
 
             # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
             faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
-            summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults)
+            summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
+                                     island_processes=args.island_processes)
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0

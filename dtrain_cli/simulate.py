@@ -5,6 +5,12 @@ waits, and aggregates what they wrote; it imports neither ``coordinator`` nor
 ``workers`` (they meet only through the protocol). Each worker writes
 ``RUN_DIR/islands/NAME/{events.jsonl,summary.json,worker.log}``; the coordinator
 writes ``RUN_DIR/events.jsonl`` and its checkpoints under ``RUN_DIR/coordinator``.
+
+With ``--island-processes P`` every island is P ``dtrain worker`` processes forming one ``jax.distributed``
+job (a multi-host island, :mod:`workers.hosts`, on one machine): process 0 writes the island's files as above
+and alone talks to the coordinator; process I > 0 writes ``RUN_DIR/islands/NAME/process-I/`` (its events,
+summary and ``worker.log``). :func:`island_process_flags` and :func:`free_port` are how such an island is
+launched (tests/test_multihost.py launches its islands with them too).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +28,7 @@ from typing import Any
 
 from dtrain import config as config_mod
 from dtrain.audit import Audit, AuditError, AuditParams, audit
-from dtrain.config import Config
+from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
 from dtrain_cli.faults import (
@@ -63,14 +70,65 @@ def _pinned(cpus: list[int]) -> Callable[[], None]:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (bound to port 0 and released): for a ``jax.distributed`` service."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def island_process_flags(processes: int, index: int, jax_coordinator: str) -> list[str]:
+    """The ``dtrain worker`` flags that make a process process ``index`` of an island of ``processes``
+    processes whose ``jax.distributed`` service (process 0's) listens on ``jax_coordinator`` (HOST:PORT, the
+    same for every process of the island); none for a single-process island."""
+    if processes == 1:
+        return []
+    return ["--num-processes", str(processes), "--process-id", str(index), "--jax-coordinator", jax_coordinator]
+
+
+def process_dir(island_dir: Path, index: int) -> Path:
+    """Where process ``index`` of an island writes its events, summary and log: the island's run folder for
+    process 0, ``process-I`` under it for the others (as the worker names it: ``workers.hosts.HostGroup``)."""
+    return island_dir if index == 0 else island_dir / f"process-{index}"
+
+
+def check_island_processes(processes: object, cfg: Config, faults: Sequence[FaultSpec]) -> None:
+    """Raises ConfigError for an island process count that is not an integer >= 1, or, with more than one
+    process per island, for what a multi-process worker refuses (chip health, device faults): before anything
+    starts, in one line."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ConfigError(f"--island-processes: must be an integer >= 1 (processes per island), got {processes!r}")
+    if processes == 1:
+        return
+    device = [f.text for f in faults if f.kind in DEVICE_KINDS]
+    if device:
+        raise ConfigError(f"--fault {device[0]}: device faults need single-process islands (an island of "
+                          f"{processes} processes cannot inject them): drop --island-processes or the fault")
+    if cfg.health.enabled:
+        raise ConfigError(f"[health] enabled: chip health needs single-process islands (an island of {processes} "
+                          f"processes cannot run it): drop --island-processes or set health.enabled=false")
+
+
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
-                   faults: Sequence[FaultSpec] = ()) -> dict[str, Any]:
-    """Runs a coordinator and ``islands`` worker processes; returns (and writes) the summary.
+                   faults: Sequence[FaultSpec] = (), island_processes: int = 1) -> dict[str, Any]:
+    """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each; returns (and
+    writes) the summary.
 
-    ``pin``: give each worker its own share of this host's CPUs (:func:`cpu_shares`; Linux), as an island
-    owns its hardware in production. Unpinned, 4 workers on 2 cores drift apart by 10-20% per round under
-    the scheduler and the fast ones wait for the slow ones; the coordinator is never pinned.
+    ``pin``: give each island its own share of this host's CPUs (:func:`cpu_shares`; Linux), as an island
+    owns its hardware in production; all the processes of an island share its share. Unpinned, 4 workers on 2
+    cores drift apart by 10-20% per round under the scheduler and the fast ones wait for the slow ones; the
+    coordinator is never pinned.
+
+    ``island_processes``: P > 1 makes every island one ``jax.distributed`` job of P processes (each with the
+    fake devices ``env`` gives one process, so P times that many per island), on a free port of 127.0.0.1
+    chosen at the island's first start and kept across its restarts. Faults act on the whole island: a kill
+    SIGKILLs (and a restart starts) all its processes, a hang stops and continues all of them; push faults
+    are passed to every process (process 0 sends the pushes); link faults sit between process 0 and the
+    coordinator. Device faults and chip health are refused (:func:`check_island_processes`). Every start of an
+    island (a restart too) is a ``worker_started`` event in ``RUN_DIR/driver/events.jsonl``: its processes' ids
+    and its ``jax_coordinator`` (None for single-process islands).
 
     ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
     ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
@@ -80,9 +138,13 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     a false positive: :func:`device_quarantines`).
 
     The summary's ``goodput`` and ``audit`` (lost and doubled tokens, gaps, overlaps) come from the
-    coordinator's and every island process's events (:mod:`dtrain.audit`)."""
+    coordinator's and every island process's events (:mod:`dtrain.audit`): every process that ran as an island's
+    process 0 (its restarts included); the other processes of a multi-process island run the same steps in
+    lockstep, so their events would count the island's steps twice. ``bit_identical_final_params``: every
+    process of every finished island ended on the same θ."""
     from dtrain.runs import new_run, run_dir
 
+    check_island_processes(island_processes, cfg, faults)
     if islands != cfg.outer.islands:
         cfg = config_mod.replace(cfg, outer={"islands": islands})
     if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
@@ -96,7 +158,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     cfg = new_run(cfg)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
-    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults))
+    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes)
     try:
         sim.run(timeout_s)
     finally:
@@ -109,10 +171,12 @@ class RunWatch:
     waits for (workers compiling before they join, the first round), then the version out of the total, the latest
     global eval loss and the islands' latest train loss. Fed with new events (:class:`dtrain.runlog.EventTail`)."""
 
-    def __init__(self, islands: int, expected_versions: int, shard_end: int):
+    def __init__(self, islands: int, expected_versions: int, shard_end: int, processes: int = 1):
         """``expected_versions``: the version a run ends at without faults (shown ``~N`` when the coordinator does
-        not know the end ahead); ``shard_end``: sequences per shard (0: no end, wall-time rounds)."""
+        not know the end ahead); ``shard_end``: sequences per shard (0: no end, wall-time rounds); ``processes``:
+        worker processes per island (the line counts islands joined and processes running)."""
         self.islands, self.expected, self.shard_end = islands, expected_versions, shard_end
+        self.processes = processes
         self.joined: set[str] = set()
         self.version = 0
         self.total = 0  # the version the run ends at, as the coordinator told the islands (0: the data decides)
@@ -155,24 +219,30 @@ class RunWatch:
     def line(self, running: int) -> str:
         """The status line; ``running``: worker processes alive now."""
         n = self.islands
+        # one process per island: an island is "a worker"; with several, islands join and processes run
+        unit, procs = ("workers", "") if self.processes == 1 else ("islands", f"/{n * self.processes} processes")
         if not self.joined:
-            return f"simulate: waiting for {n} workers to join (compiling; {running} running)"
+            return f"simulate: waiting for {n} {unit} to join (compiling; {running}{procs} running)"
         if self.version == 0 and not self.over:
-            return f"simulate: {len(self.joined)}/{n} workers joined, waiting for the first round"
+            return f"simulate: {len(self.joined)}/{n} {unit} joined, waiting for the first round"
         losses = list(self.train_loss.values())
         data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
         return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
                             data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
                             eval_version=self.eval_version,
-                            extra=f"{running}/{n} workers" + ("; the run is over" if self.over else ""))
+                            extra=(f"{running}/{n} workers" if self.processes == 1 else
+                                   f"{running}/{n * self.processes} worker processes")
+                            + ("; the run is over" if self.over else ""))
 
 
 class _Simulation:
-    """The driver's processes (a coordinator, N workers, their restarts) and the faults it injects."""
+    """The driver's processes (a coordinator, N islands of P worker processes, their restarts) and the faults it
+    injects."""
 
     def __init__(self, cfg: Config, out: Path, islands: int, quiet: bool, env: dict[str, str], pin: bool,
-                 faults: list[FaultSpec]):
+                 faults: list[FaultSpec], processes: int = 1):
         self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
+        self.processes = processes
         self.resolved = out / "config.toml"
         self.resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
         self.log = RunLog(out / "driver", quiet=quiet)
@@ -180,7 +250,9 @@ class _Simulation:
         self.shares: list[list[int] | None] = [None] * islands
         if pin and hasattr(os, "sched_setaffinity"):
             self.shares = list(cpu_shares(islands, sorted(os.sched_getaffinity(0))))
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, list[subprocess.Popen[bytes]]] = {}  # island -> its processes, process 0 first
+        self.jax_ports: dict[str, int] = {}  # island -> its jax.distributed port (P > 1), kept across restarts
+        self.ended: dict[str, int] = {}  # island -> the process whose failure made the driver kill the others
         self.gone: set[str] = set()  # islands killed for good (no restart): not waited for
         self.stopped: set[str] = set()  # islands stopped by the driver after the run ended without them
         self.coordinator: subprocess.Popen | None = None
@@ -195,7 +267,7 @@ class _Simulation:
         self.logs: list[Any] = []
         expected = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * islands
         shard_end = 0 if cfg.worker.round_seconds else cfg.train.steps * cfg.train.batch_size  # sequences per shard
-        self.watch = RunWatch(islands, expected, shard_end)
+        self.watch = RunWatch(islands, expected, shard_end, processes)
         self.tails = {"": EventTail(out), **{n: EventTail(out / "islands" / n) for n in self.names}}
 
     # -- processes ---------------------------------------------------------------------------------
@@ -222,11 +294,9 @@ class _Simulation:
             self.log.progress(f"live dashboard at {info['dashboard']}")
 
     def _start_worker(self, name: str) -> None:
+        """Starts island ``name``: its one worker process, or all P of them (one jax.distributed job)."""
         i = self.names.index(name)
         wdir = self.out / "islands" / name
-        wdir.mkdir(parents=True, exist_ok=True)
-        wlog = open(wdir / "worker.log", "a")
-        self.logs.append(wlog)
         port = self.proxies[name].port if name in self.proxies else self.port
         share = self.shares[i]
         inject = []
@@ -238,17 +308,54 @@ class _Simulation:
             if f.kind in DEVICE_KINDS and f.target == name:
                 inject += ["--device-fault", f.worker_arg()]
                 self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
-        self.workers[name] = subprocess.Popen(
-            _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
-                 "--island", name, "--run-dir", str(wdir), *inject),
-            stdout=wlog, stderr=subprocess.STDOUT, env=self.env, preexec_fn=None if share is None else _pinned(share))
+        if self.processes > 1 and name not in self.jax_ports:
+            self.jax_ports[name] = free_port()
+        self.ended.pop(name, None)
+        procs = []
+        for index in range(self.processes):
+            pdir = process_dir(wdir, index)
+            pdir.mkdir(parents=True, exist_ok=True)
+            wlog = open(pdir / "worker.log", "a")
+            self.logs.append(wlog)
+            hosts = island_process_flags(self.processes, index, f"127.0.0.1:{self.jax_ports.get(name, 0)}")
+            procs.append(subprocess.Popen(
+                _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
+                     "--island", name, "--run-dir", str(wdir), *hosts, *inject),
+                stdout=wlog, stderr=subprocess.STDOUT, env=self.env,
+                preexec_fn=None if share is None else _pinned(share)))
+        self.workers[name] = procs
+        self.log.event("worker_started", island=name, processes=self.processes, pids=[p.pid for p in procs],
+                       jax_coordinator=f"127.0.0.1:{self.jax_ports[name]}" if name in self.jax_ports else None)
+
+    def _running(self, name: str) -> bool:
+        """Whether some process of island ``name`` still runs."""
+        return any(p.poll() is None for p in self.workers[name])
+
+    def _end_broken_islands(self) -> None:
+        """An island of several processes one of which failed (a non-zero status the driver did not cause) cannot
+        go on: the others would wait in their next collective until jax.distributed noticed. Kill them now; the
+        failed process is what the run's error names."""
+        for name, procs in self.workers.items():
+            if len(procs) == 1 or name in self.ended or name in self.gone | self.stopped:
+                continue
+            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is not None and self._running(name):
+                self.ended[name] = failed
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                self.log.event("island_ended", island=name, process=failed, status=procs[failed].returncode,
+                               reason="a process of the island failed; the driver killed the others")
 
     def run(self, timeout_s: float) -> None:
         self._start_coordinator(resume=False)
         address = f"{self.cfg.coordinator.host}:{self.port}"
         for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS}):
             self.proxies[name] = LinkProxy(self.port, self.cfg.coordinator.host)
-        self.log.progress(f"coordinator at {address}; starting {self.islands} workers"
+        islands = f"{self.islands} workers" if self.processes == 1 else \
+            f"{self.islands} islands of {self.processes} worker processes"
+        self.log.progress(f"coordinator at {address}; starting {islands}"
                           + (f", pinned to CPUs {self.shares}" if self.shares[0] is not None else "")
                           + (f"; {len(self.faults)} fault(s) to inject" if self.faults else ""))
         for name in self.names:
@@ -258,7 +365,7 @@ class _Simulation:
         # push and device faults: the workers inject them
         pending = [f for f in self.faults if f.kind not in PUSH_KINDS + DEVICE_KINDS]
         ended_at = 0.0
-        while self.recoveries or any(p.poll() is None for n, p in self.workers.items() if n not in self.gone):
+        while self.recoveries or any(self._running(n) for n in self.workers if n not in self.gone):
             now = time.perf_counter()
             if now > deadline:
                 raise SimulationError(f"workers still running after {timeout_s:.0f}s")
@@ -269,6 +376,7 @@ class _Simulation:
             for due, action in [r for r in self.recoveries if r[0] <= now]:
                 self.recoveries.remove((due, action))
                 action()
+            self._end_broken_islands()
             coord = self.coordinator
             restarting = any(f["kind"] == "kill-coordinator" and f.get("recovered_t") is None for f in self.fired)
             if coord is not None and coord.poll() not in (None, 0) and not restarting:
@@ -293,18 +401,31 @@ class _Simulation:
             self.log.event("fault_not_injected", fault=f.text, reason=reason)
             self.log.progress(f"fault {f.text}: not injected ({reason})")
             self.not_injected.append({"fault": f.text, "reason": reason})
-        failed = [(n, p.returncode) for n, p in self.workers.items()
-                  if p.returncode != 0 and n not in self.gone | self.stopped]
+        failed = self._failures()
         if failed:
-            raise SimulationError("workers failed: " + "; ".join(
-                f"{n} (status {rc}: {_last_line(self.out / 'islands' / n / 'worker.log')}; see islands/{n}/worker.log)"
-                for n, rc in failed))
+            raise SimulationError("workers failed: " + "; ".join(failed))
         coord = self.coordinator
         if coord is not None:
             if coord.poll() is None:
                 coord.terminate()
             if coord.wait(timeout=60) not in (0, -15):
                 raise SimulationError(f"the coordinator failed with status {coord.returncode}")
+
+    def _failures(self) -> list[str]:
+        """The worker processes that failed (exited non-zero) on their own, for the run's error: each one's island,
+        its process (with several per island), its status, the last line of its log and where the log is. Islands
+        killed for good or stopped by the driver are left out, and so are the processes the driver killed because
+        another process of their island had failed (:meth:`_end_broken_islands`)."""
+        out = []
+        for name, procs in self.workers.items():
+            if name in self.gone | self.stopped:
+                continue
+            for index, p in enumerate(procs):
+                if p.poll() not in (None, 0) and self.ended.get(name, index) == index:
+                    log = process_dir(Path("islands") / name, index) / "worker.log"
+                    who = name if self.processes == 1 else f"{name} process {index}"
+                    out.append(f"{who} (status {p.returncode}: {_last_line(self.out / log)}; see {log})")
+        return out
 
     def _show_status(self) -> None:
         """The driver's status line (:class:`RunWatch`): live on a terminal, else a line every STATUS_EVERY_S."""
@@ -313,23 +434,26 @@ class _Simulation:
                 self.watch.island(name, tail.read())
             else:
                 self.watch.coordinator(tail.read())
-        running = sum(p.poll() is None for p in self.workers.values())
+        running = sum(p.poll() is None for procs in self.workers.values() for p in procs)
         total = self.watch.known_total
         self.log.status("simulate", self.watch.line(running), done=self.watch.version, total=total,
                         every_s=STATUS_EVERY_S)
 
     def _stop_stragglers(self) -> None:
-        for name, p in self.workers.items():
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
+        for name, procs in self.workers.items():
+            if self._running(name):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait(timeout=30)
                 self.stopped.add(name)
                 self.log.event("worker_stopped", island=name,
                                reason="the coordinator finished the run and exited; this island had not finished")
                 self.log.progress(f"{name}: stopped (the run ended while it was away)")
 
     def stop_all(self) -> None:
-        for p in self.workers.values():
+        for p in (p for procs in self.workers.values() for p in procs):
             if p.poll() is None:
                 p.kill()
         if self.coordinator is not None and self.coordinator.poll() is None:
@@ -354,19 +478,21 @@ class _Simulation:
         entry = self.fired[-1]
         self.log.progress(f"fault: {f.describe()} (version {version})")
         later = (time.perf_counter() + f.duration_s) if f.duration_s else None
-        if f.kind == "kill":
-            self.workers[f.target].kill()
-            self.workers[f.target].wait()
+        if f.kind == "kill":  # every process of the island, then waited for
+            for p in self.workers[f.target]:
+                p.kill()
+            for p in self.workers[f.target]:
+                p.wait()
             if later is None:
                 self.gone.add(f.target)
             else:
                 self.recoveries.append((later, lambda: self._recover(entry, "restarted",
                                                                        lambda: self._start_worker(f.target))))
         elif f.kind == "hang":
-            self.workers[f.target].send_signal(signal.SIGSTOP)
+            self._signal(f.target, signal.SIGSTOP)
             assert later is not None
             self.recoveries.append((later, lambda: self._recover(
-                entry, "resumed (SIGCONT)", lambda: self.workers[f.target].send_signal(signal.SIGCONT))))
+                entry, "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT))))
         elif f.kind == "kill-coordinator":
             assert self.coordinator is not None
             self.coordinator.kill()
@@ -382,6 +508,12 @@ class _Simulation:
                 proxy.slow(f.delay_ms / 1000.0)
             assert later is not None
             self.recoveries.append((later, lambda: self._recover(entry, "link restored", proxy.restore)))
+
+    def _signal(self, name: str, signum: int) -> None:
+        """Sends ``signum`` to every process of island ``name`` that has not exited."""
+        for p in self.workers[name]:
+            if p.poll() is None:
+                p.send_signal(signum)
 
     def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
         """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
@@ -493,8 +625,12 @@ class _Simulation:
         wall = time.perf_counter() - self.t0
         finished = [n for n in self.names if n not in self.gone | self.stopped]
         per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
-        evals = {round(s["final_eval_loss"], 6) for s in per_island}
-        digests = {s["params_digest"] for s in per_island}
+        # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
+        # process 0's alone, the one that pushes)
+        followers = [json.loads((process_dir(out / "islands" / n, i) / "summary.json").read_text())
+                     for n in finished for i in range(1, self.processes)]
+        evals = {round(s["final_eval_loss"], 6) for s in per_island + followers}
+        digests = {s["params_digest"] for s in per_island + followers}
         checked = self.audit()
         summary = {
             "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
@@ -504,7 +640,7 @@ class _Simulation:
             "utilization": min(s["utilization"] for s in per_island),
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
-            "worker_cpus": self.shares, "faults": self._detections(),
+            "worker_cpus": self.shares, "island_processes": self.processes, "faults": self._detections(),
             "device_quarantines": device_quarantines({n: _events(self.out / "islands" / n) for n in self.names},
                                                      [f for f in self.faults if f.kind in DEVICE_KINDS]),
             "faults_not_injected": self.not_injected,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,15 +29,9 @@ from dtrain.checkpoint import Checkpointer
 from dtrain.config import ConfigError, load_config, to_toml
 from dtrain.runlog import read_events
 from dtrain.train import InnerLoop, make_mesh
+from dtrain_cli.simulate import free_port, island_process_flags, process_dir
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
 from workers.island import Worker, WorkerError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Cluster:
@@ -68,9 +61,9 @@ class Cluster:
         for name in names:
             island, _, index = name.partition("-")
             cmd = [*self.base, "--island", island, "--run-dir", str(self.tmp / island), *extra]
-            if index:
-                port = self.jax_ports.setdefault(island, _free_port())
-                cmd += ["--num-processes", "2", "--process-id", index, "--jax-coordinator", f"127.0.0.1:{port}"]
+            if index:  # the same launch as dtrain simulate --island-processes 2
+                port = self.jax_ports.setdefault(island, free_port())
+                cmd += island_process_flags(2, int(index), f"127.0.0.1:{port}")
             with open(self.tmp / f"{name}.log", "ab") as out:
                 self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -97,7 +90,7 @@ class Cluster:
     def run_dir(self, name: str) -> Path:
         """Where process ``name`` writes its events and summary (process 0's: the island's run folder)."""
         island, _, index = name.partition("-")
-        return self.tmp / island / (f"process-{index}" if index not in ("", "0") else "")
+        return process_dir(self.tmp / island, int(index or 0))
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """Process ``name``'s events so far (none before it wrote one)."""

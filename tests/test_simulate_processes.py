@@ -269,3 +269,203 @@ def test_a_sigkilled_worker_is_reported_lost_within_5s_with_the_default_config(t
     checked = audit(events, {n: read_events(out / "islands" / n) for n in ("a", "b")}, AuditParams.from_config(cfg))
     assert checked.lost_tokens == 0 and checked.doubled_tokens == 0, checked.to_dict()
     assert [e["version"] for e in events if e["event"] == "round_merged"][-1] > cfg.rounds
+
+
+def _digests(run_dir: Path, island: str, processes: int) -> list[str]:
+    """The final θ digest in the summary of every process of ``island`` (process 0's first)."""
+    from dtrain_cli.simulate import process_dir
+
+    return [json.loads((process_dir(run_dir / "islands" / island, i) / "summary.json").read_text())["params_digest"]
+            for i in range(processes)]
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: 4 worker processes and a coordinator start JAX
+def test_process_simulation_with_two_process_islands(tmp_path):
+    """``--island-processes 2``: each of 2 islands is one jax.distributed job of 2 worker processes (one CPU device
+    each): the coordinator sees 2 islands of 2 devices, every process ends on its final θ, the audit is clean and
+    counts each island's steps once, and both processes of an island ran on the island's CPUs."""
+    cfg = _cfg(tmp_path, "train.steps=20")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300, island_processes=2)
+    out = Path(s["run_dir"])
+    assert s["rounds"] == cfg.rounds == 2 and s["bit_identical_final_params"] and s["island_processes"] == 2
+    events = read_events(out)
+    joins = [e for e in events if e["event"] == "island_joined"]
+    assert sorted(e["name"] for e in joins) == ["island-0", "island-1"]  # one island per jax.distributed job
+    stopped = next(e for e in events if e["event"] == "coordinator_stopped")
+    for island in ("island-0", "island-1"):
+        assert _digests(out, island, 2) == [stopped["params_digest"]] * 2, island
+    a = s["audit"]
+    assert (a["lost_tokens"], a["doubled_tokens"], a["gaps"], a["overlaps"]) == (0, 0, [], [])
+    assert a["merged_ranges"] == 2 * cfg.rounds and a["steps_executed"] == 2 * cfg.train.steps  # not 4 x
+    assert s["tokens"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+    for isl in s["islands"]:
+        assert isl["devices"] == 2 and isl["steps"] == cfg.train.steps
+    for i, share in enumerate(s["worker_cpus"]):
+        island = out / "islands" / f"island-{i}"
+        for folder in (island, island / "process-1"):
+            started = [e for e in read_events(folder) if e["event"] == "island_started"]
+            assert [e["cpus"] for e in started] == [share], folder
+            assert (folder / "worker.log").is_file()
+    starts = [e for e in read_events(out / "driver") if e["event"] == "worker_started"]
+    assert len(starts) == 2 and all(e["processes"] == 2 and len(e["pids"]) == 2 for e in starts)
+    assert len({e["jax_coordinator"] for e in starts}) == 2  # a jax.distributed port per island
+
+
+@pytest.mark.slow  # ~42 s on 2 cores: the restarted processes compile again (~16 s)
+def test_a_killed_two_process_island_restarts_both_processes_and_rejoins(tmp_path):
+    """``kill:island-1@v1+1s`` on islands of 2 processes: the driver SIGKILLs both processes of island-1 and
+    starts both again (on the island's jax.distributed port); the island rejoins under its name, and the run ends
+    with every sequence merged once and every process on the coordinator's final θ."""
+    from dtrain_cli.faults import parse_fault
+
+    cfg = _cfg(tmp_path, "train.steps=40", "coordinator.lease_s=30")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=400, island_processes=2,
+                       faults=[parse_fault("kill:island-1@v1+1s", 2)])
+    out = Path(s["run_dir"])
+    (fault,) = s["faults"]
+    assert fault["fault"] == "kill:island-1@v1+1s" and fault["recovery"] == "restarted", fault
+    assert fault["version"] < cfg.rounds  # mid-run
+    assert s["bit_identical_final_params"] and not s["unfinished_islands"]
+    a = s["audit"]
+    assert (a["lost_tokens"], a["doubled_tokens"], a["gaps"], a["overlaps"]) == (0, 0, [], [])
+    events = read_events(out)
+    joins = [e for e in events if e["event"] == "island_joined" and e["name"] == "island-1"]
+    assert len(joins) == 2 and joins[1]["reason"].startswith("rejoined"), joins
+    stopped = next(e for e in events if e["event"] == "coordinator_stopped")
+    for island in ("island-0", "island-1"):
+        assert _digests(out, island, 2) == [stopped["params_digest"]] * 2, island
+    for folder in ("island-1", "island-1/process-1"):  # both processes started twice; island-0's once
+        started = [e for e in read_events(out / "islands" / folder, skip_torn=True) if e["event"] == "island_started"]
+        assert len(started) == 2, folder
+    starts = [e for e in read_events(out / "driver") if e["event"] == "worker_started" and e["island"] == "island-1"]
+    assert len(starts) == 2 and starts[0]["jax_coordinator"] == starts[1]["jax_coordinator"]
+    assert not set(starts[0]["pids"]) & set(starts[1]["pids"])
+
+
+def test_simulate_refuses_bad_island_process_counts(tmp_path, capsys):
+    from dtrain_cli.main import main
+
+    base = ["simulate", "--config", str(ROOT / "configs" / "tiny.toml"), "--islands", "2",
+            "--set", f"run.out_dir={tmp_path}"]
+    for value, message in (("0", "0: an island has at least 1 process"),
+                           ("two", "'two' is not a number of processes"), ("1.5", "'1.5' is not a number")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, "--island-processes", value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--island-processes" in err[0] and message in err[0], err
+    assert main([*base, "--inprocess", "--island-processes", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dtrain simulate: config error: --island-processes needs worker processes: drop --inprocess"]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--fault", "device-dead:island-1@step5,device=0"],
+     "--fault device-dead:island-1@step5,device=0: device faults need single-process islands"),
+    (["--set", "health.enabled=true"], "[health] enabled: chip health needs single-process islands"),
+])
+def test_simulate_refuses_what_multi_process_islands_cannot_run(tmp_path, capsys, extra, message):
+    from dtrain_cli.main import main
+
+    rc = main(["simulate", "--config", str(ROOT / "configs" / "tiny.toml"), "--islands", "2", "--island-processes",
+               "2", "--set", f"run.out_dir={tmp_path}", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dtrain simulate: config error: ") and message in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+def test_check_island_processes():
+    from dtrain.config import ConfigError
+    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.simulate import check_island_processes
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    check_island_processes(1, cfg, [parse_fault("device-dead:island-0@step5,device=0", 2)])  # one process: fine
+    check_island_processes(3, cfg, [parse_fault("kill:island-0@v1+1s", 2), parse_fault("nan:island-1@v1", 2)])
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ConfigError, match="--island-processes: must be an integer >= 1"):
+            check_island_processes(bad, cfg, [])
+
+
+def test_island_process_flags_and_folders_match_the_worker():
+    from dtrain_cli.simulate import island_process_flags, process_dir
+    from workers.hosts import HostGroup, resolve_processes
+
+    assert island_process_flags(1, 0, "127.0.0.1:1") == []
+    for index in range(3):
+        flags = island_process_flags(3, index, "127.0.0.1:8476")
+        values = dict(zip(flags[::2], flags[1::2], strict=True))
+        got = resolve_processes(int(values["--num-processes"]), int(values["--process-id"]),
+                                values["--jax-coordinator"], {})
+        assert (got.count, got.index, got.coordinator) == (3, index, "127.0.0.1:8476")
+        # where the driver opens a process's log is where that worker process writes its events
+        assert process_dir(Path("isl"), index) == Path("isl") / HostGroup(index, 3).log_dir_name()
+
+
+def test_a_failed_process_ends_its_island_and_is_named_with_its_log(tmp_path):
+    """A process of a two-process island exits non-zero: the driver kills the island's other process (which would
+    wait for jax.distributed's peer timeout) and the run's error names the island, the failed process and its log,
+    not the process it killed."""
+    import subprocess
+    import sys
+
+    from dtrain_cli.simulate import _Simulation
+
+    sim = _Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [], 2)
+    try:
+        log = tmp_path / "islands" / "island-1" / "process-1" / "worker.log"
+        log.parent.mkdir(parents=True)
+        log.write_text("compiling\nWorkerError: the island's mesh needs 2 devices\n")
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        sim.workers = {"island-0": [subprocess.Popen(sleep), subprocess.Popen(sleep)],
+                       "island-1": [subprocess.Popen(sleep), subprocess.Popen([sys.executable, "-c", "exit(3)"])]}
+        sim.workers["island-1"][1].wait()
+        sim._end_broken_islands()
+        assert sim.ended == {"island-1": 1}
+        assert [p.poll() for p in sim.workers["island-1"]] == [-9, 3]  # process 0 killed by the driver
+        assert all(p.poll() is None for p in sim.workers["island-0"])  # the other island goes on
+        assert sim._failures() == ["island-1 process 1 (status 3: WorkerError: the island's mesh needs 2 devices; "
+                                   "see islands/island-1/process-1/worker.log)"]
+        ended = [e for e in read_events(tmp_path / "driver") if e["event"] == "island_ended"]
+        assert [(e["island"], e["process"], e["status"]) for e in ended] == [("island-1", 1, 3)]
+    finally:
+        sim.stop_all()
+
+
+def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_path, monkeypatch):
+    """How the driver starts an island of 2 processes (the commands recorded, nothing run): both get the island's
+    name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
+    pinning; a restart starts both again on the same address; another island gets its own."""
+    import dtrain_cli.simulate as simulate
+    from dtrain_cli.faults import parse_fault
+
+    started: list[tuple[list[str], bool]] = []
+
+    class Recorded:
+        def __init__(self, cmd, **kwargs):
+            started.append((cmd, kwargs["preexec_fn"] is not None))
+            self.pid = len(started)
+
+    monkeypatch.setattr(simulate.subprocess, "Popen", Recorded)
+    sim = simulate._Simulation(_cfg(tmp_path), tmp_path, 2, True, {}, True, [parse_fault("nan:island-1@v1", 2)], 2)
+    try:
+        sim.port = 1234
+        sim._start_worker("island-1")
+        sim._start_worker("island-1")  # a restart
+        sim._start_worker("island-0")
+    finally:
+        for f in sim.logs:  # nothing ran: the log files alone to close
+            f.close()
+    assert len(started) == 6 and all(pinned for _, pinned in started)
+    args = [cmd[cmd.index("worker") + 1:] for cmd, _ in started]  # every flag takes a value
+    flags = [dict(zip(a[::2], a[1::2], strict=True)) for a in args]
+    assert [f["--process-id"] for f in flags] == ["0", "1"] * 3
+    assert all(f["--num-processes"] == "2" and f["--coordinator"] == "127.0.0.1:1234" for f in flags)
+    assert [f["--island"] for f in flags] == ["island-1"] * 4 + ["island-0"] * 2
+    assert {f["--run-dir"] for f in flags[:4]} == {str(tmp_path / "islands" / "island-1")}  # process-I: the worker's
+    addresses = [f["--jax-coordinator"] for f in flags]
+    assert len(set(addresses[:4])) == 1 and addresses[4] == addresses[5] != addresses[0]
+    assert [f.get("--inject") for f in flags] == ["nan@v1"] * 4 + [None] * 2  # every process of the island
+    assert (tmp_path / "islands" / "island-1" / "process-1" / "worker.log").is_file()
