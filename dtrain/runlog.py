@@ -203,6 +203,13 @@ class EventTail:
         return out
 
 
+def process_dir(island_dir: Path, index: int) -> Path:
+    """Where process ``index`` of an island writes its events, summary and log: the island's run folder for
+    process 0 (the one that talks to the coordinator), ``process-I`` under it for the others. The worker writes
+    there (workers/island.py) and ``dtrain simulate`` and the tests read there."""
+    return island_dir if index == 0 else island_dir / f"process-{index}"
+
+
 def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, Any]]:
     """The events of ``RUN_DIR/events.jsonl``. ``skip_torn``: leave out lines that do not parse, which a process
     killed while it wrote one leaves behind (a restarted process appends after them); else they raise."""

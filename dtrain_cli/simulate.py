@@ -30,7 +30,7 @@ from dtrain import config as config_mod
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
-from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
+from dtrain.runlog import EventTail, RunLog, fmt_progress, process_dir, read_events
 from dtrain_cli.faults import (
     DEVICE_KINDS,
     LINK_KINDS,
@@ -85,12 +85,6 @@ def island_process_flags(processes: int, index: int, jax_coordinator: str) -> li
     if processes == 1:
         return []
     return ["--num-processes", str(processes), "--process-id", str(index), "--jax-coordinator", jax_coordinator]
-
-
-def process_dir(island_dir: Path, index: int) -> Path:
-    """Where process ``index`` of an island writes its events, summary and log: the island's run folder for
-    process 0, ``process-I`` under it for the others (as the worker names it: ``workers.hosts.HostGroup``)."""
-    return island_dir if index == 0 else island_dir / f"process-{index}"
 
 
 def check_island_processes(processes: object, cfg: Config, faults: Sequence[FaultSpec]) -> None:

@@ -261,8 +261,3 @@ class HostGroup:
         from jax.experimental import multihost_utils
 
         return multihost_utils.process_allgather(tree, tiled=True)
-
-    def log_dir_name(self) -> str:
-        """The sub-folder of the island's run folder where this process writes its events and summary ('' for
-        the leader: the island's own files)."""
-        return "" if self.leader else f"process-{self.index}"

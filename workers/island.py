@@ -54,7 +54,7 @@ from dtrain.errors import DtrainError
 from dtrain.health import DeviceFault
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
-from dtrain.runlog import RunLog, fmt_progress, json_number
+from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir
 from dtrain.setup import prepare
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop, make_mesh
@@ -388,7 +388,7 @@ class Worker:
         self.run_dir = Path(run_dir)
         require_exporter(cfg.telemetry)  # a missing extra, before anything slow
         # Process 0 writes the island's events and summary; another process its own, under process-I, quietly.
-        self.log = RunLog(self.run_dir / self.hosts.log_dir_name(), quiet=quiet or not self.hosts.leader)
+        self.log = RunLog(process_dir(self.run_dir, self.hosts.index), quiet=quiet or not self.hosts.leader)
         # Built at the first Join (its Resource names the run id); until then it records nothing.
         self.telemetry = Telemetry.disabled()
         self.stopping = threading.Event()  # the island is done (the run is over, or it failed): calls stop retrying
@@ -1269,7 +1269,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
     finally:
         client.close()
     if over:
-        return _report_run_over(RunLog(Path(run_dir) / hosts.log_dir_name(), quiet=quiet or not hosts.leader),
+        return _report_run_over(RunLog(process_dir(Path(run_dir), hosts.index), quiet=quiet or not hosts.leader),
                                 name, over)
     worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault,
                     hosts=hosts)
