@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
 from dtrain_cli.entry import Parser, run_main
@@ -51,26 +52,23 @@ def port_number(text: str) -> int:
     return port
 
 
-def device_count(text: str) -> int:
-    """``--host-devices``: a count >= 0 (0: leave XLA_FLAGS as it is)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of devices") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: must be >= 0 (0: leave XLA_FLAGS as it is)")
-    return n
+def int_at_least(minimum: int, noun: str, why: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``; ``noun`` names what a non-integer is not, ``why`` is said of
+    one too small."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {noun}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n}: {why}")
+        return n
+    return parse
 
 
-def process_count(text: str) -> int:
-    """``simulate --island-processes``: worker processes per island, an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes (an integer >= 1)") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: an island has at least 1 process")
-    return n
+# --host-devices: 0 leaves XLA_FLAGS as it is; simulate --island-processes: worker processes per island
+device_count = int_at_least(0, "devices", "must be >= 0 (0: leave XLA_FLAGS as it is)")
+process_count = int_at_least(1, "processes (an integer >= 1)", "an island has at least 1 process")
 
 
 def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
