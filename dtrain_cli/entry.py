@@ -8,7 +8,9 @@ a user error is one line on stderr and an exit status, never a traceback.
   as the Python documentation's "Note on SIGPIPE" does it;
 - Ctrl-C: ``PROG: interrupted``, exit 130 (the shell's status for SIGINT).
 
-Anything else is a bug and keeps its traceback. Usage: ``sys.exit(run_main("benchmarks/x.py", main))``.
+Anything else is a bug and keeps its traceback. With ``DTRAIN_TRACEBACK=1`` in the environment a user error's
+traceback is printed too, above its line (for a developer chasing where an error came from, e.g. in the workers a
+``dtrain simulate`` starts: they inherit the environment). Usage: ``sys.exit(run_main("benchmarks/x.py", main))``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def run_main(prog: str, main: Callable[[], object]) -> int:
         if known is None:
             raise
         code, label = known
+        if os.environ.get("DTRAIN_TRACEBACK") == "1":
+            import traceback
+
+            traceback.print_exception(e)
         print(f"{prog}: {label}: {e}", file=sys.stderr)
         return code
     return status if isinstance(status, int) and not isinstance(status, bool) else 0

@@ -418,3 +418,21 @@ def test_a_worker_whose_coordinator_does_not_answer_says_so_before_it_builds(tmp
         client.close()
     assert len(said) == 1 and said[0].startswith(f"the coordinator at 127.0.0.1:{port} does not answer yet (")
     assert "connection refused" in said[0] and said[0].endswith("(retried for up to 7s)")
+
+
+def test_dtrain_traceback_shows_where_a_user_error_came_from(monkeypatch, capsys):
+    """A user error is one line; with DTRAIN_TRACEBACK=1 its traceback comes first (a developer's aid), same status."""
+    from dtrain.errors import DtrainError
+    from dtrain_cli.entry import run_main
+
+    def fails() -> None:
+        raise DtrainError("the coordinator went away")
+
+    monkeypatch.delenv("DTRAIN_TRACEBACK", raising=False)
+    assert run_main("dtrain worker", fails) == 1
+    assert capsys.readouterr().err == "dtrain worker: error: the coordinator went away\n"
+    monkeypatch.setenv("DTRAIN_TRACEBACK", "1")
+    assert run_main("dtrain worker", fails) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "in fails" in err
+    assert err.endswith("dtrain worker: error: the coordinator went away\n")
