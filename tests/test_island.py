@@ -323,3 +323,38 @@ def test_link_watch_reports_a_slow_link_after_a_streak_and_its_recovery():
     assert statistics.median(w.rtts) == 0.002  # slow trips stay out of the baseline
     kind, _ = w.observe(0.003)
     assert kind == "link_recovered" and w.observe(0.003) is None
+
+
+def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flight():
+    """The coordinator stops serving as soon as the islands hold the last version; its stop reaches an island in a
+    heartbeat reply, which the heartbeat thread may not have handled when the island's own pull is cut off
+    (CANCELLED). The island then waits for that stop (two heartbeat periods at most) instead of failing; any other
+    refusal, or a stop that never comes, is an error."""
+    from conftest import TINY
+    from dtrain.config import load_config
+    from workers.hosts import HostGroup
+    from workers.island import Worker
+
+    worker = Worker.__new__(Worker)  # only what _stopped_after reads: no model, no coordinator
+    worker.cfg = load_config(TINY, ["worker.heartbeat_s=0.5"])
+    worker.hosts = HostGroup.single()
+    class Stopping(threading.Event):
+        waits = 0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits += 1
+            return super().wait(timeout)
+
+    worker.stopping = stopping = Stopping()
+    cancelled = CoordinatorError(grpc.StatusCode.CANCELLED, "CANCELLED")
+    timer = threading.Timer(0.1, worker.stopping.set)  # the heartbeat thread reads the STOP reply
+    timer.start()
+    try:
+        assert worker._stopped_after(cancelled)
+    finally:
+        timer.cancel()
+    worker.stopping.clear()
+    assert not worker._stopped_after(cancelled)  # no stop within two heartbeats: the failure stands
+    assert stopping.waits == 2
+    refused = CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad request")
+    assert not worker._stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait

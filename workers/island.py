@@ -67,6 +67,9 @@ from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
+# A call cut off by the coordinator going away (it stops serving once the run is finished and the islands hold the
+# last version): the stop it sent rides on a heartbeat reply that may not be read yet.
+COORDINATOR_GONE = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE})
 MAX_ROLLBACKS = 3  # NaN-guard rollbacks in a row (no push in between) before the island gives up: it diverges
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
@@ -507,6 +510,16 @@ class Worker:
             self.log.event("joined", island_id=reply.island_id, shard=reply.shard_index, cursor=reply.cursor,
                            version=reply.version, run_id=reply.run_id, total_versions=reply.total_versions)
         return reply
+
+    def _stopped_after(self, error: CoordinatorError) -> bool:
+        """:meth:`_stopped`, once a call failed. If the coordinator went away (:data:`COORDINATOR_GONE`), its stop
+        may be in a heartbeat reply the heartbeat thread has not handled yet (the coordinator stops serving as soon
+        as the islands hold the last version): process 0 gives it two heartbeat periods before the island decides
+        the failure is an error. Seen as `dtrain worker: error: CANCELLED` at the end of about one run in ten on a
+        loaded machine."""
+        if error.code in COORDINATOR_GONE and self.hosts.leader:
+            self.stopping.wait(2 * self.cfg.worker.heartbeat_s)
+        return self._stopped()
 
     def _stopped(self) -> bool:
         """Whether the island stops (the coordinator said so, or it failed): process 0's answer on every process,
@@ -1110,7 +1123,7 @@ class Worker:
             try:
                 anchor = self._fold_in(island, pending, status)
             except CoordinatorError as e:
-                if not self._stopped():
+                if not self._stopped_after(e):
                     raise
                 self.log.event("final_pull_failed", version=anchor.version, final_version=self.final_version,
                                error=str(e))
@@ -1135,7 +1148,7 @@ class Worker:
             try:
                 g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
             except CoordinatorError as e:
-                if not self._stopped():
+                if not self._stopped_after(e):
                     raise
                 # The run is over and the coordinator stopped serving before this island had the last version (its
                 # linger_s ran out, or a pull was in flight as it stopped): it ends on the version it holds.
