@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dtrain.config import Config
+from dtrain.runlog import progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300.0
@@ -37,7 +38,7 @@ _T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     """A progress line on stderr, stamped with the seconds since the benchmark started."""
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+    print(progress_line(time.perf_counter() - _T0, msg), file=sys.stderr, flush=True)
 
 
 # -- the end of a run ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ os.environ.setdefault("XLA_FLAGS", "")  # before JAX: no fake devices here, one 
 
 import jax
 import numpy as np
+from _common import log
 
 from coordinator.merger import MergeOptions, Merger
 from dtrain import codec, config
@@ -82,10 +83,6 @@ def main(argv: list[str] | None = None) -> dict:
     base = load_config(args.config, args.overrides)
     B = base.train.batch_size
     t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
     warm_cfg = config.replace(base, train={"steps": max(W, 2),
                                            "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))},

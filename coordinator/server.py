@@ -44,6 +44,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
 from dtrain.wire import (
+    HANDLER_KINDS,
     MAX_EVAL_REPORTS,
     RUN_OVER_METADATA_KEY,
     SERVICE,
@@ -772,15 +773,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec, port: int | None = None,
           resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
-          after_finish: AfterFinish = "exit") -> tuple[grpc.Server, CoordinatorService, int]:
+          after_finish: AfterFinish = "exit", checked: Preflight | None = None
+          ) -> tuple[grpc.Server, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one.
-    ``after_finish``: see :class:`CoordinatorService`."""
+    ``after_finish``: see :class:`CoordinatorService`. ``checked``: :func:`preflight`'s result when the caller
+    already ran it (before θ_0's work), else it runs here, before anything is written to the run folder."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
-    check_ports_free(cfg, port)  # before anything is written to the run folder
+    token, creds = checked if checked is not None else preflight(cfg, port)
     dash_port = dashboard_port(cfg, port)
-    token = read_token(cfg.security)  # the secrets, checked (a placeholder refused) before anything is written too
-    creds = server_credentials(cfg.security)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet,
                                  after_finish=after_finish)
     on_denied: AuthDenied = service.auth_failed
@@ -828,6 +829,19 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
 
 _IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
            "with --port or coordinator.port")
+
+
+# What preflight() read: the bearer token (None: no auth) and the server's TLS credentials (None: plaintext).
+Preflight = tuple[str | None, grpc.ServerCredentials | None]
+
+
+def preflight(cfg: Config, port: int | None) -> Preflight:
+    """The checks a coordinator passes before it writes anything: its ports are free (:func:`check_ports_free`),
+    the telemetry exporter is installed, its token and TLS files are readable and not deploy/'s placeholders
+    (ConfigError otherwise); returns the token and the credentials for :func:`serve`."""
+    check_ports_free(cfg, port)
+    require_exporter(cfg.telemetry)
+    return read_token(cfg.security), server_credentials(cfg.security)
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -923,10 +937,8 @@ def service_handler(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHand
     ``add_CoordinatorServicer_to_server`` with two differences. Responses go through ``wire.serialize``, so a
     pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
     chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two)."""
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
-    handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
+    handlers = {m.name: HANDLER_KINDS[m.client_streaming, m.server_streaming](
         _noting_call(m.name, getattr(service, m.name), m.client_streaming),
         request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
                               else getattr(pb, m.input_type.name).FromString),
@@ -1091,15 +1103,12 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     import signal
 
     return_large_frees_to_the_os()
-    check_ports_free(cfg, port)  # before θ_0's work
-    require_exporter(cfg.telemetry)  # likewise
-    read_token(cfg.security)  # likewise: a placeholder token or TLS file (deploy/'s, unreplaced) is refused at once
-    server_credentials(cfg.security)
+    checked = preflight(cfg, port)  # before θ_0's work
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
     try:
         server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet,
-                                       after_finish=after_finish)
+                                       after_finish=after_finish, checked=checked)
     finally:
         shutil.rmtree(init_dir, ignore_errors=True)  # the merger holds its own link to θ_0
     info = Path(run_dir) / "coordinator.json"

@@ -54,7 +54,7 @@ class RunLog:
         """One line that stays: ``[ elapsed s] line`` (above the live status lines, if any)."""
         if self.quiet:
             return
-        text = f"[{time.time() - self.t0:7.1f}s] {line}"
+        text = progress_line(time.time() - self.t0, line)
         if self._bar is not None:
             from rich.text import Text
 
@@ -104,6 +104,12 @@ class RunLog:
             self._bar.stop()  # the last state of the live lines stays on the terminal
             self._bar = None
         self._events.close()
+
+
+def progress_line(elapsed_s: float, line: str) -> str:
+    """A progress line as printed: ``[ elapsed s] line`` (:meth:`RunLog.progress`; also a process's lines from before
+    its RunLog exists)."""
+    return f"[{elapsed_s:7.1f}s] {line}"
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -156,7 +156,9 @@ def keepalive_options(server: bool) -> list[tuple[str, int | str]]:
 # What a server's TokenAuthInterceptor tells about a refused call: (the peer as gRPC names it, e.g.
 # "ipv4:10.0.0.7:53122", the method's path, why: "missing token" or "wrong token").
 AuthDenied = Callable[[str, str, str], None]
-_HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
+# gRPC's handler constructor for each (request streaming, response streaming): the interceptor's refusals and the
+# coordinator's service handlers.
+HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
     (False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
 
@@ -179,7 +181,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: missing or wrong bearer token (set the "
                           "token in the environment variable named by security.token_env)")
 
-        handler: grpc.RpcMethodHandler[Any, Any] = _HANDLER_KINDS[streams](deny)
+        handler: grpc.RpcMethodHandler[Any, Any] = HANDLER_KINDS[streams](deny)
         return handler
 
     def intercept_service(

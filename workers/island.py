@@ -54,7 +54,7 @@ from dtrain.errors import DtrainError
 from dtrain.health import DeviceFault
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
-from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir
+from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir, progress_line
 from dtrain.setup import prepare
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop, make_mesh
@@ -349,7 +349,9 @@ class Pending:
 class IslandStatus:
     """What the heartbeat reports. The training loop writes it, the heartbeat thread only reads it."""
 
-    version: int  # the global version the island's trajectory is based on
+    # (the global version the island's trajectory is based on, its params digest as verified on arrival, or ""):
+    # one attribute, replaced whole, so the heartbeat never pairs one version with another's digest
+    held: tuple[int, str]
     steps: int
     tokens: int
     steps_per_s: float = 0.0
@@ -359,8 +361,10 @@ class IslandStatus:
     chunk_loss: Any = None  # the latest chunk's per-step train losses (a device array, maybe still computing)
     train_loss: float | None = None  # its mean, once read (None: no chunk read yet)
     utilization: float = 0.0  # fraction of the island's training wall time spent in inner steps so far
-    held: tuple[int, str] = (0, "")  # (version, its verified params digest): one attribute, replaced whole, so the
-    # heartbeat never pairs one version with another's digest
+
+    @property
+    def version(self) -> int:
+        return self.held[0]
 
     def latest_loss(self, block: bool) -> float | None:
         """The mean train loss of the latest chunk; without ``block``, of the latest chunk already computed (the
@@ -627,12 +631,11 @@ class Worker:
                 break
             exchange = status.exchange
             evals = self._pending_evals()
-            version = status.version
-            held_version, digest = status.held
+            version, digest = status.held
             try:
                 t0 = time.perf_counter()
                 resp = self.client.heartbeat(0.0, island_id=self.island_id, version=version,
-                                             params_digest=digest if held_version == version else "",
+                                             params_digest=digest,
                                              steps=status.steps, tokens=status.tokens, steps_per_s=status.steps_per_s,
                                              pending_push_id=exchange.push_id if exchange is not None else "",
                                              train_loss=_finite_or_none(status.latest_loss(block=False)),
@@ -793,14 +796,14 @@ class Worker:
             return self._run_over(f"{e.message} (coordinator at {self.client.address})")
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
-        status = IslandStatus(version=joined.version, steps=0, tokens=0, devices=self.loop.mesh.devices.size,
+        status = IslandStatus(held=(joined.version, ""), steps=0, tokens=0, devices=self.loop.mesh.devices.size,
                               quarantined=self._evidence())
         hb = threading.Thread(target=self._heartbeat_loop, args=(status,), name="heartbeat", daemon=True)
         if self.hosts.leader:  # only process 0 talks to the coordinator
             hb.start()
         anchor = self.pull(None)
         island = self._start_island(joined, anchor, ckpt)
-        status.version, status.steps, status.tokens = anchor.version, island.steps, island.tokens
+        status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
         self.hosts.lead(self._await_peers)
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
@@ -974,8 +977,7 @@ class Worker:
                     island.state = island.state.replace(params=fold_in(island.state.params, pending.at_push,
                                                                        new_global))
         self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
-        status.exchange, status.version = None, result.version
-        status.held = (result.version, result.digest)
+        status.exchange, status.held = None, (result.version, result.digest)
         resp, h = pending.exchange.response, pending.exchange.header
         if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
             self.post_rewind(Rewind(h.shard_index, resp.cursor,
@@ -1003,10 +1005,9 @@ class Worker:
         if self._last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
             rewind = dataclasses.replace(rewind, cursor=self._last_exchange.accepted_range_end(rewind.shard,
                                                                                                rewind.cursor))
-        if not self.hosts.alone:  # process 0 alone knows its last exchange's reply
-            agreed = self._agreed_rewind(rewind)
-            assert agreed is not None
-            rewind = agreed
+        agreed = self._agreed_rewind(rewind)  # process 0 alone knows its last exchange's reply
+        assert agreed is not None
+        rewind = agreed
         # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
         if recovery is None and rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
@@ -1040,7 +1041,7 @@ class Worker:
                           f"({discarded} steps discarded): {rewind.reason}")
         island.index, island.stream = rewind.shard, self.setup.shards[rewind.shard].stream
         island.cursor, island.steps = rewind.cursor, rewind.cursor // batch
-        status.version, status.steps = latest.version, island.steps
+        status.held, status.steps = (latest.version, latest.digest), island.steps
         return latest, True
 
     def _wait(self, island: Island, pending: Pending, status: IslandStatus, why: str, fold: bool = True
@@ -1159,7 +1160,6 @@ class Worker:
             if g_new.version > anchor.version:
                 anchor, last_progress = g_new, time.perf_counter()
                 self._evaluate_requested()  # first: the heartbeat that reports the new version carries its eval
-                status.version = anchor.version
                 status.held = (anchor.version, anchor.digest)
             elif self.hosts.agree(time.perf_counter() - last_progress > patience):
                 self.log.event("final_wait_timeout", version=anchor.version, final_version=self.final_version)
@@ -1272,11 +1272,12 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
     ``inject``: push faults; ``device_fault``: a faulty device in the island (testing only: :mod:`workers.inject`);
     ``hosts``: this process's place in an island of several processes (:mod:`workers.hosts`)."""
     hosts = hosts or HostGroup.single()
+    t0 = time.time()
     client = CoordinatorClient(address, cfg)
     try:
-        def say(line: str) -> None:
+        def say(line: str) -> None:  # before the island's RunLog exists
             if not quiet and hosts.leader:
-                print(f"[{0.0:7.1f}s] {name}: {line}", file=sys.stderr, flush=True)
+                print(progress_line(time.time() - t0, f"{name}: {line}"), file=sys.stderr, flush=True)
 
         over = hosts.lead(lambda: run_over_already(client, cfg, Path(run_dir), say))  # process 0 asks
     finally:
