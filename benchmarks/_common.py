@@ -9,6 +9,7 @@ Imported by the scripts next to it (``from _common import ...``: a script's own 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -86,15 +87,19 @@ def param_count(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()])
 
 
-def count_params(overrides: list[str]) -> int:
-    """The parameter count of configs/small.toml's model with ``overrides`` (model.FIELD=VALUE)."""
-    import jax
+def count_params(overrides: Sequence[str]) -> int:
+    """The parameter count of configs/small.toml's model with ``overrides`` (model.FIELD=VALUE); each model counted
+    once (choose_model's search asks for some twice)."""
+    return _count_params(tuple(overrides))
 
+
+@functools.cache
+def _count_params(overrides: tuple[str, ...]) -> int:
     from dtrain import model
     from dtrain.config import load_config
 
-    cfg = load_config(ROOT / "configs" / "small.toml", overrides)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.build(cfg.model).abstract_params))
+    cfg = load_config(ROOT / "configs" / "small.toml", list(overrides))
+    return model.param_count(model.build(cfg.model).abstract_params)
 
 
 def model_overrides(fields: dict[str, int]) -> list[str]:
@@ -261,6 +266,19 @@ class CoordinatorProcess:
             log(f"warning: the coordinator exited with status {rc}; see {self.log_path}")
         summary["exit_status"] = rc
         return mem, summary
+
+
+TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the runtime baseline's (nearly) no model
+
+
+def runtime_baseline(work: Path) -> int:
+    """The peak RSS (VmHWM, bytes) of a coordinator of a nearly empty model (:data:`TINY_MODEL`), run to its end in
+    ``work``: what the Python + gRPC + numpy runtime takes by itself, the "net" figures' baseline; logged."""
+    cp = CoordinatorProcess(make_config(TINY_MODEL, work), work / "coord-baseline")
+    mem, _ = cp.stop()
+    log(f"runtime baseline: a {count_params(model_overrides(TINY_MODEL)):,}-param coordinator peaks at "
+        f"{mem['VmHWM'] / (1 << 20):,.0f} MiB")
+    return mem["VmHWM"]
 
 
 # -- threads and frames ---------------------------------------------------------------------------

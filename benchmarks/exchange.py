@@ -64,7 +64,6 @@ from _common import (
     CoordinatorProcess,
     child_env,
     choose_model,
-    count_params,
     cpu_seconds,
     int_list,
     log,
@@ -74,6 +73,7 @@ from _common import (
     param_count,
     proc_mem,
     run_concurrently,
+    runtime_baseline,
     stop_process,
     wait_for_file,
 )
@@ -417,13 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 4. the runtime's own peak RSS: a coordinator of a (nearly) empty model
         baseline = None
         if not args.no_baseline:
-            tiny = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}
-            cp = CoordinatorProcess(make_config(tiny, work), work / "coord-baseline")
-            mem, _ = cp.stop()
-            baseline = mem["VmHWM"]
-            out["runtime_baseline_vmhwm"] = baseline
-            log(f"runtime baseline: a {count_params(model_overrides(tiny)):,}-param coordinator peaks at "
-                f"{_fmt_bytes(baseline)}")
+            baseline = out["runtime_baseline_vmhwm"] = runtime_baseline(work)
 
         # 1. raw gRPC ceiling
         log(f"raw gRPC: streams {islands}, {model_bytes / MB:.1f} MB each ...")

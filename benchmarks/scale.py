@@ -64,18 +64,17 @@ from _common import (
     MB,
     CoordinatorProcess,
     choose_model,
-    count_params,
     cpu_seconds,
     int_list,
     log,
     make_config,
     make_frames,
     met,
-    model_overrides,
     param_count,
     proc_mem,
     reset_peak_rss,
     run_concurrently,
+    runtime_baseline,
 )
 
 from dtrain.config import Config
@@ -88,7 +87,6 @@ LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
-TINY_MODEL = {"d_model": 8, "n_layers": 1, "n_heads": 1, "seq_len": 8}  # the runtime baseline's coordinator
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -366,11 +364,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     loads = [os.getloadavg()[0]]
     try:
         if not args.no_baseline:
-            cp = CoordinatorProcess(make_config(TINY_MODEL, work), work / "coord-baseline")
-            mem, _ = cp.stop()
-            baseline = mem["VmHWM"]
-            log(f"runtime baseline: a {count_params(model_overrides(TINY_MODEL)):,}-param coordinator peaks at "
-                f"{baseline / (1 << 20):.0f} MiB")
+            baseline = runtime_baseline(work)
         for n in args.sizes:
             rows.append(run_size(model_fields, n_params, frames, n, args.rounds, args.warmup, work, args.overrides))
             loads.append(os.getloadavg()[0])

@@ -29,6 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 from dtrain.config import Config, SecurityConfig
 from dtrain.errors import DtrainError
 from dtrain.status import message_dict
+from dtrain.wire import bearer_matches
 
 if TYPE_CHECKING:
     from coordinator.server import CoordinatorService
@@ -128,8 +129,7 @@ class Dashboard:
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
                  status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str, str], None]):
         self.host, self.tls, self.status = host, tls, status
-        self._expected = f"Bearer {token}".encode() if token else None
-        self._token = token.encode() if token else None
+        self._token = token
         self.auth_failed = auth_failed
         self.page = page_html()
         self.server = _bind(host, port)
@@ -162,11 +162,9 @@ class Dashboard:
     def authorized(self, header: str, query_token: str | None) -> bool:
         """With no token configured, always; else the ``Authorization`` header, or (the page only) ``?token=``;
         both compared in constant time."""
-        if self._expected is None or self._token is None:
+        if not self._token or bearer_matches(header, self._token):
             return True
-        if hmac.compare_digest(header.encode(), self._expected):
-            return True
-        return query_token is not None and hmac.compare_digest(query_token.encode(), self._token)
+        return query_token is not None and hmac.compare_digest(query_token.encode(), self._token.encode())
 
 
 class _Handler(BaseHTTPRequestHandler):

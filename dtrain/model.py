@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,9 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxNxH: jax.Array, v_BxLxNxH: jax.
     ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: the fused flash-attention kernel, NVIDIA
     GPUs and bfloat16 only); ``einsum`` is the textbook formulation written out (scores and softmax in float32),
     a reference the others are tested against."""
-    if implementation == "xla":
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True, implementation="xla")
-    if implementation == "cudnn":
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True, implementation="cudnn")
+    if implementation in ("xla", "cudnn"):
+        kernel: Literal["xla", "cudnn"] = "cudnn" if implementation == "cudnn" else "xla"
+        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True, implementation=kernel)
     if implementation != "einsum":
         raise ValueError(f"model.attention: unknown implementation {implementation!r}")
     L, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3]

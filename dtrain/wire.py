@@ -88,8 +88,18 @@ def read_token(sec: SecurityConfig) -> str | None:
     return token or None
 
 
+def bearer(token: str) -> str:
+    """The ``Authorization`` value that carries ``token`` (gRPC metadata and the dashboard's HTTP header alike)."""
+    return f"Bearer {token}"
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """Whether an ``Authorization`` value carries ``token`` (:func:`bearer`), compared in constant time."""
+    return hmac.compare_digest(header.encode(), bearer(token).encode())
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+    return ((AUTH_METADATA_KEY, bearer(token)),) if token else ()
 
 
 def _read_pem(path: str, what: str) -> bytes:
@@ -169,7 +179,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     from the call's own thread, before it ends."""
 
     def __init__(self, token: str, on_denied: AuthDenied | None = None):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._on_denied = on_denied
 
     def _deny(self, method: str, why: str, streams: tuple[bool, bool]) -> grpc.RpcMethodHandler[Any, Any]:
@@ -193,7 +203,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"
                 got = value
-        if hmac.compare_digest(got.encode(), self._expected):
+        if bearer_matches(got, self._token):
             return continuation(details)
         handler = continuation(details)
         if handler is None:

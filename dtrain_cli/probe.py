@@ -16,18 +16,21 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dtrain.config import ConfigError, load_config
+from dtrain.config import load_config
 from dtrain.wire import channel_credentials, channel_options
-from dtrain_cli.entry import Parser
+from dtrain_cli.entry import Parser, run_main
+from dtrain_cli.main import coordinator_address
+
+PROG = "python -m dtrain_cli.probe"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m dtrain_cli.probe",
+    p = Parser(prog=PROG,
                description="exit 0 if the coordinator's grpc.health.v1 service says SERVING")
     p.add_argument("--config", required=True, help="the coordinator's TOML file (its [security] section is used)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable), as for dtrain")
-    p.add_argument("--address", default=None, metavar="HOST:PORT",
+    p.add_argument("--address", default=None, metavar="HOST:PORT", type=coordinator_address,
                    help="the coordinator to ask (default: 127.0.0.1:coordinator.port)")
     p.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="deadline of the Check call")
     return p
@@ -48,17 +51,18 @@ def check(address: str, credentials: grpc.ChannelCredentials | None, server_name
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The probe's exit status: 0 SERVING, 1 anything else, 2 a bad flag or config (one line: dtrain_cli.entry)."""
+    return run_main(PROG, lambda: _probe(argv))
+
+
+def _probe(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        credentials = channel_credentials(cfg.security)
-    except (ConfigError, ValueError) as e:
-        print(f"probe: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    credentials = channel_credentials(cfg.security)
     address = args.address or f"127.0.0.1:{cfg.coordinator.port}"
     answer = check(address, credentials, cfg.security.server_name, args.timeout)
     if answer != "SERVING":
-        print(f"probe: coordinator at {address}: {answer}", file=sys.stderr)
+        print(f"{PROG}: coordinator at {address}: {answer}", file=sys.stderr)
         return 1
     return 0
 

@@ -335,10 +335,7 @@ class _Simulation:
             failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
             if failed is not None and self._running(name):
                 self.ended[name] = failed
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
+                self._kill(name)
                 self.log.event("island_ended", island=name, process=failed, status=procs[failed].returncode,
                                reason="a process of the island failed; the driver killed the others")
 
@@ -472,11 +469,8 @@ class _Simulation:
         entry = self.fired[-1]
         self.log.progress(f"fault: {f.describe()} (version {version})")
         later = (time.perf_counter() + f.duration_s) if f.duration_s else None
-        if f.kind == "kill":  # every process of the island, then waited for
-            for p in self.workers[f.target]:
-                p.kill()
-            for p in self.workers[f.target]:
-                p.wait()
+        if f.kind == "kill":
+            self._kill(f.target)
             if later is None:
                 self.gone.add(f.target)
             else:
@@ -508,6 +502,12 @@ class _Simulation:
         for p in self.workers[name]:
             if p.poll() is None:
                 p.send_signal(signum)
+
+    def _kill(self, name: str) -> None:
+        """SIGKILLs every process of island ``name`` still running, then waits for them all."""
+        self._signal(name, signal.SIGKILL)
+        for p in self.workers[name]:
+            p.wait()
 
     def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
         """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
