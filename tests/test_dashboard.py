@@ -43,20 +43,13 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOW = 1_700_000_000.0  # the in-process coordinators' clock: frozen, so two status snapshots are equal
 
 
-class Coordinator:
+class Coordinator(test_service.Running):
     """An in-process coordinator on 127.0.0.1:0 (its dashboard on any free port) with a frozen clock."""
 
     def __init__(self, cfg, run_dir: Path):
-        theta, spec = initial_parameters(cfg)
-        self.server, self.service, self.port = serve(cfg, run_dir, theta, spec, port=0, quiet=True,
-                                                     clock=lambda: NOW)
+        super().__init__(cfg, run_dir, clock=lambda: NOW)
         assert self.service.dashboard is not None
         self.url = self.service.dashboard.url
-        self.run_dir = run_dir
-
-    def stop(self) -> None:
-        self.server.stop(grace=None).wait()
-        self.service.close()
 
 
 @pytest.fixture

@@ -44,14 +44,15 @@ def net_cfg(tmp_path, monkeypatch):
 class Running:
     """A coordinator on 127.0.0.1:0 in this process, started from the session's shared θ_0 (conftest.py)."""
 
-    def __init__(self, cfg, run_dir: Path, resume: bool = False):
+    def __init__(self, cfg, run_dir: Path, resume: bool = False, clock=time.time):
         if resume:  # as `dtrain coordinator --resume` starts: the tree's spec only, θ from the checkpoint
             self.theta, self.spec = None, initial_spec(cfg)
         else:
             self.theta, self.spec = initial_parameters(cfg)
         self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,
-                                                     quiet=True)
+                                                     quiet=True, clock=clock)
         self.address = f"127.0.0.1:{self.port}"
+        self.run_dir = run_dir
 
     def stop(self):
         self.server.stop(grace=None).wait()
