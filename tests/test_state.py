@@ -10,13 +10,8 @@ from typing import Any
 import pytest
 
 from conftest import TINY
-from coordinator.state import (
-    Admission,
-    CoordinatorState,
-    PushInfo,
-    StateError,
-    StateOptions,
-)
+from coordinator.records import Admission, PushInfo, StateError, StateOptions
+from coordinator.state import CoordinatorState
 from dtrain.config import load_config
 
 T0 = 1000.0
@@ -595,7 +590,7 @@ def test_a_lost_islands_shard_is_finished_by_an_island_whose_own_is_done():
     assert st.round_ready(T0 + 17)[1].startswith("waiting for the first push")
     push(st, info(st, a, base=1, length=160), T0 + 18)  # shard 1, from its cursor 0
     assert st.close_round(T0 + 18)[0] == 2 and st.stopped()
-    assert st.shard_cursors == [160, 160] and st.tokens_merged == 2000
+    assert st.ledger.shard_cursors == [160, 160] and st.tokens_merged == 2000
     unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 19), "FAILED_PRECONDITION",
               "the run is over: all 2 shards' data (160 sequences each) merged, in 2 versions: nothing left to train")
     unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 19), "FAILED_PRECONDITION", "the run is over")
@@ -633,7 +628,7 @@ def test_a_push_must_start_at_its_shards_cursor():
         adm = push(st, info(st, a, base=1, **kwargs))
         assert adm.status == "drop" and words in adm.reason, adm.reason
         assert "not merged: its range is trained again from shard" in adm.reason
-    assert st.deltas_dropped == 3 and st.shard_cursors[:2] == [40, 0] and not st.pending()
+    assert st.deltas_dropped == 3 and st.ledger.shard_cursors[:2] == [40, 0] and not st.pending()
     assert push(st, info(st, a, base=1, start=40, end=80)).status == "accept"
 
 def test_commit_decides_again_when_the_round_closed_meanwhile():
@@ -864,12 +859,12 @@ def test_a_norm_outlier_is_quarantined_once_the_window_fills():
     st = make("coordinator.mode=async", "coordinator.norm_window=5", "coordinator.norm_window_min=4")
     a, b = join_all(st, "ab")
     _merged_norms(st, a, [1.0, 1.1, 0.9])
-    assert list(st.norms) == [1.0, 1.1, 0.9]
+    assert list(st.ledger.norms) == [1.0, 1.1, 0.9]
     # Three norms: the check does not apply yet (the push is accepted; it joins the window once merged).
     assert st.commit_push(info(st, b, base=st.version), T0, norm=3.0).status == "accept"
     st.close_round(T0)
     _merged_norms(st, a, [1.0, 1.05])
-    assert list(st.norms) == [1.1, 0.9, 3.0, 1.0, 1.05]  # the last norm_window=5
+    assert list(st.ledger.norms) == [1.1, 0.9, 3.0, 1.0, 1.05]  # the last norm_window=5
     ok = st.commit_push(info(st, b, base=st.version), T0, norm=2.5)  # median 1.05: z = 1.45/0.2625 = 5.5 <= 8
     assert ok.status == "accept" and ok.norm == 2.5 and ok.scale == 1.0
     st.close_round(T0)
@@ -878,7 +873,7 @@ def test_a_norm_outlier_is_quarantined_once_the_window_fills():
     assert adm.status == "reject" and adm.weight == 0.0 and st.pending() == [] and st.deltas_rejected == 1
     assert adm.reason.startswith(f"quarantined: push {poison.push_id} has L2 norm 1e+06") and \
         "robust deviations above the median 1.05 of the last 5 merged pushes (norm_z_max 8)" in adm.reason
-    assert 1e6 not in st.norms
+    assert 1e6 not in st.ledger.norms
     # Its island is told in every heartbeat reply until a push of its own is accepted; a retry is a duplicate.
     action, why = st.heartbeat(b, st.version, 0, 0, 0.0, "", (), T0 + 1)
     assert action == "continue" and f"your push {poison.push_id} was rejected: quarantined" in why
