@@ -6,7 +6,7 @@ folder) that the outer step reads and rewrites slab by slab; update frames and
 lossless θ frames are written to disk as they are encoded and streamed to
 islands from there. An incoming push is checked as it streams in (each chunk's
 CRC; every scale and code as zstd decompresses it) and its decompressed body
-spooled to a temp file. Once the whole frame has passed (length, CRC32, exact
+spooled to a temp file (:class:`coordinator.spool.Spool`). Once the whole frame has passed (length, CRC32, exact
 size) the spool joins the pending pushes with its weight (:meth:`Merger.add_pending`);
 nothing is summed yet. The outer step sums the pending pushes slab by slab
 (Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes
@@ -33,10 +33,11 @@ every island that applies the same frames holds a bit-identical θ.
 
 Guards against a poisoned delta:
 
-- Each spool measures its push's L2 norm as the frame is validated, from the
-  checked scales and codes (``codec.block_sum_squares``: no dequantization, no
-  second pass over the body); the coordinator screens it (``coordinator.state``)
-  and may give the push a clip factor c ≤ 1 (:meth:`Merger.add_pending`). With
+- Each spool (``coordinator.spool``) measures its push's L2 norm as the frame
+  is validated, from the checked scales and codes (``codec.block_sum_squares``:
+  no dequantization, no second pass over the body); the coordinator screens it
+  (``coordinator.admission``) and may give the push a clip factor c ≤ 1
+  (:meth:`Merger.add_pending`). With
   ``merge_rule = "mean"`` the merged Δ is Σ w_i·c_i·Δ_i / Σ w_i (the divisor keeps
   the unclipped weights, so clipping shrinks the push's contribution).
 - ``coordinator.merge_rule`` ``trimmed_mean`` / ``median``: per slab, each push's
@@ -60,7 +61,6 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +68,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from coordinator.spool import Spool, write_from
 from dtrain import codec
 from dtrain.codec import CODEC_BITS, hasher_digest, params_hasher
 from dtrain.config import Config
@@ -120,7 +121,7 @@ class NonFiniteResult(ValueError):
 
 
 @dataclass
-class PendingPush:
+class SpooledPush:
     """A push the next outer step merges: its validated, spooled body and how it counts."""
 
     spool: Spool
@@ -165,13 +166,6 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
         got += n
 
 
-def _write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
-    view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path,
                      level: int) -> tuple[int, int]:
     """``codec.write_frame`` to ``path`` (atomically: a .tmp file, then a rename), the payload streamed from
@@ -181,6 +175,45 @@ def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: n
         size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level)
     tmp.replace(path)
     return size, crc
+
+
+def _install_file(src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
+    """Puts ``src`` at ``dest`` as raw little-endian float32 and returns its length: a file is hard-linked (copied
+    where it cannot be), an array written; an empty array with ``n`` given is ``n`` zeros (a sparse file).
+    ``n``: the length it must have (``what`` names it in the error)."""
+    if isinstance(src, (str, Path)):
+        size = Path(src).stat().st_size
+        if size % 4 or (n is not None and size != 4 * n):
+            raise ValueError(f"{what} file {src} holds {size} bytes, expected {4 * (n or 0) or 'a multiple of 4'}")
+        try:
+            os.link(src, dest)
+        except OSError:  # another file system, or no hard links: copy (the kernel's copy, not via memory)
+            import shutil
+
+            shutil.copyfile(src, dest)
+        return size // 4
+    arr = np.asarray(src)
+    if arr.size == 0 and n is not None:  # zeros: a sparse file
+        with open(dest, "wb") as f:
+            f.truncate(4 * n)
+        return n
+    arr = np.ascontiguousarray(arr, dtype="<f4").ravel()
+    if n is not None and arr.size != n:
+        raise ValueError(f"{what} has {arr.size} values, θ has {n}")
+    arr.tofile(dest)
+    return int(arr.size)
+
+
+def _scan_theta(path: Path) -> tuple[str, float]:
+    """The digest and the L2 norm of a θ file, in one read."""
+    h = params_hasher()
+    sum_sq = 0.0
+    with open(path, "rb") as f:
+        while piece := f.read(IO_PIECE):
+            h.update(piece)
+            values = np.frombuffer(piece, "<f4")
+            sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
+    return hasher_digest(h), math.sqrt(sum_sq)
 
 
 class Merger:
@@ -205,15 +238,15 @@ class Merger:
         # The down path's error-feedback residual: what the broadcasts have left out of the true updates.
         self.feedback = opts.error_feedback and opts.down_bits != 32
         self.names = ("theta", "momentum", "residual") if self.feedback else ("theta", "momentum")
-        self.n = self._install(theta, self._path("theta"), "theta")
+        self.n = _install_file(theta, self._path("theta"), "theta")
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
-                self._install(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.pending: list[PendingPush] = []  # accepted, summed by the next outer step
+                _install_file(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
+        self.pending: list[SpooledPush] = []  # accepted, summed by the next outer step
         self.total_weight = 0.0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
-        self.digest, self.theta_norm = self._scan_theta(self.theta_path)  # θ's digest and L2 norm
+        self.digest, self.theta_norm = _scan_theta(self.theta_path)  # θ's digest and L2 norm
         # Files kept for reuse: writing over a file's existing pages costs a third of filling a new one (the
         # kernel allocates and zeroes nothing). Spools are reused whatever they held (each push rewrites its
         # whole body); a state file only once no checkpoint links it (see outer_step).
@@ -243,41 +276,6 @@ class Merger:
     @property
     def theta_path(self) -> Path:
         return self._path("theta")
-
-    def _install(self, src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
-        if isinstance(src, (str, Path)):
-            size = Path(src).stat().st_size
-            if size % 4 or (n is not None and size != 4 * n):
-                raise ValueError(f"{what} file {src} holds {size} bytes, expected {4 * (n or 0) or 'a multiple of 4'}")
-            try:
-                os.link(src, dest)
-            except OSError:  # another file system, or no hard links: copy (the kernel's copy, not via memory)
-                import shutil
-
-                shutil.copyfile(src, dest)
-            return size // 4
-        arr = np.asarray(src)
-        if arr.size == 0 and n is not None:  # zeros: a sparse file
-            with open(dest, "wb") as f:
-                f.truncate(4 * n)
-            return n
-        arr = np.ascontiguousarray(arr, dtype="<f4").ravel()
-        if n is not None and arr.size != n:
-            raise ValueError(f"{what} has {arr.size} values, θ has {n}")
-        arr.tofile(dest)
-        return int(arr.size)
-
-    @staticmethod
-    def _scan_theta(path: Path) -> tuple[str, float]:
-        """The digest and the L2 norm of a θ file, in one read."""
-        h = params_hasher()
-        sum_sq = 0.0
-        with open(path, "rb") as f:
-            while piece := f.read(IO_PIECE):
-                h.update(piece)
-                values = np.frombuffer(piece, "<f4")
-                sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
-        return hasher_digest(h), math.sqrt(sum_sq)
 
     @property
     def theta(self) -> np.ndarray:
@@ -328,7 +326,7 @@ class Merger:
         if not spool.complete:
             raise RuntimeError("add_pending() needs a spool that validate() accepted")
         spool.keep()
-        self.pending.append(PendingPush(spool, float(weight), float(scale), key))
+        self.pending.append(SpooledPush(spool, float(weight), float(scale), key))
         self.total_weight += float(weight)
 
     def drop_pending(self, keys: list[str]) -> None:
@@ -382,7 +380,7 @@ class Merger:
             _read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
             codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
 
-    def _blame(self) -> PendingPush:
+    def _blame(self) -> SpooledPush:
         """The pending push held responsible for a non-finite result: the largest contribution."""
         mean = self.opts.rule == "mean"
         return max(self.pending, key=lambda p: p.scale * p.norm * (p.weight if mean else 1.0))
@@ -404,15 +402,12 @@ class Merger:
         if not self.pending or not self.total_weight > 0:
             raise RuntimeError("outer_step with no pending push")
         o = self.opts
-        slab = slab_values(o.block)
-        inv_w = np.float32(1.0 / self.total_weight)
         new = self.version + 1
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
         payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame_file
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
-        n_scales = codec.n_scales(o.down_bits, self.n, o.block)
-        scales = np.zeros(n_scales, np.float32)
-        fds = {}
+        scales = np.zeros(codec.n_scales(o.down_bits, self.n, o.block), np.float32)
+        fds: dict[str, int] = {}
         try:
             for name in self.names:
                 fds[name] = os.open(self._path(name), os.O_RDONLY)
@@ -421,65 +416,7 @@ class Merger:
                     spare.replace(tmp[name])
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
-
-            def step(s: int) -> tuple[np.ndarray, float]:
-                e = min(s + slab, self.n)
-                if o.rule == "mean":
-                    delta = np.zeros(e - s, np.float32)
-                    self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
-                elif o.rule == "trimmed_mean":
-                    delta = trimmed_mean(self._stack_pending(s, e - s), o.trim)
-                else:
-                    delta = coordinate_median(self._stack_pending(s, e - s))
-                m = np.empty(e - s, np.float32)
-                _read_into(fds["momentum"], m, 4 * s)
-                with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, by value
-                    u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
-                self._check_finite("momentum", s, m)
-                _write_from(fds["momentum_new"], m, 4 * s)
-                if self.feedback:
-                    r = m  # the momentum slab is written: reuse its buffer
-                    _read_into(fds["residual"], r, 4 * s)
-                    with np.errstate(over="ignore", invalid="ignore"):
-                        u += r
-                self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
-                if o.down_bits == 32:
-                    applied = u
-                    _write_from(fds["payload"], applied, 4 * s)
-                else:
-                    sc, payload = codec.quantize_segment(o.down_bits, o.block, u)
-                    scales[s // o.block: s // o.block + sc.size] = sc
-                    _write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, s))
-                    applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
-                    if self.feedback:
-                        with np.errstate(over="ignore", invalid="ignore"):
-                            u -= applied  # what the broadcast left out
-                        self._check_finite("residual", s, u)
-                        _write_from(fds["residual_new"], u, 4 * s)
-                theta = np.empty(e - s, np.float32)
-                _read_into(fds["theta"], theta, 4 * s)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    theta += applied  # θ is the sum of what was broadcast
-                self._check_finite("theta", s, theta)
-                _write_from(fds["theta_new"], theta, 4 * s)
-                return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64))
-
-            hasher = params_hasher()
-            theta_sq = [0.0]
-
-            def digest(done: futures.Future) -> None:
-                theta, sq = done.result()
-                hasher.update(memoryview(theta).cast("B"))
-                theta_sq[0] += sq
-
-            with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
-                window: collections.deque[futures.Future] = collections.deque()
-                for s in range(0, self.n, slab):  # a bounded window of slabs in flight; digests taken in order
-                    window.append(pool.submit(step, s))
-                    if len(window) > o.threads:
-                        digest(window.popleft())
-                while window:
-                    digest(window.popleft())
+            digest, theta_norm = self._step_slabs(fds, scales)
         except BaseException:  # a non-finite result, or an I/O error: nothing is committed
             for path in tmp.values():
                 path.unlink(missing_ok=True)
@@ -488,6 +425,94 @@ class Merger:
             for fd in fds.values():
                 os.close(fd)
         size, crc = write_frame_file(frame_path, o.down_bits, o.block, self.n, scales, payload_path, o.zstd_level)
+        self._commit(new, tmp)
+        self.digest, self.theta_norm = digest, theta_norm
+        update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
+                        params_digest=self.digest)
+        self.updates.append(update)
+        while len(self.updates) > self.opts.keep_updates:
+            self.updates.popleft().path.unlink(missing_ok=True)
+        return update
+
+    def _step_slabs(self, fds: dict[str, int], scales: np.ndarray) -> tuple[str, float]:
+        """Steps every slab on the thread pool, a bounded window of slabs in flight, and hashes the new θ in
+        order; returns its digest and L2 norm. ``fds``: the open state files (``name`` read, ``name_new``
+        written) and the update's ``payload``; ``scales``: filled with the update's quantization scales."""
+        o = self.opts
+        slab = slab_values(o.block)
+        inv_w = np.float32(1.0 / self.total_weight)
+        hasher = params_hasher()
+        theta_sq = 0.0
+
+        def digest(done: futures.Future) -> None:
+            nonlocal theta_sq
+            theta, sq = done.result()
+            hasher.update(memoryview(theta).cast("B"))
+            theta_sq += sq
+
+        with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
+            window: collections.deque[futures.Future] = collections.deque()
+            for s in range(0, self.n, slab):  # digests taken in order
+                window.append(pool.submit(self._step_slab, s, min(s + slab, self.n), inv_w, fds, scales))
+                if len(window) > o.threads:
+                    digest(window.popleft())
+            while window:
+                digest(window.popleft())
+        return hasher_digest(hasher), math.sqrt(theta_sq)
+
+    def _merged_delta(self, s: int, e: int, inv_w: np.float32) -> np.ndarray:
+        """The merged pseudo-gradient Δ for values [s, e), by ``merge_rule``."""
+        o = self.opts
+        if o.rule == "mean":
+            delta = np.zeros(e - s, np.float32)
+            self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
+            return delta
+        if o.rule == "trimmed_mean":
+            return trimmed_mean(self._stack_pending(s, e - s), o.trim)
+        return coordinate_median(self._stack_pending(s, e - s))
+
+    def _step_slab(self, s: int, e: int, inv_w: np.float32, fds: dict[str, int],
+                   scales: np.ndarray) -> tuple[np.ndarray, float]:
+        """The outer step of values [s, e): writes the new momentum, residual and θ slabs and the update's codes;
+        returns the new θ slab and its sum of squares. Raises NonFiniteResult before writing a non-finite value."""
+        o = self.opts
+        delta = self._merged_delta(s, e, inv_w)
+        m = np.empty(e - s, np.float32)
+        _read_into(fds["momentum"], m, 4 * s)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, by value
+            u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
+        self._check_finite("momentum", s, m)
+        write_from(fds["momentum_new"], m, 4 * s)
+        if self.feedback:
+            r = m  # the momentum slab is written: reuse its buffer
+            _read_into(fds["residual"], r, 4 * s)
+            with np.errstate(over="ignore", invalid="ignore"):
+                u += r
+        self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
+        if o.down_bits == 32:
+            applied = u
+            write_from(fds["payload"], applied, 4 * s)
+        else:
+            sc, payload = codec.quantize_segment(o.down_bits, o.block, u)
+            scales[s // o.block: s // o.block + sc.size] = sc
+            write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, s))
+            applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
+            if self.feedback:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    u -= applied  # what the broadcast left out
+                self._check_finite("residual", s, u)
+                write_from(fds["residual_new"], u, 4 * s)
+        theta = np.empty(e - s, np.float32)
+        _read_into(fds["theta"], theta, 4 * s)
+        with np.errstate(over="ignore", invalid="ignore"):
+            theta += applied  # θ is the sum of what was broadcast
+        self._check_finite("theta", s, theta)
+        write_from(fds["theta_new"], theta, 4 * s)
+        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64))
+
+    def _commit(self, new: int, tmp: dict[str, Path]) -> None:
+        """Makes ``new`` the current version: its files take their names, the old ones are kept for reuse
+        (linked by nothing else) or unlinked, and the merged pushes' spools are released."""
         old = self.state_files()
         self.version = new
         for name in self.names:
@@ -500,14 +525,6 @@ class Merger:
             p.spool.close()
         self.pending = []
         self.total_weight = 0.0
-        self.digest = hasher_digest(hasher)
-        self.theta_norm = math.sqrt(theta_sq[0])
-        update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
-                        params_digest=self.digest)
-        self.updates.append(update)
-        while len(self.updates) > self.opts.keep_updates:
-            self.updates.popleft().path.unlink(missing_ok=True)
-        return update
 
     # -- outgoing parameters ------------------------------------------------------------------------
 
@@ -532,128 +549,3 @@ class Merger:
             self._full = Update(version=self.version, base_version=0, path=path, size=size, crc32=crc,
                                 params_digest=self.digest)
         return self._full
-
-
-class BodyNorm:
-    """The L2 norm of a frame body (scales ‖ payload, the validator's output) fed in order, piece by piece:
-    Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
-    Σ value². Pieces need not align with blocks: the bytes of a split block wait for the rest (at most one block).
-    """
-
-    def __init__(self, n: int, bits: codec.Bits, block: int):
-        self.n, self.bits, self.block = n, bits, block
-        self._scales_len = 4 * codec.n_scales(bits, n, block)
-        self._scales = bytearray()
-        self._scales_sq = np.zeros(0, np.float64)
-        self._unit = 4 if bits == 32 else codec.payload_len(bits, block)  # payload bytes of one block (one value)
-        self._per_unit = 1 if bits == 32 else block  # values per unit
-        self._carry = bytearray()
-        self._units = 0  # whole units summed so far
-        self._sum_sq = 0.0
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        if len(self._scales) < self._scales_len:
-            take = self._scales_len - len(self._scales)
-            self._scales += view[:take]
-            view = view[take:]
-            if len(self._scales) == self._scales_len:
-                self._scales_sq = np.square(np.frombuffer(self._scales, "<f4").astype(np.float64))
-        if not view:
-            return
-        if self._carry:  # complete the split unit first
-            take = self._unit - len(self._carry)
-            self._carry += view[:take]
-            view = view[take:]
-            if len(self._carry) < self._unit:
-                return
-            self._add(self._carry, self._per_unit)
-            self._carry = bytearray()
-        whole = len(view) - len(view) % self._unit
-        if whole:
-            self._add(view[:whole], whole // self._unit * self._per_unit)
-        self._carry += view[whole:]
-
-    def _add(self, payload: bytes | bytearray | memoryview, count: int) -> None:
-        if self.bits == 32:
-            values = np.frombuffer(payload, "<f4").astype(np.float64)
-            self._sum_sq += float(np.dot(values, values))
-        else:
-            first = self._units
-            sums = codec.block_sum_squares(self.bits, self.block, payload, count)
-            self._sum_sq += float(np.dot(self._scales_sq[first:first + sums.size], sums))
-        self._units += -(-count // self._per_unit)
-
-    def norm(self) -> float:
-        """The norm of what was fed, counting the last, partial block still waiting (call once all is in)."""
-        total = self._sum_sq
-        if self._carry and self.bits != 32:
-            count = self.n - self._units * self.block
-            sums = codec.block_sum_squares(self.bits, self.block, self._carry, count)
-            total += float(np.dot(self._scales_sq[self._units:self._units + 1], sums))
-        return math.sqrt(total)
-
-
-class Spool:
-    """One incoming frame, checked as it streams in (``codec.FrameValidator``: every scale and code, as zstd
-    decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
-    summing it needs no second decode. Its L2 norm is measured in the same pass (:class:`BodyNorm`)."""
-
-    def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
-                 spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):
-        """``spare``: an earlier spool's (fd, path) to write over; ``release(fd, path)``: offered the file on
-        close, which keeps it open and in place when it returns True."""
-        if spare is None:
-            fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
-            spare = fd, Path(name)
-        self.fd, self.path = spare
-        self._release = release
-        self._offset = 0
-        self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append)
-        self._norm = BodyNorm(n, bits, block)
-        self.size = 0  # frame bytes received
-        self.complete = False
-        self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it
-        self._kept = False
-
-    def keep(self) -> None:
-        """Hands the spool over to the merger: leaving its ``with`` block no longer deletes it."""
-        self._kept = True
-
-    def _append(self, data: bytes | bytearray | memoryview) -> None:
-        _write_from(self.fd, data, self._offset)
-        self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
-        self._offset += len(data)
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Feeds frame bytes; raises CodecError as soon as something is wrong."""
-        if self._validator is None:
-            raise RuntimeError("write() on a closed spool")
-        self._validator.feed(data)
-        self.size += len(data)
-
-    def finish(self) -> None:
-        if self._validator is None:
-            raise RuntimeError("finish() on a closed spool")
-        self._validator.finish()
-        self.norm = self._norm.norm()
-        self.complete = True
-
-    def close(self) -> None:
-        # The validator refers back to this spool (its output sink): dropped, so a closed spool is freed by its
-        # last reference instead of waiting, with its buffers, for the cyclic GC.
-        self._validator = None
-        if self.fd < 0:
-            return
-        fd, self.fd = self.fd, -1
-        if self._release is not None and self._release(fd, self.path):
-            return
-        os.close(fd)
-        self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> Spool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._kept:
-            self.close()

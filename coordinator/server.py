@@ -35,7 +35,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.dashboard import Dashboard, check_port_free, dashboard_port, open_dashboard
 from coordinator.history import RunHistory, check_eval_reports
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult
-from coordinator.state import CoordinatorState, DeviceEvidence, PushInfo, StateError, StateOptions
+from coordinator.records import DeviceEvidence, PushInfo, StateError, StateOptions
+from coordinator.state import CoordinatorState
 from dtrain import codec
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, DtrainError

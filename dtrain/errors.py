@@ -18,7 +18,7 @@ input in decides what the refusal means:
 - ``dtrain.codec.CodecError``: a tree, vector, frame or chunk;
 - ``dtrain.wire.WireError``: a received gRPC message or stream; ``code`` is the status to answer with;
 - ``dtrain.audit.AuditError``: a run's events that cannot be audited (a merged push without its range);
-- ``coordinator.state.StateError``: a request the coordinator's state machine refuses, leaving the state as
+- ``coordinator.records.StateError``: a request the coordinator's state machine refuses, leaving the state as
   it was; ``code`` names the gRPC status the servicer answers with.
 """
 

@@ -384,7 +384,7 @@ def _assert_every_sequence_once(summary: dict) -> None:
     assert not a["gaps"] and not a["overlaps"] and not a["missing_versions"], a
 
 
-@pytest.mark.slow  # ~35 s of worker processes; rerouting's state-machine rules are in test_state.py
+@pytest.mark.slow  # ~35 s of worker processes; rerouting's state-machine rules are in test_membership.py
 def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> None:
     """island-1 is SIGKILLed after version 1 and never comes back: once a survivor's own shard is done it takes
     over island-1's shard from its merged cursor, so the run trains every sequence of every shard exactly once

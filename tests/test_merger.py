@@ -13,6 +13,7 @@ import pytest
 
 from coordinator import merger as merger_mod
 from coordinator.merger import MergeOptions, Merger
+from coordinator.spool import Spool
 from dtrain import codec, config
 from dtrain.config import Config
 from dtrain.outer import OuterHParams
@@ -378,7 +379,7 @@ def test_a_closed_spool_is_freed_without_the_cyclic_gc(tmp_path):
     n, block = 10_000, 1024
     frame = codec.encode(codec.quantize(np.random.default_rng(0).standard_normal(n, dtype=np.float32), 8, block), 3)
     for broken in (False, True):
-        spool = merger_mod.Spool(tmp_path, n, 8, block)
+        spool = Spool(tmp_path, n, 8, block)
         gc.disable()
         try:
             if broken:  # a corrupt body: the validator raises mid-stream

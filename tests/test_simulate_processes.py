@@ -93,7 +93,7 @@ def test_simulate_cli_reports_a_bad_config_before_starting_anything(tmp_path, ca
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.slow  # ~13 s; async merging's rules are in test_state.py and test_service.py
+@pytest.mark.slow  # ~13 s; async merging's rules are in test_quorum.py and test_service.py
 def test_async_mode_merges_every_delta_on_arrival(tmp_path):
     cfg = _cfg(tmp_path, "coordinator.mode=async", "codec.up=int4", "codec.down=int4")
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)

@@ -1,0 +1,156 @@
+"""The decision on a push: accepted (with its staleness-discounted weight), a duplicate, dropped (its range is
+not merged; its island trains it again from the reply's cursor) or rejected as a norm outlier; or refused
+(``StateError``) when its header breaks a rule. Pure functions of the push and the state's standing: nothing
+here changes anything (``coordinator.state.CoordinatorState.commit_push`` records the decision).
+
+- A push's weight is ``tokens · (1 + staleness)^−α``, the same factor as ``dtrain.outer.staleness_weight``.
+- A push's weight is bounded by what the coordinator assigned, never the island's word alone
+  (:func:`check_bounds`, refused INVALID_ARGUMENT): its tokens are at most its cursor range × ``model.seq_len``;
+  the range covers at most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
+  ``outer.inner_steps``, the length of a step round; with wall-time rounds, whose length is an island's speed ×
+  ``worker.round_seconds``, there is no default cap: set one) and, with step rounds, ends within the shard's
+  ``train.steps`` × ``train.batch_size`` sequences; and it starts exactly at its shard's cursor (else it is
+  dropped), so no data counts twice.
+- A lost island's push (a hung island that wakes up) is a late delta like any other (``late_policy``, the
+  contiguity rule) while no live island holds its shard; once another took the shard over, it is dropped.
+- Norms (:func:`screen_norm`): a norm over ``coordinator.norm_max_ratio`` × ‖θ‖ is rejected ("quarantined"),
+  and so is an outlier: a norm more than ``coordinator.norm_z_max`` robust deviations above the median of the
+  last ``coordinator.norm_window`` merged norms (``dtrain.outer.robust_z``; once ``norm_window_min`` are in); an
+  accepted push gets the factor that clips its norm to ``coordinator.clip_norm`` (``Admission.scale``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+
+from coordinator.ledger import PushLedger
+from coordinator.records import MAX_PUSH_ID_LEN, Admission, IslandRecord, PushInfo, StateError, StateOptions
+from dtrain.config import CoordinatorConfig
+from dtrain.outer import clip_factor, robust_z, staleness_weight
+
+
+def check_header(info: PushInfo) -> None:
+    """Refuses (INVALID_ARGUMENT) a push header that no state could accept: its id, counts and range."""
+    if not info.push_id or len(info.push_id) > MAX_PUSH_ID_LEN:
+        raise StateError("INVALID_ARGUMENT", f"push_id {info.push_id[:MAX_PUSH_ID_LEN + 1]!r}: must be 1 to "
+                                             f"{MAX_PUSH_ID_LEN} characters")
+    if info.tokens <= 0:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: tokens={info.tokens}: must be > 0")
+    if info.inner_steps <= 0:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: inner_steps={info.inner_steps}: must be > 0")
+    if info.base_version < 0 or info.cursor_start < 0:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: base_version and cursor_start must be >= 0")
+    if info.cursor_end < info.cursor_start:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: cursor_end={info.cursor_end} is before "
+                                             f"cursor_start={info.cursor_start}")
+
+
+def judge(opts: StateOptions, info: PushInfo, record: IslandRecord, version: int, over: str, ledger: PushLedger,
+          live: list[IslandRecord]) -> Admission:
+    """The decision on a push that is not a retry (``PushLedger.duplicate`` answers those) from ``record``'s
+    island, at the coordinator's ``version``; ``over``: why the run is over, "" while it goes on; ``live``: the
+    live islands. Refuses (StateError) a push that breaks a rule, else accepts or drops it."""
+    if info.base_version > version:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id}: base_version={info.base_version} is ahead "
+                                             f"of the coordinator's version {version}")
+    staleness = version - info.base_version
+    target = version + 1
+    if over:  # weight 0 whatever it claims
+        return Admission("drop", 0.0, staleness, target, f"{over}: push {info.push_id} dropped")
+    check_bounds(opts, info)
+    misplaced = _misplaced(info, record, ledger.shard_cursor(info.shard_index), live)
+    if misplaced:
+        return Admission("drop", 0.0, staleness, target, misplaced)
+    c = opts.coordinator
+    if c.mode == "sync" and info.island_id in ledger.pending_islands():
+        prior = next(p for p in ledger.pending.values() if p.info.island_id == info.island_id)
+        raise StateError("FAILED_PRECONDITION",
+                         f"{info.island_id} already pushed for version {target} (push {prior.info.push_id}); "
+                         f"wait for the round to close")
+    if staleness > c.max_staleness:
+        return Admission("drop", 0.0, staleness, target,
+                         f"delta from version {info.base_version} is {staleness} versions stale "
+                         f"(max_staleness {c.max_staleness}): dropped")
+    if staleness > 0 and c.late_policy == "drop":
+        return Admission("drop", 0.0, staleness, target,
+                         f"delta from version {info.base_version} is {staleness} versions stale and "
+                         f"late_policy is 'drop': dropped")
+    weight = staleness_weight(info.tokens, staleness, opts.staleness_alpha)
+    if staleness == 0:
+        why = f"weight {weight:g} = {info.tokens} tokens"
+    else:
+        why = (f"{staleness} versions late: weight {weight:g} = {info.tokens} tokens x "
+               f"(1+{staleness})^-{opts.staleness_alpha:g}")
+    return Admission("accept", weight, staleness, target, f"accepted for version {target}: {why}")
+
+
+def _misplaced(info: PushInfo, record: IslandRecord, cursor: int, live: list[IslandRecord]) -> str:
+    """Why a push's range cannot be merged where it lies (the reason it is dropped), or "" if it can: its island
+    lost its shard to another, holds another shard now, or the range does not start at the shard's ``cursor``."""
+    rewind = f"not merged: its range is trained again from shard {info.shard_index}'s cursor {cursor}"
+    if record.state == "lost":  # a late delta (a hung island back): judged like any other while its shard is free
+        holder = next((r for r in live if r.shard_index == record.shard_index), None)
+        if holder is not None:
+            return (f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f} and "
+                    f"{holder.island_id} took over shard {record.shard_index}: push {info.push_id} "
+                    f"dropped, rejoin (call Join again); {rewind}")
+    if info.shard_index != record.shard_index:
+        return (f"push {info.push_id} covers shard {info.shard_index}, but {info.island_id} now holds "
+                f"shard {record.shard_index}: dropped, {rewind}")
+    if info.cursor_start != cursor:
+        why = ("overlaps data merged or pending" if info.cursor_start < cursor
+               else "leaves a gap after data merged or pending (a range before it was dropped or rejected)")
+        return f"push {info.push_id}'s range [{info.cursor_start}, {info.cursor_end}) {why}: dropped, {rewind}"
+    return ""
+
+
+def check_bounds(opts: StateOptions, info: PushInfo) -> None:
+    """Refuses (INVALID_ARGUMENT) a push whose weight the coordinator did not assign: the rules are in the
+    module docstring. The reason names the numbers."""
+    o = opts
+    sequences = info.cursor_end - info.cursor_start
+    what = f"push {info.push_id} from {info.island_id}"
+    if info.tokens > sequences * o.seq_len:
+        raise StateError("INVALID_ARGUMENT", f"{what}: tokens={info.tokens} exceed its cursor range "
+                         f"[{info.cursor_start}, {info.cursor_end}) = {sequences} sequences x seq_len "
+                         f"{o.seq_len} = {sequences * o.seq_len} tokens")
+    if o.max_push_steps and sequences > o.max_push_steps * o.batch_size:
+        raise StateError("INVALID_ARGUMENT", f"{what}: its cursor range [{info.cursor_start}, {info.cursor_end}) "
+                         f"is {sequences} sequences, more than one push may cover: max_push_steps "
+                         f"{o.max_push_steps} x batch_size {o.batch_size} = {o.max_push_steps * o.batch_size}")
+    shard = info.shard_index
+    if shard >= o.islands:
+        raise StateError("INVALID_ARGUMENT", f"{what}: shard_index={shard}: must be below {o.islands} shards")
+    if o.shard_steps and info.cursor_end > o.shard_steps * o.batch_size:
+        raise StateError("INVALID_ARGUMENT", f"{what}: cursor_end={info.cursor_end} is past the end of shard "
+                         f"{shard}: train.steps {o.shard_steps} x batch_size {o.batch_size} = "
+                         f"{o.shard_steps * o.batch_size} sequences")
+
+
+def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, admission: Admission, norm: float,
+                theta_norm: float) -> Admission:
+    """An accepted push, screened by its norm: rejected as an outlier, or accepted with its clip factor. ``norms``:
+    the L2 norms of the last merged pushes; ``theta_norm``: the L2 norm of θ (0: the ratio check is skipped)."""
+    if not (math.isfinite(norm) and norm >= 0):
+        return dataclasses.replace(admission, status="reject", weight=0.0, norm=0.0,
+                                   reason=f"rejected: push {info.push_id} has a non-finite norm {norm}")
+    if c.norm_max_ratio and theta_norm > 0 and norm > c.norm_max_ratio * theta_norm:
+        return dataclasses.replace(
+            admission, status="reject", weight=0.0, norm=norm,
+            reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than norm_max_ratio "
+                    f"{c.norm_max_ratio:g} x the L2 norm of θ ({theta_norm:.4g})"))
+    if c.norm_z_max and len(norms) >= c.norm_window_min:
+        z = robust_z(norm, norms)
+        if z > c.norm_z_max:
+            median = statistics.median(norms)
+            return dataclasses.replace(
+                admission, status="reject", weight=0.0, norm=norm,
+                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, {z:.3g} robust deviations "
+                        f"above the median {median:.4g} of the last {len(norms)} merged pushes "
+                        f"(norm_z_max {c.norm_z_max:g})"))
+    scale = clip_factor(norm, c.clip_norm)
+    clipped = f"; norm {norm:.4g} clipped to {c.clip_norm:g}" if scale < 1 else ""
+    return dataclasses.replace(admission, norm=norm, scale=scale, reason=admission.reason + clipped)

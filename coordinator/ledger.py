@@ -1,0 +1,159 @@
+"""The exactly-once ledger of the data: where each shard's merged data ends, the pushes pending in the open
+round, and the push ids remembered after it (merged, dropped or rejected) so that a retry is never applied twice.
+
+Bookkeeping only: the decision on a push is ``coordinator.admission``'s and when a round may close is
+``coordinator.quorum``'s; ``coordinator.state.CoordinatorState`` records what they decided here. Nothing here
+reads a clock: the time a push arrived is passed in.
+
+A shard's cursor is where its merged data ends, counting the pushes pending in the open round (they will be
+merged); a push must start exactly there (``coordinator.admission``), so each shard's merged ranges always form
+one prefix of it. The ids of pending pushes and of the last ``StateOptions.max_push_ids`` merged, dropped or
+rejected ones are remembered, oldest forgotten first.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, StateError, StateOptions
+
+
+class PushLedger:
+    """Per-shard cursors, the open round's pending pushes and the remembered push ids. Not thread-safe."""
+
+    def __init__(self, opts: StateOptions):
+        self.opts = opts
+        self.shard_cursors: list[int] = [0] * opts.islands  # where each shard's merged data ends
+        self.norms: collections.deque[float] = collections.deque(maxlen=opts.coordinator.norm_window)  # merged
+        self.pending: dict[str, PendingPush] = {}  # push_id -> pending push, in arrival order
+        self.first_pending: float | None = None  # when the open round's first pending push arrived
+        self.seen: collections.OrderedDict[str, SeenPush] = collections.OrderedDict()  # push_id -> record, oldest first
+        self.rejections: dict[str, str] = {}  # island_id -> why its last push was rejected (until one is accepted)
+        self.round_rejected: set[str] = set()  # islands whose push for the open round was rejected
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def shard_cursor(self, shard_index: int) -> int:
+        """Where the shard's merged data ends, counting pushes pending in the open round (they will be merged)."""
+        if not 0 <= shard_index < self.opts.islands:
+            raise StateError("INVALID_ARGUMENT", f"shard_index={shard_index}: must be in [0, {self.opts.islands})")
+        cursor = self.shard_cursors[shard_index]
+        for p in self.pending.values():
+            if p.info.shard_index == shard_index:
+                cursor = max(cursor, p.info.cursor_end)
+        return cursor
+
+    def data_left(self, shard_index: int) -> bool:
+        """Whether the shard has data no push covers yet (merged or pending); always with wall-time rounds."""
+        return not self.opts.shard_end or self.shard_cursor(shard_index) < self.opts.shard_end
+
+    def all_merged(self) -> bool:
+        """Whether every shard's data is merged (step rounds; never with wall-time rounds: no end to the data)."""
+        end = self.opts.shard_end
+        return bool(end) and all(c >= end for c in self.shard_cursors)
+
+    def pending_islands(self) -> set[str]:
+        """The islands with a push pending in the open round."""
+        return {p.info.island_id for p in self.pending.values()}
+
+    def pending_of(self, island_id: str) -> list[str]:
+        """The ids of ``island_id``'s pushes pending in the open round."""
+        return [p.info.push_id for p in self.pending.values() if p.info.island_id == island_id]
+
+    def push_known(self, push_id: str) -> bool:
+        """Whether a push id is pending or remembered as merged/dropped/rejected."""
+        return push_id in self.pending or push_id in self.seen
+
+    def rejected(self, push_id: str) -> str | None:
+        """Why a push was rejected (its island's notice), or None if it was not."""
+        seen = self.seen.get(push_id)
+        if seen is None or seen.status != "rejected":
+            return None
+        return self.rejections.get(seen.island_id, f"push {push_id} was rejected")
+
+    def notice(self, island_id: str) -> str:
+        """What a heartbeat reply adds for an island whose last push was rejected ("; why"), else ""."""
+        return f"; {self.rejections[island_id]}" if island_id in self.rejections else ""
+
+    def duplicate(self, info: PushInfo) -> Admission | None:
+        """The decision on a retry of a push id that is pending or remembered, or None for a new id. An id another
+        island used is refused (INVALID_ARGUMENT)."""
+        p = self.pending.get(info.push_id)
+        if p is not None:
+            owner, target, staleness = p.info.island_id, p.admission.target_version, p.admission.staleness
+            what = f"is pending in the open round for version {target}"
+        else:
+            s = self.seen.get(info.push_id)
+            if s is None:
+                return None
+            owner, target, staleness = s.island_id, s.target_version, s.staleness
+            what = (f"was merged into version {target}" if s.status == "merged"
+                    else f"was {s.status} (round for version {target})")
+        if owner != info.island_id:
+            raise StateError("INVALID_ARGUMENT", f"push_id {info.push_id!r} was already used by island {owner}")
+        return Admission("duplicate", 0.0, staleness, target,
+                         f"push {info.push_id} {what}: a retry, not applied again")
+
+    # -- records ------------------------------------------------------------------------------------
+
+    def remember(self, seen: SeenPush) -> None:
+        """Remembers a push id that is no longer pending, forgetting the oldest beyond ``max_push_ids``."""
+        self.seen[seen.push_id] = seen
+        while len(self.seen) > self.opts.max_push_ids:
+            self.seen.popitem(last=False)
+
+    def add_pending(self, info: PushInfo, admission: Admission, now: float) -> None:
+        """An accepted push joins the open round; its island's rejection notice ends."""
+        if not self.pending:
+            self.first_pending = float(now)
+        self.pending[info.push_id] = PendingPush(info, admission, float(now))
+        self.rejections.pop(info.island_id, None)
+
+    def record_rejection(self, info: PushInfo, target: int, staleness: int, reason: str, version: int) -> None:
+        """A rejected push: remembered, its island told (until its next accepted push) and, when it was for the
+        open round (``version`` + 1), its island no longer awaited there."""
+        self.remember(SeenPush(info.push_id, info.island_id, "rejected", target, staleness))
+        self.rejections[info.island_id] = f"your push {info.push_id} was rejected: {reason}"
+        if target == version + 1:
+            self.round_rejected.add(info.island_id)
+
+    def take_pending(self, push_ids: list[str]) -> list[PendingPush]:
+        """Takes pushes out of the open round (NOT_FOUND, changing nothing, if one is not pending)."""
+        unknown = [p for p in push_ids if p not in self.pending]
+        if unknown:
+            raise StateError("NOT_FOUND", f"reject_pending: {', '.join(unknown)} not pending")
+        taken = [self.pending.pop(push_id) for push_id in push_ids]
+        if not self.pending:
+            self.first_pending = None
+        return taken
+
+    def merge_round(self, version: int) -> list[PendingPush]:
+        """Closes the open round as merged into ``version``: each pending push moves its shard's cursor, is
+        remembered as merged and its norm joins the window. Returns them, in arrival order."""
+        merged = list(self.pending.values())
+        for p in merged:
+            info = p.info
+            self.shard_cursors[info.shard_index] = max(self.shard_cursors[info.shard_index], info.cursor_end)
+            self.remember(SeenPush(info.push_id, info.island_id, "merged", version, p.admission.staleness))
+            if p.admission.norm > 0:
+                self.norms.append(p.admission.norm)
+        self.pending.clear()
+        self.first_pending = None
+        self.round_rejected.clear()
+        return merged
+
+    def restore(self, shard_cursors: list[int], norms: list[float], seen: list[SeenPush],
+                pending: list[PendingPush], first_pending: float | None, version: int) -> None:
+        """Fills an empty ledger from a checkpoint (``coordinator.snapshot`` checked it): the rejected pushes
+        for the open round (``version`` + 1) are not awaited again; the oldest ids beyond ``max_push_ids`` are
+        forgotten."""
+        self.shard_cursors = shard_cursors
+        self.norms.extend(norms)  # the last norm_window of them
+        for s in seen:
+            self.seen[s.push_id] = s
+            if s.status == "rejected" and s.target_version == version + 1:
+                self.round_rejected.add(s.island_id)
+        while len(self.seen) > self.opts.max_push_ids:
+            self.seen.popitem(last=False)
+        self.pending = {p.info.push_id: p for p in pending}
+        self.first_pending = first_pending

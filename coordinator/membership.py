@@ -1,0 +1,281 @@
+"""Islands joining, reporting and losing their leases: which shard an island gets (a free one, its own
+again, or a lost island's that still has data), what a heartbeat reply tells it, and its chip-health report.
+
+:class:`Membership` acts on the islands the state owns (``CoordinatorState.islands``) and reads the data's
+standing from its ``coordinator.ledger.PushLedger``; every method takes the time as ``now``. A request it
+refuses raises ``StateError`` before any change.
+
+Rerouting: a lost island's shard is free; the next island to need one takes it, from its cursor: a new island,
+the lost island returning, or an island whose own shard is done (its heartbeat reply says ``rejoin`` while a
+free shard has data left, and its Join moves it there).
+
+Chip health: a heartbeat may carry the devices the island's probes quarantined, each with its evidence
+(``DeviceEvidence``), and the devices it trains on now. The report is checked before anything changes
+(:func:`check_report`). Quarantine is permanent for the island's record: a device enters
+``IslandRecord.quarantined`` with the evidence of its first report and a later report that omits it does not
+take it out (a heartbeat without a report, or an island process restarted before its probes find the chip
+again, is no proof the chip is good); ``bad_devices`` is derived from it.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from coordinator.ledger import PushLedger
+from coordinator.records import (
+    HARDWARE,
+    NAME_RE,
+    DeviceEvidence,
+    Hardware,
+    IslandRecord,
+    StateError,
+    StateOptions,
+)
+from dtrain import schema
+from dtrain.wire import MAX_EVIDENCE, MAX_EVIDENCE_DETAIL
+
+
+def check_identity(name: str, hardware: str, devices: int) -> Hardware:
+    """A Join's fields checked (INVALID_ARGUMENT naming the field); returns its hardware kind."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise StateError("INVALID_ARGUMENT", f"island name {name!r}: must match [A-Za-z0-9._-]{{1,64}}")
+    if hardware not in HARDWARE:
+        raise StateError("INVALID_ARGUMENT", f"hardware {hardware!r}: must be one of {', '.join(HARDWARE)}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise StateError("INVALID_ARGUMENT", f"devices={devices!r}: must be an integer >= 1")
+    return typing.cast(Hardware, hardware)
+
+
+def check_heartbeat(version: int, steps: int, tokens: int, steps_per_s: float, params_digest: str,
+                    bad_devices: tuple[str, ...], current: int) -> None:
+    """A heartbeat's report checked (INVALID_ARGUMENT naming the field); ``current``: the coordinator's version."""
+    for fname, value in (("version", version), ("steps", steps), ("tokens", tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StateError("INVALID_ARGUMENT", f"{fname}={value!r}: must be an integer >= 0")
+    if version > current:
+        raise StateError("INVALID_ARGUMENT", f"version={version} is ahead of the coordinator's version "
+                                             f"{current}: an island cannot hold a future version")
+    if not (isinstance(steps_per_s, (int, float)) and math.isfinite(steps_per_s) and steps_per_s >= 0):
+        raise StateError("INVALID_ARGUMENT", f"steps_per_s={steps_per_s!r}: must be a finite number >= 0")
+    if not isinstance(params_digest, str) or len(params_digest) > 256:
+        raise StateError("INVALID_ARGUMENT", "params_digest: must be a string of at most 256 characters")
+    if len(bad_devices) > 4096 or not all(isinstance(d, str) and len(d) <= 256 for d in bad_devices):
+        raise StateError("INVALID_ARGUMENT", "bad_devices: at most 4096 strings of at most 256 characters")
+
+
+def check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]], devices: int,
+                  bad_devices: tuple[str, ...]) -> list[DeviceEvidence]:
+    """A heartbeat's chip-health report, checked against the island's mesh (``mesh_devices``: the most it
+    declared at a Join) and its record; the evidence, or StateError INVALID_ARGUMENT naming the problem."""
+    def refuse(why: str) -> typing.NoReturn:
+        raise StateError("INVALID_ARGUMENT", why)
+
+    mesh = record.mesh_devices
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 0 <= devices <= mesh:
+        refuse(f"devices={devices!r}: must be an integer from 0 (not reported) to the {mesh} devices "
+               f"{record.island_id} declared at Join")
+    if len(quarantined) > min(mesh, MAX_EVIDENCE):
+        refuse(f"quarantined: {len(quarantined)} devices reported, {record.island_id}'s mesh holds {mesh} "
+               f"(declared at Join)")
+    report: list[DeviceEvidence] = []
+    for i, item in enumerate(quarantined):
+        try:
+            ev = schema.load(DeviceEvidence, dict(item), partial=True)  # absent numbers: None
+        except schema.SchemaError as e:
+            refuse(f"{schema.format_path(e.path, f'quarantined[{i}]')}: {e.why}")
+        except (TypeError, ValueError) as e:  # not a mapping
+            refuse(f"quarantined[{i}]: {e}")
+        if len(ev.detail) > MAX_EVIDENCE_DETAIL:
+            refuse(f"quarantined[{i}].detail: {len(ev.detail)} characters, at most {MAX_EVIDENCE_DETAIL}")
+        if ev.index >= mesh:
+            refuse(f"quarantined[{i}].index={ev.index}: outside {record.island_id}'s mesh of {mesh} devices")
+        for other in report:
+            if other.device == ev.device:
+                refuse(f"quarantined[{i}]: device {ev.device} is named twice")
+            if other.index == ev.index:
+                refuse(f"quarantined[{i}]: mesh index {ev.index} is named twice (devices {other.device} and "
+                       f"{ev.device})")
+        report.append(ev)
+    if devices and devices + len(report) > mesh:
+        refuse(f"devices={devices} healthy and {len(report)} quarantined: more than the {mesh} devices of "
+               f"{record.island_id}'s mesh")
+    known = {e.device for e in record.quarantined}
+    total = len(known | {e.device for e in report})
+    if total > mesh:
+        refuse(f"quarantined: {record.island_id} would have {total} devices quarantined, its mesh holds {mesh}")
+    names = {str(e.device) for e in report}
+    if report and bad_devices and set(bad_devices) != names:
+        refuse(f"bad_devices {sorted(bad_devices)} do not name the quarantined devices {sorted(names)}")
+    return report
+
+
+class Membership:
+    """The islands' membership, shards and leases, over the state's islands (shared, not copied)."""
+
+    def __init__(self, opts: StateOptions, islands: dict[str, IslandRecord], ledger: PushLedger):
+        self.opts = opts
+        self.islands = islands
+        self.ledger = ledger
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def live(self) -> list[IslandRecord]:
+        """The live islands, in the order they first joined."""
+        return [r for r in self.islands.values() if r.state == "live"]
+
+    def by_name(self, name: str) -> IslandRecord | None:
+        """The record of the island called ``name``, if it ever joined."""
+        for r in self.islands.values():
+            if r.name == name:
+                return r
+        return None
+
+    def free_shards(self, exclude: str | None = None) -> list[int]:
+        """Shards no live island holds (but ``exclude``), those with data left first (then by index)."""
+        held = {r.shard_index for r in self.live() if r.island_id != exclude}
+        return sorted((s for s in range(self.opts.islands) if s not in held),
+                      key=lambda s: not self.ledger.data_left(s))
+
+    def orphan(self, exclude: str) -> int | None:
+        """The free shard with data left, if any (the lowest): a lost island's, for an island with none."""
+        free = [s for s in self.free_shards(exclude=exclude) if self.ledger.data_left(s)]
+        return free[0] if free else None
+
+    def holders(self) -> str:
+        """The live islands and their shards, for a refusal's reason."""
+        return ", ".join(f"{r.island_id} (shard {r.shard_index})" for r in sorted(self.live(),
+                                                                            key=lambda r: r.shard_index))
+
+    # -- join / heartbeat / expire ------------------------------------------------------------------
+
+    def join(self, name: str, kind: Hardware, devices: int, now: float) -> tuple[IslandRecord, str]:
+        """Register an island (or take back a returning one); returns its record and why it got that shard.
+        The caller checked the fields (:func:`check_identity`) and that the run goes on."""
+        lease = now + self.opts.coordinator.lease_s
+        old = self.by_name(name)
+        if old is not None:
+            was = old.state
+            shard, how = self._rejoin_shard(old)
+            old.hardware, old.devices, old.shard_index = kind, devices, shard
+            old.mesh_devices = max(old.mesh_devices, devices)
+            old.state, old.lease_expiry = "live", lease
+            return old, (f"rejoined as {old.island_id} (was {was}): {how}, cursor {self.ledger.shard_cursor(shard)}")
+        free = self.free_shards()
+        if not free:
+            raise StateError("FAILED_PRECONDITION",
+                             f"all {self.opts.islands} shards are held by live islands: {self.holders()}")
+        shard = free[0]
+        island_id = f"{name}-{shard}"
+        n = 1
+        while island_id in self.islands:  # cannot happen with one record per name; kept as a guard
+            island_id, n = f"{name}-{shard}.{n}", n + 1
+        previous = [r for r in self.islands.values() if r.shard_index == shard and r.state == "lost"]
+        cursor = self.ledger.shard_cursor(shard)
+        if previous:
+            how = f"took over shard {shard} of lost island {previous[-1].island_id} at cursor {cursor}"
+        else:
+            how = f"assigned free shard {shard} at cursor {cursor}"
+        record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, mesh_devices=devices,
+                              shard_index=shard, state="live", lease_expiry=lease)
+        self.islands[island_id] = record
+        return record, f"joined as {island_id}: {how}"
+
+    def _rejoin_shard(self, old: IslandRecord) -> tuple[int, str]:
+        """The shard a returning island gets, and how: its own while no live island took it and it has data
+        left, else a free shard with data left, else its own (done) or any free one."""
+        taker = next((r for r in self.live() if r.shard_index == old.shard_index and r.island_id != old.island_id),
+                     None)
+        orphan = self.orphan(exclude=old.island_id)
+        if taker is None and self.ledger.data_left(old.shard_index):
+            return old.shard_index, f"kept shard {old.shard_index}"
+        if orphan is not None:  # the island's shard is done (or taken): it finishes another's
+            mine = (f"its shard {old.shard_index} was taken over by {taker.island_id}" if taker is not None
+                    else f"its shard {old.shard_index} is done")
+            return orphan, f"{mine}; took over shard {orphan}, which no live island holds and has data left"
+        if taker is None:
+            return old.shard_index, f"kept shard {old.shard_index} (done: no shard has data left to take)"
+        free = self.free_shards(exclude=old.island_id)
+        if not free:
+            raise StateError("FAILED_PRECONDITION",
+                             f"{old.island_id} cannot rejoin: its shard {old.shard_index} was taken over by "
+                             f"{taker.island_id} and all {self.opts.islands} shards are held by live "
+                             f"islands: {self.holders()}")
+        shard = free[0]
+        return shard, f"its shard {old.shard_index} was taken over by {taker.island_id}, moved to free shard {shard}"
+
+    def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
+                  params_digest: str, bad_devices: tuple[str, ...], now: float, *,
+                  quarantined: Sequence[Mapping[str, Any]], devices: int, current: int,
+                  over: str) -> tuple[str, str]:
+        """Renew a live island's lease and record its report; returns (action, reason). ``current``: the
+        coordinator's version; ``over``: why the run is over, "" while it goes on. The parameters are
+        ``CoordinatorState.heartbeat``'s."""
+        record = self.islands.get(island_id)
+        if record is None:
+            raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
+        bad = tuple(bad_devices)
+        check_heartbeat(version, steps, tokens, steps_per_s, params_digest, bad, current)
+        report = check_report(record, quarantined, devices, bad)
+        if record.state == "lost":
+            if over:  # nothing to rejoin for: the island's lease is not renewed either
+                return "stop", over
+            return "rejoin", (f"{island_id}'s lease expired at t={record.lease_expiry:.1f} "
+                              f"(now t={now:.1f}): call Join again")
+        record.version, record.steps, record.tokens_reported = version, steps, tokens
+        record.steps_per_s, record.params_digest = float(steps_per_s), params_digest
+        known = {e.device for e in record.quarantined}
+        record.quarantined += tuple(e for e in report if e.device not in known)
+        record.bad_devices = tuple(str(e.device) for e in sorted(record.quarantined, key=lambda e: e.device)) or bad
+        if devices:
+            record.devices = devices
+        record.lease_expiry = now + self.opts.coordinator.lease_s
+        return self._reply(record, current, over)
+
+    def _reply(self, record: IslandRecord, current: int, over: str) -> tuple[str, str]:
+        """What a live island that just reported is told: stop, rejoin (its shard is done and another has data
+        no live island trains), pull or continue."""
+        island_id, version = record.island_id, record.version
+        if over:
+            if version >= current:  # it holds the last θ; until then finished() waits for it (linger_s)
+                record.state = "stopped"
+                return "stop", over
+            return "stop", f"{over}: pull version {current}, the last"
+        if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
+            record.state = "live"
+        rejected = self.ledger.notice(island_id)
+        orphan = None if self.ledger.data_left(record.shard_index) else self.orphan(exclude=island_id)
+        if orphan is not None:
+            return "rejoin", (f"{island_id}'s shard {record.shard_index} is done and shard {orphan} has data no "
+                              f"live island trains (from cursor {self.ledger.shard_cursor(orphan)}): call Join to "
+                              f"take it over{rejected}")
+        if version < current:
+            return "pull", f"holding version {version}, the global version is {current}: pull{rejected}"
+        return "continue", (f"holding the latest version {current}; lease renewed until "
+                            f"t={record.lease_expiry:.1f}{rejected}")
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """Mark live islands whose lease ended (now >= lease_expiry) as lost; returns (island_id, reason) for each.
+
+        Their pending pushes stay in the open round: they were received in full.
+        """
+        lost = []
+        for r in self.islands.values():
+            if r.state == "live" and now >= r.lease_expiry:
+                r.state = "lost"
+                pending = self.ledger.pending_of(r.island_id)
+                keep = f"; its pending push {', '.join(pending)} stays in the open round" if pending else ""
+                lost.append((r.island_id, (f"no heartbeat for {self.opts.coordinator.lease_s:g}s: lease expired at "
+                                          f"t={r.lease_expiry:.1f}, shard {r.shard_index} is free{keep}")))
+        return lost
+
+    def pause_leases(self, seconds: float) -> None:
+        """Moves every live island's lease end ``seconds`` later: time in which the coordinator could not hear
+        heartbeats (the server calls it when a long merge held its lock past a lease's end), which no island is
+        to be blamed for. A dead island is then found that much later."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"pause_leases: seconds={seconds!r}: must be a finite number >= 0")
+        for r in self.live():
+            r.lease_expiry += seconds

@@ -1,0 +1,151 @@
+"""An incoming push, checked as it streams in and spooled to a temp file: :class:`Spool` (every scale and code
+checked by ``codec.FrameValidator`` as zstd decompresses it; the decompressed body, scales ‖ payload, kept so
+that summing it needs no second decode) and :class:`BodyNorm` (its L2 norm, measured in the same pass from the
+checked scales and codes). ``coordinator.merger`` hands out spools and sums the accepted ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from dtrain import codec
+
+
+def write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
+    """Writes all of ``buf`` to ``fd`` at ``offset`` (positional: the file offset is not moved)."""
+    view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+
+class BodyNorm:
+    """The L2 norm of a frame body (scales ‖ payload, the validator's output) fed in order, piece by piece:
+    Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
+    Σ value². Pieces need not align with blocks: the bytes of a split block wait for the rest (at most one block).
+    """
+
+    def __init__(self, n: int, bits: codec.Bits, block: int):
+        self.n, self.bits, self.block = n, bits, block
+        self._scales_len = 4 * codec.n_scales(bits, n, block)
+        self._scales = bytearray()
+        self._scales_sq = np.zeros(0, np.float64)
+        self._unit = 4 if bits == 32 else codec.payload_len(bits, block)  # payload bytes of one block (one value)
+        self._per_unit = 1 if bits == 32 else block  # values per unit
+        self._carry = bytearray()
+        self._units = 0  # whole units summed so far
+        self._sum_sq = 0.0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if len(self._scales) < self._scales_len:
+            take = self._scales_len - len(self._scales)
+            self._scales += view[:take]
+            view = view[take:]
+            if len(self._scales) == self._scales_len:
+                self._scales_sq = np.square(np.frombuffer(self._scales, "<f4").astype(np.float64))
+        if not view:
+            return
+        if self._carry:  # complete the split unit first
+            take = self._unit - len(self._carry)
+            self._carry += view[:take]
+            view = view[take:]
+            if len(self._carry) < self._unit:
+                return
+            self._add(self._carry, self._per_unit)
+            self._carry = bytearray()
+        whole = len(view) - len(view) % self._unit
+        if whole:
+            self._add(view[:whole], whole // self._unit * self._per_unit)
+        self._carry += view[whole:]
+
+    def _add(self, payload: bytes | bytearray | memoryview, count: int) -> None:
+        if self.bits == 32:
+            values = np.frombuffer(payload, "<f4").astype(np.float64)
+            self._sum_sq += float(np.dot(values, values))
+        else:
+            first = self._units
+            sums = codec.block_sum_squares(self.bits, self.block, payload, count)
+            self._sum_sq += float(np.dot(self._scales_sq[first:first + sums.size], sums))
+        self._units += -(-count // self._per_unit)
+
+    def norm(self) -> float:
+        """The norm of what was fed, counting the last, partial block still waiting (call once all is in)."""
+        total = self._sum_sq
+        if self._carry and self.bits != 32:
+            count = self.n - self._units * self.block
+            sums = codec.block_sum_squares(self.bits, self.block, self._carry, count)
+            total += float(np.dot(self._scales_sq[self._units:self._units + 1], sums))
+        return math.sqrt(total)
+
+
+class Spool:
+    """One incoming frame, checked as it streams in (``codec.FrameValidator``: every scale and code, as zstd
+    decompresses it); what is kept, in a temp file, is the decompressed body (scales ‖ payload), so
+    summing it needs no second decode. Its L2 norm is measured in the same pass (:class:`BodyNorm`)."""
+
+    def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
+                 spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):
+        """``spare``: an earlier spool's (fd, path) to write over; ``release(fd, path)``: offered the file on
+        close, which keeps it open and in place when it returns True."""
+        if spare is None:
+            fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
+            spare = fd, Path(name)
+        self.fd, self.path = spare
+        self._release = release
+        self._offset = 0
+        self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append)
+        self._norm = BodyNorm(n, bits, block)
+        self.size = 0  # frame bytes received
+        self.complete = False
+        self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it
+        self._kept = False
+
+    def keep(self) -> None:
+        """Hands the spool over to the merger: leaving its ``with`` block no longer deletes it."""
+        self._kept = True
+
+    def _append(self, data: bytes | bytearray | memoryview) -> None:
+        write_from(self.fd, data, self._offset)
+        self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
+        self._offset += len(data)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Feeds frame bytes; raises CodecError as soon as something is wrong."""
+        if self._validator is None:
+            raise RuntimeError("write() on a closed spool")
+        self._validator.feed(data)
+        self.size += len(data)
+
+    def finish(self) -> None:
+        if self._validator is None:
+            raise RuntimeError("finish() on a closed spool")
+        self._validator.finish()
+        self.norm = self._norm.norm()
+        self.complete = True
+
+    def close(self) -> None:
+        # The validator refers back to this spool (its output sink): dropped, so a closed spool is freed by its
+        # last reference instead of waiting, with its buffers, for the cyclic GC.
+        self._validator = None
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
+        if self._release is not None and self._release(fd, self.path):
+            return
+        os.close(fd)
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._kept:
+            self.close()
