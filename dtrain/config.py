@@ -16,9 +16,10 @@ import math
 import re
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dtrain import schema
 from dtrain.codec import CODEC_BITS
@@ -279,12 +280,20 @@ def _build_section(cls: type, values: dict[str, Any], origin: str, section: str)
         raise ConfigError(f"{origin}: [{section}] {schema.format_path(e.path)}: {e.why}") from None
 
 
-def _check(cfg: Config, origin: str) -> None:
-    """Cross-field validation; each failure names the field."""
+_Fail = Callable[[str, str, str], NoReturn]  # fail(section, field, why): raises the ConfigError naming the field
 
-    def fail(section: str, name: str, why: str) -> None:
-        raise ConfigError(f"{origin}: [{section}] {name}: {why}")
+# Fields that must be >= 1 and >= 0, checked in this order (their message gives the value).
+_AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "vocab_size"), ("model", "seq_len"),
+                 ("model", "d_model"), ("model", "n_layers"), ("model", "n_heads"), ("model", "mlp_ratio"),
+                 ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
+                 ("outer", "islands"), ("outer", "inner_steps")]
+_AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
+                  ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
+                  ("outer", "staleness_alpha")]
 
+
+def _check_choices(cfg: Config, fail: _Fail) -> None:
+    """Every field with ``choices`` in its metadata holds one of them."""
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             choices = f.metadata.get("choices")
@@ -292,19 +301,20 @@ def _check(cfg: Config, origin: str) -> None:
             if choices and value not in choices:
                 fail(section, f.name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
-    positive = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "vocab_size"), ("model", "seq_len"),
-                ("model", "d_model"), ("model", "n_layers"), ("model", "n_heads"), ("model", "mlp_ratio"),
-                ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
-                ("outer", "islands"), ("outer", "inner_steps")]
-    for section, name in positive:
+
+def _check_signs(cfg: Config, fail: _Fail) -> None:
+    """The counts of :data:`_AT_LEAST_ONE` are >= 1, then those of :data:`_AT_LEAST_ZERO` >= 0."""
+    for section, name in _AT_LEAST_ONE:
         if getattr(getattr(cfg, section), name) < 1:
             fail(section, name, f"must be >= 1, got {getattr(getattr(cfg, section), name)}")
-    for section, name in [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
-                          ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
-                          ("outer", "staleness_alpha")]:
+    for section, name in _AT_LEAST_ZERO:
         if getattr(getattr(cfg, section), name) < 0:
             fail(section, name, f"must be >= 0, got {getattr(getattr(cfg, section), name)}")
-    m, t, o, d = cfg.model, cfg.train, cfg.outer, cfg.data
+
+
+def _check_model(cfg: Config, fail: _Fail) -> None:
+    """[model]: heads divide the width, cuDNN attention's dtype and head size, a uint16 vocabulary."""
+    m = cfg.model
     if m.d_model % m.n_heads:
         fail("model", "n_heads", f"must divide d_model ({m.d_model} % {m.n_heads} = {m.d_model % m.n_heads})")
     if m.attention == "cudnn" and m.kind == "gpt":
@@ -316,6 +326,11 @@ def _check(cfg: Config, origin: str) -> None:
                  f"{m.d_model // m.n_heads}")
     if m.vocab_size > 65536:
         fail("model", "vocab_size", f"tokens are stored as uint16, so at most 65536, got {m.vocab_size}")
+
+
+def _check_optimization(cfg: Config, fail: _Fail) -> None:
+    """[data]'s eval split, then the inner ([train]) and outer ([outer]) optimizers' ranges."""
+    t, o, d = cfg.train, cfg.outer, cfg.data
     if not 0.0 < d.eval_fraction < 0.5:
         fail("data", "eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}")
     if not t.lr > 0:
@@ -333,12 +348,15 @@ def _check(cfg: Config, origin: str) -> None:
         fail("outer", "lr", f"must be > 0, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:
         fail("outer", "momentum", f"must be in [0, 1), got {o.momentum}")
+
+
+def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
+    """[mesh]'s axis sizes, then [codec]'s block, zstd level and chunk size."""
     mesh = cfg.mesh
     if mesh.data == 0 or mesh.data < -1:
         fail("mesh", "data", f"must be >= 1 or -1 (all devices), got {mesh.data}")
     if mesh.fsdp < 1:
         fail("mesh", "fsdp", f"must be >= 1, got {mesh.fsdp}")
-    fixed = (mesh.data if mesh.data > 0 else 1) * mesh.fsdp
     c = cfg.codec
     if c.block % 2 or not 64 <= c.block <= 65536:
         fail("codec", "block", f"must be even and in [64, 65536], got {c.block}")
@@ -346,7 +364,11 @@ def _check(cfg: Config, origin: str) -> None:
         fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
     if not 4096 <= c.chunk_bytes <= 4 << 20:
         fail("codec", "chunk_bytes", f"must be in [4096, 4194304], got {c.chunk_bytes}")
-    co = cfg.coordinator
+
+
+def _check_coordinator(cfg: Config, fail: _Fail) -> None:
+    """[coordinator]: ports, rounds, leases, message and stream sizes (message size against codec.chunk_bytes)."""
+    co, c = cfg.coordinator, cfg.codec
     if not 0 <= co.port <= 65535:
         fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
     if not -1 <= co.dashboard_port <= 65535:
@@ -371,6 +393,11 @@ def _check(cfg: Config, origin: str) -> None:
         fail("coordinator", "stream_budget_bytes", f"must be >= 0, got {co.stream_budget_bytes}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
         fail("coordinator", "stream_window_bytes", f"must be 0 or in [65536, 1073741824], got {co.stream_window_bytes}")
+
+
+def _check_merge(cfg: Config, fail: _Fail) -> None:
+    """[coordinator]'s merge knobs: push caps, trimming, eval cadence and the norm outlier checks."""
+    co = cfg.coordinator
     for name in ("max_push_steps", "trim", "eval_every", "max_receiving"):
         if getattr(co, name) < 0:
             fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
@@ -382,7 +409,11 @@ def _check(cfg: Config, origin: str) -> None:
     if not 1 <= co.norm_window_min <= co.norm_window:
         fail("coordinator", "norm_window_min", f"must be in [1, norm_window={co.norm_window}], "
              f"got {co.norm_window_min}")
-    w = cfg.worker
+
+
+def _check_worker(cfg: Config, fail: _Fail) -> None:
+    """[worker]: overlap and round lengths, timeouts, and heartbeats at most half of coordinator.lease_s."""
+    w, co = cfg.worker, cfg.coordinator
     if w.max_overlap_steps < 0:
         fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")
     if w.round_seconds < 0:
@@ -395,6 +426,10 @@ def _check(cfg: Config, origin: str) -> None:
     if w.heartbeat_s > co.lease_s / 2:  # two heartbeats per lease at least: one lost heartbeat loses no island
         fail("worker", "heartbeat_s", f"must be at most half of coordinator.lease_s ({co.lease_s}), "
              f"got {w.heartbeat_s}")
+
+
+def _check_health(cfg: Config, fail: _Fail) -> None:
+    """[health]: probe periods, the outlier threshold and the fewest devices."""
     h = cfg.health
     for name in ("known_answer_every", "replay_every"):
         if getattr(h, name) < 0:
@@ -403,6 +438,10 @@ def _check(cfg: Config, origin: str) -> None:
         fail("health", "z_max", f"must be a finite number > 0, got {h.z_max}")
     if h.min_devices < 1:
         fail("health", "min_devices", f"must be >= 1, got {h.min_devices}")
+
+
+def _check_security(cfg: Config, fail: _Fail) -> None:
+    """[security]: certificates come with their keys; mutual TLS has a CA and a server certificate."""
     sec = cfg.security
     if bool(sec.server_cert) != bool(sec.server_key):
         fail("security", "server_key" if sec.server_cert else "server_cert",
@@ -412,6 +451,10 @@ def _check(cfg: Config, origin: str) -> None:
              "client_cert and client_key go together")
     if sec.client_auth and not (sec.ca and sec.server_cert):
         fail("security", "client_auth", "mutual TLS needs security.ca and security.server_cert")
+
+
+def _check_telemetry(cfg: Config, fail: _Fail) -> None:
+    """[telemetry]: export timings, the OTLP endpoint's form (with the otlp exporter), a service name."""
     tel = cfg.telemetry
     for name in ("otlp_timeout_s", "export_interval_s"):
         if not (math.isfinite(getattr(tel, name)) and getattr(tel, name) > 0):
@@ -421,9 +464,32 @@ def _check(cfg: Config, origin: str) -> None:
              f"{tel.otlp_endpoint!r}")
     if not tel.service_name.strip():
         fail("telemetry", "service_name", "must not be empty")
+
+
+def _check_batch_split(cfg: Config, fail: _Fail) -> None:
+    """train.batch_size splits evenly over the mesh's fixed devices (mesh.data x mesh.fsdp; data -1 counts 1)."""
+    mesh, t = cfg.mesh, cfg.train
+    fixed = (mesh.data if mesh.data > 0 else 1) * mesh.fsdp
     if t.batch_size % fixed:
         fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
              f"(mesh.data x mesh.fsdp)")
+
+
+# The validators in the order they run: the first failure is the one reported.
+_VALIDATORS: tuple[Callable[[Config, _Fail], None], ...] = (
+    _check_choices, _check_signs, _check_model, _check_optimization, _check_mesh_and_codec, _check_coordinator,
+    _check_merge, _check_worker, _check_health, _check_security, _check_telemetry, _check_batch_split)
+
+
+def _check(cfg: Config, origin: str) -> None:
+    """Cross-field validation, one validator per section (or group) in :data:`_VALIDATORS`' order; the first
+    failure raises a ConfigError that names the origin, the section and the field."""
+
+    def fail(section: str, name: str, why: str) -> NoReturn:
+        raise ConfigError(f"{origin}: [{section}] {name}: {why}")
+
+    for validate in _VALIDATORS:
+        validate(cfg, fail)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

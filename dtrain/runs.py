@@ -8,6 +8,7 @@ the exact DiLoCo math in one process (they share the process's devices).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -72,46 +73,72 @@ def run_train(cfg: Config, resume: bool = False, quiet: bool = False) -> dict[st
     island = Island(index=0, state=s.loop.init_state(s.loop.init_params(cfg.run.seed)), stream=s.shards[0].stream)
     ckpt = Checkpointer(ckpt_dir, keep=cfg.run.keep_checkpoints)
     if resume:
-        step, state, meta = ckpt.restore(island.state)
-        if meta.get("fingerprint") != cfg.fingerprint():
-            raise CheckpointError(f"{ckpt_dir}/{step} was written for model fingerprint {meta.get('fingerprint')}, "
-                                  f"this config has {cfg.fingerprint()}: the model sections differ")
-        island.state = state
-        island.cursor, island.steps, island.tokens = meta["cursor"], meta["steps"], meta["tokens"]
-        log.event("resumed", step=step, cursor=island.cursor, tokens=island.tokens)
-        log.progress(f"resumed from checkpoint at step {step}")
+        _restore(cfg, ckpt, ckpt_dir, island, log)
     _start_event(log, s, "train", 1)
 
     boundaries = tuple(sorted({b for every in (cfg.run.log_every, cfg.run.eval_every, cfg.run.checkpoint_every)
                                if every for b in range(every, t.steps, every)}))
-    last = {"t": timer(), "tokens": island.tokens}
-
-    def on_chunk(isl: Island, metrics: dict[str, jax.Array]) -> None:
-        step = isl.steps
-        if step % cfg.run.log_every == 0 or step == t.steps:
-            loss = float(np.asarray(metrics["loss"])[-1])  # note: host sync, only at log steps
-            isl.last_loss = loss
-            now = timer()
-            rate = (isl.tokens - last["tokens"]) / max(now - last["t"], 1e-9)
-            last.update(t=now, tokens=isl.tokens)
-            log.event("train", step=step, loss=loss, grad_norm=float(np.asarray(metrics["grad_norm"])[-1]),
-                      lr=s.loop.lr_at(step - 1), tokens=isl.tokens, tokens_per_s=rate)
-            log.status("train", fmt_progress("train", step=step, steps=t.steps, loss=loss, tokens_per_s=rate),
-                       done=step, total=t.steps)
-        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < t.steps:
-            ev = s.loop.evaluate(isl.state.params, s.eval_batches)
-            log.event("eval", step=step, eval_loss=ev)
-            log.progress(f"step {step:>6}  eval loss {ev:.4f}")
-        if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == t.steps:
-            ckpt.save(step, isl.state, {"cursor": isl.cursor, "steps": isl.steps, "tokens": isl.tokens,
-                                        "fingerprint": cfg.fingerprint()})
-            log.event("checkpoint_saved", step=step, path=str(ckpt_dir / str(step)))
-
+    on_chunk = _TrainChunkHook(cfg, s, log, ckpt, ckpt_dir, timer, island.tokens)
     # Plan chunks from step 0 so a resumed run fuses exactly the same steps as an uninterrupted one.
     done = island.steps
     remaining = t.steps - done
     advance(s.loop, island, remaining, t.batch_size, on_chunk,
             boundaries=tuple(b - done for b in boundaries if b > done))
+    return _finish_train(s, log, ckpt, timer, island, out)
+
+
+def _restore(cfg: Config, ckpt: Checkpointer, ckpt_dir: Path, island: Island, log: RunLog) -> None:
+    """``train --resume``: the latest checkpoint's state, data cursor, step and token counts into ``island``;
+    a checkpoint written for another model fingerprint raises CheckpointError."""
+    step, state, meta = ckpt.restore(island.state)
+    if meta.get("fingerprint") != cfg.fingerprint():
+        raise CheckpointError(f"{ckpt_dir}/{step} was written for model fingerprint {meta.get('fingerprint')}, "
+                              f"this config has {cfg.fingerprint()}: the model sections differ")
+    island.state = state
+    island.cursor, island.steps, island.tokens = meta["cursor"], meta["steps"], meta["tokens"]
+    log.event("resumed", step=step, cursor=island.cursor, tokens=island.tokens)
+    log.progress(f"resumed from checkpoint at step {step}")
+
+
+class _TrainChunkHook:
+    """``run_train``'s on_chunk: at log steps (and the last) a train event and a status line with the tokens/s
+    since the previous one; an eval every run.eval_every steps before the last; an orbax checkpoint every
+    run.checkpoint_every steps and at the last."""
+
+    def __init__(self, cfg: Config, s: Setup, log: RunLog, ckpt: Checkpointer, ckpt_dir: Path, timer: Timer,
+                 tokens: int) -> None:
+        self.cfg, self.s, self.log, self.ckpt, self.ckpt_dir, self.timer = cfg, s, log, ckpt, ckpt_dir, timer
+        self.last_t, self.last_tokens = timer(), tokens  # where the tokens/s of the next log step count from
+
+    def __call__(self, isl: Island, metrics: dict[str, jax.Array]) -> None:
+        run, steps, step = self.cfg.run, self.cfg.train.steps, isl.steps
+        if step % run.log_every == 0 or step == steps:
+            self._log_step(isl, metrics)
+        if run.eval_every and step % run.eval_every == 0 and step < steps:
+            ev = self.s.loop.evaluate(isl.state.params, self.s.eval_batches)
+            self.log.event("eval", step=step, eval_loss=ev)
+            self.log.progress(f"step {step:>6}  eval loss {ev:.4f}")
+        if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == steps:
+            self.ckpt.save(step, isl.state, {"cursor": isl.cursor, "steps": isl.steps, "tokens": isl.tokens,
+                                             "fingerprint": self.cfg.fingerprint()})
+            self.log.event("checkpoint_saved", step=step, path=str(self.ckpt_dir / str(step)))
+
+    def _log_step(self, isl: Island, metrics: dict[str, jax.Array]) -> None:
+        step, steps = isl.steps, self.cfg.train.steps
+        loss = float(np.asarray(metrics["loss"])[-1])  # note: host sync, only at log steps
+        isl.last_loss = loss
+        now = self.timer()
+        rate = (isl.tokens - self.last_tokens) / max(now - self.last_t, 1e-9)
+        self.last_t, self.last_tokens = now, isl.tokens
+        self.log.event("train", step=step, loss=loss, grad_norm=float(np.asarray(metrics["grad_norm"])[-1]),
+                       lr=self.s.loop.lr_at(step - 1), tokens=isl.tokens, tokens_per_s=rate)
+        self.log.status("train", fmt_progress("train", step=step, steps=steps, loss=loss, tokens_per_s=rate),
+                        done=step, total=steps)
+
+
+def _finish_train(s: Setup, log: RunLog, ckpt: Checkpointer, timer: Timer, island: Island,
+                  out: Path) -> dict[str, Any]:
+    """The end of ``run_train``: the final eval, the checkpointer closed, the summary written and returned."""
     final_eval = s.loop.evaluate(island.state.params, s.eval_batches)
     ckpt.close()
     wall = timer()

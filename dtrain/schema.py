@@ -103,84 +103,110 @@ def _converter(tp: Any, partial: bool) -> Convert:
     SchemaError with the path below this value; containers prepend their key (found again only then)."""
     origin = typing.get_origin(tp)
     if origin is Annotated:
-        base, *marks = typing.get_args(tp)
-        inner = _converter(base, partial)
-        lows = [m.lo for m in marks if isinstance(m, AtLeast)]
-        finite = any(m is FINITE for m in marks)
-
-        def annotated(value: Any) -> Any:
-            value = inner(value)
-            for lo in lows:
-                if value < lo:
-                    raise SchemaError((), f"expected an int >= {lo}, got {value!r}")
-            if finite and not math.isfinite(value):
-                raise SchemaError((), f"expected a finite number, got {value!r}")
-            return value
-        return annotated
+        return _annotated(tp, partial)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        allowed = {(type(c), c) for c in choices}
-
-        def literal(value: Any) -> Any:
-            if (type(value), value) not in allowed:  # typed: True is not 1
-                raise SchemaError((), f"{value!r} is not one of {', '.join(map(repr, choices))}")
-            return value
-        return literal
+        return _literal(tp)
     if origin in (types.UnionType, typing.Union):
         options = typing.get_args(tp)
         (other,) = [o for o in options if o is not type(None)]  # X | None is the only union the schemas use
         inner = _converter(other, partial)
         return lambda value: None if value is None else inner(value)
     if origin in (list, tuple):
-        args = typing.get_args(tp)
-        if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):  # pragma: no cover - a schema bug
-            raise TypeError(f"only tuple[X, ...] is supported, got {tp!r}")
-        item, make = _converter(args[0], partial), (list if origin is list else tuple)
-
-        def sequence(value: Any) -> Any:
-            if not isinstance(value, list):
-                raise SchemaError((), f"expected a list, got {type(value).__name__}")
-            try:
-                return make([item(x) for x in value])
-            except SchemaError:
-                _locate((i, item, x) for i, x in enumerate(value))
-        return sequence
+        return _sequence(tp, origin, partial)
     if isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields"):  # a NamedTuple: a row
-        fields = [(name, _converter(hint, partial)) for name, hint, _ in _fields(tp)]
-        names = ", ".join(name for name, _ in fields)
-
-        def row(value: Any) -> Any:
-            if not isinstance(value, list) or len(value) != len(fields):
-                raise SchemaError((), f"expected a list of {len(fields)} fields [{names}], got {value!r}")
-            try:
-                return tp(*[convert(x) for (_, convert), x in zip(fields, value, strict=True)])
-            except SchemaError:
-                _locate((name, convert, x) for (name, convert), x in zip(fields, value, strict=True))
-        return row
+        return _row(tp, partial)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        members = [(name, _converter(hint, partial), has_default) for name, hint, has_default in _fields(tp)]
-        known = frozenset(name for name, _, _ in members)
-
-        def record(value: Any) -> Any:
-            if not isinstance(value, dict):
-                raise SchemaError((), f"expected an object, got {type(value).__name__}")
-            if not known.issuperset(value):
-                key = next(k for k in value if k not in known)
-                raise SchemaError((key,), f"unknown key (known: {', '.join(sorted(known))})")
-            kwargs = {}
-            for name, convert, has_default in members:
-                if name in value:
-                    try:
-                        kwargs[name] = convert(value[name])
-                    except SchemaError as e:
-                        raise SchemaError((name, *e.path), e.why) from None
-                elif not (partial and has_default):
-                    raise SchemaError((name,), "missing")
-            return tp(**kwargs)
-        return record
+        return _record(tp, partial)
     if tp in _SCALAR_CHECKS:
         return _SCALAR_CHECKS[tp]
     raise TypeError(f"unsupported schema type {tp!r}")  # pragma: no cover - a schema bug
+
+
+def _annotated(tp: Any, partial: bool) -> Convert:
+    """``Annotated[X, marks...]``: X's converter, then the :class:`AtLeast` bounds and :data:`FINITE`."""
+    base, *marks = typing.get_args(tp)
+    inner = _converter(base, partial)
+    lows = [m.lo for m in marks if isinstance(m, AtLeast)]
+    finite = any(m is FINITE for m in marks)
+
+    def annotated(value: Any) -> Any:
+        value = inner(value)
+        for lo in lows:
+            if value < lo:
+                raise SchemaError((), f"expected an int >= {lo}, got {value!r}")
+        if finite and not math.isfinite(value):
+            raise SchemaError((), f"expected a finite number, got {value!r}")
+        return value
+    return annotated
+
+
+def _literal(tp: Any) -> Convert:
+    """``Literal[...]``: one of the listed values, of the same type."""
+    choices = typing.get_args(tp)
+    allowed = {(type(c), c) for c in choices}
+
+    def literal(value: Any) -> Any:
+        if (type(value), value) not in allowed:  # typed: True is not 1
+            raise SchemaError((), f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    return literal
+
+
+def _sequence(tp: Any, origin: Any, partial: bool) -> Convert:
+    """``list[X]`` or ``tuple[X, ...]`` (``origin`` says which): a JSON list, each item converted."""
+    args = typing.get_args(tp)
+    if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):  # pragma: no cover - a schema bug
+        raise TypeError(f"only tuple[X, ...] is supported, got {tp!r}")
+    item, make = _converter(args[0], partial), (list if origin is list else tuple)
+
+    def sequence(value: Any) -> Any:
+        if not isinstance(value, list):
+            raise SchemaError((), f"expected a list, got {type(value).__name__}")
+        try:
+            return make([item(x) for x in value])
+        except SchemaError:
+            _locate((i, item, x) for i, x in enumerate(value))
+    return sequence
+
+
+def _row(tp: Any, partial: bool) -> Convert:
+    """A NamedTuple: a list of exactly its fields, in order."""
+    fields = [(name, _converter(hint, partial)) for name, hint, _ in _fields(tp)]
+    names = ", ".join(name for name, _ in fields)
+
+    def row(value: Any) -> Any:
+        if not isinstance(value, list) or len(value) != len(fields):
+            raise SchemaError((), f"expected a list of {len(fields)} fields [{names}], got {value!r}")
+        try:
+            return tp(*[convert(x) for (_, convert), x in zip(fields, value, strict=True)])
+        except SchemaError:
+            _locate((name, convert, x) for (name, convert), x in zip(fields, value, strict=True))
+    return row
+
+
+def _record(tp: Any, partial: bool) -> Convert:
+    """A dataclass: an object with its fields as keys; unknown keys refused, missing ones defaulted with
+    ``partial`` (where the field has a default) and refused otherwise."""
+    members = [(name, _converter(hint, partial), has_default) for name, hint, has_default in _fields(tp)]
+    known = frozenset(name for name, _, _ in members)
+
+    def record(value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise SchemaError((), f"expected an object, got {type(value).__name__}")
+        if not known.issuperset(value):
+            key = next(k for k in value if k not in known)
+            raise SchemaError((key,), f"unknown key (known: {', '.join(sorted(known))})")
+        kwargs = {}
+        for name, convert, has_default in members:
+            if name in value:
+                try:
+                    kwargs[name] = convert(value[name])
+                except SchemaError as e:
+                    raise SchemaError((name, *e.path), e.why) from None
+            elif not (partial and has_default):
+                raise SchemaError((name,), "missing")
+        return tp(**kwargs)
+    return record
 
 
 def _bool(value: Any) -> bool:
