@@ -25,7 +25,7 @@ import pytest
 import test_service
 from conftest import initial_parameters
 from coordinator.dashboard import dashboard_port
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain.config import ConfigError, load_config, replace
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
