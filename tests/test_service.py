@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters, initial_spec
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import load_config, replace
@@ -414,7 +414,7 @@ def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordin
     assert c0.push(_header(j0, "a1"), _delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
     with pytest.raises(CoordinatorError):  # the push that completes the round hits the failing step
         c1.push(_header(j1, "b1"), _delta_frame(n, 2)[1])
-    assert "No space left on device" in coordinator.service.fatal and coordinator.service.state.version == 0
+    assert "No space left on device" in coordinator.service.loop.fatal and coordinator.service.state.version == 0
     with pytest.raises(CoordinatorError, match="UNAVAILABLE.*coordinator failed"):
         c0.push(_header(j0, "a2", base=0), _delta_frame(n, 3)[1])
 
@@ -430,14 +430,15 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
         n = j0.tree_size
         c0.push(_header(j0, "a1"), _delta_frame(n, 11)[1])
         assert c1.push(_header(j1, "b1"), _delta_frame(n, 12)[1]).status == pb.PUSH_STATUS_MERGED
-        assert running.service.finished is None  # over, but neither island holds version 1 yet
+        assert running.service.loop.finished is None  # over, but neither island holds version 1 yet
         for c, j in ((c0, j0), (c1, j1)):
             assert c.heartbeat(island_id=j.island_id, version=1).action == pb.ACTION_STOP
         t0 = time.monotonic()
-        assert running.service.wait_finished() == "the run is over (1 versions) and every live island holds version 1"
+        over = "the run is over (1 versions) and every live island holds version 1"
+        assert running.service.loop.wait_finished() == over
         assert time.monotonic() - t0 < 5.0
-        running.service.request_stop("ignored: already finished")
-        assert running.service.wait_finished().startswith("the run is over")
+        running.service.loop.request_stop("ignored: already finished")
+        assert running.service.loop.wait_finished().startswith("the run is over")
     finally:
         running.stop()
 
@@ -445,7 +446,7 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
 def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, monkeypatch, capsys):
     """SO_REUSEPORT is off: a second coordinator on the first one's port is refused with one line naming the
     address, by the check before anything starts and, were that check raced, by gRPC's own bind."""
-    import coordinator.server as server_mod
+    import coordinator.lifecycle as lifecycle
     from dtrain.errors import DtrainError
     from dtrain_cli.main import main
 
@@ -456,7 +457,7 @@ def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, mo
                                               f"in use .*--port or coordinator.port"):
             serve(net_cfg, tmp_path / "second", theta, spec, port=first.port, quiet=True)
         assert not (tmp_path / "second").exists()  # refused before anything was written
-        monkeypatch.setattr(server_mod, "check_address_free", lambda host, port: None)
+        monkeypatch.setattr(lifecycle, "check_address_free", lambda host, port: None)
         with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: gRPC could not bind it"):
             serve(net_cfg, tmp_path / "third", theta, spec, port=first.port, quiet=True)
         monkeypatch.undo()
@@ -684,7 +685,7 @@ def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(
     assert "tokens=1000000000 exceed its cursor range [0, 80) = 80 sequences x seq_len 32 = 2560 tokens" in \
         e.value.details()
     _assert_unchanged(before, coordinator.service)
-    assert coordinator.service.pushes_refused == 1
+    assert coordinator.service.counters.pushes_refused == 1
     # The round goes on with honest pushes: θ moves by them alone and stays finite.
     d0, f0 = _delta_frame(n, 40)
     d1, f1 = _delta_frame(n, 41)
@@ -731,7 +732,7 @@ def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(n
         assert r.status == pb.PUSH_STATUS_REJECTED and "the outer step for version 1 makes update[" in r.reason
         assert "blamed: push poison" in r.reason and r.version == 1
         service = running.service
-        assert service.fatal is None and service.state.version == 1 and service.state.deltas_rejected == 1
+        assert service.loop.fatal is None and service.state.version == 1 and service.state.deltas_rejected == 1
         assert service.state.tokens_merged == 640 and np.isfinite(service.merger.theta).all()
         assert "your push poison was rejected" in c0.heartbeat(island_id=j0.island_id, version=1).reason
         assert list((tmp_path / "coord" / "spool" / "state").glob("*.tmp")) == []
@@ -915,7 +916,8 @@ def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_
         assert {r.status for r in results} <= {pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED}
         st = clients[0].status()
         assert st.version == 1 and st.tokens_merged == 2 * 640
-        assert running.service._receiving is not None and running.service._receiving.acquire(blocking=False)
+        receiving = running.service.intake.receiving
+        assert receiving is not None and receiving.acquire(blocking=False)
     finally:
         running.stop()
 
