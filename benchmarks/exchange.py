@@ -323,8 +323,8 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     coordinator's malloc settings, as in the service)."""
     import zlib
 
+    from coordinator.memory import return_large_frees_to_the_os
     from coordinator.merger import MergeOptions, Merger
-    from coordinator.server import return_large_frees_to_the_os
 
     return_large_frees_to_the_os()
     from dtrain.proto import dtrain_pb2 as pb

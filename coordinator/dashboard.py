@@ -23,16 +23,14 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from dtrain.config import Config, SecurityConfig
 from dtrain.errors import DtrainError
+from dtrain.proto import dtrain_pb2 as pb
 from dtrain.status import message_dict
 from dtrain.wire import bearer_matches
-
-if TYPE_CHECKING:
-    from coordinator.server import CoordinatorService
 
 STATUS_PATH = "/api/status"
 PAGE_PATHS = ("/", "/index.html")
@@ -123,7 +121,7 @@ class Dashboard:
     :meth:`start` until :meth:`close`.
 
     ``status``: the Status document as plain JSON; ``auth_failed(peer, method, why)``: records a refused request,
-    as the gRPC side's refusals are (:meth:`coordinator.server.CoordinatorService.auth_failed`: one rate-limited
+    as the gRPC side's refusals are (:meth:`coordinator.service.AuthFailures.failed`: one rate-limited
     ``auth_failed`` event per peer host), with ``method`` = ``GET /PATH``."""
 
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
@@ -251,13 +249,14 @@ def peer_name(address: Any) -> str:
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
-def open_dashboard(service: CoordinatorService, port: int, token: str | None) -> Dashboard:
-    """The coordinator's dashboard on ``coordinator.host:port``, bound (not yet serving): the service's status
-    as JSON, a refused request as the service's ``auth_failed`` event (:meth:`CoordinatorService.auth_failed`, method
-    ``GET /PATH``), which its history lists among the run's faults."""
+def open_dashboard(cfg: Config, port: int, token: str | None, status_message: Callable[[], pb.StatusResponse],
+                   auth_failed: Callable[[str, str, str], None]) -> Dashboard:
+    """The coordinator's dashboard on ``coordinator.host:port``, bound (not yet serving): ``status_message()``
+    (the service's Status) as JSON; a refused request goes to ``auth_failed(peer, method, why)`` (the service's
+    :meth:`coordinator.service.AuthFailures.failed`, method ``GET /PATH``: an ``auth_failed`` event, which its
+    history lists among the run's faults)."""
 
     def status() -> dict[str, Any]:
-        return message_dict(service.status_message())
+        return message_dict(status_message())
 
-    cfg = service.cfg
-    return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, service.auth_failed)
+    return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, auth_failed)

@@ -3,7 +3,7 @@
 Pure decisions over plain data. Every method takes the time as ``now`` (seconds,
 from whatever clock the caller injects) and returns its decision together with a
 human-readable reason; nothing here reads a clock, does I/O, logs or starts a
-thread. The gRPC servicer (``coordinator.server``) is a thin adapter that holds
+thread. The gRPC servicer (``coordinator.service``) is a thin adapter that holds
 one lock around every call and turns a :class:`StateError` into the gRPC status
 its code names.
 

@@ -285,7 +285,8 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
-        from coordinator.server import has_checkpoint, run_coordinator
+        from coordinator.lifecycle import run_coordinator
+        from coordinator.loading import has_checkpoint
 
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)

@@ -109,14 +109,14 @@ _THETA0: dict[tuple[ModelConfig, int], tuple[np.ndarray, Spec]] = {}
 def _theta0(cfg: Config) -> tuple[np.ndarray, Spec]:
     key = (cfg.model, cfg.run.seed)  # the only inputs of coordinator/init_params.py
     if key not in _THETA0:
-        from coordinator.server import initial_parameters as computed_in_a_child
+        from coordinator.lifecycle import initial_parameters as computed_in_a_child
 
         _THETA0[key] = computed_in_a_child(cfg)
     return _THETA0[key]
 
 
 def initial_parameters(cfg: Config) -> tuple[np.ndarray, Spec]:
-    """``coordinator.server.initial_parameters(cfg)``, computed once per (``cfg.model``, ``cfg.run.seed``) in
+    """``coordinator.lifecycle.initial_parameters(cfg)``, computed once per (``cfg.model``, ``cfg.run.seed``) in
     this session. Every caller gets its own copy of θ_0 and of the spec."""
     theta, spec = _theta0(cfg)
     return theta.copy(), copy.deepcopy(spec)

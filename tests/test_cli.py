@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.server import peer_host, serve
+from coordinator.lifecycle import serve
+from coordinator.service import peer_host
 from dtrain import codec
 from dtrain.config import load_config
 from dtrain.proto import dtrain_pb2 as pb

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from conftest import initial_parameters
-from coordinator.server import has_checkpoint, serve
+from coordinator.lifecycle import serve
+from coordinator.loading import has_checkpoint
 from dtrain.config import Config, ConfigError, CoordinatorConfig, load_config, replace
 from dtrain.wire import PLACEHOLDER, read_token
 from dtrain_cli import probe
@@ -527,7 +528,7 @@ def _finished_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Conf
         for c, j in zip(clients, joins, strict=True):
             c.heartbeat(island_id=j.island_id, version=1)
             c.close()
-        assert service.wait_finished().startswith("the run is over (1 versions)")
+        assert service.loop.wait_finished().startswith("the run is over (1 versions)")
     finally:
         server.stop(grace=None).wait()
         service.close()
@@ -546,7 +547,7 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
     import threading
     import time
 
-    import coordinator.server as server_mod
+    import coordinator.lifecycle as lifecycle
     from conftest import initial_spec
     from dtrain.runlog import read_events
     from workers.client import CoordinatorClient
@@ -556,7 +557,7 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
     tiny = ["--config", str(ROOT / "configs" / "tiny.toml")]
     server, service, port = serve(cfg, run_dir, None, initial_spec(cfg), port=0, resume=True, quiet=True)
     try:
-        assert service.wait_finished().startswith("the run is over (1 versions)")  # exit: it would stop here
+        assert service.loop.wait_finished().startswith("the run is over (1 versions)")  # exit: it would stop here
         assert probe.main([*tiny, "--address", f"127.0.0.1:{port}", "--timeout", "2"]) == 1  # NOT_SERVING
     finally:
         server.stop(grace=None).wait()
@@ -586,12 +587,12 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
                 os.kill(os.getpid(), signal.SIGTERM)
 
     # the tree's spec as run_coordinator's child process would compute it for a resume, from the session's copy
-    monkeypatch.setattr(server_mod, "initial_parameters_file", lambda *_args, **_kw: (None, initial_spec(cfg)))
+    monkeypatch.setattr(lifecycle, "initial_parameters_file", lambda *_args, **_kw: (None, initial_spec(cfg)))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     thread = threading.Thread(target=late_island)
     thread.start()
     try:
-        summary = server_mod.run_coordinator(cfg, run_dir, port=0, resume=True, quiet=True, after_finish="serve")
+        summary = lifecycle.run_coordinator(cfg, run_dir, port=0, resume=True, quiet=True, after_finish="serve")
     finally:
         thread.join()
         for sig, handler in handlers.items():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.config import Config, ConfigError, load_config
 from dtrain.health import FAULT_KINDS, DeviceFault

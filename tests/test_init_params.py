@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 import conftest
-from coordinator.server import initial_parameters_file
+from coordinator.lifecycle import initial_parameters_file
 from dtrain import codec, model
 from dtrain.config import Config
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain.config import Config, load_config, to_toml
 from dtrain.health import DeviceFault
 from dtrain.runlog import read_events

@@ -150,7 +150,7 @@ def test_every_package_is_read() -> None:
     modules = _project_modules()
     for pkg in PACKAGES:
         assert (ROOT / pkg / "__init__.py") in modules, f"{pkg}/__init__.py not found"
-    assert (ROOT / "dtrain_cli" / "main.py") in modules and (ROOT / "coordinator" / "server.py") in modules
+    assert (ROOT / "dtrain_cli" / "main.py") in modules and (ROOT / "coordinator" / "service.py") in modules
 
 
 def test_no_upward_or_sideways_imports() -> None:
@@ -178,14 +178,14 @@ import numpy as np
 from dtrain import codec
 
 def serve():
-    from coordinator.server import serve as inner  # inside a function
+    from coordinator.lifecycle import serve as inner  # inside a function
     return inner
 '''
 
 
 def test_checker_finds_an_upward_import_inside_a_function() -> None:
     found = layering_violations(BAD_LIBRARY, "dtrain/fake.py", "dtrain.fake")
-    assert found == ["dtrain/fake.py:6: import coordinator.server: dtrain/ must not import coordinator/ "
+    assert found == ["dtrain/fake.py:6: import coordinator.lifecycle: dtrain/ must not import coordinator/ "
                      "(it may import dtrain/)"]
 
 
@@ -194,8 +194,8 @@ def test_checker_finds_an_upward_import_inside_a_function() -> None:
     ("dtrain.x", "import dtrain_cli.main as m", "dtrain_cli/"),
     ("dtrain.x", "import importlib\nimportlib.import_module('coordinator.state')", "coordinator/"),
     ("dtrain.x", "cmd = ['python', '-m', 'workers.island']", "workers/"),
-    ("coordinator.server", "from workers.client import CoordinatorClient", "workers/"),
-    ("coordinator.server", "from dtrain_cli.simulate import run_simulation", "dtrain_cli/"),
+    ("coordinator.service", "from workers.client import CoordinatorClient", "workers/"),
+    ("coordinator.service", "from dtrain_cli.simulate import run_simulation", "dtrain_cli/"),
     ("workers.island", "if True:\n    from coordinator import merger", "coordinator/"),
     ("workers.island", "from dtrain_cli import main", "dtrain_cli/"),
 ])
@@ -207,22 +207,22 @@ def test_checker_names_each_forbidden_direction(module: str, source: str, bad: s
 def test_checker_resolves_relative_imports() -> None:
     assert layering_violations("from ..coordinator import server", "dtrain/x.py", "dtrain.x") == [
         "dtrain/x.py:1: relative import '<beyond the top level>.coordinator' climbs out of dtrain/"]
-    assert layering_violations("from . import state\nfrom .merger import Merger", "coordinator/server.py",
-                               "coordinator.server") == []
+    assert layering_violations("from . import state\nfrom .merger import Merger", "coordinator/service.py",
+                               "coordinator.service") == []
     assert layering_violations("from . import main", "dtrain_cli/__init__.py", "dtrain_cli", is_package=True) == []
 
 
 def test_checker_allows_the_layers_own_directions() -> None:
     assert layering_violations("from dtrain import codec\nimport grpc\nimport numpy", "c.py", "coordinator.x") == []
-    assert layering_violations("from coordinator.server import serve\nfrom workers.island import run_worker\n"
+    assert layering_violations("from coordinator.lifecycle import serve\nfrom workers.island import run_worker\n"
                                "from dtrain.config import Config", "m.py", "dtrain_cli.main") == []
 
 
 @pytest.mark.parametrize("source, what", [
-    ("from coordinator.server import _helper", "private names"),
+    ("from coordinator.service import _helper", "private names"),
     ("from dtrain import codec\nx = codec._table", "codec._table"),
     ("import dtrain.wire\nx = dtrain.wire._limit", "dtrain.wire._limit"),
-    ("import coordinator.server as srv\nsrv._helper()", "srv._helper"),
+    ("import coordinator.service as srv\nsrv._helper()", "srv._helper"),
     ("import sys\nsys.path.insert(0, 'x')", "sys.path"),
     ("import os\nenv = {**os.environ, 'PYTHONPATH': '.'}", "PYTHONPATH"),
 ])
@@ -232,6 +232,6 @@ def test_benchmark_checker_finds_private_names_and_path_edits(source: str, what:
 
 
 def test_benchmark_checker_allows_public_names_and_other_privates() -> None:
-    ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.server import merge_options\n"
+    ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.lifecycle import server_options\n"
           "class A:\n    def f(self):\n        return self._log, codec.encode, sys.executable\n")
     assert benchmark_violations(ok, "benchmarks/b.py") == []

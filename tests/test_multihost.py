@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import model
 from dtrain.audit import AuditParams, audit
 from dtrain.checkpoint import Checkpointer

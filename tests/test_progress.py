@@ -14,7 +14,7 @@ import pytest
 
 import test_service
 from conftest import TINY, initial_parameters
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.config import load_config
 from dtrain.proto import dtrain_pb2 as pb

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters, initial_spec
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import load_config, replace
@@ -70,6 +71,26 @@ def _join(client: CoordinatorClient, name: str) -> pb.JoinResponse:
     return client.join(name, "cpu", 1)
 
 
+# two_islands(address, cfg, names=("a", "b")) -> ((client, client), (join, join))
+JoinTwo = Callable[..., tuple[tuple[CoordinatorClient, CoordinatorClient], tuple[pb.JoinResponse, pb.JoinResponse]]]
+
+
+@pytest.fixture
+def two_islands() -> Iterator[JoinTwo]:
+    """``two_islands(address, cfg, names=("a", "b"))``: two clients of the coordinator at ``address``, joined as
+    islands ``names`` (one CPU device each), as ((client, client), (join, join)); closed at the test's end."""
+    opened: list[CoordinatorClient] = []
+
+    def join_two(address: str, cfg, names: tuple[str, str] = ("a", "b")):
+        clients = (CoordinatorClient(address, cfg), CoordinatorClient(address, cfg))
+        opened.extend(clients)
+        return clients, (_join(clients[0], names[0]), _join(clients[1], names[1]))
+
+    yield join_two
+    for c in opened:
+        c.close()
+
+
 def _delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, bytes]:
     delta = np.random.default_rng(seed).normal(size=n).astype(np.float32) * 1e-3
     return delta, codec.encode(codec.quantize(delta, bits, block))
@@ -96,9 +117,8 @@ def _assert_unchanged(before: dict, service) -> None:
     assert np.array_equal(after["pending_sum"], before["pending_sum"])
 
 
-def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg):
-    clients = [CoordinatorClient(coordinator.address, net_cfg) for _ in range(2)]
-    joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg, two_islands):
+    clients, joins = two_islands(coordinator.address, net_cfg, names=("isl-0", "isl-1"))
     assert sorted(j.shard_index for j in joins) == [0, 1]
     n = joins[0].tree_size
     # Both islands start from a full pull of θ_0.
@@ -121,13 +141,10 @@ def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg):
     assert params_digest(island_theta) == coordinator.service.merger.digest == upd[0].params_digest
     st = clients[0].status()
     assert st.version == 1 and st.tokens_merged == 2 * 640 and len(st.islands) == 2
-    for c in clients:
-        c.close()
 
 
-def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg):
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg, two_islands):
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     c0.push(_header(j0, "a1"), _delta_frame(n, 2)[1])
     c1.push(_header(j1, "b1"), _delta_frame(n, 3)[1])
@@ -137,13 +154,10 @@ def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg):
     with pytest.raises(grpc.RpcError) as e:  # a version from the future is a bad request
         list(stub.PullGlobal(pb.PullRequest(island_id=j0.island_id, have_version=5), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ahead" in e.value.details()
-    for c in (c0, c1):
-        c.close()
 
 
-def test_retried_push_is_applied_exactly_once(coordinator, net_cfg):
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+def test_retried_push_is_applied_exactly_once(coordinator, net_cfg, two_islands):
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     frame = _delta_frame(n, 4)[1]
     assert c0.push(_header(j0, "same-id"), frame).status == pb.PUSH_STATUS_PENDING
@@ -154,8 +168,6 @@ def test_retried_push_is_applied_exactly_once(coordinator, net_cfg):
     assert after_merge.status == pb.PUSH_STATUS_DUPLICATE
     st = c0.status()
     assert st.version == 1 and st.tokens_merged == 2 * 640
-    for c in (c0, c1):
-        c.close()
 
 
 def test_mismatched_fingerprint_is_refused_naming_the_field(coordinator, net_cfg):
@@ -320,19 +332,16 @@ def test_tls_and_mutual_tls(net_cfg, tmp_path, certs):
         running.stop()
 
 
-def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
+def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path, two_islands):
     run_dir = tmp_path / "resume"
     first = Running(net_cfg, run_dir)
-    c0, c1 = (CoordinatorClient(first.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    (c0, c1), (j0, j1) = two_islands(first.address, net_cfg)
     n = j0.tree_size
     c0.push(_header(j0, "a1"), _delta_frame(n, 7)[1])
     c1.push(_header(j1, "b1"), _delta_frame(n, 8)[1])
     digest, version = first.service.merger.digest, first.service.merger.version
     theta = first.service.merger.theta.copy()
     momentum = first.service.merger.momentum.copy()
-    for c in (c0, c1):
-        c.close()
     first.stop()  # waits for the async checkpoint
     second = Running(net_cfg, run_dir, resume=True)
     try:
@@ -372,11 +381,10 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path):
         Running(wider, run_dir, resume=True)
 
 
-def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
+def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg, two_islands):
     import threading
 
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     theta0 = codec.dequantize(codec.decode(c0.pull(j0.island_id, 0, full=True)[0].frame, expected_n=n))
     c0.push(_header(j0, "a1"), _delta_frame(n, 9)[1])
@@ -391,52 +399,46 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg):
     assert [f.header.kind for f in got] == [pb.PULL_KIND_UPDATE] and got[0].header.version == 1
     theta1 = theta0 + codec.dequantize(codec.decode(got[0].frame, expected_n=n))
     assert params_digest(theta1) == coordinator.service.merger.digest
-    for c in (c0, c1):
-        c.close()
 
 
-def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordinator, net_cfg, monkeypatch):
+def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordinator, net_cfg, monkeypatch,
+                                                                         two_islands):
     """A failed outer step (a full disk) is not retried in place: the coordinator turns fatal (run_coordinator
     then exits; --resume restarts it) and refuses pushes."""
     def full_disk():
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(coordinator.service.merger, "outer_step", full_disk)
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     assert c0.push(_header(j0, "a1"), _delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
     with pytest.raises(CoordinatorError):  # the push that completes the round hits the failing step
         c1.push(_header(j1, "b1"), _delta_frame(n, 2)[1])
-    assert "No space left on device" in coordinator.service.fatal and coordinator.service.state.version == 0
+    assert "No space left on device" in coordinator.service.loop.fatal and coordinator.service.state.version == 0
     with pytest.raises(CoordinatorError, match="UNAVAILABLE.*coordinator failed"):
         c0.push(_header(j0, "a2", base=0), _delta_frame(n, 3)[1])
-    for c in (c0, c1):
-        c.close()
 
 
-def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, tmp_path):
+def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, tmp_path, two_islands):
     """The state machine's finished() decision, reached through the ticker: the heartbeats that report the last
     version notify it, and wait_finished() returns without polling (well before the 10 s linger)."""
     import time
 
     running = Running(replace(net_cfg, train={"steps": 10}), tmp_path / "finish")  # a run of one version
     try:
-        c0, c1 = (CoordinatorClient(running.address, net_cfg) for _ in range(2))
-        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        (c0, c1), (j0, j1) = two_islands(running.address, net_cfg)
         n = j0.tree_size
         c0.push(_header(j0, "a1"), _delta_frame(n, 11)[1])
         assert c1.push(_header(j1, "b1"), _delta_frame(n, 12)[1]).status == pb.PUSH_STATUS_MERGED
-        assert running.service.finished is None  # over, but neither island holds version 1 yet
+        assert running.service.loop.finished is None  # over, but neither island holds version 1 yet
         for c, j in ((c0, j0), (c1, j1)):
             assert c.heartbeat(island_id=j.island_id, version=1).action == pb.ACTION_STOP
         t0 = time.monotonic()
-        assert running.service.wait_finished() == "the run is over (1 versions) and every live island holds version 1"
+        over = "the run is over (1 versions) and every live island holds version 1"
+        assert running.service.loop.wait_finished() == over
         assert time.monotonic() - t0 < 5.0
-        running.service.request_stop("ignored: already finished")
-        assert running.service.wait_finished().startswith("the run is over")
-        for c in (c0, c1):
-            c.close()
+        running.service.loop.request_stop("ignored: already finished")
+        assert running.service.loop.wait_finished().startswith("the run is over")
     finally:
         running.stop()
 
@@ -444,7 +446,7 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
 def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, monkeypatch, capsys):
     """SO_REUSEPORT is off: a second coordinator on the first one's port is refused with one line naming the
     address, by the check before anything starts and, were that check raced, by gRPC's own bind."""
-    import coordinator.server as server_mod
+    import coordinator.lifecycle as lifecycle
     from dtrain.errors import DtrainError
     from dtrain_cli.main import main
 
@@ -455,7 +457,7 @@ def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, mo
                                               f"in use .*--port or coordinator.port"):
             serve(net_cfg, tmp_path / "second", theta, spec, port=first.port, quiet=True)
         assert not (tmp_path / "second").exists()  # refused before anything was written
-        monkeypatch.setattr(server_mod, "check_address_free", lambda host, port: None)
+        monkeypatch.setattr(lifecycle, "check_address_free", lambda host, port: None)
         with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: gRPC could not bind it"):
             serve(net_cfg, tmp_path / "third", theta, spec, port=first.port, quiet=True)
         monkeypatch.undo()
@@ -472,11 +474,10 @@ def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, mo
         first.stop()
 
 
-def _three_versions(cfg, run_dir: Path) -> dict:
+def _three_versions(cfg, run_dir: Path, two_islands: JoinTwo) -> dict:
     """A coordinator run to version 3 (checkpoints 2 and 3 kept); returns θ and momentum at version 2."""
     first = Running(cfg, run_dir)
-    c0, c1 = (CoordinatorClient(first.address, cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    (c0, c1), (j0, j1) = two_islands(first.address, cfg)
     n = j0.tree_size
     at_v2 = {}
     for v in range(3):
@@ -486,8 +487,6 @@ def _three_versions(cfg, run_dir: Path) -> dict:
             m = first.service.merger
             at_v2 = {"theta": m.theta.copy(), "momentum": m.momentum.copy(), "digest": m.digest}
     assert first.service.merger.version == 3
-    for c in (c0, c1):
-        c.close()
     first.stop()
     assert sorted(int(p.name) for p in (run_dir / "coordinator").iterdir() if p.name.isdigit()) == [2, 3]
     return at_v2
@@ -523,13 +522,13 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
-def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, damage):
+def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, damage, two_islands):
     """A bad latest checkpoint is skipped, named in a checkpoint_skipped event and set aside; the run resumes
     from the one before, exactly, and goes on (the next merge saves the skipped step's number again)."""
     from dtrain.runlog import read_events
 
     run_dir = tmp_path / "run"
-    at_v2 = _three_versions(net_cfg, run_dir)
+    at_v2 = _three_versions(net_cfg, run_dir, two_islands)
     harm, words = DAMAGE[damage]
     harm(run_dir / "coordinator" / "3")
     second = Running(net_cfg, run_dir, resume=True)
@@ -541,26 +540,23 @@ def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, dama
         assert len(skipped) == 1 and skipped[0]["step"] == 3 and words in skipped[0]["reason"], skipped
         assert Path(skipped[0]["moved_to"]).parent == run_dir / "coordinator.skipped"
         assert not (run_dir / "coordinator" / "3").exists()
-        c0, c1 = (CoordinatorClient(second.address, net_cfg) for _ in range(2))
-        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        (c0, c1), (j0, j1) = two_islands(second.address, net_cfg)
         n = j0.tree_size
         c0.push(_header(j0, "a-again", base=2, start=160), _delta_frame(n, 40)[1])
         c1.push(_header(j1, "b-again", base=2, start=160), _delta_frame(n, 41)[1])
         assert second.service.merger.version == 3
-        for c in (c0, c1):
-            c.close()
     finally:
         second.stop()
     assert (run_dir / "coordinator" / "3" / "commit_success.txt").is_file()  # version 3 saved afresh
 
 
-def test_a_crash_mid_checkpoint_restores_the_last_complete_one(net_cfg, tmp_path):
+def test_a_crash_mid_checkpoint_restores_the_last_complete_one(net_cfg, tmp_path, two_islands):
     """Orbax writes a step into a temporary folder and renames it when complete: a crash mid-save leaves that
     folder, which a resume ignores (nothing is skipped: it never was a checkpoint)."""
     from dtrain.runlog import read_events
 
     run_dir = tmp_path / "run"
-    _three_versions(net_cfg, run_dir)
+    _three_versions(net_cfg, run_dir, two_islands)
     ckpt = run_dir / "coordinator"
     partial = ckpt / "4.orbax-checkpoint-tmp-1700000000000000"
     shutil.copytree(ckpt / "3", partial)
@@ -574,9 +570,9 @@ def test_a_crash_mid_checkpoint_restores_the_last_complete_one(net_cfg, tmp_path
         second.stop()
 
 
-def test_resume_without_a_good_checkpoint_names_each_and_why(net_cfg, tmp_path):
+def test_resume_without_a_good_checkpoint_names_each_and_why(net_cfg, tmp_path, two_islands):
     run_dir = tmp_path / "run"
-    _three_versions(net_cfg, run_dir)
+    _three_versions(net_cfg, run_dir, two_islands)
     _poke_momentum(run_dir / "coordinator" / "3")
     (run_dir / "coordinator" / "2" / "meta" / "metadata").write_text("not json")
     with pytest.raises(CheckpointError) as e:
@@ -588,7 +584,7 @@ def test_resume_without_a_good_checkpoint_names_each_and_why(net_cfg, tmp_path):
     assert sorted(p.name for p in (run_dir / "coordinator").iterdir()) == ["2", "3"]  # nothing set aside
 
 
-def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_cfg, tmp_path, capsys):
+def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_cfg, tmp_path, capsys, two_islands):
     """A Join after the run is over is refused, marked so the island's client raises RunOverError; a worker
     started then returns at once without training, and `dtrain worker` prints one line and exits 0."""
     import time
@@ -600,8 +596,7 @@ def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_
     cfg = replace(net_cfg, train={"steps": 10})  # a run of one version
     running = Running(cfg, tmp_path / "over")
     try:
-        c0, c1 = (CoordinatorClient(running.address, cfg) for _ in range(2))
-        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        (c0, c1), (j0, j1) = two_islands(running.address, cfg)
         c0.push(_header(j0, "a1"), _delta_frame(j0.tree_size, 1)[1])
         c1.push(_header(j1, "b1"), _delta_frame(j0.tree_size, 2)[1])
         over = "the run is over: all 2 shards' data (80 sequences each) merged, in 1 versions"
@@ -617,8 +612,6 @@ def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_
                    "--island", "b", "--run-dir", str(tmp_path / "island-b"), "--quiet"])
         printed = capsys.readouterr().out
         assert rc == 0 and printed == f"dtrain worker: {over} (coordinator at {running.address}): nothing to do\n"
-        for c in (c0, c1):
-            c.close()
     finally:
         running.stop()
 
@@ -681,9 +674,9 @@ def _poison_frame(n: int) -> bytes:
     return codec.encode(codec.quantize(np.full(n, 3e38, np.float32), 8, 1024))
 
 
-def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(coordinator, net_cfg, tmp_path):
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(coordinator, net_cfg, tmp_path,
+                                                                                two_islands):
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     before = _snapshot(coordinator.service)
     with pytest.raises(grpc.RpcError) as e:  # cursor range [0, 80) holds 80 x seq_len 32 = 2560 tokens
@@ -692,7 +685,7 @@ def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(
     assert "tokens=1000000000 exceed its cursor range [0, 80) = 80 sequences x seq_len 32 = 2560 tokens" in \
         e.value.details()
     _assert_unchanged(before, coordinator.service)
-    assert coordinator.service.pushes_refused == 1
+    assert coordinator.service.counters.pushes_refused == 1
     # The round goes on with honest pushes: θ moves by them alone and stays finite.
     d0, f0 = _delta_frame(n, 40)
     d1, f1 = _delta_frame(n, 41)
@@ -703,15 +696,13 @@ def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(
     events = read_events(tmp_path / "coord")
     refused = [ev for ev in events if ev["event"] == "push_refused"]
     assert len(refused) == 1 and refused[0]["push_id"] == "poison" and "tokens=1000000000" in refused[0]["reason"]
-    for c in (c0, c1):
-        c.close()
 
 
-def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on(coordinator, net_cfg, tmp_path):
+def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on(coordinator, net_cfg, tmp_path,
+                                                                                 two_islands):
     """Its norm is far over coordinator.norm_max_ratio x ||θ||: rejected in the first round already; the island is
     told in the push reply and its heartbeats; the round does not wait for it."""
-    c0, c1 = (CoordinatorClient(coordinator.address, net_cfg) for _ in range(2))
-    j0, j1 = _join(c0, "a"), _join(c1, "b")
+    (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     r = c0.push(_header(j0, "poison"), _poison_frame(n))
     assert r.status == pb.PUSH_STATUS_REJECTED and r.reason.startswith("quarantined: push poison has L2 norm")
@@ -724,19 +715,16 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
     assert np.isfinite(service.merger.theta).all() and np.abs(service.merger.theta - coordinator.theta).max() < 0.01
     assert [ev["push_id"] for ev in read_events(tmp_path / "coord") if ev["event"] == "push_quarantined"] == \
         ["poison"]
-    for c in (c0, c1):
-        c.close()
 
 
-def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(net_cfg, tmp_path):
+def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(net_cfg, tmp_path, two_islands):
     """With the norm screen off, the poisoned push is accepted (with the most tokens its range allows: 2560); the
     outer step (lr 1) finds its update non-finite (-(Δ + 0.9·m) = -1.9 x 0.8 x 3e38), commits nothing, rejects
     the push (the largest) and merges the round without it. Not fatal."""
     cfg = replace(net_cfg, coordinator={"norm_max_ratio": 0.0, "norm_z_max": 0.0}, outer={"lr": 1.0})
     running = Running(cfg, tmp_path / "coord")
     try:
-        c0, c1 = (CoordinatorClient(running.address, cfg) for _ in range(2))
-        j0, j1 = _join(c0, "a"), _join(c1, "b")
+        (c0, c1), (j0, j1) = two_islands(running.address, cfg)
         n = j0.tree_size
         d1, f1 = _delta_frame(n, 43)
         assert c1.push(_header(j1, "b1"), f1).status == pb.PUSH_STATUS_PENDING
@@ -744,7 +732,7 @@ def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(n
         assert r.status == pb.PUSH_STATUS_REJECTED and "the outer step for version 1 makes update[" in r.reason
         assert "blamed: push poison" in r.reason and r.version == 1
         service = running.service
-        assert service.fatal is None and service.state.version == 1 and service.state.deltas_rejected == 1
+        assert service.loop.fatal is None and service.state.version == 1 and service.state.deltas_rejected == 1
         assert service.state.tokens_merged == 640 and np.isfinite(service.merger.theta).all()
         assert "your push poison was rejected" in c0.heartbeat(island_id=j0.island_id, version=1).reason
         assert list((tmp_path / "coord" / "spool" / "state").glob("*.tmp")) == []
@@ -752,8 +740,6 @@ def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(n
         assert [ev["push_id"] for ev in events if ev["event"] == "merge_rejected"] == ["poison"]
         merged = [ev for ev in events if ev["event"] == "round_merged"]
         assert len(merged) == 1 and [p["push_id"] for p in merged[0]["pushes"]] == ["b1"]
-        for c in (c0, c1):
-            c.close()
     finally:
         running.stop()
 
@@ -900,14 +886,14 @@ def test_dtrain_status_names_the_quarantined_device(coordinator, net_cfg, capsys
     assert rc == 0 and cells["devices"].split()[0] == "7" and cells["quar."] == "1", cells
 
 
-def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_its_place(net_cfg, tmp_path):
+def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_its_place(net_cfg, tmp_path,
+                                                                                          two_islands):
     """coordinator.max_receiving=1: a garbled push is refused and gives its place back; two pushes sent at once
     are received one after the other (the second waits, held by flow control), both accepted, one merge."""
     cfg = dataclasses.replace(net_cfg, coordinator=dataclasses.replace(net_cfg.coordinator, max_receiving=1))
     running = Running(cfg, tmp_path / "coord")
     try:
-        clients = [CoordinatorClient(running.address, cfg) for _ in range(2)]
-        joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+        clients, joins = two_islands(running.address, cfg, names=("isl-0", "isl-1"))
         n = joins[0].tree_size
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
         msgs = _frame_messages(joins[0], _delta_frame(n, 6)[1], "garbled")
@@ -930,9 +916,8 @@ def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_
         assert {r.status for r in results} <= {pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED}
         st = clients[0].status()
         assert st.version == 1 and st.tokens_merged == 2 * 640
-        assert running.service._receiving is not None and running.service._receiving.acquire(blocking=False)
-        for c in clients:
-            c.close()
+        receiving = running.service.intake.receiving
+        assert receiving is not None and receiving.acquire(blocking=False)
     finally:
         running.stop()
 

@@ -124,7 +124,7 @@ def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
 
 def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
     from conftest import initial_parameters
-    from coordinator.server import serve
+    from coordinator.lifecycle import serve
     from dtrain_cli.main import main
 
     cfg = _cfg(tmp_path)

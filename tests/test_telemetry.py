@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TINY, initial_parameters
-from coordinator.server import serve
+from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.config import ConfigError, load_config, replace
 from dtrain.errors import DtrainError
@@ -119,8 +119,8 @@ def test_round_spans_and_metrics_match_what_the_coordinator_received(tmp_path, m
 
         metrics = tel.collect()
         bytes_up = _one(metrics["dtrain.bytes_up"]).value
-        assert bytes_up == service.bytes_in == sum(e["bytes"] for e in received.values())
-        assert _one(metrics["dtrain.bytes_down"]).value == service.bytes_out > 0
+        assert bytes_up == service.counters.bytes_in == sum(e["bytes"] for e in received.values())
+        assert _one(metrics["dtrain.bytes_down"]).value == service.counters.bytes_out > 0
         assert _one(metrics["dtrain.tokens"]).value == service.state.tokens_merged == 4 * 640
         assert _one(metrics["dtrain.version"]).value == 2
         # Compression ratio: one point per push (up) and per merged update (down), each raw fp32 / frame bytes.
@@ -146,7 +146,7 @@ def test_round_spans_and_metrics_match_what_the_coordinator_received(tmp_path, m
             c.close()
     finally:
         running.stop()
-    assert tel.collect()["dtrain.bytes_up"][0].value == service.bytes_in  # kept at shutdown
+    assert tel.collect()["dtrain.bytes_up"][0].value == service.counters.bytes_in  # kept at shutdown
 
 
 def test_faults_are_counted_by_kind_from_the_events(tmp_path):
@@ -218,7 +218,7 @@ def test_health_answers_without_a_token_and_goes_not_serving_when_stopping(tmp_p
                                     response_deserializer=health_pb2.HealthListResponse.FromString)(
                     health_pb2.HealthListRequest(), timeout=5)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        running.service.request_stop("test: stop")
+        running.service.loop.request_stop("test: stop")
         deadline = time.monotonic() + 5
         while _health(running.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "the health service still says SERVING after a stop request"

@@ -1,0 +1,128 @@
+"""Receiving a pushed delta: the wire side of PushDelta, up to the frame spooled and validated.
+
+Owns reading a push's header (it must come first, and its tree digest must be the coordinator's:
+:func:`read_header`), bounding what the header claims (total size, chunk count: :meth:`PushIntake.frame_receiver`),
+receiving the chunks in order with their CRCs into a merger spool, validating the whole frame, and the limit on
+how many frames stream in and decode at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`). None of
+it takes the service's lock. Refusals are raised for the servicer to answer and record: WireError before the
+payload streams, :class:`PayloadRefused` or :class:`UploadBroke` while it does. The state machine's decision on
+the push, before and after, is the servicer's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+from opentelemetry import trace
+
+from coordinator.memory import FrameStreams
+from coordinator.merger import Merger
+from coordinator.records import PushInfo
+from coordinator.spool import Spool
+from dtrain import codec
+from dtrain.config import Config
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.telemetry import Telemetry
+from dtrain.wire import FrameReceiver, RawChunk, WireError, max_frame_bytes
+
+PushMessages = Iterator[pb.PushMessage | RawChunk]  # a push's stream: chunks arrive as RawChunk
+
+
+class PayloadRefused(Exception):
+    """A push whose payload is bad (a broken chunk stream, a frame that does not validate); ``code`` is the gRPC
+    status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class UploadBroke(Exception):
+    """A push whose stream ended before its last chunk: the client cancelled the call, lost its connection or
+    closed the stream early. Nothing was admitted; the partial spool is discarded as it closes."""
+
+    def __init__(self, info: PushInfo, received: int, chunks: int):
+        super().__init__(f"push {info.push_id}: stream truncated: got {received} of {chunks} chunks (the upload was "
+                         f"cancelled, cut or closed early); the partial frame is discarded, nothing was applied")
+        self.received, self.chunks = received, chunks
+
+
+def read_header(requests: PushMessages, tree_digest: str) -> pb.PushHeader:
+    """The push's header, its first message; WireError if there is none, or if its payload is for another
+    parameter tree than ``tree_digest`` (the coordinator's).
+
+    The digest is checked here, not by the state machine: whether a payload fits the model's parameter tree is a
+    property of the merger's θ (like Join's config fingerprint); the state machine holds membership, versions and
+    cursors, and admits a push on those alone."""
+    first = next(requests, None)
+    if first is None or isinstance(first, RawChunk) or first.WhichOneof("kind") != "header":
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader")
+    h = first.header
+    if h.tree_digest != tree_digest:
+        raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
+                        f"{tree_digest!r}: the model's parameter tree differs")
+    return h
+
+
+def push_info(h: pb.PushHeader) -> PushInfo:
+    """What the state machine decides a push on, from its header."""
+    return PushInfo(push_id=h.push_id, island_id=h.island_id, base_version=h.base_version, tokens=h.tokens,
+                    inner_steps=h.inner_steps, cursor_start=h.cursor_start, cursor_end=h.cursor_end,
+                    shard_index=h.shard_index)
+
+
+class PushIntake:
+    """Receives pushed frames into the merger's spools, at most ``coordinator.max_receiving`` at once (0: no
+    limit), each counted in ``streams`` and traced in ``telemetry``."""
+
+    def __init__(self, cfg: Config, merger: Merger, telemetry: Telemetry, streams: FrameStreams):
+        self.merger, self.telemetry, self.streams = merger, telemetry, streams
+        self.max_frame = max_frame_bytes(merger.n, cfg.codec.block)
+        self.chunk_bytes = cfg.codec.chunk_bytes
+        n = cfg.coordinator.max_receiving
+        self.receiving = threading.BoundedSemaphore(n) if n > 0 else None
+
+    def frame_receiver(self, h: pb.PushHeader) -> FrameReceiver:
+        """The checker of the header's frame: WireError if its size or chunk count is out of bounds for this
+        model and ``codec.chunk_bytes``."""
+        return FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame, self.chunk_bytes)
+
+    def receive(self, requests: PushMessages, receiver: FrameReceiver, spool: Spool, info: PushInfo,
+                round_span: trace.Span | None, target_version: int, preview: str) -> None:
+        """Reads the rest of the push (chunks only) through ``receiver`` into ``spool`` and validates the whole
+        frame (it decodes cleanly before anything is applied). Raises PayloadRefused for a bad chunk stream or
+        frame, UploadBroke for one that ended early or was cancelled. ``round_span``: the open round's span (None:
+        a push to be dropped or rejected, a trace of its own); ``preview``: the state's preview decision."""
+        # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
+        # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
+        if self.receiving is not None:
+            self.receiving.acquire()
+        receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
+                                            push_id=info.push_id, version=target_version, preview=preview)
+        self.streams.begin()  # counted from here to the finally below: nothing between them can raise
+        try:
+            for msg in requests:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+                spool.write(receiver.add(msg.chunk))
+            if receiver.received < receiver.chunks:
+                raise UploadBroke(info, receiver.received, receiver.chunks)
+            receiver.finish()
+            self.telemetry.end(receive, bytes=receiver.size)
+            with self.telemetry.span("dtrain.validate", parent=round_span, island=info.island_id,
+                                     push_id=info.push_id, version=target_version):
+                self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
+        except WireError as e:
+            raise PayloadRefused(e.code, f"push {info.push_id}: {e}") from None
+        except codec.CodecError as e:
+            raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}") from None
+        except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
+            raise UploadBroke(info, receiver.received, receiver.chunks) from None
+        finally:  # a refused or broken upload's span ends here, with what arrived
+            self.streams.end()
+            if self.receiving is not None:
+                self.receiving.release()
+            self.telemetry.end(receive, bytes=receiver.size)

@@ -1,0 +1,230 @@
+"""The coordinator's clock and its merges: the background loop that drives the run between RPCs.
+
+Owns the ticker thread (:meth:`RoundsLoop.run`: it expires leases, closes rounds whose grace has passed and notes
+when the run is finished), the outer step with its checkpoint and events (:meth:`RoundsLoop.merge_if_ready`,
+also called by a push that completes a round), the run's end (finished, failed, asked to stop, and the waits on
+them) and what the grpc.health.v1 service says about it. Everything here runs under the service's lock, a
+condition notified on every change of state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+from grpc_health.v1 import health, health_pb2
+
+from coordinator.memory import FrameStreams
+from coordinator.merger import Merger, NonFiniteResult
+from coordinator.records import Admission, PushInfo
+from coordinator.state import CoordinatorState
+from coordinator.status_view import Counters
+from dtrain.runlog import RunLog
+from dtrain.telemetry import RoundSpans, Telemetry
+from dtrain.wire import SERVICE
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
+
+# `dtrain coordinator --after-finish`: what the coordinator does once its run is finished (RoundsLoop)
+AfterFinish = Literal["exit", "serve"]
+# The ticker woke this much past a deadline: the lock was held that long (a long merge) and heartbeats waited on it
+# unheard; leases are paused for the time it was late.
+LOCK_STALL_S = 0.5
+
+
+class RoundsLoop:
+    """The service's clock, its merges and its end, over the service's ``lock``, ``state`` and ``merger``.
+
+    ``after_finish``: what a finished run does (``dtrain coordinator --after-finish``): ``exit`` (health
+    NOT_SERVING once finished, :meth:`wait_finished` returns) or ``serve`` (it keeps serving, health SERVING,
+    until :meth:`request_stop`: :meth:`wait_stop_requested`). ``counters``: where merge time is added;
+    ``streams``: trimmed after each merge. The ticker starts with :meth:`start` and ends with :meth:`stop`."""
+
+    def __init__(self, *, lock: threading.Condition, clock: Callable[[], float], state: CoordinatorState,
+                 merger: Merger, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry, rounds: RoundSpans,
+                 streams: FrameStreams, counters: Counters, after_finish: AfterFinish):
+        self.lock, self.clock, self.state, self.merger, self.ckpt = lock, clock, state, merger, ckpt
+        self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
+        self.counters, self.after_finish = counters, after_finish
+        self.push_bytes: dict[str, int] = {}  # frame bytes of each push pending in the open round
+        self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
+        self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
+        self.stop_requested: str | None = None  # why request_stop was called (a signal), if it was
+        self.closing = False
+        # grpc.health.v1 (registered by serve()): SERVING until the run is over (after_finish="serve": until asked
+        # to stop), the service failed, or it stops.
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._serving: bool | None = None  # what the health service says now (None: nothing yet)
+        self._ticker = threading.Thread(target=self.run, name="coordinator-tick", daemon=True)
+
+    def start(self) -> None:
+        self._ticker.start()
+
+    def stop(self) -> None:
+        """Ends the ticker and waits for it, up to 5 s."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify_all()  # wakes the ticker, which then ends
+        self._ticker.join(timeout=5)
+
+    # -- merges -------------------------------------------------------------------------------------
+
+    def merge_if_ready(self, now: float) -> None:
+        """Merges the open round if the state says it is ready: the outer step, its ``round_merged`` event, the
+        checkpoint. A step found non-finite rejects the push to blame and tries again; any other failure is
+        fatal (re-raised). Called under the lock."""
+        if self.fatal:
+            return
+        ready, reason = self.state.round_ready(now)
+        if not ready:
+            return
+        t0 = time.perf_counter()
+        round_span = self.rounds.ready(self.state.version + 1, reason)
+        pending = self.state.pending()
+        try:
+            with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
+                                     pushes=len(pending)):
+                update = self.merger.outer_step()
+        except NonFiniteResult as e:
+            self._reject_blamed(e, now)
+            return
+        except BaseException as e:
+            # A failed step (a full disk, say) stops the service. The step only commits at its end, so the
+            # previous version's files and the pending spools are intact, but a disk that just failed is not
+            # retried blindly: `dtrain coordinator --resume` restarts from the last checkpoint, and the islands
+            # push the open round again (HeartbeatResponse.push_unknown).
+            self.fatal = f"outer step for version {self.state.version + 1} failed: {type(e).__name__}: {e}"
+            self.log.event("coordinator_failed", error=self.fatal)
+            self.lock.notify_all()  # wakes run_coordinator
+            raise
+        version, merged, close_reason = self.state.close_round(now)
+        assert version == update.version, (version, update.version)
+        # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
+        # and its coordinator_resumed event tells a reader (dtrain.audit) that this merge was rolled back; the
+        # other order would leave a checkpointed version with no record of what went into it.
+        self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
+                       pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
+                                "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
+                                "steps": i.inner_steps, "bytes": self.push_bytes.pop(i.push_id, 0),
+                                "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
+                               for i, a in pending],
+                       update_bytes=update.size, params_digest=update.params_digest,
+                       merge_s=round(time.perf_counter() - t0, 6))
+        if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
+            with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
+                self.ckpt.save_files(version, self.merger.state_files(),
+                                     {"state": self.state.to_json(), "version": version,
+                                      "params_digest": self.merger.digest})
+        self.counters.merge_s += time.perf_counter() - t0
+        self._merged(version, reason, merged, pending, update.size)
+
+    def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
+                update_bytes: int) -> None:
+        """What follows a committed merge: telemetry, the round's span, a progress line, the heap trimmed, the
+        waiters woken."""
+        self.telemetry.record_ratio(4 * self.merger.n, update_bytes, "down")
+        self.rounds.close(version, pushes=len(pending), tokens=sum(i.tokens for i, _ in pending),
+                          islands=sorted({i.island_id for i, _ in pending}), update_bytes=update_bytes)
+        self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
+        self.streams.trim()  # the step's slabs, the merged spools' buffers
+        self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
+
+    def _reject_blamed(self, e: NonFiniteResult, now: float) -> None:
+        """Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
+        replies) and the round is tried again without it, here, if it is still ready."""
+        version = self.state.version + 1
+        (info,) = self.state.reject_pending([e.blame], str(e))
+        self.merger.drop_pending([e.blame])
+        self.push_bytes.pop(e.blame, None)
+        self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
+                       what=e.what, reason=str(e))
+        self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")
+        self.lock.notify_all()
+        self.merge_if_ready(now)
+
+    # -- the ticker ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The service's clock (the ticker thread): expires leases, closes rounds whose grace has passed, notes
+        when the run is finished. Sleeps until the state's next deadline, or until a join, heartbeat or push
+        notifies the lock (which may move that deadline, or finish the run)."""
+        try:
+            with self.lock:
+                deadline: float | None = None
+                while not self.closing:
+                    now = self.clock()
+                    self._tick(now, deadline)
+                    deadline = self.state.next_deadline(now)
+                    self.lock.wait(None if deadline is None else max(0.0, deadline - now))
+                    if deadline is not None and self.clock() < deadline:
+                        deadline = None  # woken early, by a notification: not late for anything
+        except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
+            with self.lock:
+                if self.fatal is None:
+                    self.fatal = f"{type(e).__name__}: {e}"
+                    self.log.event("coordinator_failed", error=self.fatal)
+                self.lock.notify_all()
+                self.set_health()
+            raise
+
+    def _tick(self, now: float, deadline: float | None) -> None:
+        """One turn of the ticker at ``now``, woken for ``deadline`` (None: by a notification)."""
+        if deadline is not None and now - deadline > LOCK_STALL_S:
+            # The lock was held past the deadline (a long merge): heartbeats waited on it unheard.
+            self.state.pause_leases(now - deadline)
+            self.log.event("leases_paused", seconds=round(now - deadline, 3))
+        for island_id, reason in self.state.expire(now):
+            self.log.event("island_lost", island=island_id, reason=reason)
+            self.log.progress(f"lost {island_id}: {reason}")
+        self.merge_if_ready(now)
+        done, why = self.state.finished(now)
+        if done and self.finished is None:
+            self.finished = why
+            self.lock.notify_all()  # wakes run_coordinator
+        self.set_health()
+
+    def set_health(self) -> None:
+        """grpc.health.v1: SERVING while the coordinator serves, including after the run's last version while it
+        lingers for the islands' last pulls (a readiness probe must keep routing them here); NOT_SERVING once it is
+        finished, failed or asked to stop (the ticker calls this on every change). With ``after_finish="serve"``
+        a finished run still serves (late islands get its final θ or its end, Status its record), so it stays
+        SERVING until it fails or is asked to stop: a liveness probe must not restart it, nor readiness hide it."""
+        finished = self.stop_requested if self.after_finish == "serve" else self.finished
+        serving = not (finished or self.fatal or self.closing)
+        if serving == self._serving:
+            return  # unchanged: a Watch hears of changes only
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):  # "": the server as a whole (what a Kubernetes gRPC probe asks by default)
+            self.health.set(name, status)
+
+    # -- the run's end ------------------------------------------------------------------------------
+
+    def wait_finished(self) -> str:
+        """Blocks until the service may stop, and says why: the state machine found the run finished (the
+        ticker notes it), :meth:`request_stop` was called, or the service failed (then :attr:`fatal` is set).
+        Woken by the lock's notifications, not by polling."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.finished is not None or self.fatal is not None)
+            return f"failed: {self.fatal}" if self.fatal else str(self.finished)
+
+    def request_stop(self, reason: str) -> None:
+        """Ends :meth:`wait_finished` (and :meth:`wait_stop_requested`) with ``reason``. Safe in a signal handler
+        of the waiting thread: the lock is reentrant, and the wait has released it."""
+        with self.lock:
+            if self.finished is None:
+                self.finished = reason
+            if self.stop_requested is None:
+                self.stop_requested = reason
+                self.set_health()
+            self.lock.notify_all()
+
+    def wait_stop_requested(self) -> str:
+        """Blocks until :meth:`request_stop` is called or the service fails, and says why (``after_finish="serve"``:
+        how a finished run's coordinator ends)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.stop_requested is not None or self.fatal is not None)
+            return f"failed: {self.fatal}" if self.fatal else str(self.stop_requested)

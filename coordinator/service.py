@@ -1,0 +1,481 @@
+"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions) and ``merger`` (math).
+
+One lock serializes every state change and every touch of the merger (its pending pushes and state files);
+receiving, spooling and validating a pushed frame (``coordinator/push.py``) happen outside it, so many islands
+can stream at once. The lock is a condition, notified on every change: the ticker (``coordinator/rounds_loop.py``)
+sleeps on it until the state's next deadline or a change, and merges the rounds; long-polling pulls and
+``run_coordinator`` wait on it too. After each merge the whole coordinator (θ, outer momentum, down residual,
+membership, cursors, applied push ids) is checkpointed with orbax, atomically. Owns the RPC handlers and how a
+refusal is answered and recorded; the server around it is ``coordinator/lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+
+import grpc
+import numpy as np
+
+from coordinator.dashboard import Dashboard
+from coordinator.history import RunHistory, check_eval_reports
+from coordinator.loading import has_checkpoint, new_run, resume_state
+from coordinator.memory import FrameStreams, pull_piece
+from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
+from coordinator.records import Admission, PushInfo, StateError, StateOptions
+from coordinator.rounds_loop import AfterFinish, RoundsLoop
+from coordinator.spool import Spool
+from coordinator.status_view import Counters, status_response
+from dtrain import codec
+from dtrain.config import Config
+from dtrain.errors import CheckpointError
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.runlog import RunLog
+from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
+from dtrain.wire import MAX_EVAL_REPORTS, RUN_OVER_METADATA_KEY, WireError, chunk_count, file_chunk_messages
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
+
+CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_decide)
+Decided = TypeVar("Decided")  # what it returns
+
+MAX_PULL_WAIT_S = 30.0
+_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
+           "reject": pb.PUSH_STATUS_REJECTED}
+_ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
+            "rejoin": pb.ACTION_REJOIN}
+_CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+          "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
+_MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
+# A refusal with one of these codes is a bad request (malformed, over a bound, not matching the run): a
+# `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
+_BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+AUTH_EVENT_S = 10.0  # `auth_failed`: at most one event per peer host this often; the calls in between are counted
+MAX_AUTH_HOSTS = 1024  # hosts tracked for that; beyond them, the rest share one count ("other hosts")
+# The RPC this thread serves: its method and island, set by lifecycle.service_handler's wrapper for the refusal
+# events (_abort); gRPC serves each call, its streams included, on one thread.
+CURRENT_CALL = threading.local()
+
+
+def evidence_from_message(e: pb.DeviceEvidence) -> dict[str, Any]:
+    """A DeviceEvidence message as the plain data ``CoordinatorState.heartbeat`` checks: the numbers the probe did
+    not measure (unset optional fields) left out."""
+    data: dict[str, Any] = {"device": e.device, "index": e.index, "probe": e.probe, "step": e.step,
+                            "detail": e.detail}
+    data.update({name: getattr(e, name) for name in _MEASURES if e.HasField(name)})
+    return data
+
+
+def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
+    """Names every field that differs, e.g. ``model.d_model: coordinator 64, island 32``; '' if equal."""
+    diffs = []
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}")
+    return "; ".join(diffs)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string, without its port: ``ipv4:10.0.0.7:53122`` -> ``10.0.0.7``,
+    ``ipv6:[::1]:53122`` -> ``[::1]``; anything else (``unix:...``) as it is."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return rest.rpartition(":")[0]
+    return peer
+
+
+class AuthFailures:
+    """Calls refused for their token, recorded: an ``auth_failed`` event {peer, method, reason, count} and a
+    progress line, at most one per peer host every AUTH_EVENT_S, so a flood of bad calls cannot fill the disk:
+    ``count`` is the calls refused from that host since its last event, the last one included (the rest are
+    written by :meth:`flush`). Events are logged under the service's ``lock`` (their listeners, the history and
+    telemetry, are updated under it)."""
+
+    def __init__(self, log: RunLog, lock: threading.Condition):
+        self.log, self.lock = log, lock
+        # per peer host: (time.monotonic() of its last event, calls refused since, the last call's peer, method
+        # and reason)
+        self._hosts: dict[str, tuple[float, int, str, str, str]] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, peer: str, method: str, why: str) -> None:
+        """A call refused for its token (:class:`dtrain.wire.TokenAuthInterceptor`'s ``on_denied``; the dashboard
+        calls it too, with ``method`` = ``GET /PATH``)."""
+        host = peer_host(peer)
+        now = time.monotonic()
+        with self._lock:
+            if host not in self._hosts and len(self._hosts) >= MAX_AUTH_HOSTS:
+                host = "other hosts"
+            last, count, _, _, _ = self._hosts.get(host, (float("-inf"), 0, "", "", ""))
+            if now - last < AUTH_EVENT_S:
+                self._hosts[host] = (last, count + 1, peer, method, why)
+                return
+            self._hosts[host] = (now, 0, peer, method, why)
+        self._report(peer, method, why, count + 1)
+
+    def flush(self) -> None:
+        """Records the refused calls counted since each host's last event (at the service's close)."""
+        with self._lock:
+            pending = [entry for entry in self._hosts.values() if entry[1]]
+            self._hosts.clear()
+        for _, count, peer, method, why in pending:
+            self._report(peer, method, why, count)
+
+    def _report(self, peer: str, method: str, why: str, count: int) -> None:
+        with self.lock:
+            self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
+        self.log.progress(f"refused {count} call{'s' * (count != 1)} from {peer} without the right token ({why}; "
+                          f"last: {method.rsplit('/', 1)[-1]})")
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """The Coordinator service's RPCs (Join, Heartbeat, PushDelta, PullGlobal, Status) over one run's state
+    machine (:attr:`state`) and merger (:attr:`merger`), under :attr:`lock`; its ticker, merges and end are
+    :attr:`loop`'s (:class:`coordinator.rounds_loop.RoundsLoop`: ``wait_finished``, ``request_stop``, ``fatal``).
+    Served by :func:`coordinator.lifecycle.serve`; :meth:`close` releases everything it holds."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
+                 clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False,
+                 after_finish: AfterFinish = "exit"):
+        """A new run from θ_0 (``theta``: an array or a file of raw float32), or with ``resume`` the run in
+        RUN_DIR's newest good checkpoint (``theta`` unused; CheckpointError if there is none). ``spec``: the
+        model's parameter tree (pushes and pulls name its digest); ``clock``: the time leases and rounds run on;
+        ``quiet``: no progress lines; ``after_finish``: what a finished run does (``dtrain coordinator
+        --after-finish``; :class:`coordinator.rounds_loop.RoundsLoop`). Starts the ticker; serves nothing yet."""
+        self.cfg, self.clock, self.run_dir = cfg, clock, Path(run_dir)
+        ckpt_dir = self.run_dir / "coordinator"
+        if resume and not has_checkpoint(cfg, self.run_dir):
+            raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
+        require_exporter(cfg.telemetry)  # a missing extra, before anything is written
+        self.log = RunLog(self.run_dir, quiet=quiet)
+        # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
+        # coordinator's), then over each event as it is logged.
+        self.history = RunHistory()
+        if resume:
+            self.history.replay(self.run_dir)
+        self.log.subscribe(self.history.observe)
+        self.started_at = clock()
+        self.streams = FrameStreams()
+        self.pull_piece = pull_piece(cfg)
+        self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
+        self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
+        self.opts = StateOptions.from_config(cfg)
+        self.ckpt: Checkpointer | None = None
+        if cfg.coordinator.checkpoint:
+            from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
+
+            # Synchronous: a save hard-links the version's θ/momentum files (FileArraysHandler), O(1).
+            self.ckpt = Checkpointer(ckpt_dir, keep=2, async_save=False)
+        self.loaded_at = clock()  # the state's time of loading: a restored state's leases run from it
+        try:
+            if resume:
+                assert self.ckpt is not None, "refused above without a coordinator checkpoint"
+                loaded = resume_state(cfg, self.opts, self.run_dir, spec, self.ckpt, self.log, self.loaded_at)
+            else:
+                loaded = new_run(cfg, self.opts, self.run_dir, theta, self.loaded_at)
+        except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
+            if self.ckpt is not None:
+                self.ckpt.close()
+            self.log.close()
+            raise
+        self.run_id, self.state, self.merger = loaded
+        self.counters = Counters()
+        self.auth_failures = AuthFailures(self.log, self.lock)
+        self.telemetry = Telemetry(cfg.telemetry, "coordinator", "coordinator", self.run_id)
+        self.rounds = RoundSpans(self.telemetry)
+        status_gauges(self.telemetry, self.status_message)
+        self.log.subscribe(self.telemetry.on_event)
+        self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
+        self.intake = PushIntake(cfg, self.merger, self.telemetry, self.streams)
+        self.loop = RoundsLoop(lock=self.lock, clock=clock, state=self.state, merger=self.merger, ckpt=self.ckpt,
+                               log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
+                               counters=self.counters, after_finish=after_finish)
+        self.loop.start()
+
+    # -- refusals -----------------------------------------------------------------------------------
+
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        """Ends the call with ``code``; every refusal goes through here and is an event naming the method and the
+        island (from the request: service_handler notes them): ``request_invalid`` for a bad request
+        (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
+        kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
+        with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
+            self.log.event(kind, method=getattr(CURRENT_CALL, "method", ""),
+                           island=getattr(CURRENT_CALL, "island", ""), code=code.name, error=message)
+        context.abort(code, message)
+
+    def _decide(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], *args: CallArgs.args,
+                **kwargs: CallArgs.kwargs) -> Decided:
+        """Calls a state-machine method; a refusal (StateError) becomes the gRPC status its code names."""
+        try:
+            return decision(*args, **kwargs)
+        except StateError as e:
+            self._abort(context, _CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+
+    def _decide_push(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], info: PushInfo,
+                     *args: CallArgs.args, **kwargs: CallArgs.kwargs) -> Decided:
+        """:meth:`_decide` for a push: a refusal is also counted and is a ``push_refused`` event (the caller
+        holds the lock)."""
+        try:
+            return decision(*args, **kwargs)
+        except StateError as e:
+            self.counters.pushes_refused += 1
+            self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=e.code,
+                           tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=str(e))
+            self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
+            self._abort(context, _CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+
+    def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
+        """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
+        a ``push_refused`` event naming the push, and the call ends with the refusal's code."""
+        with self.lock:
+            self.counters.pushes_refused += 1
+        self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=e.code.name,
+                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=str(e))
+        self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
+        self._abort(context, e.code, str(e))
+
+    def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, e: UploadBroke) -> NoReturn:
+        """A push whose stream ended before its last chunk: a ``push_aborted`` event. The call ends with
+        INVALID_ARGUMENT (a cancelled caller never sees it); the island may send the whole push again under the
+        same push_id."""
+        self.log.event("push_aborted", island=info.island_id, push_id=info.push_id, chunks_received=e.received,
+                       chunks=e.chunks, reason=str(e))
+        self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after {e.received} of "
+                          f"{e.chunks} chunks; discarded")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("unreachable: abort raises")
+
+    def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
+        if self.loop.fatal:  # the process is on its way out: nothing more may touch the merger
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
+
+    # -- RPCs ---------------------------------------------------------------------------------------
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
+        if diff:
+            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
+        if len(request.device_kind) > 128:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"device_kind: {len(request.device_kind)} characters, at most 128")
+        with self.lock:
+            if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
+                context.set_trailing_metadata(((RUN_OVER_METADATA_KEY, str(self.state.version)),))
+            record, reason = self._decide(context, self.state.join, request.island, request.hardware,
+                                          request.devices, self.clock())
+            cursor = self.state.shard_cursor(record.shard_index)
+            version = self.state.version
+            view = self.history.island(record.island_id)
+            view.device_kind, view.last_seen = request.device_kind, self.clock()
+            self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
+        self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
+                       cursor=cursor, hardware=record.hardware, devices=record.devices,
+                       device_kind=request.device_kind, reason=reason)
+        self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
+        return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
+                               shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
+                               run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
+                               total_versions=self.opts.end_version)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        # The reports the state machine does not judge, checked first: a refused heartbeat changes nothing.
+        if request.HasField("train_loss") and not (math.isfinite(request.train_loss) and request.train_loss >= 0):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"train_loss={request.train_loss}: must be a finite number >= 0 (or absent)")
+        if not 0.0 <= request.utilization <= 1.0:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"utilization={request.utilization}: must be in [0, 1]")
+        evals = [(e.version, e.loss) for e in request.evals[:MAX_EVAL_REPORTS + 1]]
+        with self.lock:
+            problem = check_eval_reports(evals, self.state.version)
+        if problem:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        with self.lock:
+            record = self.state.islands.get(request.island_id)
+            known = len(record.quarantined) if record is not None else 0  # the record's list only grows
+            action, reason = self._decide(
+                context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
+                request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock(),
+                quarantined=[evidence_from_message(e) for e in request.quarantined], devices=request.devices)
+            new = record.quarantined[known:] if record is not None else ()
+            healthy, name = (record.devices, record.name) if record is not None else (0, "")
+            version = self.state.version
+            self.lock.notify_all()  # the island's version may finish the run
+            if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
+                self.log.event("digest_mismatch", island=request.island_id, version=version)
+            unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
+            recorded = self._heard_from(request, evals)
+        for v, loss, tokens in recorded:  # the history folds each in (RunLog.subscribe)
+            self.log.event("eval", version=v, loss=loss, tokens=tokens, island=request.island_id, name=name)
+            self.log.progress(f"v{v}: global eval loss {loss:.4f} ({tokens:,} tokens; evaluated by "
+                              f"{request.island_id})")
+        for e in new:  # once per (island, device): a later report naming it again adds nothing to the record
+            self.log.event("device_quarantined", island=request.island_id, name=name, **e.to_json(), healthy=healthy)
+            self.log.progress(f"{request.island_id} quarantined device {e.device} (mesh index {e.index}; {e.probe} "
+                              f"probe, step {e.step}): {e.detail}")
+        return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
+                                    reason=reason, push_unknown=unknown)
+
+    def _heard_from(self, request: pb.HeartbeatRequest, evals: list[tuple[int, float]]) -> list[tuple[int, float, int]]:
+        """A heartbeat's reports in the island's view of the history (utilization, train loss, last seen), and the
+        eval reports it has not recorded yet, with the tokens merged at their version. Under the lock."""
+        view = self.history.island(request.island_id)
+        view.utilization, view.last_seen = request.utilization, self.clock()
+        if request.HasField("train_loss"):
+            view.train_loss = request.train_loss
+        return [(v, loss, self.history.tokens_merged_at(v)) for v, loss in evals
+                if self.history.eval_report(request.island_id, v, loss)]
+
+    def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
+        try:
+            h = read_header(request_iterator, self.tree_digest)
+        except WireError as e:
+            self._abort(context, e.code, str(e))
+        info = push_info(h)
+        with self.lock:
+            self._refuse_if_failed(context)
+            # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
+            admission = self._decide_push(context, self.state.admit_push, info, info, self.clock())
+            if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
+                admission = self.state.commit_push(info, self.clock())  # counts the retry
+                version = self.state.version
+                cursor = self._cursor(info)
+        if admission.status == "duplicate":
+            self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
+            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
+                                        version=version, reason=admission.reason, cursor=cursor)
+        # Its round's span (an accepted preview starts it); a push to be dropped or rejected is a trace of its own.
+        round_span = self.rounds.open(admission.target_version) if admission.status == "accept" else None
+        try:
+            receiver = self.intake.frame_receiver(h)
+        except WireError as e:
+            self._abort(context, e.code, str(e))
+        with self.merger.spool() as spool:
+            try:
+                self.intake.receive(request_iterator, receiver, spool, info, round_span, admission.target_version,
+                                    admission.status)
+            except PayloadRefused as e:
+                self._refuse_payload(context, info, e)
+            except UploadBroke as e:
+                self._upload_broke(context, info, e)
+            with self.lock:
+                admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size)
+        self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
+                       base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
+                       staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
+                       scale=admission.scale, reason=admission.reason)
+        if admission.status == "reject":
+            self.log.event("push_quarantined", island=info.island_id, push_id=info.push_id, norm=admission.norm,
+                           reason=admission.reason)
+            self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
+        return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
+                                    reason=admission.reason, weight=admission.weight, cursor=cursor)
+
+    def _commit_push(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
+                     size: int) -> tuple[Admission, pb.PushStatus, int, int]:
+        """The state's decision on a received push, made again now that the payload is here (the round may have
+        closed meanwhile), with the payload's norm, and applied: an accepted one becomes pending in the merger
+        (summing a delta that validate() accepted cannot fail), and may complete its round (merged here). Returns
+        (admission, the reply's status, version, cursor). Under the lock."""
+        self._refuse_if_failed(context)
+        admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=spool.norm,
+                                      theta_norm=self.merger.theta_norm)
+        if admission.status == "accept":
+            self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
+            self.loop.push_bytes[info.push_id] = size
+        self.counters.bytes_in += size
+        self.telemetry.record_ratio(4 * self.merger.n, size, "up")
+        view = self.history.island(info.island_id)
+        view.bytes_in += size
+        view.last_seen = self.clock()
+        self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
+        status = _STATUS[admission.status]
+        self.loop.merge_if_ready(self.clock())
+        version = self.state.version
+        rejected = self.state.rejected(info.push_id)
+        if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
+            status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
+        elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
+            status = pb.PUSH_STATUS_MERGED
+        return admission, status, version, self._cursor(info)
+
+    def _cursor(self, info: PushInfo) -> int:
+        """The push's shard's cursor now (merged + pending data): where its island's next range starts, or where
+        it rewinds to when the push was dropped or rejected. Called under the lock, after the state decided."""
+        return self.state.shard_cursor(info.shard_index) if info.shard_index < self.opts.islands else 0
+
+    def PullGlobal(self, request: pb.PullRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
+        if not 0 <= request.wait_s <= 3600:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+        with self.lock:
+            self._decide(context, self.state.check_pull, request.island_id, request.have_version)
+            if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
+                self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
+                                   or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+            version = self.state.version
+            chain = None if request.full else self.merger.updates_since(request.have_version)
+            if chain is None:  # θ itself, lossless; written to disk once per version, streamed from there
+                chain, kind = [self.merger.full_update()], pb.PULL_KIND_FULL
+            else:
+                kind = pb.PULL_KIND_UPDATE
+            # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
+            frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open()) for u in chain]
+            final = self.state.stopped() or version == self.opts.end_version
+            evaluate = bool(frames) and self.history.assign_eval(request.island_id, version, final,
+                                                                 self.cfg.coordinator.eval_every, self.clock())
+            self.history.island(request.island_id).last_seen = self.clock()
+        if not frames:
+            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                      base_version=version, tree_digest=self.tree_digest))
+            return
+        self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
+                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=evaluate)
+        piece = self.pull_piece
+        with self.streams.streaming():
+            for kind, base, v, size, crc, digest, handle in frames:
+                yield pb.PullMessage(header=pb.PullHeader(
+                    kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
+                    frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
+                    evaluate=evaluate and v == version))
+                yield from file_chunk_messages(handle, piece)
+                with self.lock:
+                    self.counters.bytes_out += size
+                    self.history.island(request.island_id).bytes_out += size
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        return self.status_message()
+
+    def status_message(self) -> pb.StatusResponse:
+        """The run's status now: what the Status RPC answers and the dashboard shows
+        (:func:`coordinator.status_view.status_response`)."""
+        with self.lock:
+            return status_response(self.state, self.history, self.opts, self.counters, run_id=self.run_id,
+                                   params_digest=self.merger.digest, started_at=self.started_at, now=self.clock())
+
+    def close(self) -> None:
+        """Stops the ticker and the dashboard, records what is pending (refused calls, open round spans) and
+        closes the telemetry, the merger, the checkpointer and the run's log, in that order."""
+        self.loop.health.enter_graceful_shutdown()  # NOT_SERVING from now on
+        if self.dashboard is not None:
+            self.dashboard.close()
+        self.loop.stop()
+        self.auth_failures.flush()  # before telemetry shuts down
+        self.rounds.close_all()
+        self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
+        with self.lock:
+            self.merger.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.log.close()
