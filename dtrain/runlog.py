@@ -10,8 +10,10 @@ lines that ``rich`` redraws in place.
 :meth:`RunLog.progress` logs one line that stays; :meth:`RunLog.status` logs how far something is (an island's
 step, version and loss; the simulation's state), a record that carries, as ``extra``, :data:`STATUS_KEY` (which
 status line it updates), :data:`STATUS_DONE` and :data:`STATUS_TOTAL` (its bar) and :data:`STATUS_EVERY_S` (the
-least seconds between two plain lines of that key). Every record of a RunLog carries :data:`ELAPSED_S`, the seconds
-since the RunLog began, which the ``[ elapsed s]`` of a line shows.
+least seconds between two plain lines of that key). :meth:`RunLog.close` logs each key's last status record again
+with :data:`STATUS_END` True: that status line is final (the CLI stops redrawing it; a plain line shows nothing).
+Every record of a RunLog carries :data:`ELAPSED_S`, the seconds since the RunLog began, which the
+``[ elapsed s]`` of a line shows.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ STATUS_KEY = "status_key"  # a status record: which status line it updates
 STATUS_DONE = "status_done"  # a status record: how far (int or None)
 STATUS_TOTAL = "status_total"  # a status record: out of how many (int or None: not known)
 STATUS_EVERY_S = "status_every_s"  # a status record: the least seconds between two plain lines of its key
+STATUS_END = "status_end"  # a status record: True on the one RunLog.close logs for each key (its last line again)
 
 
 class RunLog:
@@ -44,6 +47,7 @@ class RunLog:
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
         self.logger = logging.getLogger(logger)
+        self._status: dict[str, tuple[str, dict[str, Any]]] = {}  # status key -> its last line and extra
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
@@ -71,8 +75,9 @@ class RunLog:
         ``done`` out of ``total`` when ``total`` is given; in a pipe it prints it as a progress line unless this
         key's line was printed less than ``every_s`` seconds ago."""
         if not self.quiet:
-            self.logger.info(line, extra={ELAPSED_S: time.time() - self.t0, STATUS_KEY: key, STATUS_DONE: done,
-                                          STATUS_TOTAL: total, STATUS_EVERY_S: every_s})
+            extra = {STATUS_KEY: key, STATUS_DONE: done, STATUS_TOTAL: total, STATUS_EVERY_S: every_s}
+            self._status[key] = line, extra
+            self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0})
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / "summary.json"
@@ -82,6 +87,10 @@ class RunLog:
         return path
 
     def close(self) -> None:
+        """Closes events.jsonl; logs each status line's end (its last record again, :data:`STATUS_END` True)."""
+        for line, extra in self._status.values():
+            self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0, STATUS_END: True})
+        self._status.clear()
         self._events.close()
 
 

@@ -1,13 +1,14 @@
 """The command line's handlers for dtrain's log records (the library only logs: :mod:`dtrain.runlog`).
 
-:func:`cli_logging` puts one handler on the ``dtrain`` logger, at INFO, for the length of a command
+:func:`cli_logging` gives the ``dtrain`` logger one handler, at INFO, for the length of a command
 (:func:`dtrain_cli.entry.run_main`, so every ``dtrain`` command and benchmark has it):
 
 - in a pipe or a file (a worker's ``worker.log``, a test's capture): :class:`PlainHandler`, one
   ``[ elapsed s] text`` line per record (:func:`dtrain.runlog.progress_line`), a status key's line at most once
   per its ``every_s`` seconds;
 - on a terminal: :class:`LiveHandler`, the same lines above live status lines that ``rich`` redraws in place, with
-  a bar when a status line's total is known.
+  a bar when a status line's total is known, until their RunLog closes (its status-end records): then the last
+  state stays on the terminal and what the command prints next (its summary on stdout) comes below.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, progress_line
+from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_END, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, progress_line
 
 LOGGER = "dtrain"  # the logger the handlers go on: every library logger is under it
 STATUS_REFRESH_HZ = 4  # how often a live status line is redrawn
@@ -44,7 +45,7 @@ class LineFormatter(logging.Formatter):
 
 class PlainHandler(logging.Handler):
     """Each record as a line on ``stream``; a status record only when its key's last line is at least its
-    ``every_s`` seconds old."""
+    ``every_s`` seconds old, a status-end record never."""
 
     def __init__(self, stream: TextIO, t0: float | None = None):
         super().__init__()
@@ -56,6 +57,8 @@ class PlainHandler(logging.Handler):
         try:
             key = getattr(record, STATUS_KEY, None)
             if key is not None:
+                if getattr(record, STATUS_END, False):
+                    return
                 now = time.monotonic()
                 if now - self._shown.get(key, -math.inf) < float(getattr(record, STATUS_EVERY_S, 0.0)):
                     return
@@ -68,8 +71,9 @@ class PlainHandler(logging.Handler):
 
 class LiveHandler(logging.Handler):
     """Status records as live lines redrawn in place (a ``rich`` Progress, started by the first one, with a bar of
-    done out of total when the total is known); other records as lines above them. :meth:`close` stops the live
-    lines, leaving their last state on the terminal."""
+    done out of total when the total is known); other records as lines above them. Once every live line has had
+    its status-end record, or at :meth:`close`, the live lines stop, leaving their last state on the terminal (a
+    later status record starts new ones)."""
 
     def __init__(self, stream: TextIO, t0: float | None = None):
         super().__init__()
@@ -77,21 +81,31 @@ class LiveHandler(logging.Handler):
         self.setFormatter(LineFormatter(time.time() if t0 is None else t0))
         self._bar: Any = None  # rich.progress.Progress, started by the first status record
         self._tasks: dict[str, Any] = {}  # status key -> its rich task id
+        self._open: set[str] = set()  # status keys not ended yet
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             key = getattr(record, STATUS_KEY, None)
             if key is None:
                 self._line(self.format(record))
-                return
-            done, total = getattr(record, STATUS_DONE, None), getattr(record, STATUS_TOTAL, None)
-            bar, line = self._live_bar(), record.getMessage()
-            if key in self._tasks:
-                bar.update(self._tasks[key], description=line, total=total or None, completed=done or 0)
-            else:
-                self._tasks[key] = bar.add_task(line, total=total or None, completed=done or 0)
+            elif not getattr(record, STATUS_END, False):
+                self._draw(key, record)
+                self._open.add(key)
+            elif key in self._open:  # its final state; the last line to end stops them all
+                self._draw(key, record)
+                self._open.discard(key)
+                if not self._open:
+                    self._stop()
         except Exception:
             self.handleError(record)
+
+    def _draw(self, key: str, record: logging.LogRecord) -> None:
+        done, total = getattr(record, STATUS_DONE, None), getattr(record, STATUS_TOTAL, None)
+        bar, line = self._live_bar(), record.getMessage()
+        if key in self._tasks:
+            bar.update(self._tasks[key], description=line, total=total or None, completed=done or 0)
+        else:
+            self._tasks[key] = bar.add_task(line, total=total or None, completed=done or 0)
 
     def _line(self, text: str) -> None:
         if self._bar is None:
@@ -113,13 +127,17 @@ class LiveHandler(logging.Handler):
             self._bar.start()
         return self._bar
 
+    def _stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()  # the last state of the live lines stays on the terminal
+            self._bar = None
+        self._tasks.clear()
+        self._open.clear()
+
     def close(self) -> None:
         self.acquire()
         try:
-            if self._bar is not None:
-                self._bar.stop()  # the last state of the live lines stays on the terminal
-                self._bar = None
-                self._tasks.clear()
+            self._stop()
         finally:
             self.release()
         super().close()
@@ -143,20 +161,23 @@ def make_handler(stream: TextIO | None = None, live: bool | None = None) -> logg
 
 @contextmanager
 def cli_logging(stream: TextIO | None = None, live: bool | None = None) -> Iterator[logging.Handler]:
-    """For the length of the block: :func:`make_handler`'s handler on the ``dtrain`` logger, which logs at INFO;
-    after it the handler is closed (live lines stopped) and removed, and the logger's level is as it was. Inside
+    """For the length of the block: :func:`make_handler`'s handler on the ``dtrain`` logger, which logs at INFO
+    and only there (no propagation to the root logger's handlers); after it the handler is closed (live lines
+    stopped) and removed, and the logger's level and propagation are as they were. Inside
     another such block (a command run from a command) the outer block's handler stays the only one."""
     logger = logging.getLogger(LOGGER)
     outer = next((h for h in logger.handlers if isinstance(h, (PlainHandler, LiveHandler))), None)
     if outer is not None:
         yield outer
         return
-    handler, level = make_handler(stream, live), logger.level
+    handler, level, propagate = make_handler(stream, live), logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # not also through a root handler a dependency's basicConfig() put there
     try:
         yield handler
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
         handler.close()

@@ -1,7 +1,8 @@
 """The library logs, the command line shows: a library run prints nothing below WARNING without the CLI's handlers;
 ``logging.getLogger("dtrain").setLevel(logging.WARNING)`` silences its progress; a user's own handler on
-``"dtrain"`` gets the progress and status records (with their extras); the CLI's handler prints the same
-``[ x.xs] text`` lines as before, and goes away after the command."""
+``"dtrain"`` gets the progress and status records (with their extras, and each status line's end when its
+RunLog closes); the CLI's handler prints the same ``[ x.xs] text`` lines as before, and goes away after the
+command."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import REPO_ROOT, TINY, make_text
-from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_KEY, STATUS_TOTAL, RunLog
+from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_END, STATUS_KEY, STATUS_TOTAL, RunLog
 from dtrain_cli.logs import LOGGER, PlainHandler, cli_logging
 
 LINE = re.compile(r"\[ *[0-9.]+s\] (.*)")  # a progress line as the CLI prints it
@@ -78,13 +79,16 @@ def test_a_users_handler_on_dtrain_gets_the_progress_and_status_records(tmp_path
     log.progress("v1: merged 2 deltas (all in)")
     log.status("island-0", "island-0: step 10 v1/4", done=1, total=4)
     log.close()
-    progress, status = mine.records
+    progress, status, end = mine.records
     assert (progress.name, progress.levelno, progress.getMessage()) == ("dtrain.coordinator", logging.INFO,
                                                                          "v1: merged 2 deltas (all in)")
     assert getattr(progress, STATUS_KEY, None) is None and getattr(progress, ELAPSED_S) >= 0
     assert status.getMessage() == "island-0: step 10 v1/4"
     assert (getattr(status, STATUS_KEY), getattr(status, STATUS_DONE), getattr(status, STATUS_TOTAL)) == (
         "island-0", 1, 4)
+    assert not getattr(status, STATUS_END, False)
+    assert (end.getMessage(), getattr(end, STATUS_KEY), getattr(end, STATUS_END)) == ("island-0: step 10 v1/4",
+                                                                                       "island-0", True)
     assert capfd.readouterr().err == ""  # the user's handler, nobody else's
 
 
@@ -105,6 +109,7 @@ def test_the_clis_handler_prints_progress_lines_as_before_and_leaves_with_the_co
     log = RunLog(tmp_path)
     with cli_logging(out) as handler:  # a StringIO is no terminal: plain lines
         assert isinstance(handler, PlainHandler) and dtrain_logger.level == logging.INFO
+        assert not dtrain_logger.propagate  # a root handler (a dependency's basicConfig) would print each twice
         log.progress("resumed from checkpoint at step 30")
         log.status("train", "train: step 40/60 train loss 3.2000", done=40, total=60)
         logging.getLogger("dtrain.coordinator").warning("a warning")
@@ -117,4 +122,4 @@ def test_the_clis_handler_prints_progress_lines_as_before_and_leaves_with_the_co
     assert [LINE.fullmatch(line).group(1) for line in lines] == [  # type: ignore[union-attr]
         "resumed from checkpoint at step 30", "train: step 40/60 train loss 3.2000", "a warning", "inside"]
     assert lines[0].startswith("[    0.0s] ")  # the format of before: dtrain.runlog.progress_line
-    assert handler not in dtrain_logger.handlers and dtrain_logger.level == before
+    assert handler not in dtrain_logger.handlers and dtrain_logger.level == before and dtrain_logger.propagate

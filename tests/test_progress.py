@@ -46,7 +46,7 @@ def test_plain_status_lines_are_progress_lines_at_most_one_per_every_s(tmp_path)
         log.status("a", "a: v2/3 train loss 1.5000", done=2, total=3)  # every_s=0: printed too
         log.status("b", "b: first", every_s=60)
         log.status("b", "b: second", every_s=60)  # within 60 s of the first: not printed
-    log.close()
+        log.close()  # the status lines' ends: no line
     lines = out.getvalue().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["a: v1/3 train loss 2.0000", "a: v2/3 train loss 1.5000",
                                                            "b: first"]
@@ -60,7 +60,8 @@ def test_live_status_lines_are_drawn_by_rich_with_the_progress_lines_above(tmp_p
         log.status("a", "a: step 10 v1/4 train loss 2.5000", done=1, total=4)
         log.progress("a line that stays")
         log.status("a", "a: step 20 v2/4 train loss 2.2500", done=2, total=4)
-    log.close()
+        log.close()
+        assert out.getvalue().endswith("\x1b[?25h")  # its live lines stopped with it (the cursor shown again)
     text = out.getvalue()
     assert "a: step 20 v2/4 train loss 2.2500" in text and "a line that stays" in text
     assert "\x1b[" in text  # terminal control sequences: redrawn in place
