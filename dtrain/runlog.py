@@ -4,7 +4,7 @@
 on a logger under ``dtrain`` (``dtrain.run``, ``dtrain.coordinator``, ``dtrain.worker``, ...), at INFO; the library
 installs no handler and sets no level, so an embedding program routes or silences them with the standard calls
 (``logging.getLogger("dtrain").setLevel(logging.WARNING)``; a handler of its own on ``"dtrain"``). The command
-line's handlers (:mod:`dtrain_cli.logs`) show them as today: ``[ 12.3s] text`` lines, and on a terminal live status
+line's handlers (:mod:`dtrain_cli.logs`) show them as ``[ 12.3s] text`` lines, and on a terminal as live status
 lines that ``rich`` redraws in place.
 
 :meth:`RunLog.progress` logs one line that stays; :meth:`RunLog.status` logs how far something is (an island's
