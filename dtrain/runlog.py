@@ -1,41 +1,53 @@
-"""The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress lines.
+"""The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress records.
 
-Progress has two kinds of line: :meth:`RunLog.progress` prints one line that stays (``[ 12.3s] text``), and
-:meth:`RunLog.status` shows how far something is (an island's step, version and loss; the simulation's state).
-On a terminal a status line is a live line that ``rich`` redraws in place, with a bar when its total is known;
-elsewhere (a pipe, a log file) it is printed as a progress line, at most once per ``every_s`` seconds.
+``events.jsonl`` is the machine-readable record of a run. The human-readable lines are Python ``logging`` records
+on a logger under ``dtrain`` (``dtrain.run``, ``dtrain.coordinator``, ``dtrain.worker``, ...), at INFO; the library
+installs no handler and sets no level, so an embedding program routes or silences them with the standard calls
+(``logging.getLogger("dtrain").setLevel(logging.WARNING)``; a handler of its own on ``"dtrain"``). The command
+line's handlers (:mod:`dtrain_cli.logs`) show them as ``[ 12.3s] text`` lines, and on a terminal as live status
+lines that ``rich`` redraws in place.
+
+:meth:`RunLog.progress` logs one line that stays; :meth:`RunLog.status` logs how far something is (an island's
+step, version and loss; the simulation's state), a record that carries, as ``extra``, :data:`STATUS_KEY` (which
+status line it updates), :data:`STATUS_DONE` and :data:`STATUS_TOTAL` (its bar) and :data:`STATUS_EVERY_S` (the
+least seconds between two plain lines of that key). :meth:`RunLog.close` logs each key's last status record again
+with :data:`STATUS_END` True: that status line is final (the CLI stops redrawing it; a plain line shows nothing).
+Every record of a RunLog carries :data:`ELAPSED_S`, the seconds since the RunLog began, which the
+``[ elapsed s]`` of a line shows.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-STATUS_REFRESH_HZ = 4  # how often a live status line is redrawn
+# The LogRecord attributes (``extra``) that RunLog's records carry.
+ELAPSED_S = "elapsed_s"  # seconds since the RunLog began
+STATUS_KEY = "status_key"  # a status record: which status line it updates
+STATUS_DONE = "status_done"  # a status record: how far (int or None)
+STATUS_TOTAL = "status_total"  # a status record: out of how many (int or None: not known)
+STATUS_EVERY_S = "status_every_s"  # a status record: the least seconds between two plain lines of its key
+STATUS_END = "status_end"  # a status record: True on the one RunLog.close logs for each key (its last line again)
 
 
 class RunLog:
-    """Appends events to ``RUN_DIR/events.jsonl`` and prints progress and status lines."""
+    """Appends events to ``RUN_DIR/events.jsonl`` and logs progress and status records."""
 
-    def __init__(self, run_dir: str | Path, quiet: bool = False, stream: TextIO | None = None,
-                 live: bool | None = None):
-        """``live``: status lines as live lines redrawn in place (rich); None: when ``stream`` (default stderr) is a
-        terminal. ``quiet``: no lines at all (events are still written)."""
+    def __init__(self, run_dir: str | Path, quiet: bool = False, logger: str = "dtrain.run"):
+        """``logger``: the name of the logger the records go to (under ``dtrain``). ``quiet``: no records at all
+        (events are still written)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.t0 = time.time()
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
-        self.stream = stream or sys.stderr
-        self.live = not quiet and (_is_terminal(self.stream) if live is None else live)
-        self._bar: Any = None  # rich.progress.Progress, started by the first live status line
-        self._tasks: dict[str, Any] = {}  # status key -> its rich task id
-        self._shown: dict[str, float] = {}  # plain mode: status key -> when its line was last printed
+        self.logger = logging.getLogger(logger)
+        self._status: dict[str, tuple[str, dict[str, Any]]] = {}  # status key -> its last line and extra
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
@@ -51,46 +63,21 @@ class RunLog:
         return record
 
     def progress(self, line: str) -> None:
-        """One line that stays: ``[ elapsed s] line`` (above the live status lines, if any)."""
-        if self.quiet:
-            return
-        text = progress_line(time.time() - self.t0, line)
-        if self._bar is not None:
-            from rich.text import Text
-
-            self._bar.console.print(Text(text), soft_wrap=True)  # one line, as in plain mode
-        else:
-            print(text, file=self.stream, flush=True)
+        """Logs one line that stays (an INFO record; shown as ``[ elapsed s] line``, above any live status
+        lines)."""
+        if not self.quiet:
+            self.logger.info(line, extra={ELAPSED_S: time.time() - self.t0})
 
     def status(self, key: str, line: str, done: int | None = None, total: int | None = None,
                every_s: float = 0.0) -> None:
-        """Shows status line ``key`` as ``line`` (build it with :func:`fmt_progress`). Live: redraws it in place,
-        with a bar of ``done`` out of ``total`` when ``total`` is given. Plain: prints it as a progress line unless
-        this key's line was printed less than ``every_s`` seconds ago."""
-        if self.quiet:
-            return
-        if not self.live:
-            now = time.monotonic()
-            if now - self._shown.get(key, -math.inf) >= every_s:
-                self._shown[key] = now
-                self.progress(line)
-            return
-        bar = self._live_bar()
-        if key in self._tasks:
-            bar.update(self._tasks[key], description=line, total=total or None, completed=done or 0)
-        else:
-            self._tasks[key] = bar.add_task(line, total=total or None, completed=done or 0)
-
-    def _live_bar(self) -> Any:
-        if self._bar is None:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            console = Console(file=self.stream, force_terminal=True)
-            self._bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24),
-                                 TimeElapsedColumn(), console=console, refresh_per_second=STATUS_REFRESH_HZ)
-            self._bar.start()
-        return self._bar
+        """Logs status line ``key`` as ``line`` (build it with :func:`fmt_progress`): an INFO record with the
+        key, ``done`` and ``total`` as ``extra``. On a terminal the CLI redraws that line in place, with a bar of
+        ``done`` out of ``total`` when ``total`` is given; in a pipe it prints it as a progress line unless this
+        key's line was printed less than ``every_s`` seconds ago."""
+        if not self.quiet:
+            extra = {STATUS_KEY: key, STATUS_DONE: done, STATUS_TOTAL: total, STATUS_EVERY_S: every_s}
+            self._status[key] = line, extra
+            self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0})
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / "summary.json"
@@ -100,23 +87,17 @@ class RunLog:
         return path
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()  # the last state of the live lines stays on the terminal
-            self._bar = None
+        """Closes events.jsonl; logs each status line's end (its last record again, :data:`STATUS_END` True)."""
+        for line, extra in self._status.values():
+            self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0, STATUS_END: True})
+        self._status.clear()
         self._events.close()
 
 
 def progress_line(elapsed_s: float, line: str) -> str:
-    """A progress line as printed: ``[ elapsed s] line`` (:meth:`RunLog.progress`; also a process's lines from before
-    its RunLog exists)."""
+    """A progress line as printed: ``[ elapsed s] line`` (the CLI's lines of :meth:`RunLog.progress`; also a
+    process's lines from before its RunLog exists)."""
     return f"[{elapsed_s:7.1f}s] {line}"
-
-
-def _is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
 
 
 def _jsonable(x: Any) -> Any:

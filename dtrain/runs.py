@@ -1,7 +1,7 @@
 """The ``train`` and in-process ``simulate`` commands: I/O around the pure pieces.
 
-Both write ``RUN_DIR/events.jsonl`` and ``RUN_DIR/summary.json`` and print
-progress. ``train`` is one island on the whole train split, with orbax
+Both write ``RUN_DIR/events.jsonl`` and ``RUN_DIR/summary.json`` and log
+progress (``dtrain.run``). ``train`` is one island on the whole train split, with orbax
 checkpoints and exact ``--resume``; ``simulate --inprocess`` is N islands with
 the exact DiLoCo math in one process (they share the process's devices).
 """

@@ -1,5 +1,6 @@
 """The one wrapper around every command-line entry point (``dtrain ...`` and the ``benchmarks/*.py`` scripts):
-a user error is one line on stderr and an exit status, never a traceback.
+a user error is one line on stderr and an exit status, never a traceback; the library's log records are shown
+(progress lines, live status lines on a terminal: :func:`dtrain_cli.logs.cli_logging`) while the command runs.
 
 - ``dtrain.config.ConfigError`` (a config file, a ``--set``, a flag's value): ``PROG: config error: ...``, exit 2;
 - ``dtrain.errors.DtrainError`` (a run cannot go on as asked) and ``dtrain.data.DataError`` (a data source):
@@ -23,6 +24,7 @@ from typing import NoReturn
 
 from dtrain.config import ConfigError
 from dtrain.errors import DtrainError
+from dtrain_cli.logs import cli_logging
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,12 +61,14 @@ def _stdout_to_devnull() -> None:
 
 
 def run_main(prog: str, main: Callable[[], object]) -> int:
-    """Calls ``main()`` and returns its exit status (an int it returned, else 0); the errors above are one line
-    on stderr, prefixed with ``prog`` (e.g. ``dtrain simulate``), and their exit status. ``SystemExit`` (argparse's
-    usage errors, exit 2) passes through."""
+    """Calls ``main()`` with the CLI's log handler on the ``dtrain`` logger (:func:`dtrain_cli.logs.cli_logging`)
+    and returns its exit status (an int it returned, else 0); the errors above are one line on stderr, prefixed with
+    ``prog`` (e.g. ``dtrain simulate``), and their exit status. ``SystemExit`` (argparse's usage errors, exit 2)
+    passes through."""
     try:
         try:
-            status = main()
+            with cli_logging():  # closed before an error's line: live status lines stop above it
+                status = main()
         finally:
             sys.stdout.flush()  # a closed pipe shows here, inside the handler, not in the interpreter's exit
     except BrokenPipeError:

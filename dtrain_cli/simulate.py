@@ -239,7 +239,7 @@ class _Simulation:
         self.processes = processes
         self.resolved = out / "config.toml"
         self.resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
-        self.log = RunLog(out / "driver", quiet=quiet)
+        self.log = RunLog(out / "driver", quiet=quiet, logger="dtrain.simulate")
         self.names = [f"island-{i}" for i in range(islands)]
         self.shares: list[list[int] | None] = [None] * islands
         if pin and hasattr(os, "sched_setaffinity"):

@@ -27,6 +27,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog, read_events
 from dtrain.wire import auth_metadata, chunk_message, method_path, parse_address, serialize
+from dtrain_cli.logs import cli_logging
 from dtrain_cli.main import COMMANDS, main
 from dtrain_cli.status import plain, print_status, sections
 from workers.client import CoordinatorClient
@@ -389,12 +390,13 @@ def test_retry_progress_lines_name_the_address_and_the_time_left_at_most_every_3
     clock = [1000.0]
     monkeypatch.setattr(island.time, "monotonic", lambda: clock[0])
     stream = io.StringIO()
-    worker = SimpleNamespace(name="w0", cfg=load_config(TINY), log=RunLog(tmp_path, stream=stream),
+    worker = SimpleNamespace(name="w0", cfg=load_config(TINY), log=RunLog(tmp_path),
                              RETRY_LINE_S=island.Worker.RETRY_LINE_S, _retry_line=island.Worker._retry_line)
     what = "join: the coordinator at 127.0.0.1:9 is unavailable (UNAVAILABLE, connection refused)"
-    for left in (600.0, 599.5, 598.7, 570.0, 560.0):  # the first retry, then one line 30 s later
-        clock[0] = 1000.0 + 600.0 - left
-        island.Worker._on_retry(worker, what, 0.4, left)
+    with cli_logging(stream):  # the command line's handler: lines as a worker.log shows them
+        for left in (600.0, 599.5, 598.7, 570.0, 560.0):  # the first retry, then one line 30 s later
+            clock[0] = 1000.0 + 600.0 - left
+            island.Worker._on_retry(worker, what, 0.4, left)
     worker.log.close()
     lines = [line.split("] ", 1)[1] for line in stream.getvalue().splitlines()]
     assert lines == [f"w0: {what}; retrying for {left:.0f}s more, then giving up (worker.retry_total_s=600)"

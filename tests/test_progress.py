@@ -1,13 +1,13 @@
-"""Progress output (RunLog.status plain and live, fmt_progress, the simulate driver's RunWatch, EventTail) and the
-island's side of the observability fields: train events and heartbeat train_loss/utilization, the Join's device
-kind, and evaluation on request (an island asked to evaluate a version reports exactly that θ's eval loss)."""
+"""Progress output (RunLog.status through the CLI's plain and live handlers, fmt_progress, the simulate driver's
+RunWatch, EventTail) and the island's side of the observability fields: train events and heartbeat
+train_loss/utilization, the Join's device kind, and evaluation on request (an island asked to evaluate a version
+reports exactly that θ's eval loss)."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ from dtrain import codec
 from dtrain.config import load_config
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
+from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.simulate import RunWatch
 from test_island import Events, FakeClient, N, _full, _update, _vec
 from test_service import Running
@@ -39,12 +40,13 @@ def test_fmt_progress_shows_version_of_total_or_the_data_cursor_loss_and_rate():
 
 def test_plain_status_lines_are_progress_lines_at_most_one_per_every_s(tmp_path):
     out = io.StringIO()
-    log = RunLog(tmp_path, stream=out, live=False)
-    log.status("a", "a: v1/3 train loss 2.0000", done=1, total=3)
-    log.status("a", "a: v2/3 train loss 1.5000", done=2, total=3)  # every_s=0: printed too
-    log.status("b", "b: first", every_s=60)
-    log.status("b", "b: second", every_s=60)  # within 60 s of the first: not printed
-    log.close()
+    log = RunLog(tmp_path)
+    with cli_logging(out, live=False):
+        log.status("a", "a: v1/3 train loss 2.0000", done=1, total=3)
+        log.status("a", "a: v2/3 train loss 1.5000", done=2, total=3)  # every_s=0: printed too
+        log.status("b", "b: first", every_s=60)
+        log.status("b", "b: second", every_s=60)  # within 60 s of the first: not printed
+        log.close()  # the status lines' ends: no line
     lines = out.getvalue().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["a: v1/3 train loss 2.0000", "a: v2/3 train loss 1.5000",
                                                            "b: first"]
@@ -53,17 +55,21 @@ def test_plain_status_lines_are_progress_lines_at_most_one_per_every_s(tmp_path)
 
 def test_live_status_lines_are_drawn_by_rich_with_the_progress_lines_above(tmp_path):
     out = io.StringIO()
-    log = RunLog(tmp_path, stream=out, live=True)
-    log.status("a", "a: step 10 v1/4 train loss 2.5000", done=1, total=4)
-    log.progress("a line that stays")
-    log.status("a", "a: step 20 v2/4 train loss 2.2500", done=2, total=4)
-    log.close()
+    log = RunLog(tmp_path)
+    with cli_logging(out, live=True):
+        log.status("a", "a: step 10 v1/4 train loss 2.5000", done=1, total=4)
+        log.progress("a line that stays")
+        log.status("a", "a: step 20 v2/4 train loss 2.2500", done=2, total=4)
+        log.close()
+        assert out.getvalue().endswith("\x1b[?25h")  # its live lines stopped with it (the cursor shown again)
     text = out.getvalue()
     assert "a: step 20 v2/4 train loss 2.2500" in text and "a line that stays" in text
     assert "\x1b[" in text  # terminal control sequences: redrawn in place
     quiet = io.StringIO()
-    log = RunLog(tmp_path, stream=quiet, live=True, quiet=True)
-    log.status("a", "nothing")
+    log = RunLog(tmp_path, quiet=True)
+    with cli_logging(quiet, live=True):
+        log.status("a", "nothing")
+        log.progress("nothing either")
     log.close()
     assert quiet.getvalue() == ""
 
@@ -181,7 +187,5 @@ def test_the_clients_heartbeat_carries_train_loss_utilization_and_eval_reports(n
     assert (ev["version"], ev["loss"], ev["island"]) == (0, 4.25, joined.island_id)
 
 
-def test_an_island_runs_quietly_without_a_terminal(tmp_path):
-    log = RunLog(Path(tmp_path), stream=io.StringIO())
-    assert not log.live  # a StringIO is no terminal: plain lines
-    log.close()
+def test_an_island_runs_quietly_without_a_terminal():
+    assert isinstance(make_handler(io.StringIO()), PlainHandler)  # a StringIO is no terminal: plain lines
