@@ -16,7 +16,7 @@ from dtrain.codec import params_digest
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.train import chunks
 from workers.client import CoordinatorError, PulledFrame
-from workers.island import Exchange, GlobalParams, Puller, WorkerError
+from workers.exchange import Exchange, GlobalParams, Puller, WorkerError
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 TRAIN, WAIT, END_ROUND, END_RUN = Kind.TRAIN, Kind.WAIT, Kind.END_ROUND, Kind.END_RUN
@@ -311,7 +311,7 @@ def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():
 
 
 def test_link_watch_reports_a_slow_link_after_a_streak_and_its_recovery():
-    from workers.island import LinkWatch
+    from workers.heartbeat import LinkWatch
 
     w = LinkWatch(warmup=5, streak=3, factor=3.0, margin_s=0.010)
     assert [w.observe(0.002) for _ in range(5)] == [None] * 5  # baseline 2 ms: the limit is 16 ms
@@ -332,12 +332,14 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
     refusal, or a stop that never comes, is an error."""
     from conftest import TINY
     from dtrain.config import load_config
+    from workers.heartbeat import Mailbox
     from workers.hosts import HostGroup
-    from workers.island import Worker
+    from workers.membership import Membership
 
-    worker = Worker.__new__(Worker)  # only what _stopped_after reads: no model, no coordinator
-    worker.cfg = load_config(TINY, ["worker.heartbeat_s=0.5"])
-    worker.hosts = HostGroup.single()
+    member = Membership.__new__(Membership)  # only what stopped_after reads: no model, no coordinator
+    member.cfg = load_config(TINY, ["worker.heartbeat_s=0.5"])
+    member.hosts = HostGroup.single()
+    member.mailbox = Mailbox()
     class Stopping(threading.Event):
         waits = 0
 
@@ -345,16 +347,16 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
             self.waits += 1
             return super().wait(timeout)
 
-    worker.stopping = stopping = Stopping()
+    member.mailbox.stopping = stopping = Stopping()
     cancelled = CoordinatorError(grpc.StatusCode.CANCELLED, "CANCELLED")
-    timer = threading.Timer(0.1, worker.stopping.set)  # the heartbeat thread reads the STOP reply
+    timer = threading.Timer(0.1, stopping.set)  # the heartbeat thread reads the STOP reply
     timer.start()
     try:
-        assert worker._stopped_after(cancelled)
+        assert member.stopped_after(cancelled)
     finally:
         timer.cancel()
-    worker.stopping.clear()
-    assert not worker._stopped_after(cancelled)  # no stop within two heartbeats: the failure stands
+    stopping.clear()
+    assert not member.stopped_after(cancelled)  # no stop within two heartbeats: the failure stands
     assert stopping.waits == 2
     refused = CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad request")
-    assert not worker._stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait
+    assert not member.stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait
