@@ -69,6 +69,10 @@ class PushClient(Protocol):
 
 @dataclass
 class GlobalParams:
+    """A global θ as the island holds it. Built by the thread that pulled it (an exchange's or the training
+    loop's) and handed over whole; after that only the training loop writes it (``arrived``, at the start
+    barrier), and ``vec`` is never changed in place (the eval requests keep the very θ that arrived)."""
+
     vec: np.ndarray  # flat float32 θ_version, bit-identical to the coordinator's
     version: int
     arrived: float = 0.0  # time.perf_counter() when it arrived (wall-time rounds are timed from it)
@@ -260,7 +264,8 @@ class Exchange:
 
 @dataclass
 class Pending:
-    """A pushed round whose exchange has not been folded in yet."""
+    """A pushed round whose exchange has not been folded in yet (the training loop's; the exchange's thread
+    sees only its :class:`Exchange`)."""
 
     exchange: Exchange
     at_push: Params  # θ_local when the delta was taken (a device copy: training donates the state)

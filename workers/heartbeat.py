@@ -36,7 +36,8 @@ class LinkWatch:
     """Notices a link to the coordinator that became slow, from heartbeat round trips: once ``warmup`` of them
     set a baseline (their median), ``streak`` round trips in a row above ``factor`` × baseline + ``margin_s``
     are a slow link, and one back under it a recovery. Slow round trips stay out of the baseline. A slow link
-    is not a failure (the island keeps its lease); it is reported, since it will make the island's rounds late."""
+    is not a failure (the island keeps its lease); it is reported, since it will make the island's rounds late.
+    Used by the heartbeat thread alone (:class:`Heartbeat` owns one)."""
 
     def __init__(self, window: int = 30, warmup: int = 5, streak: int = 3, factor: float = 3.0,
                  margin_s: float = 0.010):
@@ -245,11 +246,12 @@ class Heartbeat:
     backoff: the next tick is the retry, so a coordinator that comes back hears from the island within a
     heartbeat, well inside its lease). A run of failures is one event, and its end another.
 
-    It reads the :class:`IslandStatus` and ``utilization()`` (the training loop's), and owns what only it
-    writes: its :class:`LinkWatch`, its failure streak and the train loss it last read itself. Everything it
-    tells the training loop goes through the :class:`Mailbox` (a stop, a rejoin's rewind, eval reports
-    answered; ``rejoin()``, a Join on this thread, sets the mailbox's island id and total versions), and a push
-    the coordinator lost is sent again through its :class:`workers.exchange.Exchange` (``repush``)."""
+    It reads the :class:`IslandStatus` and ``utilization()`` (:meth:`Clock.utilization`: both the training
+    loop's), and owns what only it writes: its :class:`LinkWatch`, its failure streak and the train loss it
+    last read itself. Everything it tells the training loop goes through the :class:`Mailbox` (a stop, a
+    rejoin's rewind, eval reports answered; ``rejoin()``, a Join on this thread, sets the mailbox's island id
+    and total versions), and a push the coordinator lost is sent again through its
+    :class:`workers.exchange.Exchange` (``repush``)."""
 
     def __init__(self, client: CoordinatorClient, status: IslandStatus, mailbox: Mailbox, period_s: float,
                  log: EventLog, rejoin: Callable[[], pb.JoinResponse], utilization: Callable[[], float]):

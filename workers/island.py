@@ -23,8 +23,9 @@ This module owns the training loop (:class:`Worker`, on the process's main threa
 The loop is composed of one object per concern, each saying which thread writes what: the exchange
 (:mod:`workers.exchange`: pushes and pulls, on a thread per round), the heartbeat (:mod:`workers.heartbeat`: its
 own thread, which reads the loop's :class:`~workers.heartbeat.IslandStatus` and posts to the loop through a
-:class:`~workers.heartbeat.Mailbox`) and recovery (:mod:`workers.recovery`: rewinds, the NaN/Inf guard, chip
-quarantine and remesh, on the loop's thread).
+:class:`~workers.heartbeat.Mailbox`), recovery (:mod:`workers.recovery`: rewinds, the NaN/Inf guard, chip
+quarantine and remesh, on the loop's thread) and membership (:mod:`workers.membership`: the Join and the
+coordinator's word, the same on every process of the island).
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ class Worker:
     :mod:`dtrain.health`); ``hosts``, the island's processes when it spans several (:mod:`workers.hosts`):
     process 0 talks to the coordinator.
 
-    Its own attributes belong to the training loop's thread. What other threads share is in objects that say
-    per field who writes it: :attr:`mailbox` (with the heartbeat thread), the :class:`IslandStatus` the
+    Its own attributes belong to the training loop's thread (``telemetry`` is built at the first Join, the
+    loop's; a rejoin's, on the heartbeat thread, finds it built). What other threads share is in objects that
+    say per field who writes it: :attr:`mailbox` (with the heartbeat thread), the :class:`IslandStatus` the
     heartbeat reports, :attr:`clock` (read by the heartbeat), each :class:`Exchange` and the :class:`Puller`
     (with the exchange threads). ``client`` is thread-safe; its retries report through a
     :class:`~workers.membership.RetryLines` on whichever thread retries."""
