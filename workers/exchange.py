@@ -309,6 +309,7 @@ class Uplink:
         return frame, client
 
     def _encode(self, delta: np.ndarray) -> bytes:
+        """Δ quantized (with error feedback, if on) and compressed: the honest frame."""
         k = self.cfg
         q = self.feedback.compress(delta) if self.feedback is not None else codec.quantize(delta, self.bits, k.block)
         return codec.encode(q, k.zstd_level)

@@ -263,6 +263,7 @@ class Heartbeat:
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
+        """Starts the thread (process 0 only: the other processes of the island do not talk to the coordinator)."""
         self.thread.start()
 
     def stop(self) -> None:
@@ -273,6 +274,7 @@ class Heartbeat:
             self.thread.join(timeout=5)
 
     def _run(self) -> None:
+        """The thread: a heartbeat each tick (or when woken) until the island stops."""
         box = self.mailbox
         while not box.stopping.is_set():
             box.wake.wait(self.period_s)  # a tick, or woken early (an eval report is ready)

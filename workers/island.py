@@ -510,6 +510,7 @@ class Worker:
         return anchor, False
 
     def _final_pull_failed(self, anchor: GlobalParams, error: CoordinatorError) -> None:
+        """The island ends on ``anchor``: the coordinator stopped serving before it had the run's final version."""
         self.log.event("final_pull_failed", version=anchor.version, final_version=self.mailbox.final_version,
                        error=str(error))
 

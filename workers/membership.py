@@ -90,6 +90,7 @@ class Membership:
         return resp
 
     def _joined(self, resp: pb.JoinResponse) -> None:
+        """The ``joined`` event, on every process of the island."""
         self.log.event("joined", island_id=resp.island_id, shard=resp.shard_index, cursor=resp.cursor,
                        version=resp.version, run_id=resp.run_id, total_versions=resp.total_versions)
 

@@ -225,6 +225,7 @@ class Rewinder:
 
     @property
     def loop(self) -> InnerLoop:
+        """The island's inner loop (a remesh replaces it)."""
         return self.setup.loop
 
     def state_from(self, g: GlobalParams, ckpt: Checkpointer) -> Any:
