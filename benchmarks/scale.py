@@ -10,7 +10,7 @@ this process. Each island is what a real island does at the wire, without the tr
   - each round it pushes one real compressed frame (``dtrain.codec``: a random normal x 1e-3 delta of the
     model's parameter count, quantized with ``codec.up`` = int8 and zstd-encoded; a pool of ``FRAME_POOL``
     distinct frames encoded before anything is timed, island i pushing frame (i + round) mod pool), then pulls
-    with the worker's long poll (``workers.island.PULL_WAIT_S``) until it holds the new version's update frame.
+    with the worker's long poll (``workers.exchange.PULL_WAIT_S``) until it holds the new version's update frame.
 
 The model: configs/small.toml's GPT with d_model=512, n_layers=8 (25,478,144 parameters, 101.9 MB fp32; int8
 frames of 25.5 MB), the exchange benchmark's default; ``--params P`` picks another size. At 64 islands the
@@ -254,7 +254,7 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
     """One coordinator process and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
     from dtrain.proto import dtrain_pb2 as pb
     from workers.client import CoordinatorClient
-    from workers.island import PULL_WAIT_S
+    from workers.exchange import PULL_WAIT_S
 
     cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
     coord = CoordinatorProcess(cfg, work / f"coord-{islands}")

@@ -6,7 +6,7 @@ The CLI prints it as one line and exits 1. Its subclasses live next to what rais
 - ``CheckpointError`` (here): a checkpoint is missing or does not match this run;
 - ``dtrain.runs.RunError``, ``dtrain_cli.simulate.SimulationError``;
 - ``workers.client.CoordinatorError`` (the coordinator refused a call, or stayed unreachable past the retry
-  budget), ``workers.island.WorkerError``.
+  budget), ``workers.exchange.WorkerError``.
 
 ``ValueError`` subclasses: one input refused, naming the field (or the byte) that is wrong. Whoever took the
 input in decides what the refusal means:

@@ -385,19 +385,19 @@ def test_bad_requests_are_request_invalid_events(live):
 # -- the island's retry lines --------------------------------------------------------------------------------------
 
 def test_retry_progress_lines_name_the_address_and_the_time_left_at_most_every_30s(tmp_path, monkeypatch):
-    from workers import island
+    from workers import membership
 
     clock = [1000.0]
-    monkeypatch.setattr(island.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(membership.time, "monotonic", lambda: clock[0])
     stream = io.StringIO()
-    worker = SimpleNamespace(name="w0", cfg=load_config(TINY), log=RunLog(tmp_path),
-                             RETRY_LINE_S=island.Worker.RETRY_LINE_S, _retry_line=island.Worker._retry_line)
+    log = RunLog(tmp_path)
+    on_retry = membership.RetryLines("w0", load_config(TINY), log)
     what = "join: the coordinator at 127.0.0.1:9 is unavailable (UNAVAILABLE, connection refused)"
     with cli_logging(stream):  # the command line's handler: lines as a worker.log shows them
         for left in (600.0, 599.5, 598.7, 570.0, 560.0):  # the first retry, then one line 30 s later
             clock[0] = 1000.0 + 600.0 - left
-            island.Worker._on_retry(worker, what, 0.4, left)
-    worker.log.close()
+            on_retry(what, 0.4, left)
+    log.close()
     lines = [line.split("] ", 1)[1] for line in stream.getvalue().splitlines()]
     assert lines == [f"w0: {what}; retrying for {left:.0f}s more, then giving up (worker.retry_total_s=600)"
                      for left in (600.0, 570.0)]
@@ -407,7 +407,7 @@ def test_retry_progress_lines_name_the_address_and_the_time_left_at_most_every_3
 def test_a_worker_whose_coordinator_does_not_answer_says_so_before_it_builds(tmp_path):
     """Before the island's slow start-up (model, compile), one Status try: when nothing answers, the worker says
     so at once, naming the address and how long it will retry, instead of staying silent through its compile."""
-    from workers.island import run_over_already
+    from workers.membership import run_over_already
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

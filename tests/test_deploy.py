@@ -551,7 +551,7 @@ def test_a_finished_run_restarted_by_its_deployment_serves_until_sigterm(tmp_pat
     from conftest import initial_spec
     from dtrain.runlog import read_events
     from workers.client import CoordinatorClient
-    from workers.island import run_over_already
+    from workers.membership import run_over_already
 
     cfg, run_dir = _finished_run(tmp_path, monkeypatch)
     tiny = ["--config", str(ROOT / "configs" / "tiny.toml")]

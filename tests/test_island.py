@@ -16,7 +16,7 @@ from dtrain.codec import params_digest
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.train import chunks
 from workers.client import CoordinatorError, PulledFrame
-from workers.island import Exchange, GlobalParams, Puller, WorkerError
+from workers.exchange import Exchange, GlobalParams, Puller, WorkerError
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 TRAIN, WAIT, END_ROUND, END_RUN = Kind.TRAIN, Kind.WAIT, Kind.END_ROUND, Kind.END_RUN
@@ -311,7 +311,7 @@ def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():
 
 
 def test_link_watch_reports_a_slow_link_after_a_streak_and_its_recovery():
-    from workers.island import LinkWatch
+    from workers.heartbeat import LinkWatch
 
     w = LinkWatch(warmup=5, streak=3, factor=3.0, margin_s=0.010)
     assert [w.observe(0.002) for _ in range(5)] == [None] * 5  # baseline 2 ms: the limit is 16 ms
@@ -325,6 +325,54 @@ def test_link_watch_reports_a_slow_link_after_a_streak_and_its_recovery():
     assert kind == "link_recovered" and w.observe(0.003) is None
 
 
+class _Losses:
+    """A chunk's per-step losses as a device array shows them: ready or still computing."""
+
+    def __init__(self, values: list[float], ready: bool = True):
+        self.values, self.ready = np.asarray(values, np.float32), ready
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return self.values
+
+
+def test_the_heartbeat_reports_the_newest_train_loss_read_and_writes_no_shared_state():
+    """The heartbeat never waits for the devices: it reports the latest chunk's mean loss once computed, else the
+    newest one read so far, by itself or by the training loop; it keeps its own read to itself (the status is
+    the training loop's alone)."""
+    from workers.heartbeat import Heartbeat, IslandStatus, Mailbox
+
+    status = IslandStatus(held=(0, ""), steps=0, tokens=0)
+    beat = Heartbeat(None, status, Mailbox(), 1.0, Events(), rejoin=lambda: pb.JoinResponse(),
+                     utilization=lambda: 0.0)
+    assert beat.train_loss() is None  # no chunk yet
+    status.chunk_loss = (1, _Losses([1.0, 3.0]))
+    assert beat.train_loss() == 2.0 and status.train_loss == (0, None)  # its read stays its own
+    status.chunk_loss = (2, _Losses([4.0], ready=False))
+    assert beat.train_loss() == 2.0  # still computing: the newest read, its own
+    assert status.read_loss() == 4.0 and status.train_loss == (2, 4.0)  # the training loop waits for it
+    status.chunk_loss = (3, _Losses([5.0], ready=False))
+    assert beat.train_loss() == 4.0  # the training loop's read is the newer one
+
+
+def test_a_rewind_from_a_join_is_not_replaced_by_one_from_a_push_reply():
+    from workers.heartbeat import Mailbox
+    from workers.recovery import Rewind
+
+    box = Mailbox()
+    assert box.take_rewind() is None and not box.rewind_posted()
+    box.post_rewind(Rewind(0, 80, "push dropped"))
+    box.post_rewind(Rewind(1, 0, "rejoined", joined=True))  # a Join's replaces a push reply's
+    box.post_rewind(Rewind(0, 160, "push rejected"))  # a push reply's does not replace a Join's
+    assert box.rewind_posted() and box.take_rewind() == Rewind(1, 0, "rejoined", joined=True)
+    assert box.take_rewind() is None  # taken once
+    box.post_rewind(Rewind(0, 80, "push dropped"))
+    box.post_rewind(Rewind(0, 160, "push rejected"))  # the later push reply's wins
+    assert box.take_rewind() == Rewind(0, 160, "push rejected")
+
+
 def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flight():
     """The coordinator stops serving as soon as the islands hold the last version; its stop reaches an island in a
     heartbeat reply, which the heartbeat thread may not have handled when the island's own pull is cut off
@@ -332,12 +380,14 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
     refusal, or a stop that never comes, is an error."""
     from conftest import TINY
     from dtrain.config import load_config
+    from workers.heartbeat import Mailbox
     from workers.hosts import HostGroup
-    from workers.island import Worker
+    from workers.membership import Membership
 
-    worker = Worker.__new__(Worker)  # only what _stopped_after reads: no model, no coordinator
-    worker.cfg = load_config(TINY, ["worker.heartbeat_s=0.5"])
-    worker.hosts = HostGroup.single()
+    member = Membership.__new__(Membership)  # only what stopped_after reads: no model, no coordinator
+    member.cfg = load_config(TINY, ["worker.heartbeat_s=0.5"])
+    member.hosts = HostGroup.single()
+    member.mailbox = Mailbox()
     class Stopping(threading.Event):
         waits = 0
 
@@ -345,16 +395,16 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
             self.waits += 1
             return super().wait(timeout)
 
-    worker.stopping = stopping = Stopping()
+    member.mailbox.stopping = stopping = Stopping()
     cancelled = CoordinatorError(grpc.StatusCode.CANCELLED, "CANCELLED")
-    timer = threading.Timer(0.1, worker.stopping.set)  # the heartbeat thread reads the STOP reply
+    timer = threading.Timer(0.1, stopping.set)  # the heartbeat thread reads the STOP reply
     timer.start()
     try:
-        assert worker._stopped_after(cancelled)
+        assert member.stopped_after(cancelled)
     finally:
         timer.cancel()
-    worker.stopping.clear()
-    assert not worker._stopped_after(cancelled)  # no stop within two heartbeats: the failure stands
+    stopping.clear()
+    assert not member.stopped_after(cancelled)  # no stop within two heartbeats: the failure stands
     assert stopping.waits == 2
     refused = CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad request")
-    assert not worker._stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait
+    assert not member.stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait

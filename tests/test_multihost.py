@@ -30,8 +30,9 @@ from dtrain.config import ConfigError, load_config, to_toml
 from dtrain.runlog import process_dir, read_events
 from dtrain.train import InnerLoop, make_mesh
 from dtrain_cli.simulate import free_port, island_process_flags
+from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
-from workers.island import Worker, WorkerError
+from workers.island import Worker
 
 
 class Cluster:

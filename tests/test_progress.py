@@ -24,7 +24,8 @@ from dtrain_cli.simulate import RunWatch
 from test_island import Events, FakeClient, N, _full, _update, _vec
 from test_service import Running
 from workers.client import CoordinatorClient, PulledFrame
-from workers.island import Puller, run_worker
+from workers.exchange import Puller
+from workers.island import run_worker
 
 net_cfg = test_service.net_cfg  # the same fixture
 

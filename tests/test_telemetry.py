@@ -373,7 +373,7 @@ def test_an_islands_exchanges_are_spans_with_push_pull_and_fold_in(tmp_path, mon
     sent = {e["push_id"]: e for e in read_events(tmp_path / "island-a") if e["event"] == "push_sent"}
     for e in exchanges:
         a = _attrs(e)
-        assert a["dtrain.island"] == worker.island_id and a["dtrain.name"] == "island-a"
+        assert a["dtrain.island"] == worker.mailbox.island_id and a["dtrain.name"] == "island-a"
         assert a["dtrain.bytes"] == sent[a["dtrain.push_id"]]["bytes"]
         children = [s for s in spans if s.parent is not None and s.parent.span_id == e.context.span_id]
         names = [c.name for c in sorted(children, key=lambda s: s.start_time)]
