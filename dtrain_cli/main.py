@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
                    "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
                    "[,prob=P][,seed=S][,until=STEP] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
-                   "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/faults.py)")
+                   "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/fault_spec.py)")
     p = _command(sub, "coordinator", "serve the coordinator (merges the islands' deltas)",
                  "Serves the coordinator on coordinator.host:port until the run's last version is merged and every\n"
                  "live island holds it (or SIGTERM); checkpoints into RUN_DIR/coordinator/VERSION.",
@@ -246,7 +246,7 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
-            from dtrain_cli.faults import host_device_count, parse_fault
+            from dtrain_cli.fault_spec import host_device_count, parse_fault
             from dtrain_cli.simulate import run_simulation
 
             # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says

@@ -316,7 +316,7 @@ def test_a_killed_two_process_island_restarts_both_processes_and_rejoins(tmp_pat
     """``kill:island-1@v1+1s`` on islands of 2 processes: the driver SIGKILLs both processes of island-1 and
     starts both again (on the island's jax.distributed port); the island rejoins under its name, and the run ends
     with every sequence merged once and every process on the coordinator's final θ."""
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
 
     cfg = _cfg(tmp_path, "train.steps=40", "coordinator.lease_s=30")
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=400, island_processes=2,
@@ -378,7 +378,7 @@ def test_simulate_refuses_what_multi_process_islands_cannot_run(tmp_path, capsys
 
 def test_check_island_processes():
     from dtrain.config import ConfigError
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import check_island_processes
 
     cfg = load_config(ROOT / "configs" / "tiny.toml")
@@ -437,7 +437,7 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
     name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
     pinning; a restart starts both again on the same address; another island gets its own."""
     import dtrain_cli.simulate as simulate
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
 
     started: list[tuple[list[str], bool]] = []
 
