@@ -46,7 +46,7 @@ STATUS_EVERY_S = 10.0  # the driver's status line, when not on a terminal: one e
 
 
 class SimulationError(DtrainError):
-    pass
+    """A simulation that cannot start or did not finish: a process failed, timed out, or the islands disagree."""
 
 
 def _cli(*args: str) -> list[str]:
@@ -210,6 +210,7 @@ class _Simulation:
     # -- processes ---------------------------------------------------------------------------------
 
     def _start_coordinator(self, resume: bool) -> None:
+        """Starts the coordinator (``resume``: from its checkpoint, on the port it had) and waits for its port."""
         clog = open(self.out / "coordinator.log", "a")
         self.logs.append(clog)
         info_path = self.out / "coordinator.json"
@@ -401,6 +402,7 @@ class _Simulation:
                         every_s=STATUS_EVERY_S)
 
     def _stop_stragglers(self) -> None:
+        """Terminates the islands still running after the run ended without them (a ``worker_stopped`` event)."""
         for name, procs in self.workers.items():
             if self._running(name):
                 for p in procs:
@@ -414,6 +416,7 @@ class _Simulation:
                 self.log.progress(f"{name}: stopped (the run ended while it was away)")
 
     def stop_all(self) -> None:
+        """SIGKILLs every process still running, closes the link proxies and the processes' log files."""
         for p in (p for procs in self.workers.values() for p in procs):
             if p.poll() is None:
                 p.kill()
@@ -427,45 +430,49 @@ class _Simulation:
     # -- faults ------------------------------------------------------------------------------------
 
     def _due(self, f: FaultSpec, version: int, now: float) -> bool:
+        """Whether the driver's fault ``f`` is due: ``version`` merged, or its seconds since the workers started."""
         if f.at_version is not None:
             return version >= f.at_version
         return f.at_s is not None and now - self.t_workers >= f.at_s
 
     def _inject(self, f: FaultSpec, version: int) -> None:
+        """Fires the driver's fault ``f`` (``version``: the version merged now) and records it (a ``fault_injected``
+        event, an entry of :attr:`fired`); schedules its recovery ``f.duration_s`` later, where it has one, or
+        else takes a killed island for gone."""
         record = self.log.event("fault_injected", fault=f.text, fault_kind=f.kind, target=f.target, version=version,
                                 what=f.describe())
-        self.fired.append({"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": record["t"],
-                           "version": version, "recovered_t": None})
-        entry = self.fired[-1]
+        entry = {"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": record["t"], "version": version,
+                 "recovered_t": None}
+        self.fired.append(entry)
         self.log.progress(f"fault: {f.describe()} (version {version})")
         later = (time.perf_counter() + f.duration_s) if f.duration_s else None
+        what, action = self._fire(f)
+        if later is not None:
+            self.recoveries.append((later, lambda: self._recover(entry, what, action)))
+        elif f.kind == "kill":
+            self.gone.add(f.target)
+
+    def _fire(self, f: FaultSpec) -> tuple[str, Callable[[], None]]:
+        """Does what the driver's fault ``f`` does (kill, hang, kill-coordinator, cut, slow); returns its
+        recovery: what it does, in words, and the action."""
         if f.kind == "kill":
             self._kill(f.target)
-            if later is None:
-                self.gone.add(f.target)
-            else:
-                self.recoveries.append((later, lambda: self._recover(entry, "restarted",
-                                                                       lambda: self._start_worker(f.target))))
-        elif f.kind == "hang":
+            return "restarted", lambda: self._start_worker(f.target)
+        if f.kind == "hang":
             self._signal(f.target, signal.SIGSTOP)
-            assert later is not None
-            self.recoveries.append((later, lambda: self._recover(
-                entry, "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT))))
-        elif f.kind == "kill-coordinator":
+            return "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT)
+        if f.kind == "kill-coordinator":
             assert self.coordinator is not None
             self.coordinator.kill()
             self.coordinator.wait()
-            if later is not None:
-                self.recoveries.append((later, lambda: self._recover(
-                    entry, "restarted with --resume", lambda: self._start_coordinator(resume=True))))
-        elif f.kind in LINK_KINDS:
-            proxy = self.proxies[f.target]
-            if f.kind == "cut":
-                proxy.cut()
-            else:
-                proxy.slow(f.delay_ms / 1000.0)
-            assert later is not None
-            self.recoveries.append((later, lambda: self._recover(entry, "link restored", proxy.restore)))
+            return "restarted with --resume", lambda: self._start_coordinator(resume=True)
+        assert f.kind in LINK_KINDS, f
+        proxy = self.proxies[f.target]
+        if f.kind == "cut":
+            proxy.cut()
+        else:
+            proxy.slow(f.delay_ms / 1000.0)
+        return "link restored", proxy.restore
 
     def _signal(self, name: str, signum: int) -> None:
         """Sends ``signum`` to every process of island ``name`` that has not exited."""
@@ -484,6 +491,7 @@ class _Simulation:
         return push_fault_event(f, _events(self.out / "islands" / f.target)) is not None
 
     def _recover(self, entry: dict[str, Any], what: str, action: Callable[[], None]) -> None:
+        """Runs a fault's recovery ``action`` and records it (``what``) in its :attr:`fired` ``entry``."""
         action()
         record = self.log.event("fault_recovered", fault=entry["fault"], action=what)
         entry["recovered_t"], entry["recovery"] = record["t"], what
@@ -566,6 +574,7 @@ def _fmt_goodput(goodput: float | None) -> str:
 
 
 def _last_line(path: Path) -> str:
+    """The last non-blank line of a process's log (300 characters at most), for the run's error."""
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
@@ -574,6 +583,7 @@ def _last_line(path: Path) -> str:
 
 
 def _merged_versions(out: Path) -> int:
+    """How many versions the coordinator in ``out`` has merged so far (0 before its events file exists)."""
     try:
         with open(out / "events.jsonl") as f:
             return sum(1 for line in f if '"round_merged"' in line)
