@@ -3,7 +3,7 @@
 Both are real process-mode simulations (``dtrain_cli.simulate.run_simulation``: a coordinator and N worker
 processes on loopback, 4 islands of configs/small.toml by default, the default heartbeats and lease). The
 chaos run injects :data:`FAULTS` (``--fault SPEC``, repeatable, replaces the list; the grammar is in
-dtrain_cli/faults.py): an island SIGKILLed and restarted twice, one hung (SIGSTOP) past its lease, the
+dtrain_cli/fault_spec.py): an island SIGKILLed and restarted twice, one hung (SIGSTOP) past its lease, the
 coordinator SIGKILLed and resumed once, a poisoned delta, a NaN delta, a slowed link.
 
 Figures, all from the chaos run's summary.json except L:
@@ -41,7 +41,7 @@ from dtrain import config as config_mod
 from dtrain.config import Config, load_config
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
-from dtrain_cli.faults import FaultSpec, parse_fault
+from dtrain_cli.fault_spec import FaultSpec, parse_fault
 from dtrain_cli.simulate import run_simulation
 
 # The chaos run, for 4 islands of configs/small.toml (12 versions, ~5 s each on 2 cores after ~40 s of start-up).

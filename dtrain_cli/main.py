@@ -93,18 +93,36 @@ def _command(sub: argparse._SubParsersAction[Parser], name: str, help: str, desc
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dtrain`` parser: every command (:data:`COMMANDS`), each with its flags, a description and an
+    example."""
     parser = Parser(prog="dtrain", description="multi-datacenter asynchronous training on JAX",
                     epilog="example:\n  dtrain simulate --config small --islands 4\n\n"
                     "`dtrain COMMAND --help` describes a command.",
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_simulate(sub)
+    _add_coordinator(sub)
+    _add_worker(sub)
+    _add_status(sub)
+    _add_config(sub)
+    _add_plot(sub)
+    return parser
+
+
+def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain train``: one island, no coordinator (the baseline)."""
     p = _command(sub, "train", "one island: the plain baseline, with orbax checkpoints",
                  "Trains one island on all local devices, no coordinator: the baseline DiLoCo is compared with.\n"
                  "Writes runs/NAME/ (events.jsonl, summary.json, checkpoints/STEP every run.checkpoint_every steps).",
                  "dtrain train --config tiny --set train.steps=40")
     _common(p)
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its latest checkpoint")
+
+
+def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain simulate``: N islands on loopback (or in this process), with ``--fault`` injection."""
     p = _command(sub, "simulate", "N islands with DiLoCo outer steps: a coordinator and N worker processes on "
                  "loopback (or --inprocess)",
                  "Runs a coordinator and N worker processes on 127.0.0.1 (or every island in this process with\n"
@@ -123,7 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
                    "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
                    "[,prob=P][,seed=S][,until=STEP] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
-                   "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/faults.py)")
+                   "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/fault_spec.py)")
+
+
+def _add_coordinator(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain coordinator``: serve the coordinator."""
     p = _command(sub, "coordinator", "serve the coordinator (merges the islands' deltas)",
                  "Serves the coordinator on coordinator.host:port until the run's last version is merged and every\n"
                  "live island holds it (or SIGTERM); checkpoints into RUN_DIR/coordinator/VERSION.",
@@ -138,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-finish", choices=("exit", "serve"), default="exit",
                    help="once the run is finished: exit (the default), or keep serving its final θ, Status, health "
                    "and the dashboard until SIGTERM (a Deployment's: it would restart an exited coordinator)")
+
+
+def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain worker``: one island against a coordinator (and the testing knobs simulate passes it)."""
     p = _command(sub, "worker", "run one island against a coordinator",
                  "Trains one island on all local devices against a running coordinator; a restarted worker with\n"
                  "the same --island name rejoins its shard. An unreachable coordinator is retried for\n"
@@ -165,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jax-coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's jax.distributed address, the same for every process (default: "
                    "DTRAIN_JAX_COORDINATOR; 'auto' under SLURM and on TPU slices: JAX finds it)")
+
+
+def _add_status(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain status``: ask a coordinator how the run is going (no config needed)."""
     p = _command(sub, "status", "ask a coordinator how the run is going",
                  "Prints the run's progress (version x of y, tokens), the global eval loss, each island (state,\n"
                  "shard, cursor, step rate, loss, utilization, devices), the open round, the latest rounds, bytes\n"
@@ -185,12 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, metavar="FILE", help="client private key for mutual TLS (PEM)")
     p.add_argument("--tls-server-name", default=None, metavar="NAME",
                    help="the name on the coordinator's certificate, if not the address's host")
+
+
+def _add_config(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain config``: print the resolved config, or the reference table."""
     p = _command(sub, "config", "print the resolved config as TOML with every field's comment",
                  "Prints the config after --set overrides, every field with its comment, as TOML that loads back;\n"
                  "or with --reference the README's Markdown table of every field.",
                  "dtrain config --config tiny --set train.lr=1e-3 > my.toml")
     _config_flags(p, required=False)
     p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
+
+
+def _add_plot(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain plot``: PNGs of a run from its events."""
     p = _command(sub, "plot", "write PNGs of a run (loss, bytes, utilization, a fault timeline) from its events; "
                  "a finished or a live run",
                  "Reads the events a run wrote (the coordinator's and each island's) and writes PNGs: eval and train\n"
@@ -198,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
                  "dtrain plot runs/tiny --out /tmp/plots")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, e.g. runs/tiny")
     p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +283,7 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
-            from dtrain_cli.faults import host_device_count, parse_fault
+            from dtrain_cli.fault_spec import host_device_count, parse_fault
             from dtrain_cli.simulate import run_simulation
 
             # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says

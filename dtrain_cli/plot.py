@@ -125,24 +125,37 @@ def _x(point: Point) -> float:
 
 def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]],
                driver: list[dict[str, Any]]) -> RunSeries:
-    """The plotted series from a run's events (:func:`read_run`)."""
+    """The plotted series from a run's events (:func:`read_run`): the top-level events, each island's (by name)
+    and the simulate driver's. Times are seconds since the run's first event."""
     every = [e for evs in (top, driver, *islands.values()) for e in evs if isinstance(e.get("t"), (int, float))]
     t0 = min((float(e["t"]) for e in every), default=0.0)
-    s = RunSeries()
-    names: dict[str, str] = {}  # the coordinator's island id -> the island's name
-    for e in top:
-        if e.get("event") == "island_joined" and e.get("name"):
-            names[str(e["island"])] = str(e["name"])
-
-    def name_of(island_id: Any) -> str:
-        return names.get(str(island_id), str(island_id))
-
+    # the coordinator's island id -> the island's name
+    names = {str(e["island"]): str(e["name"]) for e in top if e.get("event") == "island_joined" and e.get("name")}
     started = next((e for e in top if e.get("event") == "run_started"), None)
     cfg = started.get("config", {}) if started else {}
     tokens_per_step = int(cfg.get("train", {}).get("batch_size", 0)) * int(cfg.get("model", {}).get("seq_len", 0))
     single = started is not None and started.get("mode") == "train"  # dtrain train: one island, events at the top
+    s = RunSeries()
+    s.train_loss, s.eval_loss, s.final_eval = _losses(top, islands, tokens_per_step, single)
+    s.bytes_up, s.bytes_down = _bytes(top, t0, names)
+    s.utilization = _utilization(islands, t0)
+    marks = [*_top_marks(top, islands, t0, names, single), *_island_marks(islands, t0), *_driver_marks(driver, t0)]
+    s.marks = sorted(marks, key=lambda m: m.t)
+    island_lanes = sorted({m.lane for m in marks if m.lane != COORDINATOR} | set(islands))
+    s.lanes = [COORDINATOR, *island_lanes] if any(m.lane == COORDINATOR for m in marks) or top else island_lanes
+    return s
 
-    # -- losses
+
+def _name_of(names: dict[str, str], island_id: Any) -> str:
+    """The island's name for the coordinator's island id (the id itself where no join named it)."""
+    return names.get(str(island_id), str(island_id))
+
+
+def _losses(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]], tokens_per_step: int,
+            single: bool) -> tuple[dict[str, list[Point]], list[Point], dict[str, Point]]:
+    """(train loss per island against its tokens, the global eval loss against the tokens merged, each island's
+    final eval loss at the tokens merged into its version), each series sorted by its x. ``tokens_per_step``:
+    a ``dtrain train`` eval's tokens per step (its events name the step); ``single``: a ``dtrain train`` run."""
     train: dict[str, list[Point]] = defaultdict(list)
     for name, evs in islands.items():
         for e in evs:
@@ -150,6 +163,7 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
                 loss, tokens = _num(e.get("loss")), _num(e.get("tokens"))
                 if loss is not None and tokens is not None:
                     train[name].append((tokens, loss))
+    eval_loss: list[Point] = []
     merged_tokens: dict[int, float] = {}  # version -> tokens merged into it
     total = 0.0
     for e in top:
@@ -166,12 +180,26 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
                     if _num(loss) is not None:
                         train[f"island-{i}"].append((total / len(losses), float(loss)))
             if _num(e.get("eval_loss")) is not None:
-                s.eval_loss.append((total, float(e["eval_loss"])))
+                eval_loss.append((total, float(e["eval_loss"])))
         elif kind == "train" and single:
             loss, tokens = _num(e.get("loss")), _num(e.get("tokens"))
             if loss is not None and tokens is not None:
                 train["train"].append((tokens, loss))
-    for e in top:  # after the merges: an eval without its tokens takes its version's
+    eval_loss += _evals(top, merged_tokens, tokens_per_step)
+    final_eval: dict[str, Point] = {}
+    for name, evs in islands.items():
+        done = next((e for e in reversed(evs) if e.get("event") == "island_finished"), None)
+        loss = _num(done.get("final_eval_loss")) if done else None
+        if done is not None and loss is not None:
+            final_eval[name] = (merged_tokens.get(int(done.get("version", 0)), total), loss)
+    return {k: sorted(v, key=_x) for k, v in sorted(train.items())}, sorted(eval_loss, key=_x), final_eval
+
+
+def _evals(top: list[dict[str, Any]], merged_tokens: dict[int, float], tokens_per_step: int) -> list[Point]:
+    """The top-level ``eval`` events as (tokens, loss): an eval without its tokens takes its version's
+    (``merged_tokens``), or a ``dtrain train`` eval its step's."""
+    points = []
+    for e in top:
         if e.get("event") == "eval":
             loss = _num(e.get("loss", e.get("eval_loss")))
             tokens = _num(e.get("tokens"))
@@ -180,17 +208,14 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
             if tokens is None and e.get("step") is not None:  # dtrain train: its step's tokens
                 tokens = float(int(e["step"]) * tokens_per_step)
             if loss is not None and tokens is not None:
-                s.eval_loss.append((tokens, loss))
-    for name, evs in islands.items():
-        done = next((e for e in reversed(evs) if e.get("event") == "island_finished"), None)
-        loss = _num(done.get("final_eval_loss")) if done else None
-        if done is not None and loss is not None:
-            version = int(done.get("version", 0))
-            s.final_eval[name] = (merged_tokens.get(version, total), loss)
-    s.train_loss = {k: sorted(v, key=_x) for k, v in sorted(train.items())}
-    s.eval_loss.sort(key=_x)
+                points.append((tokens, loss))
+    return points
 
-    # -- bytes (the coordinator's view: what it received and sent)
+
+def _bytes(top: list[dict[str, Any]], t0: float, names: dict[str, str]
+           ) -> tuple[dict[str, list[Point]], dict[str, list[Point]]]:
+    """Cumulative frame bytes (up, down) over time per island and in ``all``: the coordinator's view, what it
+    received and sent."""
     up: dict[str, float] = defaultdict(float)
     down: dict[str, float] = defaultdict(float)
     bytes_up: dict[str, list[Point]] = defaultdict(list)
@@ -198,14 +223,14 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
     for e in top:
         kind, t = e.get("event"), float(e.get("t", t0)) - t0
         if kind == "push_received" and _num(e.get("bytes")) is not None:
-            who = name_of(e.get("island"))
+            who = _name_of(names, e.get("island"))
             up[who] += float(e["bytes"])
             up["all"] += float(e["bytes"])
             bytes_up[who].append((t, up[who]))
             bytes_up["all"].append((t, up["all"]))
         elif kind == "pull_served":
             size = sum(float(f[3]) for f in e.get("frames", ()) if isinstance(f, list) and len(f) > 3)
-            who = name_of(e.get("island"))
+            who = _name_of(names, e.get("island"))
             down[who] += size
             down["all"] += size
             bytes_down[who].append((t, down[who]))
@@ -213,9 +238,12 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
         elif kind == "round_merged" and "bytes_up" in e:  # simulate --inprocess: running totals
             bytes_up["all"].append((t, float(e["bytes_up"])))
             bytes_down["all"].append((t, float(e.get("bytes_down", 0))))
-    s.bytes_up, s.bytes_down = dict(sorted(bytes_up.items())), dict(sorted(bytes_down.items()))
+    return dict(sorted(bytes_up.items())), dict(sorted(bytes_down.items()))
 
-    # -- utilization (the islands' train events carry it)
+
+def _utilization(islands: dict[str, list[dict[str, Any]]], t0: float) -> dict[str, list[Point]]:
+    """Each island's utilization over time (its ``train`` events carry it, and its ``island_finished``)."""
+    series = {}
     for name, evs in sorted(islands.items()):
         points = [(float(e["t"]) - t0, float(e["utilization"])) for e in evs
                   if e.get("event") == "train" and _num(e.get("utilization")) is not None]
@@ -223,14 +251,19 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
         if done is not None and _num(done.get("utilization")) is not None:
             points.append((float(done["t"]) - t0, float(done["utilization"])))
         if points:
-            s.utilization[name] = sorted(points, key=_x)
+            series[name] = sorted(points, key=_x)
+    return series
 
-    # -- timeline
+
+def _top_marks(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]], t0: float,
+               names: dict[str, str], single: bool) -> list[Mark]:
+    """The timeline marks of the top-level events: merges, joins and rejoins, the coordinator's faults (on their
+    island's lane or its own), a train run's NaN guard, quarantines of islands that wrote no events."""
     marks: list[Mark] = []
     seen_names: set[str] = set()
     for e in top:
         kind, t = str(e.get("event")), float(e.get("t", t0)) - t0
-        who = name_of(e.get("island")) if e.get("island") is not None else COORDINATOR
+        who = _name_of(names, e.get("island")) if e.get("island") is not None else COORDINATOR
         if kind == "round_merged":
             marks.append(Mark(t, COORDINATOR, kind, f"v{e.get('version')}"))
         elif kind == "island_joined":
@@ -247,6 +280,13 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
             marks.append(Mark(t, who if fault in ISLAND_FAULTS else COORDINATOR,
                               FAULT_MARKS.get(fault, "coordinator_fault"),
                               f"{kind}: {e.get('reason', e.get('error', e.get('version', '')))}"))
+    return marks
+
+
+def _island_marks(islands: dict[str, list[dict[str, Any]]], t0: float) -> list[Mark]:
+    """The timeline marks of the islands' own events: quarantines, NaN guards, rewinds, remeshes, failing
+    heartbeats, slow links, the push faults they injected."""
+    marks = []
     for name, evs in islands.items():
         for e in evs:
             kind, t = str(e.get("event")), float(e.get("t", t0)) - t0
@@ -255,6 +295,13 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
                 marks.append(Mark(t, name, kind, str(e.get("detail", e.get("reason", e.get("fault", ""))))))
             elif kind in ("remeshed", "drained"):
                 marks.append(Mark(t, name, "remeshed", kind))
+    return marks
+
+
+def _driver_marks(driver: list[dict[str, Any]], t0: float) -> list[Mark]:
+    """The timeline marks of the simulate driver's events: the faults it injected and their recoveries, on the
+    lane of what they hit, and the islands it stopped."""
+    marks = []
     targets: dict[str, str] = {}  # fault text -> the island (or the coordinator) it hit
     for e in driver:
         kind, t = str(e.get("event")), float(e.get("t", t0)) - t0
@@ -266,14 +313,12 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
             marks.append(Mark(t, targets.get(str(e.get("fault")), COORDINATOR), kind, str(e.get("action", ""))))
         elif kind == "worker_stopped":
             marks.append(Mark(t, str(e.get("island", COORDINATOR)), "fault_recovered", "stopped by the driver"))
-    s.marks = sorted(marks, key=lambda m: m.t)
-    island_lanes = sorted({m.lane for m in marks if m.lane != COORDINATOR} | set(islands))
-    s.lanes = [COORDINATOR, *island_lanes] if any(m.lane == COORDINATOR for m in marks) or top else island_lanes
-    return s
+    return marks
 
 
 def write_plots(series: RunSeries, out: Path, title: str) -> list[Path]:
-    """Draws the PNGs that have data into ``out``; returns their paths."""
+    """Draws the PNGs that have data (``loss.png``, ``bytes.png``, ``utilization.png``, ``timeline.png``) into
+    ``out``, each titled ``TITLE: NAME``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,68 +326,92 @@ def write_plots(series: RunSeries, out: Path, title: str) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
+    for name, draw in (("loss.png", _draw_loss), ("bytes.png", _draw_bytes), ("utilization.png", _draw_utilization),
+                       ("timeline.png", _draw_timeline)):
+        fig = draw(plt, series)
+        if fig is None:
+            continue
         fig.suptitle(f"{title}: {name.removesuffix('.png')}")
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-
-    if series.train_loss or series.eval_loss or series.final_eval:
-        fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name, points in series.train_loss.items():
-            ax_train.plot(*zip(*points, strict=True), marker=".", label=name)
-        ax_train.set(xlabel="tokens trained by the island", ylabel="train loss (latest chunk)", title="train loss")
-        if series.eval_loss:
-            ax_eval.plot(*zip(*series.eval_loss, strict=True), marker="o", color="black", label="global θ")
-        for name, (x, y) in series.final_eval.items():
-            ax_eval.scatter([x], [y], marker="*", s=120, label=f"{name} final", zorder=3)
-        ax_eval.set(xlabel="tokens merged", ylabel="held-out eval loss", title="eval loss")
-        for ax in (ax_train, ax_eval):
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
-        save(fig, "loss.png")
-    if series.bytes_up or series.bytes_down:
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        for label, data, style in (("up", series.bytes_up, "-"), ("down", series.bytes_down, "--")):
-            for name, points in data.items():
-                xs, ys = zip(*points, strict=True)
-                ax.step(xs, [y / 1e6 for y in ys], style, where="post", label=f"{name} {label}",
-                        linewidth=2.5 if name == "all" else 1.2)
-        ax.set(xlabel="seconds since the run started", ylabel="MB (frames, cumulative)",
-               title="bytes up (pushes) and down (pulls)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "bytes.png")
-    if series.utilization:
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        for name, points in series.utilization.items():
-            ax.plot(*zip(*points, strict=True), marker=".", label=name)
-        ax.set(xlabel="seconds since the run started", ylabel="fraction of training time in inner steps",
-               ylim=(0, 1.05), title="utilization")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "utilization.png")
-    if series.marks:
-        fig, ax = plt.subplots(figsize=(12, 1.5 + 0.6 * len(series.lanes)))
-        row = {lane: i for i, lane in enumerate(series.lanes)}
-        by_kind: dict[str, list[Mark]] = defaultdict(list)
-        for m in series.marks:
-            by_kind[m.kind].append(m)
-        for kind, marks in by_kind.items():
-            label, marker, color = MARKS[kind]
-            ax.scatter([m.t for m in marks], [row[m.lane] for m in marks], marker=marker, color=color, s=60,
-                       label=label, zorder=3)
-        ax.set_yticks(range(len(series.lanes)), series.lanes)
-        ax.set_ylim(len(series.lanes) - 0.5, -0.5)
-        ax.set(xlabel="seconds since the run started", title="timeline: faults and detections")
-        ax.grid(axis="x", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        save(fig, "timeline.png")
     return written
+
+
+def _draw_loss(plt: Any, series: RunSeries) -> Any:
+    """The loss figure (train loss per island, eval loss of the global θ and the islands' final ones); None
+    without a loss."""
+    if not (series.train_loss or series.eval_loss or series.final_eval):
+        return None
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, points in series.train_loss.items():
+        ax_train.plot(*zip(*points, strict=True), marker=".", label=name)
+    ax_train.set(xlabel="tokens trained by the island", ylabel="train loss (latest chunk)", title="train loss")
+    if series.eval_loss:
+        ax_eval.plot(*zip(*series.eval_loss, strict=True), marker="o", color="black", label="global θ")
+    for name, (x, y) in series.final_eval.items():
+        ax_eval.scatter([x], [y], marker="*", s=120, label=f"{name} final", zorder=3)
+    ax_eval.set(xlabel="tokens merged", ylabel="held-out eval loss", title="eval loss")
+    for ax in (ax_train, ax_eval):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return fig
+
+
+def _draw_bytes(plt: Any, series: RunSeries) -> Any:
+    """The bytes figure (cumulative MB up and down, per island and in all); None without bytes."""
+    if not (series.bytes_up or series.bytes_down):
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, data, style in (("up", series.bytes_up, "-"), ("down", series.bytes_down, "--")):
+        for name, points in data.items():
+            xs, ys = zip(*points, strict=True)
+            ax.step(xs, [y / 1e6 for y in ys], style, where="post", label=f"{name} {label}",
+                    linewidth=2.5 if name == "all" else 1.2)
+    ax.set(xlabel="seconds since the run started", ylabel="MB (frames, cumulative)",
+           title="bytes up (pushes) and down (pulls)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _draw_utilization(plt: Any, series: RunSeries) -> Any:
+    """The utilization figure (each island's, over time); None without one."""
+    if not series.utilization:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, points in series.utilization.items():
+        ax.plot(*zip(*points, strict=True), marker=".", label=name)
+    ax.set(xlabel="seconds since the run started", ylabel="fraction of training time in inner steps",
+           ylim=(0, 1.05), title="utilization")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _draw_timeline(plt: Any, series: RunSeries) -> Any:
+    """The timeline figure (one lane per island and the coordinator, a marker per kind of mark); None without
+    a mark."""
+    if not series.marks:
+        return None
+    fig, ax = plt.subplots(figsize=(12, 1.5 + 0.6 * len(series.lanes)))
+    row = {lane: i for i, lane in enumerate(series.lanes)}
+    by_kind: dict[str, list[Mark]] = defaultdict(list)
+    for m in series.marks:
+        by_kind[m.kind].append(m)
+    for kind, marks in by_kind.items():
+        label, marker, color = MARKS[kind]
+        ax.scatter([m.t for m in marks], [row[m.lane] for m in marks], marker=marker, color=color, s=60,
+                   label=label, zorder=3)
+    ax.set_yticks(range(len(series.lanes)), series.lanes)
+    ax.set_ylim(len(series.lanes) - 0.5, -0.5)
+    ax.set(xlabel="seconds since the run started", title="timeline: faults and detections")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:

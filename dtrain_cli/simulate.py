@@ -11,6 +11,11 @@ job (a multi-host island, :mod:`workers.hosts`, on one machine): process 0 write
 and alone talks to the coordinator; process I > 0 writes ``RUN_DIR/islands/NAME/process-I/`` (its events,
 summary and ``worker.log``). :func:`island_process_flags` and :func:`free_port` are how such an island is
 launched (tests/test_multihost.py launches its islands with them too).
+
+What the driver owns is the processes and the faults it injects (when one comes due, its recovery). The
+``--fault`` grammar is :mod:`dtrain_cli.fault_spec`, link faults act through :mod:`dtrain_cli.link_proxy`,
+the summary's fault entries are scored by :mod:`dtrain_cli.fault_score`, and the status line is
+:mod:`dtrain_cli.run_watch`.
 """
 
 from __future__ import annotations
@@ -30,27 +35,18 @@ from dtrain import config as config_mod
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
-from dtrain.runlog import EventTail, RunLog, fmt_progress, process_dir, read_events
-from dtrain_cli.faults import (
-    DEVICE_KINDS,
-    LINK_KINDS,
-    PUSH_KINDS,
-    FaultSpec,
-    LinkProxy,
-    check_devices,
-    host_device_count,
-)
+from dtrain.runlog import EventTail, RunLog, process_dir, read_events
+from dtrain_cli.fault_score import device_fault_reached, device_quarantines, push_fault_event, score_faults
+from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec, check_devices, host_device_count
+from dtrain_cli.link_proxy import LinkProxy
+from dtrain_cli.run_watch import RunWatch
 
 START_TIMEOUT_S = 120.0
 STATUS_EVERY_S = 10.0  # the driver's status line, when not on a terminal: one every this many seconds
-# The coordinator's events that answer a bad push, and the action each means (push_refused and push_aborted
-# are told apart further in _Simulation._push_detection).
-PUSH_DETECTIONS = {"push_quarantined": "quarantined", "merge_rejected": "rejected: non-finite merge",
-                   "push_refused": "refused", "push_aborted": "upload aborted"}
 
 
 class SimulationError(DtrainError):
-    pass
+    """A simulation that cannot start or did not finish: a process failed, timed out, or the islands disagree."""
 
 
 def _cli(*args: str) -> list[str]:
@@ -107,48 +103,45 @@ def check_island_processes(processes: object, cfg: Config, faults: Sequence[Faul
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
                    faults: Sequence[FaultSpec] = (), island_processes: int = 1) -> dict[str, Any]:
-    """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each; returns (and
-    writes) the summary.
+    """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each, in a new run
+    folder of ``cfg`` (``RUN_DIR``), until the run ends.
 
-    ``pin``: give each island its own share of this host's CPUs (:func:`cpu_shares`; Linux), as an island
-    owns its hardware in production; all the processes of an island share its share. Unpinned, 4 workers on 2
-    cores drift apart by 10-20% per round under the scheduler and the fast ones wait for the slow ones; the
-    coordinator is never pinned.
+    Args:
+        cfg: the run's config (``outer.islands`` is set to ``islands``; the dashboard, if on, takes a free port).
+        islands: how many islands.
+        quiet: no progress or status lines from the driver (its events are written all the same).
+        timeout_s: raise SimulationError if workers still run this many seconds after they were started.
+        env: set in the environment of every process (e.g. ``XLA_FLAGS`` for fake CPU devices).
+        pin: give each island its own share of this host's CPUs (:func:`cpu_shares`; Linux), as an island owns
+            its hardware in production; all the processes of an island share its share. Unpinned, 4 workers on
+            2 cores drift apart by 10-20% per round under the scheduler and the fast ones wait for the slow
+            ones; the coordinator is never pinned.
+        faults: injected while the run goes on (:mod:`dtrain_cli.fault_spec`); each is an event in
+            ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it,
+            and ``fault_injected`` in the island's events when it fires; a device fault: ``fault_armed`` each
+            time its island's worker is started with it) and, scored against what the run detected
+            (:mod:`dtrain_cli.fault_score`), in the summary's ``faults`` and ``device_quarantines``; the ones
+            that never fired, and why, in ``faults_not_injected``.
+        island_processes: P > 1 makes every island one ``jax.distributed`` job of P processes (each with the
+            fake devices ``env`` gives one process, so P times that many per island), on a free port of
+            127.0.0.1 chosen at the island's first start and kept across its restarts. Faults act on the whole
+            island: a kill SIGKILLs (and a restart starts) all its processes, a hang stops and continues all of
+            them; push faults are passed to every process (process 0 sends the pushes); link faults sit between
+            process 0 and the coordinator. Device faults and chip health are refused
+            (:func:`check_island_processes`). Every start of an island (a restart too) is a ``worker_started``
+            event in ``RUN_DIR/driver/events.jsonl``: its processes' ids and its ``jax_coordinator`` (None for
+            single-process islands).
 
-    ``island_processes``: P > 1 makes every island one ``jax.distributed`` job of P processes (each with the
-    fake devices ``env`` gives one process, so P times that many per island), on a free port of 127.0.0.1
-    chosen at the island's first start and kept across its restarts. Faults act on the whole island: a kill
-    SIGKILLs (and a restart starts) all its processes, a hang stops and continues all of them; push faults
-    are passed to every process (process 0 sends the pushes); link faults sit between process 0 and the
-    coordinator. Device faults and chip health are refused (:func:`check_island_processes`). Every start of an
-    island (a restart too) is a ``worker_started`` event in ``RUN_DIR/driver/events.jsonl``: its processes' ids
-    and its ``jax_coordinator`` (None for single-process islands).
-
-    ``faults``: injected while the run goes on (:mod:`dtrain_cli.faults`); each is an event in
-    ``RUN_DIR/driver/events.jsonl`` (a push fault: ``fault_armed`` when its worker is started with it, and
-    ``fault_injected`` in the island's events when it fires; a device fault: ``fault_armed`` each time its
-    island's worker is started with it) and, with when it was detected and what was done, in the summary
-    (a device fault: :func:`device_fault_entry`; every device an island quarantined, matched to its fault or
-    a false positive: :func:`device_quarantines`).
-
-    The summary's ``goodput`` and ``audit`` (lost and doubled tokens, gaps, overlaps) come from the
-    coordinator's and every island process's events (:mod:`dtrain.audit`): every process that ran as an island's
-    process 0 (its restarts included); the other processes of a multi-process island run the same steps in
-    lockstep, so their events would count the island's steps twice. ``bit_identical_final_params``: every
-    process of every finished island ended on the same θ."""
+    Returns the run's summary, also written to ``RUN_DIR/summary.json``. Its ``goodput`` and ``audit`` (lost
+    and doubled tokens, gaps, overlaps) come from the coordinator's and every island process's events
+    (:mod:`dtrain.audit`): every process that ran as an island's process 0 (its restarts included); the other
+    processes of a multi-process island run the same steps in lockstep, so their events would count the
+    island's steps twice. ``bit_identical_final_params``: every process of every finished island ended on the
+    same θ. Raises ConfigError or SimulationError for what cannot run, before any process starts, and
+    SimulationError for a process that failed."""
     from dtrain.runs import new_run, run_dir
 
-    check_island_processes(island_processes, cfg, faults)
-    if islands != cfg.outer.islands:
-        cfg = config_mod.replace(cfg, outer={"islands": islands})
-    if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
-        cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
-    if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
-        raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
-    if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
-        raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
-    worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
+    cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes)
     cfg = new_run(cfg)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
@@ -160,73 +153,23 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     return sim.summarize()
 
 
-class RunWatch:
-    """What the driver's status line says, from the events the coordinator and the workers write: what the run
-    waits for (workers compiling before they join, the first round), then the version out of the total, the latest
-    global eval loss and the islands' latest train loss. Fed with new events (:class:`dtrain.runlog.EventTail`)."""
-
-    def __init__(self, islands: int, expected_versions: int, shard_end: int, processes: int = 1):
-        """``expected_versions``: the version a run ends at without faults (shown ``~N`` when the coordinator does
-        not know the end ahead); ``shard_end``: sequences per shard (0: no end, wall-time rounds); ``processes``:
-        worker processes per island (the line counts islands joined and processes running)."""
-        self.islands, self.expected, self.shard_end = islands, expected_versions, shard_end
-        self.processes = processes
-        self.joined: set[str] = set()
-        self.version = 0
-        self.total = 0  # the version the run ends at, as the coordinator told the islands (0: the data decides)
-        self.eval_loss: float | None = None
-        self.eval_version = 0  # the version the latest eval loss is of
-        self.train_loss: dict[str, float] = {}  # island name -> its latest train loss
-        self.cursors: dict[int, int] = {}  # shard -> merged cursor (sequences)
-        self.over = ""
-
-    def coordinator(self, events: list[dict[str, Any]]) -> None:
-        for e in events:
-            kind = e.get("event")
-            if kind == "island_joined" and e.get("name"):
-                self.joined.add(str(e["name"]))
-            elif kind == "round_merged":
-                self.version = max(self.version, int(e.get("version", 0)))
-                for p in e.get("pushes", ()):
-                    shard = int(p.get("shard", 0))
-                    self.cursors[shard] = max(self.cursors.get(shard, 0), int(p.get("end", 0)))
-            elif kind == "eval":
-                loss = e.get("loss", e.get("eval_loss"))
-                if isinstance(loss, (int, float)):
-                    self.eval_loss, self.eval_version = float(loss), int(e.get("version", 0))
-            elif kind == "coordinator_stopped":
-                self.over = str(e.get("reason", "stopped"))
-
-    def island(self, name: str, events: list[dict[str, Any]]) -> None:
-        for e in events:
-            kind = e.get("event")
-            if kind == "joined":
-                self.total = int(e.get("total_versions", 0) or 0)
-            elif kind == "train" and isinstance(e.get("loss"), (int, float)):
-                self.train_loss[name] = float(e["loss"])
-
-    @property
-    def known_total(self) -> int:
-        """The version the run ends at: the coordinator's, else the expected one (0: not known)."""
-        return self.total or self.expected
-
-    def line(self, running: int) -> str:
-        """The status line; ``running``: worker processes alive now."""
-        n = self.islands
-        # one process per island: an island is "a worker"; with several, islands join and processes run
-        unit, procs = ("workers", "") if self.processes == 1 else ("islands", f"/{n * self.processes} processes")
-        if not self.joined:
-            return f"simulate: waiting for {n} {unit} to join (compiling; {running}{procs} running)"
-        if self.version == 0 and not self.over:
-            return f"simulate: {len(self.joined)}/{n} {unit} joined, waiting for the first round"
-        losses = list(self.train_loss.values())
-        data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
-        return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
-                            data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
-                            eval_version=self.eval_version,
-                            extra=(f"{running}/{n} workers" if self.processes == 1 else
-                                   f"{running}/{n * self.processes} worker processes")
-                            + ("; the run is over" if self.over else ""))
+def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: Sequence[FaultSpec],
+                 island_processes: int) -> tuple[Config, dict[str, str]]:
+    """What :func:`run_simulation` checks before anything starts: returns the config the run's processes read
+    (``islands`` islands, the dashboard on a free port) and the workers' environment; raises ConfigError or
+    SimulationError for what cannot run."""
+    check_island_processes(island_processes, cfg, faults)
+    if islands != cfg.outer.islands:
+        cfg = config_mod.replace(cfg, outer={"islands": islands})
+    if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
+        cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
+    if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
+        raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
+    if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
+        raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
+    worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
+    return cfg, worker_env
 
 
 class _Simulation:
@@ -267,6 +210,7 @@ class _Simulation:
     # -- processes ---------------------------------------------------------------------------------
 
     def _start_coordinator(self, resume: bool) -> None:
+        """Starts the coordinator (``resume``: from its checkpoint, on the port it had) and waits for its port."""
         clog = open(self.out / "coordinator.log", "a")
         self.logs.append(clog)
         info_path = self.out / "coordinator.json"
@@ -295,7 +239,7 @@ class _Simulation:
         share = self.shares[i]
         inject = []
         for f in self.faults:  # push faults the island injects itself; one that fired is not passed again
-            if f.kind in PUSH_KINDS and f.target == name and self._push_fault_event(f) is None:
+            if f.kind in PUSH_KINDS and f.target == name and not self._push_fired(f):
                 inject += ["--inject", f"{f.kind}@v{f.at_version}"]
                 self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
         for f in self.faults:  # device faults: passed on every start (a restarted worker still has the bad chip)
@@ -340,6 +284,25 @@ class _Simulation:
                                reason="a process of the island failed; the driver killed the others")
 
     def run(self, timeout_s: float) -> None:
+        """Starts the coordinator and every island, supervises them until every island has finished (injecting
+        the faults as they come due, restarting what recovers), records the faults that never fired, then ends
+        the coordinator. Raises SimulationError for a worker or coordinator that failed, or for workers still
+        running ``timeout_s`` seconds after they were started."""
+        self._start_all()
+        pending = self._supervise(timeout_s)
+        self._record_not_injected(pending)
+        failed = self._failures()
+        if failed:
+            raise SimulationError("workers failed: " + "; ".join(failed))
+        coord = self.coordinator
+        if coord is not None:
+            if coord.poll() is None:
+                coord.terminate()
+            if coord.wait(timeout=60) not in (0, -15):
+                raise SimulationError(f"the coordinator failed with status {coord.returncode}")
+
+    def _start_all(self) -> None:
+        """Starts the coordinator, the link proxies of the islands that have link faults, and every island."""
         self._start_coordinator(resume=False)
         address = f"{self.cfg.coordinator.host}:{self.port}"
         for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS}):
@@ -352,6 +315,10 @@ class _Simulation:
         for name in self.names:
             self._start_worker(name)
         self.t_workers = time.perf_counter()
+
+    def _supervise(self, timeout_s: float) -> list[FaultSpec]:
+        """Waits for every island not killed for good, injecting the driver's faults as they come due and
+        running the recoveries; returns the driver's faults that never came due."""
         deadline = self.t_workers + timeout_s
         # push and device faults: the workers inject them
         pending = [f for f in self.faults if f.kind not in PUSH_KINDS + DEVICE_KINDS]
@@ -368,23 +335,36 @@ class _Simulation:
                 self.recoveries.remove((due, action))
                 action()
             self._end_broken_islands()
-            coord = self.coordinator
-            restarting = any(f["kind"] == "kill-coordinator" and f.get("recovered_t") is None for f in self.fired)
-            if coord is not None and coord.poll() not in (None, 0) and not restarting:
-                raise SimulationError(f"the coordinator failed with status {coord.returncode}; "
-                                      f"see {self.out / 'coordinator.log'}")
-            if coord is not None and coord.poll() == 0 and not self.recoveries:
-                # The run is over and the coordinator has gone: an island that was away (hung, cut off) can no
-                # longer learn that from it. Give it a few leases to finish, then stop it.
-                ended_at = ended_at or now
-                if now - ended_at > max(5.0, 2 * self.cfg.coordinator.lease_s):
-                    self._stop_stragglers()
+            ended_at = self._watch_coordinator(ended_at, now)
             self._show_status()
             time.sleep(0.2)
         self._show_status()
+        return pending
+
+    def _watch_coordinator(self, ended_at: float, now: float) -> float:
+        """Raises SimulationError if the coordinator failed (not killed by a fault that restarts it); once it
+        has exited at the run's end, stops the islands still away a few leases later (:meth:`_stop_stragglers`).
+        ``ended_at``: when it was first seen exited (0: not yet); returns that, updated."""
+        coord = self.coordinator
+        restarting = any(f["kind"] == "kill-coordinator" and f.get("recovered_t") is None for f in self.fired)
+        if coord is not None and coord.poll() not in (None, 0) and not restarting:
+            raise SimulationError(f"the coordinator failed with status {coord.returncode}; "
+                                  f"see {self.out / 'coordinator.log'}")
+        if coord is not None and coord.poll() == 0 and not self.recoveries:
+            # The run is over and the coordinator has gone: an island that was away (hung, cut off) can no
+            # longer learn that from it. Give it a few leases to finish, then stop it.
+            ended_at = ended_at or now
+            if now - ended_at > max(5.0, 2 * self.cfg.coordinator.lease_s):
+                self._stop_stragglers()
+        return ended_at
+
+    def _record_not_injected(self, pending: Sequence[FaultSpec]) -> None:
+        """Records every fault that never fired, and why (a ``fault_not_injected`` event, a progress line and
+        an entry of :attr:`not_injected`): ``pending`` (the driver's faults that never came due), push faults
+        whose island made no push late enough, device faults whose island never ran their start step."""
         missed = [(f, "the run ended first") for f in pending]
         missed += [(f, f"{f.target} made no push based on version {f.at_version} or later") for f in self.faults
-                   if f.kind in PUSH_KINDS and self._push_fault_event(f) is None]
+                   if f.kind in PUSH_KINDS and not self._push_fired(f)]
         for f in self.faults:
             if f.device_fault is not None and not device_fault_reached(f, _events(self.out / "islands" / f.target)):
                 missed.append((f, f"{f.target} never trained past inner step {f.device_fault.start}"))
@@ -392,15 +372,6 @@ class _Simulation:
             self.log.event("fault_not_injected", fault=f.text, reason=reason)
             self.log.progress(f"fault {f.text}: not injected ({reason})")
             self.not_injected.append({"fault": f.text, "reason": reason})
-        failed = self._failures()
-        if failed:
-            raise SimulationError("workers failed: " + "; ".join(failed))
-        coord = self.coordinator
-        if coord is not None:
-            if coord.poll() is None:
-                coord.terminate()
-            if coord.wait(timeout=60) not in (0, -15):
-                raise SimulationError(f"the coordinator failed with status {coord.returncode}")
 
     def _failures(self) -> list[str]:
         """The worker processes that failed (exited non-zero) on their own, for the run's error: each one's island,
@@ -431,6 +402,7 @@ class _Simulation:
                         every_s=STATUS_EVERY_S)
 
     def _stop_stragglers(self) -> None:
+        """Terminates the islands still running after the run ended without them (a ``worker_stopped`` event)."""
         for name, procs in self.workers.items():
             if self._running(name):
                 for p in procs:
@@ -444,6 +416,7 @@ class _Simulation:
                 self.log.progress(f"{name}: stopped (the run ended while it was away)")
 
     def stop_all(self) -> None:
+        """SIGKILLs every process still running, closes the link proxies and the processes' log files."""
         for p in (p for procs in self.workers.values() for p in procs):
             if p.poll() is None:
                 p.kill()
@@ -457,45 +430,49 @@ class _Simulation:
     # -- faults ------------------------------------------------------------------------------------
 
     def _due(self, f: FaultSpec, version: int, now: float) -> bool:
+        """Whether the driver's fault ``f`` is due: ``version`` merged, or its seconds since the workers started."""
         if f.at_version is not None:
             return version >= f.at_version
         return f.at_s is not None and now - self.t_workers >= f.at_s
 
     def _inject(self, f: FaultSpec, version: int) -> None:
+        """Fires the driver's fault ``f`` (``version``: the version merged now) and records it (a ``fault_injected``
+        event, an entry of :attr:`fired`); schedules its recovery ``f.duration_s`` later, where it has one, or
+        else takes a killed island for gone."""
         record = self.log.event("fault_injected", fault=f.text, fault_kind=f.kind, target=f.target, version=version,
                                 what=f.describe())
-        self.fired.append({"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": record["t"],
-                           "version": version, "recovered_t": None})
-        entry = self.fired[-1]
+        entry = {"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": record["t"], "version": version,
+                 "recovered_t": None}
+        self.fired.append(entry)
         self.log.progress(f"fault: {f.describe()} (version {version})")
         later = (time.perf_counter() + f.duration_s) if f.duration_s else None
+        what, action = self._fire(f)
+        if later is not None:
+            self.recoveries.append((later, lambda: self._recover(entry, what, action)))
+        elif f.kind == "kill":
+            self.gone.add(f.target)
+
+    def _fire(self, f: FaultSpec) -> tuple[str, Callable[[], None]]:
+        """Does what the driver's fault ``f`` does (kill, hang, kill-coordinator, cut, slow); returns its
+        recovery: what it does, in words, and the action."""
         if f.kind == "kill":
             self._kill(f.target)
-            if later is None:
-                self.gone.add(f.target)
-            else:
-                self.recoveries.append((later, lambda: self._recover(entry, "restarted",
-                                                                       lambda: self._start_worker(f.target))))
-        elif f.kind == "hang":
+            return "restarted", lambda: self._start_worker(f.target)
+        if f.kind == "hang":
             self._signal(f.target, signal.SIGSTOP)
-            assert later is not None
-            self.recoveries.append((later, lambda: self._recover(
-                entry, "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT))))
-        elif f.kind == "kill-coordinator":
+            return "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT)
+        if f.kind == "kill-coordinator":
             assert self.coordinator is not None
             self.coordinator.kill()
             self.coordinator.wait()
-            if later is not None:
-                self.recoveries.append((later, lambda: self._recover(
-                    entry, "restarted with --resume", lambda: self._start_coordinator(resume=True))))
-        elif f.kind in LINK_KINDS:
-            proxy = self.proxies[f.target]
-            if f.kind == "cut":
-                proxy.cut()
-            else:
-                proxy.slow(f.delay_ms / 1000.0)
-            assert later is not None
-            self.recoveries.append((later, lambda: self._recover(entry, "link restored", proxy.restore)))
+            return "restarted with --resume", lambda: self._start_coordinator(resume=True)
+        assert f.kind in LINK_KINDS, f
+        proxy = self.proxies[f.target]
+        if f.kind == "cut":
+            proxy.cut()
+        else:
+            proxy.slow(f.delay_ms / 1000.0)
+        return "link restored", proxy.restore
 
     def _signal(self, name: str, signum: int) -> None:
         """Sends ``signum`` to every process of island ``name`` that has not exited."""
@@ -509,112 +486,22 @@ class _Simulation:
         for p in self.workers[name]:
             p.wait()
 
-    def _push_fault_event(self, f: FaultSpec) -> dict[str, Any] | None:
-        """The island's ``fault_injected`` event for push fault ``f``, or None if it has not fired (yet)."""
-        return next((e for e in _events(self.out / "islands" / f.target)
-                     if e.get("event") == "fault_injected" and e.get("fault_kind") == f.kind
-                     and e.get("at_version") == f.at_version), None)
-
-    def _push_detection(self, f: FaultSpec, injected: dict[str, Any], coord_events: list[dict[str, Any]],
-                        island_events: list[dict[str, Any]]) -> dict[str, Any]:
-        """A push fault's summary entry: the coordinator's first event about the bad push (by its push id) and
-        the action it took; latency from the island's ``fault_injected``; its recovery from the island's events."""
-        push_id = injected["push_id"]
-        about = [e for e in coord_events if e.get("push_id") == push_id]
-        seen = next((e for e in about if e.get("event") in PUSH_DETECTIONS), None)
-        merged = any(p.get("push_id") == push_id for e in coord_events if e.get("event") == "round_merged"
-                     for p in e.get("pushes", ()))
-        recovered = None
-        if seen is None:
-            action = "merged: not detected" if merged else "none: not detected"
-        elif seen["event"] == "push_refused":
-            reason = str(seen.get("reason", ""))
-            action = ("refused: bad frame" if "bad frame" in reason else
-                      "refused: tokens beyond its assigned range" if "exceed its cursor range" in reason else
-                      f"refused: {seen.get('code')}")
-        elif seen["event"] == "push_aborted":
-            retry = next((e for e in about if e.get("event") == "push_received" and e["t"] >= seen["t"]), None)
-            action = "upload retried" if retry is not None else "upload discarded, not retried"
-            recovered = retry["t"] if retry is not None else None
-        else:
-            action = PUSH_DETECTIONS[seen["event"]]
-        recovery = "upload sent again" if recovered is not None else None
-        if seen is not None and seen["event"] != "push_aborted":  # not merged: the island trains its range again
-            rewound = next((e for e in island_events
-                            if e.get("event") == "rewound" and push_id in str(e.get("reason", ""))), None)
-            if rewound is not None:
-                recovered = rewound["t"]
-                recovery = (f"the island rewound to cursor {rewound.get('to_cursor')} and trained the range again "
-                            f"({rewound.get('retrained_steps')} steps)")
-        t = injected["t"]
-        return {"fault": f.text, "kind": f.kind, "target": f.target, "injected_t": t,
-                "version": injected.get("base_version"), "recovered_t": recovered, "recovery": recovery,
-                "push_id": push_id,
-                "merged": merged, "detected_t": seen["t"] if seen else None,
-                "detection_s": round(seen["t"] - t, 3) if seen else None,
-                "detected_by": seen["event"] if seen else None, "action": action}
+    def _push_fired(self, f: FaultSpec) -> bool:
+        """Whether push fault ``f`` has fired: its island's events hold its ``fault_injected``."""
+        return push_fault_event(f, _events(self.out / "islands" / f.target)) is not None
 
     def _recover(self, entry: dict[str, Any], what: str, action: Callable[[], None]) -> None:
+        """Runs a fault's recovery ``action`` and records it (``what``) in its :attr:`fired` ``entry``."""
         action()
         record = self.log.event("fault_recovered", fault=entry["fault"], action=what)
         entry["recovered_t"], entry["recovery"] = record["t"], what
         self.log.progress(f"fault {entry['fault']}: {what}")
 
-    def _detections(self) -> list[dict[str, Any]]:
-        """Each injected fault with when the system noticed it (from the coordinator's and the islands'
-        events) and what it did."""
-        coord_events = _events(self.out)
-        island_events = {n: _events(self.out / "islands" / n) for n in self.names}
-        result = []
-        for f in self.fired:
-            t = f["injected_t"]
-            seen: dict[str, Any] | None = None
-            if f["kind"] in ("kill", "hang", "cut"):
-                # The coordinator notices a dead or hung island when its lease expires, or earlier when a
-                # restarted one joins again under the same name (not a live island moving to another shard).
-                seen = next((e for e in coord_events if e["t"] >= t and e.get("name", e.get("island")) is not None
-                             and (e.get("event") == "island_lost"
-                                  and str(e.get("island", "")).startswith(f["target"] + "-")
-                                  or e.get("event") == "island_joined" and e.get("name") == f["target"]
-                                  and "is done; took over" not in str(e.get("reason", "")))), None)
-                action = {"island_lost": "lease expired: dropped from the round; its shard's unmerged data goes "
-                                         "to the next island to take the shard",
-                          "island_joined": "rejoined before its lease expired: kept its shard, from the "
-                                           "coordinator's cursor",
-                          None: "none: lease not expired"}[seen.get("event") if seen else None]
-            elif f["kind"] == "kill-coordinator":
-                seen = min((e for evs in island_events.values() for e in evs
-                            if e.get("event") in ("retry", "heartbeat_failed") and e["t"] >= t),
-                           key=lambda e: e["t"], default=None)
-                action = "islands retried with backoff"
-            else:  # slow: not a failure (the island keeps its lease); the island notices its round trips grow
-                seen = next((e for e in island_events.get(f["target"], [])
-                             if e.get("event") == "link_slow" and e["t"] >= t), None)
-                action = "the island reported its link slow (heartbeat round trips); it keeps its lease"
-            result.append({**f, "detected_t": seen["t"] if seen else None,
-                           "detection_s": round(seen["t"] - t, 3) if seen else None,
-                           "detected_by": seen.get("event") if seen else None, "action": action})
-        for spec in self.faults:
-            injected = self._push_fault_event(spec) if spec.kind in PUSH_KINDS else None
-            if injected is not None:
-                result.append(self._push_detection(spec, injected, coord_events, island_events[spec.target]))
-        device_faults = [f for f in self.faults if f.kind in DEVICE_KINDS]
-        result += [device_fault_entry(f, island_events[f.target], device_faults) for f in device_faults
-                   if device_fault_reached(f, island_events[f.target])]
-        return result
-
     # -- the summary -------------------------------------------------------------------------------
 
-    def audit(self) -> Audit:
-        """The token-range audit and goodput (:mod:`dtrain.audit`) from the coordinator's events and every
-        island's (all its processes')."""
-        try:
-            return audit(_events(self.out), {n: _events(self.out / "islands" / n) for n in self.names},
-                         AuditParams.from_config(self.cfg))
-        except AuditError as e:
-            raise SimulationError(f"token-range audit of {self.out}: {e}") from None
-
     def summarize(self) -> dict[str, Any]:
+        """The run's summary (see :func:`run_simulation`), from the islands' summaries and the run's events;
+        written to ``RUN_DIR/summary.json`` and the driver's log, which it closes."""
         out, cfg = self.out, self.cfg
         wall = time.perf_counter() - self.t0
         finished = [n for n in self.names if n not in self.gone | self.stopped]
@@ -625,7 +512,9 @@ class _Simulation:
                      for n in finished for i in range(1, self.processes)]
         evals = {round(s["final_eval_loss"], 6) for s in per_island + followers}
         digests = {s["params_digest"] for s in per_island + followers}
-        checked = self.audit()
+        coord_events = _events(out)
+        island_events = {n: _events(out / "islands" / n) for n in self.names}
+        checked = _audit(cfg, out, coord_events, island_events)
         summary = {
             "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
             "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
@@ -634,9 +523,10 @@ class _Simulation:
             "utilization": min(s["utilization"] for s in per_island),
             "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
             "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
-            "worker_cpus": self.shares, "island_processes": self.processes, "faults": self._detections(),
-            "device_quarantines": device_quarantines({n: _events(self.out / "islands" / n) for n in self.names},
-                                                     [f for f in self.faults if f.kind in DEVICE_KINDS]),
+            "worker_cpus": self.shares, "island_processes": self.processes,
+            "faults": score_faults(self.fired, self.faults, coord_events, island_events),
+            "device_quarantines": device_quarantines(island_events, [f for f in self.faults
+                                                                     if f.kind in DEVICE_KINDS]),
             "faults_not_injected": self.not_injected,
             "goodput": checked.goodput, "audit": checked.to_dict(),
             "unfinished_islands": sorted(self.gone | self.stopped),
@@ -646,117 +536,9 @@ class _Simulation:
         self.log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
         self.log.write_summary(summary)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self.log.progress(f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
-                          f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
-                          f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
-                          f"{summary['utilization']:.3f}, goodput {_fmt_goodput(checked.goodput)}, "
-                          f"lost {checked.lost_tokens:,} / doubled {checked.doubled_tokens:,} tokens, "
-                          f"{wall:.1f}s -> {out / 'summary.json'}")
+        self.log.progress(_done_line(summary, checked, out / "summary.json"))
         self.log.close()
         return summary
-
-
-def _quarantine_fault(island: str, evidence: dict[str, Any], device_faults: Sequence[FaultSpec]) -> FaultSpec | None:
-    """The device fault of ``island`` that a ``device_quarantined`` event (``evidence``) found: one on the same
-    device whose start step is not after the evidence's step; None: a false positive (a healthy device
-    quarantined, or the faulty one before its fault could fire)."""
-    return next((f for f in device_faults if f.target == island and f.device_fault is not None
-                 and f.device_fault.found_by(evidence)), None)
-
-
-def device_quarantines(island_events: dict[str, list[dict[str, Any]]], device_faults: Sequence[FaultSpec]
-                       ) -> list[dict[str, Any]]:
-    """Every ``device_quarantined`` event of every island, in time order, as {island, t, device, probe, step,
-    detail, fault}: ``fault`` is the device fault (its spec text) that the quarantine found, or None for a false
-    positive (see :func:`_quarantine_fault`)."""
-    found = []
-    for island, events in island_events.items():
-        for e in events:
-            if e.get("event") == "device_quarantined":
-                f = _quarantine_fault(island, e, device_faults)
-                found.append({"island": island, "t": e["t"], "device": e.get("device"), "probe": e.get("probe"),
-                              "step": e.get("step"), "detail": e.get("detail"), "fault": f.text if f else None})
-    return sorted(found, key=lambda q: q["t"])
-
-
-def device_fault_reached(spec: FaultSpec, island_events: list[dict[str, Any]]) -> bool:
-    """Whether device fault ``spec`` was injected: some process of its island ran past its start step (a
-    ``trained`` event's ``executed``), or the island quarantined the device for it."""
-    fault = spec.device_fault
-    assert fault is not None, spec
-    return any(e.get("event") == "trained" and int(e["executed"]) > fault.start
-               or e.get("event") == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None
-               for e in island_events)
-
-
-def device_fault_entry(spec: FaultSpec, island_events: list[dict[str, Any]], device_faults: Sequence[FaultSpec]
-                       ) -> dict[str, Any]:
-    """A device fault's summary entry from its island's events (all its worker processes'): detected by the
-    island's first ``device_quarantined`` of the fault's device at or after its start step (the probe that found
-    it, ``detection_steps`` = the evidence's step - the start step, ``detection_s`` from the time the island
-    began the chunk that holds the start step, where its events say: :func:`_step_reached_t`); the action from
-    the island's next ``remeshed`` (or ``drained``); ``false_positives``: the island's quarantines that found none
-    of its device faults (``device_faults``: every device fault of the run)."""
-    fault = spec.device_fault
-    assert fault is not None, spec
-    quarantines = [e for e in island_events if e.get("event") == "device_quarantined"]
-    seen = next((e for e in quarantines if _quarantine_fault(spec.target, e, [spec]) is not None), None)
-    false_positives = [{"device": e.get("device"), "probe": e.get("probe"), "step": e.get("step"), "t": e["t"],
-                        "detail": e.get("detail")}
-                       for e in quarantines if _quarantine_fault(spec.target, e, device_faults) is None]
-    onset_t = _step_reached_t(island_events, spec)
-    entry: dict[str, Any] = {
-        "fault": spec.text, "kind": spec.kind, "target": spec.target, "device": fault.device,
-        "start_step": fault.start, "injected_t": onset_t, "recovered_t": None, "recovery": None,
-        "detected_t": None, "detection_s": None, "detection_steps": None, "detected_by": None, "probe": None,
-        "action": "none: not detected", "false_positives": false_positives}
-    if seen is None:
-        return entry
-    step = int(seen["step"])
-    entry.update(detected_t=seen["t"], detected_by="device_quarantined", probe=seen.get("probe"),
-                 detection_steps=step - fault.start,
-                 evidence={k: v for k, v in seen.items() if k not in ("t", "elapsed_s", "event")},
-                 detection_s=round(seen["t"] - onset_t, 3) if onset_t is not None else None)
-    action = f"quarantined device {fault.device} ({seen.get('probe')})"
-    after = next((e for e in island_events if e.get("event") in ("remeshed", "drained") and e["t"] >= seen["t"]),
-                 None)
-    if after is None:
-        entry["action"] = action
-    elif after["event"] == "remeshed":
-        entry.update(action=f"{action}; remeshed on {after.get('devices')} devices", recovered_t=after["t"],
-                     recovery=f"remeshed on devices {after.get('device_ids')} from {after.get('from_devices')}, "
-                              f"the same global batch")
-    else:
-        entry["action"] = f"{action}; drained ({after.get('reason')})"
-    return entry
-
-
-def _step_reached_t(island_events: list[dict[str, Any]], spec: FaultSpec) -> float | None:
-    """When the island's first worker process began the chunk of inner steps that holds device fault ``spec``'s
-    start step: the end of its chunk before it (a ``trained`` event; ``island_started`` for the first chunk). That
-    chunk is known by the first event that shows it ran: a ``trained`` event whose ``executed`` (the process's
-    steps so far) passes the start step, a ``chunk_failed`` whose steps reach past it, or the fault's
-    ``device_quarantined``. None where the first process's events show none (it never ran that step, or a
-    restarted process did, whose step counter was restored from a checkpoint)."""
-    assert spec.device_fault is not None, spec
-    start = spec.device_fault.start
-    last_t: float | None = None
-    executed = 0
-    for e in island_events:
-        event = e.get("event")
-        if event == "island_started" and last_t is None:
-            last_t = float(e["t"])
-        elif event == "trained":
-            if int(e["executed"]) < executed:
-                return None  # a restarted process: it counts from 0 again
-            executed = int(e["executed"])
-            if executed > start:
-                return last_t
-            last_t = float(e["t"])
-        elif event == "chunk_failed" and int(e["step"]) + int(e["steps"]) > start or \
-                event == "device_quarantined" and _quarantine_fault(spec.target, e, [spec]) is not None:
-            return last_t
-    return None
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
@@ -767,11 +549,32 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
+def _audit(cfg: Config, out: Path, coord_events: list[dict[str, Any]], island_events: dict[str, list[dict[str, Any]]]
+           ) -> Audit:
+    """The token-range audit and goodput (:mod:`dtrain.audit`) of the run in ``out`` from the coordinator's
+    events and every island's (all its processes'); raises SimulationError for events it cannot audit."""
+    try:
+        return audit(coord_events, island_events, AuditParams.from_config(cfg))
+    except AuditError as e:
+        raise SimulationError(f"token-range audit of {out}: {e}") from None
+
+
+def _done_line(summary: dict[str, Any], checked: Audit, path: Path) -> str:
+    """The driver's last progress line: the run's ``summary`` in one line, written to ``path``."""
+    return (f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
+            f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
+            f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
+            f"{summary['utilization']:.3f}, goodput {_fmt_goodput(checked.goodput)}, "
+            f"lost {checked.lost_tokens:,} / doubled {checked.doubled_tokens:,} tokens, "
+            f"{summary['wall_s']:.1f}s -> {path}")
+
+
 def _fmt_goodput(goodput: float | None) -> str:
     return "n/a (no step executed)" if goodput is None else f"{goodput:.3f}"
 
 
 def _last_line(path: Path) -> str:
+    """The last non-blank line of a process's log (300 characters at most), for the run's error."""
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
@@ -780,6 +583,7 @@ def _last_line(path: Path) -> str:
 
 
 def _merged_versions(out: Path) -> int:
+    """How many versions the coordinator in ``out`` has merged so far (0 before its events file exists)."""
     try:
         with open(out / "events.jsonl") as f:
             return sum(1 for line in f if '"round_merged"' in line)

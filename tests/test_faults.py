@@ -22,16 +22,19 @@ from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.outer import OuterHParams, merge_weights, outer_update
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
-from dtrain_cli.faults import (
-    DEVICE_KINDS,
-    PUSH_KINDS,
-    LinkProxy,
-    check_devices,
-    host_device_count,
-    parse_fault,
+from dtrain_cli.fault_score import (
+    device_fault_entry,
+    device_fault_reached,
+    device_quarantines,
+    driver_fault_detection,
+    push_detection,
+    push_fault_event,
+    score_faults,
 )
+from dtrain_cli.fault_spec import DEVICE_KINDS, PUSH_KINDS, check_devices, host_device_count, parse_fault
+from dtrain_cli.link_proxy import LinkProxy
 from dtrain_cli.main import main
-from dtrain_cli.simulate import device_fault_entry, device_fault_reached, device_quarantines, run_simulation
+from dtrain_cli.simulate import run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.inject import (
     PUSH_FAULTS,
@@ -290,6 +293,65 @@ def test_a_wrong_device_quarantined_is_a_false_positive() -> None:
     found = device_quarantines({"island-0": clean, "island-1": events}, [fault, other])
     assert [(q["island"], q["device"], q["fault"]) for q in found] == [
         ("island-1", 3, None), ("island-1", 2, None), ("island-1", 5, other.text), ("island-0", 0, None)]
+
+
+def test_the_drivers_faults_are_scored_by_the_event_that_noticed_them() -> None:
+    """kill, hang and cut: the coordinator's island_lost of the island (or its rejoin under the same name, not a
+    live island taking over a shard); kill-coordinator: the islands' first retry; slow: the island's link_slow."""
+    def fired(kind: str, target: str) -> dict[str, Any]:
+        return {"fault": f"{kind}:{target}", "kind": kind, "target": target, "injected_t": 2.0, "version": 1,
+                "recovered_t": None}
+
+    coord = _island_events((1.0, "island_lost", {"island": "island-1-a"}),
+                           (2.5, "island_joined", {"name": "island-1", "reason": "island-0 is done; took over"}),
+                           (3.0, "island_lost", {"island": "island-1-b"}), (3.5, "island_joined", {"name": "island-0"}))
+    islands = {"island-0": _island_events((2.4, "heartbeat_failed", {}), (4.0, "link_slow", {})),
+               "island-1": _island_events((2.2, "retry", {}))}
+    kill = driver_fault_detection(fired("kill", "island-1"), coord, islands)
+    assert (kill["detected_t"], kill["detection_s"], kill["detected_by"]) == (3.0, 1.0, "island_lost")
+    assert kill["action"].startswith("lease expired") and kill["fault"] == "kill:island-1"
+    hang = driver_fault_detection(fired("hang", "island-0"), coord, islands)
+    assert (hang["detected_by"], hang["action"]) == ("island_joined", "rejoined before its lease expired: kept its "
+                                                                       "shard, from the coordinator's cursor")
+    cut = driver_fault_detection(fired("cut", "island-0"), coord[:3], islands)
+    assert (cut["detected_t"], cut["detection_s"], cut["action"]) == (None, None, "none: lease not expired")
+    coordinator = driver_fault_detection(fired("kill-coordinator", "coordinator"), coord, islands)
+    assert (coordinator["detected_t"], coordinator["detected_by"]) == (2.2, "retry")
+    slow = driver_fault_detection(fired("slow", "island-0"), coord, islands)
+    assert (slow["detected_by"], slow["detection_s"]) == ("link_slow", 2.0)
+
+
+def test_a_push_fault_is_scored_by_the_coordinators_answer_to_its_push() -> None:
+    """The coordinator's first event about the bad push (by its push id) is its detection; the island's rewind
+    (or an aborted upload's resend) its recovery; an undetected one says whether it was merged."""
+    nan = parse_fault("nan:island-1@v2", 2)
+    injected = {"t": 5.0, "event": "fault_injected", "fault_kind": "nan", "at_version": 2, "push_id": "p7",
+                "base_version": 3}
+    island = _island_events((4.0, "fault_injected", {"fault_kind": "nan", "at_version": 1, "push_id": "p1"}),
+                            (6.0, "rewound", {"reason": "push p7 quarantined", "to_cursor": 80, "retrained_steps": 10}))
+    island.insert(1, injected)
+    assert push_fault_event(nan, island) == injected
+    assert push_fault_event(parse_fault("nan:island-1@v3", 2), island) is None
+    coord = _island_events((5.5, "push_received", {"push_id": "p7"}), (5.6, "push_quarantined", {"push_id": "p7"}))
+    e = push_detection(nan, injected, coord, island)
+    assert (e["detected_by"], e["detection_s"], e["action"], e["merged"], e["version"]) == \
+        ("push_quarantined", 0.6, "quarantined", False, 3)
+    assert e["recovered_t"] == 6.0 and e["recovery"] == "the island rewound to cursor 80 and trained the range " \
+        "again (10 steps)"
+    refused = _island_events((5.2, "push_refused", {"push_id": "p7", "reason": "tokens exceed its cursor range"}))
+    assert push_detection(nan, injected, refused, [])["action"] == "refused: tokens beyond its assigned range"
+    aborted = _island_events((5.2, "push_aborted", {"push_id": "p7"}), (5.9, "push_received", {"push_id": "p7"}))
+    e = push_detection(nan, injected, aborted, island)  # an aborted upload recovers by its resend, not a rewind
+    assert (e["action"], e["recovered_t"], e["recovery"]) == ("upload retried", 5.9, "upload sent again")
+    merged = _island_events((5.8, "round_merged", {"pushes": [{"push_id": "p7"}]}))
+    e = push_detection(nan, injected, merged, island)
+    assert (e["detected_t"], e["action"], e["merged"], e["recovered_t"]) == (None, "merged: not detected", True, None)
+    # score_faults: the driver's faults first, then the push faults that fired, then the device faults reached
+    kill = {"fault": "kill:island-0@v1", "kind": "kill", "target": "island-0", "injected_t": 1.0, "version": 1,
+            "recovered_t": None}
+    never = parse_fault("poison:island-0@v9", 2)
+    scored = score_faults([kill], [nan, never], coord, {"island-0": [], "island-1": island})
+    assert [f["fault"] for f in scored] == ["kill:island-0@v1", nan.text]
 
 
 class _Echo:

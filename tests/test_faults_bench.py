@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import load_benchmark
-from dtrain_cli.faults import parse_fault
+from dtrain_cli.fault_spec import parse_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"faults: injected=(\d+) detected=(\d+) goodput=(\S+) loss-ratio=(\S+) lost-tokens=(\d+) "

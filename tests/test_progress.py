@@ -20,7 +20,7 @@ from dtrain.config import load_config
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
 from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
-from dtrain_cli.simulate import RunWatch
+from dtrain_cli.run_watch import RunWatch
 from test_island import Events, FakeClient, N, _full, _update, _vec
 from test_service import Running
 from workers.client import CoordinatorClient, PulledFrame

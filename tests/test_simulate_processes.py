@@ -316,7 +316,7 @@ def test_a_killed_two_process_island_restarts_both_processes_and_rejoins(tmp_pat
     """``kill:island-1@v1+1s`` on islands of 2 processes: the driver SIGKILLs both processes of island-1 and
     starts both again (on the island's jax.distributed port); the island rejoins under its name, and the run ends
     with every sequence merged once and every process on the coordinator's final θ."""
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
 
     cfg = _cfg(tmp_path, "train.steps=40", "coordinator.lease_s=30")
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=400, island_processes=2,
@@ -378,7 +378,7 @@ def test_simulate_refuses_what_multi_process_islands_cannot_run(tmp_path, capsys
 
 def test_check_island_processes():
     from dtrain.config import ConfigError
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import check_island_processes
 
     cfg = load_config(ROOT / "configs" / "tiny.toml")
@@ -437,7 +437,7 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
     name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
     pinning; a restart starts both again on the same address; another island gets its own."""
     import dtrain_cli.simulate as simulate
-    from dtrain_cli.faults import parse_fault
+    from dtrain_cli.fault_spec import parse_fault
 
     started: list[tuple[list[str], bool]] = []
 
@@ -467,3 +467,41 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
     assert len(set(addresses[:4])) == 1 and addresses[4] == addresses[5] != addresses[0]
     assert [f.get("--inject") for f in flags] == ["nan@v1"] * 4 + [None] * 2  # every process of the island
     assert (tmp_path / "islands" / "island-1" / "process-1" / "worker.log").is_file()
+
+
+def test_the_drivers_faults_fire_and_schedule_their_recovery(tmp_path):
+    """The driver's fault firing without a run (islands of sleeping processes): a kill with a duration SIGKILLs the
+    island and schedules its restart, one without makes it gone; a hang SIGSTOPs it until its recovery SIGCONTs
+    it; each is a fired record and a fault_injected event, and a recovery a fault_recovered one."""
+    import signal
+    import subprocess
+    import sys
+
+    from dtrain_cli.fault_spec import parse_fault
+    from dtrain_cli.simulate import _Simulation
+
+    faults = [parse_fault(t, 3) for t in ("kill:island-0@v1+5s", "kill:island-1@v1", "hang:island-2@v2+5s")]
+    sim = _Simulation(_cfg(tmp_path), tmp_path, 3, True, dict(os.environ), False, faults)
+    restarted = []
+    sim._start_worker = restarted.append  # a restart recorded, nothing started
+    try:
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        sim.workers = {n: [subprocess.Popen(sleep)] for n in sim.names}
+        for f in faults:
+            sim._inject(f, 2)
+        assert [p.poll() for p in sim.workers["island-0"] + sim.workers["island-1"]] == [-signal.SIGKILL] * 2
+        assert sim.gone == {"island-1"} and len(sim.recoveries) == 2  # island-1's kill has no restart
+        assert [(r["fault"], r["version"], r["recovered_t"]) for r in sim.fired] == \
+            [(f.text, 2, None) for f in faults]
+        for _, action in sim.recoveries:
+            action()
+        assert restarted == ["island-0"]
+        assert [(r["fault"], r.get("recovery")) for r in sim.fired] == [
+            ("kill:island-0@v1+5s", "restarted"), ("kill:island-1@v1", None),
+            ("hang:island-2@v2+5s", "resumed (SIGCONT)")]
+        assert sim._running("island-2")  # stopped, then continued: it runs on
+        events = read_events(tmp_path / "driver")
+        assert [e["fault"] for e in events if e["event"] == "fault_injected"] == [f.text for f in faults]
+        assert [e["action"] for e in events if e["event"] == "fault_recovered"] == ["restarted", "resumed (SIGCONT)"]
+    finally:
+        sim.stop_all()

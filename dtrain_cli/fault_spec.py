@@ -1,4 +1,4 @@
-"""Fault injection for ``dtrain simulate``: the ``--fault SPEC`` grammar and a TCP proxy for link faults.
+"""The ``--fault SPEC`` grammar of ``dtrain simulate``: what a fault is, parsed and checked before anything starts.
 
 A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 
@@ -31,20 +31,17 @@ Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinato
 ``device-bitflip:island-1@step120,device=3,bit=30``, ``device-scale:island-0@step200,device=5,factor=8``,
 ``device-dead:island-2@step150,device=6``.
 
-Everything here is plain parsing and sockets; the driver (:mod:`dtrain_cli.simulate`) decides when a fault
-fires and records it in the run's events.
+Everything here is plain parsing; the driver (:mod:`dtrain_cli.simulate`) decides when a fault fires and
+records it in the run's events, link faults act through :class:`dtrain_cli.link_proxy.LinkProxy`, and
+:mod:`dtrain_cli.fault_score` scores each fault against what the run detected.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import select
-import socket
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dtrain.config import ConfigError
@@ -63,6 +60,9 @@ _SPEC_RE = re.compile(r"(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9._-]+))?"
 
 @dataclass(frozen=True)
 class FaultSpec:
+    """One parsed ``--fault`` spec (:func:`parse_fault`): what to do (``kind``), to which island (``target``),
+    when (``at_version`` or ``at_s``; a device fault's step is its ``device_fault.start``) and for how long."""
+
     kind: str
     target: str  # an island name, or "coordinator"
     at_version: int | None  # fire once this version is merged ...
@@ -73,6 +73,8 @@ class FaultSpec:
     device_fault: DeviceFault | None = None  # device faults: what the island's worker injects (start = stepN)
 
     def describe(self) -> str:
+        """The fault in words, for the driver's progress lines and events (e.g. ``kill island-1 after version 3
+        for 10s``)."""
         if self.device_fault is not None:
             f = self.device_fault
             return f"{self.kind} {self.target} device {f.device} from inner step {f.start}" + \
@@ -92,8 +94,14 @@ class FaultSpec:
 
 
 def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpec:
-    """One ``--fault`` value; raises ConfigError naming what is wrong. ``devices``: each island's device count,
-    where known (a device fault's ``device`` must be below it)."""
+    """Parses one ``--fault`` value.
+
+    Args:
+        text: the spec as given (``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``, see the module docstring).
+        islands: the run's island count (a target must be one of ``island-0`` .. ``island-{islands-1}``).
+        devices: each island's device count, where known (a device fault's ``device`` must be below it).
+
+    Returns the :class:`FaultSpec`; raises ConfigError naming what is wrong."""
     m = _SPEC_RE.fullmatch(text.strip())
     if m is None:
         raise ConfigError(f"--fault {text!r}: expected KIND[:ISLAND]@(vN|Ns|stepN)[+Ds][,KEY=VALUE...], "
@@ -199,107 +207,3 @@ def check_devices(faults: Sequence[FaultSpec], devices: int | None) -> None:
         if f.device_fault is not None and devices is not None and f.device_fault.device >= devices:
             raise ConfigError(f"--fault {f.text!r}: device {f.device_fault.device} is not a device of {f.target} "
                               f"(it has {devices}: ids 0..{devices - 1})")
-
-
-@dataclass
-class _Link:
-    mode: str = "pass"  # "pass" | "cut" | "slow"
-    delay_s: float = 0.0
-    conns: list[socket.socket] = field(default_factory=list)
-
-
-class LinkProxy:
-    """A TCP proxy on 127.0.0.1 between one island and the coordinator, whose link can be cut or slowed.
-
-    ``cut()`` closes every open connection and refuses new ones (accepted, then closed at once) until
-    ``restore()``; ``slow(delay_s)`` holds every piece of data that long before forwarding it. Threads: one
-    accepting, two per connection; all stop with :meth:`close`."""
-
-    def __init__(self, upstream_port: int, host: str = "127.0.0.1"):
-        self.upstream = (host, upstream_port)
-        self._server = socket.create_server((host, 0))
-        self.port = self._server.getsockname()[1]
-        self._link = _Link()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._start(self._accept_loop)
-
-    @property
-    def mode(self) -> str:
-        return self._link.mode
-
-    def _start(self, target: object, *args: object) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
-        t.start()
-        self._threads.append(t)
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            ready, _, _ = select.select([self._server], [], [], 0.2)
-            if not ready:
-                continue
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._link.mode == "cut":
-                    client.close()
-                    continue
-                try:
-                    upstream = socket.create_connection(self.upstream, timeout=5)
-                except OSError:
-                    client.close()
-                    continue
-                self._link.conns += [client, upstream]
-            self._start(self._pipe, client, upstream)
-            self._start(self._pipe, upstream, client)
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while not self._closed.is_set():
-                ready, _, _ = select.select([src], [], [], 0.2)
-                if not ready:
-                    continue
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                delay = self._link.delay_s if self._link.mode == "slow" else 0.0
-                if delay:
-                    time.sleep(delay)
-                dst.sendall(data)
-        except (OSError, ValueError):  # ValueError: cut() closed the socket meanwhile (its fd is -1)
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        with self._lock:
-            self._link.mode = "cut"
-            conns, self._link.conns = self._link.conns, []
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def slow(self, delay_s: float) -> None:
-        with self._lock:
-            self._link.mode, self._link.delay_s = "slow", delay_s
-
-    def restore(self) -> None:
-        with self._lock:
-            self._link.mode, self._link.delay_s = "pass", 0.0
-
-    def close(self) -> None:
-        self._closed.set()
-        self._server.close()
-        self.cut()
-        for t in self._threads:
-            t.join(timeout=1)
