@@ -187,10 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name on the coordinator's certificate, if not the address's host")
     p = _command(sub, "config", "print the resolved config as TOML with every field's comment",
                  "Prints the config after --set overrides, every field with its comment, as TOML that loads back;\n"
-                 "or with --reference the README's Markdown table of every field.",
+                 "or with --reference the Markdown table of every field (docs/configuration.md).",
                  "dtrain config --config tiny --set train.lr=1e-3 > my.toml")
     _config_flags(p, required=False)
-    p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
+    p.add_argument("--reference", action="store_true",
+                   help="print the Markdown reference table of docs/configuration.md instead")
     p = _command(sub, "plot", "write PNGs of a run (loss, bytes, utilization, a fault timeline) from its events; "
                  "a finished or a live run",
                  "Reads the events a run wrote (the coordinator's and each island's) and writes PNGs: eval and train\n"
