@@ -2,9 +2,10 @@
 
 Frozen dataclasses, one per TOML section. Every field carries its comment in
 ``metadata["help"]`` (the config reference in docs/configuration.md and
-``dtrain config`` print it). Files are loaded with :func:`load_config`, ``--set section.field=value``
-overrides are applied on top, and the whole thing is validated once, at load
-time, with errors that name the file, the section and the field.
+``dtrain config`` print it). Files are loaded with :func:`load_config`,
+``--set section.field=value`` overrides are applied on top, and the whole thing
+is validated once, at load time, with errors that name the file, the section
+and the field.
 """
 
 from __future__ import annotations
