@@ -1,1 +1,1 @@
-"""The coordinator service (merges islands' pseudo-gradients); see README."""
+"""The coordinator service (merges islands' pseudo-gradients); see docs/architecture.md."""

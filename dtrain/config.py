@@ -1,10 +1,11 @@
 """One typed source of truth for configuration.
 
 Frozen dataclasses, one per TOML section. Every field carries its comment in
-``metadata["help"]`` (the README's config reference and ``dtrain config`` print
-it). Files are loaded with :func:`load_config`, ``--set section.field=value``
-overrides are applied on top, and the whole thing is validated once, at load
-time, with errors that name the file, the section and the field.
+``metadata["help"]`` (the config reference in docs/configuration.md and
+``dtrain config`` print it). Files are loaded with :func:`load_config`,
+``--set section.field=value`` overrides are applied on top, and the whole thing
+is validated once, at load time, with errors that name the file, the section
+and the field.
 """
 
 from __future__ import annotations
@@ -580,7 +581,7 @@ def run_path(cfg: Config) -> Path:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README, generated from the dataclasses."""
+    """The config reference table of docs/configuration.md, generated from the dataclasses."""
     rows = ["| field | default | meaning |", "| --- | --- | --- |"]
     defaults = Config()
     for section, cls in SECTIONS.items():

@@ -12,7 +12,7 @@ island's name) and the run id. The exporters:
 - ``memory``: spans in an InMemorySpanExporter, metrics in an InMemoryMetricReader; tests read them
   (:meth:`Telemetry.finished_spans`, :meth:`Telemetry.collect`).
 
-Span and metric names are listed in the README's "Telemetry" section. Attributes are named ``dtrain.<name>``
+Span and metric names are listed in docs/telemetry.md. Attributes are named ``dtrain.<name>``
 (:meth:`Telemetry.span` takes them as keywords without the prefix).
 """
 

@@ -41,7 +41,7 @@ AUTH_METADATA_KEY = "authorization"
 # TLS file that still holds one is refused at start-up, with how to make the real one, instead of a run that
 # "authenticates" with a token printed in the repository, or a TLS error deep in gRPC.
 PLACEHOLDER = "REPLACE-ME"
-# How to make each deployed secret (README, "Deploying", step 4): named in the refusal of its placeholder.
+# How to make each deployed secret (docs/deploy.md, step 4): named in the refusal of its placeholder.
 _MAKE_TOKEN = ('kubectl create secret generic dtrain-token --from-literal=token="$(openssl rand -hex 32)" '
                "--dry-run=client -o yaml > deploy/base/secret-token.yaml")
 _MAKE_PEM = {
@@ -84,7 +84,7 @@ def read_token(sec: SecurityConfig) -> str | None:
     if token.strip().startswith(PLACEHOLDER):
         raise ConfigError(f"[security] token_env: ${sec.token_env} holds the placeholder of "
                           f"deploy/base/secret-token.yaml, not a token: make a real one, the same for every cluster "
-                          f"(README, \"Deploying\"): {_MAKE_TOKEN}")
+                          f"(docs/deploy.md, step 4): {_MAKE_TOKEN}")
     return token or None
 
 
@@ -112,7 +112,7 @@ def _read_pem(path: str, what: str) -> bytes:
     if data.strip().startswith(PLACEHOLDER.encode()):
         make = _MAKE_PEM.get(what, f"put the PEM file there (security.{what})")
         raise ConfigError(f"[security] {what}: {path} holds a placeholder of deploy/'s Secrets, not PEM: make the "
-                          f"real one (README, \"Deploying\"): {make}")
+                          f"real one (docs/deploy.md, step 4): {make}")
     if b"-----BEGIN" not in data:
         raise ConfigError(f"[security] {what}: {path} is not a PEM file (no '-----BEGIN' line): name a PEM file "
                           f"in security.{what}")

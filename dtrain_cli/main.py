@@ -221,10 +221,11 @@ def _add_config(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain config``: print the resolved config, or the reference table."""
     p = _command(sub, "config", "print the resolved config as TOML with every field's comment",
                  "Prints the config after --set overrides, every field with its comment, as TOML that loads back;\n"
-                 "or with --reference the README's Markdown table of every field.",
+                 "or with --reference the Markdown table of every field (docs/configuration.md).",
                  "dtrain config --config tiny --set train.lr=1e-3 > my.toml")
     _config_flags(p, required=False)
-    p.add_argument("--reference", action="store_true", help="print the README's Markdown reference table instead")
+    p.add_argument("--reference", action="store_true",
+                   help="print the Markdown reference table of docs/configuration.md instead")
 
 
 def _add_plot(sub: argparse._SubParsersAction[Parser]) -> None:

@@ -263,7 +263,8 @@ def test_set_on_a_string_field_keeps_the_text_as_typed():
 
 
 def test_h_larger_than_steps_is_refused_at_load():
-    """The README: H > steps fails at load time, naming the field (H = steps is one round: the edge case test)."""
+    """docs/configuration.md: H > steps fails at load time, naming the field (H = steps is one round: the edge
+    case test)."""
     with pytest.raises(ConfigError, match=r"\[outer\] inner_steps: must be <= train.steps \(30\), got 50"):
         load_config(TINY, ["train.steps=30", "outer.inner_steps=50"])
     assert load_config(TINY, ["train.steps=30", "outer.inner_steps=30"]).rounds == 1

@@ -475,7 +475,7 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def test_probe_says_serving_over_tls_and_fails_otherwise(tmp_path, monkeypatch):
-    """The README's certificate recipe in small: a CA, a server certificate for IP:127.0.0.1 (what the pod's probe
+    """docs/deploy.md's certificate recipe in small: a CA, a server certificate for IP:127.0.0.1 (what the pod's probe
     dials); the probe verifies it with the CA and exits 0, and exits 1 without TLS or with nothing listening."""
     monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",

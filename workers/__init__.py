@@ -1,1 +1,1 @@
-"""The island worker (trains one replica, exchanges with the coordinator); see README."""
+"""The island worker (trains one replica, exchanges with the coordinator); see docs/architecture.md."""
