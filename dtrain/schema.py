@@ -143,10 +143,10 @@ def _annotated(tp: Any, partial: bool) -> Convert:
 def _literal(tp: Any) -> Convert:
     """``Literal[...]``: one of the listed values, of the same type."""
     choices = typing.get_args(tp)
-    allowed = {(type(c), c) for c in choices}
 
     def literal(value: Any) -> Any:
-        if (type(value), value) not in allowed:  # typed: True is not 1
+        # typed: True is not 1; compared one by one, so a list or a dict is refused, not an unhashable TypeError
+        if not any(type(value) is type(c) and value == c for c in choices):
             raise SchemaError((), f"{value!r} is not one of {', '.join(map(repr, choices))}")
         return value
     return literal
