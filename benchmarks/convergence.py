@@ -42,7 +42,8 @@ from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_oute
 from dtrain.outer import OuterHParams
 from dtrain.runs import FP32_BYTES
 from dtrain.setup import prepare
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 from dtrain_cli.entry import Parser, run_main
 
 MODES = {

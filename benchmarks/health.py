@@ -344,7 +344,8 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     import numpy as np
 
     from dtrain import model
-    from dtrain.train import InnerLoop, make_mesh
+    from dtrain.step import make_mesh
+    from dtrain.train import InnerLoop
     from workers.chips import ChipHealth
 
     built = model.build(cfg.model)

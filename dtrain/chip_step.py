@@ -1,6 +1,6 @@
 """The per-device inner step: each device's gradient on its own micro-batch, then an explicit mean over devices.
 
-The same step as :func:`dtrain.train.inner_step` (the same :func:`dtrain.train.loss_fn`, the same optimizer
+The same step as :func:`dtrain.step.inner_step` (the same :func:`dtrain.step.loss_fn`, the same optimizer
 ``tx`` and update), with the gradient computed in a ``shard_map`` over the island's batch axes: each device
 takes ``value_and_grad`` of its own rows of the global batch, and the gradients are averaged by an explicit
 ``pmean`` over the devices (:func:`dtrain.health.device_grads`, the body the statistics probe runs too).
@@ -29,14 +29,14 @@ from jax.sharding import PartitionSpec as P
 
 from dtrain.health import DeviceFault, device_grads
 from dtrain.model import ApplyFn
-from dtrain.train import BATCH_AXES, TrainState
+from dtrain.step import BATCH_AXES, TrainState
 
 
 def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
                       mesh: Mesh, fault: DeviceFault | None = None, rows: tuple[int, ...] | None = None
                       ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One inner step with per-device gradients. ``rows``: the real rows per device (default: an even split of
-    ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.train.pad_rows`. Metrics:
+    ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.step.pad_rows`. Metrics:
     ``loss`` (the global batch's mean loss), ``grad_norm`` (of the averaged gradient), ``finite`` (every device's
     loss and gradient, and the average, finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``,
     ``device_finite``."""

@@ -14,7 +14,7 @@ Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports 
   whose computation raises (a dead chip) is reported bad with the error.
 - **Per-device statistics** (:meth:`Probes.grad_stats`, :func:`outliers`): each device computes the loss and
   the gradient of *its own* micro-batch (the rows of the global batch the island's step gives it, before the
-  cross-device reduction), by :func:`dtrain.train.loss_fn` in a ``shard_map`` over the mesh; the gradient
+  cross-device reduction), by :func:`dtrain.step.loss_fn` in a ``shard_map`` over the mesh; the gradient
   norms are compared across devices by a two-sided robust z-score (median and MAD, with a floor).
 - **Deterministic replay** (:meth:`Probes.replay`, :func:`digest`, :func:`majority`): the same small piece of
   work (the loss and gradient of a few rows of one device's micro-batch) is computed on every device by the same
@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtrain.model import ApplyFn, Params
 from dtrain.outer import robust_scores
-from dtrain.train import BATCH_AXES, loss_fn, rows_per_device
+from dtrain.step import BATCH_AXES, loss_fn, rows_per_device
 
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
 STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
@@ -398,7 +398,7 @@ def _on_device(tree: Any, device: Any) -> Any:
 
 def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
     """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
-    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.train.rows_per_device` rows each)."""
+    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.step.rows_per_device` rows each)."""
     counts = rows_per_device(batch_BxL1.shape[0], mesh.devices.size)
     start = sum(counts[:index])
     return batch_BxL1[start:start + counts[index]]

@@ -16,7 +16,8 @@ import numpy as np
 from dtrain import data, model
 from dtrain.config import Config
 from dtrain.health import DeviceFault
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 
 
 @dataclass

@@ -12,7 +12,8 @@ from conftest import TINY, make_text
 from dtrain.config import ConfigError, load_config
 from dtrain.health import DeadDeviceError, DeviceFault, Probes, outliers
 from dtrain.model import build
-from dtrain.train import InnerLoop, TrainState, make_mesh, pad_rows, rows_per_device
+from dtrain.step import TrainState, make_mesh, pad_rows, rows_per_device
+from dtrain.train import InnerLoop
 
 K = 4  # steps per scan
 # Loss trajectories agree to this relative tolerance, not bit for bit: the per-device step averages 8 micro-batch

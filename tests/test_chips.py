@@ -14,7 +14,8 @@ from conftest import TINY, make_text
 from dtrain.config import HealthConfig, load_config
 from dtrain.health import DeadDeviceError, DeviceFault
 from dtrain.model import build
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 from workers.chips import ChipHealth
 
 K = 4  # steps per chunk

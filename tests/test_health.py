@@ -30,7 +30,8 @@ from dtrain.health import (
     robust_z,
 )
 from dtrain.model import build
-from dtrain.train import InnerLoop, loss_fn, make_mesh
+from dtrain.step import loss_fn, make_mesh
+from dtrain.train import InnerLoop
 
 
 class Island:

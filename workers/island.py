@@ -56,8 +56,9 @@ from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir, progress_line
 from dtrain.setup import prepare
+from dtrain.step import make_mesh
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.train import InnerLoop
 from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
 from workers.chips import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError, cause
