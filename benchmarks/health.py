@@ -11,8 +11,8 @@ loaded 2-core machine keeps its lease). Each run takes about a minute on 2 CPU c
 (``--quick``: 200 steps, two faults, about 4).
 
 The runs: a clean control run (no fault), then one per fault of :data:`FAULTS`, each a
-``dtrain.health.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the onset,
-between 20% and 80% of the run's inner steps; the step is the island's TrainState counter, which keeps counting
+``dtrain.chip_faults.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the
+onset, between 20% and 80% of the run's inner steps; the step is the island's TrainState counter, which keeps counting
 across rollbacks). The island finds the device (event ``device_quarantined``, whose evidence ``step`` is the inner
 step of the state the probe saw), quarantines it, remeshes on the healthy devices and goes back to its last push.
 
@@ -66,9 +66,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from _common import finish, fmt_or_na, log, met  # noqa: E402
 
 from dtrain import config as config_mod  # noqa: E402
+from dtrain.chip_faults import DeviceFault  # noqa: E402
 from dtrain.config import Config, ConfigError, load_config  # noqa: E402
 from dtrain.errors import DtrainError  # noqa: E402
-from dtrain.health import DeviceFault  # noqa: E402
 from dtrain_cli.entry import Parser, run_main  # noqa: E402
 
 # configs/tiny.toml plus these (then --set): see the module's docstring.

@@ -18,9 +18,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dtrain.chip_faults import DeviceFault, check_alive
 from dtrain.chip_step import device_inner_steps
 from dtrain.config import Config, ConfigError
-from dtrain.health import DeviceFault, check_alive
 from dtrain.model import BuiltModel, Params
 from dtrain.step import (
     BATCH_AXES,
@@ -140,7 +140,7 @@ class InnerLoop:
             ``device_finite``); device arrays, not yet synced to the host.
 
         Raises:
-            dtrain.health.DeadDeviceError: an injected dead device fires on one of the K steps (checked on the
+            dtrain.chip_faults.DeadDeviceError: an injected dead device fires on one of the K steps (checked on the
                 host before dispatch)."""
         if self.fault is not None and self.fault.kind == "dead":
             ids, first = [int(d.id) for d in self.mesh.devices.flat], int(state.step)  # a host sync: dead faults only

@@ -19,7 +19,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   ``until=U`` (excluded; default: to the end, a transient fault ends): the driver passes
   these to the island's worker (``dtrain worker --device-fault KIND:ID@N,...``, and again to a restarted
   worker: the chip is still bad), which injects them into its per-device inner step from inner step N on
-  (:class:`dtrain.health.DeviceFault`).
+  (:class:`dtrain.chip_faults.DeviceFault`).
 - ``TARGET``: an island name (``island-0`` ... ``island-N-1``); none for ``kill-coordinator``.
 - ``WHEN``: ``vN`` (once the coordinator has merged version N) or ``Ns`` (N seconds after the workers
   were started); push faults take ``vN`` only (the island's first push based on version N or later); device
@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtrain.chip_faults import FAULT_OPTIONS, DeviceFault
 from dtrain.config import ConfigError
-from dtrain.health import FAULT_OPTIONS, DeviceFault
 
 PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.inject)
 DEVICE_KINDS = ("device-scale", "device-bitflip", "device-dead")  # injected by the island's worker into one device

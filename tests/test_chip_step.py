@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
+from dtrain.chip_faults import DeadDeviceError, DeviceFault
+from dtrain.chip_probes import Probes, outliers
 from dtrain.config import ConfigError, load_config
-from dtrain.health import DeadDeviceError, DeviceFault, Probes, outliers
 from dtrain.model import build
 from dtrain.step import TrainState, make_mesh, pad_rows, rows_per_device
 from dtrain.train import InnerLoop

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
+from dtrain.chip_faults import DeadDeviceError, DeviceFault
 from dtrain.config import HealthConfig, load_config
-from dtrain.health import DeadDeviceError, DeviceFault
 from dtrain.model import build
 from dtrain.step import make_mesh
 from dtrain.train import InnerLoop

@@ -17,8 +17,8 @@ import pytest
 from conftest import initial_parameters
 from coordinator.server import serve
 from dtrain import codec
+from dtrain.chip_faults import FAULT_KINDS, DeviceFault
 from dtrain.config import Config, ConfigError, load_config
-from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.outer import OuterHParams, merge_weights, outer_update
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events

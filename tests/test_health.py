@@ -12,23 +12,20 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
-from dtrain.config import load_config
-from dtrain.health import (
+from dtrain.chip_faults import DeadDeviceError, DeviceFault, check_alive, inject
+from dtrain.chip_probes import (
     KNOWN_ANSWER_N,
     STAT_Z_MAX,
-    DeadDeviceError,
-    DeviceFault,
     Probes,
     all_finite,
-    check_alive,
     digest,
-    inject,
     known_answer_expected,
     majority,
     micro_batch,
     outliers,
     robust_z,
 )
+from dtrain.config import load_config
 from dtrain.model import build
 from dtrain.step import loss_fn, make_mesh
 from dtrain.train import InnerLoop

@@ -47,11 +47,11 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
+from dtrain.chip_faults import DeviceFault
 from dtrain.codec import CODEC_BITS, params_digest
 from dtrain.config import Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.errors import DtrainError
-from dtrain.health import DeviceFault
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir, progress_line
