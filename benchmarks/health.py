@@ -4,7 +4,7 @@ device fault, and the probes' cost, all in one run.
 Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
 break orbax's async checkpointing) against a real coordinator (``coordinator.server.serve`` on 127.0.0.1, port 0, in a
 child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
-the default probe intervals (workers/chips.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
+the default probe intervals (workers/chip_health.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
 with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
 than one row), 1,000 inner steps, one island, 10 rounds of 100 inner steps, a 20 s lease (an island compiling on a
 loaded 2-core machine keeps its lease). Each run takes about a minute on 2 CPU cores, the whole benchmark about 10
@@ -346,7 +346,7 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     from dtrain import model
     from dtrain.step import make_mesh
     from dtrain.train import InnerLoop
-    from workers.chips import ChipHealth
+    from workers.chip_health import ChipHealth
 
     built = model.build(cfg.model)
     mesh = make_mesh(cfg)

@@ -33,7 +33,7 @@ from dtrain_cli.faults import (
 from dtrain_cli.main import main
 from dtrain_cli.simulate import device_fault_entry, device_fault_reached, device_quarantines, run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
-from workers.inject import (
+from workers.push_faults import (
     PUSH_FAULTS,
     Injection,
     check_device_fault,
@@ -493,7 +493,7 @@ def _push_header(join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
 
 def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_does_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker's poisoned and inflated frames (workers.inject.corrupt_push) against a real coordinator: it
+    """The worker's poisoned and inflated frames (workers.push_faults.corrupt_push) against a real coordinator: it
     quarantines / refuses them, and θ moves by the honest push alone. The same frames through a plain
     token-weighted mean and the outer update (no bounds, no norm screen) put them into θ: the inflated one makes
     θ non-finite, the poisoned one moves it ~1000x farther than the honest delta would."""

@@ -53,17 +53,17 @@ from dtrain.config import Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.errors import DtrainError
 from dtrain.model import Params
+from dtrain.prepare import prepare
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, fmt_progress, json_number, process_dir, progress_line
-from dtrain.setup import prepare
 from dtrain.step import make_mesh
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop
 from dtrain.wire import MAX_EVAL_REPORTS, max_frame_bytes
-from workers.chips import ChipHealth, Evidence
+from workers.chip_health import ChipHealth, Evidence
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame, RunOverError, cause
 from workers.hosts import HostGroup
-from workers.inject import Injection, injected_push
+from workers.push_faults import Injection, injected_push
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives

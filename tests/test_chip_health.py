@@ -1,4 +1,4 @@
-"""The island's chip health (workers/chips.py) on the 8 fake CPU devices: each quarantine rule finds its injected
+"""The island's chip health (workers/chip_health.py) on the 8 fake CPU devices: each quarantine rule finds its injected
 device fault, with evidence, and a clean run quarantines nothing."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from dtrain.chip_faults import DeadDeviceError, DeviceFault
 from dtrain.config import HealthConfig
 from fake_island import CHUNKS, Island, K
-from workers.chips import ChipHealth
+from workers.chip_health import ChipHealth
 
 
 def health(island: Island, fault: DeviceFault | None = None, **cfg: object) -> ChipHealth:

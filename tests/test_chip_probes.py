@@ -141,7 +141,7 @@ def test_clean_control_flags_nothing(island: Island) -> None:
     assert all(r.ok for r in probes.known_answer(step=99))
 
 
-@pytest.mark.slow  # the default run finds a bit-22 flip by replay in test_chips.py (tiny-chunks)
+@pytest.mark.slow  # the default run finds a bit-22 flip by replay in test_chip_health.py (tiny-chunks)
 @pytest.mark.parametrize("fault", [DeviceFault("bitflip", 4, bit=22),
                                    DeviceFault("bitflip", 6, bit=0, rate=0.01, seed=3)],
                          ids=["bit22", "bit0-sparse"])
