@@ -1,4 +1,4 @@
-"""The inner step's primitives: the pure, jitted step and what it is sharded over.
+"""The inner step's primitives: the pure step, and the mesh and shardings it runs over.
 
 ``inner_step(state, batch) -> (state, metrics)`` is a pure function of a :class:`TrainState` pytree: the
 next-token loss (:func:`loss_fn`), AdamW with warm-up and cosine decay (:func:`make_optimizer`) and the NaN/Inf
@@ -30,6 +30,8 @@ BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FS
 
 
 class TrainState(struct.PyTreeNode):
+    """An island's inner-loop state, a pytree: the step count, the parameters and the optimizer's state."""
+
     step: jax.Array  # int32 scalar: inner steps taken by this island
     params: Params
     opt_state: optax.OptState
@@ -80,6 +82,9 @@ def pad_rows(batches_KxBxL1: np.ndarray, counts: Sequence[int]) -> np.ndarray:
 
 def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
                tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step of ``tx`` on the mean loss of ``batch_BxL1`` (tokens ``[B, L + 1]``) under ``apply``.
+    Returns the next state and the step's scalar metrics: ``loss``, ``grad_norm`` and ``finite`` (the NaN/Inf
+    guard: loss and gradient both finite)."""
     loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -57,9 +57,10 @@ class InnerLoop:
         ValueError: a ``fault`` without ``per_device``.
         ConfigError: the global batch does not split evenly over the mesh and ``per_device`` is off.
 
-    Attributes read by callers: ``rows`` (the real rows of the global batch per device, in
-    ``mesh.devices.flat`` order), ``padded_batch`` (the batch as laid out on the devices), ``tx`` (the
-    optimizer), ``state_sharding`` and ``params_sharding``."""
+    Attributes callers read: ``cfg``, ``model`` and ``mesh`` (as given); ``rows`` (the real rows of the global
+    batch per device, in ``mesh.devices.flat`` order); ``padded_batch`` (the batch's rows as laid out on the
+    devices); ``state_sharding``, ``params_sharding`` and ``batch_sharding`` (the ``NamedSharding``s of the
+    state, of its parameters and of the ``[K, B, L + 1]`` batches)."""
 
     def __init__(self, cfg: Config, model: BuiltModel, mesh: Mesh, *, per_device: bool = False,
                  fault: DeviceFault | None = None, donate: bool = True):
