@@ -40,9 +40,10 @@ from dtrain import codec, config
 from dtrain.config import load_config
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.outer import OuterHParams
+from dtrain.prepare import prepare
 from dtrain.runs import FP32_BYTES
-from dtrain.setup import prepare
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 from dtrain_cli.entry import Parser, run_main
 
 MODES = {

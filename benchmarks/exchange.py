@@ -281,7 +281,7 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
     from dtrain import codec
     from dtrain.config import load_config
     from dtrain.diloco import Island, advance
-    from dtrain.setup import prepare
+    from dtrain.prepare import prepare
 
     cfg = load_config(ROOT / "configs" / "small.toml", model_overrides(model_fields) + [
         f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",

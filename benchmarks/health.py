@@ -4,15 +4,15 @@ device fault, and the probes' cost, all in one run.
 Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
 break orbax's async checkpointing) against a real coordinator (``coordinator.lifecycle.serve``, 127.0.0.1, port 0, in a
 child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
-the default probe intervals (workers/chips.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
+the default probe intervals (workers/chip_health.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
 with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
 than one row), 1,000 inner steps, one island, 10 rounds of 100 inner steps, a 20 s lease (an island compiling on a
 loaded 2-core machine keeps its lease). Each run takes about a minute on 2 CPU cores, the whole benchmark about 10
 (``--quick``: 200 steps, two faults, about 4).
 
 The runs: a clean control run (no fault), then one per fault of :data:`FAULTS`, each a
-``dtrain.health.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the onset,
-between 20% and 80% of the run's inner steps; the step is the island's TrainState counter, which keeps counting
+``dtrain.chip_faults.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the
+onset, between 20% and 80% of the run's inner steps; the step is the island's TrainState counter, which keeps counting
 across rollbacks). The island finds the device (event ``device_quarantined``, whose evidence ``step`` is the inner
 step of the state the probe saw), quarantines it, remeshes on the healthy devices and goes back to its last push.
 
@@ -66,9 +66,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from _common import finish, fmt_or_na, log, met  # noqa: E402
 
 from dtrain import config as config_mod  # noqa: E402
+from dtrain.chip_faults import DeviceFault  # noqa: E402
 from dtrain.config import Config, ConfigError, load_config  # noqa: E402
 from dtrain.errors import DtrainError  # noqa: E402
-from dtrain.health import DeviceFault  # noqa: E402
 from dtrain_cli.entry import Parser, run_main  # noqa: E402
 
 # configs/tiny.toml plus these (then --set): see the module's docstring.
@@ -344,8 +344,9 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     import numpy as np
 
     from dtrain import model
-    from dtrain.train import InnerLoop, make_mesh
-    from workers.chips import ChipHealth
+    from dtrain.step import make_mesh
+    from dtrain.train import InnerLoop
+    from workers.chip_health import ChipHealth
 
     built = model.build(cfg.model)
     mesh = make_mesh(cfg)

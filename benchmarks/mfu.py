@@ -195,7 +195,8 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
     import numpy as np
 
     from dtrain import model
-    from dtrain.train import InnerLoop, make_mesh
+    from dtrain.step import make_mesh
+    from dtrain.train import InnerLoop
 
     devices = jax.devices()
     platform, kind = devices[0].platform, devices[0].device_kind

@@ -1,6 +1,6 @@
 """The coordinator's live view: an HTTP page and its JSON endpoint, served beside the gRPC service.
 
-``GET /api/status`` answers the Status RPC's document as JSON (:func:`dtrain.status.message_dict`, the same
+``GET /api/status`` answers the Status RPC's document as JSON (:func:`dtrain.status_doc.message_dict`, the same
 document ``dtrain status --json`` prints); ``GET /`` answers the page (``coordinator/dashboard.html``, plain
 HTML/JS/CSS with no external resource: it polls ``/api/status`` and draws its charts as inline SVG). Auth is the
 gRPC admin side's: with a token configured (``security.token_env``) every request needs
@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 from dtrain.config import Config, SecurityConfig
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
-from dtrain.status import message_dict
+from dtrain.status_doc import message_dict
 from dtrain.wire import bearer_matches
 
 STATUS_PATH = "/api/status"

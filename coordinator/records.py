@@ -103,7 +103,7 @@ class StateOptions:
 
 @dataclass(frozen=True)
 class DeviceEvidence:
-    """One device an island's probes quarantined and why: the heartbeat's DeviceEvidence, workers/chips.py's
+    """One device an island's probes quarantined and why: the heartbeat's DeviceEvidence, workers/chip_health.py's
     Evidence. A number the probe did not measure is None; NaN and infinities are values (a non-finite norm)."""
 
     device: Count  # the JAX device id

@@ -51,7 +51,8 @@ def island_status(state: CoordinatorState, history: RunHistory, islands: int, r:
 def status_response(state: CoordinatorState, history: RunHistory, opts: StateOptions, counters: Counters, *,
                     run_id: str, params_digest: str, started_at: float, now: float) -> pb.StatusResponse:
     """The run's status at ``now``: what the Status RPC answers and the dashboard shows (as JSON:
-    :func:`dtrain.status.message_dict`). ``params_digest``: the merger's θ's; ``started_at``: the service's start."""
+    :func:`dtrain.status_doc.message_dict`). ``params_digest``: the merger's θ's; ``started_at``: the service's
+    start."""
     st = state.status(now)
     h = history
     islands = [island_status(state, h, opts.islands, r, now)

@@ -186,7 +186,7 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class HealthConfig:
     enabled: bool = _f(False, "island workers run the per-device inner step and the chip-health probes, and "
-                       "quarantine a device found faulty (workers/chips.py)")
+                       "quarantine a device found faulty (workers/chip_health.py)")
     known_answer_every: int = _f(100, "inner steps between known-answer probes on every device (also run at start "
                                  "and after a chunk raised; 0: only then); the replay, every replay_every steps, "
                                  "sees a device computing wrong too")

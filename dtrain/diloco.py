@@ -29,7 +29,8 @@ from flax import struct
 from dtrain import outer
 from dtrain.model import Params
 from dtrain.outer import OuterHParams
-from dtrain.train import InnerLoop, TrainState, chunks
+from dtrain.step import TrainState
+from dtrain.train import InnerLoop, chunks
 
 
 class BatchSource(Protocol):

@@ -130,7 +130,7 @@ def robust_scores(values: Sequence[float] | np.ndarray, window: Sequence[float] 
     median gives ``inf`` and any other 0. The window must be finite and non-empty.
 
     Used by the coordinator's norm screen (:func:`robust_z`: one norm against the recent ones) and by the chip
-    probes (``dtrain.health.robust_z``: each device against all of them)."""
+    probes (``dtrain.chip_probes.robust_z``: each device against all of them)."""
     w = np.asarray(window, np.float64)
     if w.size == 0:
         raise ValueError("robust_scores needs a non-empty window")

@@ -20,8 +20,8 @@ from dtrain.config import Config
 from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.errors import DtrainError
 from dtrain.outer import OuterHParams
+from dtrain.prepare import Setup, prepare
 from dtrain.runlog import RunLog, fmt_progress, fmt_rate
-from dtrain.setup import Setup, prepare
 
 FP32_BYTES = 4
 

@@ -58,7 +58,7 @@ OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Healt
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
 MAX_CHUNKS = 1 << 20
 
-# A heartbeat's quarantined devices (DeviceEvidence): the probes an island may name (workers/chips.py runs them),
+# A heartbeat's quarantined devices (DeviceEvidence): the probes an island may name (workers/chip_health.py runs them),
 # the longest detail the coordinator accepts (the client shortens a longer one: a dead device's error message can
 # run to kilobytes) and the most devices one report may name (also at most the island's mesh).
 PROBES = ("known_answer", "finite", "stats", "replay")

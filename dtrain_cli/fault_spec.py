@@ -11,7 +11,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   constant delta as large as the codec carries, tokens claimed 10**9) and ``truncate`` (its upload is cancelled
   after about half of its chunks, then sent whole again): the driver passes these to the island's worker
   (``dtrain worker --inject KIND@vN``), which corrupts its first push based on version >= N
-  (:mod:`workers.inject` says exactly what is sent and what in the coordinator stops it); the device faults
+  (:mod:`workers.push_faults` says exactly what is sent and what in the coordinator stops it); the device faults
   ``device-scale`` (one device's outputs x ``factor=F``, default 10), ``device-bitflip`` (bit ``bit=B`` of its
   float32 outputs flipped, default 22, in a fraction ``rate=R`` of them, default 1) and ``device-dead`` (its
   computations raise), on the device ``device=ID`` (a JAX device id of the island, required), each step with
@@ -19,7 +19,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   ``until=U`` (excluded; default: to the end, a transient fault ends): the driver passes
   these to the island's worker (``dtrain worker --device-fault KIND:ID@N,...``, and again to a restarted
   worker: the chip is still bad), which injects them into its per-device inner step from inner step N on
-  (:class:`dtrain.health.DeviceFault`).
+  (:class:`dtrain.chip_faults.DeviceFault`).
 - ``TARGET``: an island name (``island-0`` ... ``island-N-1``); none for ``kill-coordinator``.
 - ``WHEN``: ``vN`` (once the coordinator has merged version N) or ``Ns`` (N seconds after the workers
   were started); push faults take ``vN`` only (the island's first push based on version N or later); device
@@ -44,10 +44,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.chip_faults import FAULT_OPTIONS, DeviceFault
 from dtrain.config import ConfigError
-from dtrain.health import FAULT_OPTIONS, DeviceFault
 
-PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.inject)
+PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.push_faults)
 DEVICE_KINDS = ("device-scale", "device-bitflip", "device-dead")  # injected by the island's worker into one device
 KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS, *DEVICE_KINDS)
 NEEDS_DURATION = ("hang", "cut", "slow")
@@ -83,7 +83,7 @@ class FaultSpec:
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
 
     def worker_arg(self) -> str:
-        """A device fault as ``dtrain worker --device-fault`` takes it (:func:`workers.inject.parse_device_fault`):
+        """A device fault as ``dtrain worker --device-fault`` takes it (:func:`workers.push_faults.parse_device_fault`):
         ``KIND:DEVICE@STEP`` and the options that differ from their defaults."""
         f = self.device_fault
         if f is None:

@@ -176,11 +176,11 @@ def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--run-dir", default=None, help="events and checkpoints (default: runs/NAME/islands/ISLAND)")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@vN",
                    help="testing knob (what simulate --fault passes): corrupt this island's first push based on "
-                   "version >= N, once; KIND one of nan, poison, inflate, truncate (see workers/inject.py)")
+                   "version >= N, once; KIND one of nan, poison, inflate, truncate (see workers/push_faults.py)")
     p.add_argument("--device-fault", default=None, metavar="KIND:DEVICE@STEP[,OPTION=VALUE...]",
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
-                   "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/inject.py)")
+                   "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/push_faults.py)")
     p.add_argument("--num-processes", type=int, default=None, metavar="P",
                    help="an island of P processes, one per host, one jax.distributed job (default: "
                    "DTRAIN_NUM_PROCESSES, SLURM_NTASKS or a TPU slice's hosts, else 1); only process 0 talks to the "
@@ -340,8 +340,8 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         hosts = initialize(resolve_processes(args.num_processes, args.process_id, args.jax_coordinator, os.environ))
         import jax
 
-        from workers.inject import Injection, check_device_fault, parse_device_fault
         from workers.island import run_worker
+        from workers.push_faults import Injection, check_device_fault, parse_device_fault
 
         inject = [Injection.parse(text) for text in args.inject]
         device_fault = parse_device_fault(args.device_fault) if args.device_fault is not None else None

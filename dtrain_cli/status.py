@@ -2,7 +2,7 @@
 
 The table is built once (:func:`sections`: summary lines, then titled tables of plain strings) and drawn with
 ``rich`` on a terminal, or as plain aligned text when stdout is a pipe or a file. ``--json`` prints
-:func:`dtrain.status.message_dict` of the same Status message (numbers as numbers, every field present), the
+:func:`dtrain.status_doc.message_dict` of the same Status message (numbers as numbers, every field present), the
 document the coordinator's dashboard serves. A coordinator that does not answer is an error within ``--wait``
 seconds (5 by default) naming the address, never a long silence.
 """
@@ -19,7 +19,7 @@ from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import fmt_bytes
-from dtrain.status import message_dict
+from dtrain.status_doc import message_dict
 
 SHOW_ROUNDS = 5  # the latest rounds the table shows (the message holds up to 500)
 SHOW_FAULTS = 5  # the latest faults the table shows

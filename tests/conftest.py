@@ -27,6 +27,7 @@ from dtrain.config import Config, ModelConfig, load_config  # noqa: E402
 
 if TYPE_CHECKING:
     from dtrain.codec import Spec
+    from fake_island import Island
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -84,6 +85,17 @@ def tmp_out(tmp_path: Path) -> list[str]:
 def tiny_cfg(tmp_out: list[str]) -> Config:
     """configs/tiny.toml with its runs under tmp_path."""
     return load_config(TINY, tmp_out)
+
+
+@pytest.fixture(scope="module")
+def island() -> Island:
+    """configs/tiny.toml on the 8 fake CPU devices (tests/fake_island.py), built once per test module: its loops
+    and probes compile once for all of the module's tests."""
+    from fake_island import Island  # imports JAX and builds the model: only the modules that ask for it
+
+    isl = Island()
+    assert len(isl.ids) == 8
+    return isl
 
 
 @pytest.fixture(scope="session")

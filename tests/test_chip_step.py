@@ -8,55 +8,30 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, make_text
-from dtrain.config import ConfigError, load_config
-from dtrain.health import DeadDeviceError, DeviceFault, Probes, outliers
-from dtrain.model import build
-from dtrain.train import InnerLoop, TrainState, make_mesh, pad_rows, rows_per_device
+from dtrain.chip_faults import DeadDeviceError, DeviceFault
+from dtrain.chip_probes import Probes, outliers
+from dtrain.config import ConfigError
+from dtrain.step import TrainState, make_mesh, pad_rows, rows_per_device
+from dtrain.train import InnerLoop
+from fake_island import Island, K
 
-K = 4  # steps per scan
 # Loss trajectories agree to this relative tolerance, not bit for bit: the per-device step averages 8 micro-batch
 # means (and their gradients) where the fused step takes one mean over the batch, so float32 sums run in another
 # order (measured: at most 1 ulp, ~1e-7 relative, over the 8 steps; the tolerance leaves a 10x margin).
 LOSS_RTOL = 1e-6
+CHUNKS = 2  # of the island's fixed batches, trained by train()
 
 
-class Island:
-    def __init__(self) -> None:
-        self.cfg = load_config(TINY, [])
-        self.model = build(self.cfg.model)
-        self.mesh = make_mesh(self.cfg)
-        self.ids = [int(d.id) for d in self.mesh.devices.flat]
-        self.params = InnerLoop(self.cfg, self.model, self.mesh).init_params(0)
-        B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
-        text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
-        starts = np.random.default_rng(0).integers(0, len(text) - L1, (2, K, B))
-        self.batches = text[starts[..., None] + np.arange(L1)]  # [2 chunks, K, B, L+1]
-        self._loops: dict[tuple[bool, DeviceFault | None], InnerLoop] = {}
-
-    def loop(self, per_device: bool, fault: DeviceFault | None = None) -> InnerLoop:
-        if (per_device, fault) not in self._loops:
-            self._loops[per_device, fault] = InnerLoop(self.cfg, self.model, self.mesh, per_device=per_device,
-                                                       fault=fault)
-        return self._loops[per_device, fault]
-
-    def train(self, loop: InnerLoop) -> tuple[list[TrainState], dict[str, np.ndarray]]:
-        """Two chunks of K steps from the same start; the state before each chunk (a copy, the run donates it)
-        and the metrics of all 2K steps."""
-        state = loop.init_state(self.params)
-        before, metrics = [], []
-        for batches in self.batches:
-            before.append(jax.tree.map(lambda x: np.asarray(x).copy(), state))
-            state, m = loop.run(state, batches)
-            metrics.append(jax.device_get(m))
-        return before, {k: np.concatenate([m[k] for m in metrics]) for k in metrics[0]}
-
-
-@pytest.fixture(scope="module")
-def island() -> Island:
-    isl = Island()
-    assert len(isl.ids) == 8
-    return isl
+def train(island: Island, loop: InnerLoop) -> tuple[list[TrainState], dict[str, np.ndarray]]:
+    """The island's first CHUNKS chunks of K steps from the same start with ``loop``; the state before each chunk
+    (a copy, the run donates it) and the metrics of all CHUNKS·K steps."""
+    state = loop.init_state(island.params)
+    before, metrics = [], []
+    for batches in island.batches[:CHUNKS]:
+        before.append(jax.tree.map(lambda x: np.asarray(x).copy(), state))
+        state, m = loop.run(state, batches)
+        metrics.append(jax.device_get(m))
+    return before, {k: np.concatenate([m[k] for m in metrics]) for k in metrics[0]}
 
 
 def test_default_is_the_fused_step(island: Island) -> None:
@@ -66,13 +41,13 @@ def test_default_is_the_fused_step(island: Island) -> None:
 
 
 def test_same_loss_trajectory_as_the_fused_step(island: Island) -> None:
-    _, fused = island.train(island.loop(False))
-    _, per_device = island.train(island.loop(True))
-    assert fused["loss"].shape == per_device["loss"].shape == (2 * K,)
+    _, fused = train(island, island.loop(False))
+    _, per_device = train(island, island.loop(True))
+    assert fused["loss"].shape == per_device["loss"].shape == (CHUNKS * K,)
     np.testing.assert_allclose(per_device["loss"], fused["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(per_device["grad_norm"], fused["grad_norm"], rtol=LOSS_RTOL)
     assert per_device["loss"][-1] < per_device["loss"][0]  # it trains
-    assert per_device["device_grad_norm"].shape == (2 * K, 8)
+    assert per_device["device_grad_norm"].shape == (CHUNKS * K, 8)
     assert per_device["finite"].all() and per_device["device_finite"].all()
     # the average of the devices' micro-batch losses is the step's loss
     np.testing.assert_allclose(per_device["device_loss"].mean(axis=1), per_device["loss"], rtol=1e-6)
@@ -80,7 +55,7 @@ def test_same_loss_trajectory_as_the_fused_step(island: Island) -> None:
 
 
 def test_per_device_norms_are_the_statistics_probe(island: Island) -> None:
-    before, metrics = island.train(island.loop(True))
+    before, metrics = train(island, island.loop(True))
     probes = Probes(island.model.apply, island.mesh)
     for chunk, state in enumerate(before):
         stats = probes.grad_stats(state.params, island.batches[chunk][0], step=int(state.step))
@@ -92,14 +67,14 @@ def test_per_device_norms_are_the_statistics_probe(island: Island) -> None:
 @pytest.mark.parametrize("index", [3, pytest.param(6, marks=pytest.mark.slow)])  # the default run keeps one
 def test_scaled_device_is_the_one_outlier(island: Island, index: int) -> None:
     fault = DeviceFault("scale", island.ids[index], factor=10.0)
-    _, metrics = island.train(island.loop(True, fault))
+    _, metrics = train(island, island.loop(True, fault))
     for norms_D in metrics["device_grad_norm"]:
         assert [o.index for o in outliers(norms_D)] == [index]
 
 
 def test_nan_guard_sees_the_corrupt_device(island: Island) -> None:
     fault = DeviceFault("bitflip", island.ids[5], bit=30)  # exponent bit: values blow up to inf/NaN or ~2^127
-    _, metrics = island.train(island.loop(True, fault))
+    _, metrics = train(island, island.loop(True, fault))
     first = metrics["device_finite"][0]
     assert [i for i in range(8) if not first[i]] == [5]
     assert not metrics["finite"][0]
@@ -136,9 +111,9 @@ def test_remeshed_on_seven_devices_same_global_batch(island: Island) -> None:
         make_mesh(island.cfg, healthy)  # the fused step's mesh still needs an even split
     loop7 = InnerLoop(island.cfg, island.model, mesh7, per_device=True)
     assert loop7.rows == (2, 1, 1, 1, 1, 1, 1) and loop7.padded_batch == 14
-    _, eight = island.train(island.loop(True))
-    _, seven = island.train(loop7)
-    assert seven["device_grad_norm"].shape == (2 * K, 7) and seven["finite"].all()
+    _, eight = train(island, island.loop(True))
+    _, seven = train(island, loop7)
+    assert seven["device_grad_norm"].shape == (CHUNKS * K, 7) and seven["finite"].all()
     np.testing.assert_allclose(seven["loss"], eight["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(seven["grad_norm"], eight["grad_norm"], rtol=1e-5)
     # the first device's micro-batch is rows 0-1 (their mean loss), each other device's one row: the row the

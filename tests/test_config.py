@@ -20,7 +20,7 @@ from dtrain.config import (
     resolve_config_path,
     to_toml,
 )
-from dtrain.train import make_mesh
+from dtrain.step import make_mesh
 
 ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 

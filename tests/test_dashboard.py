@@ -31,7 +31,7 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
-from dtrain.status import message_dict
+from dtrain.status_doc import message_dict
 from test_service import _delta_frame, _header, _join, _tls
 from workers.client import CoordinatorClient
 

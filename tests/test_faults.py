@@ -17,8 +17,8 @@ import pytest
 from conftest import initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
+from dtrain.chip_faults import FAULT_KINDS, DeviceFault
 from dtrain.config import Config, ConfigError, load_config
-from dtrain.health import FAULT_KINDS, DeviceFault
 from dtrain.outer import OuterHParams, merge_weights, outer_update
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
@@ -36,7 +36,7 @@ from dtrain_cli.link_proxy import LinkProxy
 from dtrain_cli.main import main
 from dtrain_cli.simulate import run_simulation
 from workers.client import CoordinatorClient, CoordinatorError
-from workers.inject import (
+from workers.push_faults import (
     PUSH_FAULTS,
     Injection,
     check_device_fault,
@@ -555,7 +555,7 @@ def _push_header(join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
 
 def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_does_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker's poisoned and inflated frames (workers.inject.corrupt_push) against a real coordinator: it
+    """The worker's poisoned and inflated frames (workers.push_faults.corrupt_push) against a real coordinator: it
     quarantines / refuses them, and θ moves by the honest push alone. The same frames through a plain
     token-weighted mean and the outer update (no bounds, no norm screen) put them into θ: the inflated one makes
     θ non-finite, the poisoned one moves it ~1000x farther than the honest delta would."""

@@ -4,6 +4,9 @@
     coordinator/      workers/       import dtrain/; never each other, never dtrain_cli/
     dtrain/                          the library: imports none of the other three
 
+Inside each package the imports go one way too: no module imports, directly or through others, a module that
+imports it back (an import cycle), not even from inside a function.
+
 Benchmarks use only public names of the installed packages: no ``from x import _y``, no ``x._y`` on a
 project module, no ``sys.path`` (or child ``PYTHONPATH``) edits.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,100 @@ def imports(tree: ast.AST, module: str, is_package: bool = False) -> Iterator[tu
                 if isinstance(flag, ast.Constant) and flag.value == "-m" and isinstance(mod, ast.Constant) \
                         and isinstance(mod.value, str):
                     yield node.lineno, mod.value, []
+
+
+def import_graph(modules: Mapping[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: the first line that does}, for ``modules`` (module name ->
+    (source, is a package's ``__init__``)), imports inside functions included. An import names the deepest
+    module of ``modules`` it reaches (``from dtrain import codec``: ``dtrain.codec``; ``from dtrain.codec import
+    encode``: ``dtrain.codec``); the parent packages a submodule's import runs first are not edges (every
+    package's ``__init__`` importing its own submodules would be a cycle of its own)."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, (source, is_package) in modules.items():
+        edges = graph.setdefault(module, {})
+        for line, target, names in imports(ast.parse(source), module, is_package):
+            hits = [f"{target}.{name}" for name in names if f"{target}.{name}" in modules] or [target]
+            for hit in hits:
+                while hit and hit not in modules:
+                    hit = hit.rpartition(".")[0]
+                if hit and hit != module:
+                    edges[hit] = min(edges.get(hit, line), line)
+    return graph
+
+
+def _strongly_connected(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The graph's strongly connected components (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                found.append(sorted(component))
+    return found
+
+
+def _shortest_cycle(graph: Mapping[str, Iterable[str]], start: str, within: set[str]) -> list[str]:
+    """The shortest path ``start -> ... -> start`` through the modules ``within`` (breadth-first)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph.get(node, ())):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if child in within and child not in parent:
+                    parent[child] = node
+                    following.append(child)
+        frontier = following
+    raise ValueError(f"{start} is on no cycle")
+
+
+def import_cycles(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Each import cycle of ``graph`` (module -> the modules it imports) as ``a -> b -> ... -> a``: one per set of
+    modules that import each other (a strongly connected component), the shortest cycle through its first module
+    in sorted order, with the component's other modules named when the cycle does not pass them all."""
+    cycles = []
+    for component in _strongly_connected(graph):
+        if len(component) == 1:
+            continue  # no module imports itself: import_graph leaves such edges out
+        cycle = _shortest_cycle(graph, component[0], set(component))
+        rest = sorted(set(component) - set(cycle))
+        cycles.append(" -> ".join(cycle) + (f" (and through {', '.join(rest)})" if rest else ""))
+    return cycles
 
 
 def layering_violations(source: str, path: str, module: str, is_package: bool = False) -> list[str]:
@@ -161,6 +258,19 @@ def test_no_upward_or_sideways_imports() -> None:
     assert not found, "imports against the layering:\n" + "\n".join(found)
 
 
+def test_no_import_cycles_inside_a_package() -> None:
+    paths = {_module_name(path, ROOT): path for path in _project_modules()}
+    graph = import_graph({module: (path.read_text(), path.name == "__init__.py") for module, path in paths.items()})
+    cycles = import_cycles(graph)
+    lines = []
+    for cycle in cycles:
+        hops = cycle.split(" (and through ")[0].split(" -> ")
+        where = ", ".join(f"{paths[a].relative_to(ROOT)}:{graph[a][b]}" for a, b in itertools.pairwise(hops))
+        lines.append(f"{cycle}   [imports at {where}]")
+    assert not cycles, "import cycles (a module imports, through others, one that imports it back):\n" + \
+        "\n".join(lines)
+
+
 def test_benchmarks_use_only_public_names_of_the_installed_packages() -> None:
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     assert scripts
@@ -235,3 +345,37 @@ def test_benchmark_checker_allows_public_names_and_other_privates() -> None:
     ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.lifecycle import server_options\n"
           "class A:\n    def f(self):\n        return self._log, codec.encode, sys.executable\n")
     assert benchmark_violations(ok, "benchmarks/b.py") == []
+
+
+# --- the cycle check on synthetic graphs -----------------------------------------------------------------
+
+
+def test_import_graph_resolves_modules_names_and_functions() -> None:
+    modules = {
+        "pkg": ("", True),
+        "pkg.a": ("from pkg import b\nfrom pkg.c import thing\n", False),
+        "pkg.b": ("import numpy\n\ndef f():\n    from . import a  # inside a function\n    return a\n", False),
+        "pkg.c": ("from pkg.c import helper\nimport pkg.a.missing\n", True),
+    }
+    assert import_graph(modules) == {"pkg": {}, "pkg.a": {"pkg.b": 1, "pkg.c": 2}, "pkg.b": {"pkg.a": 4},
+                                     "pkg.c": {"pkg.a": 2}}
+
+
+def test_cycle_check_names_each_cycle() -> None:
+    graph = {"dtrain.train": {"dtrain.chip_step", "dtrain.step"}, "dtrain.chip_step": {"dtrain.health"},
+             "dtrain.health": {"dtrain.train", "dtrain.step"}, "dtrain.step": set(),
+             "coordinator.dashboard": {"coordinator.server"}, "coordinator.server": {"coordinator.dashboard"}}
+    assert import_cycles(graph) == ["coordinator.dashboard -> coordinator.server -> coordinator.dashboard",
+                                    "dtrain.chip_step -> dtrain.health -> dtrain.train -> dtrain.chip_step"]
+
+
+def test_cycle_check_names_the_rest_of_a_knot_and_passes_a_tree() -> None:
+    knot = {"p.a": {"p.b"}, "p.b": {"p.a", "p.c"}, "p.c": {"p.b"}, "p.d": {"p.a"}}
+    assert import_cycles(knot) == ["p.a -> p.b -> p.a (and through p.c)"]
+    assert import_cycles({"p.a": {"p.b", "p.c"}, "p.b": {"p.c"}, "p.c": set(), "p.d": {"p.a", "p.c"}}) == []
+
+
+def test_cycle_check_on_a_real_file_pair() -> None:
+    modules = {"dtrain.x": ("def f():\n    from dtrain.y import g\n    return g\n", False),
+               "dtrain.y": ("from dtrain import x\n", False)}
+    assert import_cycles(import_graph(modules)) == ["dtrain.x -> dtrain.y -> dtrain.x"]

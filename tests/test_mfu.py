@@ -20,7 +20,7 @@ import pytest
 from conftest import load_benchmark
 from dtrain import model
 from dtrain.config import ConfigError, load_config
-from dtrain.train import loss_fn
+from dtrain.step import loss_fn
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"

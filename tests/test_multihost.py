@@ -28,7 +28,8 @@ from dtrain.audit import AuditParams, audit
 from dtrain.checkpoint import Checkpointer
 from dtrain.config import ConfigError, load_config, to_toml
 from dtrain.runlog import process_dir, read_events
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 from dtrain_cli.simulate import free_port, island_process_flags
 from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes

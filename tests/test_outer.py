@@ -27,7 +27,8 @@ from dtrain.diloco import (
     round_lengths,
 )
 from dtrain.outer import OuterHParams
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 
 
 def _tree(a, c):

@@ -141,7 +141,7 @@ def test_an_island_reports_train_loss_utilization_device_kind_and_the_evals_it_w
     finally:
         server.stop(grace=None).wait()
         service.close()
-    from dtrain.setup import prepare
+    from dtrain.prepare import prepare
 
     setup = prepare(cfg, 1)
 

@@ -776,7 +776,7 @@ def test_a_nan_or_inf_delta_is_refused_at_validation_in_every_codec(net_cfg, tmp
 
 # -- chip health: quarantined devices in heartbeats, Status and `dtrain status` ---------------------------------
 
-# As workers/chips.py writes them (non-finite numbers by name; an event's extra keys, such as healthy, ignored).
+# As workers/chip_health.py writes them (non-finite numbers by name; an event's extra keys, such as healthy, ignored).
 _KNOWN_ANSWER = {"device": 3, "index": 3, "probe": "known_answer", "step": 50, "value": 7.0, "expected": 8.0,
                  "mismatches": 2, "detail": "known answer 7.0 != 8.0 (2 entries wrong)"}
 _NON_FINITE = {"device": 0, "index": 0, "probe": "finite", "step": 61, "value": "nan",

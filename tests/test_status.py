@@ -1,5 +1,5 @@
 """The typed Status the coordinator answers (and the dashboard shows): islands' reports, rounds with their bytes,
-the global evals the coordinator asks islands for, faults; and the JSON form (dtrain.status.message_dict)."""
+the global evals the coordinator asks islands for, faults; and the JSON form (dtrain.status_doc.message_dict)."""
 
 import dataclasses
 import json
@@ -13,7 +13,7 @@ from coordinator.history import RunHistory, check_eval_reports
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
-from dtrain.status import message_dict
+from dtrain.status_doc import message_dict
 from dtrain.wire import MAX_EVAL_REPORTS
 from test_service import Running, _delta_frame, _header, _join
 from workers.client import CoordinatorClient

@@ -14,7 +14,8 @@ from conftest import TINY, make_text
 from dtrain import model
 from dtrain.config import Config, load_config, replace
 from dtrain.data import SequenceStream, load_corpus
-from dtrain.train import InnerLoop, chunks, loss_fn, make_mesh, make_optimizer, param_spec
+from dtrain.step import loss_fn, make_mesh, make_optimizer, param_spec
+from dtrain.train import InnerLoop, chunks
 
 EQUIV_OVERRIDES = ["model.dtype=float32", "train.batch_size=16", "train.warmup_steps=1", "train.lr=1e-2"]
 

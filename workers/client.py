@@ -106,7 +106,7 @@ def cause(code: grpc.StatusCode, details: str) -> str:
 
 
 def evidence_message(evidence: Mapping[str, Any]) -> pb.DeviceEvidence:
-    """workers/chips.py's Evidence dict as a DeviceEvidence: ``device``, ``index``, ``probe``, ``step`` and
+    """workers/chip_health.py's Evidence dict as a DeviceEvidence: ``device``, ``index``, ``probe``, ``step`` and
     ``detail``, and the numbers the probe measured (``value``, ``expected``, ``z``, ``median``: floats, or
     ``"nan"``/``"inf"``/``"-inf"``; ``mismatches``); a number absent or None stays unset. Other keys (an event's
     ``healthy``) are ignored. A detail over :data:`dtrain.wire.MAX_EVIDENCE_DETAIL` characters is shortened to
@@ -215,7 +215,7 @@ class CoordinatorClient:
                   evals: Sequence[tuple[int, float]] = ()) -> pb.HeartbeatResponse:
         """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
         are the fields of the HeartbeatRequest; left out, a field keeps the proto's default. ``quarantined``: the
-        island's quarantined devices as workers/chips.py's Evidence dicts (:func:`evidence_message`);
+        island's quarantined devices as workers/chip_health.py's Evidence dicts (:func:`evidence_message`);
         ``devices``: the devices it trains on now (0: not reported); ``train_loss``: the latest chunk's mean train
         loss (None: left unset); ``utilization``: fraction of its wall time in inner steps; ``evals``: (version,
         eval loss) of the global θs the coordinator asked it to evaluate."""
@@ -258,7 +258,7 @@ class CoordinatorClient:
 
     def push_broken(self, header: pb.PushHeader, frame: bytes,
                     before_cancel: Callable[[int, int], None] | None = None) -> bool:
-        """Fault injection (``workers.inject``, truncate): a push whose upload breaks off mid-stream. Sends the
+        """Fault injection (``workers.push_faults``, truncate): a push whose upload breaks off mid-stream. Sends the
         header and the first half of the frame's chunks (rounded down: none of a one-chunk frame), waits
         :data:`BROKEN_PUSH_SETTLE_S` for them to reach the coordinator, calls ``before_cancel(chunks_sent,
         chunks)``, then cancels the call with the stream still open (a real broken upload, not a short one).

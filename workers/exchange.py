@@ -32,7 +32,7 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.telemetry import Telemetry
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
 from workers.hosts import HostGroup
-from workers.inject import Injection, injected_push
+from workers.push_faults import Injection, injected_push
 
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
@@ -286,7 +286,7 @@ def push_header(island_id: str, base_version: int, island: Island, steps: int, s
 
 class Uplink:
     """Builds the island's push frames: Δ quantized to ``codec.up`` with error feedback (what quantization left
-    out is carried into the next push), or, when a push fault is due (testing only: :mod:`workers.inject`), the
+    out is carried into the next push), or, when a push fault is due (testing only: :mod:`workers.push_faults`), the
     fault's frame and client. Counts the frames and bytes it built. Used by the training loop's thread only
     (process 0: the others push nothing)."""
 

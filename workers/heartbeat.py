@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from dtrain import codec
+from dtrain.prepare import Setup
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog, json_number
-from dtrain.setup import Setup
 from dtrain.wire import MAX_EVAL_REPORTS
-from workers.chips import Evidence
+from workers.chip_health import Evidence
 from workers.client import CoordinatorClient, CoordinatorError, RunOverError
 from workers.exchange import Downlink, EventLog, Exchange, GlobalParams
 from workers.recovery import Rewind

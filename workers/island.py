@@ -42,17 +42,17 @@ import jax.numpy as jnp
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
+from dtrain.chip_faults import DeviceFault
 from dtrain.codec import params_digest
 from dtrain.config import Config
 from dtrain.diloco import Island, advance, fold_in
-from dtrain.health import DeviceFault
+from dtrain.prepare import Setup, prepare
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import ELAPSED_S, RunLog, fmt_progress, json_number, process_dir
-from dtrain.setup import Setup, prepare
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop
 from dtrain.wire import max_frame_bytes
-from workers.chips import ChipHealth
+from workers.chip_health import ChipHealth
 from workers.client import CoordinatorClient, CoordinatorError, RunOverError
 from workers.exchange import (
     NOT_TAKEN,
@@ -77,8 +77,8 @@ from workers.heartbeat import (
     finite_or_none,
 )
 from workers.hosts import HostGroup
-from workers.inject import Injection
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
+from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
@@ -163,8 +163,8 @@ class Worker:
 
     Args: ``cfg``, the run's config; ``address``, the coordinator's HOST:PORT; ``name``, the island's name;
     ``run_dir``, its folder (events, summary, checkpoints); ``quiet``, no progress lines; ``inject``, push faults
-    and ``device_fault``, a faulty device inside the island (testing only: :mod:`workers.inject`,
-    :mod:`dtrain.health`); ``hosts``, the island's processes when it spans several (:mod:`workers.hosts`):
+    and ``device_fault``, a faulty device inside the island (testing only: :mod:`workers.push_faults`,
+    :mod:`dtrain.chip_faults`); ``hosts``, the island's processes when it spans several (:mod:`workers.hosts`):
     process 0 talks to the coordinator.
 
     Its own attributes belong to the training loop's thread (``telemetry`` is built at the first Join, the
@@ -446,7 +446,7 @@ class Worker:
         frame: bytes = b""
         client: PushClient = self.client
         if self.hosts.leader:
-            # Testing only (workers.inject): a push fault due now changes what is sent and how.
+            # Testing only (workers.push_faults): a push fault due now changes what is sent and how.
             frame, client = self.uplink.frame(anchor.vec - local_vec, header)
             self.telemetry.record_ratio(4 * self.n, len(frame), "up")
             self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
@@ -574,7 +574,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
 
     Args: ``cfg``, the run's config; ``address``, the coordinator's HOST:PORT; ``name``, the island's name;
     ``run_dir``, its folder; ``quiet``, no progress lines; ``inject``, push faults, and ``device_fault``, a faulty
-    device in the island (testing only: :mod:`workers.inject`); ``hosts``, this process's place in an island of
+    device in the island (testing only: :mod:`workers.push_faults`); ``hosts``, this process's place in an island of
     several processes (:mod:`workers.hosts`).
 
     Returns the island's summary (:meth:`Worker.run`), or ``{"island", "run_over"}`` (exit 0, no training) when

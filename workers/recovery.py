@@ -25,14 +25,15 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
+from dtrain.chip_faults import DeviceFault
 from dtrain.config import Config
 from dtrain.diloco import Island
-from dtrain.health import DeviceFault
+from dtrain.prepare import Setup
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
-from dtrain.setup import Setup
-from dtrain.train import InnerLoop, make_mesh
-from workers.chips import ChipHealth, Evidence
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
+from workers.chip_health import ChipHealth, Evidence
 from workers.exchange import Exchange, GlobalParams, WorkerError
 from workers.hosts import HostGroup
 
@@ -80,7 +81,7 @@ def step_counter(island: Island) -> int:
 
 class Guard:
     """The island's checks on its own state: the NaN/Inf guard (with its rollbacks) and chip health ([health]
-    enabled: :class:`workers.chips.ChipHealth`, with its quarantines and the mesh of the healthy devices).
+    enabled: :class:`workers.chip_health.ChipHealth`, with its quarantines and the mesh of the healthy devices).
 
     Owned by the training loop's thread: it alone reads and writes every field. What the heartbeat reports of it
     (the quarantined devices' evidence, the mesh's size) the loop copies into the island's status."""
@@ -198,7 +199,7 @@ class Guard:
 
     def remesh(self) -> dict[str, Any]:
         """Rebuilds the inner loop on the healthy devices, with the same global batch (the quarantined devices'
-        rows go to the others: :func:`dtrain.train.rows_per_device`); the caller compiles it before it trains."""
+        rows go to the others: :func:`dtrain.step.rows_per_device`); the caller compiles it before it trains."""
         assert self.health is not None
         old = self.setup.loop
         healthy = set(self.health.healthy_ids)

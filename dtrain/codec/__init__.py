@@ -24,6 +24,21 @@ chunks arrive, sums the checked bodies slab by slab (:func:`dequantize_add`),
 quantizes its outer update the same way (:func:`quantize_segment`) and writes
 the update's frame with :func:`write_frame`; islands read it back with
 :func:`decode` and :func:`dequantize`.
+
+The entry points, each documented with its arguments, returns and errors
+(every error is a :class:`CodecError`):
+
+* encoding: :func:`flatten` ``(tree) -> (spec, vec)``; :func:`quantize`
+  ``(vec, bits, block) -> QuantizedVec``, or with error feedback
+  :class:`ErrorFeedback` ``(n, bits, block)`` and its ``compress(delta_vec)``;
+  :func:`encode` ``(q, level) -> frame bytes``, or :func:`write_frame`
+  ``(out, bits, block, n, scales, payload, level) -> (size, crc32)`` into a
+  file from pieces.
+* decoding: :func:`decode` ``(frame, expected_n=n) -> QuantizedVec``, or
+  :class:`FrameValidator` ``(expected_n, bits, block, out=sink)`` fed a
+  frame piece by piece (``feed``, then ``finish``); :func:`dequantize`
+  ``(q) -> vec``, or :func:`dequantize_add` into a running sum;
+  :func:`unflatten` ``(spec, vec) -> tree``.
 """
 
 from dtrain.codec.frame import (

@@ -25,7 +25,9 @@ of them (n/block floats) before the first code arrives.
 Writing. :func:`write_frame` writes a frame to a seekable binary file from
 pieces: the scales, then the payload in any number of pieces (from memory or
 read from a file), compressed as they come (single-threaded zstd with a
-1 MiB window, :data:`WINDOW_LOG`, at every level; memory O(piece)), the
+1 MiB window, :data:`WINDOW_LOG`, at every level; memory O(piece); zstd's
+multi-threaded mode is barely faster on int8 codes, which hardly compress,
+and holds ~60 MiB of job buffers), the
 header written last, in place, once the body's length and CRC are known;
 nothing is read back. It returns the frame's size and the CRC32 of the whole
 frame (what the wire's chunk stream carries). :func:`encode` is
@@ -125,16 +127,22 @@ def _check_level(level: Any) -> int:
 
 def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarray, payload: Iterable[BytesLike],
                 level: int = 3) -> tuple[int, int]:
-    """Writes one frame to ``out`` (binary, seekable) from its current position; returns (frame size, CRC32 of
-    the whole frame). ``out`` is left at the frame's end.
+    """Writes one frame to ``out`` (binary, seekable) from its current position: the encoder's one writer.
 
-    ``scales``: float32, one per block (empty for bits=32); ``payload``: the payload bytes in pieces of any size
-    (e.g. one array in memory, or a file read piece by piece), payload_len(bits, n) bytes in all. Each piece is
-    compressed as it comes and the compressed bytes are written as zstd hands them out, so memory stays
-    O(piece) whatever the frame's size. Single-threaded zstd: its multi-threaded mode is barely faster on int8
-    codes (which hardly compress) and holds ~60 MiB of job buffers. The header goes in last (a placeholder
-    first, then the real one once body_len and the CRC are known); the body is never read back: its CRC32 is
-    taken as it is written and combined with the header's (:func:`crc32_combine`).
+    Args:
+        out: the file; left at the frame's end.
+        bits, block, n: the scheme, the block size and the number of values.
+        scales: float32, one per block (empty for bits=32).
+        payload: the payload bytes in pieces of any size (one array in memory, or a file read piece by piece),
+            ``payload_len(bits, n)`` bytes in all; each is compressed as it comes, so memory stays O(piece).
+        level: the zstd level (an int in [-131072, 22]).
+
+    Returns:
+        ``(frame size, CRC32 of the whole frame)``: what the wire's chunk stream carries (the body is never read
+        back: its CRC32, taken as it is written, is combined with the header's by :func:`crc32_combine`).
+
+    Raises:
+        CodecError: bad arguments, scales or payload of the wrong size, or a zstd error.
     """
     bits, block, level = canonical_bits(bits), check_block(block), _check_level(level)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
@@ -183,8 +191,16 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
 def encode(q: QuantizedVec, level: int = 3) -> bytes:
     """Frame a QuantizedVec in memory: :func:`write_frame` into a bytes buffer.
 
-    ``level``: zstd level (3 is fast and already gets what there is to get from
-    quantized codes; negative levels are faster still).
+    Args:
+        q: the quantized vector (:func:`dtrain.codec.quantize`, or ``ErrorFeedback.compress``).
+        level: zstd level (3 is fast and already gets what there is to get from quantized codes; negative
+            levels are faster still).
+
+    Returns:
+        The whole frame (header ‖ zstd body), ready for :func:`decode` or the wire's chunks.
+
+    Raises:
+        CodecError: a bad ``level`` or a zstd error.
     """
     out = io.BytesIO()
     write_frame(out, q.bits, q.block, q.n, q.scales, (q.payload,), level)
@@ -242,11 +258,18 @@ class FrameValidator:
     first, then every code), and in :meth:`finish` the length, the CRC32 and the exact decompressed size
     (the module docstring lists the checks in order).
 
-    ``expected_n``, ``bits``, ``block``: what the receiver expects; None accepts whatever the header says
-    (:func:`decode` without ``expected_n``). :attr:`header` is the parsed header once its 48 bytes are in.
+    Args:
+        expected_n, bits, block: what the receiver expects; None accepts whatever the header says
+            (:func:`decode` without ``expected_n``).
+        out: receives the decompressed body (scales ‖ payload) in order, each piece only after its checks
+            (the piece is not retained: copy or write it).
+        out_piece: the largest piece zstd hands out at once (bytes).
 
-    ``out`` receives the decompressed body (scales ‖ payload) in order, each piece only after its checks
-    (the piece is not retained: copy or write it). What ``out`` has stored is the whole, checked body once
+    Raises:
+        CodecError: a bad ``expected_n``, ``bits`` or ``block``.
+
+    Use: :meth:`feed` the frame's bytes in order, then :meth:`finish`. :attr:`header` is the parsed header once
+    its 48 bytes are in. What ``out`` has stored is the whole, checked body once
     ``finish()`` returns; if any call raises, throw it away. Decompression is bounded by the size the header
     declares (a zip bomb is stopped after one output piece). Few Python calls per input byte: whole input
     pieces go to zstd, whose output comes in pieces of up to ``out_piece`` bytes.
@@ -274,7 +297,9 @@ class FrameValidator:
         self._closed: str | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Frame bytes, in order; raises CodecError as soon as something is wrong (then the validator is dead)."""
+        """Takes the next piece of the frame (any size, in order) and hands the decompressed bytes it completes to
+        ``out`` once checked. Raises CodecError as soon as something is wrong (then the validator is dead: every
+        later call raises too)."""
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
         try:
@@ -340,7 +365,9 @@ class FrameValidator:
         return size
 
     def finish(self) -> None:
-        """Check the frame was complete and intact: all bytes, CRC32, exact decompressed size, padding."""
+        """Checks the frame was complete and intact: all bytes, CRC32, exact decompressed size, padding. Call once,
+        after the last :meth:`feed`; when it returns, ``out`` has had the whole, checked body. Raises CodecError
+        otherwise (and on a second call)."""
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
         self._closed = "finish() was called"
@@ -364,9 +391,17 @@ class FrameValidator:
 def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None) -> QuantizedVec:
     """Parse and fully validate a whole frame (:class:`FrameValidator`; the checks are in the module docstring).
 
-    ``expected_n``: the receiver's model size; pass it so a forged header cannot
-    make the decoder read a bigger vector than the model. The returned arrays are
-    read-only views of one buffer holding the decompressed body.
+    Args:
+        frame: the whole frame, as :func:`encode` or :func:`write_frame` wrote it.
+        expected_n: the receiver's model size; pass it so a forged header cannot make the decoder read a bigger
+            vector than the model (None: any n).
+
+    Returns:
+        The :class:`QuantizedVec` (:func:`dtrain.codec.dequantize` gives its values). Its arrays are read-only
+        views of one buffer holding the decompressed body.
+
+    Raises:
+        CodecError: anything wrong with the frame (truncated, corrupt, forged, an invalid scale or code).
     """
     body = bytearray()
     reader = FrameValidator(expected_n, out=body.extend, out_piece=_DECODE_PIECE)

@@ -198,7 +198,17 @@ def _unpack_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
 
 
 def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize values that start on a block boundary → (scales, payload bytes). x: finite float32."""
+    """Quantize values that start on a block boundary (a run of whole blocks, the last one maybe partial).
+
+    Args:
+        bits: the scheme (8, 4, 32 or "e3m0"; already canonical, :func:`canonical_bits`).
+        block: values per block (already checked, :func:`check_block`).
+        x: the values, finite float32, 1-D (not checked here: :func:`quantize` checks).
+
+    Returns:
+        ``(scales, payload)``: float32 scales, one per block (empty for 32), and the uint8 payload bytes of
+        ``x.size`` values, laid out as in the module docstring.
+    """
     count = x.size
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
@@ -233,7 +243,18 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
 
 
 def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, count: int) -> np.ndarray:
-    """``count`` float32 values from the scales and payload bytes of whole blocks (last one maybe partial)."""
+    """The inverse of :func:`quantize_segment`.
+
+    Args:
+        bits, block: the scheme and block size the segment was quantized with.
+        scales: the segment's float32 scales, one per block (empty for 32).
+        payload: the segment's uint8 payload bytes (:func:`payload_len` of ``count`` values), already checked
+            (:func:`check_codes`).
+        count: how many values the segment holds.
+
+    Returns:
+        A fresh float32 array of the ``count`` values.
+    """
     if bits == 32:
         return payload.view("<f4").astype(np.float32)
     scale_per_value = np.repeat(scales, block)[:count]
@@ -302,9 +323,21 @@ def check_codes(bits: Bits, payload: np.ndarray | bytes | bytearray | memoryview
 
 def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
                    weight: float | np.floating = 1.0, scratch: np.ndarray | None = None) -> None:
-    """out += weight · (the values of whole blocks starting at a block boundary), without a per-value scale
-    array (int8: one fused multiply per block row, into ``scratch`` if given: float32, at least out.size).
-    For payloads already checked (a body that ``FrameValidator`` accepted)."""
+    """``out += weight · values``: a segment's values (whole blocks from a block boundary) added in place, without
+    a per-value scale array (int8: one fused multiply per block row). The coordinator's outer step sums its
+    admitted deltas this way, slab by slab.
+
+    Args:
+        bits, block: the scheme and block size of the segment.
+        scales, payload: its float32 scales and uint8 payload bytes, already checked (a body that
+            ``FrameValidator`` accepted).
+        out: float32, one entry per value of the segment (its size is the segment's value count); updated in place.
+        weight: the factor the values are scaled by.
+        scratch: optional float32 workspace of at least ``out.size`` values (int8 only), reused across calls.
+
+    Returns:
+        None; ``out`` holds the sum.
+    """
     count = out.size
     w = np.float32(weight)
     if bits == 32:
@@ -331,10 +364,20 @@ def _blocks_per_slab(block: int) -> int:
 
 
 def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK) -> QuantizedVec:
-    """Block-quantize a 1-D vector (converted with ``np.asarray(vec, np.float32)``).
+    """Block-quantize a whole vector: the encoder's first half (:func:`dtrain.codec.encode` frames the result).
 
-    Raises CodecError on NaN/Inf (naming the first index), a non-1-D input, or
-    bad bits/block. Works slab by slab, so temporaries stay ~O(1M values).
+    Args:
+        vec: a 1-D vector of any array-like (converted with ``np.asarray(vec, np.float32)``).
+        bits: the scheme: 8, 4, 32 (lossless) or "e3m0" (:data:`CODEC_BITS` maps the config's names to them).
+        block: values per block (even, in [MIN_BLOCK, MAX_BLOCK]).
+
+    Returns:
+        The :class:`QuantizedVec` of ``vec``: one float32 scale per block and the packed codes.
+
+    Raises:
+        CodecError: NaN/Inf in ``vec`` (naming the first index), a non-1-D input, or bad ``bits``/``block``.
+
+    Works slab by slab, so temporaries stay ~O(1M values).
     """
     bits, block = canonical_bits(bits), check_block(block)
     x = np.asarray(vec, dtype=np.float32)
@@ -359,7 +402,14 @@ def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK) -> QuantizedV
 
 
 def dequantize(q: QuantizedVec) -> np.ndarray:
-    """The float32 vector a QuantizedVec stands for (a fresh array of length q.n)."""
+    """The decoder's second half (after :func:`dtrain.codec.decode`): the values a quantized vector stands for.
+
+    Args:
+        q: the quantized vector (checked: :func:`dtrain.codec.decode` validates every scale and code).
+
+    Returns:
+        A fresh float32 array of length ``q.n``.
+    """
     out = np.empty(q.n, np.float32)
     slab_blocks = _blocks_per_slab(q.block)
     slab = slab_blocks * q.block
@@ -378,7 +428,19 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8,
 
     Summed over rounds, Σ dequantize(q_t) = Σ delta_t − residual_T, so the
     transmitted sum trails the true sum by one round's quantization error at
-    most instead of accumulating it. On error (e.g. NaN) nothing changes.
+    most instead of accumulating it.
+
+    Args:
+        delta: this round's 1-D delta (converted to float32).
+        residual: float32, the shape of ``delta``: what earlier rounds' quantization dropped. Its buffer is not
+            modified (the new residual is a fresh array).
+        bits, block: the scheme and block size, as in :func:`quantize`.
+
+    Returns:
+        ``(q, new_residual)``: the quantized ``delta + residual`` and what its quantization dropped.
+
+    Raises:
+        CodecError: shapes that differ, or what :func:`quantize` raises (NaN/Inf); then nothing changes.
     """
     delta = np.asarray(delta, dtype=np.float32)
     if delta.shape != residual.shape:
@@ -390,7 +452,15 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8,
 
 
 class ErrorFeedback:
-    """Holds an island's float32 residual (kept across rounds) and applies :func:`error_feedback_step`."""
+    """Holds an island's float32 residual (kept across rounds) and applies :func:`error_feedback_step`.
+
+    Args:
+        n: the vector's length (the model's parameter count).
+        bits, block: the scheme and block size every round is quantized with, as in :func:`quantize`.
+
+    Raises:
+        CodecError: bad ``bits`` or ``block``.
+    """
 
     def __init__(self, n: int, bits: Bits = 8, block: int = DEFAULT_BLOCK):
         self.bits: Bits = canonical_bits(bits)
@@ -398,8 +468,12 @@ class ErrorFeedback:
         self.residual = np.zeros(n, np.float32)
 
     def compress(self, delta_vec: Any) -> QuantizedVec:
+        """Quantizes ``delta_vec`` (1-D, length ``n``) plus the residual and keeps what was dropped as the new
+        residual; returns the :class:`QuantizedVec` to frame. On CodecError (NaN/Inf, a wrong length) the
+        residual is unchanged."""
         q, self.residual = error_feedback_step(delta_vec, self.residual, self.bits, self.block)
         return q
 
     def reset(self) -> None:
+        """Forgets the residual (zeros it in place)."""
         self.residual[:] = 0

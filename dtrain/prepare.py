@@ -14,9 +14,10 @@ import jax
 import numpy as np
 
 from dtrain import data, model
+from dtrain.chip_faults import DeviceFault
 from dtrain.config import Config
-from dtrain.health import DeviceFault
-from dtrain.train import InnerLoop, make_mesh
+from dtrain.step import make_mesh
+from dtrain.train import InnerLoop
 
 
 @dataclass

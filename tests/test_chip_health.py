@@ -1,4 +1,4 @@
-"""The island's chip health (workers/chips.py) on the 8 fake CPU devices: each quarantine rule finds its injected
+"""The island's chip health (workers/chip_health.py) on the 8 fake CPU devices: each quarantine rule finds its injected
 device fault, with evidence, and a clean run quarantines nothing."""
 
 from __future__ import annotations
@@ -10,59 +10,40 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, make_text
-from dtrain.config import HealthConfig, load_config
-from dtrain.health import DeadDeviceError, DeviceFault
-from dtrain.model import build
-from dtrain.train import InnerLoop, make_mesh
-from workers.chips import ChipHealth
-
-K = 4  # steps per chunk
-CHUNKS = 3
+from dtrain.chip_faults import DeadDeviceError, DeviceFault
+from dtrain.config import HealthConfig
+from fake_island import CHUNKS, Island, K
+from workers.chip_health import ChipHealth
 
 
-class Island:
-    def __init__(self) -> None:
-        self.cfg = load_config(TINY, [])
-        self.model = build(self.cfg.model)
-        self.mesh = make_mesh(self.cfg)
-        self.ids = [int(d.id) for d in self.mesh.devices.flat]
-        self.params = InnerLoop(self.cfg, self.model, self.mesh).init_params(0)
-        B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
-        text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
-        starts = np.random.default_rng(0).integers(0, len(text) - L1, (CHUNKS, K, B))
-        self.batches = text[starts[..., None] + np.arange(L1)]  # [CHUNKS, K, B, L+1]
-
-    def health(self, fault: DeviceFault | None = None, **cfg: object) -> ChipHealth:
-        return ChipHealth(dataclasses.replace(HealthConfig(enabled=True), **cfg), self.model.apply, self.mesh,
-                          fault=fault)
-
-    def train(self, chips: ChipHealth, fault: DeviceFault | None = None) -> list[dict]:
-        """CHUNKS chunks of the per-device step with ``chips`` checking after each; every quarantine's evidence."""
-        loop = InnerLoop(self.cfg, self.model, self.mesh, per_device=True, fault=fault)
-        state = loop.init_state(self.params)
-        found = []
-        for batches in self.batches:
-            first = int(state.step)
-            state, metrics = loop.run(state, batches)
-            found += chips.check(first, jax.device_get(metrics), state.params, batches)
-        return found
-
-    def clean_metrics(self, steps: int = 1) -> dict[str, np.ndarray]:
-        return {"device_finite": np.ones((steps, 8), bool), "device_grad_norm": np.ones((steps, 8))}
+def health(island: Island, fault: DeviceFault | None = None, **cfg: object) -> ChipHealth:
+    """The island's chip health, ``[health] enabled`` with ``cfg`` overriding its defaults."""
+    return ChipHealth(dataclasses.replace(HealthConfig(enabled=True), **cfg), island.model.apply, island.mesh,
+                      fault=fault)
 
 
-@pytest.fixture(scope="module")
-def island() -> Island:
-    isl = Island()
-    assert len(isl.ids) == 8
-    return isl
+def train(island: Island, chips: ChipHealth, fault: DeviceFault | None = None) -> list[dict]:
+    """The island's CHUNKS chunks of the per-device step with ``chips`` checking after each; every quarantine's
+    evidence."""
+    loop = island.loop(True, fault)
+    state = loop.init_state(island.params)
+    found = []
+    for batches in island.batches:
+        first = int(state.step)
+        state, metrics = loop.run(state, batches)
+        found += chips.check(first, jax.device_get(metrics), state.params, batches)
+    return found
+
+
+def clean_metrics(steps: int = 1) -> dict[str, np.ndarray]:
+    """The per-device metrics of ``steps`` steps on which every device was finite, with equal gradient norms."""
+    return {"device_finite": np.ones((steps, 8), bool), "device_grad_norm": np.ones((steps, 8))}
 
 
 def test_clean_run_quarantines_nothing(island: Island) -> None:
-    chips = island.health(known_answer_every=K, replay_every=K * CHUNKS)  # one replay: each costs compilations
+    chips = health(island, known_answer_every=K, replay_every=K * CHUNKS)  # one replay: each costs compilations
     assert chips.start() == []
-    assert island.train(chips) == []
+    assert train(island, chips) == []
     assert chips.bad_devices == [] and chips.healthy_ids == island.ids and not chips.too_few()
     # every probe ran: the known answer at start and after each chunk, a replay after each chunk
     assert chips.probe_calls == {"known_answer": 1 + CHUNKS, "replay": 1}
@@ -70,7 +51,7 @@ def test_clean_run_quarantines_nothing(island: Island) -> None:
 
 def test_failed_known_answer_quarantines_at_start(island: Island) -> None:
     bad = island.ids[5]
-    chips = island.health(DeviceFault("bitflip", bad, bit=3, rate=0.01))  # silent: a few low mantissa bits
+    chips = health(island, DeviceFault("bitflip", bad, bit=3, rate=0.01))  # silent: a few low mantissa bits
     (ev,) = chips.start()
     assert (ev["device"], ev["index"], ev["probe"], ev["step"]) == (bad, 5, "known_answer", 0)
     assert ev["value"] != ev["expected"] or ev["mismatches"] > 0
@@ -81,8 +62,8 @@ def test_failed_known_answer_quarantines_at_start(island: Island) -> None:
 def test_statistics_outlier_on_two_consecutive_steps(island: Island) -> None:
     bad = island.ids[2]
     fault = DeviceFault("scale", bad, factor=10.0)
-    chips = island.health(fault, known_answer_every=0, replay_every=0)  # only the statistics can find it
-    (ev,) = island.train(chips, fault)
+    chips = health(island, fault, known_answer_every=0, replay_every=0)  # only the statistics can find it
+    (ev,) = train(island, chips, fault)
     assert (ev["device"], ev["probe"], ev["step"]) == (bad, "stats", 1)  # flagged at step 0, quarantined at 1
     assert ev["z"] > chips.cfg.z_max and ev["value"] > 5 * ev["median"]
     assert chips.bad_devices == [bad]
@@ -91,8 +72,8 @@ def test_statistics_outlier_on_two_consecutive_steps(island: Island) -> None:
 def test_non_finite_device(island: Island) -> None:
     bad = island.ids[7]
     fault = DeviceFault("scale", bad, factor=1e30)  # its gradient norm overflows float32
-    chips = island.health(fault, known_answer_every=0, replay_every=0, stats=False)
-    (ev,) = island.train(chips, fault)
+    chips = health(island, fault, known_answer_every=0, replay_every=0, stats=False)
+    (ev,) = train(island, chips, fault)
     assert (ev["device"], ev["probe"], ev["step"]) == (bad, "finite", 0)
     json.dumps(ev, allow_nan=False)
 
@@ -100,13 +81,13 @@ def test_non_finite_device(island: Island) -> None:
 def test_replay_quarantines_the_device_outside_the_majority(island: Island) -> None:
     bad = island.ids[3]
     fault = DeviceFault("bitflip", bad, bit=22, start=4)  # silent: the statistics do not see it; from step 4 on
-    chips = island.health(fault, known_answer_every=0, replay_every=2)
+    chips = health(island, fault, known_answer_every=0, replay_every=2)
     batches = island.batches[0]
-    assert chips.check(0, island.clean_metrics(1), island.params, batches) == []  # no replay before step 2
-    assert chips.check(1, island.clean_metrics(1), island.params, batches) == []  # step 2: all agree
+    assert chips.check(0, clean_metrics(1), island.params, batches) == []  # no replay before step 2
+    assert chips.check(1, clean_metrics(1), island.params, batches) == []  # step 2: all agree
     assert chips.probe_calls["replay"] == 1
-    assert chips.check(2, island.clean_metrics(1), island.params, batches) == []  # not yet (next at step 4)
-    (ev,) = chips.check(3, island.clean_metrics(), island.params, batches)  # step 4: device 3 differs
+    assert chips.check(2, clean_metrics(1), island.params, batches) == []  # not yet (next at step 4)
+    (ev,) = chips.check(3, clean_metrics(), island.params, batches)  # step 4: device 3 differs
     assert (ev["device"], ev["index"], ev["probe"], ev["step"], ev["mismatches"]) == (bad, 3, "replay", 4, 1)
     assert isinstance(ev["value"], int) and isinstance(ev["expected"], int) and ev["value"] != ev["expected"]
     # the second replay recomputed a row of the next device's micro-batch (the first replay's was device 0's)
@@ -115,7 +96,7 @@ def test_replay_quarantines_the_device_outside_the_majority(island: Island) -> N
     assert chips.probe_calls["replay"] == 2 and chips.bad_devices == [bad]
     json.dumps(ev, allow_nan=False)
     # the quarantined device leaves the replay: the 7 others agree; with fewer than 3 healthy no replay runs
-    assert chips.check(4, island.clean_metrics(2), island.params, batches) == []
+    assert chips.check(4, clean_metrics(2), island.params, batches) == []
     assert chips.probe_calls["replay"] == 3
 
 
@@ -130,16 +111,14 @@ def test_silent_flip_quarantined_within_50_steps_by_default(island: Island, step
     onset = defaults.replay_every + 1  # the first replay runs at step 50 (the end of the chunk it falls in)
     bad = island.ids[6]
     fault = DeviceFault("bitflip", bad, bit=22, start=onset)
-    chips = island.health(fault, known_answer_every=0)
+    chips = health(island, fault, known_answer_every=0)
     assert chips.start() == []
-    loop = InnerLoop(island.cfg, island.model, island.mesh, per_device=True, fault=fault)
+    loop = island.loop(True, fault)
     state = loop.init_state(island.params)
-    B, L1 = island.cfg.train.batch_size, island.cfg.model.seq_len + 1
-    text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
     rng = np.random.default_rng(6)
     found: list[dict] = []
     while not found and int(state.step) < onset + 2 * defaults.replay_every:
-        batches = text[rng.integers(0, len(text) - L1, (steps_per_call, B))[..., None] + np.arange(L1)]
+        batches = island.batch(rng, steps_per_call)
         first = int(state.step)
         state, metrics = loop.run(state, batches)
         found = chips.check(first, jax.device_get(metrics), state.params, batches)
@@ -152,8 +131,8 @@ def test_silent_flip_quarantined_within_50_steps_by_default(island: Island, step
 def test_dead_device_diagnosed_after_the_chunk_raises(island: Island) -> None:
     bad = island.ids[3]
     fault = DeviceFault("dead", bad)
-    chips = island.health(fault)
-    loop = InnerLoop(island.cfg, island.model, island.mesh, per_device=True, fault=fault)
+    chips = health(island, fault)
+    loop = island.loop(True, fault)
     with pytest.raises(DeadDeviceError):
         loop.run(loop.init_state(island.params), island.batches[0])
     (ev,) = chips.diagnose(0)
@@ -164,8 +143,8 @@ def test_dead_device_diagnosed_after_the_chunk_raises(island: Island) -> None:
 def test_a_statistics_suspect_the_replay_clears_is_not_quarantined(island: Island) -> None:
     """A healthy device whose micro-batch gradient is an outlier twice in a row (an odd row of data) computes its
     micro-batch as every other device does: the confirming replay clears it."""
-    chips = island.health(known_answer_every=0, replay_every=0)
-    m = island.clean_metrics(2)
+    chips = health(island, known_answer_every=0, replay_every=0)
+    m = clean_metrics(2)
     m["device_grad_norm"][:, 6] = 100.0
     assert chips.check(0, m, island.params, island.batches[0]) == []
     assert chips.bad_devices == [] and chips.probe_calls["replay"] == 1
@@ -178,19 +157,19 @@ def test_a_statistics_suspect_the_replay_clears_is_not_quarantined(island: Islan
 
 def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statistics(island: Island) -> None:
     # device 4 is faulty (the confirming replay sees it), and its norms below are the statistics' view of it
-    chips = island.health(DeviceFault("scale", island.ids[4], factor=10.0), known_answer_every=0, replay_every=0,
+    chips = health(island, DeviceFault("scale", island.ids[4], factor=10.0), known_answer_every=0, replay_every=0,
                           min_devices=8)
-    m = island.clean_metrics(3)
+    m = clean_metrics(3)
     m["device_grad_norm"][0, 4] = 100.0  # an outlier once, then normal: forgiven
     assert chips.check(0, m, island.params, island.batches[0]) == []
     assert chips.bad_devices == [] and not chips.too_few()
-    m = island.clean_metrics(2)
+    m = clean_metrics(2)
     m["device_grad_norm"][:, 4] = 100.0
     (ev,) = chips.check(3, m, island.params, island.batches[0])
     assert (ev["device"], ev["step"], ev["probe"]) == (island.ids[4], 4, "stats")
     assert "confirmed by a replay" in ev["detail"] and chips.cleared == []
     # the quarantined device's numbers no longer count: a garbage value there flags nothing
-    m = island.clean_metrics(2)
+    m = clean_metrics(2)
     m["device_grad_norm"][:, 4] = np.nan
     m["device_finite"][:, 4] = False
     assert chips.check(5, m, island.params, island.batches[0]) == []
@@ -199,8 +178,8 @@ def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statisti
 
 
 def test_divergence_is_no_chips_fault(island: Island) -> None:
-    chips = island.health(known_answer_every=0, replay_every=0)
-    m = island.clean_metrics(2)
+    chips = health(island, known_answer_every=0, replay_every=0)
+    m = clean_metrics(2)
     m["device_finite"][:, :5] = False  # most devices non-finite: the training diverged
     m["device_grad_norm"][:, :5] = np.inf
     assert chips.check(0, m, island.params, island.batches[0]) == []
@@ -208,7 +187,7 @@ def test_divergence_is_no_chips_fault(island: Island) -> None:
 
 
 def test_check_names_wrong_metrics(island: Island) -> None:
-    chips = island.health()
+    chips = health(island)
     with pytest.raises(ValueError, match=r"per-device metrics.*InnerLoop\(per_device=True\)"):
         chips.check(0, {"device_finite": np.ones((2, 7), bool), "device_grad_norm": np.ones((2, 7))},
                     island.params, island.batches[0])

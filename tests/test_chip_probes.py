@@ -11,56 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY, make_text
-from dtrain.config import load_config
-from dtrain.health import (
+from dtrain.chip_faults import DeadDeviceError, DeviceFault, check_alive, inject
+from dtrain.chip_probes import (
     KNOWN_ANSWER_N,
     STAT_Z_MAX,
-    DeadDeviceError,
-    DeviceFault,
-    Probes,
     all_finite,
-    check_alive,
     digest,
-    inject,
     known_answer_expected,
     majority,
     micro_batch,
     outliers,
     robust_z,
 )
-from dtrain.model import build
-from dtrain.train import InnerLoop, loss_fn, make_mesh
-
-
-class Island:
-    def __init__(self) -> None:
-        cfg = load_config(TINY, [])
-        self.model = build(cfg.model)
-        self.mesh = make_mesh(cfg)
-        self.loop = InnerLoop(cfg, self.model, self.mesh)
-        self.params = self.loop.init_params(0)
-        self.B, self.L1 = cfg.train.batch_size, cfg.model.seq_len + 1
-        self.text = np.frombuffer(make_text(60_000), np.uint8).astype(np.int32)
-        self.ids = [d.id for d in self.mesh.devices.flat]
-        self._probes: dict[DeviceFault | None, Probes] = {}
-
-    def batch(self, rng: np.random.Generator, steps: int | None = None) -> np.ndarray:
-        shape = (self.B,) if steps is None else (steps, self.B)
-        starts = rng.integers(0, len(self.text) - self.L1, shape)
-        return self.text[starts[..., None] + np.arange(self.L1)]
-
-    def probes(self, fault: DeviceFault | None = None) -> Probes:
-        if fault not in self._probes:
-            self._probes[fault] = Probes(self.model.apply, self.mesh, fault)
-        return self._probes[fault]
-
-
-@pytest.fixture(scope="module")
-def island() -> Island:
-    isl = Island()
-    assert len(isl.ids) == 8
-    return isl
+from dtrain.step import loss_fn
+from fake_island import Island
 
 
 def test_known_answer_closed_form_is_the_exact_sum() -> None:
@@ -159,7 +123,7 @@ def test_clean_control_flags_nothing(island: Island) -> None:
     statistics; 40 clean replays on all 8 devices agree bit for bit; the known answer holds."""
     rng = np.random.default_rng(2)
     probes = island.probes()
-    state = island.loop.init_state(island.params)
+    state = island.loop().init_state(island.params)
     worst = 0.0
     for phase in range(2):
         for step in range(100):
@@ -167,7 +131,7 @@ def test_clean_control_flags_nothing(island: Island) -> None:
             assert stats.finite.all() and outliers(stats.grad_norm) == [] and outliers(stats.loss) == []
             worst = max(worst, float(robust_z(stats.grad_norm).max()))
         if phase == 0:
-            state, _ = island.loop.run(state, island.batch(rng, steps=30))
+            state, _ = island.loop().run(state, island.batch(rng, steps=30))
     assert worst < STAT_Z_MAX / 2  # a margin, not just under the threshold
     for step in range(40):  # one row of a random device's micro-batch, on every device: all the same bits
         row = micro_batch(island.batch(rng), island.mesh, int(rng.integers(8)))[:1]
@@ -177,7 +141,7 @@ def test_clean_control_flags_nothing(island: Island) -> None:
     assert all(r.ok for r in probes.known_answer(step=99))
 
 
-@pytest.mark.slow  # the default run finds a bit-22 flip by replay in test_chips.py (tiny-chunks)
+@pytest.mark.slow  # the default run finds a bit-22 flip by replay in test_chip_health.py (tiny-chunks)
 @pytest.mark.parametrize("fault", [DeviceFault("bitflip", 4, bit=22),
                                    DeviceFault("bitflip", 6, bit=0, rate=0.01, seed=3)],
                          ids=["bit22", "bit0-sparse"])

@@ -1,0 +1,139 @@
+"""The inner step's primitives: the pure step, and the mesh and shardings it runs over.
+
+``inner_step(state, batch) -> (state, metrics)`` is a pure function of a :class:`TrainState` pytree: the
+next-token loss (:func:`loss_fn`), AdamW with warm-up and cosine decay (:func:`make_optimizer`) and the NaN/Inf
+guard; :func:`inner_steps` fuses ``K`` of them into one ``lax.scan`` (on CPU, Python dispatch per step would
+dominate a small model). This module also owns the island's ``Mesh(('data', 'fsdp'))`` (:func:`make_mesh`,
+:data:`BATCH_AXES`), the FSDP sharding rule (:func:`param_spec`) and a global batch's split over the devices
+(:func:`rows_per_device`, :func:`pad_rows`). :class:`dtrain.train.InnerLoop` binds them to a model and jits them;
+the per-device variant of the step is :mod:`dtrain.chip_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dtrain.config import Config, ConfigError, TrainConfig
+from dtrain.model import ApplyFn, Params
+
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FSDP is data parallel too)
+
+
+class TrainState(struct.PyTreeNode):
+    """An island's inner-loop state, a pytree: the step count, the parameters and the optimizer's state."""
+
+    step: jax.Array  # int32 scalar: inner steps taken by this island
+    params: Params
+    opt_state: optax.OptState
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay; decay only on matrices."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw
+
+
+def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``; with ``rows``, of the first
+    ``rows`` rows only (the others are padding: a device's share of a batch that does not split evenly)."""
+    logits_BxLxV = apply(params, batch_BxL1[:, :-1])
+    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch_BxL1[:, 1:])
+    if rows is None:
+        return loss_BxL.mean()
+    real_B = jnp.arange(loss_BxL.shape[0]) < rows
+    return jnp.sum(jnp.where(real_B[:, None], loss_BxL, 0.0)) / (rows * loss_BxL.shape[1])
+
+
+def rows_per_device(batch_size: int, devices: int) -> tuple[int, ...]:
+    """How many rows of a global batch each device takes, in ``mesh.devices.flat`` order: ``B // D`` each, and one
+    more for the first ``B % D`` (an island remeshed on fewer devices keeps its global batch)."""
+    if batch_size < devices:
+        raise ConfigError(f"[train] batch_size: {batch_size} rows cannot give each of {devices} devices one")
+    return tuple(batch_size // devices + (j < batch_size % devices) for j in range(devices))
+
+
+def pad_rows(batches_KxBxL1: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """The batches laid out for devices that take ``counts`` rows each: device j's rows, then padding (copies of
+    row 0, masked out by the loss) up to ``max(counts)`` rows per device. Identity when the counts are equal."""
+    if len(set(counts)) == 1:
+        return batches_KxBxL1
+    b = max(counts)
+    offsets = np.cumsum((0, *counts[:-1]))
+    index = np.concatenate([np.r_[np.arange(o, o + c), np.zeros(b - c, np.int64)]
+                            for o, c in zip(offsets, counts, strict=True)])
+    return np.take(batches_KxBxL1, index, axis=1)
+
+
+def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
+               tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step of ``tx`` on the mean loss of ``batch_BxL1`` (tokens ``[B, L + 1]``) under ``apply``.
+    Returns the next state and the step's scalar metrics: ``loss``, ``grad_norm`` and ``finite`` (the NaN/Inf
+    guard: loss and gradient both finite)."""
+    loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    # The NaN/Inf guard: a non-finite gradient makes its norm non-finite (an overflowing one too), at no extra pass
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
+                tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    """K inner steps in one ``lax.scan``; metrics come back stacked ``[K]``."""
+    return jax.lax.scan(partial(inner_step, apply=apply, tx=tx), state, batches_KxBxL1)
+
+
+def eval_loss(params: Params, batches_NxBxL1: jax.Array, *, apply: ApplyFn) -> jax.Array:
+    """Mean loss over fixed eval batches."""
+    return jax.lax.map(partial(loss_fn, apply, params), batches_NxBxL1).mean()
+
+
+def make_mesh(cfg: Config, devices: Sequence[Any] | None = None, *, remesh: bool = False) -> Mesh:
+    """The island's ``Mesh(('data', 'fsdp'))``; checks the batch divides over it.
+
+    ``remesh``: the mesh of an island rebuilt on its healthy ``devices`` (all of them), for the per-device step,
+    which splits a batch unevenly (:func:`rows_per_device`): no divisibility check, ``[mesh] data`` ignored, and
+    ``fsdp`` kept only if it divides the device count (else 1: the parameters are replicated)."""
+    devices = list(jax.devices() if devices is None else devices)
+    fsdp = cfg.mesh.fsdp
+    if remesh:
+        fsdp = fsdp if len(devices) % fsdp == 0 else 1
+        rows_per_device(cfg.train.batch_size, len(devices))
+        return Mesh(np.array(devices, dtype=object).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)
+    data = cfg.mesh.data if cfg.mesh.data > 0 else len(devices) // fsdp
+    if data < 1 or data * fsdp > len(devices):
+        raise ConfigError(f"[mesh] data={cfg.mesh.data} fsdp={fsdp}: needs {max(data, 1) * fsdp} devices, "
+                          f"{len(devices)} available")
+    if cfg.train.batch_size % (data * fsdp):
+        raise ConfigError(f"[train] batch_size: {cfg.train.batch_size} is not divisible by the mesh's "
+                          f"{data * fsdp} devices (data={data} x fsdp={fsdp})")
+    grid = np.array(devices[: data * fsdp], dtype=object).reshape(data, fsdp)
+    return Mesh(grid, BATCH_AXES)
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """FSDP rule: shard the largest dimension divisible by the fsdp axis; else replicate."""
+    if fsdp > 1:
+        for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[dim] % fsdp == 0 and shape[dim] >= fsdp:
+                spec: list[str | None] = [None] * len(shape)
+                spec[dim] = "fsdp"
+                return P(*spec)
+    return P()
