@@ -24,8 +24,9 @@ The loop is composed of one object per concern, each saying which thread writes 
 (:mod:`workers.exchange`: pushes and pulls, on a thread per round), the heartbeat (:mod:`workers.heartbeat`: its
 own thread, which reads the loop's :class:`~workers.heartbeat.IslandStatus` and posts to the loop through a
 :class:`~workers.heartbeat.Mailbox`), recovery (:mod:`workers.recovery`: rewinds, the NaN/Inf guard, chip
-quarantine and remesh, on the loop's thread) and membership (:mod:`workers.membership`: the Join and the
-coordinator's word, the same on every process of the island).
+quarantine and remesh, on the loop's thread), membership (:mod:`workers.membership`: the Join and the
+coordinator's word, the same on every process of the island) and the run's end (:mod:`workers.ending`: the drain,
+the final wait, the final heartbeat, eval and summary, on the loop's thread).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import jax.numpy as jnp
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
 from dtrain.chip_faults import DeviceFault
-from dtrain.codec import params_digest
 from dtrain.config import Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.prepare import Setup, prepare
@@ -53,7 +53,8 @@ from dtrain.telemetry import Telemetry, island_counters, require_exporter
 from dtrain.train import InnerLoop
 from dtrain.wire import max_frame_bytes
 from workers.chip_health import ChipHealth
-from workers.client import CoordinatorClient, CoordinatorError, RunOverError
+from workers.client import CoordinatorClient, RunOverError
+from workers.ending import RunEnd
 from workers.exchange import (
     NOT_TAKEN,
     Downlink,
@@ -66,16 +67,7 @@ from workers.exchange import (
     WorkerError,
     push_header,
 )
-from workers.heartbeat import (
-    Clock,
-    Evaluator,
-    Heartbeat,
-    IslandStatus,
-    Mailbox,
-    chip_report,
-    final_heartbeat,
-    finite_or_none,
-)
+from workers.heartbeat import Clock, Evaluator, Heartbeat, IslandStatus, Mailbox
 from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
 from workers.push_faults import Injection
@@ -84,8 +76,6 @@ from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
 LOGGER = "dtrain.worker"  # the island's progress lines (the command line installs the handler)
 log = logging.getLogger(LOGGER)
-
-FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
 
 
 def agreed_action(hosts: HostGroup, action: Action) -> Action:
@@ -222,6 +212,8 @@ class Worker:
         self.train_log = TrainLog(cfg, self.name, self.log, self.clock, self.mailbox)
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,
                                  self.pull, lambda: precompile(self.setup, self.schedule))
+        self.run_end = RunEnd(cfg, self.name, self.hosts, self.client, self.mailbox, self.membership, self.downlink,
+                              self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log)
 
     def _joined_run(self, run_id: str) -> None:
         """At a Join (the first is the training loop's): the island's telemetry starts, named after the run."""
@@ -253,7 +245,7 @@ class Worker:
         try:
             joined = self.membership.join_island()
         except RunOverError as e:  # it ended before this island joined
-            return self._run_over(f"{e.message} (coordinator at {self.client.address})")
+            return self.run_end.run_over(f"{e.message} (coordinator at {self.client.address})")
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
         status = IslandStatus(held=(joined.version, ""), steps=0, tokens=0, devices=self.loop.mesh.devices.size,
@@ -274,15 +266,17 @@ class Worker:
             self.clock.active_s, self.clock.train_since = self.clock.active_s + time.perf_counter() - t0, None
             rounds += n
             if self.guard.drained:
-                anchor = self._drain(island, anchor, pending, status)
+                anchor = self.run_end.drain(island, anchor, pending, lambda p: self._wait(
+                    island, p, status, "drain: finish the exchange in flight first", fold=False))
                 break
             t0 = time.perf_counter()
-            anchor, more = self._final_wait(island, anchor, pending, status)
+            anchor, more = self.run_end.final_wait(anchor, pending, status,
+                                                   lambda p: self._fold_in(island, p, status))
             final_wait += time.perf_counter() - t0
         heartbeat.stop()
         ckpt.close()
         self.ckpt = None
-        return self._finish(island, anchor, status, rounds, t_start, final_wait)
+        return self.run_end.finish(island, anchor, status, rounds, t_start, final_wait, self.telemetry)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -458,114 +452,6 @@ class Worker:
         self.rewinder.checkpoint(island, anchor.version, ckpt)
         return Pending(exchange, at_push)
 
-    def _drain(self, island: Island, anchor: GlobalParams, pending: Pending | None,
-               status: IslandStatus) -> GlobalParams:
-        """Too few healthy devices: the island stops training. The exchange in flight is finished (a push the
-        coordinator took stays merged); the progress since it is dropped. The island then stops heartbeating
-        (no final heartbeat either): its lease runs out and the coordinator hands its shard, from the merged
-        cursor, to the next island that needs data."""
-        if pending is not None:
-            anchor = self._wait(island, pending, status, "drain: finish the exchange in flight first", fold=False)
-        self.guard.report_drained(island, anchor.version)
-        return anchor
-
-    def _final_wait(self, island: Island, anchor: GlobalParams, pending: Pending | None,
-                    status: IslandStatus) -> tuple[GlobalParams, bool]:
-        """After the island's data: folds in the exchange still in flight, then waits for the run's last version
-        (the coordinator says stop, or the known end version arrives); returns (θ, False). Returns (θ, True) as
-        soon as the coordinator hands it more data (a rewind: its push was dropped or rejected, or it takes over
-        a lost island's shard)."""
-        if pending is not None:
-            try:
-                anchor = self._fold_in(island, pending, status)
-            except CoordinatorError as e:
-                if not self.membership.stopped_after(e):
-                    raise
-                self._final_pull_failed(anchor, e)
-                return anchor, False
-        # Other islands may still push (async mode, a slower island, a shard taken over): wait for the run's
-        # last version, so every island ends on the same θ; give up if no new version arrives for a sync
-        # round's grace (the longest a round waits for a quorum) plus two lease periods (a lost island's lease).
-        patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
-        last_progress = time.perf_counter()
-        while True:
-            self.evaluator.requested()
-            over = self.membership.final_wait_over(anchor.version)
-            if over:
-                return anchor, over == "rewind"
-            try:
-                g_new = self.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
-            except CoordinatorError as e:
-                if not self.membership.stopped_after(e):
-                    raise
-                # The run is over and the coordinator stopped serving before this island had the last version (its
-                # linger_s ran out, or a pull was in flight as it stopped): it ends on the version it holds.
-                if anchor.version < self.mailbox.final_version:
-                    self._final_pull_failed(anchor, e)
-                break
-            if g_new.version > anchor.version:
-                anchor, last_progress = g_new, time.perf_counter()
-                self.evaluator.requested()  # first: the heartbeat that reports the new version carries its eval
-                status.held = (anchor.version, anchor.digest)
-            elif self.hosts.agree(time.perf_counter() - last_progress > patience):
-                self.log.event("final_wait_timeout", version=anchor.version,
-                               final_version=self.mailbox.final_version)
-                break
-        return anchor, False
-
-    def _final_pull_failed(self, anchor: GlobalParams, error: CoordinatorError) -> None:
-        """The island ends on ``anchor``: the coordinator stopped serving before it had the run's final version."""
-        self.log.event("final_pull_failed", version=anchor.version, final_version=self.mailbox.final_version,
-                       error=str(error))
-
-    def _run_over(self, reason: str) -> dict[str, Any]:
-        """The run ended before this island joined: nothing to train."""
-        self.client.close()
-        return report_run_over(self.log, self.name, reason)
-
-    def _finish(self, island: Island, g: GlobalParams, status: IslandStatus, rounds: int, t_start: float,
-                final_wait: float) -> dict[str, Any]:
-        """The final heartbeat, eval and summary (``t_start``: when :meth:`run` began); returns the summary."""
-        final_digest = g.digest or params_digest(g.vec)  # verified on arrival, unless it came another way
-        final_eval = float("nan")
-        if not self.guard.drained:  # a drained island lets its lease run out (its shard is then rerouted)
-            self.evaluator.requested()  # the final version's eval, if asked, goes with the final heartbeat
-            if self.hosts.leader:  # best effort, one try: tell the coordinator this island holds the final version
-                final_heartbeat(self.client, self.mailbox, self.log.event, dict(
-                    version=g.version, steps=island.steps, tokens=island.tokens, params_digest=final_digest,
-                    train_loss=finite_or_none(status.read_loss()), utilization=self.clock.utilization(),
-                    **chip_report(self.guard.evidence(), self.loop.mesh.devices.size)))
-            final_eval = self.evaluator.loss(g)
-        summary = self._summary(island, g, rounds, final_eval, final_digest, final_wait, t_start)
-        self.log.event("island_finished", **summary)
-        self.log.write_summary(summary)
-        if not self.guard.drained:
-            self.log.progress(f"{self.name}: done v{g.version}, eval loss {final_eval:.4f}, "
-                              f"utilization {summary['utilization']:.3f}")
-        self.telemetry.shutdown()
-        self.log.close()
-        self.client.close()
-        return summary
-
-    def _summary(self, island: Island, g: GlobalParams, rounds: int, final_eval: float, final_digest: str,
-                 final_wait: float, t_start: float) -> dict[str, Any]:
-        """The island's summary (summary.json, the ``island_finished`` event, what :meth:`run` returns)."""
-        clock, guard = self.clock, self.guard
-        return {
-            "island": self.name, "island_id": self.mailbox.island_id, "shard": island.index, "steps": island.steps,
-            "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
-            "final_eval_loss": final_eval, "params_digest": final_digest,
-            "bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down,
-            "compression_ratio": self.uplink.compression_ratio, "utilization": clock.utilization(),
-            "blocked_s": clock.blocked_s, "eval_s": clock.eval_s, "final_wait_s": final_wait,
-            "active_s": clock.active_s, "wall_s": time.perf_counter() - t_start, "retries": self.client.retries,
-            "overlap": self.cfg.worker.overlap,
-            "total_versions": self.mailbox.final_version or self.mailbox.total_versions,
-            "fingerprint": self.cfg.fingerprint(), "devices": self.loop.mesh.devices.size,
-            "nan_rollbacks": guard.nan_rollbacks, "quarantined": list(guard.evidence()),
-            **({"drained": guard.drained} if guard.drained else {}),
-        }
-
 
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
@@ -579,7 +465,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
 
     Returns the island's summary (:meth:`Worker.run`), or ``{"island", "run_over"}`` (exit 0, no training) when
     the run is over already: checked first, before the island builds or compiles anything. Raises what ended
-    the island otherwise (a :class:`WorkerError`, a :class:`CoordinatorError`, ...)."""
+    the island otherwise (a :class:`WorkerError`, a :class:`~workers.client.CoordinatorError`, ...)."""
     hosts = hosts or HostGroup.single()
     t0 = time.time()
     client = CoordinatorClient(address, cfg)
