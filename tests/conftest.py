@@ -15,6 +15,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import copy  # noqa: E402
 import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
@@ -138,3 +139,39 @@ def initial_spec(cfg: Config) -> Spec:
     """The spec of ``cfg``'s parameter tree, as ``initial_parameters_file(..., spec_only=True)`` gives it (what
     a resuming coordinator starts from), from the same shared computation."""
     return copy.deepcopy(_theta0(cfg)[1])
+
+
+# -- a real in-process coordinator's fixtures (tests/service_helpers.py has the helpers) ------------------------
+
+@pytest.fixture
+def net_cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
+    """configs/tiny.toml for a coordinator on 127.0.0.1:0 and two islands: 40 steps, rounds of 10, small chunks."""
+    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
+    return load_config(TINY, [
+        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "coordinator.lease_s=30",
+        "outer.islands=2", "train.steps=40", "outer.inner_steps=10", "worker.heartbeat_s=0.5",
+        "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=1"])
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A test CA, a server certificate for localhost/127.0.0.1, a client certificate, and a rogue CA and client
+    (mutual TLS must refuse them), made with openssl once per module."""
+    d = tmp_path_factory.mktemp("certs")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=dtrain-test-ca", cwd=d)
+    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"), ("client", "")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)
+        extfile = d / f"{name}.ext"
+        extfile.write_text((ext or "basicConstraints=CA:FALSE") + "\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", str(extfile), cwd=d)
+    # A second, untrusted CA and client: mutual TLS must refuse it.
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "rogue.key", "-out", "rogue.pem",
+             "-days", "2", "-subj", "/CN=rogue", cwd=d)
+    return d

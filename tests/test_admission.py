@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.records import Admission, PushInfo
 from coordinator.state import CoordinatorState
-from test_state import T0, info, join_all, make, merge_rounds, options, push, unchanged
+from state_helpers import T0, info, join_all, make, merge_rounds, options, push, unchanged
 
 
 def test_second_push_in_open_round_refused():

@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 import pytest
 
-import test_service
 from conftest import initial_parameters
 from coordinator.dashboard import dashboard_port
 from coordinator.lifecycle import serve
@@ -32,18 +31,16 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
-from test_service import _delta_frame, _header, _join, _tls
+from service_helpers import Running, delta_frame, join_island, push_header, tls_config
 from workers.client import CoordinatorClient
 
-net_cfg = test_service.net_cfg  # the same fixtures
-certs = test_service.certs
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-dash-token"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOW = 1_700_000_000.0  # the in-process coordinators' clock: frozen, so two status snapshots are equal
 
 
-class Coordinator(test_service.Running):
+class Coordinator(Running):
     """An in-process coordinator on 127.0.0.1:0 (its dashboard on any free port) with a frozen clock."""
 
     def __init__(self, cfg, run_dir: Path):
@@ -80,10 +77,10 @@ def _get(url: str, token: str | None = None, method: str = "GET",
 
 def test_api_status_is_the_status_rpcs_document_with_numbers_as_numbers(coord, net_cfg):
     clients = [CoordinatorClient(f"127.0.0.1:{coord.port}", net_cfg) for _ in range(2)]
-    joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+    joins = [join_island(c, f"isl-{i}") for i, c in enumerate(clients)]
     n = joins[0].tree_size
     for c, j, name, seed in zip(clients, joins, ("p0", "p1"), (0, 1), strict=True):
-        c.push(_header(j, name), _delta_frame(n, seed)[1])
+        c.push(push_header(j, name), delta_frame(n, seed)[1])
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{coord.port}"))
     stub.Heartbeat(pb.HeartbeatRequest(island_id=joins[0].island_id, version=1, steps=10, tokens=640,
                                        train_loss=2.5, utilization=0.75), timeout=10)
@@ -157,7 +154,7 @@ def test_with_a_token_every_request_needs_it_and_failures_are_events(net_cfg, tm
 
 
 def test_https_with_the_grpc_certificate(net_cfg, tmp_path, certs):
-    c = Coordinator(_tls(net_cfg, certs, client_auth=False, client=None), tmp_path / "tls")
+    c = Coordinator(tls_config(net_cfg, certs, client_auth=False, client=None), tmp_path / "tls")
     try:
         assert c.url.startswith("https://")
         ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))

@@ -15,7 +15,6 @@ import contextlib
 import io
 import re
 import shlex
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import initial_parameters
+from conftest import initial_parameters, openssl
 from coordinator.lifecycle import serve
 from coordinator.loading import has_checkpoint
 from dtrain.config import Config, ConfigError, CoordinatorConfig, load_config, replace
@@ -470,20 +469,16 @@ def test_the_placeholder_token_is_refused_wherever_it_is_read(monkeypatch):
 # -- the probe against a live coordinator -----------------------------------------------------------------------
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 def test_probe_says_serving_over_tls_and_fails_otherwise(tmp_path, monkeypatch):
     """docs/deploy.md's certificate recipe in small: a CA, a server certificate for IP:127.0.0.1 (what the pod's probe
     dials); the probe verifies it with the CA and exits 0, and exits 1 without TLS or with nothing listening."""
     monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
              "-subj", "/CN=dtrain-ca", cwd=tmp_path)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
              "-subj", "/CN=dtrain-coordinator", cwd=tmp_path)
     (tmp_path / "san.ext").write_text("subjectAltName=DNS:coordinator.dtrain.example.com,IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-out", "server.crt", "-days", "2", "-extfile", "san.ext", cwd=tmp_path)
     tiny = str(ROOT / "configs" / "tiny.toml")
     ca = f"security.ca={tmp_path / 'ca.crt'}"
@@ -509,7 +504,7 @@ def test_probe_says_serving_over_tls_and_fails_otherwise(tmp_path, monkeypatch):
 def _finished_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Path]:
     """A run of one version, merged from two islands' pushes and checkpointed, its coordinator stopped: the volume
     a Deployment's next start resumes from (the islands' leases are short, so a resume forgets them quickly)."""
-    from test_service import _delta_frame, _header, _join
+    from service_helpers import delta_frame, join_island, push_header
     from workers.client import CoordinatorClient
 
     monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
@@ -522,9 +517,9 @@ def _finished_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Conf
     server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
     try:
         clients = [CoordinatorClient(f"127.0.0.1:{port}", cfg) for _ in range(2)]
-        joins = [_join(c, name) for c, name in zip(clients, "ab", strict=True)]
+        joins = [join_island(c, name) for c, name in zip(clients, "ab", strict=True)]
         for i, (c, j) in enumerate(zip(clients, joins, strict=True)):
-            c.push(_header(j, f"p{i}"), _delta_frame(j.tree_size, i)[1])
+            c.push(push_header(j, f"p{i}"), delta_frame(j.tree_size, i)[1])
         for c, j in zip(clients, joins, strict=True):
             c.heartbeat(island_id=j.island_id, version=1)
             c.close()

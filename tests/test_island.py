@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.train import chunks
-from workers.client import CoordinatorError, PulledFrame
+from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
+from workers.client import CoordinatorError
 from workers.exchange import Exchange, GlobalParams, Puller, WorkerError
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 
@@ -141,59 +141,9 @@ def test_every_chunk_a_run_trains_was_compiled():
 # --- the pull -------------------------------------------------------------------------------------
 
 
-N = 64
-
-
-def _frame(vec: np.ndarray) -> bytes:
-    return codec.encode(codec.quantize(vec, 32), 1)
-
-
-def _full(version: int, vec: np.ndarray, digest: str | None = None) -> PulledFrame:
-    h = pb.PullHeader(kind=pb.PULL_KIND_FULL, version=version,
-                      params_digest=params_digest(vec) if digest is None else digest)
-    return PulledFrame(header=h, frame=_frame(vec))
-
-
-def _update(base: int, version: int, values: np.ndarray, result: np.ndarray) -> PulledFrame:
-    h = pb.PullHeader(kind=pb.PULL_KIND_UPDATE, version=version, base_version=base,
-                      params_digest=params_digest(result))
-    return PulledFrame(header=h, frame=_frame(values))
-
-
-class FakeClient:
-    """Answers pulls from a script; records each request; pushes are recorded and answered ``status``."""
-
-    def __init__(self, answers: list[list[PulledFrame]], push_error: Exception | None = None):
-        self.answers, self.push_error = list(answers), push_error
-        self.pulls: list[tuple[str, int, float, bool]] = []
-        self.pushes: list[str] = []
-        self.status = pb.PUSH_STATUS_PENDING  # how every push is answered
-        self.merged_version = 4  # the version a push is answered to go into
-
-    def pull(self, island_id: str, have_version: int, wait_s: float = 0.0, full: bool = False,
-             max_frame: int | None = None) -> list[PulledFrame]:
-        self.pulls.append((island_id, have_version, wait_s, full))
-        return self.answers.pop(0) if self.answers else []
-
-    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
-        if self.push_error is not None:
-            raise self.push_error
-        self.pushes.append(header.push_id)
-        return pb.PushDeltaResponse(status=self.status, reason="round open", merged_version=self.merged_version)
-
-
-class Events(list):
-    def __call__(self, kind: str, **fields: object) -> None:
-        self.append((kind, fields))
-
-
-def _vec(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(N).astype(np.float32)
-
-
 def test_a_digest_mismatch_is_answered_by_one_full_pull():
-    theta = _vec(0)
-    client = FakeClient([[_full(4, theta, digest="0" * 16)], [_full(4, theta)]])
+    theta = random_vec(0)
+    client = FakeClient([[full_pull(4, theta, digest="0" * 16)], [full_pull(4, theta)]])
     events = Events()
     g = Puller(client, N, 1 << 20, events).pull("a-0", None)
     assert g.version == 4 and np.array_equal(g.vec, theta) and g.arrived > 0
@@ -202,10 +152,10 @@ def test_a_digest_mismatch_is_answered_by_one_full_pull():
 
 
 def test_a_repeated_digest_mismatch_fails_naming_the_version_and_both_digests():
-    theta = _vec(0)
-    client = FakeClient([[_full(4, theta, digest="0" * 16)]] * 5)
+    theta = random_vec(0)
+    client = FakeClient([[full_pull(4, theta, digest="0" * 16)]] * 5)
     events = Events()
-    have = GlobalParams(_vec(1), 3)
+    have = GlobalParams(random_vec(1), 3)
     with pytest.raises(WorkerError, match=rf"v4 decodes to params digest {params_digest(theta)}, the "
                                           rf"coordinator's θ has {'0' * 16}, again after a full re-pull"):
         Puller(client, N, 1 << 20, events).pull("a-0", have, wait_s=5.0)
@@ -214,21 +164,21 @@ def test_a_repeated_digest_mismatch_fails_naming_the_version_and_both_digests():
 
 
 def test_updates_apply_in_a_chain_and_a_broken_chain_is_answered_by_one_full_pull():
-    v3, d = _vec(0), _vec(1)
+    v3, d = random_vec(0), random_vec(1)
     have = GlobalParams(v3.copy(), 3)
-    g = Puller(FakeClient([[_update(3, 4, d, v3 + d)]]), N, 1 << 20, Events()).pull("a-0", have)
+    g = Puller(FakeClient([[update_pull(3, 4, d, v3 + d)]]), N, 1 << 20, Events()).pull("a-0", have)
     assert g.version == 4 and np.array_equal(g.vec, v3 + d)
-    client = FakeClient([[_update(2, 4, d, v3 + d)], [_full(4, v3 + d)]])
+    client = FakeClient([[update_pull(2, 4, d, v3 + d)], [full_pull(4, v3 + d)]])
     g = Puller(client, N, 1 << 20, Events()).pull("a-0", have)
     assert g.version == 4 and [p[3] for p in client.pulls] == [False, True]
-    client = FakeClient([[_update(2, 4, d, v3 + d)]] * 3)
+    client = FakeClient([[update_pull(2, 4, d, v3 + d)]] * 3)
     with pytest.raises(WorkerError, match="the update to v4 applies to v2, the island holds no θ"):
         Puller(client, N, 1 << 20, Events()).pull("a-0", have)
     assert len(client.pulls) == 2
 
 
 def test_a_current_island_keeps_its_params():
-    have = GlobalParams(_vec(0), 3, arrived=1.0)
+    have = GlobalParams(random_vec(0), 3, arrived=1.0)
     assert Puller(FakeClient([[]]), N, 1 << 20, Events()).pull("a-0", have) is have and have.arrived == 1.0
     with pytest.raises(WorkerError, match="no parameters for a full pull"):
         Puller(FakeClient([[]]), N, 1 << 20, Events()).pull("a-0", None)
@@ -240,13 +190,13 @@ def test_a_current_island_keeps_its_params():
 def _exchange(client: FakeClient, events: Events, stop: threading.Event | None = None,
               total_versions: int = 0) -> Exchange:
     header = pb.PushHeader(island_id="a-0", base_version=3, push_id="a-0-p1", tokens=640)
-    return Exchange(client, Puller(client, N, 1 << 20, events), b"frame", header, GlobalParams(_vec(0), 3),
+    return Exchange(client, Puller(client, N, 1 << 20, events), b"frame", header, GlobalParams(random_vec(0), 3),
                     total_versions, stop or threading.Event(), events)
 
 
 def test_the_exchange_pushes_then_pulls_until_a_newer_version_and_returns_it_through_its_future():
-    theta = _vec(5)
-    client = FakeClient([[], [], [_full(4, theta)]])  # two long polls with nothing new, then θ_4
+    theta = random_vec(5)
+    client = FakeClient([[], [], [full_pull(4, theta)]])  # two long polls with nothing new, then θ_4
     events = Events()
     ex = _exchange(client, events)
     ex.repush.set()  # the heartbeat heard that the coordinator lost the push
@@ -275,7 +225,7 @@ def test_an_exchange_whose_push_is_dropped_or_refused_returns_the_newest_theta_a
     island rewinds and trains the range again); a refusal is answered as REJECTED at the range's start."""
     for push_error, status in [(None, pb.PUSH_STATUS_DROPPED),
                                (CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad frame"), None)]:
-        client = FakeClient([[_full(3, _vec(7))]], push_error=push_error)
+        client = FakeClient([[full_pull(3, random_vec(7))]], push_error=push_error)
         if status is not None:
             client.status = status
         events = Events()
@@ -291,7 +241,7 @@ def test_an_exchange_whose_push_is_dropped_or_refused_returns_the_newest_theta_a
 def test_a_late_push_waits_for_the_version_it_goes_into():
     """A push based on v3 that the coordinator takes into v6 (a hung island's late delta): θ_5 does not end the
     exchange, θ_6 does; the island's next push then belongs to the round after it."""
-    client = FakeClient([[_full(5, _vec(5))], [_full(6, _vec(6))]])
+    client = FakeClient([[full_pull(5, random_vec(5))], [full_pull(6, random_vec(6))]])
     client.merged_version = 6
     ex = _exchange(client, Events())
     g = ex.start().result(timeout=10)
@@ -305,7 +255,7 @@ def test_a_late_push_waits_for_the_version_it_goes_into():
 
 
 def test_an_exchange_pushed_on_the_runs_last_version_ends_after_one_pull():
-    client = FakeClient([[], [_full(4, _vec(6))]])  # no version follows the last one
+    client = FakeClient([[], [full_pull(4, random_vec(6))]])  # no version follows the last one
     ex = _exchange(client, Events(), total_versions=3)  # the push is based on v3, the last version
     assert ex.start().result(timeout=10) is ex.base and len(client.pulls) == 1
 

@@ -12,7 +12,7 @@ from conftest import TINY
 from coordinator.records import StateOptions
 from coordinator.state import CoordinatorState
 from dtrain.config import load_config
-from test_state import T0, info, join_all, make, options, push, unchanged
+from state_helpers import T0, info, join_all, make, options, push, unchanged
 
 
 def test_join_assigns_distinct_shards():

@@ -12,7 +12,6 @@ import math
 import numpy as np
 import pytest
 
-import test_service
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
@@ -21,13 +20,11 @@ from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
 from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.run_watch import RunWatch
-from test_island import Events, FakeClient, N, _full, _update, _vec
-from test_service import Running
+from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
+from service_helpers import Running
 from workers.client import CoordinatorClient, PulledFrame
 from workers.exchange import Puller
 from workers.island import run_worker
-
-net_cfg = test_service.net_cfg  # the same fixture
 
 
 def test_fmt_progress_shows_version_of_total_or_the_data_cursor_loss_and_rate():
@@ -108,10 +105,10 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
 
 
 def test_a_pull_that_asks_for_an_eval_hands_over_exactly_the_pulled_theta():
-    a, b = _vec(0), _vec(1)
-    asked = _update(4, 5, b - a, a + (b - a))
+    a, b = random_vec(0), random_vec(1)
+    asked = update_pull(4, 5, b - a, a + (b - a))
     asked.header.evaluate = True
-    client = FakeClient([[_full(4, a)], [asked], [PulledFrame(pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=5,
+    client = FakeClient([[full_pull(4, a)], [asked], [PulledFrame(pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=5,
                                                                             evaluate=True), b"")], []])
     puller = Puller(client, N, 1 << 20, Events())
     g4 = puller.pull("a-0", None)

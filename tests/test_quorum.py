@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from coordinator.state import CoordinatorState
-from test_state import T0, info, join_all, make, options, push, unchanged
+from state_helpers import T0, info, join_all, make, options, push, unchanged
 
 
 def test_sync_round_closes_when_all_live_pushed():

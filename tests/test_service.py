@@ -6,7 +6,6 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
 import threading
 import time
 import zlib
@@ -17,47 +16,20 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import initial_parameters, initial_spec
+from conftest import initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.config import load_config, replace
+from dtrain.config import replace
 from dtrain.errors import CheckpointError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.wire import auth_metadata, frame_chunks
+from service_helpers import Running, delta_frame, join_island, push_header, tls_config
 from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def net_cfg(tmp_path, monkeypatch):
-    monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
-    cfg = load_config(ROOT / "configs" / "tiny.toml", [
-        f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "coordinator.lease_s=30",
-        "outer.islands=2", "train.steps=40", "outer.inner_steps=10", "worker.heartbeat_s=0.5",
-        "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=1"])
-    return cfg
-
-
-class Running:
-    """A coordinator on 127.0.0.1:0 in this process, started from the session's shared θ_0 (conftest.py)."""
-
-    def __init__(self, cfg, run_dir: Path, resume: bool = False, clock=time.time):
-        if resume:  # as `dtrain coordinator --resume` starts: the tree's spec only, θ from the checkpoint
-            self.theta, self.spec = None, initial_spec(cfg)
-        else:
-            self.theta, self.spec = initial_parameters(cfg)
-        self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,
-                                                     quiet=True, clock=clock)
-        self.address = f"127.0.0.1:{self.port}"
-        self.run_dir = run_dir
-
-    def stop(self):
-        self.server.stop(grace=None).wait()
-        self.service.close()
 
 
 @pytest.fixture
@@ -65,10 +37,6 @@ def coordinator(net_cfg, tmp_path):
     running = Running(net_cfg, tmp_path / "coord")
     yield running
     running.stop()
-
-
-def _join(client: CoordinatorClient, name: str) -> pb.JoinResponse:
-    return client.join(name, "cpu", 1)
 
 
 # two_islands(address, cfg, names=("a", "b")) -> ((client, client), (join, join))
@@ -84,24 +52,11 @@ def two_islands() -> Iterator[JoinTwo]:
     def join_two(address: str, cfg, names: tuple[str, str] = ("a", "b")):
         clients = (CoordinatorClient(address, cfg), CoordinatorClient(address, cfg))
         opened.extend(clients)
-        return clients, (_join(clients[0], names[0]), _join(clients[1], names[1]))
+        return clients, (join_island(clients[0], names[0]), join_island(clients[1], names[1]))
 
     yield join_two
     for c in opened:
         c.close()
-
-
-def _delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, bytes]:
-    delta = np.random.default_rng(seed).normal(size=n).astype(np.float32) * 1e-3
-    return delta, codec.encode(codec.quantize(delta, bits, block))
-
-
-def _header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640, start: int = 0) -> pb.PushHeader:
-    """A push of 10 steps x batch 8 = 80 sequences from cursor ``start`` (the coordinator bounds its tokens by
-    that range and drops one that does not start at the shard's cursor), on the island's shard."""
-    return pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=tokens,
-                         inner_steps=10, cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest,
-                         shard_index=join.shard_index)
 
 
 def _snapshot(service) -> dict:
@@ -125,9 +80,9 @@ def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg, tw
     full = clients[0].pull(joins[0].island_id, 0, full=True)
     theta0 = codec.dequantize(codec.decode(full[0].frame, expected_n=n))
     assert full[0].header.kind == pb.PULL_KIND_FULL and np.array_equal(theta0, coordinator.theta)
-    r0 = clients[0].push(_header(joins[0], "p0"), _delta_frame(n, 0)[1])
+    r0 = clients[0].push(push_header(joins[0], "p0"), delta_frame(n, 0)[1])
     assert r0.status == pb.PUSH_STATUS_PENDING and r0.version == 0  # waits for the other live island
-    r1 = clients[1].push(_header(joins[1], "p1"), _delta_frame(n, 1)[1])
+    r1 = clients[1].push(push_header(joins[1], "p1"), delta_frame(n, 1)[1])
     assert r1.status == pb.PUSH_STATUS_MERGED and r1.version == 1
     frames = clients[0].pull(joins[0].island_id, 0, full=True)  # no θ held: the full, lossless parameters
     assert frames[0].header.kind == pb.PULL_KIND_FULL and frames[0].header.version == 1
@@ -146,8 +101,8 @@ def test_join_push_merge_pull_gives_bit_identical_theta(coordinator, net_cfg, tw
 def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg, two_islands):
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
-    c0.push(_header(j0, "a1"), _delta_frame(n, 2)[1])
-    c1.push(_header(j1, "b1"), _delta_frame(n, 3)[1])
+    c0.push(push_header(j0, "a1"), delta_frame(n, 2)[1])
+    c1.push(push_header(j1, "b1"), delta_frame(n, 3)[1])
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coordinator.address))
     msgs = list(stub.PullGlobal(pb.PullRequest(island_id=j0.island_id, have_version=1, wait_s=0.2), timeout=10))
     assert len(msgs) == 1 and msgs[0].header.kind == pb.PULL_KIND_CURRENT and msgs[0].header.version == 1
@@ -159,12 +114,12 @@ def test_pull_of_the_current_version_sends_no_frame(coordinator, net_cfg, two_is
 def test_retried_push_is_applied_exactly_once(coordinator, net_cfg, two_islands):
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
-    frame = _delta_frame(n, 4)[1]
-    assert c0.push(_header(j0, "same-id"), frame).status == pb.PUSH_STATUS_PENDING
-    again = c0.push(_header(j0, "same-id"), frame)
+    frame = delta_frame(n, 4)[1]
+    assert c0.push(push_header(j0, "same-id"), frame).status == pb.PUSH_STATUS_PENDING
+    again = c0.push(push_header(j0, "same-id"), frame)
     assert again.status == pb.PUSH_STATUS_DUPLICATE
-    c1.push(_header(j1, "other"), _delta_frame(n, 5)[1])
-    after_merge = c0.push(_header(j0, "same-id"), frame)
+    c1.push(push_header(j1, "other"), delta_frame(n, 5)[1])
+    after_merge = c0.push(push_header(j0, "same-id"), frame)
     assert after_merge.status == pb.PUSH_STATUS_DUPLICATE
     st = c0.status()
     assert st.version == 1 and st.tokens_merged == 2 * 640
@@ -189,7 +144,7 @@ def _raw_push(address: str, messages: list[pb.PushMessage], token: str | None = 
 
 def _frame_messages(join, frame: bytes, push_id: str, chunk: int = 4096, **overrides) -> list[pb.PushMessage]:
     _, chunks = frame_chunks(frame, chunk)
-    h = _header(join, push_id)
+    h = push_header(join, push_id)
     h.total_bytes, h.frame_crc32, h.chunks = len(frame), zlib.crc32(frame), len(chunks)
     for k, v in overrides.items():
         setattr(h, k, v)
@@ -209,9 +164,9 @@ def _frame_messages(join, frame: bytes, push_id: str, chunk: int = 4096, **overr
 ])
 def test_bad_pushes_are_rejected_and_change_nothing(coordinator, net_cfg, case, code, match):
     client = CoordinatorClient(coordinator.address, net_cfg)
-    join = _join(client, "a")
+    join = join_island(client, "a")
     n = join.tree_size
-    frame = _delta_frame(n, 6)[1]
+    frame = delta_frame(n, 6)[1]
     msgs = _frame_messages(join, frame, f"bad-{case}")
     if case == "truncated":
         msgs = msgs[:-1]
@@ -240,7 +195,7 @@ def test_bad_pushes_are_rejected_and_change_nothing(coordinator, net_cfg, case, 
     assert match in e.value.details()
     _assert_unchanged(before, coordinator.service)
     # The same island can still push a good delta afterwards (it is the only live island: it merges at once).
-    good = client.push(_header(join, "good"), frame)
+    good = client.push(push_header(join, "good"), frame)
     assert good.status == pb.PUSH_STATUS_MERGED and good.version == 1
     client.close()
 
@@ -268,41 +223,11 @@ def test_wrong_or_missing_token_is_unauthenticated(net_cfg, tmp_path, monkeypatc
         running.stop()
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=dtrain-test-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"), ("client", "")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)
-        extfile = d / f"{name}.ext"
-        extfile.write_text((ext or "basicConstraints=CA:FALSE") + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", str(extfile), cwd=d)
-    # A second, untrusted CA and client: mutual TLS must refuse it.
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "rogue.key", "-out", "rogue.pem",
-             "-days", "2", "-subj", "/CN=rogue", cwd=d)
-    return d
-
-
-def _tls(cfg, d: Path, client_auth: bool, client: str | None):
-    sec = {"ca": str(d / "ca.pem"), "server_cert": str(d / "server.pem"), "server_key": str(d / "server.key"),
-           "client_auth": client_auth, "server_name": "localhost"}
-    if client == "client":
-        sec.update(client_cert=str(d / "client.pem"), client_key=str(d / "client.key"))
-    elif client == "rogue":
-        sec.update(client_cert=str(d / "rogue.pem"), client_key=str(d / "rogue.key"))
-    return replace(cfg, security=sec)
 
 
 def test_tls_and_mutual_tls(net_cfg, tmp_path, certs):
     # TLS: a worker that trusts the CA gets in; one speaking plaintext does not.
-    server_cfg = _tls(net_cfg, certs, client_auth=False, client=None)
+    server_cfg = tls_config(net_cfg, certs, client_auth=False, client=None)
     running = Running(server_cfg, tmp_path / "tls")
     try:
         client = CoordinatorClient(running.address, server_cfg)
@@ -315,14 +240,14 @@ def test_tls_and_mutual_tls(net_cfg, tmp_path, certs):
     finally:
         running.stop()
     # Mutual TLS: a client certificate signed by the CA is required.
-    mtls_cfg = _tls(net_cfg, certs, client_auth=True, client=None)
+    mtls_cfg = tls_config(net_cfg, certs, client_auth=True, client=None)
     running = Running(mtls_cfg, tmp_path / "mtls")
     try:
-        good = CoordinatorClient(running.address, _tls(net_cfg, certs, client_auth=True, client="client"))
+        good = CoordinatorClient(running.address, tls_config(net_cfg, certs, client_auth=True, client="client"))
         assert good.join("a", "cpu", 1).island_id
         good.close()
         for who in (None, "rogue"):
-            cfg = replace(_tls(net_cfg, certs, client_auth=True, client=who), worker={"retry_total_s": 0.5})
+            cfg = replace(tls_config(net_cfg, certs, client_auth=True, client=who), worker={"retry_total_s": 0.5})
             bad = CoordinatorClient(running.address, cfg)
             with pytest.raises(CoordinatorError):
                 bad.join("b", "cpu", 1)
@@ -337,8 +262,8 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path, two_islands)
     first = Running(net_cfg, run_dir)
     (c0, c1), (j0, j1) = two_islands(first.address, net_cfg)
     n = j0.tree_size
-    c0.push(_header(j0, "a1"), _delta_frame(n, 7)[1])
-    c1.push(_header(j1, "b1"), _delta_frame(n, 8)[1])
+    c0.push(push_header(j0, "a1"), delta_frame(n, 7)[1])
+    c1.push(push_header(j1, "b1"), delta_frame(n, 8)[1])
     digest, version = first.service.merger.digest, first.service.merger.version
     theta = first.service.merger.theta.copy()
     momentum = first.service.merger.momentum.copy()
@@ -349,10 +274,10 @@ def test_coordinator_resumes_from_its_checkpoint(net_cfg, tmp_path, two_islands)
         assert (m.version, m.digest) == (version, digest) == (1, digest)
         assert np.array_equal(m.theta, theta) and np.array_equal(m.momentum, momentum)
         client = CoordinatorClient(second.address, net_cfg)
-        again = _join(client, "a")
+        again = join_island(client, "a")
         assert again.island_id == j0.island_id and again.shard_index == j0.shard_index and again.cursor == 80
         # A push already merged before the restart is recognised as a duplicate.
-        assert client.push(_header(j0, "a1"), _delta_frame(n, 7)[1]).status == pb.PUSH_STATUS_DUPLICATE
+        assert client.push(push_header(j0, "a1"), delta_frame(n, 7)[1]).status == pb.PUSH_STATUS_DUPLICATE
         client.close()
     finally:
         second.stop()
@@ -387,13 +312,13 @@ def test_pull_long_poll_returns_when_a_new_version_merges(coordinator, net_cfg, 
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     theta0 = codec.dequantize(codec.decode(c0.pull(j0.island_id, 0, full=True)[0].frame, expected_n=n))
-    c0.push(_header(j0, "a1"), _delta_frame(n, 9)[1])
+    c0.push(push_header(j0, "a1"), delta_frame(n, 9)[1])
     got: list = []
     waiter = threading.Thread(target=lambda: got.extend(c0.pull(j0.island_id, 0, wait_s=20)))
     waiter.start()  # holds "version 0" (the latest) and waits for a newer one
     waiter.join(timeout=0.5)
     assert waiter.is_alive() and not got
-    c1.push(_header(j1, "b1"), _delta_frame(n, 10)[1])
+    c1.push(push_header(j1, "b1"), delta_frame(n, 10)[1])
     waiter.join(timeout=15)
     assert not waiter.is_alive()
     assert [f.header.kind for f in got] == [pb.PULL_KIND_UPDATE] and got[0].header.version == 1
@@ -411,12 +336,12 @@ def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordin
     monkeypatch.setattr(coordinator.service.merger, "outer_step", full_disk)
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
-    assert c0.push(_header(j0, "a1"), _delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
+    assert c0.push(push_header(j0, "a1"), delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
     with pytest.raises(CoordinatorError):  # the push that completes the round hits the failing step
-        c1.push(_header(j1, "b1"), _delta_frame(n, 2)[1])
+        c1.push(push_header(j1, "b1"), delta_frame(n, 2)[1])
     assert "No space left on device" in coordinator.service.loop.fatal and coordinator.service.state.version == 0
     with pytest.raises(CoordinatorError, match="UNAVAILABLE.*coordinator failed"):
-        c0.push(_header(j0, "a2", base=0), _delta_frame(n, 3)[1])
+        c0.push(push_header(j0, "a2", base=0), delta_frame(n, 3)[1])
 
 
 def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, tmp_path, two_islands):
@@ -428,8 +353,8 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
     try:
         (c0, c1), (j0, j1) = two_islands(running.address, net_cfg)
         n = j0.tree_size
-        c0.push(_header(j0, "a1"), _delta_frame(n, 11)[1])
-        assert c1.push(_header(j1, "b1"), _delta_frame(n, 12)[1]).status == pb.PUSH_STATUS_MERGED
+        c0.push(push_header(j0, "a1"), delta_frame(n, 11)[1])
+        assert c1.push(push_header(j1, "b1"), delta_frame(n, 12)[1]).status == pb.PUSH_STATUS_MERGED
         assert running.service.loop.finished is None  # over, but neither island holds version 1 yet
         for c, j in ((c0, j0), (c1, j1)):
             assert c.heartbeat(island_id=j.island_id, version=1).action == pb.ACTION_STOP
@@ -481,8 +406,8 @@ def _three_versions(cfg, run_dir: Path, two_islands: JoinTwo) -> dict:
     n = j0.tree_size
     at_v2 = {}
     for v in range(3):
-        c0.push(_header(j0, f"a{v}", base=v, start=80 * v), _delta_frame(n, 20 + v)[1])
-        c1.push(_header(j1, f"b{v}", base=v, start=80 * v), _delta_frame(n, 30 + v)[1])
+        c0.push(push_header(j0, f"a{v}", base=v, start=80 * v), delta_frame(n, 20 + v)[1])
+        c1.push(push_header(j1, f"b{v}", base=v, start=80 * v), delta_frame(n, 30 + v)[1])
         if v == 1:
             m = first.service.merger
             at_v2 = {"theta": m.theta.copy(), "momentum": m.momentum.copy(), "digest": m.digest}
@@ -542,8 +467,8 @@ def test_resume_falls_back_to_the_newest_good_checkpoint(net_cfg, tmp_path, dama
         assert not (run_dir / "coordinator" / "3").exists()
         (c0, c1), (j0, j1) = two_islands(second.address, net_cfg)
         n = j0.tree_size
-        c0.push(_header(j0, "a-again", base=2, start=160), _delta_frame(n, 40)[1])
-        c1.push(_header(j1, "b-again", base=2, start=160), _delta_frame(n, 41)[1])
+        c0.push(push_header(j0, "a-again", base=2, start=160), delta_frame(n, 40)[1])
+        c1.push(push_header(j1, "b-again", base=2, start=160), delta_frame(n, 41)[1])
         assert second.service.merger.version == 3
     finally:
         second.stop()
@@ -597,13 +522,13 @@ def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_
     running = Running(cfg, tmp_path / "over")
     try:
         (c0, c1), (j0, j1) = two_islands(running.address, cfg)
-        c0.push(_header(j0, "a1"), _delta_frame(j0.tree_size, 1)[1])
-        c1.push(_header(j1, "b1"), _delta_frame(j0.tree_size, 2)[1])
+        c0.push(push_header(j0, "a1"), delta_frame(j0.tree_size, 1)[1])
+        c1.push(push_header(j1, "b1"), delta_frame(j0.tree_size, 2)[1])
         over = "the run is over: all 2 shards' data (80 sequences each) merged, in 1 versions"
         with pytest.raises(RunOverError, match=re.escape(f"FAILED_PRECONDITION: {over}: nothing left to train")):
-            _join(c0, "a")  # a restarted island
+            join_island(c0, "a")  # a restarted island
         with pytest.raises(RunOverError, match="the run is over"):
-            _join(c0, "late-newcomer")
+            join_island(c0, "late-newcomer")
         t0 = time.monotonic()
         out = run_worker(cfg, running.address, "a", tmp_path / "island-a", quiet=True)
         assert out == {"island": "a", "run_over": f"{over} (coordinator at {running.address})"}
@@ -631,7 +556,7 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
                                on_retry=lambda what, pause, left: retries.append((what, pause, left)))
     t0 = time.monotonic()
     with pytest.raises(CoordinatorError) as e:
-        _join(client, "a")
+        join_island(client, "a")
     assert 1.0 <= time.monotonic() - t0 < 3.0
     msg = str(e.value)
     # gRPC's code and what it means, not its raw debug text ("failed to connect to all addresses; last error: ...")
@@ -687,10 +612,10 @@ def test_a_poisoned_push_with_inflated_tokens_is_refused_and_theta_stays_finite(
     _assert_unchanged(before, coordinator.service)
     assert coordinator.service.counters.pushes_refused == 1
     # The round goes on with honest pushes: θ moves by them alone and stays finite.
-    d0, f0 = _delta_frame(n, 40)
-    d1, f1 = _delta_frame(n, 41)
-    assert c0.push(_header(j0, "a1"), f0).status == pb.PUSH_STATUS_PENDING
-    assert c1.push(_header(j1, "b1"), f1).status == pb.PUSH_STATUS_MERGED
+    d0, f0 = delta_frame(n, 40)
+    d1, f1 = delta_frame(n, 41)
+    assert c0.push(push_header(j0, "a1"), f0).status == pb.PUSH_STATUS_PENDING
+    assert c1.push(push_header(j1, "b1"), f1).status == pb.PUSH_STATUS_MERGED
     theta = coordinator.service.merger.theta
     assert np.isfinite(theta).all() and np.abs(theta - coordinator.theta).max() < 0.01
     events = read_events(tmp_path / "coord")
@@ -704,12 +629,12 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
     told in the push reply and its heartbeats; the round does not wait for it."""
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
-    r = c0.push(_header(j0, "poison"), _poison_frame(n))
+    r = c0.push(push_header(j0, "poison"), _poison_frame(n))
     assert r.status == pb.PUSH_STATUS_REJECTED and r.reason.startswith("quarantined: push poison has L2 norm")
     assert "more than norm_max_ratio 10 x the L2 norm of θ" in r.reason
     hb = c0.heartbeat(island_id=j0.island_id, version=0)
     assert "your push poison was rejected: quarantined" in hb.reason
-    assert c1.push(_header(j1, "b1"), _delta_frame(n, 42)[1]).status == pb.PUSH_STATUS_MERGED
+    assert c1.push(push_header(j1, "b1"), delta_frame(n, 42)[1]).status == pb.PUSH_STATUS_MERGED
     service = coordinator.service
     assert service.state.version == 1 and service.state.deltas_rejected == 1 and service.state.tokens_merged == 640
     assert np.isfinite(service.merger.theta).all() and np.abs(service.merger.theta - coordinator.theta).max() < 0.01
@@ -726,9 +651,9 @@ def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(n
     try:
         (c0, c1), (j0, j1) = two_islands(running.address, cfg)
         n = j0.tree_size
-        d1, f1 = _delta_frame(n, 43)
-        assert c1.push(_header(j1, "b1"), f1).status == pb.PUSH_STATUS_PENDING
-        r = c0.push(_header(j0, "poison", tokens=2560), _poison_frame(n))  # completes the round: rejected
+        d1, f1 = delta_frame(n, 43)
+        assert c1.push(push_header(j1, "b1"), f1).status == pb.PUSH_STATUS_PENDING
+        r = c0.push(push_header(j0, "poison", tokens=2560), _poison_frame(n))  # completes the round: rejected
         assert r.status == pb.PUSH_STATUS_REJECTED and "the outer step for version 1 makes update[" in r.reason
         assert "blamed: push poison" in r.reason and r.version == 1
         service = running.service
@@ -751,7 +676,7 @@ def test_a_nan_or_inf_delta_is_refused_at_validation_in_every_codec(net_cfg, tmp
     running = Running(cfg, tmp_path / "coord")
     try:
         client = CoordinatorClient(running.address, cfg)
-        join = _join(client, "a")
+        join = join_island(client, "a")
         n, bits = join.tree_size, codec.CODEC_BITS[up]
         q = codec.quantize(np.ones(n, np.float32), bits, 1024)
         if bits == 32:  # the value itself
@@ -896,7 +821,7 @@ def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_
         clients, joins = two_islands(running.address, cfg, names=("isl-0", "isl-1"))
         n = joins[0].tree_size
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
-        msgs = _frame_messages(joins[0], _delta_frame(n, 6)[1], "garbled")
+        msgs = _frame_messages(joins[0], delta_frame(n, 6)[1], "garbled")
         data = bytearray(msgs[2].chunk.data)
         data[10] ^= 0xFF
         msgs[2].chunk.data = bytes(data)
@@ -906,7 +831,7 @@ def test_at_most_max_receiving_pushes_stream_in_at_once_and_a_refused_one_frees_
         results: list = [None, None]
 
         def push(i: int) -> None:
-            results[i] = clients[i].push(_header(joins[i], f"p{i}"), _delta_frame(n, i)[1])
+            results[i] = clients[i].push(push_header(joins[i], f"p{i}"), delta_frame(n, i)[1])
 
         threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
         for t in threads:
@@ -931,7 +856,7 @@ def test_pulls_stream_in_half_the_islands_share_and_the_heap_is_trimmed_when_str
     running = Running(cfg, tmp_path / "coord")
     try:
         client = CoordinatorClient(running.address, cfg)
-        join = _join(client, "isl-0")
+        join = join_island(client, "isl-0")
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(running.address))
         messages = list(stub.PullGlobal(pb.PullRequest(island_id=join.island_id, have_version=0, full=True),
                                         timeout=10))
@@ -945,7 +870,7 @@ def test_pulls_stream_in_half_the_islands_share_and_the_heap_is_trimmed_when_str
         assert np.array_equal(theta, running.theta)
         (pulled,) = client.pull(join.island_id, 0, full=True)  # the client's own receiver takes such chunks
         assert pulled.frame == frame
-        r = client.push(_header(join, "p0"), _delta_frame(join.tree_size, 0)[1])
+        r = client.push(push_header(join, "p0"), delta_frame(join.tree_size, 0)[1])
         assert r.status == pb.PUSH_STATUS_MERGED  # the only live island: its push closes the round
         streams = running.service.streams
         deadline = time.monotonic() + 10

@@ -8,17 +8,14 @@ import grpc
 import numpy as np
 import pytest
 
-import test_service
 from coordinator.history import RunHistory, check_eval_reports
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
 from dtrain.wire import MAX_EVAL_REPORTS
-from test_service import Running, _delta_frame, _header, _join
+from service_helpers import Running, delta_frame, join_island, push_header
 from workers.client import CoordinatorClient
-
-net_cfg = test_service.net_cfg  # the same fixture
 
 
 @pytest.fixture
@@ -30,11 +27,11 @@ def coord(net_cfg, tmp_path):
 
 def _merge_one_round(coord, net_cfg):
     clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(2)]
-    joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+    joins = [join_island(c, f"isl-{i}") for i, c in enumerate(clients)]
     n = joins[0].tree_size
-    frames = [_delta_frame(n, i)[1] for i in range(2)]
+    frames = [delta_frame(n, i)[1] for i in range(2)]
     for c, j, f, name in zip(clients, joins, frames, ("p0", "p1"), strict=True):
-        c.push(_header(j, name), f)
+        c.push(push_header(j, name), f)
     return clients, joins, frames
 
 
@@ -65,7 +62,7 @@ def test_status_shows_rounds_with_their_bytes_and_each_islands_reports(coord, ne
 
 def test_the_coordinator_asks_one_island_per_version_to_evaluate_and_records_its_report(coord, net_cfg, tmp_path):
     clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(2)]
-    a, b = (_join(c, f"isl-{i}") for i, c in enumerate(clients))
+    a, b = (join_island(c, f"isl-{i}") for i, c in enumerate(clients))
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
     # Every island starts with a full pull of θ_0: the first is asked to evaluate it (eval_every=5: v0, v5, ...).
     assert [f.header.evaluate for f in clients[0].pull(a.island_id, 0, full=True)] == [True]
@@ -90,9 +87,9 @@ def test_the_final_version_is_evaluated_with_the_tokens_merged_into_it(net_cfg, 
     coord = Running(cfg, tmp_path / "coord")
     try:
         clients = [CoordinatorClient(coord.address, cfg) for _ in range(2)]
-        joins = [_join(c, f"isl-{i}") for i, c in enumerate(clients)]
+        joins = [join_island(c, f"isl-{i}") for i, c in enumerate(clients)]
         for c, j, name in zip(clients, joins, ("p0", "p1"), strict=True):
-            c.push(_header(j, name), _delta_frame(j.tree_size, len(name))[1])
+            c.push(push_header(j, name), delta_frame(j.tree_size, len(name))[1])
         st = clients[0].status()
         assert st.version == 1 and st.stopped  # every shard's data merged: version 1 is the final one
         (first,) = clients[1].pull(joins[1].island_id, 0)
@@ -121,7 +118,7 @@ def test_the_final_version_is_evaluated_with_the_tokens_merged_into_it(net_cfg, 
 def test_a_heartbeat_with_an_impossible_report_is_refused_and_changes_nothing(coord, net_cfg, request_fields,
                                                                              message):
     client = CoordinatorClient(coord.address, net_cfg)
-    join = _join(client, "a")
+    join = join_island(client, "a")
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
     with coord.service.lock:
         before = coord.service.state.to_json()

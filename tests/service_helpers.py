@@ -1,0 +1,63 @@
+"""What the tests of a real in-process coordinator share: the coordinator on 127.0.0.1:0 (:class:`Running`), an
+island's Join, a pushed delta's frame and header, a TLS config (test_service, test_dashboard, test_status,
+test_progress, test_deploy). Their fixtures (``net_cfg``, ``certs``) are in conftest.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from conftest import initial_parameters, initial_spec
+from coordinator.lifecycle import serve
+from dtrain import codec
+from dtrain.config import replace
+from dtrain.proto import dtrain_pb2 as pb
+from workers.client import CoordinatorClient
+
+
+class Running:
+    """A coordinator on 127.0.0.1:0 in this process, started from the session's shared θ_0 (conftest.py)."""
+
+    def __init__(self, cfg, run_dir: Path, resume: bool = False, clock=time.time):
+        if resume:  # as `dtrain coordinator --resume` starts: the tree's spec only, θ from the checkpoint
+            self.theta, self.spec = None, initial_spec(cfg)
+        else:
+            self.theta, self.spec = initial_parameters(cfg)
+        self.server, self.service, self.port = serve(cfg, run_dir, self.theta, self.spec, port=0, resume=resume,
+                                                     quiet=True, clock=clock)
+        self.address = f"127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+
+    def stop(self):
+        self.server.stop(grace=None).wait()
+        self.service.close()
+
+
+def join_island(client: CoordinatorClient, name: str) -> pb.JoinResponse:
+    """Joins ``client`` as island ``name`` with one CPU device."""
+    return client.join(name, "cpu", 1)
+
+
+def delta_frame(n: int, seed: int, bits=8, block=1024) -> tuple[np.ndarray, bytes]:
+    delta = np.random.default_rng(seed).normal(size=n).astype(np.float32) * 1e-3
+    return delta, codec.encode(codec.quantize(delta, bits, block))
+
+
+def push_header(join: pb.JoinResponse, push_id: str, base: int = 0, tokens: int = 640, start: int = 0) -> pb.PushHeader:
+    """A push of 10 steps x batch 8 = 80 sequences from cursor ``start`` (the coordinator bounds its tokens by
+    that range and drops one that does not start at the shard's cursor), on the island's shard."""
+    return pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=tokens,
+                         inner_steps=10, cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest,
+                         shard_index=join.shard_index)
+
+
+def tls_config(cfg, d: Path, client_auth: bool, client: str | None):
+    sec = {"ca": str(d / "ca.pem"), "server_cert": str(d / "server.pem"), "server_key": str(d / "server.key"),
+           "client_auth": client_auth, "server_name": "localhost"}
+    if client == "client":
+        sec.update(client_cert=str(d / "client.pem"), client_key=str(d / "client.key"))
+    elif client == "rogue":
+        sec.update(client_cert=str(d / "rogue.pem"), client_key=str(d / "rogue.key"))
+    return replace(cfg, security=sec)
