@@ -502,37 +502,13 @@ class _Simulation:
     def summarize(self) -> dict[str, Any]:
         """The run's summary (see :func:`run_simulation`), from the islands' summaries and the run's events;
         written to ``RUN_DIR/summary.json`` and the driver's log, which it closes."""
-        out, cfg = self.out, self.cfg
-        wall = time.perf_counter() - self.t0
-        finished = [n for n in self.names if n not in self.gone | self.stopped]
-        per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
-        # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
-        # process 0's alone, the one that pushes)
-        followers = [json.loads((process_dir(out / "islands" / n, i) / "summary.json").read_text())
-                     for n in finished for i in range(1, self.processes)]
-        evals = {round(s["final_eval_loss"], 6) for s in per_island + followers}
-        digests = {s["params_digest"] for s in per_island + followers}
+        out, wall = self.out, time.perf_counter() - self.t0
         coord_events = _events(out)
         island_events = {n: _events(out / "islands" / n) for n in self.names}
-        checked = _audit(cfg, out, coord_events, island_events)
-        summary = {
-            "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
-            "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
-            "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
-            "wall_s": wall, "islands": per_island, "run_dir": str(out),
-            "utilization": min(s["utilization"] for s in per_island),
-            "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
-            "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
-            "worker_cpus": self.shares, "island_processes": self.processes,
-            "faults": score_faults(self.fired, self.faults, coord_events, island_events),
-            "device_quarantines": device_quarantines(island_events, [f for f in self.faults
-                                                                     if f.kind in DEVICE_KINDS]),
-            "faults_not_injected": self.not_injected,
-            "goodput": checked.goodput, "audit": checked.to_dict(),
-            "unfinished_islands": sorted(self.gone | self.stopped),
-        }
-        if len(digests) != 1 or len(evals) != 1:
-            raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
+        checked = _audit(self.cfg, out, coord_events, island_events)
+        unfinished = self.gone | self.stopped
+        summary = _run_summary(self, [n for n in self.names if n not in unfinished], wall, coord_events,
+                               island_events, checked)
         self.log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
         self.log.write_summary(summary)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -540,6 +516,37 @@ class _Simulation:
         self.log.close()
         return summary
 
+
+def _run_summary(sim: _Simulation, finished: list[str], wall: float, coord_events: list[dict[str, Any]],
+                 island_events: dict[str, list[dict[str, Any]]], checked: Audit) -> dict[str, Any]:
+    """The summary of ``sim``'s run (``wall`` seconds long) from its ``finished`` islands' summaries (every
+    process's) and the run's events; raises SimulationError if the islands did not end on one θ."""
+    out, cfg = sim.out, sim.cfg
+    per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
+    # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
+    # process 0's alone, the one that pushes)
+    followers = [json.loads((process_dir(out / "islands" / n, i) / "summary.json").read_text())
+                 for n in finished for i in range(1, sim.processes)]
+    evals = {round(s["final_eval_loss"], 6) for s in per_island + followers}
+    digests = {s["params_digest"] for s in per_island + followers}
+    summary = {
+        "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
+        "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
+        "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
+        "wall_s": wall, "islands": per_island, "run_dir": str(out),
+        "utilization": min(s["utilization"] for s in per_island),
+        "compression_ratio": sum(s["compression_ratio"] for s in per_island) / len(per_island),
+        "bit_identical_final_params": len(digests) == 1, "codec": {"up": cfg.codec.up, "down": cfg.codec.down},
+        "worker_cpus": sim.shares, "island_processes": sim.processes,
+        "faults": score_faults(sim.fired, sim.faults, coord_events, island_events),
+        "device_quarantines": device_quarantines(island_events, [f for f in sim.faults if f.kind in DEVICE_KINDS]),
+        "faults_not_injected": sim.not_injected,
+        "goodput": checked.goodput, "audit": checked.to_dict(),
+        "unfinished_islands": sorted(sim.gone | sim.stopped),
+    }
+    if len(digests) != 1 or len(evals) != 1:
+        raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
+    return summary
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """The events in ``run_dir`` ([] if none yet), less lines torn by a process the driver killed mid-write."""
