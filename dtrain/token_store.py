@@ -1,0 +1,284 @@
+"""The token store: a tokenized corpus on disk or in object storage, as TensorStore arrays plus a manifest.
+
+Layout of a store at ``LOCATION`` (a local path, ``file://``, ``gs://``, ``s3://`` or ``http(s)://``)::
+
+    LOCATION/tokens/         zarr v3 array of token ids, uint16 when the vocabulary fits, else uint32;
+                             chunks of ``CHUNK_TOKENS`` ids, zstd-compressed
+    LOCATION/doc_ends/       zarr v3 array (uint64): the end offset of each document in ``tokens``
+    LOCATION/manifest.json   :class:`Manifest`: format, dtype, vocabulary size, counts, the digest of the tokens,
+                             the tokenizer; written last, by an atomic rename: a store without it is incomplete
+
+:class:`TokenStore` opens a store by reading its manifest and the arrays' metadata only, so opening costs the same
+for a corpus of a megabyte and of terabytes; :meth:`TokenStore.read` then fetches one range of ids. The digest
+(SHA-256 of the ids as little-endian bytes, in order) is computed once, while the store is written
+(:class:`StoreWriter`), and checked only on request (:meth:`TokenStore.verify`). Only local stores are written
+here; any kvstore TensorStore opens is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import tensorstore as ts
+
+from dtrain import schema
+
+FORMAT = "dtrain-token-store/1"
+MANIFEST = "manifest.json"
+TOKENS = "tokens/"
+DOC_ENDS = "doc_ends/"
+CHUNK_TOKENS = 1 << 20  # ids per stored chunk (2 MiB of uint16 before compression): one read's granularity
+ZSTD_LEVEL = 3
+READ_TIMEOUT_S = 60.0  # one read of a manifest or of a range of ids, local or remote
+
+log = logging.getLogger("dtrain.data")
+
+
+class StoreError(ValueError):
+    """A token store that cannot be opened or read as asked: the message names the store and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a store holds, written once when it is complete."""
+
+    format: str  # FORMAT
+    dtype: Literal["uint16", "uint32"]  # the ids' type: uint16 when vocab_size <= 65536
+    vocab_size: int  # ids are in [0, vocab_size)
+    tokens: int  # ids in the store
+    documents: int  # documents (entries of doc_ends)
+    digest: str  # "sha256:<hex>" of the ids as little-endian bytes, in order
+    tokenizer: str  # "bytes" (one id per byte), or a Hugging Face tokenizer's name or file in the store
+    eos_id: int | None = None  # the id that ends each document, if the tokenizer adds one
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+
+def dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
+    """The narrowest id type for a vocabulary: uint16 up to 65,536 ids, else uint32."""
+    if vocab_size < 1:
+        raise StoreError(f"a vocabulary needs at least one id, got vocab_size={vocab_size}")
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def kvstore_spec(location: str | Path) -> dict[str, Any]:
+    """The TensorStore kvstore spec of a store's location: a local path or ``file://``, ``gs://BUCKET/PATH``,
+    ``s3://BUCKET/PATH`` or ``http(s)://HOST/PATH`` (read-only). The path always ends with ``/``."""
+    text = str(location)
+    parsed = urllib.parse.urlparse(text)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else text
+        return {"driver": "file", "path": str(Path(path).expanduser().resolve()) + "/"}
+    if parsed.scheme in ("gs", "s3"):
+        if not parsed.netloc:
+            raise StoreError(f"token store {text}: no bucket in the URL (expected {parsed.scheme}://BUCKET/PATH)")
+        return {"driver": "gcs" if parsed.scheme == "gs" else "s3", "bucket": parsed.netloc,
+                "path": parsed.path.strip("/") + "/"}
+    if parsed.scheme in ("http", "https"):
+        return {"driver": "http", "base_url": text.rstrip("/") + "/"}
+    raise StoreError(f"token store {text}: unknown scheme {parsed.scheme!r} (a path, file://, gs://, s3://, "
+                     "http:// or https://)")
+
+
+def _array_spec(kv: dict[str, Any], name: str) -> dict[str, Any]:
+    if kv["driver"] == "http":
+        return {"driver": "zarr3", "kvstore": {**kv, "base_url": kv["base_url"] + name}}
+    return {"driver": "zarr3", "kvstore": {**kv, "path": kv["path"] + name}}
+
+
+def _new_array(kv: dict[str, Any], name: str, dtype: str, chunk: int) -> Any:
+    metadata = {"shape": [0], "data_type": dtype,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                           {"name": "zstd", "configuration": {"level": ZSTD_LEVEL}}]}
+    return ts.open({**_array_spec(kv, name), "metadata": metadata}, create=True, delete_existing=True).result()
+
+
+class StoreWriter:
+    """Writes a local token store document by document; :meth:`close` writes the manifest, which completes it.
+
+    ``path``: a local folder (created; a complete store there is refused unless ``overwrite``). ``vocab_size``:
+    every id must be below it. ``tokenizer``: what made the ids ("bytes", or a tokenizer's name). ``eos_id``:
+    the end-of-document id, if the caller appends one to each document.
+    """
+
+    def __init__(self, path: str | Path, vocab_size: int, tokenizer: str = "bytes", eos_id: int | None = None,
+                 overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS):
+        self.path = Path(path)
+        if (self.path / MANIFEST).exists() and not overwrite:
+            raise StoreError(f"token store {self.path} exists already (its {MANIFEST} is there): choose another "
+                             "--out, or delete it first")
+        if chunk_tokens < 1:
+            raise StoreError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest
+        self.vocab_size, self.tokenizer, self.eos_id = vocab_size, tokenizer, eos_id
+        self.dtype = np.dtype(dtype_for(vocab_size))
+        if eos_id is not None and not 0 <= eos_id < vocab_size:
+            raise StoreError(f"eos_id {eos_id} is not an id of a vocabulary of {vocab_size}")
+        kv = kvstore_spec(self.path)
+        self._tokens = _new_array(kv, TOKENS, self.dtype.name, chunk_tokens)
+        self._doc_ends_array = _new_array(kv, DOC_ENDS, "uint64", chunk_tokens)
+        self._chunk = chunk_tokens
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+        self._written = 0  # ids flushed to the tokens array
+        self._doc_ends: list[int] = []
+        self._hash = hashlib.sha256()
+        self._closed = False
+
+    @property
+    def tokens(self) -> int:
+        """Ids added so far."""
+        return self._written + self._buffered
+
+    def add_document(self, ids: np.ndarray) -> None:
+        """Appends one document's ids (an integer array of any integer type; each id below ``vocab_size``)."""
+        if self._closed:
+            raise StoreError(f"token store {self.path} is closed: no more documents")
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise StoreError(f"a document is a 1-D array of integer ids, got shape {ids.shape} of {ids.dtype}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise StoreError(f"id {bad} is outside the vocabulary of {self.vocab_size} ids")
+        stored = ids.astype(self.dtype.newbyteorder("<"), copy=False)
+        self._buffer.append(stored)
+        self._buffered += stored.size
+        self._doc_ends.append(self.tokens)
+        if self._buffered >= self._chunk:
+            self._flush(whole_chunks=True)
+
+    def _flush(self, whole_chunks: bool) -> None:
+        data = np.concatenate(self._buffer) if self._buffer else np.zeros(0, self.dtype)
+        n = (data.size // self._chunk) * self._chunk if whole_chunks else data.size
+        if n:
+            start = self._written
+            self._tokens = self._tokens.resize(exclusive_max=[start + n], expand_only=True).result()
+            self._tokens[start:start + n].write(data[:n]).result()
+            self._hash.update(data[:n].tobytes())
+            self._written += n
+        rest = data[n:]
+        self._buffer = [rest] if rest.size else []
+        self._buffered = rest.size
+
+    def close(self) -> Manifest:
+        """Flushes the ids and document ends, then writes the manifest (atomically): the store is complete."""
+        if self._closed:
+            raise StoreError(f"token store {self.path} is closed already")
+        self._flush(whole_chunks=False)
+        ends = np.asarray(self._doc_ends, dtype=np.uint64)
+        if ends.size:
+            self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[ends.size], expand_only=True).result()
+            self._doc_ends_array[0:ends.size].write(ends).result()
+        manifest = Manifest(format=FORMAT, dtype=dtype_for(self.vocab_size), vocab_size=self.vocab_size,
+                            tokens=self._written, documents=int(ends.size),
+                            digest="sha256:" + self._hash.hexdigest(), tokenizer=self.tokenizer, eos_id=self.eos_id)
+        tmp = self.path / (MANIFEST + ".tmp")
+        tmp.write_text(manifest.to_json())
+        os.replace(tmp, self.path / MANIFEST)  # the commit marker: readers see a whole store or none
+        self._closed = True
+        return manifest
+
+
+class TokenStore:
+    """A complete token store, opened from its manifest; ids are read on demand (:meth:`read`)."""
+
+    def __init__(self, location: str, manifest: Manifest, tokens: Any, doc_ends: Any):
+        self.location, self.manifest = location, manifest
+        self._tokens, self._doc_ends = tokens, doc_ends
+
+    @classmethod
+    def open(cls, location: str | Path, timeout_s: float = READ_TIMEOUT_S) -> TokenStore:
+        """Opens the store at ``location``: reads its manifest and the arrays' metadata, nothing of the ids,
+        waiting at most ``timeout_s`` for each. Raises :class:`StoreError` naming the store and what is wrong (not
+        there, not complete, not answering, a manifest or an array that does not match)."""
+        where = str(location)
+        kv = kvstore_spec(location)
+        if kv["driver"] != "file":
+            log.info("opening token store %s (waits up to %.0f s for each answer)", where, timeout_s)
+        manifest = _read_manifest(where, kv, timeout_s)
+        tokens = _open_array(where, kv, TOKENS, timeout_s)
+        doc_ends = _open_array(where, kv, DOC_ENDS, timeout_s)
+        if tokens.dtype.name != manifest.dtype or tokens.shape != (manifest.tokens,):
+            raise StoreError(f"token store {where}: its tokens array is {tokens.dtype.name}[{tokens.shape[0]}], "
+                             f"its manifest says {manifest.dtype}[{manifest.tokens}]: the store is damaged")
+        if doc_ends.shape != (manifest.documents,):
+            raise StoreError(f"token store {where}: {doc_ends.shape[0]} document ends, its manifest says "
+                             f"{manifest.documents}: the store is damaged")
+        return cls(where, manifest, tokens, doc_ends)
+
+    def __len__(self) -> int:
+        return self.manifest.tokens
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Ids ``[start, stop)`` as an array of the store's dtype (one read of the chunks they span)."""
+        if not 0 <= start <= stop <= self.manifest.tokens:
+            raise StoreError(f"token store {self.location}: range [{start}, {stop}) is outside its "
+                             f"{self.manifest.tokens} ids")
+        try:
+            return np.asarray(self._tokens[start:stop].read().result(timeout=READ_TIMEOUT_S))
+        except (ValueError, TimeoutError) as e:
+            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: {e}") from None
+
+    def doc_ends(self) -> np.ndarray:
+        """The end offset of every document (uint64; the last equals the token count)."""
+        return np.asarray(self._doc_ends.read().result(timeout=READ_TIMEOUT_S))
+
+    def verify(self, block: int = 16 * CHUNK_TOKENS) -> None:
+        """Reads every id and checks the manifest's digest (and the vocabulary bound); raises StoreError on a
+        mismatch. Its cost grows with the store: a check to run on request, never at start-up."""
+        h = hashlib.sha256()
+        n = self.manifest.tokens
+        for start in range(0, n, block):
+            ids = self.read(start, min(n, start + block))
+            if ids.size and int(ids.max()) >= self.manifest.vocab_size:
+                raise StoreError(f"token store {self.location}: id {int(ids.max())} is outside its vocabulary "
+                                 f"of {self.manifest.vocab_size}")
+            h.update(ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes())
+        if "sha256:" + h.hexdigest() != self.manifest.digest:
+            raise StoreError(f"token store {self.location}: its ids do not match the manifest's digest "
+                             f"{self.manifest.digest}: the store is damaged")
+
+
+def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float) -> Manifest:
+    try:
+        result = ts.KvStore.open(kv).result(timeout=timeout_s).read(MANIFEST).result(timeout=timeout_s)
+    except TimeoutError:
+        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {MANIFEST}): "
+                         "check the address and that it is reachable from here") from None
+    except ValueError as e:
+        raise StoreError(f"token store {where}: reading its {MANIFEST} failed: {e}") from None
+    if result.state != "value":
+        raise StoreError(f"token store {where} is not complete: it has no {MANIFEST} (a store is complete once "
+                         "`dtrain tokenize` finishes; run it again to finish an interrupted one)")
+    try:
+        manifest = schema.load(Manifest, json.loads(bytes(result.value)))
+    except ValueError as e:  # bad JSON, or a schema.SchemaError naming the field
+        raise StoreError(f"token store {where}: its {MANIFEST} is not a manifest: {e}") from None
+    if manifest.format != FORMAT:
+        raise StoreError(f"token store {where}: format {manifest.format!r}, this dtrain reads {FORMAT!r}")
+    if manifest.dtype != dtype_for(manifest.vocab_size) or manifest.tokens < 0 or manifest.documents < 0:
+        raise StoreError(f"token store {where}: its {MANIFEST} does not add up (dtype {manifest.dtype} for a "
+                         f"vocabulary of {manifest.vocab_size}, {manifest.tokens} ids, {manifest.documents} "
+                         "documents)")
+    return manifest
+
+
+def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float) -> Any:
+    # A missing chunk is an error, never a run of zeros: a store's every chunk is written before its manifest.
+    spec = {**_array_spec(kv, name), "fill_missing_data_reads": False}
+    try:
+        return ts.open(spec, open=True, read=True).result(timeout=timeout_s)
+    except (ValueError, TimeoutError) as e:
+        raise StoreError(f"token store {where}: its {name.rstrip('/')} array cannot be opened: {e}") from None
