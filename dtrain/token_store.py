@@ -17,6 +17,7 @@ here; any kvstore TensorStore opens is read.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import json
@@ -133,7 +134,7 @@ class StoreWriter:
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
         self._written = 0  # ids flushed to the tokens array
-        self._doc_ends: list[int] = []
+        self._doc_ends = array.array("Q")  # 8 bytes a document, not a Python int's 28
         self._hash = hashlib.sha256()
         self._closed = False
 
@@ -149,9 +150,11 @@ class StoreWriter:
         ids = np.asarray(ids)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise StoreError(f"a document is a 1-D array of integer ids, got shape {ids.shape} of {ids.dtype}")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
-            raise StoreError(f"id {bad} is outside the vocabulary of {self.vocab_size} ids")
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise StoreError(f"id {hi if hi >= self.vocab_size else lo} is outside the vocabulary of "
+                                 f"{self.vocab_size} ids")
         stored = ids.astype(self.dtype.newbyteorder("<"), copy=False)
         self._buffer.append(stored)
         self._buffered += stored.size
@@ -177,7 +180,7 @@ class StoreWriter:
         if self._closed:
             raise StoreError(f"token store {self.path} is closed already")
         self._flush(whole_chunks=False)
-        ends = np.asarray(self._doc_ends, dtype=np.uint64)
+        ends = np.frombuffer(self._doc_ends, dtype=np.uint64) if self._doc_ends else np.zeros(0, np.uint64)
         if ends.size:
             self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[ends.size], expand_only=True).result()
             self._doc_ends_array[0:ends.size].write(ends).result()
