@@ -146,7 +146,8 @@ class IslandRecord:
     cursor_merged: Count = 0  # end of the data cursor range of its last merged push
     params_digest: str = ""
     bad_devices: tuple[str, ...] = ()  # str(device) of each quarantined device; else the island's own names
-    quarantined: tuple[DeviceEvidence, ...] = ()  # in the order first reported; never shrinks (module docstring)
+    # in the order first reported; never shrinks (``coordinator.membership``'s docstring)
+    quarantined: tuple[DeviceEvidence, ...] = ()
 
 
 @dataclass(frozen=True)

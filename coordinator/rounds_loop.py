@@ -49,7 +49,6 @@ class RoundsLoop:
         self.lock, self.clock, self.state, self.merger, self.ckpt = lock, clock, state, merger, ckpt
         self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
         self.counters, self.after_finish = counters, after_finish
-        self.push_bytes: dict[str, int] = {}  # frame bytes of each push pending in the open round
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
         self.finished: str | None = None  # why the service may stop serving (the state's decision, or a signal)
         self.stop_requested: str | None = None  # why request_stop was called (a signal), if it was
@@ -84,6 +83,7 @@ class RoundsLoop:
         t0 = time.perf_counter()
         round_span = self.rounds.ready(self.state.version + 1, reason)
         pending = self.state.pending()
+        frame_bytes = {p.key: p.spool.size for p in self.merger.pending}  # read before the step releases them
         try:
             with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
                                      pushes=len(pending)):
@@ -108,7 +108,7 @@ class RoundsLoop:
         self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
-                                "steps": i.inner_steps, "bytes": self.push_bytes.pop(i.push_id, 0),
+                                "steps": i.inner_steps, "bytes": frame_bytes.get(i.push_id, 0),
                                 "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest,
@@ -138,7 +138,6 @@ class RoundsLoop:
         version = self.state.version + 1
         (info,) = self.state.reject_pending([e.blame], str(e))
         self.merger.drop_pending([e.blame])
-        self.push_bytes.pop(e.blame, None)
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))
         self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")

@@ -204,8 +204,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         """Ends the call with ``code``; every refusal goes through here and is an event naming the method and the
-        island (from the request: service_handler notes them): ``request_invalid`` for a bad request
-        (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
+        island (from the request: :func:`coordinator.lifecycle.service_handler` notes them): ``request_invalid``
+        for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
         kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
         with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
             self.log.event(kind, method=getattr(CURRENT_CALL, "method", ""),
@@ -228,22 +228,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            self.counters.pushes_refused += 1
-            self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=e.code,
-                           tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=str(e))
-            self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
+            self._push_refused(info, e.code, str(e))
             self._abort(context, _CODES[e.code], str(e))
             raise  # unreachable: abort raises
 
     def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
         """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
         a ``push_refused`` event naming the push, and the call ends with the refusal's code."""
-        with self.lock:
-            self.counters.pushes_refused += 1
-        self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=e.code.name,
-                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=str(e))
-        self.log.progress(f"refused push {info.push_id} from {info.island_id}: {e}")
+        self._push_refused(info, e.code.name, str(e))
         self._abort(context, e.code, str(e))
+
+    def _push_refused(self, info: PushInfo, code: str, reason: str) -> None:
+        """Records a refused push: counted, a ``push_refused`` event naming it, a progress line."""
+        with self.lock:  # reentrant: a state refusal's caller holds it already
+            self.counters.pushes_refused += 1
+        self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=code,
+                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=reason)
+        self.log.progress(f"refused push {info.push_id} from {info.island_id}: {reason}")
 
     def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, e: UploadBroke) -> NoReturn:
         """A push whose stream ended before its last chunk: a ``push_aborted`` event. The call ends with
@@ -393,7 +394,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                       theta_norm=self.merger.theta_norm)
         if admission.status == "accept":
             self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
-            self.loop.push_bytes[info.push_id] = size
         self.counters.bytes_in += size
         self.telemetry.record_ratio(4 * self.merger.n, size, "up")
         view = self.history.island(info.island_id)

@@ -25,7 +25,6 @@ def write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-
 class BodyNorm:
     """The L2 norm of a frame body (scales ‖ payload, the validator's output) fed in order, piece by piece:
     Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
