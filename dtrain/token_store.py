@@ -18,7 +18,6 @@ here; any kvstore TensorStore opens is read.
 from __future__ import annotations
 
 import array
-import dataclasses
 import hashlib
 import json
 import logging
@@ -26,12 +25,13 @@ import os
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import tensorstore as ts
 
 from dtrain import schema
+from dtrain.data import DataError
 
 FORMAT = "dtrain-token-store/1"
 MANIFEST = "manifest.json"
@@ -44,8 +44,9 @@ READ_TIMEOUT_S = 60.0  # one read of a manifest or of a range of ids, local or r
 log = logging.getLogger("dtrain.data")
 
 
-class StoreError(ValueError):
-    """A token store that cannot be opened or read as asked: the message names the store and what is wrong."""
+class StoreError(DataError):
+    """A token store that cannot be opened or read as asked: the message names the store and what is wrong (a
+    data-source error, which the command line shows as one line)."""
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,15 @@ class Manifest:
 
     format: str  # FORMAT
     dtype: Literal["uint16", "uint32"]  # the ids' type: uint16 when vocab_size <= 65536
-    vocab_size: int  # ids are in [0, vocab_size)
-    tokens: int  # ids in the store
-    documents: int  # documents (entries of doc_ends)
+    vocab_size: Annotated[int, schema.AtLeast(1)]  # ids are in [0, vocab_size)
+    tokens: Annotated[int, schema.AtLeast(0)]  # ids in the store
+    documents: Annotated[int, schema.AtLeast(0)]  # documents (entries of doc_ends)
     digest: str  # "sha256:<hex>" of the ids as little-endian bytes, in order
     tokenizer: str  # "bytes" (one id per byte), or a Hugging Face tokenizer's name or file in the store
     eos_id: int | None = None  # the id that ends each document, if the tokenizer adds one
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+        return json.dumps(schema.dump(self), indent=2) + "\n"
 
 
 def dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
@@ -121,12 +122,13 @@ class StoreWriter:
                              "--out, or delete it first")
         if chunk_tokens < 1:
             raise StoreError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest
-        self.vocab_size, self.tokenizer, self.eos_id = vocab_size, tokenizer, eos_id
         self.dtype = np.dtype(dtype_for(vocab_size))
         if eos_id is not None and not 0 <= eos_id < vocab_size:
             raise StoreError(f"eos_id {eos_id} is not an id of a vocabulary of {vocab_size}")
+        # Every argument checked: only now is anything on disk touched.
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest
+        self.vocab_size, self.tokenizer, self.eos_id = vocab_size, tokenizer, eos_id
         kv = kvstore_spec(self.path)
         self._tokens = _new_array(kv, TOKENS, self.dtype.name, chunk_tokens)
         self._doc_ends_array = _new_array(kv, DOC_ENDS, "uint64", chunk_tokens)
@@ -197,8 +199,9 @@ class StoreWriter:
 class TokenStore:
     """A complete token store, opened from its manifest; ids are read on demand (:meth:`read`)."""
 
-    def __init__(self, location: str, manifest: Manifest, tokens: Any, doc_ends: Any):
-        self.location, self.manifest = location, manifest
+    def __init__(self, location: str, manifest: Manifest, tokens: Any, doc_ends: Any,
+                 timeout_s: float = READ_TIMEOUT_S):
+        self.location, self.manifest, self.timeout_s = location, manifest, timeout_s
         self._tokens, self._doc_ends = tokens, doc_ends
 
     @classmethod
@@ -219,7 +222,7 @@ class TokenStore:
         if doc_ends.shape != (manifest.documents,):
             raise StoreError(f"token store {where}: {doc_ends.shape[0]} document ends, its manifest says "
                              f"{manifest.documents}: the store is damaged")
-        return cls(where, manifest, tokens, doc_ends)
+        return cls(where, manifest, tokens, doc_ends, timeout_s)
 
     def __len__(self) -> int:
         return self.manifest.tokens
@@ -230,13 +233,13 @@ class TokenStore:
             raise StoreError(f"token store {self.location}: range [{start}, {stop}) is outside its "
                              f"{self.manifest.tokens} ids")
         try:
-            return np.asarray(self._tokens[start:stop].read().result(timeout=READ_TIMEOUT_S))
+            return np.asarray(self._tokens[start:stop].read().result(timeout=self.timeout_s))
         except (ValueError, TimeoutError) as e:
             raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: {e}") from None
 
     def doc_ends(self) -> np.ndarray:
         """The end offset of every document (uint64; the last equals the token count)."""
-        return np.asarray(self._doc_ends.read().result(timeout=READ_TIMEOUT_S))
+        return np.asarray(self._doc_ends.read().result(timeout=self.timeout_s))
 
     def verify(self, block: int = 16 * CHUNK_TOKENS) -> None:
         """Reads every id and checks the manifest's digest (and the vocabulary bound); raises StoreError on a
@@ -271,10 +274,9 @@ def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float) -> Manifest
         raise StoreError(f"token store {where}: its {MANIFEST} is not a manifest: {e}") from None
     if manifest.format != FORMAT:
         raise StoreError(f"token store {where}: format {manifest.format!r}, this dtrain reads {FORMAT!r}")
-    if manifest.dtype != dtype_for(manifest.vocab_size) or manifest.tokens < 0 or manifest.documents < 0:
+    if manifest.dtype != dtype_for(manifest.vocab_size):
         raise StoreError(f"token store {where}: its {MANIFEST} does not add up (dtype {manifest.dtype} for a "
-                         f"vocabulary of {manifest.vocab_size}, {manifest.tokens} ids, {manifest.documents} "
-                         "documents)")
+                         f"vocabulary of {manifest.vocab_size})")
     return manifest
 
 
