@@ -37,12 +37,16 @@ class TrainState(struct.PyTreeNode):
     opt_state: optax.OptState
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay; decay only on matrices."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The inner learning rate by step: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on :func:`lr_schedule`; decay only on matrices."""
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)

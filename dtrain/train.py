@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,6 +26,7 @@ from dtrain.step import (
     TrainState,
     eval_loss,
     inner_steps,
+    lr_schedule,
     make_optimizer,
     pad_rows,
     param_spec,
@@ -186,9 +186,7 @@ class InnerLoop:
 
     def lr_at(self, step: int) -> float:
         """The optimizer's learning rate at inner step ``step`` (warm-up, then cosine decay)."""
-        t = self.cfg.train
-        return float(optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, t.steps,
-                                                         t.lr * t.min_lr_ratio)(step))
+        return float(lr_schedule(self.cfg.train)(step))
 
 
 def chunks(total: int, per_call: int, boundaries: tuple[int, ...] = ()) -> list[int]:
