@@ -119,6 +119,7 @@ def push_detection(spec: FaultSpec, injected: dict[str, Any], coord_events: Even
     seen = next((e for e in about if e.get("event") in PUSH_DETECTIONS), None)
     merged = any(p.get("push_id") == push_id for e in coord_events if e.get("event") == "round_merged"
                  for p in e.get("pushes", ()))
+    recovered, recovery = _push_recovery(push_id, seen, about, island_events)
     if seen is None:
         action = "merged: not detected" if merged else "none: not detected"
     elif seen["event"] == "push_refused":
@@ -126,12 +127,10 @@ def push_detection(spec: FaultSpec, injected: dict[str, Any], coord_events: Even
         action = ("refused: bad frame" if "bad frame" in reason else
                   "refused: tokens beyond its assigned range" if "exceed its cursor range" in reason else
                   f"refused: {seen.get('code')}")
-    elif seen["event"] == "push_aborted":
-        retried = any(e.get("event") == "push_received" and e["t"] >= seen["t"] for e in about)
-        action = "upload retried" if retried else "upload discarded, not retried"
+    elif seen["event"] == "push_aborted":  # recovered: the coordinator received it again (_push_recovery)
+        action = "upload retried" if recovered is not None else "upload discarded, not retried"
     else:
         action = PUSH_DETECTIONS[seen["event"]]
-    recovered, recovery = _push_recovery(push_id, seen, about, island_events)
     t = injected["t"]
     return {"fault": spec.text, "kind": spec.kind, "target": spec.target, "injected_t": t,
             "version": injected.get("base_version"), "recovered_t": recovered, "recovery": recovery,

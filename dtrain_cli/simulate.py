@@ -506,9 +506,7 @@ class _Simulation:
         coord_events = _events(out)
         island_events = {n: _events(out / "islands" / n) for n in self.names}
         checked = _audit(self.cfg, out, coord_events, island_events)
-        unfinished = self.gone | self.stopped
-        summary = _run_summary(self, [n for n in self.names if n not in unfinished], wall, coord_events,
-                               island_events, checked)
+        summary = _run_summary(self, wall, coord_events, island_events, checked)
         self.log.event("run_finished", **{k: v for k, v in summary.items() if k != "islands"})
         self.log.write_summary(summary)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -517,11 +515,13 @@ class _Simulation:
         return summary
 
 
-def _run_summary(sim: _Simulation, finished: list[str], wall: float, coord_events: list[dict[str, Any]],
+def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any]],
                  island_events: dict[str, list[dict[str, Any]]], checked: Audit) -> dict[str, Any]:
-    """The summary of ``sim``'s run (``wall`` seconds long) from its ``finished`` islands' summaries (every
+    """The summary of ``sim``'s run (``wall`` seconds long) from its finished islands' summaries (every
     process's) and the run's events; raises SimulationError if the islands did not end on one θ."""
     out, cfg = sim.out, sim.cfg
+    unfinished = sim.gone | sim.stopped
+    finished = [n for n in sim.names if n not in unfinished]
     per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
     # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
     # process 0's alone, the one that pushes)
@@ -542,11 +542,12 @@ def _run_summary(sim: _Simulation, finished: list[str], wall: float, coord_event
         "device_quarantines": device_quarantines(island_events, [f for f in sim.faults if f.kind in DEVICE_KINDS]),
         "faults_not_injected": sim.not_injected,
         "goodput": checked.goodput, "audit": checked.to_dict(),
-        "unfinished_islands": sorted(sim.gone | sim.stopped),
+        "unfinished_islands": sorted(unfinished),
     }
     if len(digests) != 1 or len(evals) != 1:
         raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
     return summary
+
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """The events in ``run_dir`` ([] if none yet), less lines torn by a process the driver killed mid-write."""
