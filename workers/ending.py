@@ -88,7 +88,7 @@ class RunEnd:
             if over:
                 return anchor, over == "rewind"
             try:
-                g_new = self.downlink.pull(self.mailbox.island_id, anchor, wait_s=FINAL_PULL_WAIT_S)
+                g_new = self.downlink.pull(anchor, wait_s=FINAL_PULL_WAIT_S)
             except CoordinatorError as e:
                 if not self.membership.stopped_after(e):
                     raise

@@ -271,8 +271,6 @@ class Pending:
     at_push: Params  # θ_local when the delta was taken (a device copy: training donates the state)
 
 
-
-
 def push_header(island_id: str, base_version: int, island: Island, steps: int, start: tuple[int, int],
                 tree_digest: str) -> pb.PushHeader:
     """The header of the island's push of a round of ``steps`` inner steps, from ``start`` = (cursor, tokens) to
@@ -325,13 +323,13 @@ class Downlink:
     exchange's θ'), the other processes receive process 0's θ bit for bit. Used by the training loop's thread
     only; an exchange's own pulls go through the :class:`Puller` on the exchange's thread."""
 
-    def __init__(self, puller: Puller, hosts: HostGroup, n: int):
-        self.puller, self.hosts, self.n = puller, hosts, n
+    def __init__(self, puller: Puller, hosts: HostGroup, n: int, island_id: Callable[[], str]):
+        """``island_id``: the island's id now (the latest Join's: it changes at a rejoin)."""
+        self.puller, self.hosts, self.n, self.island_id = puller, hosts, n, island_id
 
-    def pull(self, island_id: str, have: GlobalParams | None, wait_s: float = 0.0,
-             full: bool = False) -> GlobalParams:
+    def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
         """Brings θ up to the coordinator's latest version (see :class:`Puller`); on every process of the island."""
-        return self.shared(lambda: self.puller.pull(island_id, have, wait_s=wait_s, full=full), have)
+        return self.shared(lambda: self.puller.pull(self.island_id(), have, wait_s=wait_s, full=full), have)
 
     def shared(self, fetch: Callable[[], GlobalParams], have: GlobalParams | None = None) -> GlobalParams:
         """``fetch()`` on process 0 (a pull, an exchange's θ'), its θ bit for bit on every process. ``have``: the θ

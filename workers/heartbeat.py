@@ -89,10 +89,6 @@ class IslandStatus:
     # (a chunk's number, its mean train loss) as the training loop last read it (None: no chunk read yet)
     train_loss: tuple[int, float | None] = (0, None)
 
-    @property
-    def version(self) -> int:
-        return self.held[0]
-
     def read_loss(self) -> float | None:
         """The mean train loss of the latest chunk, waiting for the devices (a host-device sync); the training
         loop's read, recorded in :attr:`train_loss` for the heartbeat."""

@@ -206,12 +206,12 @@ class Worker:
         self.membership = Membership(cfg, self.name, self.client, self.hosts, self.mailbox, self.log, self.setup,
                                      (self.n, self.tree_digest), self._joined_run)
         self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event)
-        self.downlink = Downlink(self.puller, self.hosts, self.n)
+        self.downlink = Downlink(self.puller, self.hosts, self.n, lambda: self.mailbox.island_id)
         self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event)
         self.evaluator = Evaluator(self.setup, self.spec, self.downlink, self.mailbox, self.clock, self.log)
         self.train_log = TrainLog(cfg, self.name, self.log, self.clock, self.mailbox)
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,
-                                 self.pull, lambda: precompile(self.setup, self.schedule))
+                                 self.downlink.pull, lambda: precompile(self.setup, self.schedule))
         self.run_end = RunEnd(cfg, self.name, self.hosts, self.client, self.mailbox, self.membership, self.downlink,
                               self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log)
 
@@ -228,17 +228,13 @@ class Worker:
         """The island's inner loop (rebuilt on the healthy devices by a remesh)."""
         return self.setup.loop
 
-    def pull(self, have: GlobalParams | None, wait_s: float = 0.0, full: bool = False) -> GlobalParams:
-        """Brings θ up to the coordinator's latest version (see :class:`Puller`); on every process of the island."""
-        return self.downlink.pull(self.mailbox.island_id, have, wait_s=wait_s, full=full)
-
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Precompiles, joins, trains round after round, waits for the run's last θ; returns the summary, or
         ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
-        self.guard.start(str(self.run_dir / "events.jsonl"))
+        self.guard.start()
         precompile(self.setup, self.schedule)
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
@@ -254,7 +250,7 @@ class Worker:
                               rejoin=self.membership.join, utilization=self.clock.utilization)
         if self.hosts.leader:  # only process 0 talks to the coordinator
             heartbeat.start()
-        anchor = self.pull(None)
+        anchor = self.downlink.pull(None)
         island = self.rewinder.start_island(joined, anchor, ckpt)
         status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
         self.hosts.lead(self.membership.await_peers)

@@ -107,9 +107,9 @@ class Guard:
         return (f"{len(self.health.healthy_ids)} healthy device(s) left, fewer than [health] "
                 f"min_devices={self.cfg.health.min_devices}")
 
-    def start(self, events: str) -> None:
+    def start(self) -> None:
         """The known answer on every device before anything compiles; a device that fails it is quarantined and
-        the island starts on the others. ``events``: the events file the error names."""
+        the island starts on the others."""
         if self.health is None:
             return
         found = self.health.start(0)
@@ -117,7 +117,7 @@ class Guard:
         shortfall = self.shortfall_reason()
         if shortfall:
             raise WorkerError(f"{shortfall}: this island cannot train (see the device_quarantined events in "
-                              f"{events})")
+                              f"{self.log.dir / 'events.jsonl'})")
         if found:  # the first compile is then the healthy mesh's
             self.log.event("remeshed", **self.remesh(), cursor=0, version=0, restored="start")
 
