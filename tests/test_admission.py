@@ -1,6 +1,6 @@
 """coordinator.admission and the ledger through CoordinatorState: the decision on a push (duplicates,
 staleness, contiguity, the weight bound, the norm screen) and what is recorded (an injected clock; helpers from
-test_state)."""
+state_helpers.py)."""
 
 from __future__ import annotations
 

@@ -19,15 +19,15 @@ from fake_island import Island, K
 # means (and their gradients) where the fused step takes one mean over the batch, so float32 sums run in another
 # order (measured: at most 1 ulp, ~1e-7 relative, over the 8 steps; the tolerance leaves a 10x margin).
 LOSS_RTOL = 1e-6
-CHUNKS = 2  # of the island's fixed batches, trained by train()
+TRAINED_CHUNKS = 2  # of the island's fixed batches, trained by train()
 
 
 def train(island: Island, loop: InnerLoop) -> tuple[list[TrainState], dict[str, np.ndarray]]:
-    """The island's first CHUNKS chunks of K steps from the same start with ``loop``; the state before each chunk
-    (a copy, the run donates it) and the metrics of all CHUNKS·K steps."""
+    """The island's first TRAINED_CHUNKS chunks of K steps from the same start with ``loop``; the state before
+    each chunk (a copy, the run donates it) and the metrics of all TRAINED_CHUNKS·K steps."""
     state = loop.init_state(island.params)
     before, metrics = [], []
-    for batches in island.batches[:CHUNKS]:
+    for batches in island.batches[:TRAINED_CHUNKS]:
         before.append(jax.tree.map(lambda x: np.asarray(x).copy(), state))
         state, m = loop.run(state, batches)
         metrics.append(jax.device_get(m))
@@ -43,11 +43,11 @@ def test_default_is_the_fused_step(island: Island) -> None:
 def test_same_loss_trajectory_as_the_fused_step(island: Island) -> None:
     _, fused = train(island, island.loop(False))
     _, per_device = train(island, island.loop(True))
-    assert fused["loss"].shape == per_device["loss"].shape == (CHUNKS * K,)
+    assert fused["loss"].shape == per_device["loss"].shape == (TRAINED_CHUNKS * K,)
     np.testing.assert_allclose(per_device["loss"], fused["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(per_device["grad_norm"], fused["grad_norm"], rtol=LOSS_RTOL)
     assert per_device["loss"][-1] < per_device["loss"][0]  # it trains
-    assert per_device["device_grad_norm"].shape == (CHUNKS * K, 8)
+    assert per_device["device_grad_norm"].shape == (TRAINED_CHUNKS * K, 8)
     assert per_device["finite"].all() and per_device["device_finite"].all()
     # the average of the devices' micro-batch losses is the step's loss
     np.testing.assert_allclose(per_device["device_loss"].mean(axis=1), per_device["loss"], rtol=1e-6)
@@ -113,7 +113,7 @@ def test_remeshed_on_seven_devices_same_global_batch(island: Island) -> None:
     assert loop7.rows == (2, 1, 1, 1, 1, 1, 1) and loop7.padded_batch == 14
     _, eight = train(island, island.loop(True))
     _, seven = train(island, loop7)
-    assert seven["device_grad_norm"].shape == (CHUNKS * K, 7) and seven["finite"].all()
+    assert seven["device_grad_norm"].shape == (TRAINED_CHUNKS * K, 7) and seven["finite"].all()
     np.testing.assert_allclose(seven["loss"], eight["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(seven["grad_norm"], eight["grad_norm"], rtol=1e-5)
     # the first device's micro-batch is rows 0-1 (their mean loss), each other device's one row: the row the

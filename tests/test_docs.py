@@ -31,7 +31,8 @@ HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
 def prose(markdown: str) -> str:
-    """The Markdown without fenced code blocks and inline code spans (where ``[x](y)`` and ``#`` mean nothing)."""
+    """The Markdown without fenced code blocks (where ``[x](y)`` and ``#`` mean nothing); inline code stays, as
+    headings keep their code text (:func:`links` drops it)."""
     return FENCE.sub("", markdown)
 
 
@@ -69,9 +70,9 @@ def broken_link(page: Path, target: str) -> str | None:
     return None
 
 
-def tracked_text_files() -> list[Path]:
+def tracked_text_files() -> dict[Path, str]:
     """The repository's text files as git sees them, tracked or new but not ignored (outside a git checkout:
-    every file but build outputs)."""
+    every file but build outputs), with their text."""
     try:
         out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, check=True).stdout
@@ -80,13 +81,12 @@ def tracked_text_files() -> list[Path]:
         skip = {".git", "runs", "build", "dist", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
         files = [p for p in ROOT.rglob("*") if p.is_file() and not (skip & set(p.relative_to(ROOT).parts))
                  and not any(part.startswith(".venv") for part in p.relative_to(ROOT).parts)]
-    texts = []
+    texts = {}
     for path in files:
         try:
-            path.read_text()
+            texts[path] = path.read_text()
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
             continue
-        texts.append(path)
     return texts
 
 
@@ -133,6 +133,6 @@ def test_the_link_checker_finds_a_broken_link_and_a_broken_anchor(tmp_path):
 
 def test_nothing_points_outside_the_repository():
     """The design as built is described in docs/architecture.md; no file refers to a note kept elsewhere."""
-    hits = [f"{path.relative_to(ROOT)}: {needle}" for path in tracked_text_files()
-            for needle in OUTSIDE_REFERENCES if needle in path.read_text()]
+    hits = [f"{path.relative_to(ROOT)}: {needle}" for path, text in tracked_text_files().items()
+            for needle in OUTSIDE_REFERENCES if needle in text]
     assert not hits, "\n".join(hits)

@@ -1,5 +1,5 @@
 """coordinator.membership through CoordinatorState: joins, shards and rerouting, heartbeats and their
-chip-health reports, leases (an injected clock; helpers from test_state)."""
+chip-health reports, leases (an injected clock; helpers from state_helpers.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """coordinator.quorum through CoordinatorState: when a round closes (all pushed, quorum after grace, async),
-when the run ends and when the coordinator may stop (an injected clock; helpers from test_state)."""
+when the run ends and when the coordinator may stop (an injected clock; helpers from state_helpers.py)."""
 
 from __future__ import annotations
 
