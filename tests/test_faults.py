@@ -14,8 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import initial_parameters
-from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.chip_faults import FAULT_KINDS, DeviceFault
 from dtrain.config import Config, ConfigError, load_config
@@ -35,6 +33,7 @@ from dtrain_cli.fault_spec import DEVICE_KINDS, PUSH_KINDS, check_devices, host_
 from dtrain_cli.link_proxy import LinkProxy
 from dtrain_cli.main import main
 from dtrain_cli.simulate import run_simulation
+from service_helpers import Running, push_header
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.push_faults import (
     PUSH_FAULTS,
@@ -541,18 +540,6 @@ def test_every_push_fault_in_one_run(tmp_path: Path) -> None:
     assert driver.count("fault_armed") == len(texts) and "fault_not_injected" not in driver
 
 
-def _coordinator(cfg: Config, run_dir: Path) -> tuple[Any, Any, str, np.ndarray]:
-    theta, spec = initial_parameters(cfg)
-    server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
-    return server, service, f"127.0.0.1:{port}", theta
-
-
-def _push_header(join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
-    """10 steps x batch 8 = 80 sequences x seq_len 32: 2560 tokens at most; it claims 640."""
-    return pb.PushHeader(island_id=join.island_id, base_version=0, push_id=push_id, tokens=640, inner_steps=10,
-                         cursor_start=0, cursor_end=80, tree_digest=join.tree_digest, shard_index=join.shard_index)
-
-
 def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_does_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's poisoned and inflated frames (workers.push_faults.corrupt_push) against a real coordinator: it
@@ -563,7 +550,8 @@ def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_doe
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "outer.islands=2",
         "train.steps=40", "outer.inner_steps=10", "codec.chunk_bytes=4096", "worker.retry_total_s=1"])
-    server, service, address, theta0 = _coordinator(cfg, tmp_path / "coord")
+    running = Running(cfg, tmp_path / "coord")
+    service, address, theta0 = running.service, running.address, running.theta
     try:
         c0, c1 = (CoordinatorClient(address, cfg) for _ in range(2))
         j0, j1 = c0.join("bad", "cpu", 1), c1.join("good", "cpu", 1)
@@ -573,7 +561,7 @@ def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_doe
         honest = codec.encode(codec.quantize((rng.normal(size=n) * 1e-3).astype(np.float32), 8, k.block))
         frames = {}
         for kind in ("nan", "inflate", "poison"):
-            header = _push_header(j0, kind)
+            header = push_header(j0, kind)
             frame, _ = corrupt_push(kind, real_delta, header, 8, k.block, k.zstd_level)
             frames[kind] = (header, frame)
         assert frames["inflate"][0].tokens == 10 ** 9 and frames["poison"][0].tokens == 640
@@ -583,7 +571,7 @@ def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_doe
             assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message
         r = c0.push(*frames["poison"])  # a valid frame, honest tokens: quarantined, the round goes on
         assert r.status == pb.PUSH_STATUS_REJECTED and r.reason.startswith("quarantined: push poison has L2 norm")
-        assert c1.push(_push_header(j1, "honest"), honest).status == pb.PUSH_STATUS_MERGED
+        assert c1.push(push_header(j1, "honest"), honest).status == pb.PUSH_STATUS_MERGED
         theta = service.merger.theta
         hp = OuterHParams.from_config(cfg)
         honest_delta = codec.dequantize(codec.decode(honest, expected_n=n))
@@ -606,8 +594,7 @@ def test_the_bounds_matter_a_plain_mean_takes_the_bad_deltas_the_coordinator_doe
         for c in (c0, c1):
             c.close()
     finally:
-        server.stop(grace=None).wait()
-        service.close()
+        running.stop()
 
 
 def test_a_truncated_upload_changes_nothing_and_its_retry_is_merged(
@@ -619,14 +606,15 @@ def test_a_truncated_upload_changes_nothing_and_its_retry_is_merged(
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"run.out_dir={tmp_path}", "coordinator.port=0", "outer.islands=1", "train.steps=40",
         "outer.inner_steps=10", "codec.chunk_bytes=4096", "worker.retry_total_s=1"])
-    server, service, address, theta0 = _coordinator(cfg, tmp_path / "coord")
+    running = Running(cfg, tmp_path / "coord")
+    service, address, theta0 = running.service, running.address, running.theta
     try:
         client = CoordinatorClient(address, cfg)
         join = client.join("a", "cpu", 1)
         n = join.tree_size
         delta = (np.random.default_rng(1).normal(size=n) * 1e-3).astype(np.float32)
         frame = codec.encode(codec.quantize(delta, 8, cfg.codec.block))
-        header = _push_header(join, "cut")
+        header = push_header(join, "cut")
         before = service.state.to_json()
         told: list[tuple[int, int]] = []
         assert client.push_broken(header, frame, lambda sent, total: told.append((sent, total)))
@@ -646,8 +634,7 @@ def test_a_truncated_upload_changes_nothing_and_its_retry_is_merged(
         assert [p["push_id"] for e in events if e["event"] == "round_merged" for p in e["pushes"]] == ["cut"]
         client.close()
     finally:
-        server.stop(grace=None).wait()
-        service.close()
+        running.stop()
 
 
 @pytest.mark.slow

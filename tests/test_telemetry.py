@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import TINY, initial_parameters
+from conftest import TINY
 from coordinator.lifecycle import serve
-from dtrain import codec
 from dtrain.config import ConfigError, load_config, replace
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
@@ -26,6 +24,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import FAULT_EVENTS, read_events
 from dtrain.telemetry import Telemetry
 from dtrain.wire import auth_metadata
+from service_helpers import Running, delta_frame, push_header
 from workers.client import CoordinatorClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,28 +38,11 @@ def _cfg(tmp_path: Path, *extra: str) -> Any:
         "telemetry.exporter=memory", *extra])
 
 
-class Running:
-    """A coordinator on 127.0.0.1:0 in this process."""
-
-    def __init__(self, cfg: Any, run_dir: Path):
-        theta, spec = initial_parameters(cfg)
-        self.server, self.service, self.port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(grace=None).wait()
-        self.service.close()
-
-
 def _push(client: CoordinatorClient, join: pb.JoinResponse, push_id: str, seed: int, start: int = 0,
           base: int = 0) -> pb.PushDeltaResponse:
     """A real push through the client: 10 steps x batch 8 = 80 sequences from ``start``, an int8 frame of noise."""
-    delta = np.random.default_rng(seed).normal(size=join.tree_size).astype(np.float32) * 1e-3
-    frame = codec.encode(codec.quantize(delta, 8, 1024))
-    header = pb.PushHeader(island_id=join.island_id, base_version=base, push_id=push_id, tokens=640, inner_steps=10,
-                           cursor_start=start, cursor_end=start + 80, tree_digest=join.tree_digest,
-                           shard_index=join.shard_index)
-    return client.push(header, frame)
+    _, frame = delta_frame(join.tree_size, seed)
+    return client.push(push_header(join, push_id, base=base, start=start), frame)
 
 
 def _attrs(span: Any) -> dict[str, Any]:
