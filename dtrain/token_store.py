@@ -229,13 +229,24 @@ class TokenStore:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Ids ``[start, stop)`` as an array of the store's dtype (one read of the chunks they span)."""
+        future = self.read_async(start, stop)
+        try:
+            return np.asarray(future.result(timeout=self.timeout_s))
+        except (ValueError, TimeoutError) as e:
+            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: {e}") from None
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Ids per stored chunk: the granularity of a read (a read decodes every chunk it touches)."""
+        return int(self._tokens.chunk_layout.read_chunk.shape[0])
+
+    def read_async(self, start: int, stop: int) -> Any:
+        """Starts reading ids ``[start, stop)`` on TensorStore's own threads; ``.result(timeout=...)`` of the
+        returned future gives the array. :meth:`read` is the blocking form."""
         if not 0 <= start <= stop <= self.manifest.tokens:
             raise StoreError(f"token store {self.location}: range [{start}, {stop}) is outside its "
                              f"{self.manifest.tokens} ids")
-        try:
-            return np.asarray(self._tokens[start:stop].read().result(timeout=self.timeout_s))
-        except (ValueError, TimeoutError) as e:
-            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: {e}") from None
+        return self._tokens[start:stop].read()
 
     def doc_ends(self) -> np.ndarray:
         """The end offset of every document (uint64; the last equals the token count)."""
