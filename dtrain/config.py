@@ -69,9 +69,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = _f("builtin", "'builtin' (the interpreter's standard-library sources), a text file, "
-                     "a folder of text files, or a .bin uint16 token shard / folder of shards")
-    max_bytes: int = _f(8_000_000, "read at most this many tokens from the source (0: all of it)")
+    source: str = _f("builtin", "a token store (a folder made by `dtrain tokenize`, or a file://, gs://, s3:// "
+                     "or http(s):// URL), or 'builtin' (the interpreter's standard-library sources), a text file, "
+                     "a folder of text files, or a .bin uint16 token shard / folder of shards: these become a "
+                     "byte-tokenized store under data.cache on first use")
+    max_bytes: int = _f(8_000_000, "use at most this many tokens of the source, from its start (0: all of it)")
+    cache: str = _f("", "where non-store sources become token stores (default: OUT_DIR/data-cache, shared by the "
+                    "runs there); a store is reused while its source files are unchanged")
     eval_fraction: float = _f(0.05, "tail fraction of the corpus held out for eval loss")
     eval_batches: int = _f(8, "batches of the held-out split averaged for one eval")
 
@@ -578,6 +582,11 @@ def to_toml(cfg: Config) -> str:
 def run_path(cfg: Config) -> Path:
     """Where a run writes: OUT_DIR/NAME."""
     return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def data_cache(cfg: Config) -> Path:
+    """Where sources that are not token stores become stores: ``data.cache``, else OUT_DIR/data-cache."""
+    return Path(cfg.data.cache).expanduser() if cfg.data.cache else Path(cfg.run.out_dir) / "data-cache"
 
 
 def reference_markdown() -> str:

@@ -1,39 +1,84 @@
-"""Corpora, deterministic per-island slices, resumable cursors, a held-out split.
+"""Corpora as token stores, per-island shards streamed in blocks, resumable cursors, a held-out split.
 
-A corpus is one flat array of token ids (uint8 for bytes, uint16 for token
-shards). Its tail (``eval_fraction``) is held out for eval; the rest is cut into
-one contiguous, disjoint shard per island. A shard is read as windows of
-``seq_len + 1`` tokens at stride ``seq_len``, in a fresh seeded permutation per
-epoch. An island's whole position in its data is one integer, the cursor (the
-number of sequences it has consumed), so checkpoints and token accounting only
-carry that integer: batch ``c`` always holds the same tokens.
+Every corpus is read through one reader: a token store (``dtrain.token_store``). ``data.source`` names a store
+(a folder holding ``manifest.json``, or a ``file://``, ``gs://``, ``s3://`` or ``http(s)://`` URL), or a source
+that becomes a store on first use (:func:`store_location`): ``builtin``, a text file or folder of text files
+(the byte tokenizer), or nanoGPT-style uint16 ``.bin`` shards; the store is cached under ``data.cache``
+(default ``OUT_DIR/data-cache``), keyed by what it was made from.
+
+The first ``data.max_bytes`` ids of the store are used (0: all). Their tail (``eval_fraction``) is held out for
+eval; the rest is cut into one contiguous, disjoint shard per island. A shard is read as windows of
+``seq_len + 1`` ids at stride ``seq_len``, in an order that is a pure function of (seed, epoch): an island's whole
+position in its data is one integer, the cursor (sequences consumed), so checkpoints and token accounting carry
+only that integer, and batch ``c`` always holds the same tokens.
+
+The order is two-level so that a shard can be streamed: the shard's windows are cut into blocks of about one
+stored chunk; each epoch permutes the blocks, takes them :data:`SHUFFLE_BLOCKS` at a time (a group), and permutes
+the windows within each group. An island holds the blocks of the group it reads and of the next one, read ahead
+on TensorStore's threads (:class:`SequenceStream`): memory stays at a few groups whatever the corpus's size, and
+the step never waits for data once the first group is in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import shutil
 import sysconfig
+import threading
+import time
+import urllib.parse
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dtrain.config import DataConfig
+from dtrain.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
+
+__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
+           "builtin_files", "eval_batches", "island_shards", "open_corpus", "split", "store_location"]
+
+SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
+READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
+CACHE_FORMAT = 1  # bump when the conversion of a source into a store changes
+
+log = logging.getLogger("dtrain.data")
 
 
-class DataError(ValueError):
-    """A data source problem; the message names the path."""
+@dataclass(frozen=True)
+class Span:
+    """A range ``[start, stop)`` of a corpus's ids."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
 
 
 @dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray  # [N] uint8 or uint16
+    """The ids an island trains and evaluates on: the first ``size`` ids of an opened token store."""
+
+    store: TokenStore
+    size: int
     description: str
-    digest: str  # sha256 prefix of the tokens, recorded in events
+    digest: str  # identifies the ids used (the store's digest, and the prefix when max_bytes cuts it)
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return self.size
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Ids ``[start, stop)`` (within the first ``size``)."""
+        if not 0 <= start <= stop <= self.size:
+            raise DataError(f"{self.store.location}: range [{start}, {stop}) is outside the {self.size} ids used")
+        return self.store.read(start, stop)
 
 
 def builtin_files() -> list[Path]:
@@ -50,8 +95,62 @@ def builtin_files() -> list[Path]:
     return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest())
 
 
-def _read_bytes(files: list[Path], limit: int) -> np.ndarray:
-    chunks, total = [], 0
+# --- sources into stores ------------------------------------------------------------------------------------
+
+
+def _is_url(source: str) -> bool:
+    return urllib.parse.urlparse(source).scheme in ("file", "gs", "s3", "http", "https")
+
+
+def _is_store_folder(path: Path) -> bool:
+    return (path / MANIFEST).exists() or (path / "tokens").is_dir()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a source that is not a store becomes one: its files, their kind, and the cache key."""
+
+    kind: str  # "builtin", "text" or "bin"
+    files: list[Path]
+    description: str
+
+
+def _plan(source: str) -> _Plan:
+    if source == "builtin":
+        return _Plan("builtin", builtin_files(),
+                     f"builtin: Python {sysconfig.get_python_version()} standard library sources")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data.source {source!r}: no such file or folder (a store path or URL, builtin, text "
+                        "files or .bin shards)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        shards = [p for p in files if p.suffix == ".bin"]
+        if shards:
+            return _Plan("bin", shards, f"{len(shards)} token shards in {path}")
+        if files:
+            return _Plan("text", files, f"{len(files)} text files in {path}")
+        raise DataError(f"data.source {source!r}: the folder holds no files")
+    if path.suffix == ".bin":
+        return _Plan("bin", [path], f"token shard {path}")
+    return _Plan("text", [path], f"text file {path}")
+
+
+def _cache_key(plan: _Plan, limit: int) -> str:
+    stats = []
+    for p in plan.files:
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise DataError(f"{p}: cannot read: {e.strerror}") from None
+        stats.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    blob = json.dumps({"format": CACHE_FORMAT, "kind": plan.kind, "files": stats, "limit": limit}).encode()
+    return f"{plan.kind}-{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def _write_bytes_store(files: list[Path], out: Path, limit: int) -> None:
+    """Byte-tokenized documents (each non-empty file's bytes, then b"\\n") into a store, at most ``limit`` ids."""
+    writer = StoreWriter(out, vocab_size=256, tokenizer="bytes", eos_id=10)
     for path in files:
         try:
             blob = path.read_bytes()
@@ -59,69 +158,109 @@ def _read_bytes(files: list[Path], limit: int) -> np.ndarray:
             raise DataError(f"{path}: cannot read: {e.strerror}") from None
         if not blob:
             continue  # an empty file adds nothing, not even the separator
-        chunks.append(blob + b"\n")
-        total += len(blob) + 1
+        ids = np.frombuffer(blob + b"\n", np.uint8)
+        if limit:
+            ids = ids[: limit - writer.tokens]
+        writer.add_document(ids)
+        if limit and writer.tokens >= limit:
+            break
+    writer.close()
+
+
+def _bin_ids(path: Path) -> np.ndarray:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror}") from None
+    if size % 2:
+        raise DataError(f"{path}: a uint16 token shard must have an even byte size, got {size}")
+    if size == 0:
+        return np.zeros(0, np.uint16)
+    try:
+        return np.memmap(path, dtype="<u2", mode="r")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _write_bin_store(files: list[Path], out: Path, limit: int, block: int = 1 << 24) -> None:
+    """uint16 shards (one document each) into a store, at most ``limit`` ids, streamed ``block`` ids at a time
+    (never the whole shard in memory). The store's vocabulary is the largest id + 1: the shards do not say
+    which tokenizer made them."""
+    arrays, top, total = [], -1, 0
+    for path in files:  # first pass: sizes and the largest id, read through the page cache
+        ids = _bin_ids(path)
+        if limit:
+            ids = ids[: max(0, limit - total)]
+        for s in range(0, ids.size, block):
+            top = max(top, int(ids[s:s + block].max()))
+        arrays.append(ids)
+        total += ids.size
         if limit and total >= limit:
             break
-    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    return data[:limit] if limit else data
+    writer = StoreWriter(out, vocab_size=max(top + 1, 1), tokenizer="pre-tokenized (.bin)")
+    for ids in arrays:
+        if ids.size:
+            writer.add_document(np.asarray(ids))
+    writer.close()
 
 
-def _read_shards(files: list[Path], limit: int, vocab_size: int) -> np.ndarray:
-    parts, total = [], 0
-    for path in files:
-        try:
-            arr = np.fromfile(path, dtype=np.uint16)
-        except OSError as e:
-            raise DataError(f"{path}: cannot read: {e.strerror}") from None
-        if path.stat().st_size % 2:
-            raise DataError(f"{path}: a uint16 token shard must have an even byte size, got {path.stat().st_size}")
-        if arr.size and int(arr.max()) >= vocab_size:
-            raise DataError(f"{path}: token id {int(arr.max())} >= model.vocab_size {vocab_size}; "
-                            "raise model.vocab_size to cover the shard's vocabulary")
-        parts.append(arr)
-        total += arr.size
-        if limit and total >= limit:
-            break
-    data = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
-    return data[:limit] if limit else data
-
-
-def load_corpus(cfg: DataConfig, vocab_size: int = 256) -> Corpus:
-    """Loads the configured source; missing, empty or unreadable data raises DataError."""
+def store_location(cfg: DataConfig, cache: Path) -> str:
+    """The token store ``cfg.source`` names: itself when it is a store (a folder with ``manifest.json``, or a
+    URL), else a store made from it on first use under ``cache`` (``builtin``, text, ``.bin``), holding at most
+    ``max_bytes`` ids. Raises DataError naming the source for what cannot be read."""
     source = cfg.source
-    if source == "builtin":
-        tokens = _read_bytes(builtin_files(), cfg.max_bytes)
-        desc = f"builtin: Python {sysconfig.get_python_version()} standard library sources"
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data.source {source!r}: no such file or folder")
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-            shards = [p for p in files if p.suffix == ".bin"]
-            if shards:
-                tokens, desc = _read_shards(shards, cfg.max_bytes, vocab_size), f"{len(shards)} token shards in {path}"
-            elif files:
-                tokens, desc = _read_bytes(files, cfg.max_bytes), f"{len(files)} text files in {path}"
-            else:
-                raise DataError(f"data.source {source!r}: the folder holds no files")
-        elif path.suffix == ".bin":
-            tokens, desc = _read_shards([path], cfg.max_bytes, vocab_size), f"token shard {path}"
+    if _is_url(source) or (source != "builtin" and _is_store_folder(Path(source).expanduser())):
+        return source
+    plan = _plan(source)
+    dest = cache / _cache_key(plan, cfg.max_bytes)
+    if (dest / MANIFEST).exists():
+        return str(dest)
+    log.info("tokenizing %s into the token store %s (bytes, first use)", plan.description, dest)
+    t0 = time.perf_counter()
+    tmp = cache / f".{dest.name}.{os.getpid()}.{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if plan.kind == "bin":
+            _write_bin_store(plan.files, tmp, cfg.max_bytes)
         else:
-            tokens, desc = _read_bytes([path], cfg.max_bytes), f"text file {path}"
-    if tokens.size == 0:
-        raise DataError(f"data.source {source!r}: empty (no tokens)")
-    if tokens.dtype == np.uint8 and vocab_size < 256:
-        raise DataError(f"data.source {source!r}: byte data needs model.vocab_size >= 256, got {vocab_size}")
-    digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
-    return Corpus(tokens=tokens, description=f"{desc} ({tokens.size:,} tokens)", digest=digest)
+            _write_bytes_store(plan.files, tmp, cfg.max_bytes)
+        try:
+            os.rename(tmp, dest)  # whole or absent: a process making the same store at once loses the race
+        except OSError:
+            if not (dest / MANIFEST).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("token store %s written in %.1f s", dest, time.perf_counter() - t0)
+    return str(dest)
+
+
+def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
+    """Opens the configured source as a token store (:func:`store_location`): the manifest only, so start-up
+    does not grow with the corpus. Raises DataError naming the source for a store that is missing, incomplete,
+    empty, not answering, or whose vocabulary exceeds ``vocab_size``."""
+    location = store_location(cfg, cache)
+    store = TokenStore.open(location)
+    m = store.manifest
+    if m.vocab_size > vocab_size:
+        raise DataError(f"data.source {cfg.source!r}: the token store's vocabulary has {m.vocab_size} ids "
+                        f"(0..{m.vocab_size - 1}, tokenizer {m.tokenizer}), more than model.vocab_size {vocab_size}: "
+                        f"set model.vocab_size >= {m.vocab_size}")
+    size = min(m.tokens, cfg.max_bytes) if cfg.max_bytes else m.tokens
+    if size == 0:
+        raise DataError(f"data.source {cfg.source!r}: empty (no tokens)")
+    what = cfg.source if _is_url(cfg.source) or location == cfg.source else _plan(cfg.source).description
+    digest = m.digest.split(":")[-1][:16] + (f"@{size}" if size < m.tokens else "")
+    return Corpus(store=store, size=size, description=f"{what} ({size:,} tokens, {m.tokenizer})", digest=digest)
+
+
+# --- split, shards, streams -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Split:
-    train: np.ndarray
-    eval: np.ndarray
+    train: Span
+    eval: Span
 
 
 def split(corpus: Corpus, eval_fraction: float, seq_len: int) -> Split:
@@ -130,77 +269,191 @@ def split(corpus: Corpus, eval_fraction: float, seq_len: int) -> Split:
     if n - n_eval < 2 * (seq_len + 1):
         raise DataError(f"corpus too small: {n} tokens leave no training data after holding out {n_eval} "
                         f"for eval with seq_len {seq_len}; use a larger source or data.max_bytes")
-    return Split(train=corpus.tokens[: n - n_eval], eval=corpus.tokens[n - n_eval:])
+    return Split(train=Span(0, n - n_eval), eval=Span(n - n_eval, n))
 
 
-@lru_cache(maxsize=4)
-def _window_permutation(seed: int, epoch: int, n_windows: int) -> np.ndarray:
-    """The order of a stream's windows in ``epoch``. Cached here, keyed by the arguments, not on the stream (an
-    ``lru_cache`` on the method would keep the last streams and their tokens alive); read-only, as it is shared."""
-    perm = np.random.default_rng([seed, epoch]).permutation(n_windows)
-    perm.flags.writeable = False
-    return perm
+@lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, n_blocks: int, block_windows: int, n_windows: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """An epoch's block order and the first position of each group (and the end): group ``g`` holds blocks
+    ``order[g*G:(g+1)*G]`` and positions ``[starts[g], starts[g+1])`` of the epoch. Read-only, as it is shared."""
+    order = np.random.default_rng([seed, epoch, 0]).permutation(n_blocks)
+    sizes = np.minimum(block_windows, n_windows - order * block_windows)
+    group_sizes = np.add.reduceat(sizes, np.arange(0, n_blocks, SHUFFLE_BLOCKS))
+    starts = np.concatenate([[0], np.cumsum(group_sizes)])
+    order.flags.writeable = False
+    starts.flags.writeable = False
+    return order, starts
+
+
+@lru_cache(maxsize=16)
+def _group_windows(seed: int, epoch: int, group: int, n_blocks: int, block_windows: int, n_windows: int
+                   ) -> np.ndarray:
+    """The window ids of one group, in the order the epoch reads them. Read-only, as it is shared."""
+    order, _ = _epoch_order(seed, epoch, n_blocks, block_windows, n_windows)
+    blocks = order[group * SHUFFLE_BLOCKS:(group + 1) * SHUFFLE_BLOCKS]
+    ids = np.concatenate([np.arange(b * block_windows, min((b + 1) * block_windows, n_windows)) for b in blocks])
+    out = ids[np.random.default_rng([seed, epoch, 1, group]).permutation(ids.size)]
+    out.flags.writeable = False
+    return out
 
 
 class SequenceStream:
-    """Deterministic, resumable batches of windows from one token shard.
+    """Deterministic, resumable batches of windows from one span of a corpus (all of it by default), streamed
+    from its store.
 
-    ``batches(cursor, steps, batch_size)`` returns ``[steps, batch_size, seq_len + 1]``
-    int32 for sequences ``cursor .. cursor + steps * batch_size``: a pure
-    function of the cursor, so resuming is exact.
+    ``batches(cursor, steps, batch_size)`` returns ``[steps, batch_size, seq_len + 1]`` int32 for sequences
+    ``cursor .. cursor + steps * batch_size``: a pure function of the cursor, so resuming is exact. The blocks a
+    batch needs are read on demand and the next group's are read ahead; :attr:`wait_s` is the time callers spent
+    waiting for reads, and :attr:`peak_blocks` the most blocks held at once.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, name: str = "shard"):
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.seed = seed
-        self.n_windows = (len(tokens) - 1) // seq_len
+    def __init__(self, corpus: Corpus, seq_len: int, seed: int, span: Span | None = None, name: str = "shard"):
+        span = span or Span(0, len(corpus))
+        self.corpus, self.span, self.seq_len, self.seed, self.name = corpus, span, seq_len, seed, name
+        self.n_windows = (len(span) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"{name}: {len(tokens)} tokens hold no window of seq_len+1={seq_len + 1}; "
+            raise DataError(f"{name}: {len(span)} tokens hold no window of seq_len+1={seq_len + 1}; "
                             "use a larger corpus (data.max_bytes) or fewer islands")
+        self.block_windows = max(1, corpus.store.chunk_tokens // seq_len)
+        self.n_blocks = -(-self.n_windows // self.block_windows)
+        self.wait_s = 0.0
+        self.peak_blocks = 0
+        self._blocks: OrderedDict[int, Any] = OrderedDict()  # block -> its ids (np.ndarray) or a read future
+        self._capacity = (2 + READ_AHEAD_GROUPS) * SHUFFLE_BLOCKS
+        self._lock = threading.Lock()
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        return _epoch_order(self.seed, epoch, self.n_blocks, self.block_windows, self.n_windows)
+
+    def _group(self, epoch: int, group: int) -> np.ndarray:
+        return _group_windows(self.seed, epoch, group, self.n_blocks, self.block_windows, self.n_windows)
 
     def window_ids(self, cursor: int, count: int) -> np.ndarray:
+        """The windows (by index in the span) of sequences ``cursor .. cursor + count``."""
         pos = np.arange(cursor, cursor + count)
         epochs, idx = np.divmod(pos, self.n_windows)
         out = np.empty(count, np.int64)
         for e in np.unique(epochs):
             sel = epochs == e
-            out[sel] = _window_permutation(self.seed, int(e), self.n_windows)[idx[sel]]
+            _, starts = self._order(int(e))
+            groups = np.searchsorted(starts, idx[sel], side="right") - 1
+            ids = np.empty(int(sel.sum()), np.int64)
+            for g in np.unique(groups):
+                at = groups == g
+                ids[at] = self._group(int(e), int(g))[idx[sel][at] - starts[g]]
+            out[sel] = ids
         return out
 
+    def _block_range(self, block: int) -> tuple[int, int]:
+        first = block * self.block_windows
+        last = min(first + self.block_windows, self.n_windows)
+        start = self.span.start + first * self.seq_len
+        return start, self.span.start + last * self.seq_len + 1
+
+    def _request(self, block: int) -> None:
+        """Starts reading ``block`` unless it is held or on its way (called with the lock held)."""
+        if block in self._blocks:
+            self._blocks.move_to_end(block)
+            return
+        self._blocks[block] = self.corpus.store.read_async(*self._block_range(block))
+        while len(self._blocks) > self._capacity:
+            self._blocks.popitem(last=False)  # the least recently used; a pending read is simply dropped
+        self.peak_blocks = max(self.peak_blocks, len(self._blocks))
+
+    def _block(self, block: int) -> np.ndarray:
+        with self._lock:
+            self._request(block)
+            held = self._blocks[block]
+        if isinstance(held, np.ndarray):
+            return held
+        t0 = time.perf_counter()
+        try:
+            ids = np.asarray(held.result(timeout=self.corpus.store.timeout_s))
+        except TimeoutError:
+            raise StoreError(f"token store {self.corpus.store.location} did not answer within "
+                             f"{self.corpus.store.timeout_s:g} s (reading {self.name}'s block {block})") from None
+        except ValueError as e:
+            raise StoreError(f"token store {self.corpus.store.location}: reading {self.name}'s block {block} "
+                             f"failed: {e}") from None
+        self.wait_s += time.perf_counter() - t0
+        with self._lock:
+            if block in self._blocks:
+                self._blocks[block] = ids
+        return ids
+
+    def _read_ahead(self, cursor: int) -> None:
+        """Starts the reads of the group after the one holding sequence ``cursor`` (and of its own)."""
+        epoch, pos = divmod(cursor, self.n_windows)
+        order, starts = self._order(epoch)
+        group = int(np.searchsorted(starts, pos, side="right") - 1)
+        wanted = []
+        for _ in range(1 + READ_AHEAD_GROUPS):
+            wanted.extend(order[group * SHUFFLE_BLOCKS:(group + 1) * SHUFFLE_BLOCKS].tolist())
+            group += 1
+            if group * SHUFFLE_BLOCKS >= self.n_blocks:
+                epoch, group = epoch + 1, 0
+                order, _ = self._order(epoch)
+        with self._lock:
+            for b in wanted:
+                self._request(int(b))
+
     def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray:
-        starts = self.window_ids(cursor, steps * batch_size) * self.seq_len
-        offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        return self.tokens[offsets].astype(np.int32).reshape(steps, batch_size, self.seq_len + 1)
+        count = steps * batch_size
+        ids = self.window_ids(cursor, count)
+        out = np.empty((count, self.seq_len + 1), np.int32)
+        blocks, local = np.divmod(ids, self.block_windows)
+        offsets = np.arange(self.seq_len + 1)
+        for b in np.unique(blocks):
+            at = blocks == b
+            out[at] = self._block(int(b))[local[at, None] * self.seq_len + offsets]
+        self._read_ahead(cursor + count)
+        return out.reshape(steps, batch_size, self.seq_len + 1)
 
 
 @dataclass(frozen=True)
 class IslandShard:
     index: int
-    start: int  # token offset of the shard in the train split
+    start: int  # token offset of the shard in the corpus
     stop: int
     stream: SequenceStream
 
 
-def island_shards(train: np.ndarray, islands: int, seq_len: int, seed: int) -> list[IslandShard]:
-    """Cuts the train split into ``islands`` contiguous, disjoint shards."""
+def island_shards(corpus: Corpus, train: Span, islands: int, seq_len: int, seed: int) -> list[IslandShard]:
+    """Cuts the train span into ``islands`` contiguous, disjoint shards (nothing is read)."""
     size = len(train) // islands
     out = []
     for i in range(islands):
-        start, stop = i * size, (i + 1) * size
-        stream = SequenceStream(train[start:stop], seq_len, seed=seed * 1_000_003 + i, name=f"island {i} shard")
+        start, stop = train.start + i * size, train.start + (i + 1) * size
+        stream = SequenceStream(corpus, seq_len, seed=seed * 1_000_003 + i, span=Span(start, stop),
+                                name=f"island {i} shard")
         out.append(IslandShard(index=i, start=start, stop=stop, stream=stream))
     return out
 
 
-def eval_batches(eval_tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> np.ndarray:
-    """Fixed eval batches ``[n_batches, batch_size, seq_len + 1]`` spread evenly over the held-out split."""
-    n_windows = (len(eval_tokens) - 1) // seq_len
+def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, n_batches: int) -> np.ndarray:
+    """Fixed eval batches ``[n_batches, batch_size, seq_len + 1]`` spread evenly over the held-out span, read as
+    one range per stored chunk they touch (their count, not the corpus's size, sets the cost)."""
+    n_windows = (len(held_out) - 1) // seq_len
     if n_windows < 1:
-        raise DataError(f"eval split of {len(eval_tokens)} tokens holds no window of {seq_len + 1}; "
+        raise DataError(f"eval split of {len(held_out)} tokens holds no window of {seq_len + 1}; "
                         "raise data.eval_fraction or data.max_bytes")
     want = n_batches * batch_size
     ids = np.linspace(0, n_windows - 1, num=want).round().astype(np.int64) if want <= n_windows \
         else np.arange(want) % n_windows
-    offsets = ids[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return eval_tokens[offsets].astype(np.int32).reshape(n_batches, batch_size, seq_len + 1)
+    starts = held_out.start + ids * seq_len
+    chunk = corpus.store.chunk_tokens
+    out = np.empty((want, seq_len + 1), np.int32)
+    unique = np.unique(starts)
+    runs = np.split(unique, np.flatnonzero(np.diff(unique // chunk)) + 1)  # the windows starting in each chunk
+    reads = [(int(r[0]), corpus.store.read_async(int(r[0]), int(r[-1]) + seq_len + 1)) for r in runs]
+    offsets = np.arange(seq_len + 1)
+    for (first, future), run in zip(reads, runs, strict=True):
+        try:
+            ids_read = np.asarray(future.result(timeout=corpus.store.timeout_s))
+        except (TimeoutError, ValueError) as e:
+            raise StoreError(f"token store {corpus.store.location}: reading the eval windows failed: "
+                             f"{e or 'no answer within ' + str(corpus.store.timeout_s) + ' s'}") from None
+        at = np.isin(starts, run)
+        out[at] = ids_read[(starts[at] - first)[:, None] + offsets]
+    return out.reshape(n_batches, batch_size, seq_len + 1)

@@ -15,7 +15,7 @@ import numpy as np
 
 from dtrain import data, model
 from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config
+from dtrain.config import Config, data_cache
 from dtrain.step import make_mesh
 from dtrain.train import InnerLoop
 
@@ -32,12 +32,13 @@ class Setup:
 
 
 def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: DeviceFault | None = None) -> Setup:
-    """Model, mesh, inner loop, corpus, per-island shards and fixed eval batches. ``per_device``: the inner loop
+    """Model, mesh, inner loop, corpus (opened as a token store; made under ``data.cache`` on first use), per-island
+    shards and fixed eval batches. ``per_device``: the inner loop
     runs the per-device step (chip health: ``dtrain.chip_step``), with ``fault`` injected into one device."""
-    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size)
+    corpus = data.open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
     parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
-    shards = data.island_shards(parts.train, islands, cfg.model.seq_len, cfg.run.seed)
-    evals = data.eval_batches(parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
+    shards = data.island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
+    evals = data.eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
     built = model.build(cfg.model)
     loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))

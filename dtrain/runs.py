@@ -53,7 +53,8 @@ def _start_event(log: RunLog, s: Setup, mode: str, islands: int) -> None:
 
 def _island_summary(isl: Island, shard: data.IslandShard, **extra: Any) -> dict[str, Any]:
     return {"index": isl.index, "steps": isl.steps, "tokens": isl.tokens, "cursor": isl.cursor,
-            "final_train_loss": isl.last_loss, "shard_tokens": [shard.start, shard.stop], **extra}
+            "final_train_loss": isl.last_loss, "shard_tokens": [shard.start, shard.stop],
+            "data_wait_s": shard.stream.wait_s, **extra}
 
 
 def run_train(cfg: Config, resume: bool = False, quiet: bool = False) -> dict[str, Any]:

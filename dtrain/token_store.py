@@ -31,7 +31,6 @@ import numpy as np
 import tensorstore as ts
 
 from dtrain import schema
-from dtrain.data import DataError
 
 FORMAT = "dtrain-token-store/1"
 MANIFEST = "manifest.json"
@@ -42,6 +41,10 @@ ZSTD_LEVEL = 3
 READ_TIMEOUT_S = 60.0  # one read of a manifest or of a range of ids, local or remote
 
 log = logging.getLogger("dtrain.data")
+
+
+class DataError(ValueError):
+    """A data source problem; the message names the path (the command line shows it as one line)."""
 
 
 class StoreError(DataError):

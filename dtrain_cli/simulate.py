@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain import config as config_mod
+from dtrain import data
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
@@ -143,6 +144,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes)
     cfg = new_run(cfg)
+    # Before any process starts: a source that is not a store becomes one here, once, not in every worker.
+    data.open_corpus(cfg.data, cfg.model.vocab_size, config_mod.data_cache(cfg))
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
     sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes)
@@ -163,8 +166,6 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
         cfg = config_mod.replace(cfg, outer={"islands": islands})
     if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
         cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
-    if cfg.data.source != "builtin" and not Path(cfg.data.source).expanduser().exists():
-        raise SimulationError(f"data.source {cfg.data.source!r}: no such file or folder")  # before any process
     if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
         raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}

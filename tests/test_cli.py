@@ -162,7 +162,7 @@ def test_a_benchmark_with_a_bad_data_path_is_one_line(tmp_path):
     proc = _run(str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--set", f"data.source={tmp_path}/nope.txt")
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == (f"benchmarks/convergence.py: error: data.source '{tmp_path}/nope.txt': no such file or "
-                           f"folder\n")
+                           "folder (a store path or URL, builtin, text files or .bin shards)\n")
 
 
 @pytest.mark.parametrize("script", ["convergence", "faults"])

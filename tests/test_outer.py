@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY
 from dtrain import model, outer
 from dtrain.config import load_config
-from dtrain.data import SequenceStream, load_corpus
+from dtrain.data import SequenceStream, open_corpus
 from dtrain.diloco import (
     Island,
     advance,
@@ -246,16 +246,16 @@ def test_one_island_lr1_no_momentum_is_plain_training(tmp_path, text_corpus):
                              "outer.momentum=0.0", "train.steps_per_call=10", f"data.source={text_corpus}",
                              "data.max_bytes=0"])
     loop = InnerLoop(cfg, model.build(cfg.model), make_mesh(cfg, devices=jax.devices()[:1]))
-    tokens = load_corpus(cfg.data).tokens
+    corpus = open_corpus(cfg.data, cfg.model.vocab_size, tmp_path / "cache")
     B = cfg.train.batch_size
     params0 = loop.model.init(cfg.run.seed)
 
-    plain = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(tokens, cfg.model.seq_len, 0))
+    plain = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(corpus, cfg.model.seq_len, 0))
     advance(loop, plain, cfg.train.steps, B, record_loss)
 
     hp = OuterHParams.from_config(cfg, mode="sync")
     global_state = init_outer(loop.place_params(params0))
-    isl = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(tokens, cfg.model.seq_len, 0))
+    isl = Island(index=0, state=loop.init_state(params0), stream=SequenceStream(corpus, cfg.model.seq_len, 0))
     for steps in round_lengths(cfg.train.steps, cfg.outer.inner_steps):
         global_state, res = diloco_round(loop, global_state, [isl], steps, B, hp, record_loss)
         assert res.weights == [1.0] and res.steps == steps

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dtrain import data
 from dtrain.config import load_config
 from dtrain.runlog import read_events
 from dtrain.runs import run_simulate_inprocess
@@ -23,9 +28,46 @@ def _cfg(tmp_path, *extra: str):
         "worker.heartbeat_s=0.5", "coordinator.grace_s=60", *extra])
 
 
-def test_process_simulation_end_to_end(tmp_path):
-    cfg = _cfg(tmp_path)
+class _RecordingHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder read-only and records every path asked for."""
+
+    paths: list[str]
+
+    def do_GET(self) -> None:  # noqa: N802 - the base class's name
+        self.paths.append(self.path)
+        super().do_GET()
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+@pytest.fixture
+def served_stores(tmp_path: Path) -> Iterator[tuple[str, Path, list[str]]]:
+    """A folder served over HTTP on 127.0.0.1 (a store's remote path, without a cloud account), and the paths
+    the server was asked for."""
+    root = tmp_path / "served"
+    root.mkdir()
+    paths: list[str] = []
+    handler = functools.partial(type("H", (_RecordingHandler,), {"paths": paths}), directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", root, paths
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_process_simulation_end_to_end(tmp_path, served_stores):
+    """Two worker processes train from a token store they read over HTTP, as from object storage."""
+    url, root, asked = served_stores
+    store = Path(data.store_location(_cfg(tmp_path).data, root))  # the built-in corpus, as a store
+    cfg = _cfg(tmp_path, f"data.source={url}/{store.name}")
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
+    assert f"/{store.name}/manifest.json" in asked and any(f"/{store.name}/tokens/c/" in p for p in asked)
+    assert not (tmp_path / "data-cache").exists()  # a store is read where it is, never copied
     assert s["rounds"] == cfg.rounds == 4
     assert s["bit_identical_final_params"]
     assert s["tokens"] == 2 * 40 * cfg.train.batch_size * cfg.model.seq_len
@@ -51,6 +93,7 @@ def test_process_simulation_end_to_end(tmp_path):
     assert all(f[0] == "PULL_KIND_UPDATE" for f in pulls if f[0] != "PULL_KIND_FULL")
     for isl in s["islands"]:
         assert isl["version"] == 4 and isl["steps"] == 40 and isl["rounds"] == 4
+        assert 0.0 <= isl["data_wait_s"] < isl["wall_s"]
         assert (out / "islands" / isl["island"] / "checkpoints").is_dir()
     # Each worker ran on its own share of the CPUs, as its island_started event reports from inside it.
     cpus = sorted(os.sched_getaffinity(0))

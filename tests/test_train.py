@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 from conftest import TINY, make_text
 from dtrain import model
 from dtrain.config import Config, load_config, replace
-from dtrain.data import SequenceStream, load_corpus
+from dtrain.data import SequenceStream, open_corpus
 from dtrain.step import loss_fn, make_mesh, make_optimizer, param_spec
 from dtrain.train import InnerLoop, chunks
 
@@ -30,8 +31,9 @@ def _cfg(*extra: str) -> Config:
 
 
 def _stream_for(cfg: Config, text_corpus) -> SequenceStream:
-    corpus = load_corpus(replace(cfg, data={"source": str(text_corpus), "max_bytes": 0}).data)
-    return SequenceStream(corpus.tokens, cfg.model.seq_len, seed=0)
+    data_cfg = replace(cfg, data={"source": str(text_corpus), "max_bytes": 0}).data
+    corpus = open_corpus(data_cfg, cfg.model.vocab_size, Path(text_corpus).parent / "cache")
+    return SequenceStream(corpus, cfg.model.seq_len, seed=0)
 
 
 def _host(tree):

@@ -154,6 +154,7 @@ class RunEnd:
             "compression_ratio": self.uplink.compression_ratio, "utilization": clock.utilization(),
             "blocked_s": clock.blocked_s, "eval_s": clock.eval_s, "final_wait_s": final_wait,
             "active_s": clock.active_s, "wall_s": time.perf_counter() - t_start, "retries": self.client.retries,
+            "data_wait_s": sum(sh.stream.wait_s for sh in self.setup.shards),
             "overlap": self.cfg.worker.overlap,
             "total_versions": self.mailbox.final_version or self.mailbox.total_versions,
             "fingerprint": self.cfg.fingerprint(), "devices": self.setup.loop.mesh.devices.size,
