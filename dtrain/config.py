@@ -78,6 +78,8 @@ class DataConfig:
                     "runs there); a store is reused while its source files are unchanged")
     eval_fraction: float = _f(0.05, "tail fraction of the corpus held out for eval loss")
     eval_batches: int = _f(8, "batches of the held-out split averaged for one eval")
+    read_timeout_s: float = _f(60.0, "how long one read of the token store (its manifest, a block of ids) may wait "
+                               "before the island stops with an error naming the store")
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,8 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
     t, o, d = cfg.train, cfg.outer, cfg.data
     if not 0.0 < d.eval_fraction < 0.5:
         fail("data", "eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}")
+    if not d.read_timeout_s > 0:
+        fail("data", "read_timeout_s", f"must be > 0, got {d.read_timeout_s}")
     if not t.lr > 0:
         fail("train", "lr", f"must be > 0, got {t.lr}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

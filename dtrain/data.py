@@ -240,7 +240,7 @@ def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     does not grow with the corpus. Raises DataError naming the source for a store that is missing, incomplete,
     empty, not answering, or whose vocabulary exceeds ``vocab_size``."""
     location = store_location(cfg, cache)
-    store = TokenStore.open(location)
+    store = TokenStore.open(location, timeout_s=cfg.read_timeout_s)
     m = store.manifest
     if m.vocab_size > vocab_size:
         raise DataError(f"data.source {cfg.source!r}: the token store's vocabulary has {m.vocab_size} ids "

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
 
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
 from dtrain_cli.entry import Parser, run_main
+from dtrain_cli.logs import LOGGER
 
 COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
@@ -264,6 +266,8 @@ def _run(argv: list[str], prog: str) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}").strip()
     cfg = load_config(args.config, args.overrides)
+    if getattr(args, "quiet", False):  # no progress lines: the library's info records too (cli_logging restores it)
+        logging.getLogger(LOGGER).setLevel(logging.WARNING)
     if args.command == "config":
         print(reference_markdown() if args.reference else to_toml(cfg))
         return 0

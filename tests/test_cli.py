@@ -165,6 +165,32 @@ def test_a_benchmark_with_a_bad_data_path_is_one_line(tmp_path):
                            "folder (a store path or URL, builtin, text files or .bin shards)\n")
 
 
+def test_a_store_that_does_not_answer_is_one_line_naming_it_and_the_wait(tmp_path):
+    url = f"http://127.0.0.1:{_closed_port()}/corpus"
+    proc = _run("-m", "dtrain_cli", "train", "--config", "tiny", "--set", f"run.out_dir={tmp_path}",
+                "--set", f"data.source={url}", "--set", "data.read_timeout_s=2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"opening token store {url} (waits up to 2 s for each answer)" in proc.stderr  # said while waiting
+    assert proc.stderr.splitlines()[-1] == (f"dtrain train: error: token store {url} did not answer within 2 s "
+                                            "(reading its manifest.json): check the address and that it is "
+                                            "reachable from here")
+
+
+def test_a_store_over_the_models_vocabulary_is_one_line(tmp_path):
+    from dtrain.token_store import StoreWriter
+
+    w = StoreWriter(tmp_path / "gpt2", vocab_size=50304)
+    w.add_document(np.arange(1000))
+    w.close()
+    proc = _run("-m", "dtrain_cli", "simulate", "--config", "tiny", "--set", f"run.out_dir={tmp_path}",
+                "--set", f"data.source={tmp_path / 'gpt2'}")
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr == (f"dtrain simulate: error: data.source '{tmp_path / 'gpt2'}': the token store's "
+                           "vocabulary has 50304 ids (0..50303, tokenizer bytes), more than model.vocab_size 256: set "
+                           "model.vocab_size >= 50304\n")
+    assert not (tmp_path / "tiny").exists()  # refused before any process started
+
+
 @pytest.mark.parametrize("script", ["convergence", "faults"])
 def test_a_benchmark_with_a_bad_config_is_one_line(script):
     proc = _run(str(ROOT / "benchmarks" / f"{script}.py"), "--set", "train.lr=fast")
