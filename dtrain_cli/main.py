@@ -87,6 +87,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def _cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="where builtin, text and .bin sources become token stores on first use (data.cache; "
+                   "default: OUT_DIR/data-cache)")
+
+
 def _command(sub: argparse._SubParsersAction[Parser], name: str, help: str, description: str,
              example: str) -> argparse.ArgumentParser:
     """A subcommand with its one-line help (``dtrain --help``), a description and an example (its ``--help``)."""
@@ -120,6 +126,7 @@ def _add_train(sub: argparse._SubParsersAction[Parser]) -> None:
                  "Writes runs/NAME/ (events.jsonl, summary.json, checkpoints/STEP every run.checkpoint_every steps).",
                  "dtrain train --config tiny --set train.steps=40")
     _common(p)
+    _cache_flag(p)
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its latest checkpoint")
 
 
@@ -131,6 +138,7 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                  "--inprocess), optionally injecting faults, and writes runs/NAME/ with a summary.json.",
                  "dtrain simulate --config small --islands 4 --fault kill:island-1@v3+10s")
     _common(p)
+    _cache_flag(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
     p.add_argument("--no-pin", action="store_true", help="do not give each island's worker processes their own "
@@ -172,6 +180,7 @@ def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
                  "worker.retry_total_s (600 s by default), each retry naming the address and the time left.",
                  "dtrain worker --config small --coordinator 10.0.0.5:50051 --island dc-east")
     _common(p)
+    _cache_flag(p)
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT", type=coordinator_address,
                    help="the coordinator's address, e.g. 10.0.0.5:50051 or [::1]:50051")
     p.add_argument("--island", required=True, help="this island's name (unique; a restart reuses it)")
@@ -265,7 +274,8 @@ def _run(argv: list[str], prog: str) -> int:
             raise ConfigError("--host-devices must be set before JAX is imported")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}").strip()
-    cfg = load_config(args.config, args.overrides)
+    cache = [f"data.cache={args.cache}"] if getattr(args, "cache", None) else []
+    cfg = load_config(args.config, [*args.overrides, *cache])
     if getattr(args, "quiet", False):  # no progress lines: the library's info records too (cli_logging restores it)
         logging.getLogger(LOGGER).setLevel(logging.WARNING)
     if args.command == "config":
