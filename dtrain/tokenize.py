@@ -146,6 +146,23 @@ def _check_resumable(out: Path, journal: Journal, asked: Journal, files: Sequenc
                          "over with --overwrite")
 
 
+def check_out(out: str | Path, sources: Sequence[str | Path], overwrite: bool = False) -> None:
+    """Refuses an ``out`` that cannot take a new store (StoreError): a file, a folder inside a source folder, or a
+    complete store (unless ``overwrite``)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"--out {out}: a file is there, not a folder for a token store")
+    where = out.resolve()
+    for source in sources:
+        folder = Path(source).expanduser().resolve()
+        if folder.is_dir() and (where == folder or folder in where.parents):
+            raise StoreError(f"--out {out} is inside the source folder {source}: the store's own files would be "
+                             "read as sources; put it elsewhere")
+    if (out / MANIFEST).exists() and not overwrite:
+        raise StoreError(f"token store {out} exists already (its {MANIFEST} is there): choose another --out, or "
+                         "--overwrite it")
+
+
 def trained_or_resumed(files: Sequence[SourceFile], out: str | Path, vocab_size: int, *, field: str = "text",
                        skip_bad: bool = False, overwrite: bool = False) -> HFTokenizer:
     """The byte-level BPE of ``vocab_size`` for a store: the one an interrupted run into ``out`` trained and wrote
@@ -178,9 +195,7 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
     t0 = time.monotonic()
     files = enumerate_sources(sources, plain_text)
     out = Path(out)
-    if (out / MANIFEST).exists() and not overwrite:
-        raise StoreError(f"token store {out} exists already (its {MANIFEST} is there): choose another --out, or "
-                         "--overwrite it")
+    check_out(out, sources, overwrite)
     asked = Journal(format=JOURNAL_FORMAT, sources=_sha([os.path.abspath(f.path) for f in files]),
                     files=len(files), tokenizer=tokenizer.identity(), trained_vocab_size=trained_vocab_size,
                     field=field, limit=limit, files_done=0, done="", bytes_done=0, tokens=0, documents=0,
