@@ -10,9 +10,9 @@ Layout of a store at ``LOCATION`` (a local path, ``file://``, ``gs://``, ``s3://
 
 :class:`TokenStore` opens a store by reading its manifest and the arrays' metadata only, so opening costs the same
 for a corpus of a megabyte and of terabytes; :meth:`TokenStore.read` then fetches one range of ids. The digest
-(SHA-256 of the ids as little-endian bytes, in order) is computed once, while the store is written
-(:class:`StoreWriter`), and checked only on request (:meth:`TokenStore.verify`). Only local stores are written
-here; any kvstore TensorStore opens is read.
+(:class:`ChainDigest`: a SHA-256 chain over blocks of ``DIGEST_BLOCK`` ids, whose state is one hash, so an
+interrupted write resumes it) is computed once, while the store is written (:class:`StoreWriter`), and checked only
+on request (:meth:`TokenStore.verify`). Only local stores are written here; any kvstore TensorStore opens is read.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens/"
 DOC_ENDS = "doc_ends/"
 CHUNK_TOKENS = 1 << 20  # ids per stored chunk (2 MiB of uint16 before compression): one read's granularity
+DIGEST_BLOCK = 1 << 20  # ids per link of the digest's chain (whatever the store's chunking)
+DIGEST_SCHEME = "sha256-chain:"
 ZSTD_LEVEL = 3
 READ_TIMEOUT_S = 60.0  # one read of a manifest or of a range of ids, local or remote
 
@@ -61,12 +63,73 @@ class Manifest:
     vocab_size: Annotated[int, schema.AtLeast(1)]  # ids are in [0, vocab_size)
     tokens: Annotated[int, schema.AtLeast(0)]  # ids in the store
     documents: Annotated[int, schema.AtLeast(0)]  # documents (entries of doc_ends)
-    digest: str  # "sha256:<hex>" of the ids as little-endian bytes, in order
+    digest: str  # "sha256-chain:<hex>" of the ids as little-endian bytes, in order (ChainDigest)
     tokenizer: str  # "bytes" (one id per byte), or a Hugging Face tokenizer's name or file in the store
     eos_id: int | None = None  # the id that ends each document, if the tokenizer adds one
 
     def to_json(self) -> str:
         return json.dumps(schema.dump(self), indent=2) + "\n"
+
+
+class ChainDigest:
+    """The digest of a store's ids: ``"sha256-chain:" + hex(h)``, with ``h`` starting as 32 zero bytes and, for
+    each block of ``DIGEST_BLOCK`` ids in order (as little-endian bytes of the store's dtype; the last block may be
+    shorter), ``h = sha256(h + block)``. Its state after whole blocks is one hash (:attr:`state`), so a writer that
+    was interrupted resumes it from its journal and the ids of the unfinished block; the one definition the writer
+    and :meth:`TokenStore.verify` share."""
+
+    def __init__(self, itemsize: int, state: bytes = bytes(32), pending: bytes = b""):
+        self._block = DIGEST_BLOCK * itemsize
+        if len(state) != 32 or len(pending) >= self._block:
+            raise StoreError(f"a digest state is 32 bytes and less than a block pending, got {len(state)} and "
+                             f"{len(pending)}")
+        self._h = state
+        self._pending = bytearray(pending)
+
+    @property
+    def state(self) -> bytes:
+        """The chain's hash after the whole blocks so far (the ids of the unfinished block are not in it)."""
+        return self._h
+
+    def _link(self, block: bytes | bytearray | memoryview) -> None:
+        h = hashlib.sha256(self._h)
+        h.update(block)
+        self._h = h.digest()
+
+    def update(self, data: bytes | memoryview) -> None:
+        """Adds the next ids' bytes."""
+        view = memoryview(data).cast("B")
+        if self._pending:
+            take = min(len(view), self._block - len(self._pending))
+            self._pending += view[:take]
+            view = view[take:]
+            if len(self._pending) < self._block:
+                return
+            self._link(self._pending)
+            self._pending = bytearray()
+        while len(view) >= self._block:
+            self._link(view[:self._block])
+            view = view[self._block:]
+        self._pending += view
+
+    def digest(self) -> str:
+        """``"sha256-chain:<hex>"`` of every id added (the unfinished block as the last, shorter one)."""
+        h = self._h
+        if self._pending:
+            link = hashlib.sha256(h)
+            link.update(self._pending)
+            h = link.digest()
+        return DIGEST_SCHEME + h.hex()
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a :class:`StoreWriter` has made durable (:meth:`StoreWriter.commit`): the ids and document ends on disk
+    and the digest's chain state after the whole blocks among them; a writer given it resumes from there."""
+
+    tokens: int
+    documents: int
+    chain: str  # hex of ChainDigest.state after tokens // DIGEST_BLOCK blocks
 
 
 def dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
@@ -114,11 +177,13 @@ class StoreWriter:
 
     ``path``: a local folder (created; a complete store there is refused unless ``overwrite``). ``vocab_size``:
     every id must be below it. ``tokenizer``: what made the ids ("bytes", or a tokenizer's name). ``eos_id``:
-    the end-of-document id, if the caller appends one to each document.
+    the end-of-document id, if the caller appends one to each document. ``resume``: what an interrupted writer of
+    the same store had committed (:meth:`commit`): the arrays there are cut back to it and writing goes on after
+    it (else any arrays there are replaced).
     """
 
     def __init__(self, path: str | Path, vocab_size: int, tokenizer: str = "bytes", eos_id: int | None = None,
-                 overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS):
+                 overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS, resume: Committed | None = None):
         self.path = Path(path)
         if (self.path / MANIFEST).exists() and not overwrite:
             raise StoreError(f"token store {self.path} exists already (its {MANIFEST} is there): choose another "
@@ -133,39 +198,85 @@ class StoreWriter:
         (self.path / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest
         self.vocab_size, self.tokenizer, self.eos_id = vocab_size, tokenizer, eos_id
         kv = kvstore_spec(self.path)
-        self._tokens = _new_array(kv, TOKENS, self.dtype.name, chunk_tokens)
-        self._doc_ends_array = _new_array(kv, DOC_ENDS, "uint64", chunk_tokens)
-        self._chunk = chunk_tokens
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
-        self._written = 0  # ids flushed to the tokens array
-        self._doc_ends = array.array("Q")  # 8 bytes a document, not a Python int's 28
-        self._hash = hashlib.sha256()
+        self._doc_ends = array.array("Q")  # ends not yet written: 8 bytes a document, not a Python int's 28
         self._closed = False
+        if resume is None:
+            self._tokens = _new_array(kv, TOKENS, self.dtype.name, chunk_tokens)
+            self._doc_ends_array = _new_array(kv, DOC_ENDS, "uint64", chunk_tokens)
+            self._chunk = chunk_tokens
+            self._written = 0  # ids flushed to the tokens array
+            self._ends_written = 0  # document ends flushed to the doc_ends array
+            self._digest = ChainDigest(self.dtype.itemsize)
+        else:
+            self._resume(kv, resume)
+
+    def _resume(self, kv: dict[str, Any], at: Committed) -> None:
+        """Opens the arrays an interrupted writer left, cuts them back to what it had committed (it may have
+        written more before it stopped) and restores the digest from ``at.chain`` and the unfinished block's ids."""
+        where = str(self.path)
+        self._tokens = _open_array(where, kv, TOKENS, READ_TIMEOUT_S, writable=True)
+        self._doc_ends_array = _open_array(where, kv, DOC_ENDS, READ_TIMEOUT_S, writable=True)
+        if self._tokens.dtype.name != self.dtype.name:
+            raise StoreError(f"token store {where}: its ids are {self._tokens.dtype.name}, a vocabulary of "
+                             f"{self.vocab_size} needs {self.dtype.name}: it was begun with another tokenizer")
+        if self._tokens.shape[0] < at.tokens or self._doc_ends_array.shape[0] < at.documents:
+            raise StoreError(f"token store {where}: it holds {self._tokens.shape[0]} ids and "
+                             f"{self._doc_ends_array.shape[0]} document ends, fewer than the {at.tokens} and "
+                             f"{at.documents} committed: it is damaged (start over with --overwrite)")
+        self._tokens = self._tokens.resize(exclusive_max=[at.tokens], shrink_only=True).result()
+        self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[at.documents], shrink_only=True).result()
+        self._chunk = int(self._tokens.chunk_layout.read_chunk.shape[0])
+        self._written, self._ends_written = at.tokens, at.documents
+        tail = (at.tokens // DIGEST_BLOCK) * DIGEST_BLOCK
+        pending = np.asarray(self._tokens[tail:at.tokens].read().result())
+        try:
+            state = bytes.fromhex(at.chain)
+        except ValueError:
+            raise StoreError(f"token store {where}: digest state {at.chain!r} is not hex") from None
+        self._digest = ChainDigest(self.dtype.itemsize, state, pending.astype(self.dtype.newbyteorder("<")).tobytes())
 
     @property
     def tokens(self) -> int:
         """Ids added so far."""
         return self._written + self._buffered
 
+    @property
+    def documents(self) -> int:
+        """Documents added so far."""
+        return self._ends_written + len(self._doc_ends)
+
     def add_document(self, ids: np.ndarray) -> None:
         """Appends one document's ids (an integer array of any integer type; each id below ``vocab_size``)."""
+        ids = np.asarray(ids)
+        self.add_documents(ids, np.array([ids.size if ids.ndim == 1 else 0], dtype=np.int64))
+
+    def add_documents(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Appends documents given as their ids one after the other (a 1-D integer array, each id below
+        ``vocab_size``) and each one's length (``lengths`` sums to ``ids.size``); nothing is kept of a refused
+        call."""
         if self._closed:
             raise StoreError(f"token store {self.path} is closed: no more documents")
-        ids = np.asarray(ids)
+        ids, lengths = np.asarray(ids), np.asarray(lengths)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise StoreError(f"a document is a 1-D array of integer ids, got shape {ids.shape} of {ids.dtype}")
+        if lengths.ndim != 1 or (lengths.size and int(lengths.min()) < 0) or int(lengths.sum()) != ids.size:
+            raise StoreError(f"document lengths {lengths.tolist()[:8]}... do not add up to the {ids.size} ids")
         if ids.size:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.vocab_size:
                 raise StoreError(f"id {hi if hi >= self.vocab_size else lo} is outside the vocabulary of "
                                  f"{self.vocab_size} ids")
+        ends = self.tokens + np.cumsum(lengths, dtype=np.uint64)
         stored = ids.astype(self.dtype.newbyteorder("<"), copy=False)
         self._buffer.append(stored)
         self._buffered += stored.size
-        self._doc_ends.append(self.tokens)
+        self._doc_ends.frombytes(ends.astype("<u8").tobytes())
         if self._buffered >= self._chunk:
             self._flush(whole_chunks=True)
+        if len(self._doc_ends) >= self._chunk:
+            self._flush_ends()
 
     def _flush(self, whole_chunks: bool) -> None:
         data = np.concatenate(self._buffer) if self._buffer else np.zeros(0, self.dtype)
@@ -174,24 +285,37 @@ class StoreWriter:
             start = self._written
             self._tokens = self._tokens.resize(exclusive_max=[start + n], expand_only=True).result()
             self._tokens[start:start + n].write(data[:n]).result()
-            self._hash.update(data[:n].tobytes())
+            self._digest.update(np.ascontiguousarray(data[:n]).data)
             self._written += n
         rest = data[n:]
         self._buffer = [rest] if rest.size else []
         self._buffered = rest.size
 
-    def close(self) -> Manifest:
-        """Flushes the ids and document ends, then writes the manifest (atomically): the store is complete."""
+    def _flush_ends(self) -> None:
+        if not self._doc_ends:
+            return
+        ends = np.frombuffer(self._doc_ends, dtype=np.uint64)
+        start, stop = self._ends_written, self._ends_written + ends.size
+        self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[stop], expand_only=True).result()
+        self._doc_ends_array[start:stop].write(ends).result()
+        self._ends_written = stop
+        self._doc_ends = array.array("Q")
+
+    def commit(self) -> Committed:
+        """Writes every id and document end added so far (a partly filled chunk too, rewritten by later writes) and
+        returns what is now on disk: given back as ``resume``, a writer goes on from exactly here."""
         if self._closed:
             raise StoreError(f"token store {self.path} is closed already")
         self._flush(whole_chunks=False)
-        ends = np.frombuffer(self._doc_ends, dtype=np.uint64) if self._doc_ends else np.zeros(0, np.uint64)
-        if ends.size:
-            self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[ends.size], expand_only=True).result()
-            self._doc_ends_array[0:ends.size].write(ends).result()
+        self._flush_ends()
+        return Committed(tokens=self._written, documents=self._ends_written, chain=self._digest.state.hex())
+
+    def close(self) -> Manifest:
+        """Flushes the ids and document ends, then writes the manifest (atomically): the store is complete."""
+        self.commit()
         manifest = Manifest(format=FORMAT, dtype=dtype_for(self.vocab_size), vocab_size=self.vocab_size,
-                            tokens=self._written, documents=int(ends.size),
-                            digest="sha256:" + self._hash.hexdigest(), tokenizer=self.tokenizer, eos_id=self.eos_id)
+                            tokens=self._written, documents=self._ends_written, digest=self._digest.digest(),
+                            tokenizer=self.tokenizer, eos_id=self.eos_id)
         tmp = self.path / (MANIFEST + ".tmp")
         tmp.write_text(manifest.to_json())
         os.replace(tmp, self.path / MANIFEST)  # the commit marker: readers see a whole store or none
@@ -258,15 +382,18 @@ class TokenStore:
     def verify(self, block: int = 16 * CHUNK_TOKENS) -> None:
         """Reads every id and checks the manifest's digest (and the vocabulary bound); raises StoreError on a
         mismatch. Its cost grows with the store: a check to run on request, never at start-up."""
-        h = hashlib.sha256()
+        if not self.manifest.digest.startswith(DIGEST_SCHEME):
+            raise StoreError(f"token store {self.location}: its digest {self.manifest.digest!r} is not a "
+                             f"{DIGEST_SCHEME!r} digest, the one this dtrain checks")
+        digest = ChainDigest(np.dtype(self.manifest.dtype).itemsize)
         n = self.manifest.tokens
         for start in range(0, n, block):
             ids = self.read(start, min(n, start + block))
             if ids.size and int(ids.max()) >= self.manifest.vocab_size:
                 raise StoreError(f"token store {self.location}: id {int(ids.max())} is outside its vocabulary "
                                  f"of {self.manifest.vocab_size}")
-            h.update(ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes())
-        if "sha256:" + h.hexdigest() != self.manifest.digest:
+            digest.update(np.ascontiguousarray(ids.astype(ids.dtype.newbyteorder("<"), copy=False)).data)
+        if digest.digest() != self.manifest.digest:
             raise StoreError(f"token store {self.location}: its ids do not match the manifest's digest "
                              f"{self.manifest.digest}: the store is damaged")
 
@@ -294,10 +421,11 @@ def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float) -> Manifest
     return manifest
 
 
-def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float) -> Any:
-    # A missing chunk is an error, never a run of zeros: a store's every chunk is written before its manifest.
-    spec = {**_array_spec(kv, name), "fill_missing_data_reads": False}
+def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float, writable: bool = False) -> Any:
+    # A missing chunk is an error, never a run of zeros: a store's every chunk is written before its manifest. (A
+    # writer resuming an interrupted store writes into chunks not there yet: those read as the fill value.)
+    spec = {**_array_spec(kv, name), "fill_missing_data_reads": writable}
     try:
-        return ts.open(spec, open=True, read=True).result(timeout=timeout_s)
+        return ts.open(spec, open=True, read=True, write=writable).result(timeout=timeout_s)
     except (ValueError, TimeoutError) as e:
         raise StoreError(f"token store {where}: its {name.rstrip('/')} array cannot be opened: {e}") from None

@@ -17,7 +17,7 @@ from dtrain.config import Config, ConfigError, load_config, reference_markdown, 
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.logs import LOGGER
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_config(sub)
     _add_plot(sub)
+    _add_tokenize(sub)
     return parser
 
 
@@ -250,6 +251,37 @@ def _add_plot(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
 
 
+def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain tokenize``: a corpus into a token store."""
+    p = _command(sub, "tokenize", "tokenize text, .jsonl(.zst) or .parquet files into a token store (in parallel, "
+                 "resumable)",
+                 "Tokenizes the documents of SRC (files and folders: text files, .jsonl and .jsonl.zst with the text\n"
+                 "in --field, .parquet with a string column --field) into a token store at --out, an end-of-document\n"
+                 "token after each, on every core. Killed and run again with the same arguments, it continues where\n"
+                 "it stopped and writes the same store (docs/data.md#tokenizing-a-corpus).",
+                 "dtrain tokenize data/web/ --tokenizer tokenizer.json --out stores/web")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="a file or a folder (recursed, sorted, hidden files "
+                   "left out); the documents' order, file after file, is the store's")
+    p.add_argument("--out", required=True, metavar="STORE", help="the store's folder (a new one, or an "
+                   "interrupted run's to finish)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", default=None, metavar="FILE",
+                       help="a Hugging Face tokenizer.json (copied into the store), or 'bytes': one id per byte")
+    which.add_argument("--vocab-size", type=int_at_least(257, "ids", "a byte-level BPE needs at least 257 ids"),
+                       default=None, metavar="N", help="no tokenizer given: train a byte-level BPE of N ids on the "
+                       "sources (written into the store)")
+    p.add_argument("--eos", default=None, metavar="TOKEN", help="the end-of-document token of --tokenizer FILE "
+                   "(default: the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>, ... in its vocabulary)")
+    p.add_argument("--field", default="text", metavar="NAME",
+                   help="the document text's field in .jsonl(.zst), column in .parquet (default: text)")
+    p.add_argument("--skip-bad", action="store_true", help="leave out (and count) a file that cannot be read, "
+                   "instead of stopping at it")
+    p.add_argument("--workers", type=process_count, default=os.cpu_count() or 1, metavar="N",
+                   help="processes encoding files (default: every core)")
+    p.add_argument("--overwrite", action="store_true", help="replace a store, or an interrupted run, at --out")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``dtrain ...``: returns the exit status (0; 2 for a usage or config error; 1 for other errors the user can
     fix, each one line on stderr: :mod:`dtrain_cli.entry`)."""
@@ -269,6 +301,10 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import plot
 
         return plot.main(args.run_dir, args.out)
+    if args.command == "tokenize":  # no config either
+        from dtrain_cli import tokenize
+
+        return tokenize.main(args)
     if getattr(args, "host_devices", 0):
         if "jax" in sys.modules:
             raise ConfigError("--host-devices must be set before JAX is imported")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import json
 import shutil
@@ -14,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dtrain.token_store as token_store
 from dtrain.token_store import (
     DOC_ENDS,
     FORMAT,
     MANIFEST,
     TOKENS,
+    ChainDigest,
     StoreError,
     StoreWriter,
     TokenStore,
@@ -59,13 +62,73 @@ def test_the_digest_is_of_the_ids_and_verify_finds_a_changed_chunk(tmp_path: Pat
     docs = _docs(256)
     m1 = _write(tmp_path / "a", docs, 256, chunk=64).close()
     m2 = _write(tmp_path / "b", docs, 256, chunk=1000).close()  # other chunking, the same ids: the same digest
-    assert m1.digest == m2.digest and m1.digest.startswith("sha256:")
+    assert m1.digest == m2.digest and m1.digest.startswith("sha256-chain:")
     # a chunk of store a replaced by the same chunk of a store of other ids: the digest check fails
     other = [d[::-1] for d in docs]
     _write(tmp_path / "c", other, 256, chunk=64).close()
     shutil.copy(tmp_path / "c" / TOKENS / "c" / "0", tmp_path / "a" / TOKENS / "c" / "0")
     with pytest.raises(StoreError, match="do not match the manifest's digest"):
         TokenStore.open(tmp_path / "a").verify()
+
+
+def test_the_digest_is_a_sha256_chain_over_blocks_of_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The definition, spelled out with hashlib: h = 32 zero bytes, then h = sha256(h + block) per block of
+    DIGEST_BLOCK ids (little-endian, the store's dtype; the last block shorter); fed in any pieces, the same."""
+    monkeypatch.setattr(token_store, "DIGEST_BLOCK", 10)
+    ids = np.arange(37, dtype="<u2")
+    h = bytes(32)
+    for start in range(0, ids.size, 10):
+        h = hashlib.sha256(h + ids[start:start + 10].tobytes()).digest()
+    for pieces in ([37], [3, 7, 10, 17], [20, 17], [1] * 37):
+        d = ChainDigest(2)
+        for piece in np.split(ids, np.cumsum(pieces)[:-1]):
+            d.update(piece.tobytes())
+        assert d.digest() == "sha256-chain:" + h.hex()
+    assert ChainDigest(2).digest() == "sha256-chain:" + bytes(32).hex()  # no ids: no link
+
+
+@pytest.mark.parametrize("extra", [0, 1, 150])
+def test_a_writer_resumes_from_its_commit_to_the_same_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           extra: int) -> None:
+    """Interrupted after a commit (and after writing ``extra`` more ids it never committed), a writer given the
+    commit goes on to the store an uninterrupted one writes: the same ids, document ends and digest."""
+    monkeypatch.setattr(token_store, "DIGEST_BLOCK", 50)  # commits fall inside a digest block and across them
+    docs = _docs(1000, n_docs=12)
+    whole = _write(tmp_path / "whole", docs, 1000).close()
+    first = _write(tmp_path / "s", docs[:5], 1000)
+    at = first.commit()
+    assert (at.tokens, at.documents) == (sum(d.size for d in docs[:5]), 5)
+    first.add_document(np.arange(extra) % 1000)
+    first.commit()  # written past what the journal will say, then killed
+    again = StoreWriter(tmp_path / "s", 1000, resume=at)
+    assert (again.tokens, again.documents) == (at.tokens, at.documents)
+    for d in docs[5:]:
+        again.add_document(d)
+    assert again.close() == whole
+    store = TokenStore.open(tmp_path / "s")
+    assert np.array_equal(store.read(0, len(store)), np.concatenate(docs))
+    assert np.array_equal(store.doc_ends(), np.cumsum([d.size for d in docs]))
+    store.verify()
+
+
+def test_a_resume_that_does_not_fit_the_store_is_refused(tmp_path: Path) -> None:
+    w = _write(tmp_path / "s", _docs(256, n_docs=2), 256)
+    at = w.commit()
+    with pytest.raises(StoreError, match="fewer than the"):
+        StoreWriter(tmp_path / "s", 256, resume=token_store.Committed(at.tokens + 1, at.documents, at.chain))
+    with pytest.raises(StoreError, match="begun with another tokenizer"):
+        StoreWriter(tmp_path / "s", 100_000, resume=at)
+
+
+def test_many_documents_at_once_are_many_documents(tmp_path: Path) -> None:
+    w = StoreWriter(tmp_path / "s", 300, chunk_tokens=4)
+    w.add_documents(np.arange(10), np.array([3, 0, 7]))
+    w.add_document(np.array([299]))
+    with pytest.raises(StoreError, match="do not add up"):
+        w.add_documents(np.arange(4), np.array([1, 2]))
+    w.close()
+    store = TokenStore.open(tmp_path / "s")
+    assert store.doc_ends().tolist() == [3, 3, 10, 11] and store.read(9, 11).tolist() == [9, 299]
 
 
 def test_opening_reads_the_manifest_and_metadata_only(tmp_path: Path) -> None:
