@@ -149,22 +149,17 @@ def _cache_key(plan: _Plan, limit: int) -> str:
 
 
 def _write_bytes_store(files: list[Path], out: Path, limit: int) -> None:
-    """Byte-tokenized documents (each non-empty file's bytes, then b"\\n") into a store, at most ``limit`` ids."""
-    writer = StoreWriter(out, vocab_size=256, tokenizer="bytes", eos_id=10)
-    for path in files:
-        try:
-            blob = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot read: {e.strerror}") from None
-        if not blob:
-            continue  # an empty file adds nothing, not even the separator
-        ids = np.frombuffer(blob + b"\n", np.uint8)
-        if limit:
-            ids = ids[: limit - writer.tokens]
-        writer.add_document(ids)
-        if limit and writer.tokens >= limit:
-            break
-    writer.close()
+    """The byte tokenizer's store of ``files`` (each non-empty file's bytes, then b"\\n"), at most ``limit`` ids:
+    ``dtrain tokenize`` with ``--tokenizer bytes``, every file read as text, in this process (reading bytes needs
+    no pool), its progress shown as a status line."""
+    from dtrain.tokenize import ProgressLine, tokenize
+    from dtrain.tokenizer import ByteTokenizer
+
+    progress = ProgressLine(quiet=False)
+    try:
+        tokenize(files, out, ByteTokenizer(), limit=limit, plain_text=True, progress=progress, workers=1)
+    finally:
+        progress.end()
 
 
 def _bin_ids(path: Path) -> np.ndarray:

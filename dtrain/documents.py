@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dtrain.data import DataError
+from dtrain.token_store import DataError
 
 Kind = Literal["text", "jsonl", "jsonl.zst", "parquet"]
 PARQUET_BATCH_ROWS = 4096  # rows of a parquet file read at a time

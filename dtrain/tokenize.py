@@ -36,9 +36,9 @@ from typing import Annotated, NamedTuple
 import numpy as np
 
 from dtrain import schema
-from dtrain.data import DataError
 from dtrain.documents import SourceFile, enumerate_sources, fingerprint, read_documents
-from dtrain.token_store import MANIFEST, Committed, Manifest, StoreError, StoreWriter, dtype_for
+from dtrain.runlog import STATUS_DONE, STATUS_END, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, fmt_bytes, fmt_rate
+from dtrain.token_store import MANIFEST, Committed, DataError, Manifest, StoreError, StoreWriter, dtype_for
 from dtrain.tokenizer import STORE_TOKENIZER_FILE, HFTokenizer, Tokenizer, from_spec, train_bpe
 
 JOURNAL = "tokenize.journal.json"
@@ -46,6 +46,9 @@ JOURNAL_FORMAT = "dtrain-tokenize-journal/1"
 COMMIT_EVERY_S = 10.0  # the most work (in seconds) a killed run does again
 POOL_MIN_BYTES = 1 << 20  # less than this to read: no process pool (starting one costs more)
 ENCODE_BATCH_CHARS = 8 << 20  # a worker encodes a file's documents this many characters at a time
+
+PLAIN_EVERY_S = 10.0  # in a pipe: a progress line at most this often
+REDRAW_S = 0.25  # on a terminal: the status line at most this often
 
 log = logging.getLogger("dtrain.data")
 
@@ -347,3 +350,38 @@ def _encode_batch(tokenizer: Tokenizer, batch: list[str | bytes], dtype: np.dtyp
     batch_ids, batch_lengths = tokenizer.encode_documents(batch)
     ids.append(batch_ids.astype(dtype, copy=False))
     lengths.append(batch_lengths)
+
+
+class ProgressLine:
+    """The progress callback of :func:`tokenize` as status records on the ``dtrain.tokenize`` logger
+    (:mod:`dtrain.runlog`'s attributes, which the command line shows as a live or a plain line); :meth:`end` makes
+    the last one final. ``quiet``: none."""
+
+    def __init__(self, quiet: bool):
+        self.log = logging.getLogger("dtrain.tokenize")
+        self.quiet, self.t0, self.shown = quiet, time.monotonic(), -1.0
+        self.last: tuple[str, int, int] | None = None
+        self.start: tuple[int, int] | None = None  # bytes and tokens at the first call (a resumed run's are not 0)
+
+    def __call__(self, done: int, total: int, documents: int, tokens: int, files: int, files_total: int) -> None:
+        now = time.monotonic()
+        if self.start is None:  # rates count from the first file of this run (a resumed run's first)
+            self.start = (0, 0) if files <= 1 else (done, tokens)
+        elapsed = max(now - self.t0, 1e-9)
+        rate = (done - self.start[0]) / elapsed
+        eta = f"{(total - done) / rate:.0f}s" if rate > 0 and done < total else "-"
+        line = (f"tokenize: {fmt_bytes(done)}/{fmt_bytes(total)} {documents:,} docs {tokens:,} tokens "
+                f"tok/s {fmt_rate((tokens - self.start[1]) / elapsed)} files {files}/{files_total} ETA {eta}")
+        self.last = line, done, total
+        if now - self.shown >= REDRAW_S or files == files_total:
+            self.shown = now
+            self._emit(line, done, total, end=False)
+
+    def _emit(self, line: str, done: int, total: int, end: bool) -> None:
+        if not self.quiet:
+            self.log.info(line, extra={STATUS_KEY: "tokenize", STATUS_DONE: done, STATUS_TOTAL: total,
+                                       STATUS_EVERY_S: PLAIN_EVERY_S, STATUS_END: end})
+
+    def end(self) -> None:
+        if self.last is not None:
+            self._emit(*self.last, end=True)

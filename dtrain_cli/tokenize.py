@@ -3,8 +3,8 @@
 The tokenizer is a tokenizer.json (``--tokenizer FILE``, its end-of-document token from ``--eos`` or found by
 name), the byte tokenizer (``--tokenizer bytes``), or a byte-level BPE of ``--vocab-size`` ids trained on the
 sources. Progress is a status line on the ``dtrain.tokenize`` logger (bytes, documents, tokens/s, ETA: redrawn
-on a terminal, a plain line every :data:`PLAIN_EVERY_S` seconds in a pipe); the command ends with one summary
-line on stdout.
+on a terminal, a plain line every :data:`dtrain.tokenize.PLAIN_EVERY_S` seconds in a pipe); the command ends with
+one summary line on stdout.
 """
 
 from __future__ import annotations
@@ -16,57 +16,12 @@ import time
 from collections.abc import Callable
 
 from dtrain.config import ConfigError
-from dtrain.runlog import (
-    STATUS_DONE,
-    STATUS_END,
-    STATUS_EVERY_S,
-    STATUS_KEY,
-    STATUS_TOTAL,
-    fmt_bytes,
-    fmt_rate,
-)
-from dtrain.tokenize import COMMIT_EVERY_S, Journal, check_out, tokenize, trained_or_resumed
+from dtrain.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
 from dtrain.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer
-PLAIN_EVERY_S = 10.0  # in a pipe: a progress line at most this often
-REDRAW_S = 0.25  # on a terminal: the status line at most this often
 # A test's hook: commit after every file and exit abruptly (status 137, as SIGKILL) once this many are committed.
 TEST_EXIT_AFTER_FILES = "DTRAIN_TOKENIZE_TEST_EXIT_AFTER_FILES"
-
-
-class ProgressLine:
-    """The progress callback of :func:`dtrain.tokenize.tokenize` as status records (:mod:`dtrain.runlog`'s
-    attributes, which :mod:`dtrain_cli.logs` shows); :meth:`end` makes the last one final."""
-
-    def __init__(self, quiet: bool):
-        self.log = logging.getLogger("dtrain.tokenize")  # the command line's own logger, under dtrain
-        self.quiet, self.t0, self.shown = quiet, time.monotonic(), -1.0
-        self.last: tuple[str, int, int] | None = None
-        self.start: tuple[int, int] | None = None  # bytes and tokens at the first call (a resumed run's are not 0)
-
-    def __call__(self, done: int, total: int, documents: int, tokens: int, files: int, files_total: int) -> None:
-        now = time.monotonic()
-        if self.start is None:  # rates count from the first file of this run (a resumed run's first)
-            self.start = (0, 0) if files <= 1 else (done, tokens)
-        elapsed = max(now - self.t0, 1e-9)
-        rate = (done - self.start[0]) / elapsed
-        eta = f"{(total - done) / rate:.0f}s" if rate > 0 and done < total else "-"
-        line = (f"tokenize: {fmt_bytes(done)}/{fmt_bytes(total)} {documents:,} docs {tokens:,} tokens "
-                f"tok/s {fmt_rate((tokens - self.start[1]) / elapsed)} files {files}/{files_total} ETA {eta}")
-        self.last = line, done, total
-        if now - self.shown >= REDRAW_S or files == files_total:
-            self.shown = now
-            self._emit(line, done, total, end=False)
-
-    def _emit(self, line: str, done: int, total: int, end: bool) -> None:
-        if not self.quiet:
-            self.log.info(line, extra={STATUS_KEY: "tokenize", STATUS_DONE: done, STATUS_TOTAL: total,
-                                       STATUS_EVERY_S: PLAIN_EVERY_S, STATUS_END: end})
-
-    def end(self) -> None:
-        if self.last is not None:
-            self._emit(*self.last, end=True)
 
 
 def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:

@@ -16,7 +16,7 @@ import pytest
 import zstandard
 
 import dtrain.tokenize as tokenize_module
-from dtrain.data import DataError, _read_bytes, builtin_files
+from dtrain.data import DataError, builtin_files
 from dtrain.documents import enumerate_sources
 from dtrain.token_store import MANIFEST, StoreError, TokenStore
 from dtrain.tokenize import JOURNAL, tokenize
@@ -127,13 +127,14 @@ def test_a_tokenizer_without_a_known_eos_must_be_told_one(tmp_path: Path, bpe: H
 
 
 @pytest.mark.parametrize("limit", [0, 1, 5_000, 12_345, 10**9])
-def test_the_byte_tokenizer_reads_exactly_what_read_bytes_reads(tmp_path: Path, limit: int) -> None:
-    """What the lead's first use of a text source relies on: the same ids as dtrain.data._read_bytes, the limit
-    cutting the last document exactly."""
+def test_the_byte_tokenizer_reads_each_file_then_a_newline_cut_at_the_limit(tmp_path: Path, limit: int) -> None:
+    """What a text source's first use (dtrain.data) relies on: each non-empty file's bytes and b"\\n", in order,
+    the limit cutting the last document exactly (the ids the in-memory reader before token stores produced)."""
     files = builtin_files()[:40]
     manifest, _ = tokenize(files, tmp_path / "s", ByteTokenizer(), limit=limit, plain_text=True, workers=1)
     store = TokenStore.open(tmp_path / "s")
-    assert np.array_equal(_ids(store), _read_bytes(files, limit))
+    expected = b"".join(f.read_bytes() + b"\n" for f in files if f.stat().st_size)
+    assert _ids(store).astype(np.uint8).tobytes() == (expected[:limit] if limit else expected)
     assert (manifest.tokenizer, manifest.vocab_size, manifest.eos_id) == ("bytes", 256, 10)
     ends = store.doc_ends()
     assert ends[-1] == len(store) and np.all(np.diff(ends) > 0)
