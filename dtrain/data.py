@@ -46,6 +46,7 @@ __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStre
 
 SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
+EVAL_SPAN_CHUNKS = 8  # the eval windows are spread over at most this many stored chunks of the held-out split
 CACHE_FORMAT = 1  # bump when the conversion of a source into a store changes
 
 log = logging.getLogger("dtrain.data")
@@ -427,8 +428,12 @@ def island_shards(corpus: Corpus, train: Span, islands: int, seq_len: int, seed:
 
 
 def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, n_batches: int) -> np.ndarray:
-    """Fixed eval batches ``[n_batches, batch_size, seq_len + 1]`` spread evenly over the held-out span, read as
-    one range per stored chunk they touch (their count, not the corpus's size, sets the cost)."""
+    """Fixed eval batches ``[n_batches, batch_size, seq_len + 1]`` spread evenly over the start of the held-out
+    span, at most :data:`EVAL_SPAN_CHUNKS` stored chunks of it, read as one range per chunk they touch: the cost
+    is bounded whatever the corpus's size (a store's documents are in no particular order, so millions of
+    held-out ids are as good a sample as billions)."""
+    chunk = corpus.store.chunk_tokens
+    held_out = Span(held_out.start, min(held_out.stop, held_out.start + EVAL_SPAN_CHUNKS * chunk))
     n_windows = (len(held_out) - 1) // seq_len
     if n_windows < 1:
         raise DataError(f"eval split of {len(held_out)} tokens holds no window of {seq_len + 1}; "
@@ -437,7 +442,6 @@ def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, 
     ids = np.linspace(0, n_windows - 1, num=want).round().astype(np.int64) if want <= n_windows \
         else np.arange(want) % n_windows
     starts = held_out.start + ids * seq_len
-    chunk = corpus.store.chunk_tokens
     out = np.empty((want, seq_len + 1), np.int32)
     unique = np.unique(starts)
     runs = np.split(unique, np.flatnonzero(np.diff(unique // chunk)) + 1)  # the windows starting in each chunk
