@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NamedTuple
@@ -302,7 +303,13 @@ def _encoded(files: Sequence[SourceFile], tokenizer: Tokenizer, field: str,
             if len(queue) >= 2 * workers:
                 break
         while queue:
-            encoded = queue.popleft().result()
+            head = queue.popleft()
+            try:
+                encoded = head.result()
+            except BrokenProcessPool:
+                raise DataError(f"a tokenizer worker process died (out of memory, or killed) while encoding "
+                                f"{len(files)} files; what was committed is kept: run again with fewer --workers "
+                                "to continue") from None
             nxt = next(upcoming, None)
             if nxt is not None:
                 queue.append(pool.submit(_encode_task, str(nxt.path), nxt.kind, nxt.size, field))

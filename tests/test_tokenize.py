@@ -293,3 +293,30 @@ def test_bad_input_through_the_command_line_is_one_line(tmp_path: Path, bpe: HFT
     assert "2 files, 1 skipped" in skipped.stdout and f"skipping {bad['json'][0]}: line 2" in skipped.stderr
     again = _cli(str(good), "--tokenizer", "bytes", "--out", str(tmp_path / "out"))
     assert again.returncode == 1 and "exists already" in again.stderr and len(again.stderr.splitlines()) == 1
+
+
+def test_a_worker_process_that_dies_is_one_error_naming_what_to_do(tmp_path: Path, bpe: HFTokenizer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool worker killed (the OOM killer) breaks the pool: a DataError saying what happened and how to go on,
+    the files committed before it kept."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    class DeadPool:  # what ProcessPoolExecutor's futures raise once one of its processes was killed
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def submit(self, *args: object) -> Future[object]:
+            f: Future[object] = Future()
+            f.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+            return f
+
+        def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+            pass
+
+    monkeypatch.setattr(tokenize_module, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(tokenize_module, "ProcessPoolExecutor", DeadPool)
+    with pytest.raises(DataError, match=r"a tokenizer worker process died .* fewer --workers"):
+        tokenize([_corpus(tmp_path / "c")], tmp_path / "s", bpe, workers=2)
+    with pytest.raises(StoreError, match="not complete"):
+        TokenStore.open(tmp_path / "s")
