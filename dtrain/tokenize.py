@@ -50,6 +50,7 @@ ENCODE_BATCH_CHARS = 8 << 20  # a worker encodes a file's documents this many ch
 
 PLAIN_EVERY_S = 10.0  # in a pipe: a progress line at most this often
 REDRAW_S = 0.25  # on a terminal: the status line at most this often
+FIRST_LINE_S = 1.0  # no progress line before this (a quick job: its start and end lines only)
 
 log = logging.getLogger("dtrain.data")
 
@@ -224,8 +225,9 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
     files_done, bytes_done, skipped, done_chain = first, state.bytes_done, list(state.skipped), state.done
     total_bytes = sum(f.size for f in files)
     workers = max(1, os.cpu_count() or 1) if workers is None else workers
-    log.info("tokenizing %d files (%s bytes) into %s with %s, %d worker%s", len(files) - first,
-             f"{total_bytes - bytes_done:,}", out, tokenizer.name, workers, "" if workers == 1 else "s")
+    log.info("tokenizing %d files (%s bytes%s) into %s with %s, %d worker%s", len(files) - first,
+             f"{total_bytes - bytes_done:,}", f", up to {limit:,} ids" if limit else "", out, tokenizer.name, workers,
+             "" if workers == 1 else "s")
     last_commit = time.monotonic()
     done = bool(limit) and writer.tokens >= limit
     results: Generator[Encoded, None, None] = _encoded([] if done else files[first:], tokenizer, field, workers)
@@ -380,7 +382,7 @@ class ProgressLine:
         line = (f"tokenize: {fmt_bytes(done)}/{fmt_bytes(total)} {documents:,} docs {tokens:,} tokens "
                 f"tok/s {fmt_rate((tokens - self.start[1]) / elapsed)} files {files}/{files_total} ETA {eta}")
         self.last = line, done, total
-        if now - self.shown >= REDRAW_S or files == files_total:
+        if (now - self.t0 >= FIRST_LINE_S and now - self.shown >= REDRAW_S) or files == files_total:
             self.shown = now
             self._emit(line, done, total, end=False)
 
