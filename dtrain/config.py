@@ -74,6 +74,9 @@ class DataConfig:
                      "a folder of text files, or a .bin uint16 token shard / folder of shards: these become a "
                      "byte-tokenized store under data.cache on first use")
     max_bytes: int = _f(8_000_000, "use at most this many tokens of the source, from its start (0: all of it)")
+    tokenizer: str = _f("bytes", "how a text source (builtin, text files) becomes a store: 'bytes' (one id per byte, "
+                        "vocabulary 256), 'bpe:N' (a byte-level BPE of N ids trained on the source, written into "
+                        "the store), or a tokenizer.json path; set model.vocab_size to cover it")
     cache: str = _f("", "where non-store sources become token stores (default: OUT_DIR/data-cache, shared by the "
                     "runs there); a store is reused while its source files are unchanged")
     eval_fraction: float = _f(0.05, "tail fraction of the corpus held out for eval loss")
@@ -340,6 +343,10 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
     t, o, d = cfg.train, cfg.outer, cfg.data
     if not 0.0 < d.eval_fraction < 0.5:
         fail("data", "eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}")
+    if not (d.tokenizer == "bytes" or (d.tokenizer.startswith("bpe:") and d.tokenizer[4:].isdigit()
+                                       and int(d.tokenizer[4:]) >= 257) or d.tokenizer.endswith(".json")):
+        fail("data", "tokenizer", f"must be 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path, got "
+             f"{d.tokenizer!r}")
     if not d.read_timeout_s > 0:
         fail("data", "read_timeout_s", f"must be > 0, got {d.read_timeout_s}")
     if not t.lr > 0:

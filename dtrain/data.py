@@ -4,7 +4,8 @@ Every corpus is read through one reader: a token store (``dtrain.token_store``).
 (a folder holding ``manifest.json``, or a ``file://``, ``gs://``, ``s3://`` or ``http(s)://`` URL), or a source
 that becomes a store on first use (:func:`store_location`): ``builtin``, a text file or folder of text files
 (the byte tokenizer), or nanoGPT-style uint16 ``.bin`` shards; the store is cached under ``data.cache``
-(default ``OUT_DIR/data-cache``), keyed by what it was made from.
+(default ``OUT_DIR/data-cache``), keyed by what it was made from (``data.tokenizer``: the byte tokenizer by
+default, a BPE trained on the source, or a tokenizer.json).
 
 The first ``data.max_bytes`` ids of the store are used (0: all). Their tail (``eval_fraction``) is held out for
 eval; the rest is cut into one contiguous, disjoint shard per island. A shard is read as windows of
@@ -48,6 +49,7 @@ SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are 
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
 EVAL_SPAN_CHUNKS = 8  # the eval windows are spread over at most this many stored chunks of the held-out split
 CACHE_FORMAT = 1  # bump when the conversion of a source into a store changes
+BPE_TRAIN_BYTES = 8 << 20  # data.tokenizer = "bpe:N": the BPE is trained on this much of the source's text
 
 log = logging.getLogger("dtrain.data")
 
@@ -137,28 +139,49 @@ def _plan(source: str) -> _Plan:
     return _Plan("text", [path], f"text file {path}")
 
 
-def _cache_key(plan: _Plan, limit: int) -> str:
+def _cache_key(plan: _Plan, limit: int, tokenizer: str) -> str:
     stats = []
-    for p in plan.files:
+    tokenizer_file = [] if tokenizer == "bytes" or tokenizer.startswith("bpe:") or plan.kind == "bin" \
+        else [Path(tokenizer).expanduser()]
+    for p in [*plan.files, *tokenizer_file]:
         try:
             st = p.stat()
         except OSError as e:
             raise DataError(f"{p}: cannot read: {e.strerror}") from None
         stats.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"format": CACHE_FORMAT, "kind": plan.kind, "files": stats, "limit": limit}).encode()
+    blob = json.dumps({"format": CACHE_FORMAT, "kind": plan.kind, "files": stats, "limit": limit,
+                       "tokenizer": "" if plan.kind == "bin" else tokenizer}).encode()
     return f"{plan.kind}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
-def _write_bytes_store(files: list[Path], out: Path, limit: int) -> None:
-    """The byte tokenizer's store of ``files`` (each non-empty file's bytes, then b"\\n"), at most ``limit`` ids:
-    ``dtrain tokenize`` with ``--tokenizer bytes``, every file read as text, in this process (reading bytes needs
-    no pool), its progress shown as a status line."""
-    from dtrain.tokenize import ProgressLine, tokenize
-    from dtrain.tokenizer import ByteTokenizer
+def _source_tokenizer(spec: str, plan: _Plan) -> tuple[Any, int]:
+    """``data.tokenizer`` for a text source: the tokenizer, and the vocabulary size of a BPE trained here (0)."""
+    from dtrain.documents import enumerate_sources
+    from dtrain.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
+    if spec == "bytes":
+        return ByteTokenizer(), 0
+    if spec.startswith("bpe:"):
+        n = int(spec[4:])
+        log.info("training a byte-level BPE of %d ids on the first %d MB of %s", n, BPE_TRAIN_BYTES >> 20,
+                 plan.description)
+        files = enumerate_sources(plan.files, plain_text=True)
+        return train_bpe(files, n, skip_bad=plan.kind == "builtin", max_bytes=BPE_TRAIN_BYTES), n
+    return HFTokenizer.from_file(spec), 0
+
+
+def _write_text_store(plan: _Plan, out: Path, limit: int, tokenizer_spec: str) -> None:
+    """The store of a text source's files (each file one document), at most ``limit`` ids, with the tokenizer
+    ``data.tokenizer`` names: ``dtrain tokenize`` with every file read as text, in this process (no pool to
+    start from inside an island), its progress a status line. The built-in corpus's few files that are not UTF-8
+    on purpose (test data) are left out by a BPE, not by the byte tokenizer."""
+    from dtrain.tokenize import ProgressLine, tokenize
+
+    tokenizer, trained = _source_tokenizer(tokenizer_spec, plan)
     progress = ProgressLine(quiet=False)
     try:
-        tokenize(files, out, ByteTokenizer(), limit=limit, plain_text=True, progress=progress, workers=1)
+        tokenize(plan.files, out, tokenizer, limit=limit, plain_text=True, progress=progress, workers=1,
+                 skip_bad=plan.kind == "builtin", trained_vocab_size=trained)
     finally:
         progress.end()
 
@@ -208,10 +231,11 @@ def store_location(cfg: DataConfig, cache: Path) -> str:
     if _is_url(source) or (source != "builtin" and _is_store_folder(Path(source).expanduser())):
         return source
     plan = _plan(source)
-    dest = cache / _cache_key(plan, cfg.max_bytes)
+    dest = cache / _cache_key(plan, cfg.max_bytes, cfg.tokenizer)
     if (dest / MANIFEST).exists():
         return str(dest)
-    log.info("tokenizing %s into the token store %s (bytes, first use)", plan.description, dest)
+    log.info("tokenizing %s into the token store %s (%s, first use)", plan.description, dest,
+             "pre-tokenized" if plan.kind == "bin" else cfg.tokenizer)
     t0 = time.perf_counter()
     tmp = cache / f".{dest.name}.{os.getpid()}.{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -219,7 +243,7 @@ def store_location(cfg: DataConfig, cache: Path) -> str:
         if plan.kind == "bin":
             _write_bin_store(plan.files, tmp, cfg.max_bytes)
         else:
-            _write_bytes_store(plan.files, tmp, cfg.max_bytes)
+            _write_text_store(plan, tmp, cfg.max_bytes, cfg.tokenizer)
         try:
             os.rename(tmp, dest)  # whole or absent: a process making the same store at once loses the race
         except OSError:

@@ -427,3 +427,28 @@ def test_cached_store_reused_until_the_source_changes(tmp_path: Path):
     assert second != first
     assert _text(open_corpus(DataConfig(source=str(text), max_bytes=0), 256, cache)) == b"something else entirely\n"
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no half-made store left behind
+
+
+def test_a_text_source_with_a_trained_bpe_or_a_given_tokenizer(tmp_path: Path):
+    from tokenizers import Tokenizer
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20 for i in range(30)]
+    for i, t in enumerate(texts):
+        (d / f"{i:02}.py").write_text(t)
+    bpe = open_corpus(DataConfig(source=str(d), max_bytes=0, tokenizer="bpe:300"), 300, tmp_path / "cache")
+    m = bpe.store.manifest
+    assert (m.tokenizer, m.vocab_size, m.documents) == ("tokenizer.json", 300, 30)
+    saved = Path(bpe.store.location) / "tokenizer.json"
+    tok = Tokenizer.from_file(str(saved))
+    ends = bpe.store.doc_ends()
+    first = _all(bpe)[: int(ends[0])]
+    assert first[-1] == m.eos_id and tok.decode(first[:-1].tolist()) == texts[0]  # each document, then its eos
+    assert len(bpe) < len("".join(texts))  # merges: fewer ids than bytes
+    # the same tokenizer, given as a file: the same ids, a store of its own (the cache key names the tokenizer)
+    given = open_corpus(DataConfig(source=str(d), max_bytes=0, tokenizer=str(saved)), 300, tmp_path / "cache")
+    assert given.store.location != bpe.store.location
+    np.testing.assert_array_equal(_all(given), _all(bpe))
+    with pytest.raises(DataError, match="vocabulary has 300 ids"):
+        open_corpus(DataConfig(source=str(d), max_bytes=0, tokenizer="bpe:300"), 256, tmp_path / "cache")
