@@ -272,9 +272,10 @@ class Config:
     def fingerprint_fields(self) -> dict[str, str]:
         """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
-        train the same model)."""
-        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items()
-                  if k not in COMPUTE_ONLY_MODEL_FIELDS}
+        train the same model; nor, for another kind, the llama-only fields, held at their defaults: a GPT's
+        fingerprint is what it was before the llama came)."""
+        skip = COMPUTE_ONLY_MODEL_FIELDS + (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         return fields
 

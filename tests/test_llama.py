@@ -259,3 +259,16 @@ def test_codec_and_checkpoint_round_trip(tmp_path: Path) -> None:
     ckpt.close()
     assert step == 3 and meta["note"] == "llama"
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), params)
+
+
+def test_the_llama_fields_are_in_the_fingerprint_and_only_the_llamas() -> None:
+    base = _cfg()
+    fields = base.fingerprint_fields()
+    assert {"model.n_kv_heads", "model.mlp_hidden", "model.rope_theta", "model.norm_eps",
+            "model.tie_embeddings"} <= set(fields)
+    for change in ("model.n_kv_heads=4", "model.mlp_hidden=64", "model.rope_theta=500000.0", "model.norm_eps=1e-6",
+                   "model.tie_embeddings=true"):
+        assert _cfg(change).fingerprint() != base.fingerprint(), change
+    assert _cfg("model.attention=einsum", "model.remat=true").fingerprint() == base.fingerprint()
+    gpt = load_config(CONFIG_DIR / "tiny.toml")  # another kind: the fields are held at their defaults, left out
+    assert not any(k in gpt.fingerprint_fields() for k in ("model.n_kv_heads", "model.rope_theta"))
