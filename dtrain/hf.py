@@ -324,3 +324,23 @@ def read_vector(cfg: ModelConfig, spec: Spec, folder: str | Path, out: np.ndarra
         name = "transformer.wte.weight" if tied and t.name == "lm_head.weight" else t.name
         value = where[name].read(name)
         leaves[t.path][...] = value.T if t.transpose else value
+
+
+def spec_of(abstract_params: Any) -> Spec:
+    """The spec of a model's parameter tree from its shapes alone (``BuiltModel.abstract_params``; imports JAX)."""
+    import jax
+
+    from dtrain.codec.spec import flatten
+
+    return flatten(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_params))[0]
+
+
+def load_params(cfg: ModelConfig, abstract_params: Any) -> dict[Any, Any]:
+    """``model.init_from``'s folder as the model's parameter tree (host float32 arrays), checked first
+    (:func:`read_vector`); for ``dtrain train`` and ``simulate --inprocess``, whose θ_0 is made in-process."""
+    from dtrain.codec.spec import unflatten
+
+    spec = spec_of(abstract_params)
+    vec = np.empty(sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in spec), np.float32)
+    read_vector(cfg, spec, cfg.init_from, vec)
+    return unflatten(spec, vec)
