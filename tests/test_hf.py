@@ -165,6 +165,24 @@ def test_export_cli_writes_the_folder_without_jax(tmp_path):
     assert back.tobytes() == vec.tobytes()
 
 
+def test_export_copies_the_stores_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    store = tmp_path / "store"
+    store.mkdir()
+    vocab = {"</s>": 0, "[UNK]": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(store / "tokenizer.json"))
+    (store / "manifest.json").write_text(json.dumps({"tokenizer": "tokenizer.json", "eos_id": 0}))
+    _, _, _, run = _run_folder(tmp_path, "llama-tiny", f"data.source={store}")
+    done = _dtrain("export", str(run), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 0
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert loaded.eos_token == "</s>" and loaded("hello world")["input_ids"] == [2, 3]
+
+
 @pytest.mark.parametrize("case", ["version", "kind", "out", "no-run"])
 def test_export_cli_bad_input_is_one_line(tmp_path, case):
     config, overrides, args = "llama-tiny", (), ["--out", str(tmp_path / "out")]
@@ -215,3 +233,19 @@ def test_init_from_bad_folder_is_one_line(tmp_path, case):
     assert {"no-safetensors": "(found pytorch_model.bin: convert them to safetensors)",
             "wrong-shape": "model.layers.0.mlp.gate_proj.weight is [64, 32], the config wants [96, 32]"}[case] \
         in lines[0]
+
+
+@pytest.mark.slow
+def test_export_of_a_finished_run_loads_and_generates(tmp_path):
+    """A real (one-island, four-step) `dtrain simulate` run, exported: transformers loads it and generates."""
+    run = _dtrain("simulate", "--config", "llama-tiny", "--islands", "1", "--quiet", "--set",
+                  f"run.out_dir={tmp_path}", "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set",
+                  "outer.inner_steps=2", "--set", "train.steps_per_call=2", "--set", "worker.heartbeat_s=0.5",
+                  "--set", "data.max_bytes=50000")
+    assert run.returncode == 0, run.stderr
+    done = _dtrain("export", str(tmp_path / "llama-tiny"), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0 and "version 2 of" in done.stdout, done.stderr
+    m = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    prompt = torch.tensor([list(b"def ")], dtype=torch.long)
+    out = m.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 9) and out[0, :4].tolist() == list(b"def ")
