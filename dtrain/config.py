@@ -78,6 +78,11 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon; the other kinds reject a value other than the default")
     tie_embeddings: bool = _f(False, "llama: the head is the token table (logits = x @ embedding.T, no head "
                               "parameter); the other kinds reject a value other than the default")
+    init_from: str = _f("", "a Hugging Face model folder (safetensors weights) whose tensors are θ_0 instead of "
+                        "run.seed's initialization: llama from LlamaForCausalLM, gpt from GPT2LMHeadModel, every "
+                        "name and shape checked against this [model] first (docs/models.md); read where θ_0 is made "
+                        "(the coordinator; dtrain train and simulate --inprocess), not by islands, which receive "
+                        "θ_0 from the coordinator: not in the fingerprint")
 
 
 @dataclass(frozen=True)
@@ -275,9 +280,10 @@ class Config:
     def fingerprint_fields(self) -> dict[str, str]:
         """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
-        train the same model; nor, for another kind, the llama-only fields, held at their defaults: a GPT's
-        fingerprint is what it was before the llama came)."""
-        skip = COMPUTE_ONLY_MODEL_FIELDS + (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
+        train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
+        llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
+        skip = COMPUTE_ONLY_MODEL_FIELDS + THETA0_ONLY_MODEL_FIELDS + \
+            (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
         fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         return fields
@@ -289,6 +295,8 @@ class Config:
 
 
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
+# [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
+THETA0_ONLY_MODEL_FIELDS = ("init_from",)
 LLAMA_ONLY_MODEL_FIELDS = ("n_kv_heads", "mlp_hidden", "rope_theta", "norm_eps", "tie_embeddings")
 MAX_VOCAB_SIZE = 1 << 31  # ids reach the model as int32 (token stores hold uint16 or uint32 ids)
 
@@ -353,6 +361,8 @@ def _check_model(cfg: Config, fail: _Fail) -> None:
                  f"{m.d_model // m.n_heads}")
     if m.vocab_size > MAX_VOCAB_SIZE:
         fail("model", "vocab_size", f"token ids are int32, so at most {MAX_VOCAB_SIZE}, got {m.vocab_size}")
+    if m.init_from and m.kind not in ("llama", "gpt"):
+        fail("model", "init_from", f"a Hugging Face folder holds a llama or a gpt, not a {m.kind}")
     _check_llama(cfg, fail)
 
 
