@@ -31,7 +31,7 @@ def main(run_dir: str, version: int | None, out: str, shard_bytes: int) -> int:
     try:
         hf.mapping(model, spec)  # a kind without a counterpart: refused before anything is read
         version, path = theta_file(run_dir, spec, version)
-        vocab, eos_id, note = _tokenizer(data)
+        vocab, eos_id, note = _tokenizer(data, Path(run_dir))
         theta = np.memmap(path, "<f4", mode="r")
         files = hf.export_folder(model, spec, theta, target, shard_bytes=shard_bytes, eos_id=eos_id)
     except hf.HFError as e:
@@ -48,15 +48,24 @@ def main(run_dir: str, version: int | None, out: str, shard_bytes: int) -> int:
     return 0
 
 
-def _tokenizer(data: DataConfig) -> tuple[Path | None, int | None, str]:
-    """(the store's tokenizer.json or None, its end-of-document id, a note for the summary) for the run's source."""
-    source = data.source
+def _tokenizer(data: DataConfig, run_dir: Path) -> tuple[Path | None, int | None, str]:
+    """(the store's tokenizer.json or None, its end-of-document id, a note for the summary) for the run's source:
+    a store it names, or the one a builtin or text source was made into under data.cache (default: the run
+    folder's OUT_DIR/data-cache)."""
+    from dtrain.data import existing_store
+
+    names_a_store = "://" in data.source or (Path(data.source).expanduser() / "manifest.json").is_file()
+    if not names_a_store and data.tokenizer == "bytes":
+        return None, None, ("no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no Hugging "
+                            "Face tokenizer exists for the byte tokenizer")
+    cache = Path(data.cache).expanduser() if data.cache else run_dir.parent / "data-cache"
+    source = existing_store(data, cache)
+    if source is None:
+        return None, None, (f"no tokenizer files: the token store the run's source {data.source!r} was made into "
+                            f"is not under {cache} (or its files changed since)")
     manifest = Path(source) / "manifest.json"
     if "://" in source:
         return None, None, f"tokenizer not copied: the run's store {source} is remote (copy its tokenizer.json by hand)"
-    if not manifest.is_file():
-        return None, None, ("no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no Hugging "
-                            "Face tokenizer exists for the byte tokenizer")
     try:
         info = json.loads(manifest.read_text())
         name, eos_id = info["tokenizer"], info.get("eos_id")

@@ -235,17 +235,19 @@ def test_init_from_bad_folder_is_one_line(tmp_path, case):
         in lines[0]
 
 
-@pytest.mark.slow
 def test_export_of_a_finished_run_loads_and_generates(tmp_path):
-    """A real (one-island, four-step) `dtrain simulate` run, exported: transformers loads it and generates."""
+    """A real (one-island, four-step) `dtrain simulate` run on the built-in corpus with a BPE trained on it,
+    exported: transformers loads the model and the tokenizer from the folder and generates text."""
     run = _dtrain("simulate", "--config", "llama-tiny", "--islands", "1", "--quiet", "--set",
                   f"run.out_dir={tmp_path}", "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set",
                   "outer.inner_steps=2", "--set", "train.steps_per_call=2", "--set", "worker.heartbeat_s=0.5",
-                  "--set", "data.max_bytes=50000")
+                  "--set", "data.max_bytes=50000", "--set", "data.tokenizer=bpe:300", "--set", "model.vocab_size=300")
     assert run.returncode == 0, run.stderr
     done = _dtrain("export", str(tmp_path / "llama-tiny"), "--out", str(tmp_path / "hf"))
     assert done.returncode == 0 and "version 2 of" in done.stdout, done.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").exists()  # the run's store carried its tokenizer
     m = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    prompt = torch.tensor([list(b"def ")], dtype=torch.long)
-    out = m.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 9) and out[0, :4].tolist() == list(b"def ")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = tok("def main(", return_tensors="pt").input_ids
+    out = m.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape == (1, prompt.shape[1] + 5) and tok.decode(out[0]).startswith("def main(")
