@@ -154,6 +154,14 @@ def _cache_key(plan: _Plan, limit: int, tokenizer: str) -> str:
     return f"{plan.kind}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
+def _utf8(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return True
+
+
 def _source_tokenizer(spec: str, plan: _Plan) -> tuple[Any, int]:
     """``data.tokenizer`` for a text source: the tokenizer, and the vocabulary size of a BPE trained here (0)."""
     from dtrain.documents import enumerate_sources
@@ -166,7 +174,7 @@ def _source_tokenizer(spec: str, plan: _Plan) -> tuple[Any, int]:
         log.info("training a byte-level BPE of %d ids on the first %d MB of %s", n, BPE_TRAIN_BYTES >> 20,
                  plan.description)
         files = enumerate_sources(plan.files, plain_text=True)
-        return train_bpe(files, n, skip_bad=plan.kind == "builtin", max_bytes=BPE_TRAIN_BYTES), n
+        return train_bpe(files, n, max_bytes=BPE_TRAIN_BYTES), n
     return HFTokenizer.from_file(spec), 0
 
 
@@ -177,11 +185,13 @@ def _write_text_store(plan: _Plan, out: Path, limit: int, tokenizer_spec: str) -
     on purpose (test data) are left out by a BPE, not by the byte tokenizer."""
     from dtrain.tokenize import ProgressLine, tokenize
 
+    if plan.kind == "builtin" and tokenizer_spec != "bytes":  # its deliberately non-UTF-8 test files: left out
+        plan = _Plan(plan.kind, [f for f in plan.files if _utf8(f)], plan.description)
     tokenizer, trained = _source_tokenizer(tokenizer_spec, plan)
     progress = ProgressLine(quiet=False)
     try:
         tokenize(plan.files, out, tokenizer, limit=limit, plain_text=True, progress=progress, workers=1,
-                 skip_bad=plan.kind == "builtin", trained_vocab_size=trained)
+                 trained_vocab_size=trained)
     finally:
         progress.end()
 
@@ -247,7 +257,7 @@ def store_location(cfg: DataConfig, cache: Path) -> str:
     dest = cache / _cache_key(plan, cfg.max_bytes, cfg.tokenizer)
     if (dest / MANIFEST).exists():
         return str(dest)
-    log.info("tokenizing %s into the token store %s (%s, first use)", plan.description, dest,
+    log.info("making the token store %s from %s (%s, first use)", dest, plan.description,
              "pre-tokenized" if plan.kind == "bin" else cfg.tokenizer)
     t0 = time.perf_counter()
     tmp = cache / f".{dest.name}.{os.getpid()}.{threading.get_ident()}"

@@ -20,6 +20,7 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import fmt_bytes
 from dtrain.status_doc import message_dict
+from dtrain_cli.logs import is_terminal
 
 SHOW_ROUNDS = 5  # the latest rounds the table shows (the message holds up to 500)
 SHOW_FAULTS = 5  # the latest faults the table shows
@@ -139,7 +140,7 @@ def print_status(st: pb.StatusResponse, as_json: bool, stream: TextIO | None = N
         print(json.dumps(message_dict(st), indent=2), file=stream)
         return
     lines, tables = sections(st)
-    if not stream.isatty():
+    if not is_terminal(stream):
         print(plain(lines, tables), file=stream)
         return
     from rich import box
