@@ -148,8 +148,8 @@ class CoordinatorConfig:
     host: str = _f("127.0.0.1", "address the coordinator binds (dtrain coordinator)")
     port: int = _f(50051, "port the coordinator binds (0: any free port)")
     dashboard_port: int = _f(8051, "port of the live dashboard (HTTP, or HTTPS with TLS; the coordinator's token, "
-                             "on coordinator.dashboard_host): the page / and /api/status; 0: any free port, also taken whenever "
-                             "the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
+                             "on coordinator.dashboard_host): the page / and /api/status; 0: any free port, also "
+                             "taken whenever the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
     dashboard_host: str = _f("", "address the dashboard binds; empty: coordinator.host. A coordinator that serves "
                              "gRPC on every interface (0.0.0.0) can keep its dashboard on loopback (127.0.0.1), "
                              "reached through an SSH tunnel or kubectl port-forward (deploy/ does)")
