@@ -4,15 +4,20 @@ reply prints one line."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import grpc
 import pytest
 
 from coordinator.refusals import RefusalLog
 from coordinator.service import CURRENT_CALL
+from coordinator.state import CoordinatorState
 from dtrain.config import replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
 from service_helpers import Running, join_island
+from state_helpers import T0, info, join_all, make, push
 from workers.client import CoordinatorClient
 
 
@@ -94,3 +99,72 @@ def test_refused_pushes_are_counted_in_full(net_cfg, tmp_path):
     events = read_events(tmp_path / "coord")
     assert len([e for e in events if e["event"] == "push_refused"]) == 2
     assert [e["count"] for e in events if e["event"] == "refusals_suppressed"] == [4]
+
+
+def _churn(st, count: int, now: float) -> float:
+    """``count`` islands join in turn on the one free shard, push and merge a range of it, and are lost, while
+    a-0, b-1 and c-2 stay live; the last one is lost with its push still pending. Returns the time."""
+    lease = st.opts.coordinator.lease_s
+    for i in range(count):
+        record, _ = st.join(f"x{i}", "cpu", 1, now)
+        assert record.shard_index == 3
+        push(st, info(st, record.island_id, base=st.version), now)
+        if i < count - 1:
+            st.close_round(now)
+        now += lease + 1
+        for island in ("a-0", "b-1", "c-2"):
+            st.heartbeat(island, st.version, 0, 0, 0.0, "", (), now - 1)
+        assert [i for i, _ in st.expire(now)] == [record.island_id]
+        st.forget(now)
+    return now
+
+
+def test_lost_islands_are_forgotten_after_forget_after_s_and_the_shards_stay_right():
+    """1,547 lost islands used to stay in Status (a 674 KB /api/status); now a lost island's record goes
+    coordinator.forget_after_s after its lease ended, and the data bookkeeping (cursors, merges) is unchanged."""
+    st = make("coordinator.mode=async", "coordinator.forget_after_s=100")
+    join_all(st, ("a", "b", "c"))
+    now = _churn(st, 3000, T0)
+    assert st.shard_cursor(3) == 3000 * 40 and st.version == 2999  # the last push pends
+    kept = st.islands.keys() - {"a-0", "b-1", "c-2"}
+    assert kept and len(kept) <= 100 // (st.opts.coordinator.lease_s + 1) + 2, sorted(kept)
+    assert "x2999-3" in kept  # lost with a push pending: kept until it is merged
+    doc = json.dumps(st.status(now))
+    assert len(doc) < 20_000, len(doc)
+    st.close_round(now)  # the pending push merges into its (lost) island's record
+    assert st.islands["x2999-3"].pushes_merged == 1 and st.ledger.shard_cursors[3] == 3000 * 40
+    now += 1000
+    assert st.next_deadline(now) is not None
+    gone = st.forget(now)
+    assert "x2999-3" in {r.island_id for r in gone} and set(st.islands) == {"a-0", "b-1", "c-2"}
+    # A checkpoint of the compacted state loads, and a forgotten name joins again on the free shard at its cursor.
+    back = CoordinatorState.from_json(st.opts, json.loads(json.dumps(st.to_json())), now)
+    assert back.shard_cursor(3) == 3000 * 40 and back.version == st.version
+    record, reason = back.join("x7", "cpu", 1, now)
+    assert record.shard_index == 3 and back.shard_cursor(3) == 3000 * 40, reason
+    st0 = make("coordinator.mode=async", "coordinator.forget_after_s=0")  # 0: never
+    join_all(st0, ("a", "b", "c"))
+    _churn(st0, 50, T0)
+    assert len(st0.islands) == 53
+
+
+def test_status_lists_only_live_and_recently_lost_islands(net_cfg, tmp_path):
+    """Through the real server: the ticker forgets lost islands' records on time; Status counts them and the
+    event names them."""
+    cfg = replace(net_cfg, coordinator={"lease_s": 0.3, "forget_after_s": 0.4}, worker={"heartbeat_s": 0.1})
+    running = Running(cfg, tmp_path / "coord")
+    client = CoordinatorClient(running.address, cfg)
+    try:
+        for name in ("a", "b", "c", "d"):
+            join_island(client, name)
+            time.sleep(0.35)  # its lease ends: the next one takes a free shard
+        deadline = time.monotonic() + 10
+        while (status := client.status()).islands and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not status.islands and status.islands_forgotten == 4
+    finally:
+        client.close()
+        running.stop()
+    events = read_events(tmp_path / "coord")
+    forgotten = [i for e in events if e["event"] == "islands_forgotten" for i in e["islands"]]
+    assert sorted(forgotten) == sorted(e["island"] for e in events if e["event"] == "island_joined")
