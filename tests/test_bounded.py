@@ -5,11 +5,16 @@ reply prints one line."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
+from conftest import TINY
 from coordinator.refusals import RefusalLog
 from coordinator.service import CURRENT_CALL
 from coordinator.state import CoordinatorState
@@ -168,3 +173,49 @@ def test_status_lists_only_live_and_recently_lost_islands(net_cfg, tmp_path):
     events = read_events(tmp_path / "coord")
     forgotten = [i for e in events if e["event"] == "islands_forgotten" for i in e["islands"]]
     assert sorted(forgotten) == sorted(e["island"] for e in events if e["event"] == "island_joined")
+
+
+_GARBAGE_CLIENT = """
+import logging, sys
+from concurrent import futures
+import grpc
+from dtrain.config import load_config
+from workers.client import CoordinatorClient, CoordinatorError
+
+logging.basicConfig()  # as in a worker process, where a library's handler reaches the root logger
+
+
+class Garbage(grpc.GenericRpcHandler):
+    def service(self, details):
+        if details.method.endswith("PullGlobal"):
+            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: iter([b"\\xff\\xff\\xff\\xff garbage"]))
+        return grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"\\xff\\xff\\xff\\xff garbage")
+
+
+server = grpc.server(futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers((Garbage(),))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+client = CoordinatorClient(f"127.0.0.1:{port}", load_config(sys.argv[1], ["worker.retry_total_s=1"]))
+try:
+    {call}
+except CoordinatorError as e:
+    print(f"dtrain worker: error: {e}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("call", ['client.join("a", "cpu", 1)', 'client.heartbeat(island_id="a-0", version=0)',
+                                  'client.pull("a-0", 0)'])
+def test_a_malformed_reply_is_one_line_without_a_library_traceback(call, tmp_path):
+    """A server whose replies do not parse used to make gRPC log its deserializer's traceback before the worker's
+    own "INTERNAL: Exception deserializing response!"; now one line names the method, the address and what."""
+    script = tmp_path / "garbage.py"
+    script.write_text(_GARBAGE_CLIENT.replace("{call}", call))
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(script), str(TINY)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "malformed reply" in lines[0] and "INTERNAL" in lines[0] and "127.0.0.1:" in lines[0], lines[0]
