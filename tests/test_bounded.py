@@ -219,3 +219,21 @@ def test_a_malformed_reply_is_one_line_without_a_library_traceback(call, tmp_pat
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "malformed reply" in lines[0] and "INTERNAL" in lines[0] and "127.0.0.1:" in lines[0], lines[0]
+
+
+def test_auth_failures_are_counted_in_status(net_cfg, tmp_path, monkeypatch):
+    """A call refused for its token is counted in Status' refusals (its events are limited per peer host)."""
+    monkeypatch.setenv("DTRAIN_TOKEN", "the-right-token-0123456789")
+    running = Running(net_cfg, tmp_path / "coord")
+    good = CoordinatorClient(running.address, net_cfg)
+    monkeypatch.setenv("DTRAIN_TOKEN", "a-wrong-token-0123456789")
+    bad = CoordinatorClient(running.address, net_cfg)
+    try:
+        for _ in range(5):
+            with pytest.raises(Exception, match="UNAUTHENTICATED"):
+                bad.status(budget_s=0)
+        assert good.status().refusals["auth"] == 5
+    finally:
+        good.close(), bad.close()
+        running.stop()
+    assert len([e for e in read_events(tmp_path / "coord") if e["event"] == "auth_failed"]) == 2  # first + flush
