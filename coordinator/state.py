@@ -45,6 +45,9 @@ Model:
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
   calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
+- Forgetting: a lost island's record is dropped ``coordinator.forget_after_s`` after its lease ended, unless a
+  push of its is pending (:meth:`CoordinatorState.forget`, at :meth:`CoordinatorState.next_deadline`); shards
+  and cursors are the ledger's and do not change.
 - Pushes: :meth:`CoordinatorState.admit_push` previews the decision without
   changing anything (the server refuses a push before its payload streams in);
   :meth:`CoordinatorState.commit_push` decides again, once the payload has

@@ -237,3 +237,13 @@ def test_auth_failures_are_counted_in_status(net_cfg, tmp_path, monkeypatch):
         good.close(), bad.close()
         running.stop()
     assert len([e for e in read_events(tmp_path / "coord") if e["event"] == "auth_failed"]) == 2  # first + flush
+
+
+def test_the_status_document_writes_refusals_as_an_object():
+    """/api/status and `dtrain status --json` (dtrain.status_doc): the refusals map is a JSON object of counts."""
+    from dtrain.status_doc import message_dict
+
+    doc = message_dict(pb.StatusResponse(refusals={"Join: FAILED_PRECONDITION": 5000, "auth": 3},
+                                         islands_forgotten=7))
+    assert doc["refusals"] == {"Join: FAILED_PRECONDITION": 5000, "auth": 3} and doc["islands_forgotten"] == 7
+    assert json.loads(json.dumps(doc)) == doc
