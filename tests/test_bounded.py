@@ -247,3 +247,13 @@ def test_the_status_document_writes_refusals_as_an_object():
                                          islands_forgotten=7))
     assert doc["refusals"] == {"Join: FAILED_PRECONDITION": 5000, "auth": 3} and doc["islands_forgotten"] == 7
     assert json.loads(json.dumps(doc)) == doc
+
+
+def test_dtrain_status_prints_the_refusal_counts_when_there_are_any():
+    from dtrain_cli.status import summary_lines
+
+    assert not any(line.startswith("refused calls") for line in summary_lines(pb.StatusResponse()))
+    lines = summary_lines(pb.StatusResponse(refusals={"Join: FAILED_PRECONDITION": 5000, "auth": 3},
+                                            islands_forgotten=2))
+    assert "refused calls: 5003 (Join: FAILED_PRECONDITION 5000, auth 3); 2 lost islands forgotten " \
+           "(coordinator.forget_after_s)" in lines
