@@ -251,12 +251,12 @@ def peer_name(address: Any) -> str:
 
 def open_dashboard(cfg: Config, port: int, token: str | None, status_message: Callable[[], pb.StatusResponse],
                    auth_failed: Callable[[str, str, str], None]) -> Dashboard:
-    """The coordinator's dashboard on ``coordinator.host:port``, bound (not yet serving): ``status_message()``
-    (the service's Status) as JSON; a refused request goes to ``auth_failed(peer, method, why)`` (the service's
-    :meth:`coordinator.service.AuthFailures.failed`, method ``GET /PATH``: an ``auth_failed`` event, which its
-    history lists among the run's faults)."""
+    """The coordinator's dashboard on ``coordinator.dashboard_host`` (else ``coordinator.host``) and ``port``,
+    bound (not yet serving): ``status_message()`` (the service's Status) as JSON; a refused request goes to
+    ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.service.AuthFailures.failed`, method
+    ``GET /PATH``: an ``auth_failed`` event, which its history lists among the run's faults)."""
 
     def status() -> dict[str, Any]:
         return message_dict(status_message())
 
-    return Dashboard(cfg.coordinator.host, port, token, tls_context(cfg.security), status, auth_failed)
+    return Dashboard(cfg.coordinator.dashboard_address, port, token, tls_context(cfg.security), status, auth_failed)

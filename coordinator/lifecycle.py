@@ -71,7 +71,7 @@ def check_ports_free(cfg: Config, port: int | None) -> None:
     check_address_free(c.host, c.port if port is None else port)
     dash_port = dashboard_port(cfg, port)
     if dash_port is not None:
-        check_port_free(c.host, dash_port)
+        check_port_free(c.dashboard_address, dash_port)
 
 
 def check_address_free(host: str, port: int) -> None:

@@ -279,3 +279,31 @@ class Membership:
             raise ValueError(f"pause_leases: seconds={seconds!r}: must be a finite number >= 0")
         for r in self.live():
             r.lease_expiry += seconds
+
+    # -- forgetting ---------------------------------------------------------------------------------
+
+    def forget(self, now: float) -> list[IslandRecord]:
+        """Drops the records of islands lost for ``coordinator.forget_after_s`` (0: never) and returns them, so
+        that Status and the checkpoint hold the live islands and the recently lost ones however many joined. An
+        island with a push pending in the open round is kept (its merge counts into the record). Nothing else
+        changes: shards and their cursors are the ledger's, not the record's (a lost island's shard is free
+        already); the island's events stay; its name may join again (a new record)."""
+        after = self.opts.coordinator.forget_after_s
+        if not after:
+            return []
+        pending = self.ledger.pending_islands()
+        gone = [r for r in self.islands.values()
+                if r.state == "lost" and now >= r.lease_expiry + after and r.island_id not in pending]
+        for r in gone:
+            del self.islands[r.island_id]
+            self.ledger.rejections.pop(r.island_id, None)
+        return gone
+
+    def next_forget(self) -> float | None:
+        """When :meth:`forget` next has a record to drop (None: none lost, or never). An island kept for its
+        pending push is not timed: the merge that ends its round wakes the ticker anyway."""
+        after = self.opts.coordinator.forget_after_s
+        pending = self.ledger.pending_islands()
+        lost = [r.lease_expiry + after for r in self.islands.values()
+                if r.state == "lost" and r.island_id not in pending]
+        return min(lost) if after and lost else None

@@ -178,6 +178,14 @@ class RoundsLoop:
         for island_id, reason in self.state.expire(now):
             self.log.event("island_lost", island=island_id, reason=reason)
             self.log.progress(f"lost {island_id}: {reason}")
+        forgotten = self.state.forget(now)
+        if forgotten:
+            self.counters.islands_forgotten += len(forgotten)
+            after = self.state.opts.coordinator.forget_after_s
+            self.log.event("islands_forgotten", islands=[r.island_id for r in forgotten], after_s=after)
+            self.log.progress(f"forgot {len(forgotten)} island record{'s' * (len(forgotten) != 1)} lost for "
+                              f"{after:g}s (coordinator.forget_after_s): {forgotten[0].island_id}"
+                              + (f" and {len(forgotten) - 1} more" if len(forgotten) > 1 else ""))
         self.merge_if_ready(now)
         done, why = self.state.finished(now)
         if done and self.finished is None:

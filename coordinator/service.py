@@ -15,6 +15,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
@@ -28,6 +29,7 @@ from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
+from coordinator.refusals import RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
@@ -99,8 +101,10 @@ class AuthFailures:
     written by :meth:`flush`). Events are logged under the service's ``lock`` (their listeners, the history and
     telemetry, are updated under it)."""
 
-    def __init__(self, log: RunLog, lock: threading.Condition):
+    def __init__(self, log: RunLog, lock: threading.Condition, counts: Counter[str] | None = None):
+        """``counts``: where each refused call is counted, as ``"auth"`` (the service's Status refusals)."""
         self.log, self.lock = log, lock
+        self.counts: Counter[str] = Counter() if counts is None else counts
         # per peer host: (time.monotonic() of its last event, calls refused since, the last call's peer, method
         # and reason)
         self._hosts: dict[str, tuple[float, int, str, str, str]] = {}
@@ -111,6 +115,8 @@ class AuthFailures:
         calls it too, with ``method`` = ``GET /PATH``)."""
         host = peer_host(peer)
         now = time.monotonic()
+        with self.lock:
+            self.counts["auth"] += 1
         with self._lock:
             if host not in self._hosts and len(self._hosts) >= MAX_AUTH_HOSTS:
                 host = "other hosts"
@@ -188,7 +194,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise
         self.run_id, self.state, self.merger = loaded
         self.counters = Counters()
-        self.auth_failures = AuthFailures(self.log, self.lock)
+        self.refusals = RefusalLog(cfg.coordinator.refusal_events)
+        self.refusals.counts = self.counters.refusals  # one table: Status reports it
+        self.auth_failures = AuthFailures(self.log, self.lock, self.counters.refusals)
         self.telemetry = Telemetry(cfg.telemetry, "coordinator", "coordinator", self.run_id)
         self.rounds = RoundSpans(self.telemetry)
         status_gauges(self.telemetry, self.status_message)
@@ -202,15 +210,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- refusals -----------------------------------------------------------------------------------
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-        """Ends the call with ``code``; every refusal goes through here and is an event naming the method and the
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
+               push: PushInfo | None = None) -> NoReturn:
+        """Ends the call with ``code``; every refusal goes through here. It is counted by kind (method and code:
+        Status' refusals) and, at a bounded rate (``coordinator.refusals``), an event naming the method and the
         island (from the request: :func:`coordinator.lifecycle.service_handler` notes them): ``request_invalid``
-        for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others."""
+        for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others. A refused ``push`` is
+        also counted in pushes_refused and, logged, a ``push_refused`` event and a progress line."""
         kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
+        method = getattr(CURRENT_CALL, "method", "")
         with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
-            self.log.event(kind, method=getattr(CURRENT_CALL, "method", ""),
-                           island=getattr(CURRENT_CALL, "island", ""), code=code.name, error=message)
+            if push is not None:
+                self.counters.pushes_refused += 1
+            log, over = self.refusals.refused(f"{method.rsplit('/', 1)[-1] or '?'}: {code.name}", self.clock())
+            self._suppressed(over)
+            if log:
+                self.log.event(kind, method=method, island=getattr(CURRENT_CALL, "island", ""), code=code.name,
+                               error=message)
+                if push is not None:
+                    self._push_refused(push, code.name, message)
         context.abort(code, message)
+
+    def _suppressed(self, over: list[tuple[str, int]]) -> None:
+        """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""
+        for kind, count in over:
+            self.log.event("refusals_suppressed", refused=kind, count=count, window_s=self.refusals.window_s)
+            self.log.progress(f"{count} more refused calls ({kind}) in {self.refusals.window_s:g}s, not logged one "
+                              f"by one (coordinator.refusal_events); Status counts them in refusals")
 
     def _decide(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], *args: CallArgs.args,
                 **kwargs: CallArgs.kwargs) -> Decided:
@@ -228,20 +254,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            self._push_refused(info, e.code, str(e))
-            self._abort(context, _CODES[e.code], str(e))
+            self._abort(context, _CODES[e.code], str(e), push=info)
             raise  # unreachable: abort raises
 
     def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
         """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
         a ``push_refused`` event naming the push, and the call ends with the refusal's code."""
-        self._push_refused(info, e.code.name, str(e))
-        self._abort(context, e.code, str(e))
+        self._abort(context, e.code, str(e), push=info)
 
     def _push_refused(self, info: PushInfo, code: str, reason: str) -> None:
-        """Records a refused push: counted, a ``push_refused`` event naming it, a progress line."""
-        with self.lock:  # reentrant: a state refusal's caller holds it already
-            self.counters.pushes_refused += 1
+        """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it, a progress
+        line."""
         self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=code,
                        tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=reason)
         self.log.progress(f"refused push {info.push_id} from {info.island_id}: {reason}")
@@ -472,6 +495,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.dashboard.close()
         self.loop.stop()
         self.auth_failures.flush()  # before telemetry shuts down
+        with self.lock:
+            self._suppressed(self.refusals.due())
         self.rounds.close_all()
         self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
         with self.lock:

@@ -45,6 +45,9 @@ Model:
 - Liveness changes only through :meth:`CoordinatorState.expire` (the server
   calls it at :meth:`CoordinatorState.next_deadline`) and
   :meth:`CoordinatorState.heartbeat` / :meth:`CoordinatorState.join`.
+- Forgetting: a lost island's record is dropped ``coordinator.forget_after_s`` after its lease ended, unless a
+  push of its is pending (:meth:`CoordinatorState.forget`, at :meth:`CoordinatorState.next_deadline`); shards
+  and cursors are the ledger's and do not change.
 - Pushes: :meth:`CoordinatorState.admit_push` previews the decision without
   changing anything (the server refuses a push before its payload streams in);
   :meth:`CoordinatorState.commit_push` decides again, once the payload has
@@ -181,6 +184,11 @@ class CoordinatorState:
         """
         return self.members.expire(now)
 
+    def forget(self, now: float) -> list[IslandRecord]:
+        """Drops the records of islands lost for ``coordinator.forget_after_s`` and returns them
+        (``coordinator.membership.Membership.forget``; the server calls it with :meth:`expire`)."""
+        return self.members.forget(now)
+
     def pause_leases(self, seconds: float) -> None:
         """Moves every live island's lease end ``seconds`` later: time in which the coordinator could not hear
         heartbeats (the server calls it when a long merge held its lock past a lease's end), which no island is
@@ -274,8 +282,11 @@ class CoordinatorState:
 
     def next_deadline(self, now: float) -> float | None:
         """When round_ready, liveness or finished could next change by time alone
-        (``coordinator.quorum.next_deadline``). None if nothing is timed."""
-        return quorum.next_deadline(self.opts, self.live(), self.ledger, self._stopped_at, now)
+        (``coordinator.quorum.next_deadline``), or a lost island's record is due to be forgotten. None if nothing
+        is timed."""
+        times = [t for t in (quorum.next_deadline(self.opts, self.live(), self.ledger, self._stopped_at, now),
+                             self.members.next_forget()) if t is not None]
+        return min(times) if times else None
 
     # -- checkpoint ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ Owns the service's own counters (:class:`Counters`: bytes, merge time, refused p
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from coordinator.history import RunHistory
 from coordinator.records import DeviceEvidence, IslandRecord, StateOptions
@@ -24,6 +25,9 @@ class Counters:
     merge_s: float = 0.0  # seconds spent in outer steps and their checkpoints
     # Pushes refused: by the state machine (bad header, a weight over its bound, ...) or for a bad payload.
     pushes_refused: int = 0
+    # Refused calls by kind, counted in full however few are logged (coordinator/refusals.py): "METHOD: CODE", "auth".
+    refusals: Counter[str] = dataclasses.field(default_factory=Counter)
+    islands_forgotten: int = 0  # lost islands' records dropped (coordinator.forget_after_s), since this start
 
 
 def evidence_to_message(e: DeviceEvidence) -> pb.DeviceEvidence:
@@ -66,7 +70,8 @@ def status_response(state: CoordinatorState, history: RunHistory, opts: StateOpt
         tokens_total=opts.tokens_total,
         stopped=st["stopped"], run_over=st["run_over"], deltas_merged=state.deltas_merged,
         deltas_rejected=state.deltas_rejected, duplicates=state.duplicates,
-        pushes_refused=counters.pushes_refused, shard_cursors=st["shard_cursors"],
+        pushes_refused=counters.pushes_refused, refusals=dict(counters.refusals),
+        islands_forgotten=counters.islands_forgotten, shard_cursors=st["shard_cursors"],
         round=pb.OpenRound(target_version=rnd["target_version"], ready=rnd["ready"], reason=rnd["reason"],
                            pending=len(rnd["pending"]),
                            deadline_s=None if deadline is None else max(0.0, deadline - now)),

@@ -147,9 +147,12 @@ class CodecConfig:
 class CoordinatorConfig:
     host: str = _f("127.0.0.1", "address the coordinator binds (dtrain coordinator)")
     port: int = _f(50051, "port the coordinator binds (0: any free port)")
-    dashboard_port: int = _f(8051, "port of the live dashboard (HTTP, or HTTPS with TLS; same host and token as "
-                             "the coordinator): the page / and /api/status; 0: any free port, also taken whenever "
-                             "the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
+    dashboard_port: int = _f(8051, "port of the live dashboard (HTTP, or HTTPS with TLS; the coordinator's token, "
+                             "on coordinator.dashboard_host): the page / and /api/status; 0: any free port, also "
+                             "taken whenever the coordinator's own port is 0 (dtrain simulate); -1: no dashboard")
+    dashboard_host: str = _f("", "address the dashboard binds; empty: coordinator.host. A coordinator that serves "
+                             "gRPC on every interface (0.0.0.0) can keep its dashboard on loopback (127.0.0.1), "
+                             "reached through an SSH tunnel or kubectl port-forward (deploy/ does)")
     mode: str = _f("sync", "sync: rounds with quorum; async: merge each delta on arrival", choices=("sync", "async"))
     min_quorum: int = _f(0, "sync: pushes that may close a round once grace_s has passed (0: every live island)")
     grace_s: float = _f(30.0, "sync: seconds after a round's first push before a quorum close is allowed")
@@ -192,6 +195,19 @@ class CoordinatorConfig:
     eval_every: int = _f(5, "evaluate the global θ on the held-out split every this many versions (θ_0 and the "
                          "final version too): the first island to pull such a version evaluates it and reports it "
                          "in a heartbeat (an `eval` event); 0: only the final version")
+    refusal_events: int = _f(20, "refused calls (Joins, heartbeats, pushes, pulls; a wrong token has its own limit): "
+                             "the first this many of a kind (method and status code) each minute are each an event "
+                             "and a progress line, the rest one `refusals_suppressed` event with their count; all "
+                             "are counted in Status' refusals")
+    forget_after_s: float = _f(3600.0, "a lost island's record is dropped from the coordinator's state (Status, "
+                               "/api/status, its checkpoint) this long after its lease ended, unless a push of "
+                               "its is pending; its events stay, and under its name it can still join again (a new "
+                               "record; shards and data cursors are unaffected); 0: never")
+
+    @property
+    def dashboard_address(self) -> str:
+        """The address the dashboard binds: ``dashboard_host``, else ``host``."""
+        return self.dashboard_host or self.host
 
 
 @dataclass(frozen=True)
@@ -441,6 +457,9 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
         fail("coordinator", "dashboard_port", f"must be -1 (no dashboard) or in [0, 65535], got {co.dashboard_port}")
     if co.dashboard_port == co.port != 0:
         fail("coordinator", "dashboard_port", f"must differ from coordinator.port ({co.port})")
+    if co.dashboard_host != co.dashboard_host.strip() or any(c in co.dashboard_host for c in "/ \t"):
+        fail("coordinator", "dashboard_host", f"must be a host name or address (empty: coordinator.host), got "
+             f"{co.dashboard_host!r}")
     if co.min_quorum < 0:
         fail("coordinator", "min_quorum", f"must be >= 0, got {co.min_quorum}")
     for name in ("grace_s", "lease_s"):
@@ -455,6 +474,10 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
              f"got {co.max_message_bytes}")
     if co.workers == 1 or co.workers < 0:
         fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
+    if co.refusal_events < 1:
+        fail("coordinator", "refusal_events", f"must be >= 1, got {co.refusal_events}")
+    if not (math.isfinite(co.forget_after_s) and co.forget_after_s >= 0):
+        fail("coordinator", "forget_after_s", f"must be a finite number >= 0 (0: never), got {co.forget_after_s}")
     if co.stream_budget_bytes < 0:
         fail("coordinator", "stream_budget_bytes", f"must be >= 0, got {co.stream_budget_bytes}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:

@@ -4,7 +4,8 @@ the coordinator's dashboard endpoint alike, so both print the same document.
 Protobuf's own JSON mapping writes 64-bit integers as strings and leaves out fields at their default; operators'
 tools (``jq``, a dashboard's JavaScript) want numbers as numbers and every field present. So: integers as JSON
 numbers, every field present, an unset ``optional`` field as ``null``, non-finite floats as ``"nan"``/``"inf"``/
-``"-inf"`` (strict JSON has no literal for them, :func:`dtrain.runlog.json_number`), enums by name.
+``"-inf"`` (strict JSON has no literal for them, :func:`dtrain.runlog.json_number`), enums by name, maps as
+objects.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def message_dict(msg: Message) -> dict[str, Any]:
             out[f.name] = None
             continue
         value = getattr(msg, f.name)
-        if f.is_repeated:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:  # a map: a JSON object
+            entry = f.message_type.fields_by_name["value"]
+            out[f.name] = {str(k): _value(entry, v) for k, v in sorted(value.items())}
+        elif f.is_repeated:
             out[f.name] = [_value(f, v) for v in value]
         else:
             out[f.name] = _value(f, value)

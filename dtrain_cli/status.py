@@ -93,6 +93,10 @@ def summary_lines(st: pb.StatusResponse) -> list[str]:
                  f"{fmt_bytes(st.bytes_in)}, out {fmt_bytes(st.bytes_out)}")
     lines.append(f"deltas: {st.deltas_merged} merged, {st.deltas_dropped} dropped, {st.deltas_rejected} rejected, "
                  f"{st.duplicates} duplicates; {st.pushes_refused} pushes refused; {len(st.faults)} faults recorded")
+    if st.refusals or st.islands_forgotten:  # counted in full, logged at a bounded rate (coordinator.refusal_events)
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(st.refusals.items(), key=lambda kv: (-kv[1], kv[0])))
+        lines.append(f"refused calls: {sum(st.refusals.values())}{f' ({kinds})' if kinds else ''}; "
+                     f"{st.islands_forgotten} lost islands forgotten (coordinator.forget_after_s)")
     return lines
 
 

@@ -334,3 +334,24 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1280, 1000) and len(data) > 30_000
+
+
+def test_the_dashboard_binds_its_own_host_when_set(tmp_path):
+    """coordinator.dashboard_host: a coordinator serving gRPC on every interface keeps its dashboard on loopback
+    (deploy/ does; reached through kubectl port-forward); unset, the dashboard binds coordinator.host."""
+    from coordinator.dashboard import open_dashboard
+
+    cfg = load_config("tiny", ["coordinator.host=0.0.0.0", "coordinator.dashboard_host=127.0.0.1"])
+    status = pb.StatusResponse
+    own = open_dashboard(cfg, 0, None, status, lambda *a: None)
+    try:
+        assert own.server.server_address[0] == "127.0.0.1" and own.url.startswith("http://127.0.0.1:")
+    finally:
+        own.server.server_close()
+    same = open_dashboard(replace(cfg, coordinator={"dashboard_host": ""}), 0, None, status, lambda *a: None)
+    try:
+        assert same.server.server_address[0] == "0.0.0.0"
+    finally:
+        same.server.server_close()
+    with pytest.raises(ConfigError, match="dashboard_host"):
+        load_config("tiny", ["coordinator.dashboard_host=a b"])

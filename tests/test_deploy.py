@@ -355,12 +355,25 @@ def test_container_command_is_accepted_by_the_dtrain_parser(cluster, where):
     if args.command == "coordinator":
         assert cfg.coordinator.host == "0.0.0.0", f"{where}: a coordinator on loopback is unreachable from the Service"
         assert {cfg.coordinator.port, cfg.coordinator.dashboard_port} <= ports, f"{where}: ports not declared"
+        assert cfg.coordinator.dashboard_address == "127.0.0.1", (
+            f"{where}: the dashboard must bind loopback (coordinator.dashboard_host), reached by kubectl port-forward")
         assert cfg.security.server_cert and cfg.security.server_key, f"{where}: the coordinator must serve TLS"
         assert args.resume == "auto", f"{where}: a restarted pod must resume (and a first start must start)"
         assert args.after_finish == "serve", f"{where}: an exited coordinator would be restarted, resume, exit: a loop"
     else:
         assert cfg.security.ca, f"{where}: the island must verify the coordinator (security.ca)"
         assert args.coordinator.rsplit(":", 1)[1] == str(CoordinatorConfig().port), where
+
+
+def test_no_service_exposes_the_dashboard_which_binds_loopback():
+    """The dashboard is reached with kubectl port-forward (docs/deploy.md), never through the LoadBalancer."""
+    docs = build(DEPLOY / "coordinator")
+    dash = CoordinatorConfig().dashboard_port
+    for name, svc in _named(docs, "Service").items():
+        for port in svc["spec"]["ports"]:
+            assert port["port"] != dash and port.get("targetPort") not in (dash, "dashboard"), (
+                f"Service/{name} exposes the dashboard: it binds loopback (coordinator.dashboard_host)")
+    assert "port-forward deployment/dtrain-coordinator 8051" in (ROOT / "docs" / "deploy.md").read_text()
 
 
 def test_the_configmap_is_the_repos_config_for_the_islands_deployed(tmp_path):

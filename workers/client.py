@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from dtrain.config import Config
 from dtrain.errors import DtrainError
@@ -51,6 +52,7 @@ from dtrain.wire import (
 BROKEN_PUSH_SETTLE_S = 0.3  # push_broken: how long the sent chunks get to reach the coordinator
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 
 class CoordinatorError(DtrainError):
@@ -105,6 +107,42 @@ def cause(code: grpc.StatusCode, details: str) -> str:
     return f"{code.name}, {words}" if words else code.name
 
 
+class Malformed:
+    """A reply that does not parse as the message its method answers (a server that is not a dtrain coordinator of
+    this protocol, or a corrupting proxy): what :func:`tolerant` returns instead of raising, so that gRPC does not
+    log its own traceback ("Exception deserializing response!"); the client raises one CoordinatorError naming it
+    (:meth:`CoordinatorClient._retry`)."""
+
+    def __init__(self, expected: str, error: str, size: int):
+        self.expected, self.error, self.size = expected, error, size
+
+    def describe(self, what: str, address: str) -> str:
+        why = _one_line(self.error).rsplit(": ", 1)[-1]  # protobuf's text names the type again before its reason
+        return (f"{what}: the coordinator at {address} sent a malformed reply ({self.size} bytes that are not a "
+                f"{self.expected}: {in_words(why)}); is the address a dtrain coordinator of this version?")
+
+
+class MalformedReply(CoordinatorError):
+    """A reply that does not parse (:class:`Malformed`): INTERNAL, not retried."""
+
+
+def tolerant(parse: Callable[[bytes], T], expected: str) -> Callable[[bytes], T | Malformed]:
+    """``parse`` as a response deserializer that returns :class:`Malformed` instead of raising on bytes that do not
+    parse (gRPC logs a deserializer's exception with its traceback, then fails the call with INTERNAL)."""
+    def go(raw: bytes) -> T | Malformed:
+        try:
+            return parse(raw)
+        except (DecodeError, ValueError, IndexError) as e:
+            return Malformed(expected, str(e) or type(e).__name__, len(raw))
+    return go
+
+
+def _unary(channel: grpc.Channel, method: str, request: type[Message], reply: type[M]) -> Any:
+    """A unary method of the service whose reply goes through :func:`tolerant`."""
+    return channel.unary_unary(method_path(method), request_serializer=request.SerializeToString,
+                               response_deserializer=tolerant(reply.FromString, reply.DESCRIPTOR.full_name))
+
+
 def evidence_message(evidence: Mapping[str, Any]) -> pb.DeviceEvidence:
     """workers/chip_health.py's Evidence dict as a DeviceEvidence: ``device``, ``index``, ``probe``, ``step`` and
     ``detail``, and the numbers the probe measured (``value``, ``expected``, ``z``, ``median``: floats, or
@@ -151,12 +189,17 @@ class CoordinatorClient:
         opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
         self.channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # Join, Heartbeat and Status as the stub would call them, with replies that do not parse as Malformed.
+        self._join = _unary(self.channel, "Join", pb.JoinRequest, pb.JoinResponse)
+        self._heartbeat = _unary(self.channel, "Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse)
+        self._status = _unary(self.channel, "Status", pb.StatusRequest, pb.StatusResponse)
         # Pushes send pre-encoded chunk messages (wire.chunk_message), so they take a serializer that passes bytes.
-        self._push_delta = self.channel.stream_unary(method_path("PushDelta"), request_serializer=serialize,
-                                                     response_deserializer=pb.PushDeltaResponse.FromString)
-        self._pull_global = self.channel.unary_stream(method_path("PullGlobal"),
-                                                      request_serializer=pb.PullRequest.SerializeToString,
-                                                      response_deserializer=chunk_deserializer(pb.PullMessage))
+        self._push_delta = self.channel.stream_unary(
+            method_path("PushDelta"), request_serializer=serialize,
+            response_deserializer=tolerant(pb.PushDeltaResponse.FromString, pb.PushDeltaResponse.DESCRIPTOR.full_name))
+        self._pull_global = self.channel.unary_stream(
+            method_path("PullGlobal"), request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=tolerant(chunk_deserializer(pb.PullMessage), pb.PullMessage.DESCRIPTOR.full_name))
         self.metadata = auth_metadata(token)
         self.on_retry = on_retry
         self.give_up = give_up
@@ -167,15 +210,19 @@ class CoordinatorClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _retry(self, what: str, call: Callable[[], T], budget_s: float | None = None) -> T:
+    def _retry(self, what: str, call: Callable[[], T | Malformed], budget_s: float | None = None) -> T:
         """``call()``, retried on UNAVAILABLE / DEADLINE_EXCEEDED until ``budget_s`` (default
-        worker.retry_total_s; 0: one try) of wall time has passed since the first try."""
+        worker.retry_total_s; 0: one try) of wall time has passed since the first try. A reply that does not
+        parse (:class:`Malformed`) is a :class:`MalformedReply`, not retried."""
         w = self.cfg.worker
         budget = w.retry_total_s if budget_s is None else budget_s
         delay, t0 = w.retry_initial_s, time.monotonic()
         while True:
             try:
-                return call()
+                result = call()
+                if isinstance(result, Malformed):
+                    raise MalformedReply(grpc.StatusCode.INTERNAL, result.describe(what, self.address))
+                return result
             except grpc.RpcError as e:
                 code, details = e.code(), _one_line(e.details() or "")
                 if code not in RETRYABLE:
@@ -206,7 +253,7 @@ class CoordinatorClient:
         """``device_kind``: jax's device_kind of the island's devices ("" unknown)."""
         req = pb.JoinRequest(island=island, hardware=hardware, devices=devices, fingerprint=self.cfg.fingerprint(),
                              fingerprint_fields=self.cfg.fingerprint_fields(), device_kind=device_kind)
-        return self._retry("join", lambda: self.stub.Join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
+        return self._retry("join", lambda: self._join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
     def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,
                   tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
@@ -227,7 +274,7 @@ class CoordinatorClient:
                                                                   for v, loss in evals])
         if train_loss is not None:
             req.train_loss = train_loss
-        return self._retry("heartbeat", lambda: self.stub.Heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
+        return self._retry("heartbeat", lambda: self._heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,
                                                                     metadata=self.metadata), budget_s)
 
     def status(self, budget_s: float | None = None, *, within_s: float | None = None) -> pb.StatusResponse:
@@ -239,7 +286,7 @@ class CoordinatorClient:
 
         def call() -> pb.StatusResponse:
             timeout = STATUS_DEADLINE_S if end is None else min(STATUS_DEADLINE_S, max(end - time.monotonic(), 0.01))
-            return self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
+            return self._status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
 
         return self._retry("status", call, within_s if within_s is not None else budget_s)
 
@@ -286,7 +333,7 @@ class CoordinatorClient:
         """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
         chunks = self._chunked(header, frame)
 
-        def call() -> pb.PushDeltaResponse:
+        def call() -> pb.PushDeltaResponse | Malformed:
             resp = self._push_delta(self._messages(header, chunks), timeout=self.cfg.worker.rpc_deadline_s,
                                     metadata=self.metadata)
             self.bytes_up += len(frame)
@@ -311,6 +358,9 @@ class CoordinatorClient:
             stream = self._pull_global(req, timeout=self.cfg.worker.rpc_deadline_s + wait_s,
                                        metadata=self.metadata)
             for msg in stream:  # chunks arrive as RawChunk (wire.chunk_deserializer)
+                if isinstance(msg, Malformed):
+                    stream.cancel()
+                    raise MalformedReply(grpc.StatusCode.INTERNAL, msg.describe("pull", self.address))
                 if not isinstance(msg, RawChunk) and msg.WhichOneof("kind") == "header":
                     if receiver is not None:
                         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a header before the last frame ended")
