@@ -31,6 +31,7 @@ the final wait, the final heartbeat, eval and summary, on the loop's thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
 from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config
+from dtrain.config import ROUND_AUTO, Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.prepare import Setup, prepare
 from dtrain.proto import dtrain_pb2 as pb
@@ -70,6 +71,7 @@ from workers.exchange import (
 from workers.heartbeat import Clock, Evaluator, Heartbeat, IslandStatus, Mailbox
 from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
+from workers.pacing import Slowdown, auto_round_seconds, calibrate, retimed
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
@@ -120,12 +122,14 @@ class TrainLog:
         self.mark = (now, executed_steps)
         cfg = self.cfg
         tokens_per_s = status.steps_per_s * cfg.train.batch_size * cfg.model.seq_len
+        if cfg.worker.round_seconds != ROUND_AUTO:  # auto rounds: the calibration's rate stands (workers.pacing)
+            status.tokens_per_s = tokens_per_s
         loss = status.read_loss()
         self.log.event("train", step=island.steps, loss=json_number(loss), tokens=island.tokens,
                        tokens_per_s=round(tokens_per_s, 1), version=anchor.version, shard=island.index,
                        cursor=island.cursor, utilization=round(self.clock.utilization(), 4))
         total = self.mailbox.total_versions
-        shard_end = cfg.train.steps * cfg.train.batch_size  # sequences per shard (step rounds)
+        shard_end = cfg.train.shard_sequences  # sequences per shard (step rounds)
         self.log.status(self.name, fmt_progress(self.name, step=island.steps, version=anchor.version, total=total,
                                                 data=None if total else (island.cursor, shard_end), loss=loss,
                                                 tokens_per_s=tokens_per_s),
@@ -166,8 +170,9 @@ class Worker:
 
     def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                  inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
-                 hosts: HostGroup | None = None):
+                 hosts: HostGroup | None = None, slowdown: float = 1.0):
         self.hosts = hosts or HostGroup.single()
+        self.slowdown = Slowdown(slowdown)  # testing: emulated slower hardware (workers.pacing)
         # Push faults need nothing of the other processes: process 0 alone sends the island's pushes (_push).
         if not self.hosts.alone and (cfg.health.enabled or device_fault is not None):
             raise WorkerError(f"an island of {self.hosts.count} processes cannot run chip health ([health] enabled) "
@@ -236,6 +241,8 @@ class Worker:
         t_start = time.perf_counter()
         self.guard.start()
         precompile(self.setup, self.schedule)
+        auto = self.cfg.worker.round_seconds == ROUND_AUTO
+        rate = calibrate(self.setup, self.slowdown.factor) if auto else 0.0  # before the lease: it takes a while
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         try:
@@ -245,7 +252,7 @@ class Worker:
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
         status = IslandStatus(held=(joined.version, ""), steps=0, tokens=0, devices=self.loop.mesh.devices.size,
-                              quarantined=self.guard.evidence())
+                              quarantined=self.guard.evidence(), tokens_per_s=rate)
         heartbeat = Heartbeat(self.client, status, self.mailbox, self.cfg.worker.heartbeat_s, self.log.event,
                               rejoin=self.membership.join, utilization=self.clock.utilization)
         if self.hosts.leader:  # only process 0 talks to the coordinator
@@ -254,6 +261,8 @@ class Worker:
         island = self.rewinder.start_island(joined, anchor, ckpt)
         status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
         self.hosts.lead(self.membership.await_peers)
+        if auto:
+            self._auto_rounds(rate)
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
@@ -272,7 +281,38 @@ class Worker:
         heartbeat.stop()
         ckpt.close()
         self.ckpt = None
+        self.run_end.extra.update(self.slowdown.summary())
         return self.run_end.finish(island, anchor, status, rounds, t_start, final_wait, self.telemetry)
+
+    def _auto_rounds(self, rate: float) -> None:
+        """``worker.round_seconds = auto``, after the start barrier: the round length from every island's measured
+        rate (Status, asked by process 0), the lr schedule stretched to this island's steps in the run
+        (:func:`workers.pacing.retimed`), the inner loop rebuilt with it and compiled."""
+        want, limit = self.cfg.outer.islands, max(self.cfg.worker.start_wait_s, 10.0)
+
+        def rates() -> list[float]:
+            t0 = time.perf_counter()
+            while True:
+                got = [i.tokens_per_s for i in self.client.status().islands if i.state == "live" and i.tokens_per_s]
+                if len(got) >= want or time.perf_counter() - t0 > limit or self.mailbox.stopping.is_set():
+                    return got or [rate]
+                time.sleep(0.1)
+
+        measured = self.hosts.lead(rates)
+        seconds = auto_round_seconds(self.cfg, measured)
+        versions = self.mailbox.total_versions or self.cfg.rounds
+        cfg = retimed(self.cfg, seconds, versions, rate)
+        old = self.setup.loop
+        self.setup.loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
+        self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
+        precompile(self.setup, self.schedule)
+        self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(r, 1) for r in measured],
+                       tokens_per_s=round(rate, 1), schedule_steps=cfg.train.island_steps(cfg.train.steps),
+                       versions=versions)
+        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s (the slowest of {len(measured)} islands: "
+                          f"{min(measured):,.0f} tokens/s; this one {rate:,.0f}); lr schedule over "
+                          f"{cfg.train.island_steps(cfg.train.steps)} steps")
+        self.run_end.extra.update(round_seconds=seconds, calibrated_tokens_per_s=rate)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -343,7 +383,9 @@ class Worker:
         cursor, metrics = island.cursor, {}
         first = int(island.state.step) if health is not None else 0  # synced already: the last check read it
         try:
+            self.slowdown.start()
             advance(self.loop, island, n, self.cfg.train.batch_size, on_chunk=lambda _, m: metrics.update(m))
+            self.slowdown.end(island.state.step)
         except Exception as e:
             recovery = self.guard.diagnose(e, first, n) if health is not None else None
             if recovery is None:  # not a device's failure: the error stands
@@ -451,13 +493,14 @@ class Worker:
 
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
-               hosts: HostGroup | None = None) -> dict[str, Any]:
+               hosts: HostGroup | None = None, slowdown: float = 1.0) -> dict[str, Any]:
     """Runs one island to the end of the run (a :class:`Worker`, cleaned up whatever happens).
 
     Args: ``cfg``, the run's config; ``address``, the coordinator's HOST:PORT; ``name``, the island's name;
     ``run_dir``, its folder; ``quiet``, no progress lines; ``inject``, push faults, and ``device_fault``, a faulty
     device in the island (testing only: :mod:`workers.push_faults`); ``hosts``, this process's place in an island of
-    several processes (:mod:`workers.hosts`).
+    several processes (:mod:`workers.hosts`); ``slowdown``: every chunk takes this many times its measured
+    compute time (testing: emulated slower hardware, :class:`workers.pacing.Slowdown`).
 
     Returns the island's summary (:meth:`Worker.run`), or ``{"island", "run_over"}`` (exit 0, no training) when
     the run is over already: checked first, before the island builds or compiles anything. Raises what ended
@@ -478,7 +521,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
                                       logger=LOGGER),
                                 name, over)
     worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault,
-                    hosts=hosts)
+                    hosts=hosts, slowdown=slowdown)
     try:
         return worker.run()
     finally:

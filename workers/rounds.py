@@ -46,8 +46,9 @@ class Schedule:
     @classmethod
     def from_config(cls, cfg: Config) -> Schedule:
         w = cfg.worker
-        return cls(inner_steps=cfg.outer.inner_steps, steps_per_call=cfg.train.steps_per_call,
-                   total_steps=cfg.train.steps, overlap=w.overlap,
+        t = cfg.train  # H and the budget count steps of train.base_batch_size sequences: the island's own steps
+        return cls(inner_steps=t.island_steps(cfg.outer.inner_steps), steps_per_call=t.steps_per_call,
+                   total_steps=t.island_steps(t.steps), overlap=w.overlap,
                    overlap_steps=w.max_overlap_steps if w.overlap else 0, round_seconds=w.round_seconds)
 
     def chunk_lengths(self) -> set[int]:
