@@ -12,7 +12,9 @@ run uses, so the island compiles exactly those before it joins.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 from dtrain.config import Config
@@ -58,9 +60,11 @@ class Schedule:
         round and the last (the rounds between repeat the first); wall-time rounds replay one round until the
         overlap budget is behind it and one more chunk (after that every chunk is ``steps_per_call``)."""
         if self.round_seconds:
+            # auto (< 0, not resolved yet): the lengths of a round that has not ended (they do not depend on it)
+            probe = self if self.round_seconds > 0 else dataclasses.replace(self, round_seconds=math.inf)
             lengths, done = set(), 0
             while True:
-                n = next_action(self, RoundProgress(round_steps=done, island_steps=done)).steps
+                n = next_action(probe, RoundProgress(round_steps=done, island_steps=done)).steps
                 lengths.add(n)
                 done += n
                 if done > self.overlap_steps:
