@@ -3,7 +3,10 @@
 The coordinator needs θ_0 as one flat float32 vector. Building it means
 importing JAX and materializing the model's parameter tree several times
 over; doing that in a short-lived child keeps the coordinator's own memory
-(and its peak) at the size of the vectors it actually holds.
+(and its peak) at the size of the vectors it actually holds. With
+``model.init_from`` θ_0 is a Hugging Face folder's tensors instead (``dtrain.hf``), written leaf by leaf into
+the file, every name and shape checked first: a folder that does not fit is one line on stderr and exit status
+:data:`UNFIT` (the coordinator raises it as its error, no traceback).
 """
 
 from __future__ import annotations
@@ -14,18 +17,28 @@ from pathlib import Path
 
 import numpy as np
 
+UNFIT = 3  # the exit status of a model.init_from folder that does not fit the config
+
 
 def main(config_path: str, out_dir: str, spec_only: bool = False) -> None:
     import jax
 
-    from dtrain import codec, model
+    from dtrain import codec, hf, model
     from dtrain.config import load_config
 
     cfg = load_config(config_path)
     built = model.build(cfg.model)
     out = Path(out_dir)
-    if spec_only:  # a resuming coordinator takes θ from its checkpoint: shapes suffice, nothing is initialized
-        spec, _ = codec.flatten(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), built.abstract_params))
+    if spec_only or cfg.model.init_from:  # a resuming coordinator takes θ from its checkpoint: shapes suffice
+        spec = hf.spec_of(built.abstract_params)
+        if not spec_only:
+            theta0 = np.memmap(out / "theta0.f32", "<f4", mode="w+", shape=(codec.spec_size(spec),))
+            try:
+                hf.read_vector(cfg.model, spec, cfg.model.init_from, theta0)  # checks every name and shape first
+            except hf.HFError as e:
+                print(f"model.init_from: {e}", file=sys.stderr)
+                sys.exit(UNFIT)
+            theta0.flush()
     else:
         spec, vec = codec.flatten(jax.device_get(built.init(cfg.run.seed)))
         np.ascontiguousarray(vec, dtype="<f4").tofile(out / "theta0.f32")  # raw: the coordinator links it in

@@ -23,11 +23,13 @@ import numpy as np
 from grpc_health.v1 import health_pb2_grpc
 
 from coordinator.dashboard import check_port_free, dashboard_port, open_dashboard
+from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CURRENT_CALL, CoordinatorService
+from coordinator.stored import write_layout
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
@@ -230,8 +232,9 @@ def _log_started(cfg: Config, service: CoordinatorService, bound: int, resume: b
 
 def initial_parameters_file(cfg: Config, out_dir: str | Path, spec_only: bool = False
                             ) -> tuple[Path | None, codec.Spec]:
-    """θ_0 from the run's seed as a file of raw float32 in ``out_dir`` (every island builds the same tree and
-    checks its digest), and the tree's spec. ``spec_only``: just the spec (from shapes; no θ_0 is built).
+    """θ_0 from the run's seed (or ``model.init_from``'s Hugging Face folder) as a file of raw float32 in
+    ``out_dir`` (every island builds the same tree and checks its digest), and the tree's spec. ``spec_only``:
+    just the spec (from shapes; no θ_0 is built).
 
     Computed in a child process (coordinator/init_params.py), so JAX and the model's temporary copies
     never enter the coordinator's memory, and θ_0 itself only as a file the merger links in."""
@@ -247,6 +250,8 @@ def initial_parameters_file(cfg: Config, out_dir: str | Path, spec_only: bool = 
         (Path(tmp) / "config.toml").write_text(to_toml(cfg))
         done = subprocess.run([sys.executable, "-m", "coordinator.init_params", str(Path(tmp) / "config.toml"),
                                str(out), *(["--spec-only"] if spec_only else [])], capture_output=True, text=True)
+    if done.returncode == UNFIT:  # model.init_from's folder does not fit the config: its one line
+        raise ConfigError(done.stderr.strip().splitlines()[-1])
     if done.returncode != 0:
         raise DtrainError(f"computing θ_0 failed:\n{done.stderr[-2000:]}")
     return None if spec_only else out / "theta0.f32", json.loads((out / "spec.json").read_text())
@@ -278,6 +283,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
     checked = preflight(cfg, port)  # before θ_0's work
     init_dir = Path(run_dir) / "spool" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir, spec_only=resume)  # resuming: θ is in the checkpoint
+    write_layout(cfg, run_dir, spec)  # what `dtrain export` reads θ's files with
     try:
         server, service, bound = serve(cfg, run_dir, theta0, spec, port=port, resume=resume, quiet=quiet,
                                        after_finish=after_finish, checked=checked)

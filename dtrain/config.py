@@ -50,21 +50,39 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = _f("gpt", "model family", choices=("gpt", "mlp"))
-    vocab_size: int = _f(256, "vocabulary size (256 = raw bytes; larger for uint16 token shards)")
+    kind: str = _f("gpt", "model family: gpt (a byte GPT: learned positions, LayerNorm, GELU MLP), llama (Hugging "
+                   "Face's LlamaForCausalLM: RoPE, RMSNorm, SwiGLU, grouped-query attention) or mlp (a bigram MLP for "
+                   "tests)",
+                   choices=("gpt", "llama", "mlp"))
+    vocab_size: int = _f(256, "vocabulary size (256 = raw bytes; a tokenizer's size for a token store, e.g. 128256 "
+                         "for Llama 3's)")
     seq_len: int = _f(64, "tokens per training sequence (context length)")
     d_model: int = _f(64, "residual width")
     n_layers: int = _f(2, "transformer blocks (gpt) or hidden layers (mlp)")
     n_heads: int = _f(4, "attention heads; must divide d_model")
-    mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
+    mlp_ratio: int = _f(4, "gpt: MLP hidden width as a multiple of d_model (the llama ignores it: model.mlp_hidden)")
     dtype: str = _f("float32", "compute dtype; parameters are always kept in float32",
                     choices=("float32", "bfloat16"))
-    attention: str = _f("xla", "gpt: the attention kernel: jax.nn.dot_product_attention's xla or cudnn (fused "
+    attention: str = _f("xla", "gpt, llama: the attention kernel: jax.nn.dot_product_attention's xla or cudnn (fused "
                         "flash attention: NVIDIA GPUs, bfloat16, head size a multiple of 8) implementation, or einsum "
                         "(written out, a reference); how the model computes, not what: not in the fingerprint",
                         choices=("xla", "cudnn", "einsum"))
-    remat: bool = _f(False, "gpt: recompute each block's activations in the backward pass instead of keeping them "
-                     "(less memory, about a third more FLOPs); not in the fingerprint")
+    remat: bool = _f(False, "gpt, llama: recompute each block's activations in the backward pass instead of keeping "
+                     "them (less memory, about a third more FLOPs); not in the fingerprint")
+    n_kv_heads: int = _f(0, "llama: key/value heads of grouped-query attention, dividing n_heads (0: n_heads, "
+                         "multi-head attention); the other kinds reject a value other than the default")
+    mlp_hidden: int = _f(0, "llama: SwiGLU hidden width (0: Llama's rule, int(8 * d_model / 3) rounded up to a "
+                         "multiple of 256); the other kinds reject a value other than the default")
+    rope_theta: float = _f(10000.0, "llama: rotary position embedding base (Llama 2: 10000, Llama 3: 500000; no "
+                           "rope scaling); the other kinds reject a value other than the default")
+    norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon; the other kinds reject a value other than the default")
+    tie_embeddings: bool = _f(False, "llama: the head is the token table (logits = x @ embedding.T, no head "
+                              "parameter); the other kinds reject a value other than the default")
+    init_from: str = _f("", "a Hugging Face model folder (safetensors weights) whose tensors are θ_0 instead of "
+                        "run.seed's initialization: llama from LlamaForCausalLM, gpt from GPT2LMHeadModel, every "
+                        "name and shape checked against this [model] first (docs/models.md); read where θ_0 is made "
+                        "(the coordinator; dtrain train and simulate --inprocess), not by islands, which receive "
+                        "θ_0 from the coordinator: not in the fingerprint")
 
 
 @dataclass(frozen=True)
@@ -293,9 +311,11 @@ class Config:
     def fingerprint_fields(self) -> dict[str, str]:
         """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
-        train the same model)."""
-        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items()
-                  if k not in COMPUTE_ONLY_MODEL_FIELDS}
+        train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
+        llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
+        skip = COMPUTE_ONLY_MODEL_FIELDS + THETA0_ONLY_MODEL_FIELDS + \
+            (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         return fields
 
@@ -306,6 +326,10 @@ class Config:
 
 
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
+# [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
+THETA0_ONLY_MODEL_FIELDS = ("init_from",)
+LLAMA_ONLY_MODEL_FIELDS = ("n_kv_heads", "mlp_hidden", "rope_theta", "norm_eps", "tie_embeddings")
+MAX_VOCAB_SIZE = 1 << 31  # ids reach the model as int32 (token stores hold uint16 or uint32 ids)
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "outer": OuterConfig, "mesh": MeshConfig, "codec": CodecConfig, "coordinator": CoordinatorConfig,
@@ -354,19 +378,45 @@ def _check_signs(cfg: Config, fail: _Fail) -> None:
 
 
 def _check_model(cfg: Config, fail: _Fail) -> None:
-    """[model]: heads divide the width, cuDNN attention's dtype and head size, a uint16 vocabulary."""
+    """[model]: heads divide the width, cuDNN attention's dtype and head size, the vocabulary fits int32 ids, then
+    :func:`_check_llama`."""
     m = cfg.model
     if m.d_model % m.n_heads:
         fail("model", "n_heads", f"must divide d_model ({m.d_model} % {m.n_heads} = {m.d_model % m.n_heads})")
-    if m.attention == "cudnn" and m.kind == "gpt":
+    if m.attention == "cudnn" and m.kind in ("gpt", "llama"):
         if m.dtype != "bfloat16":
             fail("model", "attention", f"cudnn (fused flash attention) needs model.dtype = \"bfloat16\", "
                  f"got {m.dtype!r}")
         if (m.d_model // m.n_heads) % 8:
             fail("model", "attention", f"cudnn needs a head size (d_model / n_heads) that is a multiple of 8, got "
                  f"{m.d_model // m.n_heads}")
-    if m.vocab_size > 65536:
-        fail("model", "vocab_size", f"tokens are stored as uint16, so at most 65536, got {m.vocab_size}")
+    if m.vocab_size > MAX_VOCAB_SIZE:
+        fail("model", "vocab_size", f"token ids are int32, so at most {MAX_VOCAB_SIZE}, got {m.vocab_size}")
+    if m.init_from and m.kind not in ("llama", "gpt"):
+        fail("model", "init_from", f"a Hugging Face folder holds a llama or a gpt, not a {m.kind}")
+    _check_llama(cfg, fail)
+
+
+def _check_llama(cfg: Config, fail: _Fail) -> None:
+    """[model]'s llama-only fields: left at their defaults by the other kinds; for the llama, kv heads dividing the
+    heads, an even head size (RoPE rotates halves), a positive rope base and norm epsilon, a hidden width >= 0."""
+    m, defaults = cfg.model, ModelConfig()
+    if m.kind != "llama":
+        for name in LLAMA_ONLY_MODEL_FIELDS:
+            if getattr(m, name) != getattr(defaults, name):
+                fail("model", name, f"only model.kind = \"llama\" has it; {m.kind} needs the default "
+                     f"{getattr(defaults, name)!r}, got {getattr(m, name)!r}")
+        return
+    if m.n_kv_heads < 0 or (m.n_kv_heads and m.n_heads % m.n_kv_heads):
+        fail("model", "n_kv_heads", f"must divide n_heads ({m.n_heads}) or be 0 (= n_heads), got {m.n_kv_heads}")
+    if (m.d_model // m.n_heads) % 2:
+        fail("model", "n_heads", f"the head size d_model / n_heads must be even for rotary embeddings, got "
+             f"{m.d_model // m.n_heads}")
+    for name in ("rope_theta", "norm_eps"):
+        if not (math.isfinite(getattr(m, name)) and getattr(m, name) > 0):
+            fail("model", name, f"must be a finite number > 0, got {getattr(m, name)}")
+    if m.mlp_hidden < 0:
+        fail("model", "mlp_hidden", f"must be >= 0 (0: Llama's rule), got {m.mlp_hidden}")
 
 
 def _check_optimization(cfg: Config, fail: _Fail) -> None:

@@ -43,7 +43,7 @@ from dtrain.config import DataConfig
 from dtrain.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
 __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
-           "builtin_files", "eval_batches", "island_shards", "open_corpus", "split", "store_location"]
+           "builtin_files", "eval_batches", "existing_store", "island_shards", "open_corpus", "split", "store_location"]
 
 SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
@@ -221,6 +221,19 @@ def _write_bin_store(files: list[Path], out: Path, limit: int, block: int = 1 <<
         if ids.size:
             writer.add_document(np.asarray(ids))
     writer.close()
+
+
+def existing_store(cfg: DataConfig, cache: Path) -> str | None:
+    """The token store ``cfg.source`` names, or the one it was made into under ``cache`` (:func:`store_location`),
+    without making one: None when there is none yet there for the source as its files are now."""
+    source = cfg.source
+    if _is_url(source) or (source != "builtin" and _is_store_folder(Path(source).expanduser())):
+        return source
+    try:
+        dest = cache / _cache_key(_plan(source), cfg.max_bytes, cfg.tokenizer)
+    except DataError:
+        return None
+    return str(dest) if (dest / MANIFEST).exists() else None
 
 
 def store_location(cfg: DataConfig, cache: Path) -> str:

@@ -1,10 +1,12 @@
-"""Flax NNX models: a decoder-only byte GPT and a tiny MLP language model.
+"""Flax NNX models (``model.kind``): a decoder-only byte GPT, a Llama and a tiny MLP language model.
 
-Both map ``tokens_BxL`` (int32) to ``logits_BxLxV`` (float32). Parameters are
+All map ``tokens_BxL`` (int32) to ``logits_BxLxV`` (float32). Parameters are
 kept in float32; ``dtype`` sets the compute dtype (bfloat16 on accelerators).
-Two knobs change how the GPT computes, not what: ``attention`` picks the
-attention kernel (:func:`causal_attention`) and ``remat`` recomputes each
-block's activations in the backward pass instead of keeping them.
+Two knobs change how the GPT and the Llama compute, not what: ``attention``
+picks the attention kernel (:func:`causal_attention`) and ``remat`` recomputes
+each block's activations in the backward pass instead of keeping them. The
+Llama (:class:`Llama`) computes what Hugging Face's ``LlamaForCausalLM`` does,
+its parameter tree mapping onto that one's by transposes only.
 
 The rest of dtrain never touches NNX objects in the hot path: :func:`build`
 returns a pure ``apply(params, tokens) -> logits`` over a plain nested dict of
@@ -34,18 +36,25 @@ def _dense(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs, std: float = _INIT
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
-def causal_attention(q_BxLxNxH: jax.Array, k_BxLxNxH: jax.Array, v_BxLxNxH: jax.Array,
+def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
                      implementation: str) -> jax.Array:
     """Causal softmax attention, by ``model.attention``: ``xla`` and ``cudnn`` are
     ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: the fused flash-attention kernel, NVIDIA
     GPUs and bfloat16 only); ``einsum`` is the textbook formulation written out (scores and softmax in float32),
-    a reference the others are tested against."""
+    a reference the others are tested against. Scores are scaled by ``H ** -0.5``.
+
+    Grouped-query attention when the keys and values have ``K`` heads, fewer than the queries' ``N`` (K divides N):
+    query head ``n`` attends with key/value head ``n // (N // K)`` (Hugging Face's ``repeat_kv``; what
+    ``jax.nn.dot_product_attention`` does with fewer K/V heads)."""
     if implementation in ("xla", "cudnn"):
         kernel: Literal["xla", "cudnn"] = "cudnn" if implementation == "cudnn" else "xla"
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True, implementation=kernel)
+        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=kernel)
     if implementation != "einsum":
         raise ValueError(f"model.attention: unknown implementation {implementation!r}")
-    L, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[3]
+    L, N, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[2], q_BxLxNxH.shape[3]
+    group = N // k_BxLxKxH.shape[2]  # each key/value head serves `group` consecutive query heads
+    k_BxLxNxH = jnp.repeat(k_BxLxKxH, group, axis=2)
+    v_BxLxNxH = jnp.repeat(v_BxLxKxH, group, axis=2)
     scores_BxNxLxL = jnp.einsum("blnh,bmnh->bnlm", q_BxLxNxH, k_BxLxNxH,
                                 preferred_element_type=jnp.float32) * H ** -0.5
     causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
@@ -119,6 +128,133 @@ class GPT(nnx.Module):
         return self.head(self.ln_f(x_BxLxD)).astype(jnp.float32)
 
 
+# ------------------------------------------------------------------------------------------------------- Llama
+
+
+def llama_mlp_hidden(cfg: ModelConfig) -> int:
+    """The Llama's SwiGLU hidden width F: ``model.mlp_hidden``, or with 0 Llama's rule, ``int(2 * 4 * d_model / 3)``
+    rounded up to a multiple of 256 (the published models give theirs explicitly: Llama 3 8B's 14336)."""
+    if cfg.mlp_hidden:
+        return cfg.mlp_hidden
+    return -(-int(2 * 4 * cfg.d_model / 3) // 256) * 256
+
+
+def llama_kv_heads(cfg: ModelConfig) -> int:
+    """Key/value heads of the Llama's grouped-query attention: ``model.n_kv_heads``, 0 meaning ``n_heads``."""
+    return cfg.n_kv_heads or cfg.n_heads
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Rotary position embedding tables ``[L, H]`` (float32) in Hugging Face's convention: ``inv_freq = 1 /
+    theta ** (arange(0, H, 2) / H)``, angles ``position * inv_freq``, concatenated twice (the two halves of the
+    head dimension rotate together, not interleaved pairs)."""
+    inv_freq_H2 = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_LxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
+    angles_LxH = jnp.concatenate([angles_LxH2, angles_LxH2], axis=-1)
+    return jnp.cos(angles_LxH), jnp.sin(angles_LxH)
+
+
+def apply_rope(x_BxLxNxH: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = concat(-x2, x1)`` (x1, x2: the halves of the head
+    dimension), computed in float32 and returned in ``x``'s dtype."""
+    x = x_BxLxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x * cos_LxH[None, :, None, :] + rotated * sin_LxH[None, :, None, :]
+    return out.astype(x_BxLxNxH.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Hugging Face's ``LlamaRMSNorm``: ``x * rsqrt(mean(x^2) + eps)`` in float32, cast back to the compute dtype,
+    times ``scale`` (initialized to ones)."""
+
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+class LlamaAttention(nnx.Module):
+    """Grouped-query attention with rotary positions; q, k, v, o without biases."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        self.n_heads, self.n_kv_heads = cfg.n_heads, llama_kv_heads(cfg)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.attention = cfg.attention
+        self.q = _dense(cfg.d_model, self.n_heads * self.head_dim, dtype, rngs)
+        self.k = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs)
+        self.v = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs)
+        # residual projections scaled by 1/sqrt(2 * n_layers) at init, as the GPT's
+        self.o = _dense(self.n_heads * self.head_dim, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x_BxLxD: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
+        B, L, _ = x_BxLxD.shape
+        q_BxLxNxH = apply_rope(self.q(x_BxLxD).reshape(B, L, self.n_heads, self.head_dim), cos_LxH, sin_LxH)
+        k_BxLxKxH = apply_rope(self.k(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim), cos_LxH, sin_LxH)
+        v_BxLxKxH = self.v(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim)
+        out_BxLxNxH = causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, self.attention)
+        return self.o(out_BxLxNxH.reshape(B, L, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        hidden = llama_mlp_hidden(cfg)
+        self.gate = _dense(cfg.d_model, hidden, dtype, rngs)
+        self.up = _dense(cfg.d_model, hidden, dtype, rngs)
+        self.down = _dense(hidden, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm Llama block: ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.attn = LlamaAttention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.mlp = SwiGLU(cfg, dtype, rngs)
+
+    def __call__(self, x: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), cos_LxH, sin_LxH)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """Hugging Face's ``LlamaForCausalLM``: no position embeddings (rotary ones in attention), RMSNorm, SwiGLU,
+    grouped-query attention, no biases; the head is ``head`` or, with ``model.tie_embeddings``, the token table."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.dtype = dtype
+        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        self.tok_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
+                                   embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.blocks = nnx.List([LlamaBlock(cfg, dtype, rngs) for _ in range(cfg.n_layers)])
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.head = None if cfg.tie_embeddings else _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
+        self.remat = cfg.remat
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        cos_LxH, sin_LxH = rope_cos_sin(tokens_BxL.shape[1], self.head_dim, self.rope_theta)
+        x_BxLxD = self.tok_embed(tokens_BxL)
+        run_block = nnx.remat(LlamaBlock.__call__) if self.remat else LlamaBlock.__call__
+        for block in self.blocks:
+            x_BxLxD = run_block(block, x_BxLxD, cos_LxH, sin_LxH)
+        x_BxLxD = self.norm_f(x_BxLxD)
+        if self.head is None:  # tied: logits = x @ embedding.T
+            return self.tok_embed.attend(x_BxLxD).astype(jnp.float32)
+        return self.head(x_BxLxD).astype(jnp.float32)
+
+
 class ByteMLP(nnx.Module):
     """Per-position MLP over the current token's embedding (a bigram model): the fastest test model."""
 
@@ -139,7 +275,9 @@ class ByteMLP(nnx.Module):
 
 def _module(cfg: ModelConfig, seed: int) -> nnx.Module:
     rngs = nnx.Rngs(seed)
-    return GPT(cfg, rngs) if cfg.kind == "gpt" else ByteMLP(cfg, rngs)
+    if cfg.kind == "gpt":
+        return GPT(cfg, rngs)
+    return Llama(cfg, rngs) if cfg.kind == "llama" else ByteMLP(cfg, rngs)
 
 
 @dataclass(frozen=True)
@@ -173,7 +311,9 @@ def param_count(params: Params) -> int:
 
 
 def embedding_param_count(cfg: ModelConfig) -> int:
-    """Parameters in embedding tables (lookups, not matrix multiplies): the token table, and the GPT's positions."""
+    """Parameters in embedding tables (lookups, not matrix multiplies): the token table, and the GPT's positions.
+    A Llama's tied table counts here too (it is one table); its use as the head is counted by
+    :func:`flops_per_token`."""
     return cfg.vocab_size * cfg.d_model + (cfg.seq_len * cfg.d_model if cfg.kind == "gpt" else 0)
 
 
@@ -182,13 +322,20 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
     ``6 * N`` for the matrix multiplies, where N is every parameter of the model (counted from the model as
     :func:`build` builds it) except the embedding tables (:func:`embedding_param_count`: lookups); the output
-    head counts (it is a matmul), and so do the few LayerNorm scales and biases (a rounding error). For the GPT,
-    plus attention's score and value products: ``12 * n_layers * d_model * seq_len`` (PaLM, appendix B; the full
-    LxL products, as PaLM counts them, though a causal mask makes half of them moot). Model FLOPs, not hardware
-    FLOPs: ``remat``'s recomputation and the optimizer's elementwise update are not counted.
+    head counts (it is a matmul), and so do the few norm scales and biases (a rounding error). A Llama with
+    ``tie_embeddings`` has no head parameter, but its head is still a ``[D, V]`` matmul (by the token table):
+    ``6 * vocab_size * d_model`` more, so tied and untied Llamas of one shape count the same FLOPs. GQA's smaller
+    k and v projections and SwiGLU's three matrices are counted as :func:`build` builds them. For the GPT and the
+    Llama, plus attention's score and value products: ``12 * n_layers * d_model * seq_len`` (PaLM, appendix B; the
+    full LxL products, as PaLM counts them, though a causal mask makes half of them moot; GQA shares keys and
+    values between query heads but computes every query head's products, and ``n_heads * head_dim = d_model``).
+    Model FLOPs, not hardware FLOPs: ``remat``'s recomputation and the optimizer's elementwise update are not
+    counted.
     """
     n_params = param_count(build(cfg).abstract_params)
     flops = 6.0 * (n_params - embedding_param_count(cfg))
-    if cfg.kind == "gpt":
+    if cfg.kind == "llama" and cfg.tie_embeddings:
+        flops += 6.0 * cfg.vocab_size * cfg.d_model
+    if cfg.kind in ("gpt", "llama"):
         flops += 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
     return flops

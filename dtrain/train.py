@@ -112,7 +112,16 @@ class InnerLoop:
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
     def init_params(self, seed: int) -> Params:
-        """The model's initial parameters for ``seed``, placed on the mesh (sharded as :meth:`place_params`)."""
+        """The model's initial parameters for ``seed`` (or ``model.init_from``'s Hugging Face folder:
+        :func:`dtrain.hf.load_params`), placed on the mesh (sharded as :meth:`place_params`)."""
+        if self.model.cfg.init_from:
+            from dtrain import hf
+            from dtrain.config import ConfigError
+
+            try:
+                return self.place_params(hf.load_params(self.model.cfg, self.model.abstract_params))
+            except hf.HFError as e:
+                raise ConfigError(f"model.init_from: {e}") from None
         return self.place_params(self.model.init(seed))
 
     def place_params(self, params: Params) -> Params:

@@ -17,7 +17,7 @@ from dtrain.config import Config, ConfigError, load_config, reference_markdown, 
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.logs import LOGGER
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_plot(sub)
     _add_tokenize(sub)
+    _add_export(sub)
     return parser
 
 
@@ -301,6 +302,25 @@ def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def _add_export(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain export``: the coordinator's θ as a Hugging Face model folder."""
+    from dtrain.hf import SHARD_BYTES
+
+    p = _command(sub, "export", "write the coordinator's θ at a version as a Hugging Face model folder (llama: "
+                 "LlamaForCausalLM, gpt: GPT2LMHeadModel)",
+                 "Reads the coordinator's state in RUN_DIR (its checkpoints and current θ) and writes a folder that\n"
+                 "transformers loads: config.json, float32 safetensors (sharded past --max-shard-bytes) and the run's\n"
+                 "tokenizer files when its token store has them (docs/models.md). No JAX is needed.",
+                 "dtrain export runs/llama-tiny --out /tmp/llama-tiny-hf")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a coordinator's run folder, e.g. runs/llama-tiny")
+    p.add_argument("--version", type=int_at_least(0, "versions", "versions start at 0"), default=None,
+                   metavar="V", help="the version to export (default: the newest on disk)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
+    p.add_argument("--max-shard-bytes", type=int_at_least(1, "bytes", "must be >= 1"), default=SHARD_BYTES,
+                   metavar="N", help=f"one safetensors file up to N bytes, else shards and an index (default "
+                   f"{SHARD_BYTES:,})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``dtrain ...``: returns the exit status (0; 2 for a usage or config error; 1 for other errors the user can
     fix, each one line on stderr: :mod:`dtrain_cli.entry`)."""
@@ -320,6 +340,10 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import plot
 
         return plot.main(args.run_dir, args.out)
+    if args.command == "export":  # no config: it reads what the coordinator wrote
+        from dtrain_cli import export
+
+        return export.main(args.run_dir, args.version, args.out, args.max_shard_bytes)
     if args.command == "tokenize":  # no config either
         from dtrain_cli import tokenize
 

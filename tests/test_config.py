@@ -26,7 +26,8 @@ ALL_CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 
 
 def test_repo_has_configs():
-    assert {p.stem for p in ALL_CONFIGS} >= {"tiny", "small", "gpt-125m", "gpt-350m", "gpt-1b"}
+    assert {p.stem for p in ALL_CONFIGS} >= {"tiny", "small", "gpt-125m", "gpt-350m", "gpt-1b", "llama-tiny",
+                                             "llama-small", "llama-150m", "llama-1b", "llama-8b"}
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
@@ -97,7 +98,16 @@ BAD_FILES = [
     ("[data]\nread_timeout_s = 0\n", "[data] read_timeout_s"),
     ('[model]\nkind = "rnn"\n', "[model] kind"),
     ('[model]\ndtype = "float16"\n', "[model] dtype"),
-    ("[model]\nvocab_size = 70000\n", "[model] vocab_size"),
+    ("[model]\nvocab_size = 2147483649\n", "[model] vocab_size"),
+    ('[model]\nkind = "llama"\nn_heads = 4\nn_kv_heads = 3\n', "[model] n_kv_heads"),
+    ('[model]\nkind = "llama"\nn_kv_heads = -1\n', "[model] n_kv_heads"),
+    ('[model]\nkind = "llama"\nd_model = 60\nn_heads = 4\n', "[model] n_heads"),
+    ('[model]\nkind = "llama"\nrope_theta = 0.0\n', "[model] rope_theta"),
+    ('[model]\nkind = "llama"\nnorm_eps = 0.0\n', "[model] norm_eps"),
+    ('[model]\nkind = "llama"\nmlp_hidden = -1\n', "[model] mlp_hidden"),
+    ("[model]\nn_kv_heads = 2\n", "[model] n_kv_heads"),
+    ("[model]\ntie_embeddings = true\n", "[model] tie_embeddings"),
+    ('[model]\nkind = "mlp"\nrope_theta = 500000.0\n', "[model] rope_theta"),
     ("[model]\nseq_len = 0\n", "[model] seq_len"),
     ("[train]\nlr = 0.0\n", "[train] lr"),
     ("[train]\nb2 = 1.0\n", "[train] b2"),
@@ -137,7 +147,7 @@ def test_bad_config_names_field_and_file(tmp_path: Path, text: str, field: str):
 def test_valid_edge_values_pass(tmp_path: Path):
     p = tmp_path / "ok.toml"
     p.write_text("[train]\nsteps = 100\nwarmup_steps = 99\nbatch_size = 8\n[outer]\ninner_steps = 100\n"
-                 "momentum = 0.0\n[data]\neval_fraction = 0.49\n[model]\nvocab_size = 65536\n[mesh]\ndata = 2\n"
+                 "momentum = 0.0\n[data]\neval_fraction = 0.49\n[model]\nvocab_size = 2147483648\n[mesh]\ndata = 2\n"
                  "fsdp = 4\n")
     cfg = load_config(p)
     assert cfg.rounds == 1 and cfg.mesh.fsdp == 4
