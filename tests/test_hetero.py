@@ -12,7 +12,7 @@ from dtrain.config import ROUND_AUTO, ConfigError, load_config
 from dtrain.runlog import read_events
 from dtrain_cli.island_spec import island_config, parse_islands, run_config
 from dtrain_cli.simulate import run_simulation
-from workers.pacing import auto_round_seconds, retimed
+from workers.pacing import RateMeter, auto_round_seconds, retimed
 from workers.rounds import Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +66,26 @@ def test_auto_round_is_h_base_steps_of_the_slowest_and_retimes_the_schedule() ->
     cfg = _tiny("outer.inner_steps=10", "worker.round_seconds=auto")
     seconds = auto_round_seconds(cfg, [4096.0, 1024.0])
     assert seconds == pytest.approx(10 * 8 * 32 / 1024)  # H x base batch x seq_len / the slowest rate
-    fast, slow = retimed(cfg, seconds, 6, 4096.0), retimed(cfg, seconds, 6, 1024.0)
+    fast, slow = retimed(cfg, seconds, 6 * seconds, 4096.0), retimed(cfg, seconds, 6 * seconds, 1024.0)
     assert (fast.train.steps, slow.train.steps) == (240, 60)  # 4x the rate: 4x the steps in the same rounds
     assert fast.train.warmup_steps == 4 * slow.train.warmup_steps == 20
+    assert fast.worker.round_seconds == seconds
+    # resolved in round 1 after 30 steps of the base batch: those, and the steps the time left holds
+    assert retimed(cfg, seconds, 5 * seconds, 1024.0, done=30).train.steps == 30 + 50
     with pytest.raises(ValueError):
         auto_round_seconds(cfg, [])
+
+
+def test_rate_meter_leaves_out_the_warm_up_chunk() -> None:
+    meter = RateMeter(tokens_per_step=8 * 32, skip=1, chunks=2)
+    meter.add(5, 10.0)  # the first chunk: warm-up, not counted
+    assert not meter.done and meter.tokens_per_s == meter.step_s == 0.0
+    meter.add(25, 0.5)
+    meter.add(25, 0.5)
+    assert meter.done and meter.step_s == pytest.approx(0.02)
+    assert meter.tokens_per_s == pytest.approx(50 * 8 * 32 / 1.0)
+    meter.add(25, 99.0)  # known: it stays
+    assert meter.step_s == pytest.approx(0.02)
 
 
 def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_path) -> None:

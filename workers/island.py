@@ -71,7 +71,7 @@ from workers.exchange import (
 from workers.heartbeat import Clock, Evaluator, Heartbeat, IslandStatus, Mailbox
 from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
-from workers.pacing import Slowdown, auto_round_seconds, calibrate, retimed
+from workers.pacing import RateMeter, Slowdown, auto_round_seconds, retimed
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
@@ -122,7 +122,7 @@ class TrainLog:
         self.mark = (now, executed_steps)
         cfg = self.cfg
         tokens_per_s = status.steps_per_s * cfg.train.batch_size * cfg.model.seq_len
-        if cfg.worker.round_seconds != ROUND_AUTO:  # auto rounds: the calibration's rate stands (workers.pacing)
+        if cfg.worker.round_seconds != ROUND_AUTO:  # auto rounds: the measured rate stands (workers.pacing)
             status.tokens_per_s = tokens_per_s
         loss = status.read_loss()
         self.log.event("train", step=island.steps, loss=json_number(loss), tokens=island.tokens,
@@ -205,6 +205,8 @@ class Worker:
             if cfg.health.enabled else None
         self.guard = Guard(cfg, self.setup, health, device_fault, self.log, self.name)
         self.schedule = Schedule.from_config(cfg)
+        # wall-time rounds: the island's rate, measured in its first chunks (workers.pacing)
+        self.rate = RateMeter(cfg.train.batch_size * cfg.model.seq_len) if self.schedule.round_seconds else None
         self.spec, _ = codec.flatten(jax.device_get(self.setup.built.init(cfg.run.seed)))
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
@@ -241,8 +243,6 @@ class Worker:
         t_start = time.perf_counter()
         self.guard.start()
         precompile(self.setup, self.schedule)
-        auto = self.cfg.worker.round_seconds == ROUND_AUTO
-        rate = calibrate(self.setup, self.slowdown.factor) if auto else 0.0  # before the lease: it takes a while
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         try:
@@ -252,7 +252,7 @@ class Worker:
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
         status = IslandStatus(held=(joined.version, ""), steps=0, tokens=0, devices=self.loop.mesh.devices.size,
-                              quarantined=self.guard.evidence(), tokens_per_s=rate)
+                              quarantined=self.guard.evidence())
         heartbeat = Heartbeat(self.client, status, self.mailbox, self.cfg.worker.heartbeat_s, self.log.event,
                               rejoin=self.membership.join, utilization=self.clock.utilization)
         if self.hosts.leader:  # only process 0 talks to the coordinator
@@ -261,8 +261,6 @@ class Worker:
         island = self.rewinder.start_island(joined, anchor, ckpt)
         status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
         self.hosts.lead(self.membership.await_peers)
-        if auto:
-            self._auto_rounds(rate)
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
@@ -284,35 +282,60 @@ class Worker:
         self.run_end.extra.update(self.slowdown.summary())
         return self.run_end.finish(island, anchor, status, rounds, t_start, final_wait, self.telemetry)
 
-    def _auto_rounds(self, rate: float) -> None:
-        """``worker.round_seconds = auto``, after the start barrier: the round length from every island's measured
-        rate (Status, asked by process 0), the lr schedule stretched to this island's steps in the run
-        (:func:`workers.pacing.retimed`), the inner loop rebuilt with it and compiled."""
-        want, limit = self.cfg.outer.islands, max(self.cfg.worker.start_wait_s, 10.0)
+    def _measured(self, island: Island, r: Round, status: IslandStatus, steps: int, seconds: float) -> None:
+        """Wall-time rounds, after a chunk of ``steps`` that took ``seconds``: the rate meter counts it; once the
+        rate is known the schedule cuts rounds to their deadline, an auto run's heartbeats report the rate and,
+        until round 1 has a length, :meth:`_auto_rounds` tries to give it one."""
+        rate = self.rate
+        assert rate is not None
+        if not rate.done:
+            rate.add(steps, seconds)
+            if not rate.done:
+                return
+            self.schedule = dataclasses.replace(self.schedule, step_s=rate.step_s)
+            if self.schedule.round_seconds < 0:
+                status.tokens_per_s = rate.tokens_per_s  # reported unchanged to the end (workers.pacing)
+            self.log.event("rate", tokens_per_s=round(rate.tokens_per_s, 1), step_s=round(rate.step_s, 6),
+                           steps=rate.steps)
+        if self.schedule.round_seconds < 0:
+            self._auto_rounds(island, r)
+
+    def _auto_rounds(self, island: Island, r: Round) -> None:
+        """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
+        reports one (Status, asked by process 0), the round length from the slowest, the lr schedule stretched
+        to this island's steps in the run (:func:`workers.pacing.retimed`), the inner loop rebuilt with it and
+        compiled (a remesh rebuilds it from the same config). Until then nothing changes: round 1 goes on."""
+        assert self.rate is not None
+        own, me = self.rate.tokens_per_s, self.mailbox.island_id
 
         def rates() -> list[float]:
-            t0 = time.perf_counter()
-            while True:
-                got = [i.tokens_per_s for i in self.client.status().islands if i.state == "live" and i.tokens_per_s]
-                if len(got) >= want or time.perf_counter() - t0 > limit or self.mailbox.stopping.is_set():
-                    return got or [rate]
-                time.sleep(0.1)
+            live = [i for i in self.client.status().islands if i.state == "live" and i.island_id != me]
+            if any(not i.tokens_per_s for i in live):
+                return []
+            return [i.tokens_per_s for i in live] + [own]
 
         measured = self.hosts.lead(rates)
+        if not measured:
+            return
         seconds = auto_round_seconds(self.cfg, measured)
         versions = self.mailbox.total_versions or self.cfg.rounds
-        cfg = retimed(self.cfg, seconds, versions, rate)
+        since = time.perf_counter() - r.anchor.arrived
+        left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
+        t = self.cfg.train
+        cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
         old = self.setup.loop
         self.setup.loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
+        self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
         self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
         precompile(self.setup, self.schedule)
-        self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(r, 1) for r in measured],
-                       tokens_per_s=round(rate, 1), schedule_steps=cfg.train.island_steps(cfg.train.steps),
-                       versions=versions)
+        steps = cfg.train.island_steps(cfg.train.steps)
+        self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
+                       tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
+                       round1_s=round(since, 3))
         self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s (the slowest of {len(measured)} islands: "
-                          f"{min(measured):,.0f} tokens/s; this one {rate:,.0f}); lr schedule over "
-                          f"{cfg.train.island_steps(cfg.train.steps)} steps")
-        self.run_end.extra.update(round_seconds=seconds, calibrated_tokens_per_s=rate)
+                          f"{min(measured):,.0f} tokens/s; this one {own:,.0f}, measured in training); lr schedule "
+                          f"over {steps} steps")
+        self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -356,11 +379,13 @@ class Worker:
             return None
         if action.kind is Kind.TRAIN:
             n = action.steps
+            t0 = time.perf_counter()
             recovery = self._train_chunk(island, n, status)
             if recovery is None:
+                r.steps += n
                 if self.schedule.round_seconds:  # the deadline is about steps done, not queued: dispatch is async
                     jax.block_until_ready(island.state.step)
-                r.steps += n
+                    self._measured(island, r, status, n, time.perf_counter() - t0)
                 if r.pending is not None and self.hosts.agree(r.pending.exchange.future.done()):
                     r.anchor, r.pending = self._fold_in(island, r.pending, status), None  # without waiting
                 if island.steps % self.cfg.run.log_every < n:

@@ -6,17 +6,24 @@
   share of the host it has: slower hardware, emulated on one machine. The sleep counts as compute, as a slower
   chip's time would (the island's utilization does not change); the summary reports the factor and the seconds
   slept.
-- **Calibration** (:func:`calibrate`, with ``worker.round_seconds = auto``): after it has compiled and before it
-  joins, the island times chunks of its step on a throwaway copy of its initial state (the slowdown included)
-  and reports the token rate in every heartbeat (``HeartbeatRequest.tokens_per_s``; the coordinator shows it in
+- **The rate, measured in training** (:class:`RateMeter`, wall-time rounds): the island times its first
+  chunks of real training (after the start barrier, every island training at once; the first chunk left out),
+  which gives its seconds per step (wall-time rounds then cut each round's last chunks to end it within half a
+  step of its deadline: ``workers.rounds``) and, with ``worker.round_seconds = auto``, its token rate, reported
+  in every heartbeat from then on (``HeartbeatRequest.tokens_per_s``, constant; the coordinator shows it in
   Status).
-- **The auto round length** (:func:`auto_round_seconds`): once every island has joined and reported a rate,
-  each island reads the rates from Status and takes ``round_seconds = outer.inner_steps x train.base_batch x
-  model.seq_len / the slowest rate``: the time the slowest island needs for H steps of the run's batch. Every
-  island reads the same rates (each is its calibration, reported until the end), so all take the same length.
+- **The auto round length** (:func:`auto_round_seconds`): round 1 of an auto run has no length yet: every
+  island trains on and, at each chunk boundary once its own rate is known, reads the others' from Status
+  (process 0 asks). When every live island has one it takes ``round_seconds = outer.inner_steps x
+  train.base_batch x model.seq_len / the slowest rate``: the time the slowest island needs for H steps of the
+  run's batch. Every island reads the same rates (each reported unchanged to the end), so all take the same
+  length; round 1 then ends at that length after the start, or at once if that moment has passed (round 1 is
+  at least as long as the slowest island's measurement). Nobody waits for the measurement: the fast islands
+  train through it.
 - **The lr schedule by tokens** (:func:`retimed`): with wall-time rounds an island's step count is its speed x the
-  run's length, so its schedule is stretched to the steps it will take in ``total_versions`` rounds at its rate:
-  every island's schedule ends with the run.
+  run's length, so its schedule is stretched to the steps it will take at its rate in what is left of the
+  run's ``total_versions`` rounds: every island's schedule ends with the run. The stretched config is the one
+  the island's inner loop is rebuilt from after a remesh too.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from collections.abc import Sequence
 import jax
 
 from dtrain.config import Config
-from dtrain.prepare import Setup
 
 
 class Slowdown:
@@ -61,21 +67,36 @@ class Slowdown:
         return {"slowdown": self.factor, "slowdown_sleep_s": round(self.slept_s, 3)} if self.factor != 1.0 else {}
 
 
-def calibrate(setup: Setup, slowdown: float = 1.0, chunks: int = 3) -> float:
-    """The island's training rate in tokens per second: ``chunks`` chunks of ``train.steps_per_call`` steps of its
-    compiled step on a throwaway state (the first warms up; the fastest of the others counts), each as long as
-    the ``slowdown`` makes it. Draws from shard 0 at cursor 0 (nothing of the island's own changes)."""
-    loop, cfg = setup.loop, setup.cfg
-    n, batch = cfg.train.steps_per_call, cfg.train.batch_size
-    batches = setup.shards[0].stream.batches(0, n, batch)
-    state = loop.init_state(loop.init_params(cfg.run.seed))
-    times = []
-    for _ in range(max(chunks, 2)):
-        t0 = time.perf_counter()
-        state, _ = loop.run(state, batches)
-        jax.block_until_ready(state.step)
-        times.append(time.perf_counter() - t0)
-    return n * batch * cfg.model.seq_len / (min(times[1:]) * slowdown)
+class RateMeter:
+    """The island's training rate, measured in training (wall-time rounds): the chunks after the first ``skip``
+    (warm-up), ``chunks`` of them, each timed from its dispatch until its steps are done (the slowdown's sleep and
+    the host's time between chunks included: what a round's deadline sees). The training loop's own."""
+
+    def __init__(self, tokens_per_step: int, skip: int = 1, chunks: int = 1):
+        self.tokens_per_step, self.skip, self.chunks = tokens_per_step, skip, chunks
+        self.seen, self.steps, self.seconds = 0, 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.skip + self.chunks
+
+    def add(self, steps: int, seconds: float) -> None:
+        """One chunk of ``steps`` steps took ``seconds`` (ignored once the rate is known, and while warming up)."""
+        if self.done:
+            return
+        self.seen += 1
+        if self.seen > self.skip:
+            self.steps, self.seconds = self.steps + steps, self.seconds + seconds
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per inner step (0 until measured)."""
+        return self.seconds / self.steps if self.done and self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second (0 until measured)."""
+        return self.steps * self.tokens_per_step / self.seconds if self.done and self.seconds > 0 else 0.0
 
 
 def auto_round_seconds(cfg: Config, rates: Sequence[float]) -> float:
@@ -86,12 +107,14 @@ def auto_round_seconds(cfg: Config, rates: Sequence[float]) -> float:
     return cfg.outer.inner_steps * cfg.train.base_batch * cfg.model.seq_len / min(rates)
 
 
-def retimed(cfg: Config, round_seconds: float, versions: int, tokens_per_s: float) -> Config:
-    """``cfg`` with its lr schedule stretched over the steps an island of rate ``tokens_per_s`` takes in
-    ``versions`` wall-time rounds of ``round_seconds`` (``train.steps`` and ``warmup_steps`` scaled together, in
-    steps of ``train.base_batch`` sequences): the schedules of islands of different speeds end together."""
+def retimed(cfg: Config, round_seconds: float, seconds_left: float, tokens_per_s: float, done: float = 0.0
+            ) -> Config:
+    """``cfg`` with its lr schedule stretched over the steps an island of rate ``tokens_per_s`` takes in the run:
+    ``done`` steps of ``train.base_batch`` sequences taken, and ``seconds_left`` of training at that rate to come
+    (``train.steps`` and ``warmup_steps`` scaled together): the schedules of islands of different speeds end
+    together. ``worker.round_seconds`` becomes ``round_seconds``."""
     t = cfg.train
-    steps = max(round(versions * round_seconds * tokens_per_s / (t.base_batch * cfg.model.seq_len)), 2)
+    steps = max(round(done + seconds_left * tokens_per_s / (t.base_batch * cfg.model.seq_len)), 2)
     warmup = min(round(t.warmup_steps * steps / t.steps), steps - 1)
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, warmup_steps=warmup),
                                worker=dataclasses.replace(cfg.worker, round_seconds=round_seconds))
