@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -207,6 +208,8 @@ class Worker:
         self.schedule = Schedule.from_config(cfg)
         # wall-time rounds: the island's rate, measured in its first chunks (workers.pacing)
         self.rate = RateMeter(cfg.train.batch_size * cfg.model.seq_len) if self.schedule.round_seconds else None
+        # auto: the stretched loop, compiling on its own thread (and the event that cancels that)
+        self._stretching: tuple[threading.Thread, InnerLoop, threading.Event] | None = None
         self.spec, _ = codec.flatten(jax.device_get(self.setup.built.init(cfg.run.seed)))
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
@@ -277,6 +280,9 @@ class Worker:
                                                    lambda p: self._fold_in(island, p, status))
             final_wait += time.perf_counter() - t0
         heartbeat.stop()
+        if self._stretching is not None:  # a compile still in flight must not outlive the island: cut short
+            self._stretching[2].set()
+            self._stretching[0].join()
         ckpt.close()
         self.ckpt = None
         self.run_end.extra.update(self.slowdown.summary())
@@ -286,6 +292,11 @@ class Worker:
         """Wall-time rounds, after a chunk of ``steps`` that took ``seconds``: the rate meter counts it; once the
         rate is known the schedule cuts rounds to their deadline, an auto run's heartbeats report the rate and,
         until round 1 has a length, :meth:`_auto_rounds` tries to give it one."""
+        if self._stretching is not None and not self._stretching[0].is_alive():
+            loop, self._stretching = self._stretching[1], None
+            if loop.mesh is self.setup.loop.mesh:  # else a remesh rebuilt the loop meanwhile, stretched already
+                self.setup.loop = loop  # the stretched lr schedule from now on
+            self.log.event("schedule_stretched", step=island.steps)
         rate = self.rate
         assert rate is not None
         if not rate.done:
@@ -323,11 +334,28 @@ class Worker:
         left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
         t = self.cfg.train
         cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
-        old = self.setup.loop
-        self.setup.loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
-        self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
         self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
-        precompile(self.setup, self.schedule)
+        self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
+        old = self.setup.loop
+        loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
+        loop._eval, loop._init = old._eval, old._init  # neither depends on the lr schedule: compiled already
+        lengths = sorted(self.schedule.chunk_lengths())
+
+        cancel = threading.Event()
+
+        def compile_scans() -> None:
+            for k in lengths:
+                if cancel.is_set():  # the run ended first: the loop it has stays
+                    return
+                loop.compile_scan(k)
+
+        if self.hosts.alone:  # compiled while the island trains on with the loop it has (same chunk lengths)
+            thread = threading.Thread(target=compile_scans, daemon=True, name=f"{self.name}-stretch")
+            thread.start()
+            self._stretching = (thread, loop, cancel)
+        else:  # an island of several processes: every process swaps at the same chunk, so now
+            compile_scans()
+            self.setup.loop = loop
         steps = cfg.train.island_steps(cfg.train.steps)
         self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
                        tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
