@@ -14,9 +14,12 @@ one invocation on one machine, all with the same total tokens:
   (c) auto        the islands of (b) with ``worker.round_seconds = auto``: a round lasts H_c steps of B
                   sequences of the slowest island, with H_c = H x its speed (so that a round is about as long
                   in wall time as one of (a)); each island trains for the round's wall time at its own speed and
-                  its pushes are weighted by their tokens. Its ``train.steps`` gives V rounds with
-                  V x H_c x sum(speeds) / min(speed) = 4 x R x H: the same total tokens as (a) and (b) (to within
-                  the rates measured) ; ``warmup_steps`` is scaled to the same fraction of the run as in (a).
+                  its pushes are weighted by their tokens. An island's token rate goes as speed x batch (its
+                  devices in proportion), so its ``train.steps`` gives V rounds with V x H_c x sum(speed x batch)
+                  / min(speed x batch) = 4 x R x H: about the same total tokens as (a) and (b) (to within the
+                  rounding of V, the rates measured and round 1, which lasts until every island has timed a
+                  chunk: the slow islands get ``train.steps_per_call`` x speed, at least 4, to keep it short);
+                  ``warmup_steps`` is scaled to the same fraction of the run as in (a).
 
 Per run: wall time (the longest island's training time, start-up and compilation left out), each island's
 utilization (time in inner steps / training wall time, the summary's ``utilization``), tokens per island and the
@@ -111,11 +114,15 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
     warmup = min(cfg.train.warmup_steps, r * h - 1)
     cfg = config_mod.replace(cfg, train={**common["train"], "warmup_steps": warmup}, outer=common["outer"])
     same = [f"island-{i}:host_devices={args.devices[0]}" for i in range(n)]
-    differ = [f"island-{i}:train.batch_size={b},host_devices={d},slowdown={1 / s:g}"
-              for i, (b, d, s) in enumerate(zip(args.batches, args.devices, args.speeds, strict=True))]
-    slowest = min(args.speeds)
-    h_c = max(round(h * slowest), 1)
-    versions = max(round(n * r * h * slowest / (h_c * sum(args.speeds))), 1)
+    # an island's token rate goes as its speed x its batch (its devices, in proportion); short chunks for the
+    # slow islands, so that auto's round 1 (which lasts until every island has timed a chunk) is not long
+    rel = [sp * b for sp, b in zip(args.speeds, args.batches, strict=True)]
+    per_call = [max(min(cfg.train.steps_per_call, round(cfg.train.steps_per_call * sp)), 4) for sp in args.speeds]
+    differ = [f"island-{i}:train.batch_size={b},host_devices={d},slowdown={1 / sp:g}"
+              + (f",train.steps_per_call={k}" if k != cfg.train.steps_per_call else "")
+              for i, (b, d, sp, k) in enumerate(zip(args.batches, args.devices, args.speeds, per_call, strict=True))]
+    h_c = max(round(h * min(args.speeds)), 1)
+    versions = max(round(n * r * h * min(rel) / (h_c * sum(rel))), 1)
     steps_c = versions * h_c
     auto = config_mod.replace(cfg, train={"steps": steps_c, "warmup_steps": min(round(warmup * steps_c / (r * h)),
                                                                                  steps_c - 1)},

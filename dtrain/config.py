@@ -222,7 +222,8 @@ class WorkerConfig:
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
                               "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds as long as the slowest "
                               "island takes for outer.inner_steps steps of train.base_batch_size sequences, from the "
-                              "islands' measured token rates (each island measures its own before it joins)")
+                              "islands' token rates measured in round 1's training (round 1 lasts until every "
+                              "island has one)")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")

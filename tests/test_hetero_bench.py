@@ -50,11 +50,13 @@ def test_plan_gives_the_same_tokens_in_each_run() -> None:
     runs = bench.plan(load_config("tiny"), args)
     (a, same), (b, differ), (c, differ_c) = runs["identical"], runs["steps"], runs["auto"]
     assert a.train.steps == b.train.steps == 220 and a.train.base_batch_size == 8
-    assert c.worker.round_seconds == ROUND_AUTO and c.outer.inner_steps == 5 and c.rounds == 16
-    # per round the auto islands train 5 base steps x (1 + 1 + 1/2 + 1/4) / (1/4): 55, x 16 rounds = 4 x 220
-    assert c.rounds * c.outer.inner_steps * (1 + 1 + 0.5 + 0.25) / 0.25 == 4 * a.train.steps
+    assert c.worker.round_seconds == ROUND_AUTO and c.outer.inner_steps == 5 and c.rounds == 5
+    # rates go as speed x batch: 8, 8, 2, 1/2; per round the auto islands train 5 base steps x 18.5 / (1/2): 185,
+    # x 5 rounds = 925 of the 4 x 220 = 880 base steps of (a) (V rounded)
+    assert round(4 * 220 * 0.5 / (5 * 18.5)) == c.rounds
     assert same[0] == "island-0:host_devices=2" and differ == differ_c
-    assert differ[3] == "island-3:train.batch_size=2,host_devices=1,slowdown=4"
+    assert differ[3] == "island-3:train.batch_size=2,host_devices=1,slowdown=4,train.steps_per_call=4"
+    assert differ[0] == "island-0:train.batch_size=8,host_devices=2,slowdown=1"
 
 
 def test_bad_arguments_are_one_line(capsys) -> None:

@@ -80,7 +80,7 @@ class IslandStatus:
     steps: int
     tokens: int
     steps_per_s: float = 0.0
-    tokens_per_s: float = 0.0  # measured: the calibration before the first step (auto rounds), then every log line
+    tokens_per_s: float = 0.0  # measured: auto rounds, round 1's rate (workers.pacing), kept; else every log line
     exchange: Exchange | None = None  # in flight: its push id is reported, and a lost push is sent again
     devices: int = 0  # the devices the island trains on (fewer after a quarantine)
     quarantined: tuple[Evidence, ...] = ()  # the quarantined devices' evidence (replaced whole, never mutated)

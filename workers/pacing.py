@@ -1,4 +1,4 @@
-"""How fast an island trains, emulated and measured: the slowdown, the calibration and the auto round length.
+"""How fast an island trains, emulated and measured: the slowdown, the rate meter and the auto round length.
 
 - **Slowdown** (:class:`Slowdown`; testing: ``dtrain worker --slowdown K``, what ``dtrain simulate --island
   NAME:slowdown=K`` passes): after each chunk the island waits until the chunk's steps are done, measures how
