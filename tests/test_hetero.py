@@ -112,3 +112,24 @@ def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_pa
         assert by_shard[0]["weight"] == by_shard[1]["weight"] == by_shard[0]["tokens"] == 10 * 8 * 32
     own = load_config(Path(s["run_dir"]) / "islands" / "island-1" / "config.toml")
     assert (own.train.batch_size, own.train.base_batch_size) == (4, 8)
+
+
+@pytest.mark.slow
+def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
+    """``worker.round_seconds = auto`` through a real coordinator: island-1 3x slower; each island times a chunk of
+    real training and both take the same round length from the slower rate; nothing lost or doubled."""
+    cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=200", "outer.inner_steps=20",
+                "worker.round_seconds=auto", "worker.heartbeat_s=0.5")
+    specs = parse_islands(["island-1:slowdown=3"], 2, cfg)
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+                       island_specs=specs)
+    islands = {i["island"]: i for i in s["islands"]}
+    fast, slow = islands["island-0"], islands["island-1"]
+    assert fast["round_seconds"] == slow["round_seconds"] > 0
+    assert fast["measured_tokens_per_s"] > 1.5 * slow["measured_tokens_per_s"]
+    assert fast["round_seconds"] == pytest.approx(auto_round_seconds(cfg, [slow["measured_tokens_per_s"]]))
+    assert fast["tokens"] > 1.5 * slow["tokens"]
+    assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
+    for name in ("island-0", "island-1"):
+        events = [e["event"] for e in read_events(Path(s["run_dir"]) / "islands" / name)]
+        assert events.count("rate") == 1 and events.count("auto_rounds") == 1
