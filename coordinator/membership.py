@@ -209,7 +209,7 @@ class Membership:
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
                   params_digest: str, bad_devices: tuple[str, ...], now: float, *,
                   quarantined: Sequence[Mapping[str, Any]], devices: int, current: int,
-                  over: str) -> tuple[str, str]:
+                  over: str, tokens_per_s: float = 0.0) -> tuple[str, str]:
         """Renew a live island's lease and record its report; returns (action, reason). ``current``: the
         coordinator's version; ``over``: why the run is over, "" while it goes on. The parameters are
         ``CoordinatorState.heartbeat``'s."""
@@ -218,6 +218,8 @@ class Membership:
             raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
         bad = tuple(bad_devices)
         check_heartbeat(version, steps, tokens, steps_per_s, params_digest, bad, current)
+        if not (isinstance(tokens_per_s, (int, float)) and math.isfinite(tokens_per_s) and tokens_per_s >= 0):
+            raise StateError("INVALID_ARGUMENT", f"tokens_per_s={tokens_per_s!r}: must be a finite number >= 0")
         report = check_report(record, quarantined, devices, bad)
         if record.state == "lost":
             if over:  # nothing to rejoin for: the island's lease is not renewed either
@@ -226,6 +228,8 @@ class Membership:
                               f"(now t={now:.1f}): call Join again")
         record.version, record.steps, record.tokens_reported = version, steps, tokens
         record.steps_per_s, record.params_digest = float(steps_per_s), params_digest
+        if tokens_per_s:  # 0: not measured (yet); the last measurement stands
+            record.tokens_per_s = float(tokens_per_s)
         known = {e.device for e in record.quarantined}
         record.quarantined += tuple(e for e in report if e.device not in known)
         record.bad_devices = tuple(str(e.device) for e in sorted(record.quarantined, key=lambda e: e.device)) or bad

@@ -93,10 +93,10 @@ class StateOptions:
         """The options for ``cfg``: total_versions is ``cfg.rounds`` (sync: one version per round) or
         ``cfg.rounds × outer.islands`` (async: one version per push)."""
         rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
-        wall_time = cfg.worker.round_seconds > 0
+        wall_time = cfg.worker.round_seconds != 0  # > 0, or auto
         max_steps = cfg.coordinator.max_push_steps or (0 if wall_time else cfg.outer.inner_steps)
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
-                   total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size,
+                   total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.base_batch,
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
                    max_push_ids=max_push_ids, linger_s=linger_s)
 
@@ -141,6 +141,7 @@ class IslandRecord:
     steps: Count = 0
     tokens_reported: Count = 0
     steps_per_s: Finite = 0.0
+    tokens_per_s: Finite = 0.0  # its latest reported training rate (measured before its first step with auto rounds)
     tokens_merged: Count = 0
     pushes_merged: Count = 0
     cursor_merged: Count = 0  # end of the data cursor range of its last merged push

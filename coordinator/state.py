@@ -166,16 +166,18 @@ class CoordinatorState:
 
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
                   params_digest: str, bad_devices: tuple[str, ...], now: float, *,
-                  quarantined: Sequence[Mapping[str, Any]] = (), devices: int = 0) -> tuple[str, str]:
+                  quarantined: Sequence[Mapping[str, Any]] = (), devices: int = 0,
+                  tokens_per_s: float = 0.0) -> tuple[str, str]:
         """Renew a live island's lease and record its report; returns (action, reason).
 
         ``quarantined``: the devices the island quarantined, as plain data with :class:`DeviceEvidence`'s fields
         (absent numbers left out or None); devices not in the record yet join it. ``devices``: the devices it
-        trains on now (0: unchanged). A report that does not fit the island's mesh is refused (see
+        trains on now (0: unchanged); ``tokens_per_s``: its measured training rate (0: none). A report that
+        does not fit the island's mesh is refused (see
         ``coordinator.membership.check_report``)."""
         return self.members.heartbeat(island_id, version, steps, tokens, steps_per_s, params_digest, bad_devices,
                                       now, quarantined=quarantined, devices=devices, current=self.version,
-                                      over=self._over())
+                                      over=self._over(), tokens_per_s=tokens_per_s)
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Mark live islands whose lease ended (now >= lease_expiry) as lost; returns (island_id, reason) for each.

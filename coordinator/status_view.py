@@ -43,7 +43,7 @@ def island_status(state: CoordinatorState, history: RunHistory, islands: int, r:
         island_id=r.island_id, name=r.name, state=r.state, version=r.version,
         tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
         lease_left_s=max(0.0, r.lease_expiry - now) if r.state == "live" else 0.0,
-        steps_per_s=r.steps_per_s, shard_index=r.shard_index, devices=r.devices,
+        steps_per_s=r.steps_per_s, tokens_per_s=r.tokens_per_s, shard_index=r.shard_index, devices=r.devices,
         quarantined=[evidence_to_message(e) for e in r.quarantined], hardware=r.hardware,
         device_kind=view.device_kind, steps=r.steps, tokens=r.tokens_reported,
         train_loss=view.train_loss, utilization=view.utilization, params_digest=r.params_digest,

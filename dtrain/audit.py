@@ -58,7 +58,7 @@ class AuditParams:
     def from_config(cls, cfg: Config) -> AuditParams:
         step_rounds = cfg.worker.round_seconds == 0
         return cls(seq_len=cfg.model.seq_len, shards=cfg.outer.islands,
-                   shard_end=cfg.train.steps * cfg.train.batch_size if step_rounds else None)
+                   shard_end=cfg.train.shard_sequences if step_rounds else None)
 
 
 @dataclass(frozen=True)

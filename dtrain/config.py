@@ -115,6 +115,26 @@ class TrainConfig:
     b2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "global gradient-norm clip (0: off)")
     steps_per_call: int = _f(10, "inner steps fused into one jitted lax.scan (fewer host round trips)")
+    base_batch_size: int = _f(0, "the batch size that train.steps, train.warmup_steps and outer.inner_steps count "
+                              "steps of (0: train.batch_size): an island whose train.batch_size differs takes "
+                              "steps x base_batch_size / batch_size inner steps for the same tokens (its shard, its "
+                              "lr schedule, its step rounds); set it to the run's batch size when islands differ")
+
+    @property
+    def base_batch(self) -> int:
+        """The batch size the run's step counts are in: ``base_batch_size``, else ``batch_size``."""
+        return self.base_batch_size or self.batch_size
+
+    @property
+    def shard_sequences(self) -> int:
+        """Sequences in each island's shard with step rounds: ``steps`` x :attr:`base_batch` (the same tokens
+        whatever an island's own batch size)."""
+        return self.steps * self.base_batch
+
+    def island_steps(self, steps: int) -> int:
+        """``steps`` of :attr:`base_batch` sequences as this island's steps of ``batch_size`` sequences (the
+        same tokens; rounded down, at least 1 for a positive count)."""
+        return max(steps * self.base_batch // self.batch_size, 1 if steps > 0 else 0)
 
 
 @dataclass(frozen=True)
@@ -216,7 +236,10 @@ class WorkerConfig:
     max_overlap_steps: int = _f(5, "with overlap: inner steps an island may take past a push before it waits "
                                 "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time)")
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
-                              "0: outer.inner_steps steps")
+                              "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds as long as the slowest "
+                              "island takes for outer.inner_steps steps of train.base_batch_size sequences, from the "
+                              "islands' token rates measured in round 1's training (round 1 lasts until every "
+                              "island has one)")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")
@@ -224,6 +247,15 @@ class WorkerConfig:
     retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
     retry_max_s: float = _f(5.0, "backoff ceiling")
     retry_total_s: float = _f(600.0, "give up after retrying this long (a coordinator outage longer than this)")
+
+
+ROUND_AUTO = -1.0  # worker.round_seconds = "auto", as stored
+
+# Settings an island may have of its own (`dtrain worker --set`, `dtrain simulate --island NAME:...`): how it
+# computes, not what; never a fingerprint field (Config.fingerprint_fields), which every island must share.
+PER_ISLAND_FIELDS = ("train.batch_size", "train.steps_per_call", "model.attention", "model.remat",
+                     "worker.round_seconds", "outer.inner_steps", "worker.overlap", "worker.max_overlap_steps",
+                     "mesh.data", "mesh.fsdp", "health.enabled")
 
 
 @dataclass(frozen=True)
@@ -505,8 +537,8 @@ def _check_worker(cfg: Config, fail: _Fail) -> None:
     w, co = cfg.worker, cfg.coordinator
     if w.max_overlap_steps < 0:
         fail("worker", "max_overlap_steps", f"must be >= 0, got {w.max_overlap_steps}")
-    if w.round_seconds < 0:
-        fail("worker", "round_seconds", f"must be >= 0, got {w.round_seconds}")
+    if w.round_seconds < 0 and w.round_seconds != ROUND_AUTO:
+        fail("worker", "round_seconds", f"must be >= 0 or 'auto', got {w.round_seconds}")
     if w.start_wait_s < 0:
         fail("worker", "start_wait_s", f"must be >= 0, got {w.start_wait_s}")
     for name in ("heartbeat_s", "rpc_deadline_s", "retry_initial_s", "retry_max_s", "retry_total_s"):
@@ -562,6 +594,11 @@ def _check_batch_split(cfg: Config, fail: _Fail) -> None:
     if t.batch_size % fixed:
         fail("train", "batch_size", f"{t.batch_size} is not divisible by the mesh's {fixed} devices "
              f"(mesh.data x mesh.fsdp)")
+    if t.base_batch_size < 0:
+        fail("train", "base_batch_size", f"must be >= 0, got {t.base_batch_size}")
+    if t.shard_sequences % t.batch_size:
+        fail("train", "batch_size", f"{t.batch_size} does not divide a shard of train.steps x base_batch_size = "
+             f"{t.steps} x {t.base_batch} = {t.shard_sequences} sequences")
 
 
 # The validators in the order they run: the first failure is the one reported.
@@ -634,6 +671,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             value = text.split("=", 1)[1].strip()  # a string field takes the text as typed: --set run.name=2024
         merged[section][name] = value
     where = origin + (" + --set" if overrides else "")
+    if merged["worker"].get("round_seconds") == "auto":
+        merged["worker"]["round_seconds"] = ROUND_AUTO
     sections = {s: _build_section(cls, merged[s], where, s) for s, cls in SECTIONS.items()}
     cfg = Config(**sections)
     if not cfg.run.name:

@@ -38,10 +38,14 @@ class TrainState(struct.PyTreeNode):
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The inner learning rate by step: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    """The inner learning rate by step: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+
+    By tokens, not by steps: ``steps`` and ``warmup_steps`` count steps of ``base_batch_size`` sequences, so an
+    island with a smaller batch (more steps for the same tokens, :meth:`TrainConfig.island_steps`) stretches its
+    schedule to match, and the schedules of islands that differ end together."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio)
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.island_steps(cfg.warmup_steps),
+        decay_steps=cfg.island_steps(cfg.steps), end_value=cfg.lr * cfg.min_lr_ratio)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -86,7 +86,10 @@ class InnerLoop:
         if self.padded_batch != B and not per_device:
             raise ConfigError(f"[train] batch_size: {B} is not divisible by the mesh's {n_devices} devices (an "
                               f"uneven split needs the per-device step: [health] enabled)")
-        if B % n_devices:  # eval batches are not padded: each device evaluates them whole (eval is rare)
+        # Eval batches (of the run's batch size, train.base_batch) are not padded: each device evaluates them whole
+        # (eval is rare) when they do not split, and when islands differ (base_batch_size set), so that islands
+        # with different meshes compute the same eval loss.
+        if cfg.train.base_batch % n_devices or cfg.train.base_batch_size:
             self.eval_sharding = self._replicated
         if per_device:
             steps: Any = partial(device_inner_steps, apply=model.apply, tx=self.tx, mesh=mesh, fault=fault,
@@ -180,7 +183,7 @@ class InnerLoop:
         in a multi-island run, the others."""
         state = self.abstract_state()
         self._init.lower(state.params).compile()
-        B, L1 = self.cfg.train.batch_size, self.cfg.model.seq_len + 1
+        B, L1 = self.cfg.train.base_batch, self.cfg.model.seq_len + 1
         for k in sorted(chunk_lengths):
             self.compile_scan(k)
         if eval_batches:

@@ -68,6 +68,17 @@ def int_at_least(minimum: int, noun: str, why: str) -> Callable[[str], int]:
     return parse
 
 
+def slowdown_factor(text: str) -> float:
+    """``worker --slowdown``: a number >= 1 (1: full speed)."""
+    try:
+        k = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not k >= 1.0 or k == float("inf"):
+        raise argparse.ArgumentTypeError(f"{k:g}: a slowdown is a finite number >= 1 (1: full speed)")
+    return k
+
+
 # --host-devices: 0 leaves XLA_FLAGS as it is; simulate --island-processes: worker processes per island
 device_count = int_at_least(0, "devices", "must be >= 0 (0: leave XLA_FLAGS as it is)")
 process_count = int_at_least(1, "processes (an integer >= 1)", "an island has at least 1 process")
@@ -148,6 +159,11 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--island-processes", type=process_count, default=1, metavar="P",
                    help="worker processes per island (default 1): P > 1 makes every island a multi-host island, one "
                    "jax.distributed job of P processes with P times the devices (no device faults, no chip health)")
+    p.add_argument("--island", dest="island_specs", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="an island's own settings (repeatable): per-island config fields (train.batch_size, "
+                   "train.steps_per_call, model.attention, model.remat, worker.round_seconds, outer.inner_steps, "
+                   "mesh.*, ...; never a fingerprint field), host_devices=N (its fake CPU devices) and slowdown=K "
+                   "(its steps take K times as long), e.g. island-2:train.batch_size=8,host_devices=2,slowdown=4")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
@@ -194,6 +210,9 @@ def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "
                    "(bit=B, rate=R), dead; every kind takes prob=P, seed=S, until=STEP (see workers/push_faults.py)")
+    p.add_argument("--slowdown", type=slowdown_factor, default=1.0, metavar="K",
+                   help="testing knob (what simulate --island NAME:slowdown=K passes): every chunk of inner steps "
+                   "takes K times its measured compute time (a sleep after it): slower hardware, emulated")
     p.add_argument("--num-processes", type=int, default=None, metavar="P",
                    help="an island of P processes, one per host, one jax.distributed job (default: "
                    "DTRAIN_NUM_PROCESSES, SLURM_NTASKS or a TPU slice's hosts, else 1); only process 0 talks to the "
@@ -356,15 +375,19 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--fault needs worker processes: drop --inprocess")
             if args.island_processes > 1:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
+            if args.island_specs:
+                raise ConfigError("--island needs worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
             from dtrain_cli.fault_spec import host_device_count, parse_fault
+            from dtrain_cli.island_spec import parse_islands
             from dtrain_cli.simulate import run_simulation
 
             # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
             faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
             summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
-                                     island_processes=args.island_processes)
+                                     island_processes=args.island_processes,
+                                     island_specs=parse_islands(args.island_specs, islands, cfg))
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0
@@ -423,7 +446,7 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
             check_device_fault(device_fault, [d.id for d in jax.devices()])
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg) / "islands" / args.island
         summary = run_worker(cfg, args.coordinator, args.island, out, quiet=args.quiet, inject=inject,
-                             device_fault=device_fault, hosts=hosts)
+                             device_fault=device_fault, hosts=hosts, slowdown=args.slowdown)
         if "run_over" in summary:  # nothing was trained: one line, exit 0
             print(f"dtrain worker: {summary['run_over']}: nothing to do")
             return 0

@@ -39,6 +39,7 @@ from dtrain.errors import DtrainError
 from dtrain.runlog import EventTail, RunLog, process_dir, read_events
 from dtrain_cli.fault_score import device_fault_reached, device_quarantines, push_fault_event, score_faults
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec, check_devices, host_device_count
+from dtrain_cli.island_spec import IslandSpec, island_config, run_config
 from dtrain_cli.link_proxy import LinkProxy
 from dtrain_cli.run_watch import RunWatch
 
@@ -103,7 +104,8 @@ def check_island_processes(processes: object, cfg: Config, faults: Sequence[Faul
 
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
-                   faults: Sequence[FaultSpec] = (), island_processes: int = 1) -> dict[str, Any]:
+                   faults: Sequence[FaultSpec] = (), island_processes: int = 1,
+                   island_specs: dict[str, IslandSpec] | None = None) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each, in a new run
     folder of ``cfg`` (``RUN_DIR``), until the run ends.
 
@@ -132,6 +134,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             (:func:`check_island_processes`). Every start of an island (a restart too) is a ``worker_started``
             event in ``RUN_DIR/driver/events.jsonl``: its processes' ids and its ``jax_coordinator`` (None for
             single-process islands).
+        island_specs: islands' own settings (:mod:`dtrain_cli.island_spec`: ``--island``): each such island's
+            worker reads ``RUN_DIR/islands/NAME/config.toml`` (the run's config with its overrides; with islands
+            of their own batch size the run's ``train.base_batch_size`` is pinned to its batch), gets its own fake
+            CPU devices and slowdown; the summary's ``island_settings`` says what each had.
 
     Returns the run's summary, also written to ``RUN_DIR/summary.json``. Its ``goodput`` and ``audit`` (lost
     and doubled tokens, gaps, overlaps) come from the coordinator's and every island process's events
@@ -143,12 +149,13 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     from dtrain.runs import new_run, run_dir
 
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes)
-    cfg = new_run(cfg)
+    specs = island_specs or {}
+    cfg = new_run(run_config(cfg, specs))
     # Before any process starts: a source that is not a store becomes one here, once, not in every worker.
     data.open_corpus(cfg.data, cfg.model.vocab_size, config_mod.data_cache(cfg))
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
-    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes)
+    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs)
     try:
         sim.run(timeout_s)
     finally:
@@ -178,8 +185,9 @@ class _Simulation:
     injects."""
 
     def __init__(self, cfg: Config, out: Path, islands: int, quiet: bool, env: dict[str, str], pin: bool,
-                 faults: list[FaultSpec], processes: int = 1):
+                 faults: list[FaultSpec], processes: int = 1, specs: dict[str, IslandSpec] | None = None):
         self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
+        self.specs = specs or {}
         self.processes = processes
         self.resolved = out / "config.toml"
         self.resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
@@ -204,9 +212,14 @@ class _Simulation:
         self.t_workers = 0.0
         self.logs: list[Any] = []
         expected = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * islands
-        shard_end = 0 if cfg.worker.round_seconds else cfg.train.steps * cfg.train.batch_size  # sequences per shard
+        shard_end = 0 if cfg.worker.round_seconds else cfg.train.shard_sequences  # sequences per shard
         self.watch = RunWatch(islands, expected, shard_end, processes)
         self.tails = {"": EventTail(out), **{n: EventTail(out / "islands" / n) for n in self.names}}
+        self.configs = {n: self.resolved for n in self.names}  # the config file each island's worker reads
+        for name, spec in self.specs.items():
+            (out / "islands" / name).mkdir(parents=True, exist_ok=True)
+            path = self.configs[name] = out / "islands" / name / "config.toml"
+            path.write_text(config_mod.to_toml(island_config(cfg, spec, f"--island {name}")))
 
     # -- processes ---------------------------------------------------------------------------------
 
@@ -250,6 +263,10 @@ class _Simulation:
         if self.processes > 1 and name not in self.jax_ports:
             self.jax_ports[name] = free_port()
         self.ended.pop(name, None)
+        spec = self.specs.get(name)
+        own = ["--slowdown", f"{spec.slowdown:g}"] if spec is not None and spec.slowdown != 1.0 else []
+        env = self.env if spec is None or spec.host_devices is None else with_host_devices(self.env,
+                                                                                          spec.host_devices)
         procs = []
         for index in range(self.processes):
             pdir = process_dir(wdir, index)
@@ -258,9 +275,10 @@ class _Simulation:
             self.logs.append(wlog)
             hosts = island_process_flags(self.processes, index, f"127.0.0.1:{self.jax_ports.get(name, 0)}")
             procs.append(subprocess.Popen(
-                _cli("worker", "--config", str(self.resolved), "--coordinator", f"{self.cfg.coordinator.host}:{port}",
-                     "--island", name, "--run-dir", str(wdir), *hosts, *inject),
-                stdout=wlog, stderr=subprocess.STDOUT, env=self.env,
+                _cli("worker", "--config", str(self.configs[name]), "--coordinator",
+                     f"{self.cfg.coordinator.host}:{port}", "--island", name, "--run-dir", str(wdir), *hosts, *inject,
+                     *own),
+                stdout=wlog, stderr=subprocess.STDOUT, env=env,
                 preexec_fn=None if share is None else _pinned(share)))
         self.workers[name] = procs
         self.log.event("worker_started", island=name, processes=self.processes, pids=[p.pid for p in procs],
@@ -542,12 +560,20 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
         "faults": score_faults(sim.fired, sim.faults, coord_events, island_events),
         "device_quarantines": device_quarantines(island_events, [f for f in sim.faults if f.kind in DEVICE_KINDS]),
         "faults_not_injected": sim.not_injected,
+        "island_settings": {n: s.describe() for n, s in sim.specs.items()},
         "goodput": checked.goodput, "audit": checked.to_dict(),
         "unfinished_islands": sorted(unfinished),
     }
     if len(digests) != 1 or len(evals) != 1:
         raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
     return summary
+
+
+def with_host_devices(env: dict[str, str], devices: int) -> dict[str, str]:
+    """``env`` with ``XLA_FLAGS`` giving a process ``devices`` fake CPU devices (any device count it gave
+    replaced)."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

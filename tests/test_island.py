@@ -3,6 +3,7 @@ the exchange thread, against fake coordinator clients (the real path: tests/test
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import threading
@@ -118,10 +119,29 @@ def test_step_round_chunk_lengths_are_the_chunks_of_one_round_split_at_tau(H, pe
 def test_chunk_lengths_cover_a_short_last_round_and_wall_time_rounds():
     assert _schedule(H=20, per_call=10, total=63, tau=5).chunk_lengths() == {3, 5, 10}
     assert _schedule(H=20, per_call=10, total=8, tau=5).chunk_lengths() == {3, 5}
-    assert _schedule(round_seconds=1.0, per_call=10, tau=5).chunk_lengths() == {5, 10}
-    assert _schedule(round_seconds=1.0, per_call=10, tau=0).chunk_lengths() == {10}
-    assert _schedule(round_seconds=1.0, per_call=10, tau=15).chunk_lengths() == {10, 5}
-    assert _schedule(round_seconds=1.0, per_call=10, overlap=False).chunk_lengths() == {10}
+    fit = {1, 2, 4, 8, 10}  # wall-time rounds: the lengths a measured step time cuts a round's end into
+    assert _schedule(round_seconds=1.0, per_call=10, tau=5).chunk_lengths() == {5, 10} | fit
+    assert _schedule(round_seconds=1.0, per_call=10, tau=0).chunk_lengths() == fit
+    assert _schedule(round_seconds=1.0, per_call=10, tau=15).chunk_lengths() == {10, 5} | fit
+    assert _schedule(round_seconds=1.0, per_call=10, overlap=False).chunk_lengths() == fit
+    assert _schedule(round_seconds=-1.0, per_call=10, tau=5).chunk_lengths() == {5, 10} | fit  # auto
+
+
+def test_a_wall_time_round_with_a_measured_step_time_ends_on_its_deadline():
+    # 0.1 s a step, 2 s rounds: after the overlap budget (τ = 5, cut 4 + 1), chunks fitted to the time left
+    s = dataclasses.replace(_schedule(round_seconds=2.0, per_call=10, tau=5), step_s=0.1)
+    assert next_action(s, RoundProgress(0, 0, since_arrival_s=0.0)) == Action(TRAIN, 4)
+    assert next_action(s, RoundProgress(4, 4, since_arrival_s=0.4)) == Action(TRAIN, 1)
+    assert next_action(s, RoundProgress(5, 5, since_arrival_s=0.5)) == Action(TRAIN, 10)
+    assert next_action(s, RoundProgress(15, 15, since_arrival_s=1.5)) == Action(TRAIN, 4)  # 5 steps left
+    assert next_action(s, RoundProgress(19, 19, since_arrival_s=1.9)) == Action(TRAIN, 1)
+    assert next_action(s, RoundProgress(20, 20, since_arrival_s=1.96)) == Action(END_ROUND)  # < half a step left
+    # a slow island (1 s a step, chunks of 10): its round is not 10 steps past the deadline
+    slow = dataclasses.replace(s, step_s=1.0)
+    assert next_action(slow, RoundProgress(5, 5, since_arrival_s=0.1)) == Action(TRAIN, 2)
+    # auto, not resolved yet: the round goes on whatever the time
+    auto = dataclasses.replace(s, round_seconds=-1.0)
+    assert next_action(auto, RoundProgress(30, 30, since_arrival_s=99.0)) == Action(TRAIN, 10)
 
 
 def test_every_chunk_a_run_trains_was_compiled():

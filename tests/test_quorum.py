@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from coordinator.state import CoordinatorState
 from state_helpers import T0, info, join_all, make, options, push, unchanged
 
@@ -176,3 +178,34 @@ def test_rejected_pending_push_does_not_hold_up_its_round():
     (only,) = st.pending()
     st.reject_pending([only[0].push_id], "bad")
     assert st.round_ready(T0) == (False, "waiting for the first push for version 2 (2 live islands)")
+
+
+def test_quorum_and_grace_with_islands_whose_rounds_differ_10x_in_tokens():
+    """Wall-time rounds of islands that differ (issue 26): a fast island's round carries 10x the slow one's
+    tokens. Each push weighs its tokens; the slow island holds a round up only for the grace, and its late push
+    counts once, discounted by its staleness, in the next version."""
+    st = make("outer.islands=2", "train.steps=200", "worker.round_seconds=1", "coordinator.min_quorum=1",
+              "coordinator.grace_s=5")
+    fast, slow = join_all(st, ("fast", "slow"))
+    assert push(st, info(st, fast, tokens=3200, length=100), T0 + 1).weight == 3200.0
+    assert st.round_ready(T0 + 1.5) == (False, "waiting for 1 of 2 islands (missing: slow-1); "
+                                               "quorum close possible in 4.5s")
+    assert push(st, info(st, slow, tokens=320, length=10), T0 + 2).weight == 320.0
+    assert st.round_ready(T0 + 2) == (True, "all 2 live islands pushed")
+    version, merged, _ = st.close_round(T0 + 2)
+    assert version == 1 and [m.tokens for m in merged] == [3200, 320] and st.tokens_merged == 3520
+    # round 2: the slow island is late; the fast one's push alone closes it after the grace, not before
+    push(st, info(st, fast, base=1, tokens=3200, length=100), T0 + 3)
+    assert st.round_ready(T0 + 7.9)[0] is False
+    assert st.round_ready(T0 + 8) == (True, "quorum 1 of 2 after 5s grace (missing: slow-1)")
+    version, merged, _ = st.close_round(T0 + 8)
+    assert version == 2 and [m.island_id for m in merged] == [fast]
+    late = push(st, info(st, slow, base=1, tokens=320, length=10), T0 + 9)
+    assert (late.status, late.target_version, late.staleness) == ("accept", 3, 1)
+    assert late.weight == pytest.approx(320 * 2 ** -0.5)  # its tokens, discounted by (1 + staleness)^-alpha
+    assert st.round_ready(T0 + 9) == (False, "waiting for 1 of 2 islands (missing: fast-0); "
+                                             "quorum close possible in 5.0s")
+    push(st, info(st, fast, base=2, tokens=3200, length=100), T0 + 10)
+    version, merged, _ = st.close_round(T0 + 10)
+    assert version == 3 and st.tokens_merged == 3520 + 3200 + 320 + 3200
+    assert st.shard_cursor(0) == 300 and st.shard_cursor(1) == 20  # nothing lost or doubled on either shard

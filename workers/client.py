@@ -259,7 +259,7 @@ class CoordinatorClient:
                   tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
                   pending_push_id: str = "", quarantined: Sequence[Mapping[str, Any]] = (),
                   devices: int = 0, train_loss: float | None = None, utilization: float = 0.0,
-                  evals: Sequence[tuple[int, float]] = ()) -> pb.HeartbeatResponse:
+                  evals: Sequence[tuple[int, float]] = (), tokens_per_s: float = 0.0) -> pb.HeartbeatResponse:
         """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
         are the fields of the HeartbeatRequest; left out, a field keeps the proto's default. ``quarantined``: the
         island's quarantined devices as workers/chip_health.py's Evidence dicts (:func:`evidence_message`);
@@ -271,7 +271,7 @@ class CoordinatorClient:
                                   pending_push_id=pending_push_id,
                                   quarantined=[evidence_message(e) for e in quarantined], devices=devices,
                                   utilization=utilization, evals=[pb.EvalReport(version=v, loss=loss)
-                                                                  for v, loss in evals])
+                                                                  for v, loss in evals], tokens_per_s=tokens_per_s)
         if train_loss is not None:
             req.train_loss = train_loss
         return self._retry("heartbeat", lambda: self._heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.codec import params_digest
@@ -52,6 +52,7 @@ class RunEnd:
     clock: Clock  # utilization and the time not spent training
     setup: Setup  # its inner loop's mesh (rebuilt on the healthy devices by a remesh) says the devices in use
     log: RunLog  # the island's events, summary and progress lines; closed when the island ends
+    extra: dict[str, Any] = field(default_factory=dict)  # more of the summary: the pacing (workers.pacing)
 
     def drain(self, island: Island, anchor: GlobalParams, pending: Pending | None, finish: FoldIn) -> GlobalParams:
         """Too few healthy devices: the island stops training. The exchange in flight is finished (``finish``:
@@ -159,5 +160,5 @@ class RunEnd:
             "total_versions": self.mailbox.final_version or self.mailbox.total_versions,
             "fingerprint": self.cfg.fingerprint(), "devices": self.setup.loop.mesh.devices.size,
             "nan_rollbacks": guard.nan_rollbacks, "quarantined": list(guard.evidence()),
-            **({"drained": guard.drained} if guard.drained else {}),
+            **({"drained": guard.drained} if guard.drained else {}), **self.extra,
         }

@@ -31,7 +31,9 @@ the final wait, the final heartbeat, eval and summary, on the loop's thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
 from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config
+from dtrain.config import ROUND_AUTO, Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.prepare import Setup, prepare
 from dtrain.proto import dtrain_pb2 as pb
@@ -70,6 +72,7 @@ from workers.exchange import (
 from workers.heartbeat import Clock, Evaluator, Heartbeat, IslandStatus, Mailbox
 from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
+from workers.pacing import RateMeter, Slowdown, auto_round_seconds, retimed
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
@@ -120,12 +123,14 @@ class TrainLog:
         self.mark = (now, executed_steps)
         cfg = self.cfg
         tokens_per_s = status.steps_per_s * cfg.train.batch_size * cfg.model.seq_len
+        if cfg.worker.round_seconds != ROUND_AUTO:  # auto rounds: the measured rate stands (workers.pacing)
+            status.tokens_per_s = tokens_per_s
         loss = status.read_loss()
         self.log.event("train", step=island.steps, loss=json_number(loss), tokens=island.tokens,
                        tokens_per_s=round(tokens_per_s, 1), version=anchor.version, shard=island.index,
                        cursor=island.cursor, utilization=round(self.clock.utilization(), 4))
         total = self.mailbox.total_versions
-        shard_end = cfg.train.steps * cfg.train.batch_size  # sequences per shard (step rounds)
+        shard_end = cfg.train.shard_sequences  # sequences per shard (step rounds)
         self.log.status(self.name, fmt_progress(self.name, step=island.steps, version=anchor.version, total=total,
                                                 data=None if total else (island.cursor, shard_end), loss=loss,
                                                 tokens_per_s=tokens_per_s),
@@ -166,8 +171,9 @@ class Worker:
 
     def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                  inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
-                 hosts: HostGroup | None = None):
+                 hosts: HostGroup | None = None, slowdown: float = 1.0):
         self.hosts = hosts or HostGroup.single()
+        self.slowdown = Slowdown(slowdown)  # testing: emulated slower hardware (workers.pacing)
         # Push faults need nothing of the other processes: process 0 alone sends the island's pushes (_push).
         if not self.hosts.alone and (cfg.health.enabled or device_fault is not None):
             raise WorkerError(f"an island of {self.hosts.count} processes cannot run chip health ([health] enabled) "
@@ -200,6 +206,10 @@ class Worker:
             if cfg.health.enabled else None
         self.guard = Guard(cfg, self.setup, health, device_fault, self.log, self.name)
         self.schedule = Schedule.from_config(cfg)
+        # wall-time rounds: the island's rate, measured in its first chunks (workers.pacing)
+        self.rate = RateMeter(cfg.train.batch_size * cfg.model.seq_len) if self.schedule.round_seconds else None
+        # auto: the stretched loop, compiling on its own thread (and the event that cancels that)
+        self._stretching: tuple[threading.Thread, InnerLoop, threading.Event] | None = None
         self.spec, _ = codec.flatten(jax.device_get(self.setup.built.init(cfg.run.seed)))
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
@@ -270,9 +280,90 @@ class Worker:
                                                    lambda p: self._fold_in(island, p, status))
             final_wait += time.perf_counter() - t0
         heartbeat.stop()
+        if self._stretching is not None:  # a compile still in flight must not outlive the island: cut short
+            self._stretching[2].set()
+            self._stretching[0].join()
         ckpt.close()
         self.ckpt = None
+        self.run_end.extra.update(self.slowdown.summary())
         return self.run_end.finish(island, anchor, status, rounds, t_start, final_wait, self.telemetry)
+
+    def _measured(self, island: Island, r: Round, status: IslandStatus, steps: int, seconds: float) -> None:
+        """Wall-time rounds, after a chunk of ``steps`` that took ``seconds``: the rate meter counts it; once the
+        rate is known the schedule cuts rounds to their deadline, an auto run's heartbeats report the rate and,
+        until round 1 has a length, :meth:`_auto_rounds` tries to give it one."""
+        if self._stretching is not None and not self._stretching[0].is_alive():
+            loop, self._stretching = self._stretching[1], None
+            if loop.mesh is self.setup.loop.mesh:  # else a remesh rebuilt the loop meanwhile, stretched already
+                self.setup.loop = loop  # the stretched lr schedule from now on
+            self.log.event("schedule_stretched", step=island.steps)
+        rate = self.rate
+        assert rate is not None
+        if not rate.done:
+            rate.add(steps, seconds)
+            if not rate.done:
+                return
+            self.schedule = dataclasses.replace(self.schedule, step_s=rate.step_s)
+            if self.schedule.round_seconds < 0:
+                status.tokens_per_s = rate.tokens_per_s  # reported unchanged to the end (workers.pacing)
+            self.log.event("rate", tokens_per_s=round(rate.tokens_per_s, 1), step_s=round(rate.step_s, 6),
+                           steps=rate.steps)
+        if self.schedule.round_seconds < 0:
+            self._auto_rounds(island, r)
+
+    def _auto_rounds(self, island: Island, r: Round) -> None:
+        """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
+        reports one (Status, asked by process 0), the round length from the slowest, the lr schedule stretched
+        to this island's steps in the run (:func:`workers.pacing.retimed`), the inner loop rebuilt with it and
+        compiled (a remesh rebuilds it from the same config). Until then nothing changes: round 1 goes on."""
+        assert self.rate is not None
+        own, me = self.rate.tokens_per_s, self.mailbox.island_id
+
+        def rates() -> list[float]:
+            live = [i for i in self.client.status().islands if i.state == "live" and i.island_id != me]
+            if any(not i.tokens_per_s for i in live):
+                return []
+            return [i.tokens_per_s for i in live] + [own]
+
+        measured = self.hosts.lead(rates)
+        if not measured:
+            return
+        seconds = auto_round_seconds(self.cfg, measured)
+        versions = self.mailbox.total_versions or self.cfg.rounds
+        since = time.perf_counter() - r.anchor.arrived
+        left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
+        t = self.cfg.train
+        cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
+        self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
+        self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
+        old = self.setup.loop
+        loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
+        loop._eval, loop._init = old._eval, old._init  # neither depends on the lr schedule: compiled already
+        lengths = sorted(self.schedule.chunk_lengths())
+
+        cancel = threading.Event()
+
+        def compile_scans() -> None:
+            for k in lengths:
+                if cancel.is_set():  # the run ended first: the loop it has stays
+                    return
+                loop.compile_scan(k)
+
+        if self.hosts.alone:  # compiled while the island trains on with the loop it has (same chunk lengths)
+            thread = threading.Thread(target=compile_scans, daemon=True, name=f"{self.name}-stretch")
+            thread.start()
+            self._stretching = (thread, loop, cancel)
+        else:  # an island of several processes: every process swaps at the same chunk, so now
+            compile_scans()
+            self.setup.loop = loop
+        steps = cfg.train.island_steps(cfg.train.steps)
+        self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
+                       tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
+                       round1_s=round(since, 3))
+        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s (the slowest of {len(measured)} islands: "
+                          f"{min(measured):,.0f} tokens/s; this one {own:,.0f}, measured in training); lr schedule "
+                          f"over {steps} steps")
+        self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -316,11 +407,13 @@ class Worker:
             return None
         if action.kind is Kind.TRAIN:
             n = action.steps
+            t0 = time.perf_counter()
             recovery = self._train_chunk(island, n, status)
             if recovery is None:
+                r.steps += n
                 if self.schedule.round_seconds:  # the deadline is about steps done, not queued: dispatch is async
                     jax.block_until_ready(island.state.step)
-                r.steps += n
+                    self._measured(island, r, status, n, time.perf_counter() - t0)
                 if r.pending is not None and self.hosts.agree(r.pending.exchange.future.done()):
                     r.anchor, r.pending = self._fold_in(island, r.pending, status), None  # without waiting
                 if island.steps % self.cfg.run.log_every < n:
@@ -343,7 +436,9 @@ class Worker:
         cursor, metrics = island.cursor, {}
         first = int(island.state.step) if health is not None else 0  # synced already: the last check read it
         try:
+            self.slowdown.start()
             advance(self.loop, island, n, self.cfg.train.batch_size, on_chunk=lambda _, m: metrics.update(m))
+            self.slowdown.end(island.state.step)
         except Exception as e:
             recovery = self.guard.diagnose(e, first, n) if health is not None else None
             if recovery is None:  # not a device's failure: the error stands
@@ -451,13 +546,14 @@ class Worker:
 
 def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
-               hosts: HostGroup | None = None) -> dict[str, Any]:
+               hosts: HostGroup | None = None, slowdown: float = 1.0) -> dict[str, Any]:
     """Runs one island to the end of the run (a :class:`Worker`, cleaned up whatever happens).
 
     Args: ``cfg``, the run's config; ``address``, the coordinator's HOST:PORT; ``name``, the island's name;
     ``run_dir``, its folder; ``quiet``, no progress lines; ``inject``, push faults, and ``device_fault``, a faulty
     device in the island (testing only: :mod:`workers.push_faults`); ``hosts``, this process's place in an island of
-    several processes (:mod:`workers.hosts`).
+    several processes (:mod:`workers.hosts`); ``slowdown``: every chunk takes this many times its measured
+    compute time (testing: emulated slower hardware, :class:`workers.pacing.Slowdown`).
 
     Returns the island's summary (:meth:`Worker.run`), or ``{"island", "run_over"}`` (exit 0, no training) when
     the run is over already: checked first, before the island builds or compiles anything. Raises what ended
@@ -478,7 +574,7 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
                                       logger=LOGGER),
                                 name, over)
     worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault,
-                    hosts=hosts)
+                    hosts=hosts, slowdown=slowdown)
     try:
         return worker.run()
     finally:

@@ -12,7 +12,9 @@ run uses, so the island compiles exactly those before it joins.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 from dtrain.config import Config
@@ -41,13 +43,16 @@ class Schedule:
     total_steps: int  # the island's step budget (step rounds)
     overlap: bool  # train on while the exchange is in flight
     overlap_steps: int  # τ: steps a round may take with the exchange in flight (0 without overlap)
-    round_seconds: float  # > 0: a round is this long after θ arrived (wall-time rounds; H and the budget unused)
+    round_seconds: float  # > 0: a round is this long after θ arrived (wall-time rounds; H and the budget unused);
+    #                       < 0: auto, not resolved yet (a round goes on until it is)
+    step_s: float = 0.0  # wall-time rounds: the island's measured seconds per inner step (0: not measured yet)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Schedule:
         w = cfg.worker
-        return cls(inner_steps=cfg.outer.inner_steps, steps_per_call=cfg.train.steps_per_call,
-                   total_steps=cfg.train.steps, overlap=w.overlap,
+        t = cfg.train  # H and the budget count steps of train.base_batch_size sequences: the island's own steps
+        return cls(inner_steps=t.island_steps(cfg.outer.inner_steps), steps_per_call=t.steps_per_call,
+                   total_steps=t.island_steps(t.steps), overlap=w.overlap,
                    overlap_steps=w.max_overlap_steps if w.overlap else 0, round_seconds=w.round_seconds)
 
     def chunk_lengths(self) -> set[int]:
@@ -57,15 +62,29 @@ class Schedule:
         round and the last (the rounds between repeat the first); wall-time rounds replay one round until the
         overlap budget is behind it and one more chunk (after that every chunk is ``steps_per_call``)."""
         if self.round_seconds:
-            lengths, done = set(), 0
+            # auto (< 0, not resolved yet): the lengths of a round that has not ended (they do not depend on it);
+            # once the step time is measured, the fitted lengths too (they end a round on its deadline)
+            probe = dataclasses.replace(self, round_seconds=math.inf, step_s=0.0)
+            lengths, done = set(self.fit_lengths()), 0
             while True:
-                n = next_action(self, RoundProgress(round_steps=done, island_steps=done)).steps
+                n = next_action(probe, RoundProgress(round_steps=done, island_steps=done)).steps
                 lengths.add(n)
                 done += n
                 if done > self.overlap_steps:
                     return lengths
         last_start = (max(self.total_steps - 1, 0) // self.inner_steps) * self.inner_steps
         return _round_chunks(self, 0) | _round_chunks(self, last_start)
+
+
+    def fit_lengths(self) -> tuple[int, ...]:
+        """Wall-time rounds: the chunk lengths a round with a measured step time is cut into, so that it ends
+        within half a step of its deadline: ``steps_per_call`` and the powers of two below it (any step count
+        is a sum of a few of them)."""
+        out, k = {self.steps_per_call}, 1
+        while k < self.steps_per_call:
+            out.add(k)
+            k *= 2
+        return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -94,8 +113,16 @@ def next_action(s: Schedule, p: RoundProgress) -> Action:
     if p.exchange_in_flight and p.round_steps >= s.overlap_steps:
         return Action(Kind.WAIT, reason="overlap budget spent" if s.overlap else "no overlap")
     if s.round_seconds:
-        if not p.exchange_in_flight and p.round_steps and p.since_arrival_s >= s.round_seconds:
+        left = s.round_seconds - p.since_arrival_s  # < 0 unresolved (auto): never ends by time
+        if s.round_seconds > 0 and not p.exchange_in_flight and p.round_steps and (
+                left <= 0 or left < s.step_s / 2):
             return Action(Kind.END_ROUND)
+        if s.step_s > 0 and s.round_seconds > 0 and not p.exchange_in_flight:
+            # the steps left to the deadline at the measured step time, in the fitted lengths
+            want = max(round(left / s.step_s), 1)
+            if p.round_steps < s.overlap_steps:
+                want = min(want, s.overlap_steps - p.round_steps)
+            return Action(Kind.TRAIN, steps=max(k for k in s.fit_lengths() if k <= want))
         n = s.steps_per_call
     else:
         n = min(s.steps_per_call, s.inner_steps - p.round_steps, s.total_steps - p.island_steps)

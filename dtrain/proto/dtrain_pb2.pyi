@@ -92,7 +92,7 @@ class JoinResponse(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals")
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class HeartbeatRequest(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     EVALS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     steps: int
@@ -119,7 +120,8 @@ class HeartbeatRequest(_message.Message):
     train_loss: float
     utilization: float
     evals: _containers.RepeatedCompositeFieldContainer[EvalReport]
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalReport, _Mapping]]] = ...) -> None: ...
+    tokens_per_s: float
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalReport, _Mapping]]] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class EvalReport(_message.Message):
     __slots__ = ("version", "loss")
@@ -276,7 +278,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IslandStatus(_message.Message):
-    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices", "hardware", "device_kind", "steps", "tokens", "train_loss", "utilization", "params_digest", "cursor", "bytes_in", "bytes_out", "last_seen_s")
+    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices", "hardware", "device_kind", "steps", "tokens", "train_loss", "utilization", "params_digest", "cursor", "bytes_in", "bytes_out", "last_seen_s", "tokens_per_s")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +301,7 @@ class IslandStatus(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     name: str
     state: str
@@ -321,7 +324,8 @@ class IslandStatus(_message.Message):
     bytes_in: int
     bytes_out: int
     last_seen_s: float
-    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
+    tokens_per_s: float
+    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten")

@@ -1,0 +1,135 @@
+"""Islands that differ: per-island settings (dtrain_cli/island_spec.py), batch-scaled step counts
+(train.base_batch_size), the auto round length (workers/pacing.py), and two islands of different batch size and
+device count through a real coordinator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtrain.config import ROUND_AUTO, ConfigError, load_config
+from dtrain.runlog import read_events
+from dtrain_cli.island_spec import island_config, parse_islands, run_config
+from dtrain_cli.simulate import run_simulation
+from workers.pacing import RateMeter, auto_round_seconds, retimed
+from workers.rounds import Schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tiny(*extra: str):
+    return load_config(ROOT / "configs" / "tiny.toml", list(extra))
+
+
+def test_a_fingerprint_field_per_island_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="model.d_model is in the config fingerprint"):
+        parse_islands(["island-1:model.d_model=64"], 2, _tiny())
+    with pytest.raises(ConfigError, match="train.lr is not a per-island setting"):
+        parse_islands(["island-1:train.lr=0.1"], 2, _tiny())
+    with pytest.raises(ConfigError, match="no island 'island-5'"):
+        parse_islands(["island-5:slowdown=2"], 2, _tiny())
+    with pytest.raises(ConfigError, match="slowdown must be"):
+        parse_islands(["island-0:slowdown=0.5"], 2, _tiny())
+    with pytest.raises(ConfigError, match="batch_size"):  # 7 does not divide a shard of 60 x 8 sequences
+        parse_islands(["island-0:train.batch_size=7"], 2, _tiny())
+
+
+def test_per_island_settings_keep_the_fingerprint_and_scale_steps_by_tokens() -> None:
+    cfg = _tiny()
+    specs = parse_islands(["island-1:train.batch_size=4,host_devices=2,slowdown=3",
+                           "island-1:model.remat=true,worker.round_seconds=auto"], 2, cfg)
+    spec = specs["island-1"]
+    assert (spec.host_devices, spec.slowdown) == (2, 3.0)
+    run = run_config(cfg, specs)
+    assert run.train.base_batch_size == 8
+    own = island_config(run, spec, "test")
+    assert own.fingerprint() == run.fingerprint() == cfg.fingerprint()
+    assert own.worker.round_seconds == ROUND_AUTO and own.model.remat
+    # the same tokens: twice the steps of half the batch, for the shard, H and the lr schedule
+    assert own.train.shard_sequences == run.train.shard_sequences == 60 * 8
+    s = Schedule.from_config(own)
+    assert (s.total_steps, s.inner_steps) == (120, 40)
+    assert own.train.island_steps(own.train.warmup_steps) == 10
+
+
+def test_lr_schedules_of_different_batches_end_together_by_tokens() -> None:
+    from dtrain.step import lr_schedule
+
+    big = _tiny("train.base_batch_size=8").train
+    small = _tiny("train.base_batch_size=8", "train.batch_size=2").train
+    for tokens_done in (0, 40, 200, 480):  # sequences
+        assert float(lr_schedule(big)(tokens_done // 8)) == pytest.approx(float(lr_schedule(small)(tokens_done // 2)))
+
+
+def test_auto_round_is_h_base_steps_of_the_slowest_and_retimes_the_schedule() -> None:
+    cfg = _tiny("outer.inner_steps=10", "worker.round_seconds=auto")
+    seconds = auto_round_seconds(cfg, [4096.0, 1024.0])
+    assert seconds == pytest.approx(10 * 8 * 32 / 1024)  # H x base batch x seq_len / the slowest rate
+    fast, slow = retimed(cfg, seconds, 6 * seconds, 4096.0), retimed(cfg, seconds, 6 * seconds, 1024.0)
+    assert (fast.train.steps, slow.train.steps) == (240, 60)  # 4x the rate: 4x the steps in the same rounds
+    assert fast.train.warmup_steps == 4 * slow.train.warmup_steps == 20
+    assert fast.worker.round_seconds == seconds
+    # resolved in round 1 after 30 steps of the base batch: those, and the steps the time left holds
+    assert retimed(cfg, seconds, 5 * seconds, 1024.0, done=30).train.steps == 30 + 50
+    with pytest.raises(ValueError):
+        auto_round_seconds(cfg, [])
+
+
+def test_rate_meter_leaves_out_the_warm_up_chunk() -> None:
+    meter = RateMeter(tokens_per_step=8 * 32, skip=1, chunks=2)
+    meter.add(5, 10.0)  # the first chunk: warm-up, not counted
+    assert not meter.done and meter.tokens_per_s == meter.step_s == 0.0
+    meter.add(25, 0.5)
+    meter.add(25, 0.5)
+    assert meter.done and meter.step_s == pytest.approx(0.02)
+    assert meter.tokens_per_s == pytest.approx(50 * 8 * 32 / 1.0)
+    meter.add(25, 99.0)  # known: it stays
+    assert meter.step_s == pytest.approx(0.02)
+
+
+def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_path) -> None:
+    """island-1: half the batch on 2 fake devices (island-0: 1 device); the same tokens per shard, pushes
+    weighted by their tokens, nothing lost or doubled, one final θ."""
+    cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=20", "outer.inner_steps=10",
+                "worker.heartbeat_s=0.5", "coordinator.grace_s=60")
+    specs = parse_islands(["island-1:train.batch_size=4,host_devices=2"], 2, cfg)
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+                       island_specs=specs)
+    islands = {i["island"]: i for i in s["islands"]}
+    assert (islands["island-0"]["devices"], islands["island-1"]["devices"]) == (1, 2)
+    assert (islands["island-0"]["steps"], islands["island-1"]["steps"]) == (20, 40)
+    assert islands["island-0"]["tokens"] == islands["island-1"]["tokens"] == 20 * 8 * 32
+    assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
+    assert s["audit"]["coverage"] == {"0": [[0, 160]], "1": [[0, 160]]}
+    assert s["bit_identical_final_params"]
+    assert s["island_settings"] == {"island-1": {"overrides": ["train.batch_size=4"], "host_devices": 2}}
+    merges = [e for e in read_events(Path(s["run_dir"])) if e["event"] == "round_merged"]
+    assert len(merges) == 2
+    for m in merges:  # each round: 10 steps of 8 and 20 steps of 4, weighted by their equal tokens
+        by_shard = {p["shard"]: p for p in m["pushes"]}
+        assert (by_shard[0]["steps"], by_shard[1]["steps"]) == (10, 20)
+        assert by_shard[0]["weight"] == by_shard[1]["weight"] == by_shard[0]["tokens"] == 10 * 8 * 32
+    own = load_config(Path(s["run_dir"]) / "islands" / "island-1" / "config.toml")
+    assert (own.train.batch_size, own.train.base_batch_size) == (4, 8)
+
+
+@pytest.mark.slow
+def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
+    """``worker.round_seconds = auto`` through a real coordinator: island-1 3x slower; each island times a chunk of
+    real training and both take the same round length from the slower rate; nothing lost or doubled."""
+    cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=200", "outer.inner_steps=20",
+                "worker.round_seconds=auto", "worker.heartbeat_s=0.5")
+    specs = parse_islands(["island-1:slowdown=3"], 2, cfg)
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+                       island_specs=specs)
+    islands = {i["island"]: i for i in s["islands"]}
+    fast, slow = islands["island-0"], islands["island-1"]
+    assert fast["round_seconds"] == slow["round_seconds"] > 0
+    assert fast["measured_tokens_per_s"] > 1.5 * slow["measured_tokens_per_s"]
+    assert fast["round_seconds"] == pytest.approx(auto_round_seconds(cfg, [slow["measured_tokens_per_s"]]))
+    assert fast["tokens"] > 1.5 * slow["tokens"]
+    assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
+    for name in ("island-0", "island-1"):
+        events = [e["event"] for e in read_events(Path(s["run_dir"]) / "islands" / name)]
+        assert events.count("rate") == 1 and events.count("auto_rounds") == 1
