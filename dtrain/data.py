@@ -43,7 +43,8 @@ from dtrain.config import DataConfig
 from dtrain.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
 __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
-           "builtin_files", "eval_batches", "existing_store", "island_shards", "open_corpus", "split", "store_location"]
+           "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store", "open_corpus", "split",
+           "store_location"]
 
 SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
@@ -105,8 +106,13 @@ def _is_url(source: str) -> bool:
     return urllib.parse.urlparse(source).scheme in ("file", "gs", "s3", "http", "https")
 
 
-def _is_store_folder(path: Path) -> bool:
-    return (path / MANIFEST).exists() or (path / "tokens").is_dir()
+def names_store(source: str) -> bool:
+    """Whether ``source`` is a store itself (a URL, or a folder with a manifest or a tokens array), not a source
+    to make one from."""
+    if _is_url(source):
+        return True
+    path = Path(source).expanduser()
+    return source != "builtin" and ((path / MANIFEST).exists() or (path / "tokens").is_dir())
 
 
 @dataclass(frozen=True)
@@ -212,9 +218,9 @@ def _bin_ids(path: Path) -> np.ndarray:
 
 
 def _write_bin_store(files: list[Path], out: Path, limit: int, block: int = 1 << 24) -> None:
-    """uint16 shards (one document each) into a store, at most ``limit`` ids, streamed ``block`` ids at a time
-    (never the whole shard in memory). The store's vocabulary is the largest id + 1: the shards do not say
-    which tokenizer made them."""
+    """uint16 shards (one document each) into a store, at most ``limit`` ids. The first pass (the largest id)
+    reads ``block`` ids at a time; the writer then holds one shard's ids at a time (a document is written
+    whole). The store's vocabulary is the largest id + 1: the shards do not say which tokenizer made them."""
     arrays, top, total = [], -1, 0
     for path in files:  # first pass: sizes and the largest id, read through the page cache
         ids = _bin_ids(path)
@@ -237,7 +243,7 @@ def existing_store(cfg: DataConfig, cache: Path) -> str | None:
     """The token store ``cfg.source`` names, or the one it was made into under ``cache`` (:func:`store_location`),
     without making one: None when there is none yet there for the source as its files are now."""
     source = cfg.source
-    if _is_url(source) or (source != "builtin" and _is_store_folder(Path(source).expanduser())):
+    if names_store(source):
         return source
     try:
         dest = cache / _cache_key(_plan(source), cfg.max_bytes, cfg.tokenizer)
@@ -247,16 +253,22 @@ def existing_store(cfg: DataConfig, cache: Path) -> str | None:
 
 
 def store_location(cfg: DataConfig, cache: Path) -> str:
+    """The token store ``cfg.source`` names or was made into (:func:`_made_store`)."""
+    return _made_store(cfg, cache)[0]
+
+
+def _made_store(cfg: DataConfig, cache: Path) -> tuple[str, str]:
     """The token store ``cfg.source`` names: itself when it is a store (a folder with ``manifest.json``, or a
     URL), else a store made from it on first use under ``cache`` (``builtin``, text, ``.bin``), holding at most
-    ``max_bytes`` ids. Raises DataError naming the source for what cannot be read."""
+    ``max_bytes`` ids; and what it holds, in words. Raises DataError naming the source for what cannot be
+    read."""
     source = cfg.source
-    if _is_url(source) or (source != "builtin" and _is_store_folder(Path(source).expanduser())):
-        return source
+    if names_store(source):
+        return source, source
     plan = _plan(source)
     dest = cache / _cache_key(plan, cfg.max_bytes, cfg.tokenizer)
     if (dest / MANIFEST).exists():
-        return str(dest)
+        return str(dest), plan.description
     log.info("making the token store %s from %s (%s, first use)", dest, plan.description,
              "pre-tokenized" if plan.kind == "bin" else cfg.tokenizer)
     t0 = time.perf_counter()
@@ -275,14 +287,14 @@ def store_location(cfg: DataConfig, cache: Path) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("token store %s written in %.1f s", dest, time.perf_counter() - t0)
-    return str(dest)
+    return str(dest), plan.description
 
 
 def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     """Opens the configured source as a token store (:func:`store_location`): the manifest only, so start-up
     does not grow with the corpus. Raises DataError naming the source for a store that is missing, incomplete,
     empty, not answering, or whose vocabulary exceeds ``vocab_size``."""
-    location = store_location(cfg, cache)
+    location, what = _made_store(cfg, cache)
     store = TokenStore.open(location, timeout_s=cfg.read_timeout_s)
     m = store.manifest
     if m.vocab_size > vocab_size:
@@ -292,7 +304,6 @@ def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     size = min(m.tokens, cfg.max_bytes) if cfg.max_bytes else m.tokens
     if size == 0:
         raise DataError(f"data.source {cfg.source!r}: empty (no tokens)")
-    what = cfg.source if _is_url(cfg.source) or location == cfg.source else _plan(cfg.source).description
     digest = m.digest.split(":")[-1][:16] + (f"@{size}" if size < m.tokens else "")
     return Corpus(store=store, size=size, description=f"{what} ({size:,} tokens, {m.tokenizer})", digest=digest)
 

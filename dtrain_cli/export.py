@@ -52,10 +52,9 @@ def _tokenizer(data: DataConfig, run_dir: Path) -> tuple[Path | None, int | None
     """(the store's tokenizer.json or None, its end-of-document id, a note for the summary) for the run's source:
     a store it names, or the one a builtin or text source was made into under data.cache (default: the run
     folder's OUT_DIR/data-cache)."""
-    from dtrain.data import existing_store
+    from dtrain.data import existing_store, names_store
 
-    names_a_store = "://" in data.source or (Path(data.source).expanduser() / "manifest.json").is_file()
-    if not names_a_store and data.tokenizer == "bytes":
+    if not names_store(data.source) and data.tokenizer == "bytes":
         return None, None, ("no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no Hugging "
                             "Face tokenizer exists for the byte tokenizer")
     cache = Path(data.cache).expanduser() if data.cache else run_dir.parent / "data-cache"
