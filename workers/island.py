@@ -298,9 +298,9 @@ class Worker:
             self.log.event("rate", tokens_per_s=round(rate.tokens_per_s, 1), step_s=round(rate.step_s, 6),
                            steps=rate.steps)
         if self.schedule.round_seconds < 0:
-            self._auto_rounds(island, r)
+            self._auto_rounds(island, r, status)
 
-    def _auto_rounds(self, island: Island, r: Round) -> None:
+    def _auto_rounds(self, island: Island, r: Round, status: IslandStatus) -> None:
         """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
         reports one (Status, asked by process 0), the round length from the slowest, and the lr schedule stretched
         to this island's steps in the run (:func:`workers.pacing.retimed`) from the next chunk on: the schedule is
@@ -310,17 +310,22 @@ class Worker:
         me = self.mailbox.island_id
         own = self.rate.tokens_per_s
 
-        def rates() -> list[float]:
-            live = [i for i in self.client.status().islands if i.state == "live" and i.island_id != me]
+        def rates() -> dict[str, Any]:
+            run = self.client.status()
+            live = [i for i in run.islands if i.state == "live" and i.island_id != me]
+            if run.round_seconds:  # decided already (this island joined late, or restarted): the run's length
+                return {"decided": run.round_seconds, "rates": [own]}
             if any(not i.tokens_per_s for i in live):
-                return []
-            return [i.tokens_per_s for i in live] + [own]
+                return {}
+            return {"decided": 0.0, "rates": [i.tokens_per_s for i in live] + [own]}
 
-        measured = self.hosts.lead(rates)  # process 0's answer: its own rate last (the same on every process)
-        if not measured:
+        answer = self.hosts.lead(rates)  # process 0's answer, its own rate last: the same on every process
+        if not answer:
             return
+        measured: list[float] = answer["rates"]
         own = measured[-1]
-        seconds = auto_round_seconds(self.cfg, measured)
+        seconds = answer["decided"] or auto_round_seconds(self.cfg, measured)
+        status.round_seconds = seconds  # reported from now on: the run's length for an island that joins later
         versions = self.mailbox.total_versions or self.cfg.rounds
         since = time.perf_counter() - r.anchor.arrived
         left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
@@ -332,10 +337,11 @@ class Worker:
         steps = cfg.train.island_steps(cfg.train.steps)
         self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
                        tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
-                       round1_s=round(since, 3))
-        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s (the slowest of {len(measured)} islands: "
-                          f"{min(measured):,.0f} tokens/s; this one {own:,.0f}, measured in training); lr schedule "
-                          f"over {steps} steps")
+                       round1_s=round(since, 3), decided=bool(answer["decided"]))
+        why = ("the run's, decided before this island measured" if answer["decided"] else
+               f"the slowest of {len(measured)} islands: {min(measured):,.0f} tokens/s")
+        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s ({why}; this one {own:,.0f} tokens/s, "
+                          f"measured in training); lr schedule over {steps} steps")
         self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
