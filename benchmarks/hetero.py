@@ -12,14 +12,17 @@ one invocation on one machine, all with the same total tokens:
                   R x H x B / its batch steps; step rounds of H steps of B sequences (each round the same
                   tokens per island: the slow islands make the others wait).
   (c) auto        the islands of (b) with ``worker.round_seconds = auto``: a round lasts H_c steps of B
-                  sequences of the slowest island, with H_c = H x its speed (so that a round is about as long
-                  in wall time as one of (a)); each island trains for the round's wall time at its own speed and
-                  its pushes are weighted by their tokens. An island's token rate goes as speed x batch (its
-                  devices in proportion), so its ``train.steps`` gives V rounds with V x H_c x sum(speed x batch)
-                  / min(speed x batch) = 4 x R x H: about the same total tokens as (a) and (b) (to within the
-                  rounding of V, the rates measured and round 1, which lasts until every island has timed a
-                  chunk: the slow islands get ``train.steps_per_call`` x speed, at least 4, to keep it short);
-                  ``warmup_steps`` is scaled to the same fraction of the run as in (a).
+                  sequences of the slowest island (``outer.inner_steps`` = H_c; auto_round_seconds), each island
+                  training for the round's wall time at its own speed, its pushes weighted by their tokens. An
+                  island's token rate goes as speed x batch (its devices in proportion): with rel_i = speed_i x
+                  batch_i, H_c = n x H x min(rel) / sum(rel), rounded, so that a round brings in about the tokens
+                  of a round of (a), and V = n x R x H x min(rel) / (H_c x sum(rel)) rounds (about R) give the
+                  same total tokens as (a) and (b) (to within the rounding of H_c and V, the rates measured and
+                  round 1, which lasts until every island has timed a chunk: the slow islands get
+                  ``train.steps_per_call`` x speed, at least 4, to keep it short): the same number of outer
+                  steps on the same tokens, so the loss compares. ``warmup_steps`` is scaled to the same fraction
+                  of the run as in (a); each island stretches its lr schedule to the steps it takes at its own
+                  rate (workers/pacing.py), with no recompilation (the schedule is an input of the step).
 
 Per run: wall time (the longest island's training time, start-up and compilation left out), each island's
 utilization (time in inner steps / training wall time, the summary's ``utilization``), tokens per island and the
@@ -121,7 +124,7 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
     differ = [f"island-{i}:train.batch_size={b},host_devices={d},slowdown={1 / sp:g}"
               + (f",train.steps_per_call={k}" if k != cfg.train.steps_per_call else "")
               for i, (b, d, sp, k) in enumerate(zip(args.batches, args.devices, args.speeds, per_call, strict=True))]
-    h_c = max(round(h * min(args.speeds)), 1)
+    h_c = max(round(n * h * min(rel) / sum(rel)), 1)
     versions = max(round(n * r * h * min(rel) / (h_c * sum(rel))), 1)
     steps_c = versions * h_c
     auto = config_mod.replace(cfg, train={"steps": steps_c, "warmup_steps": min(round(warmup * steps_c / (r * h)),

@@ -332,7 +332,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
                 request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock(),
                 quarantined=[evidence_from_message(e) for e in request.quarantined], devices=request.devices,
-                tokens_per_s=request.tokens_per_s)
+                tokens_per_s=request.tokens_per_s, round_seconds=request.round_seconds)
             new = record.quarantined[known:] if record is not None else ()
             healthy, name = (record.devices, record.name) if record is not None else (0, "")
             version = self.state.version

@@ -83,6 +83,8 @@ from coordinator.membership import Membership, check_identity
 from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, StateError, StateOptions
 from dtrain import schema
 
+MAX_ROUND_S = 86400.0  # an auto round length an island may report (a day: longer is a broken clock or a lie)
+
 
 class CoordinatorState:
     """See the module docstring. Not thread-safe: the caller serializes access."""
@@ -101,6 +103,9 @@ class CoordinatorState:
         self.ledger = PushLedger(opts)
         self.members = Membership(opts, self.islands, self.ledger)
         self._stopped_at: float | None = None  # when the run was over (the last close_round, or a resume after it)
+        # worker.round_seconds = auto: the run's round length, the first an island reported since this start (every
+        # island reports its own in each heartbeat, so a restarted coordinator learns it again from the first one)
+        self.round_seconds = 0.0
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -167,17 +172,26 @@ class CoordinatorState:
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
                   params_digest: str, bad_devices: tuple[str, ...], now: float, *,
                   quarantined: Sequence[Mapping[str, Any]] = (), devices: int = 0,
-                  tokens_per_s: float = 0.0) -> tuple[str, str]:
+                  tokens_per_s: float = 0.0, round_seconds: float = 0.0) -> tuple[str, str]:
         """Renew a live island's lease and record its report; returns (action, reason).
 
         ``quarantined``: the devices the island quarantined, as plain data with :class:`DeviceEvidence`'s fields
         (absent numbers left out or None); devices not in the record yet join it. ``devices``: the devices it
-        trains on now (0: unchanged); ``tokens_per_s``: its measured training rate (0: none). A report that
-        does not fit the island's mesh is refused (see
-        ``coordinator.membership.check_report``)."""
-        return self.members.heartbeat(island_id, version, steps, tokens, steps_per_s, params_digest, bad_devices,
-                                      now, quarantined=quarantined, devices=devices, current=self.version,
-                                      over=self._over(), tokens_per_s=tokens_per_s)
+        trains on now (0: unchanged); ``tokens_per_s``: its measured training rate (0: none);
+        ``round_seconds``: the auto round length it took (0: none yet; the first one becomes the run's,
+        :attr:`round_seconds`). A report that does not fit the island's mesh is refused (see
+        ``coordinator.membership.check_report``), as is a round length in a run of step rounds or outside
+        (0, MAX_ROUND_S]."""
+        if round_seconds and (self.opts.shard_end or not (isinstance(round_seconds, (int, float))
+                                                          and 0 < round_seconds <= MAX_ROUND_S)):
+            why = "the run has step rounds" if self.opts.shard_end else f"must be in (0, {MAX_ROUND_S:g}] seconds"
+            raise StateError("INVALID_ARGUMENT", f"round_seconds={round_seconds!r}: {why}")
+        answer = self.members.heartbeat(island_id, version, steps, tokens, steps_per_s, params_digest, bad_devices,
+                                        now, quarantined=quarantined, devices=devices, current=self.version,
+                                        over=self._over(), tokens_per_s=tokens_per_s)
+        if round_seconds and not self.round_seconds and self.islands[island_id].state == "live":
+            self.round_seconds = float(round_seconds)
+        return answer
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Mark live islands whose lease ended (now >= lease_expiry) as lost; returns (island_id, reason) for each.

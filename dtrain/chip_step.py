@@ -30,12 +30,12 @@ from jax.sharding import PartitionSpec as P
 from dtrain.chip_faults import DeviceFault
 from dtrain.chip_probes import device_grads
 from dtrain.model import ApplyFn
-from dtrain.step import BATCH_AXES, TrainState
+from dtrain.step import BATCH_AXES, TrainState, lr_value, scaled
 
 
 def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
-                      mesh: Mesh, fault: DeviceFault | None = None, rows: tuple[int, ...] | None = None
-                      ) -> tuple[TrainState, dict[str, jax.Array]]:
+                      sched_4: jax.Array, mesh: Mesh, fault: DeviceFault | None = None,
+                      rows: tuple[int, ...] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One inner step with per-device gradients. ``rows``: the real rows per device (default: an even split of
     ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.step.pad_rows`. Metrics:
     ``loss`` (the global batch's mean loss), ``grad_norm`` (of the averaged gradient), ``finite`` (every device's
@@ -49,6 +49,7 @@ def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyF
         in_specs=(P(), P(), P(BATCH_AXES), P()),
         out_specs=(P(), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES)))(ids_D, state.params, batch_BxL1, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates = scaled(updates, lr_value(state.step, sched_4))
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     weights_D = jnp.asarray(rows, jnp.float32) / sum(rows)
@@ -58,9 +59,9 @@ def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyF
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def device_inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
+def device_inner_steps(state: TrainState, batches_KxBxL1: jax.Array, sched_4: jax.Array, *, apply: ApplyFn,
                        tx: optax.GradientTransformation, mesh: Mesh, fault: DeviceFault | None = None,
                        rows: tuple[int, ...] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """K per-device inner steps in one ``lax.scan``; metrics come back stacked ``[K]`` (``[K, D]`` per device)."""
-    return jax.lax.scan(partial(device_inner_step, apply=apply, tx=tx, mesh=mesh, fault=fault, rows=rows), state,
-                        batches_KxBxL1)
+    return jax.lax.scan(partial(device_inner_step, apply=apply, tx=tx, sched_4=sched_4, mesh=mesh, fault=fault,
+                                rows=rows), state, batches_KxBxL1)

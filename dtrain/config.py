@@ -239,7 +239,7 @@ class WorkerConfig:
                               "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds as long as the slowest "
                               "island takes for outer.inner_steps steps of train.base_batch_size sequences, from the "
                               "islands' token rates measured in round 1's training (round 1 lasts until every "
-                              "island has one)")
+                              "island has one; an island that joins later takes the run's length)")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")

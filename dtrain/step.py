@@ -1,9 +1,10 @@
 """The inner step's primitives: the pure step, and the mesh and shardings it runs over.
 
-``inner_step(state, batch) -> (state, metrics)`` is a pure function of a :class:`TrainState` pytree: the
-next-token loss (:func:`loss_fn`), AdamW with warm-up and cosine decay (:func:`make_optimizer`) and the NaN/Inf
-guard; :func:`inner_steps` fuses ``K`` of them into one ``lax.scan`` (on CPU, Python dispatch per step would
-dominate a small model). This module also owns the island's ``Mesh(('data', 'fsdp'))`` (:func:`make_mesh`,
+``inner_step(state, batch, sched) -> (state, metrics)`` is a pure function of a :class:`TrainState` pytree: the
+next-token loss (:func:`loss_fn`), AdamW (:func:`make_optimizer`) at the scheduled rate (:func:`lr_value`: warm-up,
+then cosine decay, whose numbers are an input of the step) and the NaN/Inf guard; :func:`inner_steps` fuses ``K``
+of them into one ``lax.scan`` (on CPU, Python dispatch per step would dominate a small model). This module also
+owns the island's ``Mesh(('data', 'fsdp'))`` (:func:`make_mesh`,
 :data:`BATCH_AXES`), the FSDP sharding rule (:func:`param_spec`) and a global batch's split over the devices
 (:func:`rows_per_device`, :func:`pad_rows`). :class:`dtrain.train.InnerLoop` binds them to a model and jits them;
 the per-device variant of the step is :mod:`dtrain.chip_step`.
@@ -37,24 +38,52 @@ class TrainState(struct.PyTreeNode):
     opt_state: optax.OptState
 
 
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The inner learning rate by step: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+SCHEDULE_ARGS = 4  # schedule_args' length: peak lr, warm-up steps, decay steps (warm-up included), final lr
+
+
+def schedule_args(cfg: TrainConfig) -> np.ndarray:
+    """The inner learning-rate schedule as numbers (float32 ``[peak, warmup, decay, end]``), an argument of the
+    jitted step rather than constants compiled into it: an island whose schedule is stretched mid-run (wall-time
+    rounds, ``workers.pacing``) changes numbers, not programs.
 
     By tokens, not by steps: ``steps`` and ``warmup_steps`` count steps of ``base_batch_size`` sequences, so an
     island with a smaller batch (more steps for the same tokens, :meth:`TrainConfig.island_steps`) stretches its
     schedule to match, and the schedules of islands that differ end together."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.island_steps(cfg.warmup_steps),
-        decay_steps=cfg.island_steps(cfg.steps), end_value=cfg.lr * cfg.min_lr_ratio)
+    return np.asarray([cfg.lr, cfg.island_steps(cfg.warmup_steps), cfg.island_steps(cfg.steps),
+                       cfg.lr * cfg.min_lr_ratio], np.float32)
+
+
+def lr_value(step: jax.Array | int, sched_4: jax.Array | np.ndarray) -> jax.Array:
+    """The inner learning rate at ``step`` for :func:`schedule_args` ``sched_4``: linear warm-up from 0 to the peak
+    over the warm-up steps, then cosine decay to the final lr at the decay steps, flat after."""
+    peak, warmup, decay, end = (sched_4[i] for i in range(SCHEDULE_ARGS))
+    c = jnp.asarray(step, jnp.float32)
+    warm = peak * jnp.minimum(c / jnp.maximum(warmup, 1.0), 1.0)
+    t = jnp.clip((c - warmup) / jnp.maximum(decay - warmup, 1.0), 0.0, 1.0)
+    cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+    return jnp.where(c < warmup, warm, cosine)
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The inner learning rate by step (:func:`lr_value` of :func:`schedule_args`): warm-up, then cosine decay."""
+    sched = schedule_args(cfg)
+    return lambda step: lr_value(step, sched)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on :func:`lr_schedule`; decay only on matrices."""
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+    """AdamW's update direction at a learning rate of 1 (decay only on matrices, after the optional global-norm
+    clip): the step scales it by the scheduled rate (:func:`scaled`), which is an input, not part of the
+    optimizer, so that a stretched schedule needs no new program."""
+    adamw = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
     return adamw
+
+
+def scaled(updates: Params, lr: jax.Array) -> Params:
+    """:func:`make_optimizer`'s updates at learning rate ``lr``."""
+    return jax.tree.map(lambda u: (u * lr).astype(u.dtype), updates)
 
 
 def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array, rows: jax.Array | None = None) -> jax.Array:
@@ -88,13 +117,14 @@ def pad_rows(batches_KxBxL1: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     return np.take(batches_KxBxL1, index, axis=1)
 
 
-def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
-               tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step of ``tx`` on the mean loss of ``batch_BxL1`` (tokens ``[B, L + 1]``) under ``apply``.
-    Returns the next state and the step's scalar metrics: ``loss``, ``grad_norm`` and ``finite`` (the NaN/Inf
-    guard: loss and gradient both finite)."""
+def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
+               sched_4: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step of ``tx`` at the scheduled rate (``sched_4``: :func:`schedule_args`) on the mean loss of
+    ``batch_BxL1`` (tokens ``[B, L + 1]``) under ``apply``. Returns the next state and the step's scalar metrics:
+    ``loss``, ``grad_norm`` and ``finite`` (the NaN/Inf guard: loss and gradient both finite)."""
     loss, grads = jax.value_and_grad(partial(loss_fn, apply))(state.params, batch_BxL1)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates = scaled(updates, lr_value(state.step, sched_4))
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     # The NaN/Inf guard: a non-finite gradient makes its norm non-finite (an overflowing one too), at no extra pass
@@ -102,10 +132,10 @@ def inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn,
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def inner_steps(state: TrainState, batches_KxBxL1: jax.Array, *, apply: ApplyFn,
+def inner_steps(state: TrainState, batches_KxBxL1: jax.Array, sched_4: jax.Array, *, apply: ApplyFn,
                 tx: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
     """K inner steps in one ``lax.scan``; metrics come back stacked ``[K]``."""
-    return jax.lax.scan(partial(inner_step, apply=apply, tx=tx), state, batches_KxBxL1)
+    return jax.lax.scan(partial(inner_step, apply=apply, tx=tx, sched_4=sched_4), state, batches_KxBxL1)
 
 
 def eval_loss(params: Params, batches_NxBxL1: jax.Array, *, apply: ApplyFn) -> jax.Array:

@@ -26,11 +26,12 @@ from dtrain.step import (
     TrainState,
     eval_loss,
     inner_steps,
-    lr_schedule,
+    lr_value,
     make_optimizer,
     pad_rows,
     param_spec,
     rows_per_device,
+    schedule_args,
 )
 
 
@@ -72,13 +73,14 @@ class InnerLoop:
         self.per_device = per_device
         self.fault = fault
         self.tx = make_optimizer(cfg.train)
+        self._replicated = NamedSharding(mesh, P())
+        self._sched = jax.device_put(schedule_args(cfg.train), self._replicated)  # the lr schedule: an input
         fsdp = mesh.shape["fsdp"]
         abstract_state = jax.eval_shape(self._init_state, model.abstract_params)
         self.state_sharding = jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x.shape, fsdp)), abstract_state)
         self.params_sharding = self.state_sharding.params
         self.batch_sharding = NamedSharding(mesh, P(None, BATCH_AXES))  # [K, B, L+1]
         self.eval_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-        self._replicated = NamedSharding(mesh, P())
         n_devices, B = mesh.devices.size, cfg.train.batch_size
         # Rows of the global batch per device; uneven only on a remeshed island (the per-device step's padding)
         self.rows = rows_per_device(B, n_devices)
@@ -98,7 +100,7 @@ class InnerLoop:
             steps = partial(inner_steps, apply=model.apply, tx=self.tx)
         self._scan = jax.jit(
             steps,
-            in_shardings=(self.state_sharding, self.batch_sharding),
+            in_shardings=(self.state_sharding, self.batch_sharding, self._replicated),
             out_shardings=(self.state_sharding, self._replicated),
             donate_argnums=(0,) if donate else (),  # the old state's buffers are reused for the new one
         )
@@ -160,7 +162,7 @@ class InnerLoop:
             for step in range(first, first + len(batches_KxBxL1)):
                 check_alive(self.fault, ids, step)
         batches = jax.device_put(pad_rows(batches_KxBxL1, self.rows), self.batch_sharding)
-        return self._scan(state, batches)
+        return self._scan(state, batches, self._sched)
 
     def abstract_state(self) -> TrainState:
         """The :class:`dtrain.step.TrainState`'s shapes, dtypes and shardings as ``jax.ShapeDtypeStruct``s (no
@@ -174,7 +176,7 @@ class InnerLoop:
         ``cost_analysis()`` and ``memory_analysis()`` are XLA's view of the step (benchmarks/mfu.py)."""
         L1 = self.cfg.model.seq_len + 1
         return self._scan.lower(self.abstract_state(), jax.ShapeDtypeStruct(
-            (k, self.padded_batch, L1), jnp.int32, sharding=self.batch_sharding)).compile()
+            (k, self.padded_batch, L1), jnp.int32, sharding=self.batch_sharding), self._sched).compile()
 
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
         """Compiles the state init, the scan for each of ``chunk_lengths`` (the ``K`` :meth:`run` will be called
@@ -198,7 +200,14 @@ class InnerLoop:
 
     def lr_at(self, step: int) -> float:
         """The optimizer's learning rate at inner step ``step`` (warm-up, then cosine decay)."""
-        return float(lr_schedule(self.cfg.train)(step))
+        return float(lr_value(step, schedule_args(self.cfg.train)))
+
+    def retime(self, cfg: Config) -> None:
+        """Trains on with the lr schedule of ``cfg`` (this loop's config with other ``train.steps`` and
+        ``train.warmup_steps``: an island's schedule stretched to the steps it takes in a wall-time run) from the
+        next :meth:`run`: the schedule's numbers are an input of the compiled step, so nothing is compiled again."""
+        self.cfg = cfg
+        self._sched = jax.device_put(schedule_args(cfg.train), self._replicated)
 
 
 def chunks(total: int, per_call: int, boundaries: tuple[int, ...] = ()) -> list[int]:

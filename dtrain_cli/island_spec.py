@@ -13,6 +13,9 @@ A spec is ``NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable, one island per flag or 
   others).
 - ``slowdown=K`` (K >= 1): the island's every chunk of steps takes K times its measured compute time, a sleep
   after each chunk (``dtrain worker --slowdown``, :mod:`workers.pacing`): slower hardware, emulated.
+- ``link=RATE/RTT`` (e.g. ``100mbit/100ms``): the island reaches the coordinator over a wide-area link of that
+  bandwidth each way and round trip, emulated by a proxy (:mod:`dtrain_cli.link_proxy`); ``dtrain simulate
+  --link`` gives every island one.
 
 Example: ``--island island-2:train.batch_size=16,host_devices=2,slowdown=2 --island island-3:slowdown=4``.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from dtrain import config as config_mod
 from dtrain.config import PER_ISLAND_FIELDS, Config, ConfigError
+from dtrain_cli.link_proxy import LinkError, LinkShape, parse_link
 
 SLOWDOWN_HOW = "a sleep after each chunk of (K-1) x that chunk's measured compute time"
 
@@ -39,6 +43,7 @@ class IslandSpec:
     overrides: list[str] = field(default_factory=list)  # SECTION.FIELD=VALUE, as its worker's --set
     host_devices: int | None = None  # its fake CPU devices (None: the run's)
     slowdown: float = 1.0  # its chunks take this many times their compute time
+    link: LinkShape | None = None  # its link to the coordinator (None: loopback as it is)
 
     def describe(self) -> dict[str, object]:
         """The island's settings for the run's summary (the slowdown said as what it is: emulated)."""
@@ -48,6 +53,8 @@ class IslandSpec:
         if self.slowdown != 1.0:
             out["slowdown"] = self.slowdown
             out["slowdown_emulated_by"] = SLOWDOWN_HOW
+        if self.link is not None:
+            out["link"] = str(self.link)
         return out
 
 
@@ -81,12 +88,17 @@ def parse_islands(texts: Sequence[str], islands: int, cfg: Config) -> dict[str, 
                 if not (math.isfinite(k) and k >= 1.0):
                     raise ConfigError(f"--island {text}: slowdown must be a finite number >= 1, got {value!r}")
                 spec.slowdown = k
+            elif key == "link":
+                try:
+                    spec.link = parse_link(value)
+                except LinkError as e:
+                    raise ConfigError(f"--island {text}: {e}") from None
             elif key in fingerprint:
                 raise ConfigError(f"--island {text}: {key} is in the config fingerprint: every island must train "
                                   f"the same model (set it for the whole run with --set)")
             elif key not in PER_ISLAND_FIELDS:
                 raise ConfigError(f"--island {text}: {key} is not a per-island setting (per-island: "
-                                  f"{', '.join(PER_ISLAND_FIELDS)}, host_devices, slowdown)")
+                                  f"{', '.join(PER_ISLAND_FIELDS)}, host_devices, slowdown, link)")
             else:
                 spec.overrides.append(f"{key}={value}")
     for spec in specs.values():  # each island's config must load (its batch over its mesh, ...)

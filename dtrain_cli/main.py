@@ -162,8 +162,12 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--island", dest="island_specs", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an island's own settings (repeatable): per-island config fields (train.batch_size, "
                    "train.steps_per_call, model.attention, model.remat, worker.round_seconds, outer.inner_steps, "
-                   "mesh.*, ...; never a fingerprint field), host_devices=N (its fake CPU devices) and slowdown=K "
-                   "(its steps take K times as long), e.g. island-2:train.batch_size=8,host_devices=2,slowdown=4")
+                   "mesh.*, ...; never a fingerprint field), host_devices=N (its fake CPU devices), slowdown=K "
+                   "(its steps take K times as long) and link=RATE/RTT (its own WAN link), e.g. "
+                   "island-2:train.batch_size=8,host_devices=2,slowdown=4")
+    p.add_argument("--link", default=None, metavar="RATE/RTT",
+                   help="every island reaches the coordinator over an emulated wide-area link of this bandwidth each "
+                   "way and round trip, e.g. 100mbit/100ms (a proxy per island; --island NAME:link=... for one)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
                    "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
@@ -375,8 +379,8 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--fault needs worker processes: drop --inprocess")
             if args.island_processes > 1:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
-            if args.island_specs:
-                raise ConfigError("--island needs worker processes: drop --inprocess")
+            if args.island_specs or args.link:
+                raise ConfigError("--island and --link need worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
             from dtrain_cli.fault_spec import host_device_count, parse_fault
@@ -385,9 +389,18 @@ def _run(argv: list[str], prog: str) -> int:
 
             # each worker has the fake CPU devices XLA_FLAGS gives (--host-devices), where it says
             faults = [parse_fault(text, islands, host_device_count()) for text in args.faults]
+            # --link: every island's link, as island specs (an --island NAME:link=... of its own comes later: it wins)
+            links = [f"island-{i}:link={args.link}" for i in range(islands)] if args.link else []
+            if args.link:
+                from dtrain_cli.link_proxy import LinkError, parse_link
+
+                try:
+                    parse_link(args.link)
+                except LinkError as e:
+                    raise ConfigError(f"--link: {e}") from None
             summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
                                      island_processes=args.island_processes,
-                                     island_specs=parse_islands(args.island_specs, islands, cfg))
+                                     island_specs=parse_islands(links + args.island_specs, islands, cfg))
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0

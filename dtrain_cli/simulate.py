@@ -321,11 +321,13 @@ class _Simulation:
                 raise SimulationError(f"the coordinator failed with status {coord.returncode}")
 
     def _start_all(self) -> None:
-        """Starts the coordinator, the link proxies of the islands that have link faults, and every island."""
+        """Starts the coordinator, the link proxies of the islands that have link faults or a link of their own
+        (``link=RATE/RTT``), and every island."""
         self._start_coordinator(resume=False)
         address = f"{self.cfg.coordinator.host}:{self.port}"
-        for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS}):
-            self.proxies[name] = LinkProxy(self.port, self.cfg.coordinator.host)
+        shaped = {name: spec.link for name, spec in self.specs.items() if spec.link is not None}
+        for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS} | set(shaped)):
+            self.proxies[name] = LinkProxy(self.port, self.cfg.coordinator.host, shape=shaped.get(name))
         islands = f"{self.islands} workers" if self.processes == 1 else \
             f"{self.islands} islands of {self.processes} worker processes"
         self.log.progress(f"coordinator at {address}; starting {islands}"

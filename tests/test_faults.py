@@ -30,7 +30,7 @@ from dtrain_cli.fault_score import (
     score_faults,
 )
 from dtrain_cli.fault_spec import DEVICE_KINDS, PUSH_KINDS, check_devices, host_device_count, parse_fault
-from dtrain_cli.link_proxy import LinkProxy
+from dtrain_cli.link_proxy import LinkError, LinkProxy, LinkShape, parse_link
 from dtrain_cli.main import main
 from dtrain_cli.simulate import run_simulation
 from service_helpers import Running, push_header
@@ -407,6 +407,39 @@ def test_link_proxy_passes_cuts_slows_and_restores() -> None:
         assert time.perf_counter() - t0 >= 0.6  # held 0.3 s each way
         proxy.restore()
         assert _roundtrip(proxy.port) == b"ping"
+    finally:
+        proxy.close()
+        echo.server.close()
+
+
+def test_a_shaped_link_keeps_its_bandwidth_and_round_trip() -> None:
+    """``--link RATE/RTT``: data arrives whole and in order, never sooner than its round trip, and a transfer never
+    faster than the rate (lower bounds: a loaded machine makes them slower, never faster); bad values are one
+    clear error."""
+    assert parse_link("100mbit/100ms") == LinkShape(100e6, 0.1) and str(LinkShape(20e6, 0.2)) == "20mbit/200ms"
+    assert parse_link(" 1Gbit / 0.5s ") == LinkShape(1e9, 0.5)
+    for bad in ("100mbit", "fast/100ms", "0mbit/10ms", "10mbit/11s", "10mb/10ms"):
+        with pytest.raises(LinkError, match="link"):
+            parse_link(bad)
+    echo = _Echo()
+    proxy = LinkProxy(echo.port, shape=LinkShape(8e6, 0.2))  # 1 MB/s each way, 200 ms round trip
+    try:
+        t0 = time.perf_counter()
+        assert _roundtrip(proxy.port) == b"ping"
+        assert time.perf_counter() - t0 >= 0.2
+        payload = bytes(range(256)) * 2048  # 512 KiB: at least 0.5 s each way at 1 MB/s
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            t0 = time.perf_counter()
+            threading.Thread(target=s.sendall, args=(payload,), daemon=True).start()
+            got = bytearray()
+            while len(got) < len(payload):
+                chunk = s.recv(1 << 16)
+                assert chunk
+                got += chunk
+            elapsed = time.perf_counter() - t0
+        assert bytes(got) == payload
+        assert elapsed >= len(payload) * 8 / 8e6 + 0.2  # serialized once per direction, pipelined: >= one pass
+        assert proxy.bytes["up"] >= len(payload) and proxy.bytes["down"] >= len(payload)
     finally:
         proxy.close()
         echo.server.close()

@@ -33,6 +33,18 @@ def test_a_fingerprint_field_per_island_is_refused_in_one_line() -> None:
         parse_islands(["island-0:slowdown=0.5"], 2, _tiny())
     with pytest.raises(ConfigError, match="batch_size"):  # 7 does not divide a shard of 60 x 8 sequences
         parse_islands(["island-0:train.batch_size=7"], 2, _tiny())
+    with pytest.raises(ConfigError, match="--island island-1:link=fast: link 'fast': expected RATE/RTT"):
+        parse_islands(["island-1:link=fast"], 2, _tiny())
+
+
+def test_an_island_link_of_its_own_wins_over_the_run_wide_one() -> None:
+    """``--link`` becomes a ``link=`` spec per island ahead of the user's: an island's own comes later and wins."""
+    from dtrain_cli.link_proxy import LinkShape
+
+    specs = parse_islands(["island-0:link=100mbit/100ms", "island-1:link=100mbit/100ms",
+                           "island-1:link=20mbit/200ms,slowdown=2"], 2, _tiny())
+    assert specs["island-0"].link == LinkShape(100e6, 0.1) and specs["island-1"].link == LinkShape(20e6, 0.2)
+    assert specs["island-1"].describe()["link"] == "20mbit/200ms"
 
 
 def test_per_island_settings_keep_the_fingerprint_and_scale_steps_by_tokens() -> None:
@@ -133,3 +145,26 @@ def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
     for name in ("island-0", "island-1"):
         events = [e["event"] for e in read_events(Path(s["run_dir"]) / "islands" / name)]
         assert events.count("rate") == 1 and events.count("auto_rounds") == 1
+
+
+def test_the_run_keeps_the_first_auto_round_length_an_island_reports() -> None:
+    """``worker.round_seconds = auto``: the first round length a live island reports is the run's (Status), for an
+    island that joins later; later reports do not move it; a length in a run of step rounds, or outside (0, a day],
+    is refused and changes nothing."""
+    from state_helpers import T0, join_all, make, unchanged
+
+    st = make("worker.round_seconds=auto")
+    a, b, *_ = join_all(st)
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 1, tokens_per_s=900.0)
+    assert st.round_seconds == 0.0  # not decided: a has a rate, no length yet
+    st.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 2, round_seconds=12.5)
+    st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 2, round_seconds=30.0)
+    assert st.round_seconds == 12.5
+    for bad in (-1.0, float("nan"), float("inf"), 1e9):
+        unchanged(st, lambda bad=bad: st.heartbeat(b, 0, 0, 0, 0.0, "", (), T0 + 3, round_seconds=bad),
+                  "INVALID_ARGUMENT", "round_seconds")
+    assert st.round_seconds == 12.5
+    steps = make()
+    c, *_ = join_all(steps)
+    unchanged(steps, lambda: steps.heartbeat(c, 0, 0, 0, 0.0, "", (), T0 + 1, round_seconds=5.0),
+              "INVALID_ARGUMENT", "step rounds")

@@ -15,7 +15,7 @@ from conftest import TINY, make_text
 from dtrain import model
 from dtrain.config import Config, load_config, replace
 from dtrain.data import SequenceStream, open_corpus
-from dtrain.step import loss_fn, make_mesh, make_optimizer, param_spec
+from dtrain.step import loss_fn, lr_schedule, make_mesh, make_optimizer, param_spec, scaled
 from dtrain.train import InnerLoop, chunks
 
 EQUIV_OVERRIDES = ["model.dtype=float32", "train.batch_size=16", "train.warmup_steps=1", "train.lr=1e-2"]
@@ -257,12 +257,48 @@ def test_lr_schedule():
     assert loop.lr_at(int(mid)) == pytest.approx(t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5), rel=0.05)
 
 
+def test_lr_schedule_is_optax_warmup_cosine():
+    """The schedule the step computes from its numbers is optax's warm-up + cosine decay, step for step."""
+    t = load_config(TINY, ["train.warmup_steps=7", "train.steps=50"]).train
+    ref = optax.warmup_cosine_decay_schedule(0.0, t.lr, 7, 50, t.lr * t.min_lr_ratio)
+    ours = lr_schedule(t)
+    for step in (0, 1, 3, 6, 7, 8, 20, 49, 50, 60):
+        assert float(ours(step)) == pytest.approx(float(ref(step)), rel=1e-5, abs=1e-9), step
+
+
+def test_retime_changes_the_schedule_without_compiling():
+    """An island's stretched schedule (wall-time rounds) is an input of the compiled step: after ``retime`` the same
+    program trains exactly as a loop built with the stretched config, and nothing was compiled again."""
+    cfg = load_config(TINY)
+    stretched = replace(cfg, train={"steps": cfg.train.steps * 3, "warmup_steps": cfg.train.warmup_steps * 3})
+    built = model.build(cfg.model)
+    mesh = make_mesh(cfg, devices=jax.devices()[:1])
+    batches = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (3, cfg.train.batch_size,
+                                                                          cfg.model.seq_len + 1), dtype=np.int32)
+    params = built.init(0)
+    loop = InnerLoop(cfg, built, mesh)
+    state, _ = loop.run(loop.init_state(params), batches)  # steps 0-2 on the config's schedule
+    compiled = loop._scan._cache_size()
+    loop.retime(stretched)
+    assert loop.lr_at(4) == pytest.approx(InnerLoop(stretched, built, mesh).lr_at(4))
+    assert loop.lr_at(4) < InnerLoop(cfg, built, mesh).lr_at(4)  # in warm-up: the stretched one climbs slower
+    after, _ = loop.run(state, batches)
+    assert loop._scan._cache_size() == compiled
+    ref = InnerLoop(cfg, built, mesh)
+    ref_state, _ = ref.run(ref.init_state(params), batches)
+    ref2 = InnerLoop(stretched, built, mesh)
+    expect, _ = ref2.run(ref_state, batches)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
+                 after.params, expect.params)
+
+
 def test_weight_decay_only_on_matrices():
     cfg = load_config(TINY, ["train.warmup_steps=0", "train.grad_clip=0.0", "train.weight_decay=0.5"]).train
     tx = make_optimizer(cfg)
     params = {"w": jnp.ones((3, 4)), "b": jnp.ones((4,))}
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
+    updates = scaled(updates, lr_schedule(cfg)(0))  # the step applies the scheduled rate (warm-up 0: the peak)
     np.testing.assert_allclose(np.asarray(updates["w"]), -cfg.lr * 0.5 * np.ones((3, 4)), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(updates["b"]), np.zeros(4))
 

@@ -259,19 +259,22 @@ class CoordinatorClient:
                   tokens: int = 0, steps_per_s: float = 0.0, params_digest: str = "", bad_devices: Sequence[str] = (),
                   pending_push_id: str = "", quarantined: Sequence[Mapping[str, Any]] = (),
                   devices: int = 0, train_loss: float | None = None, utilization: float = 0.0,
-                  evals: Sequence[tuple[int, float]] = (), tokens_per_s: float = 0.0) -> pb.HeartbeatResponse:
+                  evals: Sequence[tuple[int, float]] = (), tokens_per_s: float = 0.0,
+                  round_seconds: float = 0.0) -> pb.HeartbeatResponse:
         """``budget_s``: how long to keep retrying (default worker.retry_total_s; 0: one try). The other arguments
         are the fields of the HeartbeatRequest; left out, a field keeps the proto's default. ``quarantined``: the
         island's quarantined devices as workers/chip_health.py's Evidence dicts (:func:`evidence_message`);
         ``devices``: the devices it trains on now (0: not reported); ``train_loss``: the latest chunk's mean train
         loss (None: left unset); ``utilization``: fraction of its wall time in inner steps; ``evals``: (version,
-        eval loss) of the global θs the coordinator asked it to evaluate."""
+        eval loss) of the global θs the coordinator asked it to evaluate; ``round_seconds``: the auto round length
+        it took (0: none yet)."""
         req = pb.HeartbeatRequest(island_id=island_id, version=version, steps=steps, tokens=tokens,
                                   steps_per_s=steps_per_s, params_digest=params_digest, bad_devices=bad_devices,
                                   pending_push_id=pending_push_id,
                                   quarantined=[evidence_message(e) for e in quarantined], devices=devices,
                                   utilization=utilization, evals=[pb.EvalReport(version=v, loss=loss)
-                                                                  for v, loss in evals], tokens_per_s=tokens_per_s)
+                                                                  for v, loss in evals], tokens_per_s=tokens_per_s,
+                                  round_seconds=round_seconds)
         if train_loss is not None:
             req.train_loss = train_loss
         return self._retry("heartbeat", lambda: self._heartbeat(req, timeout=HEARTBEAT_DEADLINE_S,

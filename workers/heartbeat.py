@@ -81,6 +81,7 @@ class IslandStatus:
     tokens: int
     steps_per_s: float = 0.0
     tokens_per_s: float = 0.0  # measured: auto rounds, round 1's rate (workers.pacing), kept; else every log line
+    round_seconds: float = 0.0  # auto rounds: the round length the island took (0: not yet), reported to the end
     exchange: Exchange | None = None  # in flight: its push id is reported, and a lost push is sent again
     devices: int = 0  # the devices the island trains on (fewer after a quarantine)
     quarantined: tuple[Evidence, ...] = ()  # the quarantined devices' evidence (replaced whole, never mutated)
@@ -303,7 +304,7 @@ class Heartbeat:
                                          pending_push_id=exchange.push_id if exchange is not None else "",
                                          train_loss=finite_or_none(self.train_loss()),
                                          utilization=self.utilization(), evals=evals,
-                                         tokens_per_s=status.tokens_per_s,
+                                         tokens_per_s=status.tokens_per_s, round_seconds=status.round_seconds,
                                          **chip_report(status.quarantined, status.devices))
             self.mailbox.evals_answered(evals)
             change = self.link.observe(time.perf_counter() - t0)

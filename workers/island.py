@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -208,8 +207,6 @@ class Worker:
         self.schedule = Schedule.from_config(cfg)
         # wall-time rounds: the island's rate, measured in its first chunks (workers.pacing)
         self.rate = RateMeter(cfg.train.batch_size * cfg.model.seq_len) if self.schedule.round_seconds else None
-        # auto: the stretched loop, compiling on its own thread (and the event that cancels that)
-        self._stretching: tuple[threading.Thread, InnerLoop, threading.Event] | None = None
         self.spec, _ = codec.flatten(jax.device_get(self.setup.built.init(cfg.run.seed)))
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
@@ -280,9 +277,6 @@ class Worker:
                                                    lambda p: self._fold_in(island, p, status))
             final_wait += time.perf_counter() - t0
         heartbeat.stop()
-        if self._stretching is not None:  # a compile still in flight must not outlive the island: cut short
-            self._stretching[2].set()
-            self._stretching[0].join()
         ckpt.close()
         self.ckpt = None
         self.run_end.extra.update(self.slowdown.summary())
@@ -292,11 +286,6 @@ class Worker:
         """Wall-time rounds, after a chunk of ``steps`` that took ``seconds``: the rate meter counts it; once the
         rate is known the schedule cuts rounds to their deadline, an auto run's heartbeats report the rate and,
         until round 1 has a length, :meth:`_auto_rounds` tries to give it one."""
-        if self._stretching is not None and not self._stretching[0].is_alive():
-            loop, self._stretching = self._stretching[1], None
-            if loop.mesh is self.setup.loop.mesh:  # else a remesh rebuilt the loop meanwhile, stretched already
-                self.setup.loop = loop  # the stretched lr schedule from now on
-            self.log.event("schedule_stretched", step=island.steps)
         rate = self.rate
         assert rate is not None
         if not rate.done:
@@ -309,26 +298,34 @@ class Worker:
             self.log.event("rate", tokens_per_s=round(rate.tokens_per_s, 1), step_s=round(rate.step_s, 6),
                            steps=rate.steps)
         if self.schedule.round_seconds < 0:
-            self._auto_rounds(island, r)
+            self._auto_rounds(island, r, status)
 
-    def _auto_rounds(self, island: Island, r: Round) -> None:
+    def _auto_rounds(self, island: Island, r: Round, status: IslandStatus) -> None:
         """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
-        reports one (Status, asked by process 0), the round length from the slowest, the lr schedule stretched
-        to this island's steps in the run (:func:`workers.pacing.retimed`), the inner loop rebuilt with it and
-        compiled (a remesh rebuilds it from the same config). Until then nothing changes: round 1 goes on."""
+        reports one (Status, asked by process 0), the round length from the slowest, and the lr schedule stretched
+        to this island's steps in the run (:func:`workers.pacing.retimed`) from the next chunk on: the schedule is
+        an input of the compiled step (:meth:`dtrain.train.InnerLoop.retime`), so nothing compiles (a remesh
+        rebuilds the loop from the same config). Until then nothing changes: round 1 goes on."""
         assert self.rate is not None
-        own, me = self.rate.tokens_per_s, self.mailbox.island_id
+        me = self.mailbox.island_id
+        own = self.rate.tokens_per_s
 
-        def rates() -> list[float]:
-            live = [i for i in self.client.status().islands if i.state == "live" and i.island_id != me]
+        def rates() -> dict[str, Any]:
+            run = self.client.status()
+            live = [i for i in run.islands if i.state == "live" and i.island_id != me]
+            if run.round_seconds:  # decided already (this island joined late, or restarted): the run's length
+                return {"decided": run.round_seconds, "rates": [own]}
             if any(not i.tokens_per_s for i in live):
-                return []
-            return [i.tokens_per_s for i in live] + [own]
+                return {}
+            return {"decided": 0.0, "rates": [i.tokens_per_s for i in live] + [own]}
 
-        measured = self.hosts.lead(rates)
-        if not measured:
+        answer = self.hosts.lead(rates)  # process 0's answer, its own rate last: the same on every process
+        if not answer:
             return
-        seconds = auto_round_seconds(self.cfg, measured)
+        measured: list[float] = answer["rates"]
+        own = measured[-1]
+        seconds = answer["decided"] or auto_round_seconds(self.cfg, measured)
+        status.round_seconds = seconds  # reported from now on: the run's length for an island that joins later
         versions = self.mailbox.total_versions or self.cfg.rounds
         since = time.perf_counter() - r.anchor.arrived
         left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
@@ -336,33 +333,15 @@ class Worker:
         cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
         self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
         self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
-        old = self.setup.loop
-        loop = InnerLoop(cfg, old.model, old.mesh, per_device=old.per_device, fault=old.fault)
-        loop._eval, loop._init = old._eval, old._init  # neither depends on the lr schedule: compiled already
-        lengths = sorted(self.schedule.chunk_lengths())
-
-        cancel = threading.Event()
-
-        def compile_scans() -> None:
-            for k in lengths:
-                if cancel.is_set():  # the run ended first: the loop it has stays
-                    return
-                loop.compile_scan(k)
-
-        if self.hosts.alone:  # compiled while the island trains on with the loop it has (same chunk lengths)
-            thread = threading.Thread(target=compile_scans, daemon=True, name=f"{self.name}-stretch")
-            thread.start()
-            self._stretching = (thread, loop, cancel)
-        else:  # an island of several processes: every process swaps at the same chunk, so now
-            compile_scans()
-            self.setup.loop = loop
+        self.setup.loop.retime(cfg)
         steps = cfg.train.island_steps(cfg.train.steps)
         self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
                        tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
-                       round1_s=round(since, 3))
-        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s (the slowest of {len(measured)} islands: "
-                          f"{min(measured):,.0f} tokens/s; this one {own:,.0f}, measured in training); lr schedule "
-                          f"over {steps} steps")
+                       round1_s=round(since, 3), decided=bool(answer["decided"]))
+        why = ("the run's, decided before this island measured" if answer["decided"] else
+               f"the slowest of {len(measured)} islands: {min(measured):,.0f} tokens/s")
+        self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s ({why}; this one {own:,.0f} tokens/s, "
+                          f"measured in training); lr schedule over {steps} steps")
         self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,

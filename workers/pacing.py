@@ -19,11 +19,14 @@
   run's batch. Every island reads the same rates (each reported unchanged to the end), so all take the same
   length; round 1 then ends at that length after the start, or at once if that moment has passed (round 1 is
   at least as long as the slowest island's measurement). Nobody waits for the measurement: the fast islands
-  train through it.
+  train through it. Each island reports the length it took in its heartbeats, and the coordinator keeps the first
+  (``StatusResponse.round_seconds``): an island that joins later (or comes back) takes the run's length as it is
+  rather than one of its own.
 - **The lr schedule by tokens** (:func:`retimed`): with wall-time rounds an island's step count is its speed x the
   run's length, so its schedule is stretched to the steps it will take at its rate in what is left of the
-  run's ``total_versions`` rounds: every island's schedule ends with the run. The stretched config is the one
-  the island's inner loop is rebuilt from after a remesh too.
+  run's ``total_versions`` rounds: every island's schedule ends with the run. The schedule's numbers are an
+  input of the compiled step (``InnerLoop.retime``): stretching it compiles nothing. The stretched config is the
+  one the island's inner loop is rebuilt from after a remesh too.
 """
 
 from __future__ import annotations

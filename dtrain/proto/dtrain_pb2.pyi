@@ -92,7 +92,7 @@ class JoinResponse(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s")
+    __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s", "round_seconds")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class HeartbeatRequest(_message.Message):
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     EVALS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     steps: int
@@ -121,7 +122,8 @@ class HeartbeatRequest(_message.Message):
     utilization: float
     evals: _containers.RepeatedCompositeFieldContainer[EvalReport]
     tokens_per_s: float
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalReport, _Mapping]]] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    round_seconds: float
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., bad_devices: _Optional[_Iterable[str]] = ..., pending_push_id: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalReport, _Mapping]]] = ..., tokens_per_s: _Optional[float] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class EvalReport(_message.Message):
     __slots__ = ("version", "loss")
@@ -328,7 +330,7 @@ class IslandStatus(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten")
+    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +366,7 @@ class StatusResponse(_message.Message):
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     mode: str
@@ -392,7 +395,8 @@ class StatusResponse(_message.Message):
     faults: _containers.RepeatedCompositeFieldContainer[FaultRecord]
     refusals: _containers.ScalarMap[str, int]
     islands_forgotten: int
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ...) -> None: ...
+    round_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenRound(_message.Message):
     __slots__ = ("target_version", "ready", "reason", "pending", "deadline_s")
