@@ -342,7 +342,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
         self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
                        cursor=cursor, hardware=record.hardware, devices=record.devices,
-                       device_kind=request.device_kind, reason=reason)
+                       device_kind=request.device_kind, reason=reason,
+                       **({"identity": identity} if identity is not None else {}))  # security.identity's
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,

@@ -5,6 +5,7 @@ docs/security.md says, protects nothing between islands: the first test shows th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
@@ -339,6 +340,9 @@ def test_mutual_tls_binds_each_name_to_its_certificate(net_cfg, tmp_path, island
         with running.service.lock:
             assert running.service.state.bindings.rows() == [Binding("x", "uri:spiffe://dtrain/island/x"),
                                                              Binding("y", "cn:host-y")]
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert [e.get("identity") for e in events if e["event"] == "island_joined"] == [
+            "uri:spiffe://dtrain/island/x", "cn:host-y"]
         _merge_one_round(x, y, "x", "y")  # checkpointed with the bindings
     finally:
         running.stop()
