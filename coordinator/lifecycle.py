@@ -31,6 +31,7 @@ from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
+from dtrain.identity import IslandTokens
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import require_exporter
@@ -51,17 +52,21 @@ from dtrain.wire import (
 _IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
            "with --port or coordinator.port")
 
-# What preflight() read: the bearer token (None: no auth) and the server's TLS credentials (None: plaintext).
-Preflight = tuple[str | None, grpc.ServerCredentials | None]
+# What preflight() read: the bearer token (None: no shared token), the server's TLS credentials (None: plaintext)
+# and, with security.identity "token", the islands' own tokens (dtrain.identity.IslandTokens; else None).
+Preflight = tuple[str | None, grpc.ServerCredentials | None, IslandTokens | None]
 
 
 def preflight(cfg: Config, port: int | None) -> Preflight:
     """The checks a coordinator passes before it writes anything: its ports are free (:func:`check_ports_free`),
     the telemetry exporter is installed, its token and TLS files are readable and not deploy/'s placeholders
-    (ConfigError otherwise); returns the token and the credentials for :func:`serve`."""
+    (ConfigError otherwise), and so is the islands' token file with ``security.identity`` "token"; returns the
+    token, the credentials and the island tokens for :func:`serve`."""
     check_ports_free(cfg, port)
     require_exporter(cfg.telemetry)
-    return read_token(cfg.security), server_credentials(cfg.security)
+    sec = cfg.security
+    token, creds = read_token(sec), server_credentials(sec)
+    return token, creds, IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -176,12 +181,14 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     folder."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
-    token, creds = checked if checked is not None else preflight(cfg, port)
+    token, creds, island_tokens = checked if checked is not None else preflight(cfg, port)
     dash_port = dashboard_port(cfg, port)
     service = CoordinatorService(cfg, run_dir, theta, spec, clock=clock, resume=resume, quiet=quiet,
-                                 after_finish=after_finish)
+                                 after_finish=after_finish, island_tokens=island_tokens)
     on_denied: AuthDenied = service.auth_failures.failed
-    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token, on_denied)] if token else []
+    own = island_tokens.name_of if island_tokens is not None else None  # islands' own tokens (security.identity)
+    interceptors: list[grpc.ServerInterceptor] = ([TokenAuthInterceptor(token, on_denied, own)]
+                                                  if token or own else [])
     threads = server_threads(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(cfg),
@@ -208,7 +215,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if resume:  # leases were renewed to the restore's time + lease_s; the islands can reach us only from now on
         with service.lock:
             service.state.pause_leases(max(0.0, clock() - service.loaded_at))
-    _log_started(cfg, service, bound, resume, token is not None, creds is not None)
+    _log_started(cfg, service, bound, resume, token is not None or island_tokens is not None, creds is not None)
     return server, service, bound
 
 

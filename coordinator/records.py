@@ -10,20 +10,19 @@ request. The rules these records follow are in ``coordinator.state``'s docstring
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
-from dtrain.config import Config, CoordinatorConfig
+from dtrain.config import ISLAND_NAME_RE, Config, CoordinatorConfig, parse_binding
 from dtrain.runlog import json_number
 from dtrain.wire import PROBES
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
 LINGER_S = 10.0
-NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+NAME_RE = ISLAND_NAME_RE
 
 Count = Annotated[int, schema.AtLeast(0)]  # an int >= 0 (versions, counters, cursors, tokens)
 Finite = Annotated[float, schema.FINITE]  # a finite float (times, rates, weights)
@@ -36,10 +35,11 @@ assert typing.get_args(Probe) == PROBES
 class StateError(ValueError):
     """A request the state machine refuses; the state is unchanged.
 
-    ``code`` is ``"INVALID_ARGUMENT"``, ``"FAILED_PRECONDITION"`` or ``"NOT_FOUND"``; ``str(e)`` is the reason.
+    ``code`` is ``"INVALID_ARGUMENT"``, ``"FAILED_PRECONDITION"``, ``"NOT_FOUND"`` or ``"PERMISSION_DENIED"`` (the
+    caller's identity may not act as that island); ``str(e)`` is the reason.
     """
 
-    CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND")
+    CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "PERMISSION_DENIED")
 
     def __init__(self, code: str, reason: str):
         if code not in self.CODES:
@@ -65,6 +65,8 @@ class StateOptions:
     shard_steps: int  # inner steps a shard holds in the run (train.steps); 0: no end (wall-time rounds)
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
+    identity: str = "shared"  # security.identity: whose calls may act as which island (coordinator/bindings.py)
+    pins: tuple[tuple[str, str], ...] = ()  # security.bindings as (name, identity): the operator's re-bindings
 
     @property
     def shard_end(self) -> int:
@@ -98,7 +100,8 @@ class StateOptions:
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
                    total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.base_batch,
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
-                   max_push_ids=max_push_ids, linger_s=linger_s)
+                   max_push_ids=max_push_ids, linger_s=linger_s, identity=cfg.security.identity,
+                   pins=tuple(parse_binding(text) for text in cfg.security.bindings))
 
 
 @dataclass(frozen=True)

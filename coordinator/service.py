@@ -36,11 +36,19 @@ from coordinator.status_view import Counters, status_response
 from dtrain import codec
 from dtrain.config import Config
 from dtrain.errors import CheckpointError
+from dtrain.identity import IslandTokens, cert_identity, token_identity
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
-from dtrain.wire import MAX_EVAL_REPORTS, RUN_OVER_METADATA_KEY, WireError, chunk_count, file_chunk_messages
+from dtrain.wire import (
+    MAX_EVAL_REPORTS,
+    RUN_OVER_METADATA_KEY,
+    WireError,
+    chunk_count,
+    file_chunk_messages,
+    presented_token,
+)
 
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer
@@ -54,7 +62,8 @@ _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICA
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
-          "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND}
+          "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+          "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED}
 _MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
 # A refusal with one of these codes is a bad request (malformed, over a bound, not matching the run): a
 # `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
@@ -92,6 +101,23 @@ def peer_host(peer: str) -> str:
     if scheme in ("ipv4", "ipv6") and ":" in rest:
         return rest.rpartition(":")[0]
     return peer
+
+
+class CallerIdentity:
+    """The island identity a call carries (``security.identity``; ``dtrain/identity.py``): ``token:NAME`` for an
+    island's own token (listed in ``tokens``), the client certificate's ``uri:``/``cn:`` identity, or None (shared
+    mode; or no island identity, e.g. the operator's shared token). What it may do: ``coordinator/bindings.py``."""
+
+    def __init__(self, mode: str, tokens: IslandTokens | None):
+        self.mode, self.tokens = mode, tokens
+
+    def of(self, context: grpc.ServicerContext) -> str | None:
+        if self.mode == "token" and self.tokens is not None:
+            name = self.tokens.name_of(presented_token(context.invocation_metadata()))
+            return token_identity(name) if name is not None else None
+        if self.mode == "cert":
+            return cert_identity(context.auth_context())
+        return None
 
 
 class AuthFailures:
@@ -150,13 +176,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
                  clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False,
-                 after_finish: AfterFinish = "exit"):
+                 after_finish: AfterFinish = "exit", island_tokens: IslandTokens | None = None):
         """A new run from θ_0 (``theta``: an array or a file of raw float32), or with ``resume`` the run in
         RUN_DIR's newest good checkpoint (``theta`` unused; CheckpointError if there is none). ``spec``: the
         model's parameter tree (pushes and pulls name its digest); ``clock``: the time leases and rounds run on;
         ``quiet``: no progress lines; ``after_finish``: what a finished run does (``dtrain coordinator
-        --after-finish``; :class:`coordinator.rounds_loop.RoundsLoop`). Starts the ticker; serves nothing yet."""
+        --after-finish``; :class:`coordinator.rounds_loop.RoundsLoop`); ``island_tokens``: the islands' own
+        tokens with ``security.identity`` "token" (``dtrain.identity.IslandTokens``). Starts the ticker; serves
+        nothing yet."""
         self.cfg, self.clock, self.run_dir = cfg, clock, Path(run_dir)
+        self.identity = CallerIdentity(cfg.security.identity, island_tokens)
         ckpt_dir = self.run_dir / "coordinator"
         if resume and not has_checkpoint(cfg, self.run_dir):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
@@ -280,6 +309,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         raise AssertionError("unreachable: abort raises")
 
+    def _authorize(self, context: grpc.ServicerContext, island_id: str) -> None:
+        """Refuses (PERMISSION_DENIED) a call as ``island_id`` from an identity not bound to it
+        (``CoordinatorState.authorize``), before anything else of the call is read."""
+        identity = self.identity.of(context)
+        with self.lock:
+            self._decide(context, self.state.authorize, island_id, identity)
+
     def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
         if self.loop.fatal:  # the process is on its way out: nothing more may touch the merger
             self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
@@ -293,11 +329,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if len(request.device_kind) > 128:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"device_kind: {len(request.device_kind)} characters, at most 128")
+        identity = self.identity.of(context)
         with self.lock:
             if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0
                 context.set_trailing_metadata(((RUN_OVER_METADATA_KEY, str(self.state.version)),))
             record, reason = self._decide(context, self.state.join, request.island, request.hardware,
-                                          request.devices, self.clock())
+                                          request.devices, self.clock(), identity)
             cursor = self.state.shard_cursor(record.shard_index)
             version = self.state.version
             view = self.history.island(record.island_id)
@@ -305,7 +342,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
         self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
                        cursor=cursor, hardware=record.hardware, devices=record.devices,
-                       device_kind=request.device_kind, reason=reason)
+                       device_kind=request.device_kind, reason=reason,
+                       **({"identity": identity} if identity is not None else {}))  # security.identity's
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
@@ -313,6 +351,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                total_versions=self.opts.end_version)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self._authorize(context, request.island_id)
         # The reports the state machine does not judge, checked first: a refused heartbeat changes nothing.
         if request.HasField("train_loss") and not (math.isfinite(request.train_loss) and request.train_loss >= 0):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -368,8 +407,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         except WireError as e:
             self._abort(context, e.code, str(e))
         info = push_info(h)
+        identity = self.identity.of(context)
         with self.lock:
             self._refuse_if_failed(context)
+            self._decide_push(context, self.state.authorize, info, info.island_id, identity)
             # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
             admission = self._decide_push(context, self.state.admit_push, info, info, self.clock())
             if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
@@ -443,6 +484,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                    context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
         if not 0 <= request.wait_s <= 3600:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+        self._authorize(context, request.island_id)
         with self.lock:
             self._decide(context, self.state.check_pull, request.island_id, request.have_version)
             if request.wait_s > 0 and request.have_version == self.state.version and not request.full:

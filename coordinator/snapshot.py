@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from coordinator.bindings import MAX_IDENTITY_LEN, Binding
 from coordinator.records import (
     MAX_PUSH_ID_LEN,
     NAME_RE,
@@ -53,6 +54,7 @@ class Snapshot:
     first_pending: Finite | None
     push_ids: list[SeenPush]
     norms: list[Finite]  # the L2 norms of the last coordinator.norm_window merged pushes, oldest first
+    bindings: list[Binding]  # names bound at their first Join (coordinator.bindings); [] before identities
 
 
 def _fail(path: schema.FieldPath, why: str) -> typing.NoReturn:
@@ -63,6 +65,8 @@ def load(opts: StateOptions, blob: Any) -> Snapshot:
     """A checkpointed state (``CoordinatorState.to_json``) read and checked against ``opts``: every field's type
     and range, and what spans records (shards, unique ids and names, one live island per shard, pending pushes
     for the open round)."""
+    if isinstance(blob, dict) and "bindings" not in blob:  # a checkpoint from before identities: none bound
+        blob = {**blob, "bindings": []}
     try:
         snap = schema.load(Snapshot, blob)  # every field's type and range
     except schema.SchemaError as e:
@@ -81,6 +85,13 @@ def load(opts: StateOptions, blob: Any) -> Snapshot:
     _check_pending(opts, snap, remembered)
     if (snap.first_pending is None) == bool(snap.pending):
         _fail(("first_pending",), "must be a number when pushes are pending, else null")
+    names: set[str] = set()
+    for i, b in enumerate(snap.bindings):
+        if not NAME_RE.fullmatch(b.name) or b.name in names:
+            _fail(("bindings", i, "name"), f"{b.name!r}: not a valid island name, or bound twice")
+        if not 0 < len(b.identity) <= MAX_IDENTITY_LEN:
+            _fail(("bindings", i, "identity"), f"must be 1 to {MAX_IDENTITY_LEN} characters")
+        names.add(b.name)
     return snap
 
 

@@ -78,6 +78,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator import admission, quorum, snapshot
+from coordinator.bindings import Bindings
 from coordinator.ledger import PushLedger
 from coordinator.membership import Membership, check_identity
 from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, StateError, StateOptions
@@ -102,6 +103,7 @@ class CoordinatorState:
         self.deltas_rejected = 0
         self.ledger = PushLedger(opts)
         self.members = Membership(opts, self.islands, self.ledger)
+        self.bindings = Bindings(opts.identity, dict(opts.pins))  # which identity may act as which island
         self._stopped_at: float | None = None  # when the run was over (the last close_round, or a resume after it)
         # worker.round_seconds = auto: the run's round length, the first an island reported since this start (every
         # island reports its own in each heartbeat, so a restarted coordinator learns it again from the first one)
@@ -162,12 +164,27 @@ class CoordinatorState:
 
     # -- join / heartbeat / expire ------------------------------------------------------------------
 
-    def join(self, name: str, hardware: str, devices: int, now: float) -> tuple[IslandRecord, str]:
-        """Register an island (or take back a returning one); returns its record and why it got that shard."""
+    def join(self, name: str, hardware: str, devices: int, now: float,
+             identity: str | None = None) -> tuple[IslandRecord, str]:
+        """Register an island (or take back a returning one); returns its record and why it got that shard.
+        ``identity``: the caller's (``coordinator.bindings``; None: none, as in shared mode); a first Join binds
+        the name to it, another identity is refused (PERMISSION_DENIED)."""
         kind = check_identity(name, hardware, devices)
+        self.bindings.check(name, identity)
         if self.stopped():
             raise StateError("FAILED_PRECONDITION", f"{self.run_over()}: nothing left to train")
-        return self.members.join(name, kind, devices, now)
+        joined = self.members.join(name, kind, devices, now)
+        self.bindings.bind(name, identity)
+        return joined
+
+    def authorize(self, island_id: str, identity: str | None) -> None:
+        """Refuses (PERMISSION_DENIED) a call as ``island_id`` (a heartbeat, push or pull) from an identity its
+        name is not bound to (``coordinator.bindings``); an unknown island is left to the call itself (NOT_FOUND).
+        A name with no binding (joined after the checkpoint this state was restored from) is bound to the caller."""
+        record = self.islands.get(island_id)
+        if record is not None:
+            self.bindings.check(record.name, identity, island_id=island_id)
+            self.bindings.bind(record.name, identity)
 
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
                   params_digest: str, bad_devices: tuple[str, ...], now: float, *,
@@ -316,7 +333,7 @@ class CoordinatorState:
                                        self.deltas_rejected),
             islands=list(self.islands.values()), shard_cursors=book.shard_cursors,
             pending=list(book.pending.values()), first_pending=book.first_pending,
-            push_ids=list(book.seen.values()), norms=list(book.norms)))
+            push_ids=list(book.seen.values()), norms=list(book.norms), bindings=self.bindings.rows()))
 
     @classmethod
     def from_json(cls, opts: StateOptions, blob: Any, now: float) -> CoordinatorState:
@@ -336,6 +353,7 @@ class CoordinatorState:
         for rec in snap.islands:
             rec.lease_expiry = now + opts.coordinator.lease_s
             state.islands[rec.island_id] = rec
+        state.bindings = Bindings(opts.identity, dict(opts.pins), snap.bindings)
         state.ledger.restore(snap.shard_cursors, snap.norms, snap.push_ids, snap.pending, snap.first_pending,
                              snap.version)
         if state.stopped():

@@ -27,6 +27,10 @@ from dtrain.codec import CODEC_BITS
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _OTLP_ENDPOINT = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}/?")
+ISLAND_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what an island may be called (Join's name)
+# An island's identity under security.identity "token" or "cert" (dtrain/identity.py makes them): its token's name
+# in security.island_tokens, its client certificate's first URI SAN, or, with none, its certificate's CN.
+IDENTITY_KINDS = ("token", "uri", "cn")
 
 
 class ConfigError(ValueError):
@@ -287,6 +291,16 @@ class SecurityConfig:
     client_key: str = _f("", "worker private key for mutual TLS (PEM)")
     client_auth: bool = _f(False, "mutual TLS: the coordinator requires a client certificate signed by ca")
     server_name: str = _f("", "TLS name to expect on the coordinator's certificate (empty: the host)")
+    identity: str = _f("shared", "who an island is: 'shared' (one token or certificate for a single trusted team: any "
+                       "holder may act as any island), 'token' (each island its own token, listed hashed in "
+                       "island_tokens) or 'cert' (mutual TLS: the island's client certificate, its URI SAN or CN); "
+                       "with token or cert, an island name is bound to the identity that first joined with it",
+                       choices=("shared", "token", "cert"))
+    island_tokens: str = _f("", "identity 'token', the coordinator: file of 'NAME sha256:HEX' lines, one per island "
+                            "(`dtrain admin issue-token NAME` makes one); a token acts only as its NAME")
+    bindings: tuple[str, ...] = _f((), "identity token or cert: NAME=IDENTITY pins, the operator's re-binding "
+                                   "(IDENTITY: token:NAME, uri:URI or cn:CN); a pin overrides the binding a name "
+                                   "got at its first Join")
 
 
 @dataclass(frozen=True)
@@ -572,6 +586,31 @@ def _check_security(cfg: Config, fail: _Fail) -> None:
              "client_cert and client_key go together")
     if sec.client_auth and not (sec.ca and sec.server_cert):
         fail("security", "client_auth", "mutual TLS needs security.ca and security.server_cert")
+    if sec.identity == "token" and not sec.island_tokens:
+        fail("security", "island_tokens", "identity 'token' needs the file of the islands' token hashes (`dtrain "
+             "admin issue-token NAME` prints a line of it)")
+    if sec.identity == "cert" and not sec.client_auth:
+        fail("security", "identity", "'cert' reads the islands' client certificates: set security.client_auth "
+             "(mutual TLS)")
+    if sec.bindings and sec.identity == "shared":
+        fail("security", "bindings", "pins bind names to identities: set security.identity to 'token' or 'cert'")
+    for i, text in enumerate(sec.bindings):
+        try:
+            parse_binding(text)
+        except ValueError as e:
+            fail("security", f"bindings[{i}]", str(e))
+
+
+def parse_binding(text: str) -> tuple[str, str]:
+    """A ``security.bindings`` entry ``NAME=KIND:VALUE`` as (name, identity); ValueError says what is wrong."""
+    name, sep, identity = text.partition("=")
+    kind, colon, value = identity.partition(":")
+    if not sep or not ISLAND_NAME_RE.fullmatch(name.strip()):
+        raise ValueError(f"{text!r}: expected NAME=IDENTITY with an island name ([A-Za-z0-9._-]{{1,64}}), e.g. "
+                         f"B=token:B or B=uri:spiffe://dtrain/island/B")
+    if kind.strip() not in IDENTITY_KINDS or not colon or not value.strip():
+        raise ValueError(f"{text!r}: the identity must be {', '.join(k + ':VALUE' for k in IDENTITY_KINDS)}")
+    return name.strip(), f"{kind.strip()}:{value.strip()}"
 
 
 def _check_telemetry(cfg: Config, fail: _Fail) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TypeVar
 
@@ -43,7 +43,14 @@ AUTH_METADATA_KEY = "authorization"
 PLACEHOLDER = "REPLACE-ME"
 # How to make each deployed secret (docs/deploy.md, step 4): named in the refusal of its placeholder.
 _MAKE_TOKEN = ('kubectl create secret generic dtrain-token --from-literal=token="$(openssl rand -hex 32)" '
-               "--dry-run=client -o yaml > deploy/base/secret-token.yaml")
+               "--dry-run=client -o yaml > deploy/coordinator/secret-token.yaml")
+# An island's own token (security.identity "token") and the coordinator's file of their hashes.
+MAKE_ISLAND_TOKEN = ("dtrain admin issue-token NAME --out tokens/NAME.token >> tokens/island-tokens; kubectl create "
+                     "secret generic dtrain-island-token-NAME --from-file=token=tokens/NAME.token --dry-run=client "
+                     "-o yaml > deploy/WORKER/secret-island-token.yaml")
+MAKE_ISLAND_TOKENS = ("kubectl create secret generic dtrain-island-tokens "
+                      "--from-file=island-tokens=tokens/island-tokens --dry-run=client -o yaml > "
+                      "deploy/coordinator/secret-island-tokens.yaml")
 _MAKE_PEM = {
     "ca": "kubectl create secret generic dtrain-ca --from-file=ca.crt=tls/ca.crt --dry-run=client -o yaml > "
           "deploy/base/secret-ca.yaml",
@@ -82,9 +89,10 @@ def read_token(sec: SecurityConfig) -> str | None:
         return None
     token = os.environ.get(sec.token_env, "")
     if token.strip().startswith(PLACEHOLDER):
-        raise ConfigError(f"[security] token_env: ${sec.token_env} holds the placeholder of "
-                          f"deploy/base/secret-token.yaml, not a token: make a real one, the same for every cluster "
-                          f"(docs/deploy.md, step 4): {_MAKE_TOKEN}")
+        raise ConfigError(f"[security] token_env: ${sec.token_env} holds the placeholder of a token Secret in "
+                          f"deploy/, not a token: make the real ones (docs/deploy.md, step 4): the coordinator's "
+                          f"(deploy/coordinator/secret-token.yaml): {_MAKE_TOKEN}; each island's own: "
+                          f"{MAKE_ISLAND_TOKEN}")
     return token or None
 
 
@@ -100,6 +108,15 @@ def bearer_matches(header: str, token: str) -> bool:
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_METADATA_KEY, bearer(token)),) if token else ()
+
+
+def presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The token a call's metadata carries (``authorization: Bearer <token>``), "" if none."""
+    got = ""
+    for key, value in metadata or ():
+        if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"
+            got = value
+    return got[len("Bearer "):] if got.startswith("Bearer ") else ""
 
 
 def _read_pem(path: str, what: str) -> bytes:
@@ -175,12 +192,23 @@ HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare), except the health
-    checks of :data:`OPEN_METHODS`. ``on_denied``, if given, is told of each refused call (:data:`AuthDenied`),
-    from the call's own thread, before it ends."""
+    checks of :data:`OPEN_METHODS`: the shared ``token`` or, with ``island_tokens`` (``security.identity`` =
+    "token": ``dtrain.identity.IslandTokens.name_of``, a token's island name or None), an island's own token.
+    Which island a token may act as is the coordinator's (its name bindings).
+    ``on_denied``, if given, is told of each refused call (:data:`AuthDenied`), from the call's own thread,
+    before it ends."""
 
-    def __init__(self, token: str, on_denied: AuthDenied | None = None):
+    def __init__(self, token: str | None, on_denied: AuthDenied | None = None,
+                 island_tokens: Callable[[str], str | None] | None = None):
         self._token = token
+        self._island_tokens = island_tokens
         self._on_denied = on_denied
+
+    def _accepts(self, header: str) -> bool:
+        if self._token is not None and bearer_matches(header, self._token):
+            return True
+        return (self._island_tokens is not None and header.startswith("Bearer ")
+                and self._island_tokens(header[len("Bearer "):]) is not None)
 
     def _deny(self, method: str, why: str, streams: tuple[bool, bool]) -> grpc.RpcMethodHandler[Any, Any]:
         """A handler of the method's streaming kind (Any: it serves every method, whatever its message types)
@@ -188,8 +216,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         def deny(_request: object, context: grpc.ServicerContext) -> NoReturn:
             if self._on_denied is not None:
                 self._on_denied(context.peer(), method, why)
+            own = ("; an island's own token must be listed in the coordinator's security.island_tokens (`dtrain "
+                   "admin issue-token NAME`)" if self._island_tokens is not None else "")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: missing or wrong bearer token (set the "
-                          "token in the environment variable named by security.token_env)")
+                          f"token in the environment variable named by security.token_env{own})")
 
         handler: grpc.RpcMethodHandler[Any, Any] = HANDLER_KINDS[streams](deny)
         return handler
@@ -203,7 +233,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"
                 got = value
-        if bearer_matches(got, self._token):
+        if self._accepts(got):
             return continuation(details)
         handler = continuation(details)
         if handler is None:

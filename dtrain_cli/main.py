@@ -17,7 +17,7 @@ from dtrain.config import Config, ConfigError, load_config, reference_markdown, 
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.logs import LOGGER
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "admin")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_tokenize(sub)
     _add_export(sub)
+    _add_admin(sub)
     return parser
 
 
@@ -325,6 +326,41 @@ def _add_export(sub: argparse._SubParsersAction[Parser]) -> None:
                    f"{SHARD_BYTES:,})")
 
 
+def _add_admin(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain admin``: the operator's credentials for a run's islands."""
+    p = _command(sub, "admin", "the operator's tools: issue-token NAME makes an island's own token",
+                 "issue-token NAME: a fresh token for island NAME, written to --out (a new file, readable by you\n"
+                 "only), and, on stdout, its line for the coordinator's security.island_tokens file (the token's\n"
+                 "SHA-256: the coordinator never holds the token). With security.identity = \"token\" the token acts\n"
+                 "only as island NAME (docs/security.md); issuing a new one for NAME replaces its line.",
+                 "dtrain admin issue-token gpu-a --out tokens/gpu-a.token >> tokens/island-tokens")
+    p.add_argument("action", choices=("issue-token",), help="what to do")
+    p.add_argument("name", metavar="NAME", help="the island's name (its worker's --island)")
+    p.add_argument("--out", required=True, metavar="FILE", help="where the token goes (must not exist yet)")
+
+
+def _admin(args: argparse.Namespace) -> int:
+    """``dtrain admin issue-token NAME --out FILE``: the token to FILE (mode 0600, never over a file), its
+    ``security.island_tokens`` line to stdout."""
+    from dtrain.config import ISLAND_NAME_RE
+    from dtrain.identity import hash_line, issue_token
+
+    if not ISLAND_NAME_RE.fullmatch(args.name):
+        raise ConfigError(f"NAME {args.name!r}: an island name is 1 to 64 of A-Z a-z 0-9 . _ -")
+    token = issue_token()
+    try:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"--out {args.out}: exists already; a token is never written over a file (remove it, "
+                          f"or name another)") from None
+    except OSError as e:
+        raise ConfigError(f"--out {args.out}: cannot create it: {e.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token)  # no newline: kubectl create secret --from-file keeps the bytes, and the env var gets them
+    print(hash_line(args.name, token))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``dtrain ...``: returns the exit status (0; 2 for a usage or config error; 1 for other errors the user can
     fix, each one line on stderr: :mod:`dtrain_cli.entry`)."""
@@ -348,6 +384,8 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import export
 
         return export.main(args.run_dir, args.version, args.out, args.max_shard_bytes)
+    if args.command == "admin":  # no config either
+        return _admin(args)
     if args.command == "tokenize":  # no config either
         from dtrain_cli import tokenize
 

@@ -132,7 +132,8 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
      2, "dtrain train: error: argument --host-devices: -3: must be >= 0 (0: leave XLA_FLAGS as it is) (dtrain train "
         "--help shows the usage)"),
     (["frobnicate"], 2, "dtrain: error: argument COMMAND: invalid choice: 'frobnicate' (choose from 'train', "
-                        "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'tokenize', 'export') "
+                        "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'tokenize', 'export', "
+                        "'admin') "
                         "(dtrain --help shows the usage)"),
 ])
 def test_bad_input_is_one_line_with_its_exit_status(argv, code, message, capsys):

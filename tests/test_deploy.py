@@ -30,6 +30,8 @@ from dtrain.wire import PLACEHOLDER, read_token
 from dtrain_cli import probe
 from dtrain_cli.main import build_parser
 from dtrain_cli.main import main as cli_main
+from service_helpers import Running
+from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -240,15 +242,84 @@ def _data(obj: Doc) -> dict[str, str]:
     return out
 
 
-def test_the_token_secret_is_what_security_token_env_names():
+def _token_secret(c: Doc) -> str:
+    """The Secret a container's security.token_env variable comes from."""
+    envs = {e["name"]: e for e in c.get("env", [])}
+    return str(envs[load_config(None).security.token_env]["valueFrom"]["secretKeyRef"]["name"])
+
+
+def test_each_island_has_its_own_token_and_the_operators_stays_with_the_coordinator():
+    """One credential per island (security.identity = "token" on the coordinator, docs/security.md): each island's
+    security.token_env comes from a Secret of its own cluster named for its --island, the coordinator reads the
+    islands' token hashes from a mounted Secret, and the operator's token (dtrain-token) is the coordinator's only:
+    no island cluster holds it."""
     docs = build(DEPLOY / "coordinator")
     token_env = load_config(None).security.token_env
+    island_secrets = {}
     for cluster in CLUSTERS:
-        for where, _, c in _containers(build(DEPLOY / cluster)):
-            envs = {e["name"]: e for e in c.get("env", [])}
-            assert token_env in envs, f"{where}: no {token_env} (security.token_env): the coordinator would refuse it"
-            assert envs[token_env]["valueFrom"]["secretKeyRef"]["name"] == "dtrain-token", where
+        cluster_docs = build(DEPLOY / cluster)
+        for where, _, c in _containers(cluster_docs):
+            assert token_env in {e["name"] for e in c.get("env", [])}, f"{where}: no {token_env} (security.token_env)"
+            if c["args"][0] == "worker":
+                island = c["args"][c["args"].index("--island") + 1]
+                island_secrets[island] = _token_secret(c)
+                assert _token_secret(c) == f"dtrain-island-token-{island}", where
+                assert "dtrain-token" not in _named(cluster_docs, "Secret"), f"{cluster} holds the operator's token"
+            else:
+                assert _token_secret(c) == "dtrain-token", where
+                overrides = _parse(build_parser(), _dtrain_argv(c, where), where).overrides
+                assert "security.identity=token" in overrides, f"{where}: islands would share one identity"
+    assert len(set(island_secrets.values())) == len(island_secrets) == 2, island_secrets
     assert _named(docs, "Secret")["dtrain-coordinator-tls"]["type"] == "kubernetes.io/tls"
+
+
+def test_the_documented_commands_issue_one_token_per_island_that_acts_only_as_it(net_cfg, tmp_path, monkeypatch):
+    """docs/deploy.md step 4, for the islands deploy/ launches: its `dtrain admin issue-token` lines run here (the
+    real command line), its kubectl lines write the Secret each island's pod reads; a coordinator with the issued
+    file (the deployed security settings, on the tiny model) lets each island's token join as its island only."""
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    islands = {}
+    for cluster in CLUSTERS:
+        for _, _, c in _containers(build(DEPLOY / cluster)):
+            if c["args"][0] == "worker":
+                islands[c["args"][c["args"].index("--island") + 1]] = cluster
+    listing = tmp_path / "tokens" / "island-tokens"
+    listing.parent.mkdir()
+    lines = []
+    for island, cluster in islands.items():
+        issue = f"dtrain admin issue-token {island} --out tokens/{island}.token >> tokens/island-tokens"
+        secret = (f"kubectl create secret generic dtrain-island-token-{island} --from-file=token=tokens/{island}.token"
+                  f" \\\n  --dry-run=client -o yaml > deploy/{cluster}/secret-island-token.yaml")
+        assert issue in page and secret in page, f"docs/deploy.md step 4 lacks {island}'s commands"
+        out, token_file = io.StringIO(), tmp_path / "tokens" / f"{island}.token"
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["admin", "issue-token", island, "--out", str(token_file)]) == 0
+        lines.append(out.getvalue())
+    assert ("kubectl create secret generic dtrain-island-tokens --from-file=island-tokens=tokens/island-tokens \\\n"
+            "  --dry-run=client -o yaml > deploy/coordinator/secret-island-tokens.yaml") in page
+    listing.write_text("".join(lines))
+    ((where, _, c),) = list(_containers(build(DEPLOY / "coordinator")))
+    overrides = _parse(build_parser(), _dtrain_argv(c, where), where).overrides
+    assert "security.identity=token" in overrides, where
+    cfg = replace(net_cfg, security={"identity": "token", "island_tokens": str(listing)})
+    monkeypatch.setenv("DTRAIN_TOKEN", "the-operators")
+    running = Running(cfg, tmp_path / "run")
+    try:
+        clients = {}
+        for island in islands:  # the pod's variable holds the token file's bytes (kubectl --from-file)
+            env = "TOKEN_" + island.replace("-", "_")
+            monkeypatch.setenv(env, (tmp_path / "tokens" / f"{island}.token").read_text())
+            clients[island] = CoordinatorClient(running.address, replace(cfg, security={"token_env": env}))
+        first, second = list(islands)
+        assert clients[first].join(first, "cpu", 1).island_id.startswith(first)
+        with pytest.raises(CoordinatorError) as e:
+            clients[first].join(second, "cpu", 1)
+        assert e.value.code.name == "PERMISSION_DENIED"
+        assert clients[second].join(second, "cpu", 1).island_id.startswith(second)
+        for client in clients.values():
+            client.close()
+    finally:
+        running.stop()
 
 
 # -- probes -----------------------------------------------------------------------------------------------------
@@ -346,7 +417,7 @@ def test_container_command_is_accepted_by_the_dtrain_parser(cluster, where):
     assert args.command in ("coordinator", "worker"), f"{where}: runs dtrain {args.command}"
     files = _mounted_files(docs, spec, c)
     cfg = _load(files, args.config, args.overrides, where)
-    for field in ("ca", "server_cert", "server_key", "client_cert", "client_key"):
+    for field in ("ca", "server_cert", "server_key", "client_cert", "client_key", "island_tokens"):
         path = getattr(cfg.security, field)
         assert not path or path in files, f"{where}: security.{field} = {path} is no file of a mounted Secret"
     writable = [m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")]
@@ -410,7 +481,8 @@ def test_every_secret_in_deploy_is_a_placeholder_the_code_refuses():
     """deploy/ ships no secret, only placeholders that start with dtrain.wire.PLACEHOLDER, the mark the coordinator
     and the islands refuse (the next test): manifests applied unedited fail at once, never run with a known token."""
     secrets = {name: s for cluster in CLUSTERS for name, s in _named(build(DEPLOY / cluster), "Secret").items()}
-    assert set(secrets) == {"dtrain-token", "dtrain-ca", "dtrain-coordinator-tls"}
+    assert set(secrets) == {"dtrain-token", "dtrain-ca", "dtrain-coordinator-tls", "dtrain-island-tokens",
+                            "dtrain-island-token-gpu-a", "dtrain-island-token-tpu-a"}
     for name, secret in secrets.items():
         assert "data" not in secret, f"Secret {name}: deploy/ ships placeholders (stringData), never a real secret"
         for key, value in secret["stringData"].items():
@@ -421,11 +493,12 @@ _MULTI_HOST_FLAGS = ("--num-processes", "--process-id", "--jax-coordinator")
 
 
 @pytest.mark.parametrize("cluster,where", ALL)
-def test_unedited_placeholders_stop_the_container_with_one_line(cluster, where, tmp_path, monkeypatch, capsys):
+def test_unedited_placeholders_stop_the_container_with_one_line(cluster, where, tmp_path, monkeypatch, capsys, certs):
     """The container's own dtrain command (its files under tmp_path; one process standing for a multi-host island's
     every process, which each read the secrets first) with deploy/'s Secrets as the kubelet mounts them: exit 2 and
     one line naming the placeholder's file and the command that makes the real one, before anything is written.
-    The coordinator reads the token first: with a real one it refuses the TLS placeholder the same way."""
+    The coordinator reads the token first: with a real one it refuses the TLS placeholder the same way, and with
+    real TLS files the islands' token hashes' placeholder."""
     docs, spec, c = _container(cluster, where)
     root = str(tmp_path)
     for path, text in _mounted_files(docs, spec, c).items():
@@ -436,7 +509,7 @@ def test_unedited_placeholders_stop_the_container_with_one_line(cluster, where, 
         if flag in argv:
             del argv[argv.index(flag):argv.index(flag) + 2]
     run_dir = Path(argv[argv.index("--run-dir") + 1])
-    token = _data(_named(docs, "Secret")["dtrain-token"])["token"]
+    token = _data(_named(docs, "Secret")[_token_secret(c)])["token"]
     monkeypatch.setenv("DTRAIN_TOKEN", token)
 
     def refused() -> str:
@@ -449,11 +522,17 @@ def test_unedited_placeholders_stop_the_container_with_one_line(cluster, where, 
 
     if argv[0] == "coordinator":
         err = refused()
-        assert "$DTRAIN_TOKEN" in err and "deploy/base/secret-token.yaml" in err, err
+        assert "$DTRAIN_TOKEN" in err and "deploy/coordinator/secret-token.yaml" in err, err
         assert 'kubectl create secret generic dtrain-token --from-literal=token="$(openssl rand -hex 32)"' in err
+        assert "dtrain admin issue-token NAME" in err, err  # an island's token: the same placeholder mark
         monkeypatch.setenv("DTRAIN_TOKEN", "0123456789abcdef" * 4)
         err = refused()
         assert f"{root}/etc/dtrain/tls/tls." in err and "kubectl create secret tls dtrain-coordinator-tls" in err, err
+        for src, dst in (("server.pem", "tls/tls.crt"), ("server.key", "tls/tls.key"), ("ca.pem", "ca/ca.crt")):
+            (tmp_path / "etc/dtrain" / dst).write_bytes((certs / src).read_bytes())
+        err = refused()
+        assert f"{root}/etc/dtrain/island-tokens/island-tokens holds the placeholder of " \
+               "deploy/coordinator/secret-island-tokens.yaml" in err and "dtrain admin issue-token NAME" in err, err
     else:
         err = refused()  # its channel's CA is read first
         assert f"{root}/etc/dtrain/ca/ca.crt" in err and "--from-file=ca.crt=tls/ca.crt" in err, err
