@@ -367,6 +367,24 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
 
 # -- the run ----------------------------------------------------------------------------------------
 
+CPU_GROWTH_MAX = 1.3  # coordinator CPU per push at the most islands / at the fewest (at least 4 of them)
+
+
+def cpu_growth(runs: list[dict[str, Any]]) -> dict[str, tuple[int, int, float]]:
+    """Per codec: (fewest islands measured, at least 4; most islands; coordinator CPU per push at the most / at the
+    fewest), from the checkpoint-off runs; codecs with fewer than two such island counts are left out. A round's
+    coordinator CPU grows with the islands, its CPU per push should not (the fp32 regression: 8x the CPU when the
+    islands doubled)."""
+    out = {}
+    for name in dict.fromkeys(r["codec"] for r in runs):
+        per = {r["islands"]: r["coordinator_cpu_s"] / r["islands"] for r in runs
+               if r["codec"] == name and not r["checkpoint"] and r["islands"] >= 4}
+        if len(per) >= 2:
+            lo, hi = min(per), max(per)
+            out[name] = (lo, hi, per[hi] / per[lo])
+    return out
+
+
 
 def _fmt_bytes(n: float) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
@@ -475,7 +493,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "throughput runs use coordinator.checkpoint=false)")
     raw_by_n = {r["streams"]: r["bytes_per_s"] for r in raw}
     print(f"{'codec':<6} {'N':>2} {'ckpt':>4} {'wire bytes':>13} {'wall s':>7} {'wire MB/s':>9} {'model MB/s':>10} "
-          f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7}")
+          f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7} "
+          f"{'cpu/push':>8}")
     for r in runs:
         rawbps = raw_by_n.get(r["islands"], float("nan"))
         net = (r["vmhwm"] - baseline) / model_bytes if baseline else float("nan")
@@ -484,12 +503,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{r['codec']:<6} {r['islands']:>2} {'on' if r['checkpoint'] else 'off':>4} {r['wire_bytes']:>13,} "
               f"{r['wall_s']:>7.2f} {r['wire_bytes_per_s'] / MB:>9.0f} {r['model_bytes_per_s'] / MB:>10.0f} "
               f"{r['model_bytes_per_s'] / rawbps:>9.3f} {r['wire_bytes_per_s'] / rawbps:>8.3f} "
-              f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f}")
+              f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f} "
+              f"{r['coordinator_cpu_s'] / r['islands']:>8.2f}")
     print("   model MB/s = N x 4 x params / wall (fp32-equivalent bytes merged per second); ckpt on = "
-          "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version")
+          "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version; "
+          "cpu/push = the coordinator's CPU seconds in the round / N")
     base_txt = f"{_fmt_bytes(baseline)}, a no-model coordinator's VmHWM" if baseline else "n/a"
     print(f"   peak RSS = the coordinator's VmHWM just before SIGTERM; RSS/model = VmHWM / (4 x params); "
           f"net/model = (VmHWM - {base_txt}) / (4 x params)")
+    growth = cpu_growth(runs)
+    out["cpu_per_push_growth"] = growth
+    for name, (n_lo, n_hi, ratio) in growth.items():
+        print(f"   {name}: coordinator CPU per push at N={n_hi} / at N={n_lo}: {ratio:.2f} "
+              f"({'met' if ratio <= CPU_GROWTH_MAX else 'NOT met'}: target <= {CPU_GROWTH_MAX:g}; a push costs "
+              "the same however many push with it)")
 
     print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
     print(f"{'codec':<6} {'parse':>7} {'decode+spool':>12} {'finish':>9} {'sum into Δ':>10} {'per push':>9} "

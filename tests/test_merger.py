@@ -281,6 +281,35 @@ def test_the_spool_measures_the_push_norm_as_it_validates(up):
     m.close()
 
 
+BLAS_ENTRY_POINTS = ("dot", "vdot", "inner", "matmul", "tensordot", "outer")
+
+
+@pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32"])
+def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
+    """Receiving (decode, check, spool, norm) and merging pushes calls no BLAS routine: the BLAS library's threads
+    spin while they wait, so pushes decoded at once on several threads took the cores from each other (the fp32
+    norm was an np.dot: 8 fp32 islands cost 8x the coordinator CPU of 4). Counted, whatever the timing."""
+    calls: list[str] = []
+    for name in BLAS_ENTRY_POINTS:
+        real = getattr(np, name)
+        monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    monkeypatch.setattr(np.linalg, "norm", lambda *a, **k: calls.append("linalg.norm"))
+    rng = np.random.default_rng(5)
+    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
+    frames = [codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), m.opts.up_bits, BLOCK))
+              for _ in range(3)]
+    for round_ in range(2):
+        for i, frame in enumerate(frames):
+            with m.spool() as sp:
+                for piece in range(0, len(frame), 1000):  # the chunks of a stream
+                    sp.write(frame[piece:piece + 1000])
+                m.validate(sp)
+                m.add_pending(sp, 1.0 + i, key=f"{round_}-{i}")
+        m.outer_step()
+    m.close()
+    assert calls == []
+
+
 @pytest.mark.parametrize("rule,trim", [("trimmed_mean", 1), ("trimmed_mean", 2), ("median", 0)])
 @pytest.mark.parametrize("pushes", [3, 4, 5])
 def test_robust_rules_match_numpy_on_the_full_vectors(rule, trim, pushes):
