@@ -54,6 +54,10 @@ def test_options_come_from_the_config():
     assert (o.up_bits, o.down_bits, o.block, o.error_feedback, o.keep_updates) == (4, "e3m0", BLOCK, False, 3)
     assert o.zstd_level == Config().codec.zstd_level
     assert opts(up="fp32", down="int8").up_bits == 32
+    cfg = config.replace(Config(), coordinator={"merge_threads": 3})
+    assert MergeOptions.from_config(cfg).threads == 3 and MergeOptions.from_config(Config()).threads == 2
+    with pytest.raises(config.ConfigError, match="merge_threads"):
+        config.replace(Config(), coordinator={"merge_threads": 0})
     # async: every push is merged on its own, with lr / islands
     assert opts(mode="async", lr=0.8, islands=4).outer == OuterHParams(lr=0.2, momentum=0.9, nesterov=True)
 
