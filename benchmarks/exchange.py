@@ -25,6 +25,11 @@ a real GPT config: configs/small.toml with model overrides):
      the one streaming decode (every code checked) + spooling the decompressed
      body; the end-of-frame checks (CRC, sizes); summing one push into Δ (done
      by the outer step's threads); and the outer step itself.
+  6. the merge with every island's push pending (in this process, the same
+     Merger code): the CPU and wall seconds of spooling the N pushes (decode,
+     check, norm, write) and of one outer step summing them, for each
+     ``coordinator.merge_threads`` in --merge-threads; params/core-s = N x params
+     / (spool + outer step CPU s), gRPC left out.
   Per round, the CPU seconds of the coordinator process and of the client
   threads (this process) are read from /proc and os.times() around the round.
 
@@ -108,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="quick runs: a model of about N parameters (d_model searched, n_layers 8 from 8M up, else 2)")
     p.add_argument("--d-model", type=int, default=None, help="with or without --params: this d_model")
     p.add_argument("--n-layers", type=int, default=None, help="with or without --params: this many layers")
+    p.add_argument("--merge-threads", type=int_list, default=[1, 2],
+                   help="coordinator.merge_threads values the merge of section 6 is timed with (default 1,2)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed rounds per (codec, N) and per stream count; the best is reported (default 2)")
     p.add_argument("--delta", choices=("trained", "gaussian"), default="trained",
@@ -344,7 +351,7 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
         receiver = FrameReceiver(len(frame), len(msgs), zlib.crc32(frame), max_frame_bytes(n_params, cfg.codec.block),
                                  chunk_bytes)
         for m in msgs:
-            spool.write(receiver.add(m.chunk))
+            spool.write(receiver.add(m.chunk), m.chunk.crc32)
         receiver.finish()
         out["check_spool"] = time.perf_counter() - t
         del msgs
@@ -363,6 +370,38 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     out["per_push"] = out["parse"] + out["check_spool"] + out["validate"] + out["sum"]
     out["serial_8"] = 8 * out["per_push"] + out["outer_step"] - out["sum"]
     return out
+
+
+def merge_rate(cfg, frames: list[bytes], n_params: int, work: Path, threads: int) -> dict[str, float]:
+    """Every frame of ``frames`` spooled as a push (one thread, chunk by chunk as they arrive), then one outer step
+    with ``coordinator.merge_threads`` = ``threads``: CPU seconds (this process, every thread) and wall seconds of
+    each, and parameters merged per core-second (pushes x params / their sum of CPU seconds)."""
+    import dataclasses
+
+    from coordinator.merger import MergeOptions, Merger
+
+    spool_dir = work / f"merge-rate-{threads}"
+    merger = Merger(np.zeros(n_params, np.float32),
+                    dataclasses.replace(MergeOptions.from_config(cfg), threads=threads), spool_dir=spool_dir)
+    chunk = cfg.codec.chunk_bytes
+    try:
+        c0, t0 = time.process_time(), time.perf_counter()
+        for i, frame in enumerate(frames):
+            view = memoryview(frame)
+            with merger.spool() as spool:
+                for start in range(0, len(frame), chunk):
+                    spool.write(view[start:start + chunk])
+                merger.validate(spool)
+                merger.add_pending(spool, 1.0 + i)
+        c1, t1 = time.process_time(), time.perf_counter()
+        merger.outer_step()
+        c2, t2 = time.process_time(), time.perf_counter()
+    finally:
+        merger.close()
+        shutil.rmtree(spool_dir, ignore_errors=True)
+    return {"threads": threads, "pushes": len(frames), "spool_cpu_s": c1 - c0, "spool_wall_s": t1 - t0,
+            "step_cpu_s": c2 - c1, "step_wall_s": t2 - t1,
+            "params_per_core_s": len(frames) * n_params / max(c2 - c0, 1e-9)}
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -445,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 2. + 5. dtrain push-and-merge, per codec; the CPU breakdown per frame
         runs: list[dict[str, Any]] = []
         cpu: dict[str, dict[str, float]] = {}
+        merges: list[dict[str, Any]] = []
         gauss_frame_ratio: dict[str, float] = {}
         for name in codecs:
             log(f"{name}: encoding {max(islands)} fabricated deltas ...")
@@ -453,6 +493,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = make_config(model_fields, work, name, 1, False, args.repeats)
             cpu[name] = breakdown(cfg, frames[0], n_params, work)
             log(f"{name}: per push {cpu[name]['per_push']:.2f}s CPU, outer step {cpu[name]['outer_step']:.2f}s")
+            for k in args.merge_threads:
+                merges.append({"codec": name, **merge_rate(cfg, frames, n_params, work, k)})
+                log(f"{name}: {len(frames)} pushes merged with merge_threads={k}: "
+                    f"{merges[-1]['params_per_core_s']:.3g} params/core-s")
             for n in islands:
                 cfg = make_config(model_fields, work, name, n, False, args.repeats)
                 runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}", n_params))
@@ -463,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             del frames
         out["dtrain"] = runs
         out["coordinator_cpu_s"] = cpu
+        out["merge_rate"] = merges
         out["gaussian_frame_ratio"] = gauss_frame_ratio
     finally:
         if args.keep:
@@ -530,6 +575,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("   measured per round of section 3 (best round), CPU seconds: "
           + "; ".join(f"{r['codec']} N={r['islands']}{' ckpt' if r['checkpoint'] else ''}: coordinator "
                       f"{r['coordinator_cpu_s']:.2f}, clients {r['client_cpu_s']:.2f}" for r in runs))
+
+    print(f"\n6. the merge of {max(islands)} pushes in this process (gRPC left out): spooling them (one thread) and "
+          "one outer step summing them, per coordinator.merge_threads")
+    print(f"{'codec':<6} {'threads':>7} {'spool cpu s':>11} {'spool wall s':>12} {'step cpu s':>10} "
+          f"{'step wall s':>11} {'params/core-s':>13}")
+    for r in merges:
+        print(f"{r['codec']:<6} {r['threads']:>7} {r['spool_cpu_s']:>11.3f} {r['spool_wall_s']:>12.3f} "
+              f"{r['step_cpu_s']:>10.3f} {r['step_wall_s']:>11.3f} {r['params_per_core_s']:>13.3g}")
+    print("   params/core-s = pushes x params / (spool + outer step CPU seconds, every thread of this process); the "
+          "step's wall seconds show what its threads gain on this machine's cores")
 
     # -- summary ---------------------------------------------------------------------------------------
     def pick(codec_name: str, n: int, ckpt: bool = False) -> dict[str, Any] | None:

@@ -122,11 +122,12 @@ class Spool:
         self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
         self._offset += len(data)
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Feeds frame bytes; raises CodecError as soon as something is wrong."""
+    def write(self, data: bytes | memoryview, crc32: int | None = None) -> None:
+        """Feeds frame bytes; raises CodecError as soon as something is wrong. ``crc32``: their CRC32, where the
+        caller has checked it already (``codec.FrameValidator.feed``: no second pass)."""
         if self._validator is None:
             raise RuntimeError("write() on a closed spool")
-        self._validator.feed(data)
+        self._validator.feed(data, crc32)
         self.size += len(data)
 
     def finish(self) -> None:

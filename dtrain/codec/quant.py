@@ -273,21 +273,22 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
     float64: times the block's scale², the squared L2 norm of its dequantized values, with no dequantization.
     Not for bits=32 (no blocks: square the values)."""
     arr = np.frombuffer(payload, np.uint8)
+    n_blocks = -(-count // block)
+    if bits == "e3m0":
+        levels = _E3M0_LEVELS[_unpack_nibbles(arr, count) & 7]
+        if n_blocks * block != count:
+            levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
+        levels_BxK = levels.reshape(n_blocks, block)
+        return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
+    # int8 and int4: integer levels, squared in int16 (127² fits) and summed per block in int32 (127² x 65536 fits):
+    # exact, and a third less memory traffic than float32.
+    squares = np.zeros(n_blocks * block, np.int16)
     if bits == 8:
-        levels = arr[:count].view(np.int8).astype(np.float32)
+        np.square(arr[:count].view(np.int8), out=squares[:count], dtype=np.int16)
     else:
         codes = _unpack_nibbles(arr, count)
-        if bits == 4:
-            levels = ((codes ^ 8).astype(np.int8) - 8).astype(np.float32)
-        else:
-            levels = _E3M0_LEVELS[codes & 7]
-    n_blocks = -(-count // block)
-    if n_blocks * block != count:
-        levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
-    levels_BxK = levels.reshape(n_blocks, block)
-    # Summed in float32 (exact for int8 blocks up to 1024 values: 127² x 1024 < 2^24; a relative error of ~1e-7
-    # beyond), returned as float64 so that scale² (up to ~1e73) can multiply it.
-    return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
+        np.square(((codes ^ 8).astype(np.int8) - 8), out=squares[:count], dtype=np.int16)
+    return squares.reshape(n_blocks, block).sum(axis=1, dtype=np.int32).astype(np.float64)
 
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
