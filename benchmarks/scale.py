@@ -95,6 +95,14 @@ LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
+PULLED_BYTES_MAX = 2e9  # update frames the island threads hold at once, at most (the frame size x pulls at once)
+
+
+def pulls_at_once(islands: int, frame_bytes: float) -> int:
+    """How many island threads pull at once: all of them, unless their update frames (about ``frame_bytes`` each)
+    would hold more than PULLED_BYTES_MAX of this process's memory (200M parameters, 64 islands: 11.8 GB, which
+    the kernel's OOM killer ended); real islands are machines of their own. The coordinator is not limited."""
+    return max(1, min(islands, int(PULLED_BYTES_MAX // max(frame_bytes, 1))))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -274,6 +282,7 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
     from workers.exchange import PULL_WAIT_S
 
     cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
+    pulling = threading.BoundedSemaphore(pulls_at_once(islands, statistics.fmean(len(f) for f in frames)))
     coord = CoordinatorProcess(cfg, work / f"coord-{islands}")
     pid = coord.proc.pid
     clients: list[CoordinatorClient] = []
@@ -308,10 +317,11 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
                     raise DtrainError(f"round {r}: {ids[i]}'s push came back {pb.PushStatus.Name(resp.status)}: "
                                       f"{resp.reason}")
                 cursors[i] = resp.cursor
-                while held[i] <= version:  # the worker's long poll, until the round's version is here
-                    for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
-                        if f.frame:
-                            held[i] = f.header.version
+                with pulling:
+                    while held[i] <= version:  # the worker's long poll, until the round's version is here
+                        for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
+                            if f.frame:
+                                held[i] = f.header.version
                 return time.perf_counter(), held[i]
 
             before = clients[0].status()
@@ -374,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + f"; islands {args.sizes}; {args.warmup} warm-up + {args.rounds} timed rounds each; {CODEC} frames; "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     frames = make_frames(CODEC, n_params, pool, block, level)
-    log(f"{pool} frames encoded: {statistics.fmean(len(f) for f in frames) / MB:.1f} MB each")
+    frame_bytes = statistics.fmean(len(f) for f in frames)
+    log(f"{pool} frames encoded: {frame_bytes / MB:.1f} MB each; island threads pull at most "
+        f"{pulls_at_once(max(args.sizes), frame_bytes)} at once")
     work = Path(tempfile.mkdtemp(prefix="dtrain-scale-"))
     rows: list[dict[str, Any]] = []
     baseline: int | None = None
