@@ -610,6 +610,28 @@ def test_frame_validator_faults() -> None:
         done.feed(b"")
 
 
+@given(n=st.integers(1, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 1024]),
+       weight=st.sampled_from([1.0, 0.37, 3e-5]), scratch=st.booleans(), seed=st.integers(0, 1000))
+@FAST
+def test_the_merge_sum_and_the_norm_are_the_decoder_s_values(n: int, bits: codec.Bits, block: int, weight: float,
+                                                               scratch: bool, seed: int) -> None:
+    """``dequantize_add`` (the outer step's sum) adds exactly ``dequantize_segment``'s float32 values (scales times
+    the weight), and ``block_sum_squares`` (the push norm) is Σ level² per block of the same values, exactly."""
+    rng = np.random.default_rng(seed)
+    q = quantize(rng.standard_normal(n).astype(np.float32), bits, block)
+    out = rng.standard_normal(n).astype(np.float32)
+    w = np.float32(weight)
+    want = out + (codec.dequantize_segment(bits, block, q.scales * w, q.payload, n) if bits != 32
+                  else codec.dequantize_segment(bits, block, q.scales, q.payload, n) * w)  # lossless: no scales
+    codec.dequantize_add(bits, block, q.scales, q.payload, out, weight=weight,
+                         scratch=np.empty(n, np.float32) if scratch else None)
+    assert np.array_equal(out, want)
+    if bits != 32:
+        levels = codec.dequantize_segment(bits, block, np.ones_like(q.scales), q.payload, n).astype(np.float64)
+        padded = np.concatenate([levels, np.zeros(-n % block)]).reshape(-1, block)
+        assert np.array_equal(codec.block_sum_squares(bits, block, q.payload, n), (padded ** 2).sum(axis=1))
+
+
 def test_crc32_combine_matches_zlib() -> None:
     rng = np.random.default_rng(0)
     for a_len, b_len in [(0, 0), (0, 5), (5, 0), (1, 1), (1000, 1 << 20), (3, 12345)]:
