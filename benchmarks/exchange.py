@@ -25,6 +25,11 @@ a real GPT config: configs/small.toml with model overrides):
      the one streaming decode (every code checked) + spooling the decompressed
      body; the end-of-frame checks (CRC, sizes); summing one push into Δ (done
      by the outer step's threads); and the outer step itself.
+  6. the merge with every island's push pending (in this process, the same
+     Merger code): the CPU and wall seconds of spooling the N pushes (decode,
+     check, norm, write) and of one outer step summing them, for each
+     ``coordinator.merge_threads`` in --merge-threads; params/core-s = N x params
+     / (spool + outer step CPU s), gRPC left out.
   Per round, the CPU seconds of the coordinator process and of the client
   threads (this process) are read from /proc and os.times() around the round.
 
@@ -108,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="quick runs: a model of about N parameters (d_model searched, n_layers 8 from 8M up, else 2)")
     p.add_argument("--d-model", type=int, default=None, help="with or without --params: this d_model")
     p.add_argument("--n-layers", type=int, default=None, help="with or without --params: this many layers")
+    p.add_argument("--merge-threads", type=int_list, default=[1, 2],
+                   help="coordinator.merge_threads values the merge of section 6 is timed with (default 1,2)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed rounds per (codec, N) and per stream count; the best is reported (default 2)")
     p.add_argument("--delta", choices=("trained", "gaussian"), default="trained",
@@ -344,7 +351,7 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
         receiver = FrameReceiver(len(frame), len(msgs), zlib.crc32(frame), max_frame_bytes(n_params, cfg.codec.block),
                                  chunk_bytes)
         for m in msgs:
-            spool.write(receiver.add(m.chunk))
+            spool.write(receiver.add(m.chunk), m.chunk.crc32)
         receiver.finish()
         out["check_spool"] = time.perf_counter() - t
         del msgs
@@ -365,7 +372,57 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     return out
 
 
+def merge_rate(cfg, frames: list[bytes], n_params: int, work: Path, threads: int) -> dict[str, float]:
+    """Every frame of ``frames`` spooled as a push (one thread, chunk by chunk as they arrive), then one outer step
+    with ``coordinator.merge_threads`` = ``threads``: CPU seconds (this process, every thread) and wall seconds of
+    each, and parameters merged per core-second (pushes x params / their sum of CPU seconds)."""
+    import dataclasses
+
+    from coordinator.merger import MergeOptions, Merger
+
+    spool_dir = work / f"merge-rate-{threads}"
+    merger = Merger(np.zeros(n_params, np.float32),
+                    dataclasses.replace(MergeOptions.from_config(cfg), threads=threads), spool_dir=spool_dir)
+    chunk = cfg.codec.chunk_bytes
+    try:
+        c0, t0 = time.process_time(), time.perf_counter()
+        for i, frame in enumerate(frames):
+            view = memoryview(frame)
+            with merger.spool() as spool:
+                for start in range(0, len(frame), chunk):
+                    spool.write(view[start:start + chunk])
+                merger.validate(spool)
+                merger.add_pending(spool, 1.0 + i)
+        c1, t1 = time.process_time(), time.perf_counter()
+        merger.outer_step()
+        c2, t2 = time.process_time(), time.perf_counter()
+    finally:
+        merger.close()
+        shutil.rmtree(spool_dir, ignore_errors=True)
+    return {"threads": threads, "pushes": len(frames), "spool_cpu_s": c1 - c0, "spool_wall_s": t1 - t0,
+            "step_cpu_s": c2 - c1, "step_wall_s": t2 - t1,
+            "params_per_core_s": len(frames) * n_params / max(c2 - c0, 1e-9)}
+
+
 # -- the run ----------------------------------------------------------------------------------------
+
+CPU_GROWTH_MAX = 1.3  # coordinator CPU per push at the most islands / at the fewest (at least 4 of them)
+
+
+def cpu_growth(runs: list[dict[str, Any]]) -> dict[str, tuple[int, int, float]]:
+    """Per codec: (fewest islands measured, at least 4; most islands; coordinator CPU per push at the most / at the
+    fewest), from the checkpoint-off runs; codecs with fewer than two such island counts are left out. A round's
+    coordinator CPU grows with the islands, its CPU per push should not (the fp32 regression: 8x the CPU when the
+    islands doubled)."""
+    out = {}
+    for name in dict.fromkeys(r["codec"] for r in runs):
+        per = {r["islands"]: r["coordinator_cpu_s"] / r["islands"] for r in runs
+               if r["codec"] == name and not r["checkpoint"] and r["islands"] >= 4}
+        if len(per) >= 2:
+            lo, hi = min(per), max(per)
+            out[name] = (lo, hi, per[hi] / per[lo])
+    return out
+
 
 
 def _fmt_bytes(n: float) -> str:
@@ -427,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 2. + 5. dtrain push-and-merge, per codec; the CPU breakdown per frame
         runs: list[dict[str, Any]] = []
         cpu: dict[str, dict[str, float]] = {}
+        merges: list[dict[str, Any]] = []
         gauss_frame_ratio: dict[str, float] = {}
         for name in codecs:
             log(f"{name}: encoding {max(islands)} fabricated deltas ...")
@@ -435,6 +493,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = make_config(model_fields, work, name, 1, False, args.repeats)
             cpu[name] = breakdown(cfg, frames[0], n_params, work)
             log(f"{name}: per push {cpu[name]['per_push']:.2f}s CPU, outer step {cpu[name]['outer_step']:.2f}s")
+            for k in args.merge_threads:
+                merges.append({"codec": name, **merge_rate(cfg, frames, n_params, work, k)})
+                log(f"{name}: {len(frames)} pushes merged with merge_threads={k}: "
+                    f"{merges[-1]['params_per_core_s']:.3g} params/core-s")
             for n in islands:
                 cfg = make_config(model_fields, work, name, n, False, args.repeats)
                 runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}", n_params))
@@ -445,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             del frames
         out["dtrain"] = runs
         out["coordinator_cpu_s"] = cpu
+        out["merge_rate"] = merges
         out["gaussian_frame_ratio"] = gauss_frame_ratio
     finally:
         if args.keep:
@@ -475,7 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "throughput runs use coordinator.checkpoint=false)")
     raw_by_n = {r["streams"]: r["bytes_per_s"] for r in raw}
     print(f"{'codec':<6} {'N':>2} {'ckpt':>4} {'wire bytes':>13} {'wall s':>7} {'wire MB/s':>9} {'model MB/s':>10} "
-          f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7}")
+          f"{'model/raw':>9} {'wire/raw':>8} {'peak RSS':>10} {'RSS/model':>9} {'net/model':>9} {'outer s':>7} "
+          f"{'cpu/push':>8}")
     for r in runs:
         rawbps = raw_by_n.get(r["islands"], float("nan"))
         net = (r["vmhwm"] - baseline) / model_bytes if baseline else float("nan")
@@ -484,12 +548,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{r['codec']:<6} {r['islands']:>2} {'on' if r['checkpoint'] else 'off':>4} {r['wire_bytes']:>13,} "
               f"{r['wall_s']:>7.2f} {r['wire_bytes_per_s'] / MB:>9.0f} {r['model_bytes_per_s'] / MB:>10.0f} "
               f"{r['model_bytes_per_s'] / rawbps:>9.3f} {r['wire_bytes_per_s'] / rawbps:>8.3f} "
-              f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f}")
+              f"{_fmt_bytes(r['vmhwm']):>10} {r['peak_rss_over_model']:>9.2f} {net:>9.2f} {merge_s:>7.2f} "
+              f"{r['coordinator_cpu_s'] / r['islands']:>8.2f}")
     print("   model MB/s = N x 4 x params / wall (fp32-equivalent bytes merged per second); ckpt on = "
-          "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version")
+          "coordinator.checkpoint=true (not used below); outer s = mean outer step (+ checkpoint) per version; "
+          "cpu/push = the coordinator's CPU seconds in the round / N")
     base_txt = f"{_fmt_bytes(baseline)}, a no-model coordinator's VmHWM" if baseline else "n/a"
     print(f"   peak RSS = the coordinator's VmHWM just before SIGTERM; RSS/model = VmHWM / (4 x params); "
           f"net/model = (VmHWM - {base_txt}) / (4 x params)")
+    growth = cpu_growth(runs)
+    out["cpu_per_push_growth"] = growth
+    for name, (n_lo, n_hi, ratio) in growth.items():
+        print(f"   {name}: coordinator CPU per push at N={n_hi} / at N={n_lo}: {ratio:.2f} "
+              f"({'met' if ratio <= CPU_GROWTH_MAX else 'NOT met'}: target <= {CPU_GROWTH_MAX:g}; a push costs "
+              "the same however many push with it)")
 
     print("\n4. coordinator CPU per pushed frame, one thread, this process, seconds")
     print(f"{'codec':<6} {'parse':>7} {'decode+spool':>12} {'finish':>9} {'sum into Δ':>10} {'per push':>9} "
@@ -503,6 +575,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("   measured per round of section 3 (best round), CPU seconds: "
           + "; ".join(f"{r['codec']} N={r['islands']}{' ckpt' if r['checkpoint'] else ''}: coordinator "
                       f"{r['coordinator_cpu_s']:.2f}, clients {r['client_cpu_s']:.2f}" for r in runs))
+
+    print(f"\n6. the merge of {max(islands)} pushes in this process (gRPC left out): spooling them (one thread) and "
+          "one outer step summing them, per coordinator.merge_threads")
+    print(f"{'codec':<6} {'threads':>7} {'spool cpu s':>11} {'spool wall s':>12} {'step cpu s':>10} "
+          f"{'step wall s':>11} {'params/core-s':>13}")
+    for r in merges:
+        print(f"{r['codec']:<6} {r['threads']:>7} {r['spool_cpu_s']:>11.3f} {r['spool_wall_s']:>12.3f} "
+              f"{r['step_cpu_s']:>10.3f} {r['step_wall_s']:>11.3f} {r['params_per_core_s']:>13.3g}")
+    print("   params/core-s = pushes x params / (spool + outer step CPU seconds, every thread of this process); the "
+          "step's wall seconds show what its threads gain on this machine's cores")
 
     # -- summary ---------------------------------------------------------------------------------------
     def pick(codec_name: str, n: int, ckpt: bool = False) -> dict[str, Any] | None:

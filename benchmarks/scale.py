@@ -26,6 +26,9 @@ Figures, per N:
                gRPC + numpy runtime) / (4 x params). Both are printed; the target is on the raw figure
   in / out     frame bytes the coordinator received / sent per round (its Status counters), median
   cpu s        the coordinator's CPU seconds per round (/proc), median; this process's (all island threads)
+  params/core-s  N x params / the coordinator's CPU seconds per round: parameters merged per core-second, counting
+               everything the coordinator does in a round (gRPC in and out, decode and spool, the outer step and
+               its update frame, the pulls, heartbeats)
   heartbeat    heartbeat round trips during the rounds: median and largest, and the ones that failed
 
 Then the slope of round s over N (least squares over the sizes) and the targets:
@@ -37,7 +40,11 @@ Then the slope of round s over N (least squares over the sizes) and the targets:
 A missed target is reported (NOT met) but does not change the exit status; a bad argument or a run that fails
 does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
 
-  scale: islands=N_max round-s=R rss/model=M round-s-per-island-slope=S
+  scale: islands=N_max round-s=R rss/model=M params/core-s=P round-s-per-island-slope=S
+
+P at N_max. ``--model-params 200M`` makes the merge's cost the largest part of a round (at 64 islands 12.8 GB of
+int8 frames a round, spooled to disk: the coordinator's memory stays flat); ``--set coordinator.merge_threads=K``
+sets the outer step's threads. Multi-process shards (a shard-speedup figure) are not measured here.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from _common import (
     CoordinatorProcess,
     choose_model,
     cpu_seconds,
+    fmt_or_na,
     int_list,
     log,
     make_config,
@@ -87,6 +95,14 @@ LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
+PULLED_BYTES_MAX = 2e9  # update frames the island threads hold at once, at most (the frame size x pulls at once)
+
+
+def pulls_at_once(islands: int, frame_bytes: float) -> int:
+    """How many island threads pull at once: all of them, unless their update frames (about ``frame_bytes`` each)
+    would hold more than PULLED_BYTES_MAX of this process's memory (200M parameters, 64 islands: 11.8 GB, which
+    the kernel's OOM killer ended); real islands are machines of their own. The coordinator is not limited."""
+    return max(1, min(islands, int(PULLED_BYTES_MAX // max(frame_bytes, 1))))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,8 +111,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per island count (default 3; --quick: 2)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed rounds first, per island count (default 1; --quick: 0)")
-    p.add_argument("--params", type=param_count, default=None, metavar="P",
-                   help="a model of about P parameters (default: d_model=512, n_layers=8, 25.5M; --quick: 100k)")
+    p.add_argument("--model-params", "--params", dest="params", type=param_count, default=None, metavar="P",
+                   help="a model of about P parameters, e.g. 200M (default: d_model=512, n_layers=8, 25.5M; "
+                        "--quick: 100k)")
     p.add_argument("--quick", action="store_true", help="a smoke test: sizes 2,4, 100k parameters, 2 rounds, "
                                                         "no warm-up, no runtime baseline")
     p.add_argument("--no-baseline", action="store_true",
@@ -143,8 +160,16 @@ def growth(sizes: Sequence[int], round_s: Sequence[float]) -> dict[str, float]:
             "per_island_min": round_s[lo] / sizes[lo], "per_island_max": round_s[hi] / sizes[hi]}
 
 
+def params_per_core_s(row: dict[str, Any], model_bytes: int) -> float | None:
+    """Parameters merged per coordinator core-second in a row: islands x params / its coordinator CPU s per round
+    (None: not measured)."""
+    cpu = row.get("coordinator_cpu_s")
+    return row["islands"] * (model_bytes // FP32) / cpu if cpu else None
+
+
 def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None) -> dict[str, Any]:
-    """The summary from one row per island count (``islands``, ``round_s``, ``peak_rss``)."""
+    """The summary from one row per island count (``islands``, ``round_s``, ``peak_rss``; ``coordinator_cpu_s``
+    for params/core-s)."""
     rows = sorted(rows, key=lambda r: r["islands"])
     sizes = [r["islands"] for r in rows]
     times = [r["round_s"] for r in rows]
@@ -154,7 +179,7 @@ def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | No
         "islands": top["islands"], "round_s": top["round_s"],
         "rss_over_model": top["peak_rss"] / model_bytes,
         "net_rss_over_model": (top["peak_rss"] - baseline) / model_bytes if baseline is not None else None,
-        "slope": slope(sizes, times), "growth": g,
+        "slope": slope(sizes, times), "growth": g, "params_per_core_s": params_per_core_s(top, model_bytes),
         "linear_ok": None if g is None else g["ratio"] <= g["limit"],
         "memory_ok": top["peak_rss"] / model_bytes <= RSS_OVER_MODEL_MAX,
     }
@@ -171,13 +196,13 @@ def targets_line(f: dict[str, Any]) -> str:
 
 def final_line(f: dict[str, Any]) -> str:
     return (f"scale: islands={f['islands']} round-s={f['round_s']:.3f} rss/model={f['rss_over_model']:.2f} "
-            f"round-s-per-island-slope={f['slope']:.4f}")
+            f"params/core-s={fmt_or_na(f['params_per_core_s'], '.3g')} round-s-per-island-slope={f['slope']:.4f}")
 
 
 def table(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None) -> list[str]:
     head = (f"{'islands':>7} {'round s':>8} {'rounds s':<24} {'peak RSS':>9} {'RSS/model':>9} {'net/model':>9} "
             f"{'in MB/round':>11} {'out MB/round':>12} {'coord cpu s':>11} {'isl cpu s':>9} {'hb p50 ms':>9} "
-            f"{'hb max ms':>9} {'hb fail':>7}")
+            f"{'hb max ms':>9} {'hb fail':>7} {'params/core-s':>13}")
     out = [head]
     for r in sorted(rows, key=lambda r: r["islands"]):
         net = f"{(r['peak_rss'] - baseline) / model_bytes:.2f}" if baseline is not None else "n/a"
@@ -186,7 +211,7 @@ def table(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None
                    f"{r['peak_rss'] / model_bytes:>9.2f} {net:>9} {r['bytes_in'] / MB:>11.1f} "
                    f"{r['bytes_out'] / MB:>12.1f} {r['coordinator_cpu_s']:>11.2f} {r['client_cpu_s']:>9.2f} "
                    f"{r['heartbeat_p50_s'] * 1e3:>9.1f} {r['heartbeat_max_s'] * 1e3:>9.1f} "
-                   f"{r['heartbeat_failed']:>7}")
+                   f"{r['heartbeat_failed']:>7} {fmt_or_na(params_per_core_s(r, model_bytes), '.3g'):>13}")
     return out
 
 
@@ -257,6 +282,7 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
     from workers.exchange import PULL_WAIT_S
 
     cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
+    pulling = threading.BoundedSemaphore(pulls_at_once(islands, statistics.fmean(len(f) for f in frames)))
     coord = CoordinatorProcess(cfg, work / f"coord-{islands}")
     pid = coord.proc.pid
     clients: list[CoordinatorClient] = []
@@ -291,10 +317,11 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
                     raise DtrainError(f"round {r}: {ids[i]}'s push came back {pb.PushStatus.Name(resp.status)}: "
                                       f"{resp.reason}")
                 cursors[i] = resp.cursor
-                while held[i] <= version:  # the worker's long poll, until the round's version is here
-                    for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
-                        if f.frame:
-                            held[i] = f.header.version
+                with pulling:
+                    while held[i] <= version:  # the worker's long poll, until the round's version is here
+                        for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
+                            if f.frame:
+                                held[i] = f.header.version
                 return time.perf_counter(), held[i]
 
             before = clients[0].status()
@@ -357,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + f"; islands {args.sizes}; {args.warmup} warm-up + {args.rounds} timed rounds each; {CODEC} frames; "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     frames = make_frames(CODEC, n_params, pool, block, level)
-    log(f"{pool} frames encoded: {statistics.fmean(len(f) for f in frames) / MB:.1f} MB each")
+    frame_bytes = statistics.fmean(len(f) for f in frames)
+    log(f"{pool} frames encoded: {frame_bytes / MB:.1f} MB each; island threads pull at most "
+        f"{pulls_at_once(max(args.sizes), frame_bytes)} at once")
     work = Path(tempfile.mkdtemp(prefix="dtrain-scale-"))
     rows: list[dict[str, Any]] = []
     baseline: int | None = None

@@ -97,7 +97,7 @@ class MergeOptions:
     rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean" or "median"
     trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
-    threads: int = 2  # outer-step worker threads
+    threads: int = 2  # coordinator.merge_threads: the outer step's threads
 
     @classmethod
     def from_config(cls, cfg: Config) -> MergeOptions:
@@ -107,7 +107,7 @@ class MergeOptions:
         return cls(outer=OuterHParams.from_config(cfg), up_bits=CODEC_BITS[k.up], down_bits=CODEC_BITS[k.down],
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
                    keep_updates=cfg.coordinator.keep_updates, rule=cfg.coordinator.merge_rule,
-                   trim=cfg.coordinator.trim)
+                   trim=cfg.coordinator.trim, threads=cfg.coordinator.merge_threads)
 
 
 class NonFiniteResult(ValueError):

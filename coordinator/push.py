@@ -107,7 +107,7 @@ class PushIntake:
             for msg in requests:
                 if msg.WhichOneof("kind") != "chunk":
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
-                spool.write(receiver.add(msg.chunk))
+                spool.write(receiver.add(msg.chunk), msg.chunk.crc32)  # the CRC add() checked: no second pass
             if receiver.received < receiver.chunks:
                 raise UploadBroke(info, receiver.received, receiver.chunks)
             receiver.finish()

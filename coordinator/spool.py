@@ -29,6 +29,12 @@ class BodyNorm:
     """The L2 norm of a frame body (scales ‖ payload, the validator's output) fed in order, piece by piece:
     Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
     Σ value². Pieces need not align with blocks: the bytes of a split block wait for the rest (at most one block).
+
+    Sums are ``np.einsum`` (numpy's own loop, float64 accumulation, no float64 copy), never ``np.dot``: a dot of
+    a 256 KiB fp32 piece goes to the BLAS library, whose threads spin while they wait for work; with several
+    pushes streaming in at once they took the coordinator's cores from each other (8 fp32 islands: 8x the CPU
+    of 4, ~90 CPU s a round for 8 pushes that cost ~1 CPU s each alone). The coordinator makes no BLAS call
+    (tests/test_merger.py counts them).
     """
 
     def __init__(self, n: int, bits: codec.Bits, block: int):
@@ -67,12 +73,12 @@ class BodyNorm:
 
     def _add(self, payload: bytes | bytearray | memoryview, count: int) -> None:
         if self.bits == 32:
-            values = np.frombuffer(payload, "<f4").astype(np.float64)
-            self._sum_sq += float(np.dot(values, values))
+            values = np.frombuffer(payload, "<f4")
+            self._sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
         else:
             first = self._units
             sums = codec.block_sum_squares(self.bits, self.block, payload, count)
-            self._sum_sq += float(np.dot(self._scales_sq[first:first + sums.size], sums))
+            self._sum_sq += float(np.einsum("i,i->", self._scales_sq[first:first + sums.size], sums))
         self._units += -(-count // self._per_unit)
 
     def norm(self) -> float:
@@ -81,7 +87,7 @@ class BodyNorm:
         if self._carry and self.bits != 32:
             count = self.n - self._units * self.block
             sums = codec.block_sum_squares(self.bits, self.block, self._carry, count)
-            total += float(np.dot(self._scales_sq[self._units:self._units + 1], sums))
+            total += float(np.einsum("i,i->", self._scales_sq[self._units:self._units + 1], sums))
         return math.sqrt(total)
 
 
@@ -116,11 +122,12 @@ class Spool:
         self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
         self._offset += len(data)
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Feeds frame bytes; raises CodecError as soon as something is wrong."""
+    def write(self, data: bytes | memoryview, crc32: int | None = None) -> None:
+        """Feeds frame bytes; raises CodecError as soon as something is wrong. ``crc32``: their CRC32, where the
+        caller has checked it already (``codec.FrameValidator.feed``: no second pass)."""
         if self._validator is None:
             raise RuntimeError("write() on a closed spool")
-        self._validator.feed(data)
+        self._validator.feed(data, crc32)
         self.size += len(data)
 
     def finish(self) -> None:

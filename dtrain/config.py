@@ -191,6 +191,9 @@ class CoordinatorConfig:
     max_receiving: int = _f(16, "pushes whose frames stream in and are decoded at once; the others wait, their data "
                             "held back by gRPC's flow control (at most stream_window_bytes each): bounds the decoders' "
                             "memory (a few MiB a push) whatever the number of islands; 0: no limit")
+    merge_threads: int = _f(2, "threads of the outer step: each reads, decodes and sums every pending push over its "
+                            "own slabs of the model, then steps them (numpy and file I/O release the GIL); about "
+                            "one per core the coordinator may use for merging")
     workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
                       "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream at most, fixed: bounds the memory "
@@ -382,7 +385,7 @@ _Fail = Callable[[str, str, str], NoReturn]  # fail(section, field, why): raises
 _AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "vocab_size"), ("model", "seq_len"),
                  ("model", "d_model"), ("model", "n_layers"), ("model", "n_heads"), ("model", "mlp_ratio"),
                  ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
-                 ("outer", "islands"), ("outer", "inner_steps")]
+                 ("outer", "islands"), ("outer", "inner_steps"), ("coordinator", "merge_threads")]
 _AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
                   ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
                   ("outer", "staleness_alpha")]

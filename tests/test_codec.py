@@ -518,24 +518,26 @@ def test_decode_rejects_short_body_and_forged_values() -> None:
 
 
 def _validate(frame: bytes, n: int, bits: codec.Bits, block: int, piece: int = 1 << 20,
-              out_piece: int = 1 << 20, got: bytearray | None = None) -> bytes:
+              out_piece: int = 1 << 20, got: bytearray | None = None, with_crc: bool = False) -> bytes:
+    """``with_crc``: each piece fed with its CRC32, as the coordinator feeds chunks whose CRC the wire checked."""
     got = bytearray() if got is None else got
     validator = codec.FrameValidator(n, bits, block, out=got.extend, out_piece=out_piece)
     for i in range(0, len(frame), piece):
-        validator.feed(frame[i:i + piece])
+        validator.feed(frame[i:i + piece], zlib.crc32(frame[i:i + piece]) if with_crc else None)
     validator.finish()
     return bytes(got)
 
 
 @given(n=st.integers(0, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 1024]),
-       piece=st.integers(1, 900), out_piece=st.sampled_from([5, 131, 1 << 20]), seed=st.integers(0, 1000))
+       piece=st.integers(1, 900), out_piece=st.sampled_from([5, 131, 1 << 20]), seed=st.integers(0, 1000),
+       with_crc=st.booleans())
 @FAST
 def test_frame_validator_hands_out_the_decoded_body(n: int, bits: codec.Bits, block: int, piece: int,
-                                                    out_piece: int, seed: int) -> None:
+                                                    out_piece: int, seed: int, with_crc: bool) -> None:
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
     q = quantize(x, bits, block)
     body = np.asarray(q.scales, "<f4").tobytes() + np.asarray(q.payload, np.uint8).tobytes()
-    assert _validate(encode(q), n, bits, block, piece, out_piece) == body
+    assert _validate(encode(q), n, bits, block, piece, out_piece, with_crc=with_crc) == body
 
 
 def test_frame_validator_faults() -> None:
@@ -559,6 +561,17 @@ def test_frame_validator_faults() -> None:
     flipped = bytearray(frame)
     flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
     rejects(bytes(flipped), r"CRC32 mismatch|zstd decompression failed|invalid")
+    # The same with the pieces' CRCs given (the wire checked them): the frame's CRC is combined from them, and a
+    # header CRC that does not match the body is still caught, wherever the header ends in the pieces.
+    for piece in (1, 20, 48, 97, 2000):
+        assert _validate(frame, 1024, 8, 1024, piece=piece, with_crc=True) == ok
+        with pytest.raises(CodecError, match="CRC32 mismatch"):
+            _validate(_forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1), 1024, 8, 1024, piece=piece,
+                      with_crc=True)
+    with pytest.raises(CodecError, match="CRC32 mismatch"):  # a piece whose given CRC is not its bytes'
+        v = codec.FrameValidator(1024, 8, 1024, out=lambda _: None)
+        v.feed(frame, zlib.crc32(frame) ^ 1)
+        v.finish()
     rejects(_forge(frame, body=b"not zstd at all"), "zstd decompression failed")
     bomb = _zstd(bytes(50_000_000), content_size=False)
     rejects(_forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
@@ -595,6 +608,28 @@ def test_frame_validator_faults() -> None:
     done.finish()
     with pytest.raises(CodecError, match="validator closed: finish"):
         done.feed(b"")
+
+
+@given(n=st.integers(1, 3000), bits=st.sampled_from(ALL_BITS), block=st.sampled_from([64, 130, 1024]),
+       weight=st.sampled_from([1.0, 0.37, 3e-5]), scratch=st.booleans(), seed=st.integers(0, 1000))
+@FAST
+def test_the_merge_sum_and_the_norm_are_the_decoder_s_values(n: int, bits: codec.Bits, block: int, weight: float,
+                                                               scratch: bool, seed: int) -> None:
+    """``dequantize_add`` (the outer step's sum) adds exactly ``dequantize_segment``'s float32 values (scales times
+    the weight), and ``block_sum_squares`` (the push norm) is Σ level² per block of the same values, exactly."""
+    rng = np.random.default_rng(seed)
+    q = quantize(rng.standard_normal(n).astype(np.float32), bits, block)
+    out = rng.standard_normal(n).astype(np.float32)
+    w = np.float32(weight)
+    want = out + (codec.dequantize_segment(bits, block, q.scales * w, q.payload, n) if bits != 32
+                  else codec.dequantize_segment(bits, block, q.scales, q.payload, n) * w)  # lossless: no scales
+    codec.dequantize_add(bits, block, q.scales, q.payload, out, weight=weight,
+                         scratch=np.empty(n, np.float32) if scratch else None)
+    assert np.array_equal(out, want)
+    if bits != 32:
+        levels = codec.dequantize_segment(bits, block, np.ones_like(q.scales), q.payload, n).astype(np.float64)
+        padded = np.concatenate([levels, np.zeros(-n % block)]).reshape(-1, block)
+        assert np.array_equal(codec.block_sum_squares(bits, block, q.payload, n), (padded ** 2).sum(axis=1))
 
 
 def test_crc32_combine_matches_zlib() -> None:

@@ -37,6 +37,9 @@ def test_exchange_benchmark_runs_and_ends_with_the_summary_line(tmp_path):
     assert run["codec"] == "int8" and run["islands"] == 2 and run["wall_s"] > 0
     assert [r["streams"] for r in data["raw_grpc"]] == [2]
     assert data["summary"]["merge_over_raw"] == pytest.approx(z, rel=1e-2)
+    # section 6: the 2 pushes merged in process, once per coordinator.merge_threads (default 1,2)
+    assert [(r["codec"], r["threads"], r["pushes"]) for r in data["merge_rate"]] == [("int8", 1, 2), ("int8", 2, 2)]
+    assert all(r["params_per_core_s"] > 0 and r["step_cpu_s"] > 0 for r in data["merge_rate"])
 
 
 def test_the_trained_delta_is_a_real_pseudo_gradient_of_the_benchmark_model() -> None:

