@@ -189,6 +189,14 @@ class CoordinatorConfig:
                             "memory (a few MiB a push) whatever the number of islands; 0: no limit")
     workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
                       "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
+    stream_idle_s: float = _f(30.0, "a push stream that sends nothing for this long (its header, or its next "
+                              "chunk) is cancelled, freeing the server thread it holds; time the coordinator itself "
+                              "takes (decoding, max_receiving, a merge) does not count")
+    max_streams_per_peer: int = _f(0, "push streams one peer host may hold open at once; more are refused "
+                                   "(RESOURCE_EXHAUSTED, retried by workers); 0: outer.islands + 8 (every island of "
+                                   "a run may share one host: dtrain simulate, a NAT)")
+    max_streams_per_island: int = _f(2, "push streams one island (its headers' island_id) may hold open at once: "
+                                     "a push and a retry of it; more are refused (RESOURCE_EXHAUSTED)")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream at most, fixed: bounds the memory "
                                   "pushes in flight hold (islands x window); over a WAN set it >= per-island "
                                   "bandwidth x RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
@@ -506,6 +514,12 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
              f"got {co.max_message_bytes}")
     if co.workers == 1 or co.workers < 0:
         fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
+    if not (math.isfinite(co.stream_idle_s) and co.stream_idle_s > 0):
+        fail("coordinator", "stream_idle_s", f"must be a finite number > 0, got {co.stream_idle_s}")
+    if co.max_streams_per_peer < 0:
+        fail("coordinator", "max_streams_per_peer", f"must be 0 (auto) or >= 1, got {co.max_streams_per_peer}")
+    if co.max_streams_per_island < 1:
+        fail("coordinator", "max_streams_per_island", f"must be >= 1, got {co.max_streams_per_island}")
     if co.refusal_events < 1:
         fail("coordinator", "refusal_events", f"must be >= 1, got {co.refusal_events}")
     if not (math.isfinite(co.forget_after_s) and co.forget_after_s >= 0):
