@@ -187,8 +187,9 @@ class CoordinatorConfig:
     max_receiving: int = _f(16, "pushes whose frames stream in and are decoded at once; the others wait, their data "
                             "held back by gRPC's flow control (at most stream_window_bytes each): bounds the decoders' "
                             "memory (a few MiB a push) whatever the number of islands; 0: no limit")
-    workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
-                      "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
+    workers: int = _f(0, "gRPC server threads for pushes and pulls; 0: 3 per island (outer.islands) + 8, at least 16 "
+                      "(an island may hold a push stream, a retry of it and a long-polling pull at once). Joins, "
+                      "heartbeats and Status have threads of their own, which no stream can hold")
     stream_idle_s: float = _f(30.0, "a push stream that sends nothing for this long (its header, or its next "
                               "chunk) is cancelled, freeing the server thread it holds; time the coordinator itself "
                               "takes (decoding, max_receiving, a merge) does not count")
@@ -252,7 +253,8 @@ class WorkerConfig:
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")
     rpc_deadline_s: float = _f(60.0, "deadline of one RPC")
-    retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
+    retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE (and DEADLINE_EXCEEDED, a busy "
+                                "coordinator's RESOURCE_EXHAUSTED)")
     retry_max_s: float = _f(5.0, "backoff ceiling")
     retry_total_s: float = _f(600.0, "give up after retrying this long (a coordinator outage longer than this)")
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from coordinator.lifecycle import server_threads
+from coordinator.streams import PushStreams, Stream
 from dtrain.config import replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
@@ -199,3 +200,45 @@ def test_a_worker_retries_a_busy_refusal_until_the_stream_is_free(net_cfg, tmp_p
         idle.close()
         client.close()
         running.stop()
+
+
+class _Cancellable:
+    cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_push_streams_count_peers_and_islands_and_reap_only_streams_waiting_on_their_client(net_cfg):
+    """coordinator/streams.py on its own, with an injected clock: limits, uncounting, idle time."""
+    now = [100.0]
+    cfg = replace(net_cfg, coordinator={"max_streams_per_peer": 2, "max_streams_per_island": 1, "stream_idle_s": 5.0})
+    table = PushStreams(cfg, on_idle=lambda stream, waited: None, clock=lambda: now[0])
+    a, b = _Cancellable(), _Cancellable()
+    first, second = table.open("10.0.0.1", a), table.open("10.0.0.1", b)  # type: ignore[arg-type]
+    assert isinstance(first, Stream) and isinstance(second, Stream)
+    assert "max_streams_per_peer=2" in str(table.open("10.0.0.1", _Cancellable()))  # type: ignore[arg-type]
+    assert isinstance(table.open("10.0.0.2", _Cancellable()), Stream)  # type: ignore[arg-type]  # another host
+    assert table.claim(first, "a-0") == "" and "max_streams_per_island=1" in table.claim(second, "a-0")
+    waiting = table.watched(first, iter([1]))
+    assert next(waiting) == 1  # a message came at once: not waiting now
+    now[0] += 60
+    assert table.reap() == []  # second never waited on its client; first is between messages (the server's time)
+    blocked = threading.Event()
+
+    def block() -> Iterator[int]:
+        blocked.wait(10)
+        yield 2
+
+    reader = threading.Thread(target=lambda: list(table.watched(second, block())))
+    reader.start()
+    _wait_for(lambda: second.waiting_since is not None, "the wait to be marked")
+    now[0] += 5.0
+    assert table.reap() == []  # exactly stream_idle_s: not over it
+    now[0] += 0.1
+    assert [(s, round(w, 1)) for s, w in table.reap()] == [(second, 5.1)] and b.cancelled and not a.cancelled
+    assert table.reap() == []  # cancelled once
+    blocked.set()
+    reader.join()
+    table.close(first), table.close(second), table.close(second)  # a second close changes nothing
+    assert table.counts() == (1, {"10.0.0.2": 1}, {})
