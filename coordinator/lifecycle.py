@@ -116,9 +116,9 @@ CONTROL_METHODS = frozenset({"Join", "Heartbeat", "Status"})
 def control_threads(cfg: Config) -> int:
     """The server's control threads, for Join, Heartbeat, Status and the health checks (:data:`CONTROL_METHODS`):
     a pool of their own, which no push or pull can hold, so a lease is renewed however many streams are open or
-    idle. Each such call is short, but waits for the service's lock while a round merges: one per two expected
-    islands + 4, at least 8."""
-    return max(8, cfg.outer.islands // 2 + 4)
+    idle. Each such call is short, but waits for the service's lock while a round merges: one per expected island
+    + 8, so that a heartbeat waits for the lock only, never for a thread."""
+    return cfg.outer.islands + 8
 
 
 def server_options(cfg: Config) -> list[tuple[str, int | str]]:
