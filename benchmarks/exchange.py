@@ -151,8 +151,8 @@ def raw_server_main(run_dir: str, max_message_bytes: int, workers: int) -> int:
 
     handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
         RAW_METHOD: grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes),
-                         maximum_concurrent_rpcs=workers * 4)  # the coordinator's settings
+    # The coordinator's data threads and options (its pushes are bounded per peer, with no server-wide cap).
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

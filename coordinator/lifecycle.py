@@ -20,7 +20,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import HealthServicer
 
 from coordinator.dashboard import check_port_free, dashboard_port, open_dashboard
 from coordinator.init_params import UNFIT
@@ -106,11 +107,23 @@ def check_address_free(host: str, port: int) -> None:
 
 
 def server_threads(cfg: Config) -> int:
-    """The gRPC server's threads: ``coordinator.workers``, or with 0 (the default) 3 per expected island + 8, at
-    least 16. Each island may hold three calls at once (a push stream, a long-polling pull, a heartbeat), each on a
-    thread for its whole length: with fewer threads than that, heartbeats queue behind long polls and leases
-    expire (benchmarks/scale.py: 64 islands on 16 threads)."""
+    """The gRPC server's data threads, for pushes and pulls: ``coordinator.workers``, or with 0 (the default) 3 per
+    expected island + 8, at least 16. An island may hold a push stream and a long-polling pull at once, each on a
+    thread for its whole length, and a retried push may overlap the one it replaces: with fewer threads, pushes
+    queue behind long polls (benchmarks/scale.py: 64 islands on 16 threads)."""
     return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
+
+
+# The calls served on the control threads (control_threads): short, and never waiting on a client's stream.
+CONTROL_METHODS = frozenset({"Join", "Heartbeat", "Status"})
+
+
+def control_threads(cfg: Config) -> int:
+    """The server's control threads, for Join, Heartbeat, Status and the health checks (:data:`CONTROL_METHODS`):
+    a pool of their own, which no push or pull can hold, so a lease is renewed however many streams are open or
+    idle. Each such call is short, but waits for the service's lock while a round merges: one per expected island
+    + 8, so that a heartbeat waits for the lock only, never for a thread."""
+    return cfg.outer.islands + 8
 
 
 def server_options(cfg: Config) -> list[tuple[str, int | str]]:
@@ -128,18 +141,50 @@ def server_options(cfg: Config) -> list[tuple[str, int | str]]:
     return opts
 
 
-def service_handler(service: pb_grpc.CoordinatorServicer) -> grpc.GenericRpcHandler:
+def service_handler(service: pb_grpc.CoordinatorServicer,
+                    control: futures.ThreadPoolExecutor | None = None) -> grpc.GenericRpcHandler:
     """The Coordinator service's handlers, one per method of the proto's service: the generated
-    ``add_CoordinatorServicer_to_server`` with two differences. Responses go through ``wire.serialize``, so a
+    ``add_CoordinatorServicer_to_server`` with three differences. Responses go through ``wire.serialize``, so a
     pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
-    chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two)."""
+    chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two); and the
+    :data:`CONTROL_METHODS` run on ``control`` (:func:`control_threads`), not on the server's own threads."""
     methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
     handlers = {m.name: HANDLER_KINDS[m.client_streaming, m.server_streaming](
-        _noting_call(m.name, getattr(service, m.name), m.client_streaming),
+        _on_pool(_noting_call(m.name, getattr(service, m.name), m.client_streaming),
+                 control if m.name in CONTROL_METHODS else None),
         request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
                               else getattr(pb, m.input_type.name).FromString),
         response_serializer=serialize) for m in methods}
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def health_handler(health: HealthServicer, control: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:
+    """grpc.health.v1's handlers (the generated ``add_HealthServicer_to_server``'s) with Check and List on the
+    control threads: a Kubernetes probe is answered while every data thread is busy. Watch, non-blocking, holds
+    no thread."""
+    def unary(method: Callable[[Any, grpc.ServicerContext], Any], request: Any, reply: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(_on_pool(lambda r, c: method(r, c), control),
+                                                   request_deserializer=request.FromString,
+                                                   response_serializer=reply.SerializeToString)
+
+    handlers = {
+        "Check": unary(health.Check, health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
+        "List": unary(health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            health.Watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers)
+
+
+Behavior = Callable[..., Any]
+
+
+def _on_pool(behavior: Behavior, pool: futures.ThreadPoolExecutor | None) -> Behavior:
+    """``behavior`` (a fresh function: the attribute is its own) served on ``pool`` instead of the server's
+    threads: gRPC's sync server runs a handler whose behavior has an ``experimental_thread_pool`` there."""
+    if pool is not None:
+        behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return behavior
 
 
 def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any],
@@ -189,12 +234,15 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     own = island_tokens.name_of if island_tokens is not None else None  # islands' own tokens (security.identity)
     interceptors: list[grpc.ServerInterceptor] = ([TokenAuthInterceptor(token, on_denied, own)]
                                                   if token or own else [])
-    threads = server_threads(cfg)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-                         interceptors=interceptors, options=server_options(cfg),
-                         maximum_concurrent_rpcs=threads * 4)
-    server.add_generic_rpc_handlers((service_handler(service),))
-    health_pb2_grpc.add_HealthServicer_to_server(service.loop.health, server)
+    # Two pools: the server's own threads for pushes and pulls, and the control threads (control_threads) for
+    # Joins, heartbeats, Status and health checks, so that streams (idle ones included, until stream_idle_s
+    # cancels them) can never delay a lease's renewal. No server-wide cap on concurrent calls (gRPC's
+    # maximum_concurrent_rpcs would refuse heartbeats too); push streams are bounded per peer and per island
+    # (coordinator/streams.py), the calls beyond the threads wait in the pool's queue.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
+                         interceptors=interceptors, options=server_options(cfg))
+    control = futures.ThreadPoolExecutor(max_workers=control_threads(cfg), thread_name_prefix="rpc-control")
+    server.add_generic_rpc_handlers((service_handler(service, control), health_handler(service.loop.health, control)))
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind

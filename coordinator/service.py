@@ -33,6 +33,7 @@ from coordinator.refusals import RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
+from coordinator.streams import PushStreams, Stream
 from dtrain import codec
 from dtrain.config import Config
 from dtrain.errors import CheckpointError
@@ -42,8 +43,10 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
 from dtrain.wire import (
+    BUSY_METADATA_KEY,
     MAX_EVAL_REPORTS,
     RUN_OVER_METADATA_KEY,
+    SERVICE,
     WireError,
     chunk_count,
     file_chunk_messages,
@@ -232,6 +235,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
         self.intake = PushIntake(cfg, self.merger, self.telemetry, self.streams)
+        self.push_streams = PushStreams(cfg, self._idle_cancelled)
+        self.push_streams.start()
         self.loop = RoundsLoop(lock=self.lock, clock=clock, state=self.state, merger=self.merger, ckpt=self.ckpt,
                                log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
                                counters=self.counters, after_finish=after_finish)
@@ -240,25 +245,34 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- refusals -----------------------------------------------------------------------------------
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
-               push: PushInfo | None = None) -> NoReturn:
-        """Ends the call with ``code``; every refusal goes through here. It is counted by kind (method and code:
-        Status' refusals) and, at a bounded rate (``coordinator.refusals``), an event naming the method and the
-        island (from the request: :func:`coordinator.lifecycle.service_handler` notes them): ``request_invalid``
-        for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others. A refused ``push`` is
-        also counted in pushes_refused and, logged, a ``push_refused`` event and a progress line."""
-        kind = "request_invalid" if code in _BAD_REQUEST else "request_rejected"
-        method = getattr(CURRENT_CALL, "method", "")
+               push: PushInfo | None = None, busy: bool = False) -> NoReturn:
+        """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
+        with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
+        them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
+        (:data:`dtrain.wire.BUSY_METADATA_KEY`), and workers retry it."""
+        if busy:
+            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+        self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
+                             push=push, busy=busy)
+        context.abort(code, message)
+
+    def _record_refusal(self, method: str, island: str, code: grpc.StatusCode, message: str,
+                        push: PushInfo | None = None, busy: bool = False) -> None:
+        """Records a refused (or cancelled) call: counted by kind (method and code: Status' refusals) and, at a
+        bounded rate (``coordinator.refusal_events``), an event naming the method and the island:
+        ``request_invalid`` for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others and
+        for a ``busy`` one. A refused ``push`` is also counted in pushes_refused and, logged, a ``push_refused``
+        event and a progress line."""
+        kind = "request_invalid" if code in _BAD_REQUEST and not busy else "request_rejected"
         with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
             if push is not None:
                 self.counters.pushes_refused += 1
             log, over = self.refusals.refused(f"{method.rsplit('/', 1)[-1] or '?'}: {code.name}", self.clock())
             self._suppressed(over)
             if log:
-                self.log.event(kind, method=method, island=getattr(CURRENT_CALL, "island", ""), code=code.name,
-                               error=message)
+                self.log.event(kind, method=method, island=island, code=code.name, error=message)
                 if push is not None:
                     self._push_refused(push, code.name, message)
-        context.abort(code, message)
 
     def _suppressed(self, over: list[tuple[str, int]]) -> None:
         """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""
@@ -402,10 +416,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if self.history.eval_report(request.island_id, v, loss)]
 
     def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
+        # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
+        stream = self.push_streams.open(peer_host(context.peer()), context)
+        if isinstance(stream, str):
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True)
+        try:
+            return self._push(self.push_streams.watched(stream, request_iterator), context, stream)
+        finally:
+            self.push_streams.close(stream)
+
+    def _idle_cancelled(self, stream: Stream, waited_s: float) -> None:
+        """A push stream the reaper cancelled (:class:`coordinator.streams.PushStreams`): recorded as a refusal
+        (CANCELLED, what its client sees)."""
+        what = "its header" if not stream.island else "its next chunk"
+        self._record_refusal(f"/{SERVICE}/PushDelta", stream.island, grpc.StatusCode.CANCELLED,
+                             f"push stream from {stream.peer} cancelled: no message for {waited_s:.1f}s while "
+                             f"waiting for {what} (coordinator.stream_idle_s={self.cfg.coordinator.stream_idle_s:g})")
+
+    def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
+              stream: Stream) -> pb.PushDeltaResponse:
+        """PushDelta on an open ``stream``: its header, its admission, its payload and the state's decision."""
         try:
             h = read_header(request_iterator, self.tree_digest)
         except WireError as e:
             self._abort(context, e.code, str(e))
+        over = self.push_streams.claim(stream, h.island_id)
+        if over:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
         info = push_info(h)
         identity = self.identity.of(context)
         with self.lock:
@@ -537,6 +574,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.dashboard is not None:
             self.dashboard.close()
         self.loop.stop()
+        self.push_streams.stop()
         self.auth_failures.flush()  # before telemetry shuts down
         with self.lock:
             self._suppressed(self.refusals.due())

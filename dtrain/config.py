@@ -194,8 +194,17 @@ class CoordinatorConfig:
     merge_threads: int = _f(2, "threads of the outer step: each reads, decodes and sums every pending push over its "
                             "own slabs of the model, then steps them (numpy and file I/O release the GIL); about "
                             "one per core the coordinator may use for merging")
-    workers: int = _f(0, "gRPC server threads; 0: 3 per island (outer.islands) + 8, at least 16 (an island may hold a "
-                      "push stream, a long-polling pull and a heartbeat at once; a starved heartbeat loses its lease)")
+    workers: int = _f(0, "gRPC server threads for pushes and pulls; 0: 3 per island (outer.islands) + 8, at least 16 "
+                      "(an island may hold a push stream, a retry of it and a long-polling pull at once). Joins, "
+                      "heartbeats and Status have threads of their own, which no stream can hold")
+    stream_idle_s: float = _f(30.0, "a push stream that sends nothing for this long (its header, or its next "
+                              "chunk) is cancelled, freeing the server thread it holds; time the coordinator itself "
+                              "takes (decoding, max_receiving, a merge) does not count")
+    max_streams_per_peer: int = _f(0, "push streams one peer host may hold open at once; more are refused "
+                                   "(RESOURCE_EXHAUSTED, retried by workers); 0: outer.islands + 8 (every island of "
+                                   "a run may share one host: dtrain simulate, a NAT)")
+    max_streams_per_island: int = _f(2, "push streams one island (its headers' island_id) may hold open at once: "
+                                     "a push and a retry of it; more are refused (RESOURCE_EXHAUSTED)")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream at most, fixed: bounds the memory "
                                   "pushes in flight hold (islands x window); over a WAN set it >= per-island "
                                   "bandwidth x RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
@@ -251,7 +260,8 @@ class WorkerConfig:
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")
     rpc_deadline_s: float = _f(60.0, "deadline of one RPC")
-    retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE")
+    retry_initial_s: float = _f(0.2, "first retry backoff on UNAVAILABLE (and DEADLINE_EXCEEDED, a busy "
+                                "coordinator's RESOURCE_EXHAUSTED)")
     retry_max_s: float = _f(5.0, "backoff ceiling")
     retry_total_s: float = _f(600.0, "give up after retrying this long (a coordinator outage longer than this)")
 
@@ -523,6 +533,12 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
              f"got {co.max_message_bytes}")
     if co.workers == 1 or co.workers < 0:
         fail("coordinator", "workers", f"must be 0 (auto) or >= 2, got {co.workers}")
+    if not (math.isfinite(co.stream_idle_s) and co.stream_idle_s > 0):
+        fail("coordinator", "stream_idle_s", f"must be a finite number > 0, got {co.stream_idle_s}")
+    if co.max_streams_per_peer < 0:
+        fail("coordinator", "max_streams_per_peer", f"must be 0 (auto) or >= 1, got {co.max_streams_per_peer}")
+    if co.max_streams_per_island < 1:
+        fail("coordinator", "max_streams_per_island", f"must be >= 1, got {co.max_streams_per_island}")
     if co.refusal_events < 1:
         fail("coordinator", "refusal_events", f"must be >= 1, got {co.refusal_events}")
     if not (math.isfinite(co.forget_after_s) and co.forget_after_s >= 0):

@@ -196,6 +196,10 @@ def test_overrides_apply_and_validate():
     ("outer.inner_steps=0", "[outer] inner_steps"),
     ("model.n_heads=3", "[model] n_heads"),
     ("coordinator.stream_window_bytes=1000", "[coordinator] stream_window_bytes"),
+    ("coordinator.stream_idle_s=0", "[coordinator] stream_idle_s"),
+    ("coordinator.stream_idle_s=inf", "[coordinator] stream_idle_s"),
+    ("coordinator.max_streams_per_peer=-1", "[coordinator] max_streams_per_peer"),
+    ("coordinator.max_streams_per_island=0", "[coordinator] max_streams_per_island"),
     ("nope.x=1", "nope"),
 ])
 def test_bad_override_names_field(override: str, field: str):

@@ -1,8 +1,9 @@
 """The island's gRPC client: auth, deadlines, retries with backoff, streamed pushes and pulls.
 
 Every call has a deadline. UNAVAILABLE (the coordinator restarting, a cut
-link) and DEADLINE_EXCEEDED are retried with exponential backoff and jitter
-for up to ``worker.retry_total_s`` of wall time; each retry is reported (with
+link), DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED for load (the coordinator is
+busy: a stream limit, :func:`busy`) are retried with exponential backoff and
+jitter for up to ``worker.retry_total_s`` of wall time; each retry is reported (with
 the coordinator's address, gRPC's status code and what it means, and the time
 left) and giving up names the address, how long it tried and what to check, in
 words rather than gRPC's debug text. Pushes are safe to retry because they
@@ -28,6 +29,8 @@ from dtrain.errors import DtrainError
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.wire import (
+    BUSY_DETAILS,
+    BUSY_METADATA_KEY,
     HEARTBEAT_DEADLINE_S,
     JOIN_DEADLINE_S,
     MAX_EVIDENCE_DETAIL,
@@ -50,7 +53,7 @@ from dtrain.wire import (
 )
 
 BROKEN_PUSH_SETTLE_S = 0.3  # push_broken: how long the sent chunks get to reach the coordinator
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # and busy() refusals
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 
@@ -105,6 +108,16 @@ def cause(code: grpc.StatusCode, details: str) -> str:
     listens there``."""
     words = in_words(details)
     return f"{code.name}, {words}" if words else code.name
+
+
+def busy(e: grpc.RpcError) -> bool:
+    """A RESOURCE_EXHAUSTED for load, not for what the call asked (a frame over the size bound is one too, and
+    would be refused again): the coordinator's stream limits mark theirs (:data:`dtrain.wire.BUSY_METADATA_KEY`),
+    gRPC's own server-wide limit says :data:`dtrain.wire.BUSY_DETAILS`."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    trailing = e.trailing_metadata() or ()
+    return any(m.key == BUSY_METADATA_KEY for m in trailing) or BUSY_DETAILS in (e.details() or "")
 
 
 class Malformed:
@@ -211,7 +224,7 @@ class CoordinatorClient:
         self.channel.close()
 
     def _retry(self, what: str, call: Callable[[], T | Malformed], budget_s: float | None = None) -> T:
-        """``call()``, retried on UNAVAILABLE / DEADLINE_EXCEEDED until ``budget_s`` (default
+        """``call()``, retried on UNAVAILABLE / DEADLINE_EXCEEDED / a busy coordinator until ``budget_s`` (default
         worker.retry_total_s; 0: one try) of wall time has passed since the first try. A reply that does not
         parse (:class:`Malformed`) is a :class:`MalformedReply`, not retried."""
         w = self.cfg.worker
@@ -225,7 +238,8 @@ class CoordinatorClient:
                 return result
             except grpc.RpcError as e:
                 code, details = e.code(), _one_line(e.details() or "")
-                if code not in RETRYABLE:
+                loaded = busy(e)
+                if code not in RETRYABLE and not loaded:
                     over = what == "join" and any(m.key == RUN_OVER_METADATA_KEY for m in e.trailing_metadata() or ())
                     raise (RunOverError if over else CoordinatorError)(code, details) from None
                 left = budget - (time.monotonic() - t0)
@@ -244,7 +258,9 @@ class CoordinatorClient:
                 pause = min(delay * random.uniform(0.5, 1.0), left)
                 self.retries += 1
                 if self.on_retry is not None:
-                    self.on_retry(f"{what}: the coordinator at {self.address} is unavailable ({cause(code, details)})",
+                    self.on_retry(f"{what}: the coordinator at {self.address} is busy ({cause(code, details)}); "
+                                  f"waiting for it to take the call" if loaded else
+                                  f"{what}: the coordinator at {self.address} is unavailable ({cause(code, details)})",
                                   pause, left)
                 time.sleep(pause)
                 delay = min(delay * 2, w.retry_max_s)
@@ -333,7 +349,8 @@ class CoordinatorClient:
             release.set()
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
-        """Streams one frame; retried whole (same push_id) on UNAVAILABLE."""
+        """Streams one frame; retried whole (same push_id) on UNAVAILABLE, DEADLINE_EXCEEDED or a busy
+        coordinator."""
         chunks = self._chunked(header, frame)
 
         def call() -> pb.PushDeltaResponse | Malformed:
