@@ -270,6 +270,15 @@ def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice
     assert stopped["tokens_merged"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
     summaries = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in ("a", "b")]
     assert summaries[0]["params_digest"] == summaries[1]["params_digest"] == stopped["params_digest"]
+    # Both starts of b timed phase by phase; the restart loaded its programs from the cache the first filled
+    # (worker.compile_cache's default: the island's folder), compiling none.
+    first, again = [e for e in read_events(out / "islands" / "b") if e["event"] == "island_startup"]
+    cache = out / "islands" / "b" / "compile-cache"
+    assert first["compile_cache"] == again["compile_cache"] == str(cache) and any(cache.iterdir())
+    assert first["cache_misses"] > 0 and again["cache_hits"] > 0 and again["cache_misses"] == 0
+    assert list(again["phases"]) == ["imports", "devices", "check", "data", "compile", "join", "pull", "peers",
+                                     "first_step"]
+    assert again["cursor"] > joins[1]["cursor"]  # its first step: past where it rejoined
 
 
 @pytest.mark.slow
