@@ -125,7 +125,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             and ``fault_injected`` in the island's events when it fires; a device fault: ``fault_armed`` each
             time its island's worker is started with it) and, scored against what the run detected
             (:mod:`dtrain_cli.fault_score`), in the summary's ``faults`` and ``device_quarantines``; the ones
-            that never fired, and why, in ``faults_not_injected``.
+            that never fired, and why, in ``faults_not_injected``; each restart of a killed island, from the kill
+            to its first step, in ``restarts`` (:func:`restarts`).
         island_processes: P > 1 makes every island one ``jax.distributed`` job of P processes (each with the
             fake devices ``env`` gives one process, so P times that many per island), on a free port of
             127.0.0.1 chosen at the island's first start and kept across its restarts. Faults act on the whole
