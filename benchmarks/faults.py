@@ -164,7 +164,9 @@ def _print_faults(chaos: dict[str, Any]) -> None:
         if a[kind]:
             print(f"audit {kind}: " + ", ".join(f"shard {r['shard']} [{r['start']}, {r['end']})" for r in a[kind]))
     for r in chaos.get("restarts", ()):
-        phases = ", ".join(f"{p} {s:.2f}" for p, s in (r["phases"] or {}).items())
+        cpu = r.get("cpu_s") or {}
+        phases = ", ".join(f"{p} {s:.2f}" + (f" (CPU {cpu[p]:.2f})" if p in cpu else "")
+                           for p, s in (r["phases"] or {}).items())
         after = fmt_or_na(r["restart_s"], ".2f", "s")
         print(f"restart of {r['island']} ({r['fault']}): first step {after} after the kill, restarted "
               f"{r['restarted_t'] - r['killed_t']:.2f}s after it" + (

@@ -583,7 +583,7 @@ def restarts(fired: Sequence[dict[str, Any]], island_events: dict[str, list[dict
     """Each restart of a killed island (a ``kill`` fault with a recovery, from the driver's ``fired`` records):
     ``restart_s``, the seconds from the kill to the restarted island's first step (its ``island_startup`` event,
     :mod:`workers.startup`; None if it took none before the run ended or the island was killed again), and that
-    start's phases and compilation-cache counts."""
+    start's phases (seconds, and CPU seconds) and compilation-cache counts."""
     out = []
     for i, f in enumerate(fired):
         if f["kind"] != "kill" or f.get("recovered_t") is None:
@@ -596,7 +596,7 @@ def restarts(fired: Sequence[dict[str, Any]], island_events: dict[str, list[dict
                     "restarted_t": f["recovered_t"], "first_step_t": None if start is None else start["t"],
                     "restart_s": None if start is None else round(start["t"] - f["injected_t"], 3),
                     **{k: None if start is None else start.get(k)
-                       for k in ("phases", "cache_hits", "cache_misses")}})
+                       for k in ("phases", "cpu_s", "cache_hits", "cache_misses")}})
     return out
 
 

@@ -84,8 +84,10 @@ def test_phases_add_up_in_order_and_the_line_names_each() -> None:
                                                                             "first_step"]
     assert "imports" not in r["phases"]  # not the process's first island: its age is not this start's
     assert r["total_s"] == pytest.approx(sum(r["phases"].values()), abs=0.01)
+    assert list(r["cpu_s"]) == list(r["phases"]) and all(c >= 0 for c in r["cpu_s"].values())
     assert (r["compile_cache"], r["cache_entries"]) == (None, None)
     line = Startup.line("island-1", r)
     assert line.startswith("island-1: first step ") and "first step 0.0" in line and "no compilation cache" in line
+    assert " CPU seconds; " in line
     age = process_age_s()
     assert age is None or age > 0

@@ -124,31 +124,37 @@ class Startup:
         self.counter = _cache_counter()
         self.hits0, self.misses0 = self.counter.hits, self.counter.misses
         self.phases: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # each phase's CPU seconds (every thread of the process)
         age = process_age_s() if imports and _starts == 0 else None
         _starts += 1
+        self.c = time.process_time()
         if age is not None:
-            self.phases["imports"] = age
+            self.phases["imports"], self.cpu["imports"] = age, self.c
         self.t = time.perf_counter()
         self.reported = False
 
     def mark(self, phase: str) -> None:
         """Ends ``phase`` now (its seconds: since the last mark; a phase marked twice adds up)."""
         assert phase in PHASES, phase
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self.t
-        self.t = now
+        self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu - self.c
+        self.t, self.c = now, cpu
 
     def record(self) -> dict[str, Any]:
-        """The ``island_startup`` event's fields: each phase's seconds, their total, and the compilation cache
+        """The ``island_startup`` event's fields: each phase's seconds, their total, the CPU seconds of each (on
+        a loaded host, what the phase cost rather than how long it waited for a core) and the compilation cache
         (its folder, the programs loaded from it and those compiled, the entries it holds now)."""
         phases = {p: round(self.phases[p], 3) for p in PHASES if p in self.phases}
+        cpu = {p: round(self.cpu[p], 3) for p in PHASES if p in self.cpu}
         entries = None
         if self.cache is not None:
             try:
                 entries = sum(1 for _ in self.cache.iterdir())
             except OSError:
                 entries = None
-        return {"phases": phases, "total_s": round(sum(self.phases.values()), 3),
+        return {"phases": phases, "total_s": round(sum(self.phases.values()), 3), "cpu_s": cpu,
+                "total_cpu_s": round(sum(self.cpu.values()), 3),
                 "compile_cache": None if self.cache is None else str(self.cache),
                 "cache_hits": self.counter.hits - self.hits0, "cache_misses": self.counter.misses - self.misses0,
                 "cache_entries": entries}
@@ -159,4 +165,5 @@ class Startup:
         phases = ", ".join(f"{p.replace('_', ' ')} {s:.1f}" for p, s in record["phases"].items())
         cache = "no compilation cache" if record["compile_cache"] is None else \
             f"compilation cache: {record['cache_hits']} loaded, {record['cache_misses']} compiled"
-        return f"{name}: first step {record['total_s']:.1f}s after the process started ({phases}; {cache})"
+        return (f"{name}: first step {record['total_s']:.1f}s after the process started ({phases}; "
+                f"{record['total_cpu_s']:.1f} CPU seconds; {cache})")
