@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +122,7 @@ class Deferred:
     compiles mid-round; were one called earlier all the same, JAX would compile it on the loop's thread too (jit
     is thread-safe): slower, never wrong. The training loop's object; the thread writes only ``error``."""
 
-    def __init__(self, name: str, work: Any):
+    def __init__(self, name: str, work: Callable[[], None]):
         self.error: BaseException | None = None
         self.seconds = 0.0
 
