@@ -264,6 +264,11 @@ class WorkerConfig:
                                 "coordinator's RESOURCE_EXHAUSTED)")
     retry_max_s: float = _f(5.0, "backoff ceiling")
     retry_total_s: float = _f(600.0, "give up after retrying this long (a coordinator outage longer than this)")
+    compile_cache: str = _f("", "folder of JAX's persistent compilation cache: a start of the island (a restart "
+                            "above all) loads the programs an earlier start compiled instead of compiling them "
+                            "again; '': compile-cache in the island's folder (`dtrain worker --run-dir`; `dtrain "
+                            "simulate` gives its islands RUN_DIR/compile-cache, which they share); 'off': none, "
+                            "every start compiles")
 
 
 ROUND_AUTO = -1.0  # worker.round_seconds = "auto", as stored
@@ -768,6 +773,9 @@ def run_path(cfg: Config) -> Path:
 def data_cache(cfg: Config) -> Path:
     """Where sources that are not token stores become stores: ``data.cache``, else OUT_DIR/data-cache."""
     return Path(cfg.data.cache).expanduser() if cfg.data.cache else Path(cfg.run.out_dir) / "data-cache"
+
+
+COMPILE_CACHE_OFF = "off"  # worker.compile_cache: no persistent compilation cache
 
 
 def reference_markdown() -> str:

@@ -21,6 +21,7 @@ the summary's fault entries are scored by :mod:`dtrain_cli.fault_score`, and the
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -124,7 +125,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             and ``fault_injected`` in the island's events when it fires; a device fault: ``fault_armed`` each
             time its island's worker is started with it) and, scored against what the run detected
             (:mod:`dtrain_cli.fault_score`), in the summary's ``faults`` and ``device_quarantines``; the ones
-            that never fired, and why, in ``faults_not_injected``.
+            that never fired, and why, in ``faults_not_injected``; each restart of a killed island, from the kill
+            to its first step, in ``restarts`` (:func:`restarts`).
         island_processes: P > 1 makes every island one ``jax.distributed`` job of P processes (each with the
             fake devices ``env`` gives one process, so P times that many per island), on a free port of
             127.0.0.1 chosen at the island's first start and kept across its restarts. Faults act on the whole
@@ -151,10 +153,16 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes)
     specs = island_specs or {}
     cfg = new_run(run_config(cfg, specs))
-    # Before any process starts: a source that is not a store becomes one here, once, not in every worker.
-    data.open_corpus(cfg.data, cfg.model.vocab_size, config_mod.data_cache(cfg))
+    # Before any process starts: a source that is not a store becomes one here, once, not in every worker; the
+    # processes read that store (finding it again from its source would scan the source at every start).
+    cache = config_mod.data_cache(cfg)
+    if not data.names_store(cfg.data.source):
+        cfg = config_mod.replace(cfg, data={"source": str(Path(data.store_location(cfg.data, cache)).resolve())})
+    data.open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
+    if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
+        cfg = config_mod.replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
     sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs)
     try:
         sim.run(timeout_s)
@@ -562,6 +570,7 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
         "faults": score_faults(sim.fired, sim.faults, coord_events, island_events),
         "device_quarantines": device_quarantines(island_events, [f for f in sim.faults if f.kind in DEVICE_KINDS]),
         "faults_not_injected": sim.not_injected,
+        "restarts": restarts(sim.fired, island_events),
         "island_settings": {n: s.describe() for n, s in sim.specs.items()},
         "goodput": checked.goodput, "audit": checked.to_dict(),
         "unfinished_islands": sorted(unfinished),
@@ -569,6 +578,28 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
     if len(digests) != 1 or len(evals) != 1:
         raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")
     return summary
+
+
+def restarts(fired: Sequence[dict[str, Any]], island_events: dict[str, list[dict[str, Any]]]
+             ) -> list[dict[str, Any]]:
+    """Each restart of a killed island (a ``kill`` fault with a recovery, from the driver's ``fired`` records):
+    ``restart_s``, the seconds from the kill to the restarted island's first step (its ``island_startup`` event,
+    :mod:`workers.startup`; None if it took none before the run ended or the island was killed again), and that
+    start's phases (seconds, and CPU seconds) and compilation-cache counts."""
+    out = []
+    for i, f in enumerate(fired):
+        if f["kind"] != "kill" or f.get("recovered_t") is None:
+            continue
+        again = next((g["injected_t"] for g in fired[i + 1:] if g["kind"] == "kill" and g["target"] == f["target"]),
+                     math.inf)
+        start = next((e for e in island_events.get(f["target"], []) if e["event"] == "island_startup"
+                      and f["recovered_t"] <= e["t"] < again), None)
+        out.append({"fault": f["fault"], "island": f["target"], "killed_t": f["injected_t"],
+                    "restarted_t": f["recovered_t"], "first_step_t": None if start is None else start["t"],
+                    "restart_s": None if start is None else round(start["t"] - f["injected_t"], 3),
+                    **{k: None if start is None else start.get(k)
+                       for k in ("phases", "cpu_s", "cache_hits", "cache_misses")}})
+    return out
 
 
 def with_host_devices(env: dict[str, str], devices: int) -> dict[str, str]:

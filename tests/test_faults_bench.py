@@ -19,7 +19,7 @@ from dtrain_cli.fault_spec import parse_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"faults: injected=(\d+) detected=(\d+) goodput=(\S+) loss-ratio=(\S+) lost-tokens=(\d+) "
-                       r"doubled-tokens=(\d+) detect-p50=(\S+)s detect-max=(\S+)s")
+                       r"doubled-tokens=(\d+) detect-p50=(\S+)s detect-max=(\S+)s restart-p50=(\S+?)s?")
 
 
 def _bench() -> ModuleType:
@@ -32,11 +32,19 @@ def _fault(text: str, kind: str, detection_s: float | None) -> dict[str, Any]:
             "action": "x"}
 
 
+def _restart(seconds: float | None) -> dict[str, Any]:
+    """A restart of the simulation summary's ``restarts`` (None: the island took no step after it)."""
+    return {"fault": "kill:island-1@v1+2s", "island": "island-1", "killed_t": 100.0, "restarted_t": 102.0,
+            "first_step_t": None if seconds is None else 100.0 + seconds, "restart_s": seconds,
+            "phases": None if seconds is None else {"imports": 1.0, "compile": 0.5},
+            "cache_hits": None if seconds is None else 12, "cache_misses": None if seconds is None else 0}
+
+
 def _summaries(faults: list[dict[str, Any]], goodput: float | None = 0.95, lost: int = 0,
-               doubled: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+               doubled: int = 0, restarts: tuple[float | None, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     clean = {"final_eval_loss": 2.0, "goodput": 1.0, "audit": {"lost_tokens": 0, "doubled_tokens": 0}, "faults": []}
     chaos = {"final_eval_loss": 2.02, "goodput": goodput, "faults": faults,
-             "audit": {"lost_tokens": lost, "doubled_tokens": doubled}}
+             "audit": {"lost_tokens": lost, "doubled_tokens": doubled}, "restarts": [_restart(s) for s in restarts]}
     return clean, chaos
 
 
@@ -44,14 +52,16 @@ def test_figures_and_lines_from_the_summaries() -> None:
     bench = _bench()
     faults = [_fault("kill:island-1@v1+2s", "kill", 3.0), _fault("hang:island-2@v3+8s", "hang", 4.0),
               _fault("kill-coordinator@v5+2s", "kill-coordinator", 1.0)]
-    f = bench.figures(*_summaries(faults))
+    f = bench.figures(*_summaries(faults, restarts=(7.5, 5.0, 30.0)))
     assert (f["injected"], f["detected"], f["undetected"]) == (3, 3, [])
     assert f["loss_ratio"] == pytest.approx(1.01)
     assert (f["detect_p50_s"], f["detect_max_s"], f["dead_island_detect_s"]) == (3.0, 4.0, 3.0)
+    assert (f["restart_p50_s"], f["restarts"]) == (7.5, 3)
     m = LAST_LINE.fullmatch(bench.final_line(f))
-    assert m and m.groups() == ("3", "3", "0.950", "1.0100", "0", "0", "3.00", "4.00")
+    assert m and m.groups() == ("3", "3", "0.950", "1.0100", "0", "0", "3.00", "4.00", "7.50")
     targets = bench.targets_line(f)
-    assert "NOT met" not in targets and targets.count(" met") == 6
+    assert "NOT met" not in targets and targets.count(" met") == 7
+    assert "restart-p50 7.50s over 3 restarts (target <= 8s) met" in targets
 
 
 def test_a_device_fault_found_before_its_onset_time_counts_as_detected_without_a_latency() -> None:
@@ -66,16 +76,20 @@ def test_missed_targets_are_reported() -> None:
     bench = _bench()
     faults = [_fault("kill:island-1@v1+2s", "kill", 6.5), _fault("slow:island-3@v2+15s,delay=50", "slow", None),
               _fault("kill:island-1@v8+2s", "kill", None)]
-    f = bench.figures(*_summaries(faults, goodput=0.8, lost=640, doubled=64))
+    # a restart that took no step counts as the slowest: the median of (6, 9, never) is 9
+    f = bench.figures(*_summaries(faults, goodput=0.8, lost=640, doubled=64, restarts=(6.0, None, 9.0)))
     assert (f["injected"], f["detected"]) == (3, 1)
     assert f["undetected"] == ["slow:island-3@v2+15s,delay=50", "kill:island-1@v8+2s"]
     assert f["dead_island_detect_s"] is None  # one kill never noticed: a miss, not the other one's 6.5 s
     targets = bench.targets_line(f)
+    assert f["restart_p50_s"] == 9.0
     for what in ("detected 1/3", "goodput 0.800", "lost-tokens 640", "doubled-tokens 64",
-                 "dead island detected in n/a"):
+                 "dead island detected in n/a", "restart-p50 9.00s over 3 restarts"):
         assert f"{what} (target" in targets and targets.split(what)[1].split(";")[0].endswith("NOT met"), targets
-    f = bench.figures(*_summaries([], goodput=None))
+    f = bench.figures(*_summaries([], goodput=None, restarts=(None, None, 4.0)))
     assert "detect-p50=n/a detect-max=n/a" in bench.final_line(f) and "goodput=n/a" in bench.final_line(f)
+    assert bench.final_line(f).endswith(" restart-p50=n/a")  # most restarts took no step: no median time
+    assert "restart-p50 n/a over 3 restarts (target <= 8s) NOT met" in bench.targets_line(f)
 
 
 def test_the_closing_writes_the_json_drops_or_keeps_the_runs_and_ends_with_the_two_lines(
@@ -134,6 +148,13 @@ def test_faults_benchmark_runs_and_ends_with_the_summary_line(tmp_path: Path) ->
     # the kill is detected), keeps its shard and cursor, and every token is merged once.
     assert int(m[1]) == 2 and m[5] == m[6] == "0"
     data = json.loads(out_json.read_text())
+    # the restart: timed from the kill to its first step, phase by phase, its programs loaded from the run's cache
+    restart, = data["chaos"]["restarts"]
+    assert m[9] != "n/a", "the restarted island took no step before the run ended"
+    assert restart["island"] == "island-1" and restart["restart_s"] == pytest.approx(float(m[9]), abs=0.01)
+    assert restart["first_step_t"] > restart["restarted_t"] > restart["killed_t"]
+    assert {"devices", "data", "compile", "join", "pull", "first_step"} <= set(restart["phases"])
+    assert restart["cache_hits"] > 0 and restart["cache_misses"] == 0
     assert data["faults"] == ["kill:island-1@v2+1s", "slow:island-0@v1+2s,delay=20"]
     assert data["figures"]["loss_ratio"] == pytest.approx(float(m[4]), rel=1e-3)
     assert 0 < data["figures"]["goodput"] <= 1 and data["fault_free"]["goodput"] == pytest.approx(1.0)

@@ -118,9 +118,12 @@ def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_pa
     assert s["island_settings"] == {"island-1": {"overrides": ["train.batch_size=4"], "host_devices": 2}}
     merges = [e for e in read_events(Path(s["run_dir"])) if e["event"] == "round_merged"]
     assert len(merges) == 2
+    # the shard each island was given at its Join (the order of the Joins decides which)
+    own_shard = [islands["island-0"]["shard"], islands["island-1"]["shard"]]
+    assert sorted(own_shard) == [0, 1]
     for m in merges:  # each round: 10 steps of 8 and 20 steps of 4, weighted by their equal tokens
         by_shard = {p["shard"]: p for p in m["pushes"]}
-        assert (by_shard[0]["steps"], by_shard[1]["steps"]) == (10, 20)
+        assert (by_shard[own_shard[0]]["steps"], by_shard[own_shard[1]]["steps"]) == (10, 20)
         assert by_shard[0]["weight"] == by_shard[1]["weight"] == by_shard[0]["tokens"] == 10 * 8 * 32
     own = load_config(Path(s["run_dir"]) / "islands" / "island-1" / "config.toml")
     assert (own.train.batch_size, own.train.base_batch_size) == (4, 8)

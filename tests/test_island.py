@@ -125,6 +125,10 @@ def test_chunk_lengths_cover_a_short_last_round_and_wall_time_rounds():
     assert _schedule(round_seconds=1.0, per_call=10, tau=15).chunk_lengths() == {10, 5} | fit
     assert _schedule(round_seconds=1.0, per_call=10, overlap=False).chunk_lengths() == fit
     assert _schedule(round_seconds=-1.0, per_call=10, tau=5).chunk_lengths() == {5, 10} | fit  # auto
+    # the first chunk (compiled before the Join): the first of a round, whatever the kind of rounds
+    assert [_schedule(round_seconds=r, per_call=10, tau=t).first_length() for r in (1.0, -1.0) for t in (5, 0)] \
+        == [5, 10, 5, 10]
+    assert _schedule(H=20, per_call=10, total=8, tau=0).first_length() == 8
 
 
 def test_a_wall_time_round_with_a_measured_step_time_ends_on_its_deadline():
@@ -154,6 +158,7 @@ def test_every_chunk_a_run_trains_was_compiled():
         trained = [a.steps for a in actions if a.kind is TRAIN]
         assert sum(trained) == s.total_steps and all(0 < n <= s.steps_per_call for n in trained)
         assert set(trained) == s.chunk_lengths(), (s, timing)
+        assert trained[0] == s.first_length()  # compiled before the Join; the others on a thread meanwhile
         pushes = sum(a.kind is END_ROUND for a in actions)
         assert pushes == -(-s.total_steps // s.inner_steps)  # one push per round: ceil(steps / H)
 

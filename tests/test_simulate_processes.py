@@ -270,6 +270,15 @@ def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice
     assert stopped["tokens_merged"] == 2 * cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
     summaries = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in ("a", "b")]
     assert summaries[0]["params_digest"] == summaries[1]["params_digest"] == stopped["params_digest"]
+    # Both starts of b timed phase by phase; the restart loaded its programs from the cache the first filled
+    # (worker.compile_cache's default: the island's folder), compiling none.
+    first, again = [e for e in read_events(out / "islands" / "b") if e["event"] == "island_startup"]
+    cache = out / "islands" / "b" / "compile-cache"
+    assert first["compile_cache"] == again["compile_cache"] == str(cache) and any(cache.iterdir())
+    assert first["cache_misses"] > 0 and again["cache_hits"] > 0 and again["cache_misses"] == 0
+    assert list(again["phases"]) == ["imports", "devices", "check", "data", "compile", "join", "pull", "peers",
+                                     "first_step"]
+    assert again["cursor"] > joins[1]["cursor"]  # its first step: past where it rejoined
 
 
 @pytest.mark.slow
@@ -548,3 +557,27 @@ def test_the_drivers_faults_fire_and_schedule_their_recovery(tmp_path):
         assert [e["action"] for e in events if e["event"] == "fault_recovered"] == ["restarted", "resumed (SIGCONT)"]
     finally:
         sim.stop_all()
+
+
+def test_restarts_time_each_kill_to_the_first_step_of_the_start_that_followed_it():
+    from dtrain_cli.simulate import restarts
+
+    def kill(t: float, recovered: float | None, target: str = "island-1") -> dict:
+        return {"fault": f"kill:{target}@v1+2s", "kind": "kill", "target": target, "injected_t": t,
+                "recovered_t": recovered}
+
+    def start(t: float) -> dict:
+        return {"event": "island_startup", "t": t, "phases": {"compile": 1.0}, "cpu_s": {"compile": 0.5},
+                "cache_hits": 3, "cache_misses": 0}
+
+    fired = [kill(100.0, 102.0), {"fault": "hang:island-1@v2+8s", "kind": "hang", "target": "island-1",
+                                  "injected_t": 110.0, "recovered_t": 118.0},
+             kill(200.0, 202.0), kill(300.0, 302.0), kill(400.0, None, "island-2")]
+    # island-1: its first start, the first restart's step, none after the second kill (killed again at 300
+    # before its step at 310, which is the third restart's)
+    events = {"island-1": [start(50.0), {"event": "trained", "t": 105.0}, start(106.5), start(310.0)],
+              "island-2": [start(60.0)]}
+    out = restarts(fired, events)
+    assert [(r["killed_t"], r["restart_s"]) for r in out] == [(100.0, 6.5), (200.0, None), (300.0, 10.0)]
+    assert out[0]["phases"] == {"compile": 1.0} and out[0]["cpu_s"] == {"compile": 0.5}
+    assert out[0]["cache_hits"] == 3 and out[1]["phases"] is None  # a kill with no restart (island-2) is none

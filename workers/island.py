@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from dtrain.checkpoint import Checkpointer
 from dtrain.chip_faults import DeviceFault
 from dtrain.config import ROUND_AUTO, Config
 from dtrain.diloco import Island, advance, fold_in
+from dtrain.hf import spec_of
 from dtrain.prepare import Setup, prepare
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import ELAPSED_S, RunLog, fmt_progress, json_number, process_dir
@@ -75,6 +77,7 @@ from workers.pacing import RateMeter, Slowdown, auto_round_seconds, retimed
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
+from workers.startup import Startup, enable_compile_cache
 
 LOGGER = "dtrain.worker"  # the island's progress lines (the command line installs the handler)
 log = logging.getLogger(LOGGER)
@@ -90,13 +93,60 @@ def agreed_action(hosts: HostGroup, action: Action) -> Action:
 
 def precompile(setup: Setup, schedule: Schedule) -> None:
     """Compiles every chunk length the schedule uses, the eval and the fold-in, for ``setup``'s inner loop. Done
-    before joining (and after a remesh): a first call that compiles mid-run would stall this island's round and,
-    in sync mode, every other island."""
+    after a remesh, and at the start in two parts (:func:`precompile_first`, then :func:`precompile_rest`): a
+    first call that compiles mid-run would stall this island's round and, in sync mode, every other island."""
+    precompile_first(setup, schedule)
+    precompile_rest(setup, schedule)
+
+
+def precompile_first(setup: Setup, schedule: Schedule) -> None:
+    """Compiles what the island's first chunk runs: the state init and the scan of the schedule's first length."""
+    first = schedule.first_length()
+    setup.loop.precompile({first} if first else set())
+
+
+def precompile_rest(setup: Setup, schedule: Schedule) -> None:
+    """Compiles the scans of the schedule's other chunk lengths, the eval and the fold-in (what
+    :func:`precompile_first` left)."""
     loop = setup.loop
-    loop.precompile(schedule.chunk_lengths(), len(setup.eval_batches))
+    # the state init again too (compiled already: found in JAX's caches)
+    loop.precompile(schedule.chunk_lengths() - {schedule.first_length()}, len(setup.eval_batches))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             loop.model.abstract_params, loop.params_sharding)
     fold_in.lower(abstract, abstract, abstract).compile()
+
+
+class Deferred:
+    """Compiling that can wait (:func:`precompile_rest`), on a thread of its own while the island joins, pulls θ
+    and trains its first chunk. :meth:`wait` is called before anything else runs, so no program the loop calls
+    compiles mid-round; were one called earlier all the same, JAX would compile it on the loop's thread too (jit
+    is thread-safe): slower, never wrong. The training loop's object; the thread writes only ``error``."""
+
+    def __init__(self, name: str, work: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the loop's thread by wait()
+                self.error = e
+            self.seconds = time.perf_counter() - t0
+
+        self.thread: threading.Thread | None = threading.Thread(target=run, daemon=True, name=f"{name}-compile")
+        self.thread.start()
+
+    def wait(self) -> float:
+        """Waits for the thread (once); returns the seconds waited, raising what the compile raised."""
+        if self.thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.thread.join()
+        self.thread = None
+        if self.error is not None:
+            raise self.error
+        return time.perf_counter() - t0
 
 
 class TrainLog:
@@ -170,8 +220,11 @@ class Worker:
 
     def __init__(self, cfg: Config, address: str, name: str, run_dir: str | Path, quiet: bool = False,
                  inject: Sequence[Injection] = (), device_fault: DeviceFault | None = None,
-                 hosts: HostGroup | None = None, slowdown: float = 1.0):
+                 hosts: HostGroup | None = None, slowdown: float = 1.0, startup: Startup | None = None):
         self.hosts = hosts or HostGroup.single()
+        # the start timed by phase (run_worker's, which timed the phases before this); done at the first step
+        self.startup: Startup | None = startup or Startup(None, imports=False)
+        self._deferred: Deferred | None = None  # compiling that waits for the first chunk (run)
         self.slowdown = Slowdown(slowdown)  # testing: emulated slower hardware (workers.pacing)
         # Push faults need nothing of the other processes: process 0 alone sends the island's pushes (_push).
         if not self.hosts.alone and (cfg.health.enabled or device_fault is not None):
@@ -201,13 +254,14 @@ class Worker:
         # injected device fault (the fault lives in that step), detected or not.
         self.setup = prepare(cfg, cfg.outer.islands, per_device=cfg.health.enabled or device_fault is not None,
                              fault=device_fault)
+        self._mark("data")
         health = ChipHealth(cfg.health, self.loop.model.apply, self.loop.mesh, fault=device_fault) \
             if cfg.health.enabled else None
         self.guard = Guard(cfg, self.setup, health, device_fault, self.log, self.name)
         self.schedule = Schedule.from_config(cfg)
         # wall-time rounds: the island's rate, measured in its first chunks (workers.pacing)
         self.rate = RateMeter(cfg.train.batch_size * cfg.model.seq_len) if self.schedule.round_seconds else None
-        self.spec, _ = codec.flatten(jax.device_get(self.setup.built.init(cfg.run.seed)))
+        self.spec = spec_of(self.setup.built.abstract_params)  # from the shapes: θ comes from the coordinator
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
         self.membership = Membership(cfg, self.name, self.client, self.hosts, self.mailbox, self.log, self.setup,
@@ -242,13 +296,20 @@ class Worker:
         ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
         self.guard.start()
-        precompile(self.setup, self.schedule)
+        if self.hosts.alone:  # the first chunk's programs now, the rest while the island joins and starts
+            precompile_first(self.setup, self.schedule)
+            self._deferred = Deferred(self.name, lambda: precompile_rest(self.setup, self.schedule))
+        else:  # an island of several processes compiles in step with its other processes
+            precompile(self.setup, self.schedule)
+        self._mark("compile")
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
         # Only now join: everything slow is done, so "joined" means "about to train" for the start barrier.
         try:
             joined = self.membership.join_island()
         except RunOverError as e:  # it ended before this island joined
+            self._compiled()
             return self.run_end.run_over(f"{e.message} (coordinator at {self.client.address})")
+        self._mark("join")
         # Heartbeats start with the lease, on their own thread: the first pull (a whole θ) and the restore may
         # take longer than a lease, and nothing the training loop does may delay them.
         status = IslandStatus(held=(joined.version, ""), steps=0, tokens=0, devices=self.loop.mesh.devices.size,
@@ -260,7 +321,9 @@ class Worker:
         anchor = self.downlink.pull(None)
         island = self.rewinder.start_island(joined, anchor, ckpt)
         status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
+        self._mark("pull")
         self.hosts.lead(self.membership.await_peers)
+        self._mark("peers")
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
@@ -277,6 +340,7 @@ class Worker:
                                                    lambda p: self._fold_in(island, p, status))
             final_wait += time.perf_counter() - t0
         heartbeat.stop()
+        self._compiled()
         ckpt.close()
         self.ckpt = None
         self.run_end.extra.update(self.slowdown.summary())
@@ -350,7 +414,11 @@ class Worker:
         the exchange still in flight (the last round's, or one cut short by a stop) and the rounds pushed."""
         r = Round(anchor, (island.cursor, island.tokens))
         self.train_log.start(self.executed_steps)
+        first = True
         while not self.membership.stopped():
+            if not first:  # the first chunk has run: what was compiled meanwhile is needed from now on
+                self._compiled()
+            first = False
             self.evaluator.requested()
             rewind = self.membership.take_rewind()
             if rewind is not None:
@@ -374,6 +442,7 @@ class Worker:
                                            Rewind(island.index, r.start[0], recovery.reason), r.start[0], recovery)
                 r.pending = None
                 r.restart(island)
+        self._compiled()
         return r.anchor, r.pending, r.pushed
 
     def _act(self, action: Action, island: Island, r: Round, status: IslandStatus,
@@ -390,6 +459,8 @@ class Worker:
             recovery = self._train_chunk(island, n, status)
             if recovery is None:
                 r.steps += n
+                if self.startup is not None:
+                    self._first_step(island)
                 if self.schedule.round_seconds:  # the deadline is about steps done, not queued: dispatch is async
                     jax.block_until_ready(island.state.step)
                     self._measured(island, r, status, n, time.perf_counter() - t0)
@@ -432,6 +503,30 @@ class Worker:
         if health is None:
             return None  # the NaN/Inf guard is read at the push (no host sync per chunk)
         return self._quarantined(self.guard.check_chunk(island, first, n, cursor, metrics), status)
+
+    def _mark(self, phase: str) -> None:
+        """Ends start-up phase ``phase`` (:mod:`workers.startup`), until the first step."""
+        if self.startup is not None:
+            self.startup.mark(phase)
+
+    def _first_step(self, island: Island) -> None:
+        """After the island's first chunk: its start-up, phase by phase, as an ``island_startup`` event and a
+        progress line (once)."""
+        startup, self.startup = self.startup, None
+        assert startup is not None
+        jax.block_until_ready(island.state.step)  # note: host sync, once: the first step's end
+        startup.mark("first_step")
+        record = startup.record()
+        self.log.event("island_startup", steps=island.steps, shard=island.index, cursor=island.cursor, **record)
+        self.log.progress(Startup.line(self.name, record))
+
+    def _compiled(self) -> None:
+        """Waits for the programs compiling on their own thread since the start (:class:`Deferred`), once; a
+        ``compiled`` event says how long they took and how long the loop waited for them."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            waited = deferred.wait()
+            self.log.event("compiled", seconds=round(deferred.seconds, 3), waited_s=round(waited, 4))
 
     def _quarantined(self, recovery: Recovery | None, status: IslandStatus) -> Recovery | None:
         """Hands the heartbeat the quarantined devices' evidence after a chip-health recovery."""
@@ -539,6 +634,9 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
     the island otherwise (a :class:`WorkerError`, a :class:`~workers.client.CoordinatorError`, ...)."""
     hosts = hosts or HostGroup.single()
     t0 = time.time()
+    startup = Startup(enable_compile_cache(cfg, Path(run_dir)))  # before anything compiles
+    jax.devices()  # JAX's backend, once: its start is a phase of its own
+    startup.mark("devices")
     client = CoordinatorClient(address, cfg)
     try:
         def say(line: str) -> None:  # before the island's RunLog exists
@@ -548,12 +646,13 @@ def run_worker(cfg: Config, address: str, name: str, run_dir: str | Path, quiet:
         over = hosts.lead(lambda: run_over_already(client, cfg, Path(run_dir), say))  # process 0 asks
     finally:
         client.close()
+    startup.mark("check")
     if over:
         return report_run_over(RunLog(process_dir(Path(run_dir), hosts.index), quiet=quiet or not hosts.leader,
                                       logger=LOGGER),
                                 name, over)
     worker = Worker(cfg, address, name, run_dir, quiet=quiet, inject=inject, device_fault=device_fault,
-                    hosts=hosts, slowdown=slowdown)
+                    hosts=hosts, slowdown=slowdown, startup=startup)
     try:
         return worker.run()
     finally:

@@ -76,6 +76,11 @@ class Schedule:
         return _round_chunks(self, 0) | _round_chunks(self, last_start)
 
 
+    def first_length(self) -> int:
+        """The chunk length a run's first round starts with (0 when there is no step to take)."""
+        probe = dataclasses.replace(self, round_seconds=math.inf, step_s=0.0) if self.round_seconds else self
+        return next_action(probe, RoundProgress(round_steps=0, island_steps=0)).steps
+
     def fit_lengths(self) -> tuple[int, ...]:
         """Wall-time rounds: the chunk lengths a round with a measured step time is cut into, so that it ends
         within half a step of its deadline: ``steps_per_call`` and the powers of two below it (any step count
