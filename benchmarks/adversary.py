@@ -12,10 +12,11 @@ worker processes on loopback, configs/tiny.toml by default, the default config o
   sybil-ramp      island-1..3 (3 of 4) grow their pushes 1.2 x a round (``ramp``), all under one credential: the
                   coordinator must refuse all but one of them at Join (one credential = one island). A run that
                   lets more than one of them join is not survived, whatever its loss
-  idle20/idle200  20 and 200 PushDelta streams opened with the run's token once version 1 is merged, that never
+  idle20/idle200  20 and 200 PushDelta streams opened with the run's token once the 4 islands joined, that never
                   send a byte (held until the run ends): the honest islands' heartbeats, pushes and pulls must go on
-  join-flood      5,000 Join calls of new names with the run's token and fingerprint once version 1 is merged:
-                  refused (every shard is held), the coordinator's memory and Status must stay bounded
+  join-flood      5,000 Join calls of new names (8 threads) with the run's token and fingerprint once the 4 islands
+                  joined: each refused (every shard is held) while the run goes on, Status answered after; the
+                  coordinator's RSS before and after is reported
 
 A run survives when it ends by itself (within --timeout) with every honest island present at the end (none lost,
 quarantined or unfinished) and, for sybil-ramp, at most one of the Byzantine islands joined. Figures:
@@ -102,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass
 class Attack:
     """One attacked run: its faults (``dtrain simulate --fault``), its Byzantine islands, and what it does from
-    the side once version 1 is merged (``side``: given the coordinator's address, the run's config and a stop
+    the side once its islands joined (``side``: given the coordinator's address, the run's config and a stop
     event; returns its own figures)."""
 
     name: str
@@ -161,35 +162,47 @@ def idle_streams(address: str, cfg: Config, n: int, stop: threading.Event) -> di
     return {"streams": n, "ended_by_coordinator": ended}
 
 
-def join_flood(address: str, cfg: Config, n: int) -> dict[str, Any]:
-    """``n`` Join calls of new names, one after another, with the run's fingerprint; returns what they got and
-    the Status afterwards (how many islands it lists, its size)."""
+def join_flood(address: str, cfg: Config, n: int, threads: int = 8) -> dict[str, Any]:
+    """``n`` Join calls of new names, on ``threads`` threads, with the run's fingerprint; returns what they got
+    and the Status afterwards (how many islands it lists, its size)."""
     import grpc
 
     from dtrain.proto import dtrain_pb2 as pb
 
     channel, stub, metadata = _stub(address, cfg)
     codes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def joins(first: int) -> None:
+        for i in range(first, n, threads):
+            req = pb.JoinRequest(island=f"flood-{i}", hardware="cpu", devices=1, fingerprint=cfg.fingerprint(),
+                                 fingerprint_fields=cfg.fingerprint_fields())
+            try:
+                stub.Join(req, timeout=30, metadata=metadata)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                codes[code] = codes.get(code, 0) + 1
+
     t0 = time.perf_counter()
-    for i in range(n):
-        req = pb.JoinRequest(island=f"flood-{i}", hardware="cpu", devices=1, fingerprint=cfg.fingerprint(),
-                             fingerprint_fields=cfg.fingerprint_fields())
-        try:
-            stub.Join(req, timeout=30, metadata=metadata)
-            code = "OK"
-        except grpc.RpcError as e:
-            code = e.code().name
-        codes[code] = codes.get(code, 0) + 1
+    workers = [threading.Thread(target=joins, args=(k,), daemon=True) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
     flood_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"joins": n, "codes": codes, "flood_s": round(flood_s, 3), "joined": codes.get("OK", 0)}
     try:
         status = stub.Status(pb.StatusRequest(), timeout=30, metadata=metadata)
-        listed, size = len(status.islands), status.ByteSize()
+        out.update(status_islands=len(status.islands), status_bytes=status.ByteSize())
     except grpc.RpcError as e:
-        listed, size = -1, 0
-        log(f"join-flood: Status failed after the flood: {e.code().name}")
+        out["error"] = f"Status after the flood: {e.code().name}"
+    if codes.get("UNAVAILABLE"):  # the coordinator had stopped serving (the run ended) or could not answer
+        out["error"] = (f"{codes['UNAVAILABLE']} of {n} Joins found no coordinator (UNAVAILABLE): the run ended "
+                        f"or the coordinator stopped answering before the flood was over")
     channel.close()
-    return {"joins": n, "codes": codes, "flood_s": round(flood_s, 3), "status_islands": listed,
-            "status_bytes": size, "joined": codes.get("OK", 0)}
+    return out
 
 
 def _coordinator_pid(run_dir: Path) -> int | None:
@@ -220,17 +233,17 @@ def _rss(pid: int | None) -> int | None:
 
 def _side_runner(attack: Attack, run_dir: Path, cfg: Config, stop: threading.Event, out: dict[str, Any]
                  ) -> threading.Thread:
-    """A thread that waits for the run's coordinator and its version 1 (every island joined and pushed), then
-    runs ``attack.side`` with the coordinator's RSS before and after; its figures land in ``out``."""
+    """A thread that waits for the run's coordinator and its 4 islands to have joined, then runs ``attack.side``
+    with the coordinator's RSS before and after; its figures land in ``out``."""
 
     def run() -> None:
         info, events = run_dir / "coordinator.json", run_dir / "events.jsonl"
         while not stop.is_set():
-            if info.exists() and events.exists() and '"round_merged"' in events.read_text():
+            if info.exists() and events.exists() and events.read_text().count('"island_joined"') >= ISLANDS:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         if stop.is_set():
-            out["error"] = "the run ended before version 1 was merged"
+            out["error"] = "the run ended before its islands had joined"
             return
         address = f"127.0.0.1:{json.loads(info.read_text())['port']}"
         pid = _coordinator_pid(run_dir)
