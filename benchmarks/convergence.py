@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
     p.add_argument("--codecs", default="int8,int4", help="DiLoCo variants through the production codec + merger "
                    "path (both directions quantized, error feedback); '' for none")
+    p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
+                   "trimmed_mean, median, clipped_mean): each codec variant is run once per rule, side by side "
+                   "(named diloco-CODEC-RULE), for the fault-free cost of a robust rule; '': the config's rule")
     p.add_argument("--process", action="store_true", help="also compare `dtrain simulate` (real coordinator and "
                    "worker processes, int8) with --inprocess, both from scratch on the same config")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -148,13 +151,16 @@ def main(argv: list[str] | None = None) -> dict:
                              "bytes": N * (2 * rounds - 1) * model_bytes}
         log(f"diloco: eval loss {curve[-1]:.4f}")
 
-    for name in [c for c in args.codecs.split(",") if c]:
+    rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
+    variants = [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]
+    for name, rule in variants:
+        label = f"diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
         loop = InnerLoop(phase, s.built, mesh)
         spec, theta_w = codec.flatten(jax.device_get(params_w))
         k = phase.codec
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
         merge_cfg = config.replace(phase, codec={"up": name, "down": name, "error_feedback": True},
-                                   coordinator={"mode": "sync"})
+                                   coordinator={"mode": "sync", "merge_rule": rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
         bits = merger.opts.up_bits
         feedback = [codec.ErrorFeedback(theta_w.size, bits, k.block) if bits != 32 else None for _ in range(N)]
@@ -180,9 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
             global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
             assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
             curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
-        results[f"diloco-{name}"] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
-                                     "bytes": wire}
-        log(f"diloco-{name}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
+        results[label] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
+                          "bytes": wire, "merge_rule": rule}
+        log(f"{label}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
 
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
     # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
@@ -221,6 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
             extra += f" process/inprocess={out['process']['ratio']:.4f}"
         print(f"convergence: islands={N} H={H} rounds={R} diloco/dp eval-loss ratio={x:.3f} "
               f"diloco/single ratio={y:.3f} comm reduction={c:.0f}x{extra}")
+    if args.merge_rules and len(rules) > 1:
+        for name in [c for c in args.codecs.split(",") if c]:
+            ref = results[f"diloco-{name}-{rules[0]}"]["eval_loss"]
+            print(f"merge rules ({name}): " + " ".join(
+                f"{rule}={results[f'diloco-{name}-{rule}']['eval_loss'] / ref:.4f}" for rule in rules)
+                  + f" (final eval loss over {rules[0]}'s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -14,9 +14,20 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
 - A lost island's push (a hung island that wakes up) is a late delta like any other (``late_policy``, the
   contiguity rule) while no live island holds its shard; once another took the shard over, it is dropped.
 - Norms (:func:`screen_norm`): a norm over ``coordinator.norm_max_ratio`` × ‖θ‖ is rejected ("quarantined"),
-  and so is an outlier: a norm more than ``coordinator.norm_z_max`` robust deviations above the median of the
-  last ``coordinator.norm_window`` merged norms (``dtrain.outer.robust_z``; once ``norm_window_min`` are in); an
-  accepted push gets the factor that clips its norm to ``coordinator.clip_norm`` (``Admission.scale``).
+  and so is one over ``coordinator.round_norm_ratio`` × the median of the last ``outer.islands`` merged norms
+  (about the last round's: a reference that follows the honest norms as they shrink, and holds in a round where
+  few islands push, e.g. the last rounds of a shard taken over), and an outlier: a norm more than
+  ``coordinator.norm_z_max`` robust deviations above the median of the last ``coordinator.norm_window`` merged norms
+  (``dtrain.outer.robust_z``; once ``norm_window_min`` are in); an accepted push gets the factor that clips its
+  norm to ``coordinator.clip_norm`` (``Admission.scale``).
+- The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: it needs no
+  history): a pending push whose norm exceeds ``coordinator.round_norm_ratio`` × the median norm of the round's
+  pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median).
+- Repeat offenders (:func:`penalize`, :func:`check_standing`): after a rejected push the island's next push is
+  refused, before its payload streams in, for ``coordinator.reject_backoff_s`` × 2^(k−1) seconds (k: its
+  rejections in a row); at ``coordinator.max_rejections`` in a row the island itself is quarantined (state
+  ``quarantined``): its pushes and Joins are refused, its heartbeats told to stop with the reason, and its shard
+  is free for the others (``coordinator.membership``'s rerouting) so the run ends. A merged push resets k.
 """
 
 from __future__ import annotations
@@ -130,10 +141,54 @@ def check_bounds(opts: StateOptions, info: PushInfo) -> None:
                          f"{o.shard_steps * o.batch_size} sequences")
 
 
+def check_standing(c: CoordinatorConfig, info: PushInfo, record: IslandRecord, now: float) -> None:
+    """Refuses (FAILED_PRECONDITION) a push from a quarantined island, or one that comes while its island is
+    throttled after a rejection (:func:`penalize`)."""
+    if record.state == "quarantined":
+        raise StateError("FAILED_PRECONDITION", f"push {info.push_id} refused: {record.island_id} is quarantined "
+                                                f"({record.stop_reason})")
+    if now < record.throttled_until:
+        raise StateError("FAILED_PRECONDITION",
+                         f"push {info.push_id} refused: {record.island_id} is throttled for "
+                         f"{record.throttled_until - now:.1f}s more after {record.rejections} rejected push"
+                         f"{'es' * (record.rejections != 1)} in a row (coordinator.reject_backoff_s "
+                         f"{c.reject_backoff_s:g})")
+
+
+def penalize(c: CoordinatorConfig, record: IslandRecord, reason: str, now: float) -> str:
+    """Counts a rejected push against its island (``record``, changed in place): one more rejection in a row, its
+    next push throttled, and, at ``coordinator.max_rejections`` in a row, the island quarantined. Returns why it
+    was quarantined now, else ""."""
+    record.rejections += 1
+    if c.reject_backoff_s:
+        record.throttled_until = now + c.reject_backoff_s * 2 ** min(record.rejections - 1, 16)
+    if not c.max_rejections or record.rejections < c.max_rejections:
+        return ""
+    record.state = "quarantined"
+    record.stop_reason = (f"quarantined: {record.rejections} pushes in a row rejected (coordinator.max_rejections "
+                          f"{c.max_rejections}), the last: {reason}; shard {record.shard_index} goes to the others")
+    return record.stop_reason
+
+
+def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequence[float]) -> list[tuple[str, str]]:
+    """The round's pushes (``infos``, with their L2 ``norms``; 0: not known) that the round screen rejects, as
+    (push_id, reason): a norm over ``coordinator.round_norm_ratio`` × the median of the round's known norms, in a
+    round of 3 or more of them. Needs no history: it holds from the first round on."""
+    known = [(i, n) for i, n in zip(infos, norms, strict=True) if n > 0]
+    if not c.round_norm_ratio or len(known) < 3:
+        return []
+    median = statistics.median(n for _, n in known)
+    bound = c.round_norm_ratio * median
+    return [(i.push_id, f"quarantined: push {i.push_id} has L2 norm {n:.4g}, more than round_norm_ratio "
+                        f"{c.round_norm_ratio:g} x the median {median:.4g} of the {len(known)} pushes of its round")
+            for i, n in known if n > bound]
+
+
 def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, admission: Admission, norm: float,
-                theta_norm: float) -> Admission:
+                theta_norm: float, islands: int = 0) -> Admission:
     """An accepted push, screened by its norm: rejected as an outlier, or accepted with its clip factor. ``norms``:
-    the L2 norms of the last merged pushes; ``theta_norm``: the L2 norm of θ (0: the ratio check is skipped)."""
+    the L2 norms of the last merged pushes; ``theta_norm``: the L2 norm of θ (0: the ratio check is skipped);
+    ``islands``: how many of the last merged norms are the recent reference (0: no such check)."""
     if not (math.isfinite(norm) and norm >= 0):
         return dataclasses.replace(admission, status="reject", weight=0.0, norm=0.0,
                                    reason=f"rejected: push {info.push_id} has a non-finite norm {norm}")
@@ -142,6 +197,14 @@ def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, ad
             admission, status="reject", weight=0.0, norm=norm,
             reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than norm_max_ratio "
                     f"{c.norm_max_ratio:g} x the L2 norm of θ ({theta_norm:.4g})"))
+    recent = list(norms)[-islands:] if islands else []
+    if c.round_norm_ratio and len(recent) >= min(3, islands):
+        median = statistics.median(recent)
+        if norm > c.round_norm_ratio * median:
+            return dataclasses.replace(
+                admission, status="reject", weight=0.0, norm=norm,
+                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than round_norm_ratio "
+                        f"{c.round_norm_ratio:g} x the median {median:.4g} of the last {len(recent)} merged pushes"))
     if c.norm_z_max and len(norms) >= c.norm_window_min:
         z = robust_z(norm, norms)
         if z > c.norm_z_max:

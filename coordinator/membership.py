@@ -5,12 +5,13 @@ again, or a lost island's that still has data), what a heartbeat reply tells it,
 standing from its ``coordinator.ledger.PushLedger``; every method takes the time as ``now``. A request it
 refuses raises ``StateError`` before any change.
 
-Rerouting: a lost island's shard is free; the next island to need one takes it, from its cursor: a new island,
-the lost island returning, or an island whose own shard is done (its heartbeat reply says ``rejoin`` while a
-free shard has data left, and its Join moves it there).
+Rerouting: a lost (or quarantined: ``coordinator.admission``) island's shard is free; the next island to need
+one takes it, from its cursor: a new island, the lost island returning, or an island whose own shard is done (its
+heartbeat reply says ``rejoin`` while a free shard has data left, and its Join moves it there).
 
 Chip health: a heartbeat may carry the devices the island's probes quarantined, each with its evidence
-(``DeviceEvidence``), and the devices it trains on now. The report is checked before anything changes
+(``DeviceEvidence``), and the devices it trains on now. A quarantined island's heartbeat is told to stop, with
+the reason, and its Join is refused. The report is checked before anything changes
 (:func:`check_report`). Quarantine is permanent for the island's record: a device enters
 ``IslandRecord.quarantined`` with the evidence of its first report and a later report that omits it does not
 take it out (a heartbeat without a report, or an island process restarted before its probes find the chip
@@ -156,6 +157,8 @@ class Membership:
         The caller checked the fields (:func:`check_identity`) and that the run goes on."""
         lease = now + self.opts.coordinator.lease_s
         old = self.by_name(name)
+        if old is not None and old.state == "quarantined":
+            raise StateError("FAILED_PRECONDITION", f"{name} ({old.island_id}) may not join again: {old.stop_reason}")
         if old is not None:
             was = old.state
             shard, how = self._rejoin_shard(old)
@@ -221,6 +224,8 @@ class Membership:
         if not (isinstance(tokens_per_s, (int, float)) and math.isfinite(tokens_per_s) and tokens_per_s >= 0):
             raise StateError("INVALID_ARGUMENT", f"tokens_per_s={tokens_per_s!r}: must be a finite number >= 0")
         report = check_report(record, quarantined, devices, bad)
+        if record.state == "quarantined":  # its lease is not renewed: it is told to stop, with why
+            return "stop", record.stop_reason
         if record.state == "lost":
             if over:  # nothing to rejoin for: the island's lease is not renewed either
                 return "stop", over

@@ -44,6 +44,10 @@ Guards against a poisoned delta:
   c_i·Δ_i is dequantized into a row of a (pushes × slab) array and the rule
   (``dtrain.outer.trimmed_mean`` / ``coordinate_median``, unweighted) reduces it:
   memory stays pushes × slab.
+- ``clipped_mean``: the mean, with each push's clip factor further capped so that
+  its norm is at most ``coordinator.clip_ratio`` × the median norm of the pushes
+  being merged (:func:`round_clip_factors`; the norms are the spools', known before
+  the step, so it stays one streaming pass).
 - Before it commits, the step checks every slab of the update, the momentum, the
   residual and θ for non-finite values. If any is found, it deletes its temp
   files, leaves the version as it was and raises :class:`NonFiniteResult`
@@ -94,8 +98,9 @@ class MergeOptions:
     zstd_level: int  # codec.zstd_level of the update frames
     error_feedback: bool  # codec.error_feedback: the down path keeps its quantization residual
     keep_updates: int  # coordinator.keep_updates: past update frames kept for lagging islands
-    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean" or "median"
+    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean", "median" or "clipped_mean"
     trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
+    clip_ratio: float = 1.0  # coordinator.clip_ratio: clipped_mean caps each norm at this x the median norm
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
     threads: int = 2  # coordinator.merge_threads: the outer step's threads
 
@@ -107,7 +112,8 @@ class MergeOptions:
         return cls(outer=OuterHParams.from_config(cfg), up_bits=CODEC_BITS[k.up], down_bits=CODEC_BITS[k.down],
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
                    keep_updates=cfg.coordinator.keep_updates, rule=cfg.coordinator.merge_rule,
-                   trim=cfg.coordinator.trim, threads=cfg.coordinator.merge_threads)
+                   trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
+                   threads=cfg.coordinator.merge_threads)
 
 
 class NonFiniteResult(ValueError):
@@ -128,6 +134,7 @@ class SpooledPush:
     weight: float  # merge weight (tokens x staleness factor)
     scale: float = 1.0  # clip factor on its values (1: not clipped)
     key: str = ""  # the caller's name for it (the push id)
+    cap: float = 1.0  # clipped_mean: the further factor this step gives it (round_clip_factors)
 
     @property
     def norm(self) -> float:
@@ -154,6 +161,14 @@ class Update:
     def open(self) -> BinaryIO:
         """An open handle: the frame stays readable even if it is deleted before the pull finishes."""
         return open(self.path, "rb")
+
+
+def round_clip_factors(norms: list[float], scales: list[float], ratio: float) -> list[float]:
+    """``clipped_mean``: the factor (<= 1) on each push, on top of its clip factor (``scales``), that makes its norm
+    at most ``ratio`` × the median of the pushes' clipped norms (``norms``: as spooled). A zero norm gets 1."""
+    clipped = [n * c for n, c in zip(norms, scales, strict=True)]
+    bound = ratio * float(np.median(clipped)) if clipped else 0.0
+    return [min(1.0, bound / m) if m > 0 else 1.0 for m in clipped]
 
 
 def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
@@ -356,13 +371,13 @@ class Merger:
         """out += Σ (w·c·scale)·Δ over the pending pushes (c: each one's clip factor), for values
         [start, start + out.size) (whole blocks)."""
         self._read_pending(start, [out] * len(self.pending),
-                           [np.float32(p.weight * p.scale) * scale for p in self.pending])
+                           [np.float32(p.weight * p.scale * p.cap) * scale for p in self.pending])
 
     def _stack_pending(self, start: int, count: int) -> np.ndarray:
         """The pending pushes' values [start, start + count) (whole blocks), each times its clip factor, one row
         per push: (pushes × count) float32."""
         rows = np.zeros((len(self.pending), count), np.float32)
-        self._read_pending(start, list(rows), [np.float32(p.scale) for p in self.pending])
+        self._read_pending(start, list(rows), [np.float32(p.scale * p.cap) for p in self.pending])
         return rows
 
     def _read_pending(self, start: int, outs: list[np.ndarray], weights: list[np.float32]) -> None:
@@ -382,8 +397,8 @@ class Merger:
 
     def _blame(self) -> SpooledPush:
         """The pending push held responsible for a non-finite result: the largest contribution."""
-        mean = self.opts.rule == "mean"
-        return max(self.pending, key=lambda p: p.scale * p.norm * (p.weight if mean else 1.0))
+        mean = self.opts.rule in ("mean", "clipped_mean")
+        return max(self.pending, key=lambda p: p.scale * p.cap * p.norm * (p.weight if mean else 1.0))
 
     def _check_finite(self, what: str, start: int, values: np.ndarray) -> None:
         if not np.isfinite(values).all():
@@ -393,7 +408,7 @@ class Merger:
             raise NonFiniteResult(where, blame.key, (
                 f"the outer step for version {self.version + 1} makes {where} non-finite; blamed: push "
                 f"{blame.key or '?'} (largest contribution: L2 norm {blame.norm:.4g} x clip {blame.scale:.3g}"
-                f"{f' x weight {blame.weight:g}' if self.opts.rule == 'mean' else ''})"))
+                f"{f' x weight {blame.weight:g}' if self.opts.rule in ('mean', 'clipped_mean') else ''})"))
 
     # -- the outer step -----------------------------------------------------------------------------
 
@@ -402,6 +417,11 @@ class Merger:
         if not self.pending or not self.total_weight > 0:
             raise RuntimeError("outer_step with no pending push")
         o = self.opts
+        if o.rule == "clipped_mean":
+            factors = round_clip_factors([p.norm for p in self.pending], [p.scale for p in self.pending],
+                                         o.clip_ratio)
+            for p, c in zip(self.pending, factors, strict=True):
+                p.cap = c
         new = self.version + 1
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
         payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame_file
@@ -463,7 +483,7 @@ class Merger:
     def _merged_delta(self, s: int, e: int, inv_w: np.float32) -> np.ndarray:
         """The merged pseudo-gradient Δ for values [s, e), by ``merge_rule``."""
         o = self.opts
-        if o.rule == "mean":
+        if o.rule in ("mean", "clipped_mean"):
             delta = np.zeros(e - s, np.float32)
             self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
             return delta

@@ -3,8 +3,8 @@ time either could change by time alone. Pure functions of the state's standing a
 nothing.
 
 - Sync rounds close once every live island with data left has pushed (a rejected push counts as pushed: it
-  does not hold up its round), or once ``coordinator.min_quorum`` pushes are in and ``coordinator.grace_s`` has
-  passed since the first; async rounds close on each push.
+  does not hold up its round, nor does an island throttled after one), or once ``coordinator.min_quorum``
+  pushes are in and ``coordinator.grace_s`` has passed since the first; async rounds close on each push.
 - The end: the run is over once every shard's data is merged (step rounds) or ``total_versions`` are merged
   (wall-time rounds); the coordinator may stop serving once every live island holds the last version, or
   ``linger_s`` after the run ended.
@@ -33,8 +33,9 @@ def round_ready(opts: StateOptions, version: int, over: str, live: list[IslandRe
         return False, "no pushes pending"
     live = sorted(live, key=lambda r: r.shard_index)
     pushed = ledger.pending_islands()
-    missing = [r.island_id for r in live
-               if r.island_id not in pushed | ledger.round_rejected and ledger.data_left(r.shard_index)]
+    missing = [r.island_id for r in live  # an island throttled after a rejected push is not waited for
+               if r.island_id not in pushed | ledger.round_rejected and ledger.data_left(r.shard_index)
+               and r.throttled_until <= now]
     if n == 0:
         return False, f"waiting for the first push for version {version + 1} ({len(live)} live islands)"
     if not missing:
@@ -79,7 +80,7 @@ def next_deadline(opts: StateOptions, live: list[IslandRecord], ledger: PushLedg
     """When round_ready, liveness or finished could next change by time alone: the grace end, the earliest
     lease expiry of a live island (may be <= now if expire() is due) or the end of the linger after the
     run (``stopped_at``: when it ended). None if nothing is timed."""
-    times = [r.lease_expiry for r in live]
+    times = [r.lease_expiry for r in live] + [r.throttled_until for r in live if r.throttled_until > now]
     if opts.coordinator.mode == "sync" and ledger.pending and ledger.first_pending is not None:
         grace_end = ledger.first_pending + opts.coordinator.grace_s
         if grace_end > now:

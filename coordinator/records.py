@@ -138,7 +138,7 @@ class IslandRecord:
     mesh_devices: Annotated[int, schema.AtLeast(1)]  # the most it declared at a Join: its full mesh, which the
     # evidence's indices lie in (a Join after a remesh declares only the healthy devices)
     shard_index: Count
-    state: Literal["live", "lost", "stopped"]
+    state: Literal["live", "lost", "stopped", "quarantined"]
     lease_expiry: Finite
     version: Count = 0  # last version the island reported holding
     steps: Count = 0
@@ -152,6 +152,9 @@ class IslandRecord:
     bad_devices: tuple[str, ...] = ()  # str(device) of each quarantined device; else the island's own names
     # in the order first reported; never shrinks (``coordinator.membership``'s docstring)
     quarantined: tuple[DeviceEvidence, ...] = ()
+    rejections: Count = 0  # its pushes rejected in a row (an accepted push resets it; coordinator.max_rejections)
+    throttled_until: Finite = 0.0  # its next push is refused before this time (after a rejection)
+    stop_reason: str = ""  # why it was quarantined (state "quarantined"): its heartbeats are told to stop
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,10 @@ class RoundsLoop:
         ready, reason = self.state.round_ready(now)
         if not ready:
             return
+        if self._screen_round(now):
+            ready, reason = self.state.round_ready(now)
+            if not ready:
+                return
         t0 = time.perf_counter()
         round_span = self.rounds.ready(self.state.version + 1, reason)
         pending = self.state.pending()
@@ -132,12 +136,35 @@ class RoundsLoop:
         self.streams.trim()  # the step's slabs, the merged spools' buffers
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 
+    def _screen_round(self, now: float) -> bool:
+        """The round screen (``coordinator.admission.screen_round``) on the round about to close: each push it
+        finds is rejected (a ``push_quarantined`` event; its island is told in its heartbeat replies) and dropped
+        from the merger. Returns whether any was."""
+        screened = self.state.screen_round()
+        for push_id, why in screened:
+            (info,) = self.state.reject_pending([push_id], why, now)
+            self.merger.drop_pending([push_id])
+            self.log.event("push_quarantined", island=info.island_id, push_id=push_id, reason=why,
+                           by="round_screen")
+            self.log.progress(f"v{self.state.version + 1}: quarantined push {push_id} from {info.island_id}: {why}")
+        self.log_quarantined()
+        return bool(screened)
+
+    def log_quarantined(self) -> None:
+        """An ``island_quarantined`` event and a progress line for each island the state quarantined since the last
+        call (too many rejected pushes in a row); wakes the ticker (a round may no longer wait for it)."""
+        for island_id, why in self.state.take_quarantined():
+            self.log.event("island_quarantined", island=island_id, reason=why)
+            self.log.progress(f"{island_id} {why}")
+            self.lock.notify_all()
+
     def _reject_blamed(self, e: NonFiniteResult, now: float) -> None:
         """Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
         replies) and the round is tried again without it, here, if it is still ready."""
         version = self.state.version + 1
-        (info,) = self.state.reject_pending([e.blame], str(e))
+        (info,) = self.state.reject_pending([e.blame], str(e), now)
         self.merger.drop_pending([e.blame])
+        self.log_quarantined()
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))
         self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")

@@ -482,6 +482,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.log.event("push_quarantined", island=info.island_id, push_id=info.push_id, norm=admission.norm,
                            reason=admission.reason)
             self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
+        with self.lock:
+            self.loop.log_quarantined()
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
                                     reason=admission.reason, weight=admission.weight, cursor=cursor)
 

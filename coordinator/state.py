@@ -108,6 +108,7 @@ class CoordinatorState:
         # worker.round_seconds = auto: the run's round length, the first an island reported since this start (every
         # island reports its own in each heartbeat, so a restarted coordinator learns it again from the first one)
         self.round_seconds = 0.0
+        self.quarantined_islands: list[tuple[str, str]] = []  # (island_id, why) quarantined since take_quarantined
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -240,6 +241,7 @@ class CoordinatorState:
         dup = self.ledger.duplicate(info)
         if dup is not None:
             return dup
+        admission.check_standing(self.opts.coordinator, info, record, now)
         return admission.judge(self.opts, info, record, self.version, self._over(), self.ledger, self.live())
 
     def commit_push(self, info: PushInfo, now: float, norm: float | None = None,
@@ -254,9 +256,9 @@ class CoordinatorState:
         decision = self.admit_push(info, now)
         if decision.status == "accept" and norm is not None:
             decision = admission.screen_norm(self.opts.coordinator, self.ledger.norms, info, decision, norm,
-                                             theta_norm)
+                                             theta_norm, islands=self.opts.islands)
         if decision.status == "reject":
-            self._record_rejection(info, decision.target_version, decision.staleness, decision.reason)
+            self._record_rejection(info, decision.target_version, decision.staleness, decision.reason, now)
         elif decision.status == "duplicate":
             self.duplicates += 1
         elif decision.status == "drop":
@@ -267,19 +269,39 @@ class CoordinatorState:
             self.ledger.add_pending(info, decision, now)
         return decision
 
-    def _record_rejection(self, info: PushInfo, target: int, staleness: int, reason: str) -> None:
+    def _record_rejection(self, info: PushInfo, target: int, staleness: int, reason: str, now: float) -> None:
+        """Counts a rejected push, against its island too: its next push is throttled and, at
+        ``coordinator.max_rejections`` in a row, the island is quarantined (``coordinator.admission.penalize``)."""
         self.deltas_rejected += 1
         self.ledger.record_rejection(info, target, staleness, reason, self.version)
+        record = self.islands.get(info.island_id)
+        if record is not None and record.state != "quarantined":
+            why = admission.penalize(self.opts.coordinator, record, reason, now)
+            if why:
+                self.quarantined_islands.append((record.island_id, why))
 
-    def reject_pending(self, push_ids: list[str], reason: str) -> list[PushInfo]:
-        """Rejects pending pushes (a merge they would have made non-finite): dropped from the open round,
-        counted, remembered as rejected; their islands are told in their heartbeat replies and the round does
-        not wait for them. Returns their infos."""
+    def take_quarantined(self) -> list[tuple[str, str]]:
+        """The islands quarantined since the last call, each with why (the caller logs them)."""
+        out, self.quarantined_islands = self.quarantined_islands, []
+        return out
+
+    def reject_pending(self, push_ids: list[str], reason: str, now: float = 0.0) -> list[PushInfo]:
+        """Rejects pending pushes (a merge they would have made non-finite, or a round screen): dropped from the
+        open round, counted, remembered as rejected; their islands are told in their heartbeat replies and the
+        round does not wait for them. Returns their infos."""
         out = []
         for p in self.ledger.take_pending(push_ids):
-            self._record_rejection(p.info, p.admission.target_version, p.admission.staleness, reason)
+            self._record_rejection(p.info, p.admission.target_version, p.admission.staleness, reason, now)
             out.append(p.info)
         return out
+
+    def screen_round(self) -> list[tuple[str, str]]:
+        """The pending pushes the round-relative norm screen rejects (``coordinator.admission.screen_round``), as
+        (push_id, reason); changes nothing (the caller rejects them with :meth:`reject_pending`)."""
+        if self.opts.coordinator.mode != "sync":
+            return []
+        return admission.screen_round(self.opts.coordinator, [p.info for p in self.ledger.pending.values()],
+                                      [p.admission.norm for p in self.ledger.pending.values()])
 
     # -- rounds -------------------------------------------------------------------------------------
 
@@ -296,6 +318,7 @@ class CoordinatorState:
         merged = [p.info for p in self.ledger.merge_round(self.version)]
         for info in merged:
             r = self.islands[info.island_id]
+            r.rejections, r.throttled_until = 0, 0.0  # a merged push ends a run of rejections
             r.tokens_merged += info.tokens
             r.pushes_merged += 1
             r.cursor_merged = info.cursor_end

@@ -217,17 +217,29 @@ class CoordinatorConfig:
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
                              "with step rounds; no cap with wall-time rounds, where it is worth setting)")
-    merge_rule: str = _f("mean", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
-                         "a trimmed mean or the median (both unweighted)", choices=("mean", "trimmed_mean", "median"))
+    merge_rule: str = _f("median", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
+                         "a trimmed mean or the median (both unweighted), or the token-weighted mean of the pushes "
+                         "each clipped to clip_ratio x the median L2 norm of the round's pushes (docs/faults.md has "
+                         "the measured cost of each)", choices=("mean", "trimmed_mean", "median", "clipped_mean"))
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
+    clip_ratio: float = _f(1.0, "clipped_mean: a push's L2 norm is clipped to this multiple of the median norm of "
+                           "the round's pushes")
+    round_norm_ratio: float = _f(4.0, "when a round closes, a push whose L2 norm exceeds this multiple of the median "
+                                 "norm of the round's pushes is rejected (quarantined), from the first round on "
+                                 "(rounds of 3 or more pushes); 0: off")
     norm_z_max: float = _f(8.0, "a push whose L2 norm is more than this many robust deviations above the median of "
                            "the recent accepted norms is rejected (quarantined); 0: off")
     norm_max_ratio: float = _f(10.0, "a push whose L2 norm exceeds this multiple of the L2 norm of θ is rejected "
                                "(quarantined), from the first round on (while θ is not 0); 0: off")
-    norm_window: int = _f(32, "how many recent accepted push norms the outlier check compares against")
+    norm_window: int = _f(8, "how many recent accepted push norms the outlier check compares against (a short "
+                          "window follows the honest norms as they shrink)")
     norm_window_min: int = _f(4, "the outlier check applies once the window holds this many norms")
     clip_norm: float = _f(0.0, "> 0: a push whose L2 norm exceeds this is scaled down to it (through its merge "
                           "weight); 0: off")
+    max_rejections: int = _f(3, "an island whose pushes are rejected this many times in a row is itself quarantined: "
+                             "told to stop, its pushes and Joins refused, its shard rerouted to the others; 0: never")
+    reject_backoff_s: float = _f(1.0, "after a rejected push, the island's next push is refused (before its payload "
+                                 "streams in) for this many seconds, doubled with each rejection in a row; 0: off")
     eval_every: int = _f(5, "evaluate the global θ on the held-out split every this many versions (θ_0 and the "
                          "final version too): the first island to pull such a version evaluates it and reports it "
                          "in a heartbeat (an `eval` event); 0: only the final version")
@@ -557,12 +569,16 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
 def _check_merge(cfg: Config, fail: _Fail) -> None:
     """[coordinator]'s merge knobs: push caps, trimming, eval cadence and the norm outlier checks."""
     co = cfg.coordinator
-    for name in ("max_push_steps", "trim", "eval_every", "max_receiving"):
+    for name in ("max_push_steps", "trim", "eval_every", "max_receiving", "max_rejections"):
         if getattr(co, name) < 0:
             fail("coordinator", name, f"must be >= 0, got {getattr(co, name)}")
-    for name in ("norm_z_max", "norm_max_ratio", "clip_norm"):
+    for name in ("norm_z_max", "norm_max_ratio", "clip_norm", "reject_backoff_s"):
         if not (math.isfinite(getattr(co, name)) and getattr(co, name) >= 0):
             fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
+    if not (math.isfinite(co.clip_ratio) and co.clip_ratio > 0):
+        fail("coordinator", "clip_ratio", f"must be a finite number > 0, got {co.clip_ratio}")
+    if not (math.isfinite(co.round_norm_ratio) and (co.round_norm_ratio == 0 or co.round_norm_ratio > 1)):
+        fail("coordinator", "round_norm_ratio", f"must be 0 (off) or a finite number > 1, got {co.round_norm_ratio}")
     if co.norm_window < 1:
         fail("coordinator", "norm_window", f"must be >= 1, got {co.norm_window}")
     if not 1 <= co.norm_window_min <= co.norm_window:

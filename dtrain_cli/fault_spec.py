@@ -11,7 +11,9 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   constant delta as large as the codec carries, tokens claimed 10**9) and ``truncate`` (its upload is cancelled
   after about half of its chunks, then sent whole again): the driver passes these to the island's worker
   (``dtrain worker --inject KIND@vN``), which corrupts its first push based on version >= N
-  (:mod:`workers.push_faults` says exactly what is sent and what in the coordinator stops it); the device faults
+  (:mod:`workers.push_faults` says exactly what is sent and what in the coordinator stops it), and the Byzantine
+  island's ``scale`` (every push from vN on: its real delta x ``factor=F``, default -1) and ``ramp`` (every push
+  from vN on: its real delta x G^k, ``factor=G``, default 1.2, k its pushes since); the device faults
   ``device-scale`` (one device's outputs x ``factor=F``, default 10), ``device-bitflip`` (bit ``bit=B`` of its
   float32 outputs flipped, default 22, in a fraction ``rate=R`` of them, default 1) and ``device-dead`` (its
   computations raise), on the device ``device=ID`` (a JAX device id of the island, required), each step with
@@ -28,6 +30,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 
 Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinator@v5+3s``,
 ``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``, ``nan:island-1@v2``, ``truncate:island-0@v1``,
+``scale:island-1@v0,factor=-20``, ``ramp:island-2@v0,factor=1.2``,
 ``device-bitflip:island-1@step120,device=3,bit=30``, ``device-scale:island-0@step200,device=5,factor=8``,
 ``device-dead:island-2@step150,device=6``.
 
@@ -38,6 +41,7 @@ records it in the run's events, link faults act through :class:`dtrain_cli.link_
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -47,7 +51,8 @@ from typing import Any
 from dtrain.chip_faults import FAULT_OPTIONS, DeviceFault
 from dtrain.config import ConfigError
 
-PUSH_KINDS = ("nan", "poison", "inflate", "truncate")  # injected by the island's worker (workers.push_faults)
+PUSH_KINDS = ("nan", "poison", "inflate", "truncate", "scale", "ramp")  # injected by the island's worker
+# (workers.push_faults); scale and ramp change every push from vN on and take factor=F
 DEVICE_KINDS = ("device-scale", "device-bitflip", "device-dead")  # injected by the island's worker into one device
 KINDS = ("kill", "hang", "kill-coordinator", "cut", "slow", *PUSH_KINDS, *DEVICE_KINDS)
 NEEDS_DURATION = ("hang", "cut", "slow")
@@ -70,6 +75,7 @@ class FaultSpec:
     duration_s: float | None  # restart / resume / restore after this long (None: never)
     delay_ms: float = 0.0  # slow: added per forwarded piece of data
     text: str = ""  # the spec as given
+    factor: float = 0.0  # scale / ramp: factor=F (0: the worker's default)
     device_fault: DeviceFault | None = None  # device faults: what the island's worker injects (start = stepN)
 
     def describe(self) -> str:
@@ -81,6 +87,10 @@ class FaultSpec:
                 (f" until step {f.until}" if f.until else "")
         when = f"after version {self.at_version}" if self.at_version is not None else f"at {self.at_s:g}s"
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
+
+    def inject_arg(self) -> str:
+        """A push fault as ``dtrain worker --inject`` takes it (``workers.push_faults.Injection.parse``)."""
+        return f"{self.kind}@v{self.at_version}" + (f",factor={self.factor!r}" if self.factor else "")
 
     def worker_arg(self) -> str:
         """A device fault as ``dtrain worker --device-fault`` takes it (:func:`workers.push_faults.parse_device_fault`):
@@ -126,7 +136,7 @@ def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpe
             raise ConfigError(f"--fault {text!r}: {kind} fires at a version only (the island's first push based "
                               f"on it), e.g. {kind}:{target}@v2")
         if m["duration"]:
-            raise ConfigError(f"--fault {text!r}: {kind} takes no duration (it corrupts one push)")
+            raise ConfigError(f"--fault {text!r}: {kind} takes no duration (it corrupts pushes, not a time)")
     if kind in NEEDS_DURATION and not duration:
         raise ConfigError(f"--fault {text!r}: {kind} needs a duration, e.g. {kind}:{target}@v2+10s")
     pairs = [kv.split("=") for kv in m["opts"].split(",") if kv]
@@ -138,16 +148,19 @@ def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpe
     if m["when"].startswith("step"):
         raise ConfigError(f"--fault {text!r}: stepN (an island's inner step) is for device faults only "
                           f"({', '.join(DEVICE_KINDS)}); {kind} takes vN or Ns")
-    unknown = set(opts) - ({"delay"} if kind == "slow" else set())
+    unknown = set(opts) - ({"delay"} if kind == "slow" else {"factor"} if kind in ("scale", "ramp") else set())
     if unknown:
         raise ConfigError(f"--fault {text!r}: unknown option(s) {', '.join(sorted(unknown))}")
     delay = _number(f"--fault {text!r}", "delay", opts["delay"], float) if "delay" in opts else \
         (100.0 if kind == "slow" else 0.0)
+    factor = _number(f"--fault {text!r}", "factor", opts["factor"], float) if "factor" in opts else 0.0
+    if "factor" in opts and (factor == 0 or not math.isfinite(factor)):
+        raise ConfigError(f"--fault {text!r}: factor={opts['factor']}: must be a finite number other than 0")
     when = m["when"]
     at_version = int(when[1:]) if when.startswith("v") else None
     at_s = float(when[:-1]) if at_version is None else None
     return FaultSpec(kind=kind, target=target, at_version=at_version, at_s=at_s, duration_s=duration,
-                     delay_ms=delay, text=text.strip())
+                     delay_ms=delay, text=text.strip(), factor=factor)
 
 
 def _device_fault(text: str, kind: str, target: str, when: str, duration: str | None, opts: dict[str, str],

@@ -171,7 +171,8 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                    "way and round trip, e.g. 100mbit/100ms (a proxy per island; --island NAME:link=... for one)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): KIND[:ISLAND]@(vN|Ns)[+Ds][,delay=MS] with KIND one of kill, "
-                   "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, e.g. kill:island-1@v3+10s; "
+                   "hang, kill-coordinator, cut, slow, nan, poison, inflate, truncate, scale, ramp (,factor=F), "
+                   "e.g. kill:island-1@v3+10s or scale:island-1@v0,factor=-3; "
                    "or a device fault inside an island, KIND:ISLAND@stepN,device=ID[,factor=F][,bit=B][,rate=R]"
                    "[,prob=P][,seed=S][,until=STEP] with KIND one of device-scale, device-bitflip, device-dead, e.g. "
                    "device-bitflip:island-1@step120,device=3,bit=30 (see dtrain_cli/fault_spec.py)")
@@ -208,9 +209,10 @@ def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="the coordinator's address, e.g. 10.0.0.5:50051 or [::1]:50051")
     p.add_argument("--island", required=True, help="this island's name (unique; a restart reuses it)")
     p.add_argument("--run-dir", default=None, help="events and checkpoints (default: runs/NAME/islands/ISLAND)")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@vN",
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@vN[,factor=F]",
                    help="testing knob (what simulate --fault passes): corrupt this island's first push based on "
-                   "version >= N, once; KIND one of nan, poison, inflate, truncate (see workers/push_faults.py)")
+                   "version >= N, once; KIND one of nan, poison, inflate, truncate, or scale / ramp (every push "
+                   "from vN on: Δ x F, or Δ x F^k; see workers/push_faults.py)")
     p.add_argument("--device-fault", default=None, metavar="KIND:DEVICE@STEP[,OPTION=VALUE...]",
                    help="testing knob (what simulate --fault device-KIND passes): from inner step STEP on, perturb the "
                    "JAX device DEVICE's outputs in the per-device inner step; KIND one of scale (factor=F), bitflip "

@@ -260,9 +260,10 @@ class _Simulation:
         port = self.proxies[name].port if name in self.proxies else self.port
         share = self.shares[i]
         inject = []
-        for f in self.faults:  # push faults the island injects itself; one that fired is not passed again
-            if f.kind in PUSH_KINDS and f.target == name and not self._push_fired(f):
-                inject += ["--inject", f"{f.kind}@v{f.at_version}"]
+        for f in self.faults:  # push faults the island injects itself; one that fired is not passed again (but
+            # scale and ramp change every push: a restarted Byzantine island is still one)
+            if f.kind in PUSH_KINDS and f.target == name and (f.kind in ("scale", "ramp") or not self._push_fired(f)):
+                inject += ["--inject", f.inject_arg()]
                 self.log.event("fault_armed", fault=f.text, fault_kind=f.kind, target=name, what=f.describe())
         for f in self.faults:  # device faults: passed on every start (a restarted worker still has the bad chip)
             if f.kind in DEVICE_KINDS and f.target == name:
@@ -550,7 +551,10 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
     process's) and the run's events; raises SimulationError if the islands did not end on one θ."""
     out, cfg = sim.out, sim.cfg
     unfinished = sim.gone | sim.stopped
-    finished = [n for n in sim.names if n not in unfinished]
+    # an island the coordinator quarantined (coordinator.max_rejections) was told to stop early, on its own θ
+    quarantined = {n for n in sim.names for e in coord_events
+                   if e.get("event") == "island_quarantined" and str(e.get("island", "")).startswith(n + "-")}
+    finished = [n for n in sim.names if n not in unfinished | quarantined]
     per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
     # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
     # process 0's alone, the one that pushes)
@@ -574,6 +578,7 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
         "island_settings": {n: s.describe() for n, s in sim.specs.items()},
         "goodput": checked.goodput, "audit": checked.to_dict(),
         "unfinished_islands": sorted(unfinished),
+        "quarantined_islands": sorted(quarantined),
     }
     if len(digests) != 1 or len(evals) != 1:
         raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")

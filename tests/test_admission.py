@@ -200,7 +200,8 @@ def _merged_norms(st: CoordinatorState, island_id: str, norms: list[float]) -> N
 
 
 def test_a_norm_outlier_is_quarantined_once_the_window_fills():
-    st = make("coordinator.mode=async", "coordinator.norm_window=5", "coordinator.norm_window_min=4")
+    st = make("coordinator.mode=async", "coordinator.norm_window=5", "coordinator.norm_window_min=4",
+              "coordinator.round_norm_ratio=0")  # the robust-z window alone
     a, b = join_all(st, "ab")
     _merged_norms(st, a, [1.0, 1.1, 0.9])
     assert list(st.ledger.norms) == [1.0, 1.1, 0.9]
@@ -234,7 +235,7 @@ def test_a_norm_outlier_is_quarantined_once_the_window_fills():
 
 
 def test_norm_max_ratio_and_clip_norm():
-    st = make("coordinator.mode=async", "coordinator.clip_norm=2")
+    st = make("coordinator.mode=async", "coordinator.clip_norm=2", "coordinator.reject_backoff_s=0")
     (a,) = join_all(st, "a")
     big = info(st, a)
     adm = st.commit_push(big, T0, norm=10.5, theta_norm=1.0)  # first round: no window yet, the ratio applies
@@ -246,3 +247,134 @@ def test_norm_max_ratio_and_clip_norm():
     assert clipped.reason.endswith("; norm 8 clipped to 2")
     nan = st.commit_push(info(st, a, base=1), T0, norm=math.nan)
     assert nan.status == "reject" and "non-finite norm nan" in nan.reason
+
+
+
+def _norms(st: CoordinatorState, ids: list[str], norms: list[float], now: float = T0,
+           theta_norm: float = 100.0) -> list[tuple[PushInfo, Admission]]:
+    """One push per island of ``ids`` for the open round, with these L2 norms (θ's norm: ``theta_norm``)."""
+    pushes = [info(st, i, base=st.version) for i in ids]
+    return [(p, st.commit_push(p, now, norm=n, theta_norm=theta_norm)) for p, n in zip(pushes, norms, strict=True)]
+
+
+def _close(st: CoordinatorState, now: float = T0) -> list[str]:
+    """The round screen, then the merge (what RoundsLoop.merge_if_ready does); the ids of the pushes it rejected."""
+    screened = st.screen_round()
+    for push_id, why in screened:
+        st.reject_pending([push_id], why, now)
+    st.close_round(now)
+    return [p for p, _ in screened]
+
+
+def test_a_minus_20x_push_is_refused_in_round_one():
+    """Round 1 has no norm history (the window is empty) and −20 x the honest delta is under 10 x ‖θ‖: the
+    round screen, relative to the other pushes of the same round, rejects it."""
+    st = make()
+    a, b, c, d = join_all(st)
+    pushes = _norms(st, [a, b, c, d], [1.0, 1.1, 0.9, 20.0])
+    assert [adm.status for _, adm in pushes] == ["accept"] * 4  # each alone passes the arrival screen
+    assert _close(st) == [pushes[3][0].push_id]
+    assert st.version == 1 and st.deltas_merged == 3 and st.deltas_rejected == 1
+    assert st.islands[d].rejections == 1 and st.islands[d].pushes_merged == 0
+    assert st.shard_cursor(3) == 0 and st.shard_cursor(0) == 40  # d's range is not merged: trained again
+    assert "more than round_norm_ratio 4 x the median 1.05 of the 4 pushes" in st.ledger.notice(d)
+
+
+def test_the_round_screen_needs_three_pushes_and_can_be_off():
+    st = make("outer.islands=2")
+    a, b = join_all(st, "ab")
+    _norms(st, [a, b], [1.0, 50.0])
+    assert st.screen_round() == []  # two pushes: no majority to compare with
+    off = make("coordinator.round_norm_ratio=0")
+    ids = join_all(off)
+    _norms(off, ids, [1.0, 1.0, 1.0, 50.0])
+    assert off.screen_round() == []
+
+
+def test_repeated_rejections_quarantine_the_island_and_the_run_ends():
+    """d pushes −20 x every round: rejected three times in a row (coordinator.max_rejections 3) it is quarantined
+    (told to stop, with why; its pushes and its Join refused), its shard goes to an island whose own is done, and
+    the run ends with every shard's data merged."""
+    st = make("train.steps=15", "outer.inner_steps=5")  # a shard: 120 sequences, three pushes of 40
+    a, b, c, d = join_all(st)
+    now = T0
+    for k in range(3):
+        _norms(st, [a, b, c, d], [1.0, 1.1, 0.9, 20.0], now)  # rejected by the round screen (or, once the
+        _close(st, now)  # window holds enough norms, as it arrives)
+        assert st.islands[d].rejections == k + 1 and st.islands[d].pushes_merged == 0
+        now += 10  # past the backoff
+        assert st.islands[d].state == ("quarantined" if k == 2 else "live")
+    why = st.islands[d].stop_reason
+    assert "3 pushes in a row rejected (coordinator.max_rejections 3)" in why and "shard 3" in why
+    assert st.take_quarantined() == [(d, why)] and st.take_quarantined() == []
+    assert st.heartbeat(d, st.version, 0, 0, 0.0, "", (), now) == ("stop", why)
+    unchanged(st, lambda: st.admit_push(info(st, d, base=st.version), now), "FAILED_PRECONDITION",
+              f"{d} is quarantined")
+    unchanged(st, lambda: st.join("d", "cpu", 1, now), "FAILED_PRECONDITION", "may not join again")
+    assert not st.stopped()
+    # a, b, c finished their shards: a is told to take over d's shard, and does
+    action, reason = st.heartbeat(a, st.version, 0, 0, 0.0, "", (), now)
+    assert action == "rejoin" and "shard 3" in reason
+    record, _ = st.join("a", "cpu", 1, now)
+    assert record.shard_index == 3
+    for _ in range(3):
+        _norms(st, [a], [1.0], now)
+        st.close_round(now)
+    assert st.stopped() and "all 4 shards' data" in st.run_over()
+
+
+def test_a_rejected_island_is_throttled_and_not_waited_for():
+    st = make("coordinator.reject_backoff_s=2")
+    a, b, c, d = join_all(st)
+    _norms(st, [a, b, c, d], [1.0, 1.1, 0.9, 20.0])
+    _close(st)
+    assert st.islands[d].throttled_until == T0 + 2
+    unchanged(st, lambda: st.admit_push(info(st, d, base=1), T0 + 1), "FAILED_PRECONDITION",
+              "throttled for 1.0s more after 1 rejected push in a row")
+    _norms(st, [a, b, c], [1.0, 1.0, 1.0], T0 + 1)
+    assert st.round_ready(T0 + 1) == (True, "all 4 live islands pushed")  # d, throttled, is not awaited
+    assert st.next_deadline(T0 + 1) == T0 + 2
+    _close(st, T0 + 1)
+    _norms(st, [a, b, c, d], [1.0, 1.0, 1.0, 20.0], T0 + 3)  # the backoff doubles with a second rejection in a row
+    _close(st, T0 + 3)
+    assert st.islands[d].rejections == 2 and st.islands[d].throttled_until == T0 + 3 + 4
+
+
+def test_an_island_ramping_its_pushes_is_rejected_and_quarantined():
+    """An island growing its push 1.2 x a round while the honest norms shrink (0.9 x a round): its pushes are
+    rejected once they pass round_norm_ratio x the round's median (or the recent norms' outlier bound), and it
+    is quarantined; no merged push of it was ever above round_norm_ratio x the honest norm."""
+    st = make("coordinator.reject_backoff_s=0")
+    a, b, c, d = join_all(st)
+    honest, worst = 1.0, 0.0
+    for k in range(1, 30):
+        if st.islands[d].state == "quarantined":
+            break
+        before = st.islands[d].pushes_merged
+        _norms(st, [a, b, c, d], [honest, honest * 1.05, honest * 0.95, honest * 1.2 ** k])
+        _close(st)
+        if st.islands[d].pushes_merged > before:
+            worst = max(worst, 1.2 ** k)
+        honest *= 0.9
+    assert st.islands[d].state == "quarantined" and k < 15, k
+    assert 1.2 < worst <= 4.0  # merged while it was within the bounds, never past them
+
+
+def test_the_norm_reference_follows_the_honest_norms_as_they_shrink():
+    """The honest norms shrink 4 -> 2.4 -> 0.5 over three rounds; then one island pushes alone (the others' shards
+    are done) 13 x the last honest norm. The 8-norm robust-z window still holds the early, large norms (its
+    spread is large) and would let it through; the reference of the last round's norms refuses it."""
+    st = make()
+    ids = join_all(st)
+    for norms in ([4.1, 4.2, 4.1, 4.2], [2.4, 2.3, 2.4, 2.4], [0.5, 0.55, 0.5, 0.45]):
+        _norms(st, ids, norms)
+        _close(st)
+    (_, adm), = _norms(st, ids[:1], [6.5])
+    assert adm.status == "reject", adm.reason
+    assert "more than round_norm_ratio 4 x the median 0.5 of the last 4 merged pushes" in adm.reason
+    old = make("coordinator.round_norm_ratio=0")  # the robust-z window alone: accepted
+    ids = join_all(old)
+    for norms in ([4.1, 4.2, 4.1, 4.2], [2.4, 2.3, 2.4, 2.4], [0.5, 0.55, 0.5, 0.45]):
+        _norms(old, ids, norms)
+        _close(old)
+    assert _norms(old, ids[:1], [6.5])[0][1].status == "accept"

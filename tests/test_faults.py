@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -96,6 +97,30 @@ def test_an_injection_fires_once_on_the_first_push_at_or_after_its_version() -> 
     assert take_injection(injections, 3) is injections[0]  # the first push based on version >= 2 ...
     assert take_injection(injections, 3) is injections[1]  # ... takes one; the next push the other
     assert take_injection(injections, 4) is None  # each fires once
+
+
+def test_a_byzantine_island_scales_every_push_from_its_version_on() -> None:
+    """scale and ramp (a Byzantine island) change every push based on version >= N, not one: scale by F, ramp by
+    G^k; --fault's factor reaches the worker's --inject as given."""
+    f = parse_fault("scale:island-1@v0,factor=-20", 4)
+    assert (f.kind, f.target, f.at_version, f.factor, f.inject_arg()) == ("scale", "island-1", 0, -20.0,
+                                                                          "scale@v0,factor=-20.0")
+    assert parse_fault("ramp:island-2@v1", 4).inject_arg() == "ramp@v1"
+    scale, ramp = Injection.parse("scale@v0,factor=-20.0"), Injection.parse("ramp@v1")
+    assert (scale.factor, ramp.factor) == (-20.0, 1.2) and Injection.parse("scale@v0").factor == -1.0
+    assert take_injection([ramp], 0) is None
+    assert all(take_injection([scale], v) is scale for v in range(3))  # every push, not once
+    delta = np.linspace(-1, 1, 256, dtype=np.float32)
+    header = pb.PushHeader(tokens=640)
+    frame, detail = corrupt_push("scale", delta, header, 32, 64, 1, factor=-3.0)
+    np.testing.assert_array_equal(codec.dequantize(codec.decode(frame, expected_n=256)), -3.0 * delta)
+    assert detail["norm"] == pytest.approx(3 * detail["honest_norm"]) and header.tokens == 640
+    for text, why in [("scale:island-1@v0,factor=0", "must be a finite number other than 0"),
+                      ("nan:island-1@v0,factor=2", "unknown option(s) factor")]:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            parse_fault(text, 4)
+    with pytest.raises(ConfigError, match="factor=F is for scale and ramp only"):
+        Injection.parse("poison@v1,factor=2")
 
 
 def test_cli_refuses_a_bad_fault_before_starting(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -22,10 +22,11 @@ N, BLOCK = 3000, 64
 
 
 def opts(up: str = "int8", down: str = "int8", error_feedback: bool = True, keep_updates: int = 16,
-         mode: str = "sync", **outer: object) -> MergeOptions:
-    """The merger options of a default config with these codec, coordinator and outer fields (block: BLOCK)."""
+         mode: str = "sync", rule: str = "mean", **outer: object) -> MergeOptions:
+    """The merger options of a default config with these codec, coordinator and outer fields (block: BLOCK); the
+    merge rule is the mean unless ``rule`` says otherwise (the hand computations here are of the mean)."""
     cfg = config.replace(Config(), codec={"up": up, "down": down, "block": BLOCK, "error_feedback": error_feedback},
-                         coordinator={"keep_updates": keep_updates, "mode": mode}, outer=outer)
+                         coordinator={"keep_updates": keep_updates, "mode": mode, "merge_rule": rule}, outer=outer)
     return MergeOptions.from_config(cfg)
 
 
@@ -429,3 +430,41 @@ def test_a_closed_spool_is_freed_without_the_cyclic_gc(tmp_path):
             assert ref() is None and validator() is None, "a reference cycle keeps the spool or its validator"
         finally:
             gc.enable()
+
+
+def test_clipped_mean_caps_each_push_at_clip_ratio_times_the_rounds_median_norm():
+    """clipped_mean: the weighted mean of the pushes, each clipped to clip_ratio x the median norm of the round's
+    pushes; pushes within it are untouched (lossless codec, lr 1, no momentum: θ1 = θ0 − Δ)."""
+    rng = np.random.default_rng(12)
+    o = dataclasses.replace(opts(up="fp32", down="fp32", lr=1.0, momentum=0.0, nesterov=False),
+                            rule="clipped_mean", clip_ratio=1.5)
+    m = Merger(np.zeros(N, np.float32), o)
+    vecs = [rng.normal(size=N).astype(np.float32) for _ in range(4)]
+    vecs[3] *= -20.0  # a Byzantine push: 20 x the others' norm
+    for i, v in enumerate(vecs):
+        _push_keyed(m, v, 1.0, f"p{i}")
+    norms = [float(np.linalg.norm(v)) for v in vecs]
+    caps = merger_mod.round_clip_factors(norms, [1.0] * 4, 1.5)
+    bound = 1.5 * float(np.median(norms))
+    assert caps[:3] == [1.0, 1.0, 1.0] and caps[3] == pytest.approx(bound / norms[3])
+    m.outer_step()
+    want = -(vecs[0] + vecs[1] + vecs[2] + np.float32(caps[3]) * vecs[3]) / 4.0
+    np.testing.assert_allclose(m.theta, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
+    """One island of four pushing −3 x its honest delta: the default merge rule keeps the merged Δ near the honest
+    one (the mean would cancel it: (3·d − 3·d)/4 = 0). θ1 = θ0 − Δ (lr 1, no momentum, lossless down)."""
+    rng = np.random.default_rng(13)
+    cfg = config.replace(Config(), codec={"up": "int8", "down": "fp32", "block": BLOCK},
+                         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    m = Merger(np.zeros(N, np.float32), MergeOptions.from_config(cfg))
+    honest = rng.normal(size=N).astype(np.float32) * 0.01
+    pushes = [honest + rng.normal(size=N).astype(np.float32) * 0.002 for _ in range(3)]
+    pushes.append(-3.0 * honest)
+    for i, v in enumerate(pushes):
+        _push_keyed(m, v, 1000.0, f"p{i}")
+    m.outer_step()
+    merged = -m.theta
+    assert np.linalg.norm(merged - honest) < 0.5 * np.linalg.norm(honest), m.opts.rule
+    assert float(np.dot(merged, honest)) > 0.5 * float(np.dot(honest, honest))

@@ -643,10 +643,12 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
 
 
 def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(net_cfg, tmp_path, two_islands):
-    """With the norm screen off, the poisoned push is accepted (with the most tokens its range allows: 2560); the
-    outer step (lr 1) finds its update non-finite (-(Δ + 0.9·m) = -1.9 x 0.8 x 3e38), commits nothing, rejects
-    the push (the largest) and merges the round without it. Not fatal."""
-    cfg = replace(net_cfg, coordinator={"norm_max_ratio": 0.0, "norm_z_max": 0.0}, outer={"lr": 1.0})
+    """With the norm screens off and the mean merge (the last guard is the one under test), the poisoned push is
+    accepted (with the most tokens its range allows: 2560); the outer step (lr 1) finds its update non-finite
+    (-(Δ + 0.9·m) = -1.9 x 0.8 x 3e38), commits nothing, rejects the push (the largest) and merges the round
+    without it. Not fatal."""
+    cfg = replace(net_cfg, coordinator={"norm_max_ratio": 0.0, "norm_z_max": 0.0, "round_norm_ratio": 0.0,
+                                        "merge_rule": "mean"}, outer={"lr": 1.0})
     running = Running(cfg, tmp_path / "coord")
     try:
         (c0, c1), (j0, j1) = two_islands(running.address, cfg)

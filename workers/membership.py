@@ -151,7 +151,7 @@ class Membership:
         want, limit = self.cfg.outer.islands, self.cfg.worker.start_wait_s
         t0 = time.perf_counter()
         while limit > 0 and not self.mailbox.stopping.is_set():
-            joined = len(self.client.status().islands)  # live, lost or stopped: each has shown up
+            joined = len(self.client.status().islands)  # live, lost, stopped or quarantined: each has shown up
             if joined >= want:
                 break
             if time.perf_counter() - t0 > limit:

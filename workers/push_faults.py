@@ -24,8 +24,19 @@ island sends, and what in the coordinator stops it:
   with the same push_id, which succeeds. The coordinator discards the partial spool and changes nothing
   (a ``push_aborted`` event).
 
-Error feedback is left alone by ``nan``, ``poison`` and ``inflate``: the island's residual is that of a round
-whose real Δ was never sent.
+- ``scale`` (``scale@vN,factor=F``, F default −1): a Byzantine island, not a one-off: *every* push based on
+  version >= N carries the real Δ × F with the honest header (F = −1: the honest delta reversed; −3, −20: pushed
+  harder). Its norm is |F| × the honest norm: the round screen (``coordinator.round_norm_ratio`` × the round's
+  median norm) rejects a large |F| from the first round on, and the robust merge rule (``coordinator.merge_rule``)
+  bounds what a small one moves θ; repeated rejections quarantine the island (``coordinator.max_rejections``).
+- ``ramp`` (``ramp@vN,factor=G``, G default 1.2): every push based on version >= N carries the real Δ × G^k, k
+  = 1, 2, ... its pushes since: a push that grows a little each round, to creep past a screen whose reference
+  follows the accepted norms.
+
+Each push ``scale`` and ``ramp`` change is a ``fault_injected`` event (with the factor used).
+
+Error feedback is left alone by ``nan``, ``poison``, ``inflate``, ``scale`` and ``ramp``: the island's residual
+is that of a round whose real Δ was never sent.
 
 Device faults (``dtrain worker --device-fault KIND:DEVICE@STEP[,OPTION=VALUE...]``, which ``dtrain simulate --fault
 device-KIND:ISLAND@stepN,device=D,...`` passes to the worker it starts, and again to a restarted one: the chip is
@@ -52,33 +63,53 @@ from dtrain.config import CodecConfig, ConfigError
 from dtrain.proto import dtrain_pb2 as pb
 from workers.client import CoordinatorClient
 
-PUSH_FAULTS = ("nan", "poison", "inflate", "truncate")
+PUSH_FAULTS = ("nan", "poison", "inflate", "truncate", "scale", "ramp")
+PERSISTENT_FAULTS = ("scale", "ramp")  # every push from vN on, not once
+DEFAULT_FACTORS = {"scale": -1.0, "ramp": 1.2}  # factor=F when not given
 POISON_FACTOR = -1000.0  # poison: the real Δ times this
 INFLATED_TOKENS = 10**9  # inflate: the tokens the header claims
 
 
-_INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)")
+_INJECT_RE = re.compile(r"(?P<kind>[a-z]+)@v(?P<version>\d+)(?:,factor=(?P<factor>[^,]+))?")
 _DEVICE_FAULT_RE = re.compile(r"(?P<kind>[a-z]+):(?P<device>\d+)@(?P<step>\d+)(?P<opts>(?:,[^,]*)*)")
 
 
 @dataclass
 class Injection:
-    """One push fault: ``kind`` on the first push whose base version is >= ``at_version``, once."""
+    """One push fault: ``kind`` on the first push whose base version is >= ``at_version``, once (``scale`` and
+    ``ramp``: on every such push, ``factor`` F: see the module docstring)."""
 
     kind: str
     at_version: int
     fired: bool = False
+    factor: float = 0.0  # scale / ramp: F (0: the kind's default, DEFAULT_FACTORS)
+    pushes: int = 0  # scale / ramp: the pushes changed so far
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind in PERSISTENT_FAULTS
 
     @classmethod
     def parse(cls, text: str) -> Injection:
-        """``KIND@vN`` (``--inject``); raises ConfigError naming what is wrong."""
+        """``KIND@vN`` or ``KIND@vN,factor=F`` (``--inject``); raises ConfigError naming what is wrong."""
         m = _INJECT_RE.fullmatch(text.strip())
         if m is None:
-            raise ConfigError(f"--inject {text!r}: expected KIND@vN with KIND one of {', '.join(PUSH_FAULTS)}, "
-                              f"e.g. nan@v2 (push faults fire at a version only, not at a time)")
+            raise ConfigError(f"--inject {text!r}: expected KIND@vN[,factor=F] with KIND one of "
+                              f"{', '.join(PUSH_FAULTS)}, e.g. nan@v2 or scale@v0,factor=-3 (push faults fire at a "
+                              f"version only, not at a time)")
         if m["kind"] not in PUSH_FAULTS:
             raise ConfigError(f"--inject {text!r}: unknown kind {m['kind']!r} (one of {', '.join(PUSH_FAULTS)})")
-        return cls(m["kind"], int(m["version"]))
+        factor = 0.0
+        if m["factor"] is not None:
+            if m["kind"] not in PERSISTENT_FAULTS:
+                raise ConfigError(f"--inject {text!r}: factor=F is for {' and '.join(PERSISTENT_FAULTS)} only")
+            try:
+                factor = float(m["factor"])
+            except ValueError:
+                raise ConfigError(f"--inject {text!r}: factor={m['factor']} is not a number") from None
+            if not np.isfinite(factor) or factor == 0:
+                raise ConfigError(f"--inject {text!r}: factor={m['factor']}: must be a finite number other than 0")
+        return cls(m["kind"], int(m["version"]), factor=factor or DEFAULT_FACTORS.get(m["kind"], 0.0))
 
 
 def parse_device_fault(text: str) -> DeviceFault:
@@ -121,19 +152,26 @@ def check_device_fault(fault: DeviceFault, device_ids: Sequence[int]) -> None:
 
 
 def take_injection(injections: Sequence[Injection], base_version: int) -> Injection | None:
-    """The first injection not fired yet that is due for a push based on ``base_version``, marked fired."""
+    """The first injection not fired yet (or a persistent one: ``scale``, ``ramp``) that is due for a push based on
+    ``base_version``, marked fired."""
     for injection in injections:
-        if not injection.fired and base_version >= injection.at_version:
+        if (not injection.fired or injection.persistent) and base_version >= injection.at_version:
             injection.fired = True
             return injection
     return None
 
 
 def corrupt_push(kind: str, delta: np.ndarray, header: pb.PushHeader, bits: codec.Bits, block: int,
-                 level: int) -> tuple[bytes, dict[str, Any]]:
-    """The frame push fault ``kind`` (nan, poison or inflate) sends instead of Δ's, and what the
+                 level: int, factor: float = 1.0) -> tuple[bytes, dict[str, Any]]:
+    """The frame push fault ``kind`` (nan, poison, inflate, scale or ramp) sends instead of Δ's, and what the
     ``fault_injected`` event records about it; ``header`` is changed in place where the fault says so
-    (inflate's tokens). See the module docstring."""
+    (inflate's tokens). ``factor``: what scale and ramp multiply Δ by (ramp: G^k, worked out by the caller). See
+    the module docstring."""
+    if kind in PERSISTENT_FAULTS:
+        scaled = delta * np.float32(factor)
+        return (codec.encode(codec.quantize(scaled, bits, block), level),
+                {"what": f"the real delta x {factor:.4g}, honest tokens", "factor": factor,
+                 "norm": float(np.linalg.norm(scaled)), "honest_norm": float(np.linalg.norm(delta))})
     if kind == "nan":
         q = codec.quantize(delta, bits, block)
         if q.scales.size:
@@ -157,7 +195,7 @@ def corrupt_push(kind: str, delta: np.ndarray, header: pb.PushHeader, bits: code
         return (codec.encode(codec.quantize(huge, bits, block), level),
                 {"what": "a constant delta as large as the codec carries", "tokens": INFLATED_TOKENS,
                  "honest_tokens": honest})
-    raise ValueError(f"corrupt_push: {kind!r} is not a frame fault (nan, poison, inflate)")
+    raise ValueError(f"corrupt_push: {kind!r} is not a frame fault (nan, poison, inflate, scale, ramp)")
 
 
 def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb.PushHeader,
@@ -173,7 +211,9 @@ def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb
         return encode(delta), client
     if injection.kind == "truncate":
         return encode(delta), TruncatedUpload(client, injection, log)
-    frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.block, codec_cfg.zstd_level)
+    injection.pushes += 1
+    factor = injection.factor ** injection.pushes if injection.kind == "ramp" else injection.factor
+    frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.block, codec_cfg.zstd_level, factor)
     log("fault_injected", fault_kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
         base_version=header.base_version, **detail)
     return frame, client
