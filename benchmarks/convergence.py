@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
+    p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
+                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
     p.add_argument("--process", action="store_true", help="also compare `dtrain simulate` (real coordinator and "
                    "worker processes, int8) with --inprocess, both from scratch on the same config")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
         merge_cfg = config.replace(phase, codec={"up": name, "down": name, "error_feedback": True},
                                    coordinator={"mode": "sync"},
-                                   outer={"rule": "sparseloco" if name == "sparse" else phase.outer.rule})
+                                   outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
         bits, block = k.scheme(name)
         feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)

@@ -351,7 +351,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def fingerprint_fields(self) -> dict[str, str]:
-        """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
+        """What must match between the coordinator and every island: model shapes, dtype, codecs (with a sparse codec
+        or the sparseloco rule, also the sparse codec's fields and the rule with its β; not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
         train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
         llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
@@ -359,6 +360,11 @@ class Config:
             (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
         fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
+        if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
+            # only then: every other run's fingerprint stays what it was before the sparse codec came
+            fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",
+                                                                              "density")})
+            fields.update({f"outer.{k}": str(getattr(self.outer, k)) for k in ("rule", "sparseloco_beta")})
         return fields
 
     def fingerprint(self) -> str:
