@@ -31,6 +31,15 @@ coordinator's own error-feedback residual; the coordinator's θ is defined as
 the sum of the updates it broadcast, θ_{v+1} = θ_v + dequantize(q(u + r)), so
 every island that applies the same frames holds a bit-identical θ.
 
+Sparse codecs (``codec.up``/``codec.down = "sparse"``, ``dtrain.codec.sparse``): a sparse push's spool keeps
+its checked body (scales ‖ counts ‖ records) and its checker's layout (the chunks' counts and record offsets,
+O(model / chunk)); each slab reads those chunks' scales and records and adds them into the dense Δ slab
+(``codec.sparse_add``), so memory stays O(slab) per push as with the dense codecs. A sparse update keeps
+exactly the entries where the merged Δ is non-zero (the union of the pushes' supports), quantized with
+``codec.sparse_bits``; whatever it leaves out, off the union too, stays in the down residual. Its records
+are written in slab order after room for the counts, which are written last. ``outer.rule = "sparseloco"``
+makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.outer.outer_update``).
+
 Guards against a poisoned delta:
 
 - Each spool (``coordinator.spool``) measures its push's L2 norm as the frame

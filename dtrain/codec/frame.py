@@ -7,19 +7,22 @@ Frame layout (all integers little endian)
     offset size  field
      0      4    magic        b"DTRC"
      4      1    version      u8, currently 1
-     5      1    bits code    u8: 8, 4, 32, or 0xE3 for "e3m0"
+     5      1    bits code    u8: 8, 4, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8"
      6      2    reserved     u16, must be 0
      8      4    block        u32, even, in [64, 65536]
     12      8    n            u64, number of values
     20      8    scales_len   u64, bytes of scales = 4·ceil(n/block) (0 for bits=32)
-    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32)
+    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32); sparse:
+                              counts ‖ records, whatever the counts make (at most what the receiver's
+                              per-chunk bound allows)
     36      8    body_len     u64, bytes of compressed body following the header
     44      4    crc32        u32, zlib CRC32 of header bytes [0, 44) followed by the body
     48   body_len body        one zstd frame; decompresses to exactly
                               scales (float32 LE, one per block, in order) ‖ payload
 
 The frame is exactly 48 + body_len bytes. The scales and the payload codes are
-described in ``dtrain.codec.quant``. Scales come first, so a reader checks all
+described in ``dtrain.codec.quant`` (sparse schemes: ``dtrain.codec.sparse``; their ``block`` is the
+chunk). Scales come first, so a reader checks all
 of them (n/block floats) before the first code arrives.
 
 Writing. :func:`write_frame` writes a frame to a seekable binary file from
@@ -43,7 +46,9 @@ every input piece, that it does not run past body_len, then zstd's own errors
 holds more than 1 MiB of window) and a decompression bounded by scales_len + payload_len (a "zip bomb" that
 expands beyond it is stopped after at most one output piece); all scales
 (finite, ≥ 0 and small enough that dequantized values stay finite) before any
-code; every code as it is decompressed (no invalid code); and at the end
+code; every code as it is decompressed (no invalid code; sparse: the counts against the chunk
+and the receiver's ``max_count``, then every chunk's record, indices and padding,
+by :class:`~dtrain.codec.sparse.SparseChecker`); and at the end
 (:meth:`FrameValidator.finish`) a truncated header or body, the CRC32, the
 exact decompressed size and the padding nibble. :func:`decode` feeds a whole
 frame through it. Hence nothing that :func:`decode` returns can dequantize to
