@@ -349,9 +349,11 @@ class SparseChecker:
         self.sum_squares += float(np.dot(per_chunk, self.scales_sq[first:end]))
 
     def finish(self) -> None:
-        """Every chunk's record arrived and was checked."""
+        """Every chunk's record arrived and was checked. The checker then keeps only its layout (counts, record
+        offsets) and the sum of squares."""
         if self.counts is None or self._done != self.n_chunks or self._buf:
             raise CodecError(f"sparse body truncated: {self._done} of {self.n_chunks} chunks complete")
+        self.out = None  # the sink (a spool's method) is not held past the frame: no reference cycle
 
     @property
     def norm(self) -> float:
