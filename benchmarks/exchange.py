@@ -93,9 +93,10 @@ def _codec_list(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     from dtrain.codec import CODEC_BITS
 
-    bad = [x for x in out if x not in CODEC_BITS]
+    names = (*CODEC_BITS, "sparse")
+    bad = [x for x in out if x not in names]
     if not out or bad:
-        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(CODEC_BITS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(names)}, got {text!r}")
     return out
 
 
