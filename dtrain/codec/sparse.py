@@ -9,9 +9,10 @@ header's ``block`` is the chunk size C, its bits code 0x52, 0x54 or 0x58), with 
 and a chunk's record is its kept entries' index gaps (u16 each) followed by their codes (b bits each, packed
 low bits first, ``ceil(count·b/8)`` bytes; the unused high bits of the last byte are 0).
 
-Selection. An island keeps the top ``k = max(1, round(density·C))`` entries of every chunk by magnitude (ties: the
-lower index; a last, partial chunk keeps min(k, its size)); the coordinator's update keeps exactly the entries
-its merged pushes touched (the union of their supports; :func:`sparse_quantize_segment` with a ``mask``).
+Selection. An island keeps the top ``k = max(1, round(density·C))`` entries of every chunk by magnitude
+(which of equal magnitudes at the cut is kept is unspecified; a last, partial chunk keeps min(k, its size));
+the coordinator's update keeps exactly the entries its merged pushes touched (the union of their supports;
+:func:`sparse_quantize_segment` with a ``mask``).
 
 Values. A chunk's scale s is the largest kept magnitude; with L = 2^b − 1, code c ∈ 0..L stands for
 s·(2c − L)/L, i.e. for b = 2 the levels ±s/3 and ±s (no zero level: a kept entry always moves). Every code is
@@ -141,7 +142,8 @@ def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int 
 
     Args:
         bits: the scheme; chunk: values per chunk; x: finite float32, 1-D (not checked here).
-        k: entries kept per chunk (top by magnitude; ties to the lower index); or None with ``mask``.
+        k: entries kept per chunk (top by magnitude; equal magnitudes at the cut: any of them); or None with
+            ``mask``.
         mask: bool, the shape of ``x``: keep these entries (the coordinator's update: its pushes' union).
 
     Returns:
@@ -163,7 +165,7 @@ def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int 
         if full:
             mag = np.abs(x[:full * chunk].reshape(full, chunk))
             kk = min(k, chunk)
-            # stable order: by magnitude, descending, ties to the lower index
+            # the k largest magnitudes of each row (np.argpartition), then in index order
             top = np.argpartition(-mag, kk - 1, axis=1)[:, :kk] if kk < chunk else \
                 np.broadcast_to(np.arange(chunk), (full, chunk))
             top = np.sort(top, axis=1)
