@@ -310,14 +310,17 @@ def run_concurrently(n: int, fn: Callable[[int], Any]) -> list[tuple[float, floa
 
 
 def make_frames(codec_name: str, n_params: int, count: int, block: int, level: int) -> list[bytes]:
-    """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state)."""
+    """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state);
+    ``codec_name`` is a ``codec.up`` value (sparse: the default config's chunk, bits and density)."""
     from dtrain import codec
-    from dtrain.codec import CODEC_BITS
+    from dtrain.config import CodecConfig
 
+    k = CodecConfig(block=block)
+    bits, blk = k.scheme(codec_name)
     frames = []
     for i in range(count):
         delta = np.random.default_rng(1000 + i).standard_normal(n_params, dtype=np.float32)
         delta *= np.float32(1e-3)
-        frames.append(codec.encode(codec.quantize(delta, CODEC_BITS[codec_name], block), level))
+        frames.append(codec.encode(codec.quantize(delta, bits, blk, k.density), level))
         del delta
     return frames

@@ -54,7 +54,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 from _common import finish, fmt_or_na, log, met
 
 from dtrain import config as config_mod
-from dtrain.config import Config, load_config
+from dtrain.config import Config, load_config, merge_rule
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.fault_spec import parse_fault
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dtrain-adversary-"))
     co = cfg.coordinator
     log(f"config {args.config}: {ISLANDS} islands, {cfg.train.steps} steps, H={cfg.outer.inner_steps}; merge_rule "
-        f"{co.merge_rule}, round_norm_ratio {co.round_norm_ratio:g}, max_rejections {co.max_rejections}; attacks "
+        f"{merge_rule(cfg)}, round_norm_ratio {co.round_norm_ratio:g}, max_rejections {co.max_rejections}; attacks "
         f"{', '.join(args.chosen)}; runs under {work}")
     clean, _, _, error = _simulate(cfg, "fault-free", [], args, work)
     if clean is None:
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append(verdict(name, summary, events, attack.byzantine, side or None, error))
     f = figures(clean, old, results)
     _print_results(clean, results)
-    print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f} ({co.merge_rule})"
+    print(f"\nfault-free: eval loss {clean['final_eval_loss']:.4f} ({merge_rule(cfg)})"
           + (f", with the old defaults {old['final_eval_loss']:.4f} (mean)" if old else ""))
     out = {"figures": f, "targets": TARGETS, "attacks": results, "fault_free": clean["final_eval_loss"],
            "fault_free_old_defaults": old["final_eval_loss"] if old else None}

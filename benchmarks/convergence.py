@@ -18,6 +18,9 @@ step); diloco pushes its pseudo-gradient each round and pulls the new θ before
 every round but the first (4P each way). Last line:
 
   convergence: islands=N H=H rounds=R diloco/dp eval-loss ratio=X diloco/single ratio=Y comm reduction=Cx
+    int8/fp32=.. int8 comm reduction=..x int4/fp32=.. int4 comm reduction=..x sparse/fp32=.. sparse comm reduction=..x
+
+(sparse: SparseLoCo, the sparse codec both ways, outer.rule=sparseloco; its update's density per round is logged.)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from coordinator.merger import MergeOptions, Merger
 from dtrain import codec, config
 from dtrain.config import load_config
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
-from dtrain.outer import OuterHParams
+from dtrain.outer import OuterHParams, feedback_decay
 from dtrain.prepare import prepare
 from dtrain.runs import FP32_BYTES
 from dtrain.step import make_mesh
@@ -64,8 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
     p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
-    p.add_argument("--codecs", default="int8,int4", help="DiLoCo variants through the production codec + merger "
-                   "path (both directions quantized, error feedback); '' for none")
+    p.add_argument("--codecs", default="int8,int4,sparse", help="DiLoCo variants through the production codec + "
+                   "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
+                   "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
+                   "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
+    p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
+                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
                    "trimmed_mean, median, clipped_mean): each codec variant is run once per rule, side by side "
                    "(named diloco-CODEC-RULE), for the fault-free cost of a robust rule; '': the config's rule")
@@ -160,13 +167,15 @@ def main(argv: list[str] | None = None) -> dict:
         k = phase.codec
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
         merge_cfg = config.replace(phase, codec={"up": name, "down": name, "error_feedback": True},
-                                   coordinator={"mode": "sync", "merge_rule": rule})
+                                   coordinator={"mode": "sync", "merge_rule": rule},
+                                   outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
-        bits = merger.opts.up_bits
-        feedback = [codec.ErrorFeedback(theta_w.size, bits, k.block) if bits != 32 else None for _ in range(N)]
+        bits, block = k.scheme(name)
+        feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
+                    if bits != 32 else None for _ in range(N)]
         islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                    for i in range(N)]
-        global_vec, wire, curve = theta_w.copy(), 0, []
+        global_vec, wire, curve, density = theta_w.copy(), 0, [], []
         for steps in round_lengths(T, H):
             for isl, ef in zip(islands, feedback, strict=True):
                 isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                 advance(loop, isl, steps, B, record_loss)
                 _, local = codec.flatten(jax.device_get(isl.state.params))
                 delta = global_vec - local
-                frame = codec.encode(ef.compress(delta) if ef else codec.quantize(delta, bits, k.block),
+                frame = codec.encode(ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density),
                                      k.zstd_level)
                 wire += len(frame)  # push
                 with merger.spool() as spool:
@@ -183,11 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
                     merger.add_pending(spool, isl.tokens - before)
             update = merger.outer_step()
             wire += N * len(update.frame)  # every island pulls the update
+            density.append(update_density(update.frame, global_vec.size))
             global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
             assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
             curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
         results[label] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
                           "bytes": wire, "merge_rule": rule}
+        if codec.is_sparse(bits):
+            results[label]["update_density"] = density
+            log(f"{label}: update density per round (push density {k.max_count / block:.4f}): "
+                + " ".join(f"{d:.4f}" for d in density))
         log(f"{label}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
 
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
@@ -208,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<13} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
     print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
-          f"nesterov={base.outer.nesterov}; wall {time.perf_counter() - t0:.0f}s")
+          f"nesterov={base.outer.nesterov}; sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
+          f"bits={base.codec.sparse_bits} sparseloco lr={base.outer.sparseloco_lr} "
+          f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
     if args.process:
         out["process"] = compare_process_mode(base, N, log)
@@ -218,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         c = results["dp"]["bytes"] / results["diloco"]["bytes"]
         out.update(x=x, y=y, comm_reduction=c)
         extra = ""
-        for name in ("int8", "int4"):
+        for name in ("int8", "int4", "sparse"):
             if f"diloco-{name}" in results:
                 r = results[f"diloco-{name}"]
                 extra += (f" {name}/fp32={r['eval_loss'] / results['diloco']['eval_loss']:.4f}"
@@ -237,6 +253,14 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def update_density(frame: bytes, n: int) -> float:
+    """The fraction of the values a sparse update frame carries (0 for a dense one)."""
+    q = codec.decode(frame, expected_n=n)
+    if not codec.is_sparse(q.bits):
+        return 0.0
+    return float(np.frombuffer(q.payload, "<u2", count=q.scales.size).sum()) / n
 
 
 def compare_process_mode(base, N: int, log) -> dict:

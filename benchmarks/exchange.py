@@ -17,7 +17,10 @@ a real GPT config: configs/small.toml with model overrides):
      N·4·P / s (fp32 bytes of deltas merged per second).
   3. compression ratio per codec (codec.compression_ratio) on an actual
      pseudo-gradient θ0 − θ20 (20 AdamW steps of the same model on CPU, batch 4),
-     or on a gaussian delta with --delta gaussian.
+     or on a gaussian delta with --delta gaussian; with the encode (quantize +
+     frame) and decode (checked decode + dequantize) throughput of each codec in
+     MB/s of fp32 input, best of 3, the sparse codec (codec.density of each
+     codec.sparse_chunk, codec.sparse_bits bits) beside int8.
   4. the coordinator's peak RSS (VmHWM, read just before SIGTERM) over the model's
      fp32 size, per run; also net of a no-model coordinator's VmHWM (the runtime).
   5. where the coordinator's CPU goes per pushed frame (in this process, one
@@ -95,9 +98,10 @@ def _codec_list(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     from dtrain.codec import CODEC_BITS
 
-    bad = [x for x in out if x not in CODEC_BITS]
+    names = (*CODEC_BITS, "sparse")
+    bad = [x for x in out if x not in names]
     if not out or bad:
-        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(CODEC_BITS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(names)}, got {text!r}")
     return out
 
 
@@ -305,20 +309,34 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
                 f"batch {batch}x{cfg.model.seq_len}, corpus {s.corpus.description}")
 
 
-def ratios(delta: np.ndarray, block: int, level: int) -> dict[str, dict[str, float]]:
+def ratios(delta: np.ndarray, codec_cfg, level: int, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Per codec (fp32, int8, int4, e3m0, sparse at the config's codec.density / sparse_chunk / sparse_bits): the
+    frame's size and ratio, its relative L2 error, and the best of ``repeats`` timings of encode (quantize +
+    frame) and decode (the checked decode + dequantize), as MB/s of fp32 input."""
     from dtrain import codec
-    from dtrain.codec import CODEC_BITS
 
     out = {}
     norm = float(np.linalg.norm(delta))
-    for name in ("fp32", "int8", "int4", "e3m0"):
-        t0 = time.perf_counter()
-        q = codec.quantize(delta, CODEC_BITS[name], block)
-        frame = codec.encode(q, level)
-        enc_s = time.perf_counter() - t0
-        err = float(np.linalg.norm(codec.dequantize(q) - delta)) / norm if norm > 0 else 0.0
+    for name in ("fp32", "int8", "int4", "e3m0", "sparse"):
+        bits, block = codec_cfg.scheme(name)
+        enc, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            q = codec.quantize(delta, bits, block, codec_cfg.density)
+            frame = codec.encode(q, level)
+            t1 = time.perf_counter()
+            values = codec.dequantize(codec.decode(frame, expected_n=delta.size))
+            t2 = time.perf_counter()
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+        err = float(np.linalg.norm(values - delta)) / norm if norm > 0 else 0.0
         out[name] = {"frame_bytes": len(frame), "ratio": codec.compression_ratio(delta.size, len(frame)),
-                     "rel_l2_error": err, "encode_s": enc_s}
+                     "rel_l2_error": err, "encode_s": min(enc), "decode_s": min(dec),
+                     "encode_mb_s": FP32 * delta.size / min(enc) / MB, "decode_mb_s": FP32 * delta.size / min(dec) / MB}
+        if codec.is_sparse(bits):
+            kept = int(np.count_nonzero(values))
+            out[name]["bits_per_kept_value"] = 8 * len(frame) / max(kept, 1)
+            out[name]["density"] = kept / delta.size
     return out
 
 
@@ -465,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             delta = np.random.default_rng(7).standard_normal(n_params, dtype=np.float32) * np.float32(1e-3)
             how = "gaussian: normal x 1e-3"
-        comp = ratios(delta, block, level)
+        comp = ratios(delta, base.codec, level)
         del delta
         gauss_comp = comp if args.delta == "gaussian" else None
         out["compression"] = {"delta": how, "codecs": comp}
@@ -523,11 +541,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"best of {args.repeats} rounds; {os.cpu_count()} CPUs shared by clients and server")
 
     print(f"\n1. compression ({how})")
-    print(f"{'codec':<6} {'frame bytes':>14} {'ratio':>7} {'gauss ratio':>11} {'rel L2 err':>10} {'encode s':>9}")
+    print(f"{'codec':<6} {'frame bytes':>14} {'ratio':>8} {'gauss ratio':>11} {'rel L2 err':>10} {'encode s':>9} "
+          f"{'enc MB/s':>9} {'dec MB/s':>9}")
     for name, c in comp.items():
         g = (gauss_comp or {}).get(name, {}).get("ratio", gauss_frame_ratio.get(name, float("nan")))
-        print(f"{name:<6} {c['frame_bytes']:>14,} {c['ratio']:>7.3f} {g:>11.3f} {c['rel_l2_error']:>10.4f} "
-              f"{c['encode_s']:>9.2f}")
+        print(f"{name:<6} {c['frame_bytes']:>14,} {c['ratio']:>8.3f} {g:>11.3f} {c['rel_l2_error']:>10.4f} "
+              f"{c['encode_s']:>9.2f} {c['encode_mb_s']:>9.0f} {c['decode_mb_s']:>9.0f}")
+    sp = comp["sparse"]
+    print(f"sparse: {base.codec.sparse_bits}-bit values, density {sp['density']:.4f} of chunks of "
+          f"{base.codec.sparse_chunk}, {sp['bits_per_kept_value']:.2f} bits per kept value on the wire "
+          "(the rel L2 error is one round's: error feedback carries the rest)")
 
     print("\n2. raw Python gRPC, loopback, bytes serializers (each stream sends one fp32 delta's bytes)")
     print(f"{'streams':>7} {'total bytes':>14} {'wall s':>8} {'MB/s':>8}")
@@ -609,6 +632,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=float)
+    i8 = comp["int8"]
+    print(f"exchange codecs: int8 ratio={i8['ratio']:.2f} encode={i8['encode_mb_s']:.0f} MB/s "
+          f"decode={i8['decode_mb_s']:.0f} MB/s; sparse ratio={sp['ratio']:.1f} encode={sp['encode_mb_s']:.0f} MB/s "
+          f"decode={sp['decode_mb_s']:.0f} MB/s (MB/s of fp32 input)")
     print(f"exchange: int8 ratio={x:.2f} 4bit ratio={y:.2f} merge/raw-grpc throughput={z:.3f} "
           f"coordinator peak-rss/model={m:.2f}")
     return out

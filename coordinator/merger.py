@@ -31,6 +31,15 @@ coordinator's own error-feedback residual; the coordinator's θ is defined as
 the sum of the updates it broadcast, θ_{v+1} = θ_v + dequantize(q(u + r)), so
 every island that applies the same frames holds a bit-identical θ.
 
+Sparse codecs (``codec.up``/``codec.down = "sparse"``, ``dtrain.codec.sparse``): a sparse push's spool keeps
+its checked body (scales ‖ counts ‖ records) and its checker's layout (the chunks' counts and record offsets,
+O(model / chunk)); each slab reads those chunks' scales and records and adds them into the dense Δ slab
+(``codec.sparse_add``), so memory stays O(slab) per push as with the dense codecs. A sparse update keeps
+exactly the entries where the merged Δ is non-zero (the union of the pushes' supports), quantized with
+``codec.sparse_bits``; whatever it leaves out, off the union too, stays in the down residual. Its records
+are written in slab order after room for the counts, which are written last. ``outer.rule = "sparseloco"``
+makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.outer.outer_update``).
+
 Guards against a poisoned delta:
 
 - Each spool (``coordinator.spool``) measures its push's L2 norm as the frame
@@ -74,8 +83,8 @@ import numpy as np
 
 from coordinator.spool import Spool, write_from
 from dtrain import codec
-from dtrain.codec import CODEC_BITS, hasher_digest, params_hasher
-from dtrain.config import Config
+from dtrain.codec import hasher_digest, params_hasher
+from dtrain.config import Config, merge_rule
 from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
@@ -103,17 +112,27 @@ class MergeOptions:
     clip_ratio: float = 1.0  # coordinator.clip_ratio: clipped_mean caps each norm at this x the median norm
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
     threads: int = 2  # coordinator.merge_threads: the outer step's threads
+    up_block: int = 0  # the pushes' block (a sparse codec's chunk: codec.sparse_chunk); 0: block
+    down_block: int = 0  # the update's block, likewise; 0: block
+    max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
+
+    @property
+    def slab(self) -> int:
+        """Values per slab of the outer step: whole blocks of both the pushes' and the update's codec."""
+        return slab_values(math.lcm(self.up_block or self.block, self.down_block or self.block))
 
     @classmethod
     def from_config(cls, cfg: Config) -> MergeOptions:
         """The merger of ``cfg``'s coordinator (merge mode: ``coordinator.mode``), with the default internal knobs
         (``dataclasses.replace`` them if needed)."""
         k = cfg.codec
-        return cls(outer=OuterHParams.from_config(cfg), up_bits=CODEC_BITS[k.up], down_bits=CODEC_BITS[k.down],
+        (up_bits, up_block), (down_bits, down_block) = k.scheme(k.up), k.scheme(k.down)
+        return cls(outer=OuterHParams.from_config(cfg), up_bits=up_bits, down_bits=down_bits,
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
-                   keep_updates=cfg.coordinator.keep_updates, rule=cfg.coordinator.merge_rule,
+                   keep_updates=cfg.coordinator.keep_updates, rule=merge_rule(cfg),
                    trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
-                   threads=cfg.coordinator.merge_threads)
+                   threads=cfg.coordinator.merge_threads, up_block=up_block, down_block=down_block,
+                   max_count=k.max_count if codec.is_sparse(up_bits) else None)
 
 
 class NonFiniteResult(ValueError):
@@ -182,14 +201,54 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path,
-                     level: int) -> tuple[int, int]:
+                     level: int, payload_size: int | None = None) -> tuple[int, int]:
     """``codec.write_frame`` to ``path`` (atomically: a .tmp file, then a rename), the payload streamed from
-    ``payload_file`` in pieces of IO_PIECE bytes; returns (frame size, CRC32 of the whole frame)."""
+    ``payload_file`` in pieces of IO_PIECE bytes; returns (frame size, CRC32 of the whole frame).
+    ``payload_size``: the payload's bytes (a sparse scheme's)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as out, open(payload_file, "rb") as src:
-        size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level)
+        size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level,
+                                      payload_size)
     tmp.replace(path)
     return size, crc
+
+
+def _read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start: int, outs: list[np.ndarray],
+                 weights: list[np.float32]) -> None:
+    """outs[i] += weights[i]·Δ_i for sparse pushes, values [start, start + outs[i].size) (whole chunks): each
+    push's scales, counts and records of those chunks read from its spool (the layout its checker kept), summed
+    into the dense slab (``codec.sparse_add``)."""
+    assert codec.is_sparse(bits)
+    count = outs[0].size if outs else 0
+    first, end = start // chunk, -(-(start + count) // chunk)
+    scales = np.empty(end - first, "<f4")
+    for p, out, weight in zip(pending, outs, weights, strict=True):
+        layout = p.spool.sparse
+        assert layout is not None and layout.counts is not None and layout.record_offsets is not None
+        n_chunks = layout.counts.size
+        _read_into(p.spool.fd, scales, 4 * first)
+        lo, hi = int(layout.record_offsets[first]), int(layout.record_offsets[end])
+        records = np.empty(hi - lo, np.uint8)
+        _read_into(p.spool.fd, records, 4 * n_chunks + lo)
+        codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
+
+
+class _SparseDown:
+    """The sparse update's payload file, written in order: the chunks' records after room for the counts, then
+    the counts (u16 per chunk) at the front, then the file cut to its size."""
+
+    def __init__(self, fd: int, n: int, chunk: int):
+        self.fd, self.counts = fd, np.zeros(-(-n // chunk), "<u2")
+        self.offset = 2 * self.counts.size
+
+    def append(self, first: int, counts: np.ndarray, records: bytes) -> None:
+        self.counts[first:first + counts.size] = counts
+        write_from(self.fd, records, self.offset)
+        self.offset += len(records)
+
+    def close(self) -> None:
+        write_from(self.fd, self.counts, 0)
+        os.ftruncate(self.fd, self.offset)
 
 
 def _install_file(src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
@@ -314,8 +373,9 @@ class Merger:
         """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
         with self._spare_lock:
             spare = self._spare_spools.pop() if self._spare_spools else None
-        return Spool(self.spool_dir, self.n, self.opts.up_bits, self.opts.block, spare=spare,
-                     release=self._release_spool)
+        o = self.opts
+        return Spool(self.spool_dir, self.n, o.up_bits, o.up_block or o.block, spare=spare,
+                     release=self._release_spool, max_count=o.max_count)
 
     def _release_spool(self, fd: int, path: Path) -> bool:
         """A closed spool's file, kept for the next push (True) unless enough are kept already."""
@@ -363,8 +423,8 @@ class Merger:
     def pending_sum(self) -> np.ndarray:
         """Σ w·Δ over the pending pushes, in memory (a full copy: for tests and tools)."""
         out = np.zeros(self.n, np.float32)
-        for s in range(0, self.n, slab_values(self.opts.block)):
-            self._sum_pending(s, out[s:s + slab_values(self.opts.block)], np.float32(1.0))
+        for s in range(0, self.n, self.opts.slab):
+            self._sum_pending(s, out[s:s + self.opts.slab], np.float32(1.0))
         return out
 
     def _sum_pending(self, start: int, out: np.ndarray, scale: np.float32) -> None:
@@ -384,6 +444,9 @@ class Merger:
         """outs[i] += weights[i]·Δ_i for each pending push i, values [start, start + outs[i].size)."""
         o = self.opts
         count = outs[0].size if outs else 0
+        if codec.is_sparse(o.up_bits):
+            _read_sparse(self.pending, o.up_bits, o.up_block or o.block, start, outs, weights)
+            return
         first_block, end_block = start // o.block, -(-(start + count) // o.block)
         n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
         scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
@@ -426,7 +489,8 @@ class Merger:
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
         payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame_file
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
-        scales = np.zeros(codec.n_scales(o.down_bits, self.n, o.block), np.float32)
+        down_block = o.down_block or o.block
+        scales = np.zeros(codec.n_scales(o.down_bits, self.n, down_block), np.float32)
         fds: dict[str, int] = {}
         try:
             for name in self.names:
@@ -437,6 +501,7 @@ class Merger:
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
             digest, theta_norm = self._step_slabs(fds, scales)
+            payload_size = os.fstat(fds["payload"]).st_size if codec.is_sparse(o.down_bits) else None
         except BaseException:  # a non-finite result, or an I/O error: nothing is committed
             for path in tmp.values():
                 path.unlink(missing_ok=True)
@@ -444,7 +509,8 @@ class Merger:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        size, crc = write_frame_file(frame_path, o.down_bits, o.block, self.n, scales, payload_path, o.zstd_level)
+        size, crc = write_frame_file(frame_path, o.down_bits, down_block, self.n, scales, payload_path, o.zstd_level,
+                                     payload_size)
         self._commit(new, tmp)
         self.digest, self.theta_norm = digest, theta_norm
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
@@ -459,16 +525,19 @@ class Merger:
         order; returns its digest and L2 norm. ``fds``: the open state files (``name`` read, ``name_new``
         written) and the update's ``payload``; ``scales``: filled with the update's quantization scales."""
         o = self.opts
-        slab = slab_values(o.block)
+        slab = o.slab
         inv_w = np.float32(1.0 / self.total_weight)
         hasher = params_hasher()
         theta_sq = 0.0
+        down = _SparseDown(fds["payload"], self.n, o.down_block or o.block) if codec.is_sparse(o.down_bits) else None
 
         def digest(done: futures.Future) -> None:
             nonlocal theta_sq
-            theta, sq = done.result()
+            theta, sq, sparse = done.result()
             hasher.update(memoryview(theta).cast("B"))
             theta_sq += sq
+            if down is not None:
+                down.append(*sparse)  # the sparse update's records, in order
 
         with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
             window: collections.deque[futures.Future] = collections.deque()
@@ -478,6 +547,8 @@ class Merger:
                     digest(window.popleft())
             while window:
                 digest(window.popleft())
+        if down is not None:
+            down.close()
         return hasher_digest(hasher), math.sqrt(theta_sq)
 
     def _merged_delta(self, s: int, e: int, inv_w: np.float32) -> np.ndarray:
@@ -492,9 +563,10 @@ class Merger:
         return coordinate_median(self._stack_pending(s, e - s))
 
     def _step_slab(self, s: int, e: int, inv_w: np.float32, fds: dict[str, int],
-                   scales: np.ndarray) -> tuple[np.ndarray, float]:
+                   scales: np.ndarray) -> tuple[np.ndarray, float, tuple]:
         """The outer step of values [s, e): writes the new momentum, residual and θ slabs and the update's codes;
-        returns the new θ slab and its sum of squares. Raises NonFiniteResult before writing a non-finite value."""
+        returns the new θ slab, its sum of squares and (sparse update) its chunks' (first chunk, counts,
+        records), which the caller writes in order. Raises NonFiniteResult before writing a non-finite value."""
         o = self.opts
         delta = self._merged_delta(s, e, inv_w)
         m = np.empty(e - s, np.float32)
@@ -509,7 +581,20 @@ class Merger:
             with np.errstate(over="ignore", invalid="ignore"):
                 u += r
         self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
-        if o.down_bits == 32:
+        sparse: tuple = ()
+        if codec.is_sparse(o.down_bits):  # the entries the merged pushes touched (their union), sparse-coded
+            chunk = o.down_block or o.block
+            sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=delta != 0)
+            scales[s // chunk: s // chunk + sc.size] = sc
+            sparse = (s // chunk, counts, records)
+            applied = np.zeros(e - s, np.float32)
+            codec.sparse_add(o.down_bits, chunk, sc, counts, records, applied)
+            if self.feedback:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    u -= applied  # what the broadcast left out (everything off the union, too)
+                self._check_finite("residual", s, u)
+                write_from(fds["residual_new"], u, 4 * s)
+        elif o.down_bits == 32:
             applied = u
             write_from(fds["payload"], applied, 4 * s)
         else:
@@ -528,7 +613,7 @@ class Merger:
             theta += applied  # θ is the sum of what was broadcast
         self._check_finite("theta", s, theta)
         write_from(fds["theta_new"], theta, 4 * s)
-        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64))
+        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64)), sparse
 
     def _commit(self, new: int, tmp: dict[str, Path]) -> None:
         """Makes ``new`` the current version: its files take their names, the old ones are kept for reuse

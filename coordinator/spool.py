@@ -97,17 +97,22 @@ class Spool:
     summing it needs no second decode. Its L2 norm is measured in the same pass (:class:`BodyNorm`)."""
 
     def __init__(self, directory: Path, n: int, bits: codec.Bits, block: int,
-                 spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None):
+                 spare: tuple[int, Path] | None = None, release: Callable[[int, Path], bool] | None = None,
+                 max_count: int | None = None):
         """``spare``: an earlier spool's (fd, path) to write over; ``release(fd, path)``: offered the file on
-        close, which keeps it open and in place when it returns True."""
+        close, which keeps it open and in place when it returns True; ``max_count``: a sparse push's bound on the
+        entries of a chunk (the config's density)."""
         if spare is None:
             fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
             spare = fd, Path(name)
         self.fd, self.path = spare
         self._release = release
         self._offset = 0
-        self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append)
-        self._norm = BodyNorm(n, bits, block)
+        self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append,
+                                                                            max_count=max_count)
+        # sparse pushes: the checker measures the norm, and its layout (counts, record offsets) stays for the merge
+        self._norm = None if codec.is_sparse(bits) else BodyNorm(n, bits, block)
+        self.sparse: codec.SparseChecker | None = None
         self.size = 0  # frame bytes received
         self.complete = False
         self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it
@@ -119,7 +124,8 @@ class Spool:
 
     def _append(self, data: bytes | bytearray | memoryview) -> None:
         write_from(self.fd, data, self._offset)
-        self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
+        if self._norm is not None:
+            self._norm.feed(data)  # the piece is in cache: the norm costs no second read of the body
         self._offset += len(data)
 
     def write(self, data: bytes | memoryview, crc32: int | None = None) -> None:
@@ -134,7 +140,8 @@ class Spool:
         if self._validator is None:
             raise RuntimeError("finish() on a closed spool")
         self._validator.finish()
-        self.norm = self._norm.norm()
+        self.sparse = self._validator.sparse
+        self.norm = self._norm.norm() if self._norm is not None else self.sparse.norm if self.sparse else 0.0
         self.complete = True
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dtrain import schema
-from dtrain.codec import CODEC_BITS
+from dtrain.codec import CODEC_BITS, MAX_CHUNK, Bits, kept_per_chunk, sparse_scheme
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _OTLP_ENDPOINT = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}/?")
@@ -148,6 +148,13 @@ class OuterConfig:
     lr: float = _f(0.7, "outer learning rate (DiLoCo: 0.7)")
     momentum: float = _f(0.9, "outer momentum (DiLoCo: 0.9)")
     nesterov: bool = _f(True, "Nesterov outer momentum")
+    rule: str = _f("nesterov", "the outer update: nesterov (DiLoCo: SGD with outer.lr, outer.momentum, "
+                   "outer.nesterov) or sparseloco (SparseLoCo: no outer momentum; theta -= outer.sparseloco_lr x "
+                   "the mean of the pushes; each island's error feedback decays by outer.sparseloco_beta)",
+                   choices=("nesterov", "sparseloco"))
+    sparseloco_lr: float = _f(1.0, "sparseloco: outer learning rate applied to the mean of the sparse pushes")
+    sparseloco_beta: float = _f(0.95, "sparseloco: decay of each island's error-feedback accumulator "
+                                "(e <- beta x e + delta before the top-k), in (0, 1]")
     staleness_alpha: float = _f(0.5, "a delta s versions stale is weighted by (1+s)^-alpha")
 
 
@@ -159,12 +166,30 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    up: str = _f("int8", "codec for pushed pseudo-gradients", choices=tuple(CODEC_BITS))
-    down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless)", choices=tuple(CODEC_BITS))
+    up: str = _f("int8", "codec for pushed pseudo-gradients (sparse: top codec.density of each chunk of "
+                 "codec.sparse_chunk values, in codec.sparse_bits bits)", choices=(*CODEC_BITS, "sparse"))
+    down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless; sparse: the entries the merged "
+                   "pushes touched, in codec.sparse_bits bits)", choices=(*CODEC_BITS, "sparse"))
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for frames (1..19)")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
     error_feedback: bool = _f(True, "keep the quantization residual and add it to the next delta")
+    sparse_chunk: int = _f(4096, "sparse codec: values per chunk (even, 64..32768); one scale per chunk")
+    density: float = _f(0.02, "sparse codec: fraction of each chunk an island sends (top by magnitude), in (0, 1]; "
+                        "the coordinator refuses a push that holds more")
+    sparse_bits: int = _f(2, "sparse codec: bits per kept value (2, 4 or 8)", choices=(2, 4, 8))
+
+    def scheme(self, name: str) -> tuple[Bits, int]:
+        """The codec scheme and its block for the codec ``name`` (``up`` or ``down``'s value): a dense codec's
+        bits and ``block``, or the sparse scheme of ``sparse_bits`` and ``sparse_chunk``."""
+        if name == "sparse":
+            return sparse_scheme(self.sparse_bits), self.sparse_chunk
+        return CODEC_BITS[name], self.block
+
+    @property
+    def max_count(self) -> int:
+        """Entries a sparse push keeps per chunk (and the most the coordinator accepts)."""
+        return kept_per_chunk(self.density, self.sparse_chunk)
 
 
 @dataclass(frozen=True)
@@ -217,10 +242,12 @@ class CoordinatorConfig:
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
                              "with step rounds; no cap with wall-time rounds, where it is worth setting)")
-    merge_rule: str = _f("median", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
+    merge_rule: str = _f("auto", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
                          "a trimmed mean or the median (both unweighted), or the token-weighted mean of the pushes "
                          "each clipped to clip_ratio x the median L2 norm of the round's pushes (docs/faults.md has "
-                         "the measured cost of each)", choices=("mean", "trimmed_mean", "median", "clipped_mean"))
+                         "the measured cost of each); auto: median, or clipped_mean with a sparse codec.up (a "
+                         "per-coordinate median or trim of sparse pushes drops the entries only one push holds)",
+                         choices=("auto", "mean", "trimmed_mean", "median", "clipped_mean"))
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
     clip_ratio: float = _f(1.0, "clipped_mean: a push's L2 norm is clipped to this multiple of the median norm of "
                            "the round's pushes")
@@ -370,7 +397,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def fingerprint_fields(self) -> dict[str, str]:
-        """What must match between the coordinator and every island: model shapes, dtype, codecs (not the model's
+        """What must match between the coordinator and every island: model shapes, dtype, codecs (with a sparse codec
+        or the sparseloco rule, also the sparse codec's fields and the rule with its β; not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
         train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
         llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
@@ -378,6 +406,11 @@ class Config:
             (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
         fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
+        if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
+            # only then: every other run's fingerprint stays what it was before the sparse codec came
+            fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",
+                                                                              "density")})
+            fields.update({f"outer.{k}": str(getattr(self.outer, k)) for k in ("rule", "sparseloco_beta")})
         return fields
 
     def fingerprint(self) -> str:
@@ -506,6 +539,10 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("outer", "lr", f"must be > 0, got {o.lr}")
     if not 0.0 <= o.momentum < 1.0:
         fail("outer", "momentum", f"must be in [0, 1), got {o.momentum}")
+    if not o.sparseloco_lr > 0:
+        fail("outer", "sparseloco_lr", f"must be > 0, got {o.sparseloco_lr}")
+    if not 0.0 < o.sparseloco_beta <= 1.0:
+        fail("outer", "sparseloco_beta", f"must be in (0, 1], got {o.sparseloco_beta}")
 
 
 def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
@@ -522,11 +559,28 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
         fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
     if not 4096 <= c.chunk_bytes <= 4 << 20:
         fail("codec", "chunk_bytes", f"must be in [4096, 4194304], got {c.chunk_bytes}")
+    if c.sparse_chunk % 2 or not 64 <= c.sparse_chunk <= MAX_CHUNK:
+        fail("codec", "sparse_chunk", f"must be even and in [64, {MAX_CHUNK}], got {c.sparse_chunk}")
+    if not 0.0 < c.density <= 1.0:
+        fail("codec", "density", f"must be in (0, 1], got {c.density}")
+
+
+def merge_rule(cfg: Config) -> str:
+    """``coordinator.merge_rule`` as the coordinator merges: ``auto`` is the median, or with a sparse
+    ``codec.up`` the clipped mean (the pushes' entries rarely coincide, so a per-coordinate median or trim would
+    drop most of them)."""
+    rule = cfg.coordinator.merge_rule
+    if rule == "auto":
+        return "clipped_mean" if cfg.codec.up == "sparse" else "median"
+    return rule
 
 
 def _check_coordinator(cfg: Config, fail: _Fail) -> None:
     """[coordinator]: ports, rounds, leases, message and stream sizes (message size against codec.chunk_bytes)."""
     co, c = cfg.coordinator, cfg.codec
+    if c.up == "sparse" and co.merge_rule in ("median", "trimmed_mean"):
+        fail("coordinator", "merge_rule", f"{co.merge_rule} is per coordinate, and sparse pushes (codec.up = "
+             f"sparse) rarely hold the same entries: it would drop most of them; use clipped_mean (or auto)")
     if not 0 <= co.port <= 65535:
         fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
     if not -1 <= co.dashboard_port <= 65535:

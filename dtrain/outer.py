@@ -5,7 +5,9 @@
 - Δ = Σ w_i Δ_i / Σ w_i with w_i = tokens_i · (1 + staleness_i)^−α
   (:func:`staleness_weight`, :func:`merge_weights`);
 - θ_{v+1} = θ_v + u, with (u, m) from :func:`outer_update`: SGD with
-  (Nesterov) momentum, the outer optimizer of DiLoCo.
+  (Nesterov) momentum, the outer optimizer of DiLoCo, or (``outer.rule =
+  "sparseloco"``) plain SGD on the mean of the islands' sparse updates, whose
+  decaying error-feedback accumulators replace the momentum (SparseLoCo).
 
 The coordinator can combine a round's pushes by a robust rule instead of the
 mean (``coordinator.merge_rule``): :func:`trimmed_mean` and
@@ -42,32 +44,49 @@ class OuterHParams:
     lr: float  # outer learning rate of one merge
     momentum: float  # μ in [0, 1); 0: plain SGD, the momentum buffer is left as it is
     nesterov: bool  # Nesterov momentum (u = −lr·(Δ + μ·m)) rather than heavy ball (u = −lr·m)
+    rule: str = "nesterov"  # outer.rule: "nesterov" (DiLoCo) or "sparseloco" (u = −lr·Δ, no momentum)
 
     @classmethod
     def from_config(cls, cfg: Config, mode: str | None = None) -> OuterHParams:
-        """The outer section's lr, momentum and Nesterov flag for merges in ``mode`` (default:
-        ``coordinator.mode``). In async mode every push is merged on its own, N merges where a synchronous round
-        makes one, so each takes lr / outer.islands. The in-process rounds are synchronous: ``mode="sync"``."""
+        """The outer section's rule and its hyper-parameters for merges in ``mode`` (default:
+        ``coordinator.mode``): ``nesterov``: outer.lr, outer.momentum, outer.nesterov; ``sparseloco``:
+        outer.sparseloco_lr and no momentum. In async mode every push is merged on its own, N merges where a
+        synchronous round makes one, so each takes lr / outer.islands. The in-process rounds are synchronous:
+        ``mode="sync"``."""
         o = cfg.outer
         mode = cfg.coordinator.mode if mode is None else mode
         if mode not in ("sync", "async"):
             raise ValueError(f"merge mode must be 'sync' or 'async', got {mode!r}")
-        lr = o.lr if mode == "sync" else o.lr / o.islands
-        return cls(lr=lr, momentum=o.momentum, nesterov=o.nesterov)
+        if o.rule not in ("nesterov", "sparseloco"):
+            raise ValueError(f"outer.rule must be 'nesterov' or 'sparseloco', got {o.rule!r}")
+        sparse = o.rule == "sparseloco"
+        lr = o.sparseloco_lr if sparse else o.lr
+        lr = lr if mode == "sync" else lr / o.islands
+        return cls(lr=lr, momentum=0.0 if sparse else o.momentum, nesterov=o.nesterov and not sparse, rule=o.rule)
 
 
 def outer_update(delta: Array, momentum: Array, hp: OuterHParams) -> tuple[Array, Array]:
     """(u, m') for the merged pseudo-gradient Δ and the momentum m: m' = μ·m + Δ; u = −lr·(Δ + μ·m') with
     Nesterov, u = −lr·m' without; with μ = 0, u = −lr·Δ and m' = m. Apply as θ' = θ + u.
 
+    ``hp.rule == "sparseloco"`` (SparseLoCo): u = −lr·Δ and m' = m whatever μ: the islands' decaying
+    error-feedback accumulators stand in for the outer momentum, and Δ is already the mean of their sparse,
+    quantized updates.
+
     ``optax.sgd(lr, momentum, nesterov)`` on the same inputs (the golden oracle in tests/test_outer.py).
     Elementwise and pure: any shape, numpy or jax; the results are new arrays (the inputs are not modified),
     in the inputs' dtype (the hyper-parameters are Python floats)."""
-    if not hp.momentum:
+    if hp.rule == "sparseloco" or not hp.momentum:
         return delta * -hp.lr, momentum
     new_momentum = momentum * hp.momentum + delta
     step = delta + new_momentum * hp.momentum if hp.nesterov else new_momentum
     return step * -hp.lr, new_momentum
+
+
+def feedback_decay(cfg: Config) -> float:
+    """β of the islands' error feedback: ``outer.sparseloco_beta`` under the sparseloco rule (its accumulator,
+    e ← β·e + Δ, stands in for the outer momentum), 1 (plain error feedback) otherwise."""
+    return cfg.outer.sparseloco_beta if cfg.outer.rule == "sparseloco" else 1.0
 
 
 def staleness_weight(tokens: float, staleness: int, alpha: float) -> float:

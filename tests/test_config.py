@@ -285,3 +285,17 @@ def test_h_larger_than_steps_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"\[outer\] inner_steps: must be <= train.steps \(30\), got 50"):
         load_config(TINY, ["train.steps=30", "outer.inner_steps=50"])
     assert load_config(TINY, ["train.steps=30", "outer.inner_steps=30"]).rounds == 1
+
+
+def test_merge_rule_auto_is_the_median_or_with_sparse_pushes_the_clipped_mean():
+    """The robust default must not discard SparseLoCo's pushes: a per-coordinate median of sparse pushes keeps
+    only the entries most pushes hold (few), so auto picks the clipped mean there, and an explicit median or
+    trimmed mean with a sparse codec.up is refused naming the field."""
+    from dtrain.config import merge_rule
+
+    assert merge_rule(load_config(TINY)) == "median"
+    assert merge_rule(load_config(TINY, ["codec.up=sparse"])) == "clipped_mean"
+    assert merge_rule(load_config(TINY, ["coordinator.merge_rule=mean", "codec.up=sparse"])) == "mean"
+    for rule in ("median", "trimmed_mean"):
+        with pytest.raises(ConfigError, match=r"coordinator.*merge_rule.*sparse pushes"):
+            load_config(TINY, [f"coordinator.merge_rule={rule}", "codec.up=sparse"])

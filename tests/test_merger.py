@@ -468,3 +468,83 @@ def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
     merged = -m.theta
     assert np.linalg.norm(merged - honest) < 0.5 * np.linalg.norm(honest), m.opts.rule
     assert float(np.dot(merged, honest)) > 0.5 * float(np.dot(honest, honest))
+# --------------------------------------------------------------------------- sparse pushes and SparseLoCo
+
+SPARSE_CHUNK, DENSITY = 128, 0.05  # 6 entries per chunk; N = 3000: 23 full chunks and a partial one
+
+
+def sparse_opts(down: str = "sparse", rule: str = "sparseloco", **codec_fields: object) -> MergeOptions:
+    cfg = config.replace(Config(), codec={"up": "sparse", "down": down, "block": BLOCK, "sparse_chunk": SPARSE_CHUNK,
+                                          "density": DENSITY, **codec_fields},
+                         coordinator={"mode": "sync", "merge_rule": "mean"},  # exact sums (auto: clipped_mean)
+                         outer={"rule": rule, "sparseloco_lr": 0.8})
+    return MergeOptions.from_config(cfg)
+
+
+def _sparse_frame(vec: np.ndarray, density: float = DENSITY) -> bytes:
+    return codec.encode(codec.quantize(vec, "sparse2", SPARSE_CHUNK, density))
+
+
+def test_sparseloco_options_come_from_the_config():
+    o = sparse_opts()
+    assert o.outer == OuterHParams(lr=0.8, momentum=0.0, nesterov=False, rule="sparseloco")
+    assert (o.up_bits, o.down_bits, o.up_block, o.down_block, o.max_count) == ("sparse2", "sparse2", 128, 128, 6)
+    assert o.slab % SPARSE_CHUNK == 0 and o.slab % BLOCK == 0
+
+
+@pytest.mark.parametrize("down", ["sparse", "int8", "fp32"])
+def test_sparse_pushes_merge_into_the_sparseloco_step(down):
+    """Σ w·Δ of sparse pushes equals the dense sum; θ moves by −lr·mean (no momentum: it stays zero); a sparse
+    update touches at most the union of the pushes' entries; islands hold the coordinator's θ bit for bit."""
+    rng = np.random.default_rng(30)
+    theta = rng.normal(size=N).astype(np.float32)
+    m = Merger(theta.copy(), sparse_opts(down=down, error_feedback=False))
+    island = theta.copy()
+    for _ in range(2):
+        deltas = [rng.normal(size=N).astype(np.float32) for _ in range(3)]
+        sent = [codec.dequantize(codec.decode(_sparse_frame(d))) for d in deltas]
+        for d, w in zip(deltas, (1.0, 2.0, 1.0), strict=True):
+            with m.spool() as sp:
+                sp.write(_sparse_frame(d))
+                m.validate(sp)
+                m.add_pending(sp, w)
+        dense = sent[0] + 2 * sent[1] + sent[2]
+        np.testing.assert_allclose(m.pending_sum(), dense, rtol=1e-6, atol=1e-6)
+        before = m.theta
+        update = m.outer_step()
+        applied = codec.dequantize(codec.decode(update.frame, expected_n=N))
+        island = island + applied
+        assert np.array_equal(island, m.theta)
+        if down == "fp32":
+            np.testing.assert_allclose(m.theta, before - 0.8 * dense / 4, rtol=0, atol=1e-6)
+        if down == "sparse":
+            assert not np.any(applied[dense == 0])  # density at most the union's
+            touched = dense != 0
+            levels_err = np.abs(applied[touched] + 0.8 * dense[touched] / 4)
+            assert levels_err.max() <= 0.8 * np.abs(dense).max() / 4  # 2-bit levels of a per-chunk scale
+        np.testing.assert_array_equal(m.momentum, 0)
+
+
+def test_a_sparse_push_above_the_density_is_refused_and_changes_nothing():
+    rng = np.random.default_rng(31)
+    m = Merger(np.zeros(N, np.float32), sparse_opts())
+    with m.spool() as sp:
+        with pytest.raises(codec.CodecError, match="at most 6 entries per chunk|above the 6 per chunk"):
+            sp.write(_sparse_frame(rng.normal(size=N).astype(np.float32), density=0.1))
+            m.validate(sp)
+    assert m.pending_count == 0
+    with pytest.raises(RuntimeError, match="no pending push"):
+        m.outer_step()
+    assert np.array_equal(m.theta, np.zeros(N, np.float32)) and m.version == 0
+
+
+def test_the_spool_measures_a_sparse_push_norm():
+    rng = np.random.default_rng(32)
+    m = Merger(np.zeros(N, np.float32), sparse_opts())
+    vec = rng.normal(size=N).astype(np.float32)
+    with m.spool() as sp:
+        sp.write(_sparse_frame(vec))
+        m.validate(sp)
+        want = np.linalg.norm(codec.dequantize(codec.decode(_sparse_frame(vec))).astype(np.float64))
+        assert sp.norm == pytest.approx(want, rel=1e-6)
+    m.close()

@@ -102,6 +102,26 @@ def test_hparams_from_config():
         OuterHParams.from_config(cfg, mode="lockstep")
 
 
+def test_sparseloco_rule_is_sgd_on_the_mean_without_momentum():
+    """outer.rule = sparseloco: u = −sparseloco_lr·Δ and the momentum is left as it is (whatever outer.momentum
+    says), numpy and jax alike; async divides the lr as for nesterov; the islands' error feedback decays by β."""
+    cfg = load_config(TINY, ["outer.rule=sparseloco", "outer.sparseloco_lr=0.9", "outer.sparseloco_beta=0.8",
+                             "outer.momentum=0.5", "outer.islands=3"])
+    hp = OuterHParams.from_config(cfg)
+    assert hp == OuterHParams(lr=0.9, momentum=0.0, nesterov=False, rule="sparseloco")
+    assert OuterHParams.from_config(cfg, mode="async").lr == pytest.approx(0.3)
+    assert outer.feedback_decay(cfg) == 0.8 and outer.feedback_decay(load_config(TINY)) == 1.0
+    delta, m = np.array([1.0, -2.0], np.float32), np.array([5.0, 6.0], np.float32)
+    forced = OuterHParams(lr=0.9, momentum=0.9, nesterov=True, rule="sparseloco")  # momentum ignored
+    for h in (hp, forced):
+        u, m2 = outer.outer_update(delta, m, h)
+        np.testing.assert_allclose(u, [-0.9, 1.8])
+        assert m2 is m
+        ju, jm = outer.outer_update(jnp.asarray(delta), jnp.asarray(m), h)
+        np.testing.assert_allclose(np.asarray(ju), u)
+        np.testing.assert_array_equal(np.asarray(jm), m)
+
+
 HP = OuterHParams(lr=0.7, momentum=0.9, nesterov=True)
 
 

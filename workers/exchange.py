@@ -23,7 +23,7 @@ import numpy as np
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from dtrain import codec
-from dtrain.codec import CODEC_BITS, params_digest
+from dtrain.codec import params_digest
 from dtrain.config import CodecConfig
 from dtrain.diloco import Island
 from dtrain.errors import DtrainError
@@ -289,11 +289,13 @@ class Uplink:
     (process 0: the others push nothing)."""
 
     def __init__(self, cfg: CodecConfig, n: int, injections: Sequence[Injection], client: CoordinatorClient,
-                 log: EventLog):
+                 log: EventLog, feedback_decay: float = 1.0):
+        """``feedback_decay``: β of the error feedback (``dtrain.outer.feedback_decay``: SparseLoCo's
+        accumulator decays; 1 otherwise)."""
         self.cfg, self.n, self.client, self.log = cfg, n, client, log
         self.injections = list(injections)
-        self.bits = CODEC_BITS[cfg.up]
-        self.feedback = codec.ErrorFeedback(n, self.bits, cfg.block) \
+        self.bits, self.block = cfg.scheme(cfg.up)
+        self.feedback = codec.ErrorFeedback(n, self.bits, self.block, feedback_decay, cfg.density) \
             if cfg.error_feedback and self.bits != 32 else None
         self.frames_sent = 0
         self.frame_bytes = 0
@@ -309,7 +311,8 @@ class Uplink:
     def _encode(self, delta: np.ndarray) -> bytes:
         """Δ quantized (with error feedback, if on) and compressed: the honest frame."""
         k = self.cfg
-        q = self.feedback.compress(delta) if self.feedback is not None else codec.quantize(delta, self.bits, k.block)
+        q = self.feedback.compress(delta) if self.feedback is not None else \
+            codec.quantize(delta, self.bits, self.block, k.density)
         return codec.encode(q, k.zstd_level)
 
     @property

@@ -49,6 +49,7 @@ from dtrain.chip_faults import DeviceFault
 from dtrain.config import ROUND_AUTO, Config
 from dtrain.diloco import Island, advance, fold_in
 from dtrain.hf import spec_of
+from dtrain.outer import feedback_decay
 from dtrain.prepare import Setup, prepare
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import ELAPSED_S, RunLog, fmt_progress, json_number, process_dir
@@ -268,7 +269,7 @@ class Worker:
                                      (self.n, self.tree_digest), self._joined_run)
         self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event)
         self.downlink = Downlink(self.puller, self.hosts, self.n, lambda: self.mailbox.island_id)
-        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event)
+        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event, feedback_decay(cfg))
         self.evaluator = Evaluator(self.setup, self.spec, self.downlink, self.mailbox, self.clock, self.log)
         self.train_log = TrainLog(cfg, self.name, self.log, self.clock, self.mailbox)
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,

@@ -162,18 +162,18 @@ def take_injection(injections: Sequence[Injection], base_version: int) -> Inject
 
 
 def corrupt_push(kind: str, delta: np.ndarray, header: pb.PushHeader, bits: codec.Bits, block: int,
-                 level: int, factor: float = 1.0) -> tuple[bytes, dict[str, Any]]:
+                 level: int, factor: float = 1.0, density: float = 0.02) -> tuple[bytes, dict[str, Any]]:
     """The frame push fault ``kind`` (nan, poison, inflate, scale or ramp) sends instead of Δ's, and what the
     ``fault_injected`` event records about it; ``header`` is changed in place where the fault says so
-    (inflate's tokens). ``factor``: what scale and ramp multiply Δ by (ramp: G^k, worked out by the caller). See
-    the module docstring."""
+    (inflate's tokens). ``factor``: what scale and ramp multiply Δ by (ramp: G^k, worked out by the caller);
+    ``density``: a sparse codec's (``codec.density``). See the module docstring."""
     if kind in PERSISTENT_FAULTS:
         scaled = delta * np.float32(factor)
-        return (codec.encode(codec.quantize(scaled, bits, block), level),
+        return (codec.encode(codec.quantize(scaled, bits, block, density), level),
                 {"what": f"the real delta x {factor:.4g}, honest tokens", "factor": factor,
                  "norm": float(np.linalg.norm(scaled)), "honest_norm": float(np.linalg.norm(delta))})
     if kind == "nan":
-        q = codec.quantize(delta, bits, block)
+        q = codec.quantize(delta, bits, block, density)
         if q.scales.size:
             scales = q.scales.copy()
             scales[0] = np.float32("nan")
@@ -185,14 +185,14 @@ def corrupt_push(kind: str, delta: np.ndarray, header: pb.PushHeader, bits: code
         return codec.encode(q, level), {"what": "the real delta with a NaN in its first block"}
     if kind == "poison":
         poisoned = delta * np.float32(POISON_FACTOR)
-        return (codec.encode(codec.quantize(poisoned, bits, block), level),
+        return (codec.encode(codec.quantize(poisoned, bits, block, density), level),
                 {"what": f"the real delta x {POISON_FACTOR:g}, honest tokens",
                  "norm": float(np.linalg.norm(poisoned)), "honest_norm": float(np.linalg.norm(delta))})
     if kind == "inflate":
         honest = header.tokens
         header.tokens = INFLATED_TOKENS
         huge = np.full(delta.size, np.finfo(np.float32).max, np.float32)
-        return (codec.encode(codec.quantize(huge, bits, block), level),
+        return (codec.encode(codec.quantize(huge, bits, block, density), level),
                 {"what": "a constant delta as large as the codec carries", "tokens": INFLATED_TOKENS,
                  "honest_tokens": honest})
     raise ValueError(f"corrupt_push: {kind!r} is not a frame fault (nan, poison, inflate, scale, ramp)")
@@ -213,7 +213,8 @@ def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb
         return encode(delta), TruncatedUpload(client, injection, log)
     injection.pushes += 1
     factor = injection.factor ** injection.pushes if injection.kind == "ramp" else injection.factor
-    frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.block, codec_cfg.zstd_level, factor)
+    frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.scheme(codec_cfg.up)[1],
+                                 codec_cfg.zstd_level, factor, codec_cfg.density)
     log("fault_injected", fault_kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
         base_version=header.base_version, **detail)
     return frame, client

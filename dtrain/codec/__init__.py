@@ -1,10 +1,13 @@
 """The delta codec: trees as flat vectors, block quantization with error feedback, zstd frames.
 
-Pure numpy + zstandard: no JAX, no pickle, no gRPC. Three modules, each
+Pure numpy + zstandard: no JAX, no pickle, no gRPC. Four modules, each
 importing only the ones before it:
 
 * ``spec``: a nested dict of arrays ↔ (spec, one float32 vector); the spec's
   and the vector's digests; :class:`CodecError`.
+* ``sparse``: the sparse schemes (``"sparse2"``, ``"sparse4"``, ``"sparse8"``): per chunk, the top entries
+  by magnitude, 2 (4, 8)-bit values and gap-coded indices; their checker (:class:`SparseChecker`) and
+  :func:`sparse_add` (checked chunks summed into a dense slab).
 * ``quant``: block quantization (int8, int4, e3m0, lossless 32), error
   feedback, the checks of scales and codes, and :data:`CODEC_BITS`, the
   config's codec names → schemes.
@@ -77,6 +80,17 @@ from dtrain.codec.quant import (
     quantize,
     quantize_segment,
 )
+from dtrain.codec.sparse import (
+    MAX_CHUNK,
+    SPARSE_BITS,
+    SparseChecker,
+    is_sparse,
+    kept_per_chunk,
+    record_len,
+    sparse_add,
+    sparse_quantize_segment,
+    sparse_scheme,
+)
 from dtrain.codec.spec import (
     CodecError,
     Hasher,
@@ -97,7 +111,9 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BLOCK",
+    "MAX_CHUNK",
     "MIN_BLOCK",
+    "SPARSE_BITS",
     "WINDOW_LOG",
     "Bits",
     "CodecError",
@@ -106,6 +122,7 @@ __all__ = [
     "FrameValidator",
     "Hasher",
     "QuantizedVec",
+    "SparseChecker",
     "Spec",
     "block_sum_squares",
     "canonical_bits",
@@ -122,6 +139,8 @@ __all__ = [
     "error_feedback_step",
     "flatten",
     "hasher_digest",
+    "is_sparse",
+    "kept_per_chunk",
     "n_scales",
     "params_digest",
     "params_hasher",
@@ -129,6 +148,10 @@ __all__ = [
     "payload_offset",
     "quantize",
     "quantize_segment",
+    "record_len",
+    "sparse_add",
+    "sparse_quantize_segment",
+    "sparse_scheme",
     "spec_digest",
     "spec_size",
     "unflatten",

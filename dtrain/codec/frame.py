@@ -7,19 +7,22 @@ Frame layout (all integers little endian)
     offset size  field
      0      4    magic        b"DTRC"
      4      1    version      u8, currently 1
-     5      1    bits code    u8: 8, 4, 32, or 0xE3 for "e3m0"
+     5      1    bits code    u8: 8, 4, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8"
      6      2    reserved     u16, must be 0
      8      4    block        u32, even, in [64, 65536]
     12      8    n            u64, number of values
     20      8    scales_len   u64, bytes of scales = 4·ceil(n/block) (0 for bits=32)
-    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32)
+    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32); sparse:
+                              counts ‖ records, whatever the counts make (at most what the receiver's
+                              per-chunk bound allows)
     36      8    body_len     u64, bytes of compressed body following the header
     44      4    crc32        u32, zlib CRC32 of header bytes [0, 44) followed by the body
     48   body_len body        one zstd frame; decompresses to exactly
                               scales (float32 LE, one per block, in order) ‖ payload
 
 The frame is exactly 48 + body_len bytes. The scales and the payload codes are
-described in ``dtrain.codec.quant``. Scales come first, so a reader checks all
+described in ``dtrain.codec.quant`` (sparse schemes: ``dtrain.codec.sparse``; their ``block`` is the
+chunk). Scales come first, so a reader checks all
 of them (n/block floats) before the first code arrives.
 
 Writing. :func:`write_frame` writes a frame to a seekable binary file from
@@ -43,7 +46,9 @@ every input piece, that it does not run past body_len, then zstd's own errors
 holds more than 1 MiB of window) and a decompression bounded by scales_len + payload_len (a "zip bomb" that
 expands beyond it is stopped after at most one output piece); all scales
 (finite, ≥ 0 and small enough that dequantized values stay finite) before any
-code; every code as it is decompressed (no invalid code); and at the end
+code; every code as it is decompressed (no invalid code; sparse: the counts against the chunk
+and the receiver's ``max_count``, then every chunk's record, indices and padding,
+by :class:`~dtrain.codec.sparse.SparseChecker`); and at the end
 (:meth:`FrameValidator.finish`) a truncated header or body, the CRC32, the
 exact decompressed size and the padding nibble. :func:`decode` feeds a whole
 frame through it. Hence nothing that :func:`decode` returns can dequantize to
@@ -75,6 +80,7 @@ from dtrain.codec.quant import (
     n_scales,
     payload_len,
 )
+from dtrain.codec.sparse import MAX_CHUNK, SparseChecker, is_sparse, max_payload_len
 from dtrain.codec.spec import CodecError
 
 __all__ = [
@@ -99,7 +105,8 @@ _HEADER: Final = struct.Struct("<4sBBHIQQQQI")
 HEADER_SIZE: Final = _HEADER.size  # 48
 _CRC_OFFSET: Final = HEADER_SIZE - 4  # the CRC covers header bytes [0, 44) and the body
 
-_BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 32: 32, "e3m0": 0xE3}
+_BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 32: 32, "e3m0": 0xE3, "sparse2": 0x52, "sparse4": 0x54,
+                                      "sparse8": 0x58}
 _CODE_BITS: Final[dict[int, Bits]] = {code: bits for bits, code in _BITS_CODE.items()}
 
 _DECODE_PIECE: Final = 1 << 20  # decode's zstd output pieces: a whole frame in memory, few Python calls
@@ -126,7 +133,7 @@ def _check_level(level: Any) -> int:
 
 
 def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarray, payload: Iterable[BytesLike],
-                level: int = 3) -> tuple[int, int]:
+                level: int = 3, payload_size: int | None = None) -> tuple[int, int]:
     """Writes one frame to ``out`` (binary, seekable) from its current position: the encoder's one writer.
 
     Args:
@@ -136,6 +143,8 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         payload: the payload bytes in pieces of any size (one array in memory, or a file read piece by piece),
             ``payload_len(bits, n)`` bytes in all; each is compressed as it comes, so memory stays O(piece).
         level: the zstd level (an int in [-131072, 22]).
+        payload_size: the payload's bytes; required for a sparse scheme (its size depends on its counts), and
+            for the others, if given, must be ``payload_len(bits, n)``.
 
     Returns:
         ``(frame size, CRC32 of the whole frame)``: what the wire's chunk stream carries (the body is never read
@@ -149,7 +158,15 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         raise CodecError(f"n must be a non-negative int, got {n!r}")
     n = int(n)
     scale_array = np.ascontiguousarray(scales, dtype="<f4")
-    want_scales, want_payload = n_scales(bits, n, block), payload_len(bits, n)
+    want_scales = n_scales(bits, n, block)
+    if is_sparse(bits):
+        if payload_size is None:
+            raise CodecError(f"write_frame needs payload_size for the {bits} scheme")
+        want_payload = int(payload_size)
+    else:
+        want_payload = payload_len(bits, n)
+        if payload_size is not None and payload_size != want_payload:
+            raise CodecError(f"payload_size {payload_size} for n={n} bits={bits}, which needs {want_payload}")
     if scale_array.shape != (want_scales,):
         raise CodecError(f"write_frame got {scale_array.size} scales, n={n} block={block} bits={bits} "
                          f"needs {want_scales}")
@@ -203,12 +220,14 @@ def encode(q: QuantizedVec, level: int = 3) -> bytes:
         CodecError: a bad ``level`` or a zstd error.
     """
     out = io.BytesIO()
-    write_frame(out, q.bits, q.block, q.n, q.scales, (q.payload,), level)
+    write_frame(out, q.bits, q.block, q.n, q.scales, (q.payload,), level, payload_size=q.payload.size)
     return out.getvalue()
 
 
-def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, block: int | None) -> FrameHeader:
-    """The fixed header, checked in itself and against the n/bits/block a receiver expects (None: any)."""
+def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, block: int | None,
+                  max_count: int | None = None) -> FrameHeader:
+    """The fixed header, checked in itself and against the n/bits/block a receiver expects (None: any), and a
+    sparse frame's payload length against the most its chunks may hold (``max_count`` per chunk; None: all)."""
     magic, version, code, reserved, got_block, got_n, scales_len, got_payload, body_len, crc = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")
@@ -217,7 +236,7 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     if reserved:
         raise CodecError(f"reserved header field is {reserved}, must be 0")
     if code not in _CODE_BITS:
-        raise CodecError(f"unknown bits code {code} (known: 8, 4, 32, 0xE3 for e3m0)")
+        raise CodecError(f"unknown bits code {code} (known: 8, 4, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse)")
     got_bits = _CODE_BITS[code]
     if not MIN_BLOCK <= got_block <= MAX_BLOCK or got_block % 2:
         raise CodecError(f"block {got_block} out of range: must be even and in [{MIN_BLOCK}, {MAX_BLOCK}]")
@@ -227,8 +246,16 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     if scales_len != want_scales:
         raise CodecError(f"scales length {scales_len} inconsistent with n={got_n}, block={got_block}, "
                          f"bits={got_bits} (expected {want_scales})")
-    want_payload = payload_len(got_bits, got_n)
-    if got_payload != want_payload:
+    if is_sparse(got_bits):
+        if got_block > MAX_CHUNK:
+            raise CodecError(f"sparse chunk {got_block} out of range: at most {MAX_CHUNK}")
+        low = 2 * n_scales(got_bits, got_n, got_block)
+        high = max_payload_len(got_bits, got_n, got_block, got_block if max_count is None else max_count)
+        if not low <= got_payload <= high:
+            raise CodecError(f"sparse payload length {got_payload} outside [{low}, {high}] for n={got_n}, "
+                             f"chunk={got_block}, at most {got_block if max_count is None else max_count} "
+                             "entries per chunk")
+    elif got_payload != (want_payload := payload_len(got_bits, got_n)):
         raise CodecError(f"payload length {got_payload} inconsistent with n={got_n}, bits={got_bits} "
                          f"(expected {want_payload})")
     if (bits is not None and got_bits != bits) or (block is not None and got_block != block):
@@ -264,6 +291,8 @@ class FrameValidator:
         out: receives the decompressed body (scales ‖ payload) in order, each piece only after its checks
             (the piece is not retained: copy or write it).
         out_piece: the largest piece zstd hands out at once (bytes).
+        max_count: sparse frames: the most entries a chunk may hold (the receiver's density bound; None: the
+            whole chunk). A frame with more is refused.
 
     Raises:
         CodecError: a bad ``expected_n``, ``bits`` or ``block``.
@@ -276,7 +305,8 @@ class FrameValidator:
     """
 
     def __init__(self, expected_n: int | None, bits: Bits | None = None, block: int | None = None, *,
-                 out: Callable[[bytes | bytearray | memoryview], Any], out_piece: int = 1 << 18):
+                 out: Callable[[bytes | bytearray | memoryview], Any], out_piece: int = 1 << 18,
+                 max_count: int | None = None):
         if expected_n is not None and (isinstance(expected_n, bool) or not isinstance(expected_n, int)
                                        or expected_n < 0):
             raise CodecError(f"expected_n must be a non-negative int, got {expected_n!r}")
@@ -295,6 +325,11 @@ class FrameValidator:
         self._carry = b""  # bits=32: bytes of a float32 split across output pieces
         self._last = 0  # the last payload byte (4-bit schemes: its high nibble may be padding)
         self._closed: str | None = None
+        if max_count is not None and (isinstance(max_count, bool) or not isinstance(max_count, int)
+                                      or max_count < 1):
+            raise CodecError(f"max_count must be a positive int, got {max_count!r}")
+        self.max_count = max_count
+        self.sparse: SparseChecker | None = None  # a sparse frame's payload checker, once its scales are in
 
     def feed(self, data: bytes | bytearray | memoryview, crc32: int | None = None) -> None:
         """Takes the next piece of the frame (any size, in order) and hands the decompressed bytes it completes to
@@ -320,7 +355,7 @@ class FrameValidator:
                 crc ^= crc32_combine(zlib.crc32(head), 0, len(data))
             if len(self._head) < HEADER_SIZE:
                 return
-            header = self.header = _parse_header(self._head, self.n, self.bits, self.block)
+            header = self.header = _parse_header(self._head, self.n, self.bits, self.block, self.max_count)
             self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
             self._writer = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG).stream_writer(  # calls write
                 self, write_size=self._out_piece, write_return_read=True, closefd=False)  # type: ignore[arg-type]
@@ -348,11 +383,20 @@ class FrameValidator:
             self._scales += memoryview(data)[:start]
             self._total += start
             if self._total == header.scales_len:
-                check_scales(bits, np.frombuffer(self._scales, "<f4"), 0)
+                scales = np.frombuffer(self._scales, "<f4")
+                check_scales(bits, scales, 0)
                 self.out(self._scales)
+                if is_sparse(bits):
+                    self.sparse = SparseChecker(bits, header.block, header.n, header.payload_len,
+                                                min(header.block, self.max_count or header.block), scales,
+                                                self.out)
             if start == size:
                 return size
         piece = data if start == 0 else data[start:]
+        if self.sparse is not None:  # counts and records, each handed out once checked
+            self.sparse.feed(piece)
+            self._total += size - start
+            return size
         first = self._total - header.scales_len  # payload byte offset of this piece
         if bits == 32:
             if self._carry:
@@ -388,17 +432,21 @@ class FrameValidator:
         expected = header.scales_len + header.payload_len
         if self._total != expected or self._carry:
             raise CodecError(f"body decompresses to {self._total} bytes, header declares {expected}")
+        if self.sparse is not None:
+            self.sparse.finish()
         if header.bits in (4, "e3m0") and header.n % 2 and self._last >> 4:
             raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
 
 
-def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None) -> QuantizedVec:
+def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None,
+           max_count: int | None = None) -> QuantizedVec:
     """Parse and fully validate a whole frame (:class:`FrameValidator`; the checks are in the module docstring).
 
     Args:
         frame: the whole frame, as :func:`encode` or :func:`write_frame` wrote it.
         expected_n: the receiver's model size; pass it so a forged header cannot make the decoder read a bigger
             vector than the model (None: any n).
+        max_count: sparse frames: the most entries a chunk may hold (None: the whole chunk).
 
     Returns:
         The :class:`QuantizedVec` (:func:`dtrain.codec.dequantize` gives its values). Its arrays are read-only
@@ -408,7 +456,7 @@ def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = No
         CodecError: anything wrong with the frame (truncated, corrupt, forged, an invalid scale or code).
     """
     body = bytearray()
-    reader = FrameValidator(expected_n, out=body.extend, out_piece=_DECODE_PIECE)
+    reader = FrameValidator(expected_n, out=body.extend, out_piece=_DECODE_PIECE, max_count=max_count)
     reader.feed(frame)
     reader.finish()
     header = reader.header

@@ -50,6 +50,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from dtrain.codec.sparse import MAX_CHUNK, SPARSE_BITS, is_sparse, kept_per_chunk, sparse_dequantize, sparse_quantize
 from dtrain.codec.spec import CodecError
 
 __all__ = [
@@ -75,11 +76,11 @@ __all__ = [
     "quantize_segment",
 ]
 
-Bits = Literal[8, 4, 32, "e3m0"]
+Bits = Literal[8, 4, 32, "e3m0", "sparse2", "sparse4", "sparse8"]
 
 # The config's codec names (``codec.up`` / ``codec.down``) → quantization schemes: the one table of them.
 CODEC_BITS: Final[Mapping[str, Bits]] = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
-_CANONICAL_BITS: Final[dict[Any, Bits]] = {bits: bits for bits in CODEC_BITS.values()}
+_CANONICAL_BITS: Final[dict[Any, Bits]] = {bits: bits for bits in (*CODEC_BITS.values(), *SPARSE_BITS)}
 
 DEFAULT_BLOCK: Final = 1024
 MIN_BLOCK: Final = 64
@@ -111,11 +112,13 @@ _INT4_LEVELS: Final = np.array([[((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b
 
 
 def canonical_bits(bits: Any) -> Bits:
-    """``bits`` as one of 8, 4, 32, "e3m0" (e.g. 8.0 → 8); CodecError for anything else."""
+    """``bits`` as one of 8, 4, 32, "e3m0", "sparse2", "sparse4", "sparse8" (e.g. 8.0 → 8); CodecError for
+    anything else."""
     try:
         return _CANONICAL_BITS[bits]
     except (KeyError, TypeError):
-        raise CodecError(f"bits must be one of 8, 4, 32, 'e3m0'; got {bits!r}") from None
+        raise CodecError(f"bits must be one of 8, 4, 32, 'e3m0', 'sparse2', 'sparse4', 'sparse8'; got {bits!r}"
+                         ) from None
 
 
 def check_block(block: Any) -> int:
@@ -131,12 +134,16 @@ def check_block(block: Any) -> int:
 
 
 def n_scales(bits: Bits, n: int, block: int) -> int:
-    """How many float32 scales ``n`` values have: one per block (none for the lossless 32)."""
+    """How many float32 scales ``n`` values have: one per block (a sparse scheme's chunk; none for the lossless
+    32)."""
     return 0 if bits == 32 else -(-n // block)
 
 
 def payload_len(bits: Bits, n: int) -> int:
-    """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), 4n (32)."""
+    """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), 4n (32); sparse schemes have no fixed
+    size (CodecError)."""
+    if is_sparse(bits):
+        raise CodecError(f"a {bits} payload's size depends on its counts, not on n alone")
     return {8: n, 4: (n + 1) // 2, "e3m0": (n + 1) // 2, 32: 4 * n}[bits]
 
 
@@ -166,7 +173,14 @@ class QuantizedVec:
         check_block(self.block)
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
             raise CodecError(f"n must be a non-negative int, got {self.n!r}")
-        want_scales, want_payload = n_scales(self.bits, self.n, self.block), payload_len(self.bits, self.n)
+        if is_sparse(self.bits) and self.block > MAX_CHUNK:
+            raise CodecError(f"a sparse chunk holds at most {MAX_CHUNK} values, got {self.block}")
+        want_scales = n_scales(self.bits, self.n, self.block)
+        # sparse: at least the counts (u16 per chunk); the rest is checked by the frame reader
+        want_payload = 2 * want_scales if is_sparse(self.bits) else payload_len(self.bits, self.n)
+        if is_sparse(self.bits) and self.payload.dtype == np.uint8 and self.payload.ndim == 1 \
+                and self.payload.size >= want_payload:
+            want_payload = self.payload.size
         if self.scales.dtype != np.float32 or self.scales.shape != (want_scales,):
             raise CodecError(f"scales must be float32 of shape ({want_scales},), "
                              f"got {self.scales.dtype} {self.scales.shape}")
@@ -218,6 +232,8 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         ``x.size`` values, laid out as in the module docstring.
     """
     count = x.size
+    if is_sparse(bits):
+        raise CodecError(f"{bits} is sparse: sparse_quantize_segment codes it")
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
     n_blocks = -(-count // block)
@@ -298,7 +314,7 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
-    limit = np.float32(_F32_MAX) if bits == "e3m0" else _SCALE_MAX[_QMAX[bits]]
+    limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else _SCALE_MAX[_QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))
@@ -371,16 +387,18 @@ def _blocks_per_slab(block: int) -> int:
     return max(1, _SLAB_VALUES // block)
 
 
-def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK) -> QuantizedVec:
+def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK, density: float = 0.02) -> QuantizedVec:
     """Block-quantize a whole vector: the encoder's first half (:func:`dtrain.codec.encode` frames the result).
 
     Args:
         vec: a 1-D vector of any array-like (converted with ``np.asarray(vec, np.float32)``).
         bits: the scheme: 8, 4, 32 (lossless) or "e3m0" (:data:`CODEC_BITS` maps the config's names to them).
-        block: values per block (even, in [MIN_BLOCK, MAX_BLOCK]).
+        block: values per block (even, in [MIN_BLOCK, MAX_BLOCK]); a sparse scheme's chunk (at most MAX_CHUNK).
+        density: sparse schemes only: the fraction of each chunk kept (``dtrain.codec.sparse.kept_per_chunk``).
 
     Returns:
-        The :class:`QuantizedVec` of ``vec``: one float32 scale per block and the packed codes.
+        The :class:`QuantizedVec` of ``vec``: one float32 scale per block and the packed codes (sparse: the
+        counts and records, ``dtrain.codec.sparse``).
 
     Raises:
         CodecError: NaN/Inf in ``vec`` (naming the first index), a non-1-D input, or bad ``bits``/``block``.
@@ -400,9 +418,17 @@ def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK) -> QuantizedV
         if not finite.all():
             index = start + int(np.argmin(finite))
             raise CodecError(f"non-finite value {x[index]} at index {index}: refusing to encode NaN/Inf")
+        if is_sparse(bits):
+            continue
         s, p = quantize_segment(bits, block, segment)
         scales.append(s)
         payloads.append(p)
+    if is_sparse(bits):
+        if block > MAX_CHUNK:
+            raise CodecError(f"a sparse chunk holds at most {MAX_CHUNK} values, got {block}")
+        kept_per_chunk(density, block)  # checks the density
+        sc, payload = sparse_quantize(x, bits, block, density)
+        return QuantizedVec(bits=bits, block=block, n=n, scales=sc, payload=payload)
     return QuantizedVec(
         bits=bits, block=block, n=n,
         scales=np.concatenate(scales) if scales else np.empty(0, np.float32),
@@ -418,6 +444,8 @@ def dequantize(q: QuantizedVec) -> np.ndarray:
     Returns:
         A fresh float32 array of length ``q.n``.
     """
+    if is_sparse(q.bits):
+        return sparse_dequantize(q.bits, q.block, q.n, q.scales, q.payload)
     out = np.empty(q.n, np.float32)
     slab_blocks = _blocks_per_slab(q.block)
     slab = slab_blocks * q.block
@@ -430,9 +458,9 @@ def dequantize(q: QuantizedVec) -> np.ndarray:
     return out
 
 
-def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8,
-                        block: int = DEFAULT_BLOCK) -> tuple[QuantizedVec, np.ndarray]:
-    """Pure error feedback: quantize delta + residual; the new residual is what quantization dropped.
+def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8, block: int = DEFAULT_BLOCK,
+                        decay: float = 1.0, density: float = 0.02) -> tuple[QuantizedVec, np.ndarray]:
+    """Pure error feedback: quantize delta + decay·residual; the new residual is what quantization dropped.
 
     Summed over rounds, Σ dequantize(q_t) = Σ delta_t − residual_T, so the
     transmitted sum trails the true sum by one round's quantization error at
@@ -442,10 +470,13 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8,
         delta: this round's 1-D delta (converted to float32).
         residual: float32, the shape of ``delta``: what earlier rounds' quantization dropped. Its buffer is not
             modified (the new residual is a fresh array).
-        bits, block: the scheme and block size, as in :func:`quantize`.
+        bits, block, density: the scheme, block size (sparse: chunk) and density, as in :func:`quantize`.
+        decay: β, the factor the residual is carried with (1: plain error feedback; below 1: SparseLoCo's
+            accumulator, e ← β·e + Δ, which lets old, unsent mass fade).
 
     Returns:
-        ``(q, new_residual)``: the quantized ``delta + residual`` and what its quantization dropped.
+        ``(q, new_residual)``: the quantized ``delta + decay·residual`` and what its quantization dropped
+        (with a sparse scheme: everything not sent, exactly, plus the kept values' rounding).
 
     Raises:
         CodecError: shapes that differ, or what :func:`quantize` raises (NaN/Inf); then nothing changes.
@@ -453,8 +484,8 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8,
     delta = np.asarray(delta, dtype=np.float32)
     if delta.shape != residual.shape:
         raise CodecError(f"delta has shape {delta.shape}, residual has shape {residual.shape}")
-    corrected = delta + residual
-    q = quantize(corrected, bits, block)
+    corrected = delta + residual if decay == 1 else delta + residual * np.float32(decay)
+    q = quantize(corrected, bits, block, density)
     new_residual = np.subtract(corrected, dequantize(q), out=corrected)  # reuse the buffer
     return q, new_residual
 
@@ -464,22 +495,31 @@ class ErrorFeedback:
 
     Args:
         n: the vector's length (the model's parameter count).
-        bits, block: the scheme and block size every round is quantized with, as in :func:`quantize`.
+        bits, block, density: the scheme, block size and (sparse) density every round is quantized with, as in
+            :func:`quantize`.
+        decay: β of :func:`error_feedback_step` (1: plain error feedback).
 
     Raises:
-        CodecError: bad ``bits`` or ``block``.
+        CodecError: bad ``bits``, ``block``, ``density`` or ``decay``.
     """
 
-    def __init__(self, n: int, bits: Bits = 8, block: int = DEFAULT_BLOCK):
+    def __init__(self, n: int, bits: Bits = 8, block: int = DEFAULT_BLOCK, decay: float = 1.0,
+                 density: float = 0.02):
         self.bits: Bits = canonical_bits(bits)
         self.block = check_block(block)
+        if not 0 < decay <= 1:
+            raise CodecError(f"error-feedback decay must be in (0, 1], got {decay!r}")
+        if is_sparse(self.bits):
+            kept_per_chunk(density, self.block)
+        self.decay, self.density = float(decay), float(density)
         self.residual = np.zeros(n, np.float32)
 
     def compress(self, delta_vec: Any) -> QuantizedVec:
         """Quantizes ``delta_vec`` (1-D, length ``n``) plus the residual and keeps what was dropped as the new
         residual; returns the :class:`QuantizedVec` to frame. On CodecError (NaN/Inf, a wrong length) the
         residual is unchanged."""
-        q, self.residual = error_feedback_step(delta_vec, self.residual, self.bits, self.block)
+        q, self.residual = error_feedback_step(delta_vec, self.residual, self.bits, self.block, self.decay,
+                                               self.density)
         return q
 
     def reset(self) -> None:

@@ -1,0 +1,194 @@
+"""dtrain.codec.sparse: top-k selection, 2/4/8-bit values, gap-coded indices, the checks of hostile frames, and
+error feedback with a decaying accumulator (SparseLoCo). numpy only; runs in seconds."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from dtrain import codec
+from dtrain.codec import CodecError, ErrorFeedback, decode, dequantize, encode, quantize
+from dtrain.config import ConfigError, load_config
+
+CHUNK = 256
+SPARSE = ["sparse2", "sparse4", "sparse8"]
+
+
+def _x(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", SPARSE)
+@pytest.mark.parametrize("n", [1, 255, 256, 1000, 4097])
+def test_round_trip_keeps_the_top_k_of_every_chunk(bits: codec.Bits, n: int) -> None:
+    x = _x(n)
+    k = codec.kept_per_chunk(0.03, CHUNK)  # 8 of 256
+    frame = encode(quantize(x, bits, CHUNK, density=0.03))
+    q = decode(frame, expected_n=n, max_count=k)
+    assert q.bits == bits and q.block == CHUNK
+    got = dequantize(q)
+    levels = (1 << codec.SPARSE_BITS[bits]) - 1
+    for s in range(0, n, CHUNK):
+        chunk = x[s:s + CHUNK]
+        kept = np.flatnonzero(got[s:s + CHUNK])
+        want = np.sort(np.argsort(-np.abs(chunk), kind="stable")[:min(k, chunk.size)])
+        np.testing.assert_array_equal(kept, want)
+        scale = np.abs(chunk[kept]).max()
+        assert np.abs(got[s + kept] - chunk[kept]).max() <= scale / levels * (1 + 1e-6)
+        assert np.all(np.sign(got[s + kept]) == np.sign(chunk[kept]))  # no zero level: a kept entry moves
+    assert np.count_nonzero(got) == sum(min(k, n - s) for s in range(0, n, CHUNK))
+
+
+def test_a_zero_vector_and_an_empty_one_round_trip() -> None:
+    np.testing.assert_array_equal(dequantize(decode(encode(quantize(np.zeros(1000, np.float32), "sparse2",
+                                                                    CHUNK)))), 0)
+    assert dequantize(decode(encode(quantize(np.zeros(0, np.float32), "sparse2", CHUNK)))).size == 0
+
+
+def test_bits_per_kept_value_and_the_density_bound() -> None:
+    """At 2% of 4096-value chunks, a 2-bit frame costs under 16 + 2 bits per kept value (gaps squeezed by zstd),
+    and a receiver that allows fewer entries per chunk refuses it."""
+    x = _x(1 << 18)
+    q = quantize(x, "sparse2", 4096, density=0.02)
+    frame = encode(q)
+    kept = codec.kept_per_chunk(0.02, 4096) * (x.size // 4096)
+    assert 8 * len(frame) / kept < 16
+    decode(frame, max_count=82)
+    with pytest.raises(CodecError, match=r"sparse payload length \d+ outside .* at most 40 entries per chunk"):
+        decode(frame, max_count=40)  # the header's payload length alone is above what 40 per chunk can make
+
+
+def test_quantize_rejects_bad_sparse_arguments() -> None:
+    with pytest.raises(CodecError, match="density must be in"):
+        quantize(_x(100), "sparse2", CHUNK, density=0)
+    with pytest.raises(CodecError, match="at most 32768"):
+        quantize(_x(100), "sparse2", 65536)
+    with pytest.raises(CodecError, match="non-finite"):
+        quantize(np.array([1.0, np.nan], np.float32), "sparse2", CHUNK)
+    with pytest.raises(CodecError, match="sparse value bits must be 2, 4 or 8"):
+        codec.sparse_scheme(3)
+
+
+# --------------------------------------------------------------------------- hostile frames
+
+
+def _frame(counts: list[int], records: bytes, scales: list[float] | None = None, n: int = 2 * CHUNK,
+           bits: codec.Bits = "sparse2", chunk: int = CHUNK) -> bytes:
+    """A sparse frame with exactly this body, sealed (CRC, lengths) so only the intended fault remains."""
+    n_chunks = -(-n // chunk)
+    sc = np.array(scales if scales is not None else [1.0] * n_chunks, np.float32)
+    payload = np.frombuffer(np.array(counts, "<u2").tobytes() + records, np.uint8)
+    out = io.BytesIO()
+    codec.write_frame(out, bits, chunk, n, sc, [payload], payload_size=payload.size)
+    return out.getvalue()
+
+
+def _record(indices_or_gaps: list[int], codes: list[int], gaps: bool = False) -> bytes:
+    """One chunk's record: its gaps (from indices unless ``gaps``) as u16, then 2-bit codes packed."""
+    gap = list(indices_or_gaps) if gaps else [indices_or_gaps[0]] + [
+        (b - a) & 0xFFFF for a, b in zip(indices_or_gaps, indices_or_gaps[1:], strict=False)]
+    packed = bytearray((len(codes) * 2 + 7) // 8)
+    for i, c in enumerate(codes):
+        packed[i // 4] |= c << (2 * (i % 4))
+    return np.array(gap, "<u2").tobytes() + bytes(packed)
+
+
+def test_the_hand_made_frame_is_what_the_encoder_writes() -> None:
+    x = np.zeros(2 * CHUNK, np.float32)
+    x[[3, 10]] = [1.0, -1.0]
+    x[[CHUNK + 5, CHUNK + 200]] = [-1.0, 1.0]
+    frame = _frame([2, 2], _record([3, 10], [3, 0]) + _record([5, 200], [0, 3]))
+    assert frame == encode(quantize(x, "sparse2", CHUNK, density=2 / CHUNK))
+    np.testing.assert_array_equal(dequantize(decode(frame)), x)
+
+
+GOOD = _record([5, 200], [0, 3])
+
+
+@pytest.mark.parametrize("counts, records, scales, match", [
+    ([2, 2], _record([3, 256], [1, 1]) + GOOD, None, r"chunk 0: index 256 out of range \[0, 256\)"),
+    ([2, 2], _record([300, 1], [1, 1], gaps=True) + GOOD, None, r"chunk 0: index 300 out of range"),
+    ([2, 2], _record([7, 7], [1, 1]) + GOOD, None, r"chunk 0: duplicate index 7"),
+    ([2, 2], GOOD + _record([9, 4], [1, 1]), None, r"chunk 1: index \d+ out of range.*sorted and unique"),  # unsorted
+    ([3, 1], _record([1, 2, 3], [1, 1, 1]) + _record([5], [0]), None, r"chunk 0 holds 3 entries, above the 2 per "),
+    ([257, 0], b"", None, r"chunk 0 claims 257 entries, more than its 256 values"),
+    ([2, 2], _record([3, 10], [1, 1]) + GOOD, [float("nan"), 1.0], r"invalid scale .*nan.* for block 0"),
+    ([2, 2], _record([3, 10], [1, 1]) + GOOD, [1.0, float("inf")], r"invalid scale .*inf.* for block 1"),
+    ([2, 2], _record([3, 10], [1, 1]) + GOOD, [-1.0, 1.0], r"invalid scale .*-1.0.* for block 0"),
+    ([2, 1], _record([3, 10], [1, 1]) + GOOD, None, r"the counts make a \d+-byte payload, the header declares"),
+    ([2, 2], _record([3, 10], [1, 1])[:-1] + bytes([0x45]) + GOOD, None, r"chunk 0: padding bits .* must be 0"),
+])
+def test_hostile_frames_are_refused_with_a_reason(counts, records, scales, match: str) -> None:
+    frame = _frame(counts, records, scales)
+    with pytest.raises(CodecError, match=match):
+        decode(frame, expected_n=2 * CHUNK, max_count=2)
+
+
+def test_hostile_headers_are_refused() -> None:
+    frame = _frame([2, 2], _record([3, 10], [1, 1]) + GOOD)
+    with pytest.raises(CodecError, match=r"sparse payload length \d+ outside"):
+        decode(frame, max_count=1)  # more bytes than 1 entry per chunk can make
+    with pytest.raises(CodecError, match="sparse chunk 65536 out of range"):
+        decode(_frame([0], b"", [1.0], n=10, chunk=65536))
+    with pytest.raises(CodecError, match="frame truncated"):
+        decode(frame[:-3])
+    with pytest.raises(CodecError, match="needs payload_size"):
+        codec.write_frame(io.BytesIO(), "sparse2", CHUNK, 10, np.ones(1, np.float32), [b"\0\0"])
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 1 << 20])
+def test_the_validator_hands_out_the_checked_body_in_pieces(piece: int) -> None:
+    x = _x(5000, 4)
+    frame = encode(quantize(x, "sparse4", CHUNK, density=0.05))
+    body = bytearray()
+    v = codec.FrameValidator(5000, "sparse4", CHUNK, out=body.extend, out_piece=piece, max_count=13)
+    for s in range(0, len(frame), piece):
+        v.feed(frame[s:s + piece])
+    v.finish()
+    q = decode(frame)
+    assert bytes(body) == q.scales.tobytes() + q.payload.tobytes()
+    assert v.sparse is not None
+    assert v.sparse.norm == pytest.approx(float(np.linalg.norm(dequantize(q))), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- error feedback
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_error_feedback_conserves_mass(decay: float) -> None:
+    """Each round: sent + new residual == delta + decay·residual (what was not sent is kept, exactly off the kept
+    entries); over rounds with decay 1 the sum sent trails the sum of deltas by the last residual."""
+    n = 3000
+    ef = ErrorFeedback(n, "sparse2", CHUNK, decay=decay, density=0.02)
+    total_sent = np.zeros(n, np.float64)
+    total_in = np.zeros(n, np.float64)
+    for r in range(6):
+        delta = _x(n, r)
+        before = ef.residual.copy()
+        sent = dequantize(ef.compress(delta))
+        corrected = delta + before * np.float32(decay)
+        np.testing.assert_allclose(sent + ef.residual, corrected, rtol=0, atol=1e-6)
+        off = sent == 0
+        np.testing.assert_array_equal(ef.residual[off], corrected[off])
+        total_sent += sent
+        total_in += delta
+    if decay == 1.0:
+        np.testing.assert_allclose(total_sent + ef.residual, total_in, atol=1e-5)
+
+
+def test_error_feedback_rejects_bad_decay() -> None:
+    with pytest.raises(CodecError, match="decay must be in"):
+        ErrorFeedback(10, "sparse2", CHUNK, decay=0.0)
+
+
+def test_the_config_checks_the_sparse_fields() -> None:
+    cfg = load_config("tiny", ["codec.up=sparse", "codec.sparse_bits=4", "codec.sparse_chunk=1024"])
+    assert cfg.codec.scheme("sparse") == ("sparse4", 1024)
+    assert cfg.codec.scheme("int8") == (8, cfg.codec.block)
+    for bad, match in [("codec.density=0", "density"), ("codec.density=1.5", "density"),
+                       ("codec.sparse_chunk=65536", "sparse_chunk"), ("codec.sparse_bits=3", "sparse_bits"),
+                       ("outer.sparseloco_beta=0", "sparseloco_beta"), ("outer.rule=adam", "rule")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config("tiny", [bad])
