@@ -188,12 +188,13 @@ def final_line(f: dict[str, Any]) -> str:
 
 def table(runs: dict[str, dict[str, Any]]) -> str:
     """The per-run table: wall time, ideal wall time, versions, eval loss, and per island utilization/tokens."""
-    names = sorted(next(iter(runs.values()))["util"])
+    names = sorted({n for r in runs.values() for n in r["util"]})  # an island the driver stopped is absent
     head = f"{'run':<10} {'wall s':>7} {'ideal s':>7} {'vers':>4} {'eval loss':>9}  " + "  ".join(
         f"{n + ' util/Mtok':>20}" for n in names)
     rows = [head]
     for run, r in runs.items():
-        cells = "  ".join(f"{r['util'][n]:>11.3f}/{r['tokens'][n] / 1e6:>8.3f}" for n in names)
+        cells = "  ".join(f"{r['util'][n]:>11.3f}/{r['tokens'][n] / 1e6:>8.3f}" if n in r["util"]
+                          else f"{'(stopped)':>20}" for n in names)
         rows.append(f"{run:<10} {r['wall_s']:>7.1f} {r['ideal_wall_s']:>7.1f} {r['versions']:>4} "
                     f"{r['eval_loss']:>9.4f}  {cells}")
     return "\n".join(rows)

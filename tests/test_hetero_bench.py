@@ -41,6 +41,8 @@ def test_figures_table_and_lines() -> None:
     assert "NOT met" not in bench.targets_line(f)
     assert "NOT met" in bench.targets_line({**f, "util_min_auto": 0.5})
     assert "island-1 util/Mtok" in bench.table(runs)
+    one_stopped = {**runs, "auto": bench.run_figures(_summary([0.98], 2.02))}  # the driver stopped island-1
+    assert "(stopped)" in bench.table(one_stopped).splitlines()[-1]
 
 
 def test_plan_gives_the_same_tokens_in_each_run() -> None:
