@@ -96,9 +96,9 @@ TARGETS = {"int8_ratio": (">=", 3.9), "int4_ratio": (">=", 7.5), "merge_over_raw
 
 def _codec_list(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
-    from dtrain.codec import CODEC_BITS
+    from dtrain.config import CODEC_NAMES
 
-    names = (*CODEC_BITS, "sparse")
+    names = CODEC_NAMES
     bad = [x for x in out if x not in names]
     if not out or bad:
         raise argparse.ArgumentTypeError(f"codecs must be among {','.join(names)}, got {text!r}")

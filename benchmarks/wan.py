@@ -38,7 +38,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 from _common import finish, fmt_or_na, log, met
 
 from dtrain import config as config_mod
-from dtrain.config import CODEC_BITS, Config, load_config
+from dtrain.config import CODEC_NAMES, Config, load_config
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.island_spec import parse_islands
@@ -58,9 +58,9 @@ def _links(text: str) -> list[LinkShape]:
 
 def _codecs(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [c for c in out if c not in CODEC_BITS]
+    unknown = [c for c in out if c not in CODEC_NAMES]
     if not out or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: codecs are {', '.join(CODEC_BITS)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: codecs are {', '.join(CODEC_NAMES)}")
     return out
 
 
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--links", type=_links, default=_links("100mbit/100ms,20mbit/200ms"),
                    help="links, RATE/RTT separated by commas (default 100mbit/100ms,20mbit/200ms)")
     p.add_argument("--codecs", type=_codecs, default=None,
-                   help="codecs, separated by commas (default int8,int4,sparse: those this build has)")
+                   help="codecs, separated by commas (default int8,int4,sparse)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each simulation may take (default 3600)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its share of the CPUs")
     p.add_argument("--keep", action="store_true", help="keep the run folders (events, logs, summaries)")
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.islands < 1:
         p.error("--islands must be >= 1")
     if args.codecs is None:
-        args.codecs = [c for c in ("int8", "int4", "sparse") if c in CODEC_BITS]
+        args.codecs = ["int8", "int4", "sparse"]
     return args
 
 

@@ -41,6 +41,8 @@ def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+CODEC_NAMES = (*CODEC_BITS, "sparse")  # codec.up / codec.down: the dense codecs by their bits, and sparse
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = _f("", "run name; outputs go to OUT_DIR/NAME (empty: the config file's stem)")
@@ -167,9 +169,9 @@ class MeshConfig:
 @dataclass(frozen=True)
 class CodecConfig:
     up: str = _f("int8", "codec for pushed pseudo-gradients (sparse: top codec.density of each chunk of "
-                 "codec.sparse_chunk values, in codec.sparse_bits bits)", choices=(*CODEC_BITS, "sparse"))
+                 "codec.sparse_chunk values, in codec.sparse_bits bits)", choices=CODEC_NAMES)
     down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless; sparse: the entries the merged "
-                   "pushes touched, in codec.sparse_bits bits)", choices=(*CODEC_BITS, "sparse"))
+                   "pushes touched, in codec.sparse_bits bits)", choices=CODEC_NAMES)
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for frames (1..19)")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
