@@ -174,3 +174,22 @@ def test_health_benchmark_runs_and_ends_with_the_summary_line(tmp_path: Path) ->
     assert data["figures"]["probe_overhead"] == pytest.approx(float(m[6]) / 100, abs=1e-3)
     lo, hi = data["figures"]["probe_overhead_range"]
     assert lo <= data["figures"]["probe_overhead"] <= hi
+
+
+@pytest.mark.slow
+def test_timing_only_runs_no_island_and_ends_with_its_line(tmp_path: Path) -> None:
+    out_json = tmp_path / "timing.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "health.py"), "--timing-only", "--quick", "--repeats", "2",
+         "--json", str(out_json)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    m = TIMING_LINE.fullmatch(lines[-1])
+    assert m and m[3] == "2", lines[-1]
+    assert lines[-2].startswith("targets: probe-overhead ") and "per-device-ratio" in lines[-2]
+    assert "inner steps on" not in proc.stderr  # no island ran
+    t = json.loads(out_json.read_text())["timing"]
+    assert len(t["samples_s"]["probes"]) == 2 and t["probe_calls"]["replay"] > 0
+    lo, hi = t["per_device_overhead_range"]
+    assert lo <= t["per_device_overhead"] <= hi
+    assert float(m[2]) == pytest.approx(1 + t["per_device_overhead"], abs=1e-3)
