@@ -26,19 +26,25 @@ Figures:
   P      probe overhead, in percent of the per-device step: the per-device island step followed, after each
          chunk, by ``ChipHealth.check`` (the statistics of that chunk's per-device gradient norms, the known answer
          and the replay when their steps come; a host sync per chunk) vs the same per-device step without it.
-         Both on the same ``InnerLoop(cfg, model, mesh, per_device=True)``, in alternating timed blocks of whole
-         probe intervals, the median of ``--repeats`` blocks each, after a warm-up that compiled every probe on
-         every device (the one-time compile cost is printed, not in P).
-         Printed next to it, NOT part of P: the per-device step vs the fused one (``per_device=False``), the price
-         of the per-device step itself (each device's own gradient in hand, then an explicit mean).
+         Both on the same ``InnerLoop(cfg, model, mesh, per_device=True)``, after a warm-up that compiled every
+         probe (the one-time compile cost is printed, not in P). ``--repeats`` rounds, each one timed block (whole
+         probe intervals, >= 200 steps) of the fused step, the per-device step and the per-device step with the
+         probes, the order alternating from round to round; P is the median of the rounds' ratios, printed with
+         their range (min..max): on a loaded machine the blocks of one round see about the same load.
+  R      the per-device step's time / the fused step's (``per_device=False``), the same way: the price of the
+         per-device step itself (each device's own gradient in hand, then an explicit mean), NOT part of P
   L      the largest, over the fault runs, of (that run's final eval loss / the clean run's); every island's
          final eval loss is its summary's ``final_eval_loss`` (the final global θ on the fixed eval batches)
 
-Targets: D = I; F = 0; Y <= 50 inner steps; P <= 3%; L <= 1.01; and a clean run of >= 1,000 inner steps. A missed
-target is reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad argument or a
-run that fails does (one line on stderr, exit 2 or 1). Last line:
+Targets: D = I; F = 0; Y <= 50 inner steps; P <= 3%; R <= 1.05; L <= 1.01; and a clean run of >= 1,000 inner
+steps. A missed target is reported (NOT met) but, as in the other benchmarks, does not change the exit status; a
+bad argument or a run that fails does (one line on stderr, exit 2 or 1). Last line:
 
-  health: injected=I detected=D false-positives=F detect-steps-p50=X detect-steps-max=Y probe-overhead=P% loss-ratio=L
+  health: injected=I detected=D false-positives=F detect-steps-p50=X detect-steps-max=Y probe-overhead=P%
+          per-device-ratio=R loss-ratio=L   (one line)
+
+``--timing-only``: P and R alone (no island runs; e.g. ``--config small --repeats 5``), last line
+``health-timing: probe-overhead=P% per-device-ratio=R repeats=N``.
 """
 
 from __future__ import annotations
@@ -77,10 +83,12 @@ OVERRIDES = ("train.batch_size=16", "train.steps=1000", "outer.islands=1", "oute
 QUICK_OVERRIDES = ("train.steps=200", "outer.inner_steps=50")
 CLEAN_STEPS_MIN = 1000
 DETECT_STEPS_MAX, PROBE_OVERHEAD_MAX, LOSS_RATIO_MAX = 50, 0.03, 1.01
+PER_DEVICE_RATIO_MAX = 1.05  # the per-device step's time / the fused step's
 START_TIMEOUT_S = 120.0  # the coordinator's start (θ_0 is computed in a child of it)
 ONSET_RANGE = (0.2, 0.8)  # the onset: a random inner step in this fraction of the run's steps
 TARGETS = {"detected": "= injected", "false_positives": "= 0", "detect_steps_max": f"<= {DETECT_STEPS_MAX}",
-           "probe_overhead": f"<= {PROBE_OVERHEAD_MAX:.0%}", "loss_ratio": f"<= {LOSS_RATIO_MAX}",
+           "probe_overhead": f"<= {PROBE_OVERHEAD_MAX:.0%}", "per_device_ratio": f"<= {PER_DEVICE_RATIO_MAX}",
+           "loss_ratio": f"<= {LOSS_RATIO_MAX}",
            "clean_steps": f">= {CLEAN_STEPS_MIN}"}
 
 
@@ -119,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{','.join(QUICK_FAULTS)})")
     p.add_argument("--seed", type=int, default=0, help="seeds the faults' devices, onsets and draws (default 0)")
     p.add_argument("--repeats", type=int, default=None, help="timed blocks of each kind (default 7; --quick: 2)")
+    p.add_argument("--timing-only", action="store_true",
+                   help="only the step times (fused, per-device, per-device + probes), no island runs")
     p.add_argument("--keep", action="store_true", help="keep the run folders (events, summaries)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
@@ -205,6 +215,8 @@ def figures(clean: dict[str, Any], runs: list[dict[str, Any]], timing: dict[str,
         "detect_steps_p50": statistics.median(delays) if delays else None,
         "detect_steps_max": max(delays) if delays else None,
         "probe_overhead": timing["probe_overhead"], "per_device_overhead": timing["per_device_overhead"],
+        "probe_overhead_range": timing.get("probe_overhead_range"),
+        "per_device_overhead_range": timing.get("per_device_overhead_range"),
         # any non-finite ratio (a run that ended without a final eval) makes L non-finite: not met
         "loss_ratios": dict(zip((r["fault"] for r in runs), ratios, strict=True)),
         "loss_ratio": (max(ratios) if all(math.isfinite(x) for x in ratios) else math.nan) if ratios else None,
@@ -212,14 +224,31 @@ def figures(clean: dict[str, Any], runs: list[dict[str, Any]], timing: dict[str,
     }
 
 
+def _spread(f: dict[str, Any], key: str, ratio: bool = False) -> str:
+    """`` (range lo..hi)`` of an overhead's per-repeat values, as percent (or as a ratio), or nothing."""
+    r = f.get(f"{key}_range")
+    if not r:
+        return ""
+    return f" (range {1 + r[0]:.3f}..{1 + r[1]:.3f})" if ratio else f" (range {r[0]:+.1%}..{r[1]:+.1%})"
+
+
+def timing_checks(f: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    """The targets on the step times: the probes' overhead and the per-device step's ratio to the fused one."""
+    p, d = f["probe_overhead"], 1.0 + f["per_device_overhead"]
+    return [(f"probe-overhead {p:.1%}{_spread(f, 'probe_overhead')} (target <= {PROBE_OVERHEAD_MAX:.0%})",
+             p <= PROBE_OVERHEAD_MAX),
+            (f"per-device-ratio {d:.3f}{_spread(f, 'per_device_overhead', True)} (target <= {PER_DEVICE_RATIO_MAX})",
+             d <= PER_DEVICE_RATIO_MAX)]
+
+
 def targets_line(f: dict[str, Any]) -> str:
-    y, p, lr = f["detect_steps_max"], f["probe_overhead"], f["loss_ratio"]
+    y, lr = f["detect_steps_max"], f["loss_ratio"]
     checks = [
         (f"detected {f['detected']}/{f['injected']} (target D = I)", f["detected"] == f["injected"]),
         (f"false-positives {f['false_positives']} (target 0)", f["false_positives"] == 0),
         (f"detect-steps-max {fmt_or_na(y, 'd')} (target <= {DETECT_STEPS_MAX})",
          None if not f["injected"] else y is not None and y <= DETECT_STEPS_MAX and f["detected"] == f["injected"]),
-        (f"probe-overhead {p:.1%} (target <= {PROBE_OVERHEAD_MAX:.0%})", p <= PROBE_OVERHEAD_MAX),
+        *timing_checks(f),
         (f"loss-ratio {fmt_or_na(lr, '.4f')} (target <= {LOSS_RATIO_MAX})",
          None if lr is None else lr <= LOSS_RATIO_MAX),  # a nan ratio compares False: NOT met
         (f"clean run {f['clean_steps']} inner steps (target >= {CLEAN_STEPS_MIN})",
@@ -232,7 +261,14 @@ def final_line(f: dict[str, Any]) -> str:
     p50 = f["detect_steps_p50"]
     return (f"health: injected={f['injected']} detected={f['detected']} false-positives={f['false_positives']} "
             f"detect-steps-p50={fmt_or_na(p50, 'g')} detect-steps-max={fmt_or_na(f['detect_steps_max'], 'd')} "
-            f"probe-overhead={f['probe_overhead']:.1%} loss-ratio={fmt_or_na(f['loss_ratio'], '.4f')}")
+            f"probe-overhead={f['probe_overhead']:.1%} per-device-ratio={1 + f['per_device_overhead']:.3f} "
+            f"loss-ratio={fmt_or_na(f['loss_ratio'], '.4f')}")
+
+
+def timing_line(f: dict[str, Any]) -> str:
+    """The last line of ``--timing-only``."""
+    return (f"health-timing: probe-overhead={f['probe_overhead']:.1%} "
+            f"per-device-ratio={1 + f['per_device_overhead']:.3f} repeats={f['repeats']}")
 
 
 def table(clean: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
@@ -339,7 +375,9 @@ def _coordinator_port(proc: subprocess.Popen[bytes], run_dir: Path, timeout_s: f
 
 def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     """Seconds per inner step of the fused step, the per-device step, and the per-device step with
-    ``ChipHealth.check`` after each chunk, in alternating timed blocks (medians); see the module's docstring."""
+    ``ChipHealth.check`` after each chunk, in ``repeats`` rounds of one timed block of each kind (their order
+    alternating from round to round); the medians, and the two overheads as the median and the range of the
+    rounds' ratios; see the module's docstring."""
     import jax
     import numpy as np
 
@@ -395,13 +433,19 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     for r in range(repeats):
         for kind in (("fused", "per_device", "probes") if r % 2 == 0 else ("probes", "per_device", "fused")):
             times[kind].append(block(kind, block_chunks))
+        log(f"timing: repeat {r + 1}/{repeats}: fused {times['fused'][-1] * 1e3:.3f} ms/step, per-device "
+            f"{times['per_device'][-1] * 1e3:.3f}, per-device + probes {times['probes'][-1] * 1e3:.3f}")
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Each repeat's ratios (its blocks ran side by side): their median, and their spread (min, max)
+    probe_r = [p / d - 1.0 for p, d in zip(times["probes"], times["per_device"], strict=True)]
+    device_r = [d / f - 1.0 for d, f in zip(times["per_device"], times["fused"], strict=True)]
     if health.quarantined:  # healthy fake devices: a probe that flags one here is a false positive too
         log(f"WARNING: the timing's probes quarantined {health.bad_devices} (healthy devices)")
     return {
         "fused_step_s": med["fused"], "per_device_step_s": med["per_device"], "probes_step_s": med["probes"],
-        "probe_overhead": med["probes"] / med["per_device"] - 1.0,
-        "per_device_overhead": med["per_device"] / med["fused"] - 1.0,
+        "probe_overhead": statistics.median(probe_r), "probe_overhead_range": [min(probe_r), max(probe_r)],
+        "per_device_overhead": statistics.median(device_r),
+        "per_device_overhead_range": [min(device_r), max(device_r)],
         "probes_one_time_s": max(0.0, warm_s - warm_chunks * K * med["probes"]),
         "block_steps": block_chunks * K, "repeats": repeats, "samples_s": times,
         "probe_calls": dict(health.probe_calls), "timing_quarantined": health.bad_devices,
@@ -409,6 +453,18 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- main
+
+
+def print_timing(t: dict[str, Any]) -> None:
+    """The step times and the two overheads (median of the repeats' ratios, and their range)."""
+    print(f"step time, median of {t['repeats']} alternating {t['block_steps']}-step blocks each: "
+          f"fused {t['fused_step_s'] * 1e3:.3f} ms, per-device {t['per_device_step_s'] * 1e3:.3f} ms, "
+          f"per-device + probes {t['probes_step_s'] * 1e3:.3f} ms")
+    print(f"probe overhead (per-device + probes vs per-device, the target's P), median of the {t['repeats']} "
+          f"repeats' ratios: {t['probe_overhead']:+.1%}{_spread(t, 'probe_overhead')}; probes' one-time compile "
+          f"{t['probes_one_time_s']:.1f}s (not in P)")
+    print(f"per-device step vs fused step (the per-device step's own price, NOT in P), median of the repeats' "
+          f"ratios: {1 + t['per_device_overhead']:.3f}x{_spread(t, 'per_device_overhead', True)}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -439,6 +495,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"timing: fused {timing['fused_step_s'] * 1e3:.2f} ms/step, per-device "
             f"{timing['per_device_step_s'] * 1e3:.2f}, per-device + probes {timing['probes_step_s'] * 1e3:.2f}: "
             f"probes {timing['probe_overhead']:+.1%}")
+        if args.timing_only:
+            print_timing(timing)
+            out = {"timing": timing, "targets": {k: TARGETS[k] for k in ("probe_overhead", "per_device_ratio")},
+                   "config": {"name": args.config, "overrides": [*OVERRIDES, *(QUICK_OVERRIDES if args.quick else
+                                                                                ()), *args.overrides]}}
+            finish(out, args.json, work, args.keep,
+                   "targets: " + "; ".join(f"{what} {met(ok)}" for what, ok in timing_checks(timing)),
+                   timing_line(timing))
+            return out
         clean = island_run(cfg, work, "clean", "none (clean)", None, START_TIMEOUT_S)
         runs = []
         for i, (name, fault) in enumerate(plan):
@@ -451,13 +516,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n".join(table(clean, runs)))
     by_name = {f.name: f.what for f in FAULTS}
     print("faults: " + "; ".join(f"{n}: {by_name[n]}" for n, _ in plan))
-    print(f"\nstep time, median of {timing['repeats']} alternating {timing['block_steps']}-step blocks each: "
-          f"fused {timing['fused_step_s'] * 1e3:.3f} ms, per-device {timing['per_device_step_s'] * 1e3:.3f} ms, "
-          f"per-device + probes {timing['probes_step_s'] * 1e3:.3f} ms")
-    print(f"probe overhead (per-device + probes vs per-device, the target's P): {timing['probe_overhead']:+.1%}; "
-          f"probes' one-time compile {timing['probes_one_time_s']:.1f}s (not in P)")
-    print(f"per-device step vs fused step (the per-device step's own price, NOT in P): "
-          f"{timing['per_device_overhead']:+.1%}")
+    print()
+    print_timing(timing)
     if result["undetected"]:
         print(f"undetected: {', '.join(result['undetected'])}")
     out = {"figures": result, "targets": TARGETS, "seed": args.seed, "quick": args.quick,

@@ -4,8 +4,9 @@ Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports 
 ``Mesh``; a device is named by its position in ``mesh.devices.flat`` (``index``) and by its JAX ``device.id``
 (stable when the mesh is rebuilt without a device).
 
-- **Known answer** (:func:`known_answer_values`, :meth:`Probes.known_answer`): each device, separately,
-  multiplies the integer-valued float32 matrices ``A[i, k] = i + k`` and ``B[k, j] = k + j`` (``n = 128``),
+- **Known answer** (:func:`known_answer_values`, :meth:`Probes.known_answer`): each device, on its own (one
+  SPMD program over the mesh, no collective), multiplies the integer-valued float32 matrices ``A[i, k] = i + k``
+  and ``B[k, j] = k + j`` (``n = 128``),
   compares every entry with its closed form ``C[i, j] = n·i·j + (i + j)·S1 + S2`` (``S1 = Σk``, ``S2 = Σk²``)
   and sums the entries in int32 (wrapping). Every entry is below 2²⁴ and all terms are non-negative, so the
   float32 matmul is exact in any summation order, at any matmul precision whose mantissa holds 8 bits
@@ -89,6 +90,13 @@ def known_answer_values(device_id: jax.Array, step: jax.Array, *, n: int = KNOWN
     mismatches = jnp.sum(c_NxN != expected_NxN.astype(jnp.float32), dtype=jnp.int32)
     finite = jnp.where(jnp.isfinite(c_NxN), c_NxN, 0.0)  # float->int of NaN/Inf is backend-defined
     return jnp.sum(finite.astype(jnp.int32), dtype=jnp.int32), mismatches
+
+
+def _device_known_answer(fault: DeviceFault | None, ids_D: jax.Array, step: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """The ``shard_map`` body: this device's :func:`known_answer_values`, each ``[1]``."""
+    value, mismatches = known_answer_values(ids_D[0], step, fault=fault)
+    return value[None], mismatches[None]
 
 
 @dataclass(frozen=True)
@@ -312,6 +320,9 @@ class Probes:
         self.device_ids = [int(d.id) for d in self.devices]
         self._ids_D = jnp.asarray(self.device_ids, jnp.int32)
         self._known = jax.jit(partial(known_answer_values, fault=fault))
+        self._known_all = jax.jit(jax.shard_map(
+            partial(_device_known_answer, fault), mesh=mesh, in_specs=(P(BATCH_AXES), P()),
+            out_specs=(P(BATCH_AXES), P(BATCH_AXES))))
         self._stats = jax.jit(jax.shard_map(
             partial(device_grads, apply, fault, None), mesh=mesh,
             in_specs=(P(), P(), P(BATCH_AXES), P()), out_specs=(P(), *(P(BATCH_AXES),) * 3)))
@@ -321,7 +332,20 @@ class Probes:
         self._replay_one = jax.jit(partial(replay_digest, apply, fault=fault))
 
     def known_answer(self, step: int = 0) -> list[KnownAnswer]:
-        """The known-answer computation on each device separately (all dispatched before any is read)."""
+        """The known-answer computation on every device: one SPMD program over the mesh (each device computes its
+        own matmul, no collective) and the ``2·D`` numbers fetched together, the one host sync. If that program
+        raises (a dead device), each device is run and read alone (:meth:`_known_answer_each`) to say which."""
+        expected = known_answer_expected()
+        try:
+            check_alive(self.fault, self.device_ids, step)  # the program runs on every device of the mesh
+            value_D, mismatches_D = jax.device_get(self._known_all(self._ids_D, jnp.int32(step)))
+        except Exception:  # noqa: BLE001 - some device's computation raised: each alone says which
+            return self._known_answer_each(step)
+        return [KnownAnswer(i, did, int(v) == expected and int(m) == 0, int(v), expected, int(m))
+                for i, (did, v, m) in enumerate(zip(self.device_ids, value_D, mismatches_D, strict=True))]
+
+    def _known_answer_each(self, step: int) -> list[KnownAnswer]:
+        """:meth:`known_answer` on each device separately (all dispatched before any is read)."""
         expected = known_answer_expected()
         pending: list[tuple[Any, BaseException | None]] = []
         for dev, did in zip(self.devices, self.device_ids, strict=True):

@@ -56,6 +56,18 @@ def test_known_answer_finds_the_faulty_device(island: Island, fault: DeviceFault
         assert bad.mismatches and bad.mismatches > 0 and bad.error is None
 
 
+def test_known_answer_one_program_matches_each_device_alone(island: Island) -> None:
+    # known_answer runs one SPMD program over the mesh; a dead device makes it fall back to one program per device.
+    # Both give every device the same result, its error aside.
+    fault = DeviceFault("scale", 2, factor=3.0, start=1)
+    probes = island.probes(fault)
+    for step in (0, 1):
+        assert probes.known_answer(step) == probes._known_answer_each(step)
+    assert [r.ok for r in probes.known_answer(1)] == [d != 2 for d in island.ids]
+    dead = island.probes(DeviceFault("dead", 4, start=1))
+    assert dead.known_answer(0) == dead._known_answer_each(0) and all(r.ok for r in dead.known_answer(0))
+
+
 def test_intermittent_fault_fires_on_some_steps_only(island: Island) -> None:
     fault = DeviceFault("scale", 2, factor=2.0, prob=0.3, seed=7)
     flagged = [any(not r.ok for r in island.probes(fault).known_answer(step)) for step in range(40)]
