@@ -59,6 +59,11 @@ def test_failed_known_answer_quarantines_at_start(island: Island) -> None:
     json.dumps(ev, allow_nan=False)  # evidence is strict JSON for the events and the heartbeat
 
 
+# Slow (its own compile of the faulty loop, ~6 s quiet): the default run keeps the statistics rule on real training in
+# test_island_health.py's scaled device (probe "stats", within 2 steps of the onset) and test_chip_probes.py's
+# test_grad_stats_flag_the_faulty_device; the two-consecutive-steps rule and its evidence in
+# test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statistics below.
+@pytest.mark.slow
 def test_statistics_outlier_on_two_consecutive_steps(island: Island) -> None:
     bad = island.ids[2]
     fault = DeviceFault("scale", bad, factor=10.0)
@@ -167,6 +172,7 @@ def test_one_outlier_step_is_forgiven_and_quarantined_devices_leave_the_statisti
     m["device_grad_norm"][:, 4] = 100.0
     (ev,) = chips.check(3, m, island.params, island.batches[0])
     assert (ev["device"], ev["step"], ev["probe"]) == (island.ids[4], 4, "stats")
+    assert ev["z"] > chips.cfg.z_max and ev["value"] > 5 * ev["median"]
     assert "confirmed by a replay" in ev["detail"] and chips.cleared == []
     # the quarantined device's numbers no longer count: a garbage value there flags nothing
     m = clean_metrics(2)

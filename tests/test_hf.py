@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from coordinator.stored import write_layout
 from dtrain import codec, hf, model
-from dtrain.config import load_config
+from dtrain.config import ModelConfig, load_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,12 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 
 
+# The nudged init per (model, seed), built once per module: most tests start from the same llama-tiny θ.
+_INITS: dict[tuple[ModelConfig, int], tuple[codec.Spec, np.ndarray]] = {}
+
+
 def _theta(config: str, *overrides: str, seed: int = 0):
-    """(config, spec, θ): the model's init, every value nudged so norms and zero-initialized leaves are not trivial."""
+    """(config, spec, θ): the model's init, every value nudged so norms and zero-initialized leaves are not trivial.
+    Every caller gets its own copy of the spec and of θ."""
     cfg = load_config(config, list(overrides))
-    spec, vec = codec.flatten(jax.device_get(model.build(cfg.model).init(seed)))
-    vec = vec + np.random.default_rng(seed).normal(0, 0.05, vec.shape).astype(np.float32)
-    return cfg, spec, vec
+    key = (cfg.model, seed)
+    if key not in _INITS:
+        spec, vec = codec.flatten(jax.device_get(model.build(cfg.model).init(seed)))
+        _INITS[key] = spec, vec + np.random.default_rng(seed).normal(0, 0.05, vec.shape).astype(np.float32)
+    spec, vec = _INITS[key]
+    return cfg, copy.deepcopy(spec), vec.copy()
 
 
 def _their_logits(folder: Path, tokens: np.ndarray) -> np.ndarray:
@@ -235,6 +244,12 @@ def test_init_from_bad_folder_is_one_line(tmp_path, case):
         in lines[0]
 
 
+# Slow (a real simulate run, then transformers generates): each part is a default test above. The coordinator's run
+# folder (write_layout, spool/state/theta-V.f32, pinned in test_merger.py) read by dtrain export:
+# test_export_cli_writes_the_folder_without_jax; a store's tokenizer exported and loaded by transformers:
+# test_export_copies_the_stores_tokenizer; the exported llama's logits in transformers:
+# test_llama_is_transformers_llama; a trained BPE stored with the tokens: test_tokenize.py.
+@pytest.mark.slow
 def test_export_of_a_finished_run_loads_and_generates(tmp_path):
     """A real (one-island, four-step) `dtrain simulate` run on the built-in corpus with a BPE trained on it,
     exported: transformers loads the model and the tokenizer from the folder and generates text."""
