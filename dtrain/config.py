@@ -396,7 +396,9 @@ class Config:
         return math.ceil(self.train.steps / self.outer.inner_steps)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section as plain TOML/JSON types (a tuple field, such as security.bindings, as a list)."""
+        return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+                for name, section in dataclasses.asdict(self).items()}
 
     def fingerprint_fields(self) -> dict[str, str]:
         """What must match between the coordinator and every island: model shapes, dtype, codecs (with a sparse codec
