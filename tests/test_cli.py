@@ -124,7 +124,7 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
      2, "dtrain simulate: config error: --set 'train.lr': expected section.field=value"),
     (["worker", "--config", "tiny", "--coordinator", "127.0.0.1:9", "--island", "a", "--inject", "melt@v1"],
      2, "dtrain worker: config error: --inject 'melt@v1': unknown kind 'melt' (one of nan, poison, inflate, "
-        "truncate)"),
+        "truncate, scale, ramp)"),
     (["coordinator", "--config", "tiny", "--port", "99999"],
      2, "dtrain coordinator: error: argument --port: 99999 is not in 0..65535 (0: any free port) (dtrain coordinator "
         "--help shows the usage)"),
