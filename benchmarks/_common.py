@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.config import Config
+from dtrain.config import CODEC_NAMES, Config
 from dtrain.runlog import progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +76,14 @@ def int_list(text: str) -> list[int]:
     out = [int(x) for x in text.split(",") if x.strip()]
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return out
+
+
+def codec_list(text: str) -> list[str]:
+    """argparse type: codec names (``codec.up`` / ``codec.down`` values) separated by commas."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in CODEC_NAMES for x in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: codecs are {', '.join(CODEC_NAMES)}")
     return out
 
 

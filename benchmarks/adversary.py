@@ -56,6 +56,7 @@ from _common import finish, fmt_or_na, log, met
 from dtrain import config as config_mod
 from dtrain.config import Config, load_config, merge_rule
 from dtrain.errors import DtrainError
+from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.fault_spec import parse_fault
 from dtrain_cli.simulate import run_simulation
@@ -266,13 +267,6 @@ def _side_runner(attack: Attack, run_dir: Path, cfg: Config, stop: threading.Eve
 # -- a run and its verdict --------------------------------------------------------------------------------------
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []
-
-
 def _of(island_id: str, names: tuple[str, ...] | list[str]) -> str | None:
     """The island name (island-N) an island id (island-N-SHARD) belongs to."""
     return next((n for n in names if island_id.startswith(n + "-")), None)
@@ -335,7 +329,7 @@ def _simulate(cfg: Config, name: str, faults: list[str], args: argparse.Namespac
     loss = fmt_or_na(summary and summary["final_eval_loss"], ".4f")
     log(f"{name}: {'ended' if summary else 'did not end: ' + error}; eval loss {loss}, "
         f"{time.perf_counter() - t0:.0f}s -> {run_dir}")
-    return summary, _events(run_dir / "events.jsonl"), side, error
+    return summary, read_events(run_dir, skip_torn=True, missing_ok=True), side, error
 
 
 def figures(clean: dict[str, Any], old: dict[str, Any] | None, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -72,6 +72,7 @@ from _common import (
     CoordinatorProcess,
     child_env,
     choose_model,
+    codec_list,
     cpu_seconds,
     int_list,
     log,
@@ -94,24 +95,13 @@ TARGETS = {"int8_ratio": (">=", 3.9), "int4_ratio": (">=", 7.5), "merge_over_raw
 # -- arguments and the model ----------------------------------------------------------------------
 
 
-def _codec_list(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    from dtrain.config import CODEC_NAMES
-
-    names = CODEC_NAMES
-    bad = [x for x in out if x not in names]
-    if not out or bad:
-        raise argparse.ArgumentTypeError(f"codecs must be among {','.join(names)}, got {text!r}")
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from dtrain_cli.entry import Parser  # one-line usage errors, as every entry point's
 
     p = Parser(prog="benchmarks/exchange.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the 100M-parameter model (d_model=1024, n_layers=8)")
     p.add_argument("--islands", type=int_list, default=[1, 4, 8], help="island / stream counts (default 1,4,8)")
-    p.add_argument("--codecs", type=_codec_list, default=["fp32", "int8", "int4"],
+    p.add_argument("--codecs", type=codec_list, default=["fp32", "int8", "int4"],
                    help="codecs pushed (codec.up) (default fp32,int8,int4)")
     p.add_argument("--params", type=param_count, default=None, metavar="N",
                    help="quick runs: a model of about N parameters (d_model searched, n_layers 8 from 8M up, else 2)")

@@ -25,7 +25,6 @@ change the exit status; a bad argument or a run that fails does (one line on std
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -35,11 +34,12 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and the workers it starts)
 
-from _common import finish, fmt_or_na, log, met
+from _common import codec_list, finish, fmt_or_na, log, met
 
 from dtrain import config as config_mod
-from dtrain.config import CODEC_NAMES, Config, load_config
+from dtrain.config import Config, load_config
 from dtrain.errors import DtrainError
+from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.island_spec import parse_islands
 from dtrain_cli.link_proxy import LinkError, LinkShape, parse_link
@@ -56,14 +56,6 @@ def _links(text: str) -> list[LinkShape]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _codecs(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [c for c in out if c not in CODEC_NAMES]
-    if not out or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: codecs are {', '.join(CODEC_NAMES)}")
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog="benchmarks/wan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help="config file or name (default: small)")
@@ -71,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--islands", type=int, default=4, help="islands per run (default 4)")
     p.add_argument("--links", type=_links, default=_links("100mbit/100ms,20mbit/200ms"),
                    help="links, RATE/RTT separated by commas (default 100mbit/100ms,20mbit/200ms)")
-    p.add_argument("--codecs", type=_codecs, default=None,
+    p.add_argument("--codecs", type=codec_list, default=None,
                    help="codecs, separated by commas (default int8,int4,sparse)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each simulation may take (default 3600)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its share of the CPUs")
@@ -85,19 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_figures(summary: dict[str, Any]) -> dict[str, Any]:
     """One run's figures from its summary and its islands' events (the ``push_sent`` frames' bytes)."""
     islands = sorted(summary["islands"], key=lambda s: s["island"])
     run_dir = Path(summary["run_dir"])
     per: dict[str, dict[str, Any]] = {}
     for s in islands:
-        events = _events(run_dir / "islands" / s["island"] / "events.jsonl")
+        events = read_events(run_dir / "islands" / s["island"], skip_torn=True, missing_ok=True)
         pushes = [e["bytes"] for e in events if e.get("event") == "push_sent" and "bytes" in e]
         rounds = max(len(pushes), 1)
         down = s["bytes_down"] / rounds

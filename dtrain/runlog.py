@@ -197,11 +197,17 @@ def process_dir(island_dir: Path, index: int) -> Path:
     return island_dir if index == 0 else island_dir / f"process-{index}"
 
 
-def read_events(run_dir: str | Path, skip_torn: bool = False) -> list[dict[str, Any]]:
+def read_events(run_dir: str | Path, skip_torn: bool = False, missing_ok: bool = False) -> list[dict[str, Any]]:
     """The events of ``RUN_DIR/events.jsonl``. ``skip_torn``: leave out lines that do not parse, which a process
-    killed while it wrote one leaves behind (a restarted process appends after them); else they raise."""
-    with open(Path(run_dir) / "events.jsonl", errors="replace" if skip_torn else "strict") as f:
-        lines = [line for line in f if line.strip()]
+    killed while it wrote one leaves behind (a restarted process appends after them); else they raise.
+    ``missing_ok``: [] when there is no file to read (a process that never started), else OSError."""
+    try:
+        with open(Path(run_dir) / "events.jsonl", errors="replace" if skip_torn else "strict") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError:
+        if missing_ok:
+            return []
+        raise
     if not skip_torn:
         return [json.loads(line) for line in lines]
     out = []

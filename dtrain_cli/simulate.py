@@ -616,10 +616,7 @@ def with_host_devices(env: dict[str, str], devices: int) -> dict[str, str]:
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """The events in ``run_dir`` ([] if none yet), less lines torn by a process the driver killed mid-write."""
-    try:
-        return read_events(run_dir, skip_torn=True)
-    except OSError:
-        return []
+    return read_events(run_dir, skip_torn=True, missing_ok=True)
 
 
 def _audit(cfg: Config, out: Path, coord_events: list[dict[str, Any]], island_events: dict[str, list[dict[str, Any]]]
