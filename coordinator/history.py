@@ -10,8 +10,8 @@ None of it is checkpointed: it is a view, and the events are its record.
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,8 @@ class RunHistory:
         self.evaluated: set[int] = set()
         self.islands: dict[str, IslandView] = {}
         self._asked: dict[int, tuple[str, float]] = {}  # version -> (island asked to evaluate it, when)
+        self._pulled: dict[int, set[str]] = {}  # eval version not asked yet -> the islands that pulled it
+        self.evals_asked: Counter[str] = Counter()  # island -> evals asked of it (this coordinator process)
 
     def replay(self, run_dir: Path) -> None:
         """Folds the events a previous coordinator of this run wrote (a resume): torn lines are skipped."""
@@ -112,15 +114,31 @@ class RunHistory:
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def assign_eval(self, island_id: str, version: int, final: bool, every: int, now: float) -> bool:
+    def assign_eval(self, island_id: str, version: int, final: bool, every: int, now: float,
+                    live: Collection[str] = ()) -> bool:
         """Whether the island that is about to hold ``version`` (a pull) should evaluate it: a version on the
         ``every`` grid (θ_0 included; 0: none) or the run's final one, not evaluated yet, and not asked of
-        another island that is still expected to answer (asked less than EVAL_REASSIGN_S ago)."""
+        another island that is still expected to answer (asked less than EVAL_REASSIGN_S ago).
+
+        An eval is time an island does not train, so evals are spread: the puller is passed over while a
+        ``live`` island that has not pulled this version yet has been asked fewer evals; it will be asked when
+        it pulls. (Were it never to pull this version, it would be asked for a later one: the grid point is
+        then missing from the eval curve, never evaluated twice.)"""
         if version in self.evaluated or not (final or (every > 0 and version % every == 0)):
             return False
         asked = self._asked.get(version)
         if asked is not None and asked[0] != island_id and now - asked[1] < EVAL_REASSIGN_S:
             return False
+        if asked is None and not final:
+            pulled = self._pulled.setdefault(version, set())
+            pulled.add(island_id)
+            mine = self.evals_asked[island_id]
+            if any(self.evals_asked[i] < mine for i in live if i not in pulled):
+                return False
+        for v in [v for v in self._pulled if v <= version]:  # asked now, or passed over by a newer version
+            del self._pulled[v]
+        if asked is None or asked[0] != island_id:
+            self.evals_asked[island_id] += 1
         self._asked[version] = (island_id, now)
         return True
 

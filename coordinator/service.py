@@ -538,8 +538,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
             frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open()) for u in chain]
             final = self.state.stopped() or version == self.opts.end_version
-            evaluate = bool(frames) and self.history.assign_eval(request.island_id, version, final,
-                                                                 self.cfg.coordinator.eval_every, self.clock())
+            evaluate = bool(frames) and self.history.assign_eval(
+                request.island_id, version, final, self.cfg.coordinator.eval_every, self.clock(),
+                live=[r.island_id for r in self.state.live()])
             self.history.island(request.island_id).last_seen = self.clock()
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,

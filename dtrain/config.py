@@ -270,8 +270,9 @@ class CoordinatorConfig:
     reject_backoff_s: float = _f(1.0, "after a rejected push, the island's next push is refused (before its payload "
                                  "streams in) for this many seconds, doubled with each rejection in a row; 0: off")
     eval_every: int = _f(5, "evaluate the global θ on the held-out split every this many versions (θ_0 and the "
-                         "final version too): the first island to pull such a version evaluates it and reports it "
-                         "in a heartbeat (an `eval` event); 0: only the final version")
+                         "final version too): an island that pulls such a version evaluates it and reports it "
+                         "in a heartbeat (an `eval` event), the evals spread over the live islands (an eval is "
+                         "time an island does not train); 0: only the final version")
     refusal_events: int = _f(20, "refused calls (Joins, heartbeats, pushes, pulls; a wrong token has its own limit): "
                              "the first this many of a kind (method and status code) each minute are each an event "
                              "and a progress line, the rest one `refusals_suppressed` event with their count; all "

@@ -7,6 +7,7 @@ import dataclasses
 import random
 import statistics
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -383,3 +384,17 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
     assert stopping.waits == 2
     refused = CoordinatorError(grpc.StatusCode.INVALID_ARGUMENT, "bad request")
     assert not member.stopped_after(refused) and stopping.waits == 2  # not the coordinator going away: no wait
+
+
+def test_the_clock_leaves_start_up_waits_out_and_counts_blocked_and_eval_time_against_utilization():
+    from workers.heartbeat import Clock
+
+    clock = Clock()
+    clock.train_since = time.perf_counter() - 10.0  # a _train call 10 s in
+    clock.exclude(4.0)  # of which 4 s waiting for start-up compiles: not training time
+    clock.blocked_s, clock.eval_s = 0.6, 0.6
+    clock.stop()
+    assert clock.train_since is None and 5.9 < clock.active_s < 6.5
+    assert clock.utilization() == pytest.approx(1 - 1.2 / clock.active_s)
+    clock.exclude(1.0)  # outside a _train call: nothing to leave out
+    assert 5.9 < clock.active_s < 6.5

@@ -102,6 +102,12 @@ def test_process_simulation_end_to_end(tmp_path, served_stores):
     for i, share in enumerate(s["worker_cpus"]):
         started = [e for e in read_events(out / "islands" / f"island-{i}") if e["event"] == "island_started"]
         assert started[0]["cpus"] == share
+    # θ_0 is evaluated (coordinator.eval_every), never before the island's deferred programs (the eval among
+    # them) have compiled: an eval compiled on the training path would stall the round.
+    kinds = {i: [e["event"] for e in read_events(out / "islands" / f"island-{i}")] for i in range(2)}
+    assert sum(k.count("evaluated") for k in kinds.values()) >= 1
+    for k in kinds.values():
+        assert "evaluated" not in k or k.index("compiled") < k.index("evaluated")
 
 
 def test_cpu_shares_partition_the_host():

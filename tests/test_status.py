@@ -82,6 +82,26 @@ def test_the_coordinator_asks_one_island_per_version_to_evaluate_and_records_its
         c.close()
 
 
+def test_evals_are_spread_over_the_live_islands_not_all_asked_of_the_first_puller():
+    h, live = RunHistory(), ["a", "b", "c"]
+    # v0: nobody has evaluated yet, so the first puller is asked.
+    assert h.assign_eval("a", 0, False, 5, 0.0, live)
+    # v5: a pulls first, but b and c (asked fewer) have not pulled it yet: a is passed over; b is asked.
+    assert not h.assign_eval("a", 5, False, 5, 1.0, live)
+    assert h.assign_eval("b", 5, False, 5, 2.0, live)
+    assert not h.assign_eval("c", 5, False, 5, 3.0, live)  # asked of b, still expected to answer
+    # v10: a and b pull first (each asked once), c (never asked) last: c is asked.
+    assert not h.assign_eval("a", 10, False, 5, 4.0, live)
+    assert not h.assign_eval("b", 10, False, 5, 5.0, live)
+    assert h.assign_eval("c", 10, False, 5, 6.0, live)
+    assert h.evals_asked == {"a": 1, "b": 1, "c": 1}
+    # An island asked more than the others is asked all the same when no less-asked island is live.
+    assert h.assign_eval("a", 15, False, 5, 7.0, ["a"])
+    # The final version goes to its first puller, and a version off the grid to nobody.
+    assert h.assign_eval("a", 17, True, 5, 8.0, live)
+    assert not h.assign_eval("b", 16, False, 5, 9.0, live)
+
+
 def test_the_final_version_is_evaluated_with_the_tokens_merged_into_it(net_cfg, tmp_path):
     cfg = dataclasses.replace(net_cfg, train=dataclasses.replace(net_cfg.train, steps=10))  # one push per shard
     coord = Running(cfg, tmp_path / "coord")

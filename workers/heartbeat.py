@@ -110,6 +110,18 @@ class Clock:
         self.active_s = 0.0  # training wall time of the finished _train calls
         self.train_since: float | None = None  # time.perf_counter() when the running _train call began
 
+    def stop(self) -> None:
+        """A ``_train`` call ended: its wall time is added to :attr:`active_s`."""
+        if self.train_since is not None:
+            self.active_s += time.perf_counter() - self.train_since
+        self.train_since = None
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves ``seconds`` of the running ``_train`` call out of the training wall time (the loop waited
+        for programs still compiling from start-up: neither training nor a wait the run caused)."""
+        if self.train_since is not None:
+            self.train_since += seconds
+
     def utilization(self) -> float:
         """Fraction of the island's training wall time so far spent in inner steps: not blocked waiting for a
         global θ, nor evaluating one the coordinator asked for."""

@@ -328,9 +328,9 @@ class Worker:
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
         rounds, final_wait, more = 0, 0.0, True
         while more:  # once its data is done the island waits for the end, unless it is handed more (a rewind)
-            self.clock.train_since = t0 = time.perf_counter()
+            self.clock.train_since = time.perf_counter()
             anchor, pending, n = self._train(island, anchor, status, ckpt)
-            self.clock.active_s, self.clock.train_since = self.clock.active_s + time.perf_counter() - t0, None
+            self.clock.stop()
             rounds += n
             if self.guard.drained:
                 anchor = self.run_end.drain(island, anchor, pending, lambda p: self._wait(
@@ -420,7 +420,8 @@ class Worker:
             if not first:  # the first chunk has run: what was compiled meanwhile is needed from now on
                 self._compiled()
             first = False
-            self.evaluator.requested()
+            if self._deferred is None:  # the eval is among the deferred programs: never compiled mid-round
+                self.evaluator.requested()
             rewind = self.membership.take_rewind()
             if rewind is not None:
                 r.anchor, moved = self._rewind(island, r.anchor, r.pending, status, rewind, r.start[0])
@@ -527,6 +528,7 @@ class Worker:
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             waited = deferred.wait()
+            self.clock.exclude(waited)  # start-up, not training time: utilization counts neither way
             self.log.event("compiled", seconds=round(deferred.seconds, 3), waited_s=round(waited, 4))
 
     def _quarantined(self, recovery: Recovery | None, status: IslandStatus) -> Recovery | None:
