@@ -292,7 +292,9 @@ class CoordinatorConfig:
 class WorkerConfig:
     overlap: bool = _f(True, "keep training while a push/pull is in flight; fold the new θ in on arrival")
     max_overlap_steps: int = _f(5, "with overlap: inner steps an island may take past a push before it waits "
-                                "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time)")
+                                "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time); "
+                                "with round_seconds = auto, every island may train on as long as the slowest "
+                                "takes for this many steps of train.base_batch_size sequences")
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
                               "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds as long as the slowest "
                               "island takes for outer.inner_steps steps of train.base_batch_size sequences, from the "

@@ -167,6 +167,30 @@ def test_every_chunk_a_run_trains_was_compiled():
 # --- the pull -------------------------------------------------------------------------------------
 
 
+def test_auto_rounds_give_every_island_the_slowest_islands_overlap_time_in_compiled_lengths():
+    from conftest import TINY
+    from dtrain.config import load_config
+    from workers.pacing import overlap_seconds
+
+    cfg = load_config(TINY, ["outer.inner_steps=4", "worker.max_overlap_steps=5"])
+    tau_s = overlap_seconds(cfg, 2.0)  # 5 of the slowest island's 4 steps in a 2 s round
+    assert tau_s == pytest.approx(2.5)
+    fast = dataclasses.replace(_schedule(round_seconds=-1.0, per_call=10, tau=5), step_s=0.1)
+    fast = fast.overlap_for(2.0, tau_s)
+    assert (fast.round_seconds, fast.overlap_steps) == (2.0, 25)  # 2.5 s of 0.1 s steps, not 5 steps (0.5 s)
+    slow = dataclasses.replace(_schedule(round_seconds=-1.0, per_call=10, tau=5), step_s=1.0).overlap_for(2.0, tau_s)
+    assert slow.overlap_steps == 5  # never fewer than τ
+    off = dataclasses.replace(_schedule(round_seconds=-1.0, overlap=False), step_s=0.1).overlap_for(2.0, tau_s)
+    assert off.overlap_steps == 0
+    # With the exchange in flight, the chunks are still fitted lengths (all compiled before the Join): 10, 10, 4, 1.
+    taken, n = [], 0
+    while (a := next_action(fast, RoundProgress(n, n, exchange_in_flight=True))).kind is TRAIN:
+        taken.append(a.steps)
+        n += a.steps
+    assert taken == [10, 10, 4, 1] and set(taken) <= fast.chunk_lengths()
+    assert a == Action(WAIT, reason="overlap budget spent")
+
+
 def test_a_digest_mismatch_is_answered_by_one_full_pull():
     theta = random_vec(0)
     client = FakeClient([[full_pull(4, theta, digest="0" * 16)], [full_pull(4, theta)]])

@@ -74,7 +74,7 @@ from workers.exchange import (
 from workers.heartbeat import Clock, Evaluator, Heartbeat, IslandStatus, Mailbox
 from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
-from workers.pacing import RateMeter, Slowdown, auto_round_seconds, retimed
+from workers.pacing import RateMeter, Slowdown, auto_round_seconds, overlap_seconds, retimed
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
@@ -396,13 +396,14 @@ class Worker:
         left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
         t = self.cfg.train
         cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
-        self.schedule = dataclasses.replace(self.schedule, round_seconds=seconds)
+        self.schedule = self.schedule.overlap_for(seconds, overlap_seconds(self.cfg, seconds))
         self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
         self.setup.loop.retime(cfg)
         steps = cfg.train.island_steps(cfg.train.steps)
         self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
                        tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
-                       round1_s=round(since, 3), decided=bool(answer["decided"]))
+                       round1_s=round(since, 3), decided=bool(answer["decided"]),
+                       overlap_steps=self.schedule.overlap_steps)
         why = ("the run's, decided before this island measured" if answer["decided"] else
                f"the slowest of {len(measured)} islands: {min(measured):,.0f} tokens/s")
         self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s ({why}; this one {own:,.0f} tokens/s, "

@@ -110,6 +110,13 @@ def auto_round_seconds(cfg: Config, rates: Sequence[float]) -> float:
     return cfg.outer.inner_steps * cfg.train.base_batch * cfg.model.seq_len / min(rates)
 
 
+def overlap_seconds(cfg: Config, round_seconds: float) -> float:
+    """``worker.round_seconds = auto``: the overlap budget of every island, in seconds: ``worker.max_overlap_steps``
+    steps of ``train.base_batch`` sequences at the slowest island's rate (a round of ``round_seconds`` is
+    ``outer.inner_steps`` of them), so that the slowest island and a fast one may train on as long past a push."""
+    return cfg.worker.max_overlap_steps * round_seconds / cfg.outer.inner_steps if cfg.worker.overlap else 0.0
+
+
 def retimed(cfg: Config, round_seconds: float, seconds_left: float, tokens_per_s: float, done: float = 0.0
             ) -> Config:
     """``cfg`` with its lr schedule stretched over the steps an island of rate ``tokens_per_s`` takes in the run:

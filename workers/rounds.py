@@ -76,6 +76,16 @@ class Schedule:
         return _round_chunks(self, 0) | _round_chunks(self, last_start)
 
 
+    def overlap_for(self, round_seconds: float, tau_seconds: float) -> Schedule:
+        """Wall-time rounds of ``round_seconds``, with the measured step time: the schedule whose overlap budget
+        is at least ``tau_seconds`` of this island's steps (never fewer steps than τ). Auto rounds give every
+        island the same time, τ steps of the slowest (``workers.pacing.overlap_seconds``), not the same steps:
+        a fast island's τ steps would be over long before the slowest island's push arrived."""
+        steps = self.overlap_steps
+        if self.overlap and self.step_s > 0 and tau_seconds > 0:
+            steps = max(steps, math.ceil(tau_seconds / self.step_s))
+        return dataclasses.replace(self, round_seconds=round_seconds, overlap_steps=steps)
+
     def first_length(self) -> int:
         """The chunk length a run's first round starts with (0 when there is no step to take)."""
         probe = dataclasses.replace(self, round_seconds=math.inf, step_s=0.0) if self.round_seconds else self
@@ -122,9 +132,10 @@ def next_action(s: Schedule, p: RoundProgress) -> Action:
         if s.round_seconds > 0 and not p.exchange_in_flight and p.round_steps and (
                 left <= 0 or left < s.step_s / 2):
             return Action(Kind.END_ROUND)
-        if s.step_s > 0 and s.round_seconds > 0 and not p.exchange_in_flight:
-            # the steps left to the deadline at the measured step time, in the fitted lengths
-            want = max(round(left / s.step_s), 1)
+        if s.step_s > 0 and s.round_seconds > 0:
+            # the steps left to the deadline at the measured step time (with the exchange in flight, a whole
+            # chunk: the deadline waits for it), in the fitted lengths
+            want = s.steps_per_call if p.exchange_in_flight else max(round(left / s.step_s), 1)
             if p.round_steps < s.overlap_steps:
                 want = min(want, s.overlap_steps - p.round_steps)
             return Action(Kind.TRAIN, steps=max(k for k in s.fit_lengths() if k <= want))
