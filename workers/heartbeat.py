@@ -233,7 +233,11 @@ class Evaluator:
         t0 = time.perf_counter()
         loss = loop.evaluate(loop.place_params(codec.unflatten(self.spec, g.vec)), self.setup.eval_batches)
         seconds = time.perf_counter() - t0
-        if self.clock.train_since is not None:  # not inner steps: utilization leaves it out
+        if 0 < self.mailbox.total_versions <= g.version:
+            # the run's last θ: its eval is the run's end (every island evaluates it for its summary), and no
+            # step trained from now on is merged: not training time
+            self.clock.exclude(seconds)
+        elif self.clock.train_since is not None:  # not inner steps: utilization leaves it out
             self.clock.eval_s += seconds
         self._evaluated[g.version] = loss
         self.log.event("evaluated", version=g.version, eval_loss=json_number(loss), seconds=round(seconds, 4))
