@@ -612,6 +612,6 @@ def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run
     assert s["unfinished_islands"] == ["island-1"] and [i["island"] for i in s["islands"]] == ["island-0"]
     out = Path(s["run_dir"])
     events = read_events(out)
-    assert [e["name"] for e in events if e["event"] == "island_joined"] == ["island-0"]
+    assert {e["name"] for e in events if e["event"] == "island_joined"} == {"island-0"}  # and again, for shard 1
     assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
     assert sorted(r["shard"] for e in events if e["event"] == "round_merged" for r in e["pushes"]) == [0, 0, 1, 1]
