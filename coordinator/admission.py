@@ -183,8 +183,9 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
     coordinate median of the round's pushes, or with fewer than 3 the outer momentum:
     ``coordinator.merger.Merger.direction_cosines``), a cosine below ``coordinator.min_cosine``: in a round of 3
     or more, any push; in a smaller one only a push on probation (``probation``: its island's last push was
-    rejected), since an honest delta late in a run may be all but orthogonal to the momentum (cosine 0.05 in the
-    rounds of a shard taken over in ``tiny``) while it still follows an outvoted island's reversed one. Needs no
+    rejected), since an honest delta late in a run may be all but orthogonal to the momentum (cosines of −0.08 to
+    0.12 in the rounds of a shard taken over in ``tiny``), while a rejected island's reversed pushes point clearly
+    against it. Needs no
     history in rounds of 3 pushes or more: it holds from the first round on."""
     out: dict[str, str] = {}
     known = [(i, n) for i, n in zip(infos, norms, strict=True) if n > 0]
