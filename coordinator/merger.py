@@ -462,7 +462,7 @@ class Merger:
             else:
                 ref = np.empty(rows.shape[1], np.float32)
                 _read_into(fd, ref, 4 * s)
-            return (rows.astype(np.float64) @ ref.astype(np.float64),
+            return (np.einsum("ij,j->i", rows, ref, dtype=np.float64),  # buffered: no float64 copy of the rows
                     float(np.einsum("i,i->", ref, ref, dtype=np.float64)),
                     np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
 

@@ -136,11 +136,13 @@ def coordinate_median(values_NxS: np.ndarray) -> np.ndarray:
     n = values_NxS.shape[0]
     if n == 0:
         raise ValueError("median of no pushes")
-    cols = np.ascontiguousarray(values_NxS.T)
+    cols = np.array(values_NxS.T, np.float32, order="C")  # the one copy (np.median makes one too), sorted in place
     mid = n // 2
     if n % 2:
-        return np.partition(cols, mid, axis=1)[:, mid].astype(np.float32, copy=False)
-    return np.partition(cols, (mid - 1, mid), axis=1)[:, mid - 1:mid + 1].mean(axis=1, dtype=np.float32)
+        cols.partition(mid, axis=1)
+        return cols[:, mid].copy()
+    cols.partition((mid - 1, mid), axis=1)
+    return cols[:, mid - 1:mid + 1].mean(axis=1, dtype=np.float32)
 
 
 NORM_SPREAD_FLOOR = 0.25  # the deviation used by robust_z is at least this fraction of the median

@@ -300,7 +300,7 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
         monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
     monkeypatch.setattr(np.linalg, "norm", lambda *a, **k: calls.append("linalg.norm"))
     rng = np.random.default_rng(5)
-    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
+    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up, rule="screened_mean"))
     frames = [codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), m.opts.up_bits, BLOCK))
               for _ in range(3)]
     for round_ in range(2):
@@ -310,6 +310,7 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
                     sp.write(frame[piece:piece + 1000])
                 m.validate(sp)
                 m.add_pending(sp, 1.0 + i, key=f"{round_}-{i}")
+        m.direction_cosines()  # the round screen's pass (the default rule's)
         m.outer_step()
     m.close()
     assert calls == []
