@@ -446,13 +446,16 @@ class Merger:
         more pending pushes the reference is their coordinate median; with fewer (no majority to take a median
         of: a round where one or two islands push, e.g. the last rounds of a shard taken over) it is the outer
         momentum, the direction of the recent merged updates (none before the first merge). One streaming pass
-        over the spools, slab by slab on the step's threads, memory pushes × slab: the dot products, the pushes'
-        and the reference's sums of squares, summed over the slabs. A push or a reference of norm 0 gets 1 (no
-        direction to disagree with)."""
+        over the spools, an eighth of a slab at a time on the step's threads, memory pushes × slab / 8 per thread:
+        the dot products, the pushes' and the reference's sums of squares, summed over the pieces. A push or a
+        reference of norm 0 gets 1 (no direction to disagree with)."""
         k = len(self.pending)
         if not k:
             return [], ""
-        slab, by_median = self.opts.slab, k >= 3
+        # Pieces of an eighth of a slab: the pass holds two (pushes × piece) arrays per thread (the rows and the
+        # median's transposed copy), 8 MiB each with 64 pushes, where whole slabs took 64 MiB each.
+        whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
+        slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
         fd = None if by_median else os.open(self._path("momentum"), os.O_RDONLY)
 
         def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
