@@ -9,9 +9,14 @@ worker processes on loopback, configs/tiny.toml by default, the default config o
                   of islands, no throttle) for C
   minus1/3/20     island-1 pushes −1 x, −3 x, −20 x its honest delta, every push (``--fault
                   scale:island-1@v0,factor=F``, workers/push_faults.py)
-  sybil-ramp      island-1..3 (3 of 4) grow their pushes 1.2 x a round (``ramp``), all under one credential: the
-                  coordinator must refuse all but one of them at Join (one credential = one island). A run that
-                  lets more than one of them join is not survived, whatever its loss
+  sybil-ramp      island-1..3 (3 of 4) grow their pushes 1.2 x a round (``ramp``), all under one credential:
+                  island-1's. The run has an identity per island (``dtrain simulate --island-tokens``:
+                  ``security.identity = "token"``, each island its own issued token) and island-2 and island-3
+                  present island-1's
+                  (``--island island-2:credential=island-1``): the coordinator must refuse them at Join (one
+                  credential = one island). A run that lets more than one of them join, or refuses one without
+                  a reason naming the credential, is not survived, whatever its loss. The islands that joined
+                  wait up to :data:`SYBIL_START_WAIT_S` for the others (they never come)
   idle20/idle200  20 and 200 PushDelta streams opened with the run's token once the 4 islands joined, that never
                   send a byte (held until the run ends): the honest islands' heartbeats, pushes and pulls must go on
   join-flood      5,000 Join calls of new names (8 threads) with the run's token and fingerprint once the 4 islands
@@ -59,6 +64,7 @@ from dtrain.errors import DtrainError
 from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.fault_spec import parse_fault
+from dtrain_cli.island_spec import parse_islands
 from dtrain_cli.simulate import run_simulation
 
 ISLANDS = 4
@@ -71,6 +77,7 @@ FLOOD_JOINS = 5000
 # On a loaded shared machine they start minutes apart, and a run whose first rounds have two islands is not the
 # case measured (one Byzantine island of four).
 RUN_SETTINGS = ("worker.start_wait_s=600",)
+SYBIL_START_WAIT_S = 120  # the Sybil run: the two islands that join do not wait 600 s for the two refused
 # The merge defaults of before the robust merge: the C figure's reference.
 OLD_DEFAULTS = ("coordinator.merge_rule=mean", "coordinator.round_norm_ratio=0", "coordinator.norm_window=32",
                 "coordinator.max_rejections=0", "coordinator.reject_backoff_s=0")
@@ -111,6 +118,9 @@ class Attack:
     faults: list[str] = field(default_factory=list)
     byzantine: tuple[str, ...] = ()
     side: Callable[[str, Config, threading.Event], dict[str, Any]] | None = None
+    settings: tuple[str, ...] = ()  # the run's own config settings (SECTION.FIELD=VALUE)
+    islands: tuple[str, ...] = ()  # islands' own settings (``dtrain simulate --island``)
+    own_tokens: bool = False  # an identity per island (``dtrain simulate --island-tokens``)
 
 
 def attacks() -> dict[str, Attack]:
@@ -118,7 +128,9 @@ def attacks() -> dict[str, Attack]:
         "minus1": Attack("minus1", [f"scale:{BYZANTINE}@v0,factor=-1"], (BYZANTINE,)),
         "minus3": Attack("minus3", [f"scale:{BYZANTINE}@v0,factor=-3"], (BYZANTINE,)),
         "minus20": Attack("minus20", [f"scale:{BYZANTINE}@v0,factor=-20"], (BYZANTINE,)),
-        "sybil-ramp": Attack("sybil-ramp", [f"ramp:{n}@v0,factor=1.2" for n in SYBILS], SYBILS),
+        "sybil-ramp": Attack("sybil-ramp", [f"ramp:{n}@v0,factor=1.2" for n in SYBILS], SYBILS,
+                             settings=(f"worker.start_wait_s={SYBIL_START_WAIT_S}",), own_tokens=True,
+                             islands=tuple(f"{n}:credential={SYBILS[0]}" for n in SYBILS[1:])),
         "idle20": Attack("idle20", side=lambda addr, cfg, stop: idle_streams(addr, cfg, 20, stop)),
         "idle200": Attack("idle200", side=lambda addr, cfg, stop: idle_streams(addr, cfg, 200, stop)),
         "join-flood": Attack("join-flood", side=lambda addr, cfg, stop: join_flood(addr, cfg, FLOOD_JOINS)),
@@ -295,13 +307,17 @@ def verdict(name: str, summary: dict[str, Any] | None, coord_events: list[dict[s
     if len(byzantine) > 1 and len(joined_byz) > 1:
         why.append(f"{len(joined_byz)} islands joined under one credential ({', '.join(joined_byz)}): the Sybil "
                    f"was not refused at Join")
+    refused = summary.get("refused_islands", {}) if summary is not None else {}
+    unclear = [n for n, line in refused.items() if "PERMISSION_DENIED" not in line or "token" not in line]
+    if unclear:
+        why.append(f"refused without a clear reason (PERMISSION_DENIED naming the token): {', '.join(unclear)}")
     if side and side.get("error"):
         why.append(f"side attack: {side['error']}")
     if side and side.get("joined"):
         why.append(f"{side['joined']} flood Joins were accepted")
     loss = summary["final_eval_loss"] if summary is not None else math.inf
     return {"attack": name, "survived": summary is not None and not why, "why": why, "final_eval_loss": loss,
-            "honest_lost": len(lost), "quarantined": quarantined, "byzantine_joined": joined_byz,
+            "honest_lost": len(lost), "quarantined": quarantined, "byzantine_joined": joined_byz, "refused": refused,
             "rounds": summary["rounds"] if summary is not None else None, "side": side}
 
 
@@ -317,9 +333,11 @@ def _simulate(cfg: Config, name: str, faults: list[str], args: argparse.Namespac
         thread = _side_runner(attack, run_dir, run_cfg, stop, side)
     t0 = time.perf_counter()
     summary, error = None, ""
+    specs = parse_islands(attack.islands, ISLANDS, run_cfg) if attack is not None else {}
     try:
         summary = run_simulation(run_cfg, ISLANDS, quiet=True, pin=not args.no_pin, timeout_s=args.timeout,
-                                 faults=[parse_fault(f, ISLANDS) for f in faults])
+                                 faults=[parse_fault(f, ISLANDS) for f in faults], island_specs=specs,
+                                 own_tokens=attack is not None and attack.own_tokens)
     except DtrainError as e:
         error = str(e)
     finally:
@@ -391,7 +409,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for name in args.chosen:
         attack = table[name]
-        summary, events, side, error = _simulate(cfg, name, attack.faults, args, work, attack)
+        acfg = load_config(args.config, [*RUN_SETTINGS, *args.overrides, *attack.settings]) if attack.settings else cfg
+        summary, events, side, error = _simulate(acfg, name, attack.faults, args, work, attack)
         results.append(verdict(name, summary, events, attack.byzantine, side or None, error))
     f = figures(clean, old, results)
     _print_results(clean, results)

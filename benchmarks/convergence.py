@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -38,7 +39,9 @@ import jax
 import numpy as np
 from _common import log
 
+from coordinator import admission
 from coordinator.merger import MergeOptions, Merger
+from coordinator.records import PushInfo
 from dtrain import codec, config
 from dtrain.config import load_config
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
@@ -54,6 +57,20 @@ MODES = {
     "quick": (400, 50, 8),
     "default": (400, 25, 48),
 }
+
+
+def round_screen(merger: Merger, cfg: config.Config, steps: int) -> dict:
+    """The coordinator's round screen (``coordinator.admission.screen_round``) on the merger's pending pushes, as
+    ``coordinator.rounds_loop`` runs it before a step (with ``screened_mean``, each push's direction too): the
+    pushes it rejects are dropped, not trained again (an honest run should reject none). Returns the round's
+    cosines and the keys rejected."""
+    pending = merger.pending
+    cosines, reference = merger.direction_cosines() if merger.opts.rule == "screened_mean" else (None, "")
+    infos = [PushInfo(p.key, p.key, 0, 1, steps, 0, 0, i) for i, p in enumerate(pending)]
+    rejected = [push_id for push_id, _ in admission.screen_round(cfg.coordinator, infos, [p.norm for p in pending],
+                                                                 cosines, reference)]
+    merger.drop_pending(rejected)
+    return {"cosines": cosines, "min_cosine": min(cosines) if cosines else math.nan, "rejected": rejected}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,8 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
                    help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
-                   "trimmed_mean, median, clipped_mean): each codec variant is run once per rule, side by side "
-                   "(named diloco-CODEC-RULE), for the fault-free cost of a robust rule; '': the config's rule")
+                   "trimmed_mean, median, clipped_mean, screened_mean): each codec variant is run once per rule, "
+                   "side by side (named diloco-CODEC-RULE), for the fault-free cost of a robust rule; '': the "
+                   "config's rule")
     p.add_argument("--process", action="store_true", help="also compare `dtrain simulate` (real coordinator and "
                    "worker processes, int8) with --inprocess, both from scratch on the same config")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                     if bits != 32 else None for _ in range(N)]
         islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                    for i in range(N)]
-        global_vec, wire, curve, density = theta_w.copy(), 0, [], []
+        global_vec, wire, curve, density, screened = theta_w.copy(), 0, [], [], []
         for steps in round_lengths(T, H):
             for isl, ef in zip(islands, feedback, strict=True):
                 isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
@@ -189,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
                 with merger.spool() as spool:
                     spool.write(frame)
                     merger.validate(spool)
-                    merger.add_pending(spool, isl.tokens - before)
+                    merger.add_pending(spool, isl.tokens - before, key=f"island-{isl.index}")
+            screened.append(round_screen(merger, merge_cfg, steps))
             update = merger.outer_step()
             wire += N * len(update.frame)  # every island pulls the update
             density.append(update_density(update.frame, global_vec.size))
@@ -197,7 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
             assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
             curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
         results[label] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
-                          "bytes": wire, "merge_rule": rule}
+                          "bytes": wire, "merge_rule": rule, "round_screen": screened}
+        if rule == "screened_mean":
+            log(f"{label}: direction screen, the lowest cosine of each round: "
+                + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
+                + f"; pushes rejected: {sum(len(r['rejected']) for r in screened)}")
         if codec.is_sparse(bits):
             results[label]["update_density"] = density
             log(f"{label}: update density per round (push density {k.max_count / block:.4f}): "

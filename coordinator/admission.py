@@ -22,7 +22,11 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   norm to ``coordinator.clip_norm`` (``Admission.scale``).
 - The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: it needs no
   history): a pending push whose norm exceeds ``coordinator.round_norm_ratio`` × the median norm of the round's
-  pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median).
+  pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median); and, with
+  ``merge_rule`` ``screened_mean``, a push whose cosine with the coordinate median of the round's pushes is below
+  ``coordinator.min_cosine`` (a push pointing away from the others: reversed, or off in a direction of its own);
+  in a round of fewer than 3, a push from an island on probation (its last push rejected) whose cosine with the
+  outer momentum (the recent merged updates' direction) is.
 - Repeat offenders (:func:`penalize`, :func:`check_standing`): after a rejected push the island's next push is
   refused, before its payload streams in, for ``coordinator.reject_backoff_s`` × 2^(k−1) seconds (k: its
   rejections in a row); at ``coordinator.max_rejections`` in a row the island itself is quarantined (state
@@ -170,18 +174,34 @@ def penalize(c: CoordinatorConfig, record: IslandRecord, reason: str, now: float
     return record.stop_reason
 
 
-def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequence[float]) -> list[tuple[str, str]]:
+def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequence[float],
+                 cosines: Sequence[float] | None = None, reference: str = "",
+                 probation: Sequence[bool] = ()) -> list[tuple[str, str]]:
     """The round's pushes (``infos``, with their L2 ``norms``; 0: not known) that the round screen rejects, as
     (push_id, reason): a norm over ``coordinator.round_norm_ratio`` × the median of the round's known norms, in a
-    round of 3 or more of them. Needs no history: it holds from the first round on."""
+    round of 3 or more of them; with ``cosines`` (``screened_mean``: each push's cosine with ``reference``, the
+    coordinate median of the round's pushes, or with fewer than 3 the outer momentum:
+    ``coordinator.merger.Merger.direction_cosines``), a cosine below ``coordinator.min_cosine``: in a round of 3
+    or more, any push; in a smaller one only a push on probation (``probation``: its island's last push was
+    rejected), since an honest delta late in a run may be all but orthogonal to the momentum (cosines of −0.08 to
+    0.12 in the rounds of a shard taken over in ``tiny``), while a rejected island's reversed pushes point clearly
+    against it. Needs no
+    history in rounds of 3 pushes or more: it holds from the first round on."""
+    out: dict[str, str] = {}
     known = [(i, n) for i, n in zip(infos, norms, strict=True) if n > 0]
-    if not c.round_norm_ratio or len(known) < 3:
-        return []
-    median = statistics.median(n for _, n in known)
-    bound = c.round_norm_ratio * median
-    return [(i.push_id, f"quarantined: push {i.push_id} has L2 norm {n:.4g}, more than round_norm_ratio "
-                        f"{c.round_norm_ratio:g} x the median {median:.4g} of the {len(known)} pushes of its round")
-            for i, n in known if n > bound]
+    if c.round_norm_ratio and len(known) >= 3:
+        median = statistics.median(n for _, n in known)
+        bound = c.round_norm_ratio * median
+        out.update((i.push_id, f"quarantined: push {i.push_id} has L2 norm {n:.4g}, more than round_norm_ratio "
+                               f"{c.round_norm_ratio:g} x the median {median:.4g} of the {len(known)} pushes of "
+                               f"its round") for i, n in known if n > bound)
+    if cosines is not None and reference:
+        flags = list(probation) or [False] * len(infos)
+        for i, cos, watched in zip(infos, cosines, flags, strict=True):
+            if i.push_id not in out and not cos >= c.min_cosine and (len(infos) >= 3 or watched):
+                out[i.push_id] = (f"quarantined: push {i.push_id} points away from the others: cosine {cos:.3g} "
+                                  f"with {reference}, below min_cosine {c.min_cosine:g}")
+    return [(i.push_id, out[i.push_id]) for i in infos if i.push_id in out]
 
 
 def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, admission: Admission, norm: float,

@@ -57,6 +57,12 @@ Guards against a poisoned delta:
   its norm is at most ``coordinator.clip_ratio`` × the median norm of the pushes
   being merged (:func:`round_clip_factors`; the norms are the spools', known before
   the step, so it stays one streaming pass).
+- ``screened_mean``: the mean, of the pushes that pass a direction screen when the round
+  closes (``coordinator.admission.screen_round``): :meth:`Merger.direction_cosines` gives
+  each pending push's cosine with the coordinate median of the pending pushes (with fewer
+  than 3, the outer momentum), in one streaming pass over the spools before the step
+  (memory pushes × slab), and a push below ``coordinator.min_cosine`` is rejected and
+  dropped (:meth:`Merger.drop_pending`).
 - Before it commits, the step checks every slab of the update, the momentum, the
   residual and θ for non-finite values. If any is found, it deletes its temp
   files, leaves the version as it was and raises :class:`NonFiniteResult`
@@ -89,6 +95,7 @@ from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
+MEAN_RULES = ("mean", "clipped_mean", "screened_mean")  # the merge rules that take the weighted mean of the pushes
 
 
 def slab_values(block: int) -> int:
@@ -107,7 +114,7 @@ class MergeOptions:
     zstd_level: int  # codec.zstd_level of the update frames
     error_feedback: bool  # codec.error_feedback: the down path keeps its quantization residual
     keep_updates: int  # coordinator.keep_updates: past update frames kept for lagging islands
-    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean", "median" or "clipped_mean"
+    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean", "median", "clipped_mean", "screened_mean"
     trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
     clip_ratio: float = 1.0  # coordinator.clip_ratio: clipped_mean caps each norm at this x the median norm
     spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
@@ -433,6 +440,51 @@ class Merger:
         self._read_pending(start, [out] * len(self.pending),
                            [np.float32(p.weight * p.scale * p.cap) * scale for p in self.pending])
 
+    def direction_cosines(self) -> tuple[list[float], str]:
+        """``screened_mean``'s direction screen: each pending push's cosine (its values times its clip factor) with
+        a reference direction, in pending order, and what the reference is ("": none, every cosine 1). With 3 or
+        more pending pushes the reference is their coordinate median; with fewer (no majority to take a median
+        of: a round where one or two islands push, e.g. the last rounds of a shard taken over) it is the outer
+        momentum, the direction of the recent merged updates (none before the first merge). One streaming pass
+        over the spools, an eighth of a slab at a time on the step's threads, memory pushes × slab / 8 per thread:
+        the dot products, the pushes' and the reference's sums of squares, summed over the pieces. A push or a
+        reference of norm 0 gets 1 (no direction to disagree with)."""
+        k = len(self.pending)
+        if not k:
+            return [], ""
+        # Pieces of an eighth of a slab: the pass holds two (pushes × piece) arrays per thread (the rows and the
+        # median's transposed copy), 8 MiB each with 64 pushes, where whole slabs took 64 MiB each.
+        whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
+        slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
+        fd = None if by_median else os.open(self._path("momentum"), os.O_RDONLY)
+
+        def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
+            rows = self._stack_pending(s, min(s + slab, self.n) - s)
+            if fd is None:
+                ref = coordinate_median(rows)
+            else:
+                ref = np.empty(rows.shape[1], np.float32)
+                _read_into(fd, ref, 4 * s)
+            return (np.einsum("ij,j->i", rows, ref, dtype=np.float64),  # buffered: no float64 copy of the rows
+                    float(np.einsum("i,i->", ref, ref, dtype=np.float64)),
+                    np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+
+        dots, ref_sq, sq = np.zeros(k), 0.0, np.zeros(k)
+        try:
+            with futures.ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="screen") as pool:
+                for d, r, q in pool.map(terms, range(0, self.n, slab)):
+                    dots += d
+                    ref_sq += r
+                    sq += q
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if not ref_sq > 0:
+            return [1.0] * k, ""
+        what = (f"the coordinate median of the {k} pushes of its round" if by_median
+                else "the outer momentum (the direction of the recent merged updates)")
+        return [float(d / math.sqrt(q * ref_sq)) if q > 0 else 1.0 for d, q in zip(dots, sq, strict=True)], what
+
     def _stack_pending(self, start: int, count: int) -> np.ndarray:
         """The pending pushes' values [start, start + count) (whole blocks), each times its clip factor, one row
         per push: (pushes × count) float32."""
@@ -460,7 +512,7 @@ class Merger:
 
     def _blame(self) -> SpooledPush:
         """The pending push held responsible for a non-finite result: the largest contribution."""
-        mean = self.opts.rule in ("mean", "clipped_mean")
+        mean = self.opts.rule in MEAN_RULES
         return max(self.pending, key=lambda p: p.scale * p.cap * p.norm * (p.weight if mean else 1.0))
 
     def _check_finite(self, what: str, start: int, values: np.ndarray) -> None:
@@ -471,7 +523,7 @@ class Merger:
             raise NonFiniteResult(where, blame.key, (
                 f"the outer step for version {self.version + 1} makes {where} non-finite; blamed: push "
                 f"{blame.key or '?'} (largest contribution: L2 norm {blame.norm:.4g} x clip {blame.scale:.3g}"
-                f"{f' x weight {blame.weight:g}' if self.opts.rule in ('mean', 'clipped_mean') else ''})"))
+                f"{f' x weight {blame.weight:g}' if self.opts.rule in MEAN_RULES else ''})"))
 
     # -- the outer step -----------------------------------------------------------------------------
 
@@ -554,7 +606,7 @@ class Merger:
     def _merged_delta(self, s: int, e: int, inv_w: np.float32) -> np.ndarray:
         """The merged pseudo-gradient Δ for values [s, e), by ``merge_rule``."""
         o = self.opts
-        if o.rule in ("mean", "clipped_mean"):
+        if o.rule in MEAN_RULES:
             delta = np.zeros(e - s, np.float32)
             self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
             return delta

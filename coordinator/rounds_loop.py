@@ -57,6 +57,7 @@ class RoundsLoop:
         # to stop), the service failed, or it stops.
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._serving: bool | None = None  # what the health service says now (None: nothing yet)
+        self._cosines: dict[str, float] = {}  # the open round's direction screen: push id -> cosine (screened_mean)
         self._ticker = threading.Thread(target=self.run, name="coordinator-tick", daemon=True)
 
     def start(self) -> None:
@@ -113,7 +114,9 @@ class RoundsLoop:
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
                                 "steps": i.inner_steps, "bytes": frame_bytes.get(i.push_id, 0),
-                                "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}
+                                "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale,
+                                **({"cosine": round(self._cosines[i.push_id], 4)} if i.push_id in self._cosines
+                                   else {})}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest,
                        merge_s=round(time.perf_counter() - t0, 6))
@@ -137,10 +140,16 @@ class RoundsLoop:
         self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
 
     def _screen_round(self, now: float) -> bool:
-        """The round screen (``coordinator.admission.screen_round``) on the round about to close: each push it
-        finds is rejected (a ``push_quarantined`` event; its island is told in its heartbeat replies) and dropped
-        from the merger. Returns whether any was."""
-        screened = self.state.screen_round()
+        """The round screen (``coordinator.admission.screen_round``; with ``screened_mean``, each pending push's
+        direction from ``Merger.direction_cosines``) on the round about to close: each push it finds is rejected
+        (a ``push_quarantined`` event; its island is told in its heartbeat replies) and dropped from the merger.
+        Returns whether any was."""
+        self._cosines, reference = {}, ""
+        if self.merger.opts.rule == "screened_mean" and self.merger.pending_count:
+            cosines, reference = self.merger.direction_cosines()
+            if reference:
+                self._cosines = dict(zip([p.key for p in self.merger.pending], cosines, strict=True))
+        screened = self.state.screen_round(self._cosines or None, reference)
         for push_id, why in screened:
             (info,) = self.state.reject_pending([push_id], why, now)
             self.merger.drop_pending([push_id])

@@ -295,13 +295,22 @@ class CoordinatorState:
             out.append(p.info)
         return out
 
-    def screen_round(self) -> list[tuple[str, str]]:
-        """The pending pushes the round-relative norm screen rejects (``coordinator.admission.screen_round``), as
-        (push_id, reason); changes nothing (the caller rejects them with :meth:`reject_pending`)."""
+    def screen_round(self, cosines: dict[str, float] | None = None, reference: str = "") -> list[tuple[str, str]]:
+        """The pending pushes the round screen rejects (``coordinator.admission.screen_round``; ``cosines``: push id
+        -> its cosine with ``reference``, for the direction screen), as (push_id, reason); changes nothing (the
+        caller rejects them with :meth:`reject_pending`)."""
         if self.opts.coordinator.mode != "sync":
             return []
-        return admission.screen_round(self.opts.coordinator, [p.info for p in self.ledger.pending.values()],
-                                      [p.admission.norm for p in self.ledger.pending.values()])
+        pending = list(self.ledger.pending.values())
+        return admission.screen_round(self.opts.coordinator, [p.info for p in pending],
+                                      [p.admission.norm for p in pending],
+                                      None if cosines is None else [cosines.get(p.info.push_id, 1.0) for p in pending],
+                                      reference, [self._on_probation(p.info.island_id) for p in pending])
+
+    def _on_probation(self, island_id: str) -> bool:
+        """Whether the island's last push was rejected (its rejections in a row: ``coordinator.admission``)."""
+        record = self.islands.get(island_id)
+        return record is not None and record.rejections > 0
 
     # -- rounds -------------------------------------------------------------------------------------
 

@@ -245,14 +245,20 @@ class CoordinatorConfig:
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
                              "with step rounds; no cap with wall-time rounds, where it is worth setting)")
     merge_rule: str = _f("auto", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
-                         "a trimmed mean or the median (both unweighted), or the token-weighted mean of the pushes "
-                         "each clipped to clip_ratio x the median L2 norm of the round's pushes (docs/faults.md has "
-                         "the measured cost of each); auto: median, or clipped_mean with a sparse codec.up (a "
-                         "per-coordinate median or trim of sparse pushes drops the entries only one push holds)",
-                         choices=("auto", "mean", "trimmed_mean", "median", "clipped_mean"))
+                         "a trimmed mean or the median (both unweighted), the token-weighted mean of the pushes "
+                         "each clipped to clip_ratio x the median L2 norm of the round's pushes, or screened_mean: "
+                         "the token-weighted mean of the pushes whose direction agrees with the round's (cosine "
+                         ">= min_cosine with the coordinate median of the round's pushes; the others are rejected) "
+                         "(docs/faults.md has the measured cost of each); auto: screened_mean, or clipped_mean with "
+                         "a sparse codec.up (a per-coordinate median or trim of sparse pushes drops the entries "
+                         "only one push holds)",
+                         choices=("auto", "mean", "trimmed_mean", "median", "clipped_mean", "screened_mean"))
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
     clip_ratio: float = _f(1.0, "clipped_mean: a push's L2 norm is clipped to this multiple of the median norm of "
                            "the round's pushes")
+    min_cosine: float = _f(0.0, "screened_mean: when a round of 3 or more pushes closes, a push whose cosine with "
+                           "the coordinate median of the round's pushes is below this is rejected (quarantined): "
+                           "honest deltas point the same way, a reversed one away; in [-1, 1)")
     round_norm_ratio: float = _f(4.0, "when a round closes, a push whose L2 norm exceeds this multiple of the median "
                                  "norm of the round's pushes is rejected (quarantined), from the first round on "
                                  "(rounds of 3 or more pushes); 0: off")
@@ -573,21 +579,22 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
 
 
 def merge_rule(cfg: Config) -> str:
-    """``coordinator.merge_rule`` as the coordinator merges: ``auto`` is the median, or with a sparse
-    ``codec.up`` the clipped mean (the pushes' entries rarely coincide, so a per-coordinate median or trim would
-    drop most of them)."""
+    """``coordinator.merge_rule`` as the coordinator merges: ``auto`` is the screened mean, or with a sparse
+    ``codec.up`` the clipped mean (the pushes' entries rarely coincide, so a per-coordinate median or trim, or a
+    screen against the coordinate median, would drop most of them)."""
     rule = cfg.coordinator.merge_rule
     if rule == "auto":
-        return "clipped_mean" if cfg.codec.up == "sparse" else "median"
+        return "clipped_mean" if cfg.codec.up == "sparse" else "screened_mean"
     return rule
 
 
 def _check_coordinator(cfg: Config, fail: _Fail) -> None:
     """[coordinator]: ports, rounds, leases, message and stream sizes (message size against codec.chunk_bytes)."""
     co, c = cfg.coordinator, cfg.codec
-    if c.up == "sparse" and co.merge_rule in ("median", "trimmed_mean"):
-        fail("coordinator", "merge_rule", f"{co.merge_rule} is per coordinate, and sparse pushes (codec.up = "
-             f"sparse) rarely hold the same entries: it would drop most of them; use clipped_mean (or auto)")
+    if c.up == "sparse" and co.merge_rule in ("median", "trimmed_mean", "screened_mean"):
+        fail("coordinator", "merge_rule", f"{co.merge_rule} takes a per-coordinate median or trim, and sparse "
+             f"pushes (codec.up = sparse) rarely hold the same entries: it would drop most of them; use "
+             f"clipped_mean (or auto)")
     if not 0 <= co.port <= 65535:
         fail("coordinator", "port", f"must be in [0, 65535], got {co.port}")
     if not -1 <= co.dashboard_port <= 65535:
@@ -638,6 +645,8 @@ def _check_merge(cfg: Config, fail: _Fail) -> None:
             fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
     if not (math.isfinite(co.clip_ratio) and co.clip_ratio > 0):
         fail("coordinator", "clip_ratio", f"must be a finite number > 0, got {co.clip_ratio}")
+    if not (math.isfinite(co.min_cosine) and -1 <= co.min_cosine < 1):
+        fail("coordinator", "min_cosine", f"must be a finite number in [-1, 1), got {co.min_cosine}")
     if not (math.isfinite(co.round_norm_ratio) and (co.round_norm_ratio == 0 or co.round_norm_ratio > 1)):
         fail("coordinator", "round_norm_ratio", f"must be 0 (off) or a finite number > 1, got {co.round_norm_ratio}")
     if co.norm_window < 1:

@@ -16,6 +16,9 @@ A spec is ``NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable, one island per flag or 
 - ``link=RATE/RTT`` (e.g. ``100mbit/100ms``): the island reaches the coordinator over a wide-area link of that
   bandwidth each way and round trip, emulated by a proxy (:mod:`dtrain_cli.link_proxy`); ``dtrain simulate
   --link`` gives every island one.
+- ``credential=OTHER`` (with ``dtrain simulate --island-tokens``, which issues each island a token of its own):
+  the island presents island OTHER's token instead of its own, the Sybil case: the coordinator refuses it at Join
+  (PERMISSION_DENIED), and the driver counts it as refused (the summary's ``refused_islands``), not as a failure.
 
 Example: ``--island island-2:train.batch_size=16,host_devices=2,slowdown=2 --island island-3:slowdown=4``.
 """
@@ -44,6 +47,7 @@ class IslandSpec:
     host_devices: int | None = None  # its fake CPU devices (None: the run's)
     slowdown: float = 1.0  # its chunks take this many times their compute time
     link: LinkShape | None = None  # its link to the coordinator (None: loopback as it is)
+    credential: str = ""  # the island whose issued token it presents (simulate --island-tokens; "": its own)
 
     def describe(self) -> dict[str, object]:
         """The island's settings for the run's summary (the slowdown said as what it is: emulated)."""
@@ -55,6 +59,8 @@ class IslandSpec:
             out["slowdown_emulated_by"] = SLOWDOWN_HOW
         if self.link is not None:
             out["link"] = str(self.link)
+        if self.credential:
+            out["credential"] = self.credential
         return out
 
 
@@ -68,7 +74,8 @@ def parse_islands(texts: Sequence[str], islands: int, cfg: Config) -> dict[str, 
         if not sep or not rest:
             raise ConfigError(f"--island {text}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
                               f"island-2:train.batch_size=8,host_devices=2")
-        if name not in {f"island-{i}" for i in range(islands)}:
+        names = {f"island-{i}" for i in range(islands)}
+        if name not in names:
             raise ConfigError(f"--island {text}: no island {name!r} in this run (island-0 ... island-{islands - 1})")
         spec = specs.setdefault(name, IslandSpec(name))
         for pair in rest.split(","):
@@ -88,6 +95,11 @@ def parse_islands(texts: Sequence[str], islands: int, cfg: Config) -> dict[str, 
                 if not (math.isfinite(k) and k >= 1.0):
                     raise ConfigError(f"--island {text}: slowdown must be a finite number >= 1, got {value!r}")
                 spec.slowdown = k
+            elif key == "credential":
+                if value not in names:
+                    raise ConfigError(f"--island {text}: credential must name an island of this run (island-0 ... "
+                                      f"island-{islands - 1}), got {value!r}")
+                spec.credential = value if value != name else ""
             elif key == "link":
                 try:
                     spec.link = parse_link(value)
@@ -98,7 +110,7 @@ def parse_islands(texts: Sequence[str], islands: int, cfg: Config) -> dict[str, 
                                   f"the same model (set it for the whole run with --set)")
             elif key not in PER_ISLAND_FIELDS:
                 raise ConfigError(f"--island {text}: {key} is not a per-island setting (per-island: "
-                                  f"{', '.join(PER_ISLAND_FIELDS)}, host_devices, slowdown, link)")
+                                  f"{', '.join(PER_ISLAND_FIELDS)}, host_devices, slowdown, link, credential)")
             else:
                 spec.overrides.append(f"{key}={value}")
     for spec in specs.values():  # each island's config must load (its batch over its mesh, ...)

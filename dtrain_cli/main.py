@@ -164,8 +164,12 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="an island's own settings (repeatable): per-island config fields (train.batch_size, "
                    "train.steps_per_call, model.attention, model.remat, worker.round_seconds, outer.inner_steps, "
                    "mesh.*, ...; never a fingerprint field), host_devices=N (its fake CPU devices), slowdown=K "
-                   "(its steps take K times as long) and link=RATE/RTT (its own WAN link), e.g. "
+                   "(its steps take K times as long), link=RATE/RTT (its own WAN link) and credential=OTHER "
+                   "(with --island-tokens: it presents OTHER's issued token, a Sybil refused at Join), e.g. "
                    "island-2:train.batch_size=8,host_devices=2,slowdown=4")
+    p.add_argument("--island-tokens", action="store_true",
+                   help="an identity per island: security.identity = token, each island its own issued token "
+                   "(passed in security.token_env), the coordinator their hashes in RUN_DIR/island-tokens")
     p.add_argument("--link", default=None, metavar="RATE/RTT",
                    help="every island reaches the coordinator over an emulated wide-area link of this bandwidth each "
                    "way and round trip, e.g. 100mbit/100ms (a proxy per island; --island NAME:link=... for one)")
@@ -419,8 +423,8 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--fault needs worker processes: drop --inprocess")
             if args.island_processes > 1:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
-            if args.island_specs or args.link:
-                raise ConfigError("--island and --link need worker processes: drop --inprocess")
+            if args.island_specs or args.link or args.island_tokens:
+                raise ConfigError("--island, --link and --island-tokens need worker processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
             from dtrain_cli.fault_spec import host_device_count, parse_fault
@@ -439,7 +443,7 @@ def _run(argv: list[str], prog: str) -> int:
                 except LinkError as e:
                     raise ConfigError(f"--link: {e}") from None
             summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
-                                     island_processes=args.island_processes,
+                                     island_processes=args.island_processes, own_tokens=args.island_tokens,
                                      island_specs=parse_islands(links + args.island_specs, islands, cfg))
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))

@@ -37,6 +37,7 @@ from dtrain import data
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config import Config, ConfigError
 from dtrain.errors import DtrainError
+from dtrain.identity import hash_line, issue_token
 from dtrain.runlog import EventTail, RunLog, process_dir, read_events
 from dtrain_cli.fault_score import device_fault_reached, device_quarantines, push_fault_event, score_faults
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec, check_devices, host_device_count
@@ -106,7 +107,7 @@ def check_island_processes(processes: object, cfg: Config, faults: Sequence[Faul
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
                    faults: Sequence[FaultSpec] = (), island_processes: int = 1,
-                   island_specs: dict[str, IslandSpec] | None = None) -> dict[str, Any]:
+                   island_specs: dict[str, IslandSpec] | None = None, own_tokens: bool = False) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each, in a new run
     folder of ``cfg`` (``RUN_DIR``), until the run ends.
 
@@ -139,7 +140,11 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
         island_specs: islands' own settings (:mod:`dtrain_cli.island_spec`: ``--island``): each such island's
             worker reads ``RUN_DIR/islands/NAME/config.toml`` (the run's config with its overrides; with islands
             of their own batch size the run's ``train.base_batch_size`` is pinned to its batch), gets its own fake
-            CPU devices and slowdown; the summary's ``island_settings`` says what each had.
+            CPU devices and slowdown; the summary's ``island_settings`` says what each had. An island given another's
+            credential (``credential=OTHER``, with ``own_tokens``) that fails (the coordinator refuses it at Join)
+            is listed in the summary's ``refused_islands`` with its log's last line, not raised as a failure.
+        own_tokens: an identity per island (``dtrain simulate --island-tokens``): ``security.identity = "token"``,
+            each island its own issued token (:func:`issue_island_tokens`).
 
     Returns the run's summary, also written to ``RUN_DIR/summary.json``. Its ``goodput`` and ``audit`` (lost
     and doubled tokens, gaps, overlaps) come from the coordinator's and every island process's events
@@ -150,8 +155,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     SimulationError for a process that failed."""
     from dtrain.runs import new_run, run_dir
 
-    cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes)
     specs = island_specs or {}
+    cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes, specs, own_tokens)
     cfg = new_run(run_config(cfg, specs))
     # Before any process starts: a source that is not a store becomes one here, once, not in every worker; the
     # processes read that store (finding it again from its source would scan the source at every start).
@@ -161,9 +166,10 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     data.open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
+    cfg, tokens = issue_island_tokens(cfg, out, islands) if own_tokens else (cfg, {})
     if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
         cfg = config_mod.replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
-    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs)
+    sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens)
     try:
         sim.run(timeout_s)
     finally:
@@ -172,7 +178,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
 
 def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: Sequence[FaultSpec],
-                 island_processes: int) -> tuple[Config, dict[str, str]]:
+                 island_processes: int, specs: dict[str, IslandSpec] | None = None,
+                 own_tokens: bool = False) -> tuple[Config, dict[str, str]]:
     """What :func:`run_simulation` checks before anything starts: returns the config the run's processes read
     (``islands`` islands, the dashboard on a free port) and the workers' environment; raises ConfigError or
     SimulationError for what cannot run."""
@@ -183,9 +190,33 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
         cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
     if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
         raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
+    sec = cfg.security
+    borrowed = [s.name for s in (specs or {}).values() if s.credential]
+    if borrowed and not own_tokens:
+        raise ConfigError(f"--island {borrowed[0]}:credential=...: needs --island-tokens (a token per island; "
+                          f"without it every island presents the same credential already)")
+    if own_tokens and not sec.token_env:
+        raise ConfigError("--island-tokens: the islands' tokens are passed in security.token_env, which is empty; "
+                          "set it (e.g. DTRAIN_TOKEN)")
+    if sec.identity == "token" and not own_tokens:
+        raise ConfigError(f"security.identity = token: dtrain simulate cannot give its islands the tokens of "
+                          f"{sec.island_tokens}; pass --island-tokens (it issues one per island)")
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
     return cfg, worker_env
+
+
+def issue_island_tokens(cfg: Config, out: Path, islands: int) -> tuple[Config, dict[str, str]]:
+    """An identity per island (``--island-tokens``): one token issued per island (``dtrain.identity.issue_token``),
+    their hashes written to ``out/island-tokens`` (owner-only); returns ``cfg`` with ``security.identity = "token"``
+    and that file as its ``island_tokens``, and the tokens by island name (each worker gets its own in
+    ``security.token_env``)."""
+    tokens = {f"island-{i}": issue_token() for i in range(islands)}
+    path = out / "island-tokens"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(hash_line(name, token) + "\n" for name, token in tokens.items()))
+    return config_mod.replace(cfg, security={"identity": "token", "island_tokens": str(path)}), tokens
 
 
 class _Simulation:
@@ -193,8 +224,11 @@ class _Simulation:
     injects."""
 
     def __init__(self, cfg: Config, out: Path, islands: int, quiet: bool, env: dict[str, str], pin: bool,
-                 faults: list[FaultSpec], processes: int = 1, specs: dict[str, IslandSpec] | None = None):
+                 faults: list[FaultSpec], processes: int = 1, specs: dict[str, IslandSpec] | None = None,
+                 tokens: dict[str, str] | None = None):
         self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
+        self.tokens = tokens or {}  # island -> its issued token (security.identity token)
+        self.refused: dict[str, str] = {}  # islands with another's credential that failed: their log's last line
         self.specs = specs or {}
         self.processes = processes
         self.resolved = out / "config.toml"
@@ -276,6 +310,9 @@ class _Simulation:
         own = ["--slowdown", f"{spec.slowdown:g}"] if spec is not None and spec.slowdown != 1.0 else []
         env = self.env if spec is None or spec.host_devices is None else with_host_devices(self.env,
                                                                                           spec.host_devices)
+        if self.tokens:  # its own issued token, or (credential=OTHER) another island's
+            env = {**env, self.cfg.security.token_env: self.tokens[spec.credential if spec and spec.credential
+                                                                    else name]}
         procs = []
         for index in range(self.processes):
             pdir = process_dir(wdir, index)
@@ -407,7 +444,9 @@ class _Simulation:
         """The worker processes that failed (exited non-zero) on their own, for the run's error: each one's island,
         its process (with several per island), its status, the last line of its log and where the log is. Islands
         killed for good or stopped by the driver are left out, and so are the processes the driver killed because
-        another process of their island had failed (:meth:`_end_broken_islands`)."""
+        another process of their island had failed (:meth:`_end_broken_islands`). An island that presents another's
+        credential (``--island NAME:credential=OTHER``) and failed is recorded in :attr:`refused` instead: the
+        coordinator refusing it is what such a run tests."""
         out = []
         for name, procs in self.workers.items():
             if name in self.gone | self.stopped:
@@ -415,6 +454,10 @@ class _Simulation:
             for index, p in enumerate(procs):
                 if p.poll() not in (None, 0) and self.ended.get(name, index) == index:
                     log = process_dir(Path("islands") / name, index) / "worker.log"
+                    spec = self.specs.get(name)
+                    if spec is not None and spec.credential:
+                        self.refused[name] = _last_line(self.out / log)
+                        continue
                     who = name if self.processes == 1 else f"{name} process {index}"
                     out.append(f"{who} (status {p.returncode}: {_last_line(self.out / log)}; see {log})")
         return out
@@ -550,7 +593,7 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
     """The summary of ``sim``'s run (``wall`` seconds long) from its finished islands' summaries (every
     process's) and the run's events; raises SimulationError if the islands did not end on one θ."""
     out, cfg = sim.out, sim.cfg
-    unfinished = sim.gone | sim.stopped
+    unfinished = sim.gone | sim.stopped | set(sim.refused)
     # an island the coordinator quarantined (coordinator.max_rejections) was told to stop early, on its own θ
     quarantined = {n for n in sim.names for e in coord_events
                    if e.get("event") == "island_quarantined" and str(e.get("island", "")).startswith(n + "-")}
@@ -579,6 +622,7 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
         "goodput": checked.goodput, "audit": checked.to_dict(),
         "unfinished_islands": sorted(unfinished),
         "quarantined_islands": sorted(quarantined),
+        "refused_islands": dict(sorted(sim.refused.items())),
     }
     if len(digests) != 1 or len(evals) != 1:
         raise SimulationError(f"islands ended with different parameters: digests {sorted(digests)}")

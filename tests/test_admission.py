@@ -291,6 +291,39 @@ def test_the_round_screen_needs_three_pushes_and_can_be_off():
     assert off.screen_round() == []
 
 
+def test_the_round_screen_rejects_a_push_pointing_away_from_the_round():
+    """With cosines (screened_mean: each push's cosine with the round's coordinate median), a push below
+    coordinator.min_cosine is rejected, counted against its island as any rejection; a norm outlier keeps its norm
+    reason; in a round of fewer than 3 pushes only an island on probation is screened (against the momentum), and
+    with no reference (before any merge) nothing is."""
+    st = make()
+    a, b, c, d = join_all(st)
+    pushes = _norms(st, [a, b, c, d], [1.0, 1.1, 0.9, 1.0])
+    ids = [p.push_id for p, _ in pushes]
+    median = "the coordinate median of the 4 pushes of its round"
+    screened = st.screen_round({ids[0]: 0.9, ids[1]: 0.8, ids[2]: 0.05, ids[3]: -0.7}, median)
+    assert [p for p, _ in screened] == [ids[3]]
+    assert (f"quarantined: push {ids[3]} points away from the others: cosine -0.7 with the coordinate median of "
+            f"the 4 pushes of its round, below min_cosine 0") == screened[0][1]
+    strict = make("coordinator.min_cosine=0.1")
+    pushes = _norms(strict, join_all(strict), [1.0, 1.1, 0.9, 20.0])
+    ids = [p.push_id for p, _ in pushes]
+    screened = strict.screen_round({ids[0]: 0.9, ids[1]: 0.8, ids[2]: 0.05, ids[3]: -0.7}, median)
+    assert [p for p, _ in screened] == [ids[2], ids[3]] and "round_norm_ratio" in screened[1][1]
+    assert strict.screen_round() == [(ids[3], screened[1][1])]  # no cosines: the norm screen alone
+    # one push (the last rounds of a shard taken over): against the outer momentum, if its island is on probation
+    # (its last push rejected); no reference: nothing
+    one = make()
+    a = join_all(one)[0]
+    momentum = "the outer momentum (the direction of the recent merged updates)"
+    (p, _), = _norms(one, [a], [1.0])
+    assert one.screen_round({p.push_id: -0.5}, "") == []
+    assert one.screen_round({p.push_id: -0.5}, momentum) == []  # an island in good standing
+    one.islands[a].rejections = 1
+    (rejected,) = one.screen_round({p.push_id: -0.5}, momentum)
+    assert rejected[0] == p.push_id and "cosine -0.5 with the outer momentum" in rejected[1]
+
+
 def test_repeated_rejections_quarantine_the_island_and_the_run_ends():
     """d pushes −20 x every round: rejected three times in a row (coordinator.max_rejections 3) it is quarantined
     (told to stop, with why; its pushes and its Join refused), its shard goes to an island whose own is done, and

@@ -40,6 +40,10 @@ def test_options_choose_the_attacks() -> None:
     for attack in bench.attacks().values():  # every fault of an attack parses, for 4 islands
         assert all(parse_fault(f, bench.ISLANDS).kind in ("scale", "ramp") for f in attack.faults)
         assert bool(attack.faults) != (attack.side is not None)
+    # the Sybil case runs with a token per island, island-2 and island-3 presenting island-1's (refused at Join)
+    sybil = bench.attacks()["sybil-ramp"]
+    assert sybil.own_tokens and sybil.islands == ("island-2:credential=island-1", "island-3:credential=island-1")
+    load_config("tiny", [*bench.RUN_SETTINGS, *sybil.settings])
     # the C reference: the defaults of before the robust merge, a config that loads
     old = load_config("tiny", list(bench.OLD_DEFAULTS)).coordinator
     assert (old.merge_rule, old.round_norm_ratio, old.max_rejections) == ("mean", 0.0, 0)
@@ -64,6 +68,15 @@ def test_the_verdict_on_a_run() -> None:
     joins = [{"event": "island_joined", "name": n} for n in ("island-0", "island-1", "island-2", "island-3")]
     sybil = verdict("sybil-ramp", _summary(3.5), joins, ("island-1", "island-2", "island-3"), None)
     assert not sybil["survived"] and "3 islands joined under one credential" in sybil["why"][0]
+    refused = {**_summary(3.5, unfinished=("island-2", "island-3")), "refused_islands": {
+        "island-2": "dtrain worker: error: PERMISSION_DENIED: token:island-1 may not act as island island-2: ...",
+        "island-3": "dtrain worker: error: DEADLINE_EXCEEDED"}}
+    sybil = verdict("sybil-ramp", refused, joins[:2], ("island-1", "island-2", "island-3"), None)
+    assert not sybil["survived"] and sybil["why"] == ["refused without a clear reason (PERMISSION_DENIED naming "
+                                                      "the token): island-3"]
+    refused["refused_islands"]["island-3"] = refused["refused_islands"]["island-2"].replace("island-2", "island-3")
+    sybil = verdict("sybil-ramp", refused, joins[:2], ("island-1", "island-2", "island-3"), None)
+    assert sybil["survived"] and sybil["byzantine_joined"] == ["island-1"]
     flood = verdict("join-flood", _summary(3.5), joins, (), {"joins": 5000, "joined": 2})
     assert not flood["survived"] and flood["why"] == ["2 flood Joins were accepted"]
 

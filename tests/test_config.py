@@ -287,15 +287,21 @@ def test_h_larger_than_steps_is_refused_at_load():
     assert load_config(TINY, ["train.steps=30", "outer.inner_steps=30"]).rounds == 1
 
 
-def test_merge_rule_auto_is_the_median_or_with_sparse_pushes_the_clipped_mean():
+def test_merge_rule_auto_is_the_screened_mean_or_with_sparse_pushes_the_clipped_mean():
     """The robust default must not discard SparseLoCo's pushes: a per-coordinate median of sparse pushes keeps
-    only the entries most pushes hold (few), so auto picks the clipped mean there, and an explicit median or
-    trimmed mean with a sparse codec.up is refused naming the field."""
+    only the entries most pushes hold (few), so auto picks the clipped mean there, and an explicit median,
+    trimmed mean or screened mean (screened against the coordinate median) with a sparse codec.up is refused
+    naming the field. min_cosine is a cosine: in [-1, 1)."""
     from dtrain.config import merge_rule
 
-    assert merge_rule(load_config(TINY)) == "median"
+    assert merge_rule(load_config(TINY)) == "screened_mean"
     assert merge_rule(load_config(TINY, ["codec.up=sparse"])) == "clipped_mean"
     assert merge_rule(load_config(TINY, ["coordinator.merge_rule=mean", "codec.up=sparse"])) == "mean"
-    for rule in ("median", "trimmed_mean"):
+    for rule in ("median", "trimmed_mean", "screened_mean"):
         with pytest.raises(ConfigError, match=r"coordinator.*merge_rule.*sparse pushes"):
             load_config(TINY, [f"coordinator.merge_rule={rule}", "codec.up=sparse"])
+    assert load_config(TINY).coordinator.min_cosine == 0.0
+    assert load_config(TINY, ["coordinator.min_cosine=-1"]).coordinator.min_cosine == -1.0
+    for bad in ("1", "-1.5", "nan"):
+        with pytest.raises(ConfigError, match=r"\[coordinator\] min_cosine: must be a finite number in \[-1, 1\)"):
+            load_config(TINY, [f"coordinator.min_cosine={bad}"])

@@ -376,3 +376,36 @@ def test_a_raw_call_without_a_token_cannot_slip_past_as_an_island(token_run):
     with pytest.raises(grpc.RpcError) as e:
         stub.Heartbeat(pb.HeartbeatRequest(island_id="a-0"), timeout=5, metadata=auth_metadata(None))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# -- dtrain simulate with an identity per island ---------------------------------------------------------------
+
+
+def test_simulate_issues_one_token_per_island_and_parses_a_borrowed_credential(tmp_path):
+    """``dtrain simulate --island-tokens``: the driver issues a token per island and writes only their hashes
+    (owner-only) as the coordinator's island_tokens, under security.identity = token; ``--island
+    NAME:credential=OTHER`` (the Sybil case) names an island of the run and needs --island-tokens; a run without
+    token_env, or with a token identity whose tokens the driver cannot hand out, is refused before anything
+    starts."""
+    from dtrain_cli.island_spec import parse_islands
+    from dtrain_cli.simulate import issue_island_tokens, run_simulation
+
+    cfg = load_config("tiny")
+    out, tokens = issue_island_tokens(cfg, tmp_path, 3)
+    assert sorted(tokens) == ["island-0", "island-1", "island-2"] and len(set(tokens.values())) == 3
+    path = tmp_path / "island-tokens"
+    assert (out.security.identity, out.security.island_tokens) == ("token", str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    read = IslandTokens.read(str(path))
+    assert all(read.name_of(t) == n for n, t in tokens.items()) and tokens["island-0"] not in path.read_text()
+    specs = parse_islands(["island-2:credential=island-1", "island-1:credential=island-1"], 3, cfg)
+    assert specs["island-2"].credential == "island-1" and specs["island-1"].credential == ""
+    assert specs["island-2"].describe()["credential"] == "island-1"
+    with pytest.raises(ConfigError, match="credential must name an island of this run"):
+        parse_islands(["island-2:credential=island-7"], 3, cfg)
+    with pytest.raises(ConfigError, match=r"credential=\.\.\.: needs --island-tokens"):
+        run_simulation(cfg, 3, island_specs=specs)
+    with pytest.raises(ConfigError, match="token_env, which is empty"):
+        run_simulation(replace(cfg, security={"token_env": ""}), 2, own_tokens=True)
+    with pytest.raises(ConfigError, match="pass --island-tokens"):
+        run_simulation(out, 2)

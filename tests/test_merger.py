@@ -300,7 +300,7 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
         monkeypatch.setattr(np, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
     monkeypatch.setattr(np.linalg, "norm", lambda *a, **k: calls.append("linalg.norm"))
     rng = np.random.default_rng(5)
-    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
+    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up, rule="screened_mean"))
     frames = [codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32), m.opts.up_bits, BLOCK))
               for _ in range(3)]
     for round_ in range(2):
@@ -310,6 +310,7 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
                     sp.write(frame[piece:piece + 1000])
                 m.validate(sp)
                 m.add_pending(sp, 1.0 + i, key=f"{round_}-{i}")
+        m.direction_cosines()  # the round screen's pass (the default rule's)
         m.outer_step()
     m.close()
     assert calls == []
@@ -452,9 +453,57 @@ def test_clipped_mean_caps_each_push_at_clip_ratio_times_the_rounds_median_norm(
     np.testing.assert_allclose(m.theta, want, rtol=1e-4, atol=1e-5)
 
 
+def test_direction_cosines_match_numpy_on_the_full_vectors():
+    """screened_mean's screen: each pending push's cosine with the coordinate median of the pending pushes (each
+    times its clip factor), slab by slab, equals numpy's on the whole dequantized vectors; a push of norm 0 has no
+    direction (1)."""
+    rng = np.random.default_rng(14)
+    m = Merger(np.zeros(N, np.float32), dataclasses.replace(opts(up="int8"), rule="screened_mean"))
+    honest = rng.normal(size=N).astype(np.float32)
+    vecs = [honest + rng.normal(size=N).astype(np.float32) for _ in range(3)] + [-1.0 * honest]
+    vecs.append(np.zeros(N, np.float32))
+    scales = [1.0, 0.5, 1.0, 1.0, 1.0]
+    for i, (v, c) in enumerate(zip(vecs, scales, strict=True)):
+        _push_keyed(m, v, 1.0, f"p{i}", scale=c)
+    rows = np.stack([np.float32(c) * codec.dequantize(codec.quantize(v, 8, BLOCK))
+                     for v, c in zip(vecs, scales, strict=True)]).astype(np.float64)
+    med = np.median(rows, axis=0)
+    want = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows[:4]] + [1.0]
+    got, reference = m.direction_cosines()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert min(got[:3]) > 0.5 and got[3] < -0.5  # the honest agree with the median, the reversed one does not
+    assert reference == "the coordinate median of the 5 pushes of its round"
+    assert Merger(np.zeros(N, np.float32), opts()).direction_cosines() == ([], "")
+
+
+def test_with_fewer_than_three_pushes_the_direction_reference_is_the_outer_momentum():
+    """A round of one or two pushes has no majority: each push is compared with the outer momentum (the recent
+    merged updates' direction; none before the first merge: every cosine 1). Lossless, momentum 0.9."""
+    rng = np.random.default_rng(15)
+    m = Merger(np.zeros(N, np.float32), dataclasses.replace(opts(up="fp32", down="fp32"), rule="screened_mean"))
+    honest = rng.normal(size=N).astype(np.float32)
+    _push_keyed(m, honest, 1.0, "first")
+    assert m.direction_cosines() == ([1.0], "")  # momentum 0: no reference yet
+    m.outer_step()  # m = Δ = honest
+    later = honest + rng.normal(size=N).astype(np.float32)
+    _push_keyed(m, later, 1.0, "honest")
+    _push_keyed(m, -later, 1.0, "reversed")
+    got, reference = m.direction_cosines()
+    momentum = m.momentum.astype(np.float64)
+    want = [float(v @ momentum / (np.linalg.norm(v) * np.linalg.norm(momentum))) for v in (later, -later)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[0] > 0.5 > -0.5 > got[1]
+    assert reference == "the outer momentum (the direction of the recent merged updates)"
+
+
 def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
-    """One island of four pushing −3 x its honest delta: the default merge rule keeps the merged Δ near the honest
-    one (the mean would cancel it: (3·d − 3·d)/4 = 0). θ1 = θ0 − Δ (lr 1, no momentum, lossless down)."""
+    """One island of four pushing −3 x its honest delta: the default merge rule (screened_mean: the round screen,
+    as coordinator.rounds_loop runs it, rejects the push pointing away from the round's coordinate median, and the
+    rest are averaged) keeps the merged Δ near the honest one (the mean would cancel it: (3·d − 3·d)/4 = 0).
+    θ1 = θ0 − Δ (lr 1, no momentum, lossless down)."""
+    from coordinator.admission import screen_round
+    from coordinator.records import PushInfo
+
     rng = np.random.default_rng(13)
     cfg = config.replace(Config(), codec={"up": "int8", "down": "fp32", "block": BLOCK},
                          outer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
@@ -462,8 +511,12 @@ def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
     honest = rng.normal(size=N).astype(np.float32) * 0.01
     pushes = [honest + rng.normal(size=N).astype(np.float32) * 0.002 for _ in range(3)]
     pushes.append(-3.0 * honest)
-    for i, v in enumerate(pushes):
-        _push_keyed(m, v, 1000.0, f"p{i}")
+    norms = [_push_keyed(m, v, 1000.0, f"p{i}") for i, v in enumerate(pushes)]
+    assert m.opts.rule == "screened_mean"
+    infos = [PushInfo(f"p{i}", f"island-{i}", 0, 1000, 10, 0, 80, i) for i in range(4)]
+    screened = screen_round(cfg.coordinator, infos, norms, *m.direction_cosines())
+    assert [p for p, _ in screened] == ["p3"] and "points away from the others: cosine -" in screened[0][1]
+    m.drop_pending(["p3"])
     m.outer_step()
     merged = -m.theta
     assert np.linalg.norm(merged - honest) < 0.5 * np.linalg.norm(honest), m.opts.rule

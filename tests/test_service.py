@@ -642,6 +642,43 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
         ["poison"]
 
 
+def test_a_reversed_push_in_a_round_of_four_is_rejected_by_the_direction_screen(net_cfg, tmp_path):
+    """The default merge (auto: screened_mean) over the wire: three islands push correlated honest deltas, the
+    fourth −1 x one (within every norm bound). When the round closes its cosine with the round's coordinate median
+    is negative: rejected (push_quarantined by the round screen, its island told why), and θ moves by the mean of
+    the honest three; the merged pushes' cosines are in round_merged."""
+    cfg = replace(net_cfg, outer={"islands": 4, "lr": 1.0, "momentum": 0.0}, codec={"down": "fp32"})
+    running = Running(cfg, tmp_path / "coord")
+    clients = [CoordinatorClient(running.address, cfg) for _ in range(4)]
+    try:
+        joins = [join_island(c, name) for c, name in zip(clients, "abcd", strict=True)]
+        n = joins[0].tree_size
+        rng = np.random.default_rng(60)
+        common = rng.normal(size=n).astype(np.float32) * 1e-3
+        deltas = [common + rng.normal(size=n).astype(np.float32) * 5e-4 for _ in range(3)]
+        deltas.append(-1.0 * deltas[0])
+        for i, (c, j, d) in enumerate(zip(clients, joins, deltas, strict=True)):
+            c.push(push_header(j, f"p{i}"), codec.encode(codec.quantize(d, 8, 1024)))
+        service = running.service
+        assert service.state.version == 1 and service.state.deltas_rejected == 1
+        events = read_events(tmp_path / "coord")
+        (quarantined,) = [e for e in events if e["event"] == "push_quarantined"]
+        assert quarantined["push_id"] == "p3" and quarantined["by"] == "round_screen"
+        assert "points away from the others: cosine -" in quarantined["reason"]
+        assert "with the coordinate median of the 4 pushes of its round" in quarantined["reason"]
+        assert "your push p3 was rejected: quarantined" in clients[3].heartbeat(island_id=joins[3].island_id,
+                                                                                version=1).reason
+        (merged,) = [e for e in events if e["event"] == "round_merged"]
+        assert sorted(p["push_id"] for p in merged["pushes"]) == ["p0", "p1", "p2"]
+        assert all(p["cosine"] > 0.5 for p in merged["pushes"])
+        honest = np.mean([codec.dequantize(codec.quantize(d, 8, 1024)) for d in deltas[:3]], axis=0)
+        np.testing.assert_allclose(running.theta - service.merger.theta, honest, atol=1e-6)
+    finally:
+        for c in clients:
+            c.close()
+        running.stop()
+
+
 def test_a_merge_that_would_be_non_finite_is_not_committed_and_the_run_goes_on(net_cfg, tmp_path, two_islands):
     """With the norm screens off and the mean merge (the last guard is the one under test), the poisoned push is
     accepted (with the most tokens its range allows: 2560); the outer step (lr 1) finds its update non-finite

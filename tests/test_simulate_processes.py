@@ -600,3 +600,24 @@ def test_sparseloco_in_process_mode_pushes_sparse_frames_and_islands_agree(tmp_p
     assert len(merged) == cfg.rounds
     assert s["bit_identical_final_params"] and math.isfinite(s["final_eval_loss"])
     assert s["compression_ratio"] > 30  # 5% of the values at ~18 bits each (uncompressed): ~35x
+
+
+def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run_ends(tmp_path):
+    """`dtrain simulate --island-tokens`: each island gets its own issued token; island-1 presents
+    island-0's (``--island island-1:credential=island-0``, the Sybil case): the coordinator refuses its Join with
+    PERMISSION_DENIED naming the token, the driver counts it as refused (not a failure), and island-0 finishes the
+    run alone (it takes over island-1's shard: every token merged once)."""
+    from dtrain_cli.island_spec import parse_islands
+
+    cfg = _cfg(tmp_path, "train.steps=20", "worker.start_wait_s=5")
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300, own_tokens=True,
+                       island_specs=parse_islands(["island-1:credential=island-0"], 2, cfg))
+    assert list(s["refused_islands"]) == ["island-1"]
+    line = s["refused_islands"]["island-1"]
+    assert "PERMISSION_DENIED" in line and "token:island-0 may not act as island island-1" in line
+    assert s["unfinished_islands"] == ["island-1"] and [i["island"] for i in s["islands"]] == ["island-0"]
+    out = Path(s["run_dir"])
+    events = read_events(out)
+    assert {e["name"] for e in events if e["event"] == "island_joined"} == {"island-0"}  # and again, for shard 1
+    assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
+    assert sorted(r["shard"] for e in events if e["event"] == "round_merged" for r in e["pushes"]) == [0, 0, 1, 1]
