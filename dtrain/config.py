@@ -158,6 +158,9 @@ class OuterConfig:
     sparseloco_beta: float = _f(0.95, "sparseloco: decay of each island's error-feedback accumulator "
                                 "(e <- beta x e + delta before the top-k), in (0, 1]")
     staleness_alpha: float = _f(0.5, "a delta s versions stale is weighted by (1+s)^-alpha")
+    fragments: int = _f(1, "Streaming DiLoCo: theta is cut into this many fragments of whole tensors, each pushed, "
+                        "merged and versioned on its own; an island pushes one fragment every outer.inner_steps / "
+                        "fragments steps, round robin (1: the whole theta every outer.inner_steps)")
 
 
 @dataclass(frozen=True)
@@ -392,8 +395,9 @@ class Config:
 
     @property
     def rounds(self) -> int:
-        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H = steps)."""
-        return math.ceil(self.train.steps / self.outer.inner_steps)
+        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H = steps); with
+        outer.fragments F, a round (one fragment's push and merge) every H / F steps: ceil(train.steps / (H / F))."""
+        return math.ceil(self.train.steps / (self.outer.inner_steps // self.outer.fragments))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section as plain TOML/JSON types (a tuple field, such as security.bindings, as a list)."""
@@ -415,6 +419,8 @@ class Config:
             fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",
                                                                               "density")})
             fields.update({f"outer.{k}": str(getattr(self.outer, k)) for k in ("rule", "sparseloco_beta")})
+        if self.outer.fragments != 1:  # only then: the fingerprint of a run without fragments stays as it was
+            fields["outer.fragments"] = str(self.outer.fragments)
         return fields
 
     def fingerprint(self) -> str:
@@ -547,6 +553,24 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("outer", "sparseloco_lr", f"must be > 0, got {o.sparseloco_lr}")
     if not 0.0 < o.sparseloco_beta <= 1.0:
         fail("outer", "sparseloco_beta", f"must be in (0, 1], got {o.sparseloco_beta}")
+    _check_fragments(cfg, fail)
+
+
+def _check_fragments(cfg: Config, fail: _Fail) -> None:
+    """outer.fragments: 1..64, dividing outer.inner_steps, with step rounds of a synchronous coordinator (the
+    round robin of fragments follows the versions: one merge per round)."""
+    o = cfg.outer
+    if o.fragments == 1:
+        return
+    if not 1 <= o.fragments <= 64:
+        fail("outer", "fragments", f"must be in 1..64, got {o.fragments}")
+    if o.inner_steps % o.fragments:
+        fail("outer", "fragments", f"must divide outer.inner_steps ({o.inner_steps}), got {o.fragments}")
+    if cfg.coordinator.mode != "sync":
+        fail("outer", "fragments", f"needs coordinator.mode = 'sync' (fragments merge in turn, one per round), "
+             f"got {cfg.coordinator.mode!r}")
+    if cfg.worker.round_seconds != 0:
+        fail("outer", "fragments", "needs step rounds (worker.round_seconds = 0)")
 
 
 def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
