@@ -575,7 +575,7 @@ class Merger:
             theta, sq, sparse = done.result()
             hasher.update(memoryview(theta).cast("B"))
             theta_sq += sq
-            if down is not None:
+            if down is not None and sparse:  # (a slab outside the merged fragment has none)
                 down.append(*sparse)  # the sparse update's records, in order
 
         with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:

@@ -246,7 +246,8 @@ class CoordinatorConfig:
                                   "bandwidth x RTT; 0: stream_window_bytes windows, codec.chunk_bytes chunks")
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
-                             "with step rounds; no cap with wall-time rounds, where it is worth setting)")
+                             "/ outer.fragments with step rounds; no cap with wall-time rounds, where it is worth "
+                             "setting)")
     merge_rule: str = _f("auto", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
                          "a trimmed mean or the median (both unweighted), or the token-weighted mean of the pushes "
                          "each clipped to clip_ratio x the median L2 norm of the round's pushes (docs/faults.md has "

@@ -125,7 +125,7 @@ SIZES = [300, 700, 1000, 500]  # four tensors; F = 2 cuts them [300, 700 | 1000,
 
 
 def _merger(tmp_path, parts: int, up: str = "fp32", down: str = "fp32") -> Merger:
-    cfg = config.replace(Config(), codec={"up": up, "down": down, "block": 64},
+    cfg = config.replace(Config(), codec={"up": up, "down": down, "block": 64, "sparse_chunk": 256},
                          outer={"momentum": 0.5, "fragments": 1}, coordinator={"merge_rule": "mean"})
     opts = dataclasses.replace(MergeOptions.from_config(cfg), ranges=fragments.plan(SIZES, parts))
     theta = np.random.default_rng(1).normal(size=sum(SIZES)).astype(np.float32)
@@ -172,14 +172,19 @@ def test_each_version_merges_its_fragment_only(tmp_path):
     assert params_digest(island) == m.digest and m.updates_since(0) == [u1, u2]
 
 
-def test_quantized_fragments_stay_bit_identical_over_many_versions(tmp_path):
-    m = _merger(tmp_path, 4, up="int8", down="int4")
+@pytest.mark.parametrize("up,down", [("int8", "int4"), ("sparse", "sparse")])
+def test_quantized_fragments_stay_bit_identical_over_many_versions(tmp_path, up, down):
+    m = _merger(tmp_path, 4, up=up, down=down)
     island = m.theta.copy()
     rng = np.random.default_rng(3)
     for v in range(1, 9):
         part = m.next_fragment()
         assert part.index == (v - 1) % 4
-        _push(m, part.index, rng.normal(size=part.size).astype(np.float32) * 1e-2, 1.0)
+        vec = rng.normal(size=part.size).astype(np.float32) * 1e-2
+        with m.spool(part.index) as sp:
+            sp.write(codec.encode(codec.quantize(vec, m.opts.up_bits, m.opts.up_block or 64, 0.02)))
+            m.validate(sp)
+            m.add_pending(sp, 1.0)
         u = m.outer_step()
         island = fragments.apply_update(island, codec.dequantize(codec.decode(u.frame)), v, m.opts.ranges)
         assert params_digest(island) == m.digest
