@@ -75,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
-    p.add_argument("--fragments", type=int, default=4, help="outer.fragments of the fragments variant (the sparse "
-                   "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple)")
+    p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
+                   "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple); "
+                   "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
                    help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
@@ -97,6 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     R = args.rounds or R
     N = args.islands
     T = H * R
+    fragments_on = "sparse" in args.codecs.split(",") and (args.fragments or 4) > 1
+    if fragments_on and H % (args.fragments or 4):
+        if args.fragments:
+            raise config.ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
+                                     f"to a multiple, or --fragments 1 for no fragments variant)")
+        fragments_on = False
+        log(f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)")
+    args.fragments = args.fragments or 4
     base = load_config(args.config, args.overrides)
     B = base.train.batch_size
     t0 = time.perf_counter()
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
                 + " ".join(f"{d:.4f}" for d in density))
         log(f"{label}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
 
-    if "sparse" in args.codecs.split(",") and args.fragments > 1:
+    if fragments_on:
         results["diloco-fragments"] = fragments_variant(phase, s, mesh, params_w, streams, cursor0, args, T, H)
 
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
@@ -279,9 +288,7 @@ def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, arg
     steps each island pushes fragment v mod F of its Δ (that fragment's own error feedback), the merger merges it
     into version v + 1, and each island folds the new θ in on that fragment (``dtrain.fragments.at_push``; no
     overlap: the fragment becomes θ' exactly, the others keep their local progress). Evaluated every H steps."""
-    F, N, B, k = args.fragments, args.islands, phase.train.batch_size, phase.codec
-    if H % F:
-        raise ValueError(f"--fragments {F} must divide H = {H}")
+    F, N, B, k = args.fragments, args.islands, phase.train.batch_size, phase.codec  # main checked F divides H
     loop = InnerLoop(phase, s.built, mesh)
     spec, theta_w = codec.flatten(jax.device_get(params_w))
     merge_cfg = config.replace(phase, codec={"up": "sparse", "down": "sparse", "error_feedback": True},
