@@ -302,3 +302,43 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
     sizes = {e["fragment"]: e["values"] for e in merged}
     assert sum(sizes.values()) == codec.spec_size(initial_parameters(cfg)[1])
     assert all(p["steps"] == 5 for e in merged for p in e["pushes"])
+
+
+def test_a_resumed_coordinator_goes_on_with_the_next_fragment(frag_coordinator, tmp_path):
+    cfg, running, (c0, c1), (j0, j1) = frag_coordinator
+    ranges = running.service.merger.opts.ranges
+    c0.push(_header(j0, "a1", 0), delta_frame(ranges[0].size, 2)[1])
+    assert c1.push(_header(j1, "b1", 0), delta_frame(ranges[0].size, 3)[1]).status == pb.PUSH_STATUS_MERGED
+    digest = running.service.merger.digest
+    running.stop()
+    again = Running(cfg, tmp_path / "coord", resume=True)
+    try:
+        m = again.service.merger
+        assert m.version == 1 and m.digest == digest and m.opts.ranges == ranges
+        assert m.next_fragment().index == 1  # version 2 merges fragment 1
+    finally:
+        again.stop()
+    running.stop = lambda: None  # stopped above
+
+
+@pytest.mark.slow
+def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once(tmp_path):
+    """With outer.fragments = 2, a NaN push (refused as it decodes) and a poisoned one (rejected by the norm
+    screen): each island trains its range again from the cursor and the run ends with every token merged once."""
+    from dtrain_cli.fault_spec import parse_fault
+    from dtrain_cli.simulate import run_simulation
+
+    cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
+                                      "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
+                                      "coordinator.grace_s=60"])
+    faults = [parse_fault("nan:island-1@v3", 2), parse_fault("poison:island-0@v5", 2)]
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600,
+                       faults=faults)
+    assert s["bit_identical_final_params"]
+    audit = s["audit"]
+    assert audit["lost_tokens"] == audit["doubled_tokens"] == 0 and audit["gaps"] == audit["overlaps"] == []
+    assert audit["coverage"] == {"0": [[0, 320]], "1": [[0, 320]]}
+    by_kind = {f["kind"]: f for f in s["faults"]}
+    assert by_kind["nan"]["detected_by"] == "push_refused" and not by_kind["nan"]["merged"]
+    assert by_kind["poison"]["detected_by"] == "push_quarantined" and not by_kind["poison"]["merged"]
+    assert all("rewound" in f["recovery"] for f in s["faults"])
