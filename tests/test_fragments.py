@@ -246,6 +246,12 @@ def test_fragment_pushes_merge_in_turn_and_hostile_ones_change_nothing(frag_coor
     n = j0.tree_size
     assert len(ranges) == 2 and ranges[-1].end == n
     before = _state(service)
+    other = CoordinatorClient(running.address, config.replace(cfg, outer={"fragments": 1}))
+    with pytest.raises(CoordinatorError) as e:  # an island without fragments: refused at Join, naming the field
+        other.join("c", "cpu", 1)
+    other.close()
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "outer.fragments" in e.value.message
+    assert _state(service) == before
     hostile = [(_header(j0, "out-of-range", 2), delta_frame(ranges[0].size, 1)[1], "fragment=2: must be below"),
                (_header(j0, "not-base-mod-F", 1), delta_frame(ranges[1].size, 1)[1], "carries fragment 0"),
                (_header(j0, "whole-theta", 0), delta_frame(n, 1)[1], f"expected n={ranges[0].size}"),
