@@ -142,3 +142,13 @@ def at_push(anchor: np.ndarray, local: np.ndarray, part: Range) -> np.ndarray:
     out = anchor.copy()
     out[part.start:part.end] = local[part.start:part.end]
     return out
+
+
+def unsent(anchor: np.ndarray, local: np.ndarray, part: Range) -> np.ndarray:
+    """At a push of ``part``: the island's progress that no push has carried yet, θ_local − θ_anchor on every
+    other fragment (0 on ``part``, whose progress the push carries). A rewind to the end of this push's range
+    puts it back on the newest global θ (θ_newest + unsent: what the fold-ins would have made of it), so it
+    discards only what was trained after that point."""
+    out = local - anchor
+    out[part.start:part.end] = 0.0
+    return out

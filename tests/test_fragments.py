@@ -97,6 +97,9 @@ def test_apply_update_and_at_push_touch_one_fragment():
     later = local + 0.5  # trained on after the push
     folded = new_global + (later - mixed)
     assert np.array_equal(folded[:8], later[:8]) and np.array_equal(folded[8:], np.full(4, 5.5, np.float32))
+    # What a push leaves unsent (every other fragment's progress), which a rewind to its end puts on the newest θ
+    left = fragments.unsent(anchor, later, ranges[1])
+    assert np.array_equal(left, np.r_[np.full(4, 1.5), np.zeros(4), np.full(4, 1.5)].astype(np.float32))
 
 
 # -- the config and the schedule ------------------------------------------------------------------------------
@@ -331,6 +334,7 @@ def test_a_resumed_coordinator_goes_on_with_the_next_fragment(frag_coordinator, 
 def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once(tmp_path):
     """With outer.fragments = 2, a NaN push (refused as it decodes) and a poisoned one (rejected by the norm
     screen): each island trains its range again from the cursor and the run ends with every token merged once."""
+    from dtrain.runlog import read_events
     from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import run_simulation
 
@@ -348,3 +352,25 @@ def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once
     assert by_kind["nan"]["detected_by"] == "push_refused" and not by_kind["nan"]["merged"]
     assert by_kind["poison"]["detected_by"] == "push_quarantined" and not by_kind["poison"]["merged"]
     assert all("rewound" in f["recovery"] for f in s["faults"])
+    # each rewind went back to the end of an accepted push and kept the progress no push had carried yet
+    rewinds = [e for n in ("island-0", "island-1") for e in read_events(tmp_path / "tiny" / "islands" / n)
+               if e["event"] == "rewound"]
+    assert rewinds and all(e.get("kept_unsent") for e in rewinds)
+
+
+def test_the_norm_screen_compares_a_push_with_its_own_fragments_norms():
+    """Fragments' pseudo-gradients differ in norm (their sizes and what they hold): each fragment has its own
+    window of merged norms, so a push is not screened against another fragment's."""
+    from coordinator.ledger import PushLedger
+    from coordinator.records import Admission, PendingPush, PushInfo, StateOptions
+
+    opts = StateOptions.from_config(config.load_config("tiny", ["outer.islands=2", "outer.fragments=2"]))
+    ledger = PushLedger(opts)
+    for version, norm in ((1, 10.0), (2, 0.1), (3, 12.0), (4, 0.2)):
+        ledger.pending = {f"p{version}": PendingPush(PushInfo(f"p{version}", "a", version - 1, 320, 5, 0, 40, 0),
+                                                     Admission("accept", 320.0, 0, version, "", norm=norm), 0.0)}
+        ledger.merge_round(version)
+    assert list(ledger.norms) == [10.0, 0.1, 12.0, 0.2]  # the checkpointed window: all of them
+    assert list(ledger.norm_window(5)) == [10.0, 12.0] and list(ledger.norm_window(6)) == [0.1, 0.2]
+    one = PushLedger(StateOptions.from_config(config.load_config("tiny", ["outer.islands=2"])))
+    assert one.norm_window(5) is one.norms and one.fragment_norms[0] is not one.norms

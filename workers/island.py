@@ -607,9 +607,10 @@ class Worker:
         part = self.ranges[header.fragment]  # the fragment this push carries (the whole θ without fragments)
         if len(self.ranges) == 1:
             at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
-        else:  # the fold-in then touches this fragment only
+        else:  # the fold-in then touches this fragment only; a rewind to this push's end keeps the rest
             at_push = self.loop.place_params(codec.unflatten(self.spec, fragments.at_push(anchor.vec, local_vec,
                                                                                           part)))
+            self.rewinder.keep_progress(island.index, island.cursor, fragments.unsent(anchor.vec, local_vec, part))
         # Another process of the island sends nothing (process 0 pushes) and waits for the same θ'.
         frame: bytes = b""
         client: PushClient = self.client
