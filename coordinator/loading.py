@@ -18,7 +18,7 @@ from coordinator.merger import MergeOptions, Merger
 from coordinator.records import StateError, StateOptions
 from coordinator.state import CoordinatorState
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError
 from dtrain.runlog import RunLog
 
@@ -49,6 +49,8 @@ def open_merger(cfg: Config, run_dir: Path, theta: np.ndarray | Path, version: i
     try:
         return Merger(theta, MergeOptions.from_config(cfg, spec), version=version, momentum=momentum,
                       residual=residual, spool_dir=run_dir / "spool")
+    except ConfigError:  # outer.fragments that this model's tree cannot be cut into
+        raise
     except ValueError as e:  # a θ/momentum/residual of the wrong size
         raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
 

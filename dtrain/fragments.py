@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtrain.codec import Spec
+from dtrain.config import ConfigError
 
 MAX_FRAGMENTS = 64  # outer.fragments at most (a sanity bound: each fragment needs at least one tensor)
 
@@ -73,8 +74,12 @@ def plan(sizes: Sequence[int], parts: int) -> tuple[Range, ...]:
 
 
 def plan_spec(spec: Spec, parts: int) -> tuple[Range, ...]:
-    """:func:`plan` over the tensors of a tree's spec."""
-    return plan(leaf_sizes(spec), parts)
+    """:func:`plan` over the tensors of a tree's spec; ConfigError naming ``outer.fragments`` if it cannot be
+    cut so (more fragments than tensors)."""
+    try:
+        return plan(leaf_sizes(spec), parts)
+    except ValueError as e:
+        raise ConfigError(f"[outer] fragments: {e}") from None
 
 
 def fragment_of_round(target_version: int, parts: int) -> int:

@@ -59,6 +59,8 @@ def test_plan_refuses_impossible_counts():
         fragments.plan([5, 5], 3)
     with pytest.raises(ValueError, match="must be in 1..64"):
         fragments.plan([5, 5], 0)
+    with pytest.raises(ConfigError, match=r"\[outer\] fragments: 3 fragments need at least 3 tensors"):
+        fragments.plan_spec([["a", [4], "float32"], ["b", [2, 2], "float32"]], 3)
 
 
 def test_plan_of_the_tiny_model_and_the_round_robin():
