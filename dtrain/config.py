@@ -430,6 +430,7 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+MAX_FRAGMENTS = 64  # outer.fragments at most (dtrain.fragments: each fragment holds one tensor at least)
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
 THETA0_ONLY_MODEL_FIELDS = ("init_from",)
@@ -563,8 +564,8 @@ def _check_fragments(cfg: Config, fail: _Fail) -> None:
     o = cfg.outer
     if o.fragments == 1:
         return
-    if not 1 <= o.fragments <= 64:
-        fail("outer", "fragments", f"must be in 1..64, got {o.fragments}")
+    if not 1 <= o.fragments <= MAX_FRAGMENTS:
+        fail("outer", "fragments", f"must be in 1..{MAX_FRAGMENTS}, got {o.fragments}")
     if o.inner_steps % o.fragments:
         fail("outer", "fragments", f"must divide outer.inner_steps ({o.inner_steps}), got {o.fragments}")
     if cfg.coordinator.mode != "sync":

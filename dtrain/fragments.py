@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtrain.codec import Spec
-from dtrain.config import ConfigError
-
-MAX_FRAGMENTS = 64  # outer.fragments at most (a sanity bound: each fragment needs at least one tensor)
+from dtrain.config import MAX_FRAGMENTS, ConfigError
 
 
 @dataclass(frozen=True)
@@ -103,13 +101,6 @@ def check_push(fragment: int, base_version: int, parts: int) -> str:
         return (f"fragment={fragment} with base_version={base_version}: a push from version {base_version} "
                 f"carries fragment {want} (base_version mod outer.fragments {parts})")
     return ""
-
-
-def round_share(parts: int, inner_steps: int) -> int:
-    """Inner steps between two pushes: H / F (``outer.inner_steps`` must be a multiple of ``outer.fragments``)."""
-    if inner_steps % parts:
-        raise ValueError(f"outer.inner_steps={inner_steps} must be a multiple of outer.fragments={parts}")
-    return inner_steps // parts
 
 
 def whole(n: int) -> tuple[Range, ...]:

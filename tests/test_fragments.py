@@ -315,6 +315,7 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
     assert all(p["steps"] == 5 for e in merged for p in e["pushes"])
 
 
+@pytest.mark.slow
 def test_a_resumed_coordinator_goes_on_with_the_next_fragment(frag_coordinator, tmp_path):
     cfg, running, (c0, c1), (j0, j1) = frag_coordinator
     ranges = running.service.merger.opts.ranges
