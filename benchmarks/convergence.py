@@ -19,8 +19,12 @@ every round but the first (4P each way). Last line:
 
   convergence: islands=N H=H rounds=R diloco/dp eval-loss ratio=X diloco/single ratio=Y comm reduction=Cx
     int8/fp32=.. int8 comm reduction=..x int4/fp32=.. int4 comm reduction=..x sparse/fp32=.. sparse comm reduction=..x
+    fragments/fp32=.. fragments peak-bytes=..x
 
-(sparse: SparseLoCo, the sparse codec both ways, outer.rule=sparseloco; its update's density per round is logged.)
+(sparse: SparseLoCo, the sparse codec both ways, outer.rule=sparseloco; its update's density per round is logged.
+fragments: the sparse variant with outer.fragments = --fragments (Streaming DiLoCo): each island pushes one fragment
+every H/F steps, round robin, through the same merger; peak-bytes is the largest exchange of one island (its push
+plus the update it pulls) over the sparse variant's.)
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from _common import log
 from coordinator import admission
 from coordinator.merger import MergeOptions, Merger
 from coordinator.records import PushInfo
-from dtrain import codec, config
+from dtrain import codec, config, fragments
 from dtrain.config import load_config
 from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.outer import OuterHParams, feedback_decay
@@ -88,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
+    p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
+                   "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple); "
+                   "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
                    help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
@@ -109,6 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
     R = args.rounds or R
     N = args.islands
     T = H * R
+    fragments_on = "sparse" in args.codecs.split(",") and (args.fragments or 4) > 1
+    if fragments_on and H % (args.fragments or 4):
+        if args.fragments:
+            raise config.ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
+                                     f"to a multiple, or --fragments 1 for no fragments variant)")
+        fragments_on = False
+        log(f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)")
+    args.fragments = args.fragments or 4
     base = load_config(args.config, args.overrides)
     B = base.train.batch_size
     t0 = time.perf_counter()
@@ -193,8 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
                     if bits != 32 else None for _ in range(N)]
         islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                    for i in range(N)]
-        global_vec, wire, curve, density, screened = theta_w.copy(), 0, [], [], []
+        global_vec, wire, curve, density, screened, peak = theta_w.copy(), 0, [], [], [], 0
         for steps in round_lengths(T, H):
+            pushed = 0  # the round's largest push
             for isl, ef in zip(islands, feedback, strict=True):
                 isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
                 before = isl.tokens
@@ -204,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                 frame = codec.encode(ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density),
                                      k.zstd_level)
                 wire += len(frame)  # push
+                pushed = max(pushed, len(frame))
                 with merger.spool() as spool:
                     spool.write(frame)
                     merger.validate(spool)
@@ -211,12 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
             screened.append(round_screen(merger, merge_cfg, steps))
             update = merger.outer_step()
             wire += N * len(update.frame)  # every island pulls the update
+            peak = max(peak, pushed + update.size)
             density.append(update_density(update.frame, global_vec.size))
             global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
             assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
             curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
         results[label] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
-                          "bytes": wire, "merge_rule": rule, "round_screen": screened}
+                          "bytes": wire, "merge_rule": rule, "round_screen": screened,
+                          "peak_exchange_bytes": peak}
         if rule == "screened_mean":
             log(f"{label}: direction screen, the lowest cosine of each round: "
                 + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
@@ -227,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
                 + " ".join(f"{d:.4f}" for d in density))
         log(f"{label}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
 
+    if fragments_on:
+        results["diloco-fragments"] = fragments_variant(phase, s, mesh, params_w, streams, cursor0, args, T, H)
+
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
     # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
     # for the codec variants; fp32 for plain diloco). The one full pull at join is left out of both.
@@ -235,14 +257,14 @@ def main(argv: list[str] | None = None) -> dict:
         results["dp"]["bytes"] = int(ring)
     if "diloco" in results:
         results["diloco"]["bytes"] = int(len(round_lengths(T, H)) * N * 2 * 4 * s.n_params)
-    print(f"\n{'method':<13} {'final eval loss':>15} {'vs diloco':>9} {'tokens':>11} {'bytes (both ways)':>18} "
+    print(f"\n{'method':<16} {'final eval loss':>15} {'vs diloco':>9} {'tokens':>11} {'bytes (both ways)':>18} "
           f"{'dp/this':>8}   eval loss per round")
     base_loss = results.get("diloco", {}).get("eval_loss")
     for name, r in results.items():
         curve = " ".join(f"{x:.3f}" for x in r["curve"][:: max(1, len(r["curve"]) // 8)])
         rel = f"{r['eval_loss'] / base_loss:9.4f}" if base_loss else " " * 9
         red = f"{ring / r['bytes']:7.0f}x" if r["bytes"] else "       -"
-        print(f"{name:<13} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
+        print(f"{name:<16} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
     print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
@@ -262,6 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
                 r = results[f"diloco-{name}"]
                 extra += (f" {name}/fp32={r['eval_loss'] / results['diloco']['eval_loss']:.4f}"
                           f" {name} comm reduction={ring / r['bytes']:.0f}x")
+        if "diloco-fragments" in results and "diloco-sparse" in results:
+            r = results["diloco-fragments"]
+            peak = r["peak_exchange_bytes"] / results["diloco-sparse"]["peak_exchange_bytes"]
+            out.update(fragments_peak=peak)
+            extra += (f" fragments/fp32={r['eval_loss'] / results['diloco']['eval_loss']:.4f}"
+                      f" fragments peak-bytes={peak:.2f}x")
         if "process" in out:
             extra += f" process/inprocess={out['process']['ratio']:.4f}"
         print(f"convergence: islands={N} H={H} rounds={R} diloco/dp eval-loss ratio={x:.3f} "
@@ -276,6 +304,59 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: argparse.Namespace, T: int,
+                      H: int) -> dict:
+    """The sparse variant with outer.fragments = F (Streaming DiLoCo), through the production merger: every H/F
+    steps each island pushes fragment v mod F of its Δ (that fragment's own error feedback), the merger merges it
+    into version v + 1, and each island folds the new θ in on that fragment (``dtrain.fragments.at_push``; no
+    overlap: the fragment becomes θ' exactly, the others keep their local progress). Evaluated every H steps."""
+    F, N, B, k = args.fragments, args.islands, phase.train.batch_size, phase.codec  # main checked F divides H
+    loop = InnerLoop(phase, s.built, mesh)
+    spec, theta_w = codec.flatten(jax.device_get(params_w))
+    merge_cfg = config.replace(phase, codec={"up": "sparse", "down": "sparse", "error_feedback": True},
+                               coordinator={"mode": "sync", "merge_rule": phase.coordinator.merge_rule},
+                               outer={"rule": args.sparse_rule, "fragments": F})
+    merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg, spec))
+    ranges = merger.opts.ranges
+    bits, block = k.scheme("sparse")
+    feedback = [[codec.ErrorFeedback(r.size, bits, block, feedback_decay(merge_cfg), k.density) for r in ranges]
+                for _ in range(N)]
+    islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
+               for i in range(N)]
+    global_vec, wire, curve, peak = theta_w.copy(), 0, [], 0
+    for r, steps in enumerate(round_lengths(T, H // F)):
+        part = merger.next_fragment()
+        pushed, locals_ = 0, []
+        for isl, ef in zip(islands, feedback, strict=True):
+            before = isl.tokens
+            advance(loop, isl, steps, B, record_loss)
+            _, local = codec.flatten(jax.device_get(isl.state.params))
+            locals_.append(local)
+            frame = codec.encode(ef[part.index].compress((global_vec - local)[part.start:part.end]), k.zstd_level)
+            wire += len(frame)
+            pushed = max(pushed, len(frame))
+            with merger.spool(part.index) as spool:
+                spool.write(frame)
+                merger.validate(spool)
+                merger.add_pending(spool, isl.tokens - before)
+        update = merger.outer_step()
+        wire += N * update.size
+        peak = max(peak, pushed + update.size)
+        values = codec.dequantize(codec.decode(update.frame, expected_n=part.size))
+        new_global = fragments.apply_update(global_vec, values, update.version, ranges)
+        assert np.array_equal(new_global, merger.theta)  # islands hold the coordinator's θ bit for bit
+        for isl, local in zip(islands, locals_, strict=True):  # the fold-in, without overlap
+            folded = fragments.at_push(local, new_global, part)  # θ' on the merged fragment, local elsewhere
+            isl.state = loop.with_params(isl.state, codec.unflatten(spec, folded))
+        global_vec = new_global
+        if (r + 1) % F == 0:
+            curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
+    log(f"diloco-fragments: F={F} sizes {[p.size for p in ranges]}: eval loss {curve[-1]:.4f}, {wire:,} bytes on "
+        f"the wire, peak exchange {peak:,} bytes")
+    return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
+            "fragments": F, "peak_exchange_bytes": peak}
 
 
 def update_density(frame: bytes, n: int) -> float:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from coordinator.ledger import PushLedger
 from coordinator.records import MAX_PUSH_ID_LEN, Admission, IslandRecord, PushInfo, StateError, StateOptions
 from dtrain.config import CoordinatorConfig
+from dtrain.fragments import fragment_of_base, fragment_of_round
 from dtrain.outer import clip_factor, robust_z, staleness_weight
 
 
@@ -85,6 +86,11 @@ def judge(opts: StateOptions, info: PushInfo, record: IslandRecord, version: int
         raise StateError("FAILED_PRECONDITION",
                          f"{info.island_id} already pushed for version {target} (push {prior.info.push_id}); "
                          f"wait for the round to close")
+    if staleness % opts.fragments:  # outer.fragments: the open round merges another fragment than the push's
+        return Admission("drop", 0.0, staleness, target,
+                         f"delta from version {info.base_version} holds fragment "
+                         f"{fragment_of_base(info.base_version, opts.fragments)}, the round for version {target} "
+                         f"merges fragment {fragment_of_round(target, opts.fragments)}: dropped")
     if staleness > c.max_staleness:
         return Admission("drop", 0.0, staleness, target,
                          f"delta from version {info.base_version} is {staleness} versions stale "

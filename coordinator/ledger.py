@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 
 from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, StateError, StateOptions
+from dtrain.fragments import fragment_of_round
 
 
 class PushLedger:
@@ -25,6 +26,10 @@ class PushLedger:
         self.opts = opts
         self.shard_cursors: list[int] = [0] * opts.islands  # where each shard's merged data ends
         self.norms: collections.deque[float] = collections.deque(maxlen=opts.coordinator.norm_window)  # merged
+        # outer.fragments > 1: the same window per fragment (fragments' norms differ; a push is screened against its
+        # own fragment's). Not checkpointed: after a resume they fill again from the next merges.
+        self.fragment_norms: list[collections.deque[float]] = [
+            collections.deque(maxlen=opts.coordinator.norm_window) for _ in range(opts.fragments)]
         self.pending: dict[str, PendingPush] = {}  # push_id -> pending push, in arrival order
         self.first_pending: float | None = None  # when the open round's first pending push arrived
         self.seen: collections.OrderedDict[str, SeenPush] = collections.OrderedDict()  # push_id -> record, oldest first
@@ -32,6 +37,13 @@ class PushLedger:
         self.round_rejected: set[str] = set()  # islands whose push for the open round was rejected
 
     # -- queries ------------------------------------------------------------------------------------
+
+    def norm_window(self, target_version: int) -> collections.deque[float]:
+        """The merged norms a push for ``target_version`` is screened against: the last ``norm_window`` merged
+        pushes' (of the fragment that version merges, with outer.fragments > 1)."""
+        if self.opts.fragments == 1:
+            return self.norms
+        return self.fragment_norms[fragment_of_round(target_version, self.opts.fragments)]
 
     def shard_cursor(self, shard_index: int) -> int:
         """Where the shard's merged data ends, counting pushes pending in the open round (they will be merged)."""
@@ -137,6 +149,8 @@ class PushLedger:
             self.remember(SeenPush(info.push_id, info.island_id, "merged", version, p.admission.staleness))
             if p.admission.norm > 0:
                 self.norms.append(p.admission.norm)
+                if self.opts.fragments > 1:
+                    self.fragment_norms[fragment_of_round(version, self.opts.fragments)].append(p.admission.norm)
         self.pending.clear()
         self.first_pending = None
         self.round_rejected.clear()

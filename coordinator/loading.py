@@ -18,7 +18,7 @@ from coordinator.merger import MergeOptions, Merger
 from coordinator.records import StateError, StateOptions
 from coordinator.state import CoordinatorState
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError
 from dtrain.runlog import RunLog
 
@@ -42,22 +42,26 @@ def has_checkpoint(cfg: Config, run_dir: str | Path) -> bool:
 
 
 def open_merger(cfg: Config, run_dir: Path, theta: np.ndarray | Path, version: int, momentum: Path | None,
-                residual: Path | None) -> Merger:
+                residual: Path | None, spec: codec.Spec | None = None) -> Merger:
     """The merger over ``theta`` (and a restored run's momentum and residual), spooling under RUN_DIR/spool;
-    CheckpointError if they do not fit this config's model."""
+    CheckpointError if they do not fit this config's model. ``spec``: the parameter tree (``outer.fragments`` > 1
+    plans its fragments from it)."""
     try:
-        return Merger(theta, MergeOptions.from_config(cfg), version=version, momentum=momentum,
+        return Merger(theta, MergeOptions.from_config(cfg, spec), version=version, momentum=momentum,
                       residual=residual, spool_dir=run_dir / "spool")
+    except ConfigError:  # outer.fragments that this model's tree cannot be cut into
+        raise
     except ValueError as e:  # a θ/momentum/residual of the wrong size
         raise CheckpointError(f"coordinator state does not match this config's model: {e}") from None
 
 
-def new_run(cfg: Config, opts: StateOptions, run_dir: Path, theta: np.ndarray | Path | None, now: float) -> Loaded:
-    """A new run from θ_0 (``theta``, required), under a fresh run id."""
+def new_run(cfg: Config, opts: StateOptions, run_dir: Path, theta: np.ndarray | Path | None, now: float,
+            spec: codec.Spec | None = None) -> Loaded:
+    """A new run from θ_0 (``theta``, required), under a fresh run id; ``spec``: the parameter tree."""
     if theta is None:
         raise ValueError("a new coordinator run needs θ_0")
     run_id = uuid.uuid4().hex[:12]
-    return Loaded(run_id, CoordinatorState(opts, run_id, now), open_merger(cfg, run_dir, theta, 0, None, None))
+    return Loaded(run_id, CoordinatorState(opts, run_id, now), open_merger(cfg, run_dir, theta, 0, None, None, spec))
 
 
 def resume_state(cfg: Config, opts: StateOptions, run_dir: Path, spec: codec.Spec, ckpt: Checkpointer,
@@ -100,7 +104,7 @@ def restore(cfg: Config, opts: StateOptions, run_dir: Path, spec: codec.Spec, ck
                               f"and {'a' if 'state' in meta else 'no'} coordinator state")
     state = CoordinatorState.from_json(opts, meta["state"], now)
     # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
-    merger = open_merger(cfg, run_dir, files["theta"], version, files["momentum"], files.get("residual"))
+    merger = open_merger(cfg, run_dir, files["theta"], version, files["momentum"], files.get("residual"), spec)
     tree_size = codec.spec_size(spec)
     problem = ""
     if merger.n != tree_size:

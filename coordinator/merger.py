@@ -91,6 +91,7 @@ from coordinator.spool import Spool, write_from
 from dtrain import codec
 from dtrain.codec import hasher_digest, params_hasher
 from dtrain.config import Config, merge_rule
+from dtrain.fragments import Range, fragment_of_round, plan_spec
 from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
@@ -122,6 +123,7 @@ class MergeOptions:
     up_block: int = 0  # the pushes' block (a sparse codec's chunk: codec.sparse_chunk); 0: block
     down_block: int = 0  # the update's block, likewise; 0: block
     max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
+    ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
 
     @property
     def slab(self) -> int:
@@ -129,17 +131,23 @@ class MergeOptions:
         return slab_values(math.lcm(self.up_block or self.block, self.down_block or self.block))
 
     @classmethod
-    def from_config(cls, cfg: Config) -> MergeOptions:
+    def from_config(cls, cfg: Config, spec: codec.Spec | None = None) -> MergeOptions:
         """The merger of ``cfg``'s coordinator (merge mode: ``coordinator.mode``), with the default internal knobs
-        (``dataclasses.replace`` them if needed)."""
+        (``dataclasses.replace`` them if needed). ``spec``: the parameter tree, which ``outer.fragments`` > 1
+        needs (its fragments' plan, ``dtrain.fragments.plan_spec``)."""
         k = cfg.codec
+        ranges: tuple[Range, ...] = ()
+        if cfg.outer.fragments > 1:
+            if spec is None:
+                raise ValueError("outer.fragments > 1 needs the parameter tree's spec to plan the fragments")
+            ranges = plan_spec(spec, cfg.outer.fragments)
         (up_bits, up_block), (down_bits, down_block) = k.scheme(k.up), k.scheme(k.down)
         return cls(outer=OuterHParams.from_config(cfg), up_bits=up_bits, down_bits=down_bits,
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
                    keep_updates=cfg.coordinator.keep_updates, rule=merge_rule(cfg),
                    trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
                    threads=cfg.coordinator.merge_threads, up_block=up_block, down_block=down_block,
-                   max_count=k.max_count if codec.is_sparse(up_bits) else None)
+                   max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges)
 
 
 class NonFiniteResult(ValueError):
@@ -376,12 +384,31 @@ class Merger:
 
     # -- incoming deltas ----------------------------------------------------------------------------
 
-    def spool(self) -> Spool:
-        """A temporary file for one incoming frame, decoded and checked as it is written; ``close()`` it."""
+    def fragment(self, index: int) -> Range:
+        """Fragment ``index`` of the plan (without fragments, index 0: the whole θ). IndexError if out of range."""
+        if not self.opts.ranges:
+            if index:
+                raise IndexError(f"fragment {index}: this merger has one, the whole θ")
+            return Range(0, 0, self.n, 0, 0)
+        return self.opts.ranges[index]
+
+    @property
+    def fragments(self) -> int:
+        """How many fragments θ is cut into (1: none)."""
+        return len(self.opts.ranges) or 1
+
+    def next_fragment(self) -> Range:
+        """The fragment the next outer step merges (version + 1's)."""
+        return self.fragment(fragment_of_round(self.version + 1, self.fragments))
+
+    def spool(self, fragment: int = 0) -> Spool:
+        """A temporary file for one incoming frame of ``fragment`` (its values only), decoded and checked as it
+        is written; ``close()`` it."""
+        size = self.fragment(fragment).size
         with self._spare_lock:
             spare = self._spare_spools.pop() if self._spare_spools else None
         o = self.opts
-        return Spool(self.spool_dir, self.n, o.up_bits, o.up_block or o.block, spare=spare,
+        return Spool(self.spool_dir, size, o.up_bits, o.up_block or o.block, spare=spare,
                      release=self._release_spool, max_count=o.max_count)
 
     def _release_spool(self, fd: int, path: Path) -> bool:
@@ -407,6 +434,9 @@ class Merger:
             raise ValueError(f"clip factor must be in (0, 1], got {scale}")
         if not spool.complete:
             raise RuntimeError("add_pending() needs a spool that validate() accepted")
+        if spool.n != self.next_fragment().size:
+            raise ValueError(f"a push of {spool.n} values cannot join the merge of fragment "
+                             f"{self.next_fragment().index} ({self.next_fragment().size} values)")
         spool.keep()
         self.pending.append(SpooledPush(spool, float(weight), float(scale), key))
         self.total_weight += float(weight)
@@ -428,9 +458,10 @@ class Merger:
         return len(self.pending)
 
     def pending_sum(self) -> np.ndarray:
-        """Σ w·Δ over the pending pushes, in memory (a full copy: for tests and tools)."""
-        out = np.zeros(self.n, np.float32)
-        for s in range(0, self.n, self.opts.slab):
+        """Σ w·Δ over the pending pushes, in memory (a full copy of the next fragment's: for tests and tools)."""
+        n = self.next_fragment().size
+        out = np.zeros(n, np.float32)
+        for s in range(0, n, self.opts.slab):
             self._sum_pending(s, out[s:s + self.opts.slab], np.float32(1.0))
         return out
 
@@ -500,7 +531,7 @@ class Merger:
             _read_sparse(self.pending, o.up_bits, o.up_block or o.block, start, outs, weights)
             return
         first_block, end_block = start // o.block, -(-(start + count) // o.block)
-        n_blocks = codec.n_scales(o.up_bits, self.n, o.block)
+        n_blocks = codec.n_scales(o.up_bits, self.next_fragment().size, o.block)  # the pushes' values
         scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
         payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
         scratch = np.empty(count, np.float32)
@@ -538,11 +569,12 @@ class Merger:
             for p, c in zip(self.pending, factors, strict=True):
                 p.cap = c
         new = self.version + 1
+        part = self.next_fragment()  # the fragment this step merges (the whole θ without fragments)
         tmp = {name: self._path(name, new).with_suffix(".tmp") for name in self.names}
         payload_path = self.state_dir / "update.payload"  # the quantized update's codes, for write_frame_file
         frame_path = self.spool_dir / f"update-{new:08d}.frame"
         down_block = o.down_block or o.block
-        scales = np.zeros(codec.n_scales(o.down_bits, self.n, down_block), np.float32)
+        scales = np.zeros(codec.n_scales(o.down_bits, part.size, down_block), np.float32)
         fds: dict[str, int] = {}
         try:
             for name in self.names:
@@ -552,8 +584,10 @@ class Merger:
                     spare.replace(tmp[name])
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
-            digest, theta_norm = self._step_slabs(fds, scales)
+            digest, theta_norm = self._step_slabs(fds, scales, part)
             payload_size = os.fstat(fds["payload"]).st_size if codec.is_sparse(o.down_bits) else None
+            if payload_size is None:  # a smaller fragment than the last step's: the file is cut to this one's
+                os.ftruncate(fds["payload"], codec.payload_len(o.down_bits, part.size))
         except BaseException:  # a non-finite result, or an I/O error: nothing is committed
             for path in tmp.values():
                 path.unlink(missing_ok=True)
@@ -561,8 +595,8 @@ class Merger:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        size, crc = write_frame_file(frame_path, o.down_bits, down_block, self.n, scales, payload_path, o.zstd_level,
-                                     payload_size)
+        size, crc = write_frame_file(frame_path, o.down_bits, down_block, part.size, scales, payload_path,
+                                     o.zstd_level, payload_size)
         self._commit(new, tmp)
         self.digest, self.theta_norm = digest, theta_norm
         update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
@@ -572,29 +606,35 @@ class Merger:
             self.updates.popleft().path.unlink(missing_ok=True)
         return update
 
-    def _step_slabs(self, fds: dict[str, int], scales: np.ndarray) -> tuple[str, float]:
-        """Steps every slab on the thread pool, a bounded window of slabs in flight, and hashes the new θ in
-        order; returns its digest and L2 norm. ``fds``: the open state files (``name`` read, ``name_new``
-        written) and the update's ``payload``; ``scales``: filled with the update's quantization scales."""
+    def _step_slabs(self, fds: dict[str, int], scales: np.ndarray, part: Range) -> tuple[str, float]:
+        """Steps every slab of fragment ``part`` on the thread pool, a bounded window of slabs in flight, copies
+        the values outside it as they are, and hashes the new θ in order; returns its digest and L2 norm.
+        ``fds``: the open state files (``name`` read, ``name_new`` written) and the update's ``payload``;
+        ``scales``: filled with the update's quantization scales (the update holds ``part``'s values only)."""
         o = self.opts
         slab = o.slab
         inv_w = np.float32(1.0 / self.total_weight)
         hasher = params_hasher()
         theta_sq = 0.0
-        down = _SparseDown(fds["payload"], self.n, o.down_block or o.block) if codec.is_sparse(o.down_bits) else None
+        down = _SparseDown(fds["payload"], part.size, o.down_block or o.block) \
+            if codec.is_sparse(o.down_bits) else None
+        pieces = ([(s, min(s + slab, part.start), False) for s in range(0, part.start, slab)]
+                  + [(s, min(s + slab, part.end), True) for s in range(part.start, part.end, slab)]
+                  + [(s, min(s + slab, self.n), False) for s in range(part.end, self.n, slab)])
 
         def digest(done: futures.Future) -> None:
             nonlocal theta_sq
             theta, sq, sparse = done.result()
             hasher.update(memoryview(theta).cast("B"))
             theta_sq += sq
-            if down is not None:
+            if down is not None and sparse:  # (a slab outside the merged fragment has none)
                 down.append(*sparse)  # the sparse update's records, in order
 
         with futures.ThreadPoolExecutor(max(1, o.threads), thread_name_prefix="outer") as pool:
             window: collections.deque[futures.Future] = collections.deque()
-            for s in range(0, self.n, slab):  # digests taken in order
-                window.append(pool.submit(self._step_slab, s, min(s + slab, self.n), inv_w, fds, scales))
+            for s, e, step in pieces:  # digests taken in order
+                window.append(pool.submit(self._step_slab, s, e, inv_w, fds, scales, part.start) if step else
+                              pool.submit(self._copy_slab, s, e, fds))
                 if len(window) > o.threads:
                     digest(window.popleft())
             while window:
@@ -614,13 +654,26 @@ class Merger:
             return trimmed_mean(self._stack_pending(s, e - s), o.trim)
         return coordinate_median(self._stack_pending(s, e - s))
 
+    def _copy_slab(self, s: int, e: int, fds: dict[str, int]) -> tuple[np.ndarray, float, tuple]:
+        """Values [s, e) outside the fragment being merged: θ, the momentum and the residual written as they were;
+        returns the θ slab and its sum of squares, as :meth:`_step_slab` does."""
+        theta = np.empty(e - s, np.float32)
+        for name in self.names:
+            buf = theta if name == "theta" else np.empty(e - s, np.float32)
+            _read_into(fds[name], buf, 4 * s)
+            write_from(fds[name + "_new"], buf, 4 * s)
+        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64)), ()
+
     def _step_slab(self, s: int, e: int, inv_w: np.float32, fds: dict[str, int],
-                   scales: np.ndarray) -> tuple[np.ndarray, float, tuple]:
-        """The outer step of values [s, e): writes the new momentum, residual and θ slabs and the update's codes;
-        returns the new θ slab, its sum of squares and (sparse update) its chunks' (first chunk, counts,
-        records), which the caller writes in order. Raises NonFiniteResult before writing a non-finite value."""
+                   scales: np.ndarray, base: int = 0) -> tuple[np.ndarray, float, tuple]:
+        """The outer step of values [s, e) of θ, which are values [s − ``base``, e − ``base``) of the pushes and
+        of the update (``base``: the merged fragment's start): writes the new momentum, residual and θ slabs and
+        the update's codes; returns the new θ slab, its sum of squares and (sparse update) its chunks' (first
+        chunk, counts, records), which the caller writes in order. Raises NonFiniteResult before writing a
+        non-finite value."""
         o = self.opts
-        delta = self._merged_delta(s, e, inv_w)
+        rel = s - base  # where the slab lies in the pushes' and the update's frames
+        delta = self._merged_delta(rel, rel + e - s, inv_w)
         m = np.empty(e - s, np.float32)
         _read_into(fds["momentum"], m, 4 * s)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, by value
@@ -637,8 +690,8 @@ class Merger:
         if codec.is_sparse(o.down_bits):  # the entries the merged pushes touched (their union), sparse-coded
             chunk = o.down_block or o.block
             sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=delta != 0)
-            scales[s // chunk: s // chunk + sc.size] = sc
-            sparse = (s // chunk, counts, records)
+            scales[rel // chunk: rel // chunk + sc.size] = sc
+            sparse = (rel // chunk, counts, records)
             applied = np.zeros(e - s, np.float32)
             codec.sparse_add(o.down_bits, chunk, sc, counts, records, applied)
             if self.feedback:
@@ -648,11 +701,11 @@ class Merger:
                 write_from(fds["residual_new"], u, 4 * s)
         elif o.down_bits == 32:
             applied = u
-            write_from(fds["payload"], applied, 4 * s)
+            write_from(fds["payload"], applied, 4 * rel)
         else:
             sc, payload = codec.quantize_segment(o.down_bits, o.block, u)
-            scales[s // o.block: s // o.block + sc.size] = sc
-            write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, s))
+            scales[rel // o.block: rel // o.block + sc.size] = sc
+            write_from(fds["payload"], payload, codec.payload_offset(o.down_bits, rel))
             applied = codec.dequantize_segment(o.down_bits, o.block, sc, payload, e - s)
             if self.feedback:
                 with np.errstate(over="ignore", invalid="ignore"):

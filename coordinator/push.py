@@ -21,7 +21,7 @@ from coordinator.memory import FrameStreams
 from coordinator.merger import Merger
 from coordinator.records import PushInfo
 from coordinator.spool import Spool
-from dtrain import codec
+from dtrain import codec, fragments
 from dtrain.config import Config
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.telemetry import Telemetry
@@ -49,9 +49,10 @@ class UploadBroke(Exception):
         self.received, self.chunks = received, chunks
 
 
-def read_header(requests: PushMessages, tree_digest: str) -> pb.PushHeader:
-    """The push's header, its first message; WireError if there is none, or if its payload is for another
-    parameter tree than ``tree_digest`` (the coordinator's).
+def read_header(requests: PushMessages, tree_digest: str, parts: int = 1) -> pb.PushHeader:
+    """The push's header, its first message; WireError if there is none, if its payload is for another
+    parameter tree than ``tree_digest`` (the coordinator's), or if the fragment it names does not fit a plan of
+    ``parts`` fragments (``outer.fragments``: ``dtrain.fragments.check_push``).
 
     The digest is checked here, not by the state machine: whether a payload fits the model's parameter tree is a
     property of the merger's θ (like Join's config fingerprint); the state machine holds membership, versions and
@@ -64,6 +65,9 @@ def read_header(requests: PushMessages, tree_digest: str) -> pb.PushHeader:
         raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"header tree_digest {h.tree_digest!r} does not match the coordinator's "
                         f"{tree_digest!r}: the model's parameter tree differs")
+    misfit = fragments.check_push(h.fragment, h.base_version, parts)
+    if misfit:
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: {misfit}")
     return h
 
 

@@ -67,6 +67,7 @@ class StateOptions:
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
     identity: str = "shared"  # security.identity: whose calls may act as which island (coordinator/bindings.py)
     pins: tuple[tuple[str, str], ...] = ()  # security.bindings as (name, identity): the operator's re-bindings
+    fragments: int = 1  # outer.fragments: version v + 1 merges fragment v mod fragments (dtrain.fragments)
 
     @property
     def shard_end(self) -> int:
@@ -96,12 +97,13 @@ class StateOptions:
         ``cfg.rounds × outer.islands`` (async: one version per push)."""
         rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
         wall_time = cfg.worker.round_seconds != 0  # > 0, or auto
-        max_steps = cfg.coordinator.max_push_steps or (0 if wall_time else cfg.outer.inner_steps)
+        # a push covers a round: H steps, or H / outer.fragments with fragments (each push one fragment's)
+        max_steps = cfg.coordinator.max_push_steps or (0 if wall_time else cfg.outer.inner_steps // cfg.outer.fragments)
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
                    total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.base_batch,
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
                    max_push_ids=max_push_ids, linger_s=linger_s, identity=cfg.security.identity,
-                   pins=tuple(parse_binding(text) for text in cfg.security.bindings))
+                   pins=tuple(parse_binding(text) for text in cfg.security.bindings), fragments=cfg.outer.fragments)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ class RoundsLoop:
         round_span = self.rounds.ready(self.state.version + 1, reason)
         pending = self.state.pending()
         frame_bytes = {p.key: p.spool.size for p in self.merger.pending}  # read before the step releases them
+        part = self.merger.next_fragment()  # the fragment this step merges (outer.fragments; else the whole θ)
+        fragment = {"fragment": part.index, "values": part.size} if self.merger.fragments > 1 else {}
         try:
             with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
                                      pushes=len(pending)):
@@ -119,20 +121,20 @@ class RoundsLoop:
                                    else {})}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest,
-                       merge_s=round(time.perf_counter() - t0, 6))
+                       merge_s=round(time.perf_counter() - t0, 6), **fragment)
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
             with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
                 self.ckpt.save_files(version, self.merger.state_files(),
                                      {"state": self.state.to_json(), "version": version,
                                       "params_digest": self.merger.digest})
         self.counters.merge_s += time.perf_counter() - t0
-        self._merged(version, reason, merged, pending, update.size)
+        self._merged(version, reason, merged, pending, update.size, part.size)
 
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
-                update_bytes: int) -> None:
+                update_bytes: int, values: int) -> None:
         """What follows a committed merge: telemetry, the round's span, a progress line, the heap trimmed, the
-        waiters woken."""
-        self.telemetry.record_ratio(4 * self.merger.n, update_bytes, "down")
+        waiters woken. ``values``: the update's (its fragment's, with outer.fragments)."""
+        self.telemetry.record_ratio(4 * values, update_bytes, "down")
         self.rounds.close(version, pushes=len(pending), tokens=sum(i.tokens for i, _ in pending),
                           islands=sorted({i.island_id for i, _ in pending}), update_bytes=update_bytes)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")

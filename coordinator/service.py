@@ -218,7 +218,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 assert self.ckpt is not None, "refused above without a coordinator checkpoint"
                 loaded = resume_state(cfg, self.opts, self.run_dir, spec, self.ckpt, self.log, self.loaded_at)
             else:
-                loaded = new_run(cfg, self.opts, self.run_dir, theta, self.loaded_at)
+                loaded = new_run(cfg, self.opts, self.run_dir, theta, self.loaded_at, spec)
         except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
             if self.ckpt is not None:
                 self.ckpt.close()
@@ -437,7 +437,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
               stream: Stream) -> pb.PushDeltaResponse:
         """PushDelta on an open ``stream``: its header, its admission, its payload and the state's decision."""
         try:
-            h = read_header(request_iterator, self.tree_digest)
+            h = read_header(request_iterator, self.tree_digest, self.merger.fragments)
         except WireError as e:
             self._abort(context, e.code, str(e))
         over = self.push_streams.claim(stream, h.island_id)
@@ -464,7 +464,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             receiver = self.intake.frame_receiver(h)
         except WireError as e:
             self._abort(context, e.code, str(e))
-        with self.merger.spool() as spool:
+        with self.merger.spool(h.fragment) as spool:  # the frame holds that fragment only
             try:
                 self.intake.receive(request_iterator, receiver, spool, info, round_span, admission.target_version,
                                     admission.status)
@@ -499,7 +499,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if admission.status == "accept":
             self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
         self.counters.bytes_in += size
-        self.telemetry.record_ratio(4 * self.merger.n, size, "up")
+        self.telemetry.record_ratio(4 * spool.n, size, "up")
         view = self.history.island(info.island_id)
         view.bytes_in += size
         view.last_seen = self.clock()

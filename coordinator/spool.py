@@ -106,6 +106,7 @@ class Spool:
             fd, name = tempfile.mkstemp(prefix="push-", suffix=".body", dir=directory)
             spare = fd, Path(name)
         self.fd, self.path = spare
+        self.n = n  # values the frame must hold (a fragment's, with outer.fragments > 1)
         self._release = release
         self._offset = 0
         self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append,

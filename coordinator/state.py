@@ -255,8 +255,9 @@ class CoordinatorState:
         rules). ``theta_norm``: the L2 norm of the current θ (0: the ratio check is skipped)."""
         decision = self.admit_push(info, now)
         if decision.status == "accept" and norm is not None:
-            decision = admission.screen_norm(self.opts.coordinator, self.ledger.norms, info, decision, norm,
-                                             theta_norm, islands=self.opts.islands)
+            window = self.ledger.norm_window(decision.target_version)  # (its fragment's, with outer.fragments)
+            decision = admission.screen_norm(self.opts.coordinator, window, info, decision, norm, theta_norm,
+                                             islands=self.opts.islands)
         if decision.status == "reject":
             self._record_rejection(info, decision.target_version, decision.staleness, decision.reason, now)
         elif decision.status == "duplicate":

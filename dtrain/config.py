@@ -158,6 +158,9 @@ class OuterConfig:
     sparseloco_beta: float = _f(0.95, "sparseloco: decay of each island's error-feedback accumulator "
                                 "(e <- beta x e + delta before the top-k), in (0, 1]")
     staleness_alpha: float = _f(0.5, "a delta s versions stale is weighted by (1+s)^-alpha")
+    fragments: int = _f(1, "Streaming DiLoCo: theta is cut into this many fragments of whole tensors, each pushed, "
+                        "merged and versioned on its own; an island pushes one fragment every outer.inner_steps / "
+                        "fragments steps, round robin (1: the whole theta every outer.inner_steps)")
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,8 @@ class CoordinatorConfig:
                                   "bandwidth x RTT; 0: stream_window_bytes windows, codec.chunk_bytes chunks")
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
-                             "with step rounds; no cap with wall-time rounds, where it is worth setting)")
+                             "/ outer.fragments with step rounds; no cap with wall-time rounds, where it is worth "
+                             "setting)")
     merge_rule: str = _f("auto", "how the pushes of a round are combined, per coordinate: the token-weighted mean, "
                          "a trimmed mean or the median (both unweighted), the token-weighted mean of the pushes "
                          "each clipped to clip_ratio x the median L2 norm of the round's pushes, or screened_mean: "
@@ -401,8 +405,9 @@ class Config:
 
     @property
     def rounds(self) -> int:
-        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H = steps)."""
-        return math.ceil(self.train.steps / self.outer.inner_steps)
+        """Outer rounds per island: ceil(train.steps / outer.inner_steps) (one round when H = steps); with
+        outer.fragments F, a round (one fragment's push and merge) every H / F steps: ceil(train.steps / (H / F))."""
+        return math.ceil(self.train.steps / (self.outer.inner_steps // self.outer.fragments))
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section as plain TOML/JSON types (a tuple field, such as security.bindings, as a list)."""
@@ -424,6 +429,8 @@ class Config:
             fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",
                                                                               "density")})
             fields.update({f"outer.{k}": str(getattr(self.outer, k)) for k in ("rule", "sparseloco_beta")})
+        if self.outer.fragments != 1:  # only then: the fingerprint of a run without fragments stays as it was
+            fields["outer.fragments"] = str(self.outer.fragments)
         return fields
 
     def fingerprint(self) -> str:
@@ -432,6 +439,7 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+MAX_FRAGMENTS = 64  # outer.fragments at most (dtrain.fragments: each fragment holds one tensor at least)
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
 THETA0_ONLY_MODEL_FIELDS = ("init_from",)
@@ -556,6 +564,24 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("outer", "sparseloco_lr", f"must be > 0, got {o.sparseloco_lr}")
     if not 0.0 < o.sparseloco_beta <= 1.0:
         fail("outer", "sparseloco_beta", f"must be in (0, 1], got {o.sparseloco_beta}")
+    _check_fragments(cfg, fail)
+
+
+def _check_fragments(cfg: Config, fail: _Fail) -> None:
+    """outer.fragments: 1..64, dividing outer.inner_steps, with step rounds of a synchronous coordinator (the
+    round robin of fragments follows the versions: one merge per round)."""
+    o = cfg.outer
+    if o.fragments == 1:
+        return
+    if not 1 <= o.fragments <= MAX_FRAGMENTS:
+        fail("outer", "fragments", f"must be in 1..{MAX_FRAGMENTS}, got {o.fragments}")
+    if o.inner_steps % o.fragments:
+        fail("outer", "fragments", f"must divide outer.inner_steps ({o.inner_steps}), got {o.fragments}")
+    if cfg.coordinator.mode != "sync":
+        fail("outer", "fragments", f"needs coordinator.mode = 'sync' (fragments merge in turn, one per round), "
+             f"got {cfg.coordinator.mode!r}")
+    if cfg.worker.round_seconds != 0:
+        fail("outer", "fragments", "needs step rounds (worker.round_seconds = 0)")
 
 
 def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:

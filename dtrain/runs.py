@@ -158,7 +158,12 @@ def _finish_train(s: Setup, log: RunLog, ckpt: Checkpointer, timer: Timer, islan
 
 
 def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> dict[str, Any]:
-    """N islands in one process with the exact DiLoCo math; each has its own optimizer state and data."""
+    """N islands in one process with the exact DiLoCo math; each has its own optimizer state and data.
+    ConfigError with outer.fragments > 1: the in-process rounds exchange the whole θ (fragments run with worker
+    processes and a coordinator)."""
+    if cfg.outer.fragments > 1:
+        raise config.ConfigError(f"outer.fragments = {cfg.outer.fragments} needs worker processes (the in-process "
+                                 f"rounds exchange the whole θ every outer.inner_steps): drop --inprocess")
     cfg = new_run(cfg)
     out = run_dir(cfg)
     s = prepare(cfg, islands)

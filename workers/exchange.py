@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from dtrain import codec
+from dtrain import codec, fragments
 from dtrain.codec import params_digest
 from dtrain.config import CodecConfig
 from dtrain.diloco import Island
@@ -89,8 +89,12 @@ class Puller:
     ``_lock``), which the training loop alone takes (:meth:`take_eval_requests`). The rest is set at
     construction and only read."""
 
-    def __init__(self, client: PullClient, n: int, max_frame: int, log: EventLog):
+    def __init__(self, client: PullClient, n: int, max_frame: int, log: EventLog,
+                 ranges: Sequence[fragments.Range] = ()):
+        """``ranges``: the fragments' plan (``outer.fragments`` > 1: an update frame holds one fragment's
+        values, ``dtrain.fragments.apply_update``); () for none."""
         self.client, self.n, self.max_frame, self.log = client, n, max_frame, log
+        self.ranges = tuple(ranges) or fragments.whole(n)
         self._to_evaluate: dict[int, GlobalParams] = {}  # version -> θ_version the coordinator asked to evaluate
         self._lock = threading.Lock()  # pulls run on the exchange's thread and on the training loop's
 
@@ -130,14 +134,16 @@ class Puller:
                     with self._lock:
                         self._to_evaluate[g.version] = g
                 continue
-            values = codec.dequantize(codec.decode(f.frame, expected_n=self.n))
+            size = fragments.update_range(h.version, self.ranges).size if h.kind == pb.PULL_KIND_UPDATE else self.n
+            values = codec.dequantize(codec.decode(f.frame, expected_n=size))
             if h.kind == pb.PULL_KIND_FULL:
                 g = GlobalParams(values, h.version)
             elif h.kind == pb.PULL_KIND_UPDATE:
                 if g is None or h.base_version != g.version:
                     held = "no θ" if g is None else f"v{g.version}"
                     return g, f"the update to v{h.version} applies to v{h.base_version}, the island holds {held}"
-                g = GlobalParams(g.vec + values, h.version)  # θ_v = θ_{v-1} + dequantize(update)
+                # θ_v = θ_{v-1} + dequantize(update), on the fragment v merged (the whole θ without fragments)
+                g = GlobalParams(fragments.apply_update(g.vec, values, h.version, self.ranges), h.version)
             if g is None:
                 return g, f"a {pb.PullKind.Name(h.kind)} frame for v{h.version} without a θ to apply it to"
             digest = params_digest(g.vec)
@@ -272,10 +278,12 @@ class Pending:
 
 
 def push_header(island_id: str, base_version: int, island: Island, steps: int, start: tuple[int, int],
-                tree_digest: str) -> pb.PushHeader:
+                tree_digest: str, parts: int = 1) -> pb.PushHeader:
     """The header of the island's push of a round of ``steps`` inner steps, from ``start`` = (cursor, tokens) to
-    where the island stands, based on global θ ``base_version``; a fresh push id."""
+    where the island stands, based on global θ ``base_version``; a fresh push id. ``parts``: outer.fragments (the
+    push carries fragment ``base_version`` mod parts)."""
     return pb.PushHeader(island_id=island_id, base_version=base_version,
+                         fragment=fragments.fragment_of_base(base_version, parts),
                          push_id=f"{island_id}-{uuid.uuid4().hex[:12]}",
                          tokens=island.tokens - start[1], inner_steps=steps,
                          cursor_start=start[0], cursor_end=island.cursor, shard_index=island.index,
@@ -289,36 +297,44 @@ class Uplink:
     (process 0: the others push nothing)."""
 
     def __init__(self, cfg: CodecConfig, n: int, injections: Sequence[Injection], client: CoordinatorClient,
-                 log: EventLog, feedback_decay: float = 1.0):
+                 log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = ()):
         """``feedback_decay``: β of the error feedback (``dtrain.outer.feedback_decay``: SparseLoCo's
-        accumulator decays; 1 otherwise)."""
+        accumulator decays; 1 otherwise); ``ranges``: the fragments' plan (outer.fragments > 1: each push holds
+        one fragment's Δ, with that fragment's own error feedback); () for none."""
         self.cfg, self.n, self.client, self.log = cfg, n, client, log
         self.injections = list(injections)
         self.bits, self.block = cfg.scheme(cfg.up)
-        self.feedback = codec.ErrorFeedback(n, self.bits, self.block, feedback_decay, cfg.density) \
-            if cfg.error_feedback and self.bits != 32 else None
+        self.ranges = tuple(ranges) or fragments.whole(n)
+        on = cfg.error_feedback and self.bits != 32
+        self.feedbacks = [codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
+                          for r in self.ranges] if on else []
+        self._fragment = 0  # the fragment of the frame being built (frame's header)
         self.frames_sent = 0
         self.frame_bytes = 0
+        self.values_sent = 0
 
     def frame(self, delta: np.ndarray, header: pb.PushHeader) -> tuple[bytes, PushClient]:
-        """The frame to push for Δ = ``delta`` under ``header``, and the client that pushes it."""
+        """The frame to push for Δ = ``delta`` under ``header`` (the values of the fragment it names), and the
+        client that pushes it."""
+        self._fragment = header.fragment
         frame, client = injected_push(self.injections, delta, header, self._encode, self.client, self.bits,
                                       self.cfg, self.log)
         self.frames_sent += 1
         self.frame_bytes += len(frame)
+        self.values_sent += delta.size
         return frame, client
 
     def _encode(self, delta: np.ndarray) -> bytes:
-        """Δ quantized (with error feedback, if on) and compressed: the honest frame."""
+        """Δ quantized (with its fragment's error feedback, if on) and compressed: the honest frame."""
         k = self.cfg
-        q = self.feedback.compress(delta) if self.feedback is not None else \
+        q = self.feedbacks[self._fragment].compress(delta) if self.feedbacks else \
             codec.quantize(delta, self.bits, self.block, k.density)
         return codec.encode(q, k.zstd_level)
 
     @property
     def compression_ratio(self) -> float:
         """fp32 bytes over frame bytes, over every frame built so far (0.0 before the first)."""
-        return (4.0 * self.n * self.frames_sent / self.frame_bytes) if self.frame_bytes else 0.0
+        return (4.0 * self.values_sent / self.frame_bytes) if self.frame_bytes else 0.0
 
 
 class Downlink:

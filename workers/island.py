@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dtrain import codec
+from dtrain import codec, fragments
 from dtrain.checkpoint import Checkpointer
 from dtrain.chip_faults import DeviceFault
 from dtrain.config import ROUND_AUTO, Config
@@ -265,11 +265,13 @@ class Worker:
         self.spec = spec_of(self.setup.built.abstract_params)  # from the shapes: θ comes from the coordinator
         self.n = codec.spec_size(self.spec)
         self.tree_digest = codec.spec_digest(self.spec)
+        self.ranges = fragments.plan_spec(self.spec, cfg.outer.fragments)  # outer.fragments: one per push, in turn
         self.membership = Membership(cfg, self.name, self.client, self.hosts, self.mailbox, self.log, self.setup,
                                      (self.n, self.tree_digest), self._joined_run)
-        self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event)
+        self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event,
+                             self.ranges)
         self.downlink = Downlink(self.puller, self.hosts, self.n, lambda: self.mailbox.island_id)
-        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event, feedback_decay(cfg))
+        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event, feedback_decay(cfg), self.ranges)
         self.evaluator = Evaluator(self.setup, self.spec, self.downlink, self.mailbox, self.clock, self.log)
         self.train_log = TrainLog(cfg, self.name, self.log, self.clock, self.mailbox)
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,
@@ -603,15 +605,22 @@ class Worker:
                                          base_version=anchor.version, steps=round_steps)
         local = self.hosts.gather(island.state.params)  # note: host sync (a gather across processes), once a round
         _, local_vec = codec.flatten(local)
-        at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
-        header = push_header(island_id, anchor.version, island, round_steps, round_start, self.tree_digest)
+        header = push_header(island_id, anchor.version, island, round_steps, round_start, self.tree_digest,
+                             len(self.ranges))
+        part = self.ranges[header.fragment]  # the fragment this push carries (the whole θ without fragments)
+        if len(self.ranges) == 1:
+            at_push = jax.tree.map(jnp.copy, island.state.params)  # kept: the state is donated by training
+        else:  # the fold-in then touches this fragment only; a rewind to this push's end keeps the rest
+            at_push = self.loop.place_params(codec.unflatten(self.spec, fragments.at_push(anchor.vec, local_vec,
+                                                                                          part)))
+            self.rewinder.keep_progress(island.index, island.cursor, fragments.unsent(anchor.vec, local_vec, part))
         # Another process of the island sends nothing (process 0 pushes) and waits for the same θ'.
         frame: bytes = b""
         client: PushClient = self.client
         if self.hosts.leader:
             # Testing only (workers.push_faults): a push fault due now changes what is sent and how.
-            frame, client = self.uplink.frame(anchor.vec - local_vec, header)
-            self.telemetry.record_ratio(4 * self.n, len(frame), "up")
+            frame, client = self.uplink.frame((anchor.vec - local_vec)[part.start:part.end], header)
+            self.telemetry.record_ratio(4 * part.size, len(frame), "up")
             self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.mailbox.total_versions,
                             self.mailbox.stopping, self.log.event, self.telemetry, span)

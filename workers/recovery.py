@@ -212,9 +212,11 @@ class Guard:
 
 
 class Rewinder:
-    """Carries out a :class:`Rewind` or a :class:`Recovery` on the training loop's thread (its only user; it
-    keeps no state of its own between calls): the island goes to the rewind's shard and cursor on the newest
-    global θ, or back to its last push's state (on the healthy devices' mesh after a quarantine)."""
+    """Carries out a :class:`Rewind` or a :class:`Recovery` on the training loop's thread (its only user): the
+    island goes to the rewind's shard and cursor on the newest global θ, or back to its last push's state (on
+    the healthy devices' mesh after a quarantine). With ``outer.fragments`` > 1 it also keeps, for the island's
+    last two pushes, the progress not exchanged yet at that push (:meth:`keep_progress`): a rewind to where one
+    of them ended keeps that progress on the newest θ, so only the range trained since is discarded."""
 
     def __init__(self, cfg: Config, setup: Setup, spec: codec.Spec, guard: Guard, hosts: HostGroup,
                  log: RunLog, name: str, pull: Callable[[GlobalParams], GlobalParams],
@@ -223,6 +225,15 @@ class Rewinder:
         loop before it trains."""
         self.cfg, self.setup, self.spec, self.guard, self.hosts = cfg, setup, spec, guard, hosts
         self.log, self.name, self.pull, self.precompile = log, name, pull, precompile
+        self._progress: dict[tuple[int, int], np.ndarray] = {}  # (shard, cursor) of a push -> its unsent progress
+
+    def keep_progress(self, shard: int, cursor: int, unsent: np.ndarray) -> None:
+        """At a push whose range ends at ``cursor`` of ``shard``: θ_local − θ_anchor with the pushed fragment's
+        values zeroed (``dtrain.fragments.unsent``), the other fragments' progress since their own last exchange.
+        The last two pushes' are kept (a rewind goes back at most to the start of the push in flight)."""
+        self._progress[(shard, cursor)] = unsent
+        while len(self._progress) > 2:
+            del self._progress[next(iter(self._progress))]
 
     @property
     def loop(self) -> InnerLoop:
@@ -281,8 +292,11 @@ class Rewinder:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
             return anchor, False
         latest = self.pull(anchor)  # the newest θ: the retrained range is pushed against it
+        kept = self._progress.get((rewind.shard, rewind.cursor)) if recovery is None else None
         if recovery is None:
-            island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, latest.vec)))
+            # fragments: the progress not exchanged when the range began stays, on the newest θ (as a fold-in)
+            vec = latest.vec if kept is None else latest.vec + kept
+            island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, vec)))
         else:
             if remeshed:
                 self.precompile()
@@ -290,14 +304,17 @@ class Rewinder:
             step = jax.device_put(jnp.asarray(executed_step, jnp.int32), self.loop.state_sharding.step)
             island.state = self.state_from(latest, ckpt).replace(step=step)
             self.guard.forget()
-        self._report(island, rewind, start, recovery, latest, remeshed)
+        self._report(island, rewind, start, recovery, latest, remeshed, kept is not None)
+        # The island now stands at the rewind's cursor with that progress on the newest θ: a rewind there again (its
+        # next push refused too) keeps it again; nothing else it kept holds any more
+        self._progress = {(rewind.shard, rewind.cursor): kept} if kept is not None else {}
         batch = self.cfg.train.batch_size
         island.index, island.stream = rewind.shard, self.setup.shards[rewind.shard].stream
         island.cursor, island.steps = rewind.cursor, rewind.cursor // batch
         return latest, True
 
     def _report(self, island: Island, rewind: Rewind, start: int, recovery: Recovery | None,
-                latest: GlobalParams, remeshed: dict[str, Any]) -> None:
+                latest: GlobalParams, remeshed: dict[str, Any], kept: bool = False) -> None:
         """The ``rewound`` (and ``remeshed``) events and progress lines, before the island moves."""
         batch = self.cfg.train.batch_size
         discarded = (island.cursor - start) // batch  # unpushed progress, thrown away
@@ -306,7 +323,8 @@ class Rewinder:
         self.log.event("rewound", from_shard=island.index, from_cursor=island.cursor, to_shard=rewind.shard,
                        to_cursor=rewind.cursor, discarded_steps=discarded, retrained_steps=max(again, 0),
                        version=latest.version, restored=recovery is not None,
-                       reason=rewind.reason if recovery is None else recovery.reason)
+                       reason=rewind.reason if recovery is None else recovery.reason,
+                       **({"kept_unsent": True} if kept else {}))
         if remeshed:
             self.log.event("remeshed", **remeshed, cursor=rewind.cursor, version=latest.version,
                            restored="last push")

@@ -51,7 +51,9 @@ class Schedule:
     def from_config(cls, cfg: Config) -> Schedule:
         w = cfg.worker
         t = cfg.train  # H and the budget count steps of train.base_batch_size sequences: the island's own steps
-        return cls(inner_steps=t.island_steps(cfg.outer.inner_steps), steps_per_call=t.steps_per_call,
+        # outer.fragments: a push (of one fragment) every H / fragments steps
+        return cls(inner_steps=t.island_steps(cfg.outer.inner_steps // cfg.outer.fragments),
+                   steps_per_call=t.steps_per_call,
                    total_steps=t.island_steps(t.steps), overlap=w.overlap,
                    overlap_steps=w.max_overlap_steps if w.overlap else 0, round_seconds=w.round_seconds)
 

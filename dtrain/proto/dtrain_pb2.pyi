@@ -172,7 +172,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ..., push_unknown: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks", "shard_index")
+    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks", "shard_index", "fragment")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class PushHeader(_message.Message):
     FRAME_CRC32_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     base_version: int
     push_id: str
@@ -197,7 +198,8 @@ class PushHeader(_message.Message):
     frame_crc32: int
     chunks: int
     shard_index: int
-    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., shard_index: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data", "crc32")
