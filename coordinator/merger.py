@@ -487,15 +487,16 @@ class Merger:
         # median's transposed copy), 8 MiB each with 64 pushes, where whole slabs took 64 MiB each.
         whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
         slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
+        part = self.next_fragment()  # the pushes hold its values (the whole θ without fragments)
         fd = None if by_median else os.open(self._path("momentum"), os.O_RDONLY)
 
         def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
-            rows = self._stack_pending(s, min(s + slab, self.n) - s)
+            rows = self._stack_pending(s, min(s + slab, part.size) - s)
             if fd is None:
                 ref = coordinate_median(rows)
             else:
                 ref = np.empty(rows.shape[1], np.float32)
-                _read_into(fd, ref, 4 * s)
+                _read_into(fd, ref, 4 * (part.start + s))
             return (np.einsum("ij,j->i", rows, ref, dtype=np.float64),  # buffered: no float64 copy of the rows
                     float(np.einsum("i,i->", ref, ref, dtype=np.float64)),
                     np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
@@ -503,7 +504,7 @@ class Merger:
         dots, ref_sq, sq = np.zeros(k), 0.0, np.zeros(k)
         try:
             with futures.ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="screen") as pool:
-                for d, r, q in pool.map(terms, range(0, self.n, slab)):
+                for d, r, q in pool.map(terms, range(0, part.size, slab)):
                     dots += d
                     ref_sq += r
                     sq += q
