@@ -34,7 +34,8 @@ def round_ready(opts: StateOptions, version: int, over: str, live: list[IslandRe
     live = sorted(live, key=lambda r: r.shard_index)
     pushed = ledger.pending_islands()
     missing = [r.island_id for r in live  # an island throttled after a rejected push is not waited for
-               if r.island_id not in pushed | ledger.round_rejected and ledger.data_left(r.shard_index)
+               if r.island_id not in pushed | ledger.round_rejected
+               and ledger.data_left(ledger.segment(r.shard_index, r.segment_start))
                and r.throttled_until <= now]
     if n == 0:
         return False, f"waiting for the first push for version {version + 1} ({len(live)} live islands)"
