@@ -363,6 +363,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, cursor_end=cursor_end,
+                               segment_start=record.segment_start,
                                lease_s=self.opts.coordinator.lease_s,
                                run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
                                total_versions=self.opts.end_version)

@@ -38,8 +38,8 @@ def info(st: CoordinatorState, island_id: str, base: int = 0, tokens: int = 1000
          start: int | None = None, end: int | None = None, shard: int | None = None,
          length: int = 40) -> PushInfo:
     """A push over [start, end) of ``shard`` (by default the island's): by default from where the island's
-    segment's cursor is in ``st`` (0 for an unknown island), ``length`` sequences long (40: 40 x seq_len 32 = 1280 tokens; at most
-    tiny's inner_steps 20 x batch_size 8 = 160 sequences, a whole round)."""
+    segment's cursor is in ``st`` (0 for an unknown island), ``length`` sequences long (40: 40 x seq_len 32 =
+    1280 tokens; at most tiny's inner_steps 20 x batch_size 8 = 160 sequences, a whole round)."""
     if push_id is None:
         _n[0] += 1
         push_id = f"p{_n[0]}"

@@ -68,7 +68,7 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions", "cursor_end")
+    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions", "cursor_end", "segment_start")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class JoinResponse(_message.Message):
     TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CURSOR_END_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_START_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     shard_index: int
@@ -91,7 +92,8 @@ class JoinResponse(_message.Message):
     tree_digest: str
     total_versions: int
     cursor_end: int
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ..., cursor_end: _Optional[int] = ...) -> None: ...
+    segment_start: int
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ..., cursor_end: _Optional[int] = ..., segment_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s", "round_seconds")
