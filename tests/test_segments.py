@@ -70,11 +70,14 @@ def test_a_lost_islands_data_left_is_split_in_whole_rounds_one_piece_per_live_is
     assert "split for 3 live islands into shard 3 [0, 480) (this island's) and [480, 640), [640, 800)" in why
     assert why.endswith("cursor 160")
     assert _segments(st, 3) == [(0, 480, 160), (480, 640, 480), (640, 800, 640)]
+    push(st, info(st, a, base=st.version, length=ROUND), now)
+    ready, why = st.round_ready(now)  # b and c are out of data, but a piece waits for each: the round waits too
+    assert not ready and "missing: b-1, c-2" in why, why
     assert _take(st, b, now) == ((3, 480), "rejoined as b-1 (was live): its shard 1 is done; took over shard 3 "
                                            "[480, 640), which no live island holds and has data left, cursor 480")
     key, why = _take(st, c, now)
     assert key == (3, 640) and "split" not in why  # a piece is taken whole
-    _rounds(st, [a, b, c], now)
+    _rounds(st, [b, c], now)
     assert not st.stopped() and _segments(st, 3) == [(0, 480, 320), (480, 640, 640), (640, 800, 800)]
     ready, _ = st.round_ready(now)
     assert not ready  # a has data left: b and c, whose pieces are done, are not waited for
