@@ -247,3 +247,25 @@ def test_a_push_replys_rewind_applies_only_inside_the_islands_segment():
     assert not in_segment(island, 3, 160) and not in_segment(island, 3, 640)  # type: ignore[arg-type]
     assert not in_segment(island, 2, 500)  # type: ignore[arg-type]
     assert in_segment(SimpleNamespace(index=0, segment=(0, 0)), 0, 10**9)  # type: ignore[arg-type]
+
+
+def test_wall_time_rounds_keep_one_endless_segment_a_shard_and_never_split():
+    """With wall-time rounds a shard has no end (a segment [0, 0)): no island runs out of data, a lost island's
+    shard is taken whole by a newcomer, and the checkpoint holds one endless segment a shard."""
+    st = make("worker.round_seconds=5", "coordinator.max_push_steps=20")
+    a, b, c, d = join_all(st)
+    _rounds(st, [a, b, c, d], T0)
+    now = _lose(st, d, T0)
+    assert st.heartbeat(a, st.version, 0, 0, 0.0, "", (), now)[0] == "continue"  # never out of data
+    record, why = st.join("e", "cpu", 1, now)
+    assert (record.shard_index, record.segment_start) == (3, 0) and "split" not in why and why.endswith("cursor 160")
+    blob = json.loads(json.dumps(st.to_json()))
+    assert blob["segments"][3] == {"shard": 3, "start": 0, "end": 0, "merged": 160}
+    assert CoordinatorState.from_json(st.opts, blob, now).to_json()["segments"] == blob["segments"]
+    blob["segments"][3]["end"] = 800
+    try:
+        CoordinatorState.from_json(st.opts, blob, now)
+    except Exception as e:  # noqa: BLE001 - the StateError's text is what is checked
+        assert "wall-time rounds: shard 3 is one segment [0, 0) (no end)" in str(e), e
+    else:
+        raise AssertionError("an end in a wall-time run was accepted")
