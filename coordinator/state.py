@@ -349,7 +349,7 @@ class CoordinatorState:
         done = ""
         if self.stopped():
             self._stopped_at = float(now)
-            done = f"; the run is over ({self.opts.total_versions} versions)"
+            done = f"; the run is over ({self.version} versions)"
         return self.version, merged, (f"merged {len(merged)} deltas ({', '.join(i.island_id for i in merged)}; "
                                       f"{tokens} tokens) into version {self.version} ({why}){done}")
 
