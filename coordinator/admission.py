@@ -9,10 +9,12 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   the range covers at most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
   ``outer.inner_steps``, the length of a step round; with wall-time rounds, whose length is an island's speed ×
   ``worker.round_seconds``, there is no default cap: set one) and, with step rounds, ends within the shard's
-  ``train.steps`` × ``train.batch_size`` sequences; and it starts exactly at its shard's cursor (else it is
-  dropped), so no data counts twice.
+  ``train.steps`` × ``train.batch_size`` sequences, and within one segment of it (a range that runs past the end
+  of the segment it starts in is refused: the coordinator set that end); and it starts exactly at its segment's
+  cursor (else it is dropped), so no data counts twice.
 - A lost island's push (a hung island that wakes up) is a late delta like any other (``late_policy``, the
-  contiguity rule) while no live island holds its shard; once another took the shard over, it is dropped.
+  contiguity rule) while no live island holds its segment; once another took the segment over, it is dropped.
+  A push from a segment its island no longer holds (it moved at a rejoin) is dropped too.
 - Norms (:func:`screen_norm`): a norm over ``coordinator.norm_max_ratio`` × ‖θ‖ is rejected ("quarantined"),
   and so is one over ``coordinator.round_norm_ratio`` × the median of the last ``outer.islands`` merged norms
   (about the last round's: a reference that follows the honest norms as they shrink, and holds in a round where
@@ -77,7 +79,8 @@ def judge(opts: StateOptions, info: PushInfo, record: IslandRecord, version: int
     if over:  # weight 0 whatever it claims
         return Admission("drop", 0.0, staleness, target, f"{over}: push {info.push_id} dropped")
     check_bounds(opts, info)
-    misplaced = _misplaced(info, record, ledger.shard_cursor(info.shard_index), live)
+    check_segment(info, ledger)
+    misplaced = _misplaced(info, record, ledger, live)
     if misplaced:
         return Admission("drop", 0.0, staleness, target, misplaced)
     c = opts.coordinator
@@ -108,24 +111,44 @@ def judge(opts: StateOptions, info: PushInfo, record: IslandRecord, version: int
     return Admission("accept", weight, staleness, target, f"accepted for version {target}: {why}")
 
 
-def _misplaced(info: PushInfo, record: IslandRecord, cursor: int, live: list[IslandRecord]) -> str:
+def _misplaced(info: PushInfo, record: IslandRecord, ledger: PushLedger, live: list[IslandRecord]) -> str:
     """Why a push's range cannot be merged where it lies (the reason it is dropped), or "" if it can: its island
-    lost its shard to another, holds another shard now, or the range does not start at the shard's ``cursor``."""
-    rewind = f"not merged: its range is trained again from shard {info.shard_index}'s cursor {cursor}"
-    if record.state == "lost":  # a late delta (a hung island back): judged like any other while its shard is free
-        holder = next((r for r in live if r.shard_index == record.shard_index), None)
+    lost its segment to another, holds another segment now, or the range does not start at the segment's
+    cursor."""
+    own = ledger.segment(record.shard_index, record.segment_start)
+    where = own.describe(ledger.opts.shard_end)
+    cursor = ledger.cursor(own)
+    rewind = f"not merged: its range is trained again from {where}'s cursor {cursor}"
+    if record.state == "lost":  # a late delta (a hung island back): judged like any other while its segment is free
+        holder = next((r for r in live if (r.shard_index, r.segment_start) == own.key), None)
         if holder is not None:
             return (f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f} and "
-                    f"{holder.island_id} took over shard {record.shard_index}: push {info.push_id} "
+                    f"{holder.island_id} took over {where}: push {info.push_id} "
                     f"dropped, rejoin (call Join again); {rewind}")
     if info.shard_index != record.shard_index:
         return (f"push {info.push_id} covers shard {info.shard_index}, but {info.island_id} now holds "
-                f"shard {record.shard_index}: dropped, {rewind}")
+                f"{where}: dropped, {rewind}")
+    here = ledger.segment_at(info.shard_index, info.cursor_start)
+    if here is not None and here.key != own.key:  # it moved to another segment of the shard at a rejoin
+        return (f"push {info.push_id} covers {here.describe(ledger.opts.shard_end)}, but {info.island_id} now "
+                f"holds {where}: dropped, {rewind}")
     if info.cursor_start != cursor:
         why = ("overlaps data merged or pending" if info.cursor_start < cursor
                else "leaves a gap after data merged or pending (a range before it was dropped or rejected)")
         return f"push {info.push_id}'s range [{info.cursor_start}, {info.cursor_end}) {why}: dropped, {rewind}"
     return ""
+
+
+def check_segment(info: PushInfo, ledger: PushLedger) -> None:
+    """Refuses (INVALID_ARGUMENT) a push whose range runs past the end of the segment it starts in: the
+    coordinator set that end when it split the shard (an island is told its segment's end at its Join), so no
+    honest island crosses it (a segment is only split while no live island holds it, at whole rounds past its
+    cursor)."""
+    seg = ledger.segment_at(info.shard_index, info.cursor_start)
+    if seg is not None and seg.end and info.cursor_end > seg.end:
+        raise StateError("INVALID_ARGUMENT", f"push {info.push_id} from {info.island_id}: its cursor range "
+                         f"[{info.cursor_start}, {info.cursor_end}) runs past the end of the segment it starts in, "
+                         f"{seg.describe(ledger.opts.shard_end)}: a push lies within one segment")
 
 
 def check_bounds(opts: StateOptions, info: PushInfo) -> None:

@@ -5,26 +5,33 @@ Bookkeeping only: the decision on a push is ``coordinator.admission``'s and when
 ``coordinator.quorum``'s; ``coordinator.state.CoordinatorState`` records what they decided here. Nothing here
 reads a clock: the time a push arrived is passed in.
 
-A shard's cursor is where its merged data ends, counting the pushes pending in the open round (they will be
-merged); a push must start exactly there (``coordinator.admission``), so each shard's merged ranges always form
-one prefix of it. The ids of pending pushes and of the last ``StateOptions.max_push_ids`` merged, dropped or
-rejected ones are remembered, oldest forgotten first.
+Segments: each shard's sequences are one or more segments (``coordinator.records.Segment``), contiguous
+ranges that cover it from 0 to its end; a shard starts as one. An island trains one segment at a time. A
+segment's cursor is where its merged data ends, counting the pushes pending in the open round (they will be
+merged); a push must start exactly there (``coordinator.admission``), so each segment's merged ranges always
+form one prefix of it. :meth:`PushLedger.split` cuts a segment's remainder into several, in whole rounds, for
+several islands to train at once. The ids of pending pushes and of the last ``StateOptions.max_push_ids``
+merged, dropped or rejected ones are remembered, oldest forgotten first.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 
-from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, StateError, StateOptions
+from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, Segment, StateError, StateOptions
 from dtrain.fragments import fragment_of_round
 
 
 class PushLedger:
-    """Per-shard cursors, the open round's pending pushes and the remembered push ids. Not thread-safe."""
+    """The segments and their cursors, the open round's pending pushes and the remembered push ids. Not
+    thread-safe."""
 
     def __init__(self, opts: StateOptions):
         self.opts = opts
-        self.shard_cursors: list[int] = [0] * opts.islands  # where each shard's merged data ends
+        # (shard, start) -> segment, by shard then start: contiguous, each shard's from 0 to its end
+        self.segments: dict[tuple[int, int], Segment] = {
+            (s, 0): Segment(s, 0, opts.shard_end, 0) for s in range(opts.islands)}
         self.norms: collections.deque[float] = collections.deque(maxlen=opts.coordinator.norm_window)  # merged
         # outer.fragments > 1: the same window per fragment (fragments' norms differ; a push is screened against its
         # own fragment's). Not checkpointed: after a resume they fill again from the next merges.
@@ -45,24 +52,53 @@ class PushLedger:
             return self.norms
         return self.fragment_norms[fragment_of_round(target_version, self.opts.fragments)]
 
-    def shard_cursor(self, shard_index: int) -> int:
-        """Where the shard's merged data ends, counting pushes pending in the open round (they will be merged)."""
-        if not 0 <= shard_index < self.opts.islands:
-            raise StateError("INVALID_ARGUMENT", f"shard_index={shard_index}: must be in [0, {self.opts.islands})")
-        cursor = self.shard_cursors[shard_index]
+    def segment(self, shard: int, start: int) -> Segment:
+        """The segment of ``shard`` that starts at ``start`` (INVALID_ARGUMENT if there is none)."""
+        seg = self.segments.get((shard, start))
+        if seg is None:
+            raise StateError("INVALID_ARGUMENT", f"shard {shard} has no segment starting at {start}: its segments "
+                                                 f"start at {[k[1] for k in self.segments if k[0] == shard]}")
+        return seg
+
+    def segment_at(self, shard: int, position: int) -> Segment | None:
+        """The segment of ``shard`` that holds sequence ``position``, or None (past the shard's end, or no such
+        shard)."""
+        for seg in self.of_shard(shard):
+            if seg.start <= position and (not seg.end or position < seg.end):
+                return seg
+        return None
+
+    def of_shard(self, shard: int) -> list[Segment]:
+        """The segments of ``shard``, by start."""
+        return sorted((seg for seg in self.segments.values() if seg.shard == shard), key=lambda seg: seg.start)
+
+    def cursor(self, seg: Segment) -> int:
+        """Where the segment's merged data ends, counting pushes pending in the open round (they will be merged)."""
+        cursor = seg.merged
         for p in self.pending.values():
-            if p.info.shard_index == shard_index:
+            if p.info.shard_index == seg.shard and seg.start <= p.info.cursor_start and (
+                    not seg.end or p.info.cursor_start < seg.end):
                 cursor = max(cursor, p.info.cursor_end)
         return cursor
 
-    def data_left(self, shard_index: int) -> bool:
-        """Whether the shard has data no push covers yet (merged or pending); always with wall-time rounds."""
-        return not self.opts.shard_end or self.shard_cursor(shard_index) < self.opts.shard_end
+    def data_left(self, seg: Segment) -> bool:
+        """Whether the segment has data no push covers yet (merged or pending); always with wall-time rounds."""
+        return not seg.end or self.cursor(seg) < seg.end
+
+    def shard_cursor(self, shard_index: int) -> int:
+        """The shard's sequences merged or pending in the open round, over all its segments: its cursor while it is
+        one segment (what Status shows per shard)."""
+        if not 0 <= shard_index < self.opts.islands:
+            raise StateError("INVALID_ARGUMENT", f"shard_index={shard_index}: must be in [0, {self.opts.islands})")
+        return sum(self.cursor(seg) - seg.start for seg in self.of_shard(shard_index))
 
     def all_merged(self) -> bool:
         """Whether every shard's data is merged (step rounds; never with wall-time rounds: no end to the data)."""
-        end = self.opts.shard_end
-        return bool(end) and all(c >= end for c in self.shard_cursors)
+        return bool(self.opts.shard_end) and all(seg.merged >= seg.end for seg in self.segments.values())
+
+    def rounds_left(self, seg: Segment) -> int:
+        """Step rounds of data the segment has left (from its cursor; a shorter last round counts as one)."""
+        return math.ceil(max(seg.end - self.cursor(seg), 0) / self.opts.round_sequences) if seg.end else 0
 
     def pending_islands(self) -> set[str]:
         """The islands with a push pending in the open round."""
@@ -139,13 +175,36 @@ class PushLedger:
             self.first_pending = None
         return taken
 
+    def split(self, seg: Segment, pieces: int) -> list[Segment]:
+        """Cuts ``seg``'s data left (from its cursor) into ``pieces`` segments of whole rounds (at most one per
+        round left; the first pieces get the extra rounds): ``seg`` keeps its start, its merged and pending data
+        and the first piece; the others are new segments, returned. Changes nothing for ``pieces`` <= 1 or a
+        segment with one round left (or no end)."""
+        k = min(pieces, self.rounds_left(seg))
+        if k <= 1:
+            return []
+        base, extra = divmod(self.rounds_left(seg), k)
+        cut, cuts = self.cursor(seg), []
+        for i in range(k):
+            cut = min(cut + (base + (i < extra)) * self.opts.round_sequences, seg.end)
+            cuts.append(cut)
+        assert cuts[-1] == seg.end
+        seg.end = cuts[0]
+        new = [Segment(seg.shard, a, b, a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        for piece in new:
+            self.segments[piece.key] = piece
+        self.segments = dict(sorted(self.segments.items()))
+        return new
+
     def merge_round(self, version: int) -> list[PendingPush]:
-        """Closes the open round as merged into ``version``: each pending push moves its shard's cursor, is
+        """Closes the open round as merged into ``version``: each pending push moves its segment's cursor, is
         remembered as merged and its norm joins the window. Returns them, in arrival order."""
         merged = list(self.pending.values())
         for p in merged:
             info = p.info
-            self.shard_cursors[info.shard_index] = max(self.shard_cursors[info.shard_index], info.cursor_end)
+            seg = self.segment_at(info.shard_index, info.cursor_start)
+            assert seg is not None, "an accepted push lies in a segment (coordinator.admission)"
+            seg.merged = max(seg.merged, info.cursor_end)
             self.remember(SeenPush(info.push_id, info.island_id, "merged", version, p.admission.staleness))
             if p.admission.norm > 0:
                 self.norms.append(p.admission.norm)
@@ -156,12 +215,12 @@ class PushLedger:
         self.round_rejected.clear()
         return merged
 
-    def restore(self, shard_cursors: list[int], norms: list[float], seen: list[SeenPush],
+    def restore(self, segments: list[Segment], norms: list[float], seen: list[SeenPush],
                 pending: list[PendingPush], first_pending: float | None, version: int) -> None:
         """Fills an empty ledger from a checkpoint (``coordinator.snapshot`` checked it): the rejected pushes
         for the open round (``version`` + 1) are not awaited again; the oldest ids beyond ``max_push_ids`` are
         forgotten."""
-        self.shard_cursors = shard_cursors
+        self.segments = dict(sorted((seg.key, seg) for seg in segments))
         self.norms.extend(norms)  # the last norm_window of them
         for s in seen:
             self.seen[s.push_id] = s

@@ -1,13 +1,18 @@
-"""Islands joining, reporting and losing their leases: which shard an island gets (a free one, its own
-again, or a lost island's that still has data), what a heartbeat reply tells it, and its chip-health report.
+"""Islands joining, reporting and losing their leases: which segment of which shard an island gets (a free
+one, its own again, or a lost island's that still has data), what a heartbeat reply tells it, and its chip-health
+report.
 
 :class:`Membership` acts on the islands the state owns (``CoordinatorState.islands``) and reads the data's
 standing from its ``coordinator.ledger.PushLedger``; every method takes the time as ``now``. A request it
 refuses raises ``StateError`` before any change.
 
-Rerouting: a lost (or quarantined: ``coordinator.admission``) island's shard is free; the next island to need
-one takes it, from its cursor: a new island, the lost island returning, or an island whose own shard is done (its
-heartbeat reply says ``rejoin`` while a free shard has data left, and its Join moves it there).
+Rerouting: an island holds one segment of a shard (``coordinator.records.Segment``; a shard starts as one). A
+lost (or quarantined: ``coordinator.admission``) island's segment is free; the next island to need one takes it,
+from its cursor: a new island, the lost island returning, or an island whose own segment is done (its heartbeat
+reply says ``rejoin`` while a free segment has data left, and its Join moves it there). Splitting: when an island
+whose own segment is done takes over a lost island's, the data left is split (``PushLedger.split``) into one
+piece per live island, in whole rounds; it trains the first, and each other piece is a free segment the next
+island out of data takes (whole: a piece is split again only once its own holder is lost).
 
 Chip health: a heartbeat may carry the devices the island's probes quarantined, each with its evidence
 (``DeviceEvidence``), and the devices it trains on now. A quarantined island's heartbeat is told to stop, with
@@ -32,6 +37,7 @@ from coordinator.records import (
     DeviceEvidence,
     Hardware,
     IslandRecord,
+    Segment,
     StateError,
     StateOptions,
 )
@@ -134,26 +140,48 @@ class Membership:
                 return r
         return None
 
-    def free_shards(self, exclude: str | None = None) -> list[int]:
-        """Shards no live island holds (but ``exclude``), those with data left first (then by index)."""
-        held = {r.shard_index for r in self.live() if r.island_id != exclude}
-        return sorted((s for s in range(self.opts.islands) if s not in held),
-                      key=lambda s: not self.ledger.data_left(s))
+    def segment(self, record: IslandRecord) -> Segment:
+        """The segment the island holds (or held, when it was lost)."""
+        return self.ledger.segment(record.shard_index, record.segment_start)
 
-    def orphan(self, exclude: str) -> int | None:
-        """The free shard with data left, if any (the lowest): a lost island's, for an island with none."""
-        free = [s for s in self.free_shards(exclude=exclude) if self.ledger.data_left(s)]
+    def free_segments(self, exclude: str | None = None) -> list[Segment]:
+        """Segments no live island holds (but ``exclude``), those with data left first (then by shard and start)."""
+        held = {(r.shard_index, r.segment_start) for r in self.live() if r.island_id != exclude}
+        return sorted((seg for key, seg in self.ledger.segments.items() if key not in held),
+                      key=lambda seg: (not self.ledger.data_left(seg), seg.key))
+
+    def orphan(self, exclude: str) -> Segment | None:
+        """The free segment with data left, if any (the lowest): a lost island's, or a piece of one, for an island
+        with none."""
+        free = [seg for seg in self.free_segments(exclude=exclude) if self.ledger.data_left(seg)]
         return free[0] if free else None
 
+    def lost_holder(self, seg: Segment) -> IslandRecord | None:
+        """The lost (or quarantined) island that held ``seg`` last, if no live island holds it now."""
+        holders = [r for r in self.islands.values() if (r.shard_index, r.segment_start) == seg.key]
+        if any(r.state == "live" for r in holders):
+            return None
+        lost = [r for r in holders if r.state in ("lost", "quarantined")]
+        return lost[-1] if lost else None
+
     def holders(self) -> str:
-        """The live islands and their shards, for a refusal's reason."""
-        return ", ".join(f"{r.island_id} (shard {r.shard_index})" for r in sorted(self.live(),
-                                                                            key=lambda r: r.shard_index))
+        """The live islands and their segments, for a refusal's reason."""
+        shard_end = self.opts.shard_end
+        return ", ".join(f"{r.island_id} ({self.segment(r).describe(shard_end)})"
+                         for r in sorted(self.live(), key=lambda r: (r.shard_index, r.segment_start)))
+
+    def describe(self, seg: Segment) -> str:
+        return seg.describe(self.opts.shard_end)
+
+    def all_held(self) -> str:
+        """"all N shards" (each one segment) or "all N segments of the M shards", for a refusal's reason."""
+        n, shards = len(self.ledger.segments), self.opts.islands
+        return f"all {shards} shards" if n == shards else f"all {n} segments of the {shards} shards"
 
     # -- join / heartbeat / expire ------------------------------------------------------------------
 
     def join(self, name: str, kind: Hardware, devices: int, now: float) -> tuple[IslandRecord, str]:
-        """Register an island (or take back a returning one); returns its record and why it got that shard.
+        """Register an island (or take back a returning one); returns its record and why it got that segment.
         The caller checked the fields (:func:`check_identity`) and that the run goes on."""
         lease = now + self.opts.coordinator.lease_s
         old = self.by_name(name)
@@ -161,53 +189,70 @@ class Membership:
             raise StateError("FAILED_PRECONDITION", f"{name} ({old.island_id}) may not join again: {old.stop_reason}")
         if old is not None:
             was = old.state
-            shard, how = self._rejoin_shard(old)
-            old.hardware, old.devices, old.shard_index = kind, devices, shard
+            seg, how, split = self._rejoin_segment(old)
+            if split:
+                how += self._split(seg, old)
+            old.hardware, old.devices, old.shard_index, old.segment_start = kind, devices, seg.shard, seg.start
             old.mesh_devices = max(old.mesh_devices, devices)
             old.state, old.lease_expiry = "live", lease
-            return old, (f"rejoined as {old.island_id} (was {was}): {how}, cursor {self.ledger.shard_cursor(shard)}")
-        free = self.free_shards()
+            return old, (f"rejoined as {old.island_id} (was {was}): {how}, cursor {self.ledger.cursor(seg)}")
+        free = self.free_segments()
         if not free:
             raise StateError("FAILED_PRECONDITION",
-                             f"all {self.opts.islands} shards are held by live islands: {self.holders()}")
-        shard = free[0]
-        island_id = f"{name}-{shard}"
+                             f"{self.all_held()} are held by live islands: {self.holders()}")
+        seg = free[0]
+        island_id = f"{name}-{seg.shard}"
         n = 1
         while island_id in self.islands:  # cannot happen with one record per name; kept as a guard
-            island_id, n = f"{name}-{shard}.{n}", n + 1
-        previous = [r for r in self.islands.values() if r.shard_index == shard and r.state == "lost"]
-        cursor = self.ledger.shard_cursor(shard)
-        if previous:
-            how = f"took over shard {shard} of lost island {previous[-1].island_id} at cursor {cursor}"
+            island_id, n = f"{name}-{seg.shard}.{n}", n + 1
+        previous = self.lost_holder(seg)
+        cursor = self.ledger.cursor(seg)
+        if previous is not None:
+            how = f"took over {self.describe(seg)} of lost island {previous.island_id} at cursor {cursor}"
         else:
-            how = f"assigned free shard {shard} at cursor {cursor}"
+            how = f"assigned free {self.describe(seg)} at cursor {cursor}"
         record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, mesh_devices=devices,
-                              shard_index=shard, state="live", lease_expiry=lease)
+                              shard_index=seg.shard, segment_start=seg.start, state="live", lease_expiry=lease)
         self.islands[island_id] = record
         return record, f"joined as {island_id}: {how}"
 
-    def _rejoin_shard(self, old: IslandRecord) -> tuple[int, str]:
-        """The shard a returning island gets, and how: its own while no live island took it and it has data
-        left, else a free shard with data left, else its own (done) or any free one."""
-        taker = next((r for r in self.live() if r.shard_index == old.shard_index and r.island_id != old.island_id),
-                     None)
+    def _rejoin_segment(self, old: IslandRecord) -> tuple[Segment, str, bool]:
+        """The segment a returning island gets, how, and whether it is to be split (a lost island's, taken over by
+        an island whose own data is done): its own while no live island took it and it has data left, else a
+        free segment with data left, else its own (done) or any free one."""
+        own = self.segment(old)
+        taker = next((r for r in self.live() if (r.shard_index, r.segment_start) == own.key
+                      and r.island_id != old.island_id), None)
         orphan = self.orphan(exclude=old.island_id)
-        if taker is None and self.ledger.data_left(old.shard_index):
-            return old.shard_index, f"kept shard {old.shard_index}"
-        if orphan is not None:  # the island's shard is done (or taken): it finishes another's
-            mine = (f"its shard {old.shard_index} was taken over by {taker.island_id}" if taker is not None
-                    else f"its shard {old.shard_index} is done")
-            return orphan, f"{mine}; took over shard {orphan}, which no live island holds and has data left"
+        if taker is None and self.ledger.data_left(own):
+            return own, f"kept {self.describe(own)}", False
+        if orphan is not None:  # the island's segment is done (or taken): it finishes another's
+            mine = (f"its {self.describe(own)} was taken over by {taker.island_id}" if taker is not None
+                    else f"its {self.describe(own)} is done")
+            lost = self.lost_holder(orphan)
+            whose = f" of lost island {lost.island_id}" if lost is not None else ""
+            return orphan, (f"{mine}; took over {self.describe(orphan)}{whose}, which no live island holds and has "
+                            f"data left"), lost is not None
         if taker is None:
-            return old.shard_index, f"kept shard {old.shard_index} (done: no shard has data left to take)"
-        free = self.free_shards(exclude=old.island_id)
+            return own, f"kept {self.describe(own)} (done: no segment has data left to take)", False
+        free = self.free_segments(exclude=old.island_id)
         if not free:
             raise StateError("FAILED_PRECONDITION",
-                             f"{old.island_id} cannot rejoin: its shard {old.shard_index} was taken over by "
-                             f"{taker.island_id} and all {self.opts.islands} shards are held by live "
-                             f"islands: {self.holders()}")
-        shard = free[0]
-        return shard, f"its shard {old.shard_index} was taken over by {taker.island_id}, moved to free shard {shard}"
+                             f"{old.island_id} cannot rejoin: its {self.describe(own)} was taken over by "
+                             f"{taker.island_id} and {self.all_held()} are held by live islands: {self.holders()}")
+        return free[0], (f"its {self.describe(own)} was taken over by {taker.island_id}, moved to free "
+                         f"{self.describe(free[0])}"), False
+
+    def _split(self, seg: Segment, taker: IslandRecord) -> str:
+        """A lost island's segment, taken over by ``taker``: its data left is split into one piece per live
+        island (``taker`` counted), in whole rounds (``PushLedger.split``); ``taker`` keeps the first. Returns
+        what was done, for the reason ("" when nothing was split)."""
+        helpers = len({r.island_id for r in self.live()} | {taker.island_id})
+        pieces = self.ledger.split(seg, helpers)
+        if not pieces:
+            return ""
+        return (f", split for {helpers} live islands into {self.describe(seg)} (this island's) and "
+                + ", ".join(f"[{p.start}, {p.end})" for p in pieces))
 
     def heartbeat(self, island_id: str, version: int, steps: int, tokens: int, steps_per_s: float,
                   params_digest: str, bad_devices: tuple[str, ...], now: float, *,
@@ -255,10 +300,11 @@ class Membership:
         if record.state == "stopped":  # stopped in a run that was since resumed with more total_versions
             record.state = "live"
         rejected = self.ledger.notice(island_id)
-        orphan = None if self.ledger.data_left(record.shard_index) else self.orphan(exclude=island_id)
+        own = self.segment(record)
+        orphan = None if self.ledger.data_left(own) else self.orphan(exclude=island_id)
         if orphan is not None:
-            return "rejoin", (f"{island_id}'s shard {record.shard_index} is done and shard {orphan} has data no "
-                              f"live island trains (from cursor {self.ledger.shard_cursor(orphan)}): call Join to "
+            return "rejoin", (f"{island_id}'s {self.describe(own)} is done and {self.describe(orphan)} has data no "
+                              f"live island trains (from cursor {self.ledger.cursor(orphan)}): call Join to "
                               f"take it over{rejected}")
         if version < current:
             return "pull", f"holding version {version}, the global version is {current}: pull{rejected}"
@@ -277,7 +323,7 @@ class Membership:
                 pending = self.ledger.pending_of(r.island_id)
                 keep = f"; its pending push {', '.join(pending)} stays in the open round" if pending else ""
                 lost.append((r.island_id, (f"no heartbeat for {self.opts.coordinator.lease_s:g}s: lease expired at "
-                                          f"t={r.lease_expiry:.1f}, shard {r.shard_index} is free{keep}")))
+                                          f"t={r.lease_expiry:.1f}, {self.describe(self.segment(r))} is free{keep}")))
         return lost
 
     def pause_leases(self, seconds: float) -> None:

@@ -3,7 +3,8 @@ time either could change by time alone. Pure functions of the state's standing a
 nothing.
 
 - Sync rounds close once every live island with data left has pushed (a rejected push counts as pushed: it
-  does not hold up its round, nor does an island throttled after one), or once ``coordinator.min_quorum``
+  does not hold up its round, nor does an island throttled after one; while a free segment has data left, an
+  island out of data is waited for too: its next heartbeat hands it that segment), or once ``coordinator.min_quorum``
   pushes are in and ``coordinator.grace_s`` has passed since the first; async rounds close on each push.
 - The end: the run is over once every shard's data is merged (step rounds) or ``total_versions`` are merged
   (wall-time rounds); the coordinator may stop serving once every live island holds the last version, or
@@ -33,8 +34,13 @@ def round_ready(opts: StateOptions, version: int, over: str, live: list[IslandRe
         return False, "no pushes pending"
     live = sorted(live, key=lambda r: r.shard_index)
     pushed = ledger.pending_islands()
+    held = {(r.shard_index, r.segment_start) for r in live}
+    # a free segment with data left (a lost island's, or a piece of one) goes to the next live island out of data,
+    # at its next heartbeat: the round waits for those islands too, so a piece is trained in this round
+    orphans = any(key not in held and ledger.data_left(seg) for key, seg in ledger.segments.items())
     missing = [r.island_id for r in live  # an island throttled after a rejected push is not waited for
-               if r.island_id not in pushed | ledger.round_rejected and ledger.data_left(r.shard_index)
+               if r.island_id not in pushed | ledger.round_rejected
+               and (orphans or ledger.data_left(ledger.segment(r.shard_index, r.segment_start)))
                and r.throttled_until <= now]
     if n == 0:
         return False, f"waiting for the first push for version {version + 1} ({len(live)} live islands)"

@@ -63,6 +63,8 @@ class StateOptions:
     batch_size: int  # train.batch_size: sequences per inner step
     max_push_steps: int  # inner steps one push may cover (coordinator.max_push_steps resolved; 0: no cap)
     shard_steps: int  # inner steps a shard holds in the run (train.steps); 0: no end (wall-time rounds)
+    round_steps: int = 0  # outer.inner_steps: a lost island's segment is split in whole rounds of it
+    # (0: of max_push_steps)
     max_push_ids: int = MAX_PUSH_IDS  # merged/dropped push ids remembered for idempotency (oldest forgotten first)
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
     identity: str = "shared"  # security.identity: whose calls may act as which island (coordinator/bindings.py)
@@ -73,6 +75,11 @@ class StateOptions:
     def shard_end(self) -> int:
         """Sequences in each shard (train.steps x batch_size); 0 with wall-time rounds (no end)."""
         return self.shard_steps * self.batch_size
+
+    @property
+    def round_sequences(self) -> int:
+        """Sequences in one step round (``outer.inner_steps`` x batch_size): the unit a segment is split in."""
+        return max(self.round_steps or self.max_push_steps, 1) * self.batch_size
 
     @property
     def tokens_total(self) -> int:
@@ -102,6 +109,7 @@ class StateOptions:
         return cls(coordinator=cfg.coordinator, islands=cfg.outer.islands, staleness_alpha=cfg.outer.staleness_alpha,
                    total_versions=rounds, seq_len=cfg.model.seq_len, batch_size=cfg.train.base_batch,
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
+                   round_steps=cfg.outer.inner_steps,
                    max_push_ids=max_push_ids, linger_s=linger_s, identity=cfg.security.identity,
                    pins=tuple(parse_binding(text) for text in cfg.security.bindings), fragments=cfg.outer.fragments)
 
@@ -142,6 +150,7 @@ class IslandRecord:
     shard_index: Count
     state: Literal["live", "lost", "stopped", "quarantined"]
     lease_expiry: Finite
+    segment_start: Count = 0  # where the segment of its shard it trains starts (``Segment.start``; 0: the first)
     version: Count = 0  # last version the island reported holding
     steps: Count = 0
     tokens_reported: Count = 0
@@ -157,6 +166,30 @@ class IslandRecord:
     rejections: Count = 0  # its pushes rejected in a row (an accepted push resets it; coordinator.max_rejections)
     throttled_until: Finite = 0.0  # its next push is refused before this time (after a rejection)
     stop_reason: str = ""  # why it was quarantined (state "quarantined"): its heartbeats are told to stop
+
+
+@dataclass
+class Segment:
+    """A contiguous range ``[start, end)`` of shard ``shard``'s sequences that one island at a time trains: what
+    an island holds. A shard starts as one segment, ``[0, shard_end)``; a lost island's remainder is split into
+    several (``coordinator.ledger.PushLedger.split``). ``merged``: where the segment's merged data ends (its merged
+    ranges always form one prefix of it). ``end`` 0: no end (wall-time rounds: never split). A segment is named by
+    (shard, start), which never changes (a split moves its ``end`` only)."""
+
+    shard: Count
+    start: Count
+    end: Count
+    merged: Count
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.shard, self.start
+
+    def describe(self, shard_end: int) -> str:
+        """"shard S" while the segment is the whole shard, else "shard S [start, end)"."""
+        if self.start == 0 and self.end == shard_end:
+            return f"shard {self.shard}"
+        return f"shard {self.shard} [{self.start}, {self.end})"
 
 
 @dataclass(frozen=True)

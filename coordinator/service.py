@@ -349,18 +349,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 context.set_trailing_metadata(((RUN_OVER_METADATA_KEY, str(self.state.version)),))
             record, reason = self._decide(context, self.state.join, request.island, request.hardware,
                                           request.devices, self.clock(), identity)
-            cursor = self.state.shard_cursor(record.shard_index)
+            segment = self.state.segment(record)
+            cursor, cursor_end = self.state.segment_cursor(segment), segment.end
             version = self.state.version
             view = self.history.island(record.island_id)
             view.device_kind, view.last_seen = request.device_kind, self.clock()
             self.lock.notify_all()  # a new lease: the ticker's next deadline may be sooner
         self.log.event("island_joined", island=record.island_id, name=record.name, shard=record.shard_index,
-                       cursor=cursor, hardware=record.hardware, devices=record.devices,
+                       cursor=cursor, segment=[record.segment_start, cursor_end], hardware=record.hardware,
+                       devices=record.devices,
                        device_kind=request.device_kind, reason=reason,
                        **({"identity": identity} if identity is not None else {}))  # security.identity's
         self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
-                               shard_count=self.opts.islands, cursor=cursor, lease_s=self.opts.coordinator.lease_s,
+                               shard_count=self.opts.islands, cursor=cursor, cursor_end=cursor_end,
+                               segment_start=record.segment_start,
+                               lease_s=self.opts.coordinator.lease_s,
                                run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
                                total_versions=self.opts.end_version)
 
@@ -515,9 +519,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return admission, status, version, self._cursor(info)
 
     def _cursor(self, info: PushInfo) -> int:
-        """The push's shard's cursor now (merged + pending data): where its island's next range starts, or where
-        it rewinds to when the push was dropped or rejected. Called under the lock, after the state decided."""
-        return self.state.shard_cursor(info.shard_index) if info.shard_index < self.opts.islands else 0
+        """The cursor of the push's segment now (merged + pending data): where its island's next range starts, or
+        where it rewinds to when the push was dropped or rejected. Called under the lock, after the state
+        decided."""
+        return self.state.push_cursor(info)
 
     def PullGlobal(self, request: pb.PullRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:

@@ -18,8 +18,8 @@ own module:
   headers and decisions) and :class:`StateError`;
 - ``coordinator.membership``: joins, heartbeats and leases, which shard an
   island gets, its chip-health report;
-- ``coordinator.ledger``: the exactly-once accounting of the data (shard
-  cursors, the open round's pending pushes, remembered push ids);
+- ``coordinator.ledger``: the exactly-once accounting of the data (segments
+  and their cursors, the open round's pending pushes, remembered push ids);
 - ``coordinator.admission``: the decision on a push;
 - ``coordinator.quorum``: when a round may close and when the coordinator may
   stop;
@@ -29,16 +29,19 @@ Model:
 
 - ``version`` counts merged outer steps (θ_version). A round collects the
   pushes that will be merged into ``version + 1``.
-- Every island holds one data shard (``islands`` shards in all). A shard is
-  free when no *live* island holds it. Exactly-once data: each shard's pushes
-  must follow one another without gap or overlap (a push starts exactly at the
-  shard's cursor: where its merged and pending data ends), so the merged ranges
-  of a shard always form one prefix of it. A push that would break that (its
-  range was dropped, rejected or taken over meanwhile) is dropped, and its
-  island rewinds to the cursor the reply names and trains that range again.
-  Rerouting: a lost island's shard is free; the next island to need one takes
-  it, from its cursor (``coordinator.membership``). With step rounds a run
-  ends when every shard's data is merged, not after a fixed number of versions.
+- Every island holds one segment of a data shard (``islands`` shards in all;
+  a shard is one segment until a lost island's data left is split). A segment
+  is free when no *live* island holds it. Exactly-once data: each segment's
+  pushes must follow one another without gap or overlap (a push starts exactly
+  at the segment's cursor: where its merged and pending data ends, and ends
+  within it), so the merged ranges of a segment always form one prefix of it. A
+  push that would break that (its range was dropped, rejected or taken over
+  meanwhile) is dropped, and its island rewinds to the cursor the reply names
+  and trains that range again. Rerouting: a lost island's segment is free; the
+  next island to need one takes it, from its cursor, and an island whose own
+  segment is done that takes it splits its data left across the live islands
+  (``coordinator.membership``). With step rounds a run ends when every shard's
+  data is merged, not after a fixed number of versions.
 - Chip health: a heartbeat may carry the devices the island's probes
   quarantined, each with its evidence (:class:`DeviceEvidence`); quarantine is
   permanent for the island's record (``coordinator.membership``).
@@ -81,7 +84,7 @@ from coordinator import admission, quorum, snapshot
 from coordinator.bindings import Bindings
 from coordinator.ledger import PushLedger
 from coordinator.membership import Membership, check_identity
-from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, StateError, StateOptions
+from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, Segment, StateError, StateOptions
 from dtrain import schema
 
 MAX_ROUND_S = 86400.0  # an auto round length an island may report (a day: longer is a broken clock or a lie)
@@ -132,8 +135,25 @@ class CoordinatorState:
         return self.run_over() if self.stopped() else ""
 
     def data_left(self, shard_index: int) -> bool:
-        """Whether the shard has data no push covers yet (merged or pending); always with wall-time rounds."""
-        return self.ledger.data_left(shard_index)
+        """Whether any segment of the shard has data no push covers yet (merged or pending); always with wall-time
+        rounds."""
+        return any(self.ledger.data_left(seg) for seg in self.ledger.of_shard(shard_index))
+
+    def segment(self, record: IslandRecord) -> Segment:
+        """The segment of its shard the island holds (or held, when lost): its range is ``[start, end)``
+        (``end`` 0: no end), its cursor :meth:`segment_cursor`."""
+        return self.members.segment(record)
+
+    def segment_cursor(self, seg: Segment) -> int:
+        """Where the segment's merged data ends, counting pushes pending in the open round: where its holder's
+        next push starts."""
+        return self.ledger.cursor(seg)
+
+    def push_cursor(self, info: PushInfo) -> int:
+        """The cursor of the segment the push's range starts in (0 if none): where its island's next range
+        starts, or where it rewinds to when the push was dropped or rejected."""
+        seg = self.ledger.segment_at(info.shard_index, info.cursor_start)
+        return self.ledger.cursor(seg) if seg is not None else 0
 
     def live(self) -> list[IslandRecord]:
         """The live islands, in the order they first joined."""
@@ -152,7 +172,8 @@ class CoordinatorState:
         return self.ledger.rejected(push_id)
 
     def shard_cursor(self, shard_index: int) -> int:
-        """Where the shard's merged data ends, counting pushes pending in the open round (they will be merged)."""
+        """The shard's sequences merged or pending in the open round, over its segments (its cursor while it is
+        one segment)."""
         return self.ledger.shard_cursor(shard_index)
 
     def check_pull(self, island_id: str, have_version: int) -> None:
@@ -338,7 +359,7 @@ class CoordinatorState:
         done = ""
         if self.stopped():
             self._stopped_at = float(now)
-            done = f"; the run is over ({self.opts.total_versions} versions)"
+            done = f"; the run is over ({self.version} versions)"
         return self.version, merged, (f"merged {len(merged)} deltas ({', '.join(i.island_id for i in merged)}; "
                                       f"{tokens} tokens) into version {self.version} ({why}){done}")
 
@@ -364,7 +385,7 @@ class CoordinatorState:
             version=self.version,
             counters=snapshot.Counters(self.deltas_merged, self.deltas_dropped, self.duplicates, self.tokens_merged,
                                        self.deltas_rejected),
-            islands=list(self.islands.values()), shard_cursors=book.shard_cursors,
+            islands=list(self.islands.values()), segments=list(book.segments.values()),
             pending=list(book.pending.values()), first_pending=book.first_pending,
             push_ids=list(book.seen.values()), norms=list(book.norms), bindings=self.bindings.rows()))
 
@@ -387,7 +408,7 @@ class CoordinatorState:
             rec.lease_expiry = now + opts.coordinator.lease_s
             state.islands[rec.island_id] = rec
         state.bindings = Bindings(opts.identity, dict(opts.pins), snap.bindings)
-        state.ledger.restore(snap.shard_cursors, snap.norms, snap.push_ids, snap.pending, snap.first_pending,
+        state.ledger.restore(snap.segments, snap.norms, snap.push_ids, snap.pending, snap.first_pending,
                              snap.version)
         if state.stopped():
             state._stopped_at = float(now)  # a resumed run that was already over lingers from now
@@ -419,6 +440,8 @@ class CoordinatorState:
             "deltas_rejected": self.deltas_rejected,
             "tokens_merged": self.tokens_merged,
             "shard_cursors": [self.shard_cursor(s) for s in range(self.opts.islands)],
+            "segments": [{"shard": seg.shard, "start": seg.start, "end": seg.end, "merged": seg.merged,
+                          "cursor": self.ledger.cursor(seg)} for seg in self.ledger.segments.values()],
             "round": {"target_version": self.version + 1, "ready": ready, "reason": reason,
                       "pending": [{"push_id": i.push_id, "island_id": i.island_id, "tokens": i.tokens,
                                    "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale}

@@ -47,7 +47,8 @@ def island_status(state: CoordinatorState, history: RunHistory, islands: int, r:
         quarantined=[evidence_to_message(e) for e in r.quarantined], hardware=r.hardware,
         device_kind=view.device_kind, steps=r.steps, tokens=r.tokens_reported,
         train_loss=view.train_loss, utilization=view.utilization, params_digest=r.params_digest,
-        cursor=state.shard_cursor(r.shard_index) if r.shard_index < islands else 0,
+        cursor=state.segment_cursor(state.segment(r)) if r.shard_index < islands else 0,
+        segment_start=r.segment_start, segment_end=state.segment(r).end if r.shard_index < islands else 0,
         bytes_in=view.bytes_in, bytes_out=view.bytes_out,
         last_seen_s=max(0.0, now - view.last_seen) if view.last_seen else 0.0)
 

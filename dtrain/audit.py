@@ -20,6 +20,10 @@ Definitions:
 - **Overlaps** (doubled data): the ranges covered by two or more merged pushes, each with how many times
   (``times``, the most over the range). ``doubled_tokens`` counts every extra copy: Σ over sequences of
   (times merged − 1) × ``model.seq_len`` (a range merged three times counts twice).
+- **Segments.** A shard may be trained as several segments at once (a lost island's data left split across
+  islands: docs/faults.md); each merged push lies in one segment, and the checks above are per shard whatever
+  the segments. ``segments``: per shard, the starts of the segments the coordinator handed out (its
+  ``island_joined`` events' ``segment``), 0 alone for a shard that stayed one segment.
 - **merged_ranges**: the number of merged pushes (one range each). ``missing_versions``: versions up to the
   last one counted that no counted record describes (a coordinator killed between committing a version and
   logging it): their pushes are unknown to the audit, so its lost/doubled counts are not to be trusted then.
@@ -93,6 +97,7 @@ class Audit:
     steps_merged: int
     steps_executed: int
     goodput: float | None
+    segments: dict[int, tuple[int, ...]]  # per shard, the starts of the segments handed out (0 alone: never split)
 
     def coverage(self) -> dict[int, list[tuple[int, int]]]:
         """Per shard, the merged ranges joined where they touch or overlap."""
@@ -115,6 +120,7 @@ class Audit:
                 "superseded_merges": self.superseded, "missing_versions": list(self.missing_versions),
                 "steps_merged": self.steps_merged,
                 "steps_executed": self.steps_executed,
+                "segments": {str(k): list(v) for k, v in sorted(self.segments.items())},
                 "coverage": {str(k): [list(r) for r in v] for k, v in self.coverage().items()}}
 
 
@@ -192,7 +198,12 @@ def _sweep(shard: int, spans: Sequence[Span], limit: int | None) -> tuple[list[S
 def audit(coordinator_events: Iterable[Event], island_events: Mapping[str, Iterable[Event]],
           params: AuditParams) -> Audit:
     """The token-range audit and goodput of one run (definitions: the module docstring)."""
+    coordinator_events = list(coordinator_events)
     pushes, superseded, missing = merged_pushes(coordinator_events)
+    segments: dict[int, set[int]] = {}
+    for e in coordinator_events:
+        if e.get("event") == "island_joined" and "segment" in e:
+            segments.setdefault(int(e["shard"]), {0}).add(int(e["segment"][0]))
     by_shard: dict[int, list[Span]] = {}
     for p in pushes:
         start, end = int(p["start"]), int(p["end"])
@@ -220,4 +231,5 @@ def audit(coordinator_events: Iterable[Event], island_events: Mapping[str, Itera
                  doubled_tokens=doubled * params.seq_len, merged_ranges=len(pushes), superseded=superseded,
                  missing_versions=missing, shard_end=params.shard_end, steps_merged=steps_merged,
                  steps_executed=steps_executed,
-                 goodput=steps_merged / steps_executed if steps_executed else None)
+                 goodput=steps_merged / steps_executed if steps_executed else None,
+                 segments={k: tuple(sorted(v)) for k, v in sorted(segments.items())})

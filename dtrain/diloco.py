@@ -60,6 +60,8 @@ class Island:
     state: TrainState
     stream: BatchSource
     cursor: int = 0  # sequences consumed from the stream (the resumable data position)
+    segment: tuple[int, int] = (0, 0)  # the range of its shard it trains, [start, end) in sequences (a segment,
+    #                                    set by the coordinator; end 0: the shard's end)
     steps: int = 0
     tokens: int = 0
     last_loss: float = float("nan")

@@ -29,11 +29,11 @@ class RunWatch:
         self.eval_loss: float | None = None
         self.eval_version = 0  # the version the latest eval loss is of
         self.train_loss: dict[str, float] = {}  # island name -> its latest train loss
-        self.cursors: dict[int, int] = {}  # shard -> merged cursor (sequences)
+        self.merged: set[tuple[int, int, int]] = set()  # (shard, start, end) of every merged push's range
         self.over = ""
 
     def coordinator(self, events: list[dict[str, Any]]) -> None:
-        """Takes the coordinator's new ``events``: islands joined, versions merged (and the shards' cursors),
+        """Takes the coordinator's new ``events``: islands joined, versions merged (and their ranges),
         eval losses, the run's end."""
         for e in events:
             kind = e.get("event")
@@ -41,9 +41,8 @@ class RunWatch:
                 self.joined.add(str(e["name"]))
             elif kind == "round_merged":
                 self.version = max(self.version, int(e.get("version", 0)))
-                for p in e.get("pushes", ()):
-                    shard = int(p.get("shard", 0))
-                    self.cursors[shard] = max(self.cursors.get(shard, 0), int(p.get("end", 0)))
+                for p in e.get("pushes", ()):  # ranges, not cursors: a shard split in segments grows in places
+                    self.merged.add((int(p.get("shard", 0)), int(p.get("start", 0)), int(p.get("end", 0))))
             elif kind == "eval":
                 loss = e.get("loss", e.get("eval_loss"))
                 if isinstance(loss, (int, float)):
@@ -60,6 +59,17 @@ class RunWatch:
             elif kind == "train" and isinstance(e.get("loss"), (int, float)):
                 self.train_loss[name] = float(e["loss"])
 
+    def merged_sequences(self) -> int:
+        """Sequences merged so far over every shard: the merged ranges' union (a range merged again after a
+        coordinator resume counts once)."""
+        total, reach = 0, (-1, 0)  # (shard, end) of the union so far
+        for shard, start, end in sorted(self.merged):
+            if shard != reach[0]:
+                reach = (shard, 0)
+            total += max(end - max(start, reach[1]), 0)
+            reach = (shard, max(reach[1], end))
+        return total
+
     @property
     def known_total(self) -> int:
         """The version the run ends at: the coordinator's, else the expected one (0: not known)."""
@@ -75,7 +85,7 @@ class RunWatch:
         if self.version == 0 and not self.over:
             return f"simulate: {len(self.joined)}/{n} {unit} joined, waiting for the first round"
         losses = list(self.train_loss.values())
-        data = (sum(self.cursors.values()), n * self.shard_end) if self.shard_end else None
+        data = (self.merged_sequences(), n * self.shard_end) if self.shard_end else None
         return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
                             data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
                             eval_version=self.eval_version,

@@ -37,17 +37,18 @@ _n = [0]
 def info(st: CoordinatorState, island_id: str, base: int = 0, tokens: int = 1000, push_id: str | None = None,
          start: int | None = None, end: int | None = None, shard: int | None = None,
          length: int = 40) -> PushInfo:
-    """A push over [start, end) of ``shard`` (by default the island's): by default from where that shard's cursor
-    is in ``st`` (0 for an unknown island), ``length`` sequences long (40: 40 x seq_len 32 = 1280 tokens; at most
-    tiny's inner_steps 20 x batch_size 8 = 160 sequences, a whole round)."""
+    """A push over [start, end) of ``shard`` (by default the island's): by default from where the island's
+    segment's cursor is in ``st`` (0 for an unknown island), ``length`` sequences long (40: 40 x seq_len 32 =
+    1280 tokens; at most tiny's inner_steps 20 x batch_size 8 = 160 sequences, a whole round)."""
     if push_id is None:
         _n[0] += 1
         push_id = f"p{_n[0]}"
     record = st.islands.get(island_id)
     if shard is None:
         shard = 0 if record is None else record.shard_index
-    if start is None:
-        start = 0 if record is None else st.shard_cursor(shard)
+    if start is None:  # the island's segment's cursor (another shard's: its cursor while it is one segment)
+        start = 0 if record is None else (st.segment_cursor(st.segment(record)) if shard == record.shard_index
+                                          else st.shard_cursor(shard))
     return PushInfo(push_id=push_id, island_id=island_id, base_version=base, tokens=tokens, inner_steps=5,
                     cursor_start=start, cursor_end=start + length if end is None else end, shard_index=shard)
 

@@ -138,7 +138,7 @@ def test_a_push_must_start_at_its_shards_cursor():
         adm = push(st, info(st, a, base=1, **kwargs))
         assert adm.status == "drop" and words in adm.reason, adm.reason
         assert "not merged: its range is trained again from shard" in adm.reason
-    assert st.deltas_dropped == 3 and st.ledger.shard_cursors[:2] == [40, 0] and not st.pending()
+    assert st.deltas_dropped == 3 and [st.shard_cursor(s) for s in (0, 1)] == [40, 0] and not st.pending()
     assert push(st, info(st, a, base=1, start=40, end=80)).status == "accept"
 
 
@@ -345,14 +345,18 @@ def test_repeated_rejections_quarantine_the_island_and_the_run_ends():
               f"{d} is quarantined")
     unchanged(st, lambda: st.join("d", "cpu", 1, now), "FAILED_PRECONDITION", "may not join again")
     assert not st.stopped()
-    # a, b, c finished their shards: a is told to take over d's shard, and does
+    # a, b, c finished their shards: a is told to take over d's shard and splits its three rounds left in three
+    # segments, one per live island; b and c take the other two: one more round ends the run
     action, reason = st.heartbeat(a, st.version, 0, 0, 0.0, "", (), now)
     assert action == "rejoin" and "shard 3" in reason
-    record, _ = st.join("a", "cpu", 1, now)
-    assert record.shard_index == 3
-    for _ in range(3):
-        _norms(st, [a], [1.0], now)
-        st.close_round(now)
+    record, why = st.join("a", "cpu", 1, now)
+    assert (record.shard_index, record.segment_start) == (3, 0) and "split for 3 live islands" in why
+    for island, start in ((b, 40), (c, 80)):
+        assert st.heartbeat(island, st.version, 0, 0, 0.0, "", (), now)[0] == "rejoin"
+        joined, _ = st.join(st.islands[island].name, "cpu", 1, now)
+        assert (joined.shard_index, joined.segment_start) == (3, start)
+    _norms(st, [a, b, c], [1.0, 1.0, 1.0], now)
+    st.close_round(now)
     assert st.stopped() and "all 4 shards' data" in st.run_over()
 
 

@@ -137,7 +137,7 @@ def test_lost_islands_are_forgotten_after_forget_after_s_and_the_shards_stay_rig
     doc = json.dumps(st.status(now))
     assert len(doc) < 20_000, len(doc)
     st.close_round(now)  # the pending push merges into its (lost) island's record
-    assert st.islands["x2999-3"].pushes_merged == 1 and st.ledger.shard_cursors[3] == 3000 * 40
+    assert st.islands["x2999-3"].pushes_merged == 1 and st.shard_cursor(3) == 3000 * 40
     now += 1000
     assert st.next_deadline(now) is not None
     gone = st.forget(now)

@@ -506,8 +506,9 @@ def _assert_every_sequence_once(summary: dict) -> None:
 @pytest.mark.slow  # ~35 s of worker processes; rerouting's state-machine rules are in test_membership.py
 def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> None:
     """island-1 is SIGKILLed after version 1 and never comes back: once a survivor's own shard is done it takes
-    over island-1's shard from its merged cursor, so the run trains every sequence of every shard exactly once
-    (a version more than without the fault per round of that shard left) and the survivors end on the same θ."""
+    over island-1's shard from its merged cursor and splits its data left with the other survivor, so the run
+    trains every sequence of every shard exactly once (a version more than without the fault per round of that
+    shard left, halved) and the survivors end on the same θ."""
     cfg = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", "outer.islands=3"])
     s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        faults=[parse_fault("kill:island-1@v1", 3), parse_fault("nan:island-1@v50", 3)])
@@ -520,13 +521,42 @@ def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> Non
     joins = [e for e in read_events(s["run_dir"]) if e["event"] == "island_joined"]
     (shard,) = [e["shard"] for e in joins if e["name"] == "island-1"]  # joined once, then killed for good
     taken = [e for e in joins if e["shard"] == shard and e["name"] != "island-1"]
-    assert len(taken) == 1 and f"took over shard {shard}" in taken[0]["reason"], joins
+    assert taken and f"took over shard {shard} of lost island" in taken[0]["reason"], joins
     left = (cfg.train.steps * cfg.train.batch_size - taken[0]["cursor"]) // (cfg.outer.inner_steps * 8)
-    assert left >= 1 and s["rounds"] == cfg.rounds + left  # the shard's rounds left, trained by the survivor
+    assert len(taken) == min(left, 2)  # a piece of the shard's rounds left per survivor
+    assert left >= 1 and s["rounds"] == cfg.rounds + math.ceil(left / 2)
     end = max(e["t"] for e in read_events(s["run_dir"]) if e["event"] == "round_merged")  # the last version
     for name in ("island-0", "island-2"):  # the survivors never lost contact while the run went on
         events = read_events(Path(s["run_dir"]) / "islands" / name)
         assert not [e for e in events if e["event"] in ("heartbeat_failed", "rejoin_failed") and e["t"] < end], name
+
+
+def test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over(tmp_path: Path) -> None:
+    """Segments with real processes: island-1 is SIGKILLed after version 1 for good; once island-0's and island-2's
+    own shards are done the first of them splits island-1's data left in two pieces (one per live island) and
+    both train one; island-0 is SIGKILLed after version 13 (its piece's first round), in the middle of its piece,
+    and island-2 takes over that piece's data left from its cursor once its own piece is done. The audit is exact:
+    every sequence of every shard went into exactly one merged version. Pieces of 4 rounds or more: on an idle
+    machine a round takes 0.2 s, and the kill (the driver watches the versions) may come a round or two late."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"run.out_dir={tmp_path}", "outer.islands=3", "train.steps=120", "outer.inner_steps=10"])  # 12 rounds a shard
+    s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
+                       faults=[parse_fault("kill:island-1@v1", 3), parse_fault("kill:island-0@v13", 3)])
+    _assert_every_sequence_once(s)
+    assert not s["unfinished_islands"] or set(s["unfinished_islands"]) <= {"island-0", "island-1"}
+    joins = [e for e in read_events(s["run_dir"]) if e["event"] == "island_joined"]
+    (lost,) = [e["shard"] for e in joins if e["name"] == "island-1"]
+    split = [e for e in joins if "split for 2 live islands" in e["reason"]]
+    assert len(split) == 1 and split[0]["shard"] == lost, joins
+    pieces = {tuple(e["segment"]) for e in joins if e["shard"] == lost and e["name"] != "island-1"}
+    assert len(pieces) >= 2 and all(end > start for start, end in pieces), joins
+    # island-0 held a piece of island-1's shard when it was killed: island-2 took over its data left mid-segment
+    mine = [e for e in joins if e["name"] == "island-0" and e["shard"] == lost]
+    assert mine, joins
+    taken = [e for e in joins if e["name"] == "island-2" and "of lost island island-0" in e["reason"]
+             and e["segment"] == mine[-1]["segment"]]
+    assert taken and taken[0]["cursor"] > taken[0]["segment"][0], joins
+    assert s["audit"]["segments"][str(lost)] == sorted({e["segment"][0] for e in joins if e["shard"] == lost})
 
 
 def _push_fault_cfg(tmp_path: Path) -> Config:

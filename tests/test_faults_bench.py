@@ -19,7 +19,8 @@ from dtrain_cli.fault_spec import parse_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"faults: injected=(\d+) detected=(\d+) goodput=(\S+) loss-ratio=(\S+) lost-tokens=(\d+) "
-                       r"doubled-tokens=(\d+) detect-p50=(\S+)s detect-max=(\S+)s restart-p50=(\S+?)s?")
+                       r"doubled-tokens=(\d+) detect-p50=(\S+)s detect-max=(\S+)s restart-p50=(\S+?)s? "
+                       r"kill-wall-ratio=(\S+)")
 
 
 def _bench() -> ModuleType:
@@ -58,10 +59,34 @@ def test_figures_and_lines_from_the_summaries() -> None:
     assert (f["detect_p50_s"], f["detect_max_s"], f["dead_island_detect_s"]) == (3.0, 4.0, 3.0)
     assert (f["restart_p50_s"], f["restarts"]) == (7.5, 3)
     m = LAST_LINE.fullmatch(bench.final_line(f))
-    assert m and m.groups() == ("3", "3", "0.950", "1.0100", "0", "0", "3.00", "4.00", "7.50")
+    assert m and m.groups() == ("3", "3", "0.950", "1.0100", "0", "0", "3.00", "4.00", "7.50", "n/a")
     targets = bench.targets_line(f)
     assert "NOT met" not in targets and targets.count(" met") == 7
     assert "restart-p50 7.50s over 3 restarts (target <= 8s) met" in targets
+
+
+def _kill_pair(clean_s: float, kill_s: float, versions: int, lost: int = 0) -> tuple[dict, dict]:
+    clean = {"wall_s": clean_s, "rounds": 12, "utilization": 0.98, "audit": {"lost_tokens": 0, "doubled_tokens": 0}}
+    killed = {"wall_s": kill_s, "rounds": versions, "utilization": 0.9,
+              "audit": {"lost_tokens": lost, "doubled_tokens": 0, "segments": {"1": [0, 800, 1600]}}}
+    return clean, killed
+
+
+def test_kill_wall_ratio_is_the_median_of_the_pairs_next_to_the_bound_with_all_data_kept() -> None:
+    """A kill at v3 of 12 on 4 islands: the dead island's 9 rounds shared by 3 others, (3 + 12) / 12 = 1.25."""
+    bench = _bench()
+    k = bench.kill_figures([_kill_pair(100.0, 130.0, 15), _kill_pair(100.0, 120.0, 15),
+                            _kill_pair(90.0, 135.0, 16)], 4, 3)
+    assert k["kill_wall_ratio"] == pytest.approx(1.3) and k["kill_runs"][0]["bound"] == pytest.approx(1.25)
+    f = {**bench.figures(*_summaries([_fault("kill:island-1@v1+2s", "kill", 3.0)], restarts=(5.0,))), **k}
+    m = LAST_LINE.fullmatch(bench.final_line(f))
+    assert m and m[10] == "1.300"
+    assert ("kill-wall-ratio 1.300 over 3 pairs, 0 lost / 0 doubled tokens (target <= 1.05 (the bound with all "
+            "data kept: 1.250), 0 / 0) NOT met") in bench.targets_line(f)
+    k = bench.kill_figures([_kill_pair(100.0, 101.0, 12, lost=64)], 4, 3)
+    assert "64 lost" in bench.targets_line({**f, **k}) and bench.targets_line({**f, **k}).endswith("NOT met")
+    assert bench.kill_figures([], 4, 3)["kill_wall_ratio"] is None
+    assert bench.parse_fault(bench.KILL_WALL_FAULT, 4).duration_s is None  # not restarted
 
 
 def test_a_device_fault_found_before_its_onset_time_counts_as_detected_without_a_latency() -> None:
@@ -88,7 +113,7 @@ def test_missed_targets_are_reported() -> None:
         assert f"{what} (target" in targets and targets.split(what)[1].split(";")[0].endswith("NOT met"), targets
     f = bench.figures(*_summaries([], goodput=None, restarts=(None, None, 4.0)))
     assert "detect-p50=n/a detect-max=n/a" in bench.final_line(f) and "goodput=n/a" in bench.final_line(f)
-    assert bench.final_line(f).endswith(" restart-p50=n/a")  # most restarts took no step: no median time
+    assert bench.final_line(f).endswith(" restart-p50=n/a kill-wall-ratio=n/a")  # most restarts took no step
     assert "restart-p50 n/a over 3 restarts (target <= 8s) NOT met" in bench.targets_line(f)
 
 
@@ -137,7 +162,7 @@ def test_faults_benchmark_runs_and_ends_with_the_summary_line(tmp_path: Path) ->
         [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--config", "tiny", "--islands", "2",
          "--set", "train.steps=60", "--set", "outer.inner_steps=10", "--set", "coordinator.lease_s=30",
          "--fault", "kill:island-1@v2+1s",
-         "--fault", "slow:island-0@v1+2s,delay=20", "--json", str(out_json)],
+         "--fault", "slow:island-0@v1+2s,delay=20", "--kill-pairs", "0", "--json", str(out_json)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

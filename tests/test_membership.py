@@ -305,7 +305,7 @@ def test_a_lost_islands_shard_is_finished_by_an_island_whose_own_is_done():
     assert st.round_ready(T0 + 17)[1].startswith("waiting for the first push")
     push(st, info(st, a, base=1, length=160), T0 + 18)  # shard 1, from its cursor 0
     assert st.close_round(T0 + 18)[0] == 2 and st.stopped()
-    assert st.ledger.shard_cursors == [160, 160] and st.tokens_merged == 2000
+    assert [st.shard_cursor(s) for s in (0, 1)] == [160, 160] and st.tokens_merged == 2000
     unchanged(st, lambda: st.join("b", "cpu", 1, T0 + 19), "FAILED_PRECONDITION",
               "the run is over: all 2 shards' data (160 sequences each) merged, in 2 versions: nothing left to train")
     unchanged(st, lambda: st.join("newcomer", "cpu", 1, T0 + 19), "FAILED_PRECONDITION", "the run is over")

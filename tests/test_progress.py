@@ -90,8 +90,8 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
     w.coordinator([{"event": "island_joined", "name": "island-0", "island": "island-0-0"}])
     w.island("island-0", [{"event": "joined", "total_versions": 0}])
     assert w.line(running=2) == "simulate: 1/2 workers joined, waiting for the first round"
-    w.coordinator([{"event": "round_merged", "version": 1, "pushes": [{"shard": 0, "end": 160},
-                                                                      {"shard": 1, "end": 160}]},
+    w.coordinator([{"event": "round_merged", "version": 1, "pushes": [{"shard": 0, "start": 0, "end": 160},
+                                                                      {"shard": 1, "start": 0, "end": 160}]},
                    {"event": "eval", "version": 1, "loss": 3.5, "tokens": 10240}])
     w.island("island-0", [{"event": "train", "loss": 4.0}])
     w.island("island-1", [{"event": "train", "loss": 3.0}])
@@ -99,6 +99,10 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
     assert w.known_total == 3
     w.island("island-1", [{"event": "joined", "total_versions": 6}])  # wall-time rounds: the coordinator knows
     assert w.line(running=1).startswith("simulate: v1/6 ")
+    # shard 1 split in segments: a piece at its end merged before the middle counts its own sequences only
+    w.coordinator([{"event": "round_merged", "version": 2, "pushes": [{"shard": 1, "start": 320, "end": 480},
+                                                                      {"shard": 0, "start": 160, "end": 320}]}])
+    assert w.merged_sequences() == 640 and "data 640/960" in w.line(running=2)
 
 
 # --- the island -------------------------------------------------------------------------------------------

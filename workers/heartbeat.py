@@ -346,7 +346,8 @@ class Heartbeat:
             self.log("rejoin", reason=resp.reason)
             try:
                 joined = self.rejoin()
-                self.mailbox.post_rewind(Rewind(joined.shard_index, joined.cursor, resp.reason, joined=True))
+                self.mailbox.post_rewind(Rewind(joined.shard_index, joined.cursor, resp.reason, joined=True,
+                                                segment_start=joined.segment_start, segment_end=joined.cursor_end))
             except RunOverError as e:
                 self.log("stop_requested", reason=str(e))
                 self.mailbox.stopping.set()

@@ -76,7 +76,7 @@ from workers.hosts import HostGroup
 from workers.membership import Membership, RetryLines, report_run_over, run_over_already
 from workers.pacing import RateMeter, Slowdown, auto_round_seconds, overlap_seconds, retimed
 from workers.push_faults import Injection
-from workers.recovery import Guard, Recovery, Rewind, Rewinder
+from workers.recovery import Guard, Recovery, Rewind, Rewinder, in_segment
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
 from workers.startup import Startup, enable_compile_cache
 
@@ -436,7 +436,8 @@ class Worker:
             action = agreed_action(self.hosts, next_action(self.schedule, RoundProgress(
                 round_steps=r.steps, island_steps=island.steps, exchange_in_flight=r.pending is not None,
                 since_arrival_s=time.perf_counter() - r.anchor.arrived,
-                final_version=bool(total) and r.anchor.version >= total)))
+                final_version=bool(total) and r.anchor.version >= total,
+                end_steps=island.segment[1] // self.cfg.train.batch_size)))
             if action.kind is Kind.END_RUN:
                 break
             recovery = self._act(action, island, r, status, ckpt)
@@ -559,7 +560,7 @@ class Worker:
         self.evaluator.requested()  # first: the heartbeat that reports the new version carries its eval
         status.exchange, status.held = None, (result.version, result.digest)
         resp, h = exchange.response, exchange.header
-        if resp is not None and resp.status in NOT_TAKEN and h.shard_index == island.index:
+        if resp is not None and resp.status in NOT_TAKEN and in_segment(island, h.shard_index, h.cursor_start):
             self.mailbox.post_rewind(Rewind(h.shard_index, resp.cursor,
                                             f"push {h.push_id} {pb.PushStatus.Name(resp.status)}: {resp.reason}"))
         return result

@@ -50,6 +50,8 @@ class Rewind:
     cursor: int
     reason: str
     joined: bool = False  # from a Join (authoritative: replaces any other); else from a push reply
+    segment_start: int = 0  # from a Join: the segment of the shard the island now trains, [start, end) (end 0:
+    segment_end: int = 0  # the shard's end); a push reply's rewind stays in the island's segment
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,13 @@ class Recovery:
 
     reason: str
     remesh: bool = False
+
+
+def in_segment(island: Island, shard: int, position: int) -> bool:
+    """Whether sequence ``position`` of ``shard`` lies in the segment the island trains now: a push reply's rewind
+    applies only then (a push from a segment the island has left, at a rejoin, is not its to train again)."""
+    start, end = island.segment
+    return shard == island.index and start <= position and (not end or position < end)
 
 
 def agreed_rewind(hosts: HostGroup, rewind: Rewind | None) -> Rewind | None:
@@ -257,9 +266,11 @@ class Rewinder:
         """The island on its shard from the coordinator's cursor (``joined``), θ from ``g``, the optimizer moments
         from its last checkpoint (:meth:`state_from`)."""
         island = Island(index=joined.shard_index, state=self.state_from(g, ckpt),
-                        stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor))
+                        stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor),
+                        segment=(int(joined.segment_start), int(joined.cursor_end)))
         island.steps = island.cursor // self.cfg.train.batch_size  # a rejoining island goes on where its data ends
         self.log.event("island_started", name=self.name, shard=joined.shard_index, cursor=island.cursor,
+                       segment=list(island.segment),
                        version=g.version, devices=len(self.loop.mesh.devices.flat), host=platform.node(),
                        cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")
@@ -287,6 +298,8 @@ class Rewinder:
         agreed = agreed_rewind(self.hosts, rewind)  # process 0 alone knows its last exchange's reply
         assert agreed is not None
         rewind = agreed
+        if rewind.joined:  # the segment the coordinator assigned: the island trains to its end
+            island.segment = (rewind.segment_start, rewind.segment_end)
         # ``start`` is then the last push's end: the island's progress since that push is what it has not pushed
         if recovery is None and rewind.shard == island.index and rewind.cursor == start:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)

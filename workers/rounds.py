@@ -113,19 +113,22 @@ class RoundProgress:
     exchange_in_flight: bool = False  # the previous round's push (or its pull) has not returned
     since_arrival_s: float = 0.0  # seconds since the current global θ arrived (wall-time rounds end on it)
     final_version: bool = False  # the island holds the run's last global version
+    end_steps: int = 0  # step rounds: the island's segment of its shard ends at this island step (0: the schedule's
+    #                     total_steps, the shard's end)
 
 
 def next_action(s: Schedule, p: RoundProgress) -> Action:
     """What the island does next.
 
     At a round's start the run ends once the island holds the last version, or (step rounds) has taken its
-    step budget; an exchange still in flight is then finished outside the rounds. An exchange in flight is
-    waited for once the round has taken τ steps (without overlap τ = 0: right after the push), and before a
-    round may end. A step round ends after H steps (or when the budget runs out); a wall-time round ends
-    ``round_seconds`` after the current θ arrived, once it has taken a step; while an exchange is in flight
-    that moment is not known yet, and the overlap budget bounds the wait for it. Chunks are at most
-    ``steps_per_call`` long and stop exactly at τ in every round, so every round runs the same lengths."""
-    if p.round_steps == 0 and (p.final_version or (not s.round_seconds and p.island_steps >= s.total_steps)):
+    step budget (to the end of its segment); an exchange still in flight is then finished outside the rounds.
+    An exchange in flight is waited for once the round has taken τ steps (without overlap τ = 0: right after
+    the push), and before a round may end. A step round ends after H steps (or when the budget runs out); a
+    wall-time round ends ``round_seconds`` after the current θ arrived, once it has taken a step; while an
+    exchange is in flight that moment is not known yet, and the overlap budget bounds the wait for it. Chunks are
+    at most ``steps_per_call`` long and stop exactly at τ in every round, so every round runs the same lengths."""
+    budget = p.end_steps or s.total_steps  # step rounds: where the island's data (its segment) ends
+    if p.round_steps == 0 and (p.final_version or (not s.round_seconds and p.island_steps >= budget)):
         return Action(Kind.END_RUN)
     if p.exchange_in_flight and p.round_steps >= s.overlap_steps:
         return Action(Kind.WAIT, reason="overlap budget spent" if s.overlap else "no overlap")
@@ -143,7 +146,7 @@ def next_action(s: Schedule, p: RoundProgress) -> Action:
             return Action(Kind.TRAIN, steps=max(k for k in s.fit_lengths() if k <= want))
         n = s.steps_per_call
     else:
-        n = min(s.steps_per_call, s.inner_steps - p.round_steps, s.total_steps - p.island_steps)
+        n = min(s.steps_per_call, s.inner_steps - p.round_steps, budget - p.island_steps)
         if n <= 0:
             if p.exchange_in_flight:
                 return Action(Kind.WAIT, reason="round ended before the exchange")

@@ -68,7 +68,7 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions")
+    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions", "cursor_end", "segment_start")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class JoinResponse(_message.Message):
     TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TREE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_END_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_START_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     shard_index: int
@@ -89,7 +91,9 @@ class JoinResponse(_message.Message):
     tree_size: int
     tree_digest: str
     total_versions: int
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ...) -> None: ...
+    cursor_end: int
+    segment_start: int
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ..., cursor_end: _Optional[int] = ..., segment_start: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s", "round_seconds")
@@ -282,7 +286,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IslandStatus(_message.Message):
-    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices", "hardware", "device_kind", "steps", "tokens", "train_loss", "utilization", "params_digest", "cursor", "bytes_in", "bytes_out", "last_seen_s", "tokens_per_s")
+    __slots__ = ("island_id", "name", "state", "version", "tokens_merged", "pushes_merged", "lease_left_s", "steps_per_s", "shard_index", "quarantined", "devices", "hardware", "device_kind", "steps", "tokens", "train_loss", "utilization", "params_digest", "cursor", "bytes_in", "bytes_out", "last_seen_s", "tokens_per_s", "segment_start", "segment_end")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +310,8 @@ class IslandStatus(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_START_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_END_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     name: str
     state: str
@@ -329,7 +335,9 @@ class IslandStatus(_message.Message):
     bytes_out: int
     last_seen_s: float
     tokens_per_s: float
-    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    segment_start: int
+    segment_end: int
+    def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., segment_start: _Optional[int] = ..., segment_end: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds")
