@@ -60,9 +60,10 @@ Guards against a poisoned delta:
 - ``screened_mean``: the mean, of the pushes that pass a direction screen when the round
   closes (``coordinator.admission.screen_round``): :meth:`Merger.direction_cosines` gives
   each pending push's cosine with the coordinate median of the pending pushes (with fewer
-  than 3, the outer momentum), in one streaming pass over the spools before the step
-  (memory pushes × slab), and a push below ``coordinator.min_cosine`` is rejected and
-  dropped (:meth:`Merger.drop_pending`).
+  than 3, the outer momentum), estimated on a random sample of about 2^20 values per push
+  (``SCREEN_VALUES``; all in a smaller fragment), in one streaming pass over the spools
+  before the step (memory pushes × slab / 8), and a push below ``coordinator.min_cosine``
+  is rejected and dropped (:meth:`Merger.drop_pending`).
 - Before it commits, the step checks every slab of the update, the momentum, the
   residual and θ for non-finite values. If any is found, it deletes its temp
   files, leaves the version as it was and raises :class:`NonFiniteResult`
@@ -489,8 +490,9 @@ class Merger:
         ``secrets`` (a pusher cannot know which coordinates are checked, so it cannot be honest on exactly
         those); otherwise every piece. The cosine of a uniform sample of ~1M coordinates estimates the whole
         vectors' to about 1e-3 (a reversed push's stays near −1), and the screen's cost stops growing with the
-        model: the coordinate median (``np.partition``, which holds the GIL) runs on that many values per push,
-        not the whole fragment, so it cannot starve the coordinator's other threads (heartbeats) for long."""
+        model: the coordinate median runs on that many values per push, not the whole fragment, so it no longer
+        keeps the coordinator's cores busy for seconds while heartbeats wait (``np.partition`` lets go of the
+        GIL; what starved them was the CPU time)."""
         k = len(self.pending)
         if not k:
             return [], ""
