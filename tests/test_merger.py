@@ -507,6 +507,26 @@ def test_over_its_budget_the_direction_screen_samples_random_pieces_and_still_ca
     assert len(set(samples)) > 1  # a fresh random choice each round
 
 
+def test_over_its_budget_the_momentum_reference_is_sampled_at_the_same_coordinates():
+    """Fewer than 3 pushes over the budget: the momentum is read at the sampled pieces' offsets, so the sampled
+    cosines stay within 0.02 of the exact ones on the whole vectors, and the reversed push is caught."""
+    n = 200_000
+    rng = np.random.default_rng(17)
+    m = Merger(np.zeros(n, np.float32), dataclasses.replace(opts(up="fp32", down="fp32"), rule="screened_mean",
+                                                            screen_values=1 << 16))
+    honest = rng.normal(size=n).astype(np.float32)
+    _push_keyed(m, honest, 1.0, "first")
+    m.outer_step()  # m = Δ = honest
+    later = honest + 1.5 * rng.normal(size=n).astype(np.float32)
+    _push_keyed(m, later, 1.0, "honest")
+    _push_keyed(m, -later, 1.0, "reversed")
+    momentum = m.momentum.astype(np.float64)
+    exact = [float(v @ momentum / (np.linalg.norm(v) * np.linalg.norm(momentum))) for v in (later, -later)]
+    got, _ = m.direction_cosines()
+    np.testing.assert_allclose(got, exact, atol=0.02)
+    assert got[0] > 0.3 and got[1] < -0.3
+
+
 def test_with_fewer_than_three_pushes_the_direction_reference_is_the_outer_momentum():
     """A round of one or two pushes has no majority: each push is compared with the outer momentum (the recent
     merged updates' direction; none before the first merge: every cosine 1). Lossless, momentum 0.9."""
