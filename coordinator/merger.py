@@ -60,9 +60,10 @@ Guards against a poisoned delta:
 - ``screened_mean``: the mean, of the pushes that pass a direction screen when the round
   closes (``coordinator.admission.screen_round``): :meth:`Merger.direction_cosines` gives
   each pending push's cosine with the coordinate median of the pending pushes (with fewer
-  than 3, the outer momentum), in one streaming pass over the spools before the step
-  (memory pushes × slab), and a push below ``coordinator.min_cosine`` is rejected and
-  dropped (:meth:`Merger.drop_pending`).
+  than 3, the outer momentum), estimated on a random sample of about 2^20 values per push
+  (``SCREEN_VALUES``; all in a smaller fragment), in one streaming pass over the spools
+  before the step (memory pushes × slab / 8), and a push below ``coordinator.min_cosine``
+  is rejected and dropped (:meth:`Merger.drop_pending`).
 - Before it commits, the step checks every slab of the update, the momentum, the
   residual and θ for non-finite values. If any is found, it deletes its temp
   files, leaves the version as it was and raises :class:`NonFiniteResult`
@@ -78,6 +79,7 @@ import collections
 import dataclasses
 import math
 import os
+import secrets
 import tempfile
 import threading
 from concurrent import futures
@@ -96,6 +98,7 @@ from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
+SCREEN_VALUES = 1 << 20  # values per push the direction screen samples (Merger.direction_cosines): ~1e-3 on a cosine
 MEAN_RULES = ("mean", "clipped_mean", "screened_mean")  # the merge rules that take the weighted mean of the pushes
 
 
@@ -124,6 +127,7 @@ class MergeOptions:
     down_block: int = 0  # the update's block, likewise; 0: block
     max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
     ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
+    screen_values: int = SCREEN_VALUES  # the direction screen samples about this many values per push (all if fewer)
 
     @property
     def slab(self) -> int:
@@ -479,7 +483,16 @@ class Merger:
         momentum, the direction of the recent merged updates (none before the first merge). One streaming pass
         over the spools, an eighth of a slab at a time on the step's threads, memory pushes × slab / 8 per thread:
         the dot products, the pushes' and the reference's sums of squares, summed over the pieces. A push or a
-        reference of norm 0 gets 1 (no direction to disagree with)."""
+        reference of norm 0 gets 1 (no direction to disagree with).
+
+        The pieces read are a sample: when the fragment holds more than ``opts.screen_values`` values, about that
+        many of them, in pieces drawn uniformly without replacement, afresh each call from a seed of
+        ``secrets`` (a pusher cannot know which coordinates are checked, so it cannot be honest on exactly
+        those); otherwise every piece. The cosine of a uniform sample of ~1M coordinates estimates the whole
+        vectors' to about 1e-3 (a reversed push's stays near −1), and the screen's cost stops growing with the
+        model: the coordinate median runs on that many values per push, not the whole fragment, so it no longer
+        keeps the coordinator's cores busy for seconds while heartbeats wait (``np.partition`` lets go of the
+        GIL; what starved them was the CPU time)."""
         k = len(self.pending)
         if not k:
             return [], ""
@@ -488,6 +501,11 @@ class Merger:
         whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
         slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
         part = self.next_fragment()  # the pushes hold its values (the whole θ without fragments)
+        starts = np.arange(0, part.size, slab)
+        want = max(1, -(-self.opts.screen_values // slab))  # pieces in the budget
+        if want < starts.size:
+            rng = np.random.default_rng(secrets.randbits(128))  # unpredictable: fresh per round, not from θ
+            starts = np.sort(rng.choice(starts, want, replace=False))  # in file order: forward reads
         fd = None if by_median else os.open(self._path("momentum"), os.O_RDONLY)
 
         def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
@@ -504,7 +522,7 @@ class Merger:
         dots, ref_sq, sq = np.zeros(k), 0.0, np.zeros(k)
         try:
             with futures.ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="screen") as pool:
-                for d, r, q in pool.map(terms, range(0, part.size, slab)):
+                for d, r, q in pool.map(terms, (int(x) for x in starts)):
                     dots += d
                     ref_sq += r
                     sq += q

@@ -476,6 +476,57 @@ def test_direction_cosines_match_numpy_on_the_full_vectors():
     assert Merger(np.zeros(N, np.float32), opts()).direction_cosines() == ([], "")
 
 
+def test_over_its_budget_the_direction_screen_samples_random_pieces_and_still_catches_a_reversed_push(monkeypatch):
+    """A fragment larger than ``screen_values``: the screen reads about that many values per push (whole pieces,
+    not every one), a different random set each call, and the sampled cosines stay within 0.02 of the exact
+    ones on the whole vectors; the reversed push is still far below the honest ones."""
+    n, budget = 200_000, 1 << 16
+    rng = np.random.default_rng(16)
+    m = Merger(np.zeros(n, np.float32), dataclasses.replace(opts(up="int8"), rule="screened_mean",
+                                                            screen_values=budget))
+    honest = rng.normal(size=n).astype(np.float32)
+    vecs = [honest + rng.normal(size=n).astype(np.float32) * s for s in (0.5, 1.0, 2.0)] + [-1.0 * honest]
+    for i, v in enumerate(vecs):
+        _push_keyed(m, v, 1.0, f"p{i}")
+    rows = np.stack([codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]).astype(np.float64)
+    med = np.median(rows, axis=0)
+    exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
+    read: list[tuple[int, int]] = []
+    stack = Merger._stack_pending
+    monkeypatch.setattr(Merger, "_stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    samples = []
+    for _ in range(4):
+        read.clear()
+        got, reference = m.direction_cosines()
+        np.testing.assert_allclose(got, exact, atol=0.02)
+        assert min(got[:3]) > 0.3 and got[3] < -0.5
+        assert reference == "the coordinate median of the 4 pushes of its round"
+        piece = max(c for _, c in read)  # the last piece may be shorter
+        assert len(read) == -(-budget // piece) and sum(c for _, c in read) <= budget + piece - 1 < n
+        samples.append(tuple(sorted(s for s, _ in read)))
+    assert len(set(samples)) > 1  # a fresh random choice each round
+
+
+def test_over_its_budget_the_momentum_reference_is_sampled_at_the_same_coordinates():
+    """Fewer than 3 pushes over the budget: the momentum is read at the sampled pieces' offsets, so the sampled
+    cosines stay within 0.02 of the exact ones on the whole vectors, and the reversed push is caught."""
+    n = 200_000
+    rng = np.random.default_rng(17)
+    m = Merger(np.zeros(n, np.float32), dataclasses.replace(opts(up="fp32", down="fp32"), rule="screened_mean",
+                                                            screen_values=1 << 16))
+    honest = rng.normal(size=n).astype(np.float32)
+    _push_keyed(m, honest, 1.0, "first")
+    m.outer_step()  # m = Δ = honest
+    later = honest + 1.5 * rng.normal(size=n).astype(np.float32)
+    _push_keyed(m, later, 1.0, "honest")
+    _push_keyed(m, -later, 1.0, "reversed")
+    momentum = m.momentum.astype(np.float64)
+    exact = [float(v @ momentum / (np.linalg.norm(v) * np.linalg.norm(momentum))) for v in (later, -later)]
+    got, _ = m.direction_cosines()
+    np.testing.assert_allclose(got, exact, atol=0.02)
+    assert got[0] > 0.3 and got[1] < -0.3
+
+
 def test_with_fewer_than_three_pushes_the_direction_reference_is_the_outer_momentum():
     """A round of one or two pushes has no majority: each push is compared with the outer momentum (the recent
     merged updates' direction; none before the first merge: every cosine 1). Lossless, momentum 0.9."""
