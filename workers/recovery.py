@@ -232,15 +232,16 @@ class Rewinder:
     def state_from(self, g: GlobalParams, ckpt: Checkpointer) -> Any:
         """A train state on the island's mesh: θ from ``g``, the optimizer moments from the island's last checkpoint
         (saved at its last push) when there is one of this run, else fresh ones."""
-        params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
-        state = self.loop.init_state(params)
+        params = codec.unflatten(self.spec, g.vec)  # on the host: placed (copied) once, below
         ckpt.wait()  # a save still being written is the last push's
         if ckpt.latest_step() is not None:
-            _, restored, meta = ckpt.restore(state)  # into this mesh's shardings (a remeshed island's too)
+            # into this mesh's shardings (a remeshed island's too), from the state's shapes: no fresh state is
+            # initialized only to be replaced
+            _, restored, meta = ckpt.restore(self.loop.abstract_state())
             if meta.get("fingerprint") == self.cfg.fingerprint():
                 self.log.event("island_restored", step=meta.get("steps"))
-                return restored.replace(params=state.params)  # optimizer moments; θ from the pull
-        return state
+                return restored.replace(params=self.loop.place_params(params))  # optimizer moments; θ from the pull
+        return self.loop.init_state(params)
 
     def start_island(self, joined: pb.JoinResponse, g: GlobalParams, ckpt: Checkpointer) -> Island:
         """The island on its shard from the coordinator's cursor (``joined``), θ from ``g``, the optimizer moments
