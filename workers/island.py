@@ -480,8 +480,9 @@ class Worker:
                 if island.steps % self.cfg.run.log_every < n:
                     self.train_log.report(island, r.anchor, status, self.executed_steps)
             return recovery
-        if self.guard.tripped():  # Kind.END_ROUND with a non-finite step in the round: never pushed
-            return self.guard.nan_recovery(island)
+        recovery = self.guard.settle(island)  # Kind.END_ROUND: the last chunk's chip check read; a device fault
+        if recovery is not None:  # or a non-finite step in the round: never pushed
+            return self._quarantined(recovery, status)
         # Kind.END_ROUND: the previous exchange is folded in; push this round's delta
         self.guard.pushed()
         r.pending = self._push(island, r.anchor, r.steps, r.start, status, ckpt)
@@ -495,7 +496,7 @@ class Worker:
         quarantined (then the guard's ``drained`` is set if too few are left), or a step was not finite."""
         health = self.guard.health
         cursor, metrics = island.cursor, {}
-        first = int(island.state.step) if health is not None else 0  # synced already: the last check read it
+        first = self.guard.next_first(island) if health is not None else 0  # no sync while a check is pending
         try:
             self.slowdown.start()
             advance(self.loop, island, n, self.cfg.train.batch_size, on_chunk=lambda _, m: metrics.update(m))

@@ -94,6 +94,7 @@ class Guard:
         self.rollbacks = 0  # NaN-guard rollbacks since the last push
         self.nan_rollbacks = 0  # all of them
         self._finite: list[Any] = []  # the NaN/Inf guard's per-step flags not looked at yet (device arrays)
+        self._unread: Any = None  # with chip health: the flags of the chunk whose check is pending (overlap)
         self.drained = ""  # why the island stopped training early (too few healthy devices), if it did
 
     def evidence(self) -> tuple[Evidence, ...]:
@@ -139,8 +140,35 @@ class Guard:
         return not all(bool(np.all(np.asarray(f))) for f in flags)
 
     def forget(self) -> None:
-        """Drops the flags not looked at yet: their steps were discarded (a recovery), unread."""
+        """Drops the flags not looked at yet, and chip health's pending check: their steps were discarded (a
+        recovery), unread."""
         self._finite.clear()
+        self._unread = None
+        if self.health is not None:
+            self.health.drop()
+
+    def next_first(self, island: Island) -> int:
+        """The inner step the island's next chunk starts at: known from chip health's pending check, else read
+        from the state (a host sync, when nothing is pending: at a round's start, after a recovery)."""
+        after = self.health.next_step if self.health is not None else None
+        return after if after is not None else int(island.state.step)
+
+    def settle(self, island: Island) -> Recovery | None:
+        """Before a push: chip health's pending check read (the round's last chunk), then the NaN/Inf guard over
+        the round; a :class:`Recovery` if either found something (the round is not pushed)."""
+        if self.health is not None:
+            cleared = len(self.health.cleared)
+            found = self.health.flush(island.state.params)
+            self._unread = None
+            self._log_cleared(cleared)
+            if found:
+                return self.quarantine_recovery(found, "a probe found it")
+        return self.nan_recovery(island) if self.tripped() else None
+
+    def _log_cleared(self, since: int) -> None:
+        assert self.health is not None
+        for ev in self.health.cleared[since:]:
+            self.log.event("device_suspect_cleared", **ev)
 
     def pushed(self) -> None:
         """A round was pushed: the rollbacks in a row start again."""
@@ -170,6 +198,8 @@ class Guard:
         each, now (at the chunk's last step: a dead chip stays dead). None: not a device's failure, or one gone
         again (an intermittent one): the error stands."""
         assert self.health is not None
+        self.health.drop()  # the pending check's chunk went with the state: the recovery discards it
+        self._unread = None
         found = self.health.diagnose(first + n - 1)
         if not found:
             return None
@@ -178,17 +208,21 @@ class Guard:
 
     def check_chunk(self, island: Island, first: int, n: int, cursor: int, metrics: dict[str, Any]
                     ) -> Recovery | None:
-        """Chip health's look at a chunk of ``n`` steps from step ``first`` and data ``cursor`` that ran (then the
-        NaN/Inf guard's); a :class:`Recovery` if either found something."""
+        """Chip health's look at a chunk of ``n`` steps from step ``first`` and data ``cursor`` just dispatched,
+        overlapped (:meth:`workers.chip_health.ChipHealth.overlap`): its probes are dispatched behind it, and what
+        is read now (a host sync) is the chunk before it, which has run, with that chunk's NaN/Inf flags; a
+        :class:`Recovery` if either found something. :meth:`settle` reads the last chunk before a push."""
         assert self.health is not None
         batch = self.cfg.train.batch_size
         cleared = len(self.health.cleared)
-        found = self.health.check(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
-        for ev in self.health.cleared[cleared:]:
-            self.log.event("device_suspect_cleared", **ev)
+        before, self._unread = self._unread, metrics["finite"]
+        found = self.health.overlap(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
+        self._log_cleared(cleared)
         if found:
             return self.quarantine_recovery(found, "a probe found it")
-        return self.nan_recovery(island) if self.tripped() else None
+        if before is not None and not bool(np.all(np.asarray(before))):
+            return self.nan_recovery(island)
+        return None
 
     def report_drained(self, island: Island, version: int) -> None:
         """The island stops training: too few healthy devices (:attr:`drained` says so)."""
