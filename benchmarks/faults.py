@@ -3,7 +3,8 @@
 Both are real process-mode simulations (``dtrain_cli.simulate.run_simulation``: a coordinator and N worker
 processes on loopback, 4 islands of configs/small.toml by default, the default heartbeats and lease). The
 chaos run injects :data:`FAULTS` (``--fault SPEC``, repeatable, replaces the list; the grammar is in
-dtrain_cli/fault_spec.py): an island SIGKILLed and restarted twice, one hung (SIGSTOP) past its lease, the
+dtrain_cli/fault_spec.py): an island SIGKILLed and restarted at once (as a supervisor restarts a crashed
+process) twice, one hung (SIGSTOP) past its lease, the
 coordinator SIGKILLed and resumed once, a poisoned delta, a NaN delta, a slowed link.
 
 Figures, all from the chaos run's summary.json except L:
@@ -17,7 +18,7 @@ Figures, all from the chaos run's summary.json except L:
   R      median restart time over the chaos run's restarts of a killed island: seconds from the kill to the
          restarted island's first step (the summary's ``restarts``: its ``island_startup`` event, which also
          times each phase of that start; printed per restart). The driver restarts an island the fault's
-         seconds after the kill (2 s in FAULTS); the islands share the run's compilation cache
+         seconds after the kill (at once in FAULTS: ``+0s``); the islands share the run's compilation cache
          (``worker.compile_cache``), which their first start filled, so a restart loads its programs.
 
 The kill run (a separate run, :data:`KILL_WALL_FAULT`): island-1 SIGKILLed once version 3 is merged and not
@@ -64,13 +65,13 @@ from dtrain_cli.simulate import run_simulation
 
 # The chaos run, for 4 islands of configs/small.toml (12 versions, ~5 s each on 2 cores after ~40 s of start-up).
 FAULTS = (
-    "kill:island-1@v1+2s",  # SIGKILL, restarted 2 s later (the first time)
+    "kill:island-1@v1+0s",  # SIGKILL, restarted at once (the first time)
     "slow:island-3@v2+15s,delay=50",  # 50 ms added to every piece of data on island-3's link for 15 s
     "hang:island-2@v3+8s",  # SIGSTOP for 8 s: past the 4 s lease
     "poison:island-0@v4",  # its next push: the real delta x -1000
     "kill-coordinator@v5+2s",  # SIGKILL, restarted with --resume 2 s later
     "nan:island-3@v6",  # its next push carries a NaN
-    "kill:island-1@v8+2s",  # SIGKILL, restarted 2 s later (the second time)
+    "kill:island-1@v8+0s",  # SIGKILL, restarted at once (the second time)
 )
 # The kill run: one island killed once version 3 is merged, never restarted (its data split across the others).
 KILL_WALL_FAULT = "kill:island-1@v3"

@@ -23,9 +23,13 @@ Figures:
   F      false positives: every device quarantined in the clean run, and every other device (or the faulty one
          before its onset) quarantined in a fault run
   X, Y   median and largest detection delay, in inner steps: the evidence's ``step`` - the fault's ``start``
-  P      probe overhead, in percent of the per-device step: the per-device island step followed, after each
-         chunk, by ``ChipHealth.check`` (the statistics of that chunk's per-device gradient norms, the known answer
-         and the replay when their steps come; a host sync per chunk) vs the same per-device step without it.
+  P      probe overhead, in percent of the per-device step: the per-device island step with its checks as the
+         island runs them, ``ChipHealth.overlap`` after each chunk (the known answer and the replay dispatched
+         behind the chunk when their steps come; the chunk before it read: the statistics of its per-device
+         gradient norms, its probes' results) and ``ChipHealth.flush`` at the block's end, vs the same per-device
+         step without them. Printed beside it, not a target: the same checks read at once
+         (``ChipHealth.check`` after each chunk, a host sync before the next chunk is dispatched), timed in the
+         same rounds.
          Both on the same ``InnerLoop(cfg, model, mesh, per_device=True)``, after a warm-up that compiled every
          probe (the one-time compile cost is printed, not in P). ``--repeats`` rounds, each one timed block (whole
          probe intervals, >= 200 steps) of the fused step, the per-device step and the per-device step with the
@@ -399,6 +403,7 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     fused = InnerLoop(cfg, built, mesh, per_device=False)
     per_device = InnerLoop(cfg, built, mesh, per_device=True)
     health = ChipHealth(h, built.apply, mesh)
+    at_once = ChipHealth(h, built.apply, mesh)  # the same checks, each chunk's read before the next is dispatched
     states = {"fused": fused.init_state(params), "per_device": per_device.init_state(params)}
 
     def block(kind: str, chunks: int) -> float:
@@ -407,12 +412,18 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         for i in range(chunks):
             batches = pool[i % len(pool)]
-            if kind == "probes":  # as the island does: the chunk's first step (a sync), the chunk, the check
+            if kind == "at_once":  # the checks not overlapped (before they were): a host sync per chunk
                 first = int(state.step)
                 state, metrics = loop.run(state, batches)
-                health.check(first, metrics, state.params, batches)
+                at_once.check(first, metrics, state.params, batches)
+            elif kind == "probes":  # as the island does: the chunk, its probes dispatched, the last chunk's read
+                first = health.next_step if health.next_step is not None else int(state.step)
+                state, metrics = loop.run(state, batches)
+                health.overlap(first, metrics, state.params, batches)
             else:
                 state, _ = loop.run(state, batches)
+        if kind == "probes":  # as the island before a push: the last chunk's check read
+            health.flush(state.params)
         jax.block_until_ready(state)
         states["fused" if kind == "fused" else "per_device"] = state
         return (time.perf_counter() - t0) / (chunks * K)
@@ -426,24 +437,31 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     warm_chunks = max(block_chunks, math.ceil((h.replay_every or K) / K) + 1)
     t0 = time.perf_counter()
     health.start(0)
+    at_once.start(0)
     warm_s = time.perf_counter() - t0 + block("probes", warm_chunks) * warm_chunks * K
+    block("at_once", warm_chunks)
     log(f"timing: steps compiled in {compile_steps_s:.1f}s; probes warmed up over {warm_chunks * K} steps "
         f"({warm_s:.1f}s); {repeats} x {block_chunks * K}-step blocks of each kind")
-    times: dict[str, list[float]] = {"fused": [], "per_device": [], "probes": []}
+    times: dict[str, list[float]] = {"fused": [], "per_device": [], "probes": [], "at_once": []}
     for r in range(repeats):
-        for kind in (("fused", "per_device", "probes") if r % 2 == 0 else ("probes", "per_device", "fused")):
+        order = ("fused", "per_device", "probes", "at_once")
+        for kind in (order if r % 2 == 0 else order[::-1]):
             times[kind].append(block(kind, block_chunks))
         log(f"timing: repeat {r + 1}/{repeats}: fused {times['fused'][-1] * 1e3:.3f} ms/step, per-device "
-            f"{times['per_device'][-1] * 1e3:.3f}, per-device + probes {times['probes'][-1] * 1e3:.3f}")
+            f"{times['per_device'][-1] * 1e3:.3f}, per-device + probes {times['probes'][-1] * 1e3:.3f} (read at "
+            f"once {times['at_once'][-1] * 1e3:.3f})")
     med = {k: statistics.median(v) for k, v in times.items()}
     # Each repeat's ratios (its blocks ran side by side): their median, and their spread (min, max)
     probe_r = [p / d - 1.0 for p, d in zip(times["probes"], times["per_device"], strict=True)]
+    at_once_r = [p / d - 1.0 for p, d in zip(times["at_once"], times["per_device"], strict=True)]
     device_r = [d / f - 1.0 for d, f in zip(times["per_device"], times["fused"], strict=True)]
     if health.quarantined:  # healthy fake devices: a probe that flags one here is a false positive too
         log(f"WARNING: the timing's probes quarantined {health.bad_devices} (healthy devices)")
     return {
         "fused_step_s": med["fused"], "per_device_step_s": med["per_device"], "probes_step_s": med["probes"],
         "probe_overhead": statistics.median(probe_r), "probe_overhead_range": [min(probe_r), max(probe_r)],
+        "probe_overhead_at_once": statistics.median(at_once_r),
+        "probe_overhead_at_once_range": [min(at_once_r), max(at_once_r)],
         "per_device_overhead": statistics.median(device_r),
         "per_device_overhead_range": [min(device_r), max(device_r)],
         "probes_one_time_s": max(0.0, warm_s - warm_chunks * K * med["probes"]),
@@ -463,6 +481,9 @@ def print_timing(t: dict[str, Any]) -> None:
     print(f"probe overhead (per-device + probes vs per-device, the target's P), median of the {t['repeats']} "
           f"repeats' ratios: {t['probe_overhead']:+.1%}{_spread(t, 'probe_overhead')}; probes' one-time compile "
           f"{t['probes_one_time_s']:.1f}s (not in P)")
+    if "probe_overhead_at_once" in t:  # side by side: the same checks, each chunk's read before the next runs
+        print(f"the same checks not overlapped (each chunk read before the next is dispatched; not in P): "
+              f"{t['probe_overhead_at_once']:+.1%}{_spread(t, 'probe_overhead_at_once')}")
     print(f"per-device step vs fused step (the per-device step's own price, NOT in P), median of the repeats' "
           f"ratios: {1 + t['per_device_overhead']:.3f}x{_spread(t, 'per_device_overhead', True)}")
 

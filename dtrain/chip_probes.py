@@ -34,6 +34,7 @@ fail); on GPU/TPU the probes run unchanged (the same ``shard_map`` and per-devic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -298,6 +299,18 @@ def _on_device(tree: Any, device: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- the binder
 
 
+@dataclass(frozen=True)
+class Started:
+    """A probe dispatched and not read yet (:meth:`Probes.known_answer_start`, :meth:`Probes.replay_start`): its
+    program's output (device arrays), or the error its dispatch raised, and what reading it needs."""
+
+    step: int
+    out: Any  # the program's output, on the devices; None when the dispatch raised
+    error: BaseException | None = None
+    indices: list[int] = dataclasses.field(default_factory=list)  # replay: the devices it runs on
+    rows: np.ndarray | None = None  # replay: the rows it recomputes
+
+
 def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
     """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
     is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.step.rows_per_device` rows each)."""
@@ -334,13 +347,28 @@ class Probes:
     def known_answer(self, step: int = 0) -> list[KnownAnswer]:
         """The known-answer computation on every device: one SPMD program over the mesh (each device computes its
         own matmul, no collective) and the ``2·D`` numbers fetched together, the one host sync. If that program
-        raises (a dead device), each device is run and read alone (:meth:`_known_answer_each`) to say which."""
-        expected = known_answer_expected()
+        raises (a dead device), each device is run and read alone (:meth:`_known_answer_each`) to say which.
+        :meth:`known_answer_start` and :meth:`known_answer_finish` are its two halves, for a caller that reads the
+        result later (the island: after its next chunk is dispatched)."""
+        return self.known_answer_finish(self.known_answer_start(step))
+
+    def known_answer_start(self, step: int = 0) -> Started:
+        """Dispatches :meth:`known_answer`'s program and returns at once (nothing is read)."""
         try:
             check_alive(self.fault, self.device_ids, step)  # the program runs on every device of the mesh
-            value_D, mismatches_D = jax.device_get(self._known_all(self._ids_D, jnp.int32(step)))
+            return Started(step, self._known_all(self._ids_D, jnp.int32(step)))
+        except Exception as e:  # noqa: BLE001 - a dead device raises at dispatch: finish says which
+            return Started(step, None, e)
+
+    def known_answer_finish(self, started: Started) -> list[KnownAnswer]:
+        """Reads what :meth:`known_answer_start` dispatched (a host sync): :meth:`known_answer`'s result."""
+        expected = known_answer_expected()
+        try:
+            if started.error is not None:
+                raise started.error
+            value_D, mismatches_D = jax.device_get(started.out)
         except Exception:  # noqa: BLE001 - some device's computation raised: each alone says which
-            return self._known_answer_each(step)
+            return self._known_answer_each(started.step)
         return [KnownAnswer(i, did, int(v) == expected and int(m) == 0, int(v), expected, int(m))
                 for i, (did, v, m) in enumerate(zip(self.device_ids, value_D, mismatches_D, strict=True))]
 
@@ -386,19 +414,39 @@ class Probes:
         same single-device computation on its own copy of the replicated inputs) and the D digests are fetched
         together, the one host sync. If that program raises (a dead device), the computation is dispatched to each
         device ``indices`` separately, all before any is read, and each is read alone to say which raised (each
-        device then compiles its own program once)."""
+        device then compiles its own program once). :meth:`replay_start` and :meth:`replay_finish` are its two
+        halves."""
+        return self.replay_finish(self.replay_start(params, rows_bxL1, step, indices), params)
+
+    def replay_start(self, params: Params, rows_bxL1: np.ndarray, step: int = 0,
+                     indices: Sequence[int] | None = None) -> Started:
+        """Dispatches :meth:`replay`'s program and returns at once (nothing is read): ``params`` may be donated
+        afterwards, the program has them."""
         indices = list(range(len(self.devices))) if indices is None else list(indices)
         if not indices or len(set(indices)) != len(indices):
             raise ValueError(f"replay: indices {indices} must name distinct devices (at least one)")
-        ids = [self.device_ids[i] for i in indices]
         rows = np.asarray(rows_bxL1)
-        errors: dict[int, str] = {}
         try:
             check_alive(self.fault, self.device_ids, step)  # the program runs on every device of the mesh
-            all_D = jax.device_get(self._replay_all(self._ids_D, params, rows, jnp.int32(step)))
+            return Started(step, self._replay_all(self._ids_D, params, rows, jnp.int32(step)), None, indices, rows)
+        except Exception as e:  # noqa: BLE001 - a dead device raises at dispatch: finish says which
+            return Started(step, None, e, indices, rows)
+
+    def replay_finish(self, started: Started, params: Params) -> Replay:
+        """Reads what :meth:`replay_start` dispatched (a host sync): :meth:`replay`'s result. Where that program
+        raised, each device computes the rows alone on ``params`` (any parameters of the model do: what is
+        compared is whether the devices agree), to say which device raised."""
+        indices, rows = started.indices, started.rows
+        assert rows is not None, "replay_finish: not a replay_start's"
+        ids = [self.device_ids[i] for i in indices]
+        errors: dict[int, str] = {}
+        try:
+            if started.error is not None:
+                raise started.error
+            all_D = jax.device_get(started.out)
             got = {did: int(all_D[i]) for i, did in zip(indices, ids, strict=True)}
         except Exception:  # noqa: BLE001 - some device's computation raised: each alone says which
-            got, errors = self._replay_each(params, rows, indices, step)
+            got, errors = self._replay_each(params, rows, indices, started.step)
         digests = [got.get(did) for did in ids]
         agreed = majority(digests)
         suspects = [did for did, d in zip(ids, digests, strict=True)

@@ -3,7 +3,8 @@
 A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 
 - ``KIND``: ``kill`` (SIGKILL an island, every process of it; with ``+DURATION`` it is started again that long
-  after), ``hang`` (SIGSTOP an island, every process of it, SIGCONT after ``DURATION``), ``kill-coordinator``
+  after, ``+0s``: at once, as a supervisor restarts a crashed process), ``hang`` (SIGSTOP an island, every
+  process of it, SIGCONT after ``DURATION``), ``kill-coordinator``
   (SIGKILL the coordinator; with ``+DURATION`` it is started again with ``--resume`` on the same port), ``cut``
   (the island's link to the coordinator drops every connection and accepts none for ``DURATION``), ``slow`` (the
   island's link delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``); the push faults ``nan`` (the
@@ -72,7 +73,7 @@ class FaultSpec:
     target: str  # an island name, or "coordinator"
     at_version: int | None  # fire once this version is merged ...
     at_s: float | None  # ... or this many seconds after the workers started
-    duration_s: float | None  # restart / resume / restore after this long (None: never)
+    duration_s: float | None  # restart / resume / restore after this long (0: at once; None: never)
     delay_ms: float = 0.0  # slow: added per forwarded piece of data
     text: str = ""  # the spec as given
     factor: float = 0.0  # scale / ramp: factor=F (0: the worker's default)
@@ -86,6 +87,8 @@ class FaultSpec:
             return f"{self.kind} {self.target} device {f.device} from inner step {f.start}" + \
                 (f" until step {f.until}" if f.until else "")
         when = f"after version {self.at_version}" if self.at_version is not None else f"at {self.at_s:g}s"
+        if self.duration_s == 0:  # a kill or kill-coordinator restarted at once
+            return f"{self.kind} {self.target} {when}, restarted at once"
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
 
     def inject_arg(self) -> str:

@@ -188,7 +188,8 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
         cfg = config_mod.replace(cfg, outer={"islands": islands})
     if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
         cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
-    if any(f.kind == "kill-coordinator" and f.duration_s for f in faults) and not cfg.coordinator.checkpoint:
+    resumed = any(f.kind == "kill-coordinator" and f.duration_s is not None for f in faults)
+    if resumed and not cfg.coordinator.checkpoint:
         raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
     sec = cfg.security
     borrowed = [s.name for s in (specs or {}).values() if s.credential]
@@ -398,7 +399,7 @@ class _Simulation:
             for f in [f for f in pending if self._due(f, version, now)]:
                 pending.remove(f)
                 self._inject(f, version)
-            for due, action in [r for r in self.recoveries if r[0] <= now]:
+            for due, action in [r for r in self.recoveries if r[0] <= time.perf_counter()]:  # +0s: this pass
                 self.recoveries.remove((due, action))
                 action()
             self._end_broken_islands()
@@ -518,7 +519,7 @@ class _Simulation:
                  "recovered_t": None}
         self.fired.append(entry)
         self.log.progress(f"fault: {f.describe()} (version {version})")
-        later = (time.perf_counter() + f.duration_s) if f.duration_s else None
+        later = (time.perf_counter() + f.duration_s) if f.duration_s is not None else None  # +0s: at once
         what, action = self._fire(f)
         if later is not None:
             self.recoveries.append((later, lambda: self._recover(entry, what, action)))

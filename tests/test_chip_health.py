@@ -105,6 +105,31 @@ def test_replay_quarantines_the_device_outside_the_majority(island: Island) -> N
     assert chips.probe_calls["replay"] == 3
 
 
+def test_overlapped_checks_find_what_check_finds_one_chunk_later(island: Island) -> None:
+    """overlap() reads a chunk's check only at the next chunk (or at flush()): the same evidence as check(), the
+    same probes run, one call later; nothing is left unread after flush(), and drop() forgets the pending one."""
+    bad = island.ids[3]
+    fault = DeviceFault("bitflip", bad, bit=22, start=4)  # silent: the replay at step 4 finds it
+    sync, over = (health(island, fault, known_answer_every=3, replay_every=2) for _ in range(2))
+    batches = island.batches[0]
+    found_sync, found_over = [], []
+    for first in range(6):
+        found_sync.append(sync.check(first, clean_metrics(1), island.params, batches))
+        found_over.append(over.overlap(first, clean_metrics(1), island.params, batches))
+        assert over.next_step == first + 1  # the next chunk's first step, with no read of the state
+    found_over.append(over.flush(island.params))
+    assert over.next_step is None and over.flush(island.params) == []
+    assert found_over == [[], *found_sync]
+    (ev,) = [ev for found in found_sync for ev in found]
+    assert (ev["device"], ev["probe"], ev["step"]) == (bad, "replay", 4)
+    assert sync.probe_calls == over.probe_calls == {"known_answer": 2, "replay": 3}
+    assert sync.bad_devices == over.bad_devices == [bad]
+    # a pending check whose chunk was discarded is forgotten, unread
+    assert over.overlap(6, clean_metrics(1), island.params, batches) == [] and over.next_step == 7
+    over.drop()
+    assert over.next_step is None and over.flush(island.params) == []
+
+
 @pytest.mark.parametrize("steps_per_call", [10, pytest.param(25, marks=pytest.mark.slow)],  # 25: compiles ~20 s
                          ids=["tiny-chunks", "small-chunks"])
 def test_silent_flip_quarantined_within_50_steps_by_default(island: Island, steps_per_call: int) -> None:

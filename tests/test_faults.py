@@ -59,6 +59,8 @@ def test_parse_fault_specs() -> None:
     f = parse_fault("slow:island-1@1.5s+2s,delay=250", 2)
     assert (f.kind, f.delay_ms, f.at_s) == ("slow", 250.0, 1.5)
     assert parse_fault("kill:island-1@v2", 2).duration_s is None  # killed for good
+    f = parse_fault("kill:island-1@v2+0s", 2)  # restarted at once, not killed for good
+    assert f.duration_s == 0.0 and f.describe() == "kill island-1 after version 2, restarted at once"
     f = parse_fault("truncate:island-1@v2", 2)
     assert (f.kind, f.target, f.at_version, f.duration_s) == ("truncate", "island-1", 2, None)
     assert PUSH_KINDS == PUSH_FAULTS  # the driver's grammar and the worker's --inject know the same push faults

@@ -139,7 +139,7 @@ def test_the_default_chaos_run_has_every_fault_the_issue_asks_for() -> None:
     parsed = [parse_fault(t, 4) for t in faults]
     assert {"nan", "poison"} <= {f.kind for f in parsed}  # a NaN delta and a poisoned one
     kills = [f for f in parsed if f.kind == "kill"]
-    assert len(kills) == 2 and kills[0].target == kills[1].target and all(f.duration_s for f in kills)
+    assert len(kills) == 2 and kills[0].target == kills[1].target and all(f.duration_s is not None for f in kills)
     hang = next(f for f in parsed if f.kind == "hang")
     assert hang.duration_s is not None and hang.duration_s > 4.0  # past the default 4 s lease
     assert any(f.kind == "kill-coordinator" and f.duration_s for f in parsed)

@@ -190,6 +190,10 @@ def test_timing_only_runs_no_island_and_ends_with_its_line(tmp_path: Path) -> No
     assert "inner steps on" not in proc.stderr  # no island ran
     t = json.loads(out_json.read_text())["timing"]
     assert len(t["samples_s"]["probes"]) == 2 and t["probe_calls"]["replay"] > 0
+    # the same checks read at once (not overlapped), timed in the same rounds, printed beside P
+    assert len(t["samples_s"]["at_once"]) == 2
+    lo, hi = t["probe_overhead_at_once_range"]
+    assert lo <= t["probe_overhead_at_once"] <= hi and "the same checks not overlapped" in proc.stdout
     lo, hi = t["per_device_overhead_range"]
     assert lo <= t["per_device_overhead"] <= hi
     assert float(m[2]) == pytest.approx(1 + t["per_device_overhead"], abs=1e-3)

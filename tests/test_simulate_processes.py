@@ -286,6 +286,11 @@ def test_a_killed_worker_restarts_rejoins_its_shard_and_no_token_is_merged_twice
     assert list(again["phases"]) == ["imports", "devices", "check", "data", "compile", "join", "pull", "peers",
                                      "first_step"]
     assert again["cursor"] > joins[1]["cursor"]  # its first step: past where it rejoined
+    # The restart restored its optimizer moments from the checkpoint the killed process saved at its last push
+    # (into the state's shapes and shardings, no fresh state made first)
+    b_events = read_events(out / "islands" / "b")
+    restored = [e for e in b_events if e["event"] == "island_restored"]
+    assert len(restored) == 1 and restored[0]["step"] > 0 and restored[0]["t"] < again["t"]
 
 
 @pytest.mark.slow
@@ -562,6 +567,31 @@ def test_the_drivers_faults_fire_and_schedule_their_recovery(tmp_path):
         events = read_events(tmp_path / "driver")
         assert [e["fault"] for e in events if e["event"] == "fault_injected"] == [f.text for f in faults]
         assert [e["action"] for e in events if e["event"] == "fault_recovered"] == ["restarted", "resumed (SIGCONT)"]
+    finally:
+        sim.stop_all()
+
+
+def test_a_kill_with_0s_restarts_the_island_at_once(tmp_path):
+    """``+0s``: the island is restarted on the driver's next pass (a supervisor restarting a crashed process), not
+    taken for gone (no duration) and not after a delay."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dtrain_cli.fault_spec import parse_fault
+    from dtrain_cli.simulate import _Simulation
+
+    fault = parse_fault("kill:island-1@v1+0s", 2)
+    sim = _Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [fault])
+    try:
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        sim.workers = {n: [subprocess.Popen(sleep)] for n in sim.names}
+        sim._inject(fault, 1)
+        assert sim.workers["island-1"][0].poll() == -signal.SIGKILL
+        assert sim.gone == set() and len(sim.recoveries) == 1
+        due, _ = sim.recoveries[0]
+        assert due <= time.perf_counter()  # due now: the supervising pass that fired it restarts it
     finally:
         sim.stop_all()
 

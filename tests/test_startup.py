@@ -91,3 +91,32 @@ def test_phases_add_up_in_order_and_the_line_names_each() -> None:
     assert " CPU seconds; " in line
     age = process_age_s()
     assert age is None or age > 0
+
+
+def test_deferred_compiling_waits_for_its_start_and_wait_starts_it() -> None:
+    """The deferred programs compile only once started (the island starts them when its first chunk is
+    dispatched), and waiting for them starts them if nothing did: nothing is left uncompiled."""
+    import threading
+
+    from workers.island import Deferred
+
+    ran: list[str] = []
+    gate = threading.Event()
+    d = Deferred("island-0", lambda: (gate.wait(10), ran.append("compiled")))
+    assert not d.started and ran == []  # built, not started
+    d.start()
+    d.start()  # once
+    gate.set()
+    d.wait()
+    assert ran == ["compiled"]
+    lazy = Deferred("island-1", lambda: ran.append("lazy"))
+    lazy.wait()  # never started: wait starts it, then waits
+    assert ran == ["compiled", "lazy"] and lazy.wait() == 0.0
+
+    def fail() -> None:
+        raise RuntimeError("no compiler")
+
+    broken = Deferred("island-2", fail)
+    broken.start()
+    with pytest.raises(RuntimeError, match="no compiler"):
+        broken.wait()

@@ -2,10 +2,18 @@
 quarantine.
 
 The island worker owns one :class:`ChipHealth` (built when ``[health] enabled``) and calls it at chunk
-boundaries: :meth:`ChipHealth.start` before the first step, :meth:`ChipHealth.check` after each chunk of the
+boundaries: :meth:`ChipHealth.start` before the first step, :meth:`ChipHealth.overlap` after each chunk of the
 per-device inner step (``InnerLoop(per_device=True)``, whose metrics carry each device's micro-batch gradient norm
-and finiteness), and :meth:`ChipHealth.diagnose` when a chunk raised (a dead device). Each returns the devices it
-quarantined just now, each with its evidence.
+and finiteness) is dispatched, :meth:`ChipHealth.flush` before a push, and :meth:`ChipHealth.diagnose` when a chunk
+raised (a dead device). Each returns the devices it quarantined just now, each with its evidence.
+
+The checks are overlapped with training: :meth:`ChipHealth.overlap` dispatches the probes due after a chunk
+(behind it, on the state it leaves) and reads nothing of it; what the chunk's metrics and those probes say is
+read at the next call, once the next chunk is dispatched too, so the host reads results the devices have while
+they run the next chunk (no host sync in the hot loop waits for a running chunk). A fault is then found one
+chunk later than a synchronous :meth:`ChipHealth.check` finds it, with the same evidence (the inner step the
+probe saw); the island's recovery discards that chunk with the rest of its round, and :meth:`ChipHealth.flush`
+reads the last chunk's check before every push, so nothing unchecked is pushed.
 
 The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any one of):
 
@@ -48,13 +56,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
 from dtrain.chip_faults import DeviceFault
-from dtrain.chip_probes import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, Probes, micro_batch, outliers
+from dtrain.chip_probes import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, KnownAnswer, Probes, Started, micro_batch, outliers
 from dtrain.config import HealthConfig
 from dtrain.model import ApplyFn, Params
 from dtrain.outer import robust_scores
@@ -65,6 +74,30 @@ REPLAY_ROWS = 1  # rows of a device's micro-batch each replay recomputes on ever
 Evidence = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class _ReplayStarted:
+    """Rule 4's replay, dispatched: the probe, and what its evidence names (the device whose micro-batch it is,
+    its first row, how many rows, how many healthy devices computed them)."""
+
+    probe: Started
+    source: int
+    first: int
+    rows: int
+    healthy: int
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    """A chunk's check, its probes dispatched and nothing read (:meth:`ChipHealth.overlap`)."""
+
+    first: int  # the chunk's first inner step
+    end: int  # the step after its last
+    metrics: Mapping[str, Any]  # its per-device metrics, device arrays
+    last_batch: np.ndarray  # its last batch (a replay's rows come from it)
+    known: Started | None  # the known answer, when it was due
+    replay: _ReplayStarted | None  # the replay, when it was due
+
+
 def _due(step: int, every: int) -> int:
     """The first multiple of ``every`` after ``step``."""
     return (step // every + 1) * every
@@ -72,7 +105,9 @@ def _due(step: int, every: int) -> int:
 
 class ChipHealth:
     """The island's chip-health state: which devices are quarantined (with evidence), when each probe last ran,
-    and the statistics probe's streak of consecutive outliers. Every method is a host-device sync point."""
+    and the statistics probe's streak of consecutive outliers, and the chunk whose check :meth:`overlap` left to
+    read. Every method is a host-device sync point, but :meth:`overlap`'s only waits for the chunk before the
+    one just dispatched."""
 
     def __init__(self, cfg: HealthConfig, apply: ApplyFn, mesh: Mesh, *, fault: DeviceFault | None = None):
         self.cfg = cfg
@@ -88,6 +123,7 @@ class ChipHealth:
         self._replay_turn = 0  # counts replays: picks the healthy device (and rows) the next replay recomputes
         self.probe_calls: dict[str, int] = {"known_answer": 0, "replay": 0}
         self.cleared: list[Evidence] = []  # statistics suspects a replay cleared (the island logs them)
+        self._pending: _Submitted | None = None  # the chunk whose check overlap() left to read
 
     # ------------------------------------------------------------------------------------------ the island's view
 
@@ -113,6 +149,7 @@ class ChipHealth:
         self.device_ids = ids
         self._streak.clear()
         self._replay_turn = 0
+        self._pending = None  # the old mesh's
 
     def too_few(self) -> bool:
         """Fewer healthy devices than ``min_devices``: the island must drain."""
@@ -147,8 +184,12 @@ class ChipHealth:
         self.probe_calls["known_answer"] += 1
         every = self.cfg.known_answer_every
         self._next_known = _due(step, every) if every else math.inf
+        return self._known_answer_found(self.probes.known_answer(step), step)
+
+    def _known_answer_found(self, results: list[KnownAnswer], step: int) -> list[Evidence]:
+        """Rule 1 on a known answer's results."""
         found = []
-        for result in self.probes.known_answer(step):
+        for result in results:
             if result.ok or result.device_id in self.quarantined:
                 continue
             detail = (f"known answer raised: {result.error}" if result.error is not None else
@@ -164,7 +205,60 @@ class ChipHealth:
         """After one chunk of K per-device steps, the first of which ran at inner step ``first_step``: reads the
         chunk's per-device metrics (``device_finite`` and ``device_grad_norm``, ``[K, D]``), then runs the known
         answer and the replay if their step has come (the replay on ``params``, the state after the chunk, and the
-        chunk's last batch). The devices quarantined by this check."""
+        chunk's last batch). The devices quarantined by this check. All at once, a host sync: :meth:`overlap`
+        reads a chunk's results while the next one runs."""
+        return self._settle(self._submit(first_step, metrics, params, batches_KxBxL1), params)
+
+    # ------------------------------------------------------------------------------------------ overlapped checks
+
+    def overlap(self, first_step: int, metrics: Mapping[str, Any], params: Params,
+                batches_KxBxL1: np.ndarray) -> list[Evidence]:
+        """:meth:`check` with no host sync on the chunk just dispatched: the probes due after it (the known
+        answer, the replay on ``params``) are dispatched now, behind it; what they and its metrics say is read
+        at the next call, once the next chunk is dispatched too, or at :meth:`flush`. Returns what the check of
+        the chunk before this one found (the island runs one chunk past a fault found so: its recovery discards
+        it with the rest of the round)."""
+        before, self._pending = self._pending, self._submit(first_step, metrics, params, batches_KxBxL1)
+        return self._settle(before, params) if before is not None else []
+
+    def flush(self, params: Params) -> list[Evidence]:
+        """Reads the check :meth:`overlap` left pending (a host sync), if any: before the island pushes, nothing
+        it trained goes unchecked. ``params``: the island's state now (a statistics suspect's confirming replay
+        runs on them)."""
+        pending, self._pending = self._pending, None
+        return self._settle(pending, params) if pending is not None else []
+
+    def drop(self) -> None:
+        """Forgets the pending check: its steps were discarded (a recovery), or its chunk raised."""
+        self._pending = None
+
+    @property
+    def next_step(self) -> int | None:
+        """The inner step the chunk after the pending check starts at (None: no check pending), known without
+        reading the state's step counter (a host sync)."""
+        return self._pending.end if self._pending is not None else None
+
+    def _submit(self, first_step: int, metrics: Mapping[str, Any], params: Params,
+                batches_KxBxL1: np.ndarray) -> _Submitted:
+        """The probes due after a chunk dispatched (nothing read): the known answer and the replay when their
+        steps have come."""
+        steps = int(np.shape(metrics["device_finite"])[0])
+        end = first_step + steps
+        last_batch = np.asarray(batches_KxBxL1)[-1]
+        known = replay = None
+        if end >= self._next_known:
+            self.probe_calls["known_answer"] += 1
+            every = self.cfg.known_answer_every
+            self._next_known = _due(end, every) if every else math.inf
+            known = self.probes.known_answer_start(end)
+        if end >= self._next_replay:
+            self._next_replay = _due(end, self.cfg.replay_every)
+            replay = self._replay_start(params, last_batch, end)
+        return _Submitted(first_step, end, metrics, last_batch, known, replay)
+
+    def _settle(self, sub: _Submitted, params: Params) -> list[Evidence]:
+        """Reads a submitted chunk's metrics and probes (a host sync) and applies the quarantine rules."""
+        metrics, first_step, end, last_batch = sub.metrics, sub.first, sub.end, sub.last_batch
         finite_KxD = np.asarray(metrics["device_finite"], bool)
         norm_KxD = np.asarray(metrics["device_grad_norm"], np.float64)
         if finite_KxD.ndim != 2 or finite_KxD.shape != norm_KxD.shape or finite_KxD.shape[1] != len(self.device_ids):
@@ -185,15 +279,12 @@ class ChipHealth:
                 self._streak.clear()
                 continue
             found += self._check_step(first_step + k, finite_KxD[k], norm_KxD[k], suspects)
-        end = first_step + finite_KxD.shape[0]
-        last_batch = np.asarray(batches_KxBxL1)[-1]
         for index, ev in suspects.items():
             found += self._confirm(index, ev, params, last_batch, end)
-        if end >= self._next_known:
-            found += self._known_answer(end)
-        if end >= self._next_replay:
-            self._next_replay = _due(end, self.cfg.replay_every)
-            found += self._replay(params, last_batch, end)
+        if sub.known is not None:
+            found += self._known_answer_found(self.probes.known_answer_finish(sub.known), end)
+        if sub.replay is not None:
+            found += self._replay_finish(sub.replay, params)
         return found
 
     def _check_step(self, step: int, finite_D: np.ndarray, norm_D: np.ndarray,
@@ -252,26 +343,34 @@ class ChipHealth:
                               z=suspect["z"], median=suspect["median"])
         return [ev] if ev is not None else []
 
-    def _replay(self, params: Params, batch_BxL1: np.ndarray, step: int) -> list[Evidence]:
-        """Rule 4: a few rows of one healthy device's micro-batch recomputed on every healthy device; a device
-        outside a strict majority of the digests (or whose computation raised) is quarantined."""
+    def _replay_start(self, params: Params, batch_BxL1: np.ndarray, step: int) -> _ReplayStarted | None:
+        """Rule 4's replay dispatched: a few rows of one healthy device's micro-batch to be recomputed on every
+        healthy device (None: fewer than 3 healthy devices, two that differ cannot say which one is wrong)."""
         healthy = self._healthy_indices()
-        if len(healthy) < 3:  # two devices that differ cannot say which one is wrong
-            return []
+        if len(healthy) < 3:
+            return None
         self.probe_calls["replay"] += 1
         turn, self._replay_turn = self._replay_turn, self._replay_turn + 1
         source = healthy[turn % len(healthy)]  # every healthy device's micro-batch in turn ...
         micro = micro_batch(batch_BxL1, self.probes.mesh, source)
         first = (turn // len(healthy)) * REPLAY_ROWS % len(micro)  # ... and, round after round, its other rows
         rows = micro[first:first + REPLAY_ROWS]
-        result = self.probes.replay(params, rows, step, healthy)
+        return _ReplayStarted(self.probes.replay_start(params, rows, step, healthy), source, first, len(rows),
+                              len(healthy))
+
+    def _replay_finish(self, started: _ReplayStarted, params: Params) -> list[Evidence]:
+        """Rule 4 on a dispatched replay's digests: a device outside a strict majority of the digests (or whose
+        computation raised) is quarantined."""
+        result = self.probes.replay_finish(started.probe, params)
+        source, first, step, n_healthy = started.source, started.first, started.probe.step, started.healthy
+        rows = range(started.rows)
         found = []
         for did in result.suspects:
             digest = result.digests[result.device_ids.index(did)]
             what = f"raised: {result.error[did]}" if did in result.error else f"gave digest {digest:#010x}"
             agreed = "no majority" if result.majority is None else f"the majority's digest {result.majority:#010x}"
             detail = (f"replay of rows {first}..{first + len(rows) - 1} of device {self.device_ids[source]}'s "
-                      f"micro-batch on {len(healthy)} devices: this one {what}, {agreed}; "
+                      f"micro-batch on {n_healthy} devices: this one {what}, {agreed}; "
                       f"{len(result.suspects)} device(s) outside the majority")
             ev = self._quarantine(self.device_ids.index(did), "replay", step, detail, value=digest,
                                   expected=result.majority, mismatches=len(result.suspects))

@@ -118,10 +118,13 @@ def precompile_rest(setup: Setup, schedule: Schedule) -> None:
 
 
 class Deferred:
-    """Compiling that can wait (:func:`precompile_rest`), on a thread of its own while the island joins, pulls θ
-    and trains its first chunk. :meth:`wait` is called before anything else runs, so no program the loop calls
-    compiles mid-round; were one called earlier all the same, JAX would compile it on the loop's thread too (jit
-    is thread-safe): slower, never wrong. The training loop's object; the thread writes only ``error``."""
+    """Compiling that can wait (:func:`precompile_rest`), on a thread of its own started (:meth:`start`) once the
+    island's first chunk is dispatched: the join, the pull of θ and the first chunk's dispatch, the start's
+    critical path, share neither the interpreter's lock nor a core with it, and its work overlaps the first
+    chunk's device time. :meth:`wait` (which starts it if nothing did) is called before anything else runs, so
+    no program the loop calls compiles mid-round; were one called earlier all the same, JAX would compile it on
+    the loop's thread too (jit is thread-safe): slower, never wrong. The training loop's object; the thread
+    writes only ``error`` and ``seconds``."""
 
     def __init__(self, name: str, work: Callable[[], None]):
         self.error: BaseException | None = None
@@ -136,13 +139,20 @@ class Deferred:
             self.seconds = time.perf_counter() - t0
 
         self.thread: threading.Thread | None = threading.Thread(target=run, daemon=True, name=f"{name}-compile")
-        self.thread.start()
+        self.started = False
+
+    def start(self) -> None:
+        """Starts the thread (once)."""
+        if not self.started and self.thread is not None:
+            self.started = True
+            self.thread.start()
 
     def wait(self) -> float:
         """Waits for the thread (once); returns the seconds waited, raising what the compile raised."""
         if self.thread is None:
             return 0.0
         t0 = time.perf_counter()
+        self.start()
         self.thread.join()
         self.thread = None
         if self.error is not None:
@@ -299,7 +309,7 @@ class Worker:
         ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
         self.guard.start()
-        if self.hosts.alone:  # the first chunk's programs now, the rest while the island joins and starts
+        if self.hosts.alone:  # the first chunk's programs now, the rest while the first chunk trains
             precompile_first(self.setup, self.schedule)
             self._deferred = Deferred(self.name, lambda: precompile_rest(self.setup, self.schedule))
         else:  # an island of several processes compiles in step with its other processes
@@ -475,8 +485,9 @@ class Worker:
                 if island.steps % self.cfg.run.log_every < n:
                     self.train_log.report(island, r.anchor, status, self.executed_steps)
             return recovery
-        if self.guard.tripped():  # Kind.END_ROUND with a non-finite step in the round: never pushed
-            return self.guard.nan_recovery(island)
+        recovery = self.guard.settle(island)  # Kind.END_ROUND: the last chunk's chip check read; a device fault
+        if recovery is not None:  # or a non-finite step in the round: never pushed
+            return self._quarantined(recovery, status)
         # Kind.END_ROUND: the previous exchange is folded in; push this round's delta
         self.guard.pushed()
         r.pending = self._push(island, r.anchor, r.steps, r.start, status, ckpt)
@@ -490,7 +501,7 @@ class Worker:
         quarantined (then the guard's ``drained`` is set if too few are left), or a step was not finite."""
         health = self.guard.health
         cursor, metrics = island.cursor, {}
-        first = int(island.state.step) if health is not None else 0  # synced already: the last check read it
+        first = self.guard.next_first(island) if health is not None else 0  # no sync while a check is pending
         try:
             self.slowdown.start()
             advance(self.loop, island, n, self.cfg.train.batch_size, on_chunk=lambda _, m: metrics.update(m))
@@ -520,6 +531,8 @@ class Worker:
         progress line (once)."""
         startup, self.startup = self.startup, None
         assert startup is not None
+        if self._deferred is not None:  # the first chunk is dispatched: the rest compiles while it runs
+            self._deferred.start()
         jax.block_until_ready(island.state.step)  # note: host sync, once: the first step's end
         startup.mark("first_step")
         record = startup.record()

@@ -103,6 +103,7 @@ class Guard:
         self.rollbacks = 0  # NaN-guard rollbacks since the last push
         self.nan_rollbacks = 0  # all of them
         self._finite: list[Any] = []  # the NaN/Inf guard's per-step flags not looked at yet (device arrays)
+        self._unread: Any = None  # with chip health: the flags of the chunk whose check is pending (overlap)
         self.drained = ""  # why the island stopped training early (too few healthy devices), if it did
 
     def evidence(self) -> tuple[Evidence, ...]:
@@ -148,8 +149,35 @@ class Guard:
         return not all(bool(np.all(np.asarray(f))) for f in flags)
 
     def forget(self) -> None:
-        """Drops the flags not looked at yet: their steps were discarded (a recovery), unread."""
+        """Drops the flags not looked at yet, and chip health's pending check: their steps were discarded (a
+        recovery), unread."""
         self._finite.clear()
+        self._unread = None
+        if self.health is not None:
+            self.health.drop()
+
+    def next_first(self, island: Island) -> int:
+        """The inner step the island's next chunk starts at: known from chip health's pending check, else read
+        from the state (a host sync, when nothing is pending: at a round's start, after a recovery)."""
+        after = self.health.next_step if self.health is not None else None
+        return after if after is not None else int(island.state.step)
+
+    def settle(self, island: Island) -> Recovery | None:
+        """Before a push: chip health's pending check read (the round's last chunk), then the NaN/Inf guard over
+        the round; a :class:`Recovery` if either found something (the round is not pushed)."""
+        if self.health is not None:
+            cleared = len(self.health.cleared)
+            found = self.health.flush(island.state.params)
+            self._unread = None
+            self._log_cleared(cleared)
+            if found:
+                return self.quarantine_recovery(found, "a probe found it")
+        return self.nan_recovery(island) if self.tripped() else None
+
+    def _log_cleared(self, since: int) -> None:
+        assert self.health is not None
+        for ev in self.health.cleared[since:]:
+            self.log.event("device_suspect_cleared", **ev)
 
     def pushed(self) -> None:
         """A round was pushed: the rollbacks in a row start again."""
@@ -179,6 +207,8 @@ class Guard:
         each, now (at the chunk's last step: a dead chip stays dead). None: not a device's failure, or one gone
         again (an intermittent one): the error stands."""
         assert self.health is not None
+        self.health.drop()  # the pending check's chunk went with the state: the recovery discards it
+        self._unread = None
         found = self.health.diagnose(first + n - 1)
         if not found:
             return None
@@ -187,17 +217,21 @@ class Guard:
 
     def check_chunk(self, island: Island, first: int, n: int, cursor: int, metrics: dict[str, Any]
                     ) -> Recovery | None:
-        """Chip health's look at a chunk of ``n`` steps from step ``first`` and data ``cursor`` that ran (then the
-        NaN/Inf guard's); a :class:`Recovery` if either found something."""
+        """Chip health's look at a chunk of ``n`` steps from step ``first`` and data ``cursor`` just dispatched,
+        overlapped (:meth:`workers.chip_health.ChipHealth.overlap`): its probes are dispatched behind it, and what
+        is read now (a host sync) is the chunk before it, which has run, with that chunk's NaN/Inf flags; a
+        :class:`Recovery` if either found something. :meth:`settle` reads the last chunk before a push."""
         assert self.health is not None
         batch = self.cfg.train.batch_size
         cleared = len(self.health.cleared)
-        found = self.health.check(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
-        for ev in self.health.cleared[cleared:]:
-            self.log.event("device_suspect_cleared", **ev)
+        before, self._unread = self._unread, metrics["finite"]
+        found = self.health.overlap(first, metrics, island.state.params, island.stream.batches(cursor, n, batch))
+        self._log_cleared(cleared)
         if found:
             return self.quarantine_recovery(found, "a probe found it")
-        return self.nan_recovery(island) if self.tripped() else None
+        if before is not None and not bool(np.all(np.asarray(before))):
+            return self.nan_recovery(island)
+        return None
 
     def report_drained(self, island: Island, version: int) -> None:
         """The island stops training: too few healthy devices (:attr:`drained` says so)."""
@@ -252,15 +286,16 @@ class Rewinder:
     def state_from(self, g: GlobalParams, ckpt: Checkpointer) -> Any:
         """A train state on the island's mesh: θ from ``g``, the optimizer moments from the island's last checkpoint
         (saved at its last push) when there is one of this run, else fresh ones."""
-        params = self.loop.place_params(codec.unflatten(self.spec, g.vec))
-        state = self.loop.init_state(params)
+        params = codec.unflatten(self.spec, g.vec)  # on the host: placed (copied) once, below
         ckpt.wait()  # a save still being written is the last push's
         if ckpt.latest_step() is not None:
-            _, restored, meta = ckpt.restore(state)  # into this mesh's shardings (a remeshed island's too)
+            # into this mesh's shardings (a remeshed island's too), from the state's shapes: no fresh state is
+            # initialized only to be replaced
+            _, restored, meta = ckpt.restore(self.loop.abstract_state())
             if meta.get("fingerprint") == self.cfg.fingerprint():
                 self.log.event("island_restored", step=meta.get("steps"))
-                return restored.replace(params=state.params)  # optimizer moments; θ from the pull
-        return state
+                return restored.replace(params=self.loop.place_params(params))  # optimizer moments; θ from the pull
+        return self.loop.init_state(params)
 
     def start_island(self, joined: pb.JoinResponse, g: GlobalParams, ckpt: Checkpointer) -> Island:
         """The island on its shard from the coordinator's cursor (``joined``), θ from ``g``, the optimizer moments
