@@ -31,9 +31,11 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   outer momentum (the recent merged updates' direction) is.
 - Repeat offenders (:func:`penalize`, :func:`check_standing`): after a rejected push the island's next push is
   refused, before its payload streams in, for ``coordinator.reject_backoff_s`` × 2^(k−1) seconds (k: its
-  rejections in a row); at ``coordinator.max_rejections`` in a row the island itself is quarantined (state
-  ``quarantined``): its pushes and Joins are refused, its heartbeats told to stop with the reason, and its shard
-  is free for the others (``coordinator.membership``'s rerouting) so the run ends. A merged push resets k.
+  rejections in a row; the refusal says how many seconds are left, ``StateError.retry_after_s``, and the island
+  sends the same push again once they have passed); at ``coordinator.max_rejections`` in a row the island itself
+  is quarantined (state ``quarantined``): its pushes and Joins are refused, its heartbeats told to stop with the
+  reason, and its shard is free for the others (``coordinator.membership``'s rerouting) so the run ends. A merged
+  push resets k.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def check_bounds(opts: StateOptions, info: PushInfo) -> None:
 
 def check_standing(c: CoordinatorConfig, info: PushInfo, record: IslandRecord, now: float) -> None:
     """Refuses (FAILED_PRECONDITION) a push from a quarantined island, or one that comes while its island is
-    throttled after a rejection (:func:`penalize`)."""
+    throttled after a rejection (:func:`penalize`): that refusal carries the seconds left (``retry_after_s``)."""
     if record.state == "quarantined":
         raise StateError("FAILED_PRECONDITION", f"push {info.push_id} refused: {record.island_id} is quarantined "
                                                 f"({record.stop_reason})")
@@ -185,7 +187,7 @@ def check_standing(c: CoordinatorConfig, info: PushInfo, record: IslandRecord, n
                          f"push {info.push_id} refused: {record.island_id} is throttled for "
                          f"{record.throttled_until - now:.1f}s more after {record.rejections} rejected push"
                          f"{'es' * (record.rejections != 1)} in a row (coordinator.reject_backoff_s "
-                         f"{c.reject_backoff_s:g})")
+                         f"{c.reject_backoff_s:g})", retry_after_s=record.throttled_until - now)
 
 
 def penalize(c: CoordinatorConfig, record: IslandRecord, reason: str, now: float) -> str:

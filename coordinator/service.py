@@ -45,6 +45,7 @@ from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gau
 from dtrain.wire import (
     BUSY_METADATA_KEY,
     MAX_EVAL_REPORTS,
+    RETRY_AFTER_METADATA_KEY,
     RUN_OVER_METADATA_KEY,
     SERVICE,
     WireError,
@@ -245,24 +246,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- refusals -----------------------------------------------------------------------------------
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
-               push: PushInfo | None = None, busy: bool = False) -> NoReturn:
+               push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0) -> NoReturn:
         """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
         with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
         them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
-        (:data:`dtrain.wire.BUSY_METADATA_KEY`), and workers retry it."""
+        (:data:`dtrain.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
+        refused for that many seconds more (a throttled island's push): its trailing metadata says how many
+        (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again."""
         if busy:
             context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+        elif retry_after_s > 0:
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),))
         self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
-                             push=push, busy=busy)
+                             push=push, busy=busy, retry_after_s=retry_after_s)
         context.abort(code, message)
 
     def _record_refusal(self, method: str, island: str, code: grpc.StatusCode, message: str,
-                        push: PushInfo | None = None, busy: bool = False) -> None:
+                        push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0) -> None:
         """Records a refused (or cancelled) call: counted by kind (method and code: Status' refusals) and, at a
         bounded rate (``coordinator.refusal_events``), an event naming the method and the island:
         ``request_invalid`` for a bad request (:data:`_BAD_REQUEST`), ``request_rejected`` for the others and
         for a ``busy`` one. A refused ``push`` is also counted in pushes_refused and, logged, a ``push_refused``
-        event and a progress line."""
+        event and a progress line (with ``retry_after_s``, the seconds its island is throttled for)."""
         kind = "request_invalid" if code in _BAD_REQUEST and not busy else "request_rejected"
         with self.lock:  # reentrant; the event's listeners (history, telemetry) are updated under the lock
             if push is not None:
@@ -272,7 +277,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if log:
                 self.log.event(kind, method=method, island=island, code=code.name, error=message)
                 if push is not None:
-                    self._push_refused(push, code.name, message)
+                    self._push_refused(push, code.name, message, retry_after_s)
 
     def _suppressed(self, over: list[tuple[str, int]]) -> None:
         """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""
@@ -297,7 +302,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            self._abort(context, _CODES[e.code], str(e), push=info)
+            self._abort(context, _CODES[e.code], str(e), push=info, retry_after_s=e.retry_after_s)
             raise  # unreachable: abort raises
 
     def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
@@ -305,11 +310,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         a ``push_refused`` event naming the push, and the call ends with the refusal's code."""
         self._abort(context, e.code, str(e), push=info)
 
-    def _push_refused(self, info: PushInfo, code: str, reason: str) -> None:
-        """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it, a progress
-        line."""
+    def _push_refused(self, info: PushInfo, code: str, reason: str, retry_after_s: float = 0.0) -> None:
+        """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it (with
+        ``retry_after_s``, the seconds its island is throttled for), a progress line."""
         self.log.event("push_refused", island=info.island_id, push_id=info.push_id, code=code,
-                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=reason)
+                       tokens=info.tokens, cursor=[info.cursor_start, info.cursor_end], reason=reason,
+                       **({"retry_after_s": round(retry_after_s, 3)} if retry_after_s > 0 else {}))
         self.log.progress(f"refused push {info.push_id} from {info.island_id}: {reason}")
 
     def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, e: UploadBroke) -> NoReturn:

@@ -63,6 +63,10 @@ _MAKE_PEM["server_key"] = _MAKE_PEM["server_cert"]
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 # Trailing metadata on a Join refused because the run is over (its value: the last version): the island exits 0.
 RUN_OVER_METADATA_KEY = "dtrain-run-over"
+# Trailing metadata on a push refused (FAILED_PRECONDITION) because its island is throttled after a rejected push
+# (coordinator.reject_backoff_s): its value is the seconds left of the backoff. The island waits them out and sends
+# the same push again: its payload was never read.
+RETRY_AFTER_METADATA_KEY = "dtrain-retry-after-s"
 # Trailing metadata on a call refused for load (RESOURCE_EXHAUSTED: a stream limit), not for what it asked: workers
 # retry it with backoff, as they retry UNAVAILABLE. gRPC's own load refusal (maximum_concurrent_rpcs) says BUSY_DETAILS.
 BUSY_METADATA_KEY = "dtrain-busy"

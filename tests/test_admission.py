@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from coordinator.records import Admission, PushInfo
+from coordinator.records import Admission, PushInfo, StateError
 from coordinator.state import CoordinatorState
 from state_helpers import T0, info, join_all, make, merge_rounds, options, push, unchanged
 
@@ -368,6 +368,9 @@ def test_a_rejected_island_is_throttled_and_not_waited_for():
     assert st.islands[d].throttled_until == T0 + 2
     unchanged(st, lambda: st.admit_push(info(st, d, base=1), T0 + 1), "FAILED_PRECONDITION",
               "throttled for 1.0s more after 1 rejected push in a row")
+    with pytest.raises(StateError) as refused:  # the refusal says how long, for the island to wait (not a message)
+        st.admit_push(info(st, d, base=1), T0 + 1.25)
+    assert refused.value.retry_after_s == 0.75
     _norms(st, [a, b, c], [1.0, 1.0, 1.0], T0 + 1)
     assert st.round_ready(T0 + 1) == (True, "all 4 live islands pushed")  # d, throttled, is not awaited
     assert st.next_deadline(T0 + 1) == T0 + 2

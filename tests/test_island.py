@@ -288,6 +288,69 @@ def test_an_exchange_whose_push_is_dropped_or_refused_returns_the_newest_theta_a
             assert ("push_refused", {"push_id": "a-0-p1", "code": "INVALID_ARGUMENT", "error": "bad frame"}) in events
 
 
+class _Throttling(FakeClient):
+    """Refuses its first ``refusals`` pushes as a throttled island's (with 0.7 s of backoff left); records each
+    push and each wait of the exchange in ``calls``, in order."""
+
+    def __init__(self, answers: list, refusals: int):
+        super().__init__(answers)
+        self.refusals, self.calls = refusals, []
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushDeltaResponse:
+        self.calls.append("push")
+        if self.refusals:
+            self.refusals -= 1
+            raise CoordinatorError(grpc.StatusCode.FAILED_PRECONDITION, "a-0 is throttled for 0.7s more",
+                                   retry_after_s=0.7)
+        return super().push(header, frame)
+
+
+class _CountedWaits(threading.Event):
+    """A stop event whose waits are recorded in ``calls`` and return at once (set after ``stop_after`` waits)."""
+
+    def __init__(self, calls: list, stop_after: int = -1):
+        super().__init__()
+        self.calls, self.stop_after = calls, stop_after
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.calls.append(f"wait {timeout}")
+        if len([c for c in self.calls if c.startswith("wait")]) == self.stop_after:
+            self.set()
+        return self.is_set()
+
+
+def test_a_throttled_push_waits_the_backoff_out_then_is_sent_again_under_its_id():
+    """A push refused because its island is throttled (the refusal names the seconds left) is not answered as
+    rejected (no rewind: its payload was never read): the exchange waits the backoff, one ``push_throttled`` event
+    saying how long, and sends the same push again only then; it is taken like any other."""
+    from workers.exchange import MAX_THROTTLED_WAITS
+
+    client = _Throttling([[full_pull(4, random_vec(5))]], refusals=2)
+    events = Events()
+    ex = _exchange(client, events, stop=_CountedWaits(client.calls))
+    assert ex.start().result(timeout=10).version == 4
+    assert client.calls == ["push", "wait 0.7", "push", "wait 0.7", "push"]  # never sent again before the wait
+    assert client.pushes == ["a-0-p1"] and ex.response is not None and ex.response.status == pb.PUSH_STATUS_PENDING
+    assert [e[0] for e in events] == ["push_throttled", "push_throttled", "push_sent"]
+    assert events[0][1] == {"push_id": "a-0-p1", "wait_s": 0.7, "start": 0, "end": 0,
+                            "error": "a-0 is throttled for 0.7s more"}
+    # The run stopping during the wait ends it: the push is not sent again, and is answered as refused.
+    client = _Throttling([], refusals=1)
+    events = Events()
+    ex = _exchange(client, events, stop=_CountedWaits(client.calls, stop_after=1))
+    assert ex.start().result(timeout=10) is ex.base
+    assert client.calls == ["push", "wait 0.7"] and ex.response is not None
+    assert ex.response.status == pb.PUSH_STATUS_REJECTED and [e[0] for e in events] == ["push_throttled",
+                                                                                        "push_refused", "push_sent"]
+    # A coordinator that keeps refusing is not waited on for ever: after MAX_THROTTLED_WAITS the refusal stands.
+    client = _Throttling([[full_pull(3, random_vec(7))]], refusals=MAX_THROTTLED_WAITS + 1)
+    ex = _exchange(client, Events(), stop=_CountedWaits(client.calls))
+    ex.start().result(timeout=10)
+    assert client.calls.count("push") == MAX_THROTTLED_WAITS + 1 and client.calls.count("wait 0.7") == \
+        MAX_THROTTLED_WAITS
+    assert ex.response is not None and ex.response.status == pb.PUSH_STATUS_REJECTED
+
+
 def test_a_late_push_waits_for_the_version_it_goes_into():
     """A push based on v3 that the coordinator takes into v6 (a hung island's late delta): θ_5 does not end the
     exchange, θ_6 does; the island's next push then belongs to the round after it."""

@@ -642,6 +642,60 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
         ["poison"]
 
 
+def test_a_throttled_push_says_how_long_and_the_island_sends_it_again_once_the_backoff_is_over(net_cfg, tmp_path,
+                                                                                                two_islands):
+    """After a rejected push its island's next push is refused before its payload streams in, with the seconds
+    of backoff left in the refusal's trailing metadata (the client's CoordinatorError.retry_after_s, not the
+    message's words). The island's exchange waits them out and sends the same push once more, which the
+    coordinator then judges and merges: one refusal per push, every token merged once. The coordinator's clock
+    is the test's, and the exchange's waits move it: what is counted is pushes and events, not time."""
+    from workers.exchange import Exchange, GlobalParams, Puller
+
+    now = [1000.0]
+    running = Running(net_cfg, tmp_path / "coord", clock=lambda: now[0])
+    try:
+        (c0, c1), (j0, j1) = two_islands(running.address, net_cfg)
+        n = j0.tree_size
+        assert c0.push(push_header(j0, "poison"), _poison_frame(n)).status == pb.PUSH_STATUS_REJECTED
+        now[0] += 0.25  # of coordinator.reject_backoff_s 1
+        with pytest.raises(CoordinatorError) as refused:
+            c0.push(push_header(j0, "a0"), delta_frame(n, 40)[1])
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.retry_after_s == 0.75
+
+        waits: list[float | None] = []
+
+        class CoordinatorTime(threading.Event):  # the exchange's stop event: its waits pass the coordinator's time
+            def wait(self, timeout: float | None = None) -> bool:
+                waits.append(timeout)
+                now[0] += timeout or 0.0
+                return False
+
+        island_events: list[tuple[str, dict]] = []
+        ex = Exchange(c0, Puller(c0, n, 1 << 24, lambda kind, **f: island_events.append((kind, f))), delta_frame(
+                          n, 41)[1], push_header(j0, "a1"), GlobalParams(running.theta.copy(), 0), 0,
+                      CoordinatorTime(), lambda kind, **f: island_events.append((kind, f)))
+        future = ex.start()
+        for _ in range(300):  # the resent push is pending in the round: the other island's push completes it
+            if ex.response is not None:
+                break
+            time.sleep(0.1)
+        assert ex.response is not None and ex.response.status == pb.PUSH_STATUS_PENDING
+        assert c1.push(push_header(j1, "b1"), delta_frame(n, 42)[1]).status == pb.PUSH_STATUS_MERGED
+        assert future.result(timeout=30).version == 1
+        assert waits == [0.75]  # sent again only once the backoff was over, and judged then
+        assert [k for k, _ in island_events] == ["push_throttled", "push_sent"]
+        assert island_events[0][1]["wait_s"] == 0.75 and island_events[0][1]["push_id"] == "a1"
+        service = running.service
+        assert service.state.version == 1 and service.state.tokens_merged == 1280
+        assert service.state.deltas_rejected == 1 and service.counters.pushes_refused == 2
+        events = read_events(tmp_path / "coord")
+        assert [(e["push_id"], e.get("retry_after_s")) for e in events if e["event"] == "push_refused"] == \
+            [("a0", 0.75), ("a1", 0.75)]
+        assert [e["status"] for e in events if e["event"] == "push_received" and e["push_id"] == "a1"] == ["accept"]
+    finally:
+        running.stop()
+
+
 def test_a_reversed_push_in_a_round_of_four_is_rejected_by_the_direction_screen(net_cfg, tmp_path):
     """The default merge (auto: screened_mean) over the wire: three islands push correlated honest deltas, the
     fourth −1 x one (within every norm bound). When the round closes its cosine with the round's coordinate median

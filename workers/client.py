@@ -8,12 +8,14 @@ the coordinator's address, gRPC's status code and what it means, and the time
 left) and giving up names the address, how long it tried and what to check, in
 words rather than gRPC's debug text. Pushes are safe to retry because they
 carry a push id the coordinator applies at most once. Other errors are raised
-as :class:`CoordinatorError` with the coordinator's message; a Join refused
-because the run is over, as :class:`RunOverError`.
+as :class:`CoordinatorError` with the coordinator's message (and, for a push
+refused while its island is throttled, the seconds left: ``retry_after_s``); a
+Join refused because the run is over, as :class:`RunOverError`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -34,6 +36,7 @@ from dtrain.wire import (
     HEARTBEAT_DEADLINE_S,
     JOIN_DEADLINE_S,
     MAX_EVIDENCE_DETAIL,
+    RETRY_AFTER_METADATA_KEY,
     RUN_OVER_METADATA_KEY,
     STATUS_DEADLINE_S,
     FrameReceiver,
@@ -61,16 +64,34 @@ M = TypeVar("M", bound=Message)
 class CoordinatorError(DtrainError):
     """The coordinator refused a call (or stayed unreachable past the retry budget)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, details: str = ""):
-        """``details``: gRPC's own text of the last failure, when ``message`` is ours (a call given up)."""
+    def __init__(self, code: grpc.StatusCode, message: str, details: str = "", retry_after_s: float = 0.0):
+        """``details``: gRPC's own text of the last failure, when ``message`` is ours (a call given up).
+        ``retry_after_s`` > 0: the coordinator refuses the same call for that many seconds more, not after (a push
+        while the island is throttled: :func:`retry_after`)."""
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.details = details or message
+        self.retry_after_s = retry_after_s
 
 
 class RunOverError(CoordinatorError):
     """The coordinator refused a Join because the run is over (``str(e)`` says how many versions it merged)."""
+
+
+def retry_after(e: grpc.RpcError) -> float:
+    """The seconds a refusal's trailing metadata says the same call stays refused
+    (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`: a push while its island is throttled after a rejected one);
+    0 when it says nothing, or nothing that is a finite number of seconds >= 0 (then the refusal is an ordinary
+    one)."""
+    for m in e.trailing_metadata() or ():
+        if m.key == RETRY_AFTER_METADATA_KEY:
+            try:
+                seconds = float(m.value)
+            except (TypeError, ValueError):
+                return 0.0
+            return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+    return 0.0
 
 
 def _one_line(text: str) -> str:
@@ -241,7 +262,9 @@ class CoordinatorClient:
                 loaded = busy(e)
                 if code not in RETRYABLE and not loaded:
                     over = what == "join" and any(m.key == RUN_OVER_METADATA_KEY for m in e.trailing_metadata() or ())
-                    raise (RunOverError if over else CoordinatorError)(code, details) from None
+                    if over:
+                        raise RunOverError(code, details) from None
+                    raise CoordinatorError(code, details, retry_after_s=retry_after(e)) from None
                 left = budget - (time.monotonic() - t0)
                 if self.give_up is not None and self.give_up.is_set():
                     raise CoordinatorError(code, f"{what}: the coordinator at {self.address} is unavailable "

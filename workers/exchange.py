@@ -37,6 +37,9 @@ from workers.push_faults import Injection, injected_push
 PULL_WAIT_S = 5.0  # one long poll; repeated until the awaited version arrives
 # A push refused with one of these was not applied and will not be by a retry: the island rewinds and goes on.
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+# A push refused while its island is throttled (a backoff after a rejected push) is sent again once the backoff is
+# over, at most this many times (a backoff only grows with rejections, which need a push the coordinator judged).
+MAX_THROTTLED_WAITS = 8
 # Push replies: the coordinator took the push (it goes, or went, into a version), or it did not (a rewind).
 TAKEN = (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED, pb.PUSH_STATUS_DUPLICATE)
 NOT_TAKEN = (pb.PUSH_STATUS_DROPPED, pb.PUSH_STATUS_REJECTED)
@@ -205,19 +208,36 @@ class Exchange:
 
     def _send(self) -> pb.PushDeltaResponse:
         """Pushes the frame; a refusal (a bad frame, a range outside the bounds, an unknown island: nothing of
-        it was applied, and a retry would be refused too) is answered as REJECTED at its range's start."""
+        it was applied, and a retry would be refused too) is answered as REJECTED at its range's start.
+
+        A push refused because the island is throttled after a rejected push (the refusal names the seconds
+        left: ``CoordinatorError.retry_after_s``) is not answered: its payload was never read, so the exchange
+        waits the backoff out (a ``push_throttled`` event says for how long; the island trains on meanwhile) and
+        sends the same push again, under the same id. Once the coordinator judges it, it is merged like any
+        (late) push, or dropped or rejected and its range trained again; nothing is trained twice for the wait.
+        At most :data:`MAX_THROTTLED_WAITS` waits for one push (then the refusal stands)."""
         h = self.header
-        try:
-            with self.telemetry.span("dtrain.push", parent=self.span, island=h.island_id, push_id=h.push_id,
-                                     base_version=h.base_version, bytes=len(self.frame)) as span:
-                response = self.client.push(h, self.frame)
-                self.telemetry.annotate(span, status=pb.PushStatus.Name(response.status), version=response.version)
-                return response
-        except CoordinatorError as e:
-            if e.code not in REFUSALS:
-                raise
-            self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
-            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
+        waits = 0
+        while True:
+            try:
+                with self.telemetry.span("dtrain.push", parent=self.span, island=h.island_id, push_id=h.push_id,
+                                         base_version=h.base_version, bytes=len(self.frame)) as span:
+                    response = self.client.push(h, self.frame)
+                    self.telemetry.annotate(span, status=pb.PushStatus.Name(response.status),
+                                            version=response.version)
+                    return response
+            except CoordinatorError as e:
+                if e.code not in REFUSALS:
+                    raise
+                if e.retry_after_s > 0 and waits < MAX_THROTTLED_WAITS and not self.stop.is_set():
+                    waits += 1
+                    self.log("push_throttled", push_id=h.push_id, wait_s=round(e.retry_after_s, 3),
+                             start=h.cursor_start, end=h.cursor_end, error=e.message)
+                    if not self.stop.wait(e.retry_after_s):
+                        self.repush.clear()  # heartbeats did not find the push meanwhile: this sends it
+                        continue
+                self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
+                return pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
 
     def _awaited(self) -> int:
         """The version the push goes (or went) into, if the coordinator took it; 0 otherwise."""
