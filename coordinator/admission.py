@@ -214,9 +214,9 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
     coordinate median of the round's pushes, or with fewer than 3 the outer momentum:
     ``coordinator.merger.Merger.direction_cosines``), a cosine below ``coordinator.min_cosine``: in a round of 3
     or more, any push; in a smaller one only a push on probation (``probation``: its island's last push was
-    rejected), since an honest delta late in a run may be all but orthogonal to the momentum (cosines of −0.08 to
-    0.12 in the rounds of a shard taken over in ``tiny``), while a rejected island's reversed pushes point clearly
-    against it. Needs no
+    rejected), and below ``coordinator.probation_min_cosine``, since an honest delta late in a run may be all but
+    orthogonal to the momentum (cosines of −0.08 to 0.12 in the rounds of a shard taken over in ``tiny``), while a
+    rejected island's reversed pushes point clearly against it (−0.19 to −0.49). Needs no
     history in rounds of 3 pushes or more: it holds from the first round on."""
     out: dict[str, str] = {}
     known = [(i, n) for i, n in zip(infos, norms, strict=True) if n > 0]
@@ -228,10 +228,12 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
                                f"its round") for i, n in known if n > bound)
     if cosines is not None and reference:
         flags = list(probation) or [False] * len(infos)
+        floor, name = (c.min_cosine, "min_cosine") if len(infos) >= 3 else \
+            (c.probation_min_cosine, "probation_min_cosine")
         for i, cos, watched in zip(infos, cosines, flags, strict=True):
-            if i.push_id not in out and not cos >= c.min_cosine and (len(infos) >= 3 or watched):
+            if i.push_id not in out and not cos >= floor and (len(infos) >= 3 or watched):
                 out[i.push_id] = (f"quarantined: push {i.push_id} points away from the others: cosine {cos:.3g} "
-                                  f"with {reference}, below min_cosine {c.min_cosine:g}")
+                                  f"with {reference}, below {name} {floor:g}")
     return [(i.push_id, out[i.push_id]) for i in infos if i.push_id in out]
 
 

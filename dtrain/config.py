@@ -263,6 +263,10 @@ class CoordinatorConfig:
     min_cosine: float = _f(0.0, "screened_mean: when a round of 3 or more pushes closes, a push whose cosine with "
                            "the coordinate median of the round's pushes is below this is rejected (quarantined): "
                            "honest deltas point the same way, a reversed one away; in [-1, 1)")
+    probation_min_cosine: float = _f(-0.15, "screened_mean, a round of fewer than 3 pushes: a push from an island "
+                                     "whose last push was rejected is rejected if its cosine with the outer "
+                                     "momentum is below this (honest deltas late in a run are all but orthogonal "
+                                     "to it, -0.08 to 0.12 measured; reversed ones -0.19 to -0.49); in [-1, 1)")
     round_norm_ratio: float = _f(4.0, "when a round closes, a push whose L2 norm exceeds this multiple of the median "
                                  "norm of the round's pushes is rejected (quarantined), from the first round on "
                                  "(rounds of 3 or more pushes); 0: off")
@@ -671,8 +675,10 @@ def _check_merge(cfg: Config, fail: _Fail) -> None:
             fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
     if not (math.isfinite(co.clip_ratio) and co.clip_ratio > 0):
         fail("coordinator", "clip_ratio", f"must be a finite number > 0, got {co.clip_ratio}")
-    if not (math.isfinite(co.min_cosine) and -1 <= co.min_cosine < 1):
-        fail("coordinator", "min_cosine", f"must be a finite number in [-1, 1), got {co.min_cosine}")
+    for name in ("min_cosine", "probation_min_cosine"):
+        value = getattr(co, name)
+        if not (math.isfinite(value) and -1 <= value < 1):
+            fail("coordinator", name, f"must be a finite number in [-1, 1), got {value}")
     if not (math.isfinite(co.round_norm_ratio) and (co.round_norm_ratio == 0 or co.round_norm_ratio > 1)):
         fail("coordinator", "round_norm_ratio", f"must be 0 (off) or a finite number > 1, got {co.round_norm_ratio}")
     if co.norm_window < 1:

@@ -322,6 +322,9 @@ def test_the_round_screen_rejects_a_push_pointing_away_from_the_round():
     one.islands[a].rejections = 1
     (rejected,) = one.screen_round({p.push_id: -0.5}, momentum)
     assert rejected[0] == p.push_id and "cosine -0.5 with the outer momentum" in rejected[1]
+    assert "below probation_min_cosine -0.15" in rejected[1]
+    # an honest push late in a run, all but orthogonal to the momentum: not rejected, even on probation
+    assert one.screen_round({p.push_id: -0.025}, momentum) == []
 
 
 def test_repeated_rejections_quarantine_the_island_and_the_run_ends():

@@ -340,17 +340,17 @@ def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once
     The poisoned island's next push is refused while it is throttled: it waits the backoff out (no rewind for
     that refusal) and sends the same push again.
 
-    The direction screen is off (min_cosine -1): this run's honest pushes late in the run are all but orthogonal
-    to the outer momentum (cosines of -0.007 and -0.025 seen), so with min_cosine 0 the screen of an island on
-    probation rejected the poisoned island's honest retrained pushes in some runs, depending on timing, and
-    quarantined it; the norm screen, which stops the poison, is unaffected."""
+    With the default direction screen: this run's honest pushes late in the run are all but orthogonal to the
+    outer momentum (cosines of -0.007 and -0.025 seen), which a floor of 0 for an island on probation rejected
+    (quarantining the poisoned island, depending on timing); coordinator.probation_min_cosine (-0.15) lets them
+    through."""
     from dtrain.runlog import read_events
     from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import run_simulation
 
     cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                       "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
-                                      "coordinator.grace_s=60", "coordinator.min_cosine=-1"])
+                                      "coordinator.grace_s=60"])
     faults = [parse_fault("nan:island-1@v3", 2), parse_fault("poison:island-0@v5", 2)]
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600,
                        faults=faults)
