@@ -309,10 +309,14 @@ class Worker:
         ``{"island", "run_over"}`` if the coordinator refuses the Join because the run is over."""
         t_start = time.perf_counter()
         self.guard.start()
-        if self.hosts.alone:  # the first chunk's programs now, the rest while the first chunk trains
+        if self.hosts.alone and self.schedule.round_seconds >= 0:
+            # the first chunk's programs now, the rest while the first chunk trains
             precompile_first(self.setup, self.schedule)
             self._deferred = Deferred(self.name, lambda: precompile_rest(self.setup, self.schedule))
-        else:  # an island of several processes compiles in step with its other processes
+        else:
+            # An island of several processes compiles in step with its other processes. With auto rounds round 1
+            # lasts until every island has timed its training: a wait for compiles after the first chunk would
+            # hold every island's round 1 open (and fill it with the fast islands' tokens) meanwhile.
             precompile(self.setup, self.schedule)
         self._mark("compile")
         ckpt = self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=1)
