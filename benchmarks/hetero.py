@@ -11,18 +11,15 @@ one invocation on one machine, all with the same total tokens:
                   ``train.base_batch_size`` = B, so every shard holds R x H x B sequences and each island takes
                   R x H x B / its batch steps; step rounds of H steps of B sequences (each round the same
                   tokens per island: the slow islands make the others wait).
-  (c) auto        the islands of (b) with ``worker.round_seconds = auto``: a round lasts H_c steps of B
-                  sequences of the slowest island (``outer.inner_steps`` = H_c; auto_round_seconds), each island
-                  training for the round's wall time at its own speed, its pushes weighted by their tokens. An
-                  island's token rate goes as speed x batch (its devices in proportion): with rel_i = speed_i x
-                  batch_i, H_c = n x H x min(rel) / sum(rel), rounded, so that a round brings in about the tokens
-                  of a round of (a), and V = n x R x H x min(rel) / (H_c x sum(rel)) rounds (about R) give the
-                  same total tokens as (a) and (b) (to within the rounding of H_c and V, the rates measured and
-                  round 1, which lasts until every island has timed a chunk: the slow islands get
-                  ``train.steps_per_call`` x speed, at least 4, to keep it short): the same number of outer
-                  steps on the same tokens, so the loss compares. ``warmup_steps`` is scaled to the same fraction
-                  of the run as in (a); each island stretches its lr schedule to the steps it takes at its own
-                  rate (workers/pacing.py), with no recompilation (the schedule is an input of the step).
+  (c) auto        the islands of (b) with ``worker.round_seconds = auto``: a round lasts as long as the islands,
+                  at their measured token rates, take together for the tokens of H steps of B sequences per
+                  island (auto_round_seconds), each island training for the round's wall time at its own speed,
+                  its pushes weighted by their tokens; R rounds, so the same total tokens as (a) and (b) (to
+                  within the rates' drift after round 1 and round 1 itself, which lasts until every island has
+                  timed a chunk: the slow islands get ``train.steps_per_call`` x speed, at least 4, to keep it
+                  short): the same number of outer steps on the same tokens, so the loss compares. Each island
+                  stretches its lr schedule to the steps it takes at its own rate (workers/pacing.py), with no
+                  recompilation (the schedule is an input of the step).
 
 Per run: wall time (the longest island's training time, start-up and compilation left out), each island's
 utilization (time in inner steps / training wall time, the summary's ``utilization``), tokens per island and the
@@ -117,19 +114,15 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
     warmup = min(cfg.train.warmup_steps, r * h - 1)
     cfg = config_mod.replace(cfg, train={**common["train"], "warmup_steps": warmup}, outer=common["outer"])
     same = [f"island-{i}:host_devices={args.devices[0]}" for i in range(n)]
-    # an island's token rate goes as its speed x its batch (its devices, in proportion); short chunks for the
-    # slow islands, so that auto's round 1 (which lasts until every island has timed a chunk) is not long
-    rel = [sp * b for sp, b in zip(args.speeds, args.batches, strict=True)]
+    # short chunks for the slow islands, so that auto's round 1 (which lasts until every island has timed a
+    # chunk) is not long
     per_call = [max(min(cfg.train.steps_per_call, round(cfg.train.steps_per_call * sp)), 4) for sp in args.speeds]
     differ = [f"island-{i}:train.batch_size={b},host_devices={d},slowdown={1 / sp:g}"
               + (f",train.steps_per_call={k}" if k != cfg.train.steps_per_call else "")
               for i, (b, d, sp, k) in enumerate(zip(args.batches, args.devices, args.speeds, per_call, strict=True))]
-    h_c = max(round(n * h * min(rel) / sum(rel)), 1)
-    versions = max(round(n * r * h * min(rel) / (h_c * sum(rel))), 1)
-    steps_c = versions * h_c
-    auto = config_mod.replace(cfg, train={"steps": steps_c, "warmup_steps": min(round(warmup * steps_c / (r * h)),
-                                                                                 steps_c - 1)},
-                              outer={"inner_steps": h_c}, worker={"round_seconds": config_mod.ROUND_AUTO})
+    # auto rounds carry H base steps per island (the islands' rates measured, whatever they are): R of them train
+    # (a)'s tokens; the lr schedules are stretched per island (workers.pacing.retimed)
+    auto = config_mod.replace(cfg, worker={"round_seconds": config_mod.ROUND_AUTO})
     runs = {"identical": (cfg, same), "steps": (cfg, differ), "auto": (auto, differ)}
     for run_cfg, specs in runs.values():
         parse_islands(specs, n, run_cfg)
@@ -207,8 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = len(args.speeds)
     work = Path(tempfile.mkdtemp(prefix="dtrain-hetero-"))
     log(f"config {args.config}: {n} islands, speeds {args.speeds}, batches {args.batches}, devices {args.devices}, "
-        f"H={args.inner_steps}, R={args.rounds}; auto: H_c={runs['auto'][0].outer.inner_steps}, "
-        f"{runs['auto'][0].rounds} versions; runs under {work}")
+        f"H={args.inner_steps}, R={args.rounds}; runs under {work}")
     results = {}
     try:
         for name, (run_cfg, specs) in runs.items():

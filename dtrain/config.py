@@ -307,11 +307,12 @@ class WorkerConfig:
     overlap: bool = _f(True, "keep training while a push/pull is in flight; fold the new θ in on arrival")
     max_overlap_steps: int = _f(5, "with overlap: inner steps an island may take past a push before it waits "
                                 "for the new θ (Streaming DiLoCo: tau <= 5; larger trades quality for idle time); "
-                                "with round_seconds = auto, every island may train on as long as the slowest "
-                                "takes for this many steps of train.base_batch_size sequences")
+                                "with round_seconds = auto, every island may train on past a push for this share "
+                                "of outer.inner_steps of the round (and at least this many of its own steps)")
     round_seconds: float = _f(0.0, "> 0: a round is this many seconds of training (H differs per island); "
-                              "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds as long as the slowest "
-                              "island takes for outer.inner_steps steps of train.base_batch_size sequences, from the "
+                              "0: outer.inner_steps steps; 'auto' (-1): wall-time rounds in which the islands together "
+                              "train the tokens of outer.inner_steps steps of train.base_batch_size sequences per "
+                              "island (so train.steps / outer.inner_steps rounds train the run's tokens), from the "
                               "islands' token rates measured in round 1's training (round 1 lasts until every "
                               "island has one; an island that joins later takes the run's length)")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "

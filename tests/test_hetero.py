@@ -74,16 +74,18 @@ def test_lr_schedules_of_different_batches_end_together_by_tokens() -> None:
         assert float(lr_schedule(big)(tokens_done // 8)) == pytest.approx(float(lr_schedule(small)(tokens_done // 2)))
 
 
-def test_auto_round_is_h_base_steps_of_the_slowest_and_retimes_the_schedule() -> None:
+def test_auto_round_carries_h_base_steps_per_island_and_retimes_the_schedule() -> None:
     cfg = _tiny("outer.inner_steps=10", "worker.round_seconds=auto")
     seconds = auto_round_seconds(cfg, [4096.0, 1024.0])
-    assert seconds == pytest.approx(10 * 8 * 32 / 1024)  # H x base batch x seq_len / the slowest rate
+    # islands x H x base batch x seq_len / the sum of the rates: together they train 2 x 10 base steps a round
+    assert seconds == pytest.approx(2 * 10 * 8 * 32 / 5120)
+    assert (4096.0 + 1024.0) * seconds / (8 * 32) == pytest.approx(2 * 10)
     fast, slow = retimed(cfg, seconds, 6 * seconds, 4096.0), retimed(cfg, seconds, 6 * seconds, 1024.0)
-    assert (fast.train.steps, slow.train.steps) == (240, 60)  # 4x the rate: 4x the steps in the same rounds
-    assert fast.train.warmup_steps == 4 * slow.train.warmup_steps == 20
+    assert (fast.train.steps, slow.train.steps) == (96, 24)  # 4x the rate: 4x the steps in the same rounds
+    assert fast.train.steps + slow.train.steps == 6 * 2 * 10  # 6 rounds of 2 x H base steps
     assert fast.worker.round_seconds == seconds
     # resolved in round 1 after 30 steps of the base batch: those, and the steps the time left holds
-    assert retimed(cfg, seconds, 5 * seconds, 1024.0, done=30).train.steps == 30 + 50
+    assert retimed(cfg, seconds, 5 * seconds, 1024.0, done=30).train.steps == 30 + 20
     with pytest.raises(ValueError):
         auto_round_seconds(cfg, [])
 
@@ -142,7 +144,8 @@ def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
     fast, slow = islands["island-0"], islands["island-1"]
     assert fast["round_seconds"] == slow["round_seconds"] > 0
     assert fast["measured_tokens_per_s"] > 1.5 * slow["measured_tokens_per_s"]
-    assert fast["round_seconds"] == pytest.approx(auto_round_seconds(cfg, [slow["measured_tokens_per_s"]]))
+    assert fast["round_seconds"] == pytest.approx(auto_round_seconds(
+        cfg, [fast["measured_tokens_per_s"], slow["measured_tokens_per_s"]]))
     assert fast["tokens"] > 1.5 * slow["tokens"]
     assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
     for name in ("island-0", "island-1"):

@@ -383,7 +383,7 @@ class Worker:
 
     def _auto_rounds(self, island: Island, r: Round, status: IslandStatus) -> None:
         """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
-        reports one (Status, asked by process 0), the round length from the slowest, and the lr schedule stretched
+        reports one (Status, asked by process 0), the round length from their sum, and the lr schedule stretched
         to this island's steps in the run (:func:`workers.pacing.retimed`) from the next chunk on: the schedule is
         an input of the compiled step (:meth:`dtrain.train.InnerLoop.retime`), so nothing compiles (a remesh
         rebuilds the loop from the same config). Until then nothing changes: round 1 goes on."""
@@ -421,7 +421,7 @@ class Worker:
                        round1_s=round(since, 3), decided=bool(answer["decided"]),
                        overlap_steps=self.schedule.overlap_steps)
         why = ("the run's, decided before this island measured" if answer["decided"] else
-               f"the slowest of {len(measured)} islands: {min(measured):,.0f} tokens/s")
+               f"{len(measured)} islands, {sum(measured):,.0f} tokens/s together")
         self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s ({why}; this one {own:,.0f} tokens/s, "
                           f"measured in training); lr schedule over {steps} steps")
         self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)

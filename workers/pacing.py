@@ -14,11 +14,13 @@
   Status).
 - **The auto round length** (:func:`auto_round_seconds`): round 1 of an auto run has no length yet: every
   island trains on and, at each chunk boundary once its own rate is known, reads the others' from Status
-  (process 0 asks). When every live island has one it takes ``round_seconds = outer.inner_steps x
-  train.base_batch x model.seq_len / the slowest rate``: the time the slowest island needs for H steps of the
-  run's batch. Every island reads the same rates (each reported unchanged to the end), so all take the same
-  length; round 1 then ends at that length after the start, or at once if that moment has passed (round 1 is
-  at least as long as the slowest island's measurement). Nobody waits for the measurement: the fast islands
+  (process 0 asks). When every live island has one it takes ``round_seconds = islands x outer.inner_steps x
+  train.base_batch x model.seq_len / the sum of the rates``: the time in which the islands together train the
+  tokens of H steps of the run's batch per island, so a round brings in what a step round would and the run's
+  ``train.steps`` / H rounds train its tokens whatever the speeds (the slowest island takes fewer than H steps
+  a round, the fast ones more). Every island reads the same rates (each reported unchanged to the end), so all
+  take the same length; round 1 then ends at that length after the start, or at once if that moment has passed
+  (round 1 is at least as long as the slowest island's measurement). Nobody waits for the measurement: the fast islands
   train through it. Each island reports the length it took in its heartbeats, and the coordinator keeps the first
   (``StatusResponse.round_seconds``): an island that joins later (or comes back) takes the run's length as it is
   rather than one of its own.
@@ -103,17 +105,20 @@ class RateMeter:
 
 
 def auto_round_seconds(cfg: Config, rates: Sequence[float]) -> float:
-    """``worker.round_seconds = auto``: the time the slowest of the islands' token ``rates`` takes for
-    ``outer.inner_steps`` steps of ``train.base_batch`` sequences."""
+    """``worker.round_seconds = auto``: the time in which the islands of token ``rates``, together, train the tokens
+    of ``outer.inner_steps`` steps of ``train.base_batch`` sequences per island (each island's steps then go as
+    its rate, the mean island's are H): a round brings in the tokens of a step round, so ``train.steps`` /
+    ``outer.inner_steps`` rounds train the run's tokens whatever the islands' speeds."""
     if not rates or min(rates) <= 0:
         raise ValueError(f"auto round length: needs every island's measured rate, got {list(rates)}")
-    return cfg.outer.inner_steps * cfg.train.base_batch * cfg.model.seq_len / min(rates)
+    return len(rates) * cfg.outer.inner_steps * cfg.train.base_batch * cfg.model.seq_len / sum(rates)
 
 
 def overlap_seconds(cfg: Config, round_seconds: float) -> float:
-    """``worker.round_seconds = auto``: the overlap budget of every island, in seconds: ``worker.max_overlap_steps``
-    steps of ``train.base_batch`` sequences at the slowest island's rate (a round of ``round_seconds`` is
-    ``outer.inner_steps`` of them), so that the slowest island and a fast one may train on as long past a push."""
+    """``worker.round_seconds = auto``: the overlap budget of every island, in seconds: the share τ / H of the round
+    (``worker.max_overlap_steps`` / ``outer.inner_steps``, as a step round's τ steps of H), so that a fast island
+    trains on past a push as long as the mean island may (the slowest island keeps τ of its own steps at least:
+    ``workers.rounds.Schedule.overlap_for``)."""
     return cfg.worker.max_overlap_steps * round_seconds / cfg.outer.inner_steps if cfg.worker.overlap else 0.0
 
 

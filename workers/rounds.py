@@ -81,8 +81,8 @@ class Schedule:
     def overlap_for(self, round_seconds: float, tau_seconds: float) -> Schedule:
         """Wall-time rounds of ``round_seconds``, with the measured step time: the schedule whose overlap budget
         is at least ``tau_seconds`` of this island's steps (never fewer steps than τ). Auto rounds give every
-        island the same time, τ steps of the slowest (``workers.pacing.overlap_seconds``), not the same steps:
-        a fast island's τ steps would be over long before the slowest island's push arrived."""
+        island the same time, the share τ / H of the round (``workers.pacing.overlap_seconds``), not the same
+        steps: a fast island's τ steps would be over long before the slowest island's push arrived."""
         steps = self.overlap_steps
         if self.overlap and self.step_s > 0 and tau_seconds > 0:
             steps = max(steps, math.ceil(tau_seconds / self.step_s))
