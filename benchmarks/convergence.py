@@ -117,12 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
     N = args.islands
     T = H * R
     fragments_on = "sparse" in args.codecs.split(",") and (args.fragments or 4) > 1
+    no_fragments = ""  # said once the config and data are known good (a bad one is one line)
     if fragments_on and H % (args.fragments or 4):
         if args.fragments:
             raise config.ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
                                      f"to a multiple, or --fragments 1 for no fragments variant)")
         fragments_on = False
-        log(f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)")
+        no_fragments = f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)"
     args.fragments = args.fragments or 4
     base = load_config(args.config, args.overrides)
     B = base.train.batch_size
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     streams = [sh.stream for sh in s.shards]
     log(f"model {s.n_params:,} params; corpus {s.corpus.description}; N={N} B={B}x{base.model.seq_len} "
         f"W={W} H={H} R={R} T={T}")
+    if no_fragments:
+        log(no_fragments)
 
     params0 = s.loop.init_params(base.run.seed)
     if W > 0:
