@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from grpc_health.v1 import health, health_pb2
 
@@ -72,6 +72,14 @@ class RoundsLoop:
 
     # -- merges -------------------------------------------------------------------------------------
 
+    def _paced(self, version: int) -> dict[str, Any]:
+        """The ``round_merged`` event's pacing fields (``worker.round_seconds = auto``, sync rounds: the length given
+        to the round that starts from ``version`` and the run's tokens budget, ``coordinator.pacing``)."""
+        pace = self.state.pace
+        if pace is None or not pace.seconds_at(version):
+            return {}
+        return {"next_round_s": round(pace.seconds_at(version), 4), "budget_tokens": pace.budget}
+
     def merge_if_ready(self, now: float) -> None:
         """Merges the open round if the state says it is ready: the outer step, its ``round_merged`` event, the
         checkpoint. A step found non-finite rejects the push to blame and tries again; any other failure is
@@ -121,7 +129,7 @@ class RoundsLoop:
                                    else {})}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest,
-                       merge_s=round(time.perf_counter() - t0, 6), **fragment)
+                       merge_s=round(time.perf_counter() - t0, 6), **fragment, **self._paced(version))
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
             with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
                 self.ckpt.save_files(version, self.merger.state_files(),

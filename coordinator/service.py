@@ -553,6 +553,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 request.island_id, version, final, self.cfg.coordinator.eval_every, self.clock(),
                 live=[r.island_id for r in self.state.live()])
             self.history.island(request.island_id).last_seen = self.clock()
+            pace = self.state.pace
+            paced = {f[2]: pace.seconds_at(f[2]) for f in frames} if pace is not None else {}
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
                                                       base_version=version, tree_digest=self.tree_digest))
@@ -565,7 +567,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield pb.PullMessage(header=pb.PullHeader(
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
-                    evaluate=evaluate and v == version))
+                    evaluate=evaluate and v == version, round_seconds=paced.get(v, 0.0)))
                 yield from file_chunk_messages(handle, piece)
                 with self.lock:
                     self.counters.bytes_out += size

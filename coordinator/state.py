@@ -84,10 +84,10 @@ from coordinator import admission, quorum, snapshot
 from coordinator.bindings import Bindings
 from coordinator.ledger import PushLedger
 from coordinator.membership import Membership, check_identity
+from coordinator.pacing import Pace
 from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, Segment, StateError, StateOptions
 from dtrain import schema
-
-MAX_ROUND_S = 86400.0  # an auto round length an island may report (a day: longer is a broken clock or a lie)
+from dtrain.wire import MAX_ROUND_S
 
 
 class CoordinatorState:
@@ -111,6 +111,7 @@ class CoordinatorState:
         # worker.round_seconds = auto: the run's round length, the first an island reported since this start (every
         # island reports its own in each heartbeat, so a restarted coordinator learns it again from the first one)
         self.round_seconds = 0.0
+        self.pace: Pace | None = None  # and from then on (sync rounds) each round's length (coordinator.pacing)
         self.quarantined_islands: list[tuple[str, str]] = []  # (island_id, why) quarantined since take_quarantined
 
     # -- queries ------------------------------------------------------------------------------------
@@ -230,6 +231,11 @@ class CoordinatorState:
                                         over=self._over(), tokens_per_s=tokens_per_s)
         if round_seconds and not self.round_seconds and self.islands[island_id].state == "live":
             self.round_seconds = float(round_seconds)
+            if self.opts.coordinator.mode == "sync":  # the rounds after the first are paced (coordinator.pacing)
+                o = self.opts
+                self.pace = Pace(self.round_seconds,
+                                 o.islands * max(o.round_steps // o.fragments, 1) * o.batch_size * o.seq_len,
+                                 o.total_versions, sum(r.tokens_per_s for r in self.live()))
         return answer
 
     def expire(self, now: float) -> list[tuple[str, str]]:
@@ -356,6 +362,8 @@ class CoordinatorState:
         tokens = sum(info.tokens for info in merged)
         self.deltas_merged += len(merged)
         self.tokens_merged += tokens
+        if self.pace is not None:
+            self.pace.committed(self.version, now, self.tokens_merged)
         done = ""
         if self.stopped():
             self._stopped_at = float(now)

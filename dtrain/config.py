@@ -314,7 +314,8 @@ class WorkerConfig:
                               "train the tokens of outer.inner_steps steps of train.base_batch_size sequences per "
                               "island (so train.steps / outer.inner_steps rounds train the run's tokens), from the "
                               "islands' token rates measured in round 1's training (round 1 lasts until every "
-                              "island has one; an island that joins later takes the run's length)")
+                              "island has one; an island that joins later takes the run's length); in sync mode "
+                              "the coordinator then paces each later round so the run merges that many tokens")
     start_wait_s: float = _f(60.0, "before the first step, wait up to this long for outer.islands islands to "
                              "have joined, so round 1 starts together (0: start at once)")
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (at most half of coordinator.lease_s)")

@@ -80,6 +80,7 @@ PROBES = ("known_answer", "finite", "stats", "replay")
 MAX_EVIDENCE_DETAIL = 512
 MAX_EVAL_REPORTS = 16  # EvalReports one heartbeat may carry (an island sends its oldest first)
 MAX_EVIDENCE = 4096
+MAX_ROUND_S = 86400.0  # an auto round length on the wire, either way (a day: longer is a broken clock or a lie)
 
 
 class WireError(ValueError):

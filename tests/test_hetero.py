@@ -134,7 +134,8 @@ def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_pa
 @pytest.mark.slow
 def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
     """``worker.round_seconds = auto`` through a real coordinator: island-1 3x slower; each island times a chunk of
-    real training and both take the same round length from the slower rate; nothing lost or doubled."""
+    real training and both take the same round length from the slower rate, then the lengths the coordinator
+    paces each version with; nothing lost or doubled."""
     cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=200", "outer.inner_steps=20",
                 "worker.round_seconds=auto", "worker.heartbeat_s=0.5")
     specs = parse_islands(["island-1:slowdown=3"], 2, cfg)
@@ -148,9 +149,16 @@ def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
         cfg, [fast["measured_tokens_per_s"], slow["measured_tokens_per_s"]]))
     assert fast["tokens"] > 1.5 * slow["tokens"]
     assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
+    # Rounds 2 on are paced by the coordinator (coordinator.pacing): every island takes the length it gave.
+    given = {e["version"]: e["next_round_s"] for e in read_events(Path(s["run_dir"]))
+             if e["event"] == "round_merged" and "next_round_s" in e}
+    assert set(given) == set(range(1, 10))  # every version but the last starts a paced round
     for name in ("island-0", "island-1"):
-        events = [e["event"] for e in read_events(Path(s["run_dir"]) / "islands" / name)]
-        assert events.count("rate") == 1 and events.count("auto_rounds") == 1
+        events = list(read_events(Path(s["run_dir"]) / "islands" / name))
+        kinds = [e["event"] for e in events]
+        assert kinds.count("rate") == 1 and kinds.count("auto_rounds") == 1
+        taken = {e["version"]: e["round_seconds"] for e in events if e["event"] == "paced"}
+        assert taken and all(taken[v] == pytest.approx(given[v], abs=1e-4) for v in taken)
 
 
 def test_the_run_keeps_the_first_auto_round_length_an_island_reports() -> None:
@@ -174,3 +182,46 @@ def test_the_run_keeps_the_first_auto_round_length_an_island_reports() -> None:
     c, *_ = join_all(steps)
     unchanged(steps, lambda: steps.heartbeat(c, 0, 0, 0, 0.0, "", (), T0 + 1, round_seconds=5.0),
               "INVALID_ARGUMENT", "step rounds")
+
+
+def test_the_pace_takes_round_1s_surplus_off_the_rounds_after_it_and_follows_the_measured_rate() -> None:
+    """``coordinator.pacing``: round 1 of an auto run brought in 3 versions' worth of tokens; the rounds after it
+    are shortened so the run's budget (total_versions x a step round's tokens) is met at its last version, at the
+    rate measured between commits, less the lag between a round's deadline and the next commit."""
+    from coordinator.pacing import MAX_FACTOR, MIN_FACTOR, Pace
+
+    pace = Pace(base_s=4.0, version_tokens=1000, total_versions=11, plan_rate=250.0)
+    assert pace.budget == 11_000 and pace.seconds_at(1) == 0.0  # round 1: the islands' own length
+    assert pace.committed(1, 100.0, 3000) == pytest.approx(8000 / 10 / 250)  # 3.2 s, not 4
+    # Version 2 came 4.2 s later with 1050 tokens (250 tokens/s): 1.0 s lag beyond the 3.2 s given.
+    rate, lag = 1050 / 4.2, 4.2 - 3.2
+    assert pace.committed(2, 104.2, 4050) == pytest.approx((11_000 - 4050) / 9 / rate - lag)
+    # Rates far off are followed within [1/4, 4] x round 1's length; the last version gives no next round.
+    assert pace.committed(3, 200.0, 4100) == MAX_FACTOR * 4.0
+    assert pace.committed(4, 200.5, 20_000) == MIN_FACTOR * 4.0
+    assert pace.committed(11, 300.0, 11_000) == 0.0
+    assert set(pace.commits) == {11}  # only the window before the next version is kept
+    with pytest.raises(ValueError, match="round 1's length must be > 0"):
+        Pace(base_s=0.0, version_tokens=1, total_versions=1, plan_rate=0.0)
+
+
+def test_a_run_of_auto_rounds_is_paced_from_the_first_length_an_island_reports() -> None:
+    """Sync auto rounds: the coordinator adopts the first reported length with the live islands' rates and paces
+    each round it commits; async runs (every push a version) and step rounds are not paced."""
+    from state_helpers import T0, join_all, make
+
+    st = make("worker.round_seconds=auto")
+    ids = join_all(st)
+    for i in ids:
+        st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + 1, tokens_per_s=1000.0)
+    st.heartbeat(ids[0], 0, 0, 0, 0.0, "", (), T0 + 2, round_seconds=5.0)
+    pace = st.pace
+    assert pace is not None and pace.base_s == 5.0 and pace.plan_rate == 1000.0 * len(ids)
+    o = st.opts
+    assert pace.version_tokens == o.islands * o.round_steps * o.batch_size * o.seq_len
+    assert pace.total_versions == o.total_versions
+    assert make().pace is None
+    st_async = make("worker.round_seconds=auto", "coordinator.mode=async")
+    a = join_all(st_async)[0]
+    st_async.heartbeat(a, 0, 0, 0, 0.0, "", (), T0 + 2, round_seconds=5.0)
+    assert st_async.round_seconds == 5.0 and st_async.pace is None

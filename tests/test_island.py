@@ -485,3 +485,17 @@ def test_the_clock_leaves_start_up_waits_out_and_counts_blocked_and_eval_time_ag
     assert clock.utilization() == pytest.approx(1 - 1.2 / clock.active_s)
     clock.exclude(1.0)  # outside a _train call: nothing to leave out
     assert 5.9 < clock.active_s < 6.5
+
+
+def test_a_pulled_round_length_is_kept_and_a_hostile_one_refused():
+    """``PullHeader.round_seconds``: the length of the round starting from the version pulled (auto rounds) is kept
+    with θ; a negative, non-finite or over-a-day length is refused like a digest mismatch, naming it."""
+    theta = random_vec(0)
+    paced = full_pull(4, theta)
+    paced.header.round_seconds = 3.5
+    assert Puller(FakeClient([[paced]]), N, 1 << 20, Events()).pull("a-0", None).round_seconds == 3.5
+    for bad in (-1.0, float("nan"), float("inf"), 1e6):
+        frame = full_pull(4, theta)
+        frame.header.round_seconds = bad
+        with pytest.raises(WorkerError, match=r"v4 came with round_seconds=.*must be in \[0, 86400\]"):
+            Puller(FakeClient([[frame]] * 2), N, 1 << 20, Events()).pull("a-0", None)

@@ -30,6 +30,7 @@ from dtrain.errors import DtrainError
 from dtrain.model import Params
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.telemetry import Telemetry
+from dtrain.wire import MAX_ROUND_S
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
 from workers.hosts import HostGroup
 from workers.push_faults import Injection, injected_push
@@ -80,6 +81,8 @@ class GlobalParams:
     version: int
     arrived: float = 0.0  # time.perf_counter() when it arrived (wall-time rounds are timed from it)
     digest: str = ""  # its params digest, as verified against the coordinator's on arrival ("" if not checked here)
+    round_seconds: float = 0.0  # auto rounds: the length of the round that starts from it (PullHeader.round_seconds;
+    #                             0: none given)
 
 
 class Puller:
@@ -154,7 +157,10 @@ class Puller:
                 self.log("digest_mismatch", version=h.version)
                 return g, (f"v{h.version} decodes to params digest {digest}, the coordinator's θ has "
                            f"{h.params_digest}")
-            g.digest = digest
+            if not 0 <= h.round_seconds <= MAX_ROUND_S:  # NaN fails too
+                return g, (f"v{h.version} came with round_seconds={h.round_seconds!r}: must be in "
+                           f"[0, {MAX_ROUND_S:g}]")
+            g.digest, g.round_seconds = digest, h.round_seconds
             if h.evaluate:  # verified: the exact global θ_version (g.vec is a new array, never changed in place)
                 with self._lock:
                     self._to_evaluate[g.version] = g

@@ -236,6 +236,9 @@ class Worker:
         # the start timed by phase (run_worker's, which timed the phases before this); done at the first step
         self.startup: Startup | None = startup or Startup(None, imports=False)
         self._deferred: Deferred | None = None  # compiling that waits for the first chunk (run)
+        # auto rounds: when the length was decided and the island's steps then; the last version paced
+        self._since_decided: tuple[float, int] | None = None
+        self._paced_version = 0
         self.slowdown = Slowdown(slowdown)  # testing: emulated slower hardware (workers.pacing)
         # Push faults need nothing of the other processes: process 0 alone sends the island's pushes (_push).
         if not self.hosts.alone and (cfg.health.enabled or device_fault is not None):
@@ -407,17 +410,11 @@ class Worker:
         own = measured[-1]
         seconds = answer["decided"] or auto_round_seconds(self.cfg, measured)
         status.round_seconds = seconds  # reported from now on: the run's length for an island that joins later
-        versions = self.mailbox.total_versions or self.cfg.rounds
         since = time.perf_counter() - r.anchor.arrived
-        left = max(seconds - since, 0.0) + max(versions - r.anchor.version - 1, 0) * seconds
-        t = self.cfg.train
-        cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
-        self.schedule = self.schedule.overlap_for(seconds, overlap_seconds(self.cfg, seconds))
-        self.guard.cfg = cfg  # a remesh rebuilds the loop with the stretched schedule
-        self.setup.loop.retime(cfg)
-        steps = cfg.train.island_steps(cfg.train.steps)
+        self._since_decided = (time.perf_counter(), island.steps)  # the rate the later retimes take is from here
+        steps = self._retime(island, seconds, r.anchor.version, since, own)
         self.log.event("auto_rounds", round_seconds=round(seconds, 3), rates=[round(x, 1) for x in measured],
-                       tokens_per_s=round(own, 1), schedule_steps=steps, versions=versions,
+                       tokens_per_s=round(own, 1), schedule_steps=steps, versions=self._versions(),
                        round1_s=round(since, 3), decided=bool(answer["decided"]),
                        overlap_steps=self.schedule.overlap_steps)
         why = ("the run's, decided before this island measured" if answer["decided"] else
@@ -425,6 +422,47 @@ class Worker:
         self.log.progress(f"{self.name}: auto rounds of {seconds:.2f}s ({why}; this one {own:,.0f} tokens/s, "
                           f"measured in training); lr schedule over {steps} steps")
         self.run_end.extra.update(round_seconds=seconds, measured_tokens_per_s=own)
+
+    def _versions(self) -> int:
+        return self.mailbox.total_versions or self.cfg.rounds
+
+    def _retime(self, island: Island, seconds: float, version: int, since: float, own: float) -> int:
+        """Auto rounds: rounds of ``seconds`` from the one that started ``since`` seconds ago from θ_``version``
+        on, and the lr schedule stretched over the steps this island takes at ``own`` tokens/s to the run's end
+        (:func:`workers.pacing.retimed`; nothing compiles: :meth:`dtrain.train.InnerLoop.retime`; a remesh
+        rebuilds the loop from the same config). Returns the schedule's steps."""
+        left = max(seconds - since, 0.0) + max(self._versions() - version - 1, 0) * seconds
+        t = self.cfg.train
+        cfg = retimed(self.cfg, seconds, left, own, done=island.steps * t.batch_size / t.base_batch)
+        self.schedule = self.schedule.overlap_for(seconds, overlap_seconds(self.cfg, seconds))
+        self.guard.cfg = cfg
+        self.setup.loop.retime(cfg)
+        return cfg.train.island_steps(cfg.train.steps)
+
+    def _paced(self, island: Island, anchor: GlobalParams) -> None:
+        """Auto rounds, once this island has a length: a θ that came with the length of the round starting from
+        it (``PullHeader.round_seconds``, the coordinator's pacing: ``coordinator.pacing``) sets the round
+        length from now on, and the lr schedule is stretched again at the island's rate since the length was
+        decided (process 0's: the same numbers on every process). Once per version."""
+        if (self.schedule.round_seconds <= 0 or anchor.round_seconds <= 0 or anchor.version <= self._paced_version
+                or self._since_decided is None):
+            return
+        self._paced_version = anchor.version
+        t0, steps0 = self._since_decided
+        t = self.cfg.train
+
+        def rate() -> float:
+            elapsed, done = time.perf_counter() - t0, island.steps - steps0
+            measured = self.rate.tokens_per_s if self.rate is not None else 0.0
+            return done * t.batch_size * self.cfg.model.seq_len / elapsed if elapsed > 1.0 and done else measured
+
+        own = float(self.hosts.lead(rate))
+        if own <= 0:
+            return
+        seconds = anchor.round_seconds
+        steps = self._retime(island, seconds, anchor.version, time.perf_counter() - anchor.arrived, own)
+        self.log.event("paced", version=anchor.version, round_seconds=round(seconds, 4), tokens_per_s=round(own, 1),
+                       schedule_steps=steps)
 
     def _train(self, island: Island, anchor: GlobalParams, status: IslandStatus,
                ckpt: Checkpointer) -> tuple[GlobalParams, Pending | None, int]:
@@ -439,6 +477,7 @@ class Worker:
             first = False
             if self._deferred is None:  # the eval is among the deferred programs: never compiled mid-round
                 self.evaluator.requested()
+            self._paced(island, r.anchor)
             rewind = self.membership.take_rewind()
             if rewind is not None:
                 r.anchor, moved = self._rewind(island, r.anchor, r.pending, status, rewind, r.start[0])

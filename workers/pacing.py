@@ -24,9 +24,16 @@
   train through it. Each island reports the length it took in its heartbeats, and the coordinator keeps the first
   (``StatusResponse.round_seconds``): an island that joins later (or comes back) takes the run's length as it is
   rather than one of its own.
+- **The rounds after the first, paced** (sync rounds; ``coordinator.pacing``): round 1 carries several rounds'
+  tokens (the fast islands train through the measurement) and the rates measured in it are not the run's, so the
+  coordinator gives each version it commits the length of the round that starts from it
+  (``PullHeader.round_seconds``), such that the run merges ``train.steps`` / H step rounds' tokens by its last
+  version; the island takes it with the θ (:meth:`workers.island.Worker._paced`) and stretches its lr
+  schedule again at its rate since round 1.
 - **The lr schedule by tokens** (:func:`retimed`): with wall-time rounds an island's step count is its speed x the
   run's length, so its schedule is stretched to the steps it will take at its rate in what is left of the
-  run's ``total_versions`` rounds: every island's schedule ends with the run. The schedule's numbers are an
+  run's ``total_versions`` rounds (at each paced round again, at the rate the island kept since round 1): every
+  island's schedule ends with the run. The schedule's numbers are an
   input of the compiled step (``InnerLoop.retime``): stretching it compiles nothing. The stretched config is the
   one the island's inner loop is rebuilt from after a remesh too.
 """

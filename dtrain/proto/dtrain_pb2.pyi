@@ -252,7 +252,7 @@ class PullRequest(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., have_version: _Optional[int] = ..., full: _Optional[bool] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest", "evaluate")
+    __slots__ = ("kind", "version", "base_version", "tree_digest", "total_bytes", "frame_crc32", "chunks", "params_digest", "evaluate", "round_seconds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class PullHeader(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     kind: PullKind
     version: int
     base_version: int
@@ -271,7 +272,8 @@ class PullHeader(_message.Message):
     chunks: int
     params_digest: str
     evaluate: bool
-    def __init__(self, kind: _Optional[_Union[PullKind, str]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., params_digest: _Optional[str] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    round_seconds: float
+    def __init__(self, kind: _Optional[_Union[PullKind, str]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., params_digest: _Optional[str] = ..., evaluate: _Optional[bool] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
