@@ -27,15 +27,17 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median); and, with
   ``merge_rule`` ``screened_mean``, a push whose cosine with the coordinate median of the round's pushes is below
   ``coordinator.min_cosine`` (a push pointing away from the others: reversed, or off in a direction of its own);
-  in a round of fewer than 3, a push from an island on probation (its last push rejected) whose cosine with the
-  outer momentum (the recent merged updates' direction) is.
+  in a round of fewer than 3, a push from an island on probation (its last push rejected): in a run of 3 islands
+  or more whatever its cosine (it cannot be checked), in a smaller run if its cosine with the outer momentum (the
+  recent merged updates' direction) is below ``coordinator.probation_min_cosine``.
 - Repeat offenders (:func:`penalize`, :func:`check_standing`): after a rejected push the island's next push is
   refused, before its payload streams in, for ``coordinator.reject_backoff_s`` × 2^(k−1) seconds (k: its
   rejections in a row; the refusal says how many seconds are left, ``StateError.retry_after_s``, and the island
   sends the same push again once they have passed); at ``coordinator.max_rejections`` in a row the island itself
-  is quarantined (state ``quarantined``): its pushes and Joins are refused, its heartbeats told to stop with the
-  reason, and its shard is free for the others (``coordinator.membership``'s rerouting) so the run ends. A merged
-  push resets k.
+  is quarantined (state ``quarantined``): told to stop with the reason in the answer to the push that quarantined
+  it (``PushDeltaResponse.stop_reason``), in the refusal of any later push (``StateError.stopped``, before its
+  payload is read) and in its heartbeats' answers; its Joins are refused, and its shard is free for the others
+  (``coordinator.membership``'s rerouting) so the run ends. A merged push resets k.
 """
 
 from __future__ import annotations
