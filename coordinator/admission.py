@@ -27,15 +27,17 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median); and, with
   ``merge_rule`` ``screened_mean``, a push whose cosine with the coordinate median of the round's pushes is below
   ``coordinator.min_cosine`` (a push pointing away from the others: reversed, or off in a direction of its own);
-  in a round of fewer than 3, a push from an island on probation (its last push rejected) whose cosine with the
-  outer momentum (the recent merged updates' direction) is.
+  in a round of fewer than 3, a push from an island on probation (its last push rejected): in a run of 3 islands
+  or more whatever its cosine (it cannot be checked), in a smaller run if its cosine with the outer momentum (the
+  recent merged updates' direction) is below ``coordinator.probation_min_cosine``.
 - Repeat offenders (:func:`penalize`, :func:`check_standing`): after a rejected push the island's next push is
   refused, before its payload streams in, for ``coordinator.reject_backoff_s`` × 2^(k−1) seconds (k: its
   rejections in a row; the refusal says how many seconds are left, ``StateError.retry_after_s``, and the island
   sends the same push again once they have passed); at ``coordinator.max_rejections`` in a row the island itself
-  is quarantined (state ``quarantined``): its pushes and Joins are refused, its heartbeats told to stop with the
-  reason, and its shard is free for the others (``coordinator.membership``'s rerouting) so the run ends. A merged
-  push resets k.
+  is quarantined (state ``quarantined``): told to stop with the reason in the answer to the push that quarantined
+  it (``PushDeltaResponse.stop_reason``), in the refusal of any later push (``StateError.stopped``, before its
+  payload is read) and in its heartbeats' answers; its Joins are refused, and its shard is free for the others
+  (``coordinator.membership``'s rerouting) so the run ends. A merged push resets k.
 """
 
 from __future__ import annotations
@@ -177,11 +179,12 @@ def check_bounds(opts: StateOptions, info: PushInfo) -> None:
 
 
 def check_standing(c: CoordinatorConfig, info: PushInfo, record: IslandRecord, now: float) -> None:
-    """Refuses (FAILED_PRECONDITION) a push from a quarantined island, or one that comes while its island is
-    throttled after a rejection (:func:`penalize`): that refusal carries the seconds left (``retry_after_s``)."""
+    """Refuses (FAILED_PRECONDITION) a push from a quarantined island (``stopped``: the island is told to stop), or
+    one that comes while its island is throttled after a rejection (:func:`penalize`): that refusal carries the
+    seconds left (``retry_after_s``)."""
     if record.state == "quarantined":
         raise StateError("FAILED_PRECONDITION", f"push {info.push_id} refused: {record.island_id} is quarantined "
-                                                f"({record.stop_reason})")
+                                                f"({record.stop_reason})", stopped=True)
     if now < record.throttled_until:
         raise StateError("FAILED_PRECONDITION",
                          f"push {info.push_id} refused: {record.island_id} is throttled for "
@@ -207,7 +210,7 @@ def penalize(c: CoordinatorConfig, record: IslandRecord, reason: str, now: float
 
 def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequence[float],
                  cosines: Sequence[float] | None = None, reference: str = "",
-                 probation: Sequence[bool] = ()) -> list[tuple[str, str]]:
+                 probation: Sequence[bool] = (), unchecked: bool = False) -> list[tuple[str, str]]:
     """The round's pushes (``infos``, with their L2 ``norms``; 0: not known) that the round screen rejects, as
     (push_id, reason): a norm over ``coordinator.round_norm_ratio`` × the median of the round's known norms, in a
     round of 3 or more of them; with ``cosines`` (``screened_mean``: each push's cosine with ``reference``, the
@@ -215,9 +218,15 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
     ``coordinator.merger.Merger.direction_cosines``), a cosine below ``coordinator.min_cosine``: in a round of 3
     or more, any push; in a smaller one only a push on probation (``probation``: its island's last push was
     rejected), and below ``coordinator.probation_min_cosine``, since an honest delta late in a run may be all but
-    orthogonal to the momentum (cosines of −0.08 to 0.12 in the rounds of a shard taken over in ``tiny``), while a
-    rejected island's reversed pushes point clearly against it (−0.19 to −0.49). Needs no
-    history in rounds of 3 pushes or more: it holds from the first round on."""
+    orthogonal to the momentum (cosines of −0.08 to 0.12 in the rounds of a shard taken over in ``tiny``). Needs no
+    history in rounds of 3 pushes or more: it holds from the first round on.
+
+    ``unchecked`` (``screened_mean`` in a run of 3 islands or more): in a round of fewer than 3 pushes a push on
+    probation is rejected whatever its cosine, since it cannot be checked: the momentum is no test of a reversed
+    push (measured in ``tiny``: a −1 x or −3 x island finishing its shard alone once the others were done pushed
+    cosines of −0.02 and 0.02 with it, and once one was merged, the momentum held its own direction and its next
+    reversed pushes had +0.12 and +0.16). Rejected so, it is quarantined after ``coordinator.max_rejections`` in a
+    row and its shard goes to the others, whose pushes are checked by their majority."""
     out: dict[str, str] = {}
     known = [(i, n) for i, n in zip(infos, norms, strict=True) if n > 0]
     if c.round_norm_ratio and len(known) >= 3:
@@ -226,8 +235,15 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
         out.update((i.push_id, f"quarantined: push {i.push_id} has L2 norm {n:.4g}, more than round_norm_ratio "
                                f"{c.round_norm_ratio:g} x the median {median:.4g} of the {len(known)} pushes of "
                                f"its round") for i, n in known if n > bound)
+    flags = list(probation) or [False] * len(infos)
+    if unchecked and len(infos) < 3:
+        for i, watched in zip(infos, flags, strict=True):
+            if watched and i.push_id not in out:
+                out[i.push_id] = (f"quarantined: push {i.push_id} cannot be checked: {i.island_id}'s last push was "
+                                  f"rejected and its round has {len(infos)} push{'es' * (len(infos) != 1)}, too few "
+                                  f"for a coordinate median to compare it with (an island on probation is merged "
+                                  f"only in a round of 3 pushes or more)")
     if cosines is not None and reference:
-        flags = list(probation) or [False] * len(infos)
         floor, name = (c.min_cosine, "min_cosine") if len(infos) >= 3 else \
             (c.probation_min_cosine, "probation_min_cosine")
         for i, cos, watched in zip(infos, cosines, flags, strict=True):

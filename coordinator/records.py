@@ -39,17 +39,20 @@ class StateError(ValueError):
     caller's identity may not act as that island); ``str(e)`` is the reason. ``retry_after_s`` > 0: the same
     request is refused for that many seconds more, not after (a throttled island's push,
     ``coordinator.admission.check_standing``); the service sends it as :data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`.
+    ``stopped``: the caller's island is quarantined and is to stop (its push refused for good); the service marks the
+    refusal with :data:`dtrain.wire.STOPPED_METADATA_KEY`.
     """
 
     CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "PERMISSION_DENIED")
 
-    def __init__(self, code: str, reason: str, retry_after_s: float = 0.0):
+    def __init__(self, code: str, reason: str, retry_after_s: float = 0.0, stopped: bool = False):
         if code not in self.CODES:
             raise ValueError(f"StateError code {code!r} is not one of {self.CODES}")
         super().__init__(reason)
         self.code = code
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.stopped = stopped
 
 
 @dataclass(frozen=True)

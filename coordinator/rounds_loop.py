@@ -159,7 +159,8 @@ class RoundsLoop:
             cosines, reference = self.merger.direction_cosines()
             if reference:
                 self._cosines = dict(zip([p.key for p in self.merger.pending], cosines, strict=True))
-        screened = self.state.screen_round(self._cosines or None, reference)
+        screened = self.state.screen_round(self._cosines or None, reference,
+                                           screened=self.merger.opts.rule == "screened_mean")
         for push_id, why in screened:
             (info,) = self.state.reject_pending([push_id], why, now)
             self.merger.drop_pending([push_id])

@@ -48,6 +48,7 @@ from dtrain.wire import (
     RETRY_AFTER_METADATA_KEY,
     RUN_OVER_METADATA_KEY,
     SERVICE,
+    STOPPED_METADATA_KEY,
     WireError,
     chunk_count,
     file_chunk_messages,
@@ -246,15 +247,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- refusals -----------------------------------------------------------------------------------
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
-               push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0) -> NoReturn:
+               push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0,
+               stopped: bool = False) -> NoReturn:
         """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
         with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
         them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
         (:data:`dtrain.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
         refused for that many seconds more (a throttled island's push): its trailing metadata says how many
-        (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again."""
+        (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again.
+        ``stopped``: the request's island is quarantined: its trailing metadata says so with the version
+        (:data:`dtrain.wire.STOPPED_METADATA_KEY`), and the island stops."""
         if busy:
             context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+        elif stopped:
+            with self.lock:
+                version = self.state.version
+            context.set_trailing_metadata(((STOPPED_METADATA_KEY, str(version)),))
         elif retry_after_s > 0:
             context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),))
         self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
@@ -302,7 +310,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            self._abort(context, _CODES[e.code], str(e), push=info, retry_after_s=e.retry_after_s)
+            self._abort(context, _CODES[e.code], str(e), push=info, retry_after_s=e.retry_after_s,
+                        stopped=e.stopped)
             raise  # unreachable: abort raises
 
     def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
@@ -494,8 +503,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
         with self.lock:
             self.loop.log_quarantined()
+            stop_reason = self.state.stop_reason(info.island_id)  # this push's rejection quarantined its island
         return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
-                                    reason=admission.reason, weight=admission.weight, cursor=cursor)
+                                    reason=admission.reason, weight=admission.weight, cursor=cursor,
+                                    stop_reason=stop_reason)
 
     def _commit_push(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
                      size: int) -> tuple[Admission, pb.PushStatus, int, int]:

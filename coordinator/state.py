@@ -168,6 +168,11 @@ class CoordinatorState:
         """Whether a push id is pending or remembered as merged/dropped (Heartbeat's push_unknown is the negation)."""
         return self.ledger.push_known(push_id)
 
+    def stop_reason(self, island_id: str) -> str:
+        """Why the island is quarantined (it is to stop), or "" if it is not (or is unknown)."""
+        record = self.islands.get(island_id)
+        return record.stop_reason if record is not None and record.state == "quarantined" else ""
+
     def rejected(self, push_id: str) -> str | None:
         """Why a push was rejected (its island's notice), or None if it was not."""
         return self.ledger.rejected(push_id)
@@ -323,17 +328,20 @@ class CoordinatorState:
             out.append(p.info)
         return out
 
-    def screen_round(self, cosines: dict[str, float] | None = None, reference: str = "") -> list[tuple[str, str]]:
+    def screen_round(self, cosines: dict[str, float] | None = None, reference: str = "",
+                     screened: bool = False) -> list[tuple[str, str]]:
         """The pending pushes the round screen rejects (``coordinator.admission.screen_round``; ``cosines``: push id
-        -> its cosine with ``reference``, for the direction screen), as (push_id, reason); changes nothing (the
-        caller rejects them with :meth:`reject_pending`)."""
+        -> its cosine with ``reference``, for the direction screen; ``screened``: the merge rule is
+        ``screened_mean``, whose round of fewer than 3 pushes in a run of 3 islands or more rejects a push on
+        probation), as (push_id, reason); changes nothing (the caller rejects them with :meth:`reject_pending`)."""
         if self.opts.coordinator.mode != "sync":
             return []
         pending = list(self.ledger.pending.values())
         return admission.screen_round(self.opts.coordinator, [p.info for p in pending],
                                       [p.admission.norm for p in pending],
                                       None if cosines is None else [cosines.get(p.info.push_id, 1.0) for p in pending],
-                                      reference, [self._on_probation(p.info.island_id) for p in pending])
+                                      reference, [self._on_probation(p.info.island_id) for p in pending],
+                                      unchecked=screened and self.opts.islands >= 3)
 
     def _on_probation(self, island_id: str) -> bool:
         """Whether the island's last push was rejected (its rejections in a row: ``coordinator.admission``)."""

@@ -263,10 +263,11 @@ class CoordinatorConfig:
     min_cosine: float = _f(0.0, "screened_mean: when a round of 3 or more pushes closes, a push whose cosine with "
                            "the coordinate median of the round's pushes is below this is rejected (quarantined): "
                            "honest deltas point the same way, a reversed one away; in [-1, 1)")
-    probation_min_cosine: float = _f(-0.15, "screened_mean, a round of fewer than 3 pushes: a push from an island "
+    probation_min_cosine: float = _f(-0.15, "screened_mean, a run of fewer than 3 islands: a push from an island "
                                      "whose last push was rejected is rejected if its cosine with the outer "
                                      "momentum is below this (honest deltas late in a run are all but orthogonal "
-                                     "to it, -0.08 to 0.12 measured; reversed ones -0.19 to -0.49); in [-1, 1)")
+                                     "to it, -0.08 to 0.12 measured); with 3 islands or more, such a push in a "
+                                     "round of fewer than 3 pushes is rejected whatever its cosine; in [-1, 1)")
     round_norm_ratio: float = _f(4.0, "when a round closes, a push whose L2 norm exceeds this multiple of the median "
                                  "norm of the round's pushes is rejected (quarantined), from the first round on "
                                  "(rounds of 3 or more pushes); 0: off")
@@ -280,7 +281,8 @@ class CoordinatorConfig:
     clip_norm: float = _f(0.0, "> 0: a push whose L2 norm exceeds this is scaled down to it (through its merge "
                           "weight); 0: off")
     max_rejections: int = _f(3, "an island whose pushes are rejected this many times in a row is itself quarantined: "
-                             "told to stop, its pushes and Joins refused, its shard rerouted to the others; 0: never")
+                             "told to stop (in the answer to its push, and its heartbeats), its pushes and Joins "
+                             "refused, its shard rerouted to the others; 0: never")
     reject_backoff_s: float = _f(1.0, "after a rejected push, the island's next push is refused (before its payload "
                                  "streams in) for this many seconds, doubled with each rejection in a row; 0: off")
     eval_every: int = _f(5, "evaluate the global θ on the held-out split every this many versions (θ_0 and the "

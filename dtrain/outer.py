@@ -132,17 +132,24 @@ def trimmed_mean(values_NxS: np.ndarray, trim: int) -> np.ndarray:
 def coordinate_median(values_NxS: np.ndarray) -> np.ndarray:
     """Per coordinate (column), the median of the N values (the mean of the middle two when N is even), as
     ``np.median`` computes it. Unweighted. float32 result. The columns are copied to rows first, so that the
-    partial sort runs over contiguous memory (about twice as fast as ``np.median(axis=0)`` with 64 pushes)."""
+    partial sort runs over contiguous memory (about twice as fast as ``np.median(axis=0)`` with 64 pushes).
+
+    One selection per row, for N even too: after partitioning at ``mid`` the values before it are the row's
+    ``mid`` smallest, so the lower middle value is their maximum. ``np.partition`` with the two middle ranks
+    (what ``np.median`` does) selects twice and took about 3 times the CPU with 64 pushes; the result is the same
+    bit for bit ((a + b) / 2 in float32 either way)."""
     n = values_NxS.shape[0]
     if n == 0:
         raise ValueError("median of no pushes")
     cols = np.array(values_NxS.T, np.float32, order="C")  # the one copy (np.median makes one too), sorted in place
     mid = n // 2
+    cols.partition(mid, axis=1)
     if n % 2:
-        cols.partition(mid, axis=1)
         return cols[:, mid].copy()
-    cols.partition((mid - 1, mid), axis=1)
-    return cols[:, mid - 1:mid + 1].mean(axis=1, dtype=np.float32)
+    lower = cols[:, :mid].max(axis=1)
+    lower += cols[:, mid]
+    lower /= np.float32(2)
+    return lower
 
 
 NORM_SPREAD_FLOOR = 0.25  # the deviation used by robust_z is at least this fraction of the median

@@ -67,6 +67,11 @@ RUN_OVER_METADATA_KEY = "dtrain-run-over"
 # (coordinator.reject_backoff_s): its value is the seconds left of the backoff. The island waits them out and sends
 # the same push again: its payload was never read.
 RETRY_AFTER_METADATA_KEY = "dtrain-retry-after-s"
+# Trailing metadata on a push refused (FAILED_PRECONDITION) because its island is quarantined
+# (coordinator.max_rejections pushes in a row rejected): its value is the coordinator's version, the message says why.
+# The island stops at once, as a heartbeat's STOP tells it to, instead of training its range again and pushing until
+# its next heartbeat.
+STOPPED_METADATA_KEY = "dtrain-stopped"
 # Trailing metadata on a call refused for load (RESOURCE_EXHAUSTED: a stream limit), not for what it asked: workers
 # retry it with backoff, as they retry UNAVAILABLE. gRPC's own load refusal (maximum_concurrent_rpcs) says BUSY_DETAILS.
 BUSY_METADATA_KEY = "dtrain-busy"

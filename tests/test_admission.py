@@ -311,20 +311,54 @@ def test_the_round_screen_rejects_a_push_pointing_away_from_the_round():
     screened = strict.screen_round({ids[0]: 0.9, ids[1]: 0.8, ids[2]: 0.05, ids[3]: -0.7}, median)
     assert [p for p, _ in screened] == [ids[2], ids[3]] and "round_norm_ratio" in screened[1][1]
     assert strict.screen_round() == [(ids[3], screened[1][1])]  # no cosines: the norm screen alone
-    # one push (the last rounds of a shard taken over): against the outer momentum, if its island is on probation
-    # (its last push rejected); no reference: nothing
-    one = make()
-    a = join_all(one)[0]
+    # one push (the last rounds of a shard taken over), in a run of fewer than 3 islands: against the outer
+    # momentum, if its island is on probation (its last push rejected); no reference: nothing
+    one = make("outer.islands=2")
+    a = join_all(one, ("a", "b"))[0]
     momentum = "the outer momentum (the direction of the recent merged updates)"
     (p, _), = _norms(one, [a], [1.0])
-    assert one.screen_round({p.push_id: -0.5}, "") == []
-    assert one.screen_round({p.push_id: -0.5}, momentum) == []  # an island in good standing
+    assert one.screen_round({p.push_id: -0.5}, "", screened=True) == []
+    assert one.screen_round({p.push_id: -0.5}, momentum, screened=True) == []  # an island in good standing
     one.islands[a].rejections = 1
-    (rejected,) = one.screen_round({p.push_id: -0.5}, momentum)
+    (rejected,) = one.screen_round({p.push_id: -0.5}, momentum, screened=True)
     assert rejected[0] == p.push_id and "cosine -0.5 with the outer momentum" in rejected[1]
     assert "below probation_min_cosine -0.15" in rejected[1]
     # an honest push late in a run, all but orthogonal to the momentum: not rejected, even on probation
-    assert one.screen_round({p.push_id: -0.025}, momentum) == []
+    assert one.screen_round({p.push_id: -0.025}, momentum, screened=True) == []
+
+
+def test_an_island_on_probation_is_not_merged_alone():
+    """In a run of 4 islands, a push of an island whose last push was rejected, in a round of fewer than 3 pushes
+    (the others' shards done), cannot be checked (the momentum is no test: a reversed push had cosines of -0.02
+    to +0.16 with it in tiny): rejected whatever its cosine, its island quarantined at max_rejections in a row,
+    its shard handed to the others. An island in good standing alone, and any island with screened_mean off, is
+    merged as before; in a round of 3 or more the median decides."""
+    momentum = "the outer momentum (the direction of the recent merged updates)"
+    st = make("coordinator.reject_backoff_s=0")
+    a, b, c, d = join_all(st)
+    (p, _), = _norms(st, [a], [1.0])
+    assert st.screen_round({p.push_id: 0.3}, momentum, screened=True) == []  # good standing
+    st.islands[a].rejections = 1
+    assert st.screen_round({p.push_id: 0.3}, momentum) == []  # the mean: no direction screen
+    (rejected,) = st.screen_round({p.push_id: 0.3}, momentum, screened=True)
+    assert rejected == (p.push_id, f"quarantined: push {p.push_id} cannot be checked: {a}'s last push was "
+                                   f"rejected and its round has 1 push, too few for a coordinate median to compare "
+                                   f"it with (an island on probation is merged only in a round of 3 pushes or "
+                                   f"more)")
+    _norms(st, [b], [1.0])
+    assert [r[0] for r in st.screen_round({p.push_id: 0.9}, momentum, screened=True)] == [p.push_id]
+    _norms(st, [c], [1.0])  # 3 pushes: the median decides
+    median = "the coordinate median of the 3 pushes of its round"
+    assert st.screen_round({p.push_id: 0.8}, median, screened=True) == []
+    # alone, rejected max_rejections (3) times in a row: quarantined, its shard for the others
+    st2 = make("coordinator.reject_backoff_s=0")
+    a, *_ = join_all(st2)
+    st2.islands[a].rejections = 1
+    for _k in range(2):
+        (p, _), = _norms(st2, [a], [1.0])
+        for push_id, why in st2.screen_round({p.push_id: 0.5}, momentum, screened=True):
+            st2.reject_pending([push_id], why, T0)
+    assert st2.islands[a].state == "quarantined" and "cannot be checked" in st2.islands[a].stop_reason
 
 
 def test_repeated_rejections_quarantine_the_island_and_the_run_ends():

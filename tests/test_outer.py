@@ -312,13 +312,16 @@ def test_trimmed_mean_matches_sorting_and_dropping(pushes: int, trim: int) -> No
         np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("pushes", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("pushes", [1, 2, 3, 4, 7, 64])
 def test_coordinate_median_is_numpys_median(pushes: int) -> None:
+    """Bit for bit, with even and odd counts (the even one: one selection and the maximum below it) and with ties
+    (values on a coarse grid, as quantized pushes are)."""
     values = np.random.default_rng(pushes).normal(size=(pushes, 300)).astype(np.float32)
     values[-1] *= 1e6  # one poisoned push moves the median by at most one rank
-    got = outer.coordinate_median(values)
-    assert got.dtype == np.float32
-    np.testing.assert_array_equal(got, np.median(values, axis=0).astype(np.float32))
+    for v in (values, np.round(values * 4) / 4):
+        got = outer.coordinate_median(v)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.median(v, axis=0).astype(np.float32))
 
 
 def test_robust_rules_refuse_no_pushes() -> None:

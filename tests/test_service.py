@@ -541,6 +541,46 @@ def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_
         running.stop()
 
 
+def test_a_quarantined_island_stops_at_once_and_costs_its_header(net_cfg, tmp_path):
+    """A real worker whose every push the coordinator rejects (norm_max_ratio tiny): its second rejection in a row
+    quarantines it (coordinator.max_rejections 2), and the reply to that push tells it so: the island stops at
+    once, with the reason (a ``stop_requested`` event by the push), and pushes nothing more, long before its next
+    heartbeat (10 s away) would have told it. Before, it trained its range again and pushed, refused, every round
+    until that heartbeat. A hostile island that pushes anyway is refused before its payload is read (no bytes in),
+    the refusal marked stopped with the coordinator's version."""
+    from workers.island import run_worker
+
+    cfg = replace(net_cfg, outer={"islands": 1}, worker={"heartbeat_s": 10.0},
+                  coordinator={"norm_max_ratio": 1e-9, "max_rejections": 2, "reject_backoff_s": 0.0})
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        out = run_worker(cfg, running.address, "a", tmp_path / "island-a", quiet=True)
+        events = read_events(tmp_path / "island-a")
+        sent = [e for e in events if e["event"] == "push_sent"]
+        assert [e["status"] for e in sent] == ["PUSH_STATUS_REJECTED"] * 2, sent
+        (stop,) = [e for e in events if e["event"] == "stop_requested"]
+        assert stop["by"] == "push" and stop["version"] == 0
+        assert stop["reason"].startswith("quarantined: 2 pushes in a row rejected (coordinator.max_rejections 2)")
+        assert out["version"] == 0 and out["island_id"]
+        counters = running.service.counters
+        assert counters.pushes_refused == 0  # no push after the quarantine
+        (q,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "island_quarantined"]
+        assert q["island"] == out["island_id"] and q["reason"] == stop["reason"]
+        # pushing anyway: refused before the payload streams in, marked stopped
+        client = CoordinatorClient(running.address, cfg)
+        bytes_in = counters.bytes_in
+        h = pb.PushHeader(island_id=out["island_id"], base_version=0, push_id="again", tokens=640, inner_steps=10,
+                          cursor_start=0, cursor_end=80, tree_digest=running.service.tree_digest, shard_index=0)
+        with pytest.raises(CoordinatorError) as refused:
+            client.push(h, delta_frame(running.service.merger.n, 1)[1])
+        client.close()
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.stopped_at == 0
+        assert f"{out['island_id']} is quarantined ({stop['reason']})" in refused.value.message
+        assert counters.bytes_in == bytes_in and counters.pushes_refused == 1
+    finally:
+        running.stop()
+
+
 def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_path):
     """Retries name the address and how long they go on; giving up names both, in one line."""
     import socket

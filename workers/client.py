@@ -9,8 +9,9 @@ left) and giving up names the address, how long it tried and what to check, in
 words rather than gRPC's debug text. Pushes are safe to retry because they
 carry a push id the coordinator applies at most once. Other errors are raised
 as :class:`CoordinatorError` with the coordinator's message (and, for a push
-refused while its island is throttled, the seconds left: ``retry_after_s``); a
-Join refused because the run is over, as :class:`RunOverError`.
+refused while its island is throttled, the seconds left: ``retry_after_s``; for
+one refused because its island is quarantined, the coordinator's version:
+``stopped_at``); a Join refused because the run is over, as :class:`RunOverError`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dtrain.wire import (
     RETRY_AFTER_METADATA_KEY,
     RUN_OVER_METADATA_KEY,
     STATUS_DEADLINE_S,
+    STOPPED_METADATA_KEY,
     FrameReceiver,
     RawChunk,
     WireError,
@@ -64,15 +66,19 @@ M = TypeVar("M", bound=Message)
 class CoordinatorError(DtrainError):
     """The coordinator refused a call (or stayed unreachable past the retry budget)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, details: str = "", retry_after_s: float = 0.0):
+    def __init__(self, code: grpc.StatusCode, message: str, details: str = "", retry_after_s: float = 0.0,
+                 stopped_at: int | None = None):
         """``details``: gRPC's own text of the last failure, when ``message`` is ours (a call given up).
         ``retry_after_s`` > 0: the coordinator refuses the same call for that many seconds more, not after (a push
-        while the island is throttled: :func:`retry_after`)."""
+        while the island is throttled: :func:`retry_after`). ``stopped_at``: the island is quarantined and is to
+        stop, the coordinator being at that version (a push refused for good: :func:`stopped_at`); None
+        otherwise."""
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.details = details or message
         self.retry_after_s = retry_after_s
+        self.stopped_at = stopped_at
 
 
 class RunOverError(CoordinatorError):
@@ -92,6 +98,17 @@ def retry_after(e: grpc.RpcError) -> float:
                 return 0.0
             return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
     return 0.0
+
+
+def stopped_at(e: grpc.RpcError) -> int | None:
+    """The coordinator's version a refusal's trailing metadata names as it tells the island to stop
+    (:data:`dtrain.wire.STOPPED_METADATA_KEY`: a push from a quarantined island); None when it says nothing. A
+    value that is not a version is read as 0 (the island still stops: the mark is the coordinator's word)."""
+    for m in e.trailing_metadata() or ():
+        if m.key == STOPPED_METADATA_KEY:
+            value = m.value if isinstance(m.value, str) else ""
+            return int(value) if value.isdigit() and len(value) < 20 else 0
+    return None
 
 
 def _one_line(text: str) -> str:
@@ -264,7 +281,8 @@ class CoordinatorClient:
                     over = what == "join" and any(m.key == RUN_OVER_METADATA_KEY for m in e.trailing_metadata() or ())
                     if over:
                         raise RunOverError(code, details) from None
-                    raise CoordinatorError(code, details, retry_after_s=retry_after(e)) from None
+                    raise CoordinatorError(code, details, retry_after_s=retry_after(e), stopped_at=stopped_at(e)) \
+                        from None
                 left = budget - (time.monotonic() - t0)
                 if self.give_up is not None and self.give_up.is_set():
                     raise CoordinatorError(code, f"{what}: the coordinator at {self.address} is unavailable "

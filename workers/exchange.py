@@ -58,6 +58,13 @@ class EventLog(Protocol):
     def __call__(self, kind: str, **fields: Any) -> object: ...
 
 
+class StopTold(Protocol):
+    """Hands the training loop the coordinator's word to stop at the coordinator's version
+    (``workers.heartbeat.Mailbox.stop_told``)."""
+
+    def __call__(self, version: int) -> None: ...
+
+
 class PullClient(Protocol):
     """The part of :class:`CoordinatorClient` a :class:`Puller` uses."""
 
@@ -179,15 +186,20 @@ class Exchange:
       :attr:`future` is done (the fold-in, :meth:`accepted_range_end`);
     - :attr:`repush`: set by the heartbeat thread when the coordinator has lost the push (a restart), cleared by
       the exchange's thread as it sends the push again;
-    - :attr:`future`: resolved by the exchange's thread; the training loop waits on it."""
+    - :attr:`future`: resolved by the exchange's thread; the training loop waits on it.
+
+    A push's reply that names a ``stop_reason``, or a refusal marked stopped (``CoordinatorError.stopped_at``),
+    says the island is quarantined: the exchange hands that to ``stop_told`` (which sets ``stop``) and ends at
+    once, as a heartbeat's STOP would end it; the island pushes nothing more."""
 
     def __init__(self, client: PushClient, puller: Puller, frame: bytes, header: pb.PushHeader,
                  base: GlobalParams, total_versions: int, stop: threading.Event, log: EventLog,
-                 telemetry: Telemetry | None = None, span: Span | None = None):
+                 telemetry: Telemetry | None = None, span: Span | None = None, stop_told: StopTold | None = None):
         """``span``: the exchange's ``dtrain.exchange`` span (ended by the fold-in), parent of its push and pull
-        spans."""
+        spans. ``stop_told``: where the coordinator's word to stop goes (left out: ``stop`` is set)."""
         self.client, self.puller, self.frame, self.header, self.base = client, puller, frame, header, base
         self.total_versions, self.stop, self.log = total_versions, stop, log
+        self.stop_told = stop_told
         self.telemetry = telemetry or Telemetry.disabled()
         self.span = span or INVALID_SPAN
         self.repush = threading.Event()
@@ -221,7 +233,10 @@ class Exchange:
         waits the backoff out (a ``push_throttled`` event says for how long; the island trains on meanwhile) and
         sends the same push again, under the same id. Once the coordinator judges it, it is merged like any
         (late) push, or dropped or rejected and its range trained again; nothing is trained twice for the wait.
-        At most :data:`MAX_THROTTLED_WAITS` waits for one push (then the refusal stands)."""
+        At most :data:`MAX_THROTTLED_WAITS` waits for one push (then the refusal stands).
+
+        A push refused because its island is quarantined (``CoordinatorError.stopped_at``), or answered with a
+        ``stop_reason`` (its own rejection quarantined the island), stops the island (:meth:`_stopped`)."""
         h = self.header
         waits = 0
         while True:
@@ -231,11 +246,15 @@ class Exchange:
                     response = self.client.push(h, self.frame)
                     self.telemetry.annotate(span, status=pb.PushStatus.Name(response.status),
                                             version=response.version)
-                    return response
+                if response.stop_reason:  # this push's rejection quarantined the island
+                    self._stopped(response.stop_reason, response.version)
+                return response
             except CoordinatorError as e:
                 if e.code not in REFUSALS:
                     raise
-                if e.retry_after_s > 0 and waits < MAX_THROTTLED_WAITS and not self.stop.is_set():
+                if e.stopped_at is not None:  # the island is quarantined: its pushes are refused for good
+                    self._stopped(e.message, e.stopped_at)
+                elif e.retry_after_s > 0 and waits < MAX_THROTTLED_WAITS and not self.stop.is_set():
                     waits += 1
                     self.log("push_throttled", push_id=h.push_id, wait_s=round(e.retry_after_s, 3),
                              start=h.cursor_start, end=h.cursor_end, error=e.message)
@@ -244,6 +263,15 @@ class Exchange:
                         continue
                 self.log("push_refused", push_id=h.push_id, code=e.code.name, error=e.message)
                 return pb.PushDeltaResponse(status=pb.PUSH_STATUS_REJECTED, reason=str(e), cursor=h.cursor_start)
+
+    def _stopped(self, reason: str, version: int) -> None:
+        """The coordinator told the island to stop in its answer to a push (the island is quarantined): a
+        ``stop_requested`` event (``by`` push), as a heartbeat's STOP has."""
+        self.log("stop_requested", reason=reason, version=version, by="push")
+        if self.stop_told is not None:
+            self.stop_told(version)
+        else:
+            self.stop.set()
 
     def _awaited(self) -> int:
         """The version the push goes (or went) into, if the coordinator took it; 0 otherwise."""

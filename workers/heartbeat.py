@@ -143,8 +143,8 @@ class Mailbox:
       rejoin), by the training loop (its run ends; on a process other than 0, from process 0's word) and by
       :func:`workers.island.run_worker` as the island ends; never cleared. Calls stop retrying once it is set;
       exchanges stop pulling.
-    - :attr:`final_version`: the heartbeat thread, with the stop; on a process other than 0 the training loop
-      (process 0's value).
+    - :attr:`final_version`: the heartbeat thread, with the stop, or an exchange's thread, with a stop in a push's
+      answer (both through :meth:`stop_told`); on a process other than 0 the training loop (process 0's value).
     - :attr:`island_id`, :attr:`total_versions`: whoever joins: the training loop (the first Join) or the heartbeat
       thread (a rejoin); on a process other than 0 the training loop (process 0's values).
     - the rewind (:meth:`post_rewind`, :meth:`take_rewind`; under a lock): posted by the heartbeat thread (a
@@ -165,6 +165,13 @@ class Mailbox:
         self._rewind: Rewind | None = None
         self._eval_reports: dict[int, float] = {}  # version -> eval loss, sent by heartbeats until one is answered
         self._lock = threading.Lock()
+
+    def stop_told(self, version: int) -> None:
+        """The coordinator told the island to stop (a heartbeat's STOP, or a push's answer: the island is
+        quarantined), at its ``version``: the island stops once it holds that version."""
+        with self._lock:
+            self.final_version = max(self.final_version, version)
+        self.stopping.set()
 
     def post_rewind(self, rewind: Rewind) -> None:
         """Hands the training loop a :class:`Rewind` (applied at its next chunk boundary). One from a Join replaces
@@ -340,8 +347,7 @@ class Heartbeat:
         """Does what the coordinator's reply asks: stop, rejoin, or send the push in flight again."""
         if resp.action == pb.ACTION_STOP:
             self.log("stop_requested", reason=resp.reason, version=resp.version)
-            self.mailbox.final_version = resp.version
-            self.mailbox.stopping.set()
+            self.mailbox.stop_told(resp.version)
         elif resp.action == pb.ACTION_REJOIN:
             self.log("rejoin", reason=resp.reason)
             try:

@@ -680,7 +680,8 @@ class Worker:
             self.telemetry.record_ratio(4 * part.size, len(frame), "up")
             self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.mailbox.total_versions,
-                            self.mailbox.stopping, self.log.event, self.telemetry, span)
+                            self.mailbox.stopping, self.log.event, self.telemetry, span,
+                            stop_told=self.mailbox.stop_told)
         status.exchange = exchange
         if self.hosts.leader:
             exchange.start()

@@ -224,20 +224,22 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushDeltaResponse(_message.Message):
-    __slots__ = ("status", "merged_version", "version", "reason", "weight", "cursor")
+    __slots__ = ("status", "merged_version", "version", "reason", "weight", "cursor", "stop_reason")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MERGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     status: PushStatus
     merged_version: int
     version: int
     reason: str
     weight: float
     cursor: int
-    def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[int] = ...) -> None: ...
+    stop_reason: str
+    def __init__(self, status: _Optional[_Union[PushStatus, str]] = ..., merged_version: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., weight: _Optional[float] = ..., cursor: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("island_id", "have_version", "full", "wait_s")
