@@ -7,8 +7,9 @@ island's connections). For every link of ``--links`` (default 100mbit/100ms and 
 ``--codecs`` (default int8, int4 and sparse: ``codec.up`` and ``codec.down`` both set to it), one run of the same
 config. Per run: the training wall time (the longest island's time in its training loop), each island's
 utilization (time in inner steps / training wall time), bytes per round each way (per island, the mean over its
-rounds: pushes up, pulls down) and the peak bytes in flight per island (its largest push frame plus its pulls'
-bytes per round: what one exchange puts on its link), and the final eval loss.
+rounds: pushes up, pulled updates down; the full θ pulled at join is left out, as in benchmarks/convergence.py)
+and the peak bytes in flight per island (its largest push frame plus its pulls' bytes per round: what one
+exchange puts on its link), and the final eval loss.
 
 Figures (the first link is L1, the second L2):
 
@@ -86,7 +87,7 @@ def run_figures(summary: dict[str, Any]) -> dict[str, Any]:
         events = read_events(run_dir / "islands" / s["island"], skip_torn=True, missing_ok=True)
         pushes = [e["bytes"] for e in events if e.get("event") == "push_sent" and "bytes" in e]
         rounds = max(len(pushes), 1)
-        down = s["bytes_down"] / rounds
+        down = (s["bytes_down"] - s.get("bytes_down_full", 0)) / rounds  # the updates, not the full θ at join
         per[s["island"]] = {"util": s["utilization"], "up_per_round": s["bytes_up"] / rounds,
                             "down_per_round": down, "peak_in_flight": int(max(pushes, default=0) + down)}
     return {"wall_s": max(s["active_s"] for s in islands), "util_min": min(p["util"] for p in per.values()),

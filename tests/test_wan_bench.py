@@ -26,7 +26,8 @@ def _summary(tmp_path: Path, name: str, utils: list[float], push_bytes: int, dow
         events = [{"event": "push_sent", "bytes": push_bytes + i} for _ in range(4)]
         (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         islands.append({"island": f"island-{i}", "utilization": u, "bytes_up": 4 * (push_bytes + i),
-                        "bytes_down": 4 * down, "active_s": 10.0 + i})
+                        "bytes_down": 4 * down + 5000, "bytes_down_full": 5000,  # + the full θ at join
+                        "active_s": 10.0 + i})
     return {"islands": islands, "run_dir": str(run), "final_eval_loss": 2.5, "rounds": 4,
             "audit": {"lost_tokens": 0, "doubled_tokens": 0}}
 
