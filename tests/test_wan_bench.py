@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
+from dtrain.config import ConfigError
 
 
 def _bench() -> ModuleType:
@@ -61,3 +62,8 @@ def test_bad_arguments_are_one_line(capsys) -> None:
         bench.parse_args(["--codecs", "int3"])
     assert "codecs are" in capsys.readouterr().err
     assert bench.parse_args([]).codecs == ["int8", "int4", "sparse"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fragments", "1"])
+    assert "--fragments must be 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--fragments 3 must divide outer.inner_steps = 50"):
+        bench.main(["--fragments", "3"])  # refused before any run starts
