@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"{label}: direction screen, the lowest cosine of each round: "
                 + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
                 + f"; pushes rejected: {sum(len(r['rejected']) for r in screened)}")
-        if codec.is_sparse(bits):
+        if codec.is_sparse(bits) and down == "sparse":  # (a dense update has no density to log)
             results[label]["update_density"] = density
             log(f"{label}: update density per round (push density {k.max_count / block:.4f}): "
                 + " ".join(f"{d:.4f}" for d in density))

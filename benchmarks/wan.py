@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fragments", type=int, default=0, metavar="F",
                    help="also run sparse with outer.fragments = F (Streaming DiLoCo) on every link, as codec "
                    "'sparse-fF'; F must divide outer.inner_steps (small's 50: 2 or 5); default 0: no such run")
+    p.add_argument("--loopback", action="store_true",
+                   help="also run every codec with no link (loopback, shown as link 'loopback'): the utilization the "
+                   "CPU alone allows, to tell a link's cost from a loaded machine's")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each simulation may take (default 3600)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its share of the CPUs")
     p.add_argument("--keep", action="store_true", help="keep the run folders (events, logs, summaries)")
@@ -149,14 +152,17 @@ def table(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(rows)
 
 
-def _simulate(cfg: Config, link: LinkShape, codec: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One run; ``codec`` is a codec name, or ``sparse-fF`` for sparse with outer.fragments = F."""
-    name = f"{codec}-{str(link).replace('/', '-')}"
+def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Namespace, work: Path
+              ) -> dict[str, Any]:
+    """One run; ``codec`` is a codec name, or ``sparse-fF`` for sparse with outer.fragments = F; ``link`` None:
+    loopback, no link."""
+    name = f"{codec}-{str(link or 'loopback').replace('/', '-')}"
     fragments = int(codec.removeprefix("sparse-f")) if codec.startswith("sparse-f") else 1
     base = "sparse" if fragments > 1 else codec
     run_cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": base, "down": base},
                                  outer={"fragments": fragments})
-    specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg)
+    specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg) \
+        if link else None
     t0 = time.perf_counter()
     summary = run_simulation(run_cfg, args.islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout,
                              island_specs=specs)
@@ -182,9 +188,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"runs under {work}")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     try:
-        for link in args.links:
+        for link in [*args.links, *([None] if args.loopback else [])]:
             for codec in codecs:
-                runs.setdefault(str(link), {})[codec] = _simulate(cfg, link, codec, args, work)
+                runs.setdefault(str(link or "loopback"), {})[codec] = _simulate(cfg, link, codec, args, work)
     except DtrainError as e:
         raise DtrainError(f"{e} (run folders kept under {work})") from None
     f = figures(runs, links)
