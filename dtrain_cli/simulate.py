@@ -599,6 +599,9 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
     quarantined = {n for n in sim.names for e in coord_events
                    if e.get("event") == "island_quarantined" and str(e.get("island", "")).startswith(n + "-")}
     finished = [n for n in sim.names if n not in unfinished | quarantined]
+    if not finished:
+        raise SimulationError(f"no island finished the run ({len(quarantined)} of {len(sim.names)} quarantined by "
+                              f"the coordinator, the others lost or stopped): see {out / 'coordinator.log'}")
     per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
     # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
     # process 0's alone, the one that pushes)

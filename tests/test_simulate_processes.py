@@ -651,3 +651,17 @@ def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run
     assert {e["name"] for e in events if e["event"] == "island_joined"} == {"island-0"}  # and again, for shard 1
     assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
     assert sorted(r["shard"] for e in events if e["event"] == "round_merged" for r in e["pushes"]) == [0, 0, 1, 1]
+
+
+def test_a_run_whose_islands_were_all_quarantined_is_one_error_not_a_crash(tmp_path) -> None:
+    """The summary of a run in which the coordinator quarantined every island (no island finished) is a
+    SimulationError naming why, not an IndexError."""
+    from types import SimpleNamespace
+
+    from dtrain_cli.simulate import SimulationError, _run_summary
+
+    sim = SimpleNamespace(out=tmp_path, cfg=_cfg(tmp_path), names=["island-0", "island-1"], gone=set(),
+                          stopped=set(), refused={}, processes=1)
+    events = [{"event": "island_quarantined", "island": f"island-{i}-{i}"} for i in range(2)]
+    with pytest.raises(SimulationError, match=r"no island finished the run \(2 of 2 quarantined"):
+        _run_summary(sim, 1.0, events, {}, None)  # type: ignore[arg-type]
