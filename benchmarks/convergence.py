@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
                    help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
+    p.add_argument("--sparse-down", choices=config.CODEC_NAMES, default="sparse",
+                   help="codec.down of the sparse variant (default sparse: the update in the sparse codec too; fp32: "
+                   "the mean of the sparse pushes broadcast exactly, to tell the down path's loss from the up path's)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
                    "trimmed_mean, median, clipped_mean, screened_mean): each codec variant is run once per rule, "
                    "side by side (named diloco-CODEC-RULE), for the fault-free cost of a robust rule; '': the "
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         spec, theta_w = codec.flatten(jax.device_get(params_w))
         k = phase.codec
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
-        merge_cfg = config.replace(phase, codec={"up": name, "down": name, "error_feedback": True},
+        down = args.sparse_down if name == "sparse" else name
+        merge_cfg = config.replace(phase, codec={"up": name, "down": down, "error_feedback": True},
                                    coordinator={"mode": "sync", "merge_rule": rule},
                                    outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"{label}: direction screen, the lowest cosine of each round: "
                 + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
                 + f"; pushes rejected: {sum(len(r['rejected']) for r in screened)}")
-        if codec.is_sparse(bits):
+        if codec.is_sparse(bits) and down == "sparse":  # (a dense update has no density to log)
             results[label]["update_density"] = density
             log(f"{label}: update density per round (push density {k.max_count / block:.4f}): "
                 + " ".join(f"{d:.4f}" for d in density))

@@ -5,10 +5,12 @@ loopback, configs/small.toml by default), each island behind its own emulated li
 dtrain_cli/link_proxy.py: each direction a pipe of the link's bandwidth and half its round trip, shared by the
 island's connections). For every link of ``--links`` (default 100mbit/100ms and 20mbit/200ms) and every codec of
 ``--codecs`` (default int8, int4 and sparse: ``codec.up`` and ``codec.down`` both set to it), one run of the same
-config. Per run: the training wall time (the longest island's time in its training loop), each island's
-utilization (time in inner steps / training wall time), bytes per round each way (per island, the mean over its
-rounds: pushes up, pulls down) and the peak bytes in flight per island (its largest push frame plus its pulls'
-bytes per round: what one exchange puts on its link), and the final eval loss.
+config; with ``--fragments F``, also sparse with ``outer.fragments = F`` (Streaming DiLoCo; named ``sparse-fF``, its
+rounds are fragment exchanges, one every H/F steps, so its bytes per round are per fragment). Per run: the training
+wall time (the longest island's time in its training loop), each island's utilization (time in inner steps /
+training wall time), bytes per round each way (per island, the mean over its rounds: pushes up, pulled updates down;
+the full θ pulled at join is left out, as in benchmarks/convergence.py) and the peak bytes in flight per island (its
+largest push frame plus its pulls' bytes per round: what one exchange puts on its link), and the final eval loss.
 
 Figures (the first link is L1, the second L2):
 
@@ -65,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="links, RATE/RTT separated by commas (default 100mbit/100ms,20mbit/200ms)")
     p.add_argument("--codecs", type=codec_list, default=None,
                    help="codecs, separated by commas (default int8,int4,sparse)")
+    p.add_argument("--fragments", type=int, default=0, metavar="F",
+                   help="also run sparse with outer.fragments = F (Streaming DiLoCo) on every link, as codec "
+                   "'sparse-fF'; F must divide outer.inner_steps (small's 50: 2 or 5); default 0: no such run")
+    p.add_argument("--loopback", action="store_true",
+                   help="also run every codec with no link (loopback, shown as link 'loopback'): the utilization the "
+                   "CPU alone allows, to tell a link's cost from a loaded machine's")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each simulation may take (default 3600)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its share of the CPUs")
     p.add_argument("--keep", action="store_true", help="keep the run folders (events, logs, summaries)")
@@ -72,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.islands < 1:
         p.error("--islands must be >= 1")
+    if args.fragments < 0 or args.fragments == 1:
+        p.error("--fragments must be 0 (no fragments run) or >= 2")
     if args.codecs is None:
         args.codecs = ["int8", "int4", "sparse"]
     return args
@@ -86,7 +96,7 @@ def run_figures(summary: dict[str, Any]) -> dict[str, Any]:
         events = read_events(run_dir / "islands" / s["island"], skip_torn=True, missing_ok=True)
         pushes = [e["bytes"] for e in events if e.get("event") == "push_sent" and "bytes" in e]
         rounds = max(len(pushes), 1)
-        down = s["bytes_down"] / rounds
+        down = (s["bytes_down"] - s.get("bytes_down_full", 0)) / rounds  # the updates, not the full θ at join
         per[s["island"]] = {"util": s["utilization"], "up_per_round": s["bytes_up"] / rounds,
                             "down_per_round": down, "peak_in_flight": int(max(pushes, default=0) + down)}
     return {"wall_s": max(s["active_s"] for s in islands), "util_min": min(p["util"] for p in per.values()),
@@ -132,20 +142,27 @@ def final_line(f: dict[str, Any]) -> str:
 
 
 def table(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
-    rows = [f"{'link':<14} {'codec':<8} {'wall s':>7} {'util min':>8} {'up B/round':>11} {'down B/round':>12} "
+    rows = [f"{'link':<14} {'codec':<9} {'wall s':>7} {'util min':>8} {'up B/round':>11} {'down B/round':>12} "
             f"{'peak B':>10} {'vers':>4} {'eval loss':>9}"]
     for link, by_codec in runs.items():
         for codec, r in by_codec.items():
-            rows.append(f"{link:<14} {codec:<8} {r['wall_s']:>7.1f} {r['util_min']:>8.3f} {r['up_per_round']:>11,.0f} "
+            rows.append(f"{link:<14} {codec:<9} {r['wall_s']:>7.1f} {r['util_min']:>8.3f} {r['up_per_round']:>11,.0f} "
                         f"{r['down_per_round']:>12,.0f} {r['peak_in_flight']:>10,} {r['versions']:>4} "
                         f"{r['eval_loss']:>9.4f}")
     return "\n".join(rows)
 
 
-def _simulate(cfg: Config, link: LinkShape, codec: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    name = f"{codec}-{str(link).replace('/', '-')}"
-    run_cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": codec, "down": codec})
-    specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg)
+def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Namespace, work: Path
+              ) -> dict[str, Any]:
+    """One run; ``codec`` is a codec name, or ``sparse-fF`` for sparse with outer.fragments = F; ``link`` None:
+    loopback, no link."""
+    name = f"{codec}-{str(link or 'loopback').replace('/', '-')}"
+    fragments = int(codec.removeprefix("sparse-f")) if codec.startswith("sparse-f") else 1
+    base = "sparse" if fragments > 1 else codec
+    run_cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": base, "down": base},
+                                 outer={"fragments": fragments})
+    specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg) \
+        if link else None
     t0 = time.perf_counter()
     summary = run_simulation(run_cfg, args.islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout,
                              island_specs=specs)
@@ -159,15 +176,21 @@ def _simulate(cfg: Config, link: LinkShape, codec: str, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    codecs = list(args.codecs)
+    if args.fragments:
+        if cfg.outer.inner_steps % args.fragments:
+            raise config_mod.ConfigError(f"--fragments {args.fragments} must divide outer.inner_steps = "
+                                         f"{cfg.outer.inner_steps} (pick a divisor, or --set outer.inner_steps=...)")
+        codecs.append(f"sparse-f{args.fragments}")
     links = [str(x) for x in args.links]
     work = Path(tempfile.mkdtemp(prefix="dtrain-wan-"))
-    log(f"config {args.config}: {args.islands} islands, links {', '.join(links)}, codecs {', '.join(args.codecs)}; "
+    log(f"config {args.config}: {args.islands} islands, links {', '.join(links)}, codecs {', '.join(codecs)}; "
         f"runs under {work}")
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     try:
-        for link in args.links:
-            for codec in args.codecs:
-                runs.setdefault(str(link), {})[codec] = _simulate(cfg, link, codec, args, work)
+        for link in [*args.links, *([None] if args.loopback else [])]:
+            for codec in codecs:
+                runs.setdefault(str(link or "loopback"), {})[codec] = _simulate(cfg, link, codec, args, work)
     except DtrainError as e:
         raise DtrainError(f"{e} (run folders kept under {work})") from None
     f = figures(runs, links)

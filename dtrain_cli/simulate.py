@@ -476,7 +476,9 @@ class _Simulation:
                         every_s=STATUS_EVERY_S)
 
     def _stop_stragglers(self) -> None:
-        """Terminates the islands still running after the run ended without them (a ``worker_stopped`` event)."""
+        """Terminates the islands still running after the run ended without them (a ``worker_stopped`` event).
+        An island whose events already hold ``island_finished`` did finish (its summary is written; on a loaded
+        machine its process can take longer than the grace to exit): it is terminated but counts as finished."""
         for name, procs in self.workers.items():
             if self._running(name):
                 for p in procs:
@@ -484,6 +486,10 @@ class _Simulation:
                         p.terminate()
                 for p in procs:
                     p.wait(timeout=30)
+                if any(e.get("event") == "island_finished" for e in _events(self.out / "islands" / name)):
+                    self.log.progress(f"{name}: finished, but its process had not exited a few leases after the "
+                                      f"coordinator's: terminated")
+                    continue
                 self.stopped.add(name)
                 self.log.event("worker_stopped", island=name,
                                reason="the coordinator finished the run and exited; this island had not finished")
@@ -599,6 +605,9 @@ def _run_summary(sim: _Simulation, wall: float, coord_events: list[dict[str, Any
     quarantined = {n for n in sim.names for e in coord_events
                    if e.get("event") == "island_quarantined" and str(e.get("island", "")).startswith(n + "-")}
     finished = [n for n in sim.names if n not in unfinished | quarantined]
+    if not finished:
+        raise SimulationError(f"no island finished the run ({len(quarantined)} of {len(sim.names)} quarantined by "
+                              f"the coordinator, the others lost or stopped): see {out / 'coordinator.log'}")
     per_island = [json.loads((out / "islands" / n / "summary.json").read_text()) for n in finished]
     # the other processes of each island: the same θ and eval as its process 0 (its tokens and bytes are
     # process 0's alone, the one that pushes)

@@ -651,3 +651,44 @@ def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run
     assert {e["name"] for e in events if e["event"] == "island_joined"} == {"island-0"}  # and again, for shard 1
     assert s["audit"]["lost_tokens"] == s["audit"]["doubled_tokens"] == 0
     assert sorted(r["shard"] for e in events if e["event"] == "round_merged" for r in e["pushes"]) == [0, 0, 1, 1]
+
+
+def test_a_run_whose_islands_were_all_quarantined_is_one_error_not_a_crash(tmp_path) -> None:
+    """The summary of a run in which the coordinator quarantined every island (no island finished) is a
+    SimulationError naming why, not an IndexError."""
+    from types import SimpleNamespace
+
+    from dtrain_cli.simulate import SimulationError, _run_summary
+
+    sim = SimpleNamespace(out=tmp_path, cfg=_cfg(tmp_path), names=["island-0", "island-1"], gone=set(),
+                          stopped=set(), refused={}, processes=1)
+    events = [{"event": "island_quarantined", "island": f"island-{i}-{i}"} for i in range(2)]
+    with pytest.raises(SimulationError, match=r"no island finished the run \(2 of 2 quarantined"):
+        _run_summary(sim, 1.0, events, {}, None)  # type: ignore[arg-type]
+
+
+def test_an_island_that_finished_but_is_slow_to_exit_is_not_counted_as_stopped(tmp_path) -> None:
+    """After the coordinator exits, the driver terminates islands still running; one whose events hold
+    ``island_finished`` (its summary written) still counts as finished, one without is stopped."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from dtrain_cli.simulate import _Simulation
+
+    for name, finished in (("island-0", True), ("island-1", False)):
+        d = tmp_path / "islands" / name
+        d.mkdir(parents=True)
+        events = [{"event": "island_started"}] + ([{"event": "island_finished", "version": 3}] if finished else [])
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    procs = {n: [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+             for n in ("island-0", "island-1")}
+    logged: list[tuple[str, dict]] = []
+    sim = SimpleNamespace(workers=procs, out=tmp_path, stopped=set(),
+                          log=SimpleNamespace(event=lambda ev, **kw: logged.append((ev, kw)),
+                                              progress=lambda line: None))
+    sim._running = lambda n: any(p.poll() is None for p in procs[n])
+    _Simulation._stop_stragglers(sim)  # type: ignore[arg-type]
+    assert all(p.poll() is not None for ps in procs.values() for p in ps)  # both terminated
+    assert sim.stopped == {"island-1"}
+    assert [kw["island"] for ev, kw in logged if ev == "worker_stopped"] == ["island-1"]

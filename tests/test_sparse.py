@@ -1,5 +1,6 @@
 """dtrain.codec.sparse: top-k selection, 2/4/8-bit values, gap-coded indices, the checks of hostile frames, and
-error feedback with a decaying accumulator (SparseLoCo). numpy only; runs in seconds."""
+error feedback with a decaying accumulator (SparseLoCo), and the coordinator refusing hostile sparse pushes.
+numpy and the coordinator's merger; runs in seconds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import io
 import numpy as np
 import pytest
 
-from dtrain import codec
+from coordinator.merger import MergeOptions, Merger
+from dtrain import codec, config
 from dtrain.codec import CodecError, ErrorFeedback, decode, dequantize, encode, quantize
-from dtrain.config import ConfigError, load_config
+from dtrain.config import Config, ConfigError, load_config
 
 CHUNK = 256
 SPARSE = ["sparse2", "sparse4", "sparse8"]
@@ -107,7 +109,7 @@ def test_the_hand_made_frame_is_what_the_encoder_writes() -> None:
 GOOD = _record([5, 200], [0, 3])
 
 
-@pytest.mark.parametrize("counts, records, scales, match", [
+HOSTILE = [  # (counts, records, scales, the reason): each body holds one fault
     ([2, 2], _record([3, 256], [1, 1]) + GOOD, None, r"chunk 0: index 256 out of range \[0, 256\)"),
     ([2, 2], _record([300, 1], [1, 1], gaps=True) + GOOD, None, r"chunk 0: index 300 out of range"),
     ([2, 2], _record([7, 7], [1, 1]) + GOOD, None, r"chunk 0: duplicate index 7"),
@@ -119,11 +121,41 @@ GOOD = _record([5, 200], [0, 3])
     ([2, 2], _record([3, 10], [1, 1]) + GOOD, [-1.0, 1.0], r"invalid scale .*-1.0.* for block 0"),
     ([2, 1], _record([3, 10], [1, 1]) + GOOD, None, r"the counts make a \d+-byte payload, the header declares"),
     ([2, 2], _record([3, 10], [1, 1])[:-1] + bytes([0x45]) + GOOD, None, r"chunk 0: padding bits .* must be 0"),
-])
+]
+
+
+@pytest.mark.parametrize("counts, records, scales, match", HOSTILE)
 def test_hostile_frames_are_refused_with_a_reason(counts, records, scales, match: str) -> None:
     frame = _frame(counts, records, scales)
     with pytest.raises(CodecError, match=match):
         decode(frame, expected_n=2 * CHUNK, max_count=2)
+
+
+@pytest.mark.parametrize("counts, records, scales, match", HOSTILE)
+def test_the_coordinator_refuses_a_hostile_push_and_commits_nothing(counts, records, scales, match: str) -> None:
+    """Through the coordinator's merger (its spool validates the frame as it arrives): the reason is raised,
+    nothing is pending, θ and the version are unchanged, and an honest push still merges after it."""
+    cfg = config.replace(Config(), codec={"up": "sparse", "down": "sparse", "sparse_chunk": CHUNK,
+                                          "density": 2 / CHUNK},
+                         coordinator={"mode": "sync", "merge_rule": "mean"}, outer={"rule": "sparseloco"})
+    theta = _x(2 * CHUNK, 7)
+    m = Merger(theta.copy(), MergeOptions.from_config(cfg))
+    try:
+        assert m.opts.max_count == 2
+        with m.spool() as sp, pytest.raises(CodecError, match=match):
+            sp.write(_frame(counts, records, scales))
+            m.validate(sp)
+            m.add_pending(sp, 1.0)
+        assert m.pending_count == 0 and m.version == 0
+        np.testing.assert_array_equal(m.theta, theta)
+        with m.spool() as sp:  # the merger is still whole
+            sp.write(_frame([2, 2], _record([3, 10], [3, 0]) + GOOD))
+            m.validate(sp)
+            m.add_pending(sp, 1.0)
+        m.outer_step()
+        assert m.version == 1 and np.count_nonzero(m.theta - theta) == 4
+    finally:
+        m.close()
 
 
 def test_hostile_headers_are_refused() -> None:

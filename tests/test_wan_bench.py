@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
+from dtrain.config import ConfigError
 
 
 def _bench() -> ModuleType:
@@ -26,7 +27,8 @@ def _summary(tmp_path: Path, name: str, utils: list[float], push_bytes: int, dow
         events = [{"event": "push_sent", "bytes": push_bytes + i} for _ in range(4)]
         (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         islands.append({"island": f"island-{i}", "utilization": u, "bytes_up": 4 * (push_bytes + i),
-                        "bytes_down": 4 * down, "active_s": 10.0 + i})
+                        "bytes_down": 4 * down + 5000, "bytes_down_full": 5000,  # + the full θ at join
+                        "active_s": 10.0 + i})
     return {"islands": islands, "run_dir": str(run), "final_eval_loss": 2.5, "rounds": 4,
             "audit": {"lost_tokens": 0, "doubled_tokens": 0}}
 
@@ -60,3 +62,8 @@ def test_bad_arguments_are_one_line(capsys) -> None:
         bench.parse_args(["--codecs", "int3"])
     assert "codecs are" in capsys.readouterr().err
     assert bench.parse_args([]).codecs == ["int8", "int4", "sparse"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fragments", "1"])
+    assert "--fragments must be 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--fragments 3 must divide outer.inner_steps = 50"):
+        bench.main(["--fragments", "3"])  # refused before any run starts

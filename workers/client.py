@@ -256,6 +256,7 @@ class CoordinatorClient:
         self.give_up = give_up
         self.bytes_up = 0
         self.bytes_down = 0
+        self.bytes_down_full = 0  # of bytes_down: full θ frames (the pull at join, a catch-up), not updates
         self.retries = 0
 
     def close(self) -> None:
@@ -439,6 +440,8 @@ class CoordinatorClient:
                         receiver.finish()
                         out.append(PulledFrame(header=header, frame=b"".join(parts)))
                         self.bytes_down += receiver.size
+                        if header.kind == pb.PULL_KIND_FULL:
+                            self.bytes_down_full += receiver.size
                         receiver = None
                 else:
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "pull: a chunk without a header")

@@ -152,6 +152,7 @@ class RunEnd:
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
             "final_eval_loss": final_eval, "params_digest": final_digest,
             "bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down,
+            "bytes_down_full": self.client.bytes_down_full,
             "compression_ratio": self.uplink.compression_ratio, "utilization": clock.utilization(),
             "blocked_s": clock.blocked_s, "eval_s": clock.eval_s, "final_wait_s": final_wait,
             "active_s": clock.active_s, "wall_s": time.perf_counter() - t_start, "retries": self.client.retries,
