@@ -128,8 +128,13 @@ class InnerLoop:
 
     def place_params(self, params: Params) -> Params:
         """``params`` (a host or device pytree of the model's shapes) as a fresh copy sharded over the mesh: safe
-        to donate later without touching ``params``."""
-        return jax.tree.map(lambda x, s: jax.device_put(jnp.array(x, copy=True), s), params, self.params_sharding)
+        to donate later without touching ``params``. A host array (θ from a pull) is copied on the host and
+        transferred, with no program to run (a copy program per leaf shape would be one more thing a restart loads
+        from the compilation cache, leaf by leaf): on a CPU backend the transfer may alias the buffer it is given
+        (it did here even with ``may_alias=False``, for some shapes and shardings), so it is given a copy no one
+        else holds."""
+        return jax.tree.map(lambda x, s: jax.device_put(jnp.array(x, copy=True), s) if isinstance(x, jax.Array)
+                            else jax.device_put(np.array(x, copy=True), s), params, self.params_sharding)
 
     def init_state(self, params: Params) -> TrainState:
         """A step-0 :class:`dtrain.step.TrainState` from ``params`` (copied onto the mesh) with a fresh optimizer

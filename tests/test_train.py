@@ -243,6 +243,17 @@ def test_run_donates_state_and_place_params_copies(text_corpus):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  swapped.opt_state, new_state.opt_state)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), swapped.params, params)
+    # θ from the host (a pull's arrays, views of one buffer): copied too, never aliased, on a CPU backend as well
+    # (a donated alias would let the step write into the host's buffer)
+    host = jax.tree.map(np.array, params)
+    kept = jax.tree.map(np.copy, host)
+    placed = loop.place_params(host)
+    jax.tree.map(lambda h: h.__iadd__(1.0), host)  # the host's buffers change after the placement
+    jax.tree.map(lambda a, k: np.testing.assert_array_equal(np.asarray(a), k), placed, kept)
+    jax.tree.map(np.copyto, host, kept)
+    after, _ = loop.run(loop.with_params(new_state, host), batches)  # donates the placed copy, steps it
+    assert int(after.step) == 4
+    jax.tree.map(lambda h, k: np.testing.assert_array_equal(h, k), host, kept)
 
 
 def test_lr_schedule():
