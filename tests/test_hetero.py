@@ -159,6 +159,11 @@ def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
         assert kinds.count("rate") == 1 and kinds.count("auto_rounds") == 1
         taken = {e["version"]: e["round_seconds"] for e in events if e["event"] == "paced"}
         assert taken and all(taken[v] == pytest.approx(given[v], abs=1e-4) for v in taken)
+        # An auto island compiled everything before it joined: θ_0's eval, if asked of it, is start-up (done while
+        # it waits for its peers), and the run's last θ's is the run's end: its eval time is the evals between.
+        evals = [(e["version"], e["seconds"]) for e in events if e["event"] == "evaluated"]
+        final = max(v for v, _ in evals)
+        assert islands[name]["eval_s"] == pytest.approx(sum(t for v, t in evals if 0 < v < final), abs=0.01), name
 
 
 def test_the_run_keeps_the_first_auto_round_length_an_island_reports() -> None:

@@ -342,6 +342,8 @@ class Worker:
         island = self.rewinder.start_island(joined, anchor, ckpt)
         status.held, status.steps, status.tokens = (anchor.version, anchor.digest), island.steps, island.tokens
         self._mark("pull")
+        if self._deferred is None:  # everything is compiled (auto rounds, several processes): an eval of θ_0 asked
+            self.evaluator.requested()  # for is start-up, done while the island waits for its peers (not timed)
         self.hosts.lead(self.membership.await_peers)
         self._mark("peers")
         anchor.arrived = time.perf_counter()  # a wall-time round 1 starts now, not when θ_0 arrived
