@@ -76,9 +76,8 @@ class RoundsLoop:
         """The ``round_merged`` event's pacing fields (``worker.round_seconds = auto``, sync rounds: the length given
         to the round that starts from ``version`` and the run's tokens budget, ``coordinator.pacing``)."""
         pace = self.state.pace
-        if pace is None or not pace.seconds_at(version):
-            return {}
-        return {"next_round_s": round(pace.seconds_at(version), 4), "budget_tokens": pace.budget}
+        seconds = pace.seconds_at(version) if pace is not None else 0.0
+        return {"next_round_s": round(seconds, 4), "budget_tokens": pace.budget} if pace is not None and seconds else {}
 
     def merge_if_ready(self, now: float) -> None:
         """Merges the open round if the state says it is ready: the outer step, its ``round_merged`` event, the

@@ -237,10 +237,9 @@ class CoordinatorState:
         if round_seconds and not self.round_seconds and self.islands[island_id].state == "live":
             self.round_seconds = float(round_seconds)
             if self.opts.coordinator.mode == "sync":  # the rounds after the first are paced (coordinator.pacing)
-                o = self.opts
-                self.pace = Pace(self.round_seconds,
-                                 o.islands * max(o.round_steps // o.fragments, 1) * o.batch_size * o.seq_len,
-                                 o.total_versions, sum(r.tokens_per_s for r in self.live()))
+                o = self.opts  # a version is to bring in a step round's tokens from every shard
+                self.pace = Pace(self.round_seconds, o.islands * o.round_sequences * o.seq_len, o.total_versions,
+                                 sum(r.tokens_per_s for r in self.live()))
         return answer
 
     def expire(self, now: float) -> list[tuple[str, str]]:
