@@ -466,8 +466,9 @@ def test_the_norm_reference_follows_the_honest_norms_as_they_shrink():
 # accumulator: 3.6 x the first. The old screen judged them on arrival against fragment 0's window of four
 # 0.77s alone (robust z 9.8-11.2 > norm_z_max 8), rejected every one, so nothing was merged and the window never
 # moved: the retries (4.3-4.6, then 5.3-5.5) were rejected too, and all four islands quarantined at version 2.
+# Versions 4-6: the same run with the screen judging at the round's close (all merged).
 SPARSE_F2 = ([0.778, 0.765, 0.767, 0.779], [2.089, 2.122, 2.032, 2.116], [2.874, 2.815, 2.934, 2.668],
-             [3.9, 4.1, 3.8, 4.0], [4.3, 4.5, 4.4, 4.2], [5.2, 5.0, 5.3, 5.1])
+             [4.694, 4.651, 4.742, 4.77], [4.426, 4.267, 4.365, 4.485], [6.82, 6.698, 6.645, 6.517])
 
 
 def test_honest_sparse_norms_growing_with_fragments_are_merged():
