@@ -15,16 +15,21 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
 - A lost island's push (a hung island that wakes up) is a late delta like any other (``late_policy``, the
   contiguity rule) while no live island holds its segment; once another took the segment over, it is dropped.
   A push from a segment its island no longer holds (it moved at a rejoin) is dropped too.
-- Norms (:func:`screen_norm`): a norm over ``coordinator.norm_max_ratio`` × ‖θ‖ is rejected ("quarantined"),
-  and so is one over ``coordinator.round_norm_ratio`` × the median of the last ``outer.islands`` merged norms
-  (about the last round's: a reference that follows the honest norms as they shrink, and holds in a round where
-  few islands push, e.g. the last rounds of a shard taken over), and an outlier: a norm more than
-  ``coordinator.norm_z_max`` robust deviations above the median of the last ``coordinator.norm_window`` merged norms
-  (``dtrain.outer.robust_z``; once ``norm_window_min`` are in); an accepted push gets the factor that clips its
-  norm to ``coordinator.clip_norm`` (``Admission.scale``).
-- The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: it needs no
-  history): a pending push whose norm exceeds ``coordinator.round_norm_ratio`` × the median norm of the round's
-  pushes is rejected, in rounds of 3 pushes or more (one push in a minority cannot move the median); and, with
+- Norms (:func:`screen_norm`, as a push arrives): a non-finite norm is rejected, and so is a norm over
+  ``coordinator.norm_max_ratio`` × ‖θ‖ ("quarantined"); an accepted push gets the factor that clips its norm to
+  ``coordinator.clip_norm`` (``Admission.scale``). Against the recent merged norms (:func:`screen_history`; in
+  async mode as the push arrives, in sync mode when its round closes, by the round screen): a norm over
+  ``coordinator.round_norm_ratio`` × the median of the last ``outer.islands`` merged norms (about the last
+  round's: a reference that follows the honest norms as they shrink, and holds in a round where few islands
+  push, e.g. the last rounds of a shard taken over), and an outlier: a norm more than ``coordinator.norm_z_max``
+  robust deviations above the median of the last ``coordinator.norm_window`` merged norms
+  (``dtrain.outer.robust_z``; once ``norm_window_min`` are in). In a sync round of 3 pushes or more the first
+  gives way to the round screen's ratio to the round's own median, and the robust-z window holds the round's
+  norms beside the merged ones: honest norms that grow together move its median, one push in a minority cannot.
+- The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: its ratio
+  needs no history): the screen against the merged norms above, and a pending push whose norm exceeds
+  ``coordinator.round_norm_ratio`` × the median norm of the round's pushes is rejected, in rounds of 3 pushes or
+  more (one push in a minority cannot move the median); and, with
   ``merge_rule`` ``screened_mean``, a push whose cosine with the coordinate median of the round's pushes is below
   ``coordinator.min_cosine`` (a push pointing away from the others: reversed, or off in a direction of its own);
   in a round of fewer than 3, a push from an island on probation (its last push rejected): in a run of 3 islands
@@ -210,16 +215,20 @@ def penalize(c: CoordinatorConfig, record: IslandRecord, reason: str, now: float
 
 def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequence[float],
                  cosines: Sequence[float] | None = None, reference: str = "",
-                 probation: Sequence[bool] = (), unchecked: bool = False) -> list[tuple[str, str]]:
+                 probation: Sequence[bool] = (), unchecked: bool = False, window: Sequence[float] = (),
+                 islands: int = 0) -> list[tuple[str, str]]:
     """The round's pushes (``infos``, with their L2 ``norms``; 0: not known) that the round screen rejects, as
     (push_id, reason): a norm over ``coordinator.round_norm_ratio`` × the median of the round's known norms, in a
-    round of 3 or more of them; with ``cosines`` (``screened_mean``: each push's cosine with ``reference``, the
-    coordinate median of the round's pushes, or with fewer than 3 the outer momentum:
-    ``coordinator.merger.Merger.direction_cosines``), a cosine below ``coordinator.min_cosine``: in a round of 3
-    or more, any push; in a smaller one only a push on probation (``probation``: its island's last push was
-    rejected), and below ``coordinator.probation_min_cosine``, since an honest delta late in a run may be all but
-    orthogonal to the momentum (cosines of −0.08 to 0.12 in the rounds of a shard taken over in ``tiny``). Needs no
-    history in rounds of 3 pushes or more: it holds from the first round on.
+    round of 3 or more of them; an outlier against the recent merged norms (:func:`screen_history`, sync mode's
+    norm screen; ``window``: the last ``norm_window`` merged norms of the round's fragment, ``islands``: how many
+    of the last of them are the recent reference), judged beside the round's norms in a round of 3 or more of
+    them; with ``cosines`` (``screened_mean``: each push's cosine with ``reference``, the coordinate median of the
+    round's pushes, or with fewer than 3 the outer momentum: ``coordinator.merger.Merger.direction_cosines``), a
+    cosine below ``coordinator.min_cosine``: in a round of 3 or more, any push; in a smaller one only a push on
+    probation (``probation``: its island's last push was rejected), and below ``coordinator.probation_min_cosine``,
+    since an honest delta late in a run may be all but orthogonal to the momentum (cosines of −0.08 to 0.12 in the
+    rounds of a shard taken over in ``tiny``). The round ratio needs no history in rounds of 3 pushes or more: it
+    holds from the first round on.
 
     ``unchecked`` (``screened_mean`` in a run of 3 islands or more): in a round of fewer than 3 pushes a push on
     probation is rejected whatever its cosine, since it cannot be checked: the momentum is no test of a reversed
@@ -235,6 +244,11 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
         out.update((i.push_id, f"quarantined: push {i.push_id} has L2 norm {n:.4g}, more than round_norm_ratio "
                                f"{c.round_norm_ratio:g} x the median {median:.4g} of the {len(known)} pushes of "
                                f"its round") for i, n in known if n > bound)
+    peers = [n for _, n in known] if len(known) >= 3 else []
+    for i, n in known:  # against the recent merged norms (``window``, ``islands``): screen_history
+        why = "" if i.push_id in out else screen_history(c, i.push_id, n, window, islands, peers)
+        if why:
+            out[i.push_id] = why
     flags = list(probation) or [False] * len(infos)
     if unchecked and len(infos) < 3:
         for i, watched in zip(infos, flags, strict=True):
@@ -266,23 +280,46 @@ def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, ad
             admission, status="reject", weight=0.0, norm=norm,
             reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than norm_max_ratio "
                     f"{c.norm_max_ratio:g} x the L2 norm of θ ({theta_norm:.4g})"))
-    recent = list(norms)[-islands:] if islands else []
-    if c.round_norm_ratio and len(recent) >= min(3, islands):
-        median = statistics.median(recent)
-        if norm > c.round_norm_ratio * median:
-            return dataclasses.replace(
-                admission, status="reject", weight=0.0, norm=norm,
-                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, more than round_norm_ratio "
-                        f"{c.round_norm_ratio:g} x the median {median:.4g} of the last {len(recent)} merged pushes"))
-    if c.norm_z_max and len(norms) >= c.norm_window_min:
-        z = robust_z(norm, norms)
-        if z > c.norm_z_max:
-            median = statistics.median(norms)
-            return dataclasses.replace(
-                admission, status="reject", weight=0.0, norm=norm,
-                reason=(f"quarantined: push {info.push_id} has L2 norm {norm:.4g}, {z:.3g} robust deviations "
-                        f"above the median {median:.4g} of the last {len(norms)} merged pushes "
-                        f"(norm_z_max {c.norm_z_max:g})"))
+    if c.mode != "sync":  # sync: judged when the round closes, beside its round's pushes (screen_round)
+        why = screen_history(c, info.push_id, norm, norms, islands)
+        if why:
+            return dataclasses.replace(admission, status="reject", weight=0.0, norm=norm, reason=why)
     scale = clip_factor(norm, c.clip_norm)
     clipped = f"; norm {norm:.4g} clipped to {c.clip_norm:g}" if scale < 1 else ""
     return dataclasses.replace(admission, norm=norm, scale=scale, reason=admission.reason + clipped)
+
+
+def screen_history(c: CoordinatorConfig, push_id: str, norm: float, window: Sequence[float], islands: int = 0,
+                   peers: Sequence[float] = ()) -> str:
+    """Why a push of L2 ``norm`` is an outlier against the recent merged norms, or "" if it is not. ``window``: the
+    last ``coordinator.norm_window`` merged norms (its fragment's, with outer.fragments); ``islands``: how many of
+    the last of them are the recent reference (0: no such check). ``peers``: the norms of the push's round (itself
+    included) when they are 3 or more (sync mode, as the round closes), else ().
+
+    Without peers (async mode, or a round of fewer than 3 pushes): a norm over ``round_norm_ratio`` × the median
+    of the last ``islands`` merged norms, or more than ``norm_z_max`` robust deviations above the median of the
+    window (once ``norm_window_min`` are in). With peers, the round screen's ratio to the round's own median
+    stands in for the first, and the robust-z window is the merged norms and the round's together: drift-aware.
+    A shift that a round's majority shares (the honest norms growing as a sparse island's error-feedback
+    accumulator fills, or a fragment's first exchange covering fewer steps than the next ones) moves that median
+    with it; one push in a minority cannot move it, so in a round of honest norms the bound is what it was. (A
+    window that holds only merged norms cannot follow such a shift: every push of the round is rejected, nothing
+    is merged, the window stays where it was, and every island is quarantined after ``max_rejections`` retries:
+    measured, docs/architecture.md.)"""
+    if c.round_norm_ratio and islands and not peers:
+        recent = list(window)[-islands:]
+        if len(recent) >= min(3, islands):
+            median = statistics.median(recent)
+            if norm > c.round_norm_ratio * median:
+                return (f"quarantined: push {push_id} has L2 norm {norm:.4g}, more than round_norm_ratio "
+                        f"{c.round_norm_ratio:g} x the median {median:.4g} of the last {len(recent)} merged pushes")
+    if c.norm_z_max and len(window) >= c.norm_window_min:
+        reference = [*window, *peers]
+        z = robust_z(norm, reference)
+        if z > c.norm_z_max:
+            median = statistics.median(reference)
+            what = (f"the last {len(window)} merged pushes and the {len(peers)} of its round" if peers
+                    else f"the last {len(window)} merged pushes")
+            return (f"quarantined: push {push_id} has L2 norm {norm:.4g}, {z:.3g} robust deviations above the "
+                    f"median {median:.4g} of {what} (norm_z_max {c.norm_z_max:g})")
+    return ""

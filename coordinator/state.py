@@ -340,7 +340,8 @@ class CoordinatorState:
                                       [p.admission.norm for p in pending],
                                       None if cosines is None else [cosines.get(p.info.push_id, 1.0) for p in pending],
                                       reference, [self._on_probation(p.info.island_id) for p in pending],
-                                      unchecked=screened and self.opts.islands >= 3)
+                                      unchecked=screened and self.opts.islands >= 3,
+                                      window=self.ledger.norm_window(self.version + 1), islands=self.opts.islands)
 
     def _on_probation(self, island_id: str) -> bool:
         """Whether the island's last push was rejected (its rejections in a row: ``coordinator.admission``)."""

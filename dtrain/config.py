@@ -272,7 +272,9 @@ class CoordinatorConfig:
                                  "norm of the round's pushes is rejected (quarantined), from the first round on "
                                  "(rounds of 3 or more pushes); 0: off")
     norm_z_max: float = _f(8.0, "a push whose L2 norm is more than this many robust deviations above the median of "
-                           "the recent accepted norms is rejected (quarantined); 0: off")
+                           "the recent accepted norms is rejected (quarantined); in a sync round of 3 pushes or "
+                           "more, judged when the round closes with the round's own norms beside them (honest "
+                           "norms growing together move the median); 0: off")
     norm_max_ratio: float = _f(10.0, "a push whose L2 norm exceeds this multiple of the L2 norm of θ is rejected "
                                "(quarantined), from the first round on (while θ is not 0); 0: off")
     norm_window: int = _f(8, "how many recent accepted push norms the outlier check compares against (a short "

@@ -244,6 +244,7 @@ class _Simulation:
         self.ended: dict[str, int] = {}  # island -> the process whose failure made the driver kill the others
         self.gone: set[str] = set()  # islands killed for good (no restart): not waited for
         self.stopped: set[str] = set()  # islands stopped by the driver after the run ended without them
+        self.late: set[str] = set()  # islands that finished but were terminated, slow to exit: no failure
         self.coordinator: subprocess.Popen | None = None
         self.port = 0
         self.proxies: dict[str, LinkProxy] = {}
@@ -450,7 +451,7 @@ class _Simulation:
         coordinator refusing it is what such a run tests."""
         out = []
         for name, procs in self.workers.items():
-            if name in self.gone | self.stopped:
+            if name in self.gone | self.stopped | self.late:
                 continue
             for index, p in enumerate(procs):
                 if p.poll() not in (None, 0) and self.ended.get(name, index) == index:
@@ -487,6 +488,7 @@ class _Simulation:
                 for p in procs:
                     p.wait(timeout=30)
                 if any(e.get("event") == "island_finished" for e in _events(self.out / "islands" / name)):
+                    self.late.add(name)  # its SIGTERM status is the driver's doing, not a failure (_failures)
                     self.log.progress(f"{name}: finished, but its process had not exited a few leases after the "
                                       f"coordinator's: terminated")
                     continue

@@ -316,6 +316,31 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
 
 
 @pytest.mark.slow
+def test_sparse_fragments_whose_norms_grow_are_merged_and_no_island_is_quarantined(tmp_path):
+    """Four islands, codec sparse, outer.fragments = 2, the learning-rate warm-up as long as a round: fragment 0's
+    first push covers H/F steps early in the warm-up and is a top-k of that delta alone, its next one covers H
+    steps and carries the accumulator, 5 x the first's norm (measured: 0.12 -> 0.59-0.61). Judged on arrival
+    against the merged norms alone, every push of that round was rejected and all four islands quarantined (the
+    code before the norm screen moved to the round's close); beside the round's own norms, all are merged and
+    the run ends with every token merged once."""
+    from dtrain.runlog import read_events
+    from dtrain_cli.simulate import run_simulation
+
+    cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "codec.up=sparse", "codec.down=sparse",
+                                      "outer.fragments=2", "train.warmup_steps=20", "train.steps=40",
+                                      "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
+    s = run_simulation(cfg, 4, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600)
+    assert s["quarantined_islands"] == [] and s["unfinished_islands"] == [] and len(s["islands"]) == 4
+    assert s["rounds"] == 4 and s["bit_identical_final_params"]
+    audit = s["audit"]
+    assert audit["lost_tokens"] == audit["doubled_tokens"] == 0 and audit["gaps"] == audit["overlaps"] == []
+    events = read_events(tmp_path / "tiny")
+    assert not [e for e in events if e["event"] in ("push_quarantined", "island_quarantined")]
+    merged = {e["version"]: [p["norm"] for p in e["pushes"]] for e in events if e["event"] == "round_merged"}
+    assert len(merged[1]) == len(merged[3]) == 4 and min(merged[3]) > 4 * max(merged[1])  # fragment 0 grew
+
+
+@pytest.mark.slow
 def test_a_resumed_coordinator_goes_on_with_the_next_fragment(frag_coordinator, tmp_path):
     cfg, running, (c0, c1), (j0, j1) = frag_coordinator
     ranges = running.service.merger.opts.ranges
