@@ -632,6 +632,10 @@ def test_the_merge_sum_and_the_norm_are_the_decoder_s_values(n: int, bits: codec
         levels = codec.dequantize_segment(bits, block, np.ones_like(q.scales), q.payload, n).astype(np.float64)
         padded = np.concatenate([levels, np.zeros(-n % block)]).reshape(-1, block)
         assert np.array_equal(codec.block_sum_squares(bits, block, q.payload, n), (padded ** 2).sum(axis=1))
+        if bits in (4, "e3m0") and n % 2:  # the last byte's high nibble is padding, not a value: not counted
+            dirty = q.payload.copy()
+            dirty[-1] |= 0x70
+            assert np.array_equal(codec.block_sum_squares(bits, block, dirty, n), (padded ** 2).sum(axis=1))
 
 
 def test_crc32_combine_matches_zlib() -> None:

@@ -316,6 +316,52 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32", "sparse"])
+def test_a_push_is_written_once_and_read_once(up, monkeypatch):
+    """Work per push, counted: spooling a push writes its decompressed body once (scales ‖ payload, no more), and
+    the outer step reads each pending push's body once (dense codecs: exactly its size; sparse: its scales and
+    records, at most its size) and nothing else of it, whatever the number of pushes and slabs. A second pass
+    over the pushes (a norm re-read, a copy) would grow each round's work with the islands."""
+    rng = np.random.default_rng(8)
+    m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
+    bits, block = m.opts.up_bits, m.opts.up_block or m.opts.block
+    written: dict[int, int] = {}
+    read: dict[int, int] = {}
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def pwrite(fd, data, offset):
+        n = real_pwrite(fd, data, offset)
+        written[fd] = written.get(fd, 0) + n
+        return n
+
+    def preadv(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        read[fd] = read.get(fd, 0) + n
+        return n
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "preadv", preadv)
+    sizes = {}
+    for i in range(4):
+        q = codec.quantize(rng.normal(size=N).astype(np.float32), bits, block, Config().codec.density)
+        written.clear()
+        with m.spool() as sp:
+            sp.write(codec.encode(q))
+            m.validate(sp)
+            m.add_pending(sp, 1.0 + i, key=str(i))
+            body = 4 * q.scales.size + q.payload.size
+            assert written == {sp.fd: body}  # the body, once; the spool writes nothing else
+            sizes[sp.fd] = body
+    read.clear()
+    m.outer_step()
+    pushes = {fd: read.get(fd, 0) for fd in sizes}
+    if codec.is_sparse(bits):  # the chunks' scales and records, never a byte twice
+        assert all(0 < pushes[fd] <= sizes[fd] for fd in sizes), (pushes, sizes)
+    else:
+        assert pushes == sizes
+    m.close()
+
+
 @pytest.mark.parametrize("rule,trim", [("trimmed_mean", 1), ("trimmed_mean", 2), ("median", 0)])
 @pytest.mark.parametrize("pushes", [3, 4, 5])
 def test_robust_rules_match_numpy_on_the_full_vectors(rule, trim, pushes):

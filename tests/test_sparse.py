@@ -43,6 +43,30 @@ def test_round_trip_keeps_the_top_k_of_every_chunk(bits: codec.Bits, n: int) -> 
     assert np.count_nonzero(got) == sum(min(k, n - s) for s in range(0, n, CHUNK))
 
 
+@pytest.mark.parametrize("bits", SPARSE)
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 40])
+def test_the_sum_of_chunks_with_equal_counts_is_the_per_entry_sum(bits: codec.Bits, k: int) -> None:
+    """``sparse_add``'s 2-D path (every chunk holds the same count: an island's top-k) adds exactly what the
+    per-entry path adds, for every value width and a count that fills its last code byte or not; chunks with
+    different counts (a masked update, a partial last chunk) take the per-entry path, checked against it too."""
+    from dtrain.codec import sparse
+
+    rng = np.random.default_rng(k)
+    x = _x(5 * CHUNK + 77, k)
+    for masked in (False, True):
+        mask = rng.random(x.size) < 0.05 if masked else None
+        scales, counts, records = sparse.sparse_quantize_segment(bits, CHUNK, x, k=None if masked else k, mask=mask)
+        rec = np.frombuffer(records, np.uint8)
+        got = _x(x.size, 99)
+        want = got.copy()
+        sparse.sparse_add(bits, CHUNK, scales, counts, rec, got, weight=0.3)
+        chunk_of, _, within, codes, _ = sparse._unpack(bits, counts, rec)  # the per-entry path, by hand
+        want[chunk_of * CHUNK + within] += sparse._level_table(bits)[codes] * (scales * np.float32(0.3))[chunk_of]
+        assert np.array_equal(got, want)
+        if not masked:  # the partial last chunk keeps k of its 77 values too: every count is k
+            assert counts.min() == counts.max() == k or k == 0
+
+
 def test_a_zero_vector_and_an_empty_one_round_trip() -> None:
     np.testing.assert_array_equal(dequantize(decode(encode(quantize(np.zeros(1000, np.float32), "sparse2",
                                                                     CHUNK)))), 0)

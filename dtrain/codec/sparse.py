@@ -241,9 +241,33 @@ def sparse_add(bits: SparseBits, chunk: int, scales: np.ndarray, counts: np.ndar
         records: their records, back to back. out: float32, the chunks' values (dense), updated in place.
         weight: the factor the values are scaled by.
     """
+    factors = scales.astype(np.float32) * np.float32(weight)
+    if counts.size and counts.min() == counts.max():  # every chunk holds k entries (an island's top-k): 2-D
+        _add_regular(bits, chunk, int(counts[0]), factors, np.frombuffer(records, np.uint8), out)
+        return
     chunk_of, _, within, codes, _ = _unpack(bits, counts, records)
-    values = _level_table(bits)[codes] * (scales.astype(np.float32) * np.float32(weight))[chunk_of]
+    values = _level_table(bits)[codes] * factors[chunk_of]
     out[chunk_of * chunk + within] += values
+
+
+def _add_regular(bits: SparseBits, chunk: int, k: int, factors: np.ndarray, rec: np.ndarray, out: np.ndarray) -> None:
+    """:func:`sparse_add` where every chunk holds ``k`` entries: the records are rows of one (chunks x record)
+    array, so gaps, indices and codes come from whole-array operations on it instead of per-entry gathers."""
+    if k == 0:
+        return
+    b = SPARSE_BITS[bits]
+    rows = rec.reshape(factors.size, int(record_len(b, k)))
+    within = np.ascontiguousarray(rows[:, :2 * k]).view("<u2").astype(np.int64)  # the index gaps
+    np.cumsum(within, axis=1, out=within)  # the indices within each chunk
+    within += (np.arange(factors.size, dtype=np.int64) * chunk)[:, None]  # ... and in ``out``
+    per = 8 // b
+    packed = rows[:, 2 * k:]
+    if per == 1:
+        codes = packed
+    else:  # entry j of a chunk: bits (j % per)·b of its byte j // per
+        shifts = (np.arange(per, dtype=np.uint8) * b)[None, None, :]
+        codes = ((packed[:, :, None] >> shifts) & ((1 << b) - 1)).reshape(factors.size, -1)[:, :k]
+    out[within.ravel()] += (_level_table(bits)[codes] * factors[:, None]).ravel()
 
 
 def sparse_dequantize(bits: SparseBits, chunk: int, n: int, scales: np.ndarray, payload: np.ndarray) -> np.ndarray:
