@@ -581,7 +581,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
                     evaluate=evaluate and v == version, round_seconds=paced.get(v, 0.0)))
-                # Built once per frame, the same bytes for every island (coordinator/pull_cache.py).
+                # One build shared by the pulls streaming this frame at once (coordinator/pull_cache.py).
                 yield from self.pull_cache.messages(update, handle, piece)
                 with self.lock:
                     self.counters.bytes_out += size
