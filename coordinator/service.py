@@ -27,6 +27,7 @@ from coordinator.dashboard import Dashboard
 from coordinator.history import RunHistory, check_eval_reports
 from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
+from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
 from coordinator.refusals import RefusalLog
@@ -51,7 +52,6 @@ from dtrain.wire import (
     STOPPED_METADATA_KEY,
     WireError,
     chunk_count,
-    file_chunk_messages,
     presented_token,
 )
 
@@ -205,6 +205,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.started_at = clock()
         self.streams = FrameStreams()
         self.pull_piece = pull_piece(cfg)
+        self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
         self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
         self.opts = StateOptions.from_config(cfg)
@@ -558,7 +559,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             else:
                 kind = pb.PULL_KIND_UPDATE
             # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
-            frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open()) for u in chain]
+            frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open(), u)
+                      for u in chain]
             final = self.state.stopped() or version == self.opts.end_version
             evaluate = bool(frames) and self.history.assign_eval(
                 request.island_id, version, final, self.cfg.coordinator.eval_every, self.clock(),
@@ -574,12 +576,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=evaluate)
         piece = self.pull_piece
         with self.streams.streaming():
-            for kind, base, v, size, crc, digest, handle in frames:
+            for kind, base, v, size, crc, digest, handle, update in frames:
                 yield pb.PullMessage(header=pb.PullHeader(
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
                     evaluate=evaluate and v == version, round_seconds=paced.get(v, 0.0)))
-                yield from file_chunk_messages(handle, piece)
+                # One build shared by the pulls streaming this frame at once (coordinator/pull_cache.py).
+                yield from self.pull_cache.messages(update, handle, piece)
                 with self.lock:
                     self.counters.bytes_out += size
                     self.history.island(request.island_id).bytes_out += size

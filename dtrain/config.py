@@ -244,6 +244,9 @@ class CoordinatorConfig:
                                   "outgoing pull's chunks half of it (at most codec.chunk_bytes): memory stays "
                                   "flat however many islands there are. Set it >= the coordinator's link "
                                   "bandwidth x RTT; 0: stream_window_bytes windows, codec.chunk_bytes chunks")
+    pull_cache_bytes: int = _f(64 << 20, "the chunk messages of the frames pulls serve, kept in memory so each "
+                               "frame is read, CRC'd and chunked once, not once per island pulling it; the least "
+                               "recently pulled go first, a larger frame streams from disk; 0: none")
     max_push_steps: int = _f(0, "most inner steps one push may cover: its tokens must be <= its cursor range x "
                              "model.seq_len, the range <= this x train.batch_size sequences (0: outer.inner_steps "
                              "/ outer.fragments with step rounds; no cap with wall-time rounds, where it is worth "
@@ -664,6 +667,8 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
         fail("coordinator", "refusal_events", f"must be >= 1, got {co.refusal_events}")
     if not (math.isfinite(co.forget_after_s) and co.forget_after_s >= 0):
         fail("coordinator", "forget_after_s", f"must be a finite number >= 0 (0: never), got {co.forget_after_s}")
+    if co.pull_cache_bytes < 0:
+        fail("coordinator", "pull_cache_bytes", f"must be >= 0, got {co.pull_cache_bytes}")
     if co.stream_budget_bytes < 0:
         fail("coordinator", "stream_budget_bytes", f"must be >= 0, got {co.stream_budget_bytes}")
     if co.stream_window_bytes and not 64 << 10 <= co.stream_window_bytes <= 1 << 30:
