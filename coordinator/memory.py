@@ -120,8 +120,10 @@ def stream_window(cfg: Config) -> int:
 
 def pull_piece(cfg: Config) -> int:
     """Bytes per chunk of a pull's frames: ``codec.chunk_bytes``, at most half its island's :func:`stream_share`.
-    A pull being sent holds its chunk twice (the message in Python, gRPC's copy until it is on the wire), so the
-    pulls of every island at once hold about the budget, not islands x 2 x chunk_bytes (64 islands, 1 MiB chunks:
-    +190 MiB). Islands accept any chunk size up to their own ``codec.chunk_bytes``."""
+    A pull streamed from its file holds its chunk twice (the message in Python, gRPC's copy until it is on the
+    wire), so the pulls of every island at once hold about the budget, not islands x 2 x chunk_bytes (64 islands,
+    1 MiB chunks: +190 MiB). Pulls that share a frame in the pull cache (``coordinator.pull_cache``) hold its
+    messages once between them, plus gRPC's copy of each one's current chunk. Islands accept any chunk size up to
+    their own ``codec.chunk_bytes``."""
     share = stream_share(cfg)
     return min(cfg.codec.chunk_bytes, share // 2) if share else cfg.codec.chunk_bytes
