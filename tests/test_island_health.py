@@ -158,3 +158,41 @@ def test_island_with_too_few_devices_drains_and_its_shard_is_rerouted(tmp_path: 
     merged = sorted((p["shard"], p["start"], p["end"]) for e in _of(run["coordinator_events"], "round_merged")
                     for p in e["pushes"])
     assert merged == [(0, 0, 160), (0, 160, 320), (0, 320, 480), (1, 0, 160), (1, 160, 320), (1, 320, 480)]
+
+
+def _merged(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return _of(run["coordinator_events"], "round_merged")
+
+
+def test_a_recovery_with_fragments_keeps_the_other_fragments_unsent_progress(tmp_path: Path) -> None:
+    """outer.fragments = 2, H = 20: a push every 10 steps, fragments 0 and 1 in turn. Device 3 goes bad at step 25
+    and is quarantined; the island goes back to its last push (step 20, fragment 1's) on 7 devices. That push
+    left fragment 0's progress of steps 10-20 unsent (fragment 0 was last exchanged at step 10): the recovery
+    keeps it on the newest θ, as a network rewind does, so fragment 0's next push (step 30) again carries its 20
+    steps, as in the same run without a fault, not only the 10 trained after the recovery. The audit stays
+    exact (every range merged once) and the island ends on the coordinator's θ. A constant learning rate after
+    the warm-up: a recovery keeps the step counter going (the schedule is ahead by the steps it discarded), which
+    would change the pushes' norms too."""
+    fragments = ("health.enabled=true", "outer.fragments=2", "train.min_lr_ratio=1.0")
+    clean_dir, fault_dir = tmp_path / "clean", tmp_path / "fault"
+    clean = _run(_cfg(clean_dir, *fragments), clean_dir, {"a": None})
+    run = _run(_cfg(fault_dir, *fragments), fault_dir, {"a": DeviceFault("scale", 3, factor=10.0, start=25)})
+    a, events = run["a"], run["events"]["a"]
+    [q] = _of(events, "device_quarantined")
+    assert q["device"] == 3 and 25 <= q["step"] <= 27
+    [rewound] = _of(events, "rewound")
+    assert rewound["restored"] and rewound["to_cursor"] == 20 * 8 and rewound.get("kept_unsent")
+    # every range merged exactly once, one fragment per version, and the island holds the coordinator's θ
+    merged = _merged(run)
+    assert [e["fragment"] for e in merged] == [0, 1] * 3
+    assert [(p["start"], p["end"]) for e in merged for p in e["pushes"]] == [(80 * i, 80 * (i + 1)) for i in range(6)]
+    assert a["params_digest"] == run["digest"] and a["version"] == run["version"] == 6
+    assert a["cursor"] == clean["a"]["cursor"]
+    # fragment 0's push at step 30 (version 3) carries steps 10-30, as without the fault: its norm is the clean
+    # run's (the remeshed island sums its gradients in another order); steps 20-30 alone would be far smaller
+    norm = {v: [p["norm"] for p in e["pushes"]][0] for v, e in enumerate(_merged(run), 1)}
+    clean_norm = {v: [p["norm"] for p in e["pushes"]][0] for v, e in enumerate(_merged(clean), 1)}
+    assert norm[1] == pytest.approx(clean_norm[1], rel=1e-4)  # before the fault: the same pushes
+    assert norm[3] == pytest.approx(clean_norm[3], rel=0.05), (norm, clean_norm)
+    assert norm[4] == pytest.approx(clean_norm[4], rel=0.05), (norm, clean_norm)  # fragment 1's: steps 20-40
+    assert np.isfinite(a["final_eval_loss"]) and a["final_eval_loss"] / clean["a"]["final_eval_loss"] < 1.02

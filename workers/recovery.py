@@ -58,7 +58,8 @@ class Rewind:
 class Recovery:
     """The island's own state is not to be trusted (a device was quarantined, or the NaN/Inf guard fired): it goes
     back to its last good state, its last push (optimizer moments from that push's checkpoint, θ the newest
-    global one, its data cursor where that push ended), on a mesh of its healthy devices if ``remesh``."""
+    global one, plus with ``outer.fragments`` > 1 the other fragments' progress not exchanged yet at that push,
+    its data cursor where that push ended), on a mesh of its healthy devices if ``remesh``."""
 
     reason: str
     remesh: bool = False
@@ -258,8 +259,9 @@ class Rewinder:
     """Carries out a :class:`Rewind` or a :class:`Recovery` on the training loop's thread (its only user): the
     island goes to the rewind's shard and cursor on the newest global θ, or back to its last push's state (on
     the healthy devices' mesh after a quarantine). With ``outer.fragments`` > 1 it also keeps, for the island's
-    last two pushes, the progress not exchanged yet at that push (:meth:`keep_progress`): a rewind to where one
-    of them ended keeps that progress on the newest θ, so only the range trained since is discarded."""
+    last two pushes, the progress not exchanged yet at that push (:meth:`keep_progress`): a rewind or a recovery
+    to where one of them ended keeps that progress on the newest θ, so only the range trained since is
+    discarded."""
 
     def __init__(self, cfg: Config, setup: Setup, spec: codec.Spec, guard: Guard, hosts: HostGroup,
                  log: RunLog, name: str, pull: Callable[[GlobalParams], GlobalParams],
@@ -283,10 +285,10 @@ class Rewinder:
         """The island's inner loop (a remesh replaces it)."""
         return self.setup.loop
 
-    def state_from(self, g: GlobalParams, ckpt: Checkpointer) -> Any:
-        """A train state on the island's mesh: θ from ``g``, the optimizer moments from the island's last checkpoint
-        (saved at its last push) when there is one of this run, else fresh ones."""
-        params = codec.unflatten(self.spec, g.vec)  # on the host: placed (copied) once, below
+    def state_from(self, vec: np.ndarray, ckpt: Checkpointer) -> Any:
+        """A train state on the island's mesh: θ the flat ``vec``, the optimizer moments from the island's last
+        checkpoint (saved at its last push) when there is one of this run, else fresh ones."""
+        params = codec.unflatten(self.spec, vec)  # on the host: placed (copied) once, below
         ckpt.wait()  # a save still being written is the last push's
         if ckpt.latest_step() is not None:
             # into this mesh's shardings (a remeshed island's too), from the state's shapes: no fresh state is
@@ -300,7 +302,7 @@ class Rewinder:
     def start_island(self, joined: pb.JoinResponse, g: GlobalParams, ckpt: Checkpointer) -> Island:
         """The island on its shard from the coordinator's cursor (``joined``), θ from ``g``, the optimizer moments
         from its last checkpoint (:meth:`state_from`)."""
-        island = Island(index=joined.shard_index, state=self.state_from(g, ckpt),
+        island = Island(index=joined.shard_index, state=self.state_from(g.vec, ckpt),
                         stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor),
                         segment=(int(joined.segment_start), int(joined.cursor_end)))
         island.steps = island.cursor // self.cfg.train.batch_size  # a rejoining island goes on where its data ends
@@ -323,8 +325,9 @@ class Rewinder:
         ``start`` (the cursor its unpushed progress began at); returns (θ_anchor, whether it moved). The caller
         has finished the exchange in flight: if the coordinator accepted its push (``last_exchange``), the
         rewind starts after that push's range; if the island stands where the coordinator says, nothing is
-        discarded. With a ``recovery`` the island's state is replaced whatever the cursor: θ the newest, the
-        optimizer moments from the last push's checkpoint, on the healthy devices' mesh if it remeshes."""
+        discarded. With a ``recovery`` the island's state is replaced whatever the cursor: θ the newest (plus the
+        kept progress, as for a rewind), the optimizer moments from the last push's checkpoint, on the healthy
+        devices' mesh if it remeshes."""
         executed_step = step_counter(island) if recovery is not None else 0  # before the mesh goes
         remeshed = self.guard.remesh() if recovery is not None and recovery.remesh else {}
         if last_exchange is not None:  # its push, taken after the cursor was named, moved the cursor
@@ -340,17 +343,20 @@ class Rewinder:
             self.log.event("rewind_kept", shard=island.index, cursor=start, reason=rewind.reason)
             return anchor, False
         latest = self.pull(anchor)  # the newest θ: the retrained range is pushed against it
-        kept = self._progress.get((rewind.shard, rewind.cursor)) if recovery is None else None
+        # fragments: the progress not exchanged when the range began stays, on the newest θ (as a fold-in). At a
+        # recovery too: it was taken at a push, from the state the guard had cleared for that push (chip health's
+        # check and the NaN/Inf guard are read before every push), as the pushed fragment was; what the recovery
+        # distrusts is what was trained after that push, and that is discarded.
+        kept = self._progress.get((rewind.shard, rewind.cursor))
+        vec = latest.vec if kept is None else latest.vec + kept
         if recovery is None:
-            # fragments: the progress not exchanged when the range began stays, on the newest θ (as a fold-in)
-            vec = latest.vec if kept is None else latest.vec + kept
             island.state = island.state.replace(params=self.loop.place_params(codec.unflatten(self.spec, vec)))
         else:
             if remeshed:
                 self.precompile()
             # The step counter goes on (a fault tied to device time does not replay with the retrained range)
             step = jax.device_put(jnp.asarray(executed_step, jnp.int32), self.loop.state_sharding.step)
-            island.state = self.state_from(latest, ckpt).replace(step=step)
+            island.state = self.state_from(vec, ckpt).replace(step=step)
             self.guard.forget()
         self._report(island, rewind, start, recovery, latest, remeshed, kept is not None)
         # The island now stands at the rewind's cursor with that progress on the newest θ: a rewind there again (its
