@@ -164,6 +164,8 @@ def _merged(run: dict[str, Any]) -> list[dict[str, Any]]:
     return _of(run["coordinator_events"], "round_merged")
 
 
+@pytest.mark.slow  # two worker runs; the kept progress is the rewind's (Rewinder.apply, one line for both), whose
+# default proof is tests/test_fragments.py's rewind with kept_unsent
 def test_a_recovery_with_fragments_keeps_the_other_fragments_unsent_progress(tmp_path: Path) -> None:
     """outer.fragments = 2, H = 20: a push every 10 steps, fragments 0 and 1 in turn. Device 3 goes bad at step 25
     and is quarantined; the island goes back to its last push (step 20, fragment 1's) on 7 devices. That push
