@@ -5,8 +5,8 @@ loopback, configs/small.toml by default), each island behind its own emulated li
 dtrain_cli/link_proxy.py: each direction a pipe of the link's bandwidth and half its round trip, shared by the
 island's connections). For every link of ``--links`` (default 100mbit/100ms and 20mbit/200ms) and every codec of
 ``--codecs`` (default int8, int4 and sparse: ``codec.up`` and ``codec.down`` both set to it), one run of the same
-config; with ``--fragments F``, also sparse with ``outer.fragments = F`` (Streaming DiLoCo; named ``sparse-fF``, its
-rounds are fragment exchanges, one every H/F steps, so its bytes per round are per fragment). Per run: the training
+config; with ``--fragments F`` (default: 2 with the default codecs where 2 divides H), also sparse with
+``outer.fragments = F`` (Streaming DiLoCo; named ``sparse-fF``, its rounds are fragment exchanges, one every H/F steps, so its bytes per round are per fragment). Per run: the training
 wall time (the longest island's time in its training loop), each island's utilization (time in inner steps /
 training wall time), bytes per round each way (per island, the mean over its rounds: pushes up, pulled updates down;
 the full θ pulled at join is left out, as in benchmarks/convergence.py) and the peak bytes in flight per island (its
@@ -51,6 +51,9 @@ UTIL_MIN = 0.95
 TARGETS = {"util_sparse": f">= {UTIL_MIN} on every link"}
 
 
+DEFAULT_FRAGMENTS = 2  # the sparse-with-fragments run of the default invocation: sparse-f2
+
+
 def _links(text: str) -> list[LinkShape]:
     try:
         return [parse_link(x) for x in text.split(",")]
@@ -67,9 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="links, RATE/RTT separated by commas (default 100mbit/100ms,20mbit/200ms)")
     p.add_argument("--codecs", type=codec_list, default=None,
                    help="codecs, separated by commas (default int8,int4,sparse)")
-    p.add_argument("--fragments", type=int, default=0, metavar="F",
+    p.add_argument("--fragments", type=int, default=None, metavar="F",
                    help="also run sparse with outer.fragments = F (Streaming DiLoCo) on every link, as codec "
-                   "'sparse-fF'; F must divide outer.inner_steps (small's 50: 2 or 5); default 0: no such run")
+                   "'sparse-fF'; F must divide outer.inner_steps (small's 50: 2 or 5); 0: no such run; default 2 "
+                   "when outer.inner_steps is even and --codecs is not given, else 0")
     p.add_argument("--loopback", action="store_true",
                    help="also run every codec with no link (loopback, shown as link 'loopback'): the utilization the "
                    "CPU alone allows, to tell a link's cost from a loaded machine's")
@@ -80,8 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.islands < 1:
         p.error("--islands must be >= 1")
-    if args.fragments < 0 or args.fragments == 1:
+    if args.fragments is not None and (args.fragments < 0 or args.fragments == 1):
         p.error("--fragments must be 0 (no fragments run) or >= 2")
+    args.default_codecs = args.codecs is None  # with --fragments unset: a sparse-f2 run too (main, against H)
     if args.codecs is None:
         args.codecs = ["int8", "int4", "sparse"]
     return args
@@ -173,15 +178,25 @@ def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Na
     return r
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+def run_codecs(args: argparse.Namespace, cfg: config_mod.Config) -> list[str]:
+    """The runs' codecs per link: ``--codecs``, then ``sparse-fF`` for ``--fragments F`` (unset: F = 2 with the default
+    codecs where 2 divides H, else none). ConfigError if F does not divide ``outer.inner_steps``."""
     codecs = list(args.codecs)
+    if args.fragments is None:  # the default: 2 fragments with the default codecs, where they divide H
+        args.fragments = DEFAULT_FRAGMENTS if args.default_codecs and cfg.outer.inner_steps % DEFAULT_FRAGMENTS == 0 \
+            else 0
     if args.fragments:
         if cfg.outer.inner_steps % args.fragments:
             raise config_mod.ConfigError(f"--fragments {args.fragments} must divide outer.inner_steps = "
                                          f"{cfg.outer.inner_steps} (pick a divisor, or --set outer.inner_steps=...)")
         codecs.append(f"sparse-f{args.fragments}")
+    return codecs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    codecs = run_codecs(args, cfg)
     links = [str(x) for x in args.links]
     work = Path(tempfile.mkdtemp(prefix="dtrain-wan-"))
     log(f"config {args.config}: {args.islands} islands, links {', '.join(links)}, codecs {', '.join(codecs)}; "

@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config import ConfigError
+from dtrain.config import ConfigError, load_config
 
 
 def _bench() -> ModuleType:
@@ -67,3 +67,17 @@ def test_bad_arguments_are_one_line(capsys) -> None:
     assert "--fragments must be 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"--fragments 3 must divide outer.inner_steps = 50"):
         bench.main(["--fragments", "3"])  # refused before any run starts
+
+
+def test_the_default_run_adds_sparse_with_two_fragments_where_they_divide_h() -> None:
+    bench = _bench()
+
+    def codecs(*argv: str) -> list[str]:
+        args = bench.parse_args(list(argv))
+        return bench.run_codecs(args, load_config(args.config, args.overrides))
+
+    assert codecs() == ["int8", "int4", "sparse", "sparse-f2"]  # small: H = 50
+    assert codecs("--set", "outer.inner_steps=25") == ["int8", "int4", "sparse"]  # 2 does not divide 25
+    assert codecs("--codecs", "int8,sparse") == ["int8", "sparse"]  # codecs named: no run added
+    assert codecs("--codecs", "sparse", "--fragments", "5") == ["sparse", "sparse-f5"]
+    assert codecs("--fragments", "0") == ["int8", "int4", "sparse"]
