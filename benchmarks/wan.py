@@ -6,11 +6,12 @@ dtrain_cli/link_proxy.py: each direction a pipe of the link's bandwidth and half
 island's connections). For every link of ``--links`` (default 100mbit/100ms and 20mbit/200ms) and every codec of
 ``--codecs`` (default int8, int4 and sparse: ``codec.up`` and ``codec.down`` both set to it), one run of the same
 config; with ``--fragments F`` (default: 2 with the default codecs where 2 divides H), also sparse with
-``outer.fragments = F`` (Streaming DiLoCo; named ``sparse-fF``, its rounds are fragment exchanges, one every H/F steps, so its bytes per round are per fragment). Per run: the training
-wall time (the longest island's time in its training loop), each island's utilization (time in inner steps /
-training wall time), bytes per round each way (per island, the mean over its rounds: pushes up, pulled updates down;
-the full θ pulled at join is left out, as in benchmarks/convergence.py) and the peak bytes in flight per island (its
-largest push frame plus its pulls' bytes per round: what one exchange puts on its link), and the final eval loss.
+``outer.fragments = F`` (Streaming DiLoCo; named ``sparse-fF``, its rounds are fragment exchanges, one every H/F
+steps, so its bytes per round are per fragment). Per run: the training wall time (the longest island's time in its
+training loop), each island's utilization (time in inner steps / training wall time), bytes per round each way (per
+island, the mean over its rounds: pushes up, pulled updates down; the full θ pulled at join is left out, as in
+benchmarks/convergence.py) and the peak bytes in flight per island (its largest push frame plus its pulls' bytes per
+round: what one exchange puts on its link), and the final eval loss.
 
 Figures (the first link is L1, the second L2):
 
