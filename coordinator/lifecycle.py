@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,8 @@ from coordinator.dashboard import check_port_free, dashboard_port, open_dashboar
 from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
-from coordinator.service import CURRENT_CALL, CoordinatorService
+from coordinator.service import CURRENT_CALL, CallerIdentity, CoordinatorService
+from coordinator.shard import SHARD_METHODS, RangeShard, read_secret
 from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config import Config, ConfigError
@@ -38,6 +40,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import require_exporter
 from dtrain.wire import (
     HANDLER_KINDS,
+    OPEN_METHODS,
     SERVICE,
     AuthDenied,
     RawChunk,
@@ -390,3 +393,36 @@ def _wait_for_the_end(service: CoordinatorService, after_finish: AfterFinish) ->
                              f"--replicas=0)")
         reason = loop.wait_stop_requested()
     return reason
+
+
+def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
+                port: int | None = None) -> tuple[grpc.Server, RangeShard, int]:
+    """Starts range shard ``index`` (>= 1) of a sharded coordinator (``coordinator.shards``): the Coordinator
+    service's PushDelta and PullGlobal for its range (the islands' token, as the lead's) and the Shard service for
+    the lead (its secret); ``theta``: θ_0's values of its range. Returns (server, shard, bound port)."""
+    c = cfg.coordinator
+    address = f"{c.host}:{c.port if port is None else port}"
+    check_ports_free(dataclasses.replace(cfg, coordinator=dataclasses.replace(c, dashboard_port=-1)), port)
+    sec = cfg.security
+    token, creds = read_token(sec), server_credentials(sec)
+    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    shard = RangeShard(cfg, index, run_dir, theta, spec, read_secret(cfg),
+                       identity=CallerIdentity(sec.identity, island_tokens))
+    own = island_tokens.name_of if island_tokens is not None else None
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenAuthInterceptor(token, None, own, OPEN_METHODS | SHARD_METHODS)] if token or own else [])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
+                         interceptors=interceptors, options=server_options(cfg))
+    server.add_generic_rpc_handlers((service_handler(shard),))
+    pb_grpc.add_ShardServicer_to_server(shard, server)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        shard.close()
+        raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
+    server.start()
+    logging.getLogger("dtrain.coordinator").info("coordinator shard %d of %d listening on %s:%d (values %d..%d)",
+                                                 index, c.shards, c.host, bound, shard.range.start, shard.range.end)
+    return server, shard, bound

@@ -1,0 +1,223 @@
+"""A sharded coordinator (coordinator.shards = 2) on real loopback gRPC: a lead and a range shard in this process,
+islands pushing and pulling through the workers' own code path (Uplink, ShardedPush, ShardedPuller)."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import initial_parameters
+from coordinator.lifecycle import serve, serve_shard
+from coordinator.shard import SECRET_METADATA_KEY, shard_ranges
+from dtrain import codec, fragments
+from dtrain.config import ConfigError, load_config, replace
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.wire import max_frame_bytes
+from service_helpers import push_header
+from workers.client import CoordinatorClient, CoordinatorError
+from workers.exchange import GlobalParams, Puller, ShardFrames, Uplink
+from workers.shard_links import ShardedPuller, ShardedPush, ShardLinks
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    return None
+
+
+@pytest.fixture
+def cfg(net_cfg, tmp_path):
+    """tiny, 2 islands, the plain token-weighted mean (the same rule with and without shards), quantization blocks
+    of 128 values: tiny's two shard ranges meet at value 12416 = 97 x 128, so each range's blocks are the
+    unsharded θ's blocks and the merged θ can be compared bit for bit."""
+    (tmp_path / "secret").write_text(SECRET)
+    return replace(net_cfg, coordinator={"merge_rule": "mean", "shard_secret_file": str(tmp_path / "secret")},
+                   codec={"block": 128})
+
+
+class Sharded:
+    """Range shard 1 and the lead (shard 0), both on 127.0.0.1:0 in this process."""
+
+    def __init__(self, cfg, run_dir):
+        theta, spec = initial_parameters(cfg)
+        self.theta0, self.spec = theta, spec
+        cfg = replace(cfg, coordinator={"shards": 2})
+        self.ranges = shard_ranges(spec, 2)
+        r = self.ranges[1]
+        self.shard_server, self.shard, port = serve_shard(cfg, 1, run_dir, theta[r.start:r.end].copy(), spec,
+                                                          port=0)
+        self.shard_address = f"127.0.0.1:{port}"
+        self.cfg = replace(cfg, coordinator={"shard_addresses": [self.shard_address]})
+        self.server, self.service, lead_port = serve(self.cfg, run_dir, theta, spec, port=0, quiet=True)
+        self.address = f"127.0.0.1:{lead_port}"
+
+    def theta(self) -> np.ndarray:
+        return np.concatenate([self.service.merger.theta, self.shard.merger.theta])
+
+    def stop(self):
+        self.server.stop(grace=None).wait()
+        self.service.close()
+        self.shard_server.stop(grace=None).wait()
+        self.shard.close()
+
+
+class Island:
+    """One island's exchange parts, as workers/island.py builds them, with or without shards."""
+
+    def __init__(self, cfg, address: str, name: str, n: int, ranges=()):
+        self.client = CoordinatorClient(address, cfg)
+        self.join = self.client.join(name, "cpu", 1)
+        self.links = None
+        if ranges:
+            self.links = ShardLinks(cfg, self.client, ranges)
+            self.links.connect(self.join.shard_addresses)
+            self.puller: Puller = ShardedPuller(self.links, n, lambda m: max_frame_bytes(m, cfg.codec.block),
+                                                _quiet)
+        else:
+            self.puller = Puller(self.client, n, max_frame_bytes(n, cfg.codec.block), _quiet)
+        self.uplink = Uplink(cfg.codec, n, [], self.client, _quiet, shards=ranges)
+
+    def push(self, delta: np.ndarray, push_id: str, base: int, start: int) -> pb.PushDeltaResponse:
+        header = push_header(self.join, push_id, base=base, start=start)
+        frame, client = self.uplink.frame(delta, header)
+        return (ShardedPush(self.links) if self.links is not None else client).push(header, frame)
+
+    def close(self):
+        if self.links is not None:
+            self.links.close()
+        self.client.close()
+
+
+def _deltas(n: int, round_: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + round_)
+    return [(rng.normal(size=n) * 1e-3 * (i + 1)).astype(np.float32) for i in range(2)]
+
+
+def _two_rounds(cfg, address: str, n: int, ranges=()) -> tuple[GlobalParams, list[int]]:
+    """Two islands push two rounds of the same deltas; returns island 0's pulled θ and the pushes' statuses."""
+    islands = [Island(cfg, address, f"isl-{i}", n, ranges) for i in range(2)]
+    statuses = []
+    try:
+        g = islands[0].puller.pull(islands[0].join.island_id, None)
+        assert g.version == 0
+        for rnd in range(2):
+            for i, (isl, delta) in enumerate(zip(islands, _deltas(n, rnd), strict=True)):
+                statuses.append(isl.push(delta, f"p{rnd}-{i}", base=rnd, start=80 * rnd).status)
+            g = islands[0].puller.pull(islands[0].join.island_id, g, wait_s=10)
+        assert g.version == 2
+        return g, statuses
+    finally:
+        for isl in islands:
+            isl.close()
+
+
+def test_two_shards_merge_bit_identical_to_one(cfg, tmp_path):
+    """The same pushes into one coordinator and into a lead with one range shard: the same θ, bit for bit, on the
+    coordinators and on the island that pulled it; each range's state lives on its own shard."""
+    from coordinator.lifecycle import serve as serve_one
+
+    theta0, spec = initial_parameters(cfg)
+    n = theta0.size
+    server, one, port = serve_one(cfg, tmp_path / "one", theta0, spec, port=0, quiet=True)
+    try:
+        g1, st1 = _two_rounds(cfg, f"127.0.0.1:{port}", n)
+        theta_one, digest_one = one.merger.theta, one.params_digest
+    finally:
+        server.stop(grace=None).wait()
+        one.close()
+    run = Sharded(cfg, tmp_path / "two")
+    try:
+        g2, st2 = _two_rounds(run.cfg, run.address, n, run.ranges)
+        assert st1 == st2 and set(st2) <= {pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED}
+        r0, r1 = run.ranges
+        assert run.service.merger.n == r0.size and run.shard.merger.n == r1.size  # each shard: its range only
+        assert run.service.merger.version == run.shard.merger.version == 2
+        np.testing.assert_array_equal(run.theta(), theta_one)
+        assert not np.array_equal(theta_one, theta0)
+        np.testing.assert_array_equal(g2.vec, g1.vec)
+        np.testing.assert_array_equal(g2.vec, theta_one)
+        assert g2.digest == run.service.params_digest == fragments.joined_digest(
+            fragments.range_digests(theta_one, run.ranges))
+        assert g1.digest == digest_one
+        assert run.shard.held == {} and run.service.merger.pending == []
+        assert (tmp_path / "two" / "coordinator-shard-1" / "2").is_dir()  # the range shard's own checkpoint
+    finally:
+        run.stop()
+
+
+def test_range_shard_refuses_hostile_input(cfg, tmp_path):
+    """A frame of the wrong length, a header naming another shard, a Prepare/Commit without the lead's secret, and
+    a push whose part never reached the range shard: each refused, nothing held, nothing committed anywhere."""
+    run = Sharded(cfg, tmp_path)
+    n = run.theta0.size
+    r0, r1 = run.ranges
+    try:
+        isl = Island(run.cfg, run.address, "isl-0", n, run.ranges)
+        shard_client = CoordinatorClient(run.shard_address, run.cfg)
+        delta = np.full(n, 1e-3, np.float32)
+        # the lead's range (the wrong length for shard 1)
+        header = push_header(isl.join, "wrong-len")
+        header.shard = 1
+        with pytest.raises(CoordinatorError) as e:
+            shard_client.push(header, codec.encode(codec.quantize(delta[r0.start:r0.end], 8, 128)))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "n=" in str(e.value)
+        # the right length, but a header naming shard 0
+        header = push_header(isl.join, "wrong-shard")
+        with pytest.raises(CoordinatorError) as e:
+            shard_client.push(header, codec.encode(codec.quantize(delta[r1.start:r1.end], 8, 128)))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "shard 0" in str(e.value)
+        assert run.shard.held == {}
+        # the lead's Shard service calls, made by someone without the secret
+        channel = grpc.insecure_channel(run.shard_address)
+        stub = pb_grpc.ShardStub(channel)
+        for metadata in ((), ((SECRET_METADATA_KEY, "not-the-secret-at-all"),)):
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Prepare(pb.PrepareRequest(version=1, merges=[pb.MergeEntry(push_id="x", weight=1, scale=1)]),
+                             metadata=metadata, timeout=10)
+            assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Commit(pb.CommitRequest(version=1), metadata=metadata, timeout=10)
+            assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # with the secret, a Prepare naming a part the shard does not hold is refused too
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Prepare(pb.PrepareRequest(version=1, merges=[pb.MergeEntry(push_id="x", weight=1, scale=1)]),
+                         metadata=((SECRET_METADATA_KEY, SECRET),), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no part held" in rpc.value.details()
+        channel.close()
+        # a push whose part for shard 1 never arrives: the lead waits coordinator.stream_idle_s, then refuses it
+        run.service.cfg = replace(run.service.cfg, coordinator={"stream_idle_s": 0.5})
+        frame = isl.uplink.frame(delta, push_header(isl.join, "half"))[0]
+        assert isinstance(frame, ShardFrames)
+        header = push_header(isl.join, "half")
+        with pytest.raises(CoordinatorError) as e:
+            isl.client.push(header, frame.frames[0])
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "coordinator shard 1" in str(e.value)
+        with run.service.lock:
+            assert run.service.merger.pending == [] and run.service.state.version == 0
+            assert run.service.counters.pushes_refused >= 1
+        assert run.shard.merger.version == 0 and run.service.merger.version == 0
+        np.testing.assert_array_equal(run.theta(), run.theta0)
+        # and the island's whole push then goes through (the one live island: merged at once), every shard at v1
+        resp = isl.push(delta, "whole", base=0, start=0)
+        assert resp.status == pb.PUSH_STATUS_MERGED and resp.merged_version == 1
+        assert run.shard.merger.version == run.service.merger.version == 1 and run.shard.held == {}
+        shard_client.close()
+        isl.close()
+    finally:
+        run.stop()
+
+
+def test_config_refuses_what_shards_do_not_support(tmp_path):
+    base = ["coordinator.shards=2", f"coordinator.shard_secret_file={tmp_path / 's'}"]
+    assert load_config("configs/tiny.toml", base).coordinator.shards == 2
+    for extra, words in ((["outer.fragments=2"], "fragments"), (["coordinator.mode=async"], "sync"),
+                         (["coordinator.merge_rule=screened_mean"], "screened_mean"),
+                         (["coordinator.shard_addresses=['a:1','b:2']"], "shard_addresses")):
+        with pytest.raises(ConfigError, match=words):
+            load_config("configs/tiny.toml", base + extra)
+    with pytest.raises(ConfigError, match="shard_secret_file"):
+        load_config("configs/tiny.toml", ["coordinator.shards=2"])
+    with pytest.raises(ConfigError, match="shards"):
+        load_config("configs/tiny.toml", ["coordinator.shards=0"])
