@@ -29,7 +29,7 @@ from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CURRENT_CALL, CallerIdentity, CoordinatorService
-from coordinator.shard import SHARD_METHODS, RangeShard, read_secret
+from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
 from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config import Config, ConfigError
@@ -358,7 +358,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         st, n = service.state, service.counters
         summary = {"version": st.version, "tokens_merged": st.tokens_merged, "bytes_in": n.bytes_in,
                    "bytes_out": n.bytes_out, "merge_s": n.merge_s, "deltas_dropped": st.deltas_dropped,
-                   "params_digest": service.merger.digest}
+                   "params_digest": service.params_digest}
     service.log.event("coordinator_stopped", reason=reason, **summary)
     service.close()
     return summary
@@ -426,3 +426,41 @@ def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray 
     logging.getLogger("dtrain.coordinator").info("coordinator shard %d of %d listening on %s:%d (values %d..%d)",
                                                  index, c.shards, c.host, bound, shard.range.start, shard.range.end)
     return server, shard, bound
+
+
+def run_shard(cfg: Config, index: int, run_dir: str | Path, port: int | None = None) -> dict[str, Any]:
+    """``dtrain coordinator --shard I`` (I >= 1): serves range shard I of a sharded coordinator until SIGTERM or
+    Ctrl-C (it ends nothing itself: the lead runs the run); writes RUN_DIR/coordinator-shard-I.json with its bound
+    address once it listens. θ_0 is computed from the run's seed as the lead's is, and its range taken. Returns
+    its version and its range's digest."""
+    import signal
+    import threading
+
+    return_large_frees_to_the_os()
+    if not 1 <= index < cfg.coordinator.shards:
+        raise ConfigError(f"--shard {index}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards = "
+                          f"{cfg.coordinator.shards}; 0 is the lead)")
+    out = Path(run_dir)
+    init_dir = out / f"shard-{index}" / "init"
+    theta0, spec = initial_parameters_file(cfg, init_dir)
+    assert theta0 is not None
+    try:
+        r = shard_ranges(spec, cfg.coordinator.shards)[index]
+        theta = np.array(np.memmap(theta0, "<f4", mode="r")[r.start:r.end], np.float32)
+    finally:
+        shutil.rmtree(init_dir, ignore_errors=True)
+    server, shard, bound = serve_shard(cfg, index, out, theta, spec, port)
+    info = out / f"coordinator-shard-{index}.json"
+    tmp = info.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "shard": index,
+                               "shards": cfg.coordinator.shards, "values": [r.start, r.end]}))
+    tmp.replace(info)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    with shard.lock:
+        summary = {"shard": index, "version": shard.merger.version, "params_digest": shard.merger.digest}
+    shard.close()
+    return summary

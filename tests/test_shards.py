@@ -221,3 +221,34 @@ def test_config_refuses_what_shards_do_not_support(tmp_path):
         load_config("configs/tiny.toml", ["coordinator.shards=2"])
     with pytest.raises(ConfigError, match="shards"):
         load_config("configs/tiny.toml", ["coordinator.shards=0"])
+
+
+# -- real processes ---------------------------------------------------------------------------------------------
+
+
+def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audit(tmp_path):
+    """`dtrain simulate --coordinator-shards 2`: a lead, a range shard and two worker processes; every version is
+    committed on both shards, the islands end bit-identical with the coordinator's θ (the joined digest), every
+    token is merged exactly once."""
+    import json
+
+    from dtrain.runlog import read_events
+    from dtrain_cli.simulate import run_simulation
+
+    cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
+                               "outer.inner_steps=10", "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+                       coordinator_shards=2)
+    assert s["rounds"] == cfg.rounds == 4
+    assert s["bit_identical_final_params"]
+    audit = s["audit"]
+    assert audit["lost_tokens"] == audit["doubled_tokens"] == 0 and audit["gaps"] == audit["overlaps"] == []
+    assert audit["merged_ranges"] == 2 * 4 and audit["coverage"] == {"0": [[0, 320]], "1": [[0, 320]]}
+    assert s["final_eval_loss"] < 4.5 and s["goodput"] == 1.0
+    run = tmp_path / "tiny"
+    (stopped,) = [e for e in read_events(run) if e.get("event") == "coordinator_stopped"]
+    island = json.loads((run / "islands" / "island-0" / "summary.json").read_text())
+    assert stopped["version"] == 4 and island["params_digest"] == stopped["params_digest"]
+    shard = json.loads((run / "shard-1.log").read_text().strip().splitlines()[-1])  # its exit summary
+    assert shard["shard"] == 1 and shard["version"] == 4
+    assert not [e for e in read_events(run) if e.get("event") == "digest_mismatch"]

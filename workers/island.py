@@ -302,7 +302,8 @@ class Worker:
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,
                                  self.downlink.pull, lambda: precompile(self.setup, self.schedule))
         self.run_end = RunEnd(cfg, self.name, self.hosts, self.client, self.mailbox, self.membership, self.downlink,
-                              self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log)
+                              self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log,
+                              links=self.links)
 
     def _joined_run(self, reply: pb.JoinResponse) -> None:
         """At a Join (the first is the training loop's): the island's telemetry starts, named after the run; the
