@@ -64,6 +64,7 @@ CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_
 Decided = TypeVar("Decided")  # what it returns
 
 MAX_PULL_WAIT_S = 30.0
+SHARD_START_WAIT_S = 120.0  # a sharded lead's start: how long it waits for its range shards to be reachable
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
            "reject": pb.PUSH_STATUS_REJECTED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
@@ -199,13 +200,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         shard_digests: list[str] = []
         shard_sq: list[float] = []
         if shards > 1:
-            if resume:
-                raise CheckpointError("--resume of a sharded coordinator (coordinator.shards > 1) is not built yet")
             if len(cfg.coordinator.shard_addresses) != shards - 1:
                 raise ConfigError(f"[coordinator] shard_addresses: the lead of {shards} shards needs the addresses "
                                   f"of shards 1..{shards - 1}, got {len(cfg.coordinator.shard_addresses)}")
-            assert theta is not None, "a new run needs θ_0"
-            theta, shard_digests, shard_sq = split_theta(theta, shard_ranges(spec, shards))
+            if not resume:
+                assert theta is not None, "a new run needs θ_0"
+                theta, shard_digests, shard_sq = split_theta(theta, shard_ranges(spec, shards))
             peers = ShardPeers(cfg, cfg.coordinator.shard_addresses, read_secret(cfg))
         self.identity = CallerIdentity(cfg.security.identity, island_tokens)
         ckpt_dir = self.run_dir / "coordinator"
@@ -245,8 +245,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.ckpt.close()
             self.log.close()
             raise
-        self.run_id, self.state, self.merger = loaded
-        self.sharded = ShardedStep(self.merger, peers, shard_digests, shard_sq) if peers is not None else None
+        self.run_id, self.state, self.merger = loaded.run_id, loaded.state, loaded.merger
+        self.sharded = None
+        if peers is not None:
+            try:
+                if resume:
+                    shard_digests = list(loaded.meta["shard_digests"])
+                # every shard at this version, before anything is served (a new run: θ_0)
+                replies = peers.restore(self.merger.version, shard_digests[1:], SHARD_START_WAIT_S)
+            except BaseException:
+                peers.close()
+                self.merger.close()
+                if self.ckpt is not None:
+                    self.ckpt.close()
+                self.log.close()
+                raise
+            shard_sq = [self.merger.theta_norm ** 2] + [r.theta_sum_squares for r in replies]
+            self.sharded = ShardedStep(self.merger, peers, shard_digests, shard_sq)
+            self.log.event("shards_restored", version=self.merger.version, shards=shards,
+                           addresses=list(cfg.coordinator.shard_addresses))
         self.counters = Counters()
         self.refusals = RefusalLog(cfg.coordinator.refusal_events)
         self.refusals.counts = self.counters.refusals  # one table: Status reports it

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -46,8 +47,9 @@ from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBro
 from coordinator.records import PushInfo
 from coordinator.spool import Spool
 from dtrain import codec
+from dtrain.codec import params_digest
 from dtrain.config import Config, ConfigError
-from dtrain.errors import DtrainError
+from dtrain.errors import CheckpointError, DtrainError
 from dtrain.fragments import Range, joined_digest, plan, range_digests
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
@@ -156,10 +158,16 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.secret = secret
         self.identity = identity
         self.lock = threading.Condition(threading.RLock())
-        self.merger = Merger(theta, range_merge_options(cfg), spool_dir=self.run_dir / f"shard-{index}" / "spool")
-        if self.merger.n != self.range.size:
-            self.merger.close()
-            raise ValueError(f"shard {index}: θ_0 holds {self.merger.n} values, its range {self.range.size}")
+        # θ_0's range, kept as a file: a Restore to version 0 (a new run of the lead) starts from it again
+        self.theta0 = self.run_dir / f"shard-{index}" / "theta0.f32"
+        self.theta0.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.theta0.with_suffix(".tmp")
+        if isinstance(theta, (str, Path)):
+            shutil.copyfile(theta, tmp)
+        else:
+            np.ascontiguousarray(theta, "<f4").tofile(tmp)
+        tmp.replace(self.theta0)
+        self.merger = self._open(self.theta0, 0)
         self.streams = FrameStreams()
         self.intake = PushIntake(cfg, self.merger, Telemetry.disabled(), self.streams)
         self.pull_piece = pull_piece(cfg)
@@ -171,7 +179,18 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer
 
-            self.ckpt = Checkpointer(self.run_dir / f"coordinator-shard-{index}", keep=2, async_save=False)
+            # 3 kept: the lead checkpoints a version after every shard has, and may fall back one more (a
+            # checkpoint of its that does not restore)
+            self.ckpt = Checkpointer(self.run_dir / f"coordinator-shard-{index}", keep=3, async_save=False)
+
+    def _open(self, theta: Path, version: int, momentum: Path | None = None,
+              residual: Path | None = None) -> Merger:
+        merger = Merger(theta, range_merge_options(self.cfg), version=version, momentum=momentum, residual=residual,
+                        spool_dir=self.run_dir / f"shard-{self.index}" / "spool")
+        if merger.n != self.range.size:
+            merger.close()
+            raise ValueError(f"shard {self.index}: θ holds {merger.n} values, its range {self.range.size}")
+        return merger
 
     # -- the lead's calls ---------------------------------------------------------------------------
 
@@ -266,6 +285,55 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.merger.abort(self.prepared)
         self.merger.unpend()  # the parts stay held
         self.prepared, self.prepared_keys = None, []
+
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        self._lead_only(context)
+        with self.lock:
+            try:
+                theta, momentum, residual, digest = self._restorable(request.version)
+            except (CheckpointError, OSError) as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.index}: cannot restore version "
+                                                                   f"{request.version}: {e}")
+            if digest != request.params_digest:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shard {self.index}: its version {request.version} has digest {digest}, the lead "
+                              f"recorded {request.params_digest}: not the same run")
+            self._drop_all()
+            self.merger.close()  # its folder is the new one's (which clears it)
+            self.merger = self._open(theta, request.version, momentum, residual)
+            if self.merger.digest != digest:  # a state file that does not hold what its checkpoint recorded
+                context.abort(grpc.StatusCode.DATA_LOSS, f"shard {self.index}: version {request.version}'s θ "
+                                                         f"reads as digest {self.merger.digest}, recorded {digest}")
+            self.intake = PushIntake(self.cfg, self.merger, Telemetry.disabled(), self.streams)
+            self.lock.notify_all()
+            log.info("coordinator shard %d restored to version %d", self.index, self.merger.version)
+            return pb.RestoreResponse(version=self.merger.version, params_digest=self.merger.digest,
+                                      theta_sum_squares=self.merger.theta_norm ** 2)
+
+    def _restorable(self, version: int) -> tuple[Path, Path | None, Path | None, str]:
+        """The files of ``version`` (its checkpoint's; 0: θ_0) and its range's recorded digest, checked before
+        anything is touched. CheckpointError says what is missing. Under the lock."""
+        if version == 0:
+            return self.theta0, None, None, params_digest(np.fromfile(self.theta0, "<f4"))
+        if self.ckpt is None:
+            raise CheckpointError("coordinator.checkpoint is off")
+        if version not in self.ckpt.steps():
+            raise CheckpointError(f"no checkpoint of that version in {self.ckpt.directory} (it has "
+                                  f"{sorted(self.ckpt.steps()) or 'none'})")
+        step, files, meta = self.ckpt.restore_files(version)
+        if meta.get("shard") != self.index or meta.get("range") != [self.range.start, self.range.end]:
+            raise CheckpointError(f"checkpoint {step} is shard {meta.get('shard')}'s, values {meta.get('range')}")
+        if "theta" not in files or "momentum" not in files:
+            raise CheckpointError(f"checkpoint {step} lacks θ or the momentum")
+        return files["theta"], files["momentum"], files.get("residual"), str(meta.get("params_digest"))
+
+    def _drop_all(self) -> None:
+        """Lets go of every held part and any prepared step. Under the lock."""
+        if self.prepared is not None:
+            self._abort_prepared()
+        for part in self.held.values():
+            part.spool.close()
+        self.held.clear()
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self._lead_only(context)
@@ -382,11 +450,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
 
     def close(self) -> None:
         with self.lock:
-            for part in self.held.values():
-                part.spool.close()
-            self.held.clear()
-            if self.prepared is not None:
-                self._abort_prepared()
+            self._drop_all()
             self.merger.close()
         if self.ckpt is not None:
             self.ckpt.close()
@@ -436,6 +500,30 @@ class ShardPeers:
 
     def abort(self, version: int) -> None:
         self._all("Abort", pb.AbortRequest(version=version), CALL_DEADLINE_S)
+
+    def restore(self, version: int, digests: Sequence[str], wait_s: float) -> list[pb.RestoreResponse]:
+        """Every range shard at ``version`` (``digests``: their ranges' digests, shard 1 first), retried while a
+        shard cannot be reached (it may be starting) for up to ``wait_s``; ShardRefused otherwise."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                calls = [self.pool.submit(stub.Restore, pb.RestoreRequest(version=version, params_digest=d),
+                                          timeout=PREPARE_DEADLINE_S, metadata=self.metadata)
+                         for stub, d in zip(self.stubs, digests, strict=True)]
+                out = []
+                for k, call in enumerate(calls, start=1):
+                    try:
+                        out.append(call.result())
+                    except grpc.RpcError as e:
+                        raise ShardRefused(e.code(), f"Restore on coordinator shard {k} ({self.addresses[k - 1]}): "
+                                                     f"{e.code().name}: {e.details()}") from None
+                return out
+            except ShardRefused as e:
+                left = wait_s - (time.monotonic() - t0)
+                if e.code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                log.info("waiting for the coordinator shards to take version %d (%.0fs left): %s", version, left, e)
+                time.sleep(min(1.0, left))
 
     def release(self, push_ids: list[str]) -> None:
         """Best effort: a shard that cannot be reached keeps the parts until it restarts."""

@@ -147,6 +147,47 @@ def test_two_shards_merge_bit_identical_to_one(cfg, tmp_path):
         run.stop()
 
 
+def test_a_resumed_lead_puts_every_shard_at_its_version(cfg, tmp_path):
+    """The lead dies after the shards committed v2 but before its own checkpoint of v2 (removed here): it resumes
+    from v1 and restores the range shard to v1 too (the shard's own checkpoint, checked by the digest the lead
+    recorded), and the run goes on from there on both shards."""
+    import shutil
+
+    from dtrain.checkpoint import Checkpointer
+
+    run = Sharded(cfg, tmp_path)
+    n = run.theta0.size
+    try:
+        _two_rounds(run.cfg, run.address, n, run.ranges)
+        assert run.shard.merger.version == 2
+        v2 = run.service.params_digest
+        run.server.stop(grace=None).wait()
+        run.service.close()
+        shutil.rmtree(tmp_path / "coordinator" / "2")
+        ckpt = Checkpointer(tmp_path / "coordinator", keep=2, async_save=False)
+        meta = ckpt.restore_files(1)[2]
+        ckpt.close()
+        run.server, run.service, port = serve(run.cfg, tmp_path, None, run.spec, port=0, quiet=True, resume=True)
+        run.address = f"127.0.0.1:{port}"
+        assert run.service.merger.version == run.shard.merger.version == 1
+        assert run.shard.merger.digest == meta["shard_digests"][1]
+        assert run.service.params_digest == fragments.joined_digest(meta["shard_digests"]) != v2
+        assert run.service.params_digest == fragments.joined_digest(fragments.range_digests(run.theta(), run.ranges))
+        islands = [Island(run.cfg, run.address, f"isl-{i}", n, run.ranges) for i in range(2)]
+        g = islands[0].puller.pull(islands[0].join.island_id, None)
+        assert g.version == 1 and g.digest == run.service.params_digest
+        for i, (isl, delta) in enumerate(zip(islands, _deltas(n, 1), strict=True)):
+            assert isl.push(delta, f"again-{i}", base=1, start=80).status in (pb.PUSH_STATUS_PENDING,
+                                                                                pb.PUSH_STATUS_MERGED)
+        g = islands[0].puller.pull(islands[0].join.island_id, g, wait_s=10)
+        assert g.version == run.service.merger.version == run.shard.merger.version == 2
+        np.testing.assert_array_equal(g.vec, run.theta())
+        for isl in islands:
+            isl.close()
+    finally:
+        run.stop()
+
+
 def test_range_shard_refuses_hostile_input(cfg, tmp_path):
     """A frame of the wrong length, a header naming another shard, a Prepare/Commit without the lead's secret, and
     a push whose part never reached the range shard: each refused, nothing held, nothing committed anywhere."""
@@ -185,6 +226,13 @@ def test_range_shard_refuses_hostile_input(cfg, tmp_path):
             stub.Prepare(pb.PrepareRequest(version=1, merges=[pb.MergeEntry(push_id="x", weight=1, scale=1)]),
                          metadata=((SECRET_METADATA_KEY, SECRET),), timeout=10)
         assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no part held" in rpc.value.details()
+        # a Restore to a version the shard has no checkpoint of, or to θ_0 under another digest: refused, unchanged
+        for version, digest, words in ((7, "x", "no checkpoint"), (0, "f" * 32, "not the same run")):
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Restore(pb.RestoreRequest(version=version, params_digest=digest),
+                             metadata=((SECRET_METADATA_KEY, SECRET),), timeout=10)
+            assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in rpc.value.details()
+        assert run.shard.merger.version == 0
         channel.close()
         # a push whose part for shard 1 never arrives: the lead waits coordinator.stream_idle_s, then refuses it
         run.service.cfg = replace(run.service.cfg, coordinator={"stream_idle_s": 0.5})

@@ -44,6 +44,24 @@ PULL_KIND_UPDATE: PullKind
 PULL_KIND_FULL: PullKind
 PULL_KIND_CURRENT: PullKind
 
+class RestoreRequest(_message.Message):
+    __slots__ = ("version", "params_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    params_digest: str
+    def __init__(self, version: _Optional[int] = ..., params_digest: _Optional[str] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("version", "params_digest", "theta_sum_squares")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THETA_SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    params_digest: str
+    theta_sum_squares: float
+    def __init__(self, version: _Optional[int] = ..., params_digest: _Optional[str] = ..., theta_sum_squares: _Optional[float] = ...) -> None: ...
+
 class ClaimRequest(_message.Message):
     __slots__ = ("push_id", "island_id", "wait_s")
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]

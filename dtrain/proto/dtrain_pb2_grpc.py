@@ -314,6 +314,11 @@ class ShardStub:
                 request_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/dtrain.v1.Shard/Restore',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -359,6 +364,15 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restore(self, request, context):
+        """At every start of the lead: the shard takes version `version` (0: θ_0; else its checkpoint of that version)
+        and drops every part it holds, so every shard stands at the lead's version. Refused (FAILED_PRECONDITION)
+        if it has no such checkpoint or its range's digest is not `params_digest`: nothing changes then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -386,6 +400,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.FromString,
                     response_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +546,33 @@ class Shard:
             '/dtrain.v1.Shard/Release',
             dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
             dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Restore',
+            dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
