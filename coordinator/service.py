@@ -579,7 +579,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         view.last_seen = self.clock()
         self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
         status = _STATUS[admission.status]
-        self.loop.merge_if_ready(self.clock())
+        try:
+            self.loop.merge_if_ready(self.clock())
+        except Exception:
+            if self.loop.fatal:  # the step failed (a full disk, a coordinator shard gone): the coordinator failed,
+                # and is to be resumed from its checkpoint; the island sends the push again to the resumed one
+                self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
+            raise
         version = self.state.version
         rejected = self.state.rejected(info.push_id)
         if rejected is not None and admission.status == "accept":  # the merge it completed rejected it

@@ -175,6 +175,9 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.max_held = 4 * cfg.outer.islands + 8  # parts of pushes in flight: a few per island
         self.prepared: Prepared | None = None
         self.prepared_keys: list[str] = []
+        # Until the lead has told it its version (Restore, at every start of the lead), the shard serves no
+        # island: a restarted shard at θ_0 would otherwise answer for a version it does not hold yet.
+        self.restored = False
         self.ckpt: Checkpointer | None = None
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer
@@ -305,6 +308,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                 context.abort(grpc.StatusCode.DATA_LOSS, f"shard {self.index}: version {request.version}'s θ "
                                                          f"reads as digest {self.merger.digest}, recorded {digest}")
             self.intake = PushIntake(self.cfg, self.merger, Telemetry.disabled(), self.streams)
+            self.restored = True
             self.lock.notify_all()
             log.info("coordinator shard %d restored to version %d", self.index, self.merger.version)
             return pb.RestoreResponse(version=self.merger.version, params_digest=self.merger.digest,
@@ -361,6 +365,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         info = push_info(h)
         identity = self.identity.of(context) if self.identity is not None else None
         with self.lock:
+            self._refuse_until_restored(context)
             version = self.merger.version
             if h.push_id in self.held:
                 return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, version=version,
@@ -394,6 +399,13 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         return pb.PushDeltaResponse(status=pb.PUSH_STATUS_PENDING, version=version,
                                     reason=f"held by shard {self.index} for the lead's decision")
 
+    def _refuse_until_restored(self, context: grpc.ServicerContext) -> None:
+        """UNAVAILABLE (islands retry it) until the lead has restored the shard to its version. Under the lock."""
+        if not self.restored:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator shard {self.index} is waiting for the lead to "
+                                                       f"give it its version (the lead restores every shard as it "
+                                                       f"starts)")
+
     def _expire(self) -> None:
         """Lets go of parts the lead never claimed for longer than a push could take to reach it (the island's
         push to the lead broke off, or the island died): its stream idle limit plus the claim's wait, twice.
@@ -408,6 +420,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         if not 0 <= request.wait_s <= 3600:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
         with self.lock:
+            self._refuse_until_restored(context)
             if request.have_version > self.merger.version:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"have_version={request.have_version}: shard {self.index} is at version "

@@ -220,6 +220,10 @@ def shard_config(cfg: Config, out: Path, shards: int | None, faults: Sequence[Fa
     written to ``out/shard-secret`` (owner-only) and a free port of 127.0.0.1 for each range shard, named in
     ``coordinator.shard_addresses``. ``cfg`` as it is for one coordinator."""
     shards = cfg.coordinator.shards if shards is None else shards
+    beyond = [f.text for f in faults if f.shard >= shards]
+    if beyond:
+        raise ConfigError(f"--fault {beyond[0]}: the coordinator has {shards} shard(s) (--coordinator-shards), "
+                          f"numbered 0..{shards - 1}")
     if shards == 1:
         return config_mod.replace(cfg, coordinator={"shards": 1})
     if processes > 1:
@@ -339,6 +343,16 @@ class _Simulation:
             if time.perf_counter() - t_start > START_TIMEOUT_S:
                 raise SimulationError(f"coordinator shard {index} did not start within {START_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
+
+    def _restart_shards(self, index: int) -> None:
+        """After range shard ``index`` was killed (a failed coordinator): the lead is killed too, if it has not
+        failed already, shard ``index`` starts again on its port, and the lead with ``--resume``, which restores
+        every range shard to the version of its checkpoint."""
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+            self.coordinator.wait()
+        self._start_shard(index)
+        self._start_coordinator(resume=True)
 
     def _end_shards(self) -> None:
         """Ends the range shards (SIGTERM) once the lead has ended; SimulationError if one had failed."""
@@ -612,6 +626,11 @@ class _Simulation:
         if f.kind == "hang":
             self._signal(f.target, signal.SIGSTOP)
             return "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT)
+        if f.kind == "kill-coordinator" and f.shard:
+            proc = self.shards[f.shard]
+            proc.kill()
+            proc.wait()
+            return "every shard restarted from the checkpoints", lambda: self._restart_shards(f.shard)
         if f.kind == "kill-coordinator":
             assert self.coordinator is not None
             self.coordinator.kill()

@@ -274,6 +274,7 @@ def test_config_refuses_what_shards_do_not_support(tmp_path):
 # -- real processes ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the kill test below runs the same and more
 def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audit(tmp_path):
     """`dtrain simulate --coordinator-shards 2`: a lead, a range shard and two worker processes; every version is
     committed on both shards, the islands end bit-identical with the coordinator's θ (the joined digest), every
@@ -300,3 +301,45 @@ def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audi
     shard = json.loads((run / "shard-1.log").read_text().strip().splitlines()[-1])  # its exit summary
     assert shard["shard"] == 1 and shard["version"] == 4
     assert not [e for e in read_events(run) if e.get("event") == "digest_mismatch"]
+
+
+def test_a_killed_shard_is_a_failed_coordinator_resumed_with_nothing_lost_or_doubled(tmp_path):
+    """`--coordinator-shards 2 --fault kill-coordinator@v2+2s,shard=1`: the range shard is SIGKILLed after v2; the
+    lead fails at its next step (or is killed), the shard starts again and the lead resumes, restoring every shard
+    to its checkpoint's version; the islands push again what was lost, and the run ends with every token merged
+    exactly once and the islands bit-identical."""
+    from dtrain.runlog import read_events
+    from dtrain_cli.fault_spec import parse_fault
+    from dtrain_cli.simulate import run_simulation
+
+    cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
+                               "outer.inner_steps=10", "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
+    fault = parse_fault("kill-coordinator@v2+2s,shard=1", 2)
+    assert fault.shard == 1 and fault.duration_s == 2
+    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=400,
+                       coordinator_shards=2, faults=[fault])
+    assert s["rounds"] == 4 and s["bit_identical_final_params"]
+    audit = s["audit"]
+    assert audit["lost_tokens"] == audit["doubled_tokens"] == 0 and audit["gaps"] == audit["overlaps"] == []
+    assert audit["coverage"] == {"0": [[0, 320]], "1": [[0, 320]]}
+    assert audit["steps_merged"] == 80 <= audit["steps_executed"]  # what the failed coordinator lost, trained again
+    events = read_events(tmp_path / "tiny")
+    restored = [e["version"] for e in events if e.get("event") == "shards_restored"]
+    assert restored[0] == 0 and len(restored) == 2 and restored[1] >= 2  # the new run, then the resume
+    assert [e["version"] for e in events if e.get("event") == "coordinator_resumed"] == [restored[1]]
+    driver = read_events(tmp_path / "tiny" / "driver")
+    assert [e["fault_kind"] for e in driver if e.get("event") == "fault_injected"] == ["kill-coordinator"]
+    assert [e["action"] for e in driver if e.get("event") == "fault_recovered"] == [
+        "every shard restarted from the checkpoints"]
+
+
+def test_kill_shard_fault_grammar():
+    from dtrain_cli.fault_spec import parse_fault
+
+    assert parse_fault("kill-coordinator@v3+3s", 2).shard == 0
+    with pytest.raises(ConfigError, match="duration"):
+        parse_fault("kill-coordinator@v3,shard=1", 2)
+    with pytest.raises(ConfigError, match="shard=-1"):
+        parse_fault("kill-coordinator@v3+1s,shard=-1", 2)
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_fault("kill:island-0@v3+1s,shard=1", 2)
