@@ -70,7 +70,10 @@ def preflight(cfg: Config, port: int | None) -> Preflight:
     require_exporter(cfg.telemetry)
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
-    return token, creds, IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    if cfg.coordinator.shards > 1:
+        read_secret(cfg)  # a sharded coordinator's: before θ_0 too
+    return token, creds, island_tokens
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -395,6 +398,18 @@ def _wait_for_the_end(service: CoordinatorService, after_finish: AfterFinish) ->
     return reason
 
 
+def shard_preflight(cfg: Config, port: int | None) -> Preflight:
+    """:func:`preflight` for a range shard: its port free, its token, TLS, island tokens and shard secret readable
+    and not placeholders (ConfigError), before θ_0's work."""
+    c = cfg.coordinator
+    check_ports_free(dataclasses.replace(cfg, coordinator=dataclasses.replace(c, dashboard_port=-1)), port)
+    sec = cfg.security
+    token, creds = read_token(sec), server_credentials(sec)
+    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    read_secret(cfg)
+    return token, creds, island_tokens
+
+
 def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
                 port: int | None = None) -> tuple[grpc.Server, RangeShard, int]:
     """Starts range shard ``index`` (>= 1) of a sharded coordinator (``coordinator.shards``): the Coordinator
@@ -402,10 +417,8 @@ def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray 
     the lead (its secret); ``theta``: θ_0's values of its range. Returns (server, shard, bound port)."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
-    check_ports_free(dataclasses.replace(cfg, coordinator=dataclasses.replace(c, dashboard_port=-1)), port)
+    token, creds, island_tokens = shard_preflight(cfg, port)
     sec = cfg.security
-    token, creds = read_token(sec), server_credentials(sec)
-    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
     shard = RangeShard(cfg, index, run_dir, theta, spec, read_secret(cfg),
                        identity=CallerIdentity(sec.identity, island_tokens))
     own = island_tokens.name_of if island_tokens is not None else None
@@ -413,7 +426,10 @@ def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray 
         [TokenAuthInterceptor(token, None, own, OPEN_METHODS | SHARD_METHODS)] if token or own else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(cfg))
-    server.add_generic_rpc_handlers((service_handler(shard),))
+    control = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rpc-control")
+    health = HealthServicer(experimental_non_blocking=True)  # SERVING while it serves (the pod's probes)
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.add_generic_rpc_handlers((service_handler(shard), health_handler(health, control)))
     pb_grpc.add_ShardServicer_to_server(shard, server)
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -440,6 +456,7 @@ def run_shard(cfg: Config, index: int, run_dir: str | Path, port: int | None = N
     if not 1 <= index < cfg.coordinator.shards:
         raise ConfigError(f"--shard {index}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards = "
                           f"{cfg.coordinator.shards}; 0 is the lead)")
+    shard_preflight(cfg, port)  # before θ_0's work
     out = Path(run_dir)
     init_dir = out / f"shard-{index}" / "init"
     theta0, spec = initial_parameters_file(cfg, init_dir)

@@ -56,6 +56,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import Telemetry
 from dtrain.wire import (
     BUSY_METADATA_KEY,
+    PLACEHOLDER,
     WireError,
     auth_metadata,
     channel_credentials,
@@ -88,6 +89,11 @@ def read_secret(cfg: Config) -> str:
         secret = Path(path).read_text().strip()
     except OSError as e:
         raise ConfigError(f"[coordinator] shard_secret_file: cannot read {path}: {e.strerror or e}") from None
+    if secret.startswith(PLACEHOLDER):
+        raise ConfigError(f"[coordinator] shard_secret_file: {path} holds the placeholder of "
+                          f"deploy/coordinator-sharded/secret-shard.yaml; make a secret: kubectl create secret generic "
+                          f"dtrain-shard-secret --from-literal=secret=\"$(openssl rand -hex 32)\" --dry-run=client -o "
+                          f"yaml > deploy/coordinator-sharded/secret-shard.yaml")
     if len(secret) < 16:
         raise ConfigError(f"[coordinator] shard_secret_file: {path} holds {len(secret)} characters, at least 16 "
                           f"(e.g. `openssl rand -hex 32 > {path}`)")
