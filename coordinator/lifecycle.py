@@ -281,13 +281,13 @@ def _log_started(cfg: Config, service: CoordinatorService, bound: int, resume: b
         o = service.opts
         service.log.event("run_started", run_id=service.run_id, mode=c.mode, islands=o.islands,
                           total_versions=o.end_version, expected_versions=o.total_versions,
-                          tokens_total=o.tokens_total, params=service.merger.n,
+                          tokens_total=o.tokens_total, params=service.tree_size,
                           fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
     dash_url = service.dashboard.url if service.dashboard is not None else None
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=tls, auth=auth, mode=c.mode,
-                      params=service.merger.n, run_id=service.run_id, dashboard=dash_url)
+                      params=service.tree_size, run_id=service.run_id, dashboard=dash_url)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if tls else 'plaintext'}, "
-                         f"{'token auth' if auth else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)"
+                         f"{'token auth' if auth else 'no auth'}, {c.mode} mode, {service.tree_size:,} params)"
                          + (f"; dashboard at {dash_url}" if dash_url else "; no dashboard"))
 
 

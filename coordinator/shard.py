@@ -366,8 +366,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         if h.shard != self.index:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: its header names shard "
                                                             f"{h.shard}, this is shard {self.index}")
-        if not h.push_id or len(h.push_id) > 128 or not h.island_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push: push_id (1..128 characters) and island_id needed")
+        if not 0 < len(h.push_id) <= 128 or not 0 < len(h.island_id) <= 128:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push: push_id and island_id must be 1..128 characters")
         info = push_info(h)
         identity = self.identity.of(context) if self.identity is not None else None
         with self.lock:

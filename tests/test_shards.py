@@ -257,6 +257,30 @@ def test_range_shard_refuses_hostile_input(cfg, tmp_path):
         run.stop()
 
 
+def test_range_shard_takes_the_islands_token_only(cfg, tmp_path, monkeypatch):
+    """With token auth a range shard refuses a push under a wrong token (UNAUTHENTICATED) and holds nothing; the
+    island's own token gets its part held."""
+    monkeypatch.setenv("DTRAIN_TOKEN", "the-right-token-0123456789")
+    run = Sharded(cfg, tmp_path)
+    r1 = run.ranges[1]
+    try:
+        isl = Island(run.cfg, run.address, "isl-0", run.theta0.size, run.ranges)
+        frame = codec.encode(codec.quantize(np.full(r1.size, 1e-3, np.float32), 8, 128))
+        monkeypatch.setenv("DTRAIN_TOKEN", "a-wrong-token-0123456789")
+        wrong = CoordinatorClient(run.shard_address, run.cfg)
+        header = push_header(isl.join, "wrong-token")
+        header.shard = 1
+        with pytest.raises(CoordinatorError) as e:
+            wrong.push(header, frame)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and run.shard.held == {}
+        wrong.close()
+        isl.links.others[0].push(header, frame)
+        assert list(run.shard.held) == ["wrong-token"]
+        isl.close()
+    finally:
+        run.stop()
+
+
 def test_config_refuses_what_shards_do_not_support(tmp_path):
     base = ["coordinator.shards=2", f"coordinator.shard_secret_file={tmp_path / 's'}"]
     assert load_config("configs/tiny.toml", base).coordinator.shards == 2
