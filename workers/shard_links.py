@@ -38,7 +38,6 @@ class ShardLinks:
         self.addresses: list[str] = []
         self.others: list[CoordinatorClient] = []
         self._lock = threading.Lock()
-        self.pool = futures.ThreadPoolExecutor(max(1, len(self.ranges)), thread_name_prefix="shard-link")
 
     def connect(self, addresses: Sequence[str]) -> None:
         """At each Join: the range shards' addresses the lead named (WorkerError if they are not S - 1)."""
@@ -61,7 +60,6 @@ class ShardLinks:
             return [self.lead, *self.others]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
         for c in self.others:
             c.close()
 
@@ -89,20 +87,19 @@ class ShardedPush:
         clients = self.links.clients
         if len(frame) != len(clients):
             raise WorkerError(f"{len(frame)} frames for {len(clients)} coordinator shards")
-        calls = []
-        for k in range(1, len(clients)):
-            h = pb.PushHeader()
-            h.CopyFrom(header)
-            h.shard = k
-            calls.append(self.links.pool.submit(clients[k].push, h, frame[k]))
-        h0 = pb.PushHeader()
-        h0.CopyFrom(header)
-        h0.shard = 0
-        try:
-            response = clients[0].push(h0, frame[0])
-        finally:
-            futures.wait(calls)
-        return response
+        # Threads of this call's own: a pool shared with pulls could queue a part behind a long poll that waits
+        # for the very version this push completes.
+        with futures.ThreadPoolExecutor(len(clients) - 1, thread_name_prefix="shard-push") as pool:
+            calls = []
+            for k in range(1, len(clients)):
+                h = pb.PushHeader()
+                h.CopyFrom(header)
+                h.shard = k
+                calls.append(pool.submit(clients[k].push, h, frame[k]))
+            h0 = pb.PushHeader()
+            h0.CopyFrom(header)
+            h0.shard = 0
+            return clients[0].push(h0, frame[0])
 
 
 class ShardedPuller(Puller):
@@ -126,11 +123,12 @@ class ShardedPuller(Puller):
         got: list[list[PulledFrame]] = [[] for _ in clients]
         got[0] = clients[0].pull(island_id, have_v, wait_s=wait_s, full=full, max_frame=self.parts[0].max_frame)
         target = _end_version(got[0], have_v)
-        calls = [self.links.pool.submit(clients[k].pull, island_id, have_v, wait_s=max(wait_s, 5.0) if
-                                        target > have_v else 0.0, full=full, max_frame=self.parts[k].max_frame)
-                 for k in range(1, len(clients))]
-        for k, call in enumerate(calls, start=1):
-            got[k] = call.result()
+        with futures.ThreadPoolExecutor(len(clients) - 1, thread_name_prefix="shard-pull") as pool:
+            calls = [pool.submit(clients[k].pull, island_id, have_v, wait_s=max(wait_s, 5.0) if target > have_v
+                                 else 0.0, full=full, max_frame=self.parts[k].max_frame)
+                     for k in range(1, len(clients))]
+            for k, call in enumerate(calls, start=1):
+                got[k] = call.result()
         for _ in range(MAX_ALIGN):  # a shard ahead of the lead: the lead commits that version next
             ahead = max(_end_version(frames, have_v) for frames in got)
             if ahead == target:
