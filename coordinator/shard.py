@@ -307,7 +307,14 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"shard {self.index}: its version {request.version} has digest {digest}, the lead "
                               f"recorded {request.params_digest}: not the same run")
-            self._drop_all()
+            # The parts it holds stay (a part is a push's values, whatever the version: the lead judges it), but
+            # unclaimed: a resumed lead claims again those whose pushes the islands send again (the shard answers
+            # their parts DUPLICATE), and the rest expire. Their spools live in the merger's folder, which the new
+            # merger clears of stale files: they are kept open (an unlinked file stays readable).
+            if self.prepared is not None:
+                self._abort_prepared()
+            for part in self.held.values():
+                part.claimed, part.at = False, time.monotonic()
             self.merger.close()  # its folder is the new one's (which clears it)
             self.merger = self._open(theta, request.version, momentum, residual)
             if self.merger.digest != digest:  # a state file that does not hold what its checkpoint recorded

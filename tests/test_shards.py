@@ -161,6 +161,13 @@ def test_a_resumed_lead_puts_every_shard_at_its_version(cfg, tmp_path):
         _two_rounds(run.cfg, run.address, n, run.ranges)
         assert run.shard.merger.version == 2
         v2 = run.service.params_digest
+        # a part the shard holds (its push's lead part lost with the lead) stays held, unclaimed, across the resume
+        stray = Island(run.cfg, run.address, "isl-0", n, run.ranges)
+        header = push_header(stray.join, "stray")
+        header.shard = 1
+        r1 = run.ranges[1]
+        stray.links.others[0].push(header, codec.encode(codec.quantize(np.full(r1.size, 1e-3, np.float32), 8, 128)))
+        stray.close()
         run.server.stop(grace=None).wait()
         run.service.close()
         shutil.rmtree(tmp_path / "coordinator" / "2")
@@ -170,6 +177,7 @@ def test_a_resumed_lead_puts_every_shard_at_its_version(cfg, tmp_path):
         run.server, run.service, port = serve(run.cfg, tmp_path, None, run.spec, port=0, quiet=True, resume=True)
         run.address = f"127.0.0.1:{port}"
         assert run.service.merger.version == run.shard.merger.version == 1
+        assert list(run.shard.held) == ["stray"] and not run.shard.held["stray"].claimed
         assert run.shard.merger.digest == meta["shard_digests"][1]
         assert run.service.params_digest == fragments.joined_digest(meta["shard_digests"]) != v2
         assert run.service.params_digest == fragments.joined_digest(fragments.range_digests(run.theta(), run.ranges))

@@ -366,7 +366,8 @@ class ShardServicer:
 
     def Restore(self, request, context):
         """At every start of the lead: the shard takes version `version` (0: θ_0; else its checkpoint of that version)
-        and drops every part it holds, so every shard stands at the lead's version. Refused (FAILED_PRECONDITION)
+        and aborts a prepared step, so every shard stands at the lead's version; the parts it holds stay, unclaimed
+        (a resumed lead claims those whose pushes are sent again). Refused (FAILED_PRECONDITION)
         if it has no such checkpoint or its range's digest is not `params_digest`: nothing changes then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
