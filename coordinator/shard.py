@@ -33,7 +33,6 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -494,13 +493,13 @@ class ShardPeers:
                          for a in self.addresses]
         self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
         self.metadata = auth_metadata(read_token(sec)) + ((SECRET_METADATA_KEY, secret),)
-        self.pool = futures.ThreadPoolExecutor(max(1, len(self.stubs)), thread_name_prefix="shard-peer")
 
     def _all(self, method: str, request: Any, timeout: float) -> list[Any]:
         """``method`` on every range shard at once; the replies in shard order. ShardRefused naming the first
         shard that refused or could not be reached."""
-        calls = [self.pool.submit(getattr(stub, method), request, timeout=timeout, metadata=self.metadata)
-                 for stub in self.stubs]
+        # gRPC's own futures: every caller's calls in flight at once (a shared pool would queue one push's Claim,
+        # which may wait for its part, behind another's)
+        calls = [getattr(stub, method).future(request, timeout=timeout, metadata=self.metadata) for stub in self.stubs]
         out, first = [], None
         for k, call in enumerate(calls, start=1):
             try:
@@ -533,8 +532,8 @@ class ShardPeers:
         t0 = time.monotonic()
         while True:
             try:
-                calls = [self.pool.submit(stub.Restore, pb.RestoreRequest(version=version, params_digest=d),
-                                          timeout=PREPARE_DEADLINE_S, metadata=self.metadata)
+                calls = [stub.Restore.future(pb.RestoreRequest(version=version, params_digest=d),
+                                             timeout=PREPARE_DEADLINE_S, metadata=self.metadata)
                          for stub, d in zip(self.stubs, digests, strict=True)]
                 out = []
                 for k, call in enumerate(calls, start=1):
@@ -561,7 +560,6 @@ class ShardPeers:
             log.warning("release of %d parts: %s", len(push_ids), e)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
         for c in self.channels:
             c.close()
 
