@@ -73,6 +73,15 @@ FAULTS = (
     "nan:island-3@v6",  # its next push carries a NaN
     "kill:island-1@v8+0s",  # SIGKILL, restarted at once (the second time)
 )
+# The chaos run of a sharded coordinator (--coordinator-shards S > 1): link and push faults are not built with
+# shards (docs/architecture.md#shards), so it kills and hangs islands, the lead, and a range shard.
+SHARDED_FAULTS = (
+    "kill:island-1@v1+0s",  # SIGKILL, restarted at once (the first time)
+    "hang:island-2@v3+8s",  # SIGSTOP for 8 s: past the 4 s lease
+    "kill-coordinator@v5+2s",  # the lead: SIGKILL, restarted with --resume 2 s later (every shard restored)
+    "kill-coordinator@v7+2s,shard=1",  # range shard 1: a failed coordinator, every shard restarted 2 s later
+    "kill:island-1@v9+0s",  # SIGKILL, restarted at once (the second time)
+)
 # The kill run: one island killed once version 3 is merged, never restarted (its data split across the others).
 KILL_WALL_FAULT = "kill:island-1@v3"
 TARGETS = {"detected": "= injected", "goodput": ">= 0.90", "loss_ratio": "<= 1.02", "lost_tokens": "= 0",
@@ -89,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--islands", type=int, default=4, help="islands in both runs (default 4)")
     p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                    help="a fault of the chaos run (repeatable; replaces the default list, see FAULTS)")
+    p.add_argument("--coordinator-shards", type=int, default=1, metavar="S",
+                   help="every run with a coordinator of S shard processes (default 1); S > 1 makes the chaos run's "
+                   "default faults SHARDED_FAULTS (a range shard killed among them)")
     p.add_argument("--kill-pairs", type=int, default=1, metavar="N",
                    help="fault-free and kill runs for kill-wall-ratio, N pairs one after the other (default 1; "
                         "0: no kill run)")
@@ -193,7 +205,8 @@ def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], arg
               out_dir: Path) -> dict[str, Any]:
     cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(out_dir)})
     t0 = time.perf_counter()
-    summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout, faults=faults)
+    summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout, faults=faults,
+                             coordinator_shards=args.coordinator_shards)
     a = summary["audit"]
     log(f"{name}: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, goodput "
         f"{fmt_or_na(summary['goodput'], '.3f')}, lost {a['lost_tokens']:,} / doubled {a['doubled_tokens']:,} tokens, "
@@ -240,7 +253,7 @@ def _print_kills(f: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    faults = chaos_faults(args.faults or FAULTS, args.islands)
+    faults = chaos_faults(args.faults or (SHARDED_FAULTS if args.coordinator_shards > 1 else FAULTS), args.islands)
     work = Path(tempfile.mkdtemp(prefix="dtrain-faults-"))
     log(f"config {args.config}: {args.islands} islands, {cfg.train.steps} steps x batch {cfg.train.batch_size}, "
         f"H={cfg.outer.inner_steps}, heartbeat {cfg.worker.heartbeat_s:g}s, lease {cfg.coordinator.lease_s:g}s; "

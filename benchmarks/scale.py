@@ -44,7 +44,16 @@ does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
 
 P at N_max. ``--model-params 200M`` makes the merge's cost the largest part of a round (at 64 islands 12.8 GB of
 int8 frames a round, spooled to disk: the coordinator's memory stays flat); ``--set coordinator.merge_threads=K``
-sets the outer step's threads. Multi-process shards (a shard-speedup figure) are not measured here.
+sets the outer step's threads.
+
+``--shards 1,2``: every island count again with a sharded coordinator of S processes (``coordinator.shards``;
+docs/architecture.md#shards): range shards 1..S-1 (``dtrain coordinator --shard I``) and the lead, each a child
+process; each island pushes one frame per range (the same fabricated delta cut by the plan) to its shard on
+parallel streams (``workers.shard_links.ShardedPush``) and, once the lead serves the new version, pulls each range
+shard's update too. ``cpu s`` is then every shard process's together (``coord cpu s`` in the table; the per-shard
+split in the JSON), RSS the lead's, in/out the lead's counters. The last line gains ``shard-speedup=Q``: round s
+with S = 1 over round s with the largest S, at the largest island count (target >= SHARD_SPEEDUP_MIN, meant for
+shards on hosts of their own: on one host the shards share its cores).
 """
 
 from __future__ import annotations
@@ -95,6 +104,7 @@ LINEAR_TOLERANCE = 1.25
 RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
+SHARD_SPEEDUP_MIN = 1.6
 PULLED_BYTES_MAX = 2e9  # update frames the island threads hold at once, at most (the frame size x pulls at once)
 
 
@@ -120,6 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="skip the no-model coordinator whose VmHWM is the runtime baseline (net/model: n/a)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field of the coordinator's config (repeatable; after the benchmark's own)")
+    p.add_argument("--shards", type=int_list, default=[1], metavar="S,...",
+                   help="coordinator shard counts to measure each island count with (default 1; e.g. 1,2)")
     p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
@@ -133,6 +145,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     args.sizes = sorted(set(args.sizes))
+    args.shards = sorted(set(args.shards))
+    if args.shards[0] < 1:
+        p.error(f"--shards must be >= 1, got {args.shards[0]}")
     return args
 
 
@@ -196,7 +211,18 @@ def targets_line(f: dict[str, Any]) -> str:
 
 def final_line(f: dict[str, Any]) -> str:
     return (f"scale: islands={f['islands']} round-s={f['round_s']:.3f} rss/model={f['rss_over_model']:.2f} "
-            f"params/core-s={fmt_or_na(f['params_per_core_s'], '.3g')} round-s-per-island-slope={f['slope']:.4f}")
+            f"params/core-s={fmt_or_na(f['params_per_core_s'], '.3g')} round-s-per-island-slope={f['slope']:.4f}"
+            + (f" shard-speedup={f['shard_speedup']:.2f}" if "shard_speedup" in f else ""))
+
+
+def shard_plan(cfg: Config, work: Path, shards: int) -> Sequence[Any]:
+    """The ranges of a coordinator of ``shards`` shards, from the model's tree (its spec, computed in a child
+    process as the coordinator computes it)."""
+    from coordinator.lifecycle import initial_parameters_file
+    from dtrain.fragments import leaf_sizes, plan
+
+    _, spec = initial_parameters_file(cfg, work / f"plan-{shards}", spec_only=True)
+    return plan(leaf_sizes(spec), shards)
 
 
 def table(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None) -> list[str]:
@@ -274,18 +300,93 @@ def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds:
         "worker.heartbeat_s=1", *overrides])
 
 
+class RangeShards:
+    """Range shards 1..S-1 of a sharded coordinator, each a ``dtrain coordinator --shard I`` child process on a
+    free port of 127.0.0.1; :attr:`cfg` is the lead's config naming them."""
+
+    def __init__(self, cfg: Config, shards: int, run_dir: Path):
+        import subprocess
+
+        from _common import ROOT, child_env, wait_for_file
+
+        from dtrain.config import replace, to_toml
+        from dtrain_cli.simulate import free_port
+
+        run_dir.mkdir(parents=True)
+        secret = run_dir / "shard-secret"
+        secret.write_text(os.urandom(32).hex())
+        ports = [free_port() for _ in range(shards - 1)]
+        self.cfg = replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(secret),
+                                             "shard_addresses": tuple(f"127.0.0.1:{p}" for p in ports)})
+        (run_dir / "config.toml").write_text(to_toml(self.cfg))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = []
+        for k, port in enumerate(ports, start=1):
+            log_path = run_dir / f"shard-{k}.log"
+            self.logs.append(open(log_path, "w"))
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dtrain_cli", "coordinator", "--config", str(run_dir / "config.toml"),
+                 "--shard", str(k), "--port", str(port), "--run-dir", str(run_dir), "--quiet"],
+                stdout=self.logs[-1], stderr=subprocess.STDOUT, cwd=ROOT, env=child_env()))
+            wait_for_file(run_dir / f"coordinator-shard-{k}.json", self.procs[-1], f"coordinator shard {k}",
+                          log_path)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self) -> None:
+        from _common import stop_process
+
+        for k, p in enumerate(self.procs, start=1):
+            stop_process(p, f"coordinator shard {k}")
+        for f in self.logs:
+            f.close()
+
+
+def range_frames(n_params: int, count: int, block: int, level: int, ranges: Sequence[Any]) -> list[bytes]:
+    """:func:`_common.make_frames`'s deltas cut by the shards' ``ranges``: each a ShardFrames of one frame per
+    range, as a sharded island's Uplink builds them."""
+    import numpy as np
+
+    from dtrain import codec
+    from dtrain.config import CodecConfig
+    from workers.exchange import ShardFrames
+
+    bits, blk = CodecConfig(block=block).scheme(CODEC)
+    out: list[bytes] = []
+    for i in range(count):
+        delta = np.random.default_rng(1000 + i).standard_normal(n_params, dtype=np.float32)
+        delta *= np.float32(1e-3)
+        out.append(ShardFrames([codec.encode(codec.quantize(delta[r.start:r.end], bits, blk), level)
+                                for r in ranges]))
+    return out
+
+
 def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], islands: int, rounds: int,
-             warmup: int, work: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """One coordinator process and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
+             warmup: int, work: Path, overrides: Sequence[str] = (), shards: int = 1) -> dict[str, Any]:
+    """One coordinator process (``shards`` > 1: a sharded coordinator of that many, whose ranges ``frames`` are
+    cut by) and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
     from dtrain.proto import dtrain_pb2 as pb
     from workers.client import CoordinatorClient
     from workers.exchange import PULL_WAIT_S
+    from workers.shard_links import ShardedPush, ShardLinks
 
     cfg = scale_config(model_fields, work, islands, warmup + rounds, overrides)
     pulling = threading.BoundedSemaphore(pulls_at_once(islands, statistics.fmean(len(f) for f in frames)))
-    coord = CoordinatorProcess(cfg, work / f"coord-{islands}")
+    range_shards = RangeShards(cfg, shards, work / f"shards-{islands}-{shards}") if shards > 1 else None
+    try:
+        if range_shards is not None:
+            cfg = range_shards.cfg
+        coord = CoordinatorProcess(cfg, work / f"coord-{islands}-{shards}")
+    except BaseException:
+        if range_shards is not None:
+            range_shards.stop()
+        raise
     pid = coord.proc.pid
+    pids = [pid] + (range_shards.pids if range_shards is not None else [])
     clients: list[CoordinatorClient] = []
+    links: list[ShardLinks] = []
     beats: Heartbeats | None = None
     try:
         clients = [CoordinatorClient(coord.address, cfg) for _ in range(islands)]
@@ -294,6 +395,15 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
         if joined[0].tree_size != n_params:
             raise DtrainError(f"the coordinator's tree has {joined[0].tree_size} values, expected {n_params}")
         ids = [j.island_id for j in joined]
+        if range_shards is not None:
+            from coordinator.lifecycle import initial_parameters_file
+            from dtrain.fragments import leaf_sizes, plan
+
+            _, spec = initial_parameters_file(cfg, work / f"spec-{islands}-{shards}", spec_only=True)
+            ranges = plan(leaf_sizes(spec), shards)
+            for i in range(islands):
+                links.append(ShardLinks(cfg, clients[i], ranges))
+                links[-1].connect(joined[i].shard_addresses)
         cursors = [j.cursor for j in joined]
         held = [j.version for j in joined]
         beats = Heartbeats(clients, ids, held, cfg.worker.heartbeat_s)
@@ -312,7 +422,8 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
                                   inner_steps=cfg.outer.inner_steps, cursor_start=cursors[i],
                                   cursor_end=cursors[i] + seqs, shard_index=joined[i].shard_index,
                                   tree_digest=joined[i].tree_digest)
-                resp = clients[i].push(h, frames[(i + r) % len(frames)])
+                frame = frames[(i + r) % len(frames)]
+                resp = (ShardedPush(links[i]) if links else clients[i]).push(h, frame)
                 if resp.status not in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED):
                     raise DtrainError(f"round {r}: {ids[i]}'s push came back {pb.PushStatus.Name(resp.status)}: "
                                       f"{resp.reason}")
@@ -322,12 +433,19 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
                         for f in clients[i].pull(ids[i], held[i], wait_s=PULL_WAIT_S):
                             if f.frame:
                                 held[i] = f.header.version
+                    for other in links[i].others if links else ():  # each range shard's update of that version
+                        have = version
+                        while have < held[i]:
+                            for f in other.pull(ids[i], have, wait_s=PULL_WAIT_S):
+                                if f.frame:
+                                    have = f.header.version
                 return time.perf_counter(), held[i]
 
             before = clients[0].status()
-            cpu0 = cpu_seconds(pid), sum(os.times()[:2])
+            cpu0 = [cpu_seconds(p) for p in pids], sum(os.times()[:2])
             res = run_concurrently(islands, island)
-            cpu1 = cpu_seconds(pid), sum(os.times()[:2])
+            cpu1 = [cpu_seconds(p) for p in pids], sum(os.times()[:2])
+            per_shard = [b - a for a, b in zip(cpu0[0], cpu1[0], strict=True)]
             after = clients[0].status()
             wall = max(t for _, _, (t, _) in res) - min(t0 for t0, _, _ in res)
             if {v for _, _, (_, v) in res} != {version + 1}:
@@ -335,26 +453,33 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
                                   f"expected {version + 1}")
             records.append({"wall_s": wall, "bytes_in": after.bytes_in - before.bytes_in,
                             "bytes_out": after.bytes_out - before.bytes_out,
-                            "coordinator_cpu_s": cpu1[0] - cpu0[0], "client_cpu_s": cpu1[1] - cpu0[1],
-                            "warmup": r < warmup})
-            log(f"{islands} islands, round {r}{' (warm-up)' if r < warmup else ''}: {wall:.2f}s, "
-                f"coordinator {cpu1[0] - cpu0[0]:.2f} CPU s, islands {cpu1[1] - cpu0[1]:.2f} CPU s, "
+                            "coordinator_cpu_s": sum(per_shard), "shard_cpu_s": per_shard,
+                            "client_cpu_s": cpu1[1] - cpu0[1], "warmup": r < warmup})
+            log(f"{islands} islands, {shards} shard(s), round {r}{' (warm-up)' if r < warmup else ''}: {wall:.2f}s, "
+                f"coordinator {sum(per_shard):.2f} CPU s ({', '.join(f'{c:.2f}' for c in per_shard)}), islands "
+                f"{cpu1[1] - cpu0[1]:.2f} CPU s, load average {os.getloadavg()[0]:.2f}, "
                 f"RSS {proc_mem(pid)['VmRSS'] / (1 << 20):.0f} MiB")
         beats.recording = False
         mem = proc_mem(pid)
-        retries = sum(c.retries for c in clients)
+        retries = sum(c.retries for c in clients) + sum(c.retries for x in links for c in x.others)
         if retries:
             raise DtrainError(f"{retries} retried calls at {islands} islands: the timings are not clean")
     finally:
         if beats is not None:
             beats.close()
+        for x in links:
+            x.close()
         for c in clients:
             c.close()
         end_mem, _ = coord.stop()
+        if range_shards is not None:
+            range_shards.stop()
     timed = [x for x in records if not x["warmup"]]
     rtts = sorted(beats.rtts) if beats is not None else []
     return {
-        "islands": islands, "round_s": statistics.median(x["wall_s"] for x in timed),
+        "islands": islands, "shards": shards, "round_s": statistics.median(x["wall_s"] for x in timed),
+        "shard_cpu_s": [statistics.median(x["shard_cpu_s"][k] for x in timed) for k in range(shards)],
+        "load_average": os.getloadavg()[0],
         "rounds_s": [x["wall_s"] for x in timed], "warmup_s": [x["wall_s"] for x in records if x["warmup"]],
         "peak_rss": mem["VmHWM"], "peak_reset": reset, "idle_rss": idle, "start_vmhwm": coord.mem_at_start["VmHWM"],
         "start_s": coord.start_s, "bytes_in": statistics.median(x["bytes_in"] for x in timed),
@@ -383,33 +508,55 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + " ".join(f"{k}={v}" for k, v in model_fields.items())
         + f"; islands {args.sizes}; {args.warmup} warm-up + {args.rounds} timed rounds each; {CODEC} frames; "
           f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
-    frames = make_frames(CODEC, n_params, pool, block, level)
-    frame_bytes = statistics.fmean(len(f) for f in frames)
+    frames = make_frames(CODEC, n_params, pool, block, level) if 1 in args.shards else []
+    frame_bytes = statistics.fmean(len(f) for f in frames) if frames else 0.0
     log(f"{pool} frames encoded: {frame_bytes / MB:.1f} MB each; island threads pull at most "
         f"{pulls_at_once(max(args.sizes), frame_bytes)} at once")
     work = Path(tempfile.mkdtemp(prefix="dtrain-scale-"))
-    rows: list[dict[str, Any]] = []
+    by_shards: dict[int, list[dict[str, Any]]] = {s: [] for s in args.shards}
     baseline: int | None = None
     loads = [os.getloadavg()[0]]
     try:
         if not args.no_baseline:
             baseline = runtime_baseline(work)
-        for n in args.sizes:
-            rows.append(run_size(model_fields, n_params, frames, n, args.rounds, args.warmup, work, args.overrides))
-            loads.append(os.getloadavg()[0])
+        for s in args.shards:
+            cut = frames if s == 1 else range_frames(n_params, pool, block, level, shard_plan(base_cfg, work, s))
+            if s > 1:
+                frame_bytes = statistics.fmean(len(f) for f in cut)
+            for n in args.sizes:
+                by_shards[s].append(run_size(model_fields, n_params, cut, n, args.rounds, args.warmup, work,
+                                             args.overrides, shards=s))
+                loads.append(os.getloadavg()[0])
+            del cut
     finally:
         if args.keep:
             log(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    rows = by_shards[args.shards[0]]
     f = figures(rows, model_bytes, baseline)
+    f["shards"] = args.shards[0]
+    if len(args.shards) > 1:
+        top = max(args.sizes)
+        one = next(r for r in by_shards[args.shards[0]] if r["islands"] == top)
+        most = next(r for r in by_shards[args.shards[-1]] if r["islands"] == top)
+        f["shard_speedup"] = one["round_s"] / most["round_s"]
+        f["shard_speedup_of"] = [args.shards[0], args.shards[-1]]
+        f["shard_cpu_ratio"] = most["coordinator_cpu_s"] / one["coordinator_cpu_s"]
     wall = time.perf_counter() - t_start
     print(f"\nmodel: {n_params:,} params ({model_bytes / MB:.1f} MB fp32; "
           + ", ".join(f"{k}={v}" for k, v in model_fields.items())
           + f"); {CODEC} frames of {statistics.fmean(len(x) for x in frames) / MB:.1f} MB; sync mode, min_quorum = "
             f"all islands; median of {args.rounds} rounds after {args.warmup} warm-up; {os.cpu_count()} CPUs "
             f"shared by the coordinator and every island thread; load average {min(loads):.2f}-{max(loads):.2f}")
-    print("\n".join(table(rows, model_bytes, baseline)))
+    for s, shard_rows in by_shards.items():
+        print(f"-- {s} coordinator shard{'s' * (s > 1)}" + (" (cpu s: every shard's; RSS, in/out: the lead's)"
+                                                            if s > 1 else ""))
+        print("\n".join(table(shard_rows, model_bytes, baseline)))
+        if s > 1:
+            print("   per shard cpu s: " + "; ".join(f"{r['islands']} islands: "
+                                                    + ", ".join(f"{c:.2f}" for c in r["shard_cpu_s"])
+                                                    for r in shard_rows))
     base_txt = f"{baseline / (1 << 20):.0f} MiB, a no-model coordinator's VmHWM" if baseline else "not measured"
     print(f"   round s = first push starts -> every island holds the new version; peak RSS = the coordinator's "
           f"VmHWM over the rounds; RSS/model = peak / (4 x params); net/model = (peak - {base_txt}) / (4 x params); "
@@ -424,10 +571,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"wall {wall:.0f}s")
     out = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes}, "codec": CODEC,
            "rounds": args.rounds, "warmup": args.warmup, "baseline_vmhwm": baseline, "rows": rows, "figures": f,
+           "rows_by_shards": {str(s): r for s, r in by_shards.items()},
            "load_average": loads, "wall_s": wall}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
     print(targets_line(f))
+    if "shard_speedup" in f:
+        a, b = f["shard_speedup_of"]
+        print(f"shards: round time with {a} shard(s) / with {b} at {max(args.sizes)} islands: "
+              f"{f['shard_speedup']:.2f} (target >= {SHARD_SPEEDUP_MIN:g}, for shards on hosts of their own: these "
+              f"share {os.cpu_count()} CPUs) {met(f['shard_speedup'] >= SHARD_SPEEDUP_MIN)}; coordinator CPU s "
+              f"{b} / {a} shard(s): {f['shard_cpu_ratio']:.2f}")
     print(final_line(f))
     return out
 

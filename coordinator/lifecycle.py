@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,8 @@ from coordinator.dashboard import check_port_free, dashboard_port, open_dashboar
 from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
-from coordinator.service import CURRENT_CALL, CoordinatorService
+from coordinator.service import CURRENT_CALL, CallerIdentity, CoordinatorService
+from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
 from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config import Config, ConfigError
@@ -38,6 +40,7 @@ from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import require_exporter
 from dtrain.wire import (
     HANDLER_KINDS,
+    OPEN_METHODS,
     SERVICE,
     AuthDenied,
     RawChunk,
@@ -67,7 +70,10 @@ def preflight(cfg: Config, port: int | None) -> Preflight:
     require_exporter(cfg.telemetry)
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
-    return token, creds, IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    if cfg.coordinator.shards > 1:
+        read_secret(cfg)  # a sharded coordinator's: before θ_0 too
+    return token, creds, island_tokens
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -275,13 +281,13 @@ def _log_started(cfg: Config, service: CoordinatorService, bound: int, resume: b
         o = service.opts
         service.log.event("run_started", run_id=service.run_id, mode=c.mode, islands=o.islands,
                           total_versions=o.end_version, expected_versions=o.total_versions,
-                          tokens_total=o.tokens_total, params=service.merger.n,
+                          tokens_total=o.tokens_total, params=service.tree_size,
                           fingerprint=cfg.fingerprint(), config=dataclasses.asdict(cfg))
     dash_url = service.dashboard.url if service.dashboard is not None else None
     service.log.event("coordinator_started", address=f"{c.host}:{bound}", tls=tls, auth=auth, mode=c.mode,
-                      params=service.merger.n, run_id=service.run_id, dashboard=dash_url)
+                      params=service.tree_size, run_id=service.run_id, dashboard=dash_url)
     service.log.progress(f"coordinator listening on {c.host}:{bound} ({'TLS' if tls else 'plaintext'}, "
-                         f"{'token auth' if auth else 'no auth'}, {c.mode} mode, {service.merger.n:,} params)"
+                         f"{'token auth' if auth else 'no auth'}, {c.mode} mode, {service.tree_size:,} params)"
                          + (f"; dashboard at {dash_url}" if dash_url else "; no dashboard"))
 
 
@@ -355,7 +361,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         st, n = service.state, service.counters
         summary = {"version": st.version, "tokens_merged": st.tokens_merged, "bytes_in": n.bytes_in,
                    "bytes_out": n.bytes_out, "merge_s": n.merge_s, "deltas_dropped": st.deltas_dropped,
-                   "params_digest": service.merger.digest}
+                   "params_digest": service.params_digest}
     service.log.event("coordinator_stopped", reason=reason, **summary)
     service.close()
     return summary
@@ -390,3 +396,88 @@ def _wait_for_the_end(service: CoordinatorService, after_finish: AfterFinish) ->
                              f"--replicas=0)")
         reason = loop.wait_stop_requested()
     return reason
+
+
+def shard_preflight(cfg: Config, port: int | None) -> Preflight:
+    """:func:`preflight` for a range shard: its port free, its token, TLS, island tokens and shard secret readable
+    and not placeholders (ConfigError), before θ_0's work."""
+    c = cfg.coordinator
+    check_ports_free(dataclasses.replace(cfg, coordinator=dataclasses.replace(c, dashboard_port=-1)), port)
+    sec = cfg.security
+    token, creds = read_token(sec), server_credentials(sec)
+    island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    read_secret(cfg)
+    return token, creds, island_tokens
+
+
+def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
+                port: int | None = None) -> tuple[grpc.Server, RangeShard, int]:
+    """Starts range shard ``index`` (>= 1) of a sharded coordinator (``coordinator.shards``): the Coordinator
+    service's PushDelta and PullGlobal for its range (the islands' token, as the lead's) and the Shard service for
+    the lead (its secret); ``theta``: θ_0's values of its range. Returns (server, shard, bound port)."""
+    c = cfg.coordinator
+    address = f"{c.host}:{c.port if port is None else port}"
+    token, creds, island_tokens = shard_preflight(cfg, port)
+    sec = cfg.security
+    shard = RangeShard(cfg, index, run_dir, theta, spec, read_secret(cfg),
+                       identity=CallerIdentity(sec.identity, island_tokens))
+    own = island_tokens.name_of if island_tokens is not None else None
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenAuthInterceptor(token, None, own, OPEN_METHODS | SHARD_METHODS)] if token or own else [])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
+                         interceptors=interceptors, options=server_options(cfg))
+    control = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rpc-control")
+    health = HealthServicer(experimental_non_blocking=True)  # SERVING while it serves (the pod's probes)
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.add_generic_rpc_handlers((service_handler(shard), health_handler(health, control)))
+    pb_grpc.add_ShardServicer_to_server(shard, server)
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        shard.close()
+        raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
+    server.start()
+    logging.getLogger("dtrain.coordinator").info("coordinator shard %d of %d listening on %s:%d (values %d..%d)",
+                                                 index, c.shards, c.host, bound, shard.range.start, shard.range.end)
+    return server, shard, bound
+
+
+def run_shard(cfg: Config, index: int, run_dir: str | Path, port: int | None = None) -> dict[str, Any]:
+    """``dtrain coordinator --shard I`` (I >= 1): serves range shard I of a sharded coordinator until SIGTERM or
+    Ctrl-C (it ends nothing itself: the lead runs the run); writes RUN_DIR/coordinator-shard-I.json with its bound
+    address once it listens. θ_0 is computed from the run's seed as the lead's is, and its range taken. Returns
+    its version and its range's digest."""
+    import signal
+    import threading
+
+    return_large_frees_to_the_os()
+    if not 1 <= index < cfg.coordinator.shards:
+        raise ConfigError(f"--shard {index}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards = "
+                          f"{cfg.coordinator.shards}; 0 is the lead)")
+    shard_preflight(cfg, port)  # before θ_0's work
+    out = Path(run_dir)
+    init_dir = out / f"shard-{index}" / "init"
+    theta0, spec = initial_parameters_file(cfg, init_dir)
+    assert theta0 is not None
+    try:
+        r = shard_ranges(spec, cfg.coordinator.shards)[index]
+        theta = np.array(np.memmap(theta0, "<f4", mode="r")[r.start:r.end], np.float32)
+    finally:
+        shutil.rmtree(init_dir, ignore_errors=True)
+    server, shard, bound = serve_shard(cfg, index, out, theta, spec, port)
+    info = out / f"coordinator-shard-{index}.json"
+    tmp = info.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": cfg.coordinator.host, "port": bound, "shard": index,
+                               "shards": cfg.coordinator.shards, "values": [r.start, r.end]}))
+    tmp.replace(info)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    with shard.lock:
+        summary = {"shard": index, "version": shard.merger.version, "params_digest": shard.merger.digest}
+    shard.close()
+    return summary

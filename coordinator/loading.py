@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from coordinator.merger import MergeOptions, Merger
 from coordinator.records import StateError, StateOptions
+from coordinator.shard import shard_ranges
 from coordinator.state import CoordinatorState
 from dtrain import codec
 from dtrain.config import Config, ConfigError
@@ -32,6 +33,7 @@ class Loaded(NamedTuple):
     run_id: str
     state: CoordinatorState
     merger: Merger
+    meta: dict[str, Any] = {}  # a restored checkpoint's metadata (a sharded lead's: every shard's digest)
 
 
 def has_checkpoint(cfg: Config, run_dir: str | Path) -> bool:
@@ -105,14 +107,19 @@ def restore(cfg: Config, opts: StateOptions, run_dir: Path, spec: codec.Spec, ck
     state = CoordinatorState.from_json(opts, meta["state"], now)
     # Files inside the checkpoint: linked into the merger's state folder, not read into memory.
     merger = open_merger(cfg, run_dir, files["theta"], version, files["momentum"], files.get("residual"), spec)
-    tree_size = codec.spec_size(spec)
+    # a sharded coordinator's lead holds range 0 (coordinator/shard.py)
+    tree_size = shard_ranges(spec, cfg.coordinator.shards)[0].size if cfg.coordinator.shards > 1 \
+        else codec.spec_size(spec)
     problem = ""
     if merger.n != tree_size:
         problem = f"checkpoint {version} holds {merger.n} parameters, this config's model has {tree_size}"
     elif merger.digest != meta.get("params_digest"):
         problem = (f"checkpoint {version}: θ digest {merger.digest} differs from the recorded "
                    f"{meta.get('params_digest')}")
+    elif cfg.coordinator.shards > 1 and len(meta.get("shard_digests", ())) != cfg.coordinator.shards:
+        problem = (f"checkpoint {version} records {len(meta.get('shard_digests', ()))} shards' digests, "
+                   f"coordinator.shards is {cfg.coordinator.shards}")
     if problem:
         merger.close()
         raise CheckpointError(problem)
-    return Loaded(state.run_id, state, merger)
+    return Loaded(state.run_id, state, merger, meta)

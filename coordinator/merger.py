@@ -173,11 +173,12 @@ class SpooledPush:
     scale: float = 1.0  # clip factor on its values (1: not clipped)
     key: str = ""  # the caller's name for it (the push id)
     cap: float = 1.0  # clipped_mean: the further factor this step gives it (round_clip_factors)
+    whole_norm: float | None = None  # a sharded coordinator: the whole push's L2 norm (all ranges), not this spool's
 
     @property
     def norm(self) -> float:
-        """The L2 norm of its values, as spooled (before the clip factor)."""
-        return self.spool.norm
+        """The L2 norm of its values, as spooled (before the clip factor); the whole push's, when given."""
+        return self.spool.norm if self.whole_norm is None else self.whole_norm
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,18 @@ class Update:
     def open(self) -> BinaryIO:
         """An open handle: the frame stays readable even if it is deleted before the pull finishes."""
         return open(self.path, "rb")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An outer step written but not committed (:meth:`Merger.prepare`): the new version's temp state files and its
+    update frame, θ's digest and L2 norm."""
+
+    version: int
+    tmp: dict[str, Path]
+    digest: str
+    theta_norm: float
+    update: Update
 
 
 def round_clip_factors(norms: list[float], scales: list[float], ratio: float) -> list[float]:
@@ -427,11 +440,13 @@ class Merger:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
-    def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "") -> None:
+    def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
+                    norm: float | None = None) -> None:
         """Makes the push one of those the next outer step merges, with ``weight`` and its values times ``scale``
         (a clip factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger
         takes over the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until
-        that step has summed it)."""
+        that step has summed it). ``norm``: the whole push's L2 norm when the spool holds one range of it (a
+        sharded coordinator: the clip caps and the blame then go by whole pushes, the same on every shard)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if not 0 < scale <= 1:
@@ -442,7 +457,8 @@ class Merger:
             raise ValueError(f"a push of {spool.n} values cannot join the merge of fragment "
                              f"{self.next_fragment().index} ({self.next_fragment().size} values)")
         spool.keep()
-        self.pending.append(SpooledPush(spool, float(weight), float(scale), key))
+        self.pending.append(SpooledPush(spool, float(weight), float(scale), key,
+                                        whole_norm=None if norm is None else float(norm)))
         self.total_weight += float(weight)
 
     def drop_pending(self, keys: list[str]) -> None:
@@ -455,6 +471,12 @@ class Merger:
                 keep.append(p)
         self.pending = keep
         self.total_weight = sum(p.weight for p in keep)
+
+    def unpend(self) -> None:
+        """Empties the pending list without releasing the spools: their owner keeps them (a range shard's held
+        parts, after a step it aborted)."""
+        self.pending = []
+        self.total_weight = 0.0
 
     @property
     def pending_count(self) -> int:
@@ -579,6 +601,13 @@ class Merger:
 
     def outer_step(self) -> Update:
         """Applies the merged pseudo-gradient; writes version+1's files; returns its broadcast update."""
+        return self.commit(self.prepare())
+
+    def prepare(self) -> Prepared:
+        """The outer step up to its commit: version+1's state files written as temp files and its update frame
+        written, nothing of the current version changed. :meth:`commit` makes it the current version, :meth:`abort`
+        discards it (a sharded coordinator prepares every shard's range before any commits). Raises
+        NonFiniteResult (nothing written) as :meth:`outer_step` does."""
         if not self.pending or not self.total_weight > 0:
             raise RuntimeError("outer_step with no pending push")
         o = self.opts
@@ -614,16 +643,33 @@ class Merger:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        size, crc = write_frame_file(frame_path, o.down_bits, down_block, part.size, scales, payload_path,
-                                     o.zstd_level, payload_size)
-        self._commit(new, tmp)
-        self.digest, self.theta_norm = digest, theta_norm
-        update = Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
-                        params_digest=self.digest)
-        self.updates.append(update)
+        try:
+            size, crc = write_frame_file(frame_path, o.down_bits, down_block, part.size, scales, payload_path,
+                                         o.zstd_level, payload_size)
+        except BaseException:
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
+            raise
+        return Prepared(version=new, tmp=tmp, digest=digest, theta_norm=theta_norm,
+                        update=Update(version=new, base_version=new - 1, path=frame_path, size=size, crc32=crc,
+                                      params_digest=digest))
+
+    def commit(self, prepared: Prepared) -> Update:
+        """Makes :meth:`prepare`'s version the current one; returns its broadcast update."""
+        if prepared.version != self.version + 1:
+            raise RuntimeError(f"commit of version {prepared.version} on version {self.version}")
+        self._commit(prepared.version, prepared.tmp)
+        self.digest, self.theta_norm = prepared.digest, prepared.theta_norm
+        self.updates.append(prepared.update)
         while len(self.updates) > self.opts.keep_updates:
             self.updates.popleft().path.unlink(missing_ok=True)
-        return update
+        return prepared.update
+
+    def abort(self, prepared: Prepared) -> None:
+        """Discards :meth:`prepare`'s files: the version and the pending pushes stay as they were."""
+        for path in prepared.tmp.values():
+            path.unlink(missing_ok=True)
+        prepared.update.path.unlink(missing_ok=True)
 
     def _step_slabs(self, fds: dict[str, int], scales: np.ndarray, part: Range) -> tuple[str, float]:
         """Steps every slab of fragment ``part`` on the thread pool, a bounded window of slabs in flight, copies

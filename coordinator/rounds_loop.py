@@ -26,6 +26,7 @@ from dtrain.telemetry import RoundSpans, Telemetry
 from dtrain.wire import SERVICE
 
 if TYPE_CHECKING:
+    from coordinator.shard import ShardedStep
     from dtrain.checkpoint import Checkpointer
 
 # `dtrain coordinator --after-finish`: what the coordinator does once its run is finished (RoundsLoop)
@@ -45,8 +46,12 @@ class RoundsLoop:
 
     def __init__(self, *, lock: threading.Condition, clock: Callable[[], float], state: CoordinatorState,
                  merger: Merger, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry, rounds: RoundSpans,
-                 streams: FrameStreams, counters: Counters, after_finish: AfterFinish):
+                 streams: FrameStreams, counters: Counters, after_finish: AfterFinish,
+                 sharded: ShardedStep | None = None):
+        """``sharded``: a sharded coordinator's outer step over every shard (coordinator/shard.py); None: the
+        merger's own."""
         self.lock, self.clock, self.state, self.merger, self.ckpt = lock, clock, state, merger, ckpt
+        self.sharded = sharded
         self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
         self.counters, self.after_finish = counters, after_finish
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
@@ -101,7 +106,7 @@ class RoundsLoop:
         try:
             with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
                                      pushes=len(pending)):
-                update = self.merger.outer_step()
+                update = self.sharded() if self.sharded is not None else self.merger.outer_step()
         except NonFiniteResult as e:
             self._reject_blamed(e, now)
             return
@@ -133,9 +138,21 @@ class RoundsLoop:
             with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
                 self.ckpt.save_files(version, self.merger.state_files(),
                                      {"state": self.state.to_json(), "version": version,
-                                      "params_digest": self.merger.digest})
+                                      "params_digest": self.merger.digest, **self._shards_meta()})
         self.counters.merge_s += time.perf_counter() - t0
         self._merged(version, reason, merged, pending, update.size, part.size)
+
+    def _shards_meta(self) -> dict[str, Any]:
+        """A sharded lead's checkpoint also names every shard's digest and θ's sums of squares at its version."""
+        if self.sharded is None:
+            return {}
+        return {"shard_digests": list(self.sharded.digests), "theta_sum_squares": list(self.sharded.theta_sq)}
+
+    def _drop(self, keys: list[str]) -> None:
+        """Drops pending pushes from the merger, and their parts from the other shards."""
+        self.merger.drop_pending(keys)
+        if self.sharded is not None:
+            self.sharded.peers.release(keys)
 
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
                 update_bytes: int, values: int) -> None:
@@ -162,7 +179,7 @@ class RoundsLoop:
                                            screened=self.merger.opts.rule == "screened_mean")
         for push_id, why in screened:
             (info,) = self.state.reject_pending([push_id], why, now)
-            self.merger.drop_pending([push_id])
+            self._drop([push_id])
             self.log.event("push_quarantined", island=info.island_id, push_id=push_id, reason=why,
                            by="round_screen")
             self.log.progress(f"v{self.state.version + 1}: quarantined push {push_id} from {info.island_id}: {why}")
@@ -182,7 +199,7 @@ class RoundsLoop:
         replies) and the round is tried again without it, here, if it is still ready."""
         version = self.state.version + 1
         (info,) = self.state.reject_pending([e.blame], str(e), now)
-        self.merger.drop_pending([e.blame])
+        self._drop([e.blame])
         self.log_quarantined()
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))

@@ -32,12 +32,14 @@ from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBro
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
 from coordinator.refusals import RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
+from coordinator.shard import ShardedStep, ShardPeers, ShardRefused, read_secret, shard_ranges, split_theta
 from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
 from coordinator.streams import PushStreams, Stream
 from dtrain import codec
-from dtrain.config import Config
+from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError
+from dtrain.fragments import leaf_sizes
 from dtrain.identity import IslandTokens, cert_identity, token_identity
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
@@ -62,6 +64,7 @@ CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_
 Decided = TypeVar("Decided")  # what it returns
 
 MAX_PULL_WAIT_S = 30.0
+SHARD_START_WAIT_S = 120.0  # a sharded lead's start: how long it waits for its range shards to be reachable
 _STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
            "reject": pb.PUSH_STATUS_REJECTED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
@@ -190,6 +193,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         tokens with ``security.identity`` "token" (``dtrain.identity.IslandTokens``). Starts the ticker; serves
         nothing yet."""
         self.cfg, self.clock, self.run_dir = cfg, clock, Path(run_dir)
+        # coordinator.shards > 1: this is the lead (shard 0), its merger over range 0 (coordinator/shard.py).
+        shards = cfg.coordinator.shards
+        self.tree_size = sum(leaf_sizes(spec))
+        peers: ShardPeers | None = None
+        shard_digests: list[str] = []
+        shard_sq: list[float] = []
+        if shards > 1:
+            if len(cfg.coordinator.shard_addresses) != shards - 1:
+                raise ConfigError(f"[coordinator] shard_addresses: the lead of {shards} shards needs the addresses "
+                                  f"of shards 1..{shards - 1}, got {len(cfg.coordinator.shard_addresses)}")
+            if not resume:
+                assert theta is not None, "a new run needs θ_0"
+                theta, shard_digests, shard_sq = split_theta(theta, shard_ranges(spec, shards))
+            peers = ShardPeers(cfg, cfg.coordinator.shard_addresses, read_secret(cfg))
         self.identity = CallerIdentity(cfg.security.identity, island_tokens)
         ckpt_dir = self.run_dir / "coordinator"
         if resume and not has_checkpoint(cfg, self.run_dir):
@@ -223,11 +240,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             else:
                 loaded = new_run(cfg, self.opts, self.run_dir, theta, self.loaded_at, spec)
         except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
+            if peers is not None:
+                peers.close()
             if self.ckpt is not None:
                 self.ckpt.close()
             self.log.close()
             raise
-        self.run_id, self.state, self.merger = loaded
+        self.run_id, self.state, self.merger = loaded.run_id, loaded.state, loaded.merger
+        self.sharded = None
+        if peers is not None:
+            try:
+                if resume:
+                    shard_digests = list(loaded.meta["shard_digests"])
+                # every shard at this version, before anything is served (a new run: θ_0)
+                replies = peers.restore(self.merger.version, shard_digests[1:], SHARD_START_WAIT_S)
+            except BaseException:
+                peers.close()
+                self.merger.close()
+                if self.ckpt is not None:
+                    self.ckpt.close()
+                self.log.close()
+                raise
+            shard_sq = [self.merger.theta_norm ** 2] + [r.theta_sum_squares for r in replies]
+            self.sharded = ShardedStep(self.merger, peers, shard_digests, shard_sq)
+            self.log.event("shards_restored", version=self.merger.version, shards=shards,
+                           addresses=list(cfg.coordinator.shard_addresses))
         self.counters = Counters()
         self.refusals = RefusalLog(cfg.coordinator.refusal_events)
         self.refusals.counts = self.counters.refusals  # one table: Status reports it
@@ -242,7 +279,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.push_streams.start()
         self.loop = RoundsLoop(lock=self.lock, clock=clock, state=self.state, merger=self.merger, ckpt=self.ckpt,
                                log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
-                               counters=self.counters, after_finish=after_finish)
+                               counters=self.counters, after_finish=after_finish, sharded=self.sharded)
         self.loop.start()
 
     # -- refusals -----------------------------------------------------------------------------------
@@ -381,8 +418,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                shard_count=self.opts.islands, cursor=cursor, cursor_end=cursor_end,
                                segment_start=record.segment_start,
                                lease_s=self.opts.coordinator.lease_s,
-                               run_id=self.run_id, tree_size=self.merger.n, tree_digest=self.tree_digest,
-                               total_versions=self.opts.end_version)
+                               run_id=self.run_id, tree_size=self.tree_size, tree_digest=self.tree_digest,
+                               total_versions=self.opts.end_version,
+                               shard_addresses=self.cfg.coordinator.shard_addresses if self.sharded else ())
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self._authorize(context, request.island_id)
@@ -410,7 +448,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             healthy, name = (record.devices, record.name) if record is not None else (0, "")
             version = self.state.version
             self.lock.notify_all()  # the island's version may finish the run
-            if request.params_digest and request.version == version and request.params_digest != self.merger.digest:
+            if request.params_digest and request.version == version and request.params_digest != self.params_digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
             recorded = self._heard_from(request, evals)
@@ -465,6 +503,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
         info = push_info(h)
         identity = self.identity.of(context)
+        pending_still = False
         with self.lock:
             self._refuse_if_failed(context)
             self._decide_push(context, self.state.authorize, info, info.island_id, identity)
@@ -473,8 +512,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
                 admission = self.state.commit_push(info, self.clock())  # counts the retry
                 version = self.state.version
+                pending_still = any(p.key == info.push_id for p in self.merger.pending)
                 cursor = self._cursor(info)
         if admission.status == "duplicate":
+            if self.sharded is not None and not pending_still:  # a merged push's parts, sent again: let go
+                self.sharded.peers.release([info.push_id])
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
                                         version=version, reason=admission.reason, cursor=cursor)
@@ -492,8 +534,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._refuse_payload(context, info, e)
             except UploadBroke as e:
                 self._upload_broke(context, info, e)
-            with self.lock:
-                admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size)
+            norm = spool.norm if self.sharded is None else self._claim_parts(context, info, spool, identity)
+            try:
+                with self.lock:
+                    admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size,
+                                                                           norm)
+            except BaseException:  # refused: its parts on the other shards are let go
+                if self.sharded is not None:
+                    self.sharded.peers.release([info.push_id])
+                raise
+            if self.sharded is not None and admission.status != "accept":
+                self.sharded.peers.release([info.push_id])
         self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
                        base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
                        staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
@@ -510,16 +561,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                     stop_reason=stop_reason)
 
     def _commit_push(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
-                     size: int) -> tuple[Admission, pb.PushStatus, int, int]:
+                     size: int, norm: float) -> tuple[Admission, pb.PushStatus, int, int]:
         """The state's decision on a received push, made again now that the payload is here (the round may have
         closed meanwhile), with the payload's norm, and applied: an accepted one becomes pending in the merger
         (summing a delta that validate() accepted cannot fail), and may complete its round (merged here). Returns
-        (admission, the reply's status, version, cursor). Under the lock."""
+        (admission, the reply's status, version, cursor). ``norm``: the push's L2 norm (a sharded coordinator's:
+        over every shard's part). Under the lock."""
         self._refuse_if_failed(context)
-        admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=spool.norm,
-                                      theta_norm=self.merger.theta_norm)
+        admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=norm,
+                                      theta_norm=self.theta_norm)
         if admission.status == "accept":
-            self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id)
+            self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id,
+                                    norm=norm if self.sharded is not None else None)
         self.counters.bytes_in += size
         self.telemetry.record_ratio(4 * spool.n, size, "up")
         view = self.history.island(info.island_id)
@@ -527,7 +580,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         view.last_seen = self.clock()
         self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
         status = _STATUS[admission.status]
-        self.loop.merge_if_ready(self.clock())
+        try:
+            self.loop.merge_if_ready(self.clock())
+        except Exception:
+            if self.loop.fatal:  # the step failed (a full disk, a coordinator shard gone): the coordinator failed,
+                # and is to be resumed from its checkpoint; the island sends the push again to the resumed one
+                self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
+            raise
         version = self.state.version
         rejected = self.state.rejected(info.push_id)
         if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
@@ -535,6 +594,42 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
             status = pb.PUSH_STATUS_MERGED
         return admission, status, version, self._cursor(info)
+
+    def _claim_parts(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
+                     identity: str | None) -> float:
+        """A sharded coordinator: the push's parts on the other shards, claimed (waiting for those still streaming
+        in, up to coordinator.stream_idle_s); returns the whole push's L2 norm. Refuses the push (nothing changes
+        anywhere) when a part is missing, was pushed under another identity, or a shard cannot be reached."""
+        assert self.sharded is not None
+        peers, wait = self.sharded.peers, self.cfg.coordinator.stream_idle_s
+        try:
+            parts = peers.claim(info, wait)
+        except ShardRefused as e:
+            peers.release([info.push_id])
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"push {info.push_id}: {e}", push=info)
+        for k, part in enumerate(parts, start=1):
+            if not part.held:
+                peers.release([info.push_id])
+                self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                            f"push {info.push_id}: its part for coordinator shard {k} ({peers.addresses[k - 1]}) "
+                            f"was not received within {wait:g}s: nothing of the push is merged", push=info)
+            if part.identity != (identity or ""):
+                peers.release([info.push_id])
+                self._abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                            f"push {info.push_id}: its part for coordinator shard {k} came from identity "
+                            f"{part.identity or '(none)'}, this part from {identity or '(none)'}", push=info)
+        return math.sqrt(spool.norm ** 2 + sum(p.sum_squares for p in parts))
+
+    @property
+    def params_digest(self) -> str:
+        """The digest of the whole global θ (a sharded coordinator's: over every range, ``fragments.joined_digest``).
+        Under the lock."""
+        return self.sharded.digest if self.sharded is not None else self.merger.digest
+
+    @property
+    def theta_norm(self) -> float:
+        """The L2 norm of the whole global θ. Under the lock."""
+        return self.sharded.theta_norm if self.sharded is not None else self.merger.theta_norm
 
     def _cursor(self, info: PushInfo) -> int:
         """The cursor of the push's segment now (merged + pending data): where its island's next range starts, or
@@ -595,7 +690,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         (:func:`coordinator.status_view.status_response`)."""
         with self.lock:
             return status_response(self.state, self.history, self.opts, self.counters, run_id=self.run_id,
-                                   params_digest=self.merger.digest, started_at=self.started_at, now=self.clock())
+                                   params_digest=self.params_digest, started_at=self.started_at, now=self.clock())
 
     def close(self) -> None:
         """Stops the ticker and the dashboard, records what is pending (refused calls, open round spans) and
@@ -612,6 +707,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
         with self.lock:
             self.merger.close()
+        if self.sharded is not None:
+            self.sharded.peers.close()
         if self.ckpt is not None:
             self.ckpt.close()
         self.log.close()

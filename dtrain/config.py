@@ -258,7 +258,7 @@ class CoordinatorConfig:
                          ">= min_cosine with the coordinate median of the round's pushes; the others are rejected) "
                          "(docs/faults.md has the measured cost of each); auto: screened_mean, or clipped_mean with "
                          "a sparse codec.up (a per-coordinate median or trim of sparse pushes drops the entries "
-                         "only one push holds)",
+                         "only one push holds) or coordinator.shards > 1 (no direction screen there yet)",
                          choices=("auto", "mean", "trimmed_mean", "median", "clipped_mean", "screened_mean"))
     trim: int = _f(1, "trimmed_mean: values dropped at each end of every coordinate (at most (pushes-1)//2)")
     clip_ratio: float = _f(1.0, "clipped_mean: a push's L2 norm is clipped to this multiple of the median norm of "
@@ -302,6 +302,14 @@ class CoordinatorConfig:
                                "/api/status, its checkpoint) this long after its lease ended, unless a push of "
                                "its is pending; its events stay, and under its name it can still join again (a new "
                                "record; shards and data cursors are unaffected); 0: never")
+    shards: int = _f(1, "coordinator shards S: theta is cut into S contiguous ranges of whole tensors (the plan of "
+                     "outer.fragments), each merged by its own coordinator process (dtrain coordinator --shard I "
+                     "--shards S); shard 0, the lead, also holds membership, leases, cursors and the rounds "
+                     "(docs/architecture.md#shards); 1: one coordinator")
+    shard_addresses: tuple[str, ...] = _f((), "shards > 1: HOST:PORT of coordinator shards 1..S-1, in order, as the "
+                                          "lead and the islands reach them (the lead tells the islands at Join)")
+    shard_secret_file: str = _f("", "shards > 1: file holding the secret the lead presents to the other shards "
+                                "(their Shard service refuses any call without it); every shard reads the same file")
 
     @property
     def dashboard_address(self) -> str:
@@ -444,6 +452,8 @@ class Config:
             fields.update({f"outer.{k}": str(getattr(self.outer, k)) for k in ("rule", "sparseloco_beta")})
         if self.outer.fragments != 1:  # only then: the fingerprint of a run without fragments stays as it was
             fields["outer.fragments"] = str(self.outer.fragments)
+        if self.coordinator.shards != 1:  # the islands cut their pushes and pulls by the same plan
+            fields["coordinator.shards"] = str(self.coordinator.shards)
         return fields
 
     def fingerprint(self) -> str:
@@ -578,6 +588,33 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
     if not 0.0 < o.sparseloco_beta <= 1.0:
         fail("outer", "sparseloco_beta", f"must be in (0, 1], got {o.sparseloco_beta}")
     _check_fragments(cfg, fail)
+    _check_shards(cfg, fail)
+
+
+def _check_shards(cfg: Config, fail: _Fail) -> None:
+    """coordinator.shards: 1..64; more than one only with what a sharded coordinator does (sync rounds, no
+    fragments, no direction screen) and a shard secret."""
+    co = cfg.coordinator
+    if not 1 <= co.shards <= MAX_FRAGMENTS:
+        fail("coordinator", "shards", f"must be in 1..{MAX_FRAGMENTS}, got {co.shards}")
+    if co.shards == 1:
+        return
+    if cfg.outer.fragments != 1:
+        fail("coordinator", "shards", f"{co.shards} shards with outer.fragments = {cfg.outer.fragments}: a sharded "
+             f"coordinator does not exchange fragments yet; set one of them to 1")
+    if co.mode != "sync":
+        fail("coordinator", "shards", f"needs coordinator.mode = 'sync' (every shard commits each version "
+             f"together), got {co.mode!r}")
+    if co.merge_rule == "screened_mean":
+        fail("coordinator", "merge_rule", "screened_mean with coordinator.shards > 1: the direction screen is not "
+             "built for a sharded coordinator yet; use clipped_mean (what auto takes there), mean, trimmed_mean or "
+             "median")
+    if not co.shard_secret_file:
+        fail("coordinator", "shard_secret_file", f"coordinator.shards = {co.shards} needs a file holding the "
+             f"secret the lead presents to the other shards")
+    if co.shard_addresses and len(co.shard_addresses) != co.shards - 1:
+        fail("coordinator", "shard_addresses", f"{len(co.shard_addresses)} addresses for {co.shards} shards: give "
+             f"shards 1..{co.shards - 1}'s, {co.shards - 1} of them")
 
 
 def _check_fragments(cfg: Config, fail: _Fail) -> None:
@@ -622,8 +659,8 @@ def merge_rule(cfg: Config) -> str:
     ``codec.up`` the clipped mean (the pushes' entries rarely coincide, so a per-coordinate median or trim, or a
     screen against the coordinate median, would drop most of them)."""
     rule = cfg.coordinator.merge_rule
-    if rule == "auto":
-        return "clipped_mean" if cfg.codec.up == "sparse" else "screened_mean"
+    if rule == "auto":  # a sharded coordinator has no direction screen (the median is per range): clipped
+        return "clipped_mean" if cfg.codec.up == "sparse" or cfg.coordinator.shards > 1 else "screened_mean"
     return rule
 
 

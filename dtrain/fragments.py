@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtrain.codec import Spec
+from dtrain.codec import Spec, hasher_digest, params_digest, params_hasher
 from dtrain.config import MAX_FRAGMENTS, ConfigError
 
 
@@ -148,3 +148,19 @@ def unsent(anchor: np.ndarray, local: np.ndarray, part: Range) -> np.ndarray:
     out = local - anchor
     out[part.start:part.end] = 0.0
     return out
+
+
+def joined_digest(digests: Sequence[str]) -> str:
+    """θ's digest over the ranges of a sharded coordinator (``coordinator.shards``): the one digest of an unsharded
+    θ, else the digest of the ranges' digests in order (each one ``codec.params_digest`` of its range's values),
+    which the islands compute the same way (:func:`range_digests`)."""
+    if len(digests) == 1:
+        return digests[0]
+    h = params_hasher()
+    h.update("|".join(digests).encode())
+    return hasher_digest(h)
+
+
+def range_digests(vec: np.ndarray, ranges: Sequence[Range]) -> list[str]:
+    """Each range's digest of the whole θ ``vec``."""
+    return [params_digest(vec[r.start:r.end]) for r in ranges]

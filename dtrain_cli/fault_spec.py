@@ -5,7 +5,10 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 - ``KIND``: ``kill`` (SIGKILL an island, every process of it; with ``+DURATION`` it is started again that long
   after, ``+0s``: at once, as a supervisor restarts a crashed process), ``hang`` (SIGSTOP an island, every
   process of it, SIGCONT after ``DURATION``), ``kill-coordinator``
-  (SIGKILL the coordinator; with ``+DURATION`` it is started again with ``--resume`` on the same port), ``cut``
+  (SIGKILL the coordinator; with ``+DURATION`` it is started again with ``--resume`` on the same port; with
+  ``shard=I``, I >= 1, and ``dtrain simulate --coordinator-shards S``: SIGKILL range shard I, a failed
+  coordinator: after ``DURATION`` the lead is killed too, shard I is started again on its port and the lead with
+  ``--resume``, which restores every shard to its checkpoint's version), ``cut``
   (the island's link to the coordinator drops every connection and accepts none for ``DURATION``), ``slow`` (the
   island's link delays every piece of data by ``delay=MS`` milliseconds for ``DURATION``); the push faults ``nan`` (the
   island's next push carries a NaN), ``poison`` (its real delta x -1000, honest tokens), ``inflate`` (a
@@ -30,6 +33,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
 - ``DURATION``: seconds, e.g. ``+10s``; ``hang``, ``cut`` and ``slow`` need one; push and device faults take none.
 
 Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinator@v5+3s``,
+``kill-coordinator@v3+3s,shard=1``,
 ``cut:island-0@v2+8s``, ``slow:island-3@10s+20s,delay=200``, ``nan:island-1@v2``, ``truncate:island-0@v1``,
 ``scale:island-1@v0,factor=-20``, ``ramp:island-2@v0,factor=1.2``,
 ``device-bitflip:island-1@step120,device=3,bit=30``, ``device-scale:island-0@step200,device=5,factor=8``,
@@ -78,6 +82,7 @@ class FaultSpec:
     text: str = ""  # the spec as given
     factor: float = 0.0  # scale / ramp: factor=F (0: the worker's default)
     device_fault: DeviceFault | None = None  # device faults: what the island's worker injects (start = stepN)
+    shard: int = 0  # kill-coordinator: the coordinator shard killed (0: the lead, or the one coordinator)
 
     def describe(self) -> str:
         """The fault in words, for the driver's progress lines and events (e.g. ``kill island-1 after version 3
@@ -87,6 +92,10 @@ class FaultSpec:
             return f"{self.kind} {self.target} device {f.device} from inner step {f.start}" + \
                 (f" until step {f.until}" if f.until else "")
         when = f"after version {self.at_version}" if self.at_version is not None else f"at {self.at_s:g}s"
+        if self.shard:
+            return (f"{self.kind} shard {self.shard} {when}" + (f"; every shard restarted from the checkpoints "
+                                                                f"{self.duration_s:g}s later"
+                                                                if self.duration_s is not None else ""))
         if self.duration_s == 0:  # a kill or kill-coordinator restarted at once
             return f"{self.kind} {self.target} {when}, restarted at once"
         return f"{self.kind} {self.target} {when}" + (f" for {self.duration_s:g}s" if self.duration_s else "")
@@ -151,7 +160,8 @@ def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpe
     if m["when"].startswith("step"):
         raise ConfigError(f"--fault {text!r}: stepN (an island's inner step) is for device faults only "
                           f"({', '.join(DEVICE_KINDS)}); {kind} takes vN or Ns")
-    unknown = set(opts) - ({"delay"} if kind == "slow" else {"factor"} if kind in ("scale", "ramp") else set())
+    unknown = set(opts) - ({"delay"} if kind == "slow" else {"factor"} if kind in ("scale", "ramp") else
+                           {"shard"} if kind == "kill-coordinator" else set())
     if unknown:
         raise ConfigError(f"--fault {text!r}: unknown option(s) {', '.join(sorted(unknown))}")
     delay = _number(f"--fault {text!r}", "delay", opts["delay"], float) if "delay" in opts else \
@@ -162,8 +172,14 @@ def parse_fault(text: str, islands: int, devices: int | None = None) -> FaultSpe
     when = m["when"]
     at_version = int(when[1:]) if when.startswith("v") else None
     at_s = float(when[:-1]) if at_version is None else None
+    shard = _number(f"--fault {text!r}", "shard", opts["shard"], int) if "shard" in opts else 0
+    if shard < 0:
+        raise ConfigError(f"--fault {text!r}: shard={shard}: must be >= 0 (0: the lead)")
+    if shard and duration is None:
+        raise ConfigError(f"--fault {text!r}: a killed shard is a failed coordinator, restarted from the checkpoints: "
+                          f"give it a duration, e.g. kill-coordinator@{m['when']}+3s,shard={shard}")
     return FaultSpec(kind=kind, target=target, at_version=at_version, at_s=at_s, duration_s=duration,
-                     delay_ms=delay, text=text.strip(), factor=factor)
+                     delay_ms=delay, text=text.strip(), factor=factor, shard=shard)
 
 
 def _device_fault(text: str, kind: str, target: str, when: str, duration: str | None, opts: dict[str, str],

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 
 from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
+from dtrain.config import replace as config_replace
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.logs import LOGGER
 
@@ -167,6 +168,9 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                    "(its steps take K times as long), link=RATE/RTT (its own WAN link) and credential=OTHER "
                    "(with --island-tokens: it presents OTHER's issued token, a Sybil refused at Join), e.g. "
                    "island-2:train.batch_size=8,host_devices=2,slowdown=4")
+    p.add_argument("--coordinator-shards", type=int, default=None, metavar="S",
+                   help="a sharded coordinator: S coordinator processes, each merging its own range of θ (shard 0 "
+                   "the lead; docs/architecture.md#shards; default: coordinator.shards)")
     p.add_argument("--island-tokens", action="store_true",
                    help="an identity per island: security.identity = token, each island its own issued token "
                    "(passed in security.token_env), the coordinator their hashes in RUN_DIR/island-tokens")
@@ -198,6 +202,12 @@ def _add_coordinator(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--after-finish", choices=("exit", "serve"), default="exit",
                    help="once the run is finished: exit (the default), or keep serving its final θ, Status, health "
                    "and the dashboard until SIGTERM (a Deployment's: it would restart an exited coordinator)")
+    p.add_argument("--shards", type=int, default=None, metavar="S",
+                   help="a sharded coordinator of S processes (default: coordinator.shards); each merges its own "
+                   "range of θ (docs/architecture.md#shards)")
+    p.add_argument("--shard", type=int, default=0, metavar="I",
+                   help="which shard this process is: 0, the lead (the default: it runs the rounds, islands join "
+                   "it), or 1..S-1, a range shard (serves until SIGTERM)")
 
 
 def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -425,6 +435,8 @@ def _run(argv: list[str], prog: str) -> int:
                 raise ConfigError("--island-processes needs worker processes: drop --inprocess")
             if args.island_specs or args.link or args.island_tokens:
                 raise ConfigError("--island, --link and --island-tokens need worker processes: drop --inprocess")
+            if (args.coordinator_shards or cfg.coordinator.shards) > 1:
+                raise ConfigError("--coordinator-shards needs coordinator processes: drop --inprocess")
             summary = runs.run_simulate_inprocess(cfg, islands, quiet=args.quiet)
         else:
             from dtrain_cli.fault_spec import host_device_count, parse_fault
@@ -444,6 +456,7 @@ def _run(argv: list[str], prog: str) -> int:
                     raise ConfigError(f"--link: {e}") from None
             summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
                                      island_processes=args.island_processes, own_tokens=args.island_tokens,
+                                     coordinator_shards=args.coordinator_shards,
                                      island_specs=parse_islands(links + args.island_specs, islands, cfg))
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
@@ -477,11 +490,19 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     from dtrain.config import run_path as run_dir
 
     if args.command == "coordinator":
-        from coordinator.lifecycle import run_coordinator
+        from coordinator.lifecycle import run_coordinator, run_shard
         from coordinator.loading import has_checkpoint
 
+        if args.shards is not None:
+            cfg = config_replace(cfg, coordinator={"shards": args.shards})
+        if not 0 <= args.shard < cfg.coordinator.shards:
+            raise ConfigError(f"--shard {args.shard}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards "
+                              f"= {cfg.coordinator.shards}; --shards S sets it)")
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
+        if args.shard > 0:
+            print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
+            return 0
         resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
         summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
                                   after_finish=args.after_finish)

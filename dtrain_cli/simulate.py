@@ -107,7 +107,8 @@ def check_island_processes(processes: object, cfg: Config, faults: Sequence[Faul
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
                    faults: Sequence[FaultSpec] = (), island_processes: int = 1,
-                   island_specs: dict[str, IslandSpec] | None = None, own_tokens: bool = False) -> dict[str, Any]:
+                   island_specs: dict[str, IslandSpec] | None = None, own_tokens: bool = False,
+                   coordinator_shards: int | None = None) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each, in a new run
     folder of ``cfg`` (``RUN_DIR``), until the run ends.
 
@@ -145,6 +146,11 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             is listed in the summary's ``refused_islands`` with its log's last line, not raised as a failure.
         own_tokens: an identity per island (``dtrain simulate --island-tokens``): ``security.identity = "token"``,
             each island its own issued token (:func:`issue_island_tokens`).
+        coordinator_shards: S > 1 (``--coordinator-shards``; None: ``coordinator.shards``): a sharded coordinator,
+            range shards 1..S-1 (``dtrain coordinator --shard I``, each on a free port chosen before they start,
+            kept across restarts) started before the lead, with a shard secret the driver writes to
+            ``RUN_DIR/shard-secret``; each writes ``RUN_DIR/shard-I.log``. Link faults and links are refused
+            with it (the proxies sit before the lead only).
 
     Returns the run's summary, also written to ``RUN_DIR/summary.json``. Its ``goodput`` and ``audit`` (lost
     and doubled tokens, gaps, overlaps) come from the coordinator's and every island process's events
@@ -167,6 +173,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
     cfg, tokens = issue_island_tokens(cfg, out, islands) if own_tokens else (cfg, {})
+    cfg = shard_config(cfg, out, coordinator_shards, faults, specs, island_processes)
     if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
         cfg = config_mod.replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
     sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens)
@@ -205,6 +212,35 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
     return cfg, worker_env
+
+
+def shard_config(cfg: Config, out: Path, shards: int | None, faults: Sequence[FaultSpec],
+                 specs: dict[str, IslandSpec], processes: int = 1) -> Config:
+    """``cfg`` for a sharded coordinator of ``shards`` processes (None: ``coordinator.shards``): a shard secret
+    written to ``out/shard-secret`` (owner-only) and a free port of 127.0.0.1 for each range shard, named in
+    ``coordinator.shard_addresses``. ``cfg`` as it is for one coordinator."""
+    shards = cfg.coordinator.shards if shards is None else shards
+    beyond = [f.text for f in faults if f.shard >= shards]
+    if beyond:
+        raise ConfigError(f"--fault {beyond[0]}: the coordinator has {shards} shard(s) (--coordinator-shards), "
+                          f"numbered 0..{shards - 1}")
+    if shards == 1:
+        return config_mod.replace(cfg, coordinator={"shards": 1})
+    if processes > 1:
+        raise ConfigError("--coordinator-shards with --island-processes > 1 is not built yet (an island's other "
+                          "processes would check θ by the unsharded digest)")
+    linked = [f.text for f in faults if f.kind in LINK_KINDS] + [n for n, s in specs.items() if s.link is not None]
+    if linked:
+        raise ConfigError(f"--coordinator-shards with a link ({linked[0]}): the link proxies sit before the lead "
+                          f"only; drop one of them")
+    path = out / "shard-secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(issue_token())
+    host = cfg.coordinator.host
+    return config_mod.replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(path),
+                                                "shard_addresses": tuple(f"{host}:{free_port(host)}"
+                                                                         for _ in range(shards - 1))})
 
 
 def issue_island_tokens(cfg: Config, out: Path, islands: int) -> tuple[Config, dict[str, str]]:
@@ -246,6 +282,7 @@ class _Simulation:
         self.stopped: set[str] = set()  # islands stopped by the driver after the run ended without them
         self.late: set[str] = set()  # islands that finished but were terminated, slow to exit: no failure
         self.coordinator: subprocess.Popen | None = None
+        self.shards: dict[int, subprocess.Popen[bytes]] = {}  # range shard -> its process (coordinator.shards > 1)
         self.port = 0
         self.proxies: dict[str, LinkProxy] = {}
         self.faults = faults
@@ -288,6 +325,44 @@ class _Simulation:
         self.port = int(info["port"])
         if info.get("dashboard"):
             self.log.progress(f"live dashboard at {info['dashboard']}")
+
+    def _start_shard(self, index: int) -> None:
+        """Starts range shard ``index`` of a sharded coordinator on its port and waits until it listens."""
+        slog = open(self.out / f"shard-{index}.log", "a")
+        self.logs.append(slog)
+        info_path = self.out / f"coordinator-shard-{index}.json"
+        info_path.unlink(missing_ok=True)
+        port = self.cfg.coordinator.shard_addresses[index - 1].rpartition(":")[2]
+        proc = self.shards[index] = subprocess.Popen(
+            _cli("coordinator", "--config", str(self.resolved), "--shard", str(index), "--port", port, "--run-dir",
+                 str(self.out)), stdout=slog, stderr=subprocess.STDOUT, env=self.env)
+        t_start = time.perf_counter()
+        while not info_path.exists():
+            if proc.poll() is not None:
+                raise SimulationError(f"coordinator shard {index} exited with status {proc.returncode}; see "
+                                      f"{self.out / f'shard-{index}.log'}")
+            if time.perf_counter() - t_start > START_TIMEOUT_S:
+                raise SimulationError(f"coordinator shard {index} did not start within {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
+
+    def _restart_shards(self, index: int) -> None:
+        """After range shard ``index`` was killed (a failed coordinator): the lead is killed too, if it has not
+        failed already, shard ``index`` starts again on its port, and the lead with ``--resume``, which restores
+        every range shard to the version of its checkpoint."""
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+            self.coordinator.wait()
+        self._start_shard(index)
+        self._start_coordinator(resume=True)
+
+    def _end_shards(self) -> None:
+        """Ends the range shards (SIGTERM) once the lead has ended; SimulationError if one had failed."""
+        for index, proc in self.shards.items():
+            if proc.poll() is None:
+                proc.terminate()
+            if proc.wait(timeout=60) not in (0, -15):
+                raise SimulationError(f"coordinator shard {index} failed with status {proc.returncode}; see "
+                                      f"{self.out / f'shard-{index}.log'}")
 
     def _start_worker(self, name: str) -> None:
         """Starts island ``name``: its one worker process, or all P of them (one jax.distributed job)."""
@@ -367,10 +442,13 @@ class _Simulation:
                 coord.terminate()
             if coord.wait(timeout=60) not in (0, -15):
                 raise SimulationError(f"the coordinator failed with status {coord.returncode}")
+        self._end_shards()
 
     def _start_all(self) -> None:
         """Starts the coordinator, the link proxies of the islands that have link faults or a link of their own
-        (``link=RATE/RTT``), and every island."""
+        (``link=RATE/RTT``), and every island; a sharded coordinator's range shards first."""
+        for index in range(1, self.cfg.coordinator.shards):
+            self._start_shard(index)
         self._start_coordinator(resume=False)
         address = f"{self.cfg.coordinator.host}:{self.port}"
         shaped = {name: spec.link for name, spec in self.specs.items() if spec.link is not None}
@@ -419,6 +497,10 @@ class _Simulation:
         if coord is not None and coord.poll() not in (None, 0) and not restarting:
             raise SimulationError(f"the coordinator failed with status {coord.returncode}; "
                                   f"see {self.out / 'coordinator.log'}")
+        for index, proc in self.shards.items():
+            if proc.poll() is not None and not restarting:
+                raise SimulationError(f"coordinator shard {index} exited with status {proc.returncode}; see "
+                                      f"{self.out / f'shard-{index}.log'}")
         if coord is not None and coord.poll() == 0 and not self.recoveries:
             # The run is over and the coordinator has gone: an island that was away (hung, cut off) can no
             # longer learn that from it. Give it a few leases to finish, then stop it.
@@ -504,6 +586,9 @@ class _Simulation:
                 p.kill()
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.kill()
+        for proc in self.shards.values():
+            if proc.poll() is None:
+                proc.kill()
         for proxy in self.proxies.values():
             proxy.close()
         for f in self.logs:
@@ -543,6 +628,11 @@ class _Simulation:
         if f.kind == "hang":
             self._signal(f.target, signal.SIGSTOP)
             return "resumed (SIGCONT)", lambda: self._signal(f.target, signal.SIGCONT)
+        if f.kind == "kill-coordinator" and f.shard:
+            proc = self.shards[f.shard]
+            proc.kill()
+            proc.wait()
+            return "every shard restarted from the checkpoints", lambda: self._restart_shards(f.shard)
         if f.kind == "kill-coordinator":
             assert self.coordinator is not None
             self.coordinator.kill()

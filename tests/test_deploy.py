@@ -36,7 +36,7 @@ from workers.client import CoordinatorClient, CoordinatorError
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 # The kustomizations applied one per cluster (each must be complete on its own), and the base they share.
-CLUSTERS = ("coordinator", "gpu-worker", "tpu-worker")
+CLUSTERS = ("coordinator", "gpu-worker", "tpu-worker", "coordinator-sharded")  # the last: instead of the first
 KINDS = {
     "Kustomization": "kustomize.config.k8s.io/v1beta1",
     "Namespace": "v1",
@@ -45,9 +45,11 @@ KINDS = {
     "PersistentVolumeClaim": "v1",
     "Service": "v1",
     "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
     "JobSet": "jobset.x-k8s.io/v1alpha2",
 }
 Doc = dict[str, Any]
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 
 
 def _docs(path: Path) -> list[Doc]:
@@ -80,8 +82,8 @@ def build(folder: Path) -> list[Doc]:
 
 
 def pod_templates(doc: Doc) -> list[Doc]:
-    """The pod templates of a workload: a Deployment's, or each replicated Job's in a JobSet."""
-    if doc["kind"] == "Deployment":
+    """The pod templates of a workload: a Deployment's or a StatefulSet's, or each replicated Job's in a JobSet."""
+    if doc["kind"] in ("Deployment", "StatefulSet"):
         return [doc["spec"]["template"]]
     if doc["kind"] == "JobSet":
         return [rj["template"]["spec"]["template"] for rj in doc["spec"]["replicatedJobs"]]
@@ -186,14 +188,18 @@ def test_selectors_match_pod_labels_and_services_reach_container_ports(cluster):
             labels = template["metadata"]["labels"]
             assert labels, f"{doc['metadata']['name']}: pod template without labels"
             selector = doc["spec"].get("selector", {}).get("matchLabels")
-            if doc["kind"] == "Deployment":
-                assert selector, f"{doc['metadata']['name']}: a Deployment needs spec.selector.matchLabels"
+            if doc["kind"] in ("Deployment", "StatefulSet"):
+                assert selector, f"{doc['metadata']['name']}: a {doc['kind']} needs spec.selector.matchLabels"
             if selector is not None:
                 assert selector.items() <= labels.items(), (
                     f"{doc['kind']}/{doc['metadata']['name']}: selector {selector} does not match labels {labels}")
     templates = [t for d in docs for t in pod_templates(d)]
+    pods = {f"{d['metadata']['name']}-{i}" for d in docs if d["kind"] == "StatefulSet"
+            for i in range(d["spec"]["replicas"])}
     for name, svc in _named(docs, "Service").items():
-        selector = svc["spec"]["selector"]
+        selector = dict(svc["spec"]["selector"])
+        pod = selector.pop(POD_NAME_LABEL, None)  # a StatefulSet's pod: the label its controller gives each pod
+        assert pod is None or pod in pods, f"Service/{name}: selects pod {pod}, which no StatefulSet runs"
         matched = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
         assert matched, f"Service/{name}: selector {selector} matches no pod template"
         ports = [p for t in matched for c in t["spec"]["containers"] for p in c.get("ports", [])]
@@ -208,8 +214,11 @@ def test_volumes_are_mounted_and_what_they_name_exists(cluster):
     docs = build(DEPLOY / cluster)
     secrets, configmaps = _named(docs, "Secret"), _named(docs, "ConfigMap")
     claims = _named(docs, "PersistentVolumeClaim")
+    claim_templates = {t["metadata"]["name"]: t for d in docs if d["kind"] == "StatefulSet"
+                       for t in d["spec"].get("volumeClaimTemplates", [])}  # each pod's own claim
     for where, spec, c in _containers(docs):
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes |= {name: {} for name in claim_templates if where.startswith("StatefulSet/")}
         mounts = c.get("volumeMounts", [])
         for m in mounts:
             assert m["name"] in volumes, f"{where}: volumeMount {m['name']} has no volume"
@@ -267,7 +276,7 @@ def test_each_island_has_its_own_token_and_the_operators_stays_with_the_coordina
                 assert "dtrain-token" not in _named(cluster_docs, "Secret"), f"{cluster} holds the operator's token"
             else:
                 assert _token_secret(c) == "dtrain-token", where
-                overrides = _parse(build_parser(), _dtrain_argv(c, where), where).overrides
+                overrides = _parse(build_parser(), _expand(_dtrain_argv(c, where), c, where), where).overrides
                 assert "security.identity=token" in overrides, f"{where}: islands would share one identity"
     assert len(set(island_secrets.values())) == len(island_secrets) == 2, island_secrets
     assert _named(docs, "Secret")["dtrain-coordinator-tls"]["type"] == "kubernetes.io/tls"
@@ -364,7 +373,8 @@ def _expand(argv: list[str], container: Doc, where: str) -> list[str]:
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = str(e["value"])
-        elif "job-completion-index" in e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", ""):
+        elif any(index in e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+                 for index in ("job-completion-index", "apps.kubernetes.io/pod-index")):
             env[e["name"]] = "0"
         else:
             env[e["name"]] = "stand-in"
@@ -383,7 +393,7 @@ def _mounted_files(docs: list[Doc], spec: Doc, c: Doc) -> dict[str, str]:
     sources |= {("configMap", n): d for n, d in _named(docs, "ConfigMap").items()}
     files: dict[str, str] = {}
     for m in c.get("volumeMounts", []):
-        v = volumes[m["name"]]
+        v = volumes.get(m["name"], {})  # none: a StatefulSet's volumeClaimTemplate (no files to read)
         for kind, key in (("secret", "secretName"), ("configMap", "name")):
             if kind in v:
                 for name, text in _data(sources[(kind, v[kind][key])]).items():
@@ -482,7 +492,7 @@ def test_every_secret_in_deploy_is_a_placeholder_the_code_refuses():
     and the islands refuse (the next test): manifests applied unedited fail at once, never run with a known token."""
     secrets = {name: s for cluster in CLUSTERS for name, s in _named(build(DEPLOY / cluster), "Secret").items()}
     assert set(secrets) == {"dtrain-token", "dtrain-ca", "dtrain-coordinator-tls", "dtrain-island-tokens",
-                            "dtrain-island-token-gpu-a", "dtrain-island-token-tpu-a"}
+                            "dtrain-island-token-gpu-a", "dtrain-island-token-tpu-a", "dtrain-shard-secret"}
     for name, secret in secrets.items():
         assert "data" not in secret, f"Secret {name}: deploy/ ships placeholders (stringData), never a real secret"
         for key, value in secret["stringData"].items():

@@ -28,6 +28,7 @@ from workers.heartbeat import Clock, Evaluator, IslandStatus, Mailbox, chip_repo
 from workers.hosts import HostGroup
 from workers.membership import Membership, report_run_over
 from workers.recovery import Guard
+from workers.shard_links import ShardLinks
 
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
 
@@ -53,6 +54,7 @@ class RunEnd:
     setup: Setup  # its inner loop's mesh (rebuilt on the healthy devices by a remesh) says the devices in use
     log: RunLog  # the island's events, summary and progress lines; closed when the island ends
     extra: dict[str, Any] = field(default_factory=dict)  # more of the summary: the pacing (workers.pacing)
+    links: ShardLinks | None = None  # a sharded coordinator's range shards (their traffic counts in the summary)
 
     def drain(self, island: Island, anchor: GlobalParams, pending: Pending | None, finish: FoldIn) -> GlobalParams:
         """Too few healthy devices: the island stops training. The exchange in flight is finished (``finish``:
@@ -116,6 +118,8 @@ class RunEnd:
     def run_over(self, reason: str) -> dict[str, Any]:
         """The run ended before this island joined: nothing to train."""
         self.client.close()
+        if self.links is not None:
+            self.links.close()
         return report_run_over(self.log, self.name, reason)
 
     def finish(self, island: Island, g: GlobalParams, status: IslandStatus, rounds: int, t_start: float,
@@ -141,6 +145,8 @@ class RunEnd:
         telemetry.shutdown()
         self.log.close()
         self.client.close()
+        if self.links is not None:
+            self.links.close()
         return summary
 
     def _summary(self, island: Island, g: GlobalParams, rounds: int, final_eval: float, final_digest: str,
@@ -151,7 +157,8 @@ class RunEnd:
             "island": self.name, "island_id": self.mailbox.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
             "final_eval_loss": final_eval, "params_digest": final_digest,
-            "bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down,
+            "bytes_up": self.client.bytes_up + (self.links.bytes_up if self.links else 0),
+            "bytes_down": self.client.bytes_down + (self.links.bytes_down if self.links else 0),
             "bytes_down_full": self.client.bytes_down_full,
             "compression_ratio": self.uplink.compression_ratio, "utilization": clock.utilization(),
             "blocked_s": clock.blocked_s, "eval_s": clock.eval_s, "final_wait_s": final_wait,

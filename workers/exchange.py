@@ -344,6 +344,18 @@ def push_header(island_id: str, base_version: int, island: Island, steps: int, s
                          tree_digest=tree_digest)
 
 
+class ShardFrames(bytes):
+    """A push for a sharded coordinator (``coordinator.shards`` > 1): one frame per range, range 0 first
+    (:attr:`frames`); as bytes, their concatenation (its length is the push's size)."""
+
+    frames: tuple[bytes, ...]
+
+    def __new__(cls, frames: Sequence[bytes]) -> ShardFrames:
+        out = super().__new__(cls, b"".join(frames))
+        out.frames = tuple(frames)
+        return out
+
+
 class Uplink:
     """Builds the island's push frames: Δ quantized to ``codec.up`` with error feedback (what quantization left
     out is carried into the next push), or, when a push fault is due (testing only: :mod:`workers.push_faults`), the
@@ -351,17 +363,24 @@ class Uplink:
     (process 0: the others push nothing)."""
 
     def __init__(self, cfg: CodecConfig, n: int, injections: Sequence[Injection], client: CoordinatorClient,
-                 log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = ()):
+                 log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = (),
+                 shards: Sequence[fragments.Range] = ()):
         """``feedback_decay``: β of the error feedback (``dtrain.outer.feedback_decay``: SparseLoCo's
         accumulator decays; 1 otherwise); ``ranges``: the fragments' plan (outer.fragments > 1: each push holds
-        one fragment's Δ, with that fragment's own error feedback); () for none."""
+        one fragment's Δ, with that fragment's own error feedback); () for none. ``shards``: a sharded
+        coordinator's ranges (``coordinator.shards`` > 1: each push is a :class:`ShardFrames`, one frame per range
+        with that range's own error feedback); () for one coordinator."""
         self.cfg, self.n, self.client, self.log = cfg, n, client, log
         self.injections = list(injections)
         self.bits, self.block = cfg.scheme(cfg.up)
         self.ranges = tuple(ranges) or fragments.whole(n)
         on = cfg.error_feedback and self.bits != 32
+        self.shards = tuple(shards) if len(shards) > 1 else ()
+        if self.shards and self.injections:
+            raise WorkerError("push faults (--fault nan/poison/truncate/...) with coordinator.shards > 1 are not "
+                              "built yet")
         self.feedbacks = [codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
-                          for r in self.ranges] if on else []
+                          for r in (self.shards or self.ranges)] if on else []
         self._fragment = 0  # the fragment of the frame being built (frame's header)
         self.frames_sent = 0
         self.frame_bytes = 0
@@ -380,8 +399,14 @@ class Uplink:
 
     def _encode(self, delta: np.ndarray) -> bytes:
         """Δ quantized (with its fragment's error feedback, if on) and compressed: the honest frame."""
+        if self.shards:
+            return ShardFrames([self._encode_part(r.index, delta[r.start:r.end]) for r in self.shards])
+        return self._encode_part(self._fragment, delta)
+
+    def _encode_part(self, index: int, delta: np.ndarray) -> bytes:
+        """One fragment's (or shard range's) Δ, with its own error feedback."""
         k = self.cfg
-        q = self.feedbacks[self._fragment].compress(delta) if self.feedbacks else \
+        q = self.feedbacks[index].compress(delta) if self.feedbacks else \
             codec.quantize(delta, self.bits, self.block, k.density)
         return codec.encode(q, k.zstd_level)
 

@@ -78,6 +78,7 @@ from workers.pacing import RateMeter, Slowdown, auto_round_seconds, overlap_seco
 from workers.push_faults import Injection
 from workers.recovery import Guard, Recovery, Rewind, Rewinder, in_segment
 from workers.rounds import Action, Kind, RoundProgress, Schedule, next_action
+from workers.shard_links import ShardedPuller, ShardedPush, ShardLinks
 from workers.startup import Startup, enable_compile_cache
 
 LOGGER = "dtrain.worker"  # the island's progress lines (the command line installs the handler)
@@ -281,19 +282,35 @@ class Worker:
         self.ranges = fragments.plan_spec(self.spec, cfg.outer.fragments)  # outer.fragments: one per push, in turn
         self.membership = Membership(cfg, self.name, self.client, self.hosts, self.mailbox, self.log, self.setup,
                                      (self.n, self.tree_digest), self._joined_run)
-        self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event,
-                             self.ranges)
+        # coordinator.shards > 1: θ's ranges, each pushed to and pulled from its coordinator shard
+        shards = cfg.coordinator.shards
+        self.shard_ranges = fragments.plan(fragments.leaf_sizes(self.spec), shards) if shards > 1 else ()
+        self.links: ShardLinks | None = None
+        if self.shard_ranges:
+            self.links = ShardLinks(cfg, self.client, self.shard_ranges, lambda address: CoordinatorClient(
+                address, cfg, on_retry=RetryLines(self.name, cfg, self.log), give_up=self.mailbox.stopping))
+            self.puller: Puller = ShardedPuller(self.links, self.n, lambda m: max_frame_bytes(m, cfg.codec.block),
+                                                self.log.event)
+        else:
+            self.puller = Puller(self.client, self.n, max_frame_bytes(self.n, cfg.codec.block), self.log.event,
+                                 self.ranges)
         self.downlink = Downlink(self.puller, self.hosts, self.n, lambda: self.mailbox.island_id)
-        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event, feedback_decay(cfg), self.ranges)
+        self.uplink = Uplink(cfg.codec, self.n, inject, self.client, self.log.event, feedback_decay(cfg), self.ranges,
+                             self.shard_ranges)
         self.evaluator = Evaluator(self.setup, self.spec, self.downlink, self.mailbox, self.clock, self.log)
         self.train_log = TrainLog(cfg, self.name, self.log, self.clock, self.mailbox)
         self.rewinder = Rewinder(cfg, self.setup, self.spec, self.guard, self.hosts, self.log, self.name,
                                  self.downlink.pull, lambda: precompile(self.setup, self.schedule))
         self.run_end = RunEnd(cfg, self.name, self.hosts, self.client, self.mailbox, self.membership, self.downlink,
-                              self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log)
+                              self.evaluator, self.guard, self.uplink, self.clock, self.setup, self.log,
+                              links=self.links)
 
-    def _joined_run(self, run_id: str) -> None:
-        """At a Join (the first is the training loop's): the island's telemetry starts, named after the run."""
+    def _joined_run(self, reply: pb.JoinResponse) -> None:
+        """At a Join (the first is the training loop's): the island's telemetry starts, named after the run; the
+        links to a sharded coordinator's range shards are made (their addresses are in the reply)."""
+        if self.links is not None:
+            self.links.connect(reply.shard_addresses)
+        run_id = reply.run_id
         if self.telemetry.enabled or self.cfg.telemetry.exporter == "none":
             return
         self.telemetry = Telemetry(self.cfg.telemetry, "island", self.name, run_id)
@@ -679,6 +696,8 @@ class Worker:
         if self.hosts.leader:
             # Testing only (workers.push_faults): a push fault due now changes what is sent and how.
             frame, client = self.uplink.frame((anchor.vec - local_vec)[part.start:part.end], header)
+            if self.links is not None:
+                client = ShardedPush(self.links)
             self.telemetry.record_ratio(4 * part.size, len(frame), "up")
             self.telemetry.annotate(span, push_id=header.push_id, bytes=len(frame))
         exchange = Exchange(client, self.puller, frame, header, anchor, self.mailbox.total_versions,

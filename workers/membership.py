@@ -65,9 +65,9 @@ class Membership:
     id, the run's total and final versions, the stop) is the :class:`Mailbox`'s, which says who writes what."""
 
     def __init__(self, cfg: Config, name: str, client: CoordinatorClient, hosts: HostGroup, mailbox: Mailbox,
-                 log: RunLog, setup: Setup, tree: tuple[int, str], on_join: Callable[[str], None]):
+                 log: RunLog, setup: Setup, tree: tuple[int, str], on_join: Callable[[pb.JoinResponse], None]):
         """``setup``: the island's (its inner loop's mesh names the devices); ``tree``: the parameter tree's
-        (size, digest), checked against the coordinator's; ``on_join(run_id)``: called at each Join before it is
+        (size, digest), checked against the coordinator's; ``on_join(reply)``: called at each Join before it is
         logged (the island's telemetry starts at the first)."""
         self.cfg, self.name, self.client, self.hosts, self.mailbox = cfg, name, client, hosts, mailbox
         self.log, self.setup, self.tree, self.on_join = log, setup, tree, on_join
@@ -85,7 +85,7 @@ class Membership:
                               f"differs from this island's ({n}, {digest})")
         self.mailbox.island_id = resp.island_id
         self.mailbox.total_versions = resp.total_versions
-        self.on_join(resp.run_id)
+        self.on_join(resp)
         self._joined(resp)
         return resp
 

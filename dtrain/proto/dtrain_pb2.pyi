@@ -44,6 +44,118 @@ PULL_KIND_UPDATE: PullKind
 PULL_KIND_FULL: PullKind
 PULL_KIND_CURRENT: PullKind
 
+class RestoreRequest(_message.Message):
+    __slots__ = ("version", "params_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    params_digest: str
+    def __init__(self, version: _Optional[int] = ..., params_digest: _Optional[str] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("version", "params_digest", "theta_sum_squares")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THETA_SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    params_digest: str
+    theta_sum_squares: float
+    def __init__(self, version: _Optional[int] = ..., params_digest: _Optional[str] = ..., theta_sum_squares: _Optional[float] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("push_id", "island_id", "wait_s")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    island_id: str
+    wait_s: float
+    def __init__(self, push_id: _Optional[str] = ..., island_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("held", "sum_squares", "identity", "bytes", "version")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    sum_squares: float
+    identity: str
+    bytes: int
+    version: int
+    def __init__(self, held: _Optional[bool] = ..., sum_squares: _Optional[float] = ..., identity: _Optional[str] = ..., bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class MergeEntry(_message.Message):
+    __slots__ = ("push_id", "weight", "scale", "norm")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    weight: float
+    scale: float
+    norm: float
+    def __init__(self, push_id: _Optional[str] = ..., weight: _Optional[float] = ..., scale: _Optional[float] = ..., norm: _Optional[float] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("version", "merges")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MERGES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    merges: _containers.RepeatedCompositeFieldContainer[MergeEntry]
+    def __init__(self, version: _Optional[int] = ..., merges: _Optional[_Iterable[_Union[MergeEntry, _Mapping]]] = ...) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ("finite", "blame", "reason", "params_digest", "theta_sum_squares", "update_bytes")
+    FINITE_FIELD_NUMBER: _ClassVar[int]
+    BLAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THETA_SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    finite: bool
+    blame: str
+    reason: str
+    params_digest: str
+    theta_sum_squares: float
+    update_bytes: int
+    def __init__(self, finite: _Optional[bool] = ..., blame: _Optional[str] = ..., reason: _Optional[str] = ..., params_digest: _Optional[str] = ..., theta_sum_squares: _Optional[float] = ..., update_bytes: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("version", "params_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    params_digest: str
+    def __init__(self, version: _Optional[int] = ..., params_digest: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("push_ids",)
+    PUSH_IDS_FIELD_NUMBER: _ClassVar[int]
+    push_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, push_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("island", "hardware", "devices", "fingerprint", "fingerprint_fields", "device_kind")
     class FingerprintFieldsEntry(_message.Message):
@@ -68,7 +180,7 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., hardware: _Optional[str] = ..., devices: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_fields: _Optional[_Mapping[str, str]] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions", "cursor_end", "segment_start")
+    __slots__ = ("island_id", "version", "shard_index", "shard_count", "cursor", "lease_s", "run_id", "tree_size", "tree_digest", "total_versions", "cursor_end", "segment_start", "shard_addresses")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +193,7 @@ class JoinResponse(_message.Message):
     TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CURSOR_END_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_START_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     version: int
     shard_index: int
@@ -93,7 +206,8 @@ class JoinResponse(_message.Message):
     total_versions: int
     cursor_end: int
     segment_start: int
-    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ..., cursor_end: _Optional[int] = ..., segment_start: _Optional[int] = ...) -> None: ...
+    shard_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, island_id: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., cursor: _Optional[int] = ..., lease_s: _Optional[float] = ..., run_id: _Optional[str] = ..., tree_size: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_versions: _Optional[int] = ..., cursor_end: _Optional[int] = ..., segment_start: _Optional[int] = ..., shard_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island_id", "version", "steps", "tokens", "steps_per_s", "params_digest", "bad_devices", "pending_push_id", "quarantined", "devices", "train_loss", "utilization", "evals", "tokens_per_s", "round_seconds")
@@ -176,7 +290,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, action: _Optional[_Union[Action, str]] = ..., version: _Optional[int] = ..., lease_s: _Optional[float] = ..., reason: _Optional[str] = ..., push_unknown: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks", "shard_index", "fragment")
+    __slots__ = ("island_id", "base_version", "push_id", "tokens", "inner_steps", "cursor_start", "cursor_end", "tree_digest", "total_bytes", "frame_crc32", "chunks", "shard_index", "fragment", "shard")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +304,7 @@ class PushHeader(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     base_version: int
     push_id: str
@@ -203,7 +318,8 @@ class PushHeader(_message.Message):
     chunks: int
     shard_index: int
     fragment: int
-    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., shard_index: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, island_id: _Optional[str] = ..., base_version: _Optional[int] = ..., push_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., tree_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., frame_crc32: _Optional[int] = ..., chunks: _Optional[int] = ..., shard_index: _Optional[int] = ..., fragment: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data", "crc32")

@@ -274,3 +274,312 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ShardStub:
+    """coordinator.shards > 1: what the lead coordinator (shard 0) asks of each range shard (1..S-1). Only the lead
+    calls it: every call carries the shard secret (coordinator.shard_secret_file) in its metadata, and a call
+    without it is refused UNAUTHENTICATED. A range shard also serves the Coordinator service's PushDelta and
+    PullGlobal for its range (the island token, the same checks); everything else is the lead's.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Claim = channel.unary_unary(
+                '/dtrain.v1.Shard/Claim',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/dtrain.v1.Shard/Prepare',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/dtrain.v1.Shard/Commit',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/dtrain.v1.Shard/Abort',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/dtrain.v1.Shard/Release',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/dtrain.v1.Shard/Restore',
+                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+
+
+class ShardServicer:
+    """coordinator.shards > 1: what the lead coordinator (shard 0) asks of each range shard (1..S-1). Only the lead
+    calls it: every call carries the shard secret (coordinator.shard_secret_file) in its metadata, and a call
+    without it is refused UNAUTHENTICATED. A range shard also serves the Coordinator service's PushDelta and
+    PullGlobal for its range (the island token, the same checks); everything else is the lead's.
+    """
+
+    def Claim(self, request, context):
+        """Whether the shard holds push_id's part, complete and validated: its sum of squares and the caller's
+        identity, so the lead screens the whole push. Waits up to wait_s for a part still streaming in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prepare(self, request, context):
+        """The outer step of the listed parts on the shard's range, written but not committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Makes the prepared version the shard's current one (and checkpoints it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Discards a prepared version: the shard stays where it was, its parts still held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Drops held parts of pushes the lead did not take (dropped, rejected, refused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """At every start of the lead: the shard takes version `version` (0: θ_0; else its checkpoint of that version)
+        and aborts a prepared step, so every shard stands at the lead's version; the parts it holds stay, unclaimed
+        (a resumed lead claims those whose pushes are sent again). Refused (FAILED_PRECONDITION)
+        if it has no such checkpoint or its range's digest is not `params_digest`: nothing changes then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.FromString,
+                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dtrain.v1.Shard', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dtrain.v1.Shard', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Shard:
+    """coordinator.shards > 1: what the lead coordinator (shard 0) asks of each range shard (1..S-1). Only the lead
+    calls it: every call carries the shard secret (coordinator.shard_secret_file) in its metadata, and a call
+    without it is refused UNAUTHENTICATED. A range shard also serves the Coordinator service's PushDelta and
+    PullGlobal for its range (the island token, the same checks); everything else is the lead's.
+    """
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Claim',
+            dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Prepare',
+            dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Commit',
+            dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Abort',
+            dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Release',
+            dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtrain.v1.Shard/Restore',
+            dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+            dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,618 @@
+"""A sharded coordinator (``coordinator.shards = S > 1``): θ cut into S contiguous ranges of whole tensors
+(``dtrain.fragments.plan``), each merged by its own process.
+
+Shard 0, the *lead*, is the coordinator of ``coordinator/service.py`` with its merger over range 0: it alone
+holds membership, leases, cursors, admission, the rounds and the audit's events. Shards 1..S-1 are *range
+shards* (:class:`RangeShard`): each holds its range's θ, momentum and residual files (its own
+:class:`coordinator.merger.Merger`, over the range's values only), receives the islands' parts of their pushes
+for its range (PushDelta: the same header, frame and codec checks, the island token) and serves its range's
+update frames (PullGlobal). It decides nothing: a part it holds is *held* until the lead claims it, merges it
+or releases it. The lead reaches it through the Shard service (:class:`ShardPeers`), every call carrying the
+shard secret (``coordinator.shard_secret_file``):
+
+- **Claim**: when the lead has received an island's part 0 of a push, it asks every range shard for its part
+  (waiting for one still streaming in): the part's sum of squares (the whole push's L2 norm is the square root
+  of the sum over the shards, which the lead screens) and the identity its push carried. A part missing
+  anywhere refuses the push: nothing changes anywhere.
+- **Prepare / Commit / Abort**: a round closes at the lead. It sends Prepare(version, the pushes with their
+  weights, clip factors and whole norms) to every range shard and prepares its own range
+  (:meth:`Merger.prepare`): every shard writes its step into temp files and says whether it is finite. Only
+  when every one is does the lead send Commit and commit its own, last; otherwise it sends Abort everywhere
+  (nothing committed) and the blamed push is dropped, as without shards.
+- **Release**: parts of pushes the lead did not take (dropped, rejected, refused) are let go.
+
+Pure plumbing over the merger: no JAX.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+import numpy as np
+
+from coordinator.memory import FrameStreams, pull_piece
+from coordinator.merger import MergeOptions, Merger, NonFiniteResult, Prepared, Update
+from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
+from coordinator.records import PushInfo
+from coordinator.spool import Spool
+from dtrain import codec
+from dtrain.codec import params_digest
+from dtrain.config import Config, ConfigError
+from dtrain.errors import CheckpointError, DtrainError
+from dtrain.fragments import Range, joined_digest, plan, range_digests
+from dtrain.proto import dtrain_pb2 as pb
+from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.telemetry import Telemetry
+from dtrain.wire import (
+    BUSY_METADATA_KEY,
+    PLACEHOLDER,
+    WireError,
+    auth_metadata,
+    channel_credentials,
+    channel_options,
+    chunk_count,
+    file_chunk_messages,
+    keepalive_options,
+    read_token,
+)
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint import Checkpointer
+
+log = logging.getLogger("dtrain.coordinator.shard")
+
+SECRET_METADATA_KEY = "dtrain-shard-secret"  # the shard secret, on every call of the lead to a range shard
+SHARD_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+SHARD_METHODS = frozenset(f"/{SHARD_SERVICE}/{m.name}" for m in pb.DESCRIPTOR.services_by_name["Shard"].methods)
+MAX_CLAIM_WAIT_S = 60.0
+CALL_DEADLINE_S = 30.0  # Claim (plus its wait), Commit, Abort, Release
+PREPARE_DEADLINE_S = 600.0  # an outer step of the range: seconds for hundreds of millions of values
+MAX_PULL_WAIT_S = 30.0
+
+
+def read_secret(cfg: Config) -> str:
+    """The shard secret from ``coordinator.shard_secret_file``; ConfigError naming the file if it is missing,
+    unreadable or shorter than 16 characters."""
+    path = cfg.coordinator.shard_secret_file
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"[coordinator] shard_secret_file: cannot read {path}: {e.strerror or e}") from None
+    if secret.startswith(PLACEHOLDER):
+        raise ConfigError(f"[coordinator] shard_secret_file: {path} holds the placeholder of "
+                          f"deploy/coordinator-sharded/secret-shard.yaml; make a secret: kubectl create secret generic "
+                          f"dtrain-shard-secret --from-literal=secret=\"$(openssl rand -hex 32)\" --dry-run=client -o "
+                          f"yaml > deploy/coordinator-sharded/secret-shard.yaml")
+    if len(secret) < 16:
+        raise ConfigError(f"[coordinator] shard_secret_file: {path} holds {len(secret)} characters, at least 16 "
+                          f"(e.g. `openssl rand -hex 32 > {path}`)")
+    return secret
+
+
+def shard_ranges(spec: codec.Spec, shards: int) -> tuple[Range, ...]:
+    """The S ranges of the tree (the fragments' plan): range k is shard k's. ConfigError if the tree has fewer
+    tensors than shards."""
+    from dtrain.fragments import leaf_sizes
+
+    try:
+        return plan(leaf_sizes(spec), shards)
+    except ValueError as e:
+        raise ConfigError(f"[coordinator] shards: {e}") from None
+
+
+def split_theta(theta: np.ndarray | Path, ranges: Sequence[Range]) -> tuple[np.ndarray, list[str], list[float]]:
+    """θ_0 (an array, or a raw float32 file, read through a memory map) cut for the lead: range 0's values, and
+    every range's digest and sum of squares (the whole θ's digest and norm, before the shards have stepped)."""
+    vec = np.memmap(theta, "<f4", mode="r") if isinstance(theta, (str, Path)) else np.asarray(theta, np.float32)
+    if vec.size != ranges[-1].end:
+        raise ValueError(f"θ_0 holds {vec.size} values, the model {ranges[-1].end}")
+    digests = range_digests(vec, ranges)
+    sq = [float(np.einsum("i,i->", vec[r.start:r.end], vec[r.start:r.end], dtype=np.float64)) for r in ranges]
+    return np.array(vec[ranges[0].start:ranges[0].end], np.float32), digests, sq
+
+
+def range_merge_options(cfg: Config) -> MergeOptions:
+    """A shard's merger: the config's, over one range (no fragments)."""
+    return MergeOptions.from_config(cfg)
+
+
+@dataclass
+class HeldPart:
+    """A push's part for this shard's range, received and validated, waiting for the lead."""
+
+    spool: Spool
+    island_id: str
+    identity: str
+    bytes: int
+    at: float  # time.monotonic() of its arrival
+    claimed: bool = False  # the lead has claimed it: it stays until merged or released
+
+
+class ShardRefused(DtrainError):
+    """A range shard refused, or could not be reached for, a call of the lead; ``code``: the gRPC code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
+    """Shard ``index`` (>= 1) of a sharded coordinator: PushDelta and PullGlobal for its range, the Shard service
+    for the lead. Its state: the merger over its range, the parts it holds, the step it has prepared."""
+
+    def __init__(self, cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
+                 secret: str, identity: Any = None):
+        """``theta``: θ_0's values of this shard's range (an array or a raw float32 file); ``identity``: the
+        lead's :class:`coordinator.service.CallerIdentity` (the island identity a push carries), or None."""
+        self.cfg, self.index, self.run_dir = cfg, index, Path(run_dir)
+        self.ranges = shard_ranges(spec, cfg.coordinator.shards)
+        if not 1 <= index < len(self.ranges):
+            raise ConfigError(f"--shard {index}: must be in 1..{len(self.ranges) - 1} (shard 0 is the lead)")
+        self.range = self.ranges[index]
+        self.tree_digest = codec.spec_digest(spec)
+        self.secret = secret
+        self.identity = identity
+        self.lock = threading.Condition(threading.RLock())
+        # θ_0's range, kept as a file: a Restore to version 0 (a new run of the lead) starts from it again
+        self.theta0 = self.run_dir / f"shard-{index}" / "theta0.f32"
+        self.theta0.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.theta0.with_suffix(".tmp")
+        if isinstance(theta, (str, Path)):
+            shutil.copyfile(theta, tmp)
+        else:
+            np.ascontiguousarray(theta, "<f4").tofile(tmp)
+        tmp.replace(self.theta0)
+        self.merger = self._open(self.theta0, 0)
+        self.streams = FrameStreams()
+        self.intake = PushIntake(cfg, self.merger, Telemetry.disabled(), self.streams)
+        self.pull_piece = pull_piece(cfg)
+        self.held: dict[str, HeldPart] = {}
+        self.max_held = 4 * cfg.outer.islands + 8  # parts of pushes in flight: a few per island
+        self.prepared: Prepared | None = None
+        self.prepared_keys: list[str] = []
+        # Until the lead has told it its version (Restore, at every start of the lead), the shard serves no
+        # island: a restarted shard at θ_0 would otherwise answer for a version it does not hold yet.
+        self.restored = False
+        self.ckpt: Checkpointer | None = None
+        if cfg.coordinator.checkpoint:
+            from dtrain.checkpoint import Checkpointer
+
+            # 3 kept: the lead checkpoints a version after every shard has, and may fall back one more (a
+            # checkpoint of its that does not restore)
+            self.ckpt = Checkpointer(self.run_dir / f"coordinator-shard-{index}", keep=3, async_save=False)
+
+    def _open(self, theta: Path, version: int, momentum: Path | None = None,
+              residual: Path | None = None) -> Merger:
+        merger = Merger(theta, range_merge_options(self.cfg), version=version, momentum=momentum, residual=residual,
+                        spool_dir=self.run_dir / f"shard-{self.index}" / "spool")
+        if merger.n != self.range.size:
+            merger.close()
+            raise ValueError(f"shard {self.index}: θ holds {merger.n} values, its range {self.range.size}")
+        return merger
+
+    # -- the lead's calls ---------------------------------------------------------------------------
+
+    def _lead_only(self, context: grpc.ServicerContext) -> None:
+        got = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == SECRET_METADATA_KEY and isinstance(value, str):
+                got = value
+        if not (got and hmac.compare_digest(got.encode(), self.secret.encode())):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"shard {self.index}: the Shard service answers the lead only (missing or wrong shard "
+                          f"secret: coordinator.shard_secret_file)")
+
+    def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimResponse:
+        self._lead_only(context)
+        if not 0 <= request.wait_s <= MAX_CLAIM_WAIT_S:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in "
+                                                            f"[0, {MAX_CLAIM_WAIT_S:g}]")
+        with self.lock:
+            self.lock.wait_for(lambda: request.push_id in self.held or not context.is_active(),
+                               timeout=request.wait_s)
+            part = self.held.get(request.push_id)
+            if part is None or part.island_id != request.island_id:
+                return pb.ClaimResponse(held=False, version=self.merger.version)
+            part.claimed = True
+            return pb.ClaimResponse(held=True, sum_squares=part.spool.norm ** 2, identity=part.identity,
+                                    bytes=part.bytes, version=self.merger.version)
+
+    def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:
+        self._lead_only(context)
+        with self.lock:
+            if request.version != self.merger.version + 1:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.index} holds version "
+                              f"{self.merger.version}: cannot prepare version {request.version}")
+            if self.prepared is not None:
+                self._abort_prepared()
+            missing = [m.push_id for m in request.merges if m.push_id not in self.held]
+            if missing or not request.merges:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shard {self.index}: no part held for push {', '.join(missing[:4])}" if missing else
+                              f"shard {self.index}: a version merges one push at least")
+            bad = [m.push_id for m in request.merges if not (m.weight > 0 and 0 < m.scale <= 1
+                                                             and math.isfinite(m.norm) and m.norm >= 0)]
+            if bad:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {bad[0]}: weight must be > 0, scale in "
+                                                                f"(0, 1], norm finite and >= 0")
+            for m in request.merges:
+                self.merger.add_pending(self.held[m.push_id].spool, m.weight, scale=m.scale, key=m.push_id,
+                                        norm=m.norm)
+            try:
+                self.prepared = self.merger.prepare()
+            except NonFiniteResult as e:
+                self.merger.unpend()
+                return pb.PrepareResponse(finite=False, blame=e.blame, reason=str(e))
+            except BaseException:
+                self.merger.unpend()
+                raise
+            self.prepared_keys = [m.push_id for m in request.merges]
+            p = self.prepared
+            return pb.PrepareResponse(finite=True, params_digest=p.digest, theta_sum_squares=p.theta_norm ** 2,
+                                      update_bytes=p.update.size)
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        self._lead_only(context)
+        with self.lock:
+            if self.prepared is None or self.prepared.version != request.version:
+                if request.version == self.merger.version:  # a retried Commit: already done
+                    return pb.CommitResponse(version=self.merger.version, params_digest=self.merger.digest)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.index}: version {request.version} "
+                                                                   f"is not prepared")
+            self.merger.commit(self.prepared)  # releases the merged parts' spools
+            for key in self.prepared_keys:
+                self.held.pop(key, None)
+            self.prepared, self.prepared_keys = None, []
+            version = self.merger.version
+            if self.ckpt is not None:
+                self.ckpt.save_files(version, self.merger.state_files(),
+                                     {"version": version, "params_digest": self.merger.digest, "shard": self.index,
+                                      "range": [self.range.start, self.range.end]})
+            self.lock.notify_all()  # long-polling pulls
+            return pb.CommitResponse(version=version, params_digest=self.merger.digest)
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self._lead_only(context)
+        with self.lock:
+            if self.prepared is not None and self.prepared.version == request.version:
+                self._abort_prepared()
+        return pb.AbortResponse()
+
+    def _abort_prepared(self) -> None:
+        assert self.prepared is not None
+        self.merger.abort(self.prepared)
+        self.merger.unpend()  # the parts stay held
+        self.prepared, self.prepared_keys = None, []
+
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreResponse:
+        self._lead_only(context)
+        with self.lock:
+            try:
+                theta, momentum, residual, digest = self._restorable(request.version)
+            except (CheckpointError, OSError) as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.index}: cannot restore version "
+                                                                   f"{request.version}: {e}")
+            if digest != request.params_digest:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shard {self.index}: its version {request.version} has digest {digest}, the lead "
+                              f"recorded {request.params_digest}: not the same run")
+            # The parts it holds stay (a part is a push's values, whatever the version: the lead judges it), but
+            # unclaimed: a resumed lead claims again those whose pushes the islands send again (the shard answers
+            # their parts DUPLICATE), and the rest expire. Their spools live in the merger's folder, which the new
+            # merger clears of stale files: they are kept open (an unlinked file stays readable).
+            if self.prepared is not None:
+                self._abort_prepared()
+            for part in self.held.values():
+                part.claimed, part.at = False, time.monotonic()
+            self.merger.close()  # its folder is the new one's (which clears it)
+            self.merger = self._open(theta, request.version, momentum, residual)
+            if self.merger.digest != digest:  # a state file that does not hold what its checkpoint recorded
+                context.abort(grpc.StatusCode.DATA_LOSS, f"shard {self.index}: version {request.version}'s θ "
+                                                         f"reads as digest {self.merger.digest}, recorded {digest}")
+            self.intake = PushIntake(self.cfg, self.merger, Telemetry.disabled(), self.streams)
+            self.restored = True
+            self.lock.notify_all()
+            log.info("coordinator shard %d restored to version %d", self.index, self.merger.version)
+            return pb.RestoreResponse(version=self.merger.version, params_digest=self.merger.digest,
+                                      theta_sum_squares=self.merger.theta_norm ** 2)
+
+    def _restorable(self, version: int) -> tuple[Path, Path | None, Path | None, str]:
+        """The files of ``version`` (its checkpoint's; 0: θ_0) and its range's recorded digest, checked before
+        anything is touched. CheckpointError says what is missing. Under the lock."""
+        if version == 0:
+            return self.theta0, None, None, params_digest(np.fromfile(self.theta0, "<f4"))
+        if self.ckpt is None:
+            raise CheckpointError("coordinator.checkpoint is off")
+        if version not in self.ckpt.steps():
+            raise CheckpointError(f"no checkpoint of that version in {self.ckpt.directory} (it has "
+                                  f"{sorted(self.ckpt.steps()) or 'none'})")
+        step, files, meta = self.ckpt.restore_files(version)
+        if meta.get("shard") != self.index or meta.get("range") != [self.range.start, self.range.end]:
+            raise CheckpointError(f"checkpoint {step} is shard {meta.get('shard')}'s, values {meta.get('range')}")
+        if "theta" not in files or "momentum" not in files:
+            raise CheckpointError(f"checkpoint {step} lacks θ or the momentum")
+        return files["theta"], files["momentum"], files.get("residual"), str(meta.get("params_digest"))
+
+    def _drop_all(self) -> None:
+        """Lets go of every held part and any prepared step. Under the lock."""
+        if self.prepared is not None:
+            self._abort_prepared()
+        for part in self.held.values():
+            part.spool.close()
+        self.held.clear()
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self._lead_only(context)
+        with self.lock:
+            for key in request.push_ids:
+                if key in self.prepared_keys:
+                    continue
+                part = self.held.pop(key, None)
+                if part is not None:
+                    part.spool.close()
+        return pb.ReleaseResponse()
+
+    # -- the islands' calls -------------------------------------------------------------------------
+
+    def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
+        try:
+            h = read_header(request_iterator, self.tree_digest)
+        except WireError as e:
+            context.abort(e.code, str(e))
+        if h.shard != self.index:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: its header names shard "
+                                                            f"{h.shard}, this is shard {self.index}")
+        if not 0 < len(h.push_id) <= 128 or not 0 < len(h.island_id) <= 128:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push: push_id and island_id must be 1..128 characters")
+        info = push_info(h)
+        identity = self.identity.of(context) if self.identity is not None else None
+        with self.lock:
+            self._refuse_until_restored(context)
+            version = self.merger.version
+            if h.push_id in self.held:
+                return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, version=version,
+                                            reason=f"shard {self.index} holds this part already")
+            if len(self.held) >= self.max_held:
+                self._expire()
+            if len(self.held) >= self.max_held:
+                context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"shard {self.index} holds {len(self.held)} parts waiting for the lead")
+        try:
+            receiver = self.intake.frame_receiver(h)
+        except WireError as e:
+            context.abort(e.code, str(e))
+        with self.merger.spool() as spool:  # the frame must hold exactly this shard's range
+            try:
+                self.intake.receive(request_iterator, receiver, spool, info, None, 0, "held")
+            except PayloadRefused as e:
+                context.abort(e.code, f"shard {self.index}: {e}")
+            except UploadBroke as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: {e}")
+            spool.keep()
+            with self.lock:
+                if h.push_id in self.held:  # the same push received twice at once: keep the first
+                    spool.close()
+                else:
+                    self.held[h.push_id] = HeldPart(spool, info.island_id, identity or "", receiver.size,
+                                                    time.monotonic())
+                self.lock.notify_all()
+                version = self.merger.version
+        return pb.PushDeltaResponse(status=pb.PUSH_STATUS_PENDING, version=version,
+                                    reason=f"held by shard {self.index} for the lead's decision")
+
+    def _refuse_until_restored(self, context: grpc.ServicerContext) -> None:
+        """UNAVAILABLE (islands retry it) until the lead has restored the shard to its version. Under the lock."""
+        if not self.restored:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator shard {self.index} is waiting for the lead to "
+                                                       f"give it its version (the lead restores every shard as it "
+                                                       f"starts)")
+
+    def _expire(self) -> None:
+        """Lets go of parts the lead never claimed for longer than a push could take to reach it (the island's
+        push to the lead broke off, or the island died): its stream idle limit plus the claim's wait, twice.
+        Under the lock."""
+        limit = 2 * (self.cfg.coordinator.stream_idle_s + MAX_CLAIM_WAIT_S)
+        now = time.monotonic()
+        for key in [k for k, p in self.held.items() if not p.claimed and now - p.at > limit]:
+            self.held.pop(key).spool.close()
+
+    def PullGlobal(self, request: pb.PullRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
+        if not 0 <= request.wait_s <= 3600:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+        with self.lock:
+            self._refuse_until_restored(context)
+            if request.have_version > self.merger.version:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"have_version={request.have_version}: shard {self.index} is at version "
+                              f"{self.merger.version}")
+            if request.wait_s > 0 and request.have_version == self.merger.version and not request.full:
+                self.lock.wait_for(lambda: self.merger.version > request.have_version or not context.is_active(),
+                                   timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+            version = self.merger.version
+            chain = None if request.full else self.merger.updates_since(request.have_version)
+            if chain is None:
+                chain, kind = [self.merger.full_update()], pb.PULL_KIND_FULL
+            else:
+                kind = pb.PULL_KIND_UPDATE
+            frames: list[tuple[pb.PullKind, Update, Any]] = [(kind, u, u.open()) for u in chain]
+        if not frames:
+            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                      base_version=version, tree_digest=self.tree_digest))
+            return
+        piece = self.pull_piece
+        with self.streams.streaming():
+            for frame_kind, u, handle in frames:
+                yield pb.PullMessage(header=pb.PullHeader(
+                    kind=frame_kind, version=u.version, base_version=u.base_version, tree_digest=self.tree_digest,
+                    total_bytes=u.size, frame_crc32=u.crc32, chunks=chunk_count(u.size, piece),
+                    params_digest=u.params_digest))
+                yield from file_chunk_messages(handle, piece)
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is coordinator shard {self.index}: Join the lead "
+                                                           f"(shard 0)")
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is coordinator shard {self.index}: heartbeats go "
+                                                           f"to the lead (shard 0)")
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        with self.lock:
+            return pb.StatusResponse(version=self.merger.version, params_digest=self.merger.digest,
+                                     mode=f"shard {self.index} of {len(self.ranges)}")
+
+    def close(self) -> None:
+        with self.lock:
+            self._drop_all()
+            self.merger.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+class ShardPeers:
+    """The lead's side of the Shard service: one channel per range shard, calls made to all in parallel."""
+
+    def __init__(self, cfg: Config, addresses: Sequence[str], secret: str):
+        self.addresses = list(addresses)
+        sec = cfg.security
+        creds = channel_credentials(sec)
+        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
+        self.channels = [grpc.secure_channel(a, creds, opts) if creds else grpc.insecure_channel(a, opts)
+                         for a in self.addresses]
+        self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
+        self.metadata = auth_metadata(read_token(sec)) + ((SECRET_METADATA_KEY, secret),)
+
+    def _all(self, method: str, request: Any, timeout: float) -> list[Any]:
+        """``method`` on every range shard at once; the replies in shard order. ShardRefused naming the first
+        shard that refused or could not be reached."""
+        # gRPC's own futures: every caller's calls in flight at once (a shared pool would queue one push's Claim,
+        # which may wait for its part, behind another's)
+        calls = [getattr(stub, method).future(request, timeout=timeout, metadata=self.metadata) for stub in self.stubs]
+        out, first = [], None
+        for k, call in enumerate(calls, start=1):
+            try:
+                out.append(call.result())
+            except grpc.RpcError as e:
+                if first is None:
+                    first = ShardRefused(e.code(), f"{method} on coordinator shard {k} ({self.addresses[k - 1]}): "
+                                                   f"{e.code().name}: {e.details()}")
+        if first is not None:
+            raise first
+        return out
+
+    def claim(self, info: PushInfo, wait_s: float) -> list[pb.ClaimResponse]:
+        return self._all("Claim", pb.ClaimRequest(push_id=info.push_id, island_id=info.island_id,
+                                                  wait_s=min(wait_s, MAX_CLAIM_WAIT_S)),
+                         CALL_DEADLINE_S + wait_s)
+
+    def prepare(self, version: int, merges: list[pb.MergeEntry]) -> list[pb.PrepareResponse]:
+        return self._all("Prepare", pb.PrepareRequest(version=version, merges=merges), PREPARE_DEADLINE_S)
+
+    def commit(self, version: int) -> list[pb.CommitResponse]:
+        return self._all("Commit", pb.CommitRequest(version=version), CALL_DEADLINE_S)
+
+    def abort(self, version: int) -> None:
+        self._all("Abort", pb.AbortRequest(version=version), CALL_DEADLINE_S)
+
+    def restore(self, version: int, digests: Sequence[str], wait_s: float) -> list[pb.RestoreResponse]:
+        """Every range shard at ``version`` (``digests``: their ranges' digests, shard 1 first), retried while a
+        shard cannot be reached (it may be starting) for up to ``wait_s``; ShardRefused otherwise."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                calls = [stub.Restore.future(pb.RestoreRequest(version=version, params_digest=d),
+                                             timeout=PREPARE_DEADLINE_S, metadata=self.metadata)
+                         for stub, d in zip(self.stubs, digests, strict=True)]
+                out = []
+                for k, call in enumerate(calls, start=1):
+                    try:
+                        out.append(call.result())
+                    except grpc.RpcError as e:
+                        raise ShardRefused(e.code(), f"Restore on coordinator shard {k} ({self.addresses[k - 1]}): "
+                                                     f"{e.code().name}: {e.details()}") from None
+                return out
+            except ShardRefused as e:
+                left = wait_s - (time.monotonic() - t0)
+                if e.code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                log.info("waiting for the coordinator shards to take version %d (%.0fs left): %s", version, left, e)
+                time.sleep(min(1.0, left))
+
+    def release(self, push_ids: list[str]) -> None:
+        """Best effort: a shard that cannot be reached keeps the parts until it restarts."""
+        if not push_ids:
+            return
+        try:
+            self._all("Release", pb.ReleaseRequest(push_ids=push_ids), CALL_DEADLINE_S)
+        except ShardRefused as e:
+            log.warning("release of %d parts: %s", len(push_ids), e)
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+
+
+class ShardedStep:
+    """The lead's outer step over every shard (two phases): Prepare on the range shards and its own range, then
+    Commit everywhere (the lead's last) when every shard's step is finite, else Abort everywhere and the blamed
+    push's NonFiniteResult. Keeps each range's digest and θ's sum of squares for the whole θ's digest and norm."""
+
+    def __init__(self, merger: Merger, peers: ShardPeers, digests: list[str], theta_sq: list[float]):
+        self.merger, self.peers = merger, peers
+        self.digests, self.theta_sq = digests, theta_sq  # per shard, 0 (the lead) first
+
+    @property
+    def digest(self) -> str:
+        return joined_digest(self.digests)
+
+    @property
+    def theta_norm(self) -> float:
+        return math.sqrt(sum(self.theta_sq))
+
+    def __call__(self) -> Update:
+        m = self.merger
+        new = m.version + 1
+        merges = [pb.MergeEntry(push_id=p.key, weight=p.weight, scale=p.scale, norm=p.norm) for p in m.pending]
+        try:
+            replies = self.peers.prepare(new, merges)
+        except BaseException:
+            self._abort(new)
+            raise
+        failed = [r for r in replies if not r.finite]
+        if failed:
+            self._abort(new)
+            raise NonFiniteResult("a range shard's step", failed[0].blame, failed[0].reason)
+        try:
+            prepared = m.prepare()
+        except BaseException:
+            self._abort(new)
+            raise
+        try:
+            committed = self.peers.commit(new)
+        except BaseException:
+            # Some shard may have committed: the coordinator failed (resume from the checkpoints, every shard at
+            # the lead's version). The lead's own range stays at the old version.
+            m.abort(prepared)
+            raise
+        update = m.commit(prepared)
+        self.digests = [m.digest] + [c.params_digest for c in committed]
+        self.theta_sq = [m.theta_norm ** 2] + [r.theta_sum_squares for r in replies]
+        return update
+
+    def _abort(self, version: int) -> None:
+        try:
+            self.peers.abort(version)
+        except ShardRefused as e:
+            log.warning("abort of version %d: %s", version, e)
