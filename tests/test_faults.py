@@ -533,7 +533,7 @@ def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> Non
         assert not [e for e in events if e["event"] in ("heartbeat_failed", "rejoin_failed") and e["t"] < end], name
 
 
-def test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over(tmp_path: Path, compile_cache: str) -> None:
+def test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over(tmp_path: Path) -> None:
     """Segments with real processes: island-1 is SIGKILLed after version 1 for good; once island-0's and island-2's
     own shards are done the first of them splits island-1's data left in two pieces (one per live island) and
     both train one; island-0 is SIGKILLed after version 13 (its piece's first round), in the middle of its piece,
@@ -541,8 +541,7 @@ def test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over(tmp_path: Pat
     every sequence of every shard went into exactly one merged version. Pieces of 4 rounds or more: on an idle
     machine a round takes 0.2 s, and the kill (the driver watches the versions) may come a round or two late."""
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
-        f"run.out_dir={tmp_path}", "outer.islands=3", "train.steps=120", "outer.inner_steps=10",  # 12 rounds a shard
-        compile_cache])  # the session's: programs other tests compiled are loaded
+        f"run.out_dir={tmp_path}", "outer.islands=3", "train.steps=120", "outer.inner_steps=10"])  # 12 rounds a shard
     s = run_simulation(cfg, 3, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        faults=[parse_fault("kill:island-1@v1", 3), parse_fault("kill:island-0@v13", 3)])
     _assert_every_sequence_once(s)
