@@ -15,8 +15,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import copy  # noqa: E402
 import importlib.util  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
@@ -72,6 +74,27 @@ def make_text(n_bytes: int, seed: int = 0) -> bytes:
     return "".join(out).encode()[:n_bytes]
 
 
+_SESSION_CACHE: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """JAX's persistent compilation cache for this pytest process, in a fresh folder per session (removed at its
+    end): many tests build the same program through a jit of their own (the tiny model's step, a probe, an
+    eval), and JAX compiles each such jit again; with the cache the second and later load it. Only programs that
+    took a second or more to compile are written (JAX's default). The worker processes tests start are not
+    affected (JAX's settings are this process's): they keep their own caches (see ``compile_cache`` below)."""
+    global _SESSION_CACHE
+    import jax
+
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="dtrain-test-jax-cache-"))
+    jax.config.update("jax_compilation_cache_dir", str(_SESSION_CACHE))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
 def tiny_overrides(out_dir: Path | str, *extra: str) -> list[str]:
     return [f"run.out_dir={out_dir}", *extra]
 
@@ -97,6 +120,17 @@ def island() -> Island:
     isl = Island()
     assert len(isl.ids) == 8
     return isl
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One JAX persistent compilation cache for the session's worker processes, as the override
+    ``worker.compile_cache=FOLDER``: a process whose programs an earlier test's process compiled (the same config,
+    the same devices) loads them instead of compiling them, seconds of a process test each. Only for tests that do
+    not count cache hits or misses (tests/test_startup.py and the restart in tests/test_simulate_processes.py keep
+    their own fresh caches) and whose timing is not tuned to a start-up that compiles (test_faults.py's lost-shard
+    test, whose kills are timed by versions, keeps its run's own)."""
+    return f"worker.compile_cache={tmp_path_factory.mktemp('compile-cache')}"
 
 
 @pytest.fixture(scope="session")

@@ -257,7 +257,7 @@ def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path)
                          f"{log.read_text()[-3000:]}")
 
 
-def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
+def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path, compile_cache):
     """Loads the page in chromium while a 2-island `dtrain simulate` runs: the island table lists the live islands
     with their versions and steps, the loss chart has the global evals' points, the screenshot is a real PNG."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -269,7 +269,7 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path):
             [sys.executable, "-m", "dtrain_cli", "simulate", "--config", str(ROOT / "configs" / "tiny.toml"),
              "--islands", "2", "--no-pin", "--set", f"run.out_dir={tmp_path / 'runs'}", "--set", "train.steps=2000",
              "--set", "outer.inner_steps=5", "--set", "coordinator.eval_every=1", "--set", "data.eval_batches=1",
-             "--set", "worker.heartbeat_s=0.5"],
+             "--set", "worker.heartbeat_s=0.5", "--set", compile_cache],  # the session's: programs loaded
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     try:
         info_path = tmp_path / "runs" / "tiny" / "coordinator.json"

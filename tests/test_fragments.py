@@ -292,7 +292,7 @@ def test_fragment_pushes_merge_in_turn_and_hostile_ones_change_nothing(frag_coor
 # -- real processes ---------------------------------------------------------------------------------------------
 
 
-def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_path):
+def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_path, compile_cache):
     """`dtrain simulate --set outer.fragments=2`: a coordinator and two worker processes; every version merges one
     fragment in turn, the islands end bit-identical with the coordinator, every token is merged exactly once."""
     from dtrain.runlog import read_events
@@ -300,7 +300,7 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
 
     cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                       "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
-                                      "coordinator.grace_s=60"])
+                                      "coordinator.grace_s=60", compile_cache])
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300)
     assert s["rounds"] == cfg.rounds == 8  # a push of one fragment every 5 steps, 40 steps
     assert s["bit_identical_final_params"]

@@ -102,11 +102,11 @@ def test_rate_meter_leaves_out_the_warm_up_chunk() -> None:
     assert meter.step_s == pytest.approx(0.02)
 
 
-def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_path) -> None:
+def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_path, compile_cache) -> None:
     """island-1: half the batch on 2 fake devices (island-0: 1 device); the same tokens per shard, pushes
     weighted by their tokens, nothing lost or doubled, one final θ."""
     cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=20", "outer.inner_steps=10",
-                "worker.heartbeat_s=0.5", "coordinator.grace_s=60")
+                "worker.heartbeat_s=0.5", "coordinator.grace_s=60", compile_cache)
     specs = parse_islands(["island-1:train.batch_size=4,host_devices=2"], 2, cfg)
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
                        island_specs=specs)

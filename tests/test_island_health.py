@@ -74,9 +74,9 @@ def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def clean(tmp_path_factory: pytest.TempPathFactory, compile_cache: str) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("clean")
-    return _run(_cfg(tmp, "health.enabled=true"), tmp, {"a": None})
+    return _run(_cfg(tmp, compile_cache, "health.enabled=true"), tmp, {"a": None})
 
 
 def test_clean_island_quarantines_nothing(clean: dict[str, Any]) -> None:
@@ -87,9 +87,11 @@ def test_clean_island_quarantines_nothing(clean: dict[str, Any]) -> None:
     assert np.isfinite(a["final_eval_loss"])
 
 
-def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict[str, Any], tmp_path: Path) -> None:
+def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict[str, Any], tmp_path: Path,
+                                                                     compile_cache: str) -> None:
+    # the session's compilation cache: the 8-device programs are the clean run's (loaded, not compiled again)
     fault = DeviceFault("scale", 3, factor=10.0, start=25)
-    run = _run(_cfg(tmp_path, "health.enabled=true"), tmp_path, {"a": fault})
+    run = _run(_cfg(tmp_path, compile_cache, "health.enabled=true"), tmp_path, {"a": fault})
     a, events = run["a"], run["events"]["a"]
     [q] = _of(events, "device_quarantined")
     assert q["device"] == 3 and q["probe"] == "stats" and 25 <= q["step"] <= 27 and q["healthy"] == 7

@@ -61,11 +61,11 @@ def served_stores(tmp_path: Path) -> Iterator[tuple[str, Path, list[str]]]:
         thread.join(timeout=10)
 
 
-def test_process_simulation_end_to_end(tmp_path, served_stores):
+def test_process_simulation_end_to_end(tmp_path, served_stores, compile_cache):
     """Two worker processes train from a token store they read over HTTP, as from object storage."""
     url, root, asked = served_stores
     store = Path(data.store_location(_cfg(tmp_path).data, root))  # the built-in corpus, as a store
-    cfg = _cfg(tmp_path, f"data.source={url}/{store.name}")
+    cfg = _cfg(tmp_path, f"data.source={url}/{store.name}", compile_cache)  # the session's cache: programs loaded
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
     assert f"/{store.name}/manifest.json" in asked and any(f"/{store.name}/tokens/c/" in p for p in asked)
     assert not (tmp_path / "data-cache").exists()  # a store is read where it is, never copied
@@ -632,14 +632,14 @@ def test_sparseloco_in_process_mode_pushes_sparse_frames_and_islands_agree(tmp_p
     assert s["compression_ratio"] > 30  # 5% of the values at ~18 bits each (uncompressed): ~35x
 
 
-def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run_ends(tmp_path):
+def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run_ends(tmp_path, compile_cache):
     """`dtrain simulate --island-tokens`: each island gets its own issued token; island-1 presents
     island-0's (``--island island-1:credential=island-0``, the Sybil case): the coordinator refuses its Join with
     PERMISSION_DENIED naming the token, the driver counts it as refused (not a failure), and island-0 finishes the
     run alone (it takes over island-1's shard: every token merged once)."""
     from dtrain_cli.island_spec import parse_islands
 
-    cfg = _cfg(tmp_path, "train.steps=20", "worker.start_wait_s=5")
+    cfg = _cfg(tmp_path, "train.steps=20", "worker.start_wait_s=5", compile_cache)
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300, own_tokens=True,
                        island_specs=parse_islands(["island-1:credential=island-0"], 2, cfg))
     assert list(s["refused_islands"]) == ["island-1"]
