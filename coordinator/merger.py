@@ -812,6 +812,13 @@ class Merger:
             return None
         return chain
 
+    def pull_frames(self, have_version: int, full: bool = False) -> tuple[bool, list[Update]]:
+        """What a pull from ``have_version`` streams: (False, the chain of updates since it), or, when ``full`` is
+        asked or the chain is no longer kept, (True, [θ itself, lossless]) (:meth:`full_update`). The one rule
+        for the coordinator's PullGlobal and a range shard's."""
+        chain = None if full else self.updates_since(have_version)
+        return (True, [self.full_update()]) if chain is None else (False, chain)
+
     def full_update(self) -> Update:
         """θ itself as a lossless frame (fp32 + zstd level 1: speed over ratio, as fp32 barely compresses),
         written once per version on first request and streamed from the θ file (no copy in memory)."""

@@ -648,11 +648,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
                                    or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
             version = self.state.version
-            chain = None if request.full else self.merger.updates_since(request.have_version)
-            if chain is None:  # θ itself, lossless; written to disk once per version, streamed from there
-                chain, kind = [self.merger.full_update()], pb.PULL_KIND_FULL
-            else:
-                kind = pb.PULL_KIND_UPDATE
+            # θ itself, lossless, when the chain is not kept: written to disk once per version, streamed from there
+            full, chain = self.merger.pull_frames(request.have_version, request.full)
+            kind = pb.PULL_KIND_FULL if full else pb.PULL_KIND_UPDATE
             # Opened under the lock: a frame deleted by a later merge stays readable through its handle.
             frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open(), u)
                       for u in chain]

@@ -42,6 +42,7 @@ import numpy as np
 
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult, Prepared, Update
+from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import PushInfo
 from coordinator.spool import Spool
@@ -49,7 +50,7 @@ from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError, DtrainError
-from dtrain.fragments import Range, joined_digest, plan, range_digests
+from dtrain.fragments import Range, joined_digest, leaf_sizes, plan, range_digests
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import Telemetry
@@ -61,7 +62,6 @@ from dtrain.wire import (
     channel_credentials,
     channel_options,
     chunk_count,
-    file_chunk_messages,
     keepalive_options,
     read_token,
 )
@@ -102,8 +102,6 @@ def read_secret(cfg: Config) -> str:
 def shard_ranges(spec: codec.Spec, shards: int) -> tuple[Range, ...]:
     """The S ranges of the tree (the fragments' plan): range k is shard k's. ConfigError if the tree has fewer
     tensors than shards."""
-    from dtrain.fragments import leaf_sizes
-
     try:
         return plan(leaf_sizes(spec), shards)
     except ValueError as e:
@@ -119,11 +117,6 @@ def split_theta(theta: np.ndarray | Path, ranges: Sequence[Range]) -> tuple[np.n
     digests = range_digests(vec, ranges)
     sq = [float(np.einsum("i,i->", vec[r.start:r.end], vec[r.start:r.end], dtype=np.float64)) for r in ranges]
     return np.array(vec[ranges[0].start:ranges[0].end], np.float32), digests, sq
-
-
-def range_merge_options(cfg: Config) -> MergeOptions:
-    """A shard's merger: the config's, over one range (no fragments)."""
-    return MergeOptions.from_config(cfg)
 
 
 @dataclass
@@ -176,6 +169,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.streams = FrameStreams()
         self.intake = PushIntake(cfg, self.merger, Telemetry.disabled(), self.streams)
         self.pull_piece = pull_piece(cfg)
+        self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.held: dict[str, HeldPart] = {}
         self.max_held = 4 * cfg.outer.islands + 8  # parts of pushes in flight: a few per island
         self.prepared: Prepared | None = None
@@ -193,8 +187,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
 
     def _open(self, theta: Path, version: int, momentum: Path | None = None,
               residual: Path | None = None) -> Merger:
-        merger = Merger(theta, range_merge_options(self.cfg), version=version, momentum=momentum, residual=residual,
-                        spool_dir=self.run_dir / f"shard-{self.index}" / "spool")
+        merger = Merger(theta, MergeOptions.from_config(self.cfg), version=version, momentum=momentum,
+                        residual=residual, spool_dir=self.run_dir / f"shard-{self.index}" / "spool")
         if merger.n != self.range.size:
             merger.close()
             raise ValueError(f"shard {self.index}: θ holds {merger.n} values, its range {self.range.size}")
@@ -441,11 +435,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                 self.lock.wait_for(lambda: self.merger.version > request.have_version or not context.is_active(),
                                    timeout=min(request.wait_s, MAX_PULL_WAIT_S))
             version = self.merger.version
-            chain = None if request.full else self.merger.updates_since(request.have_version)
-            if chain is None:
-                chain, kind = [self.merger.full_update()], pb.PULL_KIND_FULL
-            else:
-                kind = pb.PULL_KIND_UPDATE
+            full, chain = self.merger.pull_frames(request.have_version, request.full)
+            kind = pb.PULL_KIND_FULL if full else pb.PULL_KIND_UPDATE
             frames: list[tuple[pb.PullKind, Update, Any]] = [(kind, u, u.open()) for u in chain]
         if not frames:
             yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
@@ -458,7 +449,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                     kind=frame_kind, version=u.version, base_version=u.base_version, tree_digest=self.tree_digest,
                     total_bytes=u.size, frame_crc32=u.crc32, chunks=chunk_count(u.size, piece),
                     params_digest=u.params_digest))
-                yield from file_chunk_messages(handle, piece)
+                yield from self.pull_cache.messages(u, handle, piece)  # one build per frame, as at the lead
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> NoReturn:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is coordinator shard {self.index}: Join the lead "
