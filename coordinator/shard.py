@@ -50,7 +50,7 @@ from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError, DtrainError
-from dtrain.fragments import Range, joined_digest, leaf_sizes, plan, range_digests
+from dtrain.fragments import Range, joined_digest, plan_spec, range_digests
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.telemetry import Telemetry
@@ -102,10 +102,7 @@ def read_secret(cfg: Config) -> str:
 def shard_ranges(spec: codec.Spec, shards: int) -> tuple[Range, ...]:
     """The S ranges of the tree (the fragments' plan): range k is shard k's. ConfigError if the tree has fewer
     tensors than shards."""
-    try:
-        return plan(leaf_sizes(spec), shards)
-    except ValueError as e:
-        raise ConfigError(f"[coordinator] shards: {e}") from None
+    return plan_spec(spec, shards, "[coordinator] shards")
 
 
 def split_theta(theta: np.ndarray | Path, ranges: Sequence[Range]) -> tuple[np.ndarray, list[str], list[float]]:

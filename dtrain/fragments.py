@@ -71,13 +71,14 @@ def plan(sizes: Sequence[int], parts: int) -> tuple[Range, ...]:
     return tuple(Range(i, int(cum[a]), int(cum[b]), a, b) for i, (a, b) in enumerate(pairs))
 
 
-def plan_spec(spec: Spec, parts: int) -> tuple[Range, ...]:
-    """:func:`plan` over the tensors of a tree's spec; ConfigError naming ``outer.fragments`` if it cannot be
-    cut so (more fragments than tensors)."""
+def plan_spec(spec: Spec, parts: int, field: str = "[outer] fragments") -> tuple[Range, ...]:
+    """:func:`plan` over the tensors of a tree's spec; ConfigError naming ``field`` (the config field that asked
+    for the parts: ``outer.fragments``, or ``coordinator.shards``) if it cannot be cut so (more parts than
+    tensors)."""
     try:
         return plan(leaf_sizes(spec), parts)
     except ValueError as e:
-        raise ConfigError(f"[outer] fragments: {e}") from None
+        raise ConfigError(f"{field}: {e}") from None
 
 
 def fragment_of_round(target_version: int, parts: int) -> int:

@@ -284,7 +284,7 @@ class Worker:
                                      (self.n, self.tree_digest), self._joined_run)
         # coordinator.shards > 1: θ's ranges, each pushed to and pulled from its coordinator shard
         shards = cfg.coordinator.shards
-        self.shard_ranges = fragments.plan(fragments.leaf_sizes(self.spec), shards) if shards > 1 else ()
+        self.shard_ranges = fragments.plan_spec(self.spec, shards, "[coordinator] shards") if shards > 1 else ()
         self.links: ShardLinks | None = None
         if self.shard_ranges:
             self.links = ShardLinks(cfg, self.client, self.shard_ranges, lambda address: CoordinatorClient(
