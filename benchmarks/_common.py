@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +333,105 @@ def make_frames(codec_name: str, n_params: int, count: int, block: int, level: i
         frames.append(codec.encode(codec.quantize(delta, bits, blk, k.density), level))
         del delta
     return frames
+
+
+# -- the transport's floor: a bare gRPC server --------------------------------------------------------
+
+RAW_SERVICE = "dtrain.bench.Raw"
+
+
+def raw_server_main(run_dir: str, max_message_bytes: int, workers: int = 16) -> int:
+    """A bare Python gRPC server (run in its own process by :class:`RawServer`) with the coordinator's channel
+    options and a pool of ``workers`` threads, doing nothing with what it moves: ``Push`` counts the bytes of a
+    client stream and answers the count (8 bytes, little-endian); ``Pull`` answers a request of (total, piece)
+    (two 8-byte little-endian ints) with ``total`` bytes in messages of ``piece`` bytes, built once.
+    Writes ``raw.json`` (its port) into ``run_dir`` once it listens; stops on SIGTERM."""
+    import grpc
+
+    from dtrain.wire import channel_options
+
+    def push(request_iterator: Any, context: Any) -> bytes:
+        n = 0
+        for chunk in request_iterator:
+            n += len(chunk)
+        return n.to_bytes(8, "little")
+
+    pieces: dict[int, bytes] = {}
+
+    def pull(request: bytes, context: Any) -> Any:
+        total, piece = int.from_bytes(request[:8], "little"), int.from_bytes(request[8:16], "little")
+        if not 0 < piece <= max_message_bytes:
+            raise ValueError(f"piece {piece}: must be in [1, {max_message_bytes}]")
+        data = pieces.setdefault(piece, np.random.default_rng(piece).integers(0, 256, piece, np.uint8).tobytes())
+        full, rem = divmod(total, piece)
+        for _ in range(full):
+            yield data
+        if rem:
+            yield data[:rem]
+
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        "Push": grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull, request_deserializer=None, response_serializer=None)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    info = Path(run_dir) / "raw.json"
+    info.with_suffix(".tmp").write_text(json.dumps({"port": port}))
+    info.with_suffix(".tmp").replace(info)
+    stop.wait()
+    server.stop(grace=1.0).wait()
+    return 0
+
+
+class RawServer:
+    """:func:`raw_server_main` in a child process on 127.0.0.1:0 (``python benchmarks/_common.py raw-server``):
+    the ceiling of Python gRPC on loopback, with the coordinator's options, next to which a benchmark measures
+    dtrain. ``channel()`` opens a client channel; ``push``/``pull`` move bytes; ``cpu_s()`` is the server's CPU."""
+
+    def __init__(self, run_dir: Path, max_message_bytes: int, workers: int = 16):
+        run_dir.mkdir(parents=True)
+        self.run_dir, self.max_message_bytes = run_dir, max_message_bytes
+        self.log_path = run_dir / "raw.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "raw-server", str(run_dir),
+                                      str(max_message_bytes), str(workers)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
+        try:
+            self.port = wait_for_file(run_dir / "raw.json", self.proc, "the raw gRPC server", self.log_path)["port"]
+        except BaseException:
+            self.stop()
+            raise
+
+    def channel(self) -> Any:
+        import grpc
+
+        from dtrain.wire import channel_options
+
+        return grpc.insecure_channel(f"127.0.0.1:{self.port}", channel_options(self.max_message_bytes))
+
+    @staticmethod
+    def push(channel: Any, chunks: Any, timeout: float = 3600) -> int:
+        """Streams ``chunks`` (bytes) to the server; the byte count it received."""
+        call = channel.stream_unary(f"/{RAW_SERVICE}/Push", request_serializer=None, response_deserializer=None)
+        return int.from_bytes(call(iter(chunks), timeout=timeout), "little")
+
+    @staticmethod
+    def pull(channel: Any, total: int, piece: int, timeout: float = 3600) -> int:
+        """Receives ``total`` bytes in messages of ``piece``; the byte count received."""
+        call = channel.unary_stream(f"/{RAW_SERVICE}/Pull", request_serializer=None, response_deserializer=None)
+        return sum(len(m) for m in call(total.to_bytes(8, "little") + piece.to_bytes(8, "little"), timeout=timeout))
+
+    def cpu_s(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        stop_process(self.proc, "the raw gRPC server")
+        self._log.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["raw-server"]:
+    sys.exit(raw_server_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))

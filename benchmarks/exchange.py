@@ -53,13 +53,9 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +67,7 @@ from _common import (
     MB,
     ROOT,
     CoordinatorProcess,
-    child_env,
+    RawServer,
     choose_model,
     codec_list,
     cpu_seconds,
@@ -84,11 +80,8 @@ from _common import (
     proc_mem,
     run_concurrently,
     runtime_baseline,
-    stop_process,
-    wait_for_file,
 )
 
-RAW_SERVICE, RAW_METHOD = "dtrain.bench.Raw", "Push"
 TARGETS = {"int8_ratio": (">=", 3.9), "int4_ratio": (">=", 7.5), "merge_over_raw": (">=", 0.5),
            "peak_rss_over_model": ("<=", 3.0)}
 
@@ -120,9 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the no-model coordinator whose VmHWM is the runtime baseline")
     p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
-    p.add_argument("--raw-server", default=None, help=argparse.SUPPRESS)  # internal: run the raw gRPC server
-    p.add_argument("--max-message-bytes", type=int, default=8 << 20, help=argparse.SUPPRESS)
-    p.add_argument("--server-workers", type=int, default=16, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -132,69 +122,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- 1. raw gRPC ------------------------------------------------------------------------------------
 
 
-def raw_server_main(run_dir: str, max_message_bytes: int, workers: int) -> int:
-    """The ceiling's server (run in its own process): counts the bytes of a client stream, answers the count."""
-    import grpc
-
-    from dtrain.wire import channel_options
-
-    def push(request_iterator, context) -> bytes:
-        n = 0
-        for chunk in request_iterator:
-            n += len(chunk)
-        return n.to_bytes(8, "little")
-
-    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
-        RAW_METHOD: grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)})
-    # The coordinator's data threads and options (its pushes are bounded per peer, with no server-wide cap).
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    info = Path(run_dir) / "raw.json"
-    info.with_suffix(".tmp").write_text(json.dumps({"port": port}))
-    info.with_suffix(".tmp").replace(info)
-    stop.wait()
-    server.stop(grace=1.0).wait()
-    return 0
-
-
 def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int], repeats: int,
               work: Path) -> list[dict[str, Any]]:
-    import grpc
-
-    from dtrain.wire import channel_options
-
-    run_dir = work / "raw"
-    run_dir.mkdir()
-    log_path = run_dir / "raw.log"
-    with open(log_path, "w") as lf:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--raw-server", str(run_dir),
-                                 "--max-message-bytes", str(max_msg)], stdout=lf, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=child_env())
+    server = RawServer(work / "raw", max_msg)
     try:
-        port = wait_for_file(run_dir / "raw.json", proc, "the raw gRPC server", log_path)["port"]
         per_stream = FP32 * n_params
         blob = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8).tobytes()
         full, rem = divmod(per_stream, chunk_bytes)
         chunks = [blob] * full + ([blob[:rem]] if rem else [])
         rows = []
         for n in streams:
-            channels = [grpc.insecure_channel(f"127.0.0.1:{port}", channel_options(max_msg)) for _ in range(n)]
-            calls = [ch.stream_unary(f"/{RAW_SERVICE}/{RAW_METHOD}", request_serializer=None,
-                                     response_deserializer=None) for ch in channels]
-            for call in calls:  # connect first (dtrain's islands have joined before they push)
-                call(iter([b"x"]), timeout=60)
+            channels = [server.channel() for _ in range(n)]
+            for ch in channels:  # connect first (dtrain's islands have joined before they push)
+                server.push(ch, [b"x"], timeout=60)
             walls = []
             for _ in range(repeats):
-                res = run_concurrently(n, lambda i, calls=calls: calls[i](iter(chunks), timeout=3600))
+                res = run_concurrently(n, lambda i, channels=channels: server.push(channels[i], chunks))
                 for _, _, got in res:
-                    if int.from_bytes(got, "little") != per_stream:
-                        raise RuntimeError(f"raw server counted {int.from_bytes(got, 'little')} bytes, "
-                                           f"sent {per_stream}")
+                    if got != per_stream:
+                        raise RuntimeError(f"raw server counted {got} bytes, sent {per_stream}")
                 walls.append(max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res))
                 log(f"raw gRPC: {n} stream(s) x {per_stream / MB:.1f} MB: {walls[-1]:.2f}s "
                     f"({n * per_stream / walls[-1] / MB:.0f} MB/s)")
@@ -203,12 +149,12 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
             best = min(walls)
             rows.append({"streams": n, "bytes": n * per_stream, "wall_s": best, "walls_s": walls,
                          "bytes_per_s": n * per_stream / best})
-        mem = proc_mem(proc.pid)
+        mem = proc_mem(server.proc.pid)
         for row in rows:
             row["server_vmhwm"] = mem["VmHWM"]
         return rows
     finally:
-        stop_process(proc, "the raw gRPC server")
+        server.stop()
 
 
 # -- 2. dtrain push-and-merge -----------------------------------------------------------------------
@@ -452,8 +398,6 @@ def _met(name: str, value: float) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.raw_server:
-        raise SystemExit(raw_server_main(args.raw_server, args.max_message_bytes, args.server_workers))
     t_start = time.perf_counter()
     model_fields, n_params = choose_model(args.params, args.d_model, args.n_layers, args.full)
     model_bytes = FP32 * n_params

@@ -79,6 +79,7 @@ from _common import (
     FP32,
     MB,
     CoordinatorProcess,
+    RawServer,
     choose_model,
     cpu_seconds,
     fmt_or_na,
@@ -105,6 +106,7 @@ RSS_OVER_MODEL_MAX = 3.0
 LEASE_S = 30.0  # heartbeats stay at 1 s; a 30 s lease keeps an island whose heartbeat thread waits for a busy core
 QUICK = {"sizes": [2, 4], "params": 100_000, "rounds": 2, "warmup": 0}
 SHARD_SPEEDUP_MIN = 1.6
+PARAMS_PER_CORE_S_MIN = 5e8  # int8, end to end (the issue's target)
 PULLED_BYTES_MAX = 2e9  # update frames the island threads hold at once, at most (the frame size x pulls at once)
 
 
@@ -132,6 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="override one field of the coordinator's config (repeatable; after the benchmark's own)")
     p.add_argument("--shards", type=int_list, default=[1], metavar="S,...",
                    help="coordinator shard counts to measure each island count with (default 1; e.g. 1,2)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the transport floor (a bare gRPC server moving the same bytes, and zstd decoding)")
     p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
@@ -200,13 +204,29 @@ def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | No
     }
 
 
+def floor_figures(floor: dict[str, Any], params: int) -> dict[str, float]:
+    """Parameters per core-second that the transport and the codec's entropy stage alone allow, from
+    :func:`transport_floor`'s CPU seconds: ``wire`` (a bare gRPC server taking every island's push and serving
+    every pull), ``decode`` (zstd-decompressing one pushed frame) and ``ceiling``, both in series (1 / (1/wire +
+    1/decode)): what a coordinator doing nothing else would reach on this machine."""
+    wire = floor["islands"] * params / floor["server_cpu_s"]
+    decode = params / floor["decode_cpu_s"]
+    return {"wire": wire, "decode": decode, "ceiling": 1 / (1 / wire + 1 / decode)}
+
+
 def targets_line(f: dict[str, Any]) -> str:
     g = f["growth"]
     linear = ("round time: one island count only" if g is None else
               f"round time x{g['ratio']:.2f} for x{g['islands_ratio']:g} islands (target <= {LINEAR_TOLERANCE:g} x "
               f"{g['islands_ratio']:g} = {g['limit']:g})")
     memory = f"peak RSS / model {f['rss_over_model']:.2f} at {f['islands']} islands (target <= {RSS_OVER_MODEL_MAX:g})"
-    return f"targets: {linear} {met(f['linear_ok'])}; {memory} {met(f['memory_ok'])}"
+    p = f.get("params_per_core_s")
+    ceiling = f.get("floor", {}).get("ceiling")
+    speed = (f"params/core-s {fmt_or_na(p, '.3g')} at {f['islands']} islands (target >= {PARAMS_PER_CORE_S_MIN:.0e}"
+             + (f"; gRPC + zstd alone on this machine: {ceiling:.3g}, {p / ceiling:.0%} of it reached" if p and ceiling
+                else "") + ")")
+    return (f"targets: {linear} {met(f['linear_ok'])}; {memory} {met(f['memory_ok'])}; {speed} "
+            f"{met(None if p is None else p >= PARAMS_PER_CORE_S_MIN)}")
 
 
 def final_line(f: dict[str, Any]) -> str:
@@ -493,6 +513,56 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
     }
 
 
+def transport_floor(frames: list[bytes], islands: int, rounds: int, pull_bytes: int, cfg: Config,
+                    work: Path) -> dict[str, Any]:
+    """What moving a round's bytes costs with nothing else done: ``islands`` threads push the same frames in the
+    same chunks (``codec.chunk_bytes``) to a bare Python gRPC server in its own process (``_common.RawServer``, the
+    coordinator's channel options) and each pulls ``pull_bytes`` (the coordinator's update frame per island) in
+    the coordinator's pull pieces (``coordinator.memory.pull_piece``), at most as many at once as the islands
+    pull; the server's CPU seconds per round (median of ``rounds``). And the codec's entropy stage: zstd
+    decompressing one frame's body, CPU seconds in this process (median over the pool, at most 3)."""
+    import zstandard
+
+    from coordinator.memory import pull_piece
+    from dtrain import codec
+
+    chunk, piece = cfg.codec.chunk_bytes, pull_piece(cfg)
+    pulling = threading.BoundedSemaphore(pulls_at_once(islands, pull_bytes))
+    server = RawServer(work / f"raw-{islands}", cfg.coordinator.max_message_bytes)
+    try:
+        channels = [server.channel() for _ in range(islands)]
+        for ch in channels:  # connected first, as the islands have joined
+            server.push(ch, [b"x"], timeout=60)
+        cpu, walls = [], []
+        for r in range(rounds):
+            def island(i: int, r: int = r) -> None:
+                frame = frames[(i + r) % len(frames)]
+                got = server.push(channels[i], (frame[k:k + chunk] for k in range(0, len(frame), chunk)))
+                with pulling:
+                    got += server.pull(channels[i], pull_bytes, piece)
+                if got != len(frame) + pull_bytes:
+                    raise DtrainError(f"the raw gRPC server moved {got} bytes, expected {len(frame) + pull_bytes}")
+
+            c0 = server.cpu_s()
+            res = run_concurrently(islands, island)
+            cpu.append(server.cpu_s() - c0)
+            walls.append(max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res))
+            log(f"transport floor: {islands} islands, round {r}: {walls[-1]:.2f}s, raw gRPC server {cpu[-1]:.2f} "
+                f"CPU s")
+        for ch in channels:
+            ch.close()
+    finally:
+        server.stop()
+    decode = []
+    for frame in frames[:3]:
+        t0 = time.process_time()
+        zstandard.ZstdDecompressor().decompressobj().decompress(frame[codec.HEADER_SIZE:])
+        decode.append(time.process_time() - t0)
+    return {"islands": islands, "server_cpu_s": statistics.median(cpu), "server_cpu_s_rounds": cpu,
+            "wall_s": statistics.median(walls), "pull_bytes": pull_bytes, "chunk_bytes": chunk, "pull_piece": piece,
+            "decode_cpu_s": statistics.median(decode)}
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -515,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dtrain-scale-"))
     by_shards: dict[int, list[dict[str, Any]]] = {s: [] for s in args.shards}
     baseline: int | None = None
+    floor: dict[str, Any] | None = None
     loads = [os.getloadavg()[0]]
     try:
         if not args.no_baseline:
@@ -528,6 +599,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                              args.overrides, shards=s))
                 loads.append(os.getloadavg()[0])
             del cut
+        if not args.no_floor and 1 in args.shards:
+            top = max(by_shards[1], key=lambda r: r["islands"])
+            floor = transport_floor(frames, top["islands"], args.rounds, int(top["bytes_out"] // top["islands"]),
+                                    scale_config(model_fields, work, top["islands"], 1, args.overrides), work)
     finally:
         if args.keep:
             log(f"kept {work}")
@@ -536,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = by_shards[args.shards[0]]
     f = figures(rows, model_bytes, baseline)
     f["shards"] = args.shards[0]
+    if floor is not None:
+        f["floor"] = floor_figures(floor, n_params)
     if len(args.shards) > 1:
         top = max(args.sizes)
         one = next(r for r in by_shards[args.shards[0]] if r["islands"] == top)
@@ -568,11 +645,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if f["net_rss_over_model"] is not None:
         print(f"memory at {f['islands']} islands: raw {f['rss_over_model']:.2f}, net of the runtime "
               f"{f['net_rss_over_model']:.2f} model sizes")
+    if floor is not None:
+        ff = f["floor"]
+        print(f"floor at {floor['islands']} islands (the same frames, chunks and pulls, nothing else done): a bare "
+              f"gRPC server {floor['server_cpu_s']:.2f} CPU s a round -> {ff['wire']:.3g} params/core-s; zstd "
+              f"decoding a frame {floor['decode_cpu_s']:.3f} CPU s -> {ff['decode']:.3g}; both: {ff['ceiling']:.3g} "
+              f"params/core-s; the coordinator: {fmt_or_na(f['params_per_core_s'], '.3g')}")
     print(f"wall {wall:.0f}s")
     out = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes}, "codec": CODEC,
            "rounds": args.rounds, "warmup": args.warmup, "baseline_vmhwm": baseline, "rows": rows, "figures": f,
            "rows_by_shards": {str(s): r for s, r in by_shards.items()},
-           "load_average": loads, "wall_s": wall}
+           "floor": floor, "load_average": loads, "wall_s": wall}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
     print(targets_line(f))

@@ -163,3 +163,20 @@ def test_the_stream_budget_is_shared_by_the_islands_within_the_per_stream_bounds
     assert opts["grpc.http2.lookahead_bytes"] == 1 << 20 and opts["grpc.http2.bdp_probe"] == 0
     assert "grpc.http2.lookahead_bytes" not in dict(server_options(load_config(TINY, [
         "coordinator.stream_window_bytes=0"])))
+
+
+def test_the_floor_and_the_per_core_target_on_the_targets_line(scale: ModuleType) -> None:
+    # 16 islands of 2e8 parameters: a bare server at 4 CPU s a round (8e8 per core-s), zstd at 0.25 s a frame
+    # (8e8): in series a ceiling of 4e8; a coordinator at 2e8 reaches half of it and misses 5e8.
+    ff = scale.floor_figures({"islands": 16, "server_cpu_s": 4.0, "decode_cpu_s": 0.25}, 200_000_000)
+    assert ff["wire"] == pytest.approx(8e8) and ff["decode"] == pytest.approx(8e8)
+    assert ff["ceiling"] == pytest.approx(4e8)
+    f = scale.figures([{**_row(16, 9.0, MODEL), "coordinator_cpu_s": 16 * (MODEL // 4) / 2e8}], MODEL, None)
+    f["floor"] = ff
+    line = scale.targets_line(f)
+    assert "params/core-s 2e+08 at 16 islands (target >= 5e+08; gRPC + zstd alone on this machine: 4e+08, 50% " \
+           "of it reached) NOT met" in line
+    fast = scale.figures([{**_row(16, 9.0, MODEL), "coordinator_cpu_s": 16 * (MODEL // 4) / 6e8}], MODEL, None)
+    assert scale.targets_line(fast).endswith("params/core-s 6e+08 at 16 islands (target >= 5e+08) met")
+    assert scale.targets_line(scale.figures([_row(16, 9.0, MODEL)], MODEL, None)).endswith(
+        "params/core-s n/a at 16 islands (target >= 5e+08) not measured")
