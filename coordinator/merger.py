@@ -80,8 +80,10 @@ import dataclasses
 import math
 import os
 import secrets
+import shutil
 import tempfile
 import threading
+import weakref
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,6 +336,9 @@ class Merger:
         ``None``: zeros."""
         self.opts = opts
         self.spool_dir = Path(spool_dir) if spool_dir else Path(tempfile.mkdtemp(prefix="dtrain-merger-"))
+        # A folder of its own (no spool_dir) goes with the merger: at close(), or when it is collected or the
+        # process exits without one. A given spool_dir is its owner's (a coordinator's run folder) and stays.
+        self._remove_dir = None if spool_dir else weakref.finalize(self, shutil.rmtree, self.spool_dir, True)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.spool_dir / "state"
         self.state_dir.mkdir(exist_ok=True)
@@ -362,7 +367,8 @@ class Merger:
 
     def close(self) -> None:
         """Drops the pending pushes and the spare spool files (the state files stay: a checkpoint may link
-        them, and the next merger in this folder clears them)."""
+        them, and the next merger in this folder clears them). A merger made without ``spool_dir`` removes the
+        temporary folder it made, state files and all (a checkpoint's hard links keep their own copies)."""
         for p in self.pending:
             p.spool.close()
         self.pending = []
@@ -373,6 +379,8 @@ class Merger:
         for fd, path in spares:
             os.close(fd)
             path.unlink(missing_ok=True)
+        if self._remove_dir is not None:
+            self._remove_dir()
 
     # -- the state files ----------------------------------------------------------------------------
 

@@ -698,3 +698,24 @@ def test_the_spool_measures_a_sparse_push_norm():
         want = np.linalg.norm(codec.dequantize(codec.decode(_sparse_frame(vec))).astype(np.float64))
         assert sp.norm == pytest.approx(want, rel=1e-6)
     m.close()
+
+
+def test_a_merger_without_a_folder_removes_the_one_it_made(tmp_path) -> None:
+    import gc
+
+    rng = np.random.default_rng(5)
+    m = Merger(np.zeros(N, np.float32), opts(up="int8"))
+    own = m.spool_dir
+    _push(m, rng.normal(size=N).astype(np.float32) * 1e-2, 1.0)
+    m.outer_step()
+    assert own.is_dir() and any(own.iterdir())
+    m.close()
+    assert not own.exists()  # state files, update frames and spare spools with it
+
+    lost = Merger(np.zeros(N, np.float32), opts(up="int8")).spool_dir  # never closed: collected
+    gc.collect()
+    assert not lost.exists()
+
+    given = Merger(np.zeros(N, np.float32), opts(up="int8"), spool_dir=tmp_path / "run")
+    given.close()
+    assert (tmp_path / "run" / "state").is_dir()  # a folder it was given is its owner's
