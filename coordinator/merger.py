@@ -319,8 +319,7 @@ def _scan_theta(path: Path) -> tuple[str, float]:
     with open(path, "rb") as f:
         while piece := f.read(IO_PIECE):
             h.update(piece)
-            values = np.frombuffer(piece, "<f4")
-            sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
+            sum_sq += codec.sum_squares(np.frombuffer(piece, "<f4"))
     return hasher_digest(h), math.sqrt(sum_sq)
 
 
@@ -735,7 +734,7 @@ class Merger:
             buf = theta if name == "theta" else np.empty(e - s, np.float32)
             _read_into(fds[name], buf, 4 * s)
             write_from(fds[name + "_new"], buf, 4 * s)
-        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64)), ()
+        return theta, codec.sum_squares(theta), ()
 
     def _step_slab(self, s: int, e: int, inv_w: np.float32, fds: dict[str, int],
                    scales: np.ndarray, base: int = 0) -> tuple[np.ndarray, float, tuple]:
@@ -791,7 +790,7 @@ class Merger:
             theta += applied  # θ is the sum of what was broadcast
         self._check_finite("theta", s, theta)
         write_from(fds["theta_new"], theta, 4 * s)
-        return theta, float(np.einsum("i,i->", theta, theta, dtype=np.float64)), sparse
+        return theta, codec.sum_squares(theta), sparse
 
     def _commit(self, new: int, tmp: dict[str, Path]) -> None:
         """Makes ``new`` the current version: its files take their names, the old ones are kept for reuse

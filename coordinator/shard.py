@@ -112,7 +112,7 @@ def split_theta(theta: np.ndarray | Path, ranges: Sequence[Range]) -> tuple[np.n
     if vec.size != ranges[-1].end:
         raise ValueError(f"θ_0 holds {vec.size} values, the model {ranges[-1].end}")
     digests = range_digests(vec, ranges)
-    sq = [float(np.einsum("i,i->", vec[r.start:r.end], vec[r.start:r.end], dtype=np.float64)) for r in ranges]
+    sq = [codec.sum_squares(vec[r.start:r.end]) for r in ranges]
     return np.array(vec[ranges[0].start:ranges[0].end], np.float32), digests, sq
 
 

@@ -30,11 +30,11 @@ class BodyNorm:
     Σ_b scale_b² · Σ level² per block (``codec.block_sum_squares``), float64, nothing dequantized; bits=32:
     Σ value². Pieces need not align with blocks: the bytes of a split block wait for the rest (at most one block).
 
-    Sums are ``np.einsum`` (numpy's own loop, float64 accumulation, no float64 copy), never ``np.dot``: a dot of
-    a 256 KiB fp32 piece goes to the BLAS library, whose threads spin while they wait for work; with several
-    pushes streaming in at once they took the coordinator's cores from each other (8 fp32 islands: 8x the CPU
-    of 4, ~90 CPU s a round for 8 pushes that cost ~1 CPU s each alone). The coordinator makes no BLAS call
-    (tests/test_merger.py counts them).
+    Sums are numpy's own loops (``codec.sum_squares`` for fp32 values, ``np.einsum`` for the per-block terms),
+    never ``np.dot``: a dot of a 256 KiB fp32 piece goes to the BLAS library, whose threads spin while they wait
+    for work; with several pushes streaming in at once they took the coordinator's cores from each other (8
+    fp32 islands: 8x the CPU of 4, ~90 CPU s a round for 8 pushes that cost ~1 CPU s each alone). The
+    coordinator makes no BLAS call (tests/test_merger.py counts them).
     """
 
     def __init__(self, n: int, bits: codec.Bits, block: int):
@@ -73,8 +73,7 @@ class BodyNorm:
 
     def _add(self, payload: bytes | bytearray | memoryview, count: int) -> None:
         if self.bits == 32:
-            values = np.frombuffer(payload, "<f4")
-            self._sum_sq += float(np.einsum("i,i->", values, values, dtype=np.float64))
+            self._sum_sq += codec.sum_squares(np.frombuffer(payload, "<f4"))
         else:
             first = self._units
             sums = codec.block_sum_squares(self.bits, self.block, payload, count)

@@ -653,3 +653,19 @@ def test_spec_size_counts_the_flat_vector() -> None:
     assert codec.spec_size(spec) == vec.size == 13
     with pytest.raises(CodecError, match="bad shape"):
         codec.spec_size([["a", [-1], "float32"]])
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, codec.quant.SUM_SQUARES_PIECE, 3 * codec.quant.SUM_SQUARES_PIECE + 17])
+def test_sum_squares_is_the_float64_sum_to_float32_rounding(n: int, tmp_path) -> None:
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.choice([1e-4, 1.0, 1e3], n)).astype(np.float32)
+    exact = float(np.sum(x.astype(np.float64) ** 2))
+    got = codec.sum_squares(x)
+    assert isinstance(got, float) and got == pytest.approx(exact, rel=1e-6, abs=0)
+    path = tmp_path / "v.f32"  # a memory map of a file, read piece by piece (nothing model-sized in memory)
+    x.tofile(path)
+    assert codec.sum_squares(np.memmap(path, "<f4", mode="r") if n else np.zeros(0, np.float32)) == got
+    assert codec.sum_squares(x.reshape(-1, 1)) == got
+    assert np.isnan(codec.sum_squares(np.array([1.0, np.nan], np.float32)))
+    big = np.array([3e38, 1.0], np.float32)  # its float32 squares overflow: that piece is summed in float64
+    assert codec.sum_squares(big) == pytest.approx(float(np.float64(big[0]) ** 2 + 1.0), rel=1e-12)

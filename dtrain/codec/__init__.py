@@ -79,6 +79,7 @@ from dtrain.codec.quant import (
     payload_offset,
     quantize,
     quantize_segment,
+    sum_squares,
 )
 from dtrain.codec.sparse import (
     MAX_CHUNK,
@@ -154,6 +155,7 @@ __all__ = [
     "sparse_scheme",
     "spec_digest",
     "spec_size",
+    "sum_squares",
     "unflatten",
     "write_frame",
 ]

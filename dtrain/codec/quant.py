@@ -44,6 +44,7 @@ residual and keeps what quantization dropped for the next round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -72,8 +73,10 @@ __all__ = [
     "n_scales",
     "payload_len",
     "payload_offset",
+    "block_sum_squares",
     "quantize",
     "quantize_segment",
+    "sum_squares",
 ]
 
 Bits = Literal[8, 4, 32, "e3m0", "sparse2", "sparse4", "sparse8"]
@@ -292,6 +295,27 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
     codes = _unpack_nibbles(payload, count)
     magnitude = _E3M0_LEVELS[codes & 7] * scale_per_value
     return np.where(codes & 8, -magnitude, magnitude)
+
+
+SUM_SQUARES_PIECE = 1 << 16  # values squared at once by sum_squares (256 KiB of scratch)
+
+
+def sum_squares(values: np.ndarray) -> float:
+    """Σ value² of float32 ``values`` (any size: squared piece by piece into one small scratch buffer), as a Python
+    float. Each piece is summed by numpy's pairwise float32 summation (relative error about 1e-7; the pieces add
+    in float64; a piece whose float32 sum overflows is summed again in float64, so finite values never give an
+    infinite sum): four times the speed of a float64-accumulating ``einsum``, and never BLAS (``np.dot`` hands
+    long vectors to a thread pool whose spinning threads took the coordinator's cores)."""
+    x = values.reshape(-1)
+    scratch = np.empty(min(x.size, SUM_SQUARES_PIECE), np.float32)
+    total = 0.0
+    for s in range(0, x.size, SUM_SQUARES_PIECE):
+        part = x[s:s + SUM_SQUARES_PIECE]
+        piece = float(np.square(part, out=scratch[:part.size], dtype=np.float32).sum())
+        if piece == math.inf:  # float32 overflow (values past ~1.8e19, or their sum): the piece again in float64
+            piece = float(np.einsum("i,i->", part, part, dtype=np.float64))
+        total += piece
+    return total
 
 
 def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | bytearray | memoryview,
