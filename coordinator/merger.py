@@ -123,7 +123,7 @@ class MergeOptions:
     rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean", "median", "clipped_mean", "screened_mean"
     trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
     clip_ratio: float = 1.0  # coordinator.clip_ratio: clipped_mean caps each norm at this x the median norm
-    spare_spools: int = 8  # spool files kept for reuse (disk: this many frame bodies at most)
+    spare_spools: int = 8  # spool files kept for reuse between rounds (disk: this many frame bodies at most)
     threads: int = 2  # coordinator.merge_threads: the outer step's threads
     up_block: int = 0  # the pushes' block (a sparse codec's chunk: codec.sparse_chunk); 0: block
     down_block: int = 0  # the update's block, likewise; 0: block
@@ -153,6 +153,9 @@ class MergeOptions:
                    keep_updates=cfg.coordinator.keep_updates, rule=merge_rule(cfg),
                    trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
                    threads=cfg.coordinator.merge_threads, up_block=up_block, down_block=down_block,
+                   # one spare per island: a round's pushes all write over the last round's files (filling new
+                   # ones costs the kernel 3x), and the disk they hold is what every round's spools take anyway
+                   spare_spools=max(cls.spare_spools, cfg.outer.islands),
                    max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges)
 
 

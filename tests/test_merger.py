@@ -719,3 +719,22 @@ def test_a_merger_without_a_folder_removes_the_one_it_made(tmp_path) -> None:
     given = Merger(np.zeros(N, np.float32), opts(up="int8"), spool_dir=tmp_path / "run")
     given.close()
     assert (tmp_path / "run" / "state").is_dir()  # a folder it was given is its owner's
+
+
+def test_every_push_of_a_round_writes_over_a_spool_file_of_the_last_round() -> None:
+    islands = 12  # more than the 8 spares a merger keeps at least
+    o = MergeOptions.from_config(config.replace(Config(), outer={"islands": islands}, codec={"block": BLOCK}))
+    assert o.spare_spools == islands and MergeOptions.from_config(Config()).spare_spools == 8
+    m = Merger(np.zeros(N, np.float32), o)
+    rng = np.random.default_rng(9)
+    files = []
+    for _ in range(3):
+        spools = [m.spool() for _ in range(islands)]
+        files.append({os.fstat(sp.fd).st_ino for sp in spools})
+        for sp in spools:
+            sp.write(codec.encode(codec.quantize(rng.normal(size=N).astype(np.float32) * 1e-2, o.up_bits, BLOCK)))
+            m.validate(sp)
+            m.add_pending(sp, 1.0)
+        m.outer_step()
+    assert files[1] == files[0] and files[2] == files[0]  # no new file after the first round
+    m.close()
