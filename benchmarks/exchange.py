@@ -111,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the extra int8 run with coordinator.checkpoint=true")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the no-model coordinator whose VmHWM is the runtime baseline")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field of the coordinator's config (repeatable; after the benchmark's own)")
     p.add_argument("--keep", action="store_true", help="keep the temporary run folders (logs, events)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     model_fields, n_params = choose_model(args.params, args.d_model, args.n_layers, args.full)
     model_bytes = FP32 * n_params
-    base = make_config(model_fields, Path(tempfile.gettempdir()))
+    base = make_config(model_fields, Path(tempfile.gettempdir()), extra=args.overrides)  # a bad --set: here
     chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.zstd_level
     max_msg = base.coordinator.max_message_bytes
     islands = sorted(set(args.islands))
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"{name}: encoding {max(islands)} fabricated deltas ...")
             frames = make_frames(name, n_params, max(islands), block, level)
             gauss_frame_ratio[name] = model_bytes / len(frames[0])
-            cfg = make_config(model_fields, work, name, 1, False, args.repeats)
+            cfg = make_config(model_fields, work, name, 1, False, args.repeats, args.overrides)
             cpu[name] = breakdown(cfg, frames[0], n_params, work)
             log(f"{name}: per push {cpu[name]['per_push']:.2f}s CPU, outer step {cpu[name]['outer_step']:.2f}s")
             for k in args.merge_threads:
@@ -455,11 +457,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log(f"{name}: {len(frames)} pushes merged with merge_threads={k}: "
                     f"{merges[-1]['params_per_core_s']:.3g} params/core-s")
             for n in islands:
-                cfg = make_config(model_fields, work, name, n, False, args.repeats)
+                cfg = make_config(model_fields, work, name, n, False, args.repeats, args.overrides)
                 runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}", n_params))
             if name == "int8" and not args.no_checkpoint_run:
                 n = max(islands)
-                cfg = make_config(model_fields, work, name, n, True, args.repeats)
+                cfg = make_config(model_fields, work, name, n, True, args.repeats, args.overrides)
                 runs.append(bench_dtrain(cfg, frames, n, args.repeats, work / f"coord-{name}-{n}-ckpt", n_params))
             del frames
         out["dtrain"] = runs

@@ -52,3 +52,12 @@ def test_the_trained_delta_is_a_real_pseudo_gradient_of_the_benchmark_model() ->
     assert delta.shape == (n_params,) and delta.dtype == np.float32
     assert np.all(np.isfinite(delta)) and np.count_nonzero(delta) > n_params // 2
     assert how.startswith("θ0−θ2: 2 AdamW steps")
+
+
+def test_a_bad_set_is_one_line_and_exit_2() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exchange.py"), "--params", "20k",
+                           "--set", "coordinator.merge_rule=bogus"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("benchmarks/exchange.py: config error: ") and "merge_rule" in lines[0]
