@@ -36,6 +36,14 @@ Then the slope of round s over N (least squares over the sizes) and the targets:
   linear:  round_s(N_max) / round_s(N_min) <= LINEAR_TOLERANCE x N_max / N_min (round time grows no faster than
            the island count, with 25% of slack for noise on this shared machine)
   memory:  peak RSS / model <= 3 at N_max
+  speed:   params/core-s >= PARAMS_PER_CORE_S_MIN (5e8, int8) at N_max, printed beside the floor below
+
+The floor (``--no-floor`` skips it): after the rows, at N_max, the same island threads push the same frames in
+the same chunks to a bare Python gRPC server in its own process (``_common.RawServer``, the coordinator's channel
+options) and pull the same update bytes in the coordinator's pull pieces; the server's CPU per round gives the
+params/core-s of the transport alone, zstd decoding a frame as the coordinator does (chunks in, 256 KiB pieces
+out) that of the codec's entropy stage, and the two in series the ceiling a coordinator doing nothing else would
+reach on this machine. The targets line says how much of it the coordinator reached.
 
 A missed target is reported (NOT met) but does not change the exit status; a bad argument or a run that fails
 does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
