@@ -533,6 +533,7 @@ def test_a_killed_islands_shard_is_finished_by_a_survivor(tmp_path: Path) -> Non
         assert not [e for e in events if e["event"] in ("heartbeat_failed", "rejoin_failed") and e["t"] < end], name
 
 
+@pytest.mark.slow  # ~27 s of worker processes; the split and take-over rules are in test_segments.py
 def test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over(tmp_path: Path) -> None:
     """Segments with real processes: island-1 is SIGKILLed after version 1 for good; once island-0's and island-2's
     own shards are done the first of them splits island-1's data left in two pieces (one per live island) and

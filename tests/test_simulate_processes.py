@@ -632,6 +632,7 @@ def test_sparseloco_in_process_mode_pushes_sparse_frames_and_islands_agree(tmp_p
     assert s["compression_ratio"] > 30  # 5% of the values at ~18 bits each (uncompressed): ~35x
 
 
+@pytest.mark.slow  # ~13 s of processes; one island's token acting as another's is in test_identity.py
 def test_a_sybil_presenting_another_islands_token_is_refused_at_join_and_the_run_ends(tmp_path, compile_cache):
     """`dtrain simulate --island-tokens`: each island gets its own issued token; island-1 presents
     island-0's (``--island island-1:credential=island-0``, the Sybil case): the coordinator refuses its Join with
