@@ -35,7 +35,7 @@ from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.shard import ShardedStep, ShardPeers, ShardRefused, read_secret, shard_ranges, split_theta
 from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
-from coordinator.streams import PushStreams, Stream
+from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
 from dtrain.config import Config, ConfigError
 from dtrain.errors import CheckpointError
@@ -100,15 +100,6 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
         if ours.get(key) != theirs.get(key):
             diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}")
     return "; ".join(diffs)
-
-
-def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string, without its port: ``ipv4:10.0.0.7:53122`` -> ``10.0.0.7``,
-    ``ipv6:[::1]:53122`` -> ``[::1]``; anything else (``unix:...``) as it is."""
-    scheme, _, rest = peer.partition(":")
-    if scheme in ("ipv4", "ipv6") and ":" in rest:
-        return rest.rpartition(":")[0]
-    return peer
 
 
 class CallerIdentity:

@@ -46,6 +46,7 @@ from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import PushInfo
 from coordinator.spool import Spool
+from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config import Config, ConfigError
@@ -165,6 +166,9 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.merger = self._open(self.theta0, 0)
         self.streams = FrameStreams()
         self.intake = PushIntake(cfg, self.merger, Telemetry.disabled(), self.streams)
+        # the lead's bounds on open push streams, here too: per peer host, per island, and the idle reaper
+        self.push_streams = PushStreams(cfg, self._idle_cancelled)
+        self.push_streams.start()
         self.pull_piece = pull_piece(cfg)
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.held: dict[str, HeldPart] = {}
@@ -356,10 +360,33 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
     # -- the islands' calls -------------------------------------------------------------------------
 
     def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
+        # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
+        stream = self.push_streams.open(peer_host(context.peer()), context)
+        if isinstance(stream, str):
+            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shard {self.index}: {stream}")
+        try:
+            return self._push(self.push_streams.watched(stream, request_iterator), context, stream)
+        finally:
+            self.push_streams.close(stream)
+
+    def _idle_cancelled(self, stream: Stream, waited_s: float) -> None:
+        what = "its header" if not stream.island else "its next chunk"
+        log.warning("shard %d: push stream from %s cancelled: no message for %.1fs while waiting for %s "
+                     "(coordinator.stream_idle_s=%g)", self.index, stream.peer, waited_s, what,
+                     self.cfg.coordinator.stream_idle_s)
+
+    def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
+              stream: Stream) -> pb.PushDeltaResponse:
+        """PushDelta on an open ``stream``: the header, the part's checks, its payload into a held spool."""
         try:
             h = read_header(request_iterator, self.tree_digest)
         except WireError as e:
             context.abort(e.code, str(e))
+        over = self.push_streams.claim(stream, h.island_id)
+        if over:
+            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shard {self.index}: {over}")
         if h.shard != self.index:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: its header names shard "
                                                             f"{h.shard}, this is shard {self.index}")
@@ -462,6 +489,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                                      mode=f"shard {self.index} of {len(self.ranges)}")
 
     def close(self) -> None:
+        self.push_streams.stop()
         with self.lock:
             self._drop_all()
             self.merger.close()

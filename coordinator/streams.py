@@ -29,6 +29,15 @@ T = TypeVar("T")
 _log = logging.getLogger("dtrain.coordinator")
 
 
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string, without its port: ``ipv4:10.0.0.7:53122`` -> ``10.0.0.7``,
+    ``ipv6:[::1]:53122`` -> ``[::1]``; anything else (``unix:...``) as it is."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return rest.rpartition(":")[0]
+    return peer
+
+
 def streams_per_peer(cfg: Config) -> int:
     """``coordinator.max_streams_per_peer``, or with 0 (the default) outer.islands + 8: every island of a run on
     one host (``dtrain simulate``, a benchmark, islands behind one NAT) pushes at once, with room for retries."""

@@ -4,9 +4,12 @@ test_progress, test_deploy). Their fixtures (``net_cfg``, ``certs``) are in conf
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from conftest import initial_parameters, initial_spec
@@ -14,6 +17,7 @@ from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.config import replace
 from dtrain.proto import dtrain_pb2 as pb
+from dtrain.wire import auth_metadata, method_path, serialize
 from workers.client import CoordinatorClient
 
 
@@ -61,3 +65,44 @@ def tls_config(cfg, d: Path, client_auth: bool, client: str | None):
     elif client == "rogue":
         sec.update(client_cert=str(d / "rogue.pem"), client_key=str(d / "rogue.key"))
     return replace(cfg, security=sec)
+
+
+class IdlePushes:
+    """PushDelta streams opened on one channel that send nothing (or only ``header``) until :meth:`close`."""
+
+    def __init__(self, address: str, token: str | None):
+        self.channel = grpc.insecure_channel(address)
+        self.push = self.channel.stream_unary(method_path("PushDelta"), request_serializer=serialize,
+                                              response_deserializer=pb.PushDeltaResponse.FromString)
+        self.metadata = auth_metadata(token)
+        self.release = threading.Event()
+        self.calls: list[grpc.Future] = []
+
+    def _messages(self, header: pb.PushHeader | None) -> Iterator[pb.PushMessage]:
+        if header is not None:
+            yield pb.PushMessage(header=header)
+        self.release.wait(120)  # no message, no half-close: the stream stays open and idle
+
+    def open(self, count: int = 1, header: pb.PushHeader | None = None) -> list[grpc.Future]:
+        calls = [self.push.future(self._messages(header), timeout=120, metadata=self.metadata) for _ in range(count)]
+        self.calls += calls
+        return calls
+
+    def close(self) -> None:
+        self.release.set()
+        for call in self.calls:
+            call.cancel()
+        self.channel.close()
+
+
+def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def call_failure(call: grpc.Future) -> grpc.RpcError:
+    error = call.exception(timeout=20)
+    assert isinstance(error, grpc.RpcError), f"the call did not fail: {call.result()}"
+    return error

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
-from coordinator.service import peer_host
+from coordinator.streams import peer_host
 from dtrain import codec
 from dtrain.config import load_config
 from dtrain.proto import dtrain_pb2 as pb

@@ -14,8 +14,8 @@ from dtrain import codec, fragments
 from dtrain.config import ConfigError, load_config, replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import max_frame_bytes
-from service_helpers import push_header
+from dtrain.wire import BUSY_METADATA_KEY, max_frame_bytes
+from service_helpers import IdlePushes, call_failure, push_header, wait_for
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import GlobalParams, Puller, ShardFrames, Uplink
 from workers.shard_links import ShardedPuller, ShardedPush, ShardLinks
@@ -286,6 +286,41 @@ def test_range_shard_takes_the_islands_token_only(cfg, tmp_path, monkeypatch):
         assert list(run.shard.held) == ["wrong-token"]
         isl.close()
     finally:
+        run.stop()
+
+
+def test_range_shard_bounds_push_streams_per_peer_and_island_and_cancels_idle_ones(cfg, tmp_path):
+    """The lead's bounds on open push streams hold on a range shard too: a stream that sends nothing (or only its
+    header) for coordinator.stream_idle_s is cancelled, an island over max_streams_per_island and a peer over
+    max_streams_per_peer are refused RESOURCE_EXHAUSTED and marked busy; nothing is held."""
+    cfg = replace(cfg, coordinator={"stream_idle_s": 1.0, "max_streams_per_peer": 3, "max_streams_per_island": 1})
+    run = Sharded(cfg, tmp_path)
+    idle = IdlePushes(run.shard_address, token=None)
+    try:
+        isl = Island(run.cfg, run.address, "isl-0", run.theta0.size, run.ranges)
+        header = push_header(isl.join, "held-open")
+        header.shard = 1
+        r1 = run.ranges[1]  # a header for a real part of the range: its size, CRC and chunk count filled in
+        isl.links.others[0]._chunked(header, codec.encode(codec.quantize(np.full(r1.size, 1e-3, np.float32), 8,
+                                                                        128)))
+        first = idle.open(header=header)[0]
+        wait_for(lambda: run.shard.push_streams.counts()[2] == {isl.join.island_id: 1}, "the island's stream")
+        island_over = call_failure(idle.open(header=header)[0])
+        assert island_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "shard 1" in island_over.details() and "max_streams_per_island=1" in island_over.details()
+        assert (BUSY_METADATA_KEY, "1") in tuple(island_over.trailing_metadata())
+        idle.open(2)  # no header: counted for the peer only
+        wait_for(lambda: run.shard.push_streams.counts()[0] == 3, "three streams from this peer")
+        peer_over = call_failure(idle.open()[0])
+        assert peer_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_streams_per_peer=3" in peer_over.details()
+        # and every stream left idle is cancelled after stream_idle_s, the one with a header too
+        assert call_failure(first).code() == grpc.StatusCode.CANCELLED
+        wait_for(lambda: run.shard.push_streams.counts()[0] == 0, "the idle streams to be cancelled")
+        assert run.shard.held == {}
+        isl.close()
+    finally:
+        idle.close()
         run.stop()
 
 

@@ -17,39 +17,11 @@ from coordinator.streams import PushStreams, Stream
 from dtrain.config import replace
 from dtrain.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
-from dtrain.wire import BUSY_METADATA_KEY, auth_metadata, method_path, serialize
-from service_helpers import Running, delta_frame, join_island, push_header
+from dtrain.wire import BUSY_METADATA_KEY
+from service_helpers import IdlePushes, Running, call_failure, delta_frame, join_island, push_header, wait_for
 from workers.client import CoordinatorClient, CoordinatorError
 
 TOKEN = "a-valid-token-0123456789abcdef"
-
-
-class IdlePushes:
-    """PushDelta streams opened on one channel that send nothing (or only ``header``) until :meth:`close`."""
-
-    def __init__(self, address: str, token: str | None = TOKEN):
-        self.channel = grpc.insecure_channel(address)
-        self.push = self.channel.stream_unary(method_path("PushDelta"), request_serializer=serialize,
-                                              response_deserializer=pb.PushDeltaResponse.FromString)
-        self.metadata = auth_metadata(token)
-        self.release = threading.Event()
-        self.calls: list[grpc.Future] = []
-
-    def _messages(self, header: pb.PushHeader | None) -> Iterator[pb.PushMessage]:
-        if header is not None:
-            yield pb.PushMessage(header=header)
-        self.release.wait(120)  # no message, no half-close: the stream stays open and idle
-
-    def open(self, count: int = 1, header: pb.PushHeader | None = None) -> list[grpc.Future]:
-        calls = [self.push.future(self._messages(header), timeout=120, metadata=self.metadata) for _ in range(count)]
-        self.calls += calls
-        return calls
-
-    def close(self) -> None:
-        self.release.set()
-        for call in self.calls:
-            call.cancel()
-        self.channel.close()
 
 
 def _header(client: CoordinatorClient, join: pb.JoinResponse, push_id: str) -> pb.PushHeader:
@@ -57,19 +29,6 @@ def _header(client: CoordinatorClient, join: pb.JoinResponse, push_id: str) -> p
     header = push_header(join, push_id)
     client._chunked(header, delta_frame(join.tree_size, 1)[1])
     return header
-
-
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def _failure(call: grpc.Future) -> grpc.RpcError:
-    error = call.exception(timeout=20)
-    assert isinstance(error, grpc.RpcError), f"the call did not fail: {call.result()}"
-    return error
 
 
 def test_200_idle_pushes_with_a_valid_token_do_not_starve_heartbeats_or_status(net_cfg, tmp_path, monkeypatch):
@@ -82,12 +41,12 @@ def test_200_idle_pushes_with_a_valid_token_do_not_starve_heartbeats_or_status(n
                   worker={"heartbeat_s": 0.5})
     running = Running(cfg, tmp_path / "coord")
     client = CoordinatorClient(running.address, cfg)
-    idle = IdlePushes(running.address)
+    idle = IdlePushes(running.address, token=TOKEN)
     try:
         island = join_island(client, "real").island_id
         idle.open(200)
         held = server_threads(cfg)
-        _wait_for(lambda: running.service.push_streams.counts()[0] == held, f"{held} idle streams on every data thread")
+        wait_for(lambda: running.service.push_streams.counts()[0] == held, f"{held} idle streams on every data thread")
         beats, end = 0, time.monotonic() + 2 * cfg.coordinator.lease_s  # two leases' worth, one try each
         while time.monotonic() < end:
             reply = client.heartbeat(0, island_id=island, version=0)  # one try, HEARTBEAT_DEADLINE_S
@@ -116,8 +75,8 @@ def test_an_idle_push_is_cancelled_after_stream_idle_s_and_a_slow_one_is_not(net
         no_header = idle.open()[0]
         after_header = idle.open(header=_header(client, join, "idle-after-header"))[0]
         for call in (no_header, after_header):
-            assert _failure(call).code() == grpc.StatusCode.CANCELLED
-        _wait_for(lambda: running.service.push_streams.counts()[0] == 0, "the cancelled streams to end")
+            assert call_failure(call).code() == grpc.StatusCode.CANCELLED
+        wait_for(lambda: running.service.push_streams.counts()[0] == 0, "the cancelled streams to end")
         # A push whose messages come 0.3 s apart is never idle for 0.5 s, though it lasts longer than that.
         _, frame = delta_frame(running.service.merger.n, 1)
         header = push_header(join, "slow")
@@ -151,14 +110,14 @@ def test_a_peer_or_an_island_over_its_stream_limit_is_refused_resource_exhausted
     try:
         join = join_island(client, "a")
         idle.open(header=_header(client, join, "held"))
-        _wait_for(lambda: running.service.push_streams.counts()[2] == {join.island_id: 1}, "the island's stream")
-        island_over = _failure(idle.open(header=_header(client, join, "second"))[0])
+        wait_for(lambda: running.service.push_streams.counts()[2] == {join.island_id: 1}, "the island's stream")
+        island_over = call_failure(idle.open(header=_header(client, join, "second"))[0])
         assert island_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "coordinator.max_streams_per_island=1" in island_over.details()
         assert (BUSY_METADATA_KEY, "1") in tuple(island_over.trailing_metadata())
         idle.open(2)
-        _wait_for(lambda: running.service.push_streams.counts()[0] == 3, "three streams from this peer")
-        peer_over = _failure(idle.open()[0])
+        wait_for(lambda: running.service.push_streams.counts()[0] == 3, "three streams from this peer")
+        peer_over = call_failure(idle.open()[0])
         assert peer_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "127.0.0.1 already holds 3 push streams" in peer_over.details()
         assert "coordinator.max_streams_per_peer=3" in peer_over.details()
@@ -182,11 +141,11 @@ def test_a_worker_retries_a_busy_refusal_until_the_stream_is_free(net_cfg, tmp_p
     try:
         join = join_island(client, "a")
         held = idle.open()[0]
-        _wait_for(lambda: running.service.push_streams.counts()[0] == 1, "the idle stream")
+        wait_for(lambda: running.service.push_streams.counts()[0] == 1, "the idle stream")
         _, frame = delta_frame(running.service.merger.n, 1)
         reply = client.push(push_header(join, "p1"), frame)
         assert reply.status in (pb.PUSH_STATUS_PENDING, pb.PUSH_STATUS_MERGED)
-        assert _failure(held).code() == grpc.StatusCode.CANCELLED
+        assert call_failure(held).code() == grpc.StatusCode.CANCELLED
         assert said and all("is busy (RESOURCE_EXHAUSTED" in w and "waiting for it to take the call" in w
                             for w in said)
         # A RESOURCE_EXHAUSTED for what the call asked (a frame over the bound) is not retried.
@@ -232,7 +191,7 @@ def test_push_streams_count_peers_and_islands_and_reap_only_streams_waiting_on_t
 
     reader = threading.Thread(target=lambda: list(table.watched(second, block())))
     reader.start()
-    _wait_for(lambda: second.waiting_since is not None, "the wait to be marked")
+    wait_for(lambda: second.waiting_since is not None, "the wait to be marked")
     now[0] += 5.0
     assert table.reap() == []  # exactly stream_idle_s: not over it
     now[0] += 0.1
