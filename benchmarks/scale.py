@@ -212,14 +212,16 @@ def figures(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | No
     }
 
 
-def floor_figures(floor: dict[str, Any], params: int) -> dict[str, float]:
+def floor_figures(floor: dict[str, Any], params: int) -> dict[str, float | None]:
     """Parameters per core-second that the transport and the codec's entropy stage alone allow, from
     :func:`transport_floor`'s CPU seconds: ``wire`` (a bare gRPC server taking every island's push and serving
     every pull), ``decode`` (zstd-decompressing one pushed frame) and ``ceiling``, both in series (1 / (1/wire +
-    1/decode)): what a coordinator doing nothing else would reach on this machine."""
-    wire = floor["islands"] * params / floor["server_cpu_s"]
-    decode = params / floor["decode_cpu_s"]
-    return {"wire": wire, "decode": decode, "ceiling": 1 / (1 / wire + 1 / decode)}
+    1/decode)): what a coordinator doing nothing else would reach on this machine. None where a CPU time rounded
+    to 0 (a tiny model: /proc counts in clock ticks)."""
+    wire = params_per_core_s({"islands": floor["islands"], "coordinator_cpu_s": floor["server_cpu_s"]},
+                             FP32 * params)  # the coordinator's own rule, on the bare server's CPU
+    decode = params / floor["decode_cpu_s"] if floor["decode_cpu_s"] else None
+    return {"wire": wire, "decode": decode, "ceiling": 1 / (1 / wire + 1 / decode) if wire and decode else None}
 
 
 def targets_line(f: dict[str, Any]) -> str:
@@ -664,8 +666,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if floor is not None:
         ff = f["floor"]
         print(f"floor at {floor['islands']} islands (the same frames, chunks and pulls, nothing else done): a bare "
-              f"gRPC server {floor['server_cpu_s']:.2f} CPU s a round -> {ff['wire']:.3g} params/core-s; zstd "
-              f"decoding a frame {floor['decode_cpu_s']:.3f} CPU s -> {ff['decode']:.3g}; both: {ff['ceiling']:.3g} "
+              f"gRPC server {floor['server_cpu_s']:.2f} CPU s a round -> {fmt_or_na(ff['wire'], '.3g')} "
+              f"params/core-s; zstd decoding a frame {floor['decode_cpu_s']:.3f} CPU s -> "
+              f"{fmt_or_na(ff['decode'], '.3g')}; both: {fmt_or_na(ff['ceiling'], '.3g')} "
               f"params/core-s; the coordinator: {fmt_or_na(f['params_per_core_s'], '.3g')}")
     print(f"wall {wall:.0f}s")
     out = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes}, "codec": CODEC,

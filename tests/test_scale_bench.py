@@ -171,6 +171,9 @@ def test_the_floor_and_the_per_core_target_on_the_targets_line(scale: ModuleType
     ff = scale.floor_figures({"islands": 16, "server_cpu_s": 4.0, "decode_cpu_s": 0.25}, 200_000_000)
     assert ff["wire"] == pytest.approx(8e8) and ff["decode"] == pytest.approx(8e8)
     assert ff["ceiling"] == pytest.approx(4e8)
+    # a tiny model's CPU times round to 0 clock ticks: no figure, no division by zero
+    assert scale.floor_figures({"islands": 4, "server_cpu_s": 0.0, "decode_cpu_s": 0.0}, 100_000) == {
+        "wire": None, "decode": None, "ceiling": None}
     f = scale.figures([{**_row(16, 9.0, MODEL), "coordinator_cpu_s": 16 * (MODEL // 4) / 2e8}], MODEL, None)
     f["floor"] = ff
     line = scale.targets_line(f)
