@@ -362,7 +362,9 @@ def raw_server_main(run_dir: str, max_message_bytes: int, workers: int = 16) -> 
         total, piece = int.from_bytes(request[:8], "little"), int.from_bytes(request[8:16], "little")
         if not 0 < piece <= max_message_bytes:
             raise ValueError(f"piece {piece}: must be in [1, {max_message_bytes}]")
-        data = pieces.setdefault(piece, np.random.default_rng(piece).integers(0, 256, piece, np.uint8).tobytes())
+        data = pieces.get(piece)
+        if data is None:  # built once per piece size, not per pull: the server's CPU is what the floor measures
+            data = pieces[piece] = np.random.default_rng(piece).integers(0, 256, piece, np.uint8).tobytes()
         full, rem = divmod(total, piece)
         for _ in range(full):
             yield data
