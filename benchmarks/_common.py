@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.config import CODEC_NAMES, Config
+from dtrain.config.sections import CODEC_NAMES, Config
 from dtrain.runlog import progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,8 +104,8 @@ def count_params(overrides: Sequence[str]) -> int:
 
 @functools.cache
 def _count_params(overrides: tuple[str, ...]) -> int:
-    from dtrain import model
-    from dtrain.config import load_config
+    from dtrain.config.load import load_config
+    from dtrain.models import model
 
     cfg = load_config(ROOT / "configs" / "small.toml", list(overrides))
     return model.param_count(model.build(cfg.model).abstract_params)
@@ -152,7 +152,7 @@ def make_config(model_fields: dict[str, int], out_dir: Path, codec_up: str = "in
                 checkpoint: bool = False, repeats: int = 1, extra: Sequence[str] = ()) -> Config:
     """The benchmark's config: configs/small.toml + the model + what the measurement needs, then ``extra``
     (later overrides win)."""
-    from dtrain.config import load_config
+    from dtrain.config.load import load_config
 
     base = load_config(ROOT / "configs" / "small.toml")
     chunk = base.codec.chunk_bytes
@@ -234,7 +234,7 @@ class CoordinatorProcess:
     """``python -m dtrain_cli coordinator`` on 127.0.0.1:0 with a resolved config; peak RSS from /proc."""
 
     def __init__(self, cfg: Config, run_dir: Path):
-        from dtrain.config import to_toml
+        from dtrain.config.load import to_toml
 
         run_dir.mkdir(parents=True)
         self.run_dir = run_dir
@@ -322,7 +322,7 @@ def make_frames(codec_name: str, n_params: int, count: int, block: int, level: i
     """``count`` distinct fabricated deltas (normal × 1e-3), encoded as islands would (no error feedback state);
     ``codec_name`` is a ``codec.up`` value (sparse: the default config's chunk, bits and density)."""
     from dtrain import codec
-    from dtrain.config import CodecConfig
+    from dtrain.config.sections import CodecConfig
 
     k = CodecConfig(block=block)
     bits, blk = k.scheme(codec_name)
@@ -348,7 +348,7 @@ def raw_server_main(run_dir: str, max_message_bytes: int, workers: int = 16) -> 
     Writes ``raw.json`` (its port) into ``run_dir`` once it listens; stops on SIGTERM."""
     import grpc
 
-    from dtrain.wire import channel_options
+    from dtrain.net.wire import channel_options
 
     def push(request_iterator: Any, context: Any) -> bytes:
         n = 0
@@ -411,7 +411,7 @@ class RawServer:
     def channel(self) -> Any:
         import grpc
 
-        from dtrain.wire import channel_options
+        from dtrain.net.wire import channel_options
 
         return grpc.insecure_channel(f"127.0.0.1:{self.port}", channel_options(self.max_message_bytes))
 

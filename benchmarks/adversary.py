@@ -58,8 +58,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 
 from _common import finish, fmt_or_na, log, met
 
-from dtrain import config as config_mod
-from dtrain.config import Config, load_config, merge_rule
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config, merge_rule
 from dtrain.errors import DtrainError
 from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main
@@ -148,8 +148,8 @@ def _stub(address: str, cfg: Config) -> tuple[Any, Any, list[tuple[str, str]]]:
     """A channel and stub to the coordinator, and the metadata that carries the run's token (if any)."""
     import grpc
 
-    from dtrain.proto import dtrain_pb2_grpc
-    from dtrain.wire import AUTH_METADATA_KEY
+    from dtrain.net.proto import dtrain_pb2_grpc
+    from dtrain.net.wire import AUTH_METADATA_KEY
 
     channel = grpc.insecure_channel(address)
     token = os.environ.get(cfg.security.token_env, "") if cfg.security.token_env else ""
@@ -184,7 +184,7 @@ def join_flood(address: str, cfg: Config, n: int, threads: int = 8) -> dict[str,
     and the Status afterwards (how many islands it lists, its size)."""
     import grpc
 
-    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.net.proto import dtrain_pb2 as pb
 
     channel, stub, metadata = _stub(address, cfg)
     codes: dict[str, int] = {}
@@ -330,7 +330,7 @@ def _simulate(cfg: Config, name: str, faults: list[str], args: argparse.Namespac
                                                      str]:
     """One run: (its summary or None if it did not end by itself, the coordinator's events, the side attack's
     figures, the error)."""
-    run_cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(work)})
+    run_cfg = replace(cfg, run={"name": name, "out_dir": str(work)})
     run_dir = work / name
     stop, side, thread = threading.Event(), {}, None
     if attack is not None and attack.side is not None:

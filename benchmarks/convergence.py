@@ -46,14 +46,16 @@ from _common import log
 from coordinator import admission
 from coordinator.merger import MergeOptions, Merger
 from coordinator.records import PushInfo
-from dtrain import codec, config, fragments
-from dtrain.config import load_config
-from dtrain.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
-from dtrain.outer import OuterHParams, feedback_decay
-from dtrain.prepare import prepare
-from dtrain.runs import FP32_BYTES
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain import codec
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import CODEC_NAMES, Config, ConfigError
+from dtrain.steps.inner import make_mesh
+from dtrain.steps.outer import OuterHParams, feedback_decay
+from dtrain.train import fragments
+from dtrain.train.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.train.loop import InnerLoop
+from dtrain.train.prepare import prepare
+from dtrain.train.runs import FP32_BYTES
 from dtrain_cli.entry import Parser, run_main
 
 MODES = {
@@ -63,7 +65,7 @@ MODES = {
 }
 
 
-def round_screen(merger: Merger, cfg: config.Config, steps: int) -> dict:
+def round_screen(merger: Merger, cfg: Config, steps: int) -> dict:
     """The coordinator's round screen (``coordinator.admission.screen_round``) on the merger's pending pushes, as
     ``coordinator.rounds_loop`` runs it before a step (with ``screened_mean``, each push's direction too): the
     pushes it rejects are dropped, not trained again (an honest run should reject none). Returns the round's
@@ -97,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
                    help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
-    p.add_argument("--sparse-down", choices=config.CODEC_NAMES, default="sparse",
+    p.add_argument("--sparse-down", choices=CODEC_NAMES, default="sparse",
                    help="codec.down of the sparse variant (default sparse: the update in the sparse codec too; fp32: "
                    "the mean of the sparse pushes broadcast exactly, to tell the down path's loss from the up path's)")
     p.add_argument("--merge-rules", default="", help="comma-separated coordinator.merge_rule values (mean, "
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     no_fragments = ""  # said once the config and data are known good (a bad one is one line)
     if fragments_on and H % (args.fragments or 4):
         if args.fragments:
-            raise config.ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
+            raise ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
                                      f"to a multiple, or --fragments 1 for no fragments variant)")
         fragments_on = False
         no_fragments = f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)"
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     B = base.train.batch_size
     t0 = time.perf_counter()
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
-    warm_cfg = config.replace(base, train={"steps": max(W, 2),
+    warm_cfg = replace(base, train={"steps": max(W, 2),
                                            "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))},
                               outer={"inner_steps": min(base.outer.inner_steps, max(W, 2))})  # H <= steps
     s = prepare(warm_cfg, islands=N)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_w = s.loop.evaluate(params_w, s.eval_batches)
     log(f"warm-up: {W} steps, eval loss {eval_w:.4f}")
 
-    phase = config.replace(base, train={"steps": T}, outer={"inner_steps": H})
+    phase = replace(base, train={"steps": T}, outer={"inner_steps": H})
     mesh = make_mesh(phase)
     model_bytes = s.n_params * FP32_BYTES
     results: dict[str, dict] = {}
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"single: eval loss {curve[-1]:.4f}")
 
     if "dp" in only:
-        dp_cfg = config.replace(phase, train={"batch_size": N * B})
+        dp_cfg = replace(phase, train={"batch_size": N * B})
         loop = InnerLoop(dp_cfg, s.built, make_mesh(dp_cfg))
         isl = Island(index=0, state=loop.init_state(params_w), stream=ConcatStream(streams), cursor=cursor0 * N)
         curve = eval_curve(loop, isl, N * B)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         k = phase.codec
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
         down = args.sparse_down if name == "sparse" else name
-        merge_cfg = config.replace(phase, codec={"up": name, "down": down, "error_feedback": True},
+        merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
                                    coordinator={"mode": "sync", "merge_rule": rule},
                                    outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
@@ -317,12 +319,12 @@ def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, arg
                       H: int) -> dict:
     """The sparse variant with outer.fragments = F (Streaming DiLoCo), through the production merger: every H/F
     steps each island pushes fragment v mod F of its Δ (that fragment's own error feedback), the merger merges it
-    into version v + 1, and each island folds the new θ in on that fragment (``dtrain.fragments.at_push``; no
+    into version v + 1, and each island folds the new θ in on that fragment (``dtrain.train.fragments.at_push``; no
     overlap: the fragment becomes θ' exactly, the others keep their local progress). Evaluated every H steps."""
     F, N, B, k = args.fragments, args.islands, phase.train.batch_size, phase.codec  # main checked F divides H
     loop = InnerLoop(phase, s.built, mesh)
     spec, theta_w = codec.flatten(jax.device_get(params_w))
-    merge_cfg = config.replace(phase, codec={"up": "sparse", "down": "sparse", "error_feedback": True},
+    merge_cfg = replace(phase, codec={"up": "sparse", "down": "sparse", "error_feedback": True},
                                coordinator={"mode": "sync", "merge_rule": phase.coordinator.merge_rule},
                                outer={"rule": args.sparse_rule, "fragments": F})
     merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg, spec))
@@ -378,14 +380,14 @@ def compare_process_mode(base, N: int, log) -> dict:
     """`dtrain simulate` (a coordinator and N worker processes, int8, overlap) vs --inprocess, same config."""
     import tempfile
 
-    from dtrain.runs import run_simulate_inprocess
+    from dtrain.train.runs import run_simulate_inprocess
     from dtrain_cli.simulate import run_simulation
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = config.replace(base, run={"out_dir": tmp}, outer={"islands": N})
-        inproc = run_simulate_inprocess(config.replace(cfg, run={"name": "inprocess"}), N, quiet=True)
+        cfg = replace(base, run={"out_dir": tmp}, outer={"islands": N})
+        inproc = run_simulate_inprocess(replace(cfg, run={"name": "inprocess"}), N, quiet=True)
         log(f"in-process simulate: eval loss {inproc['final_eval_loss']:.4f} in {inproc['wall_s']:.0f}s")
-        procs = run_simulation(config.replace(cfg, run={"name": "processes"}), N, quiet=True,
+        procs = run_simulation(replace(cfg, run={"name": "processes"}), N, quiet=True,
                                env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
         log(f"process simulate: eval loss {procs['final_eval_loss']:.4f} in {procs['wall_s']:.0f}s, "
             f"utilization {procs['utilization']:.3f}")

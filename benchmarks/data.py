@@ -3,7 +3,7 @@ of a training run, and ``dtrain tokenize`` throughput, in one run.
 
 The stores (``--sizes``, default 0.5 and 4 G tokens: 1 and 8 GB of uint16 ids) are random ids below
 :data:`VOCAB` (a GPT-2-size vocabulary), generated with numpy in blocks of :data:`GEN_BLOCK` ids, cut into
-documents of :data:`DOC_TOKENS` ids and written through ``dtrain.token_store.StoreWriter`` (never the whole
+documents of :data:`DOC_TOKENS` ids and written through ``dtrain.data.token_store.StoreWriter`` (never the whole
 store in memory). They live under ``--work`` and a store already there whose manifest matches (ids, vocabulary,
 the tokenizer name naming the seed) is reused, not written again (said on stderr).
 
@@ -12,7 +12,7 @@ Figures:
   S   start-up ratio: the median, over ``--repeats`` fresh child processes per store (alternating the stores), of
       the seconds from the child's imports done to its first batch, biggest store / smallest. Each child
       (this file with ``--child-startup``) does an island's data work before its first step, as
-      ``dtrain.prepare.prepare`` does it, without the model: ``open_corpus`` (``configs/small.toml`` with
+      ``dtrain.train.prepare.prepare`` does it, without the model: ``open_corpus`` (``configs/small.toml`` with
       ``data.source=STORE``, ``data.max_bytes=0``, ``model.vocab_size=50304``), ``split``, ``island_shards`` for 4
       islands, ``eval_batches``, then ``shards[0].stream.batches(0, steps_per_call, batch_size)``. The seconds
       from the child's spawn (interpreter start and imports included) are printed next to it, not compared:
@@ -30,16 +30,16 @@ Figures:
       them), until ``--read-tokens`` ids or ``--read-seconds`` seconds, whichever comes first; T counts
       ``READ_SEQ_LEN`` ids a window (the tokens trained on). Next to it, not compared: ``TokenStore.read`` of
       whole chunks in order, the raw read.
-  W   data wait: a ``small`` training run (``dtrain.runs.run_train``, in this process, ``--train-steps``
+  W   data wait: a ``small`` training run (``dtrain.train.runs.run_train``, in this process, ``--train-steps``
       steps, ``model.vocab_size=50304``) reading the smallest store: the island's ``data_wait_s`` (the time its
       steps waited for a batch) / the run's wall time (compiling included). The step time (wall / steps) is
       printed too.
-  K   ``dtrain tokenize`` throughput on the built-in corpus (``dtrain.data.builtin_files()``, about 31 MB of
+  K   ``dtrain tokenize`` throughput on the built-in corpus (``dtrain.data.corpus.builtin_files()``, about 31 MB of
       Python sources, as plain text) with a byte-level BPE of :data:`BPE_VOCAB` ids trained once beforehand on
       the first :data:`BPE_TRAIN_BYTES` bytes (its training time is printed, not in K; the few files that are
       not UTF-8, on purpose, in the test suite are skipped): MB of text per second
       with one worker and with every core, printed ``K1/KN@Ccores`` (e.g. ``3.1/5.6@2cores``), or
-      ``n/a (dtrain tokenize not built)`` where ``dtrain.tokenize`` cannot be imported.
+      ``n/a (dtrain tokenize not built)`` where ``dtrain.data.tokenize`` cannot be imported.
 
 The reads are from the OS page cache as far as a store is in it (it was just written, or read by the previous
 run; the cache cannot be dropped here), and then T and the children's times measure decoding and gathering, not
@@ -76,10 +76,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (only the training r
 import numpy as np
 from _common import ROOT, child_env, finish, fmt_or_na, log, met
 
-from dtrain import data
-from dtrain.config import Config, DataConfig, load_config
+from dtrain.config.load import load_config
+from dtrain.config.sections import Config, DataConfig
+from dtrain.data.corpus import SequenceStream, builtin_files, eval_batches, island_shards, open_corpus, split
+from dtrain.data.token_store import MANIFEST, StoreError, StoreWriter, TokenStore
 from dtrain.errors import DtrainError
-from dtrain.token_store import MANIFEST, StoreError, StoreWriter, TokenStore
 from dtrain_cli.entry import Parser, run_main
 
 VOCAB = 50_304  # GPT-2's 50,257 rounded up to a multiple of 64
@@ -215,16 +216,16 @@ def island_config(store: str | Path, out_dir: Path, extra: tuple[str, ...] = ())
 
 def child_startup(store: str, spawned_at: float) -> dict[str, Any]:
     """A start-up child's work and report: an island's data work before its first step (see the docstring)."""
-    from dtrain.config import data_cache
+    from dtrain.config.load import data_cache
 
     imported_s = time.time() - spawned_at
     mem_imports = proc_mem()
     t0 = time.perf_counter()
     cfg = island_config(store, Path(tempfile.gettempdir()))
-    corpus = data.open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
-    parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
-    shards = data.island_shards(corpus, parts.train, ISLANDS, cfg.model.seq_len, cfg.run.seed)
-    evals = data.eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
+    corpus = open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
+    parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+    shards = island_shards(corpus, parts.train, ISLANDS, cfg.model.seq_len, cfg.run.seed)
+    evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.batch_size, cfg.data.eval_batches)
     batch = shards[0].stream.batches(0, cfg.train.steps_per_call, cfg.train.batch_size)
     data_s = time.perf_counter() - t0
     process_s = time.time() - spawned_at
@@ -291,9 +292,9 @@ def startup(stores: list[Path], repeats: int) -> list[dict[str, Any]]:
 def read_throughput(store: Path, seconds: float, max_tokens: float) -> dict[str, Any]:
     """T: batches of READ_BATCH windows from a SequenceStream over ``store``'s train split, then, for reference,
     raw TokenStore.read of whole chunks in order, each until ``max_tokens`` ids or ``seconds``."""
-    corpus = data.open_corpus(DataConfig(source=str(store), max_bytes=0), VOCAB, Path(tempfile.gettempdir()))
-    parts = data.split(corpus, 0.05, READ_SEQ_LEN)
-    stream = data.SequenceStream(corpus, READ_SEQ_LEN, seed=SEED, span=parts.train, name="read benchmark")
+    corpus = open_corpus(DataConfig(source=str(store), max_bytes=0), VOCAB, Path(tempfile.gettempdir()))
+    parts = split(corpus, 0.05, READ_SEQ_LEN)
+    stream = SequenceStream(corpus, READ_SEQ_LEN, seed=SEED, span=parts.train, name="read benchmark")
     cursor, tokens, checksum = 0, 0, 0
     t0 = time.perf_counter()
     while tokens < max_tokens and time.perf_counter() - t0 < seconds:
@@ -328,7 +329,7 @@ def read_throughput(store: Path, seconds: float, max_tokens: float) -> dict[str,
 
 def data_wait(store: Path, steps: int, out_dir: Path) -> dict[str, Any]:
     """W: a ``small`` training run (run_train, this process) of ``steps`` steps reading ``store``."""
-    from dtrain.runs import run_train
+    from dtrain.train.runs import run_train
 
     cfg = island_config(store, out_dir, (f"train.steps={steps}", "run.name=data-wait", f"run.log_every={steps}"))
     log(f"data wait: training small ({VOCAB:,}-id vocabulary) for {steps} steps from {store.name}")
@@ -348,15 +349,15 @@ def data_wait(store: Path, steps: int, out_dir: Path) -> dict[str, Any]:
 
 def tokenize_throughput(work: Path) -> dict[str, Any]:
     """K: ``dtrain tokenize`` of the built-in corpus with a small BPE, 1 worker and every core; {"built": False}
-    where dtrain.tokenize is not there."""
+    where dtrain.data.tokenize is not there."""
     try:
-        tk = importlib.import_module("dtrain.tokenize")
-        tkz = importlib.import_module("dtrain.tokenizer")
-        docs = importlib.import_module("dtrain.documents")
+        tk = importlib.import_module("dtrain.data.tokenize")
+        tkz = importlib.import_module("dtrain.data.tokenizer")
+        docs = importlib.import_module("dtrain.data.documents")
     except ImportError as e:
         log(f"tokenize: not measured ({e})")
         return {"built": False}
-    files = [str(p) for p in data.builtin_files()]
+    files = [str(p) for p in builtin_files()]
     total = sum(Path(f).stat().st_size for f in files)
     t0 = time.perf_counter()
     bpe = tkz.train_bpe(docs.enumerate_sources(files, True), BPE_VOCAB, max_bytes=BPE_TRAIN_BYTES, skip_bad=True)

@@ -163,7 +163,7 @@ def bench_raw(n_params: int, chunk_bytes: int, max_msg: int, streams: list[int],
 
 
 def bench_dtrain(cfg, frames: list[bytes], n: int, repeats: int, run_dir: Path, n_params: int) -> dict[str, Any]:
-    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.net.proto import dtrain_pb2 as pb
     from workers.client import CoordinatorClient
 
     coord = CoordinatorProcess(cfg, run_dir)
@@ -229,9 +229,9 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
     import jax
 
     from dtrain import codec
-    from dtrain.config import load_config
-    from dtrain.diloco import Island, advance
-    from dtrain.prepare import prepare
+    from dtrain.config.load import load_config
+    from dtrain.train.diloco import Island, advance
+    from dtrain.train.prepare import prepare
 
     cfg = load_config(ROOT / "configs" / "small.toml", model_overrides(model_fields) + [
         f"train.steps={steps}", f"train.warmup_steps={min(5, steps - 1)}", f"train.batch_size={batch}",
@@ -291,8 +291,8 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     from coordinator.merger import MergeOptions, Merger
 
     return_large_frees_to_the_os()
-    from dtrain.proto import dtrain_pb2 as pb
-    from dtrain.wire import FrameReceiver, chunk_deserializer, chunk_message, frame_chunks, max_frame_bytes
+    from dtrain.net.proto import dtrain_pb2 as pb
+    from dtrain.net.wire import FrameReceiver, chunk_deserializer, chunk_message, frame_chunks, max_frame_bytes
 
     spool_dir = work / "breakdown-spool"
     merger = Merger(np.zeros(n_params, np.float32), MergeOptions.from_config(cfg), spool_dir=spool_dir)

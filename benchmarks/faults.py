@@ -56,8 +56,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 
 from _common import finish, fmt_or_na, log, met
 
-from dtrain import config as config_mod
-from dtrain.config import Config, load_config
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.fault_spec import FaultSpec, parse_fault
@@ -203,7 +203,7 @@ def final_line(f: dict[str, Any]) -> str:
 
 def _simulate(cfg: Config, name: str, islands: int, faults: list[FaultSpec], args: argparse.Namespace,
               out_dir: Path) -> dict[str, Any]:
-    cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(out_dir)})
+    cfg = replace(cfg, run={"name": name, "out_dir": str(out_dir)})
     t0 = time.perf_counter()
     summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout, faults=faults,
                              coordinator_shards=args.coordinator_shards)

@@ -4,14 +4,14 @@ device fault, and the probes' cost, all in one run.
 Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
 break orbax's async checkpointing) against a real coordinator (``coordinator.lifecycle.serve``, 127.0.0.1, port 0, in a
 child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
-the default probe intervals (workers/chip_health.py, dtrain/config.py HealthConfig). The config is configs/tiny.toml
+the default probe intervals (workers/chip_health.py, dtrain/config/ HealthConfig). The config is configs/tiny.toml
 with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
 than one row), 1,000 inner steps, one island, 10 rounds of 100 inner steps, a 20 s lease (an island compiling on a
 loaded 2-core machine keeps its lease). Each run takes about a minute on 2 CPU cores, the whole benchmark about 10
 (``--quick``: 200 steps, two faults, about 4).
 
 The runs: a clean control run (no fault), then one per fault of :data:`FAULTS`, each a
-``dtrain.chip_faults.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the
+``dtrain.health.faults.DeviceFault`` on a random device (seeded, ``--seed``) from a random inner step ``start`` (the
 onset, between 20% and 80% of the run's inner steps; the step is the island's TrainState counter, which keeps counting
 across rollbacks). The island finds the device (event ``device_quarantined``, whose evidence ``step`` is the inner
 step of the state the probe saw), quarantines it, remeshes on the healthy devices and goes back to its last push.
@@ -75,10 +75,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from _common import finish, fmt_or_na, log, met  # noqa: E402
 
-from dtrain import config as config_mod  # noqa: E402
-from dtrain.chip_faults import DeviceFault  # noqa: E402
-from dtrain.config import Config, ConfigError, load_config  # noqa: E402
+from dtrain.config.load import (
+    load_config,  # noqa: E402
+    replace,
+    to_toml,
+)
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError  # noqa: E402
+from dtrain.health.faults import DeviceFault  # noqa: E402
 from dtrain_cli.entry import Parser, run_main  # noqa: E402
 
 # configs/tiny.toml plus these (then --set): see the module's docstring.
@@ -302,7 +306,7 @@ def island_run(cfg: Config, work: Path, name: str, fault_name: str, fault: Devic
 
     run_dir = work / name
     run_dir.mkdir(parents=True)
-    cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(run_dir)})
+    cfg = replace(cfg, run={"name": name, "out_dir": str(run_dir)})
     t0 = time.perf_counter()
     coordinator = _start_coordinator(cfg, run_dir)
     try:
@@ -334,7 +338,7 @@ _COORDINATOR = """
 import json, sys
 from pathlib import Path
 from coordinator.lifecycle import initial_parameters, serve
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 cfg, run_dir = load_config(sys.argv[1]), Path(sys.argv[2])
 theta, spec = initial_parameters(cfg)
 server, service, port = serve(cfg, run_dir, theta, spec, port=0, quiet=True)
@@ -353,7 +357,7 @@ def _start_coordinator(cfg: Config, run_dir: Path) -> subprocess.Popen[bytes]:
     Not in this process: orbax numbers checkpoint saves by one operation id per process, and a coordinator and a
     worker in one process that save at the same moment can leave a save waiting for the other's signal (seen here:
     a 300 s timeout, then the worker failing)."""
-    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    (run_dir / "config.toml").write_text(to_toml(cfg))
     (run_dir / "coordinator").mkdir()
     with open(run_dir / "coordinator.log", "wb") as out:  # the child imports the installed package, as we do
         return subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(run_dir / "config.toml"),
@@ -385,9 +389,9 @@ def probe_timing(cfg: Config, repeats: int, seed: int) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from dtrain import model
-    from dtrain.step import make_mesh
-    from dtrain.train import InnerLoop
+    from dtrain.models import model
+    from dtrain.steps.inner import make_mesh
+    from dtrain.train.loop import InnerLoop
     from workers.chip_health import ChipHealth
 
     built = model.build(cfg.model)

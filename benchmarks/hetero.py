@@ -51,8 +51,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 
 from _common import finish, fmt_or_na, log, met
 
-from dtrain import config as config_mod
-from dtrain.config import Config, load_config
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import ROUND_AUTO, Config
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.island_spec import parse_islands
@@ -112,7 +112,7 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
     n, base, h, r = len(args.speeds), args.batches[0], args.inner_steps, args.rounds
     common = {"train": {"batch_size": base, "base_batch_size": base, "steps": r * h}, "outer": {"inner_steps": h}}
     warmup = min(cfg.train.warmup_steps, r * h - 1)
-    cfg = config_mod.replace(cfg, train={**common["train"], "warmup_steps": warmup}, outer=common["outer"])
+    cfg = replace(cfg, train={**common["train"], "warmup_steps": warmup}, outer=common["outer"])
     same = [f"island-{i}:host_devices={args.devices[0]}" for i in range(n)]
     # short chunks for the slow islands, so that auto's round 1 (which lasts until every island has timed a
     # chunk) is not long
@@ -122,7 +122,7 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
               for i, (b, d, sp, k) in enumerate(zip(args.batches, args.devices, args.speeds, per_call, strict=True))]
     # auto rounds carry H base steps per island (the islands' rates measured, whatever they are): R of them train
     # (a)'s tokens; the lr schedules are stretched per island (workers.pacing.retimed)
-    auto = config_mod.replace(cfg, worker={"round_seconds": config_mod.ROUND_AUTO})
+    auto = replace(cfg, worker={"round_seconds": ROUND_AUTO})
     runs = {"identical": (cfg, same), "steps": (cfg, differ), "auto": (auto, differ)}
     for run_cfg, specs in runs.values():
         parse_islands(specs, n, run_cfg)
@@ -131,7 +131,7 @@ def plan(cfg: Config, args: argparse.Namespace) -> dict[str, tuple[Config, list[
 
 def _simulate(name: str, cfg: Config, specs: list[str], islands: int, args: argparse.Namespace,
               out_dir: Path) -> dict[str, Any]:
-    cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(out_dir)})
+    cfg = replace(cfg, run={"name": name, "out_dir": str(out_dir)})
     t0 = time.perf_counter()
     summary = run_simulation(cfg, islands, quiet=True, pin=not args.no_pin, timeout_s=args.timeout,
                              island_specs=parse_islands(specs, islands, cfg))

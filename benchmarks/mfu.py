@@ -1,6 +1,6 @@
 """MFU: tokens per second and model FLOPs utilization of the island's inner step.
 
-What is timed is the step an island runs: ``dtrain.train.InnerLoop`` for the config's model, optimizer and mesh
+What is timed is the step an island runs: ``dtrain.train.loop.InnerLoop`` for the config's model, optimizer and mesh
 (all of this process's devices, ``[mesh]`` as configured), its jitted ``lax.scan`` of ``train.steps_per_call``
 fused inner steps, called through ``InnerLoop.run`` (which also puts each chunk's batches on the devices), the
 state donated from call to call as an island does. The batches are random tokens: the step's cost does not depend
@@ -12,7 +12,7 @@ for the devices once, at the end of the repeat (one sync per repeat, none inside
 repeat.
 
   tokens/s   the island's, all its devices together: steps x train.batch_size x model.seq_len / seconds
-  model FLOPs per token   :func:`dtrain.model.flops_per_token`: 6 x N, N the parameters less the embedding
+  model FLOPs per token   :func:`dtrain.models.model.flops_per_token`: 6 x N, N the parameters less the embedding
              tables, plus the GPT's attention, 12 x n_layers x d_model x seq_len (PaLM, appendix B)
   MFU        tokens/s x model FLOPs per token / (devices x the device's peak), the peak from :data:`PEAK_TFLOPS`
              (dense bf16, no sparsity, by ``jax.Device.device_kind``); ``n/a`` for a device kind not in it (a CPU
@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dtrain.config import Config, ConfigError, load_config
+from dtrain.config.load import load_config
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.runlog import fmt_bytes
 from dtrain_cli.entry import Parser, run_main
@@ -194,9 +195,9 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
     import jax
     import numpy as np
 
-    from dtrain import model
-    from dtrain.step import make_mesh
-    from dtrain.train import InnerLoop
+    from dtrain.models import model
+    from dtrain.steps.inner import make_mesh
+    from dtrain.train.loop import InnerLoop
 
     devices = jax.devices()
     platform, kind = devices[0].platform, devices[0].device_kind

@@ -103,7 +103,7 @@ from _common import (
     runtime_baseline,
 )
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 
@@ -249,7 +249,7 @@ def shard_plan(cfg: Config, work: Path, shards: int) -> Sequence[Any]:
     """The ranges of a coordinator of ``shards`` shards, from the model's tree (its spec, computed in a child
     process as the coordinator computes it)."""
     from coordinator.lifecycle import initial_parameters_file
-    from dtrain.fragments import leaf_sizes, plan
+    from dtrain.train.fragments import leaf_sizes, plan
 
     _, spec = initial_parameters_file(cfg, work / f"plan-{shards}", spec_only=True)
     return plan(leaf_sizes(spec), shards)
@@ -339,7 +339,7 @@ class RangeShards:
 
         from _common import ROOT, child_env, wait_for_file
 
-        from dtrain.config import replace, to_toml
+        from dtrain.config.load import replace, to_toml
         from dtrain_cli.simulate import free_port
 
         run_dir.mkdir(parents=True)
@@ -380,7 +380,7 @@ def range_frames(n_params: int, count: int, block: int, level: int, ranges: Sequ
     import numpy as np
 
     from dtrain import codec
-    from dtrain.config import CodecConfig
+    from dtrain.config.sections import CodecConfig
     from workers.exchange import ShardFrames
 
     bits, blk = CodecConfig(block=block).scheme(CODEC)
@@ -397,7 +397,7 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
              warmup: int, work: Path, overrides: Sequence[str] = (), shards: int = 1) -> dict[str, Any]:
     """One coordinator process (``shards`` > 1: a sharded coordinator of that many, whose ranges ``frames`` are
     cut by) and ``islands`` island threads, ``warmup`` + ``rounds`` rounds; the row."""
-    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.net.proto import dtrain_pb2 as pb
     from workers.client import CoordinatorClient
     from workers.exchange import PULL_WAIT_S
     from workers.shard_links import ShardedPush, ShardLinks
@@ -427,7 +427,7 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
         ids = [j.island_id for j in joined]
         if range_shards is not None:
             from coordinator.lifecycle import initial_parameters_file
-            from dtrain.fragments import leaf_sizes, plan
+            from dtrain.train.fragments import leaf_sizes, plan
 
             _, spec = initial_parameters_file(cfg, work / f"spec-{islands}-{shards}", spec_only=True)
             ranges = plan(leaf_sizes(spec), shards)

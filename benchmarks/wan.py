@@ -39,8 +39,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 
 from _common import codec_list, finish, fmt_or_na, log, met
 
-from dtrain import config as config_mod
-from dtrain.config import Config, load_config
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main
@@ -165,7 +165,7 @@ def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Na
     name = f"{codec}-{str(link or 'loopback').replace('/', '-')}"
     fragments = int(codec.removeprefix("sparse-f")) if codec.startswith("sparse-f") else 1
     base = "sparse" if fragments > 1 else codec
-    run_cfg = config_mod.replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": base, "down": base},
+    run_cfg = replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": base, "down": base},
                                  outer={"fragments": fragments})
     specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg) \
         if link else None
@@ -179,7 +179,7 @@ def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Na
     return r
 
 
-def run_codecs(args: argparse.Namespace, cfg: config_mod.Config) -> list[str]:
+def run_codecs(args: argparse.Namespace, cfg: Config) -> list[str]:
     """The runs' codecs per link: ``--codecs``, then ``sparse-fF`` for ``--fragments F`` (unset: F = 2 with the default
     codecs where 2 divides H, else none). ConfigError if F does not divide ``outer.inner_steps``."""
     codecs = list(args.codecs)
@@ -188,7 +188,7 @@ def run_codecs(args: argparse.Namespace, cfg: config_mod.Config) -> list[str]:
             else 0
     if args.fragments:
         if cfg.outer.inner_steps % args.fragments:
-            raise config_mod.ConfigError(f"--fragments {args.fragments} must divide outer.inner_steps = "
+            raise ConfigError(f"--fragments {args.fragments} must divide outer.inner_steps = "
                                          f"{cfg.outer.inner_steps} (pick a divisor, or --set outer.inner_steps=...)")
         codecs.append(f"sparse-f{args.fragments}")
     return codecs

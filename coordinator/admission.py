@@ -3,7 +3,7 @@ not merged; its island trains it again from the reply's cursor) or rejected as a
 (``StateError``) when its header breaks a rule. Pure functions of the push and the state's standing: nothing
 here changes anything (``coordinator.state.CoordinatorState.commit_push`` records the decision).
 
-- A push's weight is ``tokens · (1 + staleness)^−α``, the same factor as ``dtrain.outer.staleness_weight``.
+- A push's weight is ``tokens · (1 + staleness)^−α``, the same factor as ``dtrain.steps.outer.staleness_weight``.
 - A push's weight is bounded by what the coordinator assigned, never the island's word alone
   (:func:`check_bounds`, refused INVALID_ARGUMENT): its tokens are at most its cursor range × ``model.seq_len``;
   the range covers at most ``coordinator.max_push_steps`` × ``train.batch_size`` sequences (0:
@@ -23,7 +23,7 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   round's: a reference that follows the honest norms as they shrink, and holds in a round where few islands
   push, e.g. the last rounds of a shard taken over), and an outlier: a norm more than ``coordinator.norm_z_max``
   robust deviations above the median of the last ``coordinator.norm_window`` merged norms
-  (``dtrain.outer.robust_z``; once ``norm_window_min`` are in). In a sync round of 3 pushes or more the first
+  (``dtrain.steps.outer.robust_z``; once ``norm_window_min`` are in). In a sync round of 3 pushes or more the first
   gives way to the round screen's ratio to the round's own median, and the robust-z window holds the round's
   norms beside the merged ones: honest norms that grow together move its median, one push in a minority cannot.
 - The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: its ratio
@@ -54,9 +54,9 @@ from collections.abc import Sequence
 
 from coordinator.ledger import PushLedger
 from coordinator.records import MAX_PUSH_ID_LEN, Admission, IslandRecord, PushInfo, StateError, StateOptions
-from dtrain.config import CoordinatorConfig
-from dtrain.fragments import fragment_of_base, fragment_of_round
-from dtrain.outer import clip_factor, robust_z, staleness_weight
+from dtrain.config.sections import CoordinatorConfig
+from dtrain.steps.outer import clip_factor, robust_z, staleness_weight
+from dtrain.train.fragments import fragment_of_base, fragment_of_round
 
 
 def check_header(info: PushInfo) -> None:

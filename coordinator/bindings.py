@@ -1,4 +1,4 @@
-"""Which identity may act as which island (``security.identity`` "token" or "cert"; ``dtrain/identity.py`` says
+"""Which identity may act as which island (``security.identity`` "token" or "cert"; ``dtrain/net/identity.py`` says
 what an identity is): a name is bound to one identity, and an identity to one name.
 
 - A name is bound to the identity that first joined with it (checkpointed with the state, at each merge; a name
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from coordinator.records import StateError
-from dtrain.identity import token_identity
+from dtrain.net.identity import token_identity
 
 MAX_IDENTITY_LEN = 1024  # a bound identity's characters (a certificate's URI SAN or CN, a token's name)
 _HOW = "the operator re-binds a name with a security.bindings pin (docs/security.md)"

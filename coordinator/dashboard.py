@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dtrain.config import Config, SecurityConfig
+from dtrain.config.sections import Config, SecurityConfig
 from dtrain.errors import DtrainError
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import bearer_matches
 from dtrain.status_doc import message_dict
-from dtrain.wire import bearer_matches
 
 STATUS_PATH = "/api/status"
 PAGE_PATHS = ("/", "/index.html")

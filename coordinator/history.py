@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import MAX_EVAL_REPORTS
 from dtrain.runlog import fault_kind, read_events
-from dtrain.wire import MAX_EVAL_REPORTS
 
 MAX_ROUNDS = 500  # RoundRecords kept for Status (the dashboard's bytes chart)
 MAX_EVALS = 500  # EvalPoints kept

@@ -4,7 +4,7 @@ The coordinator needs θ_0 as one flat float32 vector. Building it means
 importing JAX and materializing the model's parameter tree several times
 over; doing that in a short-lived child keeps the coordinator's own memory
 (and its peak) at the size of the vectors it actually holds. With
-``model.init_from`` θ_0 is a Hugging Face folder's tensors instead (``dtrain.hf``), written leaf by leaf into
+``model.init_from`` θ_0 is a Hugging Face folder's tensors instead (``dtrain.models.hf``), written leaf by leaf into
 the file, every name and shape checked first: a folder that does not fit is one line on stderr and exit status
 :data:`UNFIT` (the coordinator raises it as its error, no traceback).
 """
@@ -23,8 +23,9 @@ UNFIT = 3  # the exit status of a model.init_from folder that does not fit the c
 def main(config_path: str, out_dir: str, spec_only: bool = False) -> None:
     import jax
 
-    from dtrain import codec, hf, model
-    from dtrain.config import load_config
+    from dtrain import codec
+    from dtrain.config.load import load_config
+    from dtrain.models import hf, model
 
     cfg = load_config(config_path)
     built = model.build(cfg.model)

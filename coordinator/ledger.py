@@ -20,7 +20,7 @@ import collections
 import math
 
 from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, Segment, StateError, StateOptions
-from dtrain.fragments import fragment_of_round
+from dtrain.train.fragments import fragment_of_round
 
 
 class PushLedger:

@@ -32,13 +32,12 @@ from coordinator.service import CURRENT_CALL, CallerIdentity, CoordinatorService
 from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
 from coordinator.stored import write_layout
 from dtrain import codec
-from dtrain.config import Config, ConfigError
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
-from dtrain.identity import IslandTokens
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.telemetry import require_exporter
-from dtrain.wire import (
+from dtrain.net.identity import IslandTokens
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import (
     HANDLER_KINDS,
     OPEN_METHODS,
     SERVICE,
@@ -52,12 +51,13 @@ from dtrain.wire import (
     serialize,
     server_credentials,
 )
+from dtrain.telemetry import require_exporter
 
 _IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
            "with --port or coordinator.port")
 
 # What preflight() read: the bearer token (None: no shared token), the server's TLS credentials (None: plaintext)
-# and, with security.identity "token", the islands' own tokens (dtrain.identity.IslandTokens; else None).
+# and, with security.identity "token", the islands' own tokens (dtrain.net.identity.IslandTokens; else None).
 Preflight = tuple[str | None, grpc.ServerCredentials | None, IslandTokens | None]
 
 
@@ -303,7 +303,7 @@ def initial_parameters_file(cfg: Config, out_dir: str | Path, spec_only: bool = 
     import sys
     import tempfile
 
-    from dtrain.config import to_toml
+    from dtrain.config.load import to_toml
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from coordinator.records import StateError, StateOptions
 from coordinator.shard import shard_ranges
 from coordinator.state import CoordinatorState
 from dtrain import codec
-from dtrain.config import Config, ConfigError
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError
 from dtrain.runlog import RunLog
 

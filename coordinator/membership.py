@@ -42,7 +42,7 @@ from coordinator.records import (
     StateOptions,
 )
 from dtrain import schema
-from dtrain.wire import MAX_EVIDENCE, MAX_EVIDENCE_DETAIL
+from dtrain.net.wire import MAX_EVIDENCE, MAX_EVIDENCE_DETAIL
 
 
 def check_identity(name: str, hardware: str, devices: int) -> Hardware:

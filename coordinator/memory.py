@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 
 
 @functools.cache

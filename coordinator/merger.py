@@ -20,7 +20,7 @@ copying (see ``dtrain.checkpoint.FileArraysHandler``). A dead version's files
 that nothing else links are renamed and written over by a later step: writing
 over existing pages costs a third of filling new ones.
 
-The outer step applies ``dtrain.outer.outer_update`` (DiLoCo's SGD with
+The outer step applies ``dtrain.steps.outer.outer_update`` (DiLoCo's SGD with
 Nesterov momentum, the same function the in-process simulation maps over its
 pytrees) to each slab, on a small thread pool (numpy and zstd release the GIL):
 
@@ -38,7 +38,7 @@ O(model / chunk)); each slab reads those chunks' scales and records and adds the
 exactly the entries where the merged Δ is non-zero (the union of the pushes' supports), quantized with
 ``codec.sparse_bits``; whatever it leaves out, off the union too, stays in the down residual. Its records
 are written in slab order after room for the counts, which are written last. ``outer.rule = "sparseloco"``
-makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.outer.outer_update``).
+makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.steps.outer.outer_update``).
 
 Guards against a poisoned delta:
 
@@ -51,7 +51,7 @@ Guards against a poisoned delta:
   the unclipped weights, so clipping shrinks the push's contribution).
 - ``coordinator.merge_rule`` ``trimmed_mean`` / ``median``: per slab, each push's
   c_i·Δ_i is dequantized into a row of a (pushes × slab) array and the rule
-  (``dtrain.outer.trimmed_mean`` / ``coordinate_median``, unweighted) reduces it:
+  (``dtrain.steps.outer.trimmed_mean`` / ``coordinate_median``, unweighted) reduces it:
   memory stays pushes × slab.
 - ``clipped_mean``: the mean, with each push's clip factor further capped so that
   its norm is at most ``coordinator.clip_ratio`` × the median norm of the pushes
@@ -94,9 +94,9 @@ import numpy as np
 from coordinator.spool import Spool, write_from
 from dtrain import codec
 from dtrain.codec import hasher_digest, params_hasher
-from dtrain.config import Config, merge_rule
-from dtrain.fragments import Range, fragment_of_round, plan_spec
-from dtrain.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
+from dtrain.config.sections import Config, merge_rule
+from dtrain.steps.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
+from dtrain.train.fragments import Range, fragment_of_round, plan_spec
 
 SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
@@ -140,7 +140,7 @@ class MergeOptions:
     def from_config(cls, cfg: Config, spec: codec.Spec | None = None) -> MergeOptions:
         """The merger of ``cfg``'s coordinator (merge mode: ``coordinator.mode``), with the default internal knobs
         (``dataclasses.replace`` them if needed). ``spec``: the parameter tree, which ``outer.fragments`` > 1
-        needs (its fragments' plan, ``dtrain.fragments.plan_spec``)."""
+        needs (its fragments' plan, ``dtrain.train.fragments.plan_spec``)."""
         k = cfg.codec
         ranges: tuple[Range, ...] = ()
         if cfg.outer.fragments > 1:

@@ -1,7 +1,7 @@
 """The chunk messages of the frames pulls are serving, built once per frame instead of once per island.
 
 Every island's pull of a version streams the same update frame (and every join the same lossless θ frame). Built
-per pull (:func:`dtrain.wire.file_chunk_messages`), each pull reads the frame from the page cache, takes each
+per pull (:func:`dtrain.net.wire.file_chunk_messages`), each pull reads the frame from the page cache, takes each
 chunk's CRC32 and copies each piece into its message: 64 islands pay that 64 times for identical bytes.
 :class:`PullCache` builds a frame's chunk messages once, with that same function, and hands every pull of the
 frame the same immutable ``bytes``; gRPC still copies each message it sends (into its own buffer, as for any
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from coordinator.merger import Update
-from dtrain.wire import chunk_count, file_chunk_messages
+from dtrain.net.wire import chunk_count, file_chunk_messages
 
 # Bytes a chunk message adds to its piece: the Chunk's tags and varints (index, CRC32, length) and the oneof's.
 _CHUNK_OVERHEAD = 24

@@ -21,11 +21,12 @@ from coordinator.memory import FrameStreams
 from coordinator.merger import Merger
 from coordinator.records import PushInfo
 from coordinator.spool import Spool
-from dtrain import codec, fragments
-from dtrain.config import Config
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain import codec
+from dtrain.config.sections import Config
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import FrameReceiver, RawChunk, WireError, max_frame_bytes
 from dtrain.telemetry import Telemetry
-from dtrain.wire import FrameReceiver, RawChunk, WireError, max_frame_bytes
+from dtrain.train import fragments
 
 PushMessages = Iterator[pb.PushMessage | RawChunk]  # a push's stream: chunks arrive as RawChunk
 
@@ -52,7 +53,7 @@ class UploadBroke(Exception):
 def read_header(requests: PushMessages, tree_digest: str, parts: int = 1) -> pb.PushHeader:
     """The push's header, its first message; WireError if there is none, if its payload is for another
     parameter tree than ``tree_digest`` (the coordinator's), or if the fragment it names does not fit a plan of
-    ``parts`` fragments (``outer.fragments``: ``dtrain.fragments.check_push``).
+    ``parts`` fragments (``outer.fragments``: ``dtrain.train.fragments.check_push``).
 
     The digest is checked here, not by the state machine: whether a payload fits the model's parameter tree is a
     property of the merger's θ (like Join's config fingerprint); the state machine holds membership, versions and

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
-from dtrain.config import ISLAND_NAME_RE, Config, CoordinatorConfig, parse_binding
+from dtrain.config.sections import ISLAND_NAME_RE, Config, CoordinatorConfig, parse_binding
+from dtrain.net.wire import PROBES
 from dtrain.runlog import json_number
-from dtrain.wire import PROBES
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
@@ -28,7 +28,7 @@ Count = Annotated[int, schema.AtLeast(0)]  # an int >= 0 (versions, counters, cu
 Finite = Annotated[float, schema.FINITE]  # a finite float (times, rates, weights)
 Hardware = Literal["cpu", "gpu", "tpu"]
 HARDWARE: tuple[str, ...] = typing.get_args(Hardware)
-Probe = Literal["known_answer", "finite", "stats", "replay"]  # dtrain.wire.PROBES: the chip-health probes
+Probe = Literal["known_answer", "finite", "stats", "replay"]  # dtrain.net.wire.PROBES: the chip-health probes
 assert typing.get_args(Probe) == PROBES
 
 
@@ -38,9 +38,9 @@ class StateError(ValueError):
     ``code`` is ``"INVALID_ARGUMENT"``, ``"FAILED_PRECONDITION"``, ``"NOT_FOUND"`` or ``"PERMISSION_DENIED"`` (the
     caller's identity may not act as that island); ``str(e)`` is the reason. ``retry_after_s`` > 0: the same
     request is refused for that many seconds more, not after (a throttled island's push,
-    ``coordinator.admission.check_standing``); the service sends it as :data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`.
+    ``coordinator.admission.check_standing``); the service sends it as :data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`.
     ``stopped``: the caller's island is quarantined and is to stop (its push refused for good); the service marks the
-    refusal with :data:`dtrain.wire.STOPPED_METADATA_KEY`.
+    refusal with :data:`dtrain.net.wire.STOPPED_METADATA_KEY`.
     """
 
     CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "PERMISSION_DENIED")
@@ -75,7 +75,7 @@ class StateOptions:
     linger_s: float = LINGER_S  # once the run is over, how long to keep serving islands that lack the last version
     identity: str = "shared"  # security.identity: whose calls may act as which island (coordinator/bindings.py)
     pins: tuple[tuple[str, str], ...] = ()  # security.bindings as (name, identity): the operator's re-bindings
-    fragments: int = 1  # outer.fragments: version v + 1 merges fragment v mod fragments (dtrain.fragments)
+    fragments: int = 1  # outer.fragments: version v + 1 merges fragment v mod fragments (dtrain.train.fragments)
 
     @property
     def shard_end(self) -> int:
@@ -134,7 +134,7 @@ class DeviceEvidence:
     z: float | None = None  # stats: the norm's robust z-score
     median: float | None = None  # stats: the median norm over the healthy devices
     mismatches: Count | None = None  # known_answer: entries of the result that were wrong; replay: devices outside
-    detail: str = ""  # a sentence (at most dtrain.wire.MAX_EVIDENCE_DETAIL characters)
+    detail: str = ""  # a sentence (at most dtrain.net.wire.MAX_EVIDENCE_DETAIL characters)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON (Status, events): the numbers the probe measured, non-finite ones as strings."""

@@ -21,9 +21,9 @@ from coordinator.merger import Merger, NonFiniteResult
 from coordinator.records import Admission, PushInfo
 from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters
+from dtrain.net.wire import SERVICE
 from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry
-from dtrain.wire import SERVICE
 
 if TYPE_CHECKING:
     from coordinator.shard import ShardedStep

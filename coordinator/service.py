@@ -37,15 +37,12 @@ from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
 from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
-from dtrain.config import Config, ConfigError
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError
-from dtrain.fragments import leaf_sizes
-from dtrain.identity import IslandTokens, cert_identity, token_identity
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.runlog import RunLog
-from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
-from dtrain.wire import (
+from dtrain.net.identity import IslandTokens, cert_identity, token_identity
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import (
     BUSY_METADATA_KEY,
     MAX_EVAL_REPORTS,
     RETRY_AFTER_METADATA_KEY,
@@ -56,6 +53,9 @@ from dtrain.wire import (
     chunk_count,
     presented_token,
 )
+from dtrain.runlog import RunLog
+from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
+from dtrain.train.fragments import leaf_sizes
 
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer
@@ -103,7 +103,7 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
 
 
 class CallerIdentity:
-    """The island identity a call carries (``security.identity``; ``dtrain/identity.py``): ``token:NAME`` for an
+    """The island identity a call carries (``security.identity``; ``dtrain/net/identity.py``): ``token:NAME`` for an
     island's own token (listed in ``tokens``), the client certificate's ``uri:``/``cn:`` identity, or None (shared
     mode; or no island identity, e.g. the operator's shared token). What it may do: ``coordinator/bindings.py``."""
 
@@ -136,7 +136,7 @@ class AuthFailures:
         self._lock = threading.Lock()
 
     def failed(self, peer: str, method: str, why: str) -> None:
-        """A call refused for its token (:class:`dtrain.wire.TokenAuthInterceptor`'s ``on_denied``; the dashboard
+        """A call refused for its token (:class:`dtrain.net.wire.TokenAuthInterceptor`'s ``on_denied``; the dashboard
         calls it too, with ``method`` = ``GET /PATH``)."""
         host = peer_host(peer)
         now = time.monotonic()
@@ -181,7 +181,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         model's parameter tree (pushes and pulls name its digest); ``clock``: the time leases and rounds run on;
         ``quiet``: no progress lines; ``after_finish``: what a finished run does (``dtrain coordinator
         --after-finish``; :class:`coordinator.rounds_loop.RoundsLoop`); ``island_tokens``: the islands' own
-        tokens with ``security.identity`` "token" (``dtrain.identity.IslandTokens``). Starts the ticker; serves
+        tokens with ``security.identity`` "token" (``dtrain.net.identity.IslandTokens``). Starts the ticker; serves
         nothing yet."""
         self.cfg, self.clock, self.run_dir = cfg, clock, Path(run_dir)
         # coordinator.shards > 1: this is the lead (shard 0), its merger over range 0 (coordinator/shard.py).
@@ -281,11 +281,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
         with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
         them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
-        (:data:`dtrain.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
+        (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
         refused for that many seconds more (a throttled island's push): its trailing metadata says how many
-        (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again.
+        (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again.
         ``stopped``: the request's island is quarantined: its trailing metadata says so with the version
-        (:data:`dtrain.wire.STOPPED_METADATA_KEY`), and the island stops."""
+        (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`), and the island stops."""
         if busy:
             context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
         elif stopped:

@@ -1,5 +1,5 @@
 """A sharded coordinator (``coordinator.shards = S > 1``): θ cut into S contiguous ranges of whole tensors
-(``dtrain.fragments.plan``), each merged by its own process.
+(``dtrain.train.fragments.plan``), each merged by its own process.
 
 Shard 0, the *lead*, is the coordinator of ``coordinator/service.py`` with its merger over range 0: it alone
 holds membership, leases, cursors, admission, the rounds and the audit's events. Shards 1..S-1 are *range
@@ -49,13 +49,11 @@ from coordinator.spool import Spool
 from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.config import Config, ConfigError
+from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError, DtrainError
-from dtrain.fragments import Range, joined_digest, plan_spec, range_digests
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.telemetry import Telemetry
-from dtrain.wire import (
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import (
     BUSY_METADATA_KEY,
     PLACEHOLDER,
     WireError,
@@ -66,6 +64,8 @@ from dtrain.wire import (
     keepalive_options,
     read_token,
 )
+from dtrain.telemetry import Telemetry
+from dtrain.train.fragments import Range, joined_digest, plan_spec, range_digests
 
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer

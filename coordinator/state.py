@@ -87,7 +87,7 @@ from coordinator.membership import Membership, check_identity
 from coordinator.pacing import Pace
 from coordinator.records import Admission, IslandRecord, PushInfo, SeenPush, Segment, StateError, StateOptions
 from dtrain import schema
-from dtrain.wire import MAX_ROUND_S
+from dtrain.net.wire import MAX_ROUND_S
 
 
 class CoordinatorState:

@@ -13,7 +13,7 @@ from collections import Counter
 from coordinator.history import RunHistory
 from coordinator.records import DeviceEvidence, IslandRecord, StateOptions
 from coordinator.state import CoordinatorState
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain import codec
-from dtrain.config import Config, DataConfig, ModelConfig
+from dtrain.config.sections import Config, DataConfig, ModelConfig
 from dtrain.errors import DtrainError
 
 LAYOUT = "model.json"

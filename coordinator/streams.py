@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import grpc
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 
 T = TypeVar("T")
 _log = logging.getLogger("dtrain.coordinator")

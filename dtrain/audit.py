@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dtrain.config import Config
+    from dtrain.config.sections import Config
 
 Event = Mapping[str, Any]
 

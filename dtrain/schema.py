@@ -3,7 +3,7 @@
 :func:`load` builds a dataclass from plain data (dicts, lists, str, int, float, bool and None, as TOML and
 JSON give them) by walking its fields and their type hints; :func:`dump` turns one back into plain JSON
 types. A value that does not fit raises :class:`SchemaError` with the path of the field; the caller words it
-as its own error (``dtrain.config.ConfigError``, ``coordinator.records.StateError``), naming the field.
+as its own error (``dtrain.config.sections.ConfigError``, ``coordinator.records.StateError``), naming the field.
 
 Type hints it reads:
 

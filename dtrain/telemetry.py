@@ -30,7 +30,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.util.types import AttributeValue
 
-from dtrain.config import TelemetryConfig
+from dtrain.config.sections import TelemetryConfig
 from dtrain.errors import DtrainError
 from dtrain.runlog import fault_kind
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.net.proto import dtrain_pb2 as pb
 
 # Histogram bucket boundaries: compression ratios (raw fp32 bytes / frame bytes; int8 is about 4, fp32 about 1) and
 # round latencies in seconds (a loopback round of a tiny model: tens of ms; a WAN round of a large one: minutes).

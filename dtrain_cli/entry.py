@@ -2,8 +2,9 @@
 a user error is one line on stderr and an exit status, never a traceback; the library's log records are shown
 (progress lines, live status lines on a terminal: :func:`dtrain_cli.logs.cli_logging`) while the command runs.
 
-- ``dtrain.config.ConfigError`` (a config file, a ``--set``, a flag's value): ``PROG: config error: ...``, exit 2;
-- ``dtrain.errors.DtrainError`` (a run cannot go on as asked) and ``dtrain.data.DataError`` (a data source):
+- ``dtrain.config.sections.ConfigError`` (a config file, a ``--set``, a flag's value): ``PROG: config error: ...``,
+exit 2;
+- ``dtrain.errors.DtrainError`` (a run cannot go on as asked) and ``dtrain.data.corpus.DataError`` (a data source):
   ``PROG: error: ...``, exit 1;
 - a closed stdout (``dtrain config --reference | head -1``): the rest of the output goes to /dev/null, exit 1,
   as the Python documentation's "Note on SIGPIPE" does it;
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from dtrain.config import ConfigError
+from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError
 from dtrain_cli.logs import cli_logging
 
@@ -41,7 +42,7 @@ def user_error(e: BaseException) -> tuple[int, str] | None:
         return 2, "config error"
     if isinstance(e, DtrainError):
         return 1, "error"
-    from dtrain.data import DataError  # numpy: only once there is an error to classify
+    from dtrain.data.corpus import DataError  # numpy: only once there is an error to classify
 
     if isinstance(e, DataError):
         return 1, "error"

@@ -1,7 +1,7 @@
 """``dtrain export RUN_DIR [--version V] --out DIR``: the coordinator's θ at a version as a Hugging Face folder.
 
 Reads what the coordinator left in RUN_DIR (``coordinator.stored``: ``model.json``, θ's files of the versions
-still on disk), maps it with ``dtrain.hf`` (llama: ``LlamaForCausalLM``; gpt: ``GPT2LMHeadModel``) and writes
+still on disk), maps it with ``dtrain.models.hf`` (llama: ``LlamaForCausalLM``; gpt: ``GPT2LMHeadModel``) and writes
 ``config.json``, ``generation_config.json``, float32 safetensors and, when the run's data source is a local token
 store with a Hugging Face tokenizer, ``tokenizer.json`` and a ``tokenizer_config.json``. No JAX is imported: θ
 is memory-mapped from the coordinator's file and written tensor by tensor.
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from dtrain import codec
-from dtrain.config import DataConfig
+from dtrain.config.sections import DataConfig
 from dtrain.errors import DtrainError
 
 
 def main(run_dir: str, version: int | None, out: str, shard_bytes: int) -> int:
     from coordinator.stored import read_layout, theta_file
-    from dtrain import hf
+    from dtrain.models import hf
 
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -52,7 +52,7 @@ def _tokenizer(data: DataConfig, run_dir: Path) -> tuple[Path | None, int | None
     """(the store's tokenizer.json or None, its end-of-document id, a note for the summary) for the run's source:
     a store it names, or the one a builtin or text source was made into under data.cache (default: the run
     folder's OUT_DIR/data-cache)."""
-    from dtrain.data import existing_store, names_store
+    from dtrain.data.corpus import existing_store, names_store
 
     if not names_store(data.source) and data.tokenizer == "bytes":
         return None, None, ("no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no Hugging "

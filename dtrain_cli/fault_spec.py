@@ -25,7 +25,7 @@ A spec is ``KIND[:TARGET]@WHEN[+DURATION][,KEY=VALUE...]``:
   ``until=U`` (excluded; default: to the end, a transient fault ends): the driver passes
   these to the island's worker (``dtrain worker --device-fault KIND:ID@N,...``, and again to a restarted
   worker: the chip is still bad), which injects them into its per-device inner step from inner step N on
-  (:class:`dtrain.chip_faults.DeviceFault`).
+  (:class:`dtrain.health.faults.DeviceFault`).
 - ``TARGET``: an island name (``island-0`` ... ``island-N-1``); none for ``kill-coordinator``.
 - ``WHEN``: ``vN`` (once the coordinator has merged version N) or ``Ns`` (N seconds after the workers
   were started); push faults take ``vN`` only (the island's first push based on version N or later); device
@@ -53,8 +53,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.chip_faults import FAULT_OPTIONS, DeviceFault
-from dtrain.config import ConfigError
+from dtrain.config.sections import ConfigError
+from dtrain.health.faults import FAULT_OPTIONS, DeviceFault
 
 PUSH_KINDS = ("nan", "poison", "inflate", "truncate", "scale", "ramp")  # injected by the island's worker
 # (workers.push_faults); scale and ramp change every push from vN on and take factor=F

@@ -4,9 +4,9 @@ A spec is ``NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable, one island per flag or 
 
 - ``NAME``: an island of the run, ``island-0`` ... ``island-N-1``.
 - ``SECTION.FIELD=VALUE``: a config field the island has of its own, one of
-  :data:`dtrain.config.PER_ISLAND_FIELDS` (how it computes: its batch size, chunk length, attention kernel,
+  :data:`dtrain.config.sections.PER_ISLAND_FIELDS` (how it computes: its batch size, chunk length, attention kernel,
   rematerialization, round length or H, mesh, ...), passed to its worker as ``--set``. A field of the config
-  fingerprint (:meth:`dtrain.config.Config.fingerprint_fields`: the model's shapes and dtype, the codecs) is
+  fingerprint (:meth:`dtrain.config.sections.Config.fingerprint_fields`: the model's shapes and dtype, the codecs) is
   refused here in one line: islands that differ there would train different models (the coordinator refuses
   them at Join too). Any other field is run-wide and refused as well.
 - ``host_devices=N``: the island's fake CPU devices (its worker's ``XLA_FLAGS``; ``--host-devices`` for the
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain import config as config_mod
-from dtrain.config import PER_ISLAND_FIELDS, Config, ConfigError
+from dtrain.config.load import load_config, replace, to_toml
+from dtrain.config.sections import PER_ISLAND_FIELDS, Config, ConfigError
 from dtrain_cli.link_proxy import LinkError, LinkShape, parse_link
 
 SLOWDOWN_HOW = "a sleep after each chunk of (K-1) x that chunk's measured compute time"
@@ -123,7 +123,7 @@ def run_config(cfg: Config, specs: dict[str, IslandSpec]) -> Config:
     batch (unless set), so every shard, lr schedule and step round counts the same tokens."""
     differ = any(o.startswith("train.batch_size=") for s in specs.values() for o in s.overrides)
     if differ and not cfg.train.base_batch_size:
-        return config_mod.replace(cfg, train={"base_batch_size": cfg.train.batch_size})
+        return replace(cfg, train={"base_batch_size": cfg.train.batch_size})
     return cfg
 
 
@@ -132,8 +132,8 @@ def island_config(cfg: Config, spec: IslandSpec, origin: str) -> Config:
     resolved config.toml) and validated; ConfigError names ``origin``."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.toml"
-        path.write_text(config_mod.to_toml(cfg))
+        path.write_text(to_toml(cfg))
         try:
-            return config_mod.load_config(path, spec.overrides)
+            return load_config(path, spec.overrides)
         except ConfigError as e:
             raise ConfigError(f"{origin}: {str(e).replace(str(path), 'the run config')}") from None

@@ -13,8 +13,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from dtrain.config import Config, ConfigError, load_config, reference_markdown, to_toml
-from dtrain.config import replace as config_replace
+from dtrain.config.load import load_config, reference_markdown, to_toml
+from dtrain.config.load import replace as config_replace
+from dtrain.config.sections import Config, ConfigError
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.logs import LOGGER
 
@@ -34,8 +35,8 @@ def version() -> str:
 
 
 def coordinator_address(text: str) -> str:
-    """``--coordinator``: HOST:PORT (:func:`dtrain.wire.parse_address`), as given."""
-    from dtrain.wire import parse_address
+    """``--coordinator``: HOST:PORT (:func:`dtrain.net.wire.parse_address`), as given."""
+    from dtrain.net.wire import parse_address
 
     try:
         parse_address(text)
@@ -325,7 +326,7 @@ def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def _add_export(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain export``: the coordinator's θ as a Hugging Face model folder."""
-    from dtrain.hf import SHARD_BYTES
+    from dtrain.models.hf import SHARD_BYTES
 
     p = _command(sub, "export", "write the coordinator's θ at a version as a Hugging Face model folder (llama: "
                  "LlamaForCausalLM, gpt: GPT2LMHeadModel)",
@@ -358,8 +359,8 @@ def _add_admin(sub: argparse._SubParsersAction[Parser]) -> None:
 def _admin(args: argparse.Namespace) -> int:
     """``dtrain admin issue-token NAME --out FILE``: the token to FILE (mode 0600, never over a file), its
     ``security.island_tokens`` line to stdout."""
-    from dtrain.config import ISLAND_NAME_RE
-    from dtrain.identity import hash_line, issue_token
+    from dtrain.config.sections import ISLAND_NAME_RE
+    from dtrain.net.identity import hash_line, issue_token
 
     if not ISLAND_NAME_RE.fullmatch(args.name):
         raise ConfigError(f"NAME {args.name!r}: an island name is 1 to 64 of A-Z a-z 0-9 . _ -")
@@ -420,7 +421,7 @@ def _run(argv: list[str], prog: str) -> int:
         return 0
     if args.command in ("coordinator", "worker"):
         return _service_command(args, cfg)
-    from dtrain import runs  # imports JAX: after XLA_FLAGS is set
+    from dtrain.train import runs
 
     if args.command == "train":
         summary = runs.run_train(cfg, resume=args.resume, quiet=args.quiet)
@@ -487,7 +488,7 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
     """coordinator / worker: the entry points into coordinator/ and workers/ (imported here only)."""
     from pathlib import Path
 
-    from dtrain.config import run_path as run_dir
+    from dtrain.config.load import run_path as run_dir
 
     if args.command == "coordinator":
         from coordinator.lifecycle import run_coordinator, run_shard

@@ -16,8 +16,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dtrain.config import load_config
-from dtrain.wire import channel_credentials, channel_options
+from dtrain.config.load import load_config
+from dtrain.net.wire import channel_credentials, channel_options
 from dtrain_cli.entry import Parser, run_main
 from dtrain_cli.main import coordinator_address
 

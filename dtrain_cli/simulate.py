@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtrain import config as config_mod
-from dtrain import data
 from dtrain.audit import Audit, AuditError, AuditParams, audit
-from dtrain.config import Config, ConfigError
+from dtrain.config.load import data_cache, replace, to_toml
+from dtrain.config.sections import Config, ConfigError
+from dtrain.data.corpus import names_store, open_corpus, store_location
 from dtrain.errors import DtrainError
-from dtrain.identity import hash_line, issue_token
+from dtrain.net.identity import hash_line, issue_token
 from dtrain.runlog import EventTail, RunLog, process_dir, read_events
 from dtrain_cli.fault_score import device_fault_reached, device_quarantines, push_fault_event, score_faults
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec, check_devices, host_device_count
@@ -159,23 +159,23 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     island's steps twice. ``bit_identical_final_params``: every process of every finished island ended on the
     same θ. Raises ConfigError or SimulationError for what cannot run, before any process starts, and
     SimulationError for a process that failed."""
-    from dtrain.runs import new_run, run_dir
+    from dtrain.train.runs import new_run, run_dir
 
     specs = island_specs or {}
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes, specs, own_tokens)
     cfg = new_run(run_config(cfg, specs))
     # Before any process starts: a source that is not a store becomes one here, once, not in every worker; the
     # processes read that store (finding it again from its source would scan the source at every start).
-    cache = config_mod.data_cache(cfg)
-    if not data.names_store(cfg.data.source):
-        cfg = config_mod.replace(cfg, data={"source": str(Path(data.store_location(cfg.data, cache)).resolve())})
-    data.open_corpus(cfg.data, cfg.model.vocab_size, cache)
+    cache = data_cache(cfg)
+    if not names_store(cfg.data.source):
+        cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache)).resolve())})
+    open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
     cfg, tokens = issue_island_tokens(cfg, out, islands) if own_tokens else (cfg, {})
     cfg = shard_config(cfg, out, coordinator_shards, faults, specs, island_processes)
     if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
-        cfg = config_mod.replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
+        cfg = replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
     sim = _Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens)
     try:
         sim.run(timeout_s)
@@ -192,9 +192,9 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
     SimulationError for what cannot run."""
     check_island_processes(island_processes, cfg, faults)
     if islands != cfg.outer.islands:
-        cfg = config_mod.replace(cfg, outer={"islands": islands})
+        cfg = replace(cfg, outer={"islands": islands})
     if cfg.coordinator.dashboard_port > 0:  # the driver's coordinator takes free ports, a restart included
-        cfg = config_mod.replace(cfg, coordinator={"dashboard_port": 0})
+        cfg = replace(cfg, coordinator={"dashboard_port": 0})
     resumed = any(f.kind == "kill-coordinator" and f.duration_s is not None for f in faults)
     if resumed and not cfg.coordinator.checkpoint:
         raise SimulationError("kill-coordinator with a restart needs coordinator.checkpoint = true (it resumes)")
@@ -225,7 +225,7 @@ def shard_config(cfg: Config, out: Path, shards: int | None, faults: Sequence[Fa
         raise ConfigError(f"--fault {beyond[0]}: the coordinator has {shards} shard(s) (--coordinator-shards), "
                           f"numbered 0..{shards - 1}")
     if shards == 1:
-        return config_mod.replace(cfg, coordinator={"shards": 1})
+        return replace(cfg, coordinator={"shards": 1})
     if processes > 1:
         raise ConfigError("--coordinator-shards with --island-processes > 1 is not built yet (an island's other "
                           "processes would check θ by the unsharded digest)")
@@ -238,13 +238,13 @@ def shard_config(cfg: Config, out: Path, shards: int | None, faults: Sequence[Fa
     with os.fdopen(fd, "w") as f:
         f.write(issue_token())
     host = cfg.coordinator.host
-    return config_mod.replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(path),
+    return replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(path),
                                                 "shard_addresses": tuple(f"{host}:{free_port(host)}"
                                                                          for _ in range(shards - 1))})
 
 
 def issue_island_tokens(cfg: Config, out: Path, islands: int) -> tuple[Config, dict[str, str]]:
-    """An identity per island (``--island-tokens``): one token issued per island (``dtrain.identity.issue_token``),
+    """An identity per island (``--island-tokens``): one token issued per island (``dtrain.net.identity.issue_token``),
     their hashes written to ``out/island-tokens`` (owner-only); returns ``cfg`` with ``security.identity = "token"``
     and that file as its ``island_tokens``, and the tokens by island name (each worker gets its own in
     ``security.token_env``)."""
@@ -253,7 +253,7 @@ def issue_island_tokens(cfg: Config, out: Path, islands: int) -> tuple[Config, d
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("".join(hash_line(name, token) + "\n" for name, token in tokens.items()))
-    return config_mod.replace(cfg, security={"identity": "token", "island_tokens": str(path)}), tokens
+    return replace(cfg, security={"identity": "token", "island_tokens": str(path)}), tokens
 
 
 class _Simulation:
@@ -269,7 +269,7 @@ class _Simulation:
         self.specs = specs or {}
         self.processes = processes
         self.resolved = out / "config.toml"
-        self.resolved.write_text(config_mod.to_toml(cfg))  # every process reads exactly this config
+        self.resolved.write_text(to_toml(cfg))  # every process reads exactly this config
         self.log = RunLog(out / "driver", quiet=quiet, logger="dtrain.simulate")
         self.names = [f"island-{i}" for i in range(islands)]
         self.shares: list[list[int] | None] = [None] * islands
@@ -300,7 +300,7 @@ class _Simulation:
         for name, spec in self.specs.items():
             (out / "islands" / name).mkdir(parents=True, exist_ok=True)
             path = self.configs[name] = out / "islands" / name / "config.toml"
-            path.write_text(config_mod.to_toml(island_config(cfg, spec, f"--island {name}")))
+            path.write_text(to_toml(island_config(cfg, spec, f"--island {name}")))
 
     # -- processes ---------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import fmt_bytes
 from dtrain.status_doc import message_dict
 from dtrain_cli.logs import is_terminal

@@ -1,9 +1,9 @@
-"""``dtrain tokenize SRC... --out STORE``: a corpus into a token store (:func:`dtrain.tokenize.tokenize`).
+"""``dtrain tokenize SRC... --out STORE``: a corpus into a token store (:func:`dtrain.data.tokenize.tokenize`).
 
 The tokenizer is a tokenizer.json (``--tokenizer FILE``, its end-of-document token from ``--eos`` or found by
 name), the byte tokenizer (``--tokenizer bytes``), or a byte-level BPE of ``--vocab-size`` ids trained on the
-sources. Progress is a status line on the ``dtrain.tokenize`` logger (bytes, documents, tokens/s, ETA: redrawn
-on a terminal, a plain line every :data:`dtrain.tokenize.PLAIN_EVERY_S` seconds in a pipe); the command ends with
+sources. Progress is a status line on the ``dtrain.data.tokenize`` logger (bytes, documents, tokens/s, ETA: redrawn
+on a terminal, a plain line every :data:`dtrain.data.tokenize.PLAIN_EVERY_S` seconds in a pipe); the command ends with
 one summary line on stdout.
 """
 
@@ -15,9 +15,9 @@ import os
 import time
 from collections.abc import Callable
 
-from dtrain.config import ConfigError
-from dtrain.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
-from dtrain.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from dtrain.config.sections import ConfigError
+from dtrain.data.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
+from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer
 # A test's hook: commit after every file and exit abruptly (status 137, as SIGKILL) once this many are committed.
@@ -37,7 +37,7 @@ def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:
         return ByteTokenizer(), 0
     if args.tokenizer is not None:
         return HFTokenizer.from_file(args.tokenizer, eos=args.eos), 0
-    from dtrain.documents import enumerate_sources
+    from dtrain.data.documents import enumerate_sources
 
     files = enumerate_sources(args.sources)
     tok = trained_or_resumed(files, args.out, args.vocab_size, field=args.field, skip_bad=args.skip_bad,
@@ -48,7 +48,7 @@ def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:
 def main(args: argparse.Namespace) -> int:
     """Runs ``dtrain tokenize`` with its parsed flags; prints the summary line; returns 0."""
     t0 = time.monotonic()
-    loggers = [logging.getLogger(name) for name in ("dtrain.data", "dtrain.tokenize")]
+    loggers = [logging.getLogger(name) for name in ("dtrain.data.corpus", "dtrain.data.tokenize")]
     levels = [logger.level for logger in loggers]
     if args.quiet:  # warnings (a skipped file) still show
         for logger in loggers:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dtrain.config import Config, ModelConfig, load_config  # noqa: E402
+from dtrain.config.load import load_config  # noqa: E402
+from dtrain.config.sections import Config, ModelConfig  # noqa: E402
 
 if TYPE_CHECKING:
     from dtrain.codec import Spec

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import TINY, make_text
-from dtrain.chip_faults import DeviceFault
-from dtrain.chip_probes import Probes
-from dtrain.config import load_config
-from dtrain.model import build
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain.config.load import load_config
+from dtrain.health.faults import DeviceFault
+from dtrain.health.probes import Probes
+from dtrain.models.model import build
+from dtrain.steps.inner import make_mesh
+from dtrain.train.loop import InnerLoop
 
 K = 4  # inner steps per chunk of the fixed batches
 CHUNKS = 3  # chunks of the fixed batches

@@ -7,7 +7,7 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
 from workers.client import PulledFrame
 
 N = 64

@@ -15,9 +15,9 @@ import numpy as np
 from conftest import initial_parameters, initial_spec
 from coordinator.lifecycle import serve
 from dtrain import codec
-from dtrain.config import replace
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.wire import auth_metadata, method_path, serialize
+from dtrain.config.load import replace
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import auth_metadata, method_path, serialize
 from workers.client import CoordinatorClient
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
 from coordinator.state import CoordinatorState
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 
 T0 = 1000.0
 BASE = ["coordinator.lease_s=15", "train.steps=20000"]  # 15 s leases; 1000 rounds: a run ends only where a test says

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from dtrain_cli.fault_spec import parse_fault
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from dtrain.audit import AuditError, AuditParams, Span, audit, executed_steps
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 
 SEQ = 64  # tokens per sequence
 STEP_ROUNDS = AuditParams(seq_len=SEQ, shards=2, shard_end=40)  # 2 shards of 40 sequences

@@ -18,8 +18,8 @@ from conftest import TINY
 from coordinator.refusals import RefusalLog
 from coordinator.service import CURRENT_CALL
 from coordinator.state import CoordinatorState
-from dtrain.config import replace
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.load import replace
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
 from service_helpers import Running, join_island
 from state_helpers import T0, info, join_all, make, push
@@ -179,7 +179,7 @@ _GARBAGE_CLIENT = """
 import logging, sys
 from concurrent import futures
 import grpc
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from workers.client import CoordinatorClient, CoordinatorError
 
 logging.basicConfig()  # as in a worker process, where a library's handler reaches the root logger

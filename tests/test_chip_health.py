@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from dtrain.chip_faults import DeadDeviceError, DeviceFault
-from dtrain.config import HealthConfig
+from dtrain.config.sections import HealthConfig
+from dtrain.health.faults import DeadDeviceError, DeviceFault
 from fake_island import CHUNKS, Island, K
 from workers.chip_health import ChipHealth
 

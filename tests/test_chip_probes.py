@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dtrain.chip_faults import DeadDeviceError, DeviceFault, check_alive, inject
-from dtrain.chip_probes import (
+from dtrain.health.faults import DeadDeviceError, DeviceFault, check_alive, inject
+from dtrain.health.probes import (
     KNOWN_ANSWER_N,
     STAT_Z_MAX,
     all_finite,
@@ -23,7 +23,7 @@ from dtrain.chip_probes import (
     outliers,
     robust_z,
 )
-from dtrain.step import loss_fn
+from dtrain.steps.inner import loss_fn
 from fake_island import Island
 
 

@@ -1,5 +1,5 @@
-"""The per-device inner step (dtrain/chip_step.py, ``InnerLoop(per_device=True)``) on the 8 fake CPU devices: the
-same training as the fused step, the statistics probe's numbers as its metrics, and an injected device fault
+"""The per-device inner step (dtrain/health/device_step.py, ``InnerLoop(per_device=True)``) on the 8 fake CPU devices:
+the same training as the fused step, the statistics probe's numbers as its metrics, and an injected device fault
 found by them."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from dtrain.chip_faults import DeadDeviceError, DeviceFault
-from dtrain.chip_probes import Probes, outliers
-from dtrain.config import ConfigError
-from dtrain.step import TrainState, make_mesh, pad_rows, rows_per_device
-from dtrain.train import InnerLoop
+from dtrain.config.sections import ConfigError
+from dtrain.health.faults import DeadDeviceError, DeviceFault
+from dtrain.health.probes import Probes, outliers
+from dtrain.steps.inner import TrainState, make_mesh, pad_rows, rows_per_device
+from dtrain.train.loop import InnerLoop
 from fake_island import Island, K
 
 # Loss trajectories agree to this relative tolerance, not bit for bit: the per-device step averages 8 micro-batch

@@ -22,11 +22,11 @@ from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
 from coordinator.streams import peer_host
 from dtrain import codec
-from dtrain.config import load_config
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.config.load import load_config
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import auth_metadata, chunk_message, method_path, parse_address, serialize
 from dtrain.runlog import RunLog, read_events
-from dtrain.wire import auth_metadata, chunk_message, method_path, parse_address, serialize
 from dtrain_cli.logs import cli_logging
 from dtrain_cli.main import COMMANDS, main
 from dtrain_cli.status import plain, print_status, sections
@@ -178,7 +178,7 @@ def test_a_store_that_does_not_answer_is_one_line_naming_it_and_the_wait(tmp_pat
 
 
 def test_a_store_over_the_models_vocabulary_is_one_line(tmp_path):
-    from dtrain.token_store import StoreWriter
+    from dtrain.data.token_store import StoreWriter
 
     w = StoreWriter(tmp_path / "gpt2", vocab_size=50304)
     w.add_document(np.arange(1000))

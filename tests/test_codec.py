@@ -346,7 +346,7 @@ def test_write_frame_rejects_wrong_sizes_and_levels(tmp_path) -> None:
 def test_one_table_of_codec_names() -> None:
     """codec.up/codec.down name the schemes of CODEC_BITS, and the config offers exactly those names (and
     "sparse", whose scheme codec.sparse_bits picks)."""
-    from dtrain.config import CodecConfig
+    from dtrain.config.sections import CodecConfig
 
     assert dict(codec.CODEC_BITS) == {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
     assert all(codec.canonical_bits(bits) == bits for bits in codec.CODEC_BITS.values())

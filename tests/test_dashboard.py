@@ -25,10 +25,11 @@ import pytest
 from conftest import initial_parameters
 from coordinator.dashboard import dashboard_port
 from coordinator.lifecycle import serve
-from dtrain.config import ConfigError, load_config, replace
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
 from service_helpers import Running, delta_frame, join_island, push_header, tls_config

@@ -8,10 +8,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtrain import data
-from dtrain.config import DataConfig
-from dtrain.data import Corpus, DataError, SequenceStream, Span, eval_batches, island_shards, open_corpus, split
-from dtrain.token_store import StoreWriter, TokenStore
+from dtrain.config.sections import DataConfig
+from dtrain.data.corpus import (
+    EVAL_SPAN_CHUNKS,
+    READ_AHEAD_GROUPS,
+    SHUFFLE_BLOCKS,
+    Corpus,
+    DataError,
+    SequenceStream,
+    Span,
+    eval_batches,
+    island_shards,
+    open_corpus,
+    split,
+    store_location,
+)
+from dtrain.data.token_store import StoreWriter, TokenStore
 
 VOCAB = 65536
 SEQ = 16
@@ -344,17 +356,17 @@ def test_stream_blocks_groups_and_read_ahead(tmp_path: Path):
     np.testing.assert_array_equal(np.sort(epoch0), np.arange(n))  # each window once per epoch
     group_span = int(stream._order(0)[1][1])  # 8 blocks of 64 windows, less if the short last block is one
     first = set((epoch0[:group_span] // stream.block_windows).tolist())
-    assert len(first) == data.SHUFFLE_BLOCKS  # the first group's windows come from its 8 blocks, mixed
-    assert first != set(range(data.SHUFFLE_BLOCKS))  # the blocks are permuted, not taken in order
+    assert len(first) == SHUFFLE_BLOCKS  # the first group's windows come from its 8 blocks, mixed
+    assert first != set(range(SHUFFLE_BLOCKS))  # the blocks are permuted, not taken in order
     assert not np.array_equal(stream.window_ids(n, n), epoch0)  # a new order each epoch
     batch = stream.batches(0, 4, 8)
     np.testing.assert_array_equal(_window_starts(batch), epoch0[:32] * SEQ)  # the tokens of those windows
     # the group being read and the next one are held or on their way; nothing else
-    assert len(stream._blocks) == 2 * data.SHUFFLE_BLOCKS
+    assert len(stream._blocks) == 2 * SHUFFLE_BLOCKS
     # two epochs later, memory is still a few groups
     for c in range(32, 2 * n, 256):
         stream.batches(c, 32, 8)
-    assert stream.peak_blocks <= (2 + data.READ_AHEAD_GROUPS) * data.SHUFFLE_BLOCKS < stream.n_blocks
+    assert stream.peak_blocks <= (2 + READ_AHEAD_GROUPS) * SHUFFLE_BLOCKS < stream.n_blocks
     assert stream.wait_s >= 0.0
 
 
@@ -374,8 +386,8 @@ def test_eval_batches_across_chunks(tmp_path: Path):
     ev = eval_batches(corpus, parts.eval, SEQ, batch_size=8, n_batches=4)
     starts = _window_starts(ev)
     assert len(np.unique(starts)) == 32 and starts.min() == parts.eval.start
-    assert starts.max() + SEQ < parts.eval.start + data.EVAL_SPAN_CHUNKS * 1024  # over 8 chunks at most, not 10
-    assert len(np.unique(starts // 1024)) >= data.EVAL_SPAN_CHUNKS  # spread over them
+    assert starts.max() + SEQ < parts.eval.start + EVAL_SPAN_CHUNKS * 1024  # over 8 chunks at most, not 10
+    assert len(np.unique(starts // 1024)) >= EVAL_SPAN_CHUNKS  # spread over them
 
 
 # --- stores as sources --------------------------------------------------------------------------------------
@@ -418,12 +430,12 @@ def test_cached_store_reused_until_the_source_changes(tmp_path: Path):
     text = tmp_path / "a.txt"
     text.write_bytes(b"hello world " * 100)
     cache = tmp_path / "cache"
-    first = data.store_location(DataConfig(source=str(text), max_bytes=0), cache)
+    first = store_location(DataConfig(source=str(text), max_bytes=0), cache)
     made = (Path(first) / "manifest.json").stat().st_mtime_ns
-    assert data.store_location(DataConfig(source=str(text), max_bytes=0), cache) == first
+    assert store_location(DataConfig(source=str(text), max_bytes=0), cache) == first
     assert (Path(first) / "manifest.json").stat().st_mtime_ns == made  # not written again
     text.write_bytes(b"something else entirely")
-    second = data.store_location(DataConfig(source=str(text), max_bytes=0), cache)
+    second = store_location(DataConfig(source=str(text), max_bytes=0), cache)
     assert second != first
     assert _text(open_corpus(DataConfig(source=str(text), max_bytes=0), 256, cache)) == b"something else entirely\n"
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no half-made store left behind

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import load_benchmark
+from dtrain.data.token_store import TokenStore
 from dtrain.errors import DtrainError
-from dtrain.token_store import TokenStore
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"data: startup-ratio=(\d+\.\d\d) rss-ratio=(\d+\.\d\d) read-tokens/s=(\d+)M "

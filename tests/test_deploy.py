@@ -25,8 +25,9 @@ import yaml
 from conftest import initial_parameters, openssl
 from coordinator.lifecycle import serve
 from coordinator.loading import has_checkpoint
-from dtrain.config import Config, ConfigError, CoordinatorConfig, load_config, replace
-from dtrain.wire import PLACEHOLDER, read_token
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config, ConfigError, CoordinatorConfig
+from dtrain.net.wire import PLACEHOLDER, read_token
 from dtrain_cli import probe
 from dtrain_cli.main import build_parser
 from dtrain_cli.main import main as cli_main
@@ -488,7 +489,7 @@ def test_has_checkpoint_decides_resume_auto(tmp_path):
 
 
 def test_every_secret_in_deploy_is_a_placeholder_the_code_refuses():
-    """deploy/ ships no secret, only placeholders that start with dtrain.wire.PLACEHOLDER, the mark the coordinator
+    """deploy/ ships no secret, only placeholders that start with dtrain.net.wire.PLACEHOLDER, the mark the coordinator
     and the islands refuse (the next test): manifests applied unedited fail at once, never run with a known token."""
     secrets = {name: s for cluster in CLUSTERS for name, s in _named(build(DEPLOY / cluster), "Secret").items()}
     assert set(secrets) == {"dtrain-token", "dtrain-ca", "dtrain-coordinator-tls", "dtrain-island-tokens",

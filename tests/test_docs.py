@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.config import reference_markdown
+from dtrain.config.load import reference_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from dtrain import codec
-from dtrain.chip_faults import FAULT_KINDS, DeviceFault
-from dtrain.config import Config, ConfigError, load_config
-from dtrain.outer import OuterHParams, merge_weights, outer_update
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.load import load_config
+from dtrain.config.sections import Config, ConfigError
+from dtrain.health.faults import FAULT_KINDS, DeviceFault
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import read_events
+from dtrain.steps.outer import OuterHParams, merge_weights, outer_update
 from dtrain_cli.fault_score import (
     device_fault_entry,
     device_fault_reached,

@@ -13,11 +13,13 @@ import pytest
 
 from conftest import initial_parameters
 from coordinator.merger import MergeOptions, Merger
-from dtrain import codec, config, fragments
+from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.config import Config, ConfigError
-from dtrain.outer import OuterHParams
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config, ConfigError
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.steps.outer import OuterHParams
+from dtrain.train import fragments
 from service_helpers import Running, delta_frame, join_island, push_header
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import GlobalParams, Puller
@@ -64,7 +66,7 @@ def test_plan_refuses_impossible_counts():
 
 
 def test_plan_of_the_tiny_model_and_the_round_robin():
-    _, spec = initial_parameters(config.load_config("tiny"))
+    _, spec = initial_parameters(load_config("tiny"))
     n = codec.spec_size(spec)
     for parts in (1, 2, 4):
         ranges = fragments.plan_spec(spec, parts)
@@ -108,20 +110,20 @@ def test_apply_update_and_at_push_touch_one_fragment():
 
 
 def test_config_fragments_rules_and_fingerprint():
-    tiny = config.load_config("tiny")  # H = 20, 60 steps
-    two = config.replace(tiny, outer={"fragments": 2})
+    tiny = load_config("tiny")  # H = 20, 60 steps
+    two = replace(tiny, outer={"fragments": 2})
     assert "outer.fragments" not in tiny.fingerprint_fields()
     assert two.fingerprint_fields()["outer.fragments"] == "2" and two.fingerprint() != tiny.fingerprint()
     assert tiny.rounds == 3 and two.rounds == 6  # a push, and a version, every H / F steps
     assert Schedule.from_config(two).inner_steps == 10 and Schedule.from_config(tiny).inner_steps == 20
     with pytest.raises(ConfigError, match=r"\[outer\] fragments: must divide outer.inner_steps \(20\), got 3"):
-        config.replace(tiny, outer={"fragments": 3})
+        replace(tiny, outer={"fragments": 3})
     with pytest.raises(ConfigError, match="needs coordinator.mode = 'sync'"):
-        config.replace(tiny, outer={"fragments": 2}, coordinator={"mode": "async"})
+        replace(tiny, outer={"fragments": 2}, coordinator={"mode": "async"})
     with pytest.raises(ConfigError, match="needs step rounds"):
-        config.replace(tiny, outer={"fragments": 2}, worker={"round_seconds": 5.0})
+        replace(tiny, outer={"fragments": 2}, worker={"round_seconds": 5.0})
     with pytest.raises(ConfigError, match="must be in 1..64"):
-        config.replace(tiny, outer={"fragments": 0})
+        replace(tiny, outer={"fragments": 0})
 
 
 # -- the merge of one fragment per version ---------------------------------------------------------------------
@@ -130,7 +132,7 @@ SIZES = [300, 700, 1000, 500]  # four tensors; F = 2 cuts them [300, 700 | 1000,
 
 
 def _merger(tmp_path, parts: int, up: str = "fp32", down: str = "fp32") -> Merger:
-    cfg = config.replace(Config(), codec={"up": up, "down": down, "block": 64, "sparse_chunk": 256},
+    cfg = replace(Config(), codec={"up": up, "down": down, "block": 64, "sparse_chunk": 256},
                          outer={"momentum": 0.5, "fragments": 1}, coordinator={"merge_rule": "mean"})
     opts = dataclasses.replace(MergeOptions.from_config(cfg), ranges=fragments.plan(SIZES, parts))
     theta = np.random.default_rng(1).normal(size=sum(SIZES)).astype(np.float32)
@@ -211,10 +213,10 @@ def test_a_push_of_the_wrong_size_is_refused_by_its_spool(tmp_path):
 
 
 def test_without_fragments_the_merger_is_the_whole_theta(tmp_path):
-    cfg = config.replace(Config(), codec={"block": 64})
+    cfg = replace(Config(), codec={"block": 64})
     assert MergeOptions.from_config(cfg).ranges == ()
     with pytest.raises(ValueError, match="needs the parameter tree's spec"):
-        MergeOptions.from_config(config.replace(cfg, outer={"fragments": 2, "inner_steps": 50}))
+        MergeOptions.from_config(replace(cfg, outer={"fragments": 2, "inner_steps": 50}))
 
 
 # -- a real coordinator ----------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def test_without_fragments_the_merger_is_the_whole_theta(tmp_path):
 
 @pytest.fixture
 def frag_coordinator(net_cfg, tmp_path):
-    cfg = config.replace(net_cfg, outer={"fragments": 2})
+    cfg = replace(net_cfg, outer={"fragments": 2})
     running = Running(cfg, tmp_path / "coord")
     clients = [CoordinatorClient(running.address, cfg) for _ in range(2)]
     joins = [join_island(c, name) for c, name in zip(clients, ("a", "b"), strict=True)]
@@ -251,7 +253,7 @@ def test_fragment_pushes_merge_in_turn_and_hostile_ones_change_nothing(frag_coor
     n = j0.tree_size
     assert len(ranges) == 2 and ranges[-1].end == n
     before = _state(service)
-    other = CoordinatorClient(running.address, config.replace(cfg, outer={"fragments": 1}))
+    other = CoordinatorClient(running.address, replace(cfg, outer={"fragments": 1}))
     with pytest.raises(CoordinatorError) as e:  # an island without fragments: refused at Join, naming the field
         other.join("c", "cpu", 1)
     other.close()
@@ -298,7 +300,7 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
     from dtrain.runlog import read_events
     from dtrain_cli.simulate import run_simulation
 
-    cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
+    cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                       "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
                                       "coordinator.grace_s=60", compile_cache])
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300)
@@ -326,7 +328,7 @@ def test_sparse_fragments_whose_norms_grow_are_merged_and_no_island_is_quarantin
     from dtrain.runlog import read_events
     from dtrain_cli.simulate import run_simulation
 
-    cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "codec.up=sparse", "codec.down=sparse",
+    cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "codec.up=sparse", "codec.down=sparse",
                                       "outer.fragments=2", "train.warmup_steps=20", "train.steps=40",
                                       "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
     s = run_simulation(cfg, 4, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600)
@@ -373,7 +375,7 @@ def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once
     from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import run_simulation
 
-    cfg = config.load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
+    cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                       "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
                                       "coordinator.grace_s=60"])
     faults = [parse_fault("nan:island-1@v3", 2), parse_fault("poison:island-0@v5", 2)]
@@ -406,7 +408,7 @@ def test_the_norm_screen_compares_a_push_with_its_own_fragments_norms():
     from coordinator.ledger import PushLedger
     from coordinator.records import Admission, PendingPush, PushInfo, StateOptions
 
-    opts = StateOptions.from_config(config.load_config("tiny", ["outer.islands=2", "outer.fragments=2"]))
+    opts = StateOptions.from_config(load_config("tiny", ["outer.islands=2", "outer.fragments=2"]))
     ledger = PushLedger(opts)
     for version, norm in ((1, 10.0), (2, 0.1), (3, 12.0), (4, 0.2)):
         ledger.pending = {f"p{version}": PendingPush(PushInfo(f"p{version}", "a", version - 1, 320, 5, 0, 40, 0),
@@ -414,5 +416,5 @@ def test_the_norm_screen_compares_a_push_with_its_own_fragments_norms():
         ledger.merge_round(version)
     assert list(ledger.norms) == [10.0, 0.1, 12.0, 0.2]  # the checkpointed window: all of them
     assert list(ledger.norm_window(5)) == [10.0, 12.0] and list(ledger.norm_window(6)) == [0.1, 0.2]
-    one = PushLedger(StateOptions.from_config(config.load_config("tiny", ["outer.islands=2"])))
+    one = PushLedger(StateOptions.from_config(load_config("tiny", ["outer.islands=2"])))
     assert one.norm_window(5) is one.norms and one.fragment_norms[0] is not one.norms

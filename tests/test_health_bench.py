@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import load_benchmark
-from dtrain.chip_faults import DeviceFault
+from dtrain.health.faults import DeviceFault
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"health: injected=(\d+) detected=(\d+) false-positives=(\d+) detect-steps-p50=(\S+) "

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.config import ROUND_AUTO, ConfigError, load_config
+from dtrain.config.load import load_config
+from dtrain.config.sections import ROUND_AUTO, ConfigError
 from dtrain.runlog import read_events
 from dtrain_cli.island_spec import island_config, parse_islands, run_config
 from dtrain_cli.simulate import run_simulation
@@ -66,7 +67,7 @@ def test_per_island_settings_keep_the_fingerprint_and_scale_steps_by_tokens() ->
 
 
 def test_lr_schedules_of_different_batches_end_together_by_tokens() -> None:
-    from dtrain.step import lr_schedule
+    from dtrain.steps.inner import lr_schedule
 
     big = _tiny("train.base_batch_size=8").train
     small = _tiny("train.base_batch_size=8", "train.batch_size=2").train

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config import ROUND_AUTO, load_config
+from dtrain.config.load import load_config
+from dtrain.config.sections import ROUND_AUTO
 
 LAST_LINE = re.compile(r"hetero: util-min-steps=(\S+) util-min-auto=(\S+) loss-ratio-auto=(\S+) wall-ratio-auto=(\S+)")
 

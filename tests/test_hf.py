@@ -1,4 +1,4 @@
-"""Hugging Face folders (dtrain/hf.py, dtrain export, model.init_from): the same model in transformers, the same
+"""Hugging Face folders (dtrain/models/hf.py, dtrain export, model.init_from): the same model in transformers, the same
 θ back, and every bad input one line."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from coordinator.stored import write_layout
-from dtrain import codec, hf, model
-from dtrain.config import ModelConfig, load_config
+from dtrain import codec
+from dtrain.config.load import load_config
+from dtrain.config.sections import ModelConfig
+from dtrain.models import hf, model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,7 +1,7 @@
-"""Identity per island (security.identity; dtrain/identity.py, coordinator/bindings.py), through a real coordinator on
-127.0.0.1:0: with its own token or client certificate, an island cannot join, push, pull or heartbeat as another
-island, one credential holds one name, the operator re-binds, and the shared-token mode works as before (and, as
-docs/security.md says, protects nothing between islands: the first test shows the attack it lets through)."""
+"""Identity per island (security.identity; dtrain/net/identity.py, coordinator/bindings.py), through a real
+coordinator on 127.0.0.1:0: with its own token or client certificate, an island cannot join, push, pull or heartbeat
+as another island, one credential holds one name, the operator re-binds, and the shared-token mode works as before
+(and, as docs/security.md says, protects nothing between islands: the first test shows the attack it lets through)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from conftest import openssl
 from coordinator.bindings import Binding, Bindings
 from coordinator.records import StateError, StateOptions
 from coordinator.state import CoordinatorState
-from dtrain.config import ConfigError, load_config, replace
-from dtrain.identity import IslandTokens, cert_identity, hash_line, issue_token, token_hash
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import auth_metadata
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import ConfigError
+from dtrain.net.identity import IslandTokens, cert_identity, hash_line, issue_token, token_hash
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import auth_metadata
 from dtrain_cli.main import main as cli_main
 from service_helpers import Running, delta_frame, push_header
 from workers.client import CoordinatorClient, CoordinatorError

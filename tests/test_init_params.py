@@ -9,8 +9,9 @@ import numpy as np
 
 import conftest
 from coordinator.lifecycle import initial_parameters_file
-from dtrain import codec, model
-from dtrain.config import Config
+from dtrain import codec
+from dtrain.config.sections import Config
+from dtrain.models import model
 
 
 def test_theta0_from_the_child_process_is_the_models_init(tmp_path: Path, tiny_cfg: Config) -> None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dtrain.codec import params_digest
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.train import chunks
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.train.loop import chunks
 from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
 from workers.client import CoordinatorError
 from workers.exchange import Exchange, GlobalParams, Puller, WorkerError
@@ -169,7 +169,7 @@ def test_every_chunk_a_run_trains_was_compiled():
 
 def test_auto_rounds_give_every_island_the_slowest_islands_overlap_time_in_compiled_lengths():
     from conftest import TINY
-    from dtrain.config import load_config
+    from dtrain.config.load import load_config
     from workers.pacing import overlap_seconds
 
     cfg = load_config(TINY, ["outer.inner_steps=4", "worker.max_overlap_steps=5"])
@@ -442,7 +442,7 @@ def test_a_call_cut_off_by_the_coordinator_going_away_waits_for_the_stop_in_flig
     (CANCELLED). The island then waits for that stop (two heartbeat periods at most) instead of failing; any other
     refusal, or a stop that never comes, is an error."""
     from conftest import TINY
-    from dtrain.config import load_config
+    from dtrain.config.load import load_config
     from workers.heartbeat import Mailbox
     from workers.hosts import HostGroup
     from workers.membership import Membership

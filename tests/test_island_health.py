@@ -17,8 +17,9 @@ import pytest
 
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
-from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config, load_config, to_toml
+from dtrain.config.load import load_config, to_toml
+from dtrain.config.sections import Config
+from dtrain.health.faults import DeviceFault
 from dtrain.runlog import read_events
 
 

@@ -5,7 +5,9 @@
     dtrain/                          the library: imports none of the other three
 
 Inside each package the imports go one way too: no module imports, directly or through others, a module that
-imports it back (an import cycle), not even from inside a function.
+imports it back (an import cycle), not even from inside a function. The same holds one level up for the parts
+of ``dtrain/`` (its packages ``data/``, ``models/``, ``steps/``, ``train/``, ... and its top-level modules): no
+two of them import each other, through any of their modules.
 
 Benchmarks use only public names of the installed packages: no ``from x import _y``, no ``x._y`` on a
 project module, no ``sys.path`` (or child ``PYTHONPATH``) edits.
@@ -271,6 +273,48 @@ def test_no_import_cycles_inside_a_package() -> None:
         "\n".join(lines)
 
 
+def library_units(graph: Mapping[str, Mapping[str, int]], top: str = "dtrain") -> dict[str, set[str]]:
+    """The graph of ``top``'s parts: each package or module directly under ``top`` (``dtrain.data``,
+    ``dtrain.errors``) -> the other parts its modules import. ``top``'s own ``__init__`` is no part."""
+    def unit(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if parts[0] == top and len(parts) > 1 else None
+    units: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        u = unit(module)
+        if u is None:
+            continue
+        targets = units.setdefault(u, set())
+        targets.update(v for v in (unit(t) for t in edges) if v is not None and v != u)
+    return units
+
+
+def test_the_library_packages_import_each_other_one_way() -> None:
+    paths = {_module_name(path, ROOT): path for path in _project_modules()}
+    graph = import_graph({module: (path.read_text(), path.name == "__init__.py") for module, path in paths.items()})
+    units = library_units(graph)
+    assert {"dtrain.data", "dtrain.models", "dtrain.train", "dtrain.net", "dtrain.codec"} <= set(units)
+    cycles = import_cycles(units)
+    assert not cycles, "dtrain/'s packages import each other both ways:\n" + "\n".join(cycles)
+
+
+def test_the_library_top_level_stays_small() -> None:
+    top = sorted(p.name for p in (ROOT / "dtrain").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 8, f"{len(top)} modules at dtrain/'s top level (at most 8; the rest live in packages): {top}"
+    for package in (p for p in (ROOT / "dtrain").iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"dtrain/{package.name}/__init__.py: its job in its first line"
+
+
+def test_unit_check_finds_a_cycle_between_packages() -> None:
+    modules = {"dtrain.health.probes": ("from dtrain.train.loop import x\n", False),
+               "dtrain.train.loop": ("def f():\n    from dtrain.health.faults import y\n", False),
+               "dtrain.health.faults": ("", False), "dtrain.errors": ("", False)}
+    units = library_units(import_graph(modules))
+    assert units == {"dtrain.health": {"dtrain.train"}, "dtrain.train": {"dtrain.health"}, "dtrain.errors": set()}
+    assert import_cycles(units) == ["dtrain.health -> dtrain.train -> dtrain.health"]
+
+
 def test_benchmarks_use_only_public_names_of_the_installed_packages() -> None:
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     assert scripts
@@ -331,7 +375,7 @@ def test_checker_allows_the_layers_own_directions() -> None:
 @pytest.mark.parametrize("source, what", [
     ("from coordinator.service import _helper", "private names"),
     ("from dtrain import codec\nx = codec._table", "codec._table"),
-    ("import dtrain.wire\nx = dtrain.wire._limit", "dtrain.wire._limit"),
+    ("import dtrain.net.wire\nx = dtrain.net.wire._limit", "dtrain.net.wire._limit"),
     ("import coordinator.service as srv\nsrv._helper()", "srv._helper"),
     ("import sys\nsys.path.insert(0, 'x')", "sys.path"),
     ("import os\nenv = {**os.environ, 'PYTHONPATH': '.'}", "PYTHONPATH"),

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from conftest import CONFIG_DIR, make_text
-from dtrain import model
 from dtrain.checkpoint import Checkpointer
 from dtrain.codec import flatten, unflatten
-from dtrain.config import Config, load_config, replace
-from dtrain.data import SequenceStream, open_corpus
-from dtrain.step import loss_fn, make_mesh
-from dtrain.train import InnerLoop
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config
+from dtrain.data.corpus import SequenceStream, open_corpus
+from dtrain.models import model
+from dtrain.steps.inner import loss_fn, make_mesh
+from dtrain.train.loop import InnerLoop
 
 LLAMA_TINY = CONFIG_DIR / "llama-tiny.toml"
 

@@ -24,8 +24,8 @@ LINE = re.compile(r"\[ *[0-9.]+s\] (.*)")  # a progress line as the CLI prints i
 
 _LIBRARY_RUN = """
 import logging, sys
-from dtrain.config import load_config
-from dtrain.runs import run_train
+from dtrain.config.load import load_config
+from dtrain.train.runs import run_train
 cfg = load_config(sys.argv[1], [f"run.out_dir={sys.argv[2]}", f"data.source={sys.argv[3]}", "data.max_bytes=0",
                                 "train.steps=20", "run.log_every=10", "run.eval_every=10"])
 run_train(cfg)
@@ -55,7 +55,7 @@ def dtrain_logger() -> Iterator[logging.Logger]:
 
 
 def test_without_the_clis_handlers_a_library_run_prints_nothing_below_warning(tmp_path):
-    """A real run (``dtrain.runs.run_train``, not quiet) in a fresh interpreter that configures no logging: its
+    """A real run (``dtrain.train.runs.run_train``, not quiet) in a fresh interpreter that configures no logging: its
     progress and status lines are INFO records nobody shows; a warning still reaches stderr (through Python's
     last-resort handler, or the root handler a dependency's ``basicConfig`` put there); events.jsonl records the
     run as before."""

@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 from coordinator.records import StateOptions
 from coordinator.state import CoordinatorState
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from state_helpers import T0, info, join_all, make, options, push, unchanged
 
 

@@ -14,9 +14,10 @@ import pytest
 from coordinator import merger as merger_mod
 from coordinator.merger import MergeOptions, Merger
 from coordinator.spool import Spool
-from dtrain import codec, config
-from dtrain.config import Config
-from dtrain.outer import OuterHParams
+from dtrain import codec
+from dtrain.config.load import replace
+from dtrain.config.sections import Config, ConfigError
+from dtrain.steps.outer import OuterHParams
 
 N, BLOCK = 3000, 64
 
@@ -25,7 +26,7 @@ def opts(up: str = "int8", down: str = "int8", error_feedback: bool = True, keep
          mode: str = "sync", rule: str = "mean", **outer: object) -> MergeOptions:
     """The merger options of a default config with these codec, coordinator and outer fields (block: BLOCK); the
     merge rule is the mean unless ``rule`` says otherwise (the hand computations here are of the mean)."""
-    cfg = config.replace(Config(), codec={"up": up, "down": down, "block": BLOCK, "error_feedback": error_feedback},
+    cfg = replace(Config(), codec={"up": up, "down": down, "block": BLOCK, "error_feedback": error_feedback},
                          coordinator={"keep_updates": keep_updates, "mode": mode, "merge_rule": rule}, outer=outer)
     return MergeOptions.from_config(cfg)
 
@@ -55,17 +56,17 @@ def test_options_come_from_the_config():
     assert (o.up_bits, o.down_bits, o.block, o.error_feedback, o.keep_updates) == (4, "e3m0", BLOCK, False, 3)
     assert o.zstd_level == Config().codec.zstd_level
     assert opts(up="fp32", down="int8").up_bits == 32
-    cfg = config.replace(Config(), coordinator={"merge_threads": 3})
+    cfg = replace(Config(), coordinator={"merge_threads": 3})
     assert MergeOptions.from_config(cfg).threads == 3 and MergeOptions.from_config(Config()).threads == 2
-    with pytest.raises(config.ConfigError, match="merge_threads"):
-        config.replace(Config(), coordinator={"merge_threads": 0})
+    with pytest.raises(ConfigError, match="merge_threads"):
+        replace(Config(), coordinator={"merge_threads": 0})
     # async: every push is merged on its own, with lr / islands
     assert opts(mode="async", lr=0.8, islands=4).outer == OuterHParams(lr=0.2, momentum=0.9, nesterov=True)
 
 
 def test_the_merger_and_state_machine_keep_jax_out():
     """The coordinator's resident size is a few model sizes: the JAX runtime (~190 MiB) stays out of it."""
-    code = ("import sys, coordinator.merger, coordinator.state, dtrain.outer; "
+    code = ("import sys, coordinator.merger, coordinator.state, dtrain.steps.outer; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'optax', 'flax')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -602,7 +603,7 @@ def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
     from coordinator.records import PushInfo
 
     rng = np.random.default_rng(13)
-    cfg = config.replace(Config(), codec={"up": "int8", "down": "fp32", "block": BLOCK},
+    cfg = replace(Config(), codec={"up": "int8", "down": "fp32", "block": BLOCK},
                          outer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
     m = Merger(np.zeros(N, np.float32), MergeOptions.from_config(cfg))
     honest = rng.normal(size=N).astype(np.float32) * 0.01
@@ -624,7 +625,7 @@ SPARSE_CHUNK, DENSITY = 128, 0.05  # 6 entries per chunk; N = 3000: 23 full chun
 
 
 def sparse_opts(down: str = "sparse", rule: str = "sparseloco", **codec_fields: object) -> MergeOptions:
-    cfg = config.replace(Config(), codec={"up": "sparse", "down": down, "block": BLOCK, "sparse_chunk": SPARSE_CHUNK,
+    cfg = replace(Config(), codec={"up": "sparse", "down": down, "block": BLOCK, "sparse_chunk": SPARSE_CHUNK,
                                           "density": DENSITY, **codec_fields},
                          coordinator={"mode": "sync", "merge_rule": "mean"},  # exact sums (auto: clipped_mean)
                          outer={"rule": rule, "sparseloco_lr": 0.8})
@@ -723,7 +724,7 @@ def test_a_merger_without_a_folder_removes_the_one_it_made(tmp_path) -> None:
 
 def test_every_push_of_a_round_writes_over_a_spool_file_of_the_last_round() -> None:
     islands = 12  # more than the 8 spares a merger keeps at least
-    o = MergeOptions.from_config(config.replace(Config(), outer={"islands": islands}, codec={"block": BLOCK}))
+    o = MergeOptions.from_config(replace(Config(), outer={"islands": islands}, codec={"block": BLOCK}))
     assert o.spare_spools == islands and MergeOptions.from_config(Config()).spare_spools == 8
     m = Merger(np.zeros(N, np.float32), o)
     rng = np.random.default_rng(9)

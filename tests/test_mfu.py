@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from conftest import load_benchmark
-from dtrain import model
-from dtrain.config import ConfigError, load_config
-from dtrain.step import loss_fn
+from dtrain.config.load import load_config
+from dtrain.config.sections import ConfigError
+from dtrain.models import model
+from dtrain.steps.inner import loss_fn
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"

@@ -23,13 +23,14 @@ import pytest
 
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
-from dtrain import model
 from dtrain.audit import AuditParams, audit
 from dtrain.checkpoint import Checkpointer
-from dtrain.config import ConfigError, load_config, to_toml
+from dtrain.config.load import load_config, to_toml
+from dtrain.config.sections import ConfigError
+from dtrain.models import model
 from dtrain.runlog import process_dir, read_events
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain.steps.inner import make_mesh
+from dtrain.train.loop import InnerLoop
 from dtrain_cli.simulate import free_port, island_process_flags
 from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes

@@ -1,5 +1,5 @@
-"""The one outer update (dtrain.outer) and the pytree outer step (dtrain.diloco): hand-derived golden numbers,
-optax.sgd as an external oracle, and an independent numpy implementation."""
+"""The one outer update (dtrain.steps.outer) and the pytree outer step (dtrain.train.diloco): hand-derived golden
+numbers, optax.sgd as an external oracle, and an independent numpy implementation."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import optax
 import pytest
 
 from conftest import TINY
-from dtrain import model, outer
-from dtrain.config import load_config
-from dtrain.data import SequenceStream, open_corpus
-from dtrain.diloco import (
+from dtrain.config.load import load_config
+from dtrain.data.corpus import SequenceStream, open_corpus
+from dtrain.models import model
+from dtrain.steps import outer
+from dtrain.steps.inner import make_mesh
+from dtrain.steps.outer import OuterHParams
+from dtrain.train.diloco import (
     Island,
     advance,
     diloco_round,
@@ -26,9 +29,7 @@ from dtrain.diloco import (
     record_loss,
     round_lengths,
 )
-from dtrain.outer import OuterHParams
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain.train.loop import InnerLoop
 
 
 def _tree(a, c):

@@ -11,7 +11,7 @@ import pytest
 from matplotlib import image
 
 from conftest import TINY
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from dtrain.runlog import RunLog
 from dtrain_cli.main import main
 from dtrain_cli.plot import COORDINATOR, Mark, plot_run, read_run, run_series

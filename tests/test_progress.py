@@ -15,8 +15,8 @@ import pytest
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
-from dtrain.config import load_config
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.load import load_config
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
 from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.run_watch import RunWatch
@@ -142,7 +142,7 @@ def test_an_island_reports_train_loss_utilization_device_kind_and_the_evals_it_w
     finally:
         server.stop(grace=None).wait()
         service.close()
-    from dtrain.prepare import prepare
+    from dtrain.train.prepare import prepare
 
     setup = prepare(cfg, 1)
 

@@ -1,4 +1,4 @@
-"""The committed stubs are exactly what grpc_tools generates from dtrain.proto."""
+"""The committed stubs are exactly what grpc_tools generates from dtrain.net.proto."""
 
 import shutil
 import subprocess
@@ -13,18 +13,18 @@ GENERATED = ["dtrain_pb2.py", "dtrain_pb2.pyi", "dtrain_pb2_grpc.py"]
 
 def test_generated_stubs_match_the_proto(tmp_path):
     (tmp_path / "dtrain" / "proto").mkdir(parents=True)
-    shutil.copy(ROOT / "dtrain" / "proto" / "dtrain.proto", tmp_path / "dtrain" / "proto")
+    shutil.copy(ROOT / "dtrain" / "proto" / "dtrain.net.proto", tmp_path / "dtrain" / "proto")
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-                    "--pyi_out=.", "dtrain/proto/dtrain.proto"], cwd=tmp_path, check=True)
+                    "--pyi_out=.", "dtrain/net/proto/dtrain.proto"], cwd=tmp_path, check=True)
     for name in GENERATED:
         fresh = (tmp_path / "dtrain" / "proto" / name).read_text()
         committed = (ROOT / "dtrain" / "proto" / name).read_text()
-        assert fresh == committed, (f"dtrain/proto/{name} is stale: regenerate with `python -m grpc_tools.protoc "
-                                    "-I. --python_out=. --grpc_python_out=. --pyi_out=. dtrain/proto/dtrain.proto`")
+        assert fresh == committed, (f"dtrain/net/proto/{name} is stale: regenerate with `python -m grpc_tools.protoc "
+                                    "-I. --python_out=. --grpc_python_out=. --pyi_out=. dtrain/net/proto/dtrain.proto`")
 
 
 def test_stubs_import_and_define_the_service():
-    from dtrain.proto import dtrain_pb2, dtrain_pb2_grpc
+    from dtrain.net.proto import dtrain_pb2, dtrain_pb2_grpc
 
     methods = {m.name for m in dtrain_pb2.DESCRIPTOR.services_by_name["Coordinator"].methods}
     assert methods == {"Join", "Heartbeat", "PushDelta", "PullGlobal", "Status"}
@@ -36,8 +36,8 @@ def test_hand_encoded_chunk_messages_parse_as_the_generated_ones():
     data instead of three); both message types must parse them to exactly the message the classes build."""
     import zlib
 
-    from dtrain.proto import dtrain_pb2 as pb
-    from dtrain.wire import chunk_message, frame_chunks
+    from dtrain.net.proto import dtrain_pb2 as pb
+    from dtrain.net.wire import chunk_message, frame_chunks
 
     for index in (0, 1, 127, 128, 300, 1 << 20):
         for data in (b"", b"x", bytes(range(256)) * 4097):
@@ -58,7 +58,7 @@ def test_the_server_registers_every_method_of_the_proto_service():
     import grpc
 
     from coordinator.lifecycle import service_handler
-    from dtrain.proto import dtrain_pb2 as pb
+    from dtrain.net.proto import dtrain_pb2 as pb
 
     class Details:
         def __init__(self, method):
@@ -79,7 +79,7 @@ def test_the_server_registers_every_method_of_the_proto_service():
 
 def _fields(index, data, crc, order, extra):
     """A Chunk's fields in protobuf wire format, in the given order, plus extra raw fields."""
-    from dtrain.wire import _varint
+    from dtrain.net.wire import _varint
 
     parts = {"index": b"\x08" + _varint(index), "crc": b"\x18" + _varint(crc),
              "data": b"\x12" + _varint(len(data)) + data}
@@ -92,8 +92,8 @@ def test_chunks_parsed_without_copies_match_protobuf():
 
     from google.protobuf.message import DecodeError
 
-    from dtrain.proto import dtrain_pb2 as pb
-    from dtrain.wire import RawChunk, _varint, chunk_deserializer
+    from dtrain.net.proto import dtrain_pb2 as pb
+    from dtrain.net.wire import RawChunk, _varint, chunk_deserializer
 
     parse = chunk_deserializer(pb.PushMessage)
     cases = []

@@ -16,10 +16,10 @@ import pytest
 from coordinator.merger import Update
 from coordinator.pull_cache import PullCache
 from dtrain import codec
-from dtrain.config import replace
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import file_chunk_messages
+from dtrain.config.load import replace
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import file_chunk_messages
 from service_helpers import Running, delta_frame, join_island, push_header
 from workers.client import CoordinatorClient
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY, make_text
-from dtrain import model
-from dtrain.config import load_config, replace
+from dtrain.config.load import load_config, replace
+from dtrain.models import model
 from dtrain.runlog import read_events
-from dtrain.runs import RunError, run_dir, run_train
+from dtrain.train.runs import RunError, run_dir, run_train
 from dtrain_cli import main as cli
 
 ISLANDS = 4

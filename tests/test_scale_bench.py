@@ -141,7 +141,7 @@ def test_the_stream_budget_is_shared_by_the_islands_within_the_per_stream_bounds
     from conftest import TINY
     from coordinator.lifecycle import server_options
     from coordinator.memory import pull_piece, stream_window
-    from dtrain.config import load_config
+    from dtrain.config.load import load_config
 
     def window(*overrides: str) -> int:
         return stream_window(load_config(TINY, list(overrides)))

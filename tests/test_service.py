@@ -20,12 +20,12 @@ from conftest import initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.config import replace
+from dtrain.config.load import replace
 from dtrain.errors import CheckpointError
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import auth_metadata, frame_chunks
 from dtrain.runlog import read_events
-from dtrain.wire import auth_metadata, frame_chunks
 from service_helpers import Running, delta_frame, join_island, push_header, tls_config
 from workers.client import CoordinatorClient, CoordinatorError
 
@@ -842,7 +842,7 @@ _NON_FINITE = {"device": 0, "index": 0, "probe": "finite", "step": 61, "value": 
 
 
 def test_the_client_converts_chips_evidence_dicts():
-    from dtrain.wire import MAX_EVIDENCE_DETAIL
+    from dtrain.net.wire import MAX_EVIDENCE_DETAIL
     from workers.client import evidence_message
 
     m = evidence_message(_NON_FINITE)

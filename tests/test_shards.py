@@ -10,11 +10,13 @@ import pytest
 from conftest import initial_parameters
 from coordinator.lifecycle import serve, serve_shard
 from coordinator.shard import SECRET_METADATA_KEY, shard_ranges
-from dtrain import codec, fragments
-from dtrain.config import ConfigError, load_config, replace
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import BUSY_METADATA_KEY, max_frame_bytes
+from dtrain import codec
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import ConfigError
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import BUSY_METADATA_KEY, max_frame_bytes
+from dtrain.train import fragments
 from service_helpers import IdlePushes, call_failure, push_header, wait_for
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import GlobalParams, Puller, ShardFrames, Uplink

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import data
-from dtrain.config import load_config
+from dtrain.config.load import load_config
+from dtrain.data.corpus import store_location
 from dtrain.runlog import read_events
-from dtrain.runs import run_simulate_inprocess
+from dtrain.train.runs import run_simulate_inprocess
 from dtrain_cli.simulate import cpu_shares, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def served_stores(tmp_path: Path) -> Iterator[tuple[str, Path, list[str]]]:
 def test_process_simulation_end_to_end(tmp_path, served_stores, compile_cache):
     """Two worker processes train from a token store they read over HTTP, as from object storage."""
     url, root, asked = served_stores
-    store = Path(data.store_location(_cfg(tmp_path).data, root))  # the built-in corpus, as a store
+    store = Path(store_location(_cfg(tmp_path).data, root))  # the built-in corpus, as a store
     cfg = _cfg(tmp_path, f"data.source={url}/{store.name}", compile_cache)  # the session's cache: programs loaded
     s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
     assert f"/{store.name}/manifest.json" in asked and any(f"/{store.name}/tokens/c/" in p for p in asked)
@@ -198,7 +198,7 @@ class _Processes:
         import sys
         import time
 
-        from dtrain.config import to_toml
+        from dtrain.config.load import to_toml
 
         self.out, self.deadline = out, time.time() + timeout_s
         out.mkdir()
@@ -441,7 +441,7 @@ def test_simulate_refuses_what_multi_process_islands_cannot_run(tmp_path, capsys
 
 
 def test_check_island_processes():
-    from dtrain.config import ConfigError
+    from dtrain.config.sections import ConfigError
     from dtrain_cli.fault_spec import parse_fault
     from dtrain_cli.simulate import check_island_processes
 

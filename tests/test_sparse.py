@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from coordinator.merger import MergeOptions, Merger
-from dtrain import codec, config
+from dtrain import codec
 from dtrain.codec import CodecError, ErrorFeedback, decode, dequantize, encode, quantize
-from dtrain.config import Config, ConfigError, load_config
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config, ConfigError
 
 CHUNK = 256
 SPARSE = ["sparse2", "sparse4", "sparse8"]
@@ -159,7 +160,7 @@ def test_hostile_frames_are_refused_with_a_reason(counts, records, scales, match
 def test_the_coordinator_refuses_a_hostile_push_and_commits_nothing(counts, records, scales, match: str) -> None:
     """Through the coordinator's merger (its spool validates the frame as it arrives): the reason is raised,
     nothing is pending, θ and the version are unchanged, and an honest push still merges after it."""
-    cfg = config.replace(Config(), codec={"up": "sparse", "down": "sparse", "sparse_chunk": CHUNK,
+    cfg = replace(Config(), codec={"up": "sparse", "down": "sparse", "sparse_chunk": CHUNK,
                                           "density": 2 / CHUNK},
                          coordinator={"mode": "sync", "merge_rule": "mean"}, outer={"rule": "sparseloco"})
     theta = _x(2 * CHUNK, 7)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from workers.startup import PHASES, Startup, StartupError, compile_cache, enable_compile_cache, process_age_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ _START = """
 import json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from workers.startup import Startup, enable_compile_cache
 cfg = load_config("tiny", ["worker.compile_cache=" + sys.argv[1]])
 startup = Startup(enable_compile_cache(cfg, Path(".")))

@@ -14,10 +14,10 @@ import pytest
 
 from coordinator.lifecycle import server_threads
 from coordinator.streams import PushStreams, Stream
-from dtrain.config import replace
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.load import replace
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import BUSY_METADATA_KEY
 from dtrain.runlog import read_events
-from dtrain.wire import BUSY_METADATA_KEY
 from service_helpers import IdlePushes, Running, call_failure, delta_frame, join_island, push_header, wait_for
 from workers.client import CoordinatorClient, CoordinatorError
 

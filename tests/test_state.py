@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY
 from coordinator.records import StateError, StateOptions
 from coordinator.state import CoordinatorState
-from dtrain.config import load_config
+from dtrain.config.load import load_config
 from state_helpers import T0, info, join_all, make, options, push, unchanged
 
 # -- the state as a whole -------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from coordinator.history import RunHistory, check_eval_reports
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import MAX_EVAL_REPORTS
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
-from dtrain.wire import MAX_EVAL_REPORTS
 from service_helpers import Running, delta_frame, join_island, push_header
 from workers.client import CoordinatorClient
 

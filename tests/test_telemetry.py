@@ -17,13 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TINY
 from coordinator.lifecycle import serve
-from dtrain.config import ConfigError, load_config, replace
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import auth_metadata
 from dtrain.runlog import FAULT_EVENTS, read_events
 from dtrain.telemetry import Telemetry
-from dtrain.wire import auth_metadata
 from service_helpers import Running, delta_frame, push_header
 from workers.client import CoordinatorClient
 

@@ -1,4 +1,4 @@
-"""dtrain.token_store: a tokenized corpus as TensorStore arrays and a manifest, written once, read by range."""
+"""dtrain.data.token_store: a tokenized corpus as TensorStore arrays and a manifest, written once, read by range."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dtrain.token_store as token_store
-from dtrain.token_store import (
+from dtrain.data import token_store as token_store
+from dtrain.data.token_store import (
     DOC_ENDS,
     FORMAT,
     MANIFEST,

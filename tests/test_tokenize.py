@@ -1,4 +1,4 @@
-"""dtrain tokenize: every source kind into a token store, the byte tokenizer as ``dtrain.data`` reads bytes, a
+"""dtrain tokenize: every source kind into a token store, the byte tokenizer as ``dtrain.data.corpus`` reads bytes, a
 trained or given BPE, parallel equal to serial, resuming a killed run to the same store, bad files named."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-import dtrain.tokenize as tokenize_module
-from dtrain.data import DataError, builtin_files
-from dtrain.documents import enumerate_sources
-from dtrain.token_store import MANIFEST, StoreError, TokenStore
-from dtrain.tokenize import JOURNAL, tokenize
-from dtrain.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
+from dtrain.data import tokenize as tokenize_module
+from dtrain.data.corpus import DataError, builtin_files
+from dtrain.data.documents import enumerate_sources
+from dtrain.data.token_store import MANIFEST, StoreError, TokenStore
+from dtrain.data.tokenize import JOURNAL, tokenize
+from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from dtrain_cli.tokenize import TEST_EXIT_AFTER_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def test_a_tokenizer_without_a_known_eos_must_be_told_one(tmp_path: Path, bpe: H
 
 @pytest.mark.parametrize("limit", [0, 1, 5_000, 12_345, 10**9])
 def test_the_byte_tokenizer_reads_each_file_then_a_newline_cut_at_the_limit(tmp_path: Path, limit: int) -> None:
-    """What a text source's first use (dtrain.data) relies on: each non-empty file's bytes and b"\\n", in order,
+    """What a text source's first use (dtrain.data.corpus) relies on: each non-empty file's bytes and b"\\n", in order,
     the limit cutting the last document exactly (the ids the in-memory reader before token stores produced)."""
     files = builtin_files()[:40]
     manifest, _ = tokenize(files, tmp_path / "s", ByteTokenizer(), limit=limit, plain_text=True, workers=1)

@@ -12,11 +12,12 @@ import optax
 import pytest
 
 from conftest import TINY, make_text
-from dtrain import model
-from dtrain.config import Config, load_config, replace
-from dtrain.data import SequenceStream, open_corpus
-from dtrain.step import loss_fn, lr_schedule, make_mesh, make_optimizer, param_spec, scaled
-from dtrain.train import InnerLoop, chunks
+from dtrain.config.load import load_config, replace
+from dtrain.config.sections import Config
+from dtrain.data.corpus import SequenceStream, open_corpus
+from dtrain.models import model
+from dtrain.steps.inner import loss_fn, lr_schedule, make_mesh, make_optimizer, param_spec, scaled
+from dtrain.train.loop import InnerLoop, chunks
 
 EQUIV_OVERRIDES = ["model.dtype=float32", "train.batch_size=16", "train.warmup_steps=1", "train.lr=1e-2"]
 

@@ -11,7 +11,8 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config import ConfigError, load_config
+from dtrain.config.load import load_config
+from dtrain.config.sections import ConfigError
 
 
 def _bench() -> ModuleType:

@@ -1,4 +1,4 @@
-"""Chip health of one island: runs the probes of :mod:`dtrain.chip_probes` on a schedule and decides which devices to
+"""Chip health of one island: runs the probes of :mod:`dtrain.health.probes` on a schedule and decides which devices to
 quarantine.
 
 The island worker owns one :class:`ChipHealth` (built when ``[health] enabled``) and calls it at chunk
@@ -25,7 +25,7 @@ The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any o
    fault, and nothing is quarantined).
 3. **a statistics outlier on two consecutive checks**: a check is one inner step's row of per-device gradient
    norms (the per-device step gives one each step at no extra cost; ``stats``); a device whose robust z-score
-   (:func:`dtrain.chip_probes.outliers` over the healthy devices finite at that step, ``z_max``) exceeds the threshold
+   (:func:`dtrain.health.probes.outliers` over the healthy devices finite at that step, ``z_max``) exceeds the threshold
    on two consecutive steps, *confirmed by a replay*: a row of that device's own micro-batch of the chunk's last
    batch recomputed on every healthy device (as in rule 4) puts it outside the majority. One outlier step alone
    is forgiven, and so is a suspect the replay clears (:attr:`ChipHealth.cleared`): a micro-batch whose gradient
@@ -34,10 +34,10 @@ The quarantine rule (a device, by its JAX ``device.id``, is quarantined by any o
 4. **a replay suspect outside a strict majority** (every ``replay_every`` steps): a few rows (``REPLAY_ROWS``) of
    one healthy device's micro-batch of the chunk's last batch (the device, and the rows in its micro-batch, taken
    in turn, so that over time every device's data is replayed) have their loss and gradient recomputed on every
-   healthy device at once, each reduced to a bit-exact digest on its device (:meth:`dtrain.chip_probes.Probes.replay`);
-   with at least 3 healthy devices, a device whose digest differs from a strict majority's, or whose computation
-   raised, is quarantined. No strict majority (nondeterministic ops: see :mod:`dtrain.chip_probes`) quarantines
-   nothing.
+   healthy device at once, each reduced to a bit-exact digest on its device
+   (:meth:`dtrain.health.probes.Probes.replay`); with at least 3 healthy devices, a device whose digest differs from a
+   strict majority's, or whose computation raised, is quarantined. No strict majority (nondeterministic ops: see
+   :mod:`dtrain.health.probes`) quarantines nothing.
 
 Quarantined devices leave every later probe: statistics are compared over the healthy devices only (at least 3),
 replays run on healthy devices only. Nothing here rebuilds the mesh: the quarantined devices still run the
@@ -62,12 +62,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from dtrain.chip_faults import DeviceFault
-from dtrain.chip_probes import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, KnownAnswer, Probes, Started, micro_batch, outliers
-from dtrain.config import HealthConfig
-from dtrain.model import ApplyFn, Params
-from dtrain.outer import robust_scores
+from dtrain.config.sections import HealthConfig
+from dtrain.health.faults import DeviceFault
+from dtrain.health.probes import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, KnownAnswer, Probes, Started, micro_batch, outliers
+from dtrain.models.model import ApplyFn, Params
 from dtrain.runlog import json_number
+from dtrain.steps.outer import robust_scores
 
 REPLAY_ROWS = 1  # rows of a device's micro-batch each replay recomputes on every healthy device
 

@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
-from dtrain.proto import dtrain_pb2 as pb
-from dtrain.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.wire import (
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import (
     BUSY_DETAILS,
     BUSY_METADATA_KEY,
     HEARTBEAT_DEADLINE_S,
@@ -87,7 +87,7 @@ class RunOverError(CoordinatorError):
 
 def retry_after(e: grpc.RpcError) -> float:
     """The seconds a refusal's trailing metadata says the same call stays refused
-    (:data:`dtrain.wire.RETRY_AFTER_METADATA_KEY`: a push while its island is throttled after a rejected one);
+    (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`: a push while its island is throttled after a rejected one);
     0 when it says nothing, or nothing that is a finite number of seconds >= 0 (then the refusal is an ordinary
     one)."""
     for m in e.trailing_metadata() or ():
@@ -102,7 +102,7 @@ def retry_after(e: grpc.RpcError) -> float:
 
 def stopped_at(e: grpc.RpcError) -> int | None:
     """The coordinator's version a refusal's trailing metadata names as it tells the island to stop
-    (:data:`dtrain.wire.STOPPED_METADATA_KEY`: a push from a quarantined island); None when it says nothing. A
+    (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`: a push from a quarantined island); None when it says nothing. A
     value that is not a version is read as 0 (the island still stops: the mark is the coordinator's word)."""
     for m in e.trailing_metadata() or ():
         if m.key == STOPPED_METADATA_KEY:
@@ -150,8 +150,8 @@ def cause(code: grpc.StatusCode, details: str) -> str:
 
 def busy(e: grpc.RpcError) -> bool:
     """A RESOURCE_EXHAUSTED for load, not for what the call asked (a frame over the size bound is one too, and
-    would be refused again): the coordinator's stream limits mark theirs (:data:`dtrain.wire.BUSY_METADATA_KEY`),
-    gRPC's own server-wide limit says :data:`dtrain.wire.BUSY_DETAILS`."""
+    would be refused again): the coordinator's stream limits mark theirs (:data:`dtrain.net.wire.BUSY_METADATA_KEY`),
+    gRPC's own server-wide limit says :data:`dtrain.net.wire.BUSY_DETAILS`."""
     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
     trailing = e.trailing_metadata() or ()
@@ -198,7 +198,7 @@ def evidence_message(evidence: Mapping[str, Any]) -> pb.DeviceEvidence:
     """workers/chip_health.py's Evidence dict as a DeviceEvidence: ``device``, ``index``, ``probe``, ``step`` and
     ``detail``, and the numbers the probe measured (``value``, ``expected``, ``z``, ``median``: floats, or
     ``"nan"``/``"inf"``/``"-inf"``; ``mismatches``); a number absent or None stays unset. Other keys (an event's
-    ``healthy``) are ignored. A detail over :data:`dtrain.wire.MAX_EVIDENCE_DETAIL` characters is shortened to
+    ``healthy``) are ignored. A detail over :data:`dtrain.net.wire.MAX_EVIDENCE_DETAIL` characters is shortened to
     fit (the coordinator refuses a longer one). ValueError names a missing or malformed field."""
     try:
         msg = pb.DeviceEvidence(device=int(evidence["device"]), index=int(evidence["index"]),

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.codec import params_digest
-from dtrain.config import Config
-from dtrain.diloco import Island
-from dtrain.prepare import Setup
+from dtrain.config.sections import Config
 from dtrain.runlog import RunLog
 from dtrain.telemetry import Telemetry
+from dtrain.train.diloco import Island
+from dtrain.train.prepare import Setup
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import Downlink, GlobalParams, Pending, Uplink
 from workers.heartbeat import Clock, Evaluator, IslandStatus, Mailbox, chip_report, final_heartbeat, finite_or_none

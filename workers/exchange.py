@@ -22,15 +22,16 @@ import grpc
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from dtrain import codec, fragments
+from dtrain import codec
 from dtrain.codec import params_digest
-from dtrain.config import CodecConfig
-from dtrain.diloco import Island
+from dtrain.config.sections import CodecConfig
 from dtrain.errors import DtrainError
-from dtrain.model import Params
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.models.model import Params
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import MAX_ROUND_S
 from dtrain.telemetry import Telemetry
-from dtrain.wire import MAX_ROUND_S
+from dtrain.train import fragments
+from dtrain.train.diloco import Island
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
 from workers.hosts import HostGroup
 from workers.push_faults import Injection, injected_push
@@ -105,7 +106,7 @@ class Puller:
     def __init__(self, client: PullClient, n: int, max_frame: int, log: EventLog,
                  ranges: Sequence[fragments.Range] = ()):
         """``ranges``: the fragments' plan (``outer.fragments`` > 1: an update frame holds one fragment's
-        values, ``dtrain.fragments.apply_update``); () for none."""
+        values, ``dtrain.train.fragments.apply_update``); () for none."""
         self.client, self.n, self.max_frame, self.log = client, n, max_frame, log
         self.ranges = tuple(ranges) or fragments.whole(n)
         self._to_evaluate: dict[int, GlobalParams] = {}  # version -> θ_version the coordinator asked to evaluate
@@ -365,7 +366,7 @@ class Uplink:
     def __init__(self, cfg: CodecConfig, n: int, injections: Sequence[Injection], client: CoordinatorClient,
                  log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = (),
                  shards: Sequence[fragments.Range] = ()):
-        """``feedback_decay``: β of the error feedback (``dtrain.outer.feedback_decay``: SparseLoCo's
+        """``feedback_decay``: β of the error feedback (``dtrain.steps.outer.feedback_decay``: SparseLoCo's
         accumulator decays; 1 otherwise); ``ranges``: the fragments' plan (outer.fragments > 1: each push holds
         one fragment's Δ, with that fragment's own error feedback); () for none. ``shards``: a sharded
         coordinator's ranges (``coordinator.shards`` > 1: each push is a :class:`ShardFrames`, one frame per range

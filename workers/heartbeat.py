@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from dtrain import codec
-from dtrain.prepare import Setup
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import MAX_EVAL_REPORTS
 from dtrain.runlog import RunLog, json_number
-from dtrain.wire import MAX_EVAL_REPORTS
+from dtrain.train.prepare import Setup
 from workers.chip_health import Evidence
 from workers.client import CoordinatorClient, CoordinatorError, RunOverError
 from workers.exchange import Downlink, EventLog, Exchange, GlobalParams
@@ -199,7 +199,7 @@ class Mailbox:
 
     def pending_evals(self) -> list[tuple[int, float]]:
         """The eval reports not yet carried by an answered heartbeat, as (version, loss): the oldest
-        :data:`dtrain.wire.MAX_EVAL_REPORTS` (the coordinator refuses a heartbeat with more)."""
+        :data:`dtrain.net.wire.MAX_EVAL_REPORTS` (the coordinator refuses a heartbeat with more)."""
         with self._lock:
             return sorted(self._eval_reports.items())[:MAX_EVAL_REPORTS]
 

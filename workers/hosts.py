@@ -48,9 +48,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from dtrain.config import ConfigError
+from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError
-from dtrain.wire import parse_address
+from dtrain.net.wire import parse_address
 from workers.client import CoordinatorError, RunOverError
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ based on), compressed with error feedback. The push and the pulls that follow
 it run as an :class:`~workers.exchange.Exchange` on a thread of its own, which
 hands the new global θ' back through a Future. With ``worker.overlap`` training
 continues meanwhile; when θ' arrives the island folds it in at the next chunk
-boundary, keeping the progress made since the push (``dtrain.diloco.fold_in``,
+boundary, keeping the progress made since the push (``dtrain.train.diloco.fold_in``,
 Streaming-DiLoCo style):
 
     θ_local ← θ' + (θ_local − θ_at_push);   θ_anchor ← θ'
@@ -43,19 +43,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dtrain import codec, fragments
+from dtrain import codec
 from dtrain.checkpoint import Checkpointer
-from dtrain.chip_faults import DeviceFault
-from dtrain.config import ROUND_AUTO, Config
-from dtrain.diloco import Island, advance, fold_in
-from dtrain.hf import spec_of
-from dtrain.outer import feedback_decay
-from dtrain.prepare import Setup, prepare
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import ROUND_AUTO, Config
+from dtrain.health.faults import DeviceFault
+from dtrain.models.hf import spec_of
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import max_frame_bytes
 from dtrain.runlog import ELAPSED_S, RunLog, fmt_progress, json_number, process_dir
+from dtrain.steps.outer import feedback_decay
 from dtrain.telemetry import Telemetry, island_counters, require_exporter
-from dtrain.train import InnerLoop
-from dtrain.wire import max_frame_bytes
+from dtrain.train import fragments
+from dtrain.train.diloco import Island, advance, fold_in
+from dtrain.train.loop import InnerLoop
+from dtrain.train.prepare import Setup, prepare
 from workers.chip_health import ChipHealth
 from workers.client import CoordinatorClient, RunOverError
 from workers.ending import RunEnd
@@ -220,7 +221,7 @@ class Worker:
     Args: ``cfg``, the run's config; ``address``, the coordinator's HOST:PORT; ``name``, the island's name;
     ``run_dir``, its folder (events, summary, checkpoints); ``quiet``, no progress lines; ``inject``, push faults
     and ``device_fault``, a faulty device inside the island (testing only: :mod:`workers.push_faults`,
-    :mod:`dtrain.chip_faults`); ``hosts``, the island's processes when it spans several (:mod:`workers.hosts`):
+    :mod:`dtrain.health.faults`); ``hosts``, the island's processes when it spans several (:mod:`workers.hosts`):
     process 0 talks to the coordinator.
 
     Its own attributes belong to the training loop's thread (``telemetry`` is built at the first Join, the
@@ -407,7 +408,7 @@ class Worker:
         """``worker.round_seconds = auto``, in round 1 once this island's rate is known: once every live island
         reports one (Status, asked by process 0), the round length from their sum, and the lr schedule stretched
         to this island's steps in the run (:func:`workers.pacing.retimed`) from the next chunk on: the schedule is
-        an input of the compiled step (:meth:`dtrain.train.InnerLoop.retime`), so nothing compiles (a remesh
+        an input of the compiled step (:meth:`dtrain.train.loop.InnerLoop.retime`), so nothing compiles (a remesh
         rebuilds the loop from the same config). Until then nothing changes: round 1 goes on."""
         assert self.rate is not None
         me = self.mailbox.island_id
@@ -448,7 +449,7 @@ class Worker:
     def _retime(self, island: Island, seconds: float, version: int, since: float, own: float) -> int:
         """Auto rounds: rounds of ``seconds`` from the one that started ``since`` seconds ago from θ_``version``
         on, and the lr schedule stretched over the steps this island takes at ``own`` tokens/s to the run's end
-        (:func:`workers.pacing.retimed`; nothing compiles: :meth:`dtrain.train.InnerLoop.retime`; a remesh
+        (:func:`workers.pacing.retimed`; nothing compiles: :meth:`dtrain.train.loop.InnerLoop.retime`; a remesh
         rebuilds the loop from the same config). Returns the schedule's steps."""
         left = max(seconds - since, 0.0) + max(self._versions() - version - 1, 0) * seconds
         t = self.cfg.train

@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 import jax
 
-from dtrain.config import Config
-from dtrain.prepare import Setup
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import Config
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
+from dtrain.train.prepare import Setup
 from workers.client import CoordinatorClient, CoordinatorError, cause
 from workers.exchange import WorkerError
 from workers.heartbeat import Mailbox

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import jax
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 
 
 class Slowdown:

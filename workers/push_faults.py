@@ -40,11 +40,12 @@ is that of a round whose real Δ was never sent.
 
 Device faults (``dtrain worker --device-fault KIND:DEVICE@STEP[,OPTION=VALUE...]``, which ``dtrain simulate --fault
 device-KIND:ISLAND@stepN,device=D,...`` passes to the worker it starts, and again to a restarted one: the chip is
-still bad) are parsed here by :func:`parse_device_fault` into a :class:`dtrain.chip_faults.DeviceFault`, which the
-worker injects into its per-device inner step and probes (:mod:`dtrain.chip_step`, :mod:`dtrain.chip_probes`):
-``scale`` (the device's outputs × ``factor``), ``bitflip`` (bit ``bit`` of a fraction ``rate`` of its float32
-outputs flipped) or ``dead`` (its computations raise), from inner step ``STEP`` on, on each step with probability
-``prob`` (drawn from ``seed``). :func:`check_device_fault` refuses a device id the worker does not have.
+still bad) are parsed here by :func:`parse_device_fault` into a :class:`dtrain.health.faults.DeviceFault`, which the
+worker injects into its per-device inner step and probes (:mod:`dtrain.health.device_step`,
+:mod:`dtrain.health.probes`): ``scale`` (the device's outputs × ``factor``), ``bitflip`` (bit ``bit`` of a fraction
+``rate`` of its float32 outputs flipped) or ``dead`` (its computations raise), from inner step ``STEP`` on, on each
+step with probability ``prob`` (drawn from ``seed``). :func:`check_device_fault` refuses a device id the worker does
+not have.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ from typing import Any
 import numpy as np
 
 from dtrain import codec
-from dtrain.chip_faults import FAULT_KINDS, FAULT_OPTIONS, DeviceFault
-from dtrain.config import CodecConfig, ConfigError
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import CodecConfig, ConfigError
+from dtrain.health.faults import FAULT_KINDS, FAULT_OPTIONS, DeviceFault
+from dtrain.net.proto import dtrain_pb2 as pb
 from workers.client import CoordinatorClient
 
 PUSH_FAULTS = ("nan", "poison", "inflate", "truncate", "scale", "ramp")

@@ -25,14 +25,14 @@ import numpy as np
 
 from dtrain import codec
 from dtrain.checkpoint import Checkpointer
-from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config
-from dtrain.diloco import Island
-from dtrain.prepare import Setup
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import Config
+from dtrain.health.faults import DeviceFault
+from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain.steps.inner import make_mesh
+from dtrain.train.diloco import Island
+from dtrain.train.loop import InnerLoop
+from dtrain.train.prepare import Setup
 from workers.chip_health import ChipHealth, Evidence
 from workers.exchange import Exchange, GlobalParams, WorkerError
 from workers.hosts import HostGroup
@@ -243,7 +243,7 @@ class Guard:
 
     def remesh(self) -> dict[str, Any]:
         """Rebuilds the inner loop on the healthy devices, with the same global batch (the quarantined devices'
-        rows go to the others: :func:`dtrain.step.rows_per_device`); the caller compiles it before it trains."""
+        rows go to the others: :func:`dtrain.steps.inner.rows_per_device`); the caller compiles it before it trains."""
         assert self.health is not None
         old = self.setup.loop
         healthy = set(self.health.healthy_ids)
@@ -274,7 +274,7 @@ class Rewinder:
 
     def keep_progress(self, shard: int, cursor: int, unsent: np.ndarray) -> None:
         """At a push whose range ends at ``cursor`` of ``shard``: θ_local − θ_anchor with the pushed fragment's
-        values zeroed (``dtrain.fragments.unsent``), the other fragments' progress since their own last exchange.
+        values zeroed (``dtrain.train.fragments.unsent``), the other fragments' progress since their own last exchange.
         The last two pushes' are kept (a rewind goes back at most to the start of the push in flight)."""
         self._progress[(shard, cursor)] = unsent
         while len(self._progress) > 2:

@@ -17,7 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 
 
 class Kind(enum.Enum):

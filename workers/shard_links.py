@@ -1,6 +1,6 @@
 """An island's links to a sharded coordinator (``coordinator.shards = S > 1``; docs/architecture.md#shards).
 
-θ is cut into S contiguous ranges of whole tensors (``dtrain.fragments.plan``, the same plan the coordinator
+θ is cut into S contiguous ranges of whole tensors (``dtrain.train.fragments.plan``, the same plan the coordinator
 makes); range 0 is the lead's (the coordinator the island joins), range k shard k's, whose address the lead
 names in its Join reply. The island pushes each range's slice of its Δ, a frame of its own (with that range's
 own error feedback), to its shard, all S parts at once on parallel streams (:class:`ShardedPush`); the lead's
@@ -17,10 +17,10 @@ from concurrent import futures
 
 import numpy as np
 
-from dtrain import fragments
 from dtrain.codec import params_digest
-from dtrain.config import Config
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import Config
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.train import fragments
 from workers.client import CoordinatorClient, PulledFrame
 from workers.exchange import GlobalParams, Puller, ShardFrames, WorkerError
 

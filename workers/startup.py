@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from dtrain.config import COMPILE_CACHE_OFF, Config
+from dtrain.config.sections import COMPILE_CACHE_OFF, Config
 from dtrain.errors import DtrainError
 
 # In the order they happen. imports: from the process's start to the island's code (Python, JAX, the command

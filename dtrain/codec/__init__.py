@@ -21,7 +21,7 @@ An island, per round::
     q = error_feedback.compress(delta_vec)          # block-quantize delta + residual
     frame = encode(q)                               # header + zstd(scales ‖ payload)
 
-(``dtrain.wire.frame_chunks`` cuts the frame into the chunk stream.) The
+(``dtrain.net.wire.frame_chunks`` cuts the frame into the chunk stream.) The
 coordinator checks an incoming frame with :class:`FrameValidator` as its
 chunks arrive, sums the checked bodies slab by slab (:func:`dequantize_add`),
 quantizes its outer update the same way (:func:`quantize_segment`) and writes

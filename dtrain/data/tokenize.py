@@ -1,8 +1,8 @@
 """Tokenizing a corpus into a token store, in parallel over files and resumable (``dtrain tokenize``).
 
-:func:`tokenize` reads the sources' documents (:mod:`dtrain.documents`), encodes each with a tokenizer
-(:mod:`dtrain.tokenizer`: the end-of-document id after each) and writes them, in file order, into a token store
-(:class:`~dtrain.token_store.StoreWriter`). With more than one worker it encodes files in a pool of spawned
+:func:`tokenize` reads the sources' documents (:mod:`dtrain.data.documents`), encodes each with a tokenizer
+(:mod:`dtrain.data.tokenizer`: the end-of-document id after each) and writes them, in file order, into a token store
+(:class:`~dtrain.data.token_store.StoreWriter`). With more than one worker it encodes files in a pool of spawned
 processes, each sent a file's path and the tokenizer's spec (plain strings) and giving back the file's ids and
 document lengths as two numpy arrays; the writer takes them in file order, so the store is the same whatever the
 number of workers.
@@ -13,7 +13,7 @@ documents committed, the digest's chain state, the files skipped, and what the r
 the tokenizer, the field, the limit). Killed at any point and run again with the same arguments, it cuts the arrays
 back to the journal's counts and goes on after the last file committed, ending with the store an uninterrupted run
 writes (the same ids, document ends and manifest). Run again with other arguments it refuses, naming the
-difference. A store being written has no manifest.json, so :meth:`~dtrain.token_store.TokenStore.open` refuses
+difference. A store being written has no manifest.json, so :meth:`~dtrain.data.token_store.TokenStore.open` refuses
 it; the journal is removed once the manifest is written.
 """
 
@@ -37,10 +37,10 @@ from typing import Annotated, NamedTuple
 import numpy as np
 
 from dtrain import schema
-from dtrain.documents import SourceFile, enumerate_sources, fingerprint, read_documents
+from dtrain.data.documents import SourceFile, enumerate_sources, fingerprint, read_documents
+from dtrain.data.token_store import MANIFEST, Committed, DataError, Manifest, StoreError, StoreWriter, dtype_for
+from dtrain.data.tokenizer import STORE_TOKENIZER_FILE, HFTokenizer, Tokenizer, from_spec, train_bpe
 from dtrain.runlog import STATUS_DONE, STATUS_END, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, fmt_bytes, fmt_rate
-from dtrain.token_store import MANIFEST, Committed, DataError, Manifest, StoreError, StoreWriter, dtype_for
-from dtrain.tokenizer import STORE_TOKENIZER_FILE, HFTokenizer, Tokenizer, from_spec, train_bpe
 
 JOURNAL = "tokenize.journal.json"
 JOURNAL_FORMAT = "dtrain-tokenize-journal/1"
@@ -52,7 +52,7 @@ PLAIN_EVERY_S = 10.0  # in a pipe: a progress line at most this often
 REDRAW_S = 0.25  # on a terminal: the status line at most this often
 FIRST_LINE_S = 1.0  # no progress line before this (a quick job: its start and end lines only)
 
-log = logging.getLogger("dtrain.data")
+log = logging.getLogger("dtrain.data.corpus")
 
 # (bytes done, bytes total, documents, tokens, files done, files total)
 Progress = Callable[[int, int, int, int, int, int], None]
@@ -105,7 +105,7 @@ def _sha(items: object) -> str:
 
 def _done_link(chain: str, source: SourceFile) -> str:
     """The files-done chain after one more file: sha256 of the chain so far and the file's path, size and
-    modification time (:func:`dtrain.documents.fingerprint`)."""
+    modification time (:func:`dtrain.data.documents.fingerprint`)."""
     return _sha([chain, *fingerprint([source])])
 
 
@@ -171,7 +171,7 @@ def check_out(out: str | Path, sources: Sequence[str | Path], overwrite: bool = 
 def trained_or_resumed(files: Sequence[SourceFile], out: str | Path, vocab_size: int, *, field: str = "text",
                        skip_bad: bool = False, overwrite: bool = False) -> HFTokenizer:
     """The byte-level BPE of ``vocab_size`` for a store: the one an interrupted run into ``out`` trained and wrote
-    there (training is deterministic: the same one), else one trained now (:func:`dtrain.tokenizer.train_bpe`)."""
+    there (training is deterministic: the same one), else one trained now (:func:`dtrain.data.tokenizer.train_bpe`)."""
     journal = None if overwrite else read_journal(out)
     saved = Path(out) / STORE_TOKENIZER_FILE
     if journal is not None and journal.trained_vocab_size == vocab_size and saved.exists():
@@ -186,7 +186,7 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
              overwrite: bool = False, plain_text: bool = False, trained_vocab_size: int = 0,
              commit_every_s: float = COMMIT_EVERY_S,
              on_commit: Callable[[Journal], None] | None = None) -> tuple[Manifest, TokenizeStats]:
-    """Tokenizes the documents of ``sources`` (files and folders, :func:`dtrain.documents.enumerate_sources`;
+    """Tokenizes the documents of ``sources`` (files and folders, :func:`dtrain.data.documents.enumerate_sources`;
     ``plain_text``: every file a text file) into a new token store at ``out`` and returns its manifest and what
     was done; an interrupted run into ``out`` with the same arguments is continued (see the module's docstring).
 
@@ -362,12 +362,12 @@ def _encode_batch(tokenizer: Tokenizer, batch: list[str | bytes], dtype: np.dtyp
 
 
 class ProgressLine:
-    """The progress callback of :func:`tokenize` as status records on the ``dtrain.tokenize`` logger
+    """The progress callback of :func:`tokenize` as status records on the ``dtrain.data.tokenize`` logger
     (:mod:`dtrain.runlog`'s attributes, which the command line shows as a live or a plain line); :meth:`end` makes
     the last one final. ``quiet``: none."""
 
     def __init__(self, quiet: bool):
-        self.log = logging.getLogger("dtrain.tokenize")
+        self.log = logging.getLogger("dtrain.data.tokenize")
         self.quiet, self.t0, self.shown = quiet, time.monotonic(), -1.0
         self.last: tuple[str, int, int] | None = None
         self.start: tuple[int, int] | None = None  # bytes and tokens at the first call (a resumed run's are not 0)

@@ -1,16 +1,16 @@
 """The per-device inner step: each device's gradient on its own micro-batch, then an explicit mean over devices.
 
-The same step as :func:`dtrain.step.inner_step` (the same :func:`dtrain.step.loss_fn`, the same optimizer
+The same step as :func:`dtrain.steps.inner.inner_step` (the same :func:`dtrain.steps.inner.loss_fn`, the same optimizer
 ``tx`` and update), with the gradient computed in a ``shard_map`` over the island's batch axes: each device
 takes ``value_and_grad`` of its own rows of the global batch, and the gradients are averaged by an explicit
-``pmean`` over the devices (:func:`dtrain.chip_probes.device_grads`, the body the statistics probe runs too).
+``pmean`` over the devices (:func:`dtrain.health.probes.device_grads`, the body the statistics probe runs too).
 Between the two, the step has each device's own gradient in hand, which gives it two things the fused step
 cannot:
 
-- a :class:`dtrain.chip_faults.DeviceFault` injected into one device's (loss, gradient) inside the real jitted step
+- a :class:`dtrain.health.faults.DeviceFault` injected into one device's (loss, gradient) inside the real jitted step
   (on CPU the stand-in for a faulty chip; on GPU/TPU, with no fault, a faulty chip perturbs it there itself);
 - each device's micro-batch loss, gradient norm and finiteness as metrics of the step (``[D]`` per step, in
-  ``mesh.devices.flat`` order): the statistics probe (:meth:`dtrain.chip_probes.Probes.grad_stats`) for free.
+  ``mesh.devices.flat`` order): the statistics probe (:meth:`dtrain.health.probes.Probes.grad_stats`) for free.
 
 With no fault it computes the same update as the fused step up to float32 rounding: the mean of equal-sized
 micro-batch means (and of their gradients) is the full batch's mean, summed in a different order.
@@ -27,17 +27,17 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dtrain.chip_faults import DeviceFault
-from dtrain.chip_probes import device_grads
-from dtrain.model import ApplyFn
-from dtrain.step import BATCH_AXES, TrainState, lr_value, scaled
+from dtrain.health.faults import DeviceFault
+from dtrain.health.probes import device_grads
+from dtrain.models.model import ApplyFn
+from dtrain.steps.inner import BATCH_AXES, TrainState, lr_value, scaled
 
 
 def device_inner_step(state: TrainState, batch_BxL1: jax.Array, *, apply: ApplyFn, tx: optax.GradientTransformation,
                       sched_4: jax.Array, mesh: Mesh, fault: DeviceFault | None = None,
                       rows: tuple[int, ...] | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One inner step with per-device gradients. ``rows``: the real rows per device (default: an even split of
-    ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.step.pad_rows`. Metrics:
+    ``batch_BxL1``); with an uneven split the batch comes laid out by :func:`dtrain.steps.inner.pad_rows`. Metrics:
     ``loss`` (the global batch's mean loss), ``grad_norm`` (of the averaged gradient), ``finite`` (every device's
     loss and gradient, and the average, finite), and per device ``[D]``: ``device_loss``, ``device_grad_norm``,
     ``device_finite``."""

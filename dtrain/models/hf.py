@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 
 from dtrain.codec.spec import Spec
-from dtrain.config import ModelConfig
+from dtrain.config.sections import ModelConfig
 
 __all__ = ["HFError", "SHARD_BYTES", "Tensor", "export_folder", "hf_config", "mapping", "read_vector",
            "weight_files"]

@@ -1,8 +1,8 @@
-"""The island's inner loop: the step of :mod:`dtrain.step` bound to a model, a mesh and chip health, and jitted.
+"""The island's inner loop: the step of :mod:`dtrain.steps.inner` bound to a model, a mesh and chip health, and jitted.
 
-:class:`InnerLoop` binds the pure step (:func:`dtrain.step.inner_steps`, or with chip health the per-device step
-:func:`dtrain.chip_step.device_inner_steps`) to a model and an optimizer, and jits it once per chunk length with
-``NamedSharding``s over the island's ``Mesh(('data', 'fsdp'))`` and buffer donation; :func:`chunks` cuts a run of
+:class:`InnerLoop` binds the pure step (:func:`dtrain.steps.inner.inner_steps`, or with chip health the per-device step
+:func:`dtrain.health.device_step.device_inner_steps`) to a model and an optimizer, and jits it once per chunk length
+with ``NamedSharding``s over the island's ``Mesh(('data', 'fsdp'))`` and buffer donation; :func:`chunks` cuts a run of
 inner steps into the scan lengths it is called with.
 """
 
@@ -17,11 +17,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtrain.chip_faults import DeviceFault, check_alive
-from dtrain.chip_step import device_inner_steps
-from dtrain.config import Config, ConfigError
-from dtrain.model import BuiltModel, Params
-from dtrain.step import (
+from dtrain.config.sections import Config, ConfigError
+from dtrain.health.device_step import device_inner_steps
+from dtrain.health.faults import DeviceFault, check_alive
+from dtrain.models.model import BuiltModel, Params
+from dtrain.steps.inner import (
     BATCH_AXES,
     TrainState,
     eval_loss,
@@ -39,16 +39,18 @@ class InnerLoop:
     """Binds the pure step to a model, an optimizer and a mesh, and jits it once per chunk length.
 
     Args:
-        cfg: the run's config: ``[train]`` gives the optimizer (:func:`dtrain.step.make_optimizer`) and the global
+        cfg: the run's config: ``[train]`` gives the optimizer (:func:`dtrain.steps.inner.make_optimizer`) and the
+        global
             batch size, ``[model] seq_len`` the batches' length.
         model: the built model whose ``apply`` the step differentiates.
-        mesh: the island's ``Mesh(('data', 'fsdp'))`` (:func:`dtrain.step.make_mesh`); the parameters and the
-            optimizer state are sharded over ``fsdp`` by :func:`dtrain.step.param_spec`, the batches' rows over
+        mesh: the island's ``Mesh(('data', 'fsdp'))`` (:func:`dtrain.steps.inner.make_mesh`); the parameters and the
+            optimizer state are sharded over ``fsdp`` by :func:`dtrain.steps.inner.param_spec`, the batches' rows over
             both axes.
-        per_device: run :func:`dtrain.chip_step.device_inner_steps` instead of :func:`dtrain.step.inner_steps`:
+        per_device: run :func:`dtrain.health.device_step.device_inner_steps` instead of
+        :func:`dtrain.steps.inner.inner_steps`:
             each device's gradient on its own micro-batch, then an explicit mean (the same loss and optimizer
             update), with per-device metrics for chip health; needed on a remeshed island, whose devices take
-            uneven shares of the batch (:func:`dtrain.step.rows_per_device`).
+            uneven shares of the batch (:func:`dtrain.steps.inner.rows_per_device`).
         fault: for tests and the fault harness, a device fault injected into the per-device step (``per_device``
             only).
         donate: ``False`` keeps the state's buffers alive across :meth:`run` (only benchmarks/mfu.py measures
@@ -115,10 +117,10 @@ class InnerLoop:
 
     def init_params(self, seed: int) -> Params:
         """The model's initial parameters for ``seed`` (or ``model.init_from``'s Hugging Face folder:
-        :func:`dtrain.hf.load_params`), placed on the mesh (sharded as :meth:`place_params`)."""
+        :func:`dtrain.models.hf.load_params`), placed on the mesh (sharded as :meth:`place_params`)."""
         if self.model.cfg.init_from:
-            from dtrain import hf
-            from dtrain.config import ConfigError
+            from dtrain.config.sections import ConfigError
+            from dtrain.models import hf
 
             try:
                 return self.place_params(hf.load_params(self.model.cfg, self.model.abstract_params))
@@ -137,7 +139,7 @@ class InnerLoop:
                             else jax.device_put(np.array(x, copy=True), s), params, self.params_sharding)
 
     def init_state(self, params: Params) -> TrainState:
-        """A step-0 :class:`dtrain.step.TrainState` from ``params`` (copied onto the mesh) with a fresh optimizer
+        """A step-0 :class:`dtrain.steps.inner.TrainState` from ``params`` (copied onto the mesh) with a fresh optimizer
         state, sharded as the jitted step takes it."""
         return self._init(self.place_params(params))
 
@@ -152,7 +154,7 @@ class InnerLoop:
         Args:
             state: the state to step from; it is donated and must not be used afterwards.
             batches_KxBxL1: K global batches of ``L + 1`` tokens (int32 ``[K, B, L + 1]``, ``B`` the config's
-                batch size); laid out for uneven device shares by :func:`dtrain.step.pad_rows` here.
+                batch size); laid out for uneven device shares by :func:`dtrain.steps.inner.pad_rows` here.
 
         Returns:
             ``(state after K steps, metrics)``: each metric stacked ``[K]`` (``loss``, ``grad_norm``, ``finite``),
@@ -160,7 +162,7 @@ class InnerLoop:
             ``device_finite``); device arrays, not yet synced to the host.
 
         Raises:
-            dtrain.chip_faults.DeadDeviceError: an injected dead device fires on one of the K steps (checked on the
+            dtrain.health.faults.DeadDeviceError: an injected dead device fires on one of the K steps (checked on the
                 host before dispatch)."""
         if self.fault is not None and self.fault.kind == "dead":
             ids, first = [int(d.id) for d in self.mesh.devices.flat], int(state.step)  # a host sync: dead faults only
@@ -170,7 +172,7 @@ class InnerLoop:
         return self._scan(state, batches, self._sched)
 
     def abstract_state(self) -> TrainState:
-        """The :class:`dtrain.step.TrainState`'s shapes, dtypes and shardings as ``jax.ShapeDtypeStruct``s (no
+        """The :class:`dtrain.steps.inner.TrainState`'s shapes, dtypes and shardings as ``jax.ShapeDtypeStruct``s (no
         memory allocated)."""
         abstract_state = jax.eval_shape(self._init_state, self.model.abstract_params)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,

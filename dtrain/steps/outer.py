@@ -17,7 +17,7 @@ screens each push's norm first (:func:`robust_z`, :func:`clip_factor`).
 :func:`outer_update` uses arithmetic operators only, so the one implementation
 serves the coordinator's merger (numpy slabs of flat vectors, see
 ``coordinator.merger``) and the in-process simulation (jax arrays, mapped over
-the parameter pytree by ``dtrain.diloco.outer_step``). The coordinator never
+the parameter pytree by ``dtrain.train.diloco.outer_step``). The coordinator never
 imports JAX, so nothing here may.
 """
 
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from dtrain.config import Config
+from dtrain.config.sections import Config
 
 if TYPE_CHECKING:  # for the annotations only: importing JAX here would load it into the coordinator
     import jax
 
-Array = TypeVar("Array", np.ndarray, "jax.Array")  # numpy slabs (the merger) or jax arrays (dtrain.diloco)
+Array = TypeVar("Array", np.ndarray, "jax.Array")  # numpy slabs (the merger) or jax arrays (dtrain.train.diloco)
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def robust_scores(values: Sequence[float] | np.ndarray, window: Sequence[float] 
     median gives ``inf`` and any other 0. The window must be finite and non-empty.
 
     Used by the coordinator's norm screen (:func:`robust_z`: one norm against the recent ones) and by the chip
-    probes (``dtrain.chip_probes.robust_z``: each device against all of them)."""
+    probes (``dtrain.health.probes.robust_z``: each device against all of them)."""
     w = np.asarray(window, np.float64)
     if w.size == 0:
         raise ValueError("robust_scores needs a non-empty window")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtrain.codec import Spec, hasher_digest, params_digest, params_hasher
-from dtrain.config import MAX_FRAGMENTS, ConfigError
+from dtrain.config.sections import MAX_FRAGMENTS, ConfigError
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def apply_update(vec: np.ndarray, values: np.ndarray, version: int, ranges: Sequ
 
 def at_push(anchor: np.ndarray, local: np.ndarray, part: Range) -> np.ndarray:
     """The θ_at_push that makes the fold-in of a push of ``part`` touch that fragment only: ``local`` on it,
-    ``anchor`` (the global θ the push was based on) elsewhere. Folding in θ' (``dtrain.diloco.fold_in``:
+    ``anchor`` (the global θ the push was based on) elsewhere. Folding in θ' (``dtrain.train.diloco.fold_in``:
     θ_local ← θ' + (θ_local − θ_at_push)) then keeps every other fragment's progress since its own last push, and
     takes whatever the global θ of the other fragments gained meanwhile."""
     if part.size == anchor.size:

@@ -8,7 +8,7 @@ convergence benchmark are all built from these two.
 
 The outer step on parameter pytrees: :func:`pseudo_gradient` (Δ_i = θ_v − θ_i),
 :func:`merge_deltas` (the weighted mean) and :func:`outer_step`, which maps
-``dtrain.outer.outer_update`` (the one outer update, shared with the
+``dtrain.steps.outer.outer_update`` (the one outer update, shared with the
 coordinator's merger) over the pytree and applies it.
 """
 
@@ -26,11 +26,11 @@ import numpy as np
 import optax
 from flax import struct
 
-from dtrain import outer
-from dtrain.model import Params
-from dtrain.outer import OuterHParams
-from dtrain.step import TrainState
-from dtrain.train import InnerLoop, chunks
+from dtrain.models.model import Params
+from dtrain.steps import outer
+from dtrain.steps.inner import TrainState
+from dtrain.steps.outer import OuterHParams
+from dtrain.train.loop import InnerLoop, chunks
 
 
 class BatchSource(Protocol):

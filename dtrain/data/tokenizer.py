@@ -15,8 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dtrain.documents import SourceFile, read_documents
-from dtrain.token_store import DataError
+from dtrain.data.documents import SourceFile, read_documents
+from dtrain.data.token_store import DataError
 
 BYTE_EOS = 10  # the byte tokenizer's end of document: b"\n"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")

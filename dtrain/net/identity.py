@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.config import ISLAND_NAME_RE, ConfigError
-from dtrain.wire import MAKE_ISLAND_TOKEN, MAKE_ISLAND_TOKENS, PLACEHOLDER
+from dtrain.config.sections import ISLAND_NAME_RE, ConfigError
+from dtrain.net.wire import MAKE_ISLAND_TOKEN, MAKE_ISLAND_TOKENS, PLACEHOLDER
 
 HASH_PREFIX = "sha256:"
 TOKEN_BYTES = 32  # an issued token: 32 random bytes, as 64 hex digits

@@ -6,8 +6,8 @@ then cosine decay, whose numbers are an input of the step) and the NaN/Inf guard
 of them into one ``lax.scan`` (on CPU, Python dispatch per step would dominate a small model). This module also
 owns the island's ``Mesh(('data', 'fsdp'))`` (:func:`make_mesh`,
 :data:`BATCH_AXES`), the FSDP sharding rule (:func:`param_spec`) and a global batch's split over the devices
-(:func:`rows_per_device`, :func:`pad_rows`). :class:`dtrain.train.InnerLoop` binds them to a model and jits them;
-the per-device variant of the step is :mod:`dtrain.chip_step`.
+(:func:`rows_per_device`, :func:`pad_rows`). :class:`dtrain.train.loop.InnerLoop` binds them to a model and jits them;
+the per-device variant of the step is :mod:`dtrain.health.device_step`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dtrain.config import Config, ConfigError, TrainConfig
-from dtrain.model import ApplyFn, Params
+from dtrain.config.sections import Config, ConfigError, TrainConfig
+from dtrain.models.model import ApplyFn, Params
 
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FSDP is data parallel too)
 

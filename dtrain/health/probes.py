@@ -15,7 +15,7 @@ Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports 
   whose computation raises (a dead chip) is reported bad with the error.
 - **Per-device statistics** (:meth:`Probes.grad_stats`, :func:`outliers`): each device computes the loss and
   the gradient of *its own* micro-batch (the rows of the global batch the island's step gives it, before the
-  cross-device reduction), by :func:`dtrain.step.loss_fn` in a ``shard_map`` over the mesh; the gradient
+  cross-device reduction), by :func:`dtrain.steps.inner.loss_fn` in a ``shard_map`` over the mesh; the gradient
   norms are compared across devices by a two-sided robust z-score (median and MAD, with a floor).
 - **Deterministic replay** (:meth:`Probes.replay`, :func:`digest`, :func:`majority`): the same small piece of
   work (the loss and gradient of a few rows of one device's micro-batch) is computed on every device by the same
@@ -28,7 +28,7 @@ Pure functions and a thin binder (:class:`Probes`), no I/O. Every probe reports 
   majority forms and the replay is inconclusive (it flags nothing, and finds nothing).
 - **NaN/Inf guard** (:func:`all_finite`): a jittable predicate over any pytrees (loss, gradients).
 
-The faults these probes find are injected by :mod:`dtrain.chip_faults` (on CPU, where the fake devices never
+The faults these probes find are injected by :mod:`dtrain.health.faults` (on CPU, where the fake devices never
 fail); on GPU/TPU the probes run unchanged (the same ``shard_map`` and per-device ``jit``) on the real chips.
 """
 
@@ -47,10 +47,10 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dtrain.chip_faults import DeviceFault, check_alive, inject
-from dtrain.model import ApplyFn, Params
-from dtrain.outer import robust_scores
-from dtrain.step import BATCH_AXES, loss_fn, rows_per_device
+from dtrain.health.faults import DeviceFault, check_alive, inject
+from dtrain.models.model import ApplyFn, Params
+from dtrain.steps.inner import BATCH_AXES, loss_fn, rows_per_device
+from dtrain.steps.outer import robust_scores
 
 KNOWN_ANSWER_N = 128  # every entry of A @ B is below 2**24 (exact in float32) up to n = 128
 STAT_Z_MAX = 6.0  # a device whose micro-batch gradient norm lies further than this from the median is flagged
@@ -125,7 +125,7 @@ class Outlier:
 
 def robust_z(values: Sequence[float], spread_floor: float = STAT_SPREAD_FLOOR) -> np.ndarray:
     """Two-sided robust z-score of each value against all of them: ``|v − median| / σ`` with
-    ``σ = max(1.4826 · MAD, spread_floor · |median|, 1e-12)`` (``dtrain.outer.robust_scores``; the floor keeps a
+    ``σ = max(1.4826 · MAD, spread_floor · |median|, 1e-12)`` (``dtrain.steps.outer.robust_scores``; the floor keeps a
     tight healthy spread, identical values above all, from flagging). A non-finite value has ``z = inf``; the
     median and MAD are taken over the finite values only."""
     v = np.asarray(values, dtype=np.float64)
@@ -167,7 +167,7 @@ def micro_batch_grad(apply: ApplyFn, params: Params, batch_bxL1: jax.Array, devi
 def device_grads(apply: ApplyFn, fault: DeviceFault | None, rows: tuple[int, ...] | None, ids_D: jax.Array,
                  params: Params, batch_bxL1: jax.Array, step: jax.Array
                  ) -> tuple[Params, jax.Array, jax.Array, jax.Array]:
-    """The ``shard_map`` body of the per-device step (:mod:`dtrain.chip_step`) and of the statistics probe
+    """The ``shard_map`` body of the per-device step (:mod:`dtrain.health.device_step`) and of the statistics probe
     (:meth:`Probes.grad_stats`): (the gradient of the global batch's mean loss, and this device's own micro-batch
     loss, gradient norm and finiteness, each ``[1]``). ``rows``: the real rows per device (None: an even split)."""
     index = jax.lax.axis_index(BATCH_AXES)
@@ -313,7 +313,7 @@ class Started:
 
 def micro_batch(batch_BxL1: np.ndarray, mesh: Mesh, index: int) -> np.ndarray:
     """The rows of the global batch the island's step gives device ``index`` of ``mesh.devices.flat`` (the batch
-    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.step.rows_per_device` rows each)."""
+    is split over ``BATCH_AXES`` in row-major device order, :func:`dtrain.steps.inner.rows_per_device` rows each)."""
     counts = rows_per_device(batch_BxL1.shape[0], mesh.devices.size)
     start = sum(counts[:index])
     return batch_BxL1[start:start + counts[index]]

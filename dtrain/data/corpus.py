@@ -1,6 +1,6 @@
 """Corpora as token stores, per-island shards streamed in blocks, resumable cursors, a held-out split.
 
-Every corpus is read through one reader: a token store (``dtrain.token_store``). ``data.source`` names a store
+Every corpus is read through one reader: a token store (``dtrain.data.token_store``). ``data.source`` names a store
 (a folder holding ``manifest.json``, or a ``file://``, ``gs://``, ``s3://`` or ``http(s)://`` URL), or a source
 that becomes a store on first use (:func:`store_location`): ``builtin``, a text file or folder of text files
 (the byte tokenizer), or nanoGPT-style uint16 ``.bin`` shards; the store is cached under ``data.cache``
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.config import DataConfig
-from dtrain.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
+from dtrain.config.sections import DataConfig
+from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
 __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
            "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store", "open_corpus", "split",
@@ -52,7 +52,7 @@ EVAL_SPAN_CHUNKS = 8  # the eval windows are spread over at most this many store
 CACHE_FORMAT = 1  # bump when the conversion of a source into a store changes
 BPE_TRAIN_BYTES = 8 << 20  # data.tokenizer = "bpe:N": the BPE is trained on this much of the source's text
 
-log = logging.getLogger("dtrain.data")
+log = logging.getLogger("dtrain.data.corpus")
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,8 @@ def _utf8(path: Path) -> bool:
 
 def _source_tokenizer(spec: str, plan: _Plan) -> tuple[Any, int]:
     """``data.tokenizer`` for a text source: the tokenizer, and the vocabulary size of a BPE trained here (0)."""
-    from dtrain.documents import enumerate_sources
-    from dtrain.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
+    from dtrain.data.documents import enumerate_sources
+    from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
     if spec == "bytes":
         return ByteTokenizer(), 0
@@ -189,7 +189,7 @@ def _write_text_store(plan: _Plan, out: Path, limit: int, tokenizer_spec: str) -
     ``data.tokenizer`` names: ``dtrain tokenize`` with every file read as text, in this process (no pool to
     start from inside an island), its progress a status line. The built-in corpus's few files that are not UTF-8
     on purpose (test data) are left out by a BPE, not by the byte tokenizer."""
-    from dtrain.tokenize import ProgressLine, tokenize
+    from dtrain.data.tokenize import ProgressLine, tokenize
 
     if plan.kind == "builtin" and tokenizer_spec != "bytes":  # its deliberately non-UTF-8 test files: left out
         plan = _Plan(plan.kind, [f for f in plan.files if _utf8(f)], plan.description)

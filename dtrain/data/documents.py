@@ -9,7 +9,7 @@ its suffix:
 - anything else: a text file, the whole file one document (UTF-8, unless read ``raw`` as bytes).
 
 The documents are the files' in the order given and enumerated, then in their order inside each file. A file that
-cannot be read as its kind raises :class:`~dtrain.data.DataError` naming the file (and line or row) and what is
+cannot be read as its kind raises :class:`~dtrain.data.corpus.DataError` naming the file (and line or row) and what is
 wrong. An empty document is skipped here: it adds nothing to a store.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dtrain.token_store import DataError
+from dtrain.data.token_store import DataError
 
 Kind = Literal["text", "jsonl", "jsonl.zst", "parquet"]
 PARQUET_BATCH_ROWS = 4096  # rows of a parquet file read at a time

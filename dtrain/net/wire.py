@@ -1,7 +1,7 @@
 """Shared gRPC plumbing for both ends of the protocol: deadlines, auth, TLS, chunk streams.
 
 The coordinator and the workers never import each other; they meet here and
-in ``dtrain/proto/dtrain.proto``.
+in ``dtrain/net/proto/dtrain.proto``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import grpc
 from google.protobuf.message import Message
 
 from dtrain import codec
-from dtrain.config import ConfigError, SecurityConfig
-from dtrain.proto import dtrain_pb2 as pb
+from dtrain.config.sections import ConfigError, SecurityConfig
+from dtrain.net.proto import dtrain_pb2 as pb
 
 # Deadlines (seconds) of each RPC, from the caller's side. Pushes and pulls
 # carry a whole model, so they scale with it; see also worker.rpc_deadline_s.
@@ -207,7 +207,7 @@ HANDLER_KINDS: dict[tuple[bool, bool], Any] = {
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call without ``authorization: Bearer <token>`` (constant-time compare), except the health
     checks of :data:`OPEN_METHODS`: the shared ``token`` or, with ``island_tokens`` (``security.identity`` =
-    "token": ``dtrain.identity.IslandTokens.name_of``, a token's island name or None), an island's own token.
+    "token": ``dtrain.net.identity.IslandTokens.name_of``, a token's island name or None), an island's own token.
     Which island a token may act as is the coordinator's (its name bindings).
     ``on_denied``, if given, is told of each refused call (:data:`AuthDenied`), from the call's own thread,
     before it ends."""

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from dtrain.proto import dtrain_pb2 as dtrain_dot_proto_dot_dtrain__pb2
+from dtrain.net.proto import dtrain_pb2 as dtrain_dot_net_dot_proto_dot_dtrain__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in dtrain/proto/dtrain_pb2_grpc.py depends on'
+        + ' but the generated code in dtrain/net/proto/dtrain_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class CoordinatorStub:
         """
         self.Join = channel.unary_unary(
                 '/dtrain.v1.Coordinator/Join',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.JoinRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.JoinResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/dtrain.v1.Coordinator/Heartbeat',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.HeartbeatResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.PushDelta = channel.stream_unary(
                 '/dtrain.v1.Coordinator/PushDelta',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.PushMessage.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PushDeltaResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushMessage.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushDeltaResponse.FromString,
                 _registered_method=True)
         self.PullGlobal = channel.unary_stream(
                 '/dtrain.v1.Coordinator/PullGlobal',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.PullRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PullMessage.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullMessage.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/dtrain.v1.Coordinator/Status',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.StatusRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.StatusResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -106,28 +106,28 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.JoinRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.JoinResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.HeartbeatRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatResponse.SerializeToString,
             ),
             'PushDelta': grpc.stream_unary_rpc_method_handler(
                     servicer.PushDelta,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PushMessage.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.PushDeltaResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushMessage.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushDeltaResponse.SerializeToString,
             ),
             'PullGlobal': grpc.unary_stream_rpc_method_handler(
                     servicer.PullGlobal,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PullRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.PullMessage.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullMessage.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.StatusRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,8 +155,8 @@ class Coordinator:
             request,
             target,
             '/dtrain.v1.Coordinator/Join',
-            dtrain_dot_proto_dot_dtrain__pb2.JoinRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.JoinResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -182,8 +182,8 @@ class Coordinator:
             request,
             target,
             '/dtrain.v1.Coordinator/Heartbeat',
-            dtrain_dot_proto_dot_dtrain__pb2.HeartbeatRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.HeartbeatResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -209,8 +209,8 @@ class Coordinator:
             request_iterator,
             target,
             '/dtrain.v1.Coordinator/PushDelta',
-            dtrain_dot_proto_dot_dtrain__pb2.PushMessage.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.PushDeltaResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushMessage.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PushDeltaResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -236,8 +236,8 @@ class Coordinator:
             request,
             target,
             '/dtrain.v1.Coordinator/PullGlobal',
-            dtrain_dot_proto_dot_dtrain__pb2.PullRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.PullMessage.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PullMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -263,8 +263,8 @@ class Coordinator:
             request,
             target,
             '/dtrain.v1.Coordinator/Status',
-            dtrain_dot_proto_dot_dtrain__pb2.StatusRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.StatusResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -291,33 +291,33 @@ class ShardStub:
         """
         self.Claim = channel.unary_unary(
                 '/dtrain.v1.Shard/Claim',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
                 _registered_method=True)
         self.Prepare = channel.unary_unary(
                 '/dtrain.v1.Shard/Prepare',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/dtrain.v1.Shard/Commit',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dtrain.v1.Shard/Abort',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/dtrain.v1.Shard/Release',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Restore = channel.unary_unary(
                 '/dtrain.v1.Shard/Restore',
-                request_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
-                response_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
+                request_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
                 _registered_method=True)
 
 
@@ -379,33 +379,33 @@ def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Claim': grpc.unary_unary_rpc_method_handler(
                     servicer.Claim,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimResponse.SerializeToString,
             ),
             'Prepare': grpc.unary_unary_rpc_method_handler(
                     servicer.Prepare,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseResponse.SerializeToString,
             ),
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
-                    request_deserializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.FromString,
-                    response_serializer=dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.SerializeToString,
+                    request_deserializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreRequest.FromString,
+                    response_serializer=dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,8 +437,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Claim',
-            dtrain_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -464,8 +464,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Prepare',
-            dtrain_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -491,8 +491,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Commit',
-            dtrain_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -518,8 +518,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Abort',
-            dtrain_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -545,8 +545,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Release',
-            dtrain_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -572,8 +572,8 @@ class Shard:
             request,
             target,
             '/dtrain.v1.Shard/Restore',
-            dtrain_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
-            dtrain_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreRequest.SerializeToString,
+            dtrain_dot_net_dot_proto_dot_dtrain__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

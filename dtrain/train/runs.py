@@ -14,14 +14,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtrain import config, data
 from dtrain.checkpoint import Checkpointer, CheckpointError
-from dtrain.config import Config
-from dtrain.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.config.load import replace, run_path
+from dtrain.config.sections import Config, ConfigError
+from dtrain.data.corpus import IslandShard
 from dtrain.errors import DtrainError
-from dtrain.outer import OuterHParams
-from dtrain.prepare import Setup, prepare
 from dtrain.runlog import RunLog, fmt_progress, fmt_rate
+from dtrain.steps.outer import OuterHParams
+from dtrain.train.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
+from dtrain.train.prepare import Setup, prepare
 
 FP32_BYTES = 4
 
@@ -30,7 +31,7 @@ class RunError(DtrainError):
     """A run cannot start as asked (e.g. it would overwrite another run); nothing was changed."""
 
 
-run_dir = config.run_path
+run_dir = run_path
 
 
 def new_run(cfg: Config) -> Config:
@@ -40,7 +41,7 @@ def new_run(cfg: Config) -> Config:
     n = 2
     while run_dir(cfg).with_name(f"{cfg.run.name}-{n}").exists():
         n += 1
-    return config.replace(cfg, run={"name": f"{cfg.run.name}-{n}"})
+    return replace(cfg, run={"name": f"{cfg.run.name}-{n}"})
 
 
 def _start_event(log: RunLog, s: Setup, mode: str, islands: int) -> None:
@@ -51,7 +52,7 @@ def _start_event(log: RunLog, s: Setup, mode: str, islands: int) -> None:
                  f"corpus {s.corpus.description}")
 
 
-def _island_summary(isl: Island, shard: data.IslandShard, **extra: Any) -> dict[str, Any]:
+def _island_summary(isl: Island, shard: IslandShard, **extra: Any) -> dict[str, Any]:
     return {"index": isl.index, "steps": isl.steps, "tokens": isl.tokens, "cursor": isl.cursor,
             "final_train_loss": isl.last_loss, "shard_tokens": [shard.start, shard.stop],
             "data_wait_s": shard.stream.wait_s, **extra}
@@ -162,7 +163,7 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
     ConfigError with outer.fragments > 1: the in-process rounds exchange the whole θ (fragments run with worker
     processes and a coordinator)."""
     if cfg.outer.fragments > 1:
-        raise config.ConfigError(f"outer.fragments = {cfg.outer.fragments} needs worker processes (the in-process "
+        raise ConfigError(f"outer.fragments = {cfg.outer.fragments} needs worker processes (the in-process "
                                  f"rounds exchange the whole θ every outer.inner_steps): drop --inprocess")
     cfg = new_run(cfg)
     out = run_dir(cfg)

@@ -5,8 +5,8 @@ device's ``id``: its results scaled, bits flipped (always or with a probability 
 the step), or its computation raising (a dead device: :func:`check_alive`, on the host at dispatch, raises
 :class:`DeadDeviceError` as a lost chip's ``XlaRuntimeError`` reaches a worker). On CPU the fake devices of
 ``--xla_force_host_platform_device_count`` are the devices; on GPU/TPU a real fault takes the place of
-:func:`inject`. The probes that find these faults are :mod:`dtrain.chip_probes`; the per-device step they are
-injected into is :mod:`dtrain.chip_step`. Pure functions, no I/O.
+:func:`inject`. The probes that find these faults are :mod:`dtrain.health.probes`; the per-device step they are
+injected into is :mod:`dtrain.health.device_step`. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ FAULT_OPTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class DeviceFault:
-    """One device's outputs perturbed inside the jitted probes (:mod:`dtrain.chip_probes`) and the per-device
-    step (:mod:`dtrain.chip_step`). Hashable: a static argument of ``jit``."""
+    """One device's outputs perturbed inside the jitted probes (:mod:`dtrain.health.probes`) and the per-device
+    step (:mod:`dtrain.health.device_step`). Hashable: a static argument of ``jit``."""
 
     kind: str  # "scale": outputs × factor; "bitflip": bit `bit` flipped; "dead": its computations raise
     device: int  # the JAX device id of the faulty device

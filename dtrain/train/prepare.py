@@ -1,7 +1,7 @@
 """What every run builds before its first step: model, mesh, inner loop, corpus, shards, eval batches.
 
 :func:`prepare` is shared by the ``train`` and in-process ``simulate`` commands
-(``dtrain.runs``), the island worker (``workers.island``) and the benchmarks,
+(``dtrain.train.runs``), the island worker (``workers.island``) and the benchmarks,
 so all of them see the same model, the same per-island data shards and the
 same fixed eval batches for a given config.
 """
@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from dtrain import data, model
-from dtrain.chip_faults import DeviceFault
-from dtrain.config import Config, data_cache
-from dtrain.step import make_mesh
-from dtrain.train import InnerLoop
+from dtrain.config.load import data_cache
+from dtrain.config.sections import Config
+from dtrain.data.corpus import Corpus, IslandShard, eval_batches, island_shards, open_corpus, split
+from dtrain.health.faults import DeviceFault
+from dtrain.models import model
+from dtrain.steps.inner import make_mesh
+from dtrain.train.loop import InnerLoop
 
 
 @dataclass
@@ -25,8 +27,8 @@ class Setup:
     cfg: Config
     built: model.BuiltModel
     loop: InnerLoop
-    corpus: data.Corpus
-    shards: list[data.IslandShard]
+    corpus: Corpus
+    shards: list[IslandShard]
     eval_batches: np.ndarray
     n_params: int
 
@@ -34,11 +36,11 @@ class Setup:
 def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: DeviceFault | None = None) -> Setup:
     """Model, mesh, inner loop, corpus (opened as a token store; made under ``data.cache`` on first use), per-island
     shards and fixed eval batches. ``per_device``: the inner loop
-    runs the per-device step (chip health: ``dtrain.chip_step``), with ``fault`` injected into one device."""
-    corpus = data.open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
-    parts = data.split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
-    shards = data.island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
-    evals = data.eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
+    runs the per-device step (chip health: ``dtrain.health.device_step``), with ``fault`` injected into one device."""
+    corpus = open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
+    parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+    shards = island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
+    evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
                                cfg.data.eval_batches)  # the run's batch: every island evaluates the same
     built = model.build(cfg.model)
     loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dtrain.config import ModelConfig
+from dtrain.config.sections import ModelConfig
 
 Params = dict[str, Any]  # nested dict of float32 arrays
 ApplyFn = Callable[[Params, jax.Array], jax.Array]

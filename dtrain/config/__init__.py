@@ -1,0 +1,1 @@
+"""The one typed source of truth for configuration: sections, their checks, loading."""

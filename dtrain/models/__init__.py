@@ -1,0 +1,1 @@
+"""The models: Flax NNX definitions with a pure apply, and Hugging Face model folders in and out."""
