@@ -298,6 +298,34 @@ def test_the_library_packages_import_each_other_one_way() -> None:
     assert not cycles, "dtrain/'s packages import each other both ways:\n" + "\n".join(cycles)
 
 
+# dtrain/'s parts from the bottom up, as the README's module map lists them: each imports only parts before it.
+LIBRARY_ORDER = ("errors", "schema", "runlog", "codec", "config", "checkpoint", "audit", "status_doc", "models",
+                 "steps", "data", "net", "health", "train", "telemetry")
+
+
+def order_violations(units: Mapping[str, Iterable[str]], order: tuple[str, ...], top: str = "dtrain") -> list[str]:
+    """Each import of a part by a part listed before it in ``order`` (or a part ``order`` does not list)."""
+    rank = {f"{top}.{name}": i for i, name in enumerate(order)}
+    found = [f"{u}: not in the order" for u in sorted(units) if u not in rank]
+    for u, targets in sorted(units.items()):
+        found += [f"{u} imports {v}, which comes after it" for v in sorted(targets)
+                  if u in rank and v in rank and rank[v] > rank[u]]
+    return found
+
+
+def test_the_library_parts_import_in_the_readme_order() -> None:
+    paths = {_module_name(path, ROOT): path for path in _project_modules()}
+    graph = import_graph({module: (path.read_text(), path.name == "__init__.py") for module, path in paths.items()})
+    found = order_violations(library_units(graph), LIBRARY_ORDER)
+    assert not found, "dtrain/'s parts out of their order (README's module map, LIBRARY_ORDER):\n" + "\n".join(found)
+
+
+def test_order_check_finds_an_upward_import_and_an_unlisted_part() -> None:
+    units = {"dtrain.steps": {"dtrain.models"}, "dtrain.models": {"dtrain.steps"}, "dtrain.new": set()}
+    assert order_violations(units, ("models", "steps")) == ["dtrain.new: not in the order",
+                                                           "dtrain.models imports dtrain.steps, which comes after it"]
+
+
 def test_the_library_top_level_stays_small() -> None:
     top = sorted(p.name for p in (ROOT / "dtrain").glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 8, f"{len(top)} modules at dtrain/'s top level (at most 8; the rest live in packages): {top}"
