@@ -1,4 +1,4 @@
-"""The committed stubs are exactly what grpc_tools generates from dtrain.net.proto."""
+"""The committed stubs are exactly what grpc_tools generates from dtrain/net/proto/dtrain.proto."""
 
 import shutil
 import subprocess
@@ -12,13 +12,13 @@ GENERATED = ["dtrain_pb2.py", "dtrain_pb2.pyi", "dtrain_pb2_grpc.py"]
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
-    (tmp_path / "dtrain" / "proto").mkdir(parents=True)
-    shutil.copy(ROOT / "dtrain" / "proto" / "dtrain.net.proto", tmp_path / "dtrain" / "proto")
+    (tmp_path / "dtrain" / "net" / "proto").mkdir(parents=True)
+    shutil.copy(ROOT / "dtrain" / "net" / "proto" / "dtrain.proto", tmp_path / "dtrain" / "net" / "proto")
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
                     "--pyi_out=.", "dtrain/net/proto/dtrain.proto"], cwd=tmp_path, check=True)
     for name in GENERATED:
-        fresh = (tmp_path / "dtrain" / "proto" / name).read_text()
-        committed = (ROOT / "dtrain" / "proto" / name).read_text()
+        fresh = (tmp_path / "dtrain" / "net" / "proto" / name).read_text()
+        committed = (ROOT / "dtrain" / "net" / "proto" / name).read_text()
         assert fresh == committed, (f"dtrain/net/proto/{name} is stale: regenerate with `python -m grpc_tools.protoc "
                                     "-I. --python_out=. --grpc_python_out=. --pyi_out=. dtrain/net/proto/dtrain.proto`")
 
