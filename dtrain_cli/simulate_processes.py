@@ -36,7 +36,7 @@ from typing import Any
 from dtrain.config.load import to_toml
 from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
-from dtrain.runlog import RunLog, process_dir, read_events
+from dtrain.runlog import SIMULATE_CHANNEL, RunLog, process_dir, read_events
 from dtrain_cli.fault_score import device_fault_reached, push_fault_event
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec
 from dtrain_cli.island_spec import IslandSpec, island_config
@@ -105,7 +105,7 @@ class Simulation:
         self.processes = processes
         self.resolved = out / "config.toml"
         self.resolved.write_text(to_toml(cfg))  # every process reads exactly this config
-        self.log = RunLog(out / "driver", quiet=quiet, logger="dtrain.simulate")
+        self.log = RunLog(out / "driver", quiet=quiet, logger=SIMULATE_CHANNEL)
         self.names = [f"island-{i}" for i in range(islands)]
         self.shares: list[list[int] | None] = [None] * islands
         if pin and hasattr(os, "sched_setaffinity"):
