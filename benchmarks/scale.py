@@ -340,7 +340,7 @@ class RangeShards:
         from _common import ROOT, child_env, wait_for_file
 
         from dtrain.config.load import replace, to_toml
-        from dtrain_cli.simulate import free_port
+        from dtrain_cli.simulate_processes import free_port
 
         run_dir.mkdir(parents=True)
         secret = run_dir / "shard-secret"

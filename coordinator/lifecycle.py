@@ -53,6 +53,8 @@ from dtrain.net.wire import (
 )
 from dtrain.telemetry import require_exporter
 
+log = logging.getLogger(__name__)
+
 _IN_USE = ("the address is already in use (another coordinator?): stop the other process, or pick another port "
            "with --port or coordinator.port")
 
@@ -439,8 +441,8 @@ def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray 
         shard.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {_IN_USE}")
     server.start()
-    logging.getLogger("dtrain.coordinator").info("coordinator shard %d of %d listening on %s:%d (values %d..%d)",
-                                                 index, c.shards, c.host, bound, shard.range.start, shard.range.end)
+    log.info("coordinator shard %d of %d listening on %s:%d (values %d..%d)", index, c.shards, c.host, bound,
+             shard.range.start, shard.range.end)
     return server, shard, bound
 
 

@@ -53,7 +53,7 @@ from dtrain.net.wire import (
     chunk_count,
     presented_token,
 )
-from dtrain.runlog import RunLog
+from dtrain.runlog import COORDINATOR_CHANNEL, RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
 from dtrain.train.fragments import leaf_sizes
 
@@ -203,7 +203,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if resume and not has_checkpoint(cfg, self.run_dir):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
         require_exporter(cfg.telemetry)  # a missing extra, before anything is written
-        self.log = RunLog(self.run_dir, quiet=quiet, logger="dtrain.coordinator")
+        self.log = RunLog(self.run_dir, quiet=quiet, logger=COORDINATOR_CHANNEL)
         # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
         # coordinator's), then over each event as it is logged.
         self.history = RunHistory()

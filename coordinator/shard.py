@@ -70,7 +70,7 @@ from dtrain.train.fragments import Range, joined_digest, plan_spec, range_digest
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer
 
-log = logging.getLogger("dtrain.coordinator.shard")
+log = logging.getLogger(__name__)
 
 SECRET_METADATA_KEY = "dtrain-shard-secret"  # the shard secret, on every call of the lead to a range shard
 SHARD_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name

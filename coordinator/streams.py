@@ -26,7 +26,7 @@ import grpc
 from dtrain.config.sections import Config
 
 T = TypeVar("T")
-_log = logging.getLogger("dtrain.coordinator")
+_log = logging.getLogger(__name__)
 
 
 def peer_host(peer: str) -> str:

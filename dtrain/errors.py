@@ -4,7 +4,7 @@
 The CLI prints it as one line and exits 1. Its subclasses live next to what raises them:
 
 - ``CheckpointError`` (here): a checkpoint is missing or does not match this run;
-- ``dtrain.train.runs.RunError``, ``dtrain_cli.simulate.SimulationError``;
+- ``dtrain.train.runs.RunError``, ``dtrain_cli.simulate_processes.SimulationError``;
 - ``workers.client.CoordinatorError`` (the coordinator refused a call, or stayed unreachable past the retry
   budget), ``workers.exchange.WorkerError``.
 

@@ -1,11 +1,13 @@
 """The run folder: ``events.jsonl`` (one JSON object per event), ``summary.json``, and progress records.
 
 ``events.jsonl`` is the machine-readable record of a run. The human-readable lines are Python ``logging`` records
-on a logger under ``dtrain`` (``dtrain.run``, ``dtrain.coordinator``, ``dtrain.worker``, ...), at INFO; the library
-installs no handler and sets no level, so an embedding program routes or silences them with the standard calls
-(``logging.getLogger("dtrain").setLevel(logging.WARNING)``; a handler of its own on ``"dtrain"``). The command
-line's handlers (:mod:`dtrain_cli.logs`) show them as ``[ 12.3s] text`` lines, and on a terminal as live status
-lines that ``rich`` redraws in place.
+at INFO on one of the progress channels, :data:`CHANNELS` (``dtrain.run``, ``dtrain.coordinator``,
+``dtrain.worker``, ``dtrain.simulate``: named loggers under ``dtrain``, one per kind of process, the only logger
+names the library types by hand; every other library logger is its module's, ``logging.getLogger(__name__)``).
+The library installs no handler and sets no level, so an embedding program routes or silences them with the
+standard calls (``logging.getLogger("dtrain").setLevel(logging.WARNING)``; a handler of its own on ``"dtrain"``).
+The command line's handlers (:mod:`dtrain_cli.logs`) show them as ``[ 12.3s] text`` lines, and on a terminal as
+live status lines that ``rich`` redraws in place.
 
 :meth:`RunLog.progress` logs one line that stays; :meth:`RunLog.status` logs how far something is (an island's
 step, version and loss; the simulation's state), a record that carries, as ``extra``, :data:`STATUS_KEY` (which
@@ -34,13 +36,22 @@ STATUS_TOTAL = "status_total"  # a status record: out of how many (int or None: 
 STATUS_EVERY_S = "status_every_s"  # a status record: the least seconds between two plain lines of its key
 STATUS_END = "status_end"  # a status record: True on the one RunLog.close logs for each key (its last line again)
 
+# The progress channels: the loggers a RunLog's records go to (``RunLog(logger=...)``), named by the kind of
+# process, not by module, so that a run's progress is one logger to route whichever module logs it. They are the
+# only logger names typed by hand in dtrain/, coordinator/ and workers/ (tests/test_logging.py checks it).
+RUN_CHANNEL = "dtrain.run"  # `train` and `simulate --inprocess`
+COORDINATOR_CHANNEL = "dtrain.coordinator"  # the coordinator's service
+WORKER_CHANNEL = "dtrain.worker"  # an island's worker
+SIMULATE_CHANNEL = "dtrain.simulate"  # the process-mode simulate driver
+CHANNELS = (RUN_CHANNEL, COORDINATOR_CHANNEL, WORKER_CHANNEL, SIMULATE_CHANNEL)
+
 
 class RunLog:
     """Appends events to ``RUN_DIR/events.jsonl`` and logs progress and status records."""
 
-    def __init__(self, run_dir: str | Path, quiet: bool = False, logger: str = "dtrain.run"):
-        """``logger``: the name of the logger the records go to (under ``dtrain``). ``quiet``: no records at all
-        (events are still written)."""
+    def __init__(self, run_dir: str | Path, quiet: bool = False, logger: str = RUN_CHANNEL):
+        """``logger``: the name of the logger the records go to (one of :data:`CHANNELS`). ``quiet``: no records
+        at all (events are still written)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.t0 = time.time()

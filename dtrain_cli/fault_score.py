@@ -4,8 +4,8 @@ Pure functions over a finished run's events (the coordinator's, each island's: e
 fault specs (:mod:`dtrain_cli.fault_spec`): for each fault, when it was injected, which event showed that the
 system noticed it (``detected_by``, ``detection_s``), the action taken and the recovery. These are the
 summary's ``faults`` and ``device_quarantines`` (:func:`score_faults`, :func:`device_quarantines`); the driver
-(:mod:`dtrain_cli.simulate`) reads the events and records what it injected itself, and nothing here reads a
-file or starts a process.
+records what it injected itself (:mod:`dtrain_cli.simulate_processes`) and reads the events
+(:mod:`dtrain_cli.simulate_report`), and nothing here reads a file or starts a process.
 
 - the driver's faults (``kill``, ``hang``, ``cut``, ``kill-coordinator``, ``slow``; its ``fault_injected``
   records): :func:`driver_fault_detection`;

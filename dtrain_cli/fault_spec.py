@@ -39,7 +39,7 @@ Examples: ``kill:island-1@v3+10s``, ``hang:island-2@20s+30s``, ``kill-coordinato
 ``device-bitflip:island-1@step120,device=3,bit=30``, ``device-scale:island-0@step200,device=5,factor=8``,
 ``device-dead:island-2@step150,device=6``.
 
-Everything here is plain parsing; the driver (:mod:`dtrain_cli.simulate`) decides when a fault fires and
+Everything here is plain parsing; the driver (:mod:`dtrain_cli.simulate_processes`) decides when a fault fires and
 records it in the run's events, link faults act through :class:`dtrain_cli.link_proxy.LinkProxy`, and
 :mod:`dtrain_cli.fault_score` scores each fault against what the run detected.
 """

@@ -1,7 +1,8 @@
 """A TCP proxy on loopback between one island and the coordinator: how ``dtrain simulate`` injects link faults.
 
 The ``cut`` and ``slow`` faults of :mod:`dtrain_cli.fault_spec` put one :class:`LinkProxy` between their island
-and the coordinator for the whole run; the driver (:mod:`dtrain_cli.simulate`) cuts, slows and restores it.
+and the coordinator for the whole run; the driver (:mod:`dtrain_cli.simulate_processes`) cuts, slows and
+restores it.
 
 A proxy can also stand for a wide-area link (:class:`LinkShape`, ``dtrain simulate --link 100mbit/100ms`` or
 ``--island NAME:link=...``): each direction is a pipe of a fixed bandwidth and one-way delay (half the round

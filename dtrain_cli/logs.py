@@ -1,7 +1,11 @@
 """The command line's handlers for dtrain's log records (the library only logs: :mod:`dtrain.runlog`).
 
-:func:`cli_logging` gives the ``dtrain`` logger one handler, at INFO, for the length of a command
-(:func:`dtrain_cli.entry.run_main`, so every ``dtrain`` command and benchmark has it):
+The one place that configures logging. The library logs on its modules' loggers (``logging.getLogger(__name__)``:
+``dtrain.*``, ``coordinator.*``, ``workers.*``) and on the RunLog progress channels under ``dtrain``
+(:data:`dtrain.runlog.CHANNELS`); :data:`LOGGERS` are the three packages' loggers above them all.
+:func:`cli_logging` gives each of them the same one handler, at INFO, for the length of a command
+(:func:`dtrain_cli.entry.run_main`, so every ``dtrain`` command and benchmark has it), and :func:`quiet` is what
+``--quiet`` does to them:
 
 - in a pipe or a file (a worker's ``worker.log``, a test's capture): :class:`PlainHandler`, one
   ``[ elapsed s] text`` line per record (:func:`dtrain.runlog.progress_line`), a status key's line at most once
@@ -21,9 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+import coordinator
+import dtrain
+import workers
 from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_END, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, progress_line
 
-LOGGER = "dtrain"  # the logger the handlers go on: every library logger is under it
+# The loggers the handler goes on: the project's library packages', above every library logger (each module's and
+# each progress channel)
+LOGGERS = (dtrain.__name__, coordinator.__name__, workers.__name__)
 STATUS_REFRESH_HZ = 4  # how often a live status line is redrawn
 
 
@@ -161,23 +170,34 @@ def make_handler(stream: TextIO | None = None, live: bool | None = None) -> logg
 
 @contextmanager
 def cli_logging(stream: TextIO | None = None, live: bool | None = None) -> Iterator[logging.Handler]:
-    """For the length of the block: :func:`make_handler`'s handler on the ``dtrain`` logger, which logs at INFO
+    """For the length of the block: :func:`make_handler`'s handler on each of :data:`LOGGERS`, which log at INFO
     and only there (no propagation to the root logger's handlers); after it the handler is closed (live lines
-    stopped) and removed, and the logger's level and propagation are as they were. Inside
+    stopped) and removed, and each logger's level and propagation are as they were. Inside
     another such block (a command run from a command) the outer block's handler stays the only one."""
-    logger = logging.getLogger(LOGGER)
-    outer = next((h for h in logger.handlers if isinstance(h, (PlainHandler, LiveHandler))), None)
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    outer = next((h for h in loggers[0].handlers if isinstance(h, (PlainHandler, LiveHandler))), None)
     if outer is not None:
         yield outer
         return
-    handler, level, propagate = make_handler(stream, live), logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # not also through a root handler a dependency's basicConfig() put there
+    handler = make_handler(stream, live)
+    before = [(logger, logger.level, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # not also through a root handler a dependency's basicConfig() put there
     try:
         yield handler
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
+        for logger, level, propagate in before:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
         handler.close()
+
+
+def quiet() -> None:
+    """``--quiet``: no progress lines, the library's INFO records of every module and channel with them; its
+    warnings still show. Sets :data:`LOGGERS` to WARNING (:func:`cli_logging` puts their levels back after the
+    command)."""
+    for name in LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

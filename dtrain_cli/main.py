@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -16,8 +15,8 @@ from collections.abc import Callable
 from dtrain.config.load import load_config, reference_markdown, to_toml
 from dtrain.config.load import replace as config_replace
 from dtrain.config.sections import Config, ConfigError
+from dtrain_cli import logs
 from dtrain_cli.entry import Parser, run_main
-from dtrain_cli.logs import LOGGER
 
 COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "admin")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
@@ -415,7 +414,7 @@ def _run(argv: list[str], prog: str) -> int:
     cache = [f"data.cache={args.cache}"] if getattr(args, "cache", None) else []
     cfg = load_config(args.config, [*args.overrides, *cache])
     if getattr(args, "quiet", False):  # no progress lines: the library's info records too (cli_logging restores it)
-        logging.getLogger(LOGGER).setLevel(logging.WARNING)
+        logs.quiet()
     if args.command == "config":
         print(reference_markdown() if args.reference else to_toml(cfg))
         return 0

@@ -2,7 +2,8 @@
 
 :class:`RunWatch` follows the coordinator's and the islands' events as the driver tails them
 (:class:`dtrain.runlog.EventTail`) and renders one line: what the run waits for, then its progress
-(:func:`dtrain.runlog.fmt_progress`). The driver (:mod:`dtrain_cli.simulate`) prints it through its RunLog.
+(:func:`dtrain.runlog.fmt_progress`). The driver's :class:`dtrain_cli.simulate_report.StatusLine` logs it
+through the driver's RunLog.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 The tokenizer is a tokenizer.json (``--tokenizer FILE``, its end-of-document token from ``--eos`` or found by
 name), the byte tokenizer (``--tokenizer bytes``), or a byte-level BPE of ``--vocab-size`` ids trained on the
-sources. Progress is a status line on the ``dtrain.data.tokenize`` logger (bytes, documents, tokens/s, ETA: redrawn
-on a terminal, a plain line every :data:`dtrain.data.tokenize.PLAIN_EVERY_S` seconds in a pipe); the command ends with
-one summary line on stdout.
-"""
+sources. Progress is a status line on :mod:`dtrain.data.tokenize`'s logger (bytes, documents, tokens/s, ETA:
+redrawn on a terminal, a plain line every :data:`dtrain.data.tokenize.PLAIN_EVERY_S` seconds in a pipe); the command
+ends with one summary line on stdout. ``--quiet`` silences the INFO records of the modules it runs (their warnings,
+a skipped file, still show)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 
 from dtrain.config.sections import ConfigError
+from dtrain.data import token_store
+from dtrain.data import tokenize as tokenizing
 from dtrain.data.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
 from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -48,7 +50,7 @@ def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:
 def main(args: argparse.Namespace) -> int:
     """Runs ``dtrain tokenize`` with its parsed flags; prints the summary line; returns 0."""
     t0 = time.monotonic()
-    loggers = [logging.getLogger(name) for name in ("dtrain.data.corpus", "dtrain.data.tokenize")]
+    loggers = [token_store.log, tokenizing.log]  # the modules it runs that log
     levels = [logger.level for logger in loggers]
     if args.quiet:  # warnings (a skipped file) still show
         for logger in loggers:

@@ -2,10 +2,12 @@
 ``logging.getLogger("dtrain").setLevel(logging.WARNING)`` silences its progress; a user's own handler on
 ``"dtrain"`` gets the progress and status records (with their extras, and each status line's end when its
 RunLog closes); the CLI's handler prints the same ``[ x.xs] text`` lines as before, and goes away after the
-command."""
+command. Library modules log on their own module's logger (``coordinator.*`` ones too reach the CLI's handler);
+the only logger names typed by hand are the RunLog progress channels."""
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import os
@@ -13,12 +15,13 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO_ROOT, TINY, make_text
-from dtrain.runlog import ELAPSED_S, STATUS_DONE, STATUS_END, STATUS_KEY, STATUS_TOTAL, RunLog
-from dtrain_cli.logs import LOGGER, PlainHandler, cli_logging
+from dtrain.runlog import CHANNELS, ELAPSED_S, STATUS_DONE, STATUS_END, STATUS_KEY, STATUS_TOTAL, RunLog
+from dtrain_cli.logs import LOGGERS, PlainHandler, cli_logging, quiet
 
 LINE = re.compile(r"\[ *[0-9.]+s\] (.*)")  # a progress line as the CLI prints it
 
@@ -45,13 +48,21 @@ class Records(logging.Handler):
 
 
 @pytest.fixture
-def dtrain_logger() -> Iterator[logging.Logger]:
+def project_loggers() -> Iterator[list[logging.Logger]]:
+    """The loggers of the project's library packages (``dtrain``, ``coordinator``, ``workers``), their levels and
+    handlers put back as they were after the test."""
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    before = [(logger.level, list(logger.handlers)) for logger in loggers]
+    yield loggers
+    for logger, (level, handlers) in zip(loggers, before, strict=True):
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+
+
+@pytest.fixture
+def dtrain_logger(project_loggers: list[logging.Logger]) -> logging.Logger:
     """The ``dtrain`` logger, its level and handlers put back as they were after the test."""
-    logger = logging.getLogger(LOGGER)
-    level, handlers = logger.level, list(logger.handlers)
-    yield logger
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
+    return project_loggers[0]
 
 
 def test_without_the_clis_handlers_a_library_run_prints_nothing_below_warning(tmp_path):
@@ -125,3 +136,76 @@ def test_the_clis_handler_prints_progress_lines_as_before_and_leaves_with_the_co
         "resumed from checkpoint at step 30", "train: step 40/60 train loss 3.2000", "a warning", "inside"]
     assert lines[0].startswith("[    0.0s] ")  # the format of before: dtrain.runlog.progress_line
     assert handler not in dtrain_logger.handlers and dtrain_logger.level == before and dtrain_logger.propagate
+
+
+def test_a_coordinator_modules_records_reach_the_clis_handler_and_quiet_keeps_its_warnings(project_loggers):
+    """``coordinator.*`` modules log under ``coordinator`` (their own module's logger), not under ``dtrain``: the
+    CLI's one handler shows them (and a ``workers.*`` module's), ``--quiet`` silences their INFO records but not their
+    warnings, and after the command every package logger is as it was."""
+    from coordinator import shard, streams
+
+    assert LOGGERS == ("dtrain", "coordinator", "workers")
+    before = [(logger.level, logger.propagate) for logger in project_loggers]
+    out = io.StringIO()
+    with cli_logging(out) as handler:
+        logging.getLogger(streams.__name__).warning("recording an idle push stream failed")
+        logging.getLogger(shard.__name__).info("coordinator shard 1 restored to version 3")
+        logging.getLogger("workers.island").info("an island module's line")
+        quiet()
+        logging.getLogger(shard.__name__).info("not shown: --quiet")
+        logging.getLogger(streams.__name__).warning("a warning still shows")
+        assert all(handler in logger.handlers and not logger.propagate for logger in project_loggers)
+    assert [LINE.fullmatch(line).group(1) for line in out.getvalue().splitlines()] == [  # type: ignore[union-attr]
+        "recording an idle push stream failed", "coordinator shard 1 restored to version 3",
+        "an island module's line", "a warning still shows"]
+    assert [(logger.level, logger.propagate) for logger in project_loggers] == before
+    assert not any(handler in logger.handlers for logger in project_loggers)
+
+
+def hand_typed_loggers(source: str) -> list[str]:
+    """The logger names typed by hand in a module's ``source`` that are not a RunLog progress channel
+    (:data:`dtrain.runlog.CHANNELS`): a string (or f-string) passed to ``getLogger`` or as ``RunLog(logger=...)``,
+    directly or through a module-level name bound to a string."""
+    tree = ast.parse(source)
+    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in node.targets if isinstance(target, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name == "getLogger" and node.args:
+            given = node.args[0]
+        elif name == "RunLog":
+            given = next((k.value for k in node.keywords if k.arg == "logger"), None)
+        else:
+            continue
+        if isinstance(given, ast.Name) and given.id in constants:
+            text = constants[given.id]
+        elif isinstance(given, ast.Constant) and isinstance(given.value, str):
+            text = given.value
+        elif isinstance(given, ast.JoinedStr):
+            text = ast.unparse(given)
+        else:
+            continue  # __name__, or a name the caller was given
+        if text not in CHANNELS:
+            found.append(f"line {node.lineno}: {text}")
+    return found
+
+
+def test_library_modules_log_on_their_own_modules_logger_not_a_name_typed_by_hand():
+    """Every logger in dtrain/, coordinator/ and workers/ is ``logging.getLogger(__name__)``, but the RunLog
+    progress channels, named in one place (:data:`dtrain.runlog.CHANNELS`)."""
+    assert hand_typed_loggers('import logging\nlog = logging.getLogger("dtrain.data.corpus")\n') == [
+        "line 2: dtrain.data.corpus"]
+    assert hand_typed_loggers('from logging import getLogger\nNAME = "dtrain.coordinator.shard"\n'
+                              'log = getLogger(NAME)\nother = getLogger(f"dtrain.{NAME}")\n') == [
+        "line 3: dtrain.coordinator.shard", "line 4: f'dtrain.{NAME}'"]
+    assert hand_typed_loggers('r = RunLog(d, logger="dtrain.shard")\nlog = logging.getLogger(__name__)\n'
+                              'w = RunLog(d, logger="dtrain.worker")\n') == ["line 1: dtrain.shard"]
+    root = Path(REPO_ROOT)
+    files = sorted(p for package in ("dtrain", "coordinator", "workers") for p in (root / package).rglob("*.py"))
+    assert len(files) > 50
+    typed = {str(p.relative_to(root)): found for p in files if (found := hand_typed_loggers(p.read_text()))}
+    assert typed == {}

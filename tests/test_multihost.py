@@ -31,7 +31,7 @@ from dtrain.models import model
 from dtrain.runlog import process_dir, read_events
 from dtrain.steps.inner import make_mesh
 from dtrain.train.loop import InnerLoop
-from dtrain_cli.simulate import free_port, island_process_flags
+from dtrain_cli.simulate_processes import free_port, island_process_flags
 from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
 from workers.island import Worker

@@ -17,7 +17,8 @@ from dtrain.config.load import load_config
 from dtrain.data.corpus import store_location
 from dtrain.runlog import read_events
 from dtrain.train.runs import run_simulate_inprocess
-from dtrain_cli.simulate import cpu_shares, run_simulation
+from dtrain_cli.simulate import run_simulation
+from dtrain_cli.simulate_processes import cpu_shares
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per worker process: faster
@@ -454,7 +455,7 @@ def test_check_island_processes():
 
 
 def test_island_process_flags_match_the_worker():
-    from dtrain_cli.simulate import island_process_flags
+    from dtrain_cli.simulate_processes import island_process_flags
     from workers.hosts import resolve_processes
 
     assert island_process_flags(1, 0, "127.0.0.1:1") == []
@@ -473,9 +474,9 @@ def test_a_failed_process_ends_its_island_and_is_named_with_its_log(tmp_path):
     import subprocess
     import sys
 
-    from dtrain_cli.simulate import _Simulation
+    from dtrain_cli.simulate_processes import Simulation
 
-    sim = _Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [], 2)
+    sim = Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [], 2)
     try:
         log = tmp_path / "islands" / "island-1" / "process-1" / "worker.log"
         log.parent.mkdir(parents=True)
@@ -500,7 +501,7 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
     """How the driver starts an island of 2 processes (the commands recorded, nothing run): both get the island's
     name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
     pinning; a restart starts both again on the same address; another island gets its own."""
-    import dtrain_cli.simulate as simulate
+    import dtrain_cli.simulate_processes as simulate_processes
     from dtrain_cli.fault_spec import parse_fault
 
     started: list[tuple[list[str], bool]] = []
@@ -510,8 +511,9 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
             started.append((cmd, kwargs["preexec_fn"] is not None))
             self.pid = len(started)
 
-    monkeypatch.setattr(simulate.subprocess, "Popen", Recorded)
-    sim = simulate._Simulation(_cfg(tmp_path), tmp_path, 2, True, {}, True, [parse_fault("nan:island-1@v1", 2)], 2)
+    monkeypatch.setattr(simulate_processes.subprocess, "Popen", Recorded)
+    faults = [parse_fault("nan:island-1@v1", 2)]
+    sim = simulate_processes.Simulation(_cfg(tmp_path), tmp_path, 2, True, {}, True, faults, 2)
     try:
         sim.port = 1234
         sim._start_worker("island-1")
@@ -542,10 +544,10 @@ def test_the_drivers_faults_fire_and_schedule_their_recovery(tmp_path):
     import sys
 
     from dtrain_cli.fault_spec import parse_fault
-    from dtrain_cli.simulate import _Simulation
+    from dtrain_cli.simulate_processes import Simulation
 
     faults = [parse_fault(t, 3) for t in ("kill:island-0@v1+5s", "kill:island-1@v1", "hang:island-2@v2+5s")]
-    sim = _Simulation(_cfg(tmp_path), tmp_path, 3, True, dict(os.environ), False, faults)
+    sim = Simulation(_cfg(tmp_path), tmp_path, 3, True, dict(os.environ), False, faults)
     restarted = []
     sim._start_worker = restarted.append  # a restart recorded, nothing started
     try:
@@ -580,10 +582,10 @@ def test_a_kill_with_0s_restarts_the_island_at_once(tmp_path):
     import time
 
     from dtrain_cli.fault_spec import parse_fault
-    from dtrain_cli.simulate import _Simulation
+    from dtrain_cli.simulate_processes import Simulation
 
     fault = parse_fault("kill:island-1@v1+0s", 2)
-    sim = _Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [fault])
+    sim = Simulation(_cfg(tmp_path), tmp_path, 2, True, dict(os.environ), False, [fault])
     try:
         sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
         sim.workers = {n: [subprocess.Popen(sleep)] for n in sim.names}
@@ -597,7 +599,7 @@ def test_a_kill_with_0s_restarts_the_island_at_once(tmp_path):
 
 
 def test_restarts_time_each_kill_to_the_first_step_of_the_start_that_followed_it():
-    from dtrain_cli.simulate import restarts
+    from dtrain_cli.simulate_report import restarts
 
     def kill(t: float, recovered: float | None, target: str = "island-1") -> dict:
         return {"fault": f"kill:{target}@v1+2s", "kind": "kill", "target": target, "injected_t": t,
@@ -659,13 +661,14 @@ def test_a_run_whose_islands_were_all_quarantined_is_one_error_not_a_crash(tmp_p
     SimulationError naming why, not an IndexError."""
     from types import SimpleNamespace
 
-    from dtrain_cli.simulate import SimulationError, _run_summary
+    from dtrain_cli.simulate_processes import SimulationError
+    from dtrain_cli.simulate_report import run_summary
 
     sim = SimpleNamespace(out=tmp_path, cfg=_cfg(tmp_path), names=["island-0", "island-1"], gone=set(),
                           stopped=set(), refused={}, processes=1)
     events = [{"event": "island_quarantined", "island": f"island-{i}-{i}"} for i in range(2)]
     with pytest.raises(SimulationError, match=r"no island finished the run \(2 of 2 quarantined"):
-        _run_summary(sim, 1.0, events, {}, None)  # type: ignore[arg-type]
+        run_summary(sim, 1.0, events, {}, None)  # type: ignore[arg-type]
 
 
 def test_an_island_that_finished_but_is_slow_to_exit_is_not_counted_as_stopped(tmp_path) -> None:
@@ -675,7 +678,7 @@ def test_an_island_that_finished_but_is_slow_to_exit_is_not_counted_as_stopped(t
     import sys
     from types import SimpleNamespace
 
-    from dtrain_cli.simulate import _Simulation
+    from dtrain_cli.simulate_processes import Simulation
 
     for name, finished in (("island-0", True), ("island-1", False)):
         d = tmp_path / "islands" / name
@@ -689,9 +692,9 @@ def test_an_island_that_finished_but_is_slow_to_exit_is_not_counted_as_stopped(t
                           processes=1, log=SimpleNamespace(event=lambda ev, **kw: logged.append((ev, kw)),
                                                            progress=lambda line: None))
     sim._running = lambda n: any(p.poll() is None for p in procs[n])
-    _Simulation._stop_stragglers(sim)  # type: ignore[arg-type]
+    Simulation._stop_stragglers(sim)  # type: ignore[arg-type]
     assert all(p.poll() is not None for ps in procs.values() for p in ps)  # both terminated
     assert sim.stopped == {"island-1"} and sim.late == {"island-0"}
     # its status (SIGTERM's) is not a failure of the run (a WAN run under load failed so: "workers failed")
-    assert procs["island-0"][0].returncode != 0 and _Simulation._failures(sim) == []  # type: ignore[arg-type]
+    assert procs["island-0"][0].returncode != 0 and Simulation._failures(sim) == []  # type: ignore[arg-type]
     assert [kw["island"] for ev, kw in logged if ev == "worker_stopped"] == ["island-1"]

@@ -52,7 +52,7 @@ EVAL_SPAN_CHUNKS = 8  # the eval windows are spread over at most this many store
 CACHE_FORMAT = 1  # bump when the conversion of a source into a store changes
 BPE_TRAIN_BYTES = 8 << 20  # data.tokenizer = "bpe:N": the BPE is trained on this much of the source's text
 
-log = logging.getLogger("dtrain.data.corpus")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ DIGEST_SCHEME = "sha256-chain:"
 ZSTD_LEVEL = 3
 READ_TIMEOUT_S = 60.0  # one read of a manifest or of a range of ids, local or remote
 
-log = logging.getLogger("dtrain.data.corpus")
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):

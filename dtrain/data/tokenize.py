@@ -52,7 +52,7 @@ PLAIN_EVERY_S = 10.0  # in a pipe: a progress line at most this often
 REDRAW_S = 0.25  # on a terminal: the status line at most this often
 FIRST_LINE_S = 1.0  # no progress line before this (a quick job: its start and end lines only)
 
-log = logging.getLogger("dtrain.data.corpus")
+log = logging.getLogger(__name__)
 
 # (bytes done, bytes total, documents, tokens, files done, files total)
 Progress = Callable[[int, int, int, int, int, int], None]
@@ -367,7 +367,6 @@ class ProgressLine:
     the last one final. ``quiet``: none."""
 
     def __init__(self, quiet: bool):
-        self.log = logging.getLogger("dtrain.data.tokenize")
         self.quiet, self.t0, self.shown = quiet, time.monotonic(), -1.0
         self.last: tuple[str, int, int] | None = None
         self.start: tuple[int, int] | None = None  # bytes and tokens at the first call (a resumed run's are not 0)
@@ -388,8 +387,8 @@ class ProgressLine:
 
     def _emit(self, line: str, done: int, total: int, end: bool) -> None:
         if not self.quiet:
-            self.log.info(line, extra={STATUS_KEY: "tokenize", STATUS_DONE: done, STATUS_TOTAL: total,
-                                       STATUS_EVERY_S: PLAIN_EVERY_S, STATUS_END: end})
+            log.info(line, extra={STATUS_KEY: "tokenize", STATUS_DONE: done, STATUS_TOTAL: total,
+                                  STATUS_EVERY_S: PLAIN_EVERY_S, STATUS_END: end})
 
     def end(self) -> None:
         if self.last is not None:
