@@ -216,7 +216,7 @@ def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path,
 
 
 def report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
-    """One event, one progress line, and what :func:`workers.island.run_worker` returns for a run that is over."""
+    """One event, one progress line, and what :func:`workers.app.run_worker` returns for a run that is over."""
     log.event("run_over", reason=reason)
     log.progress(f"{name}: {reason}: nothing to do")
     log.close()
