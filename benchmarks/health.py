@@ -1,7 +1,7 @@
 """Health: chip health inside one island of 8 fake CPU devices: a clean control run next to one run per injected
 device fault, and the probes' cost, all in one run.
 
-Every run is a real island: ``workers.island.run_worker`` in this process (one at a time: two in-process workers
+Every run is a real island: ``workers.app.run_worker`` in this process (one at a time: two in-process workers
 break orbax's async checkpointing) against a real coordinator (``coordinator.lifecycle.serve``, 127.0.0.1, port 0, in a
 child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
 the default probe intervals (workers/chip_health.py, dtrain/config/ HealthConfig). The config is configs/tiny.toml
@@ -302,7 +302,7 @@ def island_run(cfg: Config, work: Path, name: str, fault_name: str, fault: Devic
     """One coordinator (a child process) and one island worker in this process (with ``fault``) to the end of the
     run; the run's record."""
     from dtrain.runlog import read_events
-    from workers.island import run_worker
+    from workers.app import run_worker
 
     run_dir = work / name
     run_dir.mkdir(parents=True)

@@ -204,7 +204,7 @@ class EventTail:
 def process_dir(island_dir: Path, index: int) -> Path:
     """Where process ``index`` of an island writes its events, summary and log: the island's run folder for
     process 0 (the one that talks to the coordinator), ``process-I`` under it for the others. The worker writes
-    there (workers/island.py) and ``dtrain simulate`` and the tests read there."""
+    there (workers/app.py) and ``dtrain simulate`` and the tests read there."""
     return island_dir if index == 0 else island_dir / f"process-{index}"
 
 

@@ -515,7 +515,7 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         hosts = initialize(resolve_processes(args.num_processes, args.process_id, args.jax_coordinator, os.environ))
         import jax
 
-        from workers.island import run_worker
+        from workers.app import run_worker
         from workers.push_faults import Injection, check_device_fault, parse_device_fault
 
         inject = [Injection.parse(text) for text in args.inject]

@@ -32,9 +32,9 @@ from dtrain.runlog import process_dir, read_events
 from dtrain.steps.inner import make_mesh
 from dtrain.train.loop import InnerLoop
 from dtrain_cli.simulate_processes import free_port, island_process_flags
+from workers.app import open_worker
 from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
-from workers.island import Worker
 
 
 class Cluster:
@@ -354,7 +354,8 @@ def test_resolve_processes_errors(args: tuple[Any, ...], env: dict[str, str], me
 def test_an_island_of_several_processes_refuses_chip_health(tmp_path: Path) -> None:
     cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "health.enabled=true"])
     with pytest.raises(WorkerError, match=r"an island of 2 processes cannot run chip health \(\[health\] enabled\)"):
-        Worker(cfg, "127.0.0.1:1", "a", tmp_path / "a", quiet=True, hosts=HostGroup(1, 2))
+        with open_worker(cfg, "127.0.0.1:1", "a", tmp_path / "a", quiet=True, hosts=HostGroup(1, 2)):
+            pass
 
 
 def test_worker_refuses_a_bad_process_flag(tmp_path: Path) -> None:

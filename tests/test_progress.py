@@ -22,9 +22,9 @@ from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.run_watch import RunWatch
 from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
 from service_helpers import Running
+from workers.app import run_worker
 from workers.client import CoordinatorClient, PulledFrame
 from workers.exchange import Puller
-from workers.island import run_worker
 
 
 def test_fmt_progress_shows_version_of_total_or_the_data_cursor_loss_and_rate():

@@ -515,8 +515,8 @@ def test_after_the_run_a_join_is_refused_as_over_and_a_worker_exits_at_once(net_
     import time
 
     from dtrain_cli.main import main
+    from workers.app import run_worker
     from workers.client import RunOverError
-    from workers.island import run_worker
 
     cfg = replace(net_cfg, train={"steps": 10})  # a run of one version
     running = Running(cfg, tmp_path / "over")
@@ -548,7 +548,7 @@ def test_a_quarantined_island_stops_at_once_and_costs_its_header(net_cfg, tmp_pa
     heartbeat (10 s away) would have told it. Before, it trained its range again and pushed, refused, every round
     until that heartbeat. A hostile island that pushes anyway is refused before its payload is read (no bytes in),
     the refusal marked stopped with the coordinator's version."""
-    from workers.island import run_worker
+    from workers.app import run_worker
 
     cfg = replace(net_cfg, outer={"islands": 1}, worker={"heartbeat_s": 10.0},
                   coordinator={"norm_max_ratio": 1e-9, "max_rejections": 2, "reject_backoff_s": 0.0})
@@ -586,7 +586,7 @@ def test_an_unreachable_coordinator_is_named_with_the_time_left(net_cfg, tmp_pat
     import socket
     import time
 
-    from workers.island import run_worker
+    from workers.app import run_worker
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -1,5 +1,5 @@
 """A sharded coordinator (coordinator.shards = 2) on real loopback gRPC: a lead and a range shard in this process,
-islands pushing and pulling through the workers' own code path (Uplink, ShardedPush, ShardedPuller)."""
+islands pushing and pulling through the workers' own code path (ShardedUplink, ShardedPush, ShardedPuller)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.net.wire import BUSY_METADATA_KEY, max_frame_bytes
+from dtrain.net.wire import BUSY_METADATA_KEY
 from dtrain.train import fragments
 from service_helpers import IdlePushes, call_failure, push_header, wait_for
+from workers.app import coordinator_link
 from workers.client import CoordinatorClient, CoordinatorError
-from workers.exchange import GlobalParams, Puller, ShardFrames, Uplink
-from workers.shard_links import ShardedPuller, ShardedPush, ShardLinks
+from workers.exchange import GlobalParams, ShardFrames
+from workers.links import ShardedCoordinator
 
 SECRET = "0123456789abcdef0123456789abcdef"
 
@@ -66,29 +67,24 @@ class Sharded:
 
 
 class Island:
-    """One island's exchange parts, as workers/island.py builds them, with or without shards."""
+    """One island's exchange parts, chosen as the worker's composition root chooses them
+    (:func:`workers.app.coordinator_link`), with or without shards."""
 
     def __init__(self, cfg, address: str, name: str, n: int, ranges=()):
         self.client = CoordinatorClient(address, cfg)
         self.join = self.client.join(name, "cpu", 1)
-        self.links = None
-        if ranges:
-            self.links = ShardLinks(cfg, self.client, ranges)
-            self.links.connect(self.join.shard_addresses)
-            self.puller: Puller = ShardedPuller(self.links, n, lambda m: max_frame_bytes(m, cfg.codec.block),
-                                                _quiet)
-        else:
-            self.puller = Puller(self.client, n, max_frame_bytes(n, cfg.codec.block), _quiet)
-        self.uplink = Uplink(cfg.codec, n, [], self.client, _quiet, shards=ranges)
+        self.link = coordinator_link(cfg, self.client, n, (), ranges, (), _quiet)
+        self.link.joined(self.join)
+        self.puller, self.uplink = self.link.puller, self.link.uplink
+        self.links = self.link.links if isinstance(self.link, ShardedCoordinator) else None
 
     def push(self, delta: np.ndarray, push_id: str, base: int, start: int) -> pb.PushDeltaResponse:
         header = push_header(self.join, push_id, base=base, start=start)
         frame, client = self.uplink.frame(delta, header)
-        return (ShardedPush(self.links) if self.links is not None else client).push(header, frame)
+        return client.push(header, frame)
 
     def close(self):
-        if self.links is not None:
-            self.links.close()
+        self.link.close()
         self.client.close()
 
 

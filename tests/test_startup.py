@@ -98,7 +98,7 @@ def test_deferred_compiling_waits_for_its_start_and_wait_starts_it() -> None:
     dispatched), and waiting for them starts them if nothing did: nothing is left uncompiled."""
     import threading
 
-    from workers.island import Deferred
+    from workers.compiling import Deferred
 
     ran: list[str] = []
     gate = threading.Event()

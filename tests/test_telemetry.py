@@ -335,7 +335,7 @@ def test_an_islands_exchanges_are_spans_with_push_pull_and_fold_in(tmp_path, mon
     """One island in this process (tiny model, two rounds) against an in-process coordinator, both with the
     in-memory exporter: one exchange span per round, with its push, pull(s) and fold-in, and the island's byte
     counters equal to what its client sent and received. About 25 s on 2 cores (the island compiles)."""
-    from workers.island import Worker
+    from workers.app import open_worker
 
     monkeypatch.delenv("DTRAIN_TOKEN", raising=False)
     # coordinator.checkpoint=false: orbax's async checkpointing bears one checkpoint manager at work per process
@@ -343,8 +343,8 @@ def test_an_islands_exchanges_are_spans_with_push_pull_and_fold_in(tmp_path, mon
                "worker.start_wait_s=0", "worker.retry_total_s=20")
     running = Running(cfg, tmp_path / "coord")
     try:
-        worker = Worker(cfg, running.address, "island-a", tmp_path / "island-a", quiet=True)
-        summary = worker.run()
+        with open_worker(cfg, running.address, "island-a", tmp_path / "island-a", quiet=True) as worker:
+            summary = worker.run()
     finally:
         running.stop()
     assert summary["version"] == 2
@@ -372,6 +372,6 @@ def test_an_islands_exchanges_are_spans_with_push_pull_and_fold_in(tmp_path, mon
     assert _one(metrics["dtrain.bytes_up"]).value == summary["bytes_up"] == sum(e["bytes"] for e in sent.values())
     assert _one(metrics["dtrain.bytes_down"]).value == summary["bytes_down"]
     ratio = _one(metrics["dtrain.compression_ratio"])
-    assert ratio.count == 2 and ratio.sum == pytest.approx(sum(4 * worker.n / e["bytes"] for e in sent.values()))
+    assert ratio.count == 2 and ratio.sum == pytest.approx(sum(4 * worker.uplink.n / e["bytes"] for e in sent.values()))
     assert exchanges[0].resource.attributes["service.instance.id"] == "island-a"
     assert exchanges[0].resource.attributes["dtrain.run_id"] == running.service.run_id

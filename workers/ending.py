@@ -2,22 +2,22 @@
 
 Once the island's data is done (or too few healthy devices are left to train), :class:`RunEnd` finishes the
 exchange in flight, waits for the run's last version unless the coordinator hands the island more data (a
-rewind), then sends the final heartbeat, evaluates the final θ and writes the island's summary. It also reports a
-run that was over before the island joined. All of it runs on the training loop's thread
-(:class:`workers.island.Worker`, the process's main thread), after the heartbeat thread has stopped for the final
-heartbeat; it holds the parts of the island it needs, never the :class:`~workers.island.Worker` itself: what
-only the loop can do (fold in an exchange, count a blocked wait) it is handed per call.
+rewind), then sends the final heartbeat, evaluates the final θ and writes the island's summary. All of it runs on
+the training loop's thread (:class:`workers.island.Worker`, the process's main thread), after the heartbeat thread
+has stopped for the final heartbeat. :mod:`workers.app` builds it, by keyword, from the parts it uses and the few
+config values it reads, never the :class:`~workers.island.Worker` itself: what only the loop can do (fold in an
+exchange, count a blocked wait) it is handed per call. It closes nothing but the island's log (the run's end
+records its last status lines there); the rest is closed where it was opened (:mod:`workers.app`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dtrain.codec import params_digest
-from dtrain.config.sections import Config
 from dtrain.runlog import RunLog
 from dtrain.telemetry import Telemetry
 from dtrain.train.diloco import Island
@@ -26,24 +26,24 @@ from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import Downlink, GlobalParams, Pending, Uplink
 from workers.heartbeat import Clock, Evaluator, IslandStatus, Mailbox, chip_report, final_heartbeat, finite_or_none
 from workers.hosts import HostGroup
-from workers.membership import Membership, report_run_over
+from workers.links import Traffic
+from workers.membership import Membership
 from workers.recovery import Guard
-from workers.shard_links import ShardLinks
 
 FINAL_PULL_WAIT_S = 1.0  # after its data: shorter polls, so a shard handed over (a rewind) starts promptly
 
 FoldIn = Callable[[Pending], GlobalParams]  # the training loop's: finishes an exchange in flight, returns its θ'
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunEnd:
-    """How an island's run ends (:meth:`drain`, :meth:`final_wait`, :meth:`finish`, :meth:`run_over`), built by
-    :class:`workers.island.Worker` from its parts; used on the training loop's thread only."""
+    """How an island's run ends (:meth:`drain`, :meth:`final_wait`, :meth:`finish`), built by
+    :func:`workers.app.build_worker`; used on the training loop's thread only."""
 
-    cfg: Config  # the run's config
     name: str  # the island's name
     hosts: HostGroup  # the island's processes (process 0 talks to the coordinator)
-    client: CoordinatorClient  # closed when the island ends
+    client: CoordinatorClient  # the final heartbeat; its retries and full pulls count in the summary
+    traffic: Traffic  # the bytes to and from every coordinator process (workers.links)
     mailbox: Mailbox  # the coordinator's word (island id, final and total versions) and the evals to report
     membership: Membership  # whether the final wait is over, and whether a failed call means the run stopped
     downlink: Downlink  # the final wait's pulls
@@ -53,8 +53,10 @@ class RunEnd:
     clock: Clock  # utilization and the time not spent training
     setup: Setup  # its inner loop's mesh (rebuilt on the healthy devices by a remesh) says the devices in use
     log: RunLog  # the island's events, summary and progress lines; closed when the island ends
-    extra: dict[str, Any] = field(default_factory=dict)  # more of the summary: the pacing (workers.pacing)
-    links: ShardLinks | None = None  # a sharded coordinator's range shards (their traffic counts in the summary)
+    patience_s: float  # the final wait gives up after this long without a new version (coordinator.grace_s + 2
+    #                    lease periods: a sync round's longest wait for a quorum, then a lost island's lease)
+    overlap: bool  # worker.overlap, as the summary says
+    fingerprint: str  # the run's config fingerprint (Config.fingerprint), as the summary says
 
     def drain(self, island: Island, anchor: GlobalParams, pending: Pending | None, finish: FoldIn) -> GlobalParams:
         """Too few healthy devices: the island stops training. The exchange in flight is finished (``finish``:
@@ -83,7 +85,6 @@ class RunEnd:
         # Other islands may still push (async mode, a slower island, a shard taken over): wait for the run's
         # last version, so every island ends on the same θ; give up if no new version arrives for a sync
         # round's grace (the longest a round waits for a quorum) plus two lease periods (a lost island's lease).
-        patience = self.cfg.coordinator.grace_s + 2 * self.cfg.coordinator.lease_s
         last_progress = time.perf_counter()
         while True:
             self.evaluator.requested()
@@ -104,7 +105,7 @@ class RunEnd:
                 anchor, last_progress = g_new, time.perf_counter()
                 self.evaluator.requested()  # first: the heartbeat that reports the new version carries its eval
                 status.held = (anchor.version, anchor.digest)
-            elif self.hosts.agree(time.perf_counter() - last_progress > patience):
+            elif self.hosts.agree(time.perf_counter() - last_progress > self.patience_s):
                 self.log.event("final_wait_timeout", version=anchor.version,
                                final_version=self.mailbox.final_version)
                 break
@@ -115,17 +116,11 @@ class RunEnd:
         self.log.event("final_pull_failed", version=anchor.version, final_version=self.mailbox.final_version,
                        error=str(error))
 
-    def run_over(self, reason: str) -> dict[str, Any]:
-        """The run ended before this island joined: nothing to train."""
-        self.client.close()
-        if self.links is not None:
-            self.links.close()
-        return report_run_over(self.log, self.name, reason)
-
     def finish(self, island: Island, g: GlobalParams, status: IslandStatus, rounds: int, t_start: float,
-               final_wait: float, telemetry: Telemetry) -> dict[str, Any]:
+               final_wait: float, telemetry: Telemetry, extra: dict[str, Any]) -> dict[str, Any]:
         """The final heartbeat, eval and summary (``t_start``: when the loop's run began; ``telemetry``: the
-        island's, shut down here); closes the log and the client; returns the summary."""
+        island's, shut down here; ``extra``: more of the summary, the pacing's: :mod:`workers.pacing`); closes
+        the log; returns the summary."""
         final_digest = g.digest or params_digest(g.vec)  # verified on arrival, unless it came another way
         final_eval = float("nan")
         if not self.guard.drained:  # a drained island lets its lease run out (its shard is then rerouted)
@@ -136,7 +131,7 @@ class RunEnd:
                     train_loss=finite_or_none(status.read_loss()), utilization=self.clock.utilization(),
                     **chip_report(self.guard.evidence(), self.setup.loop.mesh.devices.size)))
             final_eval = self.evaluator.loss(g)
-        summary = self._summary(island, g, rounds, final_eval, final_digest, final_wait, t_start)
+        summary = {**self._summary(island, g, rounds, final_eval, final_digest, final_wait, t_start), **extra}
         self.log.event("island_finished", **summary)
         self.log.write_summary(summary)
         if not self.guard.drained:
@@ -144,9 +139,6 @@ class RunEnd:
                               f"utilization {summary['utilization']:.3f}")
         telemetry.shutdown()
         self.log.close()
-        self.client.close()
-        if self.links is not None:
-            self.links.close()
         return summary
 
     def _summary(self, island: Island, g: GlobalParams, rounds: int, final_eval: float, final_digest: str,
@@ -157,16 +149,15 @@ class RunEnd:
             "island": self.name, "island_id": self.mailbox.island_id, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
             "final_eval_loss": final_eval, "params_digest": final_digest,
-            "bytes_up": self.client.bytes_up + (self.links.bytes_up if self.links else 0),
-            "bytes_down": self.client.bytes_down + (self.links.bytes_down if self.links else 0),
+            "bytes_up": self.traffic.bytes_up, "bytes_down": self.traffic.bytes_down,
             "bytes_down_full": self.client.bytes_down_full,
             "compression_ratio": self.uplink.compression_ratio, "utilization": clock.utilization(),
             "blocked_s": clock.blocked_s, "eval_s": clock.eval_s, "final_wait_s": final_wait,
             "active_s": clock.active_s, "wall_s": time.perf_counter() - t_start, "retries": self.client.retries,
             "data_wait_s": sum(sh.stream.wait_s for sh in self.setup.shards),
-            "overlap": self.cfg.worker.overlap,
+            "overlap": self.overlap,
             "total_versions": self.mailbox.final_version or self.mailbox.total_versions,
-            "fingerprint": self.cfg.fingerprint(), "devices": self.setup.loop.mesh.devices.size,
+            "fingerprint": self.fingerprint, "devices": self.setup.loop.mesh.devices.size,
             "nan_rollbacks": guard.nan_rollbacks, "quarantined": list(guard.evidence()),
-            **({"drained": guard.drained} if guard.drained else {}), **self.extra,
+            **({"drained": guard.drained} if guard.drained else {}),
         }

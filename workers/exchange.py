@@ -358,30 +358,25 @@ class ShardFrames(bytes):
 
 
 class Uplink:
-    """Builds the island's push frames: Δ quantized to ``codec.up`` with error feedback (what quantization left
-    out is carried into the next push), or, when a push fault is due (testing only: :mod:`workers.push_faults`), the
-    fault's frame and client. Counts the frames and bytes it built. Used by the training loop's thread only
-    (process 0: the others push nothing)."""
+    """Builds the island's push frames for one coordinator: Δ quantized to ``codec.up`` with error feedback (what
+    quantization left out is carried into the next push), or, when a push fault is due (testing only:
+    :mod:`workers.push_faults`), the fault's frame and client. Counts the frames and bytes it built. Used by the
+    training loop's thread only (process 0: the others push nothing). A sharded coordinator's is
+    :class:`workers.shard_links.ShardedUplink` (same interface); :mod:`workers.app` picks one."""
 
     def __init__(self, cfg: CodecConfig, n: int, injections: Sequence[Injection], client: CoordinatorClient,
-                 log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = (),
-                 shards: Sequence[fragments.Range] = ()):
+                 log: EventLog, feedback_decay: float = 1.0, ranges: Sequence[fragments.Range] = ()):
         """``feedback_decay``: β of the error feedback (``dtrain.steps.outer.feedback_decay``: SparseLoCo's
-        accumulator decays; 1 otherwise); ``ranges``: the fragments' plan (outer.fragments > 1: each push holds
-        one fragment's Δ, with that fragment's own error feedback); () for none. ``shards``: a sharded
-        coordinator's ranges (``coordinator.shards`` > 1: each push is a :class:`ShardFrames`, one frame per range
-        with that range's own error feedback); () for one coordinator."""
+        accumulator decays; 1 otherwise); ``ranges``: the parts with an error feedback of their own: the
+        fragments' plan (outer.fragments > 1: each push holds one fragment's Δ), or a sharded coordinator's ranges
+        (:class:`~workers.shard_links.ShardedUplink`); () for the whole θ."""
         self.cfg, self.n, self.client, self.log = cfg, n, client, log
         self.injections = list(injections)
         self.bits, self.block = cfg.scheme(cfg.up)
         self.ranges = tuple(ranges) or fragments.whole(n)
         on = cfg.error_feedback and self.bits != 32
-        self.shards = tuple(shards) if len(shards) > 1 else ()
-        if self.shards and self.injections:
-            raise WorkerError("push faults (--fault nan/poison/truncate/...) with coordinator.shards > 1 are not "
-                              "built yet")
         self.feedbacks = [codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
-                          for r in (self.shards or self.ranges)] if on else []
+                          for r in self.ranges] if on else []
         self._fragment = 0  # the fragment of the frame being built (frame's header)
         self.frames_sent = 0
         self.frame_bytes = 0
@@ -393,15 +388,17 @@ class Uplink:
         self._fragment = header.fragment
         frame, client = injected_push(self.injections, delta, header, self._encode, self.client, self.bits,
                                       self.cfg, self.log)
+        self._count(frame, delta.size)
+        return frame, client
+
+    def _count(self, frame: bytes, values: int) -> None:
+        """One more frame built, of ``values`` values."""
         self.frames_sent += 1
         self.frame_bytes += len(frame)
-        self.values_sent += delta.size
-        return frame, client
+        self.values_sent += values
 
     def _encode(self, delta: np.ndarray) -> bytes:
         """Δ quantized (with its fragment's error feedback, if on) and compressed: the honest frame."""
-        if self.shards:
-            return ShardFrames([self._encode_part(r.index, delta[r.start:r.end]) for r in self.shards])
         return self._encode_part(self._fragment, delta)
 
     def _encode_part(self, index: int, delta: np.ndarray) -> bytes:

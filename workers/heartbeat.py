@@ -141,7 +141,7 @@ class Mailbox:
 
     - :attr:`stopping`: set by the heartbeat thread (the coordinator said stop, or the run was over at a
       rejoin), by the training loop (its run ends; on a process other than 0, from process 0's word) and by
-      :func:`workers.island.run_worker` as the island ends; never cleared. Calls stop retrying once it is set;
+      :func:`workers.app.run_worker` as the island ends; never cleared. Calls stop retrying once it is set;
       exchanges stop pulling.
     - :attr:`final_version`: the heartbeat thread, with the stop, or an exchange's thread, with a stop in a push's
       answer (both through :meth:`stop_told`); on a process other than 0 the training loop (process 0's value).

@@ -4,7 +4,8 @@ Before anything slow, :func:`run_over_already` asks whether the run is over. :cl
 0; the island's other processes learn its reply), holds the start barrier, and answers, the same on every process
 of the island (:mod:`workers.hosts`), whether the island stops and where a rewind sends it: the coordinator's
 word reaches process 0 only, through its heartbeat thread and :class:`workers.heartbeat.Mailbox`.
-:class:`RetryLines` says what a retried call waits for.
+:class:`RetryLines` says what a retried call waits for. :class:`IslandTelemetry` is the island's telemetry, started
+at its first Join (named after the run the reply names).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 import grpc
 import jax
 
-from dtrain.config.sections import Config
+from dtrain.config.sections import Config, TelemetryConfig
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
+from dtrain.telemetry import Telemetry, island_counters
 from dtrain.train.prepare import Setup
 from workers.client import CoordinatorClient, CoordinatorError, cause
 from workers.exchange import WorkerError
@@ -56,6 +58,29 @@ class RetryLines:
         self.last = (what, now)
         self.log.progress(f"{self.name}: {what}; retrying for {left:.0f}s more, then giving up "
                           f"(worker.retry_total_s={self.cfg.worker.retry_total_s:g})")
+
+
+class IslandTelemetry:
+    """The island's telemetry: disabled until the first Join, which starts it (its Resource names the run id the
+    reply carries), with the island's byte counters and its events as fault counters. :attr:`now` is written by
+    the first Join's thread (the training loop's; a rejoin's, on the heartbeat thread, finds it started) and read
+    by the loop."""
+
+    def __init__(self, cfg: TelemetryConfig, name: str, client: CoordinatorClient, log: RunLog):
+        self.cfg, self.name, self.client, self.log = cfg, name, client, log
+        self.now = Telemetry.disabled()
+
+    def joined(self, reply: pb.JoinResponse) -> None:
+        """At a Join: starts the telemetry, once (not with ``telemetry.exporter = "none"``)."""
+        if self.now.enabled or self.cfg.exporter == "none":
+            return
+        self.now = Telemetry(self.cfg, "island", self.name, reply.run_id)
+        island_counters(self.now, lambda: self.client.bytes_up, lambda: self.client.bytes_down)
+        self.log.subscribe(self.now.on_event)
+
+    def shutdown(self) -> None:
+        """Flushes and stops it (idempotent: a finished run's was shut down already)."""
+        self.now.shutdown()
 
 
 class Membership:
@@ -191,7 +216,7 @@ def run_over_already(client: CoordinatorClient, cfg: Config, run_dir: Path,
 
 
 def report_run_over(log: RunLog, name: str, reason: str) -> dict[str, Any]:
-    """One event, one progress line, and what :func:`workers.island.run_worker` returns for a run that is over."""
+    """One event, one progress line, and what :func:`workers.app.run_worker` returns for a run that is over."""
     log.event("run_over", reason=reason)
     log.progress(f"{name}: {reason}: nothing to do")
     log.close()

@@ -6,7 +6,7 @@ names in its Join reply. The island pushes each range's slice of its Δ, a frame
 own error feedback), to its shard, all S parts at once on parallel streams (:class:`ShardedPush`); the lead's
 answer is the push's (it counts only when every shard holds its part). It pulls each range from its shard
 (:class:`ShardedPuller`), checks each range's digest and the whole θ's (``fragments.joined_digest``), and holds
-the ranges as one θ.
+the ranges as one θ. :class:`ShardedUplink` builds the S frames of a push.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from concurrent import futures
 import numpy as np
 
 from dtrain.codec import params_digest
-from dtrain.config.sections import Config
+from dtrain.config.sections import CodecConfig, Config
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.train import fragments
 from workers.client import CoordinatorClient, PulledFrame
-from workers.exchange import GlobalParams, Puller, ShardFrames, WorkerError
+from workers.exchange import EventLog, GlobalParams, Puller, PushClient, ShardFrames, Uplink, WorkerError
 
 MAX_ALIGN = 8  # pulls from the lead to catch up with a shard that committed a version the lead has not yet
 
@@ -100,6 +100,26 @@ class ShardedPush:
             h0.CopyFrom(header)
             h0.shard = 0
             return clients[0].push(h0, frame[0])
+
+
+class ShardedUplink(Uplink):
+    """A sharded coordinator's :class:`~workers.exchange.Uplink`: each push is a
+    :class:`~workers.exchange.ShardFrames`, one frame per range with that range's own error feedback, sent by a
+    :class:`ShardedPush`. Push faults are not built for it (a :class:`WorkerError` if any are asked for)."""
+
+    def __init__(self, cfg: CodecConfig, links: ShardLinks, log: EventLog, feedback_decay: float = 1.0,
+                 injections: Sequence[object] = ()):
+        if injections:
+            raise WorkerError("push faults (--fault nan/poison/truncate/...) with coordinator.shards > 1 are not "
+                              "built yet")
+        super().__init__(cfg, links.ranges[-1].end, (), links.lead, log, feedback_decay, links.ranges)
+        self.pusher = ShardedPush(links)
+
+    def frame(self, delta: np.ndarray, header: pb.PushHeader) -> tuple[bytes, PushClient]:
+        """The push's S frames for Δ = ``delta`` (the whole θ's), and the :class:`ShardedPush` that sends them."""
+        frame = ShardFrames([self._encode_part(r.index, delta[r.start:r.end]) for r in self.ranges])
+        self._count(frame, delta.size)
+        return frame, self.pusher
 
 
 class ShardedPuller(Puller):

@@ -1,7 +1,7 @@
 """What every run builds before its first step: model, mesh, inner loop, corpus, shards, eval batches.
 
 :func:`prepare` is shared by the ``train`` and in-process ``simulate`` commands
-(``dtrain.train.runs``), the island worker (``workers.island``) and the benchmarks,
+(``dtrain.train.runs``), the island worker (``workers.app``) and the benchmarks,
 so all of them see the same model, the same per-island data shards and the
 same fixed eval batches for a given config.
 """
