@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     if fragments_on and H % (args.fragments or 4):
         if args.fragments:
             raise ConfigError(f"--fragments {args.fragments} must divide the inner steps H = {H} (set --H "
-                                     f"to a multiple, or --fragments 1 for no fragments variant)")
+                              f"to a multiple, or --fragments 1 for no fragments variant)")
         fragments_on = False
         no_fragments = f"no fragments variant: 4 fragments do not divide H = {H} (--H 48 --fragments 4 runs it)"
     args.fragments = args.fragments or 4
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     # Shared setup: corpus, island shards, eval batches. Warm-up reads all shards side by side.
     warm_cfg = replace(base, train={"steps": max(W, 2),
-                                           "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))},
-                              outer={"inner_steps": min(base.outer.inner_steps, max(W, 2))})  # H <= steps
+                                    "warmup_steps": min(base.train.warmup_steps, max(W - 1, 0))},
+                       outer={"inner_steps": min(base.outer.inner_steps, max(W, 2))})  # H <= steps
     s = prepare(warm_cfg, islands=N)
     streams = [sh.stream for sh in s.shards]
     log(f"model {s.n_params:,} params; corpus {s.corpus.description}; N={N} B={B}x{base.model.seq_len} "
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Synchronous rounds, both directions through the codec `name`, with error feedback.
         down = args.sparse_down if name == "sparse" else name
         merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
-                                   coordinator={"mode": "sync", "merge_rule": rule},
-                                   outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
+                            coordinator={"mode": "sync", "merge_rule": rule},
+                            outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
         merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
         bits, block = k.scheme(name)
         feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
@@ -325,8 +325,8 @@ def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, arg
     loop = InnerLoop(phase, s.built, mesh)
     spec, theta_w = codec.flatten(jax.device_get(params_w))
     merge_cfg = replace(phase, codec={"up": "sparse", "down": "sparse", "error_feedback": True},
-                               coordinator={"mode": "sync", "merge_rule": phase.coordinator.merge_rule},
-                               outer={"rule": args.sparse_rule, "fragments": F})
+                        coordinator={"mode": "sync", "merge_rule": phase.coordinator.merge_rule},
+                        outer={"rule": args.sparse_rule, "fragments": F})
     merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg, spec))
     ranges = merger.opts.ranges
     bits, block = k.scheme("sparse")

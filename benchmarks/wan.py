@@ -166,7 +166,7 @@ def _simulate(cfg: Config, link: LinkShape | None, codec: str, args: argparse.Na
     fragments = int(codec.removeprefix("sparse-f")) if codec.startswith("sparse-f") else 1
     base = "sparse" if fragments > 1 else codec
     run_cfg = replace(cfg, run={"name": name, "out_dir": str(work)}, codec={"up": base, "down": base},
-                                 outer={"fragments": fragments})
+                      outer={"fragments": fragments})
     specs = parse_islands([f"island-{i}:link={link}" for i in range(args.islands)], args.islands, run_cfg) \
         if link else None
     t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def run_codecs(args: argparse.Namespace, cfg: Config) -> list[str]:
     if args.fragments:
         if cfg.outer.inner_steps % args.fragments:
             raise ConfigError(f"--fragments {args.fragments} must divide outer.inner_steps = "
-                                         f"{cfg.outer.inner_steps} (pick a divisor, or --set outer.inner_steps=...)")
+                              f"{cfg.outer.inner_steps} (pick a divisor, or --set outer.inner_steps=...)")
         codecs.append(f"sparse-f{args.fragments}")
     return codecs
 

@@ -177,8 +177,8 @@ def shard_config(cfg: Config, out: Path, shards: int | None, faults: Sequence[Fa
         f.write(issue_token())
     host = cfg.coordinator.host
     return replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(path),
-                                                "shard_addresses": tuple(f"{host}:{free_port(host)}"
-                                                                         for _ in range(shards - 1))})
+                                     "shard_addresses": tuple(f"{host}:{free_port(host)}"
+                                                              for _ in range(shards - 1))})
 
 
 def issue_island_tokens(cfg: Config, out: Path, islands: int) -> tuple[Config, dict[str, str]]:

@@ -71,7 +71,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
 
 
 def run_summary(sim: Simulation, wall: float, coord_events: list[dict[str, Any]],
-                 island_events: dict[str, list[dict[str, Any]]], checked: Audit) -> dict[str, Any]:
+                island_events: dict[str, list[dict[str, Any]]], checked: Audit) -> dict[str, Any]:
     """The summary of ``sim``'s run (``wall`` seconds long) from its finished islands' summaries (every
     process's) and the run's events; raises SimulationError if the islands did not end on one θ."""
     out, cfg = sim.out, sim.cfg

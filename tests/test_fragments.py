@@ -133,7 +133,7 @@ SIZES = [300, 700, 1000, 500]  # four tensors; F = 2 cuts them [300, 700 | 1000,
 
 def _merger(tmp_path, parts: int, up: str = "fp32", down: str = "fp32") -> Merger:
     cfg = replace(Config(), codec={"up": up, "down": down, "block": 64, "sparse_chunk": 256},
-                         outer={"momentum": 0.5, "fragments": 1}, coordinator={"merge_rule": "mean"})
+                  outer={"momentum": 0.5, "fragments": 1}, coordinator={"merge_rule": "mean"})
     opts = dataclasses.replace(MergeOptions.from_config(cfg), ranges=fragments.plan(SIZES, parts))
     theta = np.random.default_rng(1).normal(size=sum(SIZES)).astype(np.float32)
     return Merger(theta, opts, spool_dir=tempfile.mkdtemp(dir=tmp_path))
@@ -301,8 +301,8 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
     from dtrain_cli.simulate import run_simulation
 
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
-                                      "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
-                                      "coordinator.grace_s=60", compile_cache])
+                               "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
+                               "coordinator.grace_s=60", compile_cache])
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300)
     assert s["rounds"] == cfg.rounds == 8  # a push of one fragment every 5 steps, 40 steps
     assert s["bit_identical_final_params"]
@@ -329,8 +329,8 @@ def test_sparse_fragments_whose_norms_grow_are_merged_and_no_island_is_quarantin
     from dtrain_cli.simulate import run_simulation
 
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "codec.up=sparse", "codec.down=sparse",
-                                      "outer.fragments=2", "train.warmup_steps=20", "train.steps=40",
-                                      "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
+                               "outer.fragments=2", "train.warmup_steps=20", "train.steps=40",
+                               "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
     s = run_simulation(cfg, 4, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600)
     assert s["quarantined_islands"] == [] and s["unfinished_islands"] == [] and len(s["islands"]) == 4
     assert s["rounds"] == 4 and s["bit_identical_final_params"]
@@ -376,8 +376,8 @@ def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once
     from dtrain_cli.simulate import run_simulation
 
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
-                                      "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
-                                      "coordinator.grace_s=60"])
+                               "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
+                               "coordinator.grace_s=60"])
     faults = [parse_fault("nan:island-1@v3", 2), parse_fault("poison:island-0@v5", 2)]
     s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600,
                        faults=faults)

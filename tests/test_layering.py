@@ -323,7 +323,7 @@ def test_the_library_parts_import_in_the_readme_order() -> None:
 def test_order_check_finds_an_upward_import_and_an_unlisted_part() -> None:
     units = {"dtrain.steps": {"dtrain.models"}, "dtrain.models": {"dtrain.steps"}, "dtrain.new": set()}
     assert order_violations(units, ("models", "steps")) == ["dtrain.new: not in the order",
-                                                           "dtrain.models imports dtrain.steps, which comes after it"]
+                                                            "dtrain.models imports dtrain.steps, which comes after it"]
 
 
 def test_the_library_top_level_stays_small() -> None:

@@ -27,7 +27,7 @@ def opts(up: str = "int8", down: str = "int8", error_feedback: bool = True, keep
     """The merger options of a default config with these codec, coordinator and outer fields (block: BLOCK); the
     merge rule is the mean unless ``rule`` says otherwise (the hand computations here are of the mean)."""
     cfg = replace(Config(), codec={"up": up, "down": down, "block": BLOCK, "error_feedback": error_feedback},
-                         coordinator={"keep_updates": keep_updates, "mode": mode, "merge_rule": rule}, outer=outer)
+                  coordinator={"keep_updates": keep_updates, "mode": mode, "merge_rule": rule}, outer=outer)
     return MergeOptions.from_config(cfg)
 
 
@@ -604,7 +604,7 @@ def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
 
     rng = np.random.default_rng(13)
     cfg = replace(Config(), codec={"up": "int8", "down": "fp32", "block": BLOCK},
-                         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+                  outer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
     m = Merger(np.zeros(N, np.float32), MergeOptions.from_config(cfg))
     honest = rng.normal(size=N).astype(np.float32) * 0.01
     pushes = [honest + rng.normal(size=N).astype(np.float32) * 0.002 for _ in range(3)]
@@ -626,9 +626,9 @@ SPARSE_CHUNK, DENSITY = 128, 0.05  # 6 entries per chunk; N = 3000: 23 full chun
 
 def sparse_opts(down: str = "sparse", rule: str = "sparseloco", **codec_fields: object) -> MergeOptions:
     cfg = replace(Config(), codec={"up": "sparse", "down": down, "block": BLOCK, "sparse_chunk": SPARSE_CHUNK,
-                                          "density": DENSITY, **codec_fields},
-                         coordinator={"mode": "sync", "merge_rule": "mean"},  # exact sums (auto: clipped_mean)
-                         outer={"rule": rule, "sparseloco_lr": 0.8})
+                                   "density": DENSITY, **codec_fields},
+                  coordinator={"mode": "sync", "merge_rule": "mean"},  # exact sums (auto: clipped_mean)
+                  outer={"rule": rule, "sparseloco_lr": 0.8})
     return MergeOptions.from_config(cfg)
 
 

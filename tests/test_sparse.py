@@ -161,8 +161,8 @@ def test_the_coordinator_refuses_a_hostile_push_and_commits_nothing(counts, reco
     """Through the coordinator's merger (its spool validates the frame as it arrives): the reason is raised,
     nothing is pending, θ and the version are unchanged, and an honest push still merges after it."""
     cfg = replace(Config(), codec={"up": "sparse", "down": "sparse", "sparse_chunk": CHUNK,
-                                          "density": 2 / CHUNK},
-                         coordinator={"mode": "sync", "merge_rule": "mean"}, outer={"rule": "sparseloco"})
+                                   "density": 2 / CHUNK},
+                  coordinator={"mode": "sync", "merge_rule": "mean"}, outer={"rule": "sparseloco"})
     theta = _x(2 * CHUNK, 7)
     m = Merger(theta.copy(), MergeOptions.from_config(cfg))
     try:

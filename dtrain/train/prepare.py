@@ -41,7 +41,7 @@ def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: Devic
     parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
     shards = island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
     evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
-                               cfg.data.eval_batches)  # the run's batch: every island evaluates the same
+                         cfg.data.eval_batches)  # the run's batch: every island evaluates the same
     built = model.build(cfg.model)
     loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))

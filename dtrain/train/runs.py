@@ -164,7 +164,7 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
     processes and a coordinator)."""
     if cfg.outer.fragments > 1:
         raise ConfigError(f"outer.fragments = {cfg.outer.fragments} needs worker processes (the in-process "
-                                 f"rounds exchange the whole θ every outer.inner_steps): drop --inprocess")
+                          f"rounds exchange the whole θ every outer.inner_steps): drop --inprocess")
     cfg = new_run(cfg)
     out = run_dir(cfg)
     s = prepare(cfg, islands)
