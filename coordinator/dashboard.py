@@ -121,7 +121,7 @@ class Dashboard:
     :meth:`start` until :meth:`close`.
 
     ``status``: the Status document as plain JSON; ``auth_failed(peer, method, why)``: records a refused request,
-    as the gRPC side's refusals are (:meth:`coordinator.service.AuthFailures.failed`: one rate-limited
+    as the gRPC side's refusals are (:meth:`coordinator.refusals.AuthFailures.failed`: one rate-limited
     ``auth_failed`` event per peer host), with ``method`` = ``GET /PATH``."""
 
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
@@ -253,7 +253,7 @@ def open_dashboard(cfg: Config, port: int, token: str | None, status_message: Ca
                    auth_failed: Callable[[str, str, str], None]) -> Dashboard:
     """The coordinator's dashboard on ``coordinator.dashboard_host`` (else ``coordinator.host``) and ``port``,
     bound (not yet serving): ``status_message()`` (the service's Status) as JSON; a refused request goes to
-    ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.service.AuthFailures.failed`, method
+    ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.refusals.AuthFailures.failed`, method
     ``GET /PATH``: an ``auth_failed`` event, which its history lists among the run's faults)."""
 
     def status() -> dict[str, Any]:
