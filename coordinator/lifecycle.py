@@ -73,9 +73,43 @@ def preflight(cfg: Config, port: int | None) -> Preflight:
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
     island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    check_exposure(cfg, token is not None or island_tokens is not None, dashboard_port(cfg, port) is not None)
     if cfg.coordinator.shards > 1:
         read_secret(cfg)  # a sharded coordinator's: before θ_0 too
     return token, creds, island_tokens
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only: 127.0.0.0/8, ::1 or localhost. Any other name, and ''
+    (every interface), is not."""
+    import ipaddress
+
+    name = host.strip().strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: Config, auth: bool, dashboard: bool = True) -> None:
+    """Secure by default: a coordinator that listens beyond loopback (its gRPC address, or its dashboard's when
+    ``dashboard``) with no ``auth`` (a token: the operator's or the islands' own) and no mutual TLS serves anyone
+    who reaches the port as any island; ConfigError, one line, unless ``security.insecure`` (``dtrain coordinator
+    --insecure``) says so in so many words."""
+    c, sec = cfg.coordinator, cfg.security
+    if auth or sec.client_auth or sec.insecure:
+        return
+    binds = [("coordinator.host", c.host)] + ([("the dashboard's host", c.dashboard_address)] if dashboard else [])
+    exposed = [(what, host) for what, host in binds if not is_loopback(host)]
+    if exposed:
+        what, host = exposed[0]
+        raise ConfigError(f"{what} {host or '(every interface)'} listens beyond loopback with no "
+                          f"authentication: anyone who reaches it may act as any island; set a token (the "
+                          f"environment variable named by security.token_env, or the islands' own: "
+                          f"security.island_tokens) or mutual TLS (security.client_auth), or pass --insecure "
+                          f"(security.insecure = true) to serve it open")
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -281,7 +315,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if dash_port is not None:
         try:
             service.dashboard = open_dashboard(cfg, dash_port, token, service.status_message,
-                                               service.auth_failures.failed)
+                                               service.auth_failures.failed, auth_on=own is not None)
         except DtrainError:
             service.close()
             raise
@@ -428,6 +462,7 @@ def shard_preflight(cfg: Config, port: int | None) -> Preflight:
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
     island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    check_exposure(cfg, token is not None or island_tokens is not None, dashboard=False)
     read_secret(cfg)
     return token, creds, island_tokens
 
