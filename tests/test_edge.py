@@ -334,3 +334,23 @@ def test_the_dashboard_needs_the_operator_token_whenever_auth_is_on(net_cfg, tmp
     finally:
         server.stop(grace=None).wait()
         service.close()
+
+
+def test_status_stays_small_whatever_the_islands_reported():
+    """Each island's quarantine evidence is bounded in Status (an island of a large mesh may report thousands of
+    devices with 512-character details); the rounds, evals and faults are capped by the history."""
+    from coordinator.records import DeviceEvidence
+    from coordinator.status_view import MAX_STATUS_EVIDENCE, Counters, status_response
+    from state_helpers import T0, join_all, make
+
+    st = make()
+    ids = join_all(st)
+    for island_id in ids:
+        st.islands[island_id].quarantined = [DeviceEvidence(device=d, index=d, probe="stats", step=1, detail="x" * 512)
+                                             for d in range(4096)]
+    history = RunHistory()
+    for _ in range(10_000):
+        history.observe({"event": "request_invalid", "t": T0, "island": "i" * 96, "error": "e" * 5000})
+    msg = status_response(st, history, st.opts, Counters(), run_id="r", params_digest="d", started_at=T0, now=T0)
+    assert all(len(i.quarantined) == MAX_STATUS_EVIDENCE for i in msg.islands) and len(msg.faults) == 100
+    assert len(msg.SerializeToString()) < 1 << 20
