@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from coordinator.records import MAX_PUSH_ID_LEN
+from coordinator.records import MAX_BAD_DEVICES, MAX_DEVICE_LEN, MAX_DIGEST_LEN, MAX_PUSH_ID_LEN
 from dtrain.config.sections import ISLAND_NAME_RE
 from dtrain.net.identity import IslandTokens, cert_identity, token_identity
 from dtrain.net.proto import dtrain_pb2 as pb
@@ -33,8 +33,6 @@ from dtrain.runlog import CONTROL_RE, printable
 # most 64 characters and a suffix.
 ISLAND_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,96}")
 MAX_ISLAND_ID_LEN = 96
-MAX_DIGEST_LEN = 256  # params_digest, tree_digest, fingerprint
-MAX_DEVICE_LEN = 256  # a device's name in bad_devices
 MAX_DEVICE_KIND_LEN = 128  # Join's device_kind (jax's device_kind, e.g. "NVIDIA H100 80GB HBM3")
 MAX_FINGERPRINT_FIELDS = 256  # Join's fingerprint_fields: entries
 MAX_FINGERPRINT_KEY_LEN = 128
@@ -51,7 +49,7 @@ LIMITS = {
     "probe": 32, "detail": MAX_EVIDENCE_DETAIL,
 }
 # Per repeated field or map (any message): the most items it may hold.
-ITEMS = {"fingerprint_fields": MAX_FINGERPRINT_FIELDS, "quarantined": MAX_EVIDENCE, "bad_devices": MAX_EVIDENCE,
+ITEMS = {"fingerprint_fields": MAX_FINGERPRINT_FIELDS, "quarantined": MAX_EVIDENCE, "bad_devices": MAX_BAD_DEVICES,
          "evals": MAX_EVAL_REPORTS}
 _MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
 # Fields that name an island: their characters too (an empty one is left to the state machine: unknown island).
