@@ -10,6 +10,10 @@ INVALID_ARGUMENT naming the field and its limit, and quotes at most a bounded, e
 (:func:`shown`). :func:`coordinator.lifecycle.service_handler` runs the check before the handler (a push stream's
 on its header, its first message); the state machine's own checks (``coordinator.membership``,
 ``coordinator.admission``) then see only bounded values.
+
+Also what else the servicer reads off a call as it enters: who the caller is (:class:`CallerIdentity`), and a
+request's messages as the plain data the state machine takes (:func:`evidence_from_message`,
+:func:`fingerprint_mismatch`).
 """
 
 from __future__ import annotations
