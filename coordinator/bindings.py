@@ -97,4 +97,3 @@ class Bindings:
         from, at the island's next call."""
         if self.mode != "shared" and identity is not None and self.bound(name) is None:
             self.learned[name] = identity
-

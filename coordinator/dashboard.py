@@ -5,8 +5,9 @@ document ``dtrain status --json`` prints); ``GET /`` answers the page (``coordin
 HTML/JS/CSS with no external resource: it polls ``/api/status`` and draws its charts as inline SVG). Auth is the
 gRPC admin side's: with a token configured (``security.token_env``) every request needs
 ``Authorization: Bearer TOKEN``; the page alone may also be opened as ``/?token=TOKEN`` (its script then sends the
-header). With TLS configured for gRPC the page is served over HTTPS with the same certificate and key (and, with
-``security.client_auth``, the same client-certificate check).
+header). With the islands' own tokens on the gRPC side (auth on) and no operator token, it answers no one: the
+dashboard needs the operator's token whenever auth is on. With TLS configured for gRPC the page is served over
+HTTPS with the same certificate and key (and, with ``security.client_auth``, the same client-certificate check).
 
 A stdlib ``ThreadingHTTPServer`` in a daemon thread: each request runs in its own thread and takes the service's
 lock only for the status snapshot, so the page cannot slow the rounds down beyond one Status call per poll.
@@ -30,6 +31,7 @@ from dtrain.config.sections import Config, SecurityConfig
 from dtrain.errors import DtrainError
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import bearer_matches
+from dtrain.runlog import printable
 from dtrain.status_doc import message_dict
 
 STATUS_PATH = "/api/status"
@@ -121,13 +123,17 @@ class Dashboard:
     :meth:`start` until :meth:`close`.
 
     ``status``: the Status document as plain JSON; ``auth_failed(peer, method, why)``: records a refused request,
-    as the gRPC side's refusals are (:meth:`coordinator.service.AuthFailures.failed`: one rate-limited
+    as the gRPC side's refusals are (:meth:`coordinator.refusals.AuthFailures.failed`: one rate-limited
     ``auth_failed`` event per peer host), with ``method`` = ``GET /PATH``."""
 
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
-                 status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str, str], None]):
+                 status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str, str], None],
+                 auth_on: bool = False):
+        """``auth_on``: the gRPC side checks tokens (the islands' own, with no operator token): then the
+        dashboard answers no one without the operator's ``token``."""
         self.host, self.tls, self.status = host, tls, status
         self._token = token
+        self.auth_on, self.has_token = auth_on, bool(token)
         self.auth_failed = auth_failed
         self.page = page_html()
         self.server = _bind(host, port)
@@ -158,9 +164,11 @@ class Dashboard:
             self.server.server_close()
 
     def authorized(self, header: str, query_token: str | None) -> bool:
-        """With no token configured, always; else the ``Authorization`` header, or (the page only) ``?token=``;
-        both compared in constant time."""
-        if not self._token or bearer_matches(header, self._token):
+        """With no token configured, only when auth is off (:attr:`auth_on`); else the ``Authorization`` header,
+        or (the page only) ``?token=``; both compared in constant time."""
+        if not self._token:
+            return not self.auth_on
+        if bearer_matches(header, self._token):
             return True
         return query_token is not None and hmac.compare_digest(query_token.encode(), self._token.encode())
 
@@ -181,14 +189,17 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         path = url.path
         if path not in PAGE_PATHS and path != STATUS_PATH:
-            self._send(404, _error(f"no such path: {path} (the page is /, the status document {STATUS_PATH})"))
+            self._send(404, _error(f"no such path: {printable(path, 64)} (the page is /, the status document "
+                                   f"{STATUS_PATH})"))
             return
         query = parse_qs(url.query).get("token") if path in PAGE_PATHS else None
         if not dash.authorized(self.headers.get("Authorization", ""), query[-1] if query else None):
-            dash.auth_failed(peer_name(self.client_address), f"GET {path}", "missing or wrong bearer token")
-            self._send(401, _error("missing or wrong bearer token (send 'Authorization: Bearer TOKEN', or open the "
-                                   "page as /?token=TOKEN; the token is in the environment variable named by "
-                                   "security.token_env)"), extra={"WWW-Authenticate": 'Bearer realm="dtrain"'})
+            why = "missing or wrong bearer token" if dash.has_token else "no operator token set while auth is on"
+            dash.auth_failed(peer_name(self.client_address), f"GET {path}", why)
+            self._send(401, _error(f"{why} (send 'Authorization: Bearer TOKEN', or open the page as /?token=TOKEN; "
+                                   f"the operator's token is in the environment variable named by "
+                                   f"security.token_env of the coordinator)"),
+                       extra={"WWW-Authenticate": 'Bearer realm="dtrain"'})
             return
         if path == STATUS_PATH:
             try:
@@ -250,13 +261,15 @@ def peer_name(address: Any) -> str:
 
 
 def open_dashboard(cfg: Config, port: int, token: str | None, status_message: Callable[[], pb.StatusResponse],
-                   auth_failed: Callable[[str, str, str], None]) -> Dashboard:
+                   auth_failed: Callable[[str, str, str], None], auth_on: bool = False) -> Dashboard:
     """The coordinator's dashboard on ``coordinator.dashboard_host`` (else ``coordinator.host``) and ``port``,
     bound (not yet serving): ``status_message()`` (the service's Status) as JSON; a refused request goes to
-    ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.service.AuthFailures.failed`, method
-    ``GET /PATH``: an ``auth_failed`` event, which its history lists among the run's faults)."""
+    ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.refusals.AuthFailures.failed`, method
+    ``GET /PATH``: an ``auth_failed`` event, which its history lists among the run's faults). ``auth_on``: the
+    gRPC side checks tokens: with no operator ``token`` the dashboard then answers no one."""
 
     def status() -> dict[str, Any]:
         return message_dict(status_message())
 
-    return Dashboard(cfg.coordinator.dashboard_address, port, token, tls_context(cfg.security), status, auth_failed)
+    return Dashboard(cfg.coordinator.dashboard_address, port, token, tls_context(cfg.security), status, auth_failed,
+                     auth_on=auth_on)

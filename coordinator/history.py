@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.edge import MAX_ISLAND_ID_LEN
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import MAX_EVAL_REPORTS
-from dtrain.runlog import fault_kind, read_events
+from dtrain.runlog import fault_kind, printable, read_events
 
 MAX_ROUNDS = 500  # RoundRecords kept for Status (the dashboard's bytes chart)
 MAX_EVALS = 500  # EvalPoints kept
 MAX_FAULTS = 100  # FaultRecords kept
+MAX_DETAIL = 512  # characters of a FaultRecord's detail
 EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: the next puller is asked instead
 
 _DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")
@@ -41,15 +43,23 @@ class IslandView:
 
 
 def fault_detail(record: dict[str, Any]) -> str:
-    """One line saying what a fault event recorded."""
+    """One line saying what a fault event recorded, escaped and at most :data:`MAX_DETAIL` characters (an event
+    written before the coordinator bounded requests at its edge may hold anything: a replay keeps it small)."""
     if record["event"] == "device_quarantined":
-        return f"device {record.get('device')} ({record.get('probe')}, step {record.get('step')}): " \
+        text = f"device {record.get('device')} ({record.get('probe')}, step {record.get('step')}): " \
                f"{record.get('detail', '')}"
-    if record["event"] == "coordinator_resumed":
-        return f"resumed at version {record.get('version')}"
-    parts = [f"{k}={record[k]}" if k in ("code", "method", "peer") else str(record[k])
-             for k in _DETAIL_KEYS if record.get(k) not in (None, "")]
-    return "; ".join(parts)[:512]
+    elif record["event"] == "coordinator_resumed":
+        text = f"resumed at version {record.get('version')}"
+    else:
+        text = "; ".join(f"{k}={record[k]}" if k in ("code", "method", "peer") else str(record[k])
+                         for k in _DETAIL_KEYS if record.get(k) not in (None, ""))
+    return printable(text, MAX_DETAIL)
+
+
+def island_of(record: dict[str, Any]) -> str:
+    """The island an event names, as Status keeps it: escaped, at most an island id's length (see
+    :func:`fault_detail`)."""
+    return printable(str(record.get("island", "")), MAX_ISLAND_ID_LEN)
 
 
 class RunHistory:
@@ -95,10 +105,10 @@ class RunHistory:
             version = int(record["version"])
             self.evaluated.add(version)
             self.evals.append(pb.EvalPoint(version=version, tokens=int(record.get("tokens", 0)),
-                                           loss=float(record["loss"]), island_id=str(record.get("island", "")), t=t))
+                                           loss=float(record["loss"]), island_id=island_of(record), t=t))
         fault = fault_kind(record)
         if fault:
-            self.faults.append(pb.FaultRecord(t=t, kind=fault, island_id=str(record.get("island", "")),
+            self.faults.append(pb.FaultRecord(t=t, kind=fault, island_id=island_of(record),
                                               detail=fault_detail(record)))
 
     def _tokens_before(self, version: int) -> int:

@@ -25,10 +25,11 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import HealthServicer
 
 from coordinator.dashboard import check_port_free, dashboard_port, open_dashboard
+from coordinator.edge import CallerIdentity, request_problem, shown
 from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
-from coordinator.service import CURRENT_CALL, CallerIdentity, CoordinatorService
+from coordinator.service import CURRENT_CALL, CoordinatorService
 from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
 from coordinator.stored import write_layout
 from dtrain import codec
@@ -44,6 +45,7 @@ from dtrain.net.wire import (
     AuthDenied,
     RawChunk,
     TokenAuthInterceptor,
+    WireError,
     channel_options,
     chunk_deserializer,
     keepalive_options,
@@ -73,9 +75,43 @@ def preflight(cfg: Config, port: int | None) -> Preflight:
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
     island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    check_exposure(cfg, token is not None or island_tokens is not None, dashboard_port(cfg, port) is not None)
     if cfg.coordinator.shards > 1:
         read_secret(cfg)  # a sharded coordinator's: before θ_0 too
     return token, creds, island_tokens
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only: 127.0.0.0/8, ::1 or localhost. Any other name, and ''
+    (every interface), is not."""
+    import ipaddress
+
+    name = host.strip().strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: Config, auth: bool, dashboard: bool = True) -> None:
+    """Secure by default: a coordinator that listens beyond loopback (its gRPC address, or its dashboard's when
+    ``dashboard``) with no ``auth`` (a token: the operator's or the islands' own) and no mutual TLS serves anyone
+    who reaches the port as any island; ConfigError, one line, unless ``security.insecure`` (``dtrain coordinator
+    --insecure``) says so in so many words."""
+    c, sec = cfg.coordinator, cfg.security
+    if auth or sec.client_auth or sec.insecure:
+        return
+    binds = [("coordinator.host", c.host)] + ([("the dashboard's host", c.dashboard_address)] if dashboard else [])
+    exposed = [(what, host) for what, host in binds if not is_loopback(host)]
+    if exposed:
+        what, host = exposed[0]
+        raise ConfigError(f"{what} {host or '(every interface)'} listens beyond loopback with no "
+                          f"authentication: anyone who reaches it may act as any island; set a token (the "
+                          f"environment variable named by security.token_env, or the islands' own: "
+                          f"security.island_tokens) or mutual TLS (security.client_auth), or pass --insecure "
+                          f"(security.insecure = true) to serve it open")
 
 
 def check_ports_free(cfg: Config, port: int | None) -> None:
@@ -149,16 +185,25 @@ def server_options(cfg: Config) -> list[tuple[str, int | str]]:
     return opts
 
 
-def service_handler(service: pb_grpc.CoordinatorServicer,
-                    control: futures.ThreadPoolExecutor | None = None) -> grpc.GenericRpcHandler:
+Refuse = Callable[[grpc.ServicerContext, str], Any]  # ends a call the edge refused, with its reason
+
+
+def _abort_invalid(context: grpc.ServicerContext, why: str) -> Any:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+
+def service_handler(service: pb_grpc.CoordinatorServicer, control: futures.ThreadPoolExecutor | None = None,
+                    refuse: Refuse = _abort_invalid) -> grpc.GenericRpcHandler:
     """The Coordinator service's handlers, one per method of the proto's service: the generated
-    ``add_CoordinatorServicer_to_server`` with three differences. Responses go through ``wire.serialize``, so a
+    ``add_CoordinatorServicer_to_server`` with four differences. Every request (a push: its header) passes the
+    edge's bounds first (:func:`coordinator.edge.check_request`), or ``refuse(context, why)`` ends it
+    (INVALID_ARGUMENT) before the handler sees it. Responses go through ``wire.serialize``, so a
     pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
     chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two); and the
     :data:`CONTROL_METHODS` run on ``control`` (:func:`control_threads`), not on the server's own threads."""
     methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
     handlers = {m.name: HANDLER_KINDS[m.client_streaming, m.server_streaming](
-        _on_pool(_noting_call(m.name, getattr(service, m.name), m.client_streaming),
+        _on_pool(_noting_call(m.name, getattr(service, m.name), m.client_streaming, refuse),
                  control if m.name in CONTROL_METHODS else None),
         request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
                               else getattr(pb, m.input_type.name).FromString),
@@ -195,12 +240,13 @@ def _on_pool(behavior: Behavior, pool: futures.ThreadPoolExecutor | None) -> Beh
     return behavior
 
 
-def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any],
-                 client_streaming: bool) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """``method`` that first notes the call's method name and island in
-    :data:`coordinator.service.CURRENT_CALL` for the service's events (gRPC serves each call, its streams
-    included, on one thread): the island from the request's ``island_id`` (Join: ``island``, the name), or from
-    the first message of a push stream, its header."""
+def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any], client_streaming: bool,
+                 refuse: Refuse) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """``method`` behind the edge (:func:`coordinator.edge.request_problem`; ``refuse`` ends a request that fails
+    it), noting first the call's method name and island in :data:`coordinator.service.CURRENT_CALL` for the
+    service's events (gRPC serves each call, its streams included, on one thread): the island from the request's
+    ``island_id`` (Join: ``island``, the name), or from the first message of a push stream, its header; a refused
+    request's island only as a short escaped prefix."""
     if client_streaming:
         def noted_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             CURRENT_CALL.method, CURRENT_CALL.island = name, ""
@@ -209,17 +255,26 @@ def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any],
 
     def noted(request: Any, context: grpc.ServicerContext) -> Any:
         CURRENT_CALL.method = name
-        CURRENT_CALL.island = getattr(request, "island_id", "") or getattr(request, "island", "")
+        island = getattr(request, "island_id", "") or getattr(request, "island", "")
+        problem = request_problem(request)
+        CURRENT_CALL.island = shown(island) if problem else island
+        if problem:
+            return refuse(context, f"{name}: {problem}")
         return method(request, context)
     return noted
 
 
 def _noting_header(requests: Iterator[Any]) -> Iterator[Any]:
+    """A push stream whose header (its first message) passed the edge; WireError INVALID_ARGUMENT, which the
+    handler answers as it does any bad header, when it does not."""
     first = next(requests, None)
     if first is None:
         return
     if not isinstance(first, RawChunk) and first.WhichOneof("kind") == "header":
-        CURRENT_CALL.island = first.header.island_id
+        problem = request_problem(first.header)
+        CURRENT_CALL.island = shown(first.header.island_id) if problem else first.header.island_id
+        if problem:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"PushDelta: header.{problem}")
     yield first
     yield from requests
 
@@ -250,7 +305,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
                          interceptors=interceptors, options=server_options(cfg))
     control = futures.ThreadPoolExecutor(max_workers=control_threads(cfg), thread_name_prefix="rpc-control")
-    server.add_generic_rpc_handlers((service_handler(service, control), health_handler(service.loop.health, control)))
+    server.add_generic_rpc_handlers((service_handler(service, control, service.refuse_request),
+                                     health_handler(service.loop.health, control)))
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
@@ -261,7 +317,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if dash_port is not None:
         try:
             service.dashboard = open_dashboard(cfg, dash_port, token, service.status_message,
-                                               service.auth_failures.failed)
+                                               service.auth_failures.failed, auth_on=own is not None)
         except DtrainError:
             service.close()
             raise
@@ -408,6 +464,7 @@ def shard_preflight(cfg: Config, port: int | None) -> Preflight:
     sec = cfg.security
     token, creds = read_token(sec), server_credentials(sec)
     island_tokens = IslandTokens.read(sec.island_tokens) if sec.identity == "token" else None
+    check_exposure(cfg, token is not None or island_tokens is not None, dashboard=False)
     read_secret(cfg)
     return token, creds, island_tokens
 

@@ -33,6 +33,9 @@ from typing import Any
 from coordinator.ledger import PushLedger
 from coordinator.records import (
     HARDWARE,
+    MAX_BAD_DEVICES,
+    MAX_DEVICE_LEN,
+    MAX_DIGEST_LEN,
     NAME_RE,
     DeviceEvidence,
     Hardware,
@@ -67,10 +70,12 @@ def check_heartbeat(version: int, steps: int, tokens: int, steps_per_s: float, p
                                              f"{current}: an island cannot hold a future version")
     if not (isinstance(steps_per_s, (int, float)) and math.isfinite(steps_per_s) and steps_per_s >= 0):
         raise StateError("INVALID_ARGUMENT", f"steps_per_s={steps_per_s!r}: must be a finite number >= 0")
-    if not isinstance(params_digest, str) or len(params_digest) > 256:
-        raise StateError("INVALID_ARGUMENT", "params_digest: must be a string of at most 256 characters")
-    if len(bad_devices) > 4096 or not all(isinstance(d, str) and len(d) <= 256 for d in bad_devices):
-        raise StateError("INVALID_ARGUMENT", "bad_devices: at most 4096 strings of at most 256 characters")
+    if not isinstance(params_digest, str) or len(params_digest) > MAX_DIGEST_LEN:
+        raise StateError("INVALID_ARGUMENT", f"params_digest: must be a string of at most {MAX_DIGEST_LEN} characters")
+    if len(bad_devices) > MAX_BAD_DEVICES or not all(isinstance(d, str) and len(d) <= MAX_DEVICE_LEN
+                                                     for d in bad_devices):
+        raise StateError("INVALID_ARGUMENT", f"bad_devices: at most {MAX_BAD_DEVICES} strings of at most "
+                                             f"{MAX_DEVICE_LEN} characters")
 
 
 def check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]], devices: int,

@@ -21,6 +21,9 @@ from dtrain.runlog import json_number
 
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
+MAX_DIGEST_LEN = 256  # a reported digest's characters (params_digest, tree_digest, fingerprint)
+MAX_DEVICE_LEN = 256  # a device's name in a heartbeat's bad_devices
+MAX_BAD_DEVICES = 4096  # names in bad_devices
 LINGER_S = 10.0
 NAME_RE = ISLAND_NAME_RE
 

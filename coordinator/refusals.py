@@ -12,10 +12,18 @@ under its lock.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
+from coordinator.streams import peer_host
+from dtrain.runlog import RunLog, printable
+
 WINDOW_S = 60.0  # the rate window: coordinator.refusal_events refusals of a kind are logged in each
+AUTH_EVENT_S = 10.0  # `auth_failed`: at most one event per peer host this often; the calls in between are counted
+MAX_AUTH_HOSTS = 1024  # hosts tracked for that; beyond them, the rest share one count ("other hosts")
+MAX_METHOD_SHOWN = 128  # characters of a refused call's method (a client names it) an event keeps
 
 
 @dataclass
@@ -59,3 +67,51 @@ class RefusalLog:
                     out.append((kind, w.suppressed))
                 del self._windows[kind]
         return out
+
+
+class AuthFailures:
+    """Calls refused for their token, recorded: an ``auth_failed`` event {peer, method, reason, count} and a
+    progress line, at most one per peer host every AUTH_EVENT_S, so a flood of bad calls cannot fill the disk:
+    ``count`` is the calls refused from that host since its last event, the last one included (the rest are
+    written by :meth:`flush`). Events are logged under the service's ``lock`` (their listeners, the history and
+    telemetry, are updated under it)."""
+
+    def __init__(self, log: RunLog, lock: threading.Condition, counts: Counter[str] | None = None):
+        """``counts``: where each refused call is counted, as ``"auth"`` (the service's Status refusals)."""
+        self.log, self.lock = log, lock
+        self.counts: Counter[str] = Counter() if counts is None else counts
+        # per peer host: (time.monotonic() of its last event, calls refused since, the last call's peer, method
+        # and reason)
+        self._hosts: dict[str, tuple[float, int, str, str, str]] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, peer: str, method: str, why: str) -> None:
+        """A call refused for its token (:class:`dtrain.net.wire.TokenAuthInterceptor`'s ``on_denied``; the dashboard
+        calls it too, with ``method`` = ``GET /PATH``)."""
+        host = peer_host(peer)
+        now = time.monotonic()
+        with self.lock:
+            self.counts["auth"] += 1
+        with self._lock:
+            if host not in self._hosts and len(self._hosts) >= MAX_AUTH_HOSTS:
+                host = "other hosts"
+            last, count, _, _, _ = self._hosts.get(host, (float("-inf"), 0, "", "", ""))
+            if now - last < AUTH_EVENT_S:
+                self._hosts[host] = (last, count + 1, peer, method, why)
+                return
+            self._hosts[host] = (now, 0, peer, method, why)
+        self._report(peer, printable(method, MAX_METHOD_SHOWN), why, count + 1)
+
+    def flush(self) -> None:
+        """Records the refused calls counted since each host's last event (at the service's close)."""
+        with self._lock:
+            pending = [entry for entry in self._hosts.values() if entry[1]]
+            self._hosts.clear()
+        for _, count, peer, method, why in pending:
+            self._report(peer, method, why, count)
+
+    def _report(self, peer: str, method: str, why: str, count: int) -> None:
+        with self.lock:
+            self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
+        self.log.progress(f"refused {count} call{'s' * (count != 1)} from {peer} without the right token ({why}; "
+                          f"last: {method.rsplit('/', 1)[-1]})")

@@ -15,22 +15,22 @@ import dataclasses
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
 
 from coordinator.dashboard import Dashboard
+from coordinator.edge import CallerIdentity, evidence_from_message, fingerprint_mismatch
 from coordinator.history import RunHistory, check_eval_reports
 from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
-from coordinator.refusals import RefusalLog
+from coordinator.refusals import AuthFailures, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.shard import ShardedStep, ShardPeers, ShardRefused, read_secret, shard_ranges, split_theta
 from coordinator.spool import Spool
@@ -39,7 +39,7 @@ from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError
-from dtrain.net.identity import IslandTokens, cert_identity, token_identity
+from dtrain.net.identity import IslandTokens
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import (
@@ -51,7 +51,6 @@ from dtrain.net.wire import (
     STOPPED_METADATA_KEY,
     WireError,
     chunk_count,
-    presented_token,
 )
 from dtrain.runlog import COORDINATOR_CHANNEL, RunLog
 from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
@@ -72,99 +71,13 @@ _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.A
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
           "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION, "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
           "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED}
-_MEASURES = ("value", "expected", "z", "median", "mismatches")  # DeviceEvidence's optional numbers
 # A refusal with one of these codes is a bad request (malformed, over a bound, not matching the run): a
 # `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
 _BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
-AUTH_EVENT_S = 10.0  # `auth_failed`: at most one event per peer host this often; the calls in between are counted
-MAX_AUTH_HOSTS = 1024  # hosts tracked for that; beyond them, the rest share one count ("other hosts")
 # The RPC this thread serves: its method and island, set by lifecycle.service_handler's wrapper for the refusal
 # events (_abort); gRPC serves each call, its streams included, on one thread.
 CURRENT_CALL = threading.local()
-
-
-def evidence_from_message(e: pb.DeviceEvidence) -> dict[str, Any]:
-    """A DeviceEvidence message as the plain data ``CoordinatorState.heartbeat`` checks: the numbers the probe did
-    not measure (unset optional fields) left out."""
-    data: dict[str, Any] = {"device": e.device, "index": e.index, "probe": e.probe, "step": e.step,
-                            "detail": e.detail}
-    data.update({name: getattr(e, name) for name in _MEASURES if e.HasField(name)})
-    return data
-
-
-def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
-    """Names every field that differs, e.g. ``model.d_model: coordinator 64, island 32``; '' if equal."""
-    diffs = []
-    for key in sorted(set(ours) | set(theirs)):
-        if ours.get(key) != theirs.get(key):
-            diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}")
-    return "; ".join(diffs)
-
-
-class CallerIdentity:
-    """The island identity a call carries (``security.identity``; ``dtrain/net/identity.py``): ``token:NAME`` for an
-    island's own token (listed in ``tokens``), the client certificate's ``uri:``/``cn:`` identity, or None (shared
-    mode; or no island identity, e.g. the operator's shared token). What it may do: ``coordinator/bindings.py``."""
-
-    def __init__(self, mode: str, tokens: IslandTokens | None):
-        self.mode, self.tokens = mode, tokens
-
-    def of(self, context: grpc.ServicerContext) -> str | None:
-        if self.mode == "token" and self.tokens is not None:
-            name = self.tokens.name_of(presented_token(context.invocation_metadata()))
-            return token_identity(name) if name is not None else None
-        if self.mode == "cert":
-            return cert_identity(context.auth_context())
-        return None
-
-
-class AuthFailures:
-    """Calls refused for their token, recorded: an ``auth_failed`` event {peer, method, reason, count} and a
-    progress line, at most one per peer host every AUTH_EVENT_S, so a flood of bad calls cannot fill the disk:
-    ``count`` is the calls refused from that host since its last event, the last one included (the rest are
-    written by :meth:`flush`). Events are logged under the service's ``lock`` (their listeners, the history and
-    telemetry, are updated under it)."""
-
-    def __init__(self, log: RunLog, lock: threading.Condition, counts: Counter[str] | None = None):
-        """``counts``: where each refused call is counted, as ``"auth"`` (the service's Status refusals)."""
-        self.log, self.lock = log, lock
-        self.counts: Counter[str] = Counter() if counts is None else counts
-        # per peer host: (time.monotonic() of its last event, calls refused since, the last call's peer, method
-        # and reason)
-        self._hosts: dict[str, tuple[float, int, str, str, str]] = {}
-        self._lock = threading.Lock()
-
-    def failed(self, peer: str, method: str, why: str) -> None:
-        """A call refused for its token (:class:`dtrain.net.wire.TokenAuthInterceptor`'s ``on_denied``; the dashboard
-        calls it too, with ``method`` = ``GET /PATH``)."""
-        host = peer_host(peer)
-        now = time.monotonic()
-        with self.lock:
-            self.counts["auth"] += 1
-        with self._lock:
-            if host not in self._hosts and len(self._hosts) >= MAX_AUTH_HOSTS:
-                host = "other hosts"
-            last, count, _, _, _ = self._hosts.get(host, (float("-inf"), 0, "", "", ""))
-            if now - last < AUTH_EVENT_S:
-                self._hosts[host] = (last, count + 1, peer, method, why)
-                return
-            self._hosts[host] = (now, 0, peer, method, why)
-        self._report(peer, method, why, count + 1)
-
-    def flush(self) -> None:
-        """Records the refused calls counted since each host's last event (at the service's close)."""
-        with self._lock:
-            pending = [entry for entry in self._hosts.values() if entry[1]]
-            self._hosts.clear()
-        for _, count, peer, method, why in pending:
-            self._report(peer, method, why, count)
-
-    def _report(self, peer: str, method: str, why: str, count: int) -> None:
-        with self.lock:
-            self.log.event("auth_failed", peer=peer, method=method, reason=why, count=count)
-        self.log.progress(f"refused {count} call{'s' * (count != 1)} from {peer} without the right token ({why}; "
-                          f"last: {method.rsplit('/', 1)[-1]})")
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -298,6 +211,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                              push=push, busy=busy, retry_after_s=retry_after_s)
         context.abort(code, message)
 
+    def refuse_request(self, context: grpc.ServicerContext, why: str) -> NoReturn:
+        """Ends a call whose request the edge refused (``coordinator/edge.py``): INVALID_ARGUMENT, recorded as
+        every refusal is (:meth:`_abort`)."""
+        self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+
     def _record_refusal(self, method: str, island: str, code: grpc.StatusCode, message: str,
                         push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0) -> None:
         """Records a refused (or cancelled) call: counted by kind (method and code: Status' refusals) and, at a
@@ -384,9 +302,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
-        if len(request.device_kind) > 128:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"device_kind: {len(request.device_kind)} characters, at most 128")
         identity = self.identity.of(context)
         with self.lock:
             if self.state.stopped():  # the refusal below says why; this tells the island's client to exit 0

@@ -144,7 +144,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
     def __init__(self, cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
                  secret: str, identity: Any = None):
         """``theta``: θ_0's values of this shard's range (an array or a raw float32 file); ``identity``: the
-        lead's :class:`coordinator.service.CallerIdentity` (the island identity a push carries), or None."""
+        lead's :class:`coordinator.edge.CallerIdentity` (the island identity a push carries), or None."""
         self.cfg, self.index, self.run_dir = cfg, index, Path(run_dir)
         self.ranges = shard_ranges(spec, cfg.coordinator.shards)
         if not 1 <= index < len(self.ranges):

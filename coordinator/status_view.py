@@ -15,6 +15,10 @@ from coordinator.records import DeviceEvidence, IslandRecord, StateOptions
 from coordinator.state import CoordinatorState
 from dtrain.net.proto import dtrain_pb2 as pb
 
+# The quarantined devices' evidence Status carries per island (the first ones, in the order reported): an island may
+# report up to min(its mesh, MAX_EVIDENCE) devices of up to 512-character details, which would make Status megabytes
+# whatever the edge allows each field; the full record is the island's device_quarantined events.
+MAX_STATUS_EVIDENCE = 64
 
 @dataclasses.dataclass
 class Counters:
@@ -44,7 +48,7 @@ def island_status(state: CoordinatorState, history: RunHistory, islands: int, r:
         tokens_merged=r.tokens_merged, pushes_merged=r.pushes_merged,
         lease_left_s=max(0.0, r.lease_expiry - now) if r.state == "live" else 0.0,
         steps_per_s=r.steps_per_s, tokens_per_s=r.tokens_per_s, shard_index=r.shard_index, devices=r.devices,
-        quarantined=[evidence_to_message(e) for e in r.quarantined], hardware=r.hardware,
+        quarantined=[evidence_to_message(e) for e in r.quarantined[:MAX_STATUS_EVIDENCE]], hardware=r.hardware,
         device_kind=view.device_kind, steps=r.steps, tokens=r.tokens_reported,
         train_loss=view.train_loss, utilization=view.utilization, params_digest=r.params_digest,
         cursor=state.segment_cursor(state.segment(r)) if r.shard_index < islands else 0,

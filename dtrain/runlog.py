@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +45,12 @@ COORDINATOR_CHANNEL = "dtrain.coordinator"  # the coordinator's service
 WORKER_CHANNEL = "dtrain.worker"  # an island's worker
 SIMULATE_CHANNEL = "dtrain.simulate"  # the process-mode simulate driver
 CHANNELS = (RUN_CHANNEL, COORDINATOR_CHANNEL, WORKER_CHANNEL, SIMULATE_CHANNEL)
+
+# What :func:`printable` escapes: the C0 and C1 controls and DEL (ESC starts a terminal's escape sequences, NUL and
+# CR/LF forge or hide lines), and the Unicode characters that reorder or hide text on a terminal: the line and
+# paragraph separators, the zero-width marks and the bidirectional overrides and isolates.
+CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class RunLog:
@@ -75,9 +82,9 @@ class RunLog:
 
     def progress(self, line: str) -> None:
         """Logs one line that stays (an INFO record; shown as ``[ elapsed s] line``, above any live status
-        lines)."""
+        lines). Control characters in it are escaped (:func:`printable`): a line may quote what a client sent."""
         if not self.quiet:
-            self.logger.info(line, extra={ELAPSED_S: time.time() - self.t0})
+            self.logger.info(printable(line), extra={ELAPSED_S: time.time() - self.t0})
 
     def status(self, key: str, line: str, done: int | None = None, total: int | None = None,
                every_s: float = 0.0) -> None:
@@ -87,6 +94,7 @@ class RunLog:
         key's line was printed less than ``every_s`` seconds ago."""
         if not self.quiet:
             extra = {STATUS_KEY: key, STATUS_DONE: done, STATUS_TOTAL: total, STATUS_EVERY_S: every_s}
+            line = printable(line)
             self._status[key] = line, extra
             self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0})
 
@@ -103,6 +111,23 @@ class RunLog:
             self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0, STATUS_END: True})
         self._status.clear()
         self._events.close()
+
+
+def printable(text: str, limit: int = 0) -> str:
+    """``text`` safe to write into a log line or onto a terminal: each control character (:data:`CONTROL_RE`)
+    written as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``), so a line stays one line and a terminal
+    sees no escape sequence. ``limit`` > 0: at most that many characters of ``text`` are
+    kept, followed by ``...(N characters)``. The one escaping function of the coordinator's, the workers' and
+    ``dtrain status``'s output: whatever a client sent reaches a log or a terminal only through it."""
+    cut = limit > 0 and len(text) > limit
+    shown = text[:limit] if cut else text
+    shown = CONTROL_RE.sub(_escape, shown)
+    return f"{shown}...({len(text):,} characters)" if cut else shown
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group(0)
+    return _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
 
 
 def progress_line(elapsed_s: float, line: str) -> str:

@@ -208,6 +208,9 @@ def _add_coordinator(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--shard", type=int, default=0, metavar="I",
                    help="which shard this process is: 0, the lead (the default: it runs the rounds, islands join "
                    "it), or 1..S-1, a range shard (serves until SIGTERM)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve beyond loopback with no token and no mutual TLS: anyone who reaches the port may act "
+                   "as any island (security.insecure; without it such a coordinator refuses to start)")
 
 
 def _add_worker(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -495,6 +498,8 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
 
         if args.shards is not None:
             cfg = config_replace(cfg, coordinator={"shards": args.shards})
+        if args.insecure:
+            cfg = config_replace(cfg, security={"insecure": True})
         if not 0 <= args.shard < cfg.coordinator.shards:
             raise ConfigError(f"--shard {args.shard}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards "
                               f"= {cfg.coordinator.shards}; --shards S sets it)")

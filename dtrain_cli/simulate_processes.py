@@ -36,6 +36,7 @@ from typing import Any
 from dtrain.config.load import to_toml
 from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
+from dtrain.net.identity import issue_token
 from dtrain.runlog import SIMULATE_CHANNEL, RunLog, process_dir, read_events
 from dtrain_cli.fault_score import device_fault_reached, push_fault_event
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, PUSH_KINDS, FaultSpec
@@ -100,6 +101,17 @@ class Simulation:
                  tokens: dict[str, str] | None = None):
         self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
         self.tokens = tokens or {}  # island -> its issued token (security.identity token)
+        self.coordinator_env = env
+        self.operator_token_file: Path | None = None
+        if self.tokens and not env.get(cfg.security.token_env):
+            # Islands' own tokens turn auth on, and the dashboard then answers only the operator's token: the
+            # driver issues one for its coordinator, kept owner-only beside the islands' token hashes.
+            operator = issue_token()
+            self.operator_token_file = out / "operator-token"
+            fd = os.open(self.operator_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(operator + "\n")
+            self.coordinator_env = {**env, cfg.security.token_env: operator}
         self.refused: dict[str, str] = {}  # islands with another's credential that failed: their log's last line
         self.specs = specs or {}
         self.processes = processes
@@ -143,7 +155,7 @@ class Simulation:
         info_path.unlink(missing_ok=True)
         args = ["coordinator", "--config", str(self.resolved), "--port", str(self.port), "--run-dir", str(self.out)]
         self.coordinator = subprocess.Popen(_cli(*args, *(["--resume"] if resume else [])), stdout=clog,
-                                            stderr=subprocess.STDOUT, env=self.env)
+                                            stderr=subprocess.STDOUT, env=self.coordinator_env)
         t_start = time.perf_counter()
         while not info_path.exists():
             if self.coordinator.poll() is not None:
@@ -155,7 +167,9 @@ class Simulation:
         info = json.loads(info_path.read_text())
         self.port = int(info["port"])
         if info.get("dashboard"):
-            self.log.progress(f"live dashboard at {info['dashboard']}")
+            token = (f" (its token: {self.operator_token_file}, sent as 'Authorization: Bearer TOKEN' or opened as "
+                     f"/?token=TOKEN)" if self.operator_token_file else "")
+            self.log.progress(f"live dashboard at {info['dashboard']}{token}")
 
     def _start_shard(self, index: int) -> None:
         """Starts range shard ``index`` of a sharded coordinator on its port and waits until it listens."""
@@ -166,7 +180,7 @@ class Simulation:
         port = self.cfg.coordinator.shard_addresses[index - 1].rpartition(":")[2]
         proc = self.shards[index] = subprocess.Popen(
             _cli("coordinator", "--config", str(self.resolved), "--shard", str(index), "--port", port, "--run-dir",
-                 str(self.out)), stdout=slog, stderr=subprocess.STDOUT, env=self.env)
+                 str(self.out)), stdout=slog, stderr=subprocess.STDOUT, env=self.coordinator_env)
         t_start = time.perf_counter()
         while not info_path.exists():
             if proc.poll() is not None:

@@ -18,7 +18,7 @@ from typing import TextIO
 from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.runlog import fmt_bytes
+from dtrain.runlog import fmt_bytes, printable
 from dtrain.status_doc import message_dict
 from dtrain_cli.logs import is_terminal
 
@@ -101,7 +101,16 @@ def summary_lines(st: pb.StatusResponse) -> list[str]:
 
 
 def sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
-    """The summary lines and the tables (islands, latest rounds, latest faults) as plain strings."""
+    """The summary lines and the tables (islands, latest rounds, latest faults) as plain strings, every control
+    character escaped (``dtrain.runlog.printable``): what islands sent reaches the terminal as text, never as an
+    escape sequence."""
+    lines, tables = _sections(st)
+    for t in tables:
+        t.rows = [[printable(c) for c in row] for row in t.rows]
+    return [printable(line) for line in lines], tables
+
+
+def _sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
     # quar.: the devices the island quarantined; seen: seconds since its last call
     islands = Table("islands", ["island", "state", "shard", "cursor", "version", "steps/s", "tokens", "loss", "util",
                                 "devices", "quar.", "seen"], right=frozenset(range(2, 12)))

@@ -139,7 +139,7 @@ def test_with_a_token_every_request_needs_it_and_failures_are_events(net_cfg, tm
         assert _get(c.url)[0] == 401
         assert _get(c.url + f"api/status?token={TOKEN}")[0] == 401
         events = [e for e in read_events(tmp_path / "auth") if e["event"] == "auth_failed"]
-        # As on the gRPC side (coordinator.service.AuthFailures): one event per client host within AUTH_EVENT_S,
+        # As on the gRPC side (coordinator.refusals.AuthFailures): one event per client host within AUTH_EVENT_S,
         # the first; the refusals after it are counted (written at close).
         assert [e["method"] for e in events] == ["GET /api/status"] and events[0]["count"] == 1
         assert re.fullmatch(r"ipv4:127\.0\.0\.1:\d+", events[0]["peer"])

@@ -698,3 +698,30 @@ def test_an_island_that_finished_but_is_slow_to_exit_is_not_counted_as_stopped(t
     # its status (SIGTERM's) is not a failure of the run (a WAN run under load failed so: "workers failed")
     assert procs["island-0"][0].returncode != 0 and Simulation._failures(sim) == []  # type: ignore[arg-type]
     assert [kw["island"] for ev, kw in logged if ev == "worker_stopped"] == ["island-1"]
+
+
+def test_island_tokens_give_the_coordinator_an_operator_token_for_its_dashboard(tmp_path) -> None:
+    """With islands' own tokens the dashboard answers only an operator token: the driver issues one for its
+    coordinator (and range shards), owner-only in the run folder, and leaves a token the user set alone."""
+    import stat
+
+    from dtrain_cli.simulate_processes import Simulation
+
+    cfg = _cfg(tmp_path)
+    var = cfg.security.token_env
+    out = tmp_path / "run"
+    out.mkdir()
+    sim = Simulation(cfg, out, 2, True, {"X": "1"}, False, [], tokens={"island-0": "a", "island-1": "b"})
+    token_file = sim.operator_token_file
+    assert token_file is not None and token_file.parent == out
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    operator = token_file.read_text().strip()
+    assert len(operator) >= 32 and operator not in ("a", "b")
+    assert sim.coordinator_env == {"X": "1", var: operator} and sim.env == {"X": "1"}  # islands keep their own
+    given = tmp_path / "given"
+    given.mkdir()
+    kept = Simulation(cfg, given, 2, True, {var: "mine"}, False, [], tokens={"island-0": "a", "island-1": "b"})
+    assert kept.operator_token_file is None and kept.coordinator_env == {var: "mine"}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert Simulation(cfg, plain, 2, True, {}, False, []).operator_token_file is None

@@ -376,16 +376,25 @@ class SecurityConfig:
     client_key: str = _f("", "worker private key for mutual TLS (PEM)")
     client_auth: bool = _f(False, "mutual TLS: the coordinator requires a client certificate signed by ca")
     server_name: str = _f("", "TLS name to expect on the coordinator's certificate (empty: the host)")
-    identity: str = _f("shared", "who an island is: 'shared' (one token or certificate for a single trusted team: any "
+    identity: str = _f("auto", "who an island is: 'shared' (one token or certificate for a single trusted team: any "
                        "holder may act as any island), 'token' (each island its own token, listed hashed in "
                        "island_tokens) or 'cert' (mutual TLS: the island's client certificate, its URI SAN or CN); "
-                       "with token or cert, an island name is bound to the identity that first joined with it",
-                       choices=("shared", "token", "cert"))
+                       "with token or cert, an island name is bound to the identity that first joined with it; "
+                       "'auto': 'token' when island_tokens is set, else 'shared'",
+                       choices=("auto", "shared", "token", "cert"))
     island_tokens: str = _f("", "identity 'token', the coordinator: file of 'NAME sha256:HEX' lines, one per island "
                             "(`dtrain admin issue-token NAME` makes one); a token acts only as its NAME")
     bindings: tuple[str, ...] = _f((), "identity token or cert: NAME=IDENTITY pins, the operator's re-binding "
                                    "(IDENTITY: token:NAME, uri:URI or cn:CN); a pin overrides the binding a name "
                                    "got at its first Join")
+    insecure: bool = _f(False, "the coordinator: serve beyond loopback (coordinator.host or the dashboard's not "
+                        "127.0.0.0/8, ::1 or localhost) with no token and no mutual TLS, to anyone who reaches the "
+                        "port (dtrain coordinator --insecure); without it such a coordinator refuses to start")
+
+    def __post_init__(self) -> None:
+        # 'auto' (the default) resolves here, once: per-island identity whenever the islands' tokens are given.
+        if self.identity == "auto":
+            object.__setattr__(self, "identity", "token" if self.island_tokens else "shared")
 
 
 @dataclass(frozen=True)
