@@ -29,7 +29,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,18 @@ def cpu_shares(islands: int, cpus: list[int]) -> list[list[int]]:
     return [[cpus[i % len(cpus)]] for i in range(islands)]
 
 
-def _pinned(cpus: list[int]) -> Callable[[], None]:
-    return lambda: os.sched_setaffinity(0, cpus)
+@contextmanager
+def _pinned(cpus: list[int] | None) -> Iterator[None]:
+    """Processes started inside inherit ``cpus`` as their CPU affinity: this thread's own (sched_setaffinity(0) is
+    per thread), set for the while. Not a preexec_fn: that runs Python in a fork of a process with JAX's threads."""
+    before = None if cpus is None else os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -242,12 +253,12 @@ class Simulation:
             wlog = open(pdir / "worker.log", "a")
             self.logs.append(wlog)
             hosts = island_process_flags(self.processes, index, f"127.0.0.1:{self.jax_ports.get(name, 0)}")
-            procs.append(subprocess.Popen(
-                _cli("worker", "--config", str(self.configs[name]), "--coordinator",
-                     f"{self.cfg.coordinator.host}:{port}", "--island", name, "--run-dir", str(wdir), *hosts, *inject,
-                     *own),
-                stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=None if share is None else _pinned(share)))
+            with _pinned(share):
+                procs.append(subprocess.Popen(
+                    _cli("worker", "--config", str(self.configs[name]), "--coordinator",
+                         f"{self.cfg.coordinator.host}:{port}", "--island", name, "--run-dir", str(wdir), *hosts,
+                         *inject, *own),
+                    stdout=wlog, stderr=subprocess.STDOUT, env=env))
         self.workers[name] = procs
         self.log.event("worker_started", island=name, processes=self.processes, pids=[p.pid for p in procs],
                        jax_coordinator=f"127.0.0.1:{self.jax_ports[name]}" if name in self.jax_ports else None)

@@ -669,3 +669,25 @@ def test_sum_squares_is_the_float64_sum_to_float32_rounding(n: int, tmp_path) ->
     assert np.isnan(codec.sum_squares(np.array([1.0, np.nan], np.float32)))
     big = np.array([3e38, 1.0], np.float32)  # its float32 squares overflow: that piece is summed in float64
     assert codec.sum_squares(big) == pytest.approx(float(np.float64(big[0]) ** 2 + 1.0), rel=1e-12)
+
+
+@pytest.mark.filterwarnings("error")  # an overflow (RuntimeWarning) on the way fails the test
+def test_sum_squares_of_values_near_the_float32_max_is_finite_and_exact() -> None:
+    """Values whose float32 squares (or their float32 sum) would overflow are summed in float64: no overflow
+    anywhere, a finite sum, equal to the float64 one; a piece of ordinary values keeps its float32 sum."""
+    top = np.finfo(np.float32).max
+    piece = codec.quant.SUM_SQUARES_PIECE
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(3 * piece + 5).astype(np.float32)
+    x[piece + 3] = top  # the second piece alone holds huge values
+    x[piece + 9] = -top
+    x[2 * piece + 1] = np.float32(1e17)  # the third: a square that fits float32, but not the piece's float32 sum
+    x[2 * piece + 2:3 * piece] = np.float32(1e17)
+    got = codec.sum_squares(x)
+    exact = float(np.sum(x.astype(np.float64) ** 2))
+    assert np.isfinite(got) and got == pytest.approx(exact, rel=1e-12)
+    first = float(np.square(x[:piece], dtype=np.float32).sum())  # the ordinary first piece: its float32 sum
+    assert codec.sum_squares(x[:piece]) == first
+    full = np.full(piece, -top, np.float32)
+    assert codec.sum_squares(full) == pytest.approx(piece * float(top) ** 2, rel=1e-12)
+    assert np.isnan(codec.sum_squares(np.array([top, np.nan], np.float32)))

@@ -500,15 +500,18 @@ def test_a_failed_process_ends_its_island_and_is_named_with_its_log(tmp_path):
 def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_path, monkeypatch):
     """How the driver starts an island of 2 processes (the commands recorded, nothing run): both get the island's
     name and run folder, process flags with the island's jax.distributed address, its push faults and its CPU
-    pinning; a restart starts both again on the same address; another island gets its own."""
+    pinning (the CPUs a process inherits, with no preexec_fn: no fork running Python in a process with JAX's
+    threads); a restart starts both again on the same address; another island gets its own."""
     import dtrain_cli.simulate_processes as simulate_processes
     from dtrain_cli.fault_spec import parse_fault
 
-    started: list[tuple[list[str], bool]] = []
+    started: list[tuple[list[str], set[int]]] = []
+    own_cpus = os.sched_getaffinity(0)
 
     class Recorded:
         def __init__(self, cmd, **kwargs):
-            started.append((cmd, kwargs["preexec_fn"] is not None))
+            assert kwargs.get("preexec_fn") is None
+            started.append((cmd, os.sched_getaffinity(0)))  # what a child started now inherits
             self.pid = len(started)
 
     monkeypatch.setattr(simulate_processes.subprocess, "Popen", Recorded)
@@ -522,7 +525,8 @@ def test_an_island_of_two_processes_is_started_whole_and_again_on_its_port(tmp_p
     finally:
         for f in sim.logs:  # nothing ran: the log files alone to close
             f.close()
-    assert len(started) == 6 and all(pinned for _, pinned in started)
+    assert len(started) == 6 and os.sched_getaffinity(0) == own_cpus  # this thread's CPUs again after each start
+    assert [cpus for _, cpus in started] == [set(sim.shares[1])] * 4 + [set(sim.shares[0])] * 2
     args = [cmd[cmd.index("worker") + 1:] for cmd, _ in started]  # every flag takes a value
     flags = [dict(zip(a[::2], a[1::2], strict=True)) for a in args]
     assert [f["--process-id"] for f in flags] == ["0", "1"] * 3

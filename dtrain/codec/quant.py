@@ -298,21 +298,27 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
 
 
 SUM_SQUARES_PIECE = 1 << 16  # values squared at once by sum_squares (256 KiB of scratch)
+# The largest |value| whose piece sum_squares squares and sums in float32: a piece of at most SUM_SQUARES_PIECE such
+# values sums to at most half the float32 maximum (~3.6e16 here), so neither a square nor the sum can overflow.
+_SUM_SQUARES_F32_PEAK: Final = np.float32(math.sqrt(_F32_MAX / SUM_SQUARES_PIECE) / 2)
 
 
 def sum_squares(values: np.ndarray) -> float:
     """Σ value² of float32 ``values`` (any size: squared piece by piece into one small scratch buffer), as a Python
     float. Each piece is summed by numpy's pairwise float32 summation (relative error about 1e-7; the pieces add
-    in float64; a piece whose float32 sum overflows is summed again in float64, so finite values never give an
-    infinite sum): four times the speed of a float64-accumulating ``einsum``, and never BLAS (``np.dot`` hands
-    long vectors to a thread pool whose spinning threads took the coordinator's cores)."""
+    in float64): four times the speed of a float64-accumulating ``einsum``, and never BLAS (``np.dot`` hands
+    long vectors to a thread pool whose spinning threads took the coordinator's cores). A piece holding a value
+    past ~3.6e16 in magnitude (whose float32 squares or sum could overflow), or a NaN, is summed in float64
+    instead: finite values always give a finite sum, and nothing overflows on the way."""
     x = values.reshape(-1)
     scratch = np.empty(min(x.size, SUM_SQUARES_PIECE), np.float32)
     total = 0.0
     for s in range(0, x.size, SUM_SQUARES_PIECE):
         part = x[s:s + SUM_SQUARES_PIECE]
-        piece = float(np.square(part, out=scratch[:part.size], dtype=np.float32).sum())
-        if piece == math.inf:  # float32 overflow (values past ~1.8e19, or their sum): the piece again in float64
+        # max and min: two reductions over the piece (in cache), no temporary; NaN fails both tests
+        if part.max() <= _SUM_SQUARES_F32_PEAK and -part.min() <= _SUM_SQUARES_F32_PEAK:
+            piece = float(np.square(part, out=scratch[:part.size], dtype=np.float32).sum())
+        else:  # float64 holds any float32 square (≤ 1.2e77) and their sum
             piece = float(np.einsum("i,i->", part, part, dtype=np.float64))
         total += piece
     return total

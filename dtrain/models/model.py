@@ -295,14 +295,15 @@ def build(cfg: ModelConfig) -> BuiltModel:
     graphdef, abstract_state = nnx.split(abstract_module)
 
     def init(seed: int) -> Params:
-        return nnx.split(_module(cfg, seed))[1].to_pure_dict()
+        return nnx.to_pure_dict(nnx.split(_module(cfg, seed))[1])
 
     def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh container each trace
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)(tokens_BxL)
 
-    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state.to_pure_dict())
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                   nnx.to_pure_dict(abstract_state))
     return BuiltModel(cfg=cfg, apply=apply, init=init, abstract_params=abstract_params)
 
 
