@@ -211,3 +211,50 @@ def test_push_streams_count_peers_and_islands_and_reap_only_streams_waiting_on_t
     reader.join()
     table.close(first), table.close(second), table.close(second)  # a second close changes nothing
     assert table.counts() == (1, {"10.0.0.2": 1}, {})
+
+
+def test_push_streams_cancel_a_trickle_below_the_minimum_rate_and_a_stream_past_its_deadline(net_cfg):
+    """With an injected clock: after its header a stream must keep coordinator.stream_min_bytes_per_s on average
+    once it has waited stream_rate_grace_s on its client; a 1-byte message does not reset the idle clock, a chunk
+    at the rate does; time between messages (the coordinator's) counts for neither; stream_deadline_s bounds a
+    stream however fast it is."""
+    now = [0.0]
+    cfg = replace(net_cfg, coordinator={"stream_idle_s": 30.0, "stream_min_bytes_per_s": 1000.0,
+                                        "stream_rate_grace_s": 5.0, "stream_deadline_s": 100.0})
+    table = PushStreams(cfg, on_cancel=lambda stream, why: None, clock=lambda: now[0])
+    gaps: dict[int, list[tuple[float, int]]] = {}  # per stream: (client's wait before the message, its bytes)
+
+    def fed(stream: Stream, key: int) -> Iterator[int]:
+        for wait, n in gaps[key]:
+            now[0] += wait
+            yield n
+
+    def feed(stream: Stream, key: int, plan: list[tuple[float, int]], to_the_end: bool = False) -> None:
+        gaps[key] = plan
+        messages = table.watched(stream, fed(stream, key), size=lambda n: n)
+        for _ in plan:  # each message, and no further: the stream stays open, between messages
+            next(messages)
+        if to_the_end:
+            assert next(messages, None) is None  # the client half-closed
+
+    trickle, fast, slow_start = (table.open("10.0.0.1", _Cancellable()) for _ in range(3))  # type: ignore[arg-type]
+    assert isinstance(trickle, Stream) and isinstance(fast, Stream) and isinstance(slow_start, Stream)
+    feed(trickle, 0, [(0.0, 0), (4.0, 1), (4.0, 1)])  # header, then 1 byte every 4 s: 2 bytes in 8 s
+    assert trickle.quiet_s == 8.0 and trickle.quiet_bytes == 2  # neither byte reset the idle clock
+    feed(fast, 1, [(0.0, 0), (1.0, 4096), (1.0, 4096)])  # header, then 4 KiB a second
+    assert fast.quiet_s == 0.0 and fast.received == 8192  # each chunk kept the rate: reset
+    feed(slow_start, 2, [(0.0, 0), (3.0, 100)])  # 100 bytes in 3 s: below the rate, within the grace
+    now[0] += 50.0  # the coordinator's time (decoding, a merge): the client's record does not move
+    reaped = dict(table.reap())
+    assert set(reaped) == {trickle}, reaped  # 2 bytes in 8 s of the client's: 0 bytes/s, after the 5 s grace
+    assert "below coordinator.stream_min_bytes_per_s=1000" in reaped[trickle]
+    assert "after stream_rate_grace_s=5" in reaped[trickle]
+    now[0] += 50.0  # 101 s after they opened: still receiving, past stream_deadline_s
+    reaped = dict(table.reap())
+    assert set(reaped) == {fast, slow_start} and "stream_deadline_s=100" in reaped[fast]
+    done = table.open("10.0.0.1", _Cancellable())  # type: ignore[arg-type]
+    assert isinstance(done, Stream)
+    feed(done, 3, [(0.0, 0), (0.1, 10 ** 6)], to_the_end=True)
+    assert done.done  # half-closed: what is left is the coordinator's, never cancelled
+    now[0] += 1000.0
+    assert table.reap() == []
