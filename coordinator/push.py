@@ -11,8 +11,9 @@ the push, before and after, is the servicer's.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from opentelemetry import trace
@@ -33,11 +34,17 @@ PushMessages = Iterator[pb.PushMessage | RawChunk]  # a push's stream: chunks ar
 
 class PayloadRefused(Exception):
     """A push whose payload is bad (a broken chunk stream, a frame that does not validate); ``code`` is the gRPC
-    status to answer with."""
+    status to answer with. ``busy``: refused for load, not for the payload (its island's streams are at their
+    limit as its data arrives): RESOURCE_EXHAUSTED, which workers retry."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, busy: bool = False):
         super().__init__(message)
-        self.code = code
+        self.code, self.busy = code, busy
+
+
+def payload_bytes(message: pb.PushMessage | RawChunk) -> int:
+    """The payload bytes a push's message carries (a chunk's data; a header none)."""
+    return len(message.chunk.data) if message.WhichOneof("kind") == "chunk" else 0
 
 
 class UploadBroke(Exception):
@@ -96,11 +103,22 @@ class PushIntake:
         return FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame, self.chunk_bytes)
 
     def receive(self, requests: PushMessages, receiver: FrameReceiver, spool: Spool, info: PushInfo,
-                round_span: trace.Span | None, target_version: int, preview: str) -> None:
+                round_span: trace.Span | None, target_version: int, preview: str,
+                claim: Callable[[], str] = lambda: "") -> None:
         """Reads the rest of the push (chunks only) through ``receiver`` into ``spool`` and validates the whole
         frame (it decodes cleanly before anything is applied). Raises PayloadRefused for a bad chunk stream or
         frame, UploadBroke for one that ended early or was cancelled. ``round_span``: the open round's span (None:
-        a push to be dropped or rejected, a trace of its own); ``preview``: the state's preview decision."""
+        a push to be dropped or rejected, a trace of its own); ``preview``: the state's preview decision;
+        ``claim()``: called when the first chunk has arrived, before anything is held for the push (its island's
+        stream slot, a receiving slot): '' to go on, else why not (PayloadRefused, busy)."""
+        try:
+            first = next(requests, None)  # nothing is held for a stream that sends no data
+        except grpc.RpcError:  # grpc's: the call was cancelled while the first chunk was awaited
+            raise UploadBroke(info, 0, receiver.chunks) from None
+        over = claim() if first is not None else ""
+        if over:
+            raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
+        requests = itertools.chain([first] if first is not None else [], requests)
         # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
         # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
         if self.receiving is not None:

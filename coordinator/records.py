@@ -43,12 +43,15 @@ class StateError(ValueError):
     request is refused for that many seconds more, not after (a throttled island's push,
     ``coordinator.admission.check_standing``); the service sends it as :data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`.
     ``stopped``: the caller's island is quarantined and is to stop (its push refused for good); the service marks the
-    refusal with :data:`dtrain.net.wire.STOPPED_METADATA_KEY`.
+    refusal with :data:`dtrain.net.wire.STOPPED_METADATA_KEY`. ``busy``: refused for now, for a standing the
+    island's own heartbeat mends (a lost island's pull, until its heartbeat's rejoin): the service answers
+    RESOURCE_EXHAUSTED marked busy (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), which workers retry.
     """
 
     CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "PERMISSION_DENIED")
 
-    def __init__(self, code: str, reason: str, retry_after_s: float = 0.0, stopped: bool = False):
+    def __init__(self, code: str, reason: str, retry_after_s: float = 0.0, stopped: bool = False,
+                 busy: bool = False):
         if code not in self.CODES:
             raise ValueError(f"StateError code {code!r} is not one of {self.CODES}")
         super().__init__(reason)
@@ -56,6 +59,7 @@ class StateError(ValueError):
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.stopped = stopped
+        self.busy = busy
 
 
 @dataclass(frozen=True)

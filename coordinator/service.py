@@ -35,7 +35,7 @@ from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.shard import ShardedStep, ShardPeers, ShardRefused, read_secret, shard_ranges, split_theta
 from coordinator.spool import Spool
 from coordinator.status_view import Counters, status_response
-from coordinator.streams import PushStreams, Stream, peer_host
+from coordinator.streams import Pulls, PushStreams, Stream, peer_host
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError
@@ -179,7 +179,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
         self.intake = PushIntake(cfg, self.merger, self.telemetry, self.streams)
-        self.push_streams = PushStreams(cfg, self._idle_cancelled)
+        self.push_streams, self.pulls = PushStreams(cfg, self._stream_cancelled), Pulls(cfg)
         self.push_streams.start()
         self.loop = RoundsLoop(lock=self.lock, clock=clock, state=self.state, merger=self.merger, ckpt=self.ckpt,
                                log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
@@ -247,7 +247,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            self._abort(context, _CODES[e.code], str(e))
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else _CODES[e.code]
+            self._abort(context, code, str(e), busy=e.busy, stopped=e.stopped)
             raise  # unreachable: abort raises
 
     def _decide_push(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], info: PushInfo,
@@ -263,8 +264,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
         """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
-        a ``push_refused`` event naming the push, and the call ends with the refusal's code."""
-        self._abort(context, e.code, str(e), push=info)
+        a ``push_refused`` event naming the push (a busy one is not), and the call ends with the refusal's code."""
+        self._abort(context, e.code, str(e), push=None if e.busy else info, busy=e.busy)
 
     def _push_refused(self, info: PushInfo, code: str, reason: str, retry_after_s: float = 0.0) -> None:
         """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it (with
@@ -389,13 +390,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             self.push_streams.close(stream)
 
-    def _idle_cancelled(self, stream: Stream, waited_s: float) -> None:
-        """A push stream the reaper cancelled (:class:`coordinator.streams.PushStreams`): recorded as a refusal
-        (CANCELLED, what its client sees)."""
-        what = "its header" if not stream.island else "its next chunk"
-        self._record_refusal(f"/{SERVICE}/PushDelta", stream.island, grpc.StatusCode.CANCELLED,
-                             f"push stream from {stream.peer} cancelled: no message for {waited_s:.1f}s while "
-                             f"waiting for {what} (coordinator.stream_idle_s={self.cfg.coordinator.stream_idle_s:g})")
+    def _stream_cancelled(self, stream: Stream, why: str) -> None:
+        """A push stream the reaper cancelled (:class:`coordinator.streams.PushStreams`): a refusal (CANCELLED)."""
+        self._record_refusal(f"/{SERVICE}/PushDelta", stream.island, grpc.StatusCode.CANCELLED, why)
 
     def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
               stream: Stream) -> pb.PushDeltaResponse:
@@ -404,9 +401,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             h = read_header(request_iterator, self.tree_digest, self.merger.fragments)
         except WireError as e:
             self._abort(context, e.code, str(e))
-        over = self.push_streams.claim(stream, h.island_id)
-        if over:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
+        stream.island = h.island_id  # named; counted for it once its data arrives (claim, below)
         info = push_info(h)
         identity = self.identity.of(context)
         pending_still = False
@@ -419,7 +414,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 admission = self.state.commit_push(info, self.clock())  # counts the retry
                 version = self.state.version
                 pending_still = any(p.key == info.push_id for p in self.merger.pending)
-                cursor = self._cursor(info)
+                cursor = self.state.push_cursor(info)  # where the island's next range starts
         if admission.status == "duplicate":
             if self.sharded is not None and not pending_still:  # a merged push's parts, sent again: let go
                 self.sharded.peers.release([info.push_id])
@@ -435,7 +430,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.merger.spool(h.fragment) as spool:  # the frame holds that fragment only
             try:
                 self.intake.receive(request_iterator, receiver, spool, info, round_span, admission.target_version,
-                                    admission.status)
+                                    admission.status, lambda: self.push_streams.claim(stream, h.island_id))
             except PayloadRefused as e:
                 self._refuse_payload(context, info, e)
             except UploadBroke as e:
@@ -499,7 +494,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
         elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
             status = pb.PUSH_STATUS_MERGED
-        return admission, status, version, self._cursor(info)
+        return admission, status, version, self.state.push_cursor(info)
 
     def _claim_parts(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
                      identity: str | None) -> float:
@@ -537,12 +532,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The L2 norm of the whole global θ. Under the lock."""
         return self.sharded.theta_norm if self.sharded is not None else self.merger.theta_norm
 
-    def _cursor(self, info: PushInfo) -> int:
-        """The cursor of the push's segment now (merged + pending data): where its island's next range starts, or
-        where it rewinds to when the push was dropped or rejected. Called under the lock, after the state
-        decided."""
-        return self.state.push_cursor(info)
-
     def PullGlobal(self, request: pb.PullRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
         if not 0 <= request.wait_s <= 3600:
@@ -550,6 +539,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._authorize(context, request.island_id)
         with self.lock:
             self._decide(context, self.state.check_pull, request.island_id, request.have_version)
+        pull = self.pulls.open(peer_host(context.peer()), request.island_id)  # long polls included
+        if isinstance(pull, str):
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, pull, busy=True)
+        try:
+            yield from self._pull(request, context)
+        finally:
+            self.pulls.close(pull)
+
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
+        """PullGlobal within its island's and its peer's pull quota (:class:`coordinator.streams.Pulls`)."""
+        with self.lock:
             if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
                 self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
                                    or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))

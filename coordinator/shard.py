@@ -167,7 +167,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         self.streams = FrameStreams()
         self.intake = PushIntake(cfg, self.merger, Telemetry.disabled(), self.streams)
         # the lead's bounds on open push streams, here too: per peer host, per island, and the idle reaper
-        self.push_streams = PushStreams(cfg, self._idle_cancelled)
+        self.push_streams = PushStreams(cfg, self._stream_cancelled)
         self.push_streams.start()
         self.pull_piece = pull_piece(cfg)
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
@@ -370,11 +370,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         finally:
             self.push_streams.close(stream)
 
-    def _idle_cancelled(self, stream: Stream, waited_s: float) -> None:
-        what = "its header" if not stream.island else "its next chunk"
-        log.warning("shard %d: push stream from %s cancelled: no message for %.1fs while waiting for %s "
-                     "(coordinator.stream_idle_s=%g)", self.index, stream.peer, waited_s, what,
-                     self.cfg.coordinator.stream_idle_s)
+    def _stream_cancelled(self, stream: Stream, why: str) -> None:
+        log.warning("shard %d: %s", self.index, why)
 
     def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
               stream: Stream) -> pb.PushDeltaResponse:
@@ -383,10 +380,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
             h = read_header(request_iterator, self.tree_digest)
         except WireError as e:
             context.abort(e.code, str(e))
-        over = self.push_streams.claim(stream, h.island_id)
-        if over:
-            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shard {self.index}: {over}")
+        stream.island = h.island_id  # counted for it once its data arrives (claim, below)
         if h.shard != self.index:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: its header names shard "
                                                             f"{h.shard}, this is shard {self.index}")
@@ -412,8 +406,11 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
             context.abort(e.code, str(e))
         with self.merger.spool() as spool:  # the frame must hold exactly this shard's range
             try:
-                self.intake.receive(request_iterator, receiver, spool, info, None, 0, "held")
+                self.intake.receive(request_iterator, receiver, spool, info, None, 0, "held",
+                                    lambda: self.push_streams.claim(stream, h.island_id))
             except PayloadRefused as e:
+                if e.busy:  # the island's streams are full: workers retry
+                    context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
                 context.abort(e.code, f"shard {self.index}: {e}")
             except UploadBroke as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: {e}")

@@ -183,9 +183,20 @@ class CoordinatorState:
         return self.ledger.shard_cursor(shard_index)
 
     def check_pull(self, island_id: str, have_version: int) -> None:
-        """Refuses a pull from an unknown island, or from one claiming a version the coordinator has not made."""
-        if island_id not in self.islands:
+        """Refuses a pull from an unknown island, or from one claiming a version the coordinator has not made. A
+        lost or quarantined island gets no data-plane service: a quarantined one's pull is refused for good
+        (``stopped``), a lost one's until it rejoins (``busy``: its worker retries while its heartbeat, answered
+        rejoin, calls Join)."""
+        record = self.islands.get(island_id)
+        if record is None:
             raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
+        if record.state == "quarantined":
+            raise StateError("FAILED_PRECONDITION", f"pull refused: {island_id} is quarantined "
+                                                    f"({record.stop_reason})", stopped=True)
+        if record.state == "lost":
+            raise StateError("FAILED_PRECONDITION", f"pull refused: {island_id} is lost (its lease expired at "
+                                                    f"t={record.lease_expiry:.1f}): rejoin (call Join again) to "
+                                                    f"pull", busy=True)
         if have_version > self.version:
             raise StateError("INVALID_ARGUMENT", f"have_version={have_version} is ahead of the coordinator's "
                                                  f"version {self.version}")

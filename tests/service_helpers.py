@@ -68,7 +68,8 @@ def tls_config(cfg, d: Path, client_auth: bool, client: str | None):
 
 
 class IdlePushes:
-    """PushDelta streams opened on one channel that send nothing (or only ``header``) until :meth:`close`."""
+    """PushDelta streams opened on one channel that send nothing (or only ``header``, and then the messages of
+    ``first``: pre-encoded chunks) until :meth:`close`."""
 
     def __init__(self, address: str, token: str | None):
         self.channel = grpc.insecure_channel(address)
@@ -78,13 +79,16 @@ class IdlePushes:
         self.release = threading.Event()
         self.calls: list[grpc.Future] = []
 
-    def _messages(self, header: pb.PushHeader | None) -> Iterator[pb.PushMessage]:
+    def _messages(self, header: pb.PushHeader | None, first: tuple[bytes, ...]) -> Iterator[pb.PushMessage | bytes]:
         if header is not None:
             yield pb.PushMessage(header=header)
+        yield from first
         self.release.wait(120)  # no message, no half-close: the stream stays open and idle
 
-    def open(self, count: int = 1, header: pb.PushHeader | None = None) -> list[grpc.Future]:
-        calls = [self.push.future(self._messages(header), timeout=120, metadata=self.metadata) for _ in range(count)]
+    def open(self, count: int = 1, header: pb.PushHeader | None = None,
+             first: tuple[bytes, ...] = ()) -> list[grpc.Future]:
+        calls = [self.push.future(self._messages(header, first), timeout=120, metadata=self.metadata)
+                 for _ in range(count)]
         self.calls += calls
         return calls
 

@@ -15,7 +15,7 @@ from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.net.wire import BUSY_METADATA_KEY
+from dtrain.net.wire import BUSY_METADATA_KEY, chunk_message
 from dtrain.train import fragments
 from service_helpers import IdlePushes, call_failure, push_header, wait_for
 from workers.app import coordinator_link
@@ -299,11 +299,12 @@ def test_range_shard_bounds_push_streams_per_peer_and_island_and_cancels_idle_on
         header = push_header(isl.join, "held-open")
         header.shard = 1
         r1 = run.ranges[1]  # a header for a real part of the range: its size, CRC and chunk count filled in
-        isl.links.others[0]._chunked(header, codec.encode(codec.quantize(np.full(r1.size, 1e-3, np.float32), 8,
-                                                                        128)))
-        first = idle.open(header=header)[0]
+        chunks = isl.links.others[0]._chunked(header, codec.encode(codec.quantize(np.full(r1.size, 1e-3, np.float32),
+                                                                                 8, 128)))
+        data = (chunk_message(0, *chunks[0]),)  # an island's stream is counted for it once its data arrives
+        first = idle.open(header=header, first=data)[0]
         wait_for(lambda: run.shard.push_streams.counts()[2] == {isl.join.island_id: 1}, "the island's stream")
-        island_over = call_failure(idle.open(header=header)[0])
+        island_over = call_failure(idle.open(header=header, first=data)[0])
         assert island_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "shard 1" in island_over.details() and "max_streams_per_island=1" in island_over.details()
         assert (BUSY_METADATA_KEY, "1") in tuple(island_over.trailing_metadata())

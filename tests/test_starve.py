@@ -16,7 +16,7 @@ from coordinator.lifecycle import server_threads
 from coordinator.streams import PushStreams, Stream
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.net.wire import BUSY_METADATA_KEY
+from dtrain.net.wire import BUSY_METADATA_KEY, chunk_message
 from dtrain.runlog import read_events
 from service_helpers import IdlePushes, Running, call_failure, delta_frame, join_island, push_header, wait_for
 from workers.client import CoordinatorClient, CoordinatorError
@@ -29,6 +29,12 @@ def _header(client: CoordinatorClient, join: pb.JoinResponse, push_id: str) -> p
     header = push_header(join, push_id)
     client._chunked(header, delta_frame(join.tree_size, 1)[1])
     return header
+
+
+def _first_chunk(client: CoordinatorClient, join: pb.JoinResponse, header: pb.PushHeader) -> tuple[bytes, ...]:
+    """The first chunk message of the frame ``header`` was made for (:func:`_header`)."""
+    chunks = client._chunked(pb.PushHeader(), delta_frame(join.tree_size, 1)[1])
+    return (chunk_message(0, *chunks[0]),)
 
 
 def test_200_idle_pushes_with_a_valid_token_do_not_starve_heartbeats_or_status(net_cfg, tmp_path, monkeypatch):
@@ -109,13 +115,16 @@ def test_a_peer_or_an_island_over_its_stream_limit_is_refused_resource_exhausted
     idle = IdlePushes(running.address, token=None)
     try:
         join = join_island(client, "a")
-        idle.open(header=_header(client, join, "held"))
+        # An island's stream is counted for it once its data arrives: a header alone holds no slot.
+        idle.open(header=_header(client, join, "header-only"))
+        idle.open(header=(held := _header(client, join, "held")), first=_first_chunk(client, join, held))
         wait_for(lambda: running.service.push_streams.counts()[2] == {join.island_id: 1}, "the island's stream")
-        island_over = call_failure(idle.open(header=_header(client, join, "second"))[0])
+        second = _header(client, join, "second")
+        island_over = call_failure(idle.open(header=second, first=_first_chunk(client, join, second))[0])
         assert island_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "coordinator.max_streams_per_island=1" in island_over.details()
         assert (BUSY_METADATA_KEY, "1") in tuple(island_over.trailing_metadata())
-        idle.open(2)
+        idle.open(1)
         wait_for(lambda: running.service.push_streams.counts()[0] == 3, "three streams from this peer")
         peer_over = call_failure(idle.open()[0])
         assert peer_over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -172,14 +181,14 @@ def test_push_streams_count_peers_and_islands_and_reap_only_streams_waiting_on_t
     """coordinator/streams.py on its own, with an injected clock: limits, uncounting, idle time."""
     now = [100.0]
     cfg = replace(net_cfg, coordinator={"max_streams_per_peer": 2, "max_streams_per_island": 1, "stream_idle_s": 5.0})
-    table = PushStreams(cfg, on_idle=lambda stream, waited: None, clock=lambda: now[0])
+    table = PushStreams(cfg, on_cancel=lambda stream, why: None, clock=lambda: now[0])
     a, b = _Cancellable(), _Cancellable()
     first, second = table.open("10.0.0.1", a), table.open("10.0.0.1", b)  # type: ignore[arg-type]
     assert isinstance(first, Stream) and isinstance(second, Stream)
     assert "max_streams_per_peer=2" in str(table.open("10.0.0.1", _Cancellable()))  # type: ignore[arg-type]
     assert isinstance(table.open("10.0.0.2", _Cancellable()), Stream)  # type: ignore[arg-type]  # another host
     assert table.claim(first, "a-0") == "" and "max_streams_per_island=1" in table.claim(second, "a-0")
-    waiting = table.watched(first, iter([1]))
+    waiting = table.watched(first, iter([1]), size=lambda _: 0)
     assert next(waiting) == 1  # a message came at once: not waiting now
     now[0] += 60
     assert table.reap() == []  # second never waited on its client; first is between messages (the server's time)
@@ -189,15 +198,63 @@ def test_push_streams_count_peers_and_islands_and_reap_only_streams_waiting_on_t
         blocked.wait(10)
         yield 2
 
-    reader = threading.Thread(target=lambda: list(table.watched(second, block())))
+    reader = threading.Thread(target=lambda: list(table.watched(second, block(), size=lambda _: 0)))
     reader.start()
     wait_for(lambda: second.waiting_since is not None, "the wait to be marked")
     now[0] += 5.0
     assert table.reap() == []  # exactly stream_idle_s: not over it
     now[0] += 0.1
-    assert [(s, round(w, 1)) for s, w in table.reap()] == [(second, 5.1)] and b.cancelled and not a.cancelled
+    ((reaped, why),) = table.reap()
+    assert reaped is second and "5.1s waiting for its header" in why and b.cancelled and not a.cancelled
     assert table.reap() == []  # cancelled once
     blocked.set()
     reader.join()
     table.close(first), table.close(second), table.close(second)  # a second close changes nothing
     assert table.counts() == (1, {"10.0.0.2": 1}, {})
+
+
+def test_push_streams_cancel_a_trickle_below_the_minimum_rate_and_a_stream_past_its_deadline(net_cfg):
+    """With an injected clock: after its header a stream must keep coordinator.stream_min_bytes_per_s on average
+    once it has waited stream_rate_grace_s on its client; a 1-byte message does not reset the idle clock, a chunk
+    at the rate does; time between messages (the coordinator's) counts for neither; stream_deadline_s bounds a
+    stream however fast it is."""
+    now = [0.0]
+    cfg = replace(net_cfg, coordinator={"stream_idle_s": 30.0, "stream_min_bytes_per_s": 1000.0,
+                                        "stream_rate_grace_s": 5.0, "stream_deadline_s": 100.0})
+    table = PushStreams(cfg, on_cancel=lambda stream, why: None, clock=lambda: now[0])
+    gaps: dict[int, list[tuple[float, int]]] = {}  # per stream: (client's wait before the message, its bytes)
+
+    def fed(stream: Stream, key: int) -> Iterator[int]:
+        for wait, n in gaps[key]:
+            now[0] += wait
+            yield n
+
+    def feed(stream: Stream, key: int, plan: list[tuple[float, int]], to_the_end: bool = False) -> None:
+        gaps[key] = plan
+        messages = table.watched(stream, fed(stream, key), size=lambda n: n)
+        for _ in plan:  # each message, and no further: the stream stays open, between messages
+            next(messages)
+        if to_the_end:
+            assert next(messages, None) is None  # the client half-closed
+
+    trickle, fast, slow_start = (table.open("10.0.0.1", _Cancellable()) for _ in range(3))  # type: ignore[arg-type]
+    assert isinstance(trickle, Stream) and isinstance(fast, Stream) and isinstance(slow_start, Stream)
+    feed(trickle, 0, [(0.0, 0), (4.0, 1), (4.0, 1)])  # header, then 1 byte every 4 s: 2 bytes in 8 s
+    assert trickle.quiet_s == 8.0 and trickle.quiet_bytes == 2  # neither byte reset the idle clock
+    feed(fast, 1, [(0.0, 0), (1.0, 4096), (1.0, 4096)])  # header, then 4 KiB a second
+    assert fast.quiet_s == 0.0 and fast.received == 8192  # each chunk kept the rate: reset
+    feed(slow_start, 2, [(0.0, 0), (3.0, 100)])  # 100 bytes in 3 s: below the rate, within the grace
+    now[0] += 50.0  # the coordinator's time (decoding, a merge): the client's record does not move
+    reaped = dict(table.reap())
+    assert set(reaped) == {trickle}, reaped  # 2 bytes in 8 s of the client's: 0 bytes/s, after the 5 s grace
+    assert "below coordinator.stream_min_bytes_per_s=1000" in reaped[trickle]
+    assert "after stream_rate_grace_s=5" in reaped[trickle]
+    now[0] += 50.0  # 101 s after they opened: still receiving, past stream_deadline_s
+    reaped = dict(table.reap())
+    assert set(reaped) == {fast, slow_start} and "stream_deadline_s=100" in reaped[fast]
+    done = table.open("10.0.0.1", _Cancellable())  # type: ignore[arg-type]
+    assert isinstance(done, Stream)
+    feed(done, 3, [(0.0, 0), (0.1, 10 ** 6)], to_the_end=True)
+    assert done.done  # half-closed: what is left is the coordinator's, never cancelled
+    now[0] += 1000.0
+    assert table.reap() == []

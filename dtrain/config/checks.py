@@ -230,6 +230,15 @@ def _check_coordinator(cfg: Config, fail: _Fail) -> None:
         fail("coordinator", "max_streams_per_peer", f"must be 0 (auto) or >= 1, got {co.max_streams_per_peer}")
     if co.max_streams_per_island < 1:
         fail("coordinator", "max_streams_per_island", f"must be >= 1, got {co.max_streams_per_island}")
+    for name in ("stream_min_bytes_per_s", "stream_rate_grace_s"):
+        if not (math.isfinite(getattr(co, name)) and getattr(co, name) >= 0):
+            fail("coordinator", name, f"must be a finite number >= 0, got {getattr(co, name)}")
+    if not (math.isfinite(co.stream_deadline_s) and co.stream_deadline_s > 0):
+        fail("coordinator", "stream_deadline_s", f"must be a finite number > 0, got {co.stream_deadline_s}")
+    if co.max_pulls_per_peer < 0:
+        fail("coordinator", "max_pulls_per_peer", f"must be 0 (auto) or >= 1, got {co.max_pulls_per_peer}")
+    if co.max_pulls_per_island < 1:
+        fail("coordinator", "max_pulls_per_island", f"must be >= 1, got {co.max_pulls_per_island}")
     if co.refusal_events < 1:
         fail("coordinator", "refusal_events", f"must be >= 1, got {co.refusal_events}")
     if not (math.isfinite(co.forget_after_s) and co.forget_after_s >= 0):

@@ -225,8 +225,26 @@ class CoordinatorConfig:
     max_streams_per_peer: int = _f(0, "push streams one peer host may hold open at once; more are refused "
                                    "(RESOURCE_EXHAUSTED, retried by workers); 0: outer.islands + 8 (every island of "
                                    "a run may share one host: dtrain simulate, a NAT)")
-    max_streams_per_island: int = _f(2, "push streams one island (its headers' island_id) may hold open at once: "
-                                     "a push and a retry of it; more are refused (RESOURCE_EXHAUSTED)")
+    max_streams_per_island: int = _f(2, "push streams one island (its headers' island_id) may hold receiving at "
+                                     "once, counted from a stream's first chunk: a push and a retry of it; more are "
+                                     "refused (RESOURCE_EXHAUSTED, retried by workers)")
+    stream_min_bytes_per_s: float = _f(8192.0, "a push stream whose average rate since its header falls below this "
+                                       "once it has waited stream_rate_grace_s on its client is cancelled, and a "
+                                       "message resets the stream_idle_s clock only when the stream kept this rate "
+                                       "since the last reset; only time waiting on the client counts. 8 KiB/s "
+                                       "(64 kbit/s) sits far below a slow WAN link (20 Mbit/s: docs/benchmarks.md); "
+                                       "0: off")
+    stream_rate_grace_s: float = _f(10.0, "time a push stream may wait on its client after its header before "
+                                    "stream_min_bytes_per_s applies (a slow start, a TCP retransmission)")
+    stream_deadline_s: float = _f(1800.0, "a push stream still receiving this long after it opened is cancelled, "
+                                  "whatever its rate: set it above what the largest push takes on the slowest link "
+                                  "(a 1 GB frame at 20 Mbit/s: 400 s)")
+    max_pulls_per_peer: int = _f(0, "PullGlobal calls one peer host may hold at once, long polls included; more are "
+                                 "refused (RESOURCE_EXHAUSTED, retried by workers); 0: outer.islands + 8")
+    max_pulls_per_island: int = _f(3, "PullGlobal calls one island may hold at once, long polls included: its "
+                                   "exchange's long poll, its training loop's pull and a retry; more are refused "
+                                   "(RESOURCE_EXHAUSTED, retried by workers), so a flood of parked pulls holds this "
+                                   "many data threads at most")
     stream_window_bytes: int = _f(4 << 20, "receive window per incoming stream at most, fixed: bounds the memory "
                                   "pushes in flight hold (islands x window); over a WAN set it >= per-island "
                                   "bandwidth x RTT; 0: gRPC's auto-tuning (BDP probing), unbounded")
