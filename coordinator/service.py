@@ -129,7 +129,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
         self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
-        self.opts = StateOptions.from_config(cfg)
+        self.opts = StateOptions.from_config(cfg, params=self.tree_size)
         self.ckpt: Checkpointer | None = None
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
