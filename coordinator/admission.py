@@ -26,6 +26,10 @@ here changes anything (``coordinator.state.CoordinatorState.commit_push`` record
   (``dtrain.steps.outer.robust_z``; once ``norm_window_min`` are in). In a sync round of 3 pushes or more the first
   gives way to the round screen's ratio to the round's own median, and the robust-z window holds the round's
   norms beside the merged ones: honest norms that grow together move its median, one push in a minority cannot.
+  A push that the merged norms cannot check yet (:func:`has_reference`: too few of them, e.g. in the run's first
+  rounds or the first after a resume) is clipped, as it arrives, to its honest ceiling (:func:`honest_ceiling`: the
+  farthest its claimed AdamW steps can move θ, × :data:`CODEC_SLACK`): an honest push lies under it and is merged as
+  it is, a forged one is merged no larger than an honest one could be (``Admission.scale``), never as it is.
 - The round screen (:func:`screen_round`, sync mode, when a round closes, from the first round on: its ratio
   needs no history): the screen against the merged norms above, and a pending push whose norm exceeds
   ``coordinator.round_norm_ratio`` × the median norm of the round's pushes is rejected, in rounds of 3 pushes or
@@ -55,7 +59,7 @@ from collections.abc import Sequence
 from coordinator.ledger import PushLedger
 from coordinator.records import MAX_PUSH_ID_LEN, Admission, IslandRecord, PushInfo, StateError, StateOptions
 from dtrain.config.sections import CoordinatorConfig
-from dtrain.steps.outer import clip_factor, robust_z, staleness_weight
+from dtrain.steps.outer import clip_factor, honest_delta_bound, robust_z, staleness_weight
 from dtrain.train.fragments import fragment_of_base, fragment_of_round
 
 
@@ -268,10 +272,12 @@ def screen_round(c: CoordinatorConfig, infos: Sequence[PushInfo], norms: Sequenc
 
 
 def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, admission: Admission, norm: float,
-                theta_norm: float, islands: int = 0) -> Admission:
+                theta_norm: float, islands: int = 0, ceiling: float = 0.0) -> Admission:
     """An accepted push, screened by its norm: rejected as an outlier, or accepted with its clip factor. ``norms``:
     the L2 norms of the last merged pushes; ``theta_norm``: the L2 norm of θ (0: the ratio check is skipped);
-    ``islands``: how many of the last merged norms are the recent reference (0: no such check)."""
+    ``islands``: how many of the last merged norms are the recent reference (0: no such check); ``ceiling``: the
+    push's honest ceiling (:func:`honest_ceiling`; 0: none), its clip while ``norms`` give no reference
+    (:func:`has_reference`)."""
     if not (math.isfinite(norm) and norm >= 0):
         return dataclasses.replace(admission, status="reject", weight=0.0, norm=0.0,
                                    reason=f"rejected: push {info.push_id} has a non-finite norm {norm}")
@@ -286,7 +292,36 @@ def screen_norm(c: CoordinatorConfig, norms: Sequence[float], info: PushInfo, ad
             return dataclasses.replace(admission, status="reject", weight=0.0, norm=norm, reason=why)
     scale = clip_factor(norm, c.clip_norm)
     clipped = f"; norm {norm:.4g} clipped to {c.clip_norm:g}" if scale < 1 else ""
+    lone = clip_factor(norm, ceiling) if ceiling > 0 and not has_reference(c, norms, islands) else 1.0
+    if lone < scale:
+        scale, clipped = lone, (f"; unchecked (too few merged norms to compare it with): norm {norm:.4g} clipped to "
+                                f"the honest ceiling {ceiling:.4g} (what {info.inner_steps} AdamW steps can move θ)")
     return dataclasses.replace(admission, norm=norm, scale=scale, reason=admission.reason + clipped)
+
+
+def has_reference(c: CoordinatorConfig, window: Sequence[float], islands: int) -> bool:
+    """Whether the merged norms ``window`` are enough for :func:`screen_history` to check a push against: the
+    recent median (``round_norm_ratio``, over the last ``islands``, once min(3, islands) are in) or the robust-z
+    window (``norm_z_max``, once ``norm_window_min`` are in)."""
+    recent = bool(c.round_norm_ratio and islands and len(list(window)[-islands:]) >= min(3, islands))
+    return recent or bool(c.norm_z_max and len(window) >= c.norm_window_min)
+
+
+CODEC_SLACK = 2.0  # an encoded honest Δ's norm over Δ's: int8 blocks of 1024 add at most √1024 / 254 = 0.13 of it
+
+
+def honest_ceiling(opts: StateOptions, info: PushInfo, theta_norm: float) -> float:
+    """The most an honest island's push ``info`` can weigh in L2 norm, θ at ``theta_norm`` (0: no bound known,
+    ``StateOptions.params`` unset, or ``coordinator.norm_max_ratio`` 0: the norm screens that need no history
+    off): ``dtrain.steps.outer.honest_delta_bound`` of its inner steps (at most one per sequence of its range,
+    whatever it claims) at the peak inner rate, × :data:`CODEC_SLACK` for its quantization and error feedback. The
+    schedule is left out (an island with a smaller batch stretches it, so the coordinator does not know its steps'
+    rates): the bound holds for any of them."""
+    if not (opts.params and opts.inner_lr > 0 and opts.coordinator.norm_max_ratio):
+        return 0.0
+    steps = min(info.inner_steps, max(info.cursor_end - info.cursor_start, 1))
+    return CODEC_SLACK * honest_delta_bound(opts.inner_lr, opts.adam_ratio, opts.weight_decay, opts.params, steps,
+                                            theta_norm)
 
 
 def screen_history(c: CoordinatorConfig, push_id: str, norm: float, window: Sequence[float], islands: int = 0,

@@ -10,6 +10,7 @@ None of it is checkpointed: it is a view, and the events are its record.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ MAX_EVALS = 500  # EvalPoints kept
 MAX_FAULTS = 100  # FaultRecords kept
 MAX_DETAIL = 512  # characters of a FaultRecord's detail
 EVAL_REASSIGN_S = 120.0  # an asked island that has not reported for this long: the next puller is asked instead
+EVAL_CONFIRMATIONS = 2  # independent agreeing reports that make a version's eval loss a confirmed figure
+EVAL_RTOL = 1e-2  # reports this close (relative) agree: the same θ and batches on other devices and meshes
+EVAL_HOLD_S = 2 * EVAL_REASSIGN_S  # a lone report no second one came for in this long is recorded unconfirmed
 
 _DETAIL_KEYS = ("reason", "error", "detail", "code", "method", "peer")
 
@@ -73,7 +77,10 @@ class RunHistory:
         self.tokens_at: dict[int, int] = {0: 0}  # version -> tokens merged into it (cumulative)
         self.evaluated: set[int] = set()
         self.islands: dict[str, IslandView] = {}
-        self._asked: dict[int, tuple[str, float]] = {}  # version -> (island asked to evaluate it, when)
+        self._asked: dict[int, dict[str, float]] = {}  # version -> {island asked to evaluate it: when}
+        self._reports: dict[int, dict[str, float]] = {}  # version not settled -> {island: the loss it reported}
+        self._held_since: dict[int, float] = {}  # version not settled -> when its first report came
+        self._disputed: set[int] = set()  # versions whose reports disagreed: a third island is asked
         self._pulled: dict[int, set[str]] = {}  # eval version not asked yet -> the islands that pulled it
         self.evals_asked: Counter[str] = Counter()  # island -> evals asked of it (this coordinator process)
 
@@ -104,8 +111,10 @@ class RunHistory:
         elif kind == "eval":
             version = int(record["version"])
             self.evaluated.add(version)
+            by = [printable(str(i), MAX_ISLAND_ID_LEN) for i in record.get("confirmed_by", [])][:EVAL_CONFIRMATIONS]
             self.evals.append(pb.EvalPoint(version=version, tokens=int(record.get("tokens", 0)),
-                                           loss=float(record["loss"]), island_id=island_of(record), t=t))
+                                           loss=float(record["loss"]), island_id=island_of(record), t=t,
+                                           confirmed=bool(record.get("confirmed", False)), confirmed_by=by))
         fault = fault_kind(record)
         if fault:
             self.faults.append(pb.FaultRecord(t=t, kind=fault, island_id=island_of(record),
@@ -127,39 +136,97 @@ class RunHistory:
     def assign_eval(self, island_id: str, version: int, final: bool, every: int, now: float,
                     live: Collection[str] = ()) -> bool:
         """Whether the island that is about to hold ``version`` (a pull) should evaluate it: a version on the
-        ``every`` grid (θ_0 included; 0: none) or the run's final one, not evaluated yet, and not asked of
-        another island that is still expected to answer (asked less than EVAL_REASSIGN_S ago).
+        ``every`` grid (θ_0 included; 0: none) or the run's final one, not settled yet (:meth:`eval_report`), and
+        asked of fewer islands still expected to answer (asked less than EVAL_REASSIGN_S ago, or answered) than it
+        needs: :data:`EVAL_CONFIRMATIONS` (fewer when fewer islands are ``live``), one more once two disagreed.
 
-        An eval is time an island does not train, so evals are spread: the puller is passed over while a
+        An eval is time an island does not train, so first asks are spread: the puller is passed over while a
         ``live`` island that has not pulled this version yet has been asked fewer evals; it will be asked when
         it pulls. (Were it never to pull this version, it would be asked for a later one: the grid point is
         then missing from the eval curve, never evaluated twice.)"""
         if version in self.evaluated or not (final or (every > 0 and version % every == 0)):
             return False
-        asked = self._asked.get(version)
-        if asked is not None and asked[0] != island_id and now - asked[1] < EVAL_REASSIGN_S:
+        asked = self._asked.setdefault(version, {})
+        reports = self._reports.get(version, {})
+        if island_id in reports:
             return False
-        if asked is None and not final:
-            pulled = self._pulled.setdefault(version, set())
-            pulled.add(island_id)
-            mine = self.evals_asked[island_id]
-            if any(self.evals_asked[i] < mine for i in live if i not in pulled):
+        if island_id not in asked:
+            expected = [i for i, t in asked.items() if i in reports or now - t < EVAL_REASSIGN_S]
+            needed = EVAL_CONFIRMATIONS + (version in self._disputed)
+            if len(expected) >= min(needed, max(len(live), 1)):
                 return False
+            if not asked and not final:
+                pulled = self._pulled.setdefault(version, set())
+                pulled.add(island_id)
+                mine = self.evals_asked[island_id]
+                if any(self.evals_asked[i] < mine for i in live if i not in pulled):
+                    return False
+            self.evals_asked[island_id] += 1
         for v in [v for v in self._pulled if v <= version]:  # asked now, or passed over by a newer version
             del self._pulled[v]
-        if asked is None or asked[0] != island_id:
-            self.evals_asked[island_id] += 1
-        self._asked[version] = (island_id, now)
+        asked[island_id] = now
         return True
 
-    def eval_report(self, island_id: str, version: int, loss: float) -> bool:
-        """Whether an island's eval report is new and was asked of it (a retried report, or one never asked for,
-        is not recorded again). The caller has checked its values (:func:`check_eval_reports`)."""
-        asked = self._asked.get(version)
-        if version in self.evaluated or asked is None or asked[0] != island_id:
-            return False
-        del self._asked[version]
-        return True
+    def eval_report(self, island_id: str, version: int, loss: float, now: float,
+                    live: Collection[str] = ()) -> list[dict[str, Any]]:
+        """The events an island's eval report makes (the caller logs them; the fold records them): none for a
+        retried report, one never asked for or of a settled version. The caller has checked its values
+        (:func:`check_eval_reports`). The rule (docs/faults.md): a version's figure is the run's on the word of
+        two islands whose independent reports agree within :data:`EVAL_RTOL` (an ``eval`` event with
+        ``confirmed`` true, ``confirmed_by`` naming them); reports that disagree are an ``eval_disagreement``
+        fault naming every reporter and its loss, and a third island is asked; a lone report is held while
+        another ``live`` island could check it, else recorded with ``confirmed`` false (:meth:`settle_evals`)."""
+        asked = self._asked.get(version, {})
+        reports = self._reports.setdefault(version, {})
+        if version in self.evaluated or island_id not in asked or island_id in reports:
+            return []
+        reports[island_id] = loss
+        self._held_since.setdefault(version, now)
+        agree = [i for i, x in reports.items() if i != island_id and math.isclose(x, loss, rel_tol=EVAL_RTOL)]
+        if agree:
+            return [self._settle(version, [agree[0], island_id])]
+        if len(reports) > 1:
+            self._disputed.add(version)
+            return [{"event": "eval_disagreement", "version": version, "island": island_id,
+                     "reports": {i: x for i, x in reports.items()},
+                     "reason": f"eval of v{version}: " + ", ".join(f"{i} reported {x:.6g}" for i, x in
+                                                                  reports.items()) +
+                               f" (more than {EVAL_RTOL:g} apart): no figure recorded until two agree"}]
+        return []
+
+    def settle_evals(self, now: float, live: Collection[str]) -> list[dict[str, Any]]:
+        """The ``eval`` events (``confirmed`` false) of lone reports that no other island can check any more: no
+        other island is ``live`` nor asked less than EVAL_REASSIGN_S ago (one that finished the run may still
+        report), or held :data:`EVAL_HOLD_S` with no second report."""
+        out = []
+        for version, reports in list(self._reports.items()):
+            if len(reports) == 1 and version not in self.evaluated and version not in self._disputed:
+                (only,) = reports
+                asked = [i for i, t in self._asked.get(version, {}).items() if now - t < EVAL_REASSIGN_S]
+                if not [i for i in (*live, *asked) if i != only] or now - self._held_since[version] >= EVAL_HOLD_S:
+                    out.append(self._settle(version, [only]))
+        return out
+
+    def _settle(self, version: int, islands: list[str]) -> dict[str, Any]:
+        """A version's ``eval`` event, on the word of ``islands`` (two agreeing: confirmed; one: not)."""
+        losses = [self._reports[version][i] for i in islands]
+        self.evaluated.add(version)  # the fold adds it too (a replay); here so that nothing settles it twice
+        for table in (self._asked, self._reports, self._held_since):
+            table.pop(version, None)
+        self._disputed.discard(version)
+        confirmed = len(islands) >= EVAL_CONFIRMATIONS
+        return {"event": "eval", "version": version, "loss": statistics.median(losses), "island": islands[0],
+                "confirmed": confirmed, "confirmed_by": islands if confirmed else [],
+                "tokens": self.tokens_merged_at(version)}
+
+
+def eval_progress(event: dict[str, Any]) -> str:
+    """The progress line of an event :meth:`RunHistory.eval_report` made."""
+    if event["event"] == "eval_disagreement":
+        return f"v{event['version']}: eval reports disagree: {event['reason']}"
+    by = (f"confirmed by {' and '.join(event['confirmed_by'])}" if event["confirmed"]
+          else f"UNCONFIRMED: {event['island']}'s word alone")
+    return f"v{event['version']}: global eval loss {event['loss']:.4f} ({event['tokens']:,} tokens; {by})"
 
 
 def check_eval_reports(reports: Iterable[tuple[int, float]], version: int) -> str:

@@ -18,7 +18,9 @@ from dtrain import schema
 from dtrain.config.sections import ISLAND_NAME_RE, Config, CoordinatorConfig, parse_binding
 from dtrain.net.wire import PROBES
 from dtrain.runlog import json_number
+from dtrain.steps.outer import adam_ratio_bound
 
+ADAM_RATIO_STEPS = 100_000  # the steps StateOptions.adam_ratio is the largest over (it levels off long before)
 MAX_PUSH_IDS = 100_000
 MAX_PUSH_ID_LEN = 128
 MAX_DIGEST_LEN = 256  # a reported digest's characters (params_digest, tree_digest, fingerprint)
@@ -83,6 +85,11 @@ class StateOptions:
     identity: str = "shared"  # security.identity: whose calls may act as which island (coordinator/bindings.py)
     pins: tuple[tuple[str, str], ...] = ()  # security.bindings as (name, identity): the operator's re-bindings
     fragments: int = 1  # outer.fragments: version v + 1 merges fragment v mod fragments (dtrain.train.fragments)
+    # What bounds an honest island's Δ (coordinator.admission.honest_ceiling; params 0: no such bound)
+    params: int = 0  # values in θ
+    inner_lr: float = 0.0  # train.lr: the peak inner learning rate
+    adam_ratio: float = 0.0  # the most one AdamW step moves a value, per unit of lr (dtrain.steps.outer)
+    weight_decay: float = 0.0  # train.weight_decay
 
     @property
     def shard_end(self) -> int:
@@ -112,9 +119,11 @@ class StateOptions:
             raise ValueError(f"StateOptions.linger_s={self.linger_s}: must be >= 0")
 
     @classmethod
-    def from_config(cls, cfg: Config, max_push_ids: int = MAX_PUSH_IDS, linger_s: float = LINGER_S) -> StateOptions:
+    def from_config(cls, cfg: Config, max_push_ids: int = MAX_PUSH_IDS, linger_s: float = LINGER_S,
+                    params: int = 0) -> StateOptions:
         """The options for ``cfg``: total_versions is ``cfg.rounds`` (sync: one version per round) or
-        ``cfg.rounds × outer.islands`` (async: one version per push)."""
+        ``cfg.rounds × outer.islands`` (async: one version per push). ``params``: the values in θ (0: no honest
+        ceiling on a push the coordinator cannot check yet, ``coordinator.admission.honest_ceiling``)."""
         rounds = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * cfg.outer.islands
         wall_time = cfg.worker.round_seconds != 0  # > 0, or auto
         # a push covers a round: H steps, or H / outer.fragments with fragments (each push one fragment's)
@@ -124,7 +133,9 @@ class StateOptions:
                    max_push_steps=max_steps, shard_steps=0 if wall_time else cfg.train.steps,
                    round_steps=cfg.outer.inner_steps,
                    max_push_ids=max_push_ids, linger_s=linger_s, identity=cfg.security.identity,
-                   pins=tuple(parse_binding(text) for text in cfg.security.bindings), fragments=cfg.outer.fragments)
+                   pins=tuple(parse_binding(text) for text in cfg.security.bindings), fragments=cfg.outer.fragments,
+                   params=params, inner_lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                   adam_ratio=adam_ratio_bound(cfg.train.b1, cfg.train.b2, ADAM_RATIO_STEPS) if params else 0.0)
 
 
 @dataclass(frozen=True)

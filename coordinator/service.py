@@ -17,14 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
 
 from coordinator.dashboard import Dashboard
 from coordinator.edge import CallerIdentity, evidence_from_message, fingerprint_mismatch
-from coordinator.history import RunHistory, check_eval_reports
+from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.pull_cache import PullCache
@@ -129,7 +129,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
         self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
-        self.opts = StateOptions.from_config(cfg)
+        self.opts = StateOptions.from_config(cfg, params=self.tree_size)
         self.ckpt: Checkpointer | None = None
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
@@ -358,11 +358,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.params_digest and request.version == version and request.params_digest != self.params_digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
-            recorded = self._heard_from(request, evals)
-        for v, loss, tokens in recorded:  # the history folds each in (RunLog.subscribe)
-            self.log.event("eval", version=v, loss=loss, tokens=tokens, island=request.island_id, name=name)
-            self.log.progress(f"v{v}: global eval loss {loss:.4f} ({tokens:,} tokens; evaluated by "
-                              f"{request.island_id})")
+            settled = self._heard_from(request, evals)
+        for event in settled:  # the history folds each in (RunLog.subscribe)
+            self.log.progress(eval_progress(event))
+            self.log.event(event.pop("event"), **event)
         for e in new:  # once per (island, device): a later report naming it again adds nothing to the record
             self.log.event("device_quarantined", island=request.island_id, name=name, **e.to_json(), healthy=healthy)
             self.log.progress(f"{request.island_id} quarantined device {e.device} (mesh index {e.index}; {e.probe} "
@@ -370,15 +369,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(action=_ACTIONS[action], version=version, lease_s=self.opts.coordinator.lease_s,
                                     reason=reason, push_unknown=unknown)
 
-    def _heard_from(self, request: pb.HeartbeatRequest, evals: list[tuple[int, float]]) -> list[tuple[int, float, int]]:
+    def _heard_from(self, request: pb.HeartbeatRequest, evals: list[tuple[int, float]]) -> list[dict[str, Any]]:
         """A heartbeat's reports in the island's view of the history (utilization, train loss, last seen), and the
-        eval reports it has not recorded yet, with the tokens merged at their version. Under the lock."""
+        events its eval reports make (``RunHistory.eval_report``, ``settle_evals``). Under the lock."""
         view = self.history.island(request.island_id)
         view.utilization, view.last_seen = request.utilization, self.clock()
         if request.HasField("train_loss"):
             view.train_loss = request.train_loss
-        return [(v, loss, self.history.tokens_merged_at(v)) for v, loss in evals
-                if self.history.eval_report(request.island_id, v, loss)]
+        now, live = self.clock(), [r.island_id for r in self.state.live()]
+        return [e for v, loss in evals for e in self.history.eval_report(request.island_id, v, loss, now, live)] + \
+            self.history.settle_evals(now, live)
 
     def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
         # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
@@ -561,9 +561,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             frames = [(kind, u.base_version, u.version, u.size, u.crc32, u.params_digest, u.open(), u)
                       for u in chain]
             final = self.state.stopped() or version == self.opts.end_version
-            evaluate = bool(frames) and self.history.assign_eval(
-                request.island_id, version, final, self.cfg.coordinator.eval_every, self.clock(),
-                live=[r.island_id for r in self.state.live()])
+            live, every = [r.island_id for r in self.state.live()], self.cfg.coordinator.eval_every
+            evaluate = {f[2] for f in frames if self.history.assign_eval(  # any frame's version may be one to evaluate
+                request.island_id, f[2], final and f[2] == version, every, self.clock(), live)}
             self.history.island(request.island_id).last_seen = self.clock()
             pace = self.state.pace
             paced = {f[2]: pace.seconds_at(f[2]) for f in frames} if pace is not None else {}
@@ -572,14 +572,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                                       base_version=version, tree_digest=self.tree_digest))
             return
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
-                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=evaluate)
+                       frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=bool(evaluate))
         piece = self.pull_piece
         with self.streams.streaming():
             for kind, base, v, size, crc, digest, handle, update in frames:
                 yield pb.PullMessage(header=pb.PullHeader(
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
-                    evaluate=evaluate and v == version, round_seconds=paced.get(v, 0.0)))
+                    evaluate=v in evaluate, round_seconds=paced.get(v, 0.0)))
                 # One build shared by the pulls streaming this frame at once (coordinator/pull_cache.py).
                 yield from self.pull_cache.messages(update, handle, piece)
                 with self.lock:

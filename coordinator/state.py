@@ -299,7 +299,8 @@ class CoordinatorState:
         if decision.status == "accept" and norm is not None:
             window = self.ledger.norm_window(decision.target_version)  # (its fragment's, with outer.fragments)
             decision = admission.screen_norm(self.opts.coordinator, window, info, decision, norm, theta_norm,
-                                             islands=self.opts.islands)
+                                             islands=self.opts.islands,
+                                             ceiling=admission.honest_ceiling(self.opts, info, theta_norm))
         if decision.status == "reject":
             self._record_rejection(info, decision.target_version, decision.staleness, decision.reason, now)
         elif decision.status == "duplicate":

@@ -82,5 +82,5 @@ def status_response(state: CoordinatorState, history: RunHistory, opts: StateOpt
                            pending=len(rnd["pending"]),
                            deadline_s=None if deadline is None else max(0.0, deadline - now)),
         merge_s=counters.merge_s, params_digest=params_digest, started_at=started_at, now=now,
-        eval_loss=h.evals[-1].loss if h.evals else None,
+        eval_loss=h.evals[-1].loss if h.evals else None, eval_confirmed=bool(h.evals) and h.evals[-1].confirmed,
         rounds=h.rounds, evals=h.evals, faults=h.faults)

@@ -263,6 +263,7 @@ FAULT_EVENTS = {
     "auth_failed": "auth_failed", "request_invalid": "request_invalid", "digest_mismatch": "digest_mismatch",
     "nan_guard": "nan_guard", "coordinator_failed": "coordinator_failed", "coordinator_resumed": "coordinator_resumed",
     "leases_paused": "leases_paused", "checkpoint_skipped": "checkpoint_skipped",
+    "eval_disagreement": "eval_disagreement",
 }
 
 

@@ -4,6 +4,7 @@ state_helpers.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -233,6 +234,36 @@ def test_a_norm_outlier_is_quarantined_once_the_window_fills():
     off = make("coordinator.mode=async", "coordinator.norm_z_max=0", "coordinator.norm_window_min=1")
     (c,) = join_all(off, "c")
     _merged_norms(off, c, [1.0, 1e6])
+
+
+def test_a_push_with_no_merged_norms_to_check_it_is_clipped_to_the_honest_ceiling():
+    """Before any merged norm can check it (the first rounds), a push is clipped to what an honest island's
+    AdamW steps can move θ (dtrain.steps.outer.honest_delta_bound x CODEC_SLACK); an honest norm under it, and
+    any push once the window holds a reference, is merged as it is."""
+    st = make("coordinator.mode=async", "coordinator.reject_backoff_s=0", params=29888)
+    a, b, c = join_all(st, ("a", "b", "c"))
+    lone = info(st, a)  # 40 sequences, inner_steps 5 (state_helpers)
+    assert not admission.has_reference(st.opts.coordinator, st.ledger.norms, st.opts.islands)
+    ceiling = admission.honest_ceiling(st.opts, lone, 10.0)
+    # by hand: 5 steps of at most lr 3e-3 x (1.165 x sqrt(29888) + 0.1 x (10 + D)) each, x 2
+    assert ceiling == pytest.approx(2 * 5 * 3e-3 * (1.16496 * 29888 ** 0.5 + 0.1 * 10), rel=1e-3)
+    forged = st.commit_push(lone, T0, norm=95.0, theta_norm=10.0)  # 9.5 x ||θ||: under norm_max_ratio's 10 x
+    assert forged.status == "accept" and forged.scale == pytest.approx(ceiling / 95.0)
+    st.close_round(T0)
+    assert f"norm 95 clipped to the honest ceiling {ceiling:.4g}" in forged.reason and "unchecked" in forged.reason
+    honest = st.commit_push(info(st, b, base=st.version), T0, norm=0.5 * ceiling, theta_norm=10.0)
+    assert honest.status == "accept" and honest.scale == 1.0 and "clipped" not in honest.reason
+    st.close_round(T0)
+    # claiming more inner steps than sequences buys nothing: at most one step per sequence of its range
+    greedy = dataclasses.replace(info(st, c, base=st.version, length=4), inner_steps=10 ** 6)
+    assert admission.honest_ceiling(st.opts, greedy, 10.0) == pytest.approx(
+        admission.honest_ceiling(st.opts, dataclasses.replace(greedy, inner_steps=4), 10.0))
+    st.commit_push(info(st, c, base=st.version), T0, norm=1.0, theta_norm=10.0)
+    st.close_round(T0)  # 3 merged norms: a reference
+    assert admission.has_reference(st.opts.coordinator, st.ledger.norms, st.opts.islands)
+    assert list(st.ledger.norms) == [95.0, 0.5 * ceiling, 1.0]  # from now on screen_history judges a lone push
+    # without the model's size (tools, the state tests) there is no ceiling
+    assert admission.honest_ceiling(options(), lone, 10.0) == 0.0
 
 
 def test_norm_max_ratio_and_clip_norm():

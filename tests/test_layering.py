@@ -458,7 +458,7 @@ def test_cycle_check_on_a_real_file_pair() -> None:
 MAX_MODULE_LINES = 600
 # Over the limit today, each named with its size: the coordinator's core is being recut (merger, servicer, range
 # shards). A file may leave this list, never join it; a listed file may not grow.
-OVER_THE_LIMIT = {"coordinator/merger.py": 843, "coordinator/service.py": 618, "coordinator/shard.py": 634}
+OVER_THE_LIMIT = {"coordinator/merger.py": 843, "coordinator/service.py": 618, "coordinator/shard.py": 631}
 
 
 def test_no_module_over_600_lines() -> None:

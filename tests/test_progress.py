@@ -15,6 +15,7 @@ import pytest
 from conftest import TINY, initial_parameters
 from coordinator.lifecycle import serve
 from dtrain import codec
+from dtrain.audit import AuditParams, audit
 from dtrain.config.load import load_config
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
@@ -163,6 +164,14 @@ def test_an_island_reports_train_loss_utilization_device_kind_and_the_evals_it_w
     assert isl.HasField("train_loss") and math.isfinite(isl.train_loss) and 0 < isl.utilization <= 1
     assert isl.device_kind == "cpu"
     assert [p.version for p in status.evals] == [0, 1, 2]
+    # One island: nothing to check its evals against, so each is recorded unconfirmed; its honest pushes, with no
+    # merged norm to check them either, lie under the honest ceiling (merged as they are); every token once.
+    assert [p.confirmed for p in status.evals] == [False] * 3 and not status.eval_confirmed
+    events = read_events(tmp_path / "coordinator")
+    received = [e for e in events if e["event"] == "push_received"]
+    assert len(received) == 2 and not any("clipped" in e["reason"] for e in received)
+    a = audit(events, {"isl": island_events}, AuditParams.from_config(cfg))
+    assert (a.lost_tokens, a.doubled_tokens, a.gaps, a.overlaps) == (0, 0, (), ()), a
     assert json.loads((tmp_path / "isl" / "summary.json").read_text())["eval_s"] >= 0
 
 

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters
+from coordinator import admission
 from coordinator.lifecycle import serve
+from coordinator.records import PushInfo
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config.load import replace
@@ -680,6 +682,34 @@ def test_a_poisoned_push_with_honest_tokens_is_quarantined_and_the_round_goes_on
     assert np.isfinite(service.merger.theta).all() and np.abs(service.merger.theta - coordinator.theta).max() < 0.01
     assert [ev["push_id"] for ev in read_events(tmp_path / "coord") if ev["event"] == "push_quarantined"] == \
         ["poison"]
+
+
+def test_a_lone_first_push_of_9_5_theta_moves_theta_no_further_than_an_honest_one_could(net_cfg, tmp_path):
+    """The issue's attack: the first island to join pushes 9.5 x ||θ|| (under norm_max_ratio's 10 x) before any
+    other has pushed (async: merged on its own, no merged norm to check it against). It is clipped to the honest
+    ceiling, so the real merger's outer step moves θ at most outer.lr x (1 + momentum) x that ceiling (Nesterov's
+    first step), not to ||θ|| 10.3 -> 131 as before."""
+    cfg = replace(net_cfg, coordinator={"mode": "async"}, outer={"islands": 4})
+    running = Running(cfg, tmp_path / "coord")
+    try:
+        client = CoordinatorClient(running.address, cfg)
+        join = join_island(client, "first")
+        theta0 = running.theta.astype(np.float64)
+        delta = (9.5 * np.linalg.norm(theta0) / np.sqrt(theta0.size)) * np.where(
+            np.random.default_rng(3).random(theta0.size) < 0.5, -1.0, 1.0).astype(np.float32)
+        r = client.push(push_header(join, "lone"), codec.encode(codec.quantize(delta, 8, cfg.codec.block)))
+        assert r.status == pb.PUSH_STATUS_MERGED and "clipped to the honest ceiling" in r.reason
+        service = running.service
+        ceiling = admission.honest_ceiling(service.opts, PushInfo(
+            "lone", join.island_id, 0, 640, 10, 0, 80, join.shard_index), float(np.linalg.norm(theta0)))
+        moved = np.linalg.norm(service.merger.theta.astype(np.float64) - theta0)
+        assert 0 < moved <= cfg.outer.lr * (1 + cfg.outer.momentum) * ceiling * 1.001
+        assert np.linalg.norm(service.merger.theta) < 4 * np.linalg.norm(theta0)  # was 12.7 x
+        (received,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "push_received"]
+        assert "unchecked" in received["reason"]
+        client.close()
+    finally:
+        running.stop()
 
 
 def test_a_throttled_push_says_how_long_and_the_island_sends_it_again_once_the_backoff_is_over(net_cfg, tmp_path,

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.history import RunHistory, check_eval_reports
+from coordinator.history import EVAL_REASSIGN_S, RunHistory, check_eval_reports
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import MAX_EVAL_REPORTS
@@ -60,44 +60,100 @@ def test_status_shows_rounds_with_their_bytes_and_each_islands_reports(coord, ne
         c.close()
 
 
-def test_the_coordinator_asks_one_island_per_version_to_evaluate_and_records_its_report(coord, net_cfg, tmp_path):
+def _report(stub, island_id: str, version: int, loss: float) -> None:
+    stub.Heartbeat(pb.HeartbeatRequest(island_id=island_id, version=version,
+                                       evals=[pb.EvalReport(version=version, loss=loss)]), timeout=10)
+
+
+def test_two_islands_evaluate_each_version_and_agreeing_reports_are_a_confirmed_figure(coord, net_cfg, tmp_path):
     clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(2)]
     a, b = (join_island(c, f"isl-{i}") for i, c in enumerate(clients))
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
-    # Every island starts with a full pull of θ_0: the first is asked to evaluate it (eval_every=5: v0, v5, ...).
+    # Every island starts with a full pull of θ_0: both are asked to evaluate it (eval_every=5: v0, v5, ...).
     assert [f.header.evaluate for f in clients[0].pull(a.island_id, 0, full=True)] == [True]
-    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]
-    stub.Heartbeat(pb.HeartbeatRequest(island_id=b.island_id, version=0, evals=[pb.EvalReport(version=0, loss=3.0)]),
-                   timeout=10)  # not asked of b: ignored
     for _ in range(2):  # the island sends its report until a heartbeat is answered: a retry is recorded once
-        stub.Heartbeat(pb.HeartbeatRequest(island_id=a.island_id, version=0,
-                                           evals=[pb.EvalReport(version=0, loss=3.25)]), timeout=10)
+        _report(stub, a.island_id, 0, 3.25)
+    assert list(clients[0].status().evals) == []  # held: b, live, can check it
+    _report(stub, b.island_id, 0, 3.25)  # not asked of b yet: ignored
+    assert list(clients[0].status().evals) == []
+    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [True]
+    _report(stub, b.island_id, 0, 3.2501)  # within EVAL_RTOL: the same θ and batches on another device
     st = clients[0].status()
-    assert [(e.version, e.loss, e.tokens, e.island_id) for e in st.evals] == [(0, 3.25, 0, a.island_id)]
-    assert st.eval_loss == 3.25
+    assert [(e.version, e.loss, e.tokens, e.island_id, e.confirmed, list(e.confirmed_by)) for e in st.evals] == \
+        [(0, pytest.approx(3.25005), 0, a.island_id, True, [a.island_id, b.island_id])]
+    assert st.eval_loss == pytest.approx(3.25005) and st.eval_confirmed
     evals = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
-    assert [(e["version"], e["loss"], e["tokens"], e["island"]) for e in evals] == [(0, 3.25, 0, a.island_id)]
-    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]  # evaluated
+    assert [(e["version"], e["confirmed"], e["confirmed_by"]) for e in evals] == \
+        [(0, True, [a.island_id, b.island_id])]
+    assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]  # settled
     for c in clients:
         c.close()
 
 
+def test_a_forged_eval_report_never_becomes_a_confirmed_figure(net_cfg, tmp_path):
+    """The issue's attack: an island asked to evaluate v0 reports 0.0123 while the other reports the true loss. The
+    two disagree: an eval_disagreement fault names both, no figure is recorded, and a third island is asked."""
+    coord = Running(dataclasses.replace(net_cfg, outer=dataclasses.replace(net_cfg.outer, islands=3)),
+                    tmp_path / "coord")
+    try:
+        _forged_eval(coord, net_cfg, tmp_path)
+    finally:
+        coord.stop()
+
+
+def _forged_eval(coord, net_cfg, tmp_path) -> None:
+    clients = [CoordinatorClient(coord.address, net_cfg) for _ in range(3)]
+    joins = [join_island(c, f"isl-{i}") for i, c in enumerate(clients)]
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+    for c, j in zip(clients[:2], joins[:2], strict=True):
+        assert [f.header.evaluate for f in c.pull(j.island_id, 0, full=True)] == [True]
+    _report(stub, joins[0].island_id, 0, 0.0123)  # forged
+    _report(stub, joins[1].island_id, 0, 6.93)  # the true loss
+    st = clients[0].status()
+    assert list(st.evals) == [] and not st.HasField("eval_loss")
+    (fault,) = [f for f in st.faults if f.kind == "eval_disagreement"]
+    assert joins[0].island_id in fault.detail and joins[1].island_id in fault.detail and "0.0123" in fault.detail
+    (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval_disagreement"]
+    assert ev["reports"] == {joins[0].island_id: 0.0123, joins[1].island_id: 6.93}
+    # a third island breaks the tie: the honest pair is the figure, confirmed; the forger is not among them
+    assert [f.header.evaluate for f in clients[2].pull(joins[2].island_id, 0, full=True)] == [True]
+    _report(stub, joins[2].island_id, 0, 6.93)
+    (point,) = clients[0].status().evals
+    assert point.confirmed and point.loss == 6.93 and list(point.confirmed_by) == [joins[1].island_id,
+                                                                                  joins[2].island_id]
+    for c in clients:
+        c.close()
+
+
+def test_the_only_islands_eval_is_recorded_but_marked_unconfirmed(coord, net_cfg, tmp_path):
+    client = CoordinatorClient(coord.address, net_cfg)
+    join = join_island(client, "alone")
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
+    assert [f.header.evaluate for f in client.pull(join.island_id, 0, full=True)] == [True]
+    _report(stub, join.island_id, 0, 0.0123)  # no other live island to check it
+    st = client.status()
+    assert [(e.loss, e.confirmed, list(e.confirmed_by)) for e in st.evals] == [(0.0123, False, [])]
+    assert st.eval_loss == 0.0123 and not st.eval_confirmed
+    (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
+    assert ev["confirmed"] is False and ev["island"] == join.island_id
+    client.close()
+
+
 def test_evals_are_spread_over_the_live_islands_not_all_asked_of_the_first_puller():
     h, live = RunHistory(), ["a", "b", "c"]
-    # v0: nobody has evaluated yet, so the first puller is asked.
+    # v0: nobody has evaluated yet, so the first puller is asked, and the next as the second opinion.
     assert h.assign_eval("a", 0, False, 5, 0.0, live)
-    # v5: a pulls first, but b and c (asked fewer) have not pulled it yet: a is passed over; b is asked.
+    assert h.assign_eval("b", 0, False, 5, 0.5, live)
+    assert not h.assign_eval("c", 0, False, 5, 0.6, live)  # two asked, still expected to answer
+    # v5: a pulls first, but c (asked fewer) has not pulled it yet: a is passed over; c is asked, then a second.
     assert not h.assign_eval("a", 5, False, 5, 1.0, live)
-    assert h.assign_eval("b", 5, False, 5, 2.0, live)
-    assert not h.assign_eval("c", 5, False, 5, 3.0, live)  # asked of b, still expected to answer
-    # v10: a and b pull first (each asked once), c (never asked) last: c is asked.
-    assert not h.assign_eval("a", 10, False, 5, 4.0, live)
-    assert not h.assign_eval("b", 10, False, 5, 5.0, live)
-    assert h.assign_eval("c", 10, False, 5, 6.0, live)
-    assert h.evals_asked == {"a": 1, "b": 1, "c": 1}
-    # An island asked more than the others is asked all the same when no less-asked island is live.
-    assert h.assign_eval("a", 15, False, 5, 7.0, ["a"])
-    # The final version goes to its first puller, and a version off the grid to nobody.
+    assert h.assign_eval("c", 5, False, 5, 2.0, live)
+    assert h.assign_eval("b", 5, False, 5, 3.0, live)
+    assert not h.assign_eval("a", 5, False, 5, 3.5, live)
+    assert h.evals_asked == {"a": 1, "b": 2, "c": 1}
+    # An asked island that has not answered for EVAL_REASSIGN_S is replaced.
+    assert h.assign_eval("a", 5, False, 5, 3.0 + EVAL_REASSIGN_S, live)
+    # The final version goes to its first pullers, and a version off the grid to nobody.
     assert h.assign_eval("a", 17, True, 5, 8.0, live)
     assert not h.assign_eval("b", 16, False, 5, 9.0, live)
 
@@ -114,13 +170,14 @@ def test_the_final_version_is_evaluated_with_the_tokens_merged_into_it(net_cfg, 
         assert st.version == 1 and st.stopped  # every shard's data merged: version 1 is the final one
         (first,) = clients[1].pull(joins[1].island_id, 0)
         (second,) = clients[0].pull(joins[0].island_id, 0)
-        assert first.header.version == 1 and first.header.evaluate and not second.header.evaluate
+        assert first.header.version == 1 and first.header.evaluate and second.header.evaluate  # two opinions
         clients[1].heartbeat(island_id=joins[1].island_id, version=1)
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coord.address))
-        stub.Heartbeat(pb.HeartbeatRequest(island_id=joins[1].island_id, version=1,
-                                           evals=[pb.EvalReport(version=1, loss=2.0)]), timeout=10)
+        for j in joins:
+            _report(stub, j.island_id, 1, 2.0)
         st = clients[0].status()
-        assert [(e.version, e.tokens, e.loss) for e in st.evals] == [(1, 1280, 2.0)] and st.eval_loss == 2.0
+        assert [(e.version, e.tokens, e.loss, e.confirmed) for e in st.evals] == [(1, 1280, 2.0, True)]
+        assert st.eval_loss == 2.0 and st.eval_confirmed
         for c in clients:
             c.close()
     finally:

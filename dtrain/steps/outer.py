@@ -195,3 +195,26 @@ def clip_factor(norm: float, clip_norm: float) -> float:
     if clip_norm <= 0 or norm <= clip_norm:
         return 1.0
     return clip_norm / norm
+
+
+def adam_ratio_bound(b1: float, b2: float, steps: int) -> float:
+    """The largest ``|m̂_t / (√v̂_t + ε)|`` AdamW can reach at any step ``t <= steps``, whatever the gradients: by
+    Cauchy-Schwarz, ``|m_t| <= (1-b1)/√(1-b2) · √(Σ_{k<t} (b1²/b2)^k) · √v_t``, with Adam's bias corrections
+    ``1/(1-b1^t)`` and ``1/(1-b2^t)``; ε only shrinks it. 1 at t = 1; 1.17 at most for (0.9, 0.95)."""
+    t = np.arange(1, max(steps, 1) + 1, dtype=np.float64)
+    r = b1 * b1 / b2
+    geometric = t if r == 1 else (1 - r ** t) / (1 - r)
+    ratio = (1 - b1) / (1 - b1 ** t) * np.sqrt((1 - b2 ** t) / (1 - b2) * geometric)
+    return float(ratio.max())
+
+
+def honest_delta_bound(lr: float, ratio: float, weight_decay: float, params: int, steps: int,
+                       theta_norm: float) -> float:
+    """A hard ceiling on ‖Δ‖ = ‖θ_v − θ_i‖ after ``steps`` AdamW steps of peak rate ``lr`` from θ_v (L2 norm
+    ``theta_norm``) over ``params`` values: each step moves each value by at most ``lr · ratio``
+    (:func:`adam_ratio_bound`) plus the decoupled decay ``lr · weight_decay · θ``, so with ``D_t`` the distance
+    after t steps, ``D_{t+1} <= D_t + lr·(ratio·√params + weight_decay·(theta_norm + D_t))``, which sums to the
+    value returned. The learning-rate schedule and the gradient clip only make the real step smaller."""
+    a = lr * weight_decay
+    b = lr * (ratio * params ** 0.5 + weight_decay * theta_norm)
+    return b * steps if a == 0 else b * ((1 + a) ** steps - 1) / a

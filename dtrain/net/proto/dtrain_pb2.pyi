@@ -460,7 +460,7 @@ class IslandStatus(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., segment_start: _Optional[int] = ..., segment_end: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds")
+    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds", "eval_confirmed")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +497,7 @@ class StatusResponse(_message.Message):
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     mode: str
@@ -526,7 +527,8 @@ class StatusResponse(_message.Message):
     refusals: _containers.ScalarMap[str, int]
     islands_forgotten: int
     round_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ..., round_seconds: _Optional[float] = ...) -> None: ...
+    eval_confirmed: bool
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ..., round_seconds: _Optional[float] = ..., eval_confirmed: _Optional[bool] = ...) -> None: ...
 
 class OpenRound(_message.Message):
     __slots__ = ("target_version", "ready", "reason", "pending", "deadline_s")
@@ -561,18 +563,22 @@ class RoundRecord(_message.Message):
     def __init__(self, version: _Optional[int] = ..., t: _Optional[float] = ..., pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., merge_s: _Optional[float] = ..., max_staleness: _Optional[float] = ...) -> None: ...
 
 class EvalPoint(_message.Message):
-    __slots__ = ("version", "tokens", "loss", "island_id", "t")
+    __slots__ = ("version", "tokens", "loss", "island_id", "t", "confirmed", "confirmed_by")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     T_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_BY_FIELD_NUMBER: _ClassVar[int]
     version: int
     tokens: int
     loss: float
     island_id: str
     t: float
-    def __init__(self, version: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., island_id: _Optional[str] = ..., t: _Optional[float] = ...) -> None: ...
+    confirmed: bool
+    confirmed_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., island_id: _Optional[str] = ..., t: _Optional[float] = ..., confirmed: _Optional[bool] = ..., confirmed_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FaultRecord(_message.Message):
     __slots__ = ("t", "kind", "island_id", "detail")
