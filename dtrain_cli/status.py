@@ -81,7 +81,8 @@ def summary_lines(st: pb.StatusResponse) -> list[str]:
         lines.append(f"version {st.version} (the data decides the last one); {tokens}")
     if st.HasField("eval_loss"):
         last = f" (version {st.evals[-1].version}, {_int(st.evals[-1].tokens)} tokens)" if st.evals else ""
-        lines.append(f"global eval loss {_loss(st.eval_loss)}{last}")
+        checked = "" if st.eval_confirmed else "; unconfirmed: one island's report, no second to check it"
+        lines.append(f"global eval loss {_loss(st.eval_loss)}{last}{checked}")
     else:
         lines.append("global eval loss: none yet")
     if st.HasField("round"):

@@ -300,7 +300,7 @@ def test_status_table_on_a_terminal_is_drawn_by_rich(live):
 
 def test_status_sections_render_every_part():
     st = pb.StatusResponse(run_id="r", version=3, total_versions=0, tokens_merged=500, tokens_total=1000,
-                           mode="async", eval_loss=2.5, now=100.0, run_over="",
+                           mode="async", eval_loss=2.5, eval_confirmed=True, now=100.0, run_over="",
                            round=pb.OpenRound(target_version=4, pending=1, reason="waiting for b", deadline_s=3.0),
                            evals=[pb.EvalPoint(version=3, tokens=500, loss=2.5)],
                            rounds=[pb.RoundRecord(version=3, t=90.0, pushes=2, tokens=500, bytes_in=3 << 20)],
@@ -312,6 +312,9 @@ def test_status_sections_render_every_part():
     assert lines[3] == "open round (to version 4): 1 push pending, not ready: waiting for b, acts in 3.0s"
     text = plain(lines, tables)
     assert "3.0 MiB" in text and "10s ago" in text and "[x] wrong token" in text and "2.7500" in text
+    st.eval_confirmed = False  # one island's word alone (docs/security.md): said so, not shown as the run's figure
+    assert sections(st)[0][2] == ("global eval loss 2.5000 (version 3, 500 tokens); unconfirmed: one island's "
+                                  "report, no second to check it")
 
 
 def test_status_against_a_closed_port_fails_within_seconds_naming_it(capsys):
