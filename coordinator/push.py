@@ -109,43 +109,49 @@ class PushIntake:
         frame (it decodes cleanly before anything is applied). Raises PayloadRefused for a bad chunk stream or
         frame, UploadBroke for one that ended early or was cancelled. ``round_span``: the open round's span (None:
         a push to be dropped or rejected, a trace of its own); ``preview``: the state's preview decision;
-        ``claim()``: called when the first chunk has arrived, before anything is held for the push (its island's
-        stream slot, a receiving slot): '' to go on, else why not (PayloadRefused, busy)."""
-        try:
-            first = next(requests, None)  # nothing is held for a stream that sends no data
-        except grpc.RpcError:  # grpc's: the call was cancelled while the first chunk was awaited
-            raise UploadBroke(info, 0, receiver.chunks) from None
-        over = claim() if first is not None else ""
-        if over:
-            raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
-        requests = itertools.chain([first] if first is not None else [], requests)
+        ``claim()``: called when the first chunk has arrived, to take its island's stream slot: '' to go on, else
+        why not (PayloadRefused, busy)."""
         # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
-        # chunk buffers (a few MiB); the others wait here, their data held back by gRPC's flow control.
+        # chunk buffers (a few MiB). The others wait here, before their first chunk is read, so that their data
+        # stays with their clients (gRPC's flow control) rather than a chunk per waiting stream in this process.
+        # A stream that then sends nothing holds this slot until the rate rule cancels it (streams.py), never its
+        # island's stream slot, which is taken only when its first chunk has arrived (claim()).
         if self.receiving is not None:
             self.receiving.acquire()
-        receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
-                                            push_id=info.push_id, version=target_version, preview=preview)
-        self.streams.begin()  # counted from here to the finally below: nothing between them can raise
         try:
-            for msg in requests:
-                if msg.WhichOneof("kind") != "chunk":
-                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
-                spool.write(receiver.add(msg.chunk), msg.chunk.crc32)  # the CRC add() checked: no second pass
-            if receiver.received < receiver.chunks:
-                raise UploadBroke(info, receiver.received, receiver.chunks)
-            receiver.finish()
-            self.telemetry.end(receive, bytes=receiver.size)
-            with self.telemetry.span("dtrain.validate", parent=round_span, island=info.island_id,
-                                     push_id=info.push_id, version=target_version):
-                self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
-        except WireError as e:
-            raise PayloadRefused(e.code, f"push {info.push_id}: {e}") from None
-        except codec.CodecError as e:
-            raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}") from None
-        except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
-            raise UploadBroke(info, receiver.received, receiver.chunks) from None
-        finally:  # a refused or broken upload's span ends here, with what arrived
-            self.streams.end()
+            try:
+                first = next(requests, None)
+            except grpc.RpcError:  # grpc's: the call was cancelled while the first chunk was awaited
+                raise UploadBroke(info, 0, receiver.chunks) from None
+            over = claim() if first is not None else ""
+            if over:
+                raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
+            requests = itertools.chain([first] if first is not None else [], requests)
+            del first  # the chain holds it until it is read: a chunk not kept for the whole stream
+            receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
+                                                push_id=info.push_id, version=target_version, preview=preview)
+            self.streams.begin()  # counted from here to the finally below: nothing between them can raise
+            try:
+                for msg in requests:
+                    if msg.WhichOneof("kind") != "chunk":
+                        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+                    spool.write(receiver.add(msg.chunk), msg.chunk.crc32)  # the CRC add() checked: no second pass
+                if receiver.received < receiver.chunks:
+                    raise UploadBroke(info, receiver.received, receiver.chunks)
+                receiver.finish()
+                self.telemetry.end(receive, bytes=receiver.size)
+                with self.telemetry.span("dtrain.validate", parent=round_span, island=info.island_id,
+                                         push_id=info.push_id, version=target_version):
+                    self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
+            except WireError as e:
+                raise PayloadRefused(e.code, f"push {info.push_id}: {e}") from None
+            except codec.CodecError as e:
+                raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}") from None
+            except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
+                raise UploadBroke(info, receiver.received, receiver.chunks) from None
+            finally:  # a refused or broken upload's span ends here, with what arrived
+                self.streams.end()
+                self.telemetry.end(receive, bytes=receiver.size)
+        finally:
             if self.receiving is not None:
                 self.receiving.release()
-            self.telemetry.end(receive, bytes=receiver.size)

@@ -173,7 +173,7 @@ def test_a_flood_of_long_poll_pulls_leaves_the_rounds_going(net_cfg, tmp_path):
             future: grpc.Future = _Drained(call)
             return future
 
-        return Attack(100, parked, pause_s=0.5)  # refused ones come back (a pause: CPU is not what is measured)
+        return Attack(100, parked, pause_s=2.0)  # refused ones come back (a pause: CPU is not what is measured)
 
     def parked_at_quota(running: Running, mallory: str) -> bool:
         return running.service.pulls.counts()[1].get(mallory, 0) == cfg.coordinator.max_pulls_per_island
