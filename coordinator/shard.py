@@ -84,9 +84,8 @@ MAX_PULL_WAIT_S = 30.0
 def read_secret(cfg: Config) -> str:
     """The shard secret from ``coordinator.shard_secret_file``; ConfigError naming the file if it is missing,
     unreadable or shorter than 16 characters."""
-    path = cfg.coordinator.shard_secret_file
     try:
-        secret = Path(path).read_text().strip()
+        secret = Path(path := cfg.coordinator.shard_secret_file).read_text().strip()
     except OSError as e:
         raise ConfigError(f"[coordinator] shard_secret_file: cannot read {path}: {e.strerror or e}") from None
     if secret.startswith(PLACEHOLDER):
@@ -101,8 +100,7 @@ def read_secret(cfg: Config) -> str:
 
 
 def shard_ranges(spec: codec.Spec, shards: int) -> tuple[Range, ...]:
-    """The S ranges of the tree (the fragments' plan): range k is shard k's. ConfigError if the tree has fewer
-    tensors than shards."""
+    """The S ranges of the tree (the fragments' plan): range k is shard k's. ConfigError: fewer tensors than S."""
     return plan_spec(spec, shards, "[coordinator] shards")
 
 
@@ -414,6 +412,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                 context.abort(e.code, f"shard {self.index}: {e}")
             except UploadBroke as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: {e}")
+            if not context.is_active():  # cancelled (the reaper) as its last chunk came in: its island saw that
+                context.abort(grpc.StatusCode.CANCELLED, f"shard {self.index}: the push stream was cancelled")
             spool.keep()
             with self.lock:
                 if h.push_id in self.held:  # the same push received twice at once: keep the first
