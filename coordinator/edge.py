@@ -35,8 +35,8 @@ from dtrain.runlog import CONTROL_RE, printable
 
 # An island's id as the coordinator makes it (coordinator.membership: NAME-SHARD, or NAME-SHARD.N): a name of at
 # most 64 characters and a suffix.
-ISLAND_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,96}")
 MAX_ISLAND_ID_LEN = 96
+ISLAND_ID_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_ISLAND_ID_LEN}}}")
 MAX_DEVICE_KIND_LEN = 128  # Join's device_kind (jax's device_kind, e.g. "NVIDIA H100 80GB HBM3")
 MAX_FINGERPRINT_FIELDS = 256  # Join's fingerprint_fields: entries
 MAX_FINGERPRINT_KEY_LEN = 128

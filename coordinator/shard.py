@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import numpy as np
 
+from coordinator.edge import request_problem, shown
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.merger import MergeOptions, Merger, NonFiniteResult, Prepared, Update
 from coordinator.pull_cache import PullCache
@@ -379,11 +380,10 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         except WireError as e:
             context.abort(e.code, str(e))
         stream.island = h.island_id  # counted for it once its data arrives (claim, below)
-        if h.shard != self.index:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"push {h.push_id[:64]!r}: its header names shard "
-                                                            f"{h.shard}, this is shard {self.index}")
-        if not 0 < len(h.push_id) <= 128 or not 0 < len(h.island_id) <= 128:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push: push_id and island_id must be 1..128 characters")
+        why = request_problem(h) or ("" if h.push_id and h.island_id else "push_id and island_id must not be empty")
+        if why or h.shard != self.index:  # the lead's bounds on every client string (coordinator/edge.py), first
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: push {shown(h.push_id)!r}: "
+                                                            f"{why or f'its header names shard {h.shard}'}")
         info = push_info(h)
         identity = self.identity.of(context) if self.identity is not None else None
         with self.lock:
