@@ -1,14 +1,19 @@
 """The coordinator's clock and its merges: the background loop that drives the run between RPCs.
 
-Owns the ticker thread (:meth:`RoundsLoop.run`: it expires leases, closes rounds whose grace has passed and notes
-when the run is finished), the outer step with its checkpoint and events (:meth:`RoundsLoop.merge_if_ready`,
-also called by a push that completes a round), the run's end (finished, failed, asked to stop, and the waits on
-them) and what the grpc.health.v1 service says about it. Everything here runs under the service's lock, a
+Owns the ticker thread (:meth:`RoundsLoop.run`: it expires leases, merges rounds that are ready and notes when the
+run is finished), the outer step with its checkpoint and events, the run's end (finished, failed, asked to stop,
+and the waits on them) and what the grpc.health.v1 service says about it. Only the clock merges: a push that
+completes a round notifies the lock and wakes it. A merge is decided and snapshotted under the service's lock
+(:meth:`RoundsLoop.begin_merge`), computed outside it (:meth:`RoundsLoop.step`: the slab-by-slab outer step, and
+on a sharded lead the other shards' prepare and commit), and committed under it (:meth:`RoundsLoop.end_merge`);
+a push whose decision falls in that window waits for the commit. Everything else here runs under the lock, a
 condition notified on every change of state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,11 +34,27 @@ if TYPE_CHECKING:
     from coordinator.shard import ShardedStep
     from dtrain.checkpoint import Checkpointer
 
+log = logging.getLogger(__name__)
+
 # `dtrain coordinator --after-finish`: what the coordinator does once its run is finished (RoundsLoop)
 AfterFinish = Literal["exit", "serve"]
-# The ticker woke this much past a deadline: the lock was held that long (a long merge) and heartbeats waited on it
-# unheard; leases are paused for the time it was late.
-LOCK_STALL_S = 0.5
+
+
+@dataclasses.dataclass
+class MergeJob:
+    """One merge in flight (:meth:`RoundsLoop.begin_merge`): the round as snapshotted under the lock, and the outer
+    step's outcome (``prepared``, or ``error``) from :meth:`RoundsLoop.step`, run outside it."""
+
+    version: int  # the version it makes
+    reason: str  # why the round was ready
+    t0: float  # perf_counter at its start
+    round_span: Any
+    pending: list[tuple[PushInfo, Admission]]
+    frame_bytes: dict[str, int]  # push id -> its frame's bytes (read before the step releases the spools)
+    values: int  # the update's values (its fragment's, with outer.fragments)
+    fragment: dict[str, int]  # the round_merged event's fragment fields
+    prepared: Any = None  # Prepared, or a sharded lead's ShardedPrepared
+    error: BaseException | None = None
 
 
 class RoundsLoop:
@@ -63,6 +84,7 @@ class RoundsLoop:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._serving: bool | None = None  # what the health service says now (None: nothing yet)
         self._cosines: dict[str, float] = {}  # the open round's direction screen: push id -> cosine (screened_mean)
+        self.merging: MergeJob | None = None  # the merge being computed outside the lock, if any
         self._ticker = threading.Thread(target=self.run, name="coordinator-tick", daemon=True)
 
     def start(self) -> None:
@@ -84,63 +106,103 @@ class RoundsLoop:
         seconds = pace.seconds_at(version) if pace is not None else 0.0
         return {"next_round_s": round(seconds, 4), "budget_tokens": pace.budget} if pace is not None and seconds else {}
 
-    def merge_if_ready(self, now: float) -> None:
-        """Merges the open round if the state says it is ready: the outer step, its ``round_merged`` event, the
-        checkpoint. A step found non-finite rejects the push to blame and tries again; any other failure is
-        fatal (re-raised). Called under the lock."""
-        if self.fatal:
-            return
+    def begin_merge(self, now: float) -> MergeJob | None:
+        """Under the lock: if the state says the open round is ready (after the round screen), snapshots it and
+        marks the merge begun (pushes that arrive meanwhile wait for its commit, :meth:`wait_merged`); the caller
+        then runs :meth:`step` outside the lock and :meth:`end_merge` under it. None: nothing to merge."""
+        if self.fatal or self.merging is not None:
+            return None
         ready, reason = self.state.round_ready(now)
         if not ready:
-            return
+            return None
         if self._screen_round(now):
             ready, reason = self.state.round_ready(now)
             if not ready:
-                return
-        t0 = time.perf_counter()
-        round_span = self.rounds.ready(self.state.version + 1, reason)
-        pending = self.state.pending()
-        frame_bytes = {p.key: p.spool.size for p in self.merger.pending}  # read before the step releases them
+                return None
+        version = self.state.version + 1
         part = self.merger.next_fragment()  # the fragment this step merges (outer.fragments; else the whole θ)
-        fragment = {"fragment": part.index, "values": part.size} if self.merger.fragments > 1 else {}
+        self.merging = MergeJob(
+            version=version, reason=reason, t0=time.perf_counter(), round_span=self.rounds.ready(version, reason),
+            pending=self.state.pending(), frame_bytes={p.key: p.spool.size for p in self.merger.pending},
+            values=part.size, fragment={"fragment": part.index, "values": part.size} if self.merger.fragments > 1
+            else {})
+        return self.merging
+
+    def step(self, job: MergeJob) -> None:
+        """Outside the lock: the outer step up to its commit (every shard's too, on a sharded lead), its outcome kept
+        in ``job``. Nothing here is seen by a reader of the state or the merger until :meth:`end_merge`."""
         try:
-            with self.telemetry.span("dtrain.merge", parent=round_span, version=self.state.version + 1,
-                                     pushes=len(pending)):
-                update = self.sharded() if self.sharded is not None else self.merger.outer_step()
-        except NonFiniteResult as e:
-            self._reject_blamed(e, now)
-            return
+            with self.telemetry.span("dtrain.merge", parent=job.round_span, version=job.version,
+                                     pushes=len(job.pending)):
+                job.prepared = self.sharded.prepare() if self.sharded is not None else self.merger.prepare()
         except BaseException as e:
+            job.error = e
+
+    def end_merge(self, job: MergeJob, now: float) -> None:
+        """Under the lock: commits :meth:`step`'s result (the new version, its ``round_merged`` event, the
+        checkpoint), or rejects the push a non-finite step blamed (the round is tried again on the next turn of
+        the clock), or makes any other failure fatal (:attr:`fatal`; run_coordinator then exits, and pushes are
+        refused UNAVAILABLE). Wakes every waiter either way."""
+        self.merging = None
+        self.lock.notify_all()  # pushes waiting for the merge, pulls waiting for the version, the clock
+        if isinstance(job.error, NonFiniteResult):
+            self._reject_blamed(job.error, now)
+            return
+        if job.error is not None or job.prepared is None:
             # A failed step (a full disk, say) stops the service. The step only commits at its end, so the
             # previous version's files and the pending spools are intact, but a disk that just failed is not
             # retried blindly: `dtrain coordinator --resume` restarts from the last checkpoint, and the islands
             # push the open round again (HeartbeatResponse.push_unknown).
-            self.fatal = f"outer step for version {self.state.version + 1} failed: {type(e).__name__}: {e}"
+            e = job.error or RuntimeError("the outer step returned nothing")
+            self.fatal = f"outer step for version {job.version} failed: {type(e).__name__}: {e}"
             self.log.event("coordinator_failed", error=self.fatal)
-            self.lock.notify_all()  # wakes run_coordinator
-            raise
-        version, merged, close_reason = self.state.close_round(now)
-        assert version == update.version, (version, update.version)
+            log.debug("the failed outer step", exc_info=e)
+            self.set_health()
+            return
+        update = self.sharded.commit(job.prepared) if self.sharded is not None else self.merger.commit(job.prepared)
+        version, merged, close_reason = self.state.close_round(now, decided=job.reason)
+        assert version == update.version == job.version, (version, update.version, job.version)
+        pending = job.pending
         # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
         # and its coordinator_resumed event tells a reader (dtrain.audit) that this merge was rolled back; the
         # other order would leave a checkpointed version with no record of what went into it.
-        self.log.event("round_merged", version=version, reason=f"{reason}; {close_reason}",
+        self.log.event("round_merged", version=version, reason=f"{job.reason}; {close_reason}",
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
-                                "steps": i.inner_steps, "bytes": frame_bytes.get(i.push_id, 0),
+                                "steps": i.inner_steps, "bytes": job.frame_bytes.get(i.push_id, 0),
                                 "weight": a.weight, "staleness": a.staleness, "norm": a.norm, "scale": a.scale,
                                 **({"cosine": round(self._cosines[i.push_id], 4)} if i.push_id in self._cosines
                                    else {})}
                                for i, a in pending],
                        update_bytes=update.size, params_digest=update.params_digest,
-                       merge_s=round(time.perf_counter() - t0, 6), **fragment, **self._paced(version))
+                       merge_s=round(time.perf_counter() - job.t0, 6), **job.fragment, **self._paced(version))
         if self.ckpt is not None:  # links the new version's files: no copy of θ or momentum
-            with self.telemetry.span("dtrain.checkpoint", parent=round_span, version=version):
+            with self.telemetry.span("dtrain.checkpoint", parent=job.round_span, version=version):
                 self.ckpt.save_files(version, self.merger.state_files(),
                                      {"state": self.state.to_json(), "version": version,
                                       "params_digest": self.merger.digest, **self._shards_meta()})
-        self.counters.merge_s += time.perf_counter() - t0
-        self._merged(version, reason, merged, pending, update.size, part.size)
+        self.counters.merge_s += time.perf_counter() - job.t0
+        self._merged(version, job.reason, merged, pending, update.size, job.values)
+
+    def wait_merged(self) -> None:
+        """Under the lock: waits (the lock released) while a merge is being computed; a push's decision waits for it,
+        so that it is judged against the version that merge makes (its staleness, its round)."""
+        self.lock.wait_for(lambda: self.merging is None or self.fatal is not None)
+
+    def merge_now(self, now: float) -> bool:
+        """Merges the open round if it is ready, all on the calling thread: a clock's turn, for tools and tests that
+        drive the state without the ticker. The lock is held by the caller once (it is released for the step).
+        Returns whether a version was committed or a push rejected."""
+        job = self.begin_merge(now)
+        if job is None:
+            return False
+        self.lock.release()
+        try:
+            self.step(job)
+        finally:
+            self.lock.acquire()
+        self.end_merge(job, now)
+        return True
 
     def _shards_meta(self) -> dict[str, Any]:
         """A sharded lead's checkpoint also names every shard's digest and θ's sums of squares at its version."""
@@ -204,27 +266,33 @@ class RoundsLoop:
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))
         self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")
-        self.lock.notify_all()
-        self.merge_if_ready(now)
+        self.lock.notify_all()  # the clock tries the round again without it, if it is still ready
 
     # -- the ticker ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """The service's clock (the ticker thread): expires leases, closes rounds whose grace has passed, notes
-        when the run is finished. Sleeps until the state's next deadline, or until a join, heartbeat or push
-        notifies the lock (which may move that deadline, or finish the run)."""
+        """The service's clock (the ticker thread): expires leases, closes rounds that are ready (the only thread
+        that merges: a push that completes a round only wakes it), notes when the run is finished. The outer step
+        runs outside the lock, so joins, heartbeats, Status and pulls are served while it computes. Sleeps until
+        the state's next deadline, or until a join, heartbeat or push notifies the lock (which may move that
+        deadline, make a round ready, or finish the run)."""
         try:
-            with self.lock:
-                deadline: float | None = None
-                while not self.closing:
+            while True:
+                with self.lock:
+                    if self.closing:
+                        return
                     now = self.clock()
-                    self._tick(now, deadline)
-                    deadline = self.state.next_deadline(now)
-                    self.lock.wait(None if deadline is None else max(0.0, deadline - now))
-                    if deadline is not None and self.clock() < deadline:
-                        deadline = None  # woken early, by a notification: not late for anything
+                    job = self._tick(now)
+                    if job is None:
+                        deadline = self.state.next_deadline(now)
+                        self.lock.wait(None if deadline is None else max(0.0, deadline - now))
+                        continue
+                self.step(job)  # outside the lock
+                with self.lock:
+                    self.end_merge(job, self.clock())
         except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
             with self.lock:
+                self.merging = None
                 if self.fatal is None:
                     self.fatal = f"{type(e).__name__}: {e}"
                     self.log.event("coordinator_failed", error=self.fatal)
@@ -232,12 +300,9 @@ class RoundsLoop:
                 self.set_health()
             raise
 
-    def _tick(self, now: float, deadline: float | None) -> None:
-        """One turn of the ticker at ``now``, woken for ``deadline`` (None: by a notification)."""
-        if deadline is not None and now - deadline > LOCK_STALL_S:
-            # The lock was held past the deadline (a long merge): heartbeats waited on it unheard.
-            self.state.pause_leases(now - deadline)
-            self.log.event("leases_paused", seconds=round(now - deadline, 3))
+    def _tick(self, now: float) -> MergeJob | None:
+        """One turn of the clock at ``now``, under the lock: leases, forgotten records, the run's end and health;
+        returns the merge to compute if the open round is ready."""
         for island_id, reason in self.state.expire(now):
             self.log.event("island_lost", island=island_id, reason=reason)
             self.log.progress(f"lost {island_id}: {reason}")
@@ -249,12 +314,13 @@ class RoundsLoop:
             self.log.progress(f"forgot {len(forgotten)} island record{'s' * (len(forgotten) != 1)} lost for "
                               f"{after:g}s (coordinator.forget_after_s): {forgotten[0].island_id}"
                               + (f" and {len(forgotten) - 1} more" if len(forgotten) > 1 else ""))
-        self.merge_if_ready(now)
+        job = self.begin_merge(now)
         done, why = self.state.finished(now)
         if done and self.finished is None:
             self.finished = why
             self.lock.notify_all()  # wakes run_coordinator
         self.set_health()
+        return job
 
     def set_health(self) -> None:
         """grpc.health.v1: SERVING while the coordinator serves, including after the run's last version while it

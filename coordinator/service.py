@@ -465,9 +465,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                      size: int, norm: float) -> tuple[Admission, pb.PushStatus, int, int]:
         """The state's decision on a received push, made again now that the payload is here (the round may have
         closed meanwhile), with the payload's norm, and applied: an accepted one becomes pending in the merger
-        (summing a delta that validate() accepted cannot fail), and may complete its round (merged here). Returns
-        (admission, the reply's status, version, cursor). ``norm``: the push's L2 norm (a sharded coordinator's:
-        over every shard's part). Under the lock."""
+        (summing a delta that validate() accepted cannot fail), and may complete its round (the clock merges it;
+        the reply waits for that). Returns (admission, the reply's status, version, cursor). ``norm``: the push's
+        L2 norm (a sharded coordinator's: over every shard's part). Under the lock."""
+        self._refuse_if_failed(context)
+        self.loop.wait_merged()  # a merge being computed: this push is judged against the version it makes
         self._refuse_if_failed(context)
         admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=norm,
                                       theta_norm=self.theta_norm)
@@ -479,15 +481,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         view = self.history.island(info.island_id)
         view.bytes_in += size
         view.last_seen = self.clock()
-        self.lock.notify_all()  # a first push of a round starts its grace: the ticker's deadline moves
+        self.lock.notify_all()  # wakes the clock: a first push starts its round's grace, a last one completes it
         status = _STATUS[admission.status]
-        try:
-            self.loop.merge_if_ready(self.clock())
-        except Exception:
+        if admission.status == "accept" and self.state.round_ready(self.clock())[0]:
+            # It completed its round: the clock merges it (only the clock does); the reply says how that went.
+            # The wait costs this thread the merge's time, not the lock.
+            def settled() -> bool:  # the clock is done with its round: merged, or it was rejected and the rest merged
+                if self.loop.fatal is not None or self.loop.closing:
+                    return True
+                return self.loop.merging is None and (not self.state.round_ready(self.clock())[0] or (
+                    not self.state.is_pending(info.push_id) and self.state.version >= admission.target_version))
+
+            self.lock.wait_for(settled)
             if self.loop.fatal:  # the step failed (a full disk, a coordinator shard gone): the coordinator failed,
                 # and is to be resumed from its checkpoint; the island sends the push again to the resumed one
                 self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
-            raise
         version = self.state.version
         rejected = self.state.rejected(info.push_id)
         if rejected is not None and admission.status == "accept":  # the merge it completed rejected it

@@ -577,6 +577,15 @@ class ShardPeers:
             c.close()
 
 
+@dataclass
+class ShardedPrepared:
+    """:meth:`ShardedStep.prepare`'s outcome: the lead's prepared range, every range shard's commit and prepare."""
+
+    prepared: Prepared
+    committed: list[pb.CommitResponse]
+    replies: list[pb.PrepareResponse]
+
+
 class ShardedStep:
     """The lead's outer step over every shard (two phases): Prepare on the range shards and its own range, then
     Commit everywhere (the lead's last) when every shard's step is finite, else Abort everywhere and the blamed
@@ -594,7 +603,10 @@ class ShardedStep:
     def theta_norm(self) -> float:
         return math.sqrt(sum(self.theta_sq))
 
-    def __call__(self) -> Update:
+    def prepare(self) -> ShardedPrepared:
+        """Outside the lead's lock: Prepare on every range shard and the lead's own range, then Commit on the range
+        shards when every step is finite (else Abort everywhere and the blamed push's NonFiniteResult). The lead's
+        own range is committed by :meth:`commit`, under the lock."""
         m = self.merger
         new = m.version + 1
         merges = [pb.MergeEntry(push_id=p.key, weight=p.weight, scale=p.scale, norm=p.norm) for p in m.pending]
@@ -619,9 +631,13 @@ class ShardedStep:
             # the lead's version). The lead's own range stays at the old version.
             m.abort(prepared)
             raise
-        update = m.commit(prepared)
-        self.digests = [m.digest] + [c.params_digest for c in committed]
-        self.theta_sq = [m.theta_norm ** 2] + [r.theta_sum_squares for r in replies]
+        return ShardedPrepared(prepared, list(committed), list(replies))
+
+    def commit(self, done: ShardedPrepared) -> Update:
+        """Under the lead's lock: the lead's own range made current; every range's digest and sum of squares kept."""
+        update = self.merger.commit(done.prepared)
+        self.digests = [self.merger.digest] + [c.params_digest for c in done.committed]
+        self.theta_sq = [self.merger.theta_norm ** 2] + [r.theta_sum_squares for r in done.replies]
         return update
 
     def _abort(self, version: int) -> None:

@@ -164,6 +164,10 @@ class CoordinatorState:
         """The pushes pending in the open round, in arrival order."""
         return [(p.info, p.admission) for p in self.ledger.pending.values()]
 
+    def is_pending(self, push_id: str) -> bool:
+        """Whether the push is pending in the open round."""
+        return push_id in self.ledger.pending
+
     def push_known(self, push_id: str) -> bool:
         """Whether a push id is pending or remembered as merged/dropped (Heartbeat's push_unknown is the negation)."""
         return self.ledger.push_known(push_id)
@@ -366,9 +370,11 @@ class CoordinatorState:
         """Whether the open round can close now, and why (not) (``coordinator.quorum.round_ready``)."""
         return quorum.round_ready(self.opts, self.version, self._over(), self.live(), self.ledger, now)
 
-    def close_round(self, now: float) -> tuple[int, list[PushInfo], str]:
-        """Merge the open round into version + 1; returns (new_version, merged pushes, reason)."""
-        ready, why = self.round_ready(now)
+    def close_round(self, now: float, decided: str = "") -> tuple[int, list[PushInfo], str]:
+        """Merge the open round into version + 1; returns (new_version, merged pushes, reason). ``decided``: why the
+        round was found ready when its outer step began (the clock computes the step outside the lock, and an
+        island may join or be lost meanwhile: the round it snapshotted closes all the same); "": decide now."""
+        ready, why = (True, decided) if decided else self.round_ready(now)
         if not ready:
             raise StateError("FAILED_PRECONDITION", f"the round for version {self.version + 1} cannot close: {why}")
         self.version += 1

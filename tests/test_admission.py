@@ -290,7 +290,7 @@ def _norms(st: CoordinatorState, ids: list[str], norms: list[float], now: float 
 
 
 def _close(st: CoordinatorState, now: float = T0) -> list[str]:
-    """The round screen, then the merge (what RoundsLoop.merge_if_ready does); the ids of the pushes it rejected."""
+    """The round screen, then the merge (what RoundsLoop.begin_merge does); the ids of the pushes it rejected."""
     screened = st.screen_round()
     for push_id, why in screened:
         st.reject_pending([push_id], why, now)

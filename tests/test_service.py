@@ -335,7 +335,7 @@ def test_a_failed_outer_step_stops_the_coordinator_from_accepting_pushes(coordin
     def full_disk():
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(coordinator.service.merger, "outer_step", full_disk)
+    monkeypatch.setattr(coordinator.service.merger, "prepare", full_disk)
     (c0, c1), (j0, j1) = two_islands(coordinator.address, net_cfg)
     n = j0.tree_size
     assert c0.push(push_header(j0, "a1"), delta_frame(n, 1)[1]).status == pb.PUSH_STATUS_PENDING
