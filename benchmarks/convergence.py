@@ -44,7 +44,8 @@ import numpy as np
 from _common import log
 
 from coordinator import admission
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merge_types import MergeOptions
+from coordinator.merger import Merger
 from coordinator.records import PushInfo
 from dtrain import codec
 from dtrain.config.load import load_config, replace

@@ -288,7 +288,8 @@ def breakdown(cfg, frame: bytes, n_params: int, work: Path) -> dict[str, float]:
     import zlib
 
     from coordinator.memory import return_large_frees_to_the_os
-    from coordinator.merger import MergeOptions, Merger
+    from coordinator.merge_types import MergeOptions
+    from coordinator.merger import Merger
 
     return_large_frees_to_the_os()
     from dtrain.net.proto import dtrain_pb2 as pb
@@ -337,7 +338,8 @@ def merge_rate(cfg, frames: list[bytes], n_params: int, work: Path, threads: int
     (a fresh merger's first round also allocates them, and costs up to twice as much)."""
     import dataclasses
 
-    from coordinator.merger import MergeOptions, Merger
+    from coordinator.merge_types import MergeOptions
+    from coordinator.merger import Merger
 
     spool_dir = work / f"merge-rate-{threads}"
     merger = Merger(np.zeros(n_params, np.float32),

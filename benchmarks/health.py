@@ -2,7 +2,7 @@
 device fault, and the probes' cost, all in one run.
 
 Every run is a real island: ``workers.app.run_worker`` in this process (one at a time: two in-process workers
-break orbax's async checkpointing) against a real coordinator (``coordinator.lifecycle.serve``, 127.0.0.1, port 0, in a
+break orbax's async checkpointing) against a real coordinator (``coordinator.app.serve``, 127.0.0.1, port 0, in a
 child process, see :func:`_start_coordinator`), with ``[health] enabled = true`` and
 the default probe intervals (workers/chip_health.py, dtrain/config/ HealthConfig). The config is configs/tiny.toml
 with :data:`OVERRIDES`: 16 rows a step (2 per device, so each device's micro-batch gradient is a mean over more
@@ -337,7 +337,8 @@ def island_run(cfg: Config, work: Path, name: str, fault_name: str, fault: Devic
 _COORDINATOR = """
 import json, sys
 from pathlib import Path
-from coordinator.lifecycle import initial_parameters, serve
+from coordinator.app import serve
+from coordinator.lifecycle import initial_parameters
 from dtrain.config.load import load_config
 cfg, run_dir = load_config(sys.argv[1]), Path(sys.argv[2])
 theta, spec = initial_parameters(cfg)
@@ -351,7 +352,7 @@ service.close()
 
 
 def _start_coordinator(cfg: Config, run_dir: Path) -> subprocess.Popen[bytes]:
-    """The run's coordinator (``coordinator.lifecycle.serve`` on 127.0.0.1, port 0) in a child process, which serves
+    """The run's coordinator (``coordinator.app.serve`` on 127.0.0.1, port 0) in a child process, which serves
     until its stdin is closed (as the in-process tests' coordinator is stopped once the island returns: a
     ``dtrain coordinator`` that stops by itself when the run is over can cut the island's last call short).
     Not in this process: orbax numbers checkpoint saves by one operation id per process, and a coordinator and a

@@ -324,7 +324,7 @@ def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds:
     """The coordinator's config for ``islands`` islands: the shared benchmark config (benchmarks/_common.py
     make_config: no checkpoint, no retries) in sync mode, every island needed to close a round, a real heartbeat
     period, a lease of LEASE_S, the coordinator's own thread count for that many islands
-    (coordinator.lifecycle.server_threads); then ``overrides``."""
+    (coordinator.handlers.server_threads); then ``overrides``."""
     return make_config(model_fields, work, CODEC, islands, checkpoint=False, repeats=rounds, extra=[
         "coordinator.mode=sync", f"coordinator.min_quorum={islands}", f"coordinator.lease_s={LEASE_S:g}",
         "worker.heartbeat_s=1", *overrides])

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merge_types import MergeOptions
+from coordinator.merger import Merger
 from coordinator.records import StateError, StateOptions
 from coordinator.shard import shard_ranges
 from coordinator.state import CoordinatorState

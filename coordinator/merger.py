@@ -40,37 +40,8 @@ exactly the entries where the merged Δ is non-zero (the union of the pushes' su
 are written in slab order after room for the counts, which are written last. ``outer.rule = "sparseloco"``
 makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.steps.outer.outer_update``).
 
-Guards against a poisoned delta:
-
-- Each spool (``coordinator.spool``) measures its push's L2 norm as the frame
-  is validated, from the checked scales and codes (``codec.block_sum_squares``:
-  no dequantization, no second pass over the body); the coordinator screens it
-  (``coordinator.admission``) and may give the push a clip factor c ≤ 1
-  (:meth:`Merger.add_pending`). With
-  ``merge_rule = "mean"`` the merged Δ is Σ w_i·c_i·Δ_i / Σ w_i (the divisor keeps
-  the unclipped weights, so clipping shrinks the push's contribution).
-- ``coordinator.merge_rule`` ``trimmed_mean`` / ``median``: per slab, each push's
-  c_i·Δ_i is dequantized into a row of a (pushes × slab) array and the rule
-  (``dtrain.steps.outer.trimmed_mean`` / ``coordinate_median``, unweighted) reduces it:
-  memory stays pushes × slab.
-- ``clipped_mean``: the mean, with each push's clip factor further capped so that
-  its norm is at most ``coordinator.clip_ratio`` × the median norm of the pushes
-  being merged (:func:`round_clip_factors`; the norms are the spools', known before
-  the step, so it stays one streaming pass).
-- ``screened_mean``: the mean, of the pushes that pass a direction screen when the round
-  closes (``coordinator.admission.screen_round``): :meth:`Merger.direction_cosines` gives
-  each pending push's cosine with the coordinate median of the pending pushes (with fewer
-  than 3, the outer momentum), estimated on a random sample of about 2^20 values per push
-  (``SCREEN_VALUES``; all in a smaller fragment), in one streaming pass over the spools
-  before the step (memory pushes × slab / 8), and a push below ``coordinator.min_cosine``
-  is rejected and dropped (:meth:`Merger.drop_pending`).
-- Before it commits, the step checks every slab of the update, the momentum, the
-  residual and θ for non-finite values. If any is found, it deletes its temp
-  files, leaves the version as it was and raises :class:`NonFiniteResult`
-  naming the push to blame: a validated payload's values are always finite
-  (the codec caps the scales), so the blame goes to the pending push with the
-  largest contribution (c·‖Δ‖, times its weight under the mean). The caller
-  drops it (:meth:`Merger.drop_pending`) and may step again.
+The merge rules and the guards against a poisoned delta (clip factors, robust rules, the direction screen, the
+non-finite check before a commit) are described in ``coordinator/merge_types.py``.
 """
 
 from __future__ import annotations
@@ -85,245 +56,26 @@ import tempfile
 import threading
 import weakref
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
+from coordinator.merge_io import SparseDown, install_file, read_into, read_pending, scan_theta, write_frame_file
+from coordinator.merge_types import (
+    MEAN_RULES,
+    SLAB_TARGET,
+    MergeOptions,
+    NonFiniteResult,
+    Prepared,
+    SpooledPush,
+    Update,
+    round_clip_factors,
+)
 from coordinator.spool import Spool, write_from
 from dtrain import codec
 from dtrain.codec import hasher_digest, params_hasher
-from dtrain.config.sections import Config, merge_rule
-from dtrain.steps.outer import OuterHParams, coordinate_median, outer_update, trimmed_mean
-from dtrain.train.fragments import Range, fragment_of_round, plan_spec
-
-SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinator's 4 MiB mmap threshold, so reused)
-IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
-SCREEN_VALUES = 1 << 20  # values per push the direction screen samples (Merger.direction_cosines): ~1e-3 on a cosine
-MEAN_RULES = ("mean", "clipped_mean", "screened_mean")  # the merge rules that take the weighted mean of the pushes
-
-
-def slab_values(block: int) -> int:
-    """The slab length: a whole number of quantization blocks, about SLAB_TARGET values."""
-    return max(1, SLAB_TARGET // block) * block
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """What the merger does: everything but the last two fields comes from the config (:meth:`from_config`)."""
-
-    outer: OuterHParams  # the outer update of one merge (lr already divided in async mode)
-    up_bits: codec.Bits  # codec.up: the pushed deltas' codec
-    down_bits: codec.Bits  # codec.down: the broadcast update's codec (32: lossless)
-    block: int  # codec.block: values per quantization block
-    zstd_level: int  # codec.zstd_level of the update frames
-    error_feedback: bool  # codec.error_feedback: the down path keeps its quantization residual
-    keep_updates: int  # coordinator.keep_updates: past update frames kept for lagging islands
-    rule: str = "mean"  # coordinator.merge_rule: "mean", "trimmed_mean", "median", "clipped_mean", "screened_mean"
-    trim: int = 1  # coordinator.trim: trimmed_mean drops this many values at each end per coordinate
-    clip_ratio: float = 1.0  # coordinator.clip_ratio: clipped_mean caps each norm at this x the median norm
-    spare_spools: int = 8  # spool files kept for reuse between rounds (disk: this many frame bodies at most)
-    threads: int = 2  # coordinator.merge_threads: the outer step's threads
-    up_block: int = 0  # the pushes' block (a sparse codec's chunk: codec.sparse_chunk); 0: block
-    down_block: int = 0  # the update's block, likewise; 0: block
-    max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
-    ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
-    screen_values: int = SCREEN_VALUES  # the direction screen samples about this many values per push (all if fewer)
-
-    @property
-    def slab(self) -> int:
-        """Values per slab of the outer step: whole blocks of both the pushes' and the update's codec."""
-        return slab_values(math.lcm(self.up_block or self.block, self.down_block or self.block))
-
-    @classmethod
-    def from_config(cls, cfg: Config, spec: codec.Spec | None = None) -> MergeOptions:
-        """The merger of ``cfg``'s coordinator (merge mode: ``coordinator.mode``), with the default internal knobs
-        (``dataclasses.replace`` them if needed). ``spec``: the parameter tree, which ``outer.fragments`` > 1
-        needs (its fragments' plan, ``dtrain.train.fragments.plan_spec``)."""
-        k = cfg.codec
-        ranges: tuple[Range, ...] = ()
-        if cfg.outer.fragments > 1:
-            if spec is None:
-                raise ValueError("outer.fragments > 1 needs the parameter tree's spec to plan the fragments")
-            ranges = plan_spec(spec, cfg.outer.fragments)
-        (up_bits, up_block), (down_bits, down_block) = k.scheme(k.up), k.scheme(k.down)
-        return cls(outer=OuterHParams.from_config(cfg), up_bits=up_bits, down_bits=down_bits,
-                   block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
-                   keep_updates=cfg.coordinator.keep_updates, rule=merge_rule(cfg),
-                   trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
-                   threads=cfg.coordinator.merge_threads, up_block=up_block, down_block=down_block,
-                   # one spare per island: a round's pushes all write over the last round's files (filling new
-                   # ones costs the kernel 3x), and the disk they hold is what every round's spools take anyway
-                   spare_spools=max(cls.spare_spools, cfg.outer.islands),
-                   max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges)
-
-
-class NonFiniteResult(ValueError):
-    """The outer step would have made the state non-finite; nothing was committed. ``blame``: the key of the
-    pending push held responsible (see the module docstring); ``what``: which array, at which value index."""
-
-    def __init__(self, what: str, blame: str, reason: str):
-        super().__init__(reason)
-        self.what = what
-        self.blame = blame
-
-
-@dataclass
-class SpooledPush:
-    """A push the next outer step merges: its validated, spooled body and how it counts."""
-
-    spool: Spool
-    weight: float  # merge weight (tokens x staleness factor)
-    scale: float = 1.0  # clip factor on its values (1: not clipped)
-    key: str = ""  # the caller's name for it (the push id)
-    cap: float = 1.0  # clipped_mean: the further factor this step gives it (round_clip_factors)
-    whole_norm: float | None = None  # a sharded coordinator: the whole push's L2 norm (all ranges), not this spool's
-
-    @property
-    def norm(self) -> float:
-        """The L2 norm of its values, as spooled (before the clip factor); the whole push's, when given."""
-        return self.spool.norm if self.whole_norm is None else self.whole_norm
-
-
-@dataclass(frozen=True)
-class Update:
-    """One frame on disk: an outer update (θ_version = θ_base + dequantize(frame)) or a lossless θ."""
-
-    version: int
-    base_version: int
-    path: Path  # written once; pulls stream it from here
-    size: int
-    crc32: int
-    params_digest: str  # digest of θ_version
-
-    @property
-    def frame(self) -> bytes:
-        """The whole frame in memory (tests and tools; the service streams it with :meth:`open`)."""
-        return self.path.read_bytes()
-
-    def open(self) -> BinaryIO:
-        """An open handle: the frame stays readable even if it is deleted before the pull finishes."""
-        return open(self.path, "rb")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """An outer step written but not committed (:meth:`Merger.prepare`): the new version's temp state files and its
-    update frame, θ's digest and L2 norm."""
-
-    version: int
-    tmp: dict[str, Path]
-    digest: str
-    theta_norm: float
-    update: Update
-
-
-def round_clip_factors(norms: list[float], scales: list[float], ratio: float) -> list[float]:
-    """``clipped_mean``: the factor (<= 1) on each push, on top of its clip factor (``scales``), that makes its norm
-    at most ``ratio`` × the median of the pushes' clipped norms (``norms``: as spooled). A zero norm gets 1."""
-    clipped = [n * c for n, c in zip(norms, scales, strict=True)]
-    bound = ratio * float(np.median(clipped)) if clipped else 0.0
-    return [min(1.0, bound / m) if m > 0 else 1.0 for m in clipped]
-
-
-def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
-    view = buf.data.cast("B")  # ndarray.data: the array's buffer as a memoryview, no copy
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise OSError(f"short read at offset {offset + got} (file truncated?)")
-        got += n
-
-
-def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path,
-                     level: int, payload_size: int | None = None) -> tuple[int, int]:
-    """``codec.write_frame`` to ``path`` (atomically: a .tmp file, then a rename), the payload streamed from
-    ``payload_file`` in pieces of IO_PIECE bytes; returns (frame size, CRC32 of the whole frame).
-    ``payload_size``: the payload's bytes (a sparse scheme's)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as out, open(payload_file, "rb") as src:
-        size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level,
-                                      payload_size)
-    tmp.replace(path)
-    return size, crc
-
-
-def _read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start: int, outs: list[np.ndarray],
-                 weights: list[np.float32]) -> None:
-    """outs[i] += weights[i]·Δ_i for sparse pushes, values [start, start + outs[i].size) (whole chunks): each
-    push's scales, counts and records of those chunks read from its spool (the layout its checker kept), summed
-    into the dense slab (``codec.sparse_add``)."""
-    assert codec.is_sparse(bits)
-    count = outs[0].size if outs else 0
-    first, end = start // chunk, -(-(start + count) // chunk)
-    scales = np.empty(end - first, "<f4")
-    for p, out, weight in zip(pending, outs, weights, strict=True):
-        layout = p.spool.sparse
-        assert layout is not None and layout.counts is not None and layout.record_offsets is not None
-        n_chunks = layout.counts.size
-        _read_into(p.spool.fd, scales, 4 * first)
-        lo, hi = int(layout.record_offsets[first]), int(layout.record_offsets[end])
-        records = np.empty(hi - lo, np.uint8)
-        _read_into(p.spool.fd, records, 4 * n_chunks + lo)
-        codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
-
-
-class _SparseDown:
-    """The sparse update's payload file, written in order: the chunks' records after room for the counts, then
-    the counts (u16 per chunk) at the front, then the file cut to its size."""
-
-    def __init__(self, fd: int, n: int, chunk: int):
-        self.fd, self.counts = fd, np.zeros(-(-n // chunk), "<u2")
-        self.offset = 2 * self.counts.size
-
-    def append(self, first: int, counts: np.ndarray, records: bytes) -> None:
-        self.counts[first:first + counts.size] = counts
-        write_from(self.fd, records, self.offset)
-        self.offset += len(records)
-
-    def close(self) -> None:
-        write_from(self.fd, self.counts, 0)
-        os.ftruncate(self.fd, self.offset)
-
-
-def _install_file(src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
-    """Puts ``src`` at ``dest`` as raw little-endian float32 and returns its length: a file is hard-linked (copied
-    where it cannot be), an array written; an empty array with ``n`` given is ``n`` zeros (a sparse file).
-    ``n``: the length it must have (``what`` names it in the error)."""
-    if isinstance(src, (str, Path)):
-        size = Path(src).stat().st_size
-        if size % 4 or (n is not None and size != 4 * n):
-            raise ValueError(f"{what} file {src} holds {size} bytes, expected {4 * (n or 0) or 'a multiple of 4'}")
-        try:
-            os.link(src, dest)
-        except OSError:  # another file system, or no hard links: copy (the kernel's copy, not via memory)
-            import shutil
-
-            shutil.copyfile(src, dest)
-        return size // 4
-    arr = np.asarray(src)
-    if arr.size == 0 and n is not None:  # zeros: a sparse file
-        with open(dest, "wb") as f:
-            f.truncate(4 * n)
-        return n
-    arr = np.ascontiguousarray(arr, dtype="<f4").ravel()
-    if n is not None and arr.size != n:
-        raise ValueError(f"{what} has {arr.size} values, θ has {n}")
-    arr.tofile(dest)
-    return int(arr.size)
-
-
-def _scan_theta(path: Path) -> tuple[str, float]:
-    """The digest and the L2 norm of a θ file, in one read."""
-    h = params_hasher()
-    sum_sq = 0.0
-    with open(path, "rb") as f:
-        while piece := f.read(IO_PIECE):
-            h.update(piece)
-            sum_sq += codec.sum_squares(np.frombuffer(piece, "<f4"))
-    return hasher_digest(h), math.sqrt(sum_sq)
+from dtrain.steps.outer import coordinate_median, outer_update, trimmed_mean
+from dtrain.train.fragments import Range, fragment_of_round
 
 
 class Merger:
@@ -351,15 +103,15 @@ class Merger:
         # The down path's error-feedback residual: what the broadcasts have left out of the true updates.
         self.feedback = opts.error_feedback and opts.down_bits != 32
         self.names = ("theta", "momentum", "residual") if self.feedback else ("theta", "momentum")
-        self.n = _install_file(theta, self._path("theta"), "theta")
+        self.n = install_file(theta, self._path("theta"), "theta")
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
-                _install_file(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
+                install_file(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
         self.pending: list[SpooledPush] = []  # accepted, summed by the next outer step
         self.total_weight = 0.0
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
-        self.digest, self.theta_norm = _scan_theta(self.theta_path)  # θ's digest and L2 norm
+        self.digest, self.theta_norm = scan_theta(self.theta_path)  # θ's digest and L2 norm
         # Files kept for reuse: writing over a file's existing pages costs a third of filling a new one (the
         # kernel allocates and zeroes nothing). Spools are reused whatever they held (each push rewrites its
         # whole body); a state file only once no checkpoint links it (see outer_step).
@@ -546,7 +298,7 @@ class Merger:
                 ref = coordinate_median(rows)
             else:
                 ref = np.empty(rows.shape[1], np.float32)
-                _read_into(fd, ref, 4 * (part.start + s))
+                read_into(fd, ref, 4 * (part.start + s))
             return (np.einsum("ij,j->i", rows, ref, dtype=np.float64),  # buffered: no float64 copy of the rows
                     float(np.einsum("i,i->", ref, ref, dtype=np.float64)),
                     np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
@@ -576,21 +328,7 @@ class Merger:
 
     def _read_pending(self, start: int, outs: list[np.ndarray], weights: list[np.float32]) -> None:
         """outs[i] += weights[i]·Δ_i for each pending push i, values [start, start + outs[i].size)."""
-        o = self.opts
-        count = outs[0].size if outs else 0
-        if codec.is_sparse(o.up_bits):
-            _read_sparse(self.pending, o.up_bits, o.up_block or o.block, start, outs, weights)
-            return
-        first_block, end_block = start // o.block, -(-(start + count) // o.block)
-        n_blocks = codec.n_scales(o.up_bits, self.next_fragment().size, o.block)  # the pushes' values
-        scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
-        payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
-        scratch = np.empty(count, np.float32)
-        for p, out, weight in zip(self.pending, outs, weights, strict=True):
-            if scales.size:
-                _read_into(p.spool.fd, scales, 4 * first_block)
-            _read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
-            codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
+        read_pending(self.pending, self.opts, self.next_fragment().size, start, outs, weights)
 
     def _blame(self) -> SpooledPush:
         """The pending push held responsible for a non-finite result: the largest contribution."""
@@ -691,7 +429,7 @@ class Merger:
         inv_w = np.float32(1.0 / self.total_weight)
         hasher = params_hasher()
         theta_sq = 0.0
-        down = _SparseDown(fds["payload"], part.size, o.down_block or o.block) \
+        down = SparseDown(fds["payload"], part.size, o.down_block or o.block) \
             if codec.is_sparse(o.down_bits) else None
         pieces = ([(s, min(s + slab, part.start), False) for s in range(0, part.start, slab)]
                   + [(s, min(s + slab, part.end), True) for s in range(part.start, part.end, slab)]
@@ -735,7 +473,7 @@ class Merger:
         theta = np.empty(e - s, np.float32)
         for name in self.names:
             buf = theta if name == "theta" else np.empty(e - s, np.float32)
-            _read_into(fds[name], buf, 4 * s)
+            read_into(fds[name], buf, 4 * s)
             write_from(fds[name + "_new"], buf, 4 * s)
         return theta, codec.sum_squares(theta), ()
 
@@ -750,14 +488,14 @@ class Merger:
         rel = s - base  # where the slab lies in the pushes' and the update's frames
         delta = self._merged_delta(rel, rel + e - s, inv_w)
         m = np.empty(e - s, np.float32)
-        _read_into(fds["momentum"], m, 4 * s)
+        read_into(fds["momentum"], m, 4 * s)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught below, by value
             u, m = outer_update(delta, m, o.outer)  # new slab-sized arrays
         self._check_finite("momentum", s, m)
         write_from(fds["momentum_new"], m, 4 * s)
         if self.feedback:
             r = m  # the momentum slab is written: reuse its buffer
-            _read_into(fds["residual"], r, 4 * s)
+            read_into(fds["residual"], r, 4 * s)
             with np.errstate(over="ignore", invalid="ignore"):
                 u += r
         self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
@@ -788,7 +526,7 @@ class Merger:
                 self._check_finite("residual", s, u)
                 write_from(fds["residual_new"], u, 4 * s)
         theta = np.empty(e - s, np.float32)
-        _read_into(fds["theta"], theta, 4 * s)
+        read_into(fds["theta"], theta, 4 * s)
         with np.errstate(over="ignore", invalid="ignore"):
             theta += applied  # θ is the sum of what was broadcast
         self._check_finite("theta", s, theta)

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from coordinator.merger import Update
+from coordinator.merge_types import Update
 from dtrain.net.wire import chunk_count, file_chunk_messages
 
 # Bytes a chunk message adds to its piece: the Chunk's tags and varints (index, CRC32, length) and the oneof's.

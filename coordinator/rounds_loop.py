@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from grpc_health.v1 import health, health_pb2
 
 from coordinator.memory import FrameStreams
-from coordinator.merger import Merger, NonFiniteResult
+from coordinator.merge_types import NonFiniteResult
 from coordinator.records import Admission, PushInfo
 from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters
@@ -31,7 +31,7 @@ from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry
 
 if TYPE_CHECKING:
-    from coordinator.shard import ShardedStep
+    from coordinator.theta_store import ThetaStore
     from dtrain.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class MergeJob:
     frame_bytes: dict[str, int]  # push id -> its frame's bytes (read before the step releases the spools)
     values: int  # the update's values (its fragment's, with outer.fragments)
     fragment: dict[str, int]  # the round_merged event's fragment fields
-    prepared: Any = None  # Prepared, or a sharded lead's ShardedPrepared
+    prepared: Any = None  # what the store's prepare() made (ThetaStore)
     error: BaseException | None = None
 
 
@@ -66,13 +66,12 @@ class RoundsLoop:
     ``streams``: trimmed after each merge. The ticker starts with :meth:`start` and ends with :meth:`stop`."""
 
     def __init__(self, *, lock: threading.Condition, clock: Callable[[], float], state: CoordinatorState,
-                 merger: Merger, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry, rounds: RoundSpans,
-                 streams: FrameStreams, counters: Counters, after_finish: AfterFinish,
-                 sharded: ShardedStep | None = None):
-        """``sharded``: a sharded coordinator's outer step over every shard (coordinator/shard.py); None: the
-        merger's own."""
-        self.lock, self.clock, self.state, self.merger, self.ckpt = lock, clock, state, merger, ckpt
-        self.sharded = sharded
+                 store: ThetaStore, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry,
+                 rounds: RoundSpans, streams: FrameStreams, counters: Counters, after_finish: AfterFinish):
+        """``store``: θ's store (``coordinator/theta_store.py``), whose outer step the merges run: the merger's own,
+        or every shard's."""
+        self.lock, self.clock, self.state, self.store, self.ckpt = lock, clock, state, store, ckpt
+        self.merger = store.merger
         self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
         self.counters, self.after_finish = counters, after_finish
         self.fatal: str | None = None  # why the service failed; it then refuses pushes and run_coordinator exits
@@ -134,7 +133,7 @@ class RoundsLoop:
         try:
             with self.telemetry.span("dtrain.merge", parent=job.round_span, version=job.version,
                                      pushes=len(job.pending)):
-                job.prepared = self.sharded.prepare() if self.sharded is not None else self.merger.prepare()
+                job.prepared = self.store.prepare()
         except BaseException as e:
             job.error = e
 
@@ -159,7 +158,7 @@ class RoundsLoop:
             log.debug("the failed outer step", exc_info=e)
             self.set_health()
             return
-        update = self.sharded.commit(job.prepared) if self.sharded is not None else self.merger.commit(job.prepared)
+        update = self.store.commit(job.prepared)
         version, merged, close_reason = self.state.close_round(now, decided=job.reason)
         assert version == update.version == job.version, (version, update.version, job.version)
         pending = job.pending
@@ -180,7 +179,7 @@ class RoundsLoop:
             with self.telemetry.span("dtrain.checkpoint", parent=job.round_span, version=version):
                 self.ckpt.save_files(version, self.merger.state_files(),
                                      {"state": self.state.to_json(), "version": version,
-                                      "params_digest": self.merger.digest, **self._shards_meta()})
+                                      "params_digest": self.merger.digest, **self.store.checkpoint_meta()})
         self.counters.merge_s += time.perf_counter() - job.t0
         self._merged(version, job.reason, merged, pending, update.size, job.values)
 
@@ -204,17 +203,10 @@ class RoundsLoop:
         self.end_merge(job, now)
         return True
 
-    def _shards_meta(self) -> dict[str, Any]:
-        """A sharded lead's checkpoint also names every shard's digest and θ's sums of squares at its version."""
-        if self.sharded is None:
-            return {}
-        return {"shard_digests": list(self.sharded.digests), "theta_sum_squares": list(self.sharded.theta_sq)}
-
     def _drop(self, keys: list[str]) -> None:
         """Drops pending pushes from the merger, and their parts from the other shards."""
         self.merger.drop_pending(keys)
-        if self.sharded is not None:
-            self.sharded.peers.release(keys)
+        self.store.release(keys)
 
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
                 update_bytes: int, values: int) -> None:

@@ -14,32 +14,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
-import numpy as np
 
 from coordinator.dashboard import Dashboard
 from coordinator.edge import CallerIdentity, evidence_from_message, fingerprint_mismatch
+from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
-from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
 from coordinator.records import Admission, PushInfo, StateError, StateOptions
 from coordinator.refusals import AuthFailures, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
-from coordinator.shard import ShardedStep, ShardPeers, ShardRefused, read_secret, shard_ranges, split_theta
 from coordinator.spool import Spool
+from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters, status_response
 from coordinator.streams import Pulls, PushStreams, Stream, peer_host
+from coordinator.theta_store import PartsRefused, ThetaStore
 from dtrain import codec
-from dtrain.config.sections import Config, ConfigError
-from dtrain.errors import CheckpointError
-from dtrain.net.identity import IslandTokens
+from dtrain.config.sections import Config
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import (
@@ -52,8 +49,8 @@ from dtrain.net.wire import (
     WireError,
     chunk_count,
 )
-from dtrain.runlog import COORDINATOR_CHANNEL, RunLog
-from dtrain.telemetry import RoundSpans, Telemetry, require_exporter, status_gauges
+from dtrain.runlog import RunLog
+from dtrain.telemetry import RoundSpans, Telemetry, status_gauges
 from dtrain.train.fragments import leaf_sizes
 
 if TYPE_CHECKING:
@@ -75,115 +72,67 @@ _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
 # `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
 _BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
-# The RPC this thread serves: its method and island, set by lifecycle.service_handler's wrapper for the refusal
-# events (_abort); gRPC serves each call, its streams included, on one thread.
-CURRENT_CALL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the composition root (``coordinator.app.build_service``) built for the service, in the order it did."""
+
+    cfg: Config
+    run_dir: Path
+    spec: codec.Spec
+    clock: Callable[[], float]
+    opts: StateOptions
+    log: RunLog  # the run's events and progress lines
+    history: RunHistory  # the fold over them that Status shows
+    ckpt: Checkpointer | None
+    run_id: str
+    state: CoordinatorState  # new, or restored from the newest good checkpoint
+    store: ThetaStore  # θ: local, or over the range shards
+    telemetry: Telemetry
+    loaded_at: float  # the state's time of loading: a restored state's leases run from it
+    identity: CallerIdentity
+    after_finish: AfterFinish
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """The Coordinator service's RPCs (Join, Heartbeat, PushDelta, PullGlobal, Status) over one run's state
     machine (:attr:`state`) and merger (:attr:`merger`), under :attr:`lock`; its ticker, merges and end are
     :attr:`loop`'s (:class:`coordinator.rounds_loop.RoundsLoop`: ``wait_finished``, ``request_stop``, ``fatal``).
-    Served by :func:`coordinator.lifecycle.serve`; :meth:`close` releases everything it holds."""
+    Built by :func:`coordinator.app.build_service` and served by :func:`coordinator.app.serve`; :meth:`close`
+    releases everything it holds."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec,
-                 clock: Callable[[], float] = time.time, resume: bool = False, quiet: bool = False,
-                 after_finish: AfterFinish = "exit", island_tokens: IslandTokens | None = None):
-        """A new run from θ_0 (``theta``: an array or a file of raw float32), or with ``resume`` the run in
-        RUN_DIR's newest good checkpoint (``theta`` unused; CheckpointError if there is none). ``spec``: the
-        model's parameter tree (pushes and pulls name its digest); ``clock``: the time leases and rounds run on;
-        ``quiet``: no progress lines; ``after_finish``: what a finished run does (``dtrain coordinator
-        --after-finish``; :class:`coordinator.rounds_loop.RoundsLoop`); ``island_tokens``: the islands' own
-        tokens with ``security.identity`` "token" (``dtrain.net.identity.IslandTokens``). Starts the ticker; serves
-        nothing yet."""
-        self.cfg, self.clock, self.run_dir = cfg, clock, Path(run_dir)
-        # coordinator.shards > 1: this is the lead (shard 0), its merger over range 0 (coordinator/shard.py).
-        shards = cfg.coordinator.shards
-        self.tree_size = sum(leaf_sizes(spec))
-        peers: ShardPeers | None = None
-        shard_digests: list[str] = []
-        shard_sq: list[float] = []
-        if shards > 1:
-            if len(cfg.coordinator.shard_addresses) != shards - 1:
-                raise ConfigError(f"[coordinator] shard_addresses: the lead of {shards} shards needs the addresses "
-                                  f"of shards 1..{shards - 1}, got {len(cfg.coordinator.shard_addresses)}")
-            if not resume:
-                assert theta is not None, "a new run needs θ_0"
-                theta, shard_digests, shard_sq = split_theta(theta, shard_ranges(spec, shards))
-            peers = ShardPeers(cfg, cfg.coordinator.shard_addresses, read_secret(cfg))
-        self.identity = CallerIdentity(cfg.security.identity, island_tokens)
-        ckpt_dir = self.run_dir / "coordinator"
-        if resume and not has_checkpoint(cfg, self.run_dir):
-            raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
-        require_exporter(cfg.telemetry)  # a missing extra, before anything is written
-        self.log = RunLog(self.run_dir, quiet=quiet, logger=COORDINATOR_CHANNEL)
-        # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
-        # coordinator's), then over each event as it is logged.
-        self.history = RunHistory()
-        if resume:
-            self.history.replay(self.run_dir)
-        self.log.subscribe(self.history.observe)
-        self.started_at = clock()
+    def __init__(self, parts: Parts):
+        """The service over the parts the composition root built (``coordinator.app.build_service``); its own
+        in-memory helpers (counters, refusal log, stream bounds, the push intake) and its clock are made here.
+        Starts the clock; serves nothing yet."""
+        p = parts
+        self.cfg, self.clock, self.run_dir, self.spec = p.cfg, p.clock, p.run_dir, p.spec
+        self.opts, self.log, self.history, self.ckpt, self.identity = p.opts, p.log, p.history, p.ckpt, p.identity
+        self.run_id, self.state, self.store, self.telemetry = p.run_id, p.state, p.store, p.telemetry
+        self.merger = p.store.merger
+        self.loaded_at = p.loaded_at
+        self.tree_size = sum(leaf_sizes(p.spec))
+        self.tree_digest, self.fingerprint_fields = codec.spec_digest(p.spec), p.cfg.fingerprint_fields()
+        self.started_at = p.clock()
         self.streams = FrameStreams()
-        self.pull_piece = pull_piece(cfg)
-        self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
-        self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
+        self.pull_piece = pull_piece(p.cfg)
+        self.pull_cache = PullCache(p.cfg.coordinator.pull_cache_bytes)
         self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
-        self.opts = StateOptions.from_config(cfg, params=self.tree_size)
-        self.ckpt: Checkpointer | None = None
-        if cfg.coordinator.checkpoint:
-            from dtrain.checkpoint import Checkpointer  # orbax (and so JAX): only when checkpointing
-
-            # Synchronous: a save hard-links the version's θ/momentum files (FileArraysHandler), O(1).
-            self.ckpt = Checkpointer(ckpt_dir, keep=2, async_save=False)
-        self.loaded_at = clock()  # the state's time of loading: a restored state's leases run from it
-        try:
-            if resume:
-                assert self.ckpt is not None, "refused above without a coordinator checkpoint"
-                loaded = resume_state(cfg, self.opts, self.run_dir, spec, self.ckpt, self.log, self.loaded_at)
-            else:
-                loaded = new_run(cfg, self.opts, self.run_dir, theta, self.loaded_at, spec)
-        except BaseException:  # nothing served yet: release what was opened, leave the checkpoint as it was
-            if peers is not None:
-                peers.close()
-            if self.ckpt is not None:
-                self.ckpt.close()
-            self.log.close()
-            raise
-        self.run_id, self.state, self.merger = loaded.run_id, loaded.state, loaded.merger
-        self.sharded = None
-        if peers is not None:
-            try:
-                if resume:
-                    shard_digests = list(loaded.meta["shard_digests"])
-                # every shard at this version, before anything is served (a new run: θ_0)
-                replies = peers.restore(self.merger.version, shard_digests[1:], SHARD_START_WAIT_S)
-            except BaseException:
-                peers.close()
-                self.merger.close()
-                if self.ckpt is not None:
-                    self.ckpt.close()
-                self.log.close()
-                raise
-            shard_sq = [self.merger.theta_norm ** 2] + [r.theta_sum_squares for r in replies]
-            self.sharded = ShardedStep(self.merger, peers, shard_digests, shard_sq)
-            self.log.event("shards_restored", version=self.merger.version, shards=shards,
-                           addresses=list(cfg.coordinator.shard_addresses))
         self.counters = Counters()
-        self.refusals = RefusalLog(cfg.coordinator.refusal_events)
+        self.refusals = RefusalLog(p.cfg.coordinator.refusal_events)
         self.refusals.counts = self.counters.refusals  # one table: Status reports it
         self.auth_failures = AuthFailures(self.log, self.lock, self.counters.refusals)
-        self.telemetry = Telemetry(cfg.telemetry, "coordinator", "coordinator", self.run_id)
         self.rounds = RoundSpans(self.telemetry)
         status_gauges(self.telemetry, self.status_message)
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
-        self.intake = PushIntake(cfg, self.merger, self.telemetry, self.streams)
-        self.push_streams, self.pulls = PushStreams(cfg, self._stream_cancelled), Pulls(cfg)
+        self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
+        self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()
-        self.loop = RoundsLoop(lock=self.lock, clock=clock, state=self.state, merger=self.merger, ckpt=self.ckpt,
+        self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, ckpt=self.ckpt,
                                log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
-                               counters=self.counters, after_finish=after_finish, sharded=self.sharded)
+                               counters=self.counters, after_finish=p.after_finish)
         self.loop.start()
 
     # -- refusals -----------------------------------------------------------------------------------
@@ -327,7 +276,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                lease_s=self.opts.coordinator.lease_s,
                                run_id=self.run_id, tree_size=self.tree_size, tree_digest=self.tree_digest,
                                total_versions=self.opts.end_version,
-                               shard_addresses=self.cfg.coordinator.shard_addresses if self.sharded else ())
+                               shard_addresses=self.store.shard_addresses)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self._authorize(context, request.island_id)
@@ -416,8 +365,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 pending_still = any(p.key == info.push_id for p in self.merger.pending)
                 cursor = self.state.push_cursor(info)  # where the island's next range starts
         if admission.status == "duplicate":
-            if self.sharded is not None and not pending_still:  # a merged push's parts, sent again: let go
-                self.sharded.peers.release([info.push_id])
+            if not pending_still:  # a merged push's parts on the other shards, sent again: let go
+                self.store.release([info.push_id])
             self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
             return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
                                         version=version, reason=admission.reason, cursor=cursor)
@@ -435,17 +384,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._refuse_payload(context, info, e)
             except UploadBroke as e:
                 self._upload_broke(context, info, e)
-            norm = spool.norm if self.sharded is None else self._claim_parts(context, info, spool, identity)
+            try:  # the whole push's norm (a sharded coordinator's: its parts on the other shards claimed)
+                norm = self.store.whole_norm(info, spool, identity, self.cfg.coordinator.stream_idle_s)
+            except PartsRefused as e:
+                self._abort(context, e.code, str(e), push=info)
             try:
                 with self.lock:
                     admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size,
                                                                            norm)
             except BaseException:  # refused: its parts on the other shards are let go
-                if self.sharded is not None:
-                    self.sharded.peers.release([info.push_id])
+                self.store.release([info.push_id])
                 raise
-            if self.sharded is not None and admission.status != "accept":
-                self.sharded.peers.release([info.push_id])
+            if admission.status != "accept":
+                self.store.release([info.push_id])
         self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
                        base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
                        staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
@@ -474,8 +425,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=norm,
                                       theta_norm=self.theta_norm)
         if admission.status == "accept":
-            self.merger.add_pending(spool, admission.weight, scale=admission.scale, key=info.push_id,
-                                    norm=norm if self.sharded is not None else None)
+            self.store.add_pending(spool, admission.weight, admission.scale, info.push_id, norm)
         self.counters.bytes_in += size
         self.telemetry.record_ratio(4 * spool.n, size, "up")
         view = self.history.island(info.island_id)
@@ -504,41 +454,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             status = pb.PUSH_STATUS_MERGED
         return admission, status, version, self.state.push_cursor(info)
 
-    def _claim_parts(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
-                     identity: str | None) -> float:
-        """A sharded coordinator: the push's parts on the other shards, claimed (waiting for those still streaming
-        in, up to coordinator.stream_idle_s); returns the whole push's L2 norm. Refuses the push (nothing changes
-        anywhere) when a part is missing, was pushed under another identity, or a shard cannot be reached."""
-        assert self.sharded is not None
-        peers, wait = self.sharded.peers, self.cfg.coordinator.stream_idle_s
-        try:
-            parts = peers.claim(info, wait)
-        except ShardRefused as e:
-            peers.release([info.push_id])
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"push {info.push_id}: {e}", push=info)
-        for k, part in enumerate(parts, start=1):
-            if not part.held:
-                peers.release([info.push_id])
-                self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                            f"push {info.push_id}: its part for coordinator shard {k} ({peers.addresses[k - 1]}) "
-                            f"was not received within {wait:g}s: nothing of the push is merged", push=info)
-            if part.identity != (identity or ""):
-                peers.release([info.push_id])
-                self._abort(context, grpc.StatusCode.PERMISSION_DENIED,
-                            f"push {info.push_id}: its part for coordinator shard {k} came from identity "
-                            f"{part.identity or '(none)'}, this part from {identity or '(none)'}", push=info)
-        return math.sqrt(spool.norm ** 2 + sum(p.sum_squares for p in parts))
-
     @property
     def params_digest(self) -> str:
         """The digest of the whole global θ (a sharded coordinator's: over every range, ``fragments.joined_digest``).
         Under the lock."""
-        return self.sharded.digest if self.sharded is not None else self.merger.digest
+        return self.store.digest
 
     @property
     def theta_norm(self) -> float:
         """The L2 norm of the whole global θ. Under the lock."""
-        return self.sharded.theta_norm if self.sharded is not None else self.merger.theta_norm
+        return self.store.theta_norm
 
     def PullGlobal(self, request: pb.PullRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
@@ -619,8 +544,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.telemetry.shutdown()  # its last collection reads the Status: before the merger closes
         with self.lock:
             self.merger.close()
-        if self.sharded is not None:
-            self.sharded.peers.close()
+        self.store.close()
         if self.ckpt is not None:
             self.ckpt.close()
         self.log.close()

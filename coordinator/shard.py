@@ -42,10 +42,10 @@ import numpy as np
 
 from coordinator.edge import request_problem, shown
 from coordinator.memory import FrameStreams, pull_piece
-from coordinator.merger import MergeOptions, Merger, NonFiniteResult, Prepared, Update
+from coordinator.merge_types import MergeOptions, NonFiniteResult, Prepared, Update
+from coordinator.merger import Merger
 from coordinator.pull_cache import PullCache
 from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
-from coordinator.records import PushInfo
 from coordinator.spool import Spool
 from coordinator.streams import PushStreams, Stream, peer_host
 from dtrain import codec
@@ -58,15 +58,10 @@ from dtrain.net.wire import (
     BUSY_METADATA_KEY,
     PLACEHOLDER,
     WireError,
-    auth_metadata,
-    channel_credentials,
-    channel_options,
     chunk_count,
-    keepalive_options,
-    read_token,
 )
 from dtrain.telemetry import Telemetry
-from dtrain.train.fragments import Range, joined_digest, plan_spec, range_digests
+from dtrain.train.fragments import Range, plan_spec, range_digests
 
 if TYPE_CHECKING:
     from dtrain.checkpoint import Checkpointer
@@ -492,156 +487,3 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
             self.merger.close()
         if self.ckpt is not None:
             self.ckpt.close()
-
-
-class ShardPeers:
-    """The lead's side of the Shard service: one channel per range shard, calls made to all in parallel."""
-
-    def __init__(self, cfg: Config, addresses: Sequence[str], secret: str):
-        self.addresses = list(addresses)
-        sec = cfg.security
-        creds = channel_credentials(sec)
-        opts = channel_options(cfg.coordinator.max_message_bytes, sec.server_name) + keepalive_options(server=False)
-        self.channels = [grpc.secure_channel(a, creds, opts) if creds else grpc.insecure_channel(a, opts)
-                         for a in self.addresses]
-        self.stubs = [pb_grpc.ShardStub(c) for c in self.channels]
-        self.metadata = auth_metadata(read_token(sec)) + ((SECRET_METADATA_KEY, secret),)
-
-    def _all(self, method: str, request: Any, timeout: float) -> list[Any]:
-        """``method`` on every range shard at once; the replies in shard order. ShardRefused naming the first
-        shard that refused or could not be reached."""
-        # gRPC's own futures: every caller's calls in flight at once (a shared pool would queue one push's Claim,
-        # which may wait for its part, behind another's)
-        calls = [getattr(stub, method).future(request, timeout=timeout, metadata=self.metadata) for stub in self.stubs]
-        out, first = [], None
-        for k, call in enumerate(calls, start=1):
-            try:
-                out.append(call.result())
-            except grpc.RpcError as e:
-                if first is None:
-                    first = ShardRefused(e.code(), f"{method} on coordinator shard {k} ({self.addresses[k - 1]}): "
-                                                   f"{e.code().name}: {e.details()}")
-        if first is not None:
-            raise first
-        return out
-
-    def claim(self, info: PushInfo, wait_s: float) -> list[pb.ClaimResponse]:
-        return self._all("Claim", pb.ClaimRequest(push_id=info.push_id, island_id=info.island_id,
-                                                  wait_s=min(wait_s, MAX_CLAIM_WAIT_S)),
-                         CALL_DEADLINE_S + wait_s)
-
-    def prepare(self, version: int, merges: list[pb.MergeEntry]) -> list[pb.PrepareResponse]:
-        return self._all("Prepare", pb.PrepareRequest(version=version, merges=merges), PREPARE_DEADLINE_S)
-
-    def commit(self, version: int) -> list[pb.CommitResponse]:
-        return self._all("Commit", pb.CommitRequest(version=version), CALL_DEADLINE_S)
-
-    def abort(self, version: int) -> None:
-        self._all("Abort", pb.AbortRequest(version=version), CALL_DEADLINE_S)
-
-    def restore(self, version: int, digests: Sequence[str], wait_s: float) -> list[pb.RestoreResponse]:
-        """Every range shard at ``version`` (``digests``: their ranges' digests, shard 1 first), retried while a
-        shard cannot be reached (it may be starting) for up to ``wait_s``; ShardRefused otherwise."""
-        t0 = time.monotonic()
-        while True:
-            try:
-                calls = [stub.Restore.future(pb.RestoreRequest(version=version, params_digest=d),
-                                             timeout=PREPARE_DEADLINE_S, metadata=self.metadata)
-                         for stub, d in zip(self.stubs, digests, strict=True)]
-                out = []
-                for k, call in enumerate(calls, start=1):
-                    try:
-                        out.append(call.result())
-                    except grpc.RpcError as e:
-                        raise ShardRefused(e.code(), f"Restore on coordinator shard {k} ({self.addresses[k - 1]}): "
-                                                     f"{e.code().name}: {e.details()}") from None
-                return out
-            except ShardRefused as e:
-                left = wait_s - (time.monotonic() - t0)
-                if e.code != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                    raise
-                log.info("waiting for the coordinator shards to take version %d (%.0fs left): %s", version, left, e)
-                time.sleep(min(1.0, left))
-
-    def release(self, push_ids: list[str]) -> None:
-        """Best effort: a shard that cannot be reached keeps the parts until it restarts."""
-        if not push_ids:
-            return
-        try:
-            self._all("Release", pb.ReleaseRequest(push_ids=push_ids), CALL_DEADLINE_S)
-        except ShardRefused as e:
-            log.warning("release of %d parts: %s", len(push_ids), e)
-
-    def close(self) -> None:
-        for c in self.channels:
-            c.close()
-
-
-@dataclass
-class ShardedPrepared:
-    """:meth:`ShardedStep.prepare`'s outcome: the lead's prepared range, every range shard's commit and prepare."""
-
-    prepared: Prepared
-    committed: list[pb.CommitResponse]
-    replies: list[pb.PrepareResponse]
-
-
-class ShardedStep:
-    """The lead's outer step over every shard (two phases): Prepare on the range shards and its own range, then
-    Commit everywhere (the lead's last) when every shard's step is finite, else Abort everywhere and the blamed
-    push's NonFiniteResult. Keeps each range's digest and θ's sum of squares for the whole θ's digest and norm."""
-
-    def __init__(self, merger: Merger, peers: ShardPeers, digests: list[str], theta_sq: list[float]):
-        self.merger, self.peers = merger, peers
-        self.digests, self.theta_sq = digests, theta_sq  # per shard, 0 (the lead) first
-
-    @property
-    def digest(self) -> str:
-        return joined_digest(self.digests)
-
-    @property
-    def theta_norm(self) -> float:
-        return math.sqrt(sum(self.theta_sq))
-
-    def prepare(self) -> ShardedPrepared:
-        """Outside the lead's lock: Prepare on every range shard and the lead's own range, then Commit on the range
-        shards when every step is finite (else Abort everywhere and the blamed push's NonFiniteResult). The lead's
-        own range is committed by :meth:`commit`, under the lock."""
-        m = self.merger
-        new = m.version + 1
-        merges = [pb.MergeEntry(push_id=p.key, weight=p.weight, scale=p.scale, norm=p.norm) for p in m.pending]
-        try:
-            replies = self.peers.prepare(new, merges)
-        except BaseException:
-            self._abort(new)
-            raise
-        failed = [r for r in replies if not r.finite]
-        if failed:
-            self._abort(new)
-            raise NonFiniteResult("a range shard's step", failed[0].blame, failed[0].reason)
-        try:
-            prepared = m.prepare()
-        except BaseException:
-            self._abort(new)
-            raise
-        try:
-            committed = self.peers.commit(new)
-        except BaseException:
-            # Some shard may have committed: the coordinator failed (resume from the checkpoints, every shard at
-            # the lead's version). The lead's own range stays at the old version.
-            m.abort(prepared)
-            raise
-        return ShardedPrepared(prepared, list(committed), list(replies))
-
-    def commit(self, done: ShardedPrepared) -> Update:
-        """Under the lead's lock: the lead's own range made current; every range's digest and sum of squares kept."""
-        update = self.merger.commit(done.prepared)
-        self.digests = [self.merger.digest] + [c.params_digest for c in done.committed]
-        self.theta_sq = [self.merger.theta_norm ** 2] + [r.theta_sum_squares for r in done.replies]
-        return update
-
-    def _abort(self, version: int) -> None:
-        try:
-            self.peers.abort(version)
-        except ShardRefused as e:
-            log.warning("abort of version %d: %s", version, e)

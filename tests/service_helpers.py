@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from conftest import initial_parameters, initial_spec
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from dtrain import codec
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from conftest import TINY
+from coordinator.handlers import CURRENT_CALL
 from coordinator.refusals import RefusalLog
-from coordinator.service import CURRENT_CALL
 from coordinator.state import CoordinatorState
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb

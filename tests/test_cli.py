@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from coordinator.streams import peer_host
 from dtrain import codec
 from dtrain.config.load import load_config

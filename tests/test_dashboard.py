@@ -23,8 +23,8 @@ import grpc
 import pytest
 
 from conftest import initial_parameters
+from coordinator.app import serve
 from coordinator.dashboard import dashboard_port
-from coordinator.lifecycle import serve
 from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError

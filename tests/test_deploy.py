@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import initial_parameters, openssl
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from coordinator.loading import has_checkpoint
 from dtrain.config.load import load_config, replace
 from dtrain.config.sections import Config, ConfigError, CoordinatorConfig

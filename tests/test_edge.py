@@ -16,9 +16,10 @@ import grpc
 import pytest
 
 from conftest import initial_parameters
+from coordinator.app import serve
 from coordinator.edge import ISLAND_ID_RE, MAX_ISLAND_ID_LEN, SHOWN, request_problem
 from coordinator.history import MAX_DETAIL, RunHistory
-from coordinator.lifecycle import is_loopback, preflight, serve
+from coordinator.preflight import is_loopback, preflight
 from dtrain.config.load import load_config, replace
 from dtrain.config.sections import Config, ConfigError
 from dtrain.net.identity import hash_line, issue_token

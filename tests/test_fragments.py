@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merge_types import MergeOptions
+from coordinator.merger import Merger
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config.load import load_config, replace

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from dtrain.config.load import load_config, to_toml
 from dtrain.config.sections import Config
 from dtrain.health.faults import DeviceFault

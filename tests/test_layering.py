@@ -360,14 +360,14 @@ import numpy as np
 from dtrain import codec
 
 def serve():
-    from coordinator.lifecycle import serve as inner  # inside a function
+    from coordinator.app import serve as inner  # inside a function
     return inner
 '''
 
 
 def test_checker_finds_an_upward_import_inside_a_function() -> None:
     found = layering_violations(BAD_LIBRARY, "dtrain/fake.py", "dtrain.fake")
-    assert found == ["dtrain/fake.py:6: import coordinator.lifecycle: dtrain/ must not import coordinator/ "
+    assert found == ["dtrain/fake.py:6: import coordinator.app: dtrain/ must not import coordinator/ "
                      "(it may import dtrain/)"]
 
 
@@ -414,7 +414,7 @@ def test_benchmark_checker_finds_private_names_and_path_edits(source: str, what:
 
 
 def test_benchmark_checker_allows_public_names_and_other_privates() -> None:
-    ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.lifecycle import server_options\n"
+    ok = ("import sys\nfrom dtrain import codec\nfrom coordinator.handlers import server_options\n"
           "class A:\n    def f(self):\n        return self._log, codec.encode, sys.executable\n")
     assert benchmark_violations(ok, "benchmarks/b.py") == []
 
@@ -458,7 +458,7 @@ def test_cycle_check_on_a_real_file_pair() -> None:
 MAX_MODULE_LINES = 600
 # Over the limit today, each named with its size: the coordinator's core is being recut (merger, servicer, range
 # shards). A file may leave this list, never join it; a listed file may not grow.
-OVER_THE_LIMIT = {"coordinator/merger.py": 843, "coordinator/service.py": 618, "coordinator/shard.py": 631}
+OVER_THE_LIMIT: dict[str, int] = {}
 
 
 def test_no_module_over_600_lines() -> None:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from coordinator import merger as merger_mod
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merge_types import MergeOptions
+from coordinator.merger import Merger
 from coordinator.spool import Spool
 from dtrain import codec
 from dtrain.config.load import replace

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from dtrain.audit import AuditParams, audit
 from dtrain.checkpoint import Checkpointer
 from dtrain.config.load import load_config, to_toml

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, initial_parameters
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from dtrain import codec
 from dtrain.audit import AuditParams, audit
 from dtrain.config.load import load_config

@@ -57,7 +57,7 @@ def test_hand_encoded_chunk_messages_parse_as_the_generated_ones():
 def test_the_server_registers_every_method_of_the_proto_service():
     import grpc
 
-    from coordinator.lifecycle import service_handler
+    from coordinator.handlers import service_handler
     from dtrain.net.proto import dtrain_pb2 as pb
 
     class Details:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.merger import Update
+from coordinator.merge_types import Update
 from coordinator.pull_cache import PullCache
 from dtrain import codec
 from dtrain.config.load import replace

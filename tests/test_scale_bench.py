@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
-from coordinator.lifecycle import server_threads
+from coordinator.handlers import server_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) params/core-s=(\S+) "
@@ -139,7 +139,7 @@ def test_the_stream_budget_is_shared_by_the_islands_within_the_per_stream_bounds
     """coordinator.stream_budget_bytes, each way: an incoming stream's receive window is its island's share, an
     outgoing pull's chunks half of it (at most codec.chunk_bytes)."""
     from conftest import TINY
-    from coordinator.lifecycle import server_options
+    from coordinator.handlers import server_options
     from coordinator.memory import pull_piece, stream_window
     from dtrain.config.load import load_config
 

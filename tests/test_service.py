@@ -18,7 +18,7 @@ import pytest
 
 from conftest import initial_parameters
 from coordinator import admission
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from coordinator.records import PushInfo
 from dtrain import codec
 from dtrain.codec import params_digest
@@ -373,7 +373,7 @@ def test_the_service_finishes_when_every_island_holds_the_last_version(net_cfg, 
 def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, monkeypatch, capsys):
     """SO_REUSEPORT is off: a second coordinator on the first one's port is refused with one line naming the
     address, by the check before anything starts and, were that check raced, by gRPC's own bind."""
-    import coordinator.lifecycle as lifecycle
+    import coordinator.preflight as preflight
     from dtrain.errors import DtrainError
     from dtrain_cli.main import main
 
@@ -384,7 +384,7 @@ def test_a_second_coordinator_on_a_used_port_fails_clearly(net_cfg, tmp_path, mo
                                               f"in use .*--port or coordinator.port"):
             serve(net_cfg, tmp_path / "second", theta, spec, port=first.port, quiet=True)
         assert not (tmp_path / "second").exists()  # refused before anything was written
-        monkeypatch.setattr(lifecycle, "check_address_free", lambda host, port: None)
+        monkeypatch.setattr(preflight, "check_address_free", lambda host, port: None)
         with pytest.raises(DtrainError, match=f"cannot listen on 127.0.0.1:{first.port}: gRPC could not bind it"):
             serve(net_cfg, tmp_path / "third", theta, spec, port=first.port, quiet=True)
         monkeypatch.undo()

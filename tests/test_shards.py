@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import initial_parameters
-from coordinator.lifecycle import serve, serve_shard
+from coordinator.app import serve
+from coordinator.lifecycle import serve_shard
 from coordinator.shard import SECRET_METADATA_KEY, shard_ranges
 from dtrain import codec
 from dtrain.config.load import load_config, replace
@@ -114,7 +115,7 @@ def _two_rounds(cfg, address: str, n: int, ranges=()) -> tuple[GlobalParams, lis
 def test_two_shards_merge_bit_identical_to_one(cfg, tmp_path):
     """The same pushes into one coordinator and into a lead with one range shard: the same θ, bit for bit, on the
     coordinators and on the island that pulled it; each range's state lives on its own shard."""
-    from coordinator.lifecycle import serve as serve_one
+    from coordinator.app import serve as serve_one
 
     theta0, spec = initial_parameters(cfg)
     n = theta0.size

@@ -175,7 +175,7 @@ def test_wall_time_rounds_let_islands_run_different_step_counts(tmp_path):
 
 def test_status_command_shows_the_coordinator_view(tmp_path, capsys):
     from conftest import initial_parameters
-    from coordinator.lifecycle import serve
+    from coordinator.app import serve
     from dtrain_cli.main import main
 
     cfg = _cfg(tmp_path)

@@ -9,7 +9,8 @@ import io
 import numpy as np
 import pytest
 
-from coordinator.merger import MergeOptions, Merger
+from coordinator.merge_types import MergeOptions
+from coordinator.merger import Merger
 from dtrain import codec
 from dtrain.codec import CodecError, ErrorFeedback, decode, dequantize, encode, quantize
 from dtrain.config.load import load_config, replace

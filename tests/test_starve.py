@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from coordinator.lifecycle import server_threads
+from coordinator.handlers import server_threads
 from coordinator.streams import PushStreams, Stream
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TINY
-from coordinator.lifecycle import serve
+from coordinator.app import serve
 from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.errors import DtrainError

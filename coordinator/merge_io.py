@@ -1,0 +1,139 @@
+"""The merger's file work: reading spooled pushes into slabs, writing update frames, installing state files.
+
+Everything here reads or writes through file descriptors and numpy buffers a slab at a time, so no model-sized
+array is held (``coordinator/merger.py`` for why).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.merge_types import MergeOptions, SpooledPush
+from coordinator.spool import write_from
+from dtrain import codec
+from dtrain.codec import hasher_digest, params_hasher
+
+IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
+
+
+def read_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    view = buf.data.cast("B")  # ndarray.data: the array's buffer as a memoryview, no copy
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset + got} (file truncated?)")
+        got += n
+
+
+def write_frame_file(path: Path, bits: codec.Bits, block: int, n: int, scales: np.ndarray, payload_file: Path,
+                     level: int, payload_size: int | None = None) -> tuple[int, int]:
+    """``codec.write_frame`` to ``path`` (atomically: a .tmp file, then a rename), the payload streamed from
+    ``payload_file`` in pieces of IO_PIECE bytes; returns (frame size, CRC32 of the whole frame).
+    ``payload_size``: the payload's bytes (a sparse scheme's)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out, open(payload_file, "rb") as src:
+        size, crc = codec.write_frame(out, bits, block, n, scales, iter(lambda: src.read(IO_PIECE), b""), level,
+                                      payload_size)
+    tmp.replace(path)
+    return size, crc
+
+
+def read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start: int, outs: list[np.ndarray],
+                 weights: list[np.float32]) -> None:
+    """outs[i] += weights[i]·Δ_i for sparse pushes, values [start, start + outs[i].size) (whole chunks): each
+    push's scales, counts and records of those chunks read from its spool (the layout its checker kept), summed
+    into the dense slab (``codec.sparse_add``)."""
+    assert codec.is_sparse(bits)
+    count = outs[0].size if outs else 0
+    first, end = start // chunk, -(-(start + count) // chunk)
+    scales = np.empty(end - first, "<f4")
+    for p, out, weight in zip(pending, outs, weights, strict=True):
+        layout = p.spool.sparse
+        assert layout is not None and layout.counts is not None and layout.record_offsets is not None
+        n_chunks = layout.counts.size
+        read_into(p.spool.fd, scales, 4 * first)
+        lo, hi = int(layout.record_offsets[first]), int(layout.record_offsets[end])
+        records = np.empty(hi - lo, np.uint8)
+        read_into(p.spool.fd, records, 4 * n_chunks + lo)
+        codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
+
+
+class SparseDown:
+    """The sparse update's payload file, written in order: the chunks' records after room for the counts, then
+    the counts (u16 per chunk) at the front, then the file cut to its size."""
+
+    def __init__(self, fd: int, n: int, chunk: int):
+        self.fd, self.counts = fd, np.zeros(-(-n // chunk), "<u2")
+        self.offset = 2 * self.counts.size
+
+    def append(self, first: int, counts: np.ndarray, records: bytes) -> None:
+        self.counts[first:first + counts.size] = counts
+        write_from(self.fd, records, self.offset)
+        self.offset += len(records)
+
+    def close(self) -> None:
+        write_from(self.fd, self.counts, 0)
+        os.ftruncate(self.fd, self.offset)
+
+
+def install_file(src: np.ndarray | Path, dest: Path, what: str, n: int | None = None) -> int:
+    """Puts ``src`` at ``dest`` as raw little-endian float32 and returns its length: a file is hard-linked (copied
+    where it cannot be), an array written; an empty array with ``n`` given is ``n`` zeros (a sparse file).
+    ``n``: the length it must have (``what`` names it in the error)."""
+    if isinstance(src, (str, Path)):
+        size = Path(src).stat().st_size
+        if size % 4 or (n is not None and size != 4 * n):
+            raise ValueError(f"{what} file {src} holds {size} bytes, expected {4 * (n or 0) or 'a multiple of 4'}")
+        try:
+            os.link(src, dest)
+        except OSError:  # another file system, or no hard links: copy (the kernel's copy, not via memory)
+            import shutil
+
+            shutil.copyfile(src, dest)
+        return size // 4
+    arr = np.asarray(src)
+    if arr.size == 0 and n is not None:  # zeros: a sparse file
+        with open(dest, "wb") as f:
+            f.truncate(4 * n)
+        return n
+    arr = np.ascontiguousarray(arr, dtype="<f4").ravel()
+    if n is not None and arr.size != n:
+        raise ValueError(f"{what} has {arr.size} values, θ has {n}")
+    arr.tofile(dest)
+    return int(arr.size)
+
+
+def scan_theta(path: Path) -> tuple[str, float]:
+    """The digest and the L2 norm of a θ file, in one read."""
+    h = params_hasher()
+    sum_sq = 0.0
+    with open(path, "rb") as f:
+        while piece := f.read(IO_PIECE):
+            h.update(piece)
+            sum_sq += codec.sum_squares(np.frombuffer(piece, "<f4"))
+    return hasher_digest(h), math.sqrt(sum_sq)
+
+
+def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, start: int, outs: list[np.ndarray],
+                 weights: list[np.float32]) -> None:
+    """outs[i] += weights[i]·Δ_i for each pending push i (its spool holds ``n_values`` values), values
+    [start, start + outs[i].size)."""
+    count = outs[0].size if outs else 0
+    if codec.is_sparse(o.up_bits):
+        read_sparse(pending, o.up_bits, o.up_block or o.block, start, outs, weights)
+        return
+    first_block, end_block = start // o.block, -(-(start + count) // o.block)
+    n_blocks = codec.n_scales(o.up_bits, n_values, o.block)  # the pushes' values
+    scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
+    payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
+    scratch = np.empty(count, np.float32)
+    for p, out, weight in zip(pending, outs, weights, strict=True):
+        if scales.size:
+            read_into(p.spool.fd, scales, 4 * first_block)
+        read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
+        codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
