@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from dtrain.config.sections import DataConfig
+from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
 __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
@@ -429,7 +430,7 @@ class SequenceStream:
                              f"{self.corpus.store.timeout_s:g} s (reading {self.name}'s block {block})") from None
         except ValueError as e:
             raise StoreError(f"token store {self.corpus.store.location}: reading {self.name}'s block {block} "
-                             f"failed: {e}") from None
+                             f"failed: {explain(self.corpus.store.location, str(e))}") from None
         self.wait_s += time.perf_counter() - t0
         with self._lock:
             if block in self._blocks:
@@ -508,9 +509,12 @@ def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, 
     for (first, future), run in zip(reads, runs, strict=True):
         try:
             ids_read = np.asarray(future.result(timeout=corpus.store.timeout_s))
-        except (TimeoutError, ValueError) as e:
+        except TimeoutError:
+            raise StoreError(f"token store {corpus.store.location} did not answer within "
+                             f"{corpus.store.timeout_s:g} s (reading the eval windows)") from None
+        except ValueError as e:
             raise StoreError(f"token store {corpus.store.location}: reading the eval windows failed: "
-                             f"{e or 'no answer within ' + str(corpus.store.timeout_s) + ' s'}") from None
+                             f"{explain(corpus.store.location, str(e))}") from None
         at = np.isin(starts, run)
         out[at] = ids_read[(starts[at] - first)[:, None] + offsets]
     return out.reshape(n_batches, batch_size, seq_len + 1)
