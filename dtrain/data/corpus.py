@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from dtrain.config.sections import DataConfig
 from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
-__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
+__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "ShardStream", "Span", "Split",
            "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store", "open_corpus", "split",
            "store_location"]
 
@@ -466,12 +466,22 @@ class SequenceStream:
         return out.reshape(steps, batch_size, self.seq_len + 1)
 
 
+class ShardStream(Protocol):
+    """What an island reads its shard through: a :class:`SequenceStream`, or a mixture's
+    (``dtrain.data.mixture.MixedStream``)."""
+
+    @property
+    def wait_s(self) -> float: ...
+
+    def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class IslandShard:
     index: int
-    start: int  # token offset of the shard in the corpus
+    start: int  # token offset of the shard in the corpus (a mixture: in its first source)
     stop: int
-    stream: SequenceStream
+    stream: ShardStream
 
 
 def island_shards(corpus: Corpus, train: Span, islands: int, seq_len: int, seed: int) -> list[IslandShard]:

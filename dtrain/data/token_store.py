@@ -411,6 +411,21 @@ class TokenStore:
                              f"{self.manifest.digest}: the store is damaged")
 
 
+def read_store_file(location: str | Path, name: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
+    """The bytes of the file ``name`` beside a store's arrays (``tokenizer.json``, say), or None if there is none;
+    raises StoreError naming the store when it cannot be read."""
+    where = str(location)
+    kv = kvstore_spec(location)
+    try:
+        result = ts.KvStore.open(kv, context=context(kv)).result(timeout=timeout_s).read(name).result(
+            timeout=timeout_s)
+    except TimeoutError:
+        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {name})") from None
+    except ValueError as e:
+        raise StoreError(f"token store {where}: reading its {name} failed: {explain(where, str(e))}") from None
+    return bytes(result.value) if result.state == "value" else None
+
+
 def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float, ctx: Any = None) -> Manifest:
     try:
         store = ts.KvStore.open(kv, context=ctx).result(timeout=timeout_s)
