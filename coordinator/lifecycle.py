@@ -30,6 +30,7 @@ from coordinator.preflight import IN_USE, preflight, shard_preflight
 from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CoordinatorService
 from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
+from coordinator.status_view import source_tokens
 from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
@@ -113,7 +114,8 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
         st, n = service.state, service.counters
         summary = {"version": st.version, "tokens_merged": st.tokens_merged, "bytes_in": n.bytes_in,
                    "bytes_out": n.bytes_out, "merge_s": n.merge_s, "deltas_dropped": st.deltas_dropped,
-                   "params_digest": service.params_digest}
+                   "params_digest": service.params_digest,
+                   **({"source_tokens": tokens} if (tokens := source_tokens(st, service.opts)) else {})}
     service.log.event("coordinator_stopped", reason=reason, **summary)
     service.close()
     return summary

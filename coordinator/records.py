@@ -90,6 +90,10 @@ class StateOptions:
     inner_lr: float = 0.0  # train.lr: the peak inner learning rate
     adam_ratio: float = 0.0  # the most one AdamW step moves a value, per unit of lr (dtrain.steps.outer)
     weight_decay: float = 0.0  # train.weight_decay
+    # data.sources: a mixture's sources by name and their weights (dtrain.data.mixture), for the tokens merged per
+    # source; () for one store
+    sources: tuple[str, ...] = ()
+    source_weights: tuple[float, ...] = ()
 
     @property
     def shard_end(self) -> int:
@@ -135,7 +139,9 @@ class StateOptions:
                    max_push_ids=max_push_ids, linger_s=linger_s, identity=cfg.security.identity,
                    pins=tuple(parse_binding(text) for text in cfg.security.bindings), fragments=cfg.outer.fragments,
                    params=params, inner_lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                   adam_ratio=adam_ratio_bound(cfg.train.b1, cfg.train.b2, ADAM_RATIO_STEPS) if params else 0.0)
+                   adam_ratio=adam_ratio_bound(cfg.train.b1, cfg.train.b2, ADAM_RATIO_STEPS) if params else 0.0,
+                   sources=tuple(s.label for s in cfg.data.sources),
+                   source_weights=tuple(s.weight for s in cfg.data.sources))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections import Counter
 from coordinator.history import RunHistory
 from coordinator.records import DeviceEvidence, IslandRecord, StateOptions
 from coordinator.state import CoordinatorState
+from dtrain.data.mixture import schedule_of
 from dtrain.net.proto import dtrain_pb2 as pb
 
 # The quarantined devices' evidence Status carries per island (the first ones, in the order reported): an island may
@@ -32,6 +33,19 @@ class Counters:
     # Refused calls by kind, counted in full however few are logged (coordinator/refusals.py): "METHOD: CODE", "auth".
     refusals: Counter[str] = dataclasses.field(default_factory=Counter)
     islands_forgotten: int = 0  # lost islands' records dropped (coordinator.forget_after_s), since this start
+
+
+def source_tokens(state: CoordinatorState, opts: StateOptions) -> dict[str, int]:
+    """A mixture's tokens merged per source, by name: every segment's merged cursor range, as each source's
+    sequences (``dtrain.data.mixture.Schedule.ranges``), times ``model.seq_len``. Empty for one store."""
+    if not opts.sources:
+        return {}
+    schedule = schedule_of(opts.source_weights)
+    sequences = [0] * len(opts.sources)
+    for seg in state.ledger.segments.values():
+        for k, (a, b) in enumerate(schedule.ranges(seg.start, seg.merged)):
+            sequences[k] += b - a
+    return {name: n * opts.seq_len for name, n in zip(opts.sources, sequences, strict=True)}
 
 
 def evidence_to_message(e: DeviceEvidence) -> pb.DeviceEvidence:
@@ -83,4 +97,4 @@ def status_response(state: CoordinatorState, history: RunHistory, opts: StateOpt
                            deadline_s=None if deadline is None else max(0.0, deadline - now)),
         merge_s=counters.merge_s, params_digest=params_digest, started_at=started_at, now=now,
         eval_loss=h.evals[-1].loss if h.evals else None, eval_confirmed=bool(h.evals) and h.evals[-1].confirmed,
-        rounds=h.rounds, evals=h.evals, faults=h.faults)
+        rounds=h.rounds, evals=h.evals, faults=h.faults, source_tokens=source_tokens(state, opts))

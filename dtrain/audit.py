@@ -27,6 +27,11 @@ Definitions:
 - **merged_ranges**: the number of merged pushes (one range each). ``missing_versions``: versions up to the
   last one counted that no counted record describes (a coordinator killed between committing a version and
   logging it): their pushes are unknown to the audit, so its lost/doubled counts are not to be trusted then.
+- **Sources** (a mixture, ``data.sources``): a shard's sequence ``c`` is a sequence of one source, given by the
+  mixture's schedule (``dtrain.data.mixture``), so each merged range of a shard is one range of each source's part
+  of that shard (``AuditParams.source_ranges``). Each source is audited as the shards are: its gaps and overlaps
+  per shard over ``[0, its part of shard_end)``, with ``merged_tokens``, ``lost_tokens`` and ``doubled_tokens``
+  per source (``sources`` in the summary; absent for a single store).
 - **Goodput** = inner steps in merged pushes / inner steps executed by all island processes. A worker's
   ``trained`` events carry ``executed``, the steps this process has run so far; it restarts from 0 with a
   new process, so each island's event list is split into incarnations (at every ``island_started``, which
@@ -38,8 +43,8 @@ Definitions:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,6 +62,9 @@ class AuditParams:
     seq_len: int  # tokens per sequence (model.seq_len)
     shards: int  # shards of the run (outer.islands)
     shard_end: int | None  # sequences per shard with step rounds; None with wall-time rounds
+    sources: tuple[str, ...] = ()  # a mixture's sources, by name (data.sources); () for one store
+    # a mixture: a shard's sequences [start, end) as each source's sequences [a, b) (dtrain.data.mixture.Schedule)
+    source_ranges: Callable[[int, int], list[tuple[int, int]]] | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> AuditParams:
@@ -84,6 +92,22 @@ class Span:
 
 
 @dataclass(frozen=True)
+class SourceAudit:
+    """One source of a mixture, over every shard: its tokens merged, lost (gaps) and doubled (extra copies)."""
+
+    merged_tokens: int
+    lost_tokens: int
+    doubled_tokens: int
+    gaps: tuple[Span, ...]  # in the source's own sequences, per shard
+    overlaps: tuple[Span, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"merged_tokens": self.merged_tokens, "lost_tokens": self.lost_tokens,
+                "doubled_tokens": self.doubled_tokens, "gaps": [g.to_dict() for g in self.gaps],
+                "overlaps": [o.to_dict() for o in self.overlaps]}
+
+
+@dataclass(frozen=True)
 class Audit:
     merged: dict[int, tuple[Span, ...]]  # per shard, every merged push's range, sorted by start
     gaps: tuple[Span, ...]
@@ -98,6 +122,7 @@ class Audit:
     steps_executed: int
     goodput: float | None
     segments: dict[int, tuple[int, ...]]  # per shard, the starts of the segments handed out (0 alone: never split)
+    sources: dict[str, SourceAudit] = field(default_factory=dict)  # a mixture: per source, by name
 
     def coverage(self) -> dict[int, list[tuple[int, int]]]:
         """Per shard, the merged ranges joined where they touch or overlap."""
@@ -121,7 +146,8 @@ class Audit:
                 "steps_merged": self.steps_merged,
                 "steps_executed": self.steps_executed,
                 "segments": {str(k): list(v) for k, v in sorted(self.segments.items())},
-                "coverage": {str(k): [list(r) for r in v] for k, v in self.coverage().items()}}
+                "coverage": {str(k): [list(r) for r in v] for k, v in self.coverage().items()},
+                **({"sources": {k: v.to_dict() for k, v in self.sources.items()}} if self.sources else {})}
 
 
 def merged_pushes(coordinator_events: Iterable[Event]) -> tuple[list[Event], int, tuple[int, ...]]:
@@ -223,6 +249,7 @@ def audit(coordinator_events: Iterable[Event], island_events: Mapping[str, Itera
         gaps += g
         overlaps += o
         doubled += extra
+    sources = _source_audits(by_shard, shards, params)
     steps_merged = sum(int(p["steps"]) for p in pushes)
     steps_executed = sum(executed_steps(events) for events in island_events.values())
     return Audit(merged={k: tuple(sorted(v, key=lambda s: (s.start, s.end))) for k, v in sorted(by_shard.items())},
@@ -232,4 +259,32 @@ def audit(coordinator_events: Iterable[Event], island_events: Mapping[str, Itera
                  missing_versions=missing, shard_end=params.shard_end, steps_merged=steps_merged,
                  steps_executed=steps_executed,
                  goodput=steps_merged / steps_executed if steps_executed else None,
-                 segments={k: tuple(sorted(v)) for k, v in sorted(segments.items())})
+                 segments={k: tuple(sorted(v)) for k, v in sorted(segments.items())}, sources=sources)
+
+
+def _source_audits(by_shard: Mapping[int, Sequence[Span]], shards: Iterable[int], params: AuditParams
+                   ) -> dict[str, SourceAudit]:
+    """A mixture's audit per source: each shard's merged ranges as each source's ranges, swept as a shard's are
+    (over the source's part of ``shard_end``, or up to its highest merged end with wall-time rounds)."""
+    to_source = params.source_ranges
+    if not params.sources or to_source is None:
+        return {}
+    merged = [0] * len(params.sources)
+    gaps: list[list[Span]] = [[] for _ in params.sources]
+    overlaps: list[list[Span]] = [[] for _ in params.sources]
+    extra = [0] * len(params.sources)
+    for shard in sorted(shards):
+        mapped = [to_source(s.start, s.end) for s in by_shard.get(shard, [])]
+        ends = to_source(0, params.shard_end) if params.shard_end is not None else None
+        for k in range(len(params.sources)):
+            spans = sorted((Span(shard, m[k][0], m[k][1]) for m in mapped if m[k][1] > m[k][0]),
+                           key=lambda s: (s.start, s.end))
+            merged[k] += sum(s.sequences for s in spans)
+            limit = ends[k][1] if ends is not None else max((s.end for s in spans), default=0)
+            g, o, x = _sweep(shard, spans, limit)
+            gaps[k] += g
+            overlaps[k] += o
+            extra[k] += x
+    n = params.seq_len
+    return {name: SourceAudit(merged[k] * n, sum(g.sequences for g in gaps[k]) * n, extra[k] * n,
+                              tuple(gaps[k]), tuple(overlaps[k])) for k, name in enumerate(params.sources)}

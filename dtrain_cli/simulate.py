@@ -18,6 +18,7 @@ from typing import Any
 from dtrain.config.load import data_cache, replace
 from dtrain.config.sections import Config, ConfigError
 from dtrain.data.corpus import names_store, open_corpus, store_location
+from dtrain.data.mixture import open_mixture
 from dtrain.net.identity import hash_line, issue_token
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, FaultSpec, check_devices, host_device_count
 from dtrain_cli.island_spec import IslandSpec, run_config
@@ -105,9 +106,12 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     # Before any process starts: a source that is not a store becomes one here, once, not in every worker; the
     # processes read that store (finding it again from its source would scan the source at every start).
     cache = data_cache(cfg)
-    if not names_store(cfg.data.source):
-        cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache)).resolve())})
-    open_corpus(cfg.data, cfg.model.vocab_size, cache)
+    if cfg.data.mixed:  # data.sources: every store opened and checked to mix, before any process starts
+        open_mixture(cfg.data, cfg.model.vocab_size, cache)
+    else:
+        if not names_store(cfg.data.source):
+            cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache)).resolve())})
+        open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)
     cfg, tokens = issue_island_tokens(cfg, out, islands) if own_tokens else (cfg, {})

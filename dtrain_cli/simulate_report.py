@@ -9,6 +9,7 @@ stops nothing. The status line is :class:`dtrain_cli.run_watch.RunWatch`'s, the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 from dtrain.audit import Audit, AuditError, AuditParams, audit
 from dtrain.config.sections import Config
+from dtrain.data.mixture import data_schedule, source_names
 from dtrain.runlog import EventTail, process_dir
 from dtrain_cli.fault_score import device_quarantines, score_faults
 from dtrain_cli.fault_spec import DEVICE_KINDS
@@ -105,6 +107,7 @@ def run_summary(sim: Simulation, wall: float, coord_events: list[dict[str, Any]]
         "restarts": restarts(sim.fired, island_events),
         "island_settings": {n: s.describe() for n, s in sim.specs.items()},
         "goodput": checked.goodput, "audit": checked.to_dict(),
+        **({"source_tokens": {k: v.merged_tokens for k, v in checked.sources.items()}} if checked.sources else {}),
         "unfinished_islands": sorted(unfinished),
         "quarantined_islands": sorted(quarantined),
         "refused_islands": dict(sorted(sim.refused.items())),
@@ -140,8 +143,12 @@ def _audit(cfg: Config, out: Path, coord_events: list[dict[str, Any]], island_ev
            ) -> Audit:
     """The token-range audit and goodput (:mod:`dtrain.audit`) of the run in ``out`` from the coordinator's
     events and every island's (all its processes'); raises SimulationError for events it cannot audit."""
+    params = AuditParams.from_config(cfg)
+    schedule = data_schedule(cfg.data)
+    if schedule is not None:  # a mixture: each source audited through the schedule's ranges
+        params = dataclasses.replace(params, sources=tuple(source_names(cfg.data)), source_ranges=schedule.ranges)
     try:
-        return audit(coord_events, island_events, AuditParams.from_config(cfg))
+        return audit(coord_events, island_events, params)
     except AuditError as e:
         raise SimulationError(f"token-range audit of {out}: {e}") from None
 

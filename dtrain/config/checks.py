@@ -14,10 +14,13 @@ from dtrain.config.sections import (
     LLAMA_ONLY_MODEL_FIELDS,
     MAX_FRAGMENTS,
     MAX_VOCAB_SIZE,
+    MIX_PERIOD,
     ROUND_AUTO,
     SECTIONS,
+    SOURCE_NAME_RE,
     Config,
     ConfigError,
+    DataConfig,
     ModelConfig,
     parse_binding,
 )
@@ -97,6 +100,33 @@ def _check_llama(cfg: Config, fail: _Fail) -> None:
         fail("model", "mlp_hidden", f"must be >= 0 (0: Llama's rule), got {m.mlp_hidden}")
 
 
+def _check_sources(d: DataConfig, fail: _Fail) -> None:
+    """data.sources: a mixture of stores, exclusive with data.source; each a path, a positive weight that is at
+    least 1/MIX_PERIOD of the total (the schedule's resolution), a unique name. That each is a store, and that
+    they share one tokenizer, is checked where they are opened (dtrain.data.mixture)."""
+    if not d.sources:
+        return
+    if d.source != DataConfig.source:
+        fail("data", "sources", f"given with data.source = {d.source!r}: name the stores in one or the other (a "
+             "mixture is data.sources alone)")
+    total = sum(s.weight for s in d.sources if math.isfinite(s.weight) and s.weight > 0)
+    seen: set[str] = set()
+    for i, src in enumerate(d.sources):
+        where = f"sources[{i}]"
+        if not src.path.strip():
+            fail("data", f"{where}.path", "is empty: name a token store")
+        if not (math.isfinite(src.weight) and src.weight > 0):
+            fail("data", f"{where}.weight", f"must be a number > 0, got {src.weight}")
+        if src.weight / total < 1 / MIX_PERIOD:
+            fail("data", f"{where}.weight", f"{src.weight:g} is {src.weight / total:.2g} of the total {total:g}: a "
+                 f"source needs at least 1/{MIX_PERIOD} of it")
+        if not SOURCE_NAME_RE.fullmatch(src.label):
+            fail("data", f"{where}.name", f"{src.label!r}: a source's name is 1 to 64 of [A-Za-z0-9._-] (set name)")
+        if src.label in seen:
+            fail("data", f"{where}.name", f"{src.label!r} names two sources: give each its own name")
+        seen.add(src.label)
+
+
 def _check_optimization(cfg: Config, fail: _Fail) -> None:
     """[data]'s eval split, then the inner ([train]) and outer ([outer]) optimizers' ranges."""
     t, o, d = cfg.train, cfg.outer, cfg.data
@@ -108,6 +138,7 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
              f"{d.tokenizer!r}")
     if not d.read_timeout_s > 0:
         fail("data", "read_timeout_s", f"must be > 0, got {d.read_timeout_s}")
+    _check_sources(d, fail)
     if not t.lr > 0:
         fail("train", "lr", f"must be > 0, got {t.lr}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

@@ -94,6 +94,19 @@ def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
     return out
 
 
+def _toml_literal(value: Any) -> str:
+    """A field's value as a TOML literal: JSON's for scalars and lists of them (a TOML literal too), inline
+    tables for a list of dataclasses (data.sources)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{" + ", ".join(f"{f.name} = {_toml_literal(getattr(value, f.name))}"
+                               for f in dataclasses.fields(value)) + "}"
+    return json.dumps(value)
+
+
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML, each field with its comment."""
     lines = []
@@ -101,8 +114,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section}]")
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, section), f.name)
-            lit = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-            lines.append(f"{f.name} = {lit}  # {f.metadata['help']}")
+            lines.append(f"{f.name} = {_toml_literal(value)}  # {f.metadata['help']}")
         lines.append("")
     return "\n".join(lines)
 

@@ -83,6 +83,26 @@ class ModelConfig:
                         "θ_0 from the coordinator: not in the fingerprint")
 
 
+MIX_PERIOD = 1000  # data.sources: the mixture's schedule repeats every this many sequences (dtrain.data.mixture)
+SOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a source of a mixture may be called
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One token store of a mixture (``[[data.sources]]``)."""
+
+    path: str = _f("", "the token store (a folder made by `dtrain tokenize`, or a file://, gs://, s3:// or http(s):// "
+                   "URL)")
+    weight: float = _f(1.0, "its share of the sequences, relative to the other sources' weights (normalised: 7, 2, 1 "
+                       "is 0.7, 0.2, 0.1)")
+    name: str = _f("", "what summaries and the dashboard call it (default: the store's last path component)")
+
+    @property
+    def label(self) -> str:
+        """:attr:`name`, else the last component of :attr:`path`."""
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
 @dataclass(frozen=True)
 class DataConfig:
     source: str = _f("builtin", "a token store (a folder made by `dtrain tokenize`, or a file://, gs://, s3:// "
@@ -99,6 +119,15 @@ class DataConfig:
     eval_batches: int = _f(8, "batches of the held-out split averaged for one eval")
     read_timeout_s: float = _f(60.0, "how long one read of the token store (its manifest, a block of ids) may wait "
                                "before the island stops with an error naming the store")
+    sources: tuple[SourceConfig, ...] = _f((), "a mixture of token stores instead of data.source: [[data.sources]] "
+                                           "tables of path, weight (relative) and name; every island's shard "
+                                           "interleaves them by weight, the same sequence for the same config "
+                                           "(docs/data.md)")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the run reads a mixture (:attr:`sources`) rather than :attr:`source`."""
+        return bool(self.sources)
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from dtrain.config.sections import DataConfig
+from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
-__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "Span", "Split",
+__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "ShardStream", "Span", "Split",
            "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store", "open_corpus", "split",
            "store_location"]
 
@@ -429,7 +430,7 @@ class SequenceStream:
                              f"{self.corpus.store.timeout_s:g} s (reading {self.name}'s block {block})") from None
         except ValueError as e:
             raise StoreError(f"token store {self.corpus.store.location}: reading {self.name}'s block {block} "
-                             f"failed: {e}") from None
+                             f"failed: {explain(self.corpus.store.location, str(e))}") from None
         self.wait_s += time.perf_counter() - t0
         with self._lock:
             if block in self._blocks:
@@ -465,12 +466,22 @@ class SequenceStream:
         return out.reshape(steps, batch_size, self.seq_len + 1)
 
 
+class ShardStream(Protocol):
+    """What an island reads its shard through: a :class:`SequenceStream`, or a mixture's
+    (``dtrain.data.mixture.MixedStream``)."""
+
+    @property
+    def wait_s(self) -> float: ...
+
+    def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray: ...
+
+
 @dataclass(frozen=True)
 class IslandShard:
     index: int
-    start: int  # token offset of the shard in the corpus
+    start: int  # token offset of the shard in the corpus (a mixture: in its first source)
     stop: int
-    stream: SequenceStream
+    stream: ShardStream
 
 
 def island_shards(corpus: Corpus, train: Span, islands: int, seq_len: int, seed: int) -> list[IslandShard]:
@@ -508,9 +519,12 @@ def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, 
     for (first, future), run in zip(reads, runs, strict=True):
         try:
             ids_read = np.asarray(future.result(timeout=corpus.store.timeout_s))
-        except (TimeoutError, ValueError) as e:
+        except TimeoutError:
+            raise StoreError(f"token store {corpus.store.location} did not answer within "
+                             f"{corpus.store.timeout_s:g} s (reading the eval windows)") from None
+        except ValueError as e:
             raise StoreError(f"token store {corpus.store.location}: reading the eval windows failed: "
-                             f"{e or 'no answer within ' + str(corpus.store.timeout_s) + ' s'}") from None
+                             f"{explain(corpus.store.location, str(e))}") from None
         at = np.isin(starts, run)
         out[at] = ids_read[(starts[at] - first)[:, None] + offsets]
     return out.reshape(n_batches, batch_size, seq_len + 1)

@@ -31,6 +31,7 @@ import numpy as np
 import tensorstore as ts
 
 from dtrain import schema
+from dtrain.data.remote import context, explain
 
 FORMAT = "dtrain-token-store/1"
 MANIFEST = "manifest.json"
@@ -141,7 +142,9 @@ def dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
 
 def kvstore_spec(location: str | Path) -> dict[str, Any]:
     """The TensorStore kvstore spec of a store's location: a local path or ``file://``, ``gs://BUCKET/PATH``,
-    ``s3://BUCKET/PATH`` or ``http(s)://HOST/PATH`` (read-only). The path always ends with ``/``."""
+    ``s3://BUCKET/PATH`` or ``http(s)://HOST/PATH`` (read-only). The path always ends with ``/``. An ``s3://``
+    store is looked for at ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` when one is set (an S3-compatible
+    service), in ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` if set."""
     text = str(location)
     parsed = urllib.parse.urlparse(text)
     if parsed.scheme in ("", "file"):
@@ -150,8 +153,13 @@ def kvstore_spec(location: str | Path) -> dict[str, Any]:
     if parsed.scheme in ("gs", "s3"):
         if not parsed.netloc:
             raise StoreError(f"token store {text}: no bucket in the URL (expected {parsed.scheme}://BUCKET/PATH)")
-        return {"driver": "gcs" if parsed.scheme == "gs" else "s3", "bucket": parsed.netloc,
+        spec = {"driver": "gcs" if parsed.scheme == "gs" else "s3", "bucket": parsed.netloc,
                 "path": parsed.path.strip("/") + "/"}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if parsed.scheme == "s3" and endpoint:  # an S3-compatible store (MinIO, R2, ...): the AWS SDKs' variables
+            spec.update({"endpoint": endpoint, **({"aws_region": region} if region else {})})
+        return spec
     if parsed.scheme in ("http", "https"):
         return {"driver": "http", "base_url": text.rstrip("/") + "/"}
     raise StoreError(f"token store {text}: unknown scheme {parsed.scheme!r} (a path, file://, gs://, s3://, "
@@ -340,9 +348,10 @@ class TokenStore:
         kv = kvstore_spec(location)
         if kv["driver"] != "file":
             log.info("opening token store %s (waits up to %.0f s for each answer)", where, timeout_s)
-        manifest = _read_manifest(where, kv, timeout_s)
-        tokens = _open_array(where, kv, TOKENS, timeout_s)
-        doc_ends = _open_array(where, kv, DOC_ENDS, timeout_s)
+        ctx = context(kv)  # remote: retries capped, so a store that cannot answer says why within seconds
+        manifest = _read_manifest(where, kv, timeout_s, ctx)
+        tokens = _open_array(where, kv, TOKENS, timeout_s, ctx=ctx)
+        doc_ends = _open_array(where, kv, DOC_ENDS, timeout_s, ctx=ctx)
         if tokens.dtype.name != manifest.dtype or tokens.shape != (manifest.tokens,):
             raise StoreError(f"token store {where}: its tokens array is {tokens.dtype.name}[{tokens.shape[0]}], "
                              f"its manifest says {manifest.dtype}[{manifest.tokens}]: the store is damaged")
@@ -359,8 +368,12 @@ class TokenStore:
         future = self.read_async(start, stop)
         try:
             return np.asarray(future.result(timeout=self.timeout_s))
-        except (ValueError, TimeoutError) as e:
-            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: {e}") from None
+        except TimeoutError:
+            raise StoreError(f"token store {self.location} did not answer within {self.timeout_s:g} s (reading ids "
+                             f"[{start}, {stop}))") from None
+        except ValueError as e:
+            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: "
+                             f"{explain(self.location, str(e))}") from None
 
     @property
     def chunk_tokens(self) -> int:
@@ -398,14 +411,30 @@ class TokenStore:
                              f"{self.manifest.digest}: the store is damaged")
 
 
-def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float) -> Manifest:
+def read_store_file(location: str | Path, name: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
+    """The bytes of the file ``name`` beside a store's arrays (``tokenizer.json``, say), or None if there is none;
+    raises StoreError naming the store when it cannot be read."""
+    where = str(location)
+    kv = kvstore_spec(location)
     try:
-        result = ts.KvStore.open(kv).result(timeout=timeout_s).read(MANIFEST).result(timeout=timeout_s)
+        result = ts.KvStore.open(kv, context=context(kv)).result(timeout=timeout_s).read(name).result(
+            timeout=timeout_s)
+    except TimeoutError:
+        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {name})") from None
+    except ValueError as e:
+        raise StoreError(f"token store {where}: reading its {name} failed: {explain(where, str(e))}") from None
+    return bytes(result.value) if result.state == "value" else None
+
+
+def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float, ctx: Any = None) -> Manifest:
+    try:
+        store = ts.KvStore.open(kv, context=ctx).result(timeout=timeout_s)
+        result = store.read(MANIFEST).result(timeout=timeout_s)
     except TimeoutError:
         raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {MANIFEST}): "
                          "check the address and that it is reachable from here") from None
     except ValueError as e:
-        raise StoreError(f"token store {where}: reading its {MANIFEST} failed: {e}") from None
+        raise StoreError(f"token store {where}: reading its {MANIFEST} failed: {explain(where, str(e))}") from None
     if result.state != "value":
         raise StoreError(f"token store {where} is not complete: it has no {MANIFEST} (a store is complete once "
                          "`dtrain tokenize` finishes; run it again to finish an interrupted one)")
@@ -421,11 +450,16 @@ def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float) -> Manifest
     return manifest
 
 
-def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float, writable: bool = False) -> Any:
+def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float, writable: bool = False,
+                ctx: Any = None) -> Any:
     # A missing chunk is an error, never a run of zeros: a store's every chunk is written before its manifest. (A
     # writer resuming an interrupted store writes into chunks not there yet: those read as the fill value.)
     spec = {**_array_spec(kv, name), "fill_missing_data_reads": writable}
     try:
-        return ts.open(spec, open=True, read=True, write=writable).result(timeout=timeout_s)
-    except (ValueError, TimeoutError) as e:
-        raise StoreError(f"token store {where}: its {name.rstrip('/')} array cannot be opened: {e}") from None
+        return ts.open(spec, open=True, read=True, write=writable, context=ctx).result(timeout=timeout_s)
+    except TimeoutError:
+        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (opening its "
+                         f"{name.rstrip('/')} array)") from None
+    except ValueError as e:
+        raise StoreError(f"token store {where}: its {name.rstrip('/')} array cannot be opened: "
+                         f"{explain(where, str(e))}") from None

@@ -16,6 +16,7 @@ import numpy as np
 from dtrain.config.load import data_cache
 from dtrain.config.sections import Config
 from dtrain.data.corpus import Corpus, IslandShard, eval_batches, island_shards, open_corpus, split
+from dtrain.data.mixture import Mixture, mixture_eval_batches, mixture_shards, open_mixture
 from dtrain.health.faults import DeviceFault
 from dtrain.models import model
 from dtrain.steps.inner import make_mesh
@@ -27,7 +28,7 @@ class Setup:
     cfg: Config
     built: model.BuiltModel
     loop: InnerLoop
-    corpus: Corpus
+    corpus: Corpus | Mixture  # a mixture of stores with data.sources
     shards: list[IslandShard]
     eval_batches: np.ndarray
     n_params: int
@@ -37,11 +38,18 @@ def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: Devic
     """Model, mesh, inner loop, corpus (opened as a token store; made under ``data.cache`` on first use), per-island
     shards and fixed eval batches. ``per_device``: the inner loop
     runs the per-device step (chip health: ``dtrain.health.device_step``), with ``fault`` injected into one device."""
-    corpus = open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
-    parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
-    shards = island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
-    evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
-                         cfg.data.eval_batches)  # the run's batch: every island evaluates the same
+    corpus: Corpus | Mixture
+    if cfg.data.mixed:  # data.sources: every island's shard interleaves one shard of each store by weight
+        corpus = open_mixture(cfg.data, cfg.model.vocab_size, data_cache(cfg))
+        shards = mixture_shards(corpus, islands, cfg.model.seq_len, cfg.run.seed, cfg.data.eval_fraction)
+        evals = mixture_eval_batches(corpus, cfg.model.seq_len, cfg.train.base_batch, cfg.data.eval_batches,
+                                     cfg.data.eval_fraction)
+    else:
+        corpus = open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
+        parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+        shards = island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
+        evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
+                             cfg.data.eval_batches)  # the run's batch: every island evaluates the same
     built = model.build(cfg.model)
     loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))

@@ -460,8 +460,15 @@ class IslandStatus(_message.Message):
     def __init__(self, island_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., lease_left_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[DeviceEvidence, _Mapping]]] = ..., devices: _Optional[int] = ..., hardware: _Optional[str] = ..., device_kind: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., train_loss: _Optional[float] = ..., utilization: _Optional[float] = ..., params_digest: _Optional[str] = ..., cursor: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., segment_start: _Optional[int] = ..., segment_end: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds", "eval_confirmed")
+    __slots__ = ("run_id", "version", "mode", "islands", "tokens_merged", "bytes_in", "bytes_out", "deltas_dropped", "total_versions", "tokens_total", "stopped", "run_over", "deltas_merged", "deltas_rejected", "duplicates", "pushes_refused", "shard_cursors", "round", "merge_s", "params_digest", "started_at", "now", "eval_loss", "rounds", "evals", "faults", "refusals", "islands_forgotten", "round_seconds", "eval_confirmed", "source_tokens")
     class RefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SourceTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -498,6 +505,7 @@ class StatusResponse(_message.Message):
     ISLANDS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EVAL_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     mode: str
@@ -528,7 +536,8 @@ class StatusResponse(_message.Message):
     islands_forgotten: int
     round_seconds: float
     eval_confirmed: bool
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ..., round_seconds: _Optional[float] = ..., eval_confirmed: _Optional[bool] = ...) -> None: ...
+    source_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., islands: _Optional[_Iterable[_Union[IslandStatus, _Mapping]]] = ..., tokens_merged: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., deltas_dropped: _Optional[int] = ..., total_versions: _Optional[int] = ..., tokens_total: _Optional[int] = ..., stopped: _Optional[bool] = ..., run_over: _Optional[str] = ..., deltas_merged: _Optional[int] = ..., deltas_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., shard_cursors: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[OpenRound, _Mapping]] = ..., merge_s: _Optional[float] = ..., params_digest: _Optional[str] = ..., started_at: _Optional[float] = ..., now: _Optional[float] = ..., eval_loss: _Optional[float] = ..., rounds: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[FaultRecord, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., islands_forgotten: _Optional[int] = ..., round_seconds: _Optional[float] = ..., eval_confirmed: _Optional[bool] = ..., source_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class OpenRound(_message.Message):
     __slots__ = ("target_version", "ready", "reason", "pending", "deadline_s")
