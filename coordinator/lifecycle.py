@@ -31,10 +31,10 @@ from coordinator.memory import return_large_frees_to_the_os, stream_window
 from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CURRENT_CALL, CoordinatorService
 from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
-from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
+from dtrain.models.stored import write_layout
 from dtrain.net.identity import IslandTokens
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc

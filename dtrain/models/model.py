@@ -38,11 +38,11 @@ class ApplyFn(Protocol):
 
 class KVCache(NamedTuple):
     """Keys and values of every attention layer for ``T`` slots of each row (``k[i]``, ``v[i]``: layer i's
-    ``[B, T, K, H]``), filled for slots ``[0, index)``: what :attr:`BuiltModel.decode` reads and extends."""
+    ``[B, T, K, H]``), filled for slots ``[0, filled)``: what :attr:`BuiltModel.decode` reads and extends."""
 
     k: list[jax.Array]
     v: list[jax.Array]
-    index: jax.Array  # int32 scalar: the slots filled, where the next tokens go
+    filled: jax.Array  # int32 scalar: the slots filled, where the next tokens go
 
 _INIT_STD = 0.02
 
@@ -349,7 +349,7 @@ def _positions(tokens_BxL: jax.Array, positions_BxL: jax.Array | None, cache: KV
     the slots from its index (one document); with positions, documents kept apart (:func:`attention_mask`)."""
     if cache is None and positions_BxL is None:
         return None, None
-    first = 0 if cache is None else cache.index
+    first = 0 if cache is None else cache.filled
     if positions_BxL is None:
         positions_BxL = jnp.broadcast_to(first + jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
     return attention_mask(positions_BxL, first, tokens_BxL.shape[1] if cache is None else cache.k[0].shape[1]), \
@@ -357,14 +357,14 @@ def _positions(tokens_BxL: jax.Array, positions_BxL: jax.Array | None, cache: KV
 
 
 def _layer(cache: KVCache | None, i: int) -> _Layer:
-    return None if cache is None else (cache.k[i], cache.v[i], cache.index)
+    return None if cache is None else (cache.k[i], cache.v[i], cache.filled)
 
 
 def _out(logits_BxLxV: jax.Array, cache: KVCache | None, kvs: list[tuple[jax.Array, jax.Array]], L: int) -> Any:
     """The logits, or with a cache (logits, the cache extended by these ``L`` slots)."""
     if cache is None:
         return logits_BxLxV
-    return logits_BxLxV, KVCache([k for k, _ in kvs], [v for _, v in kvs], cache.index + L)
+    return logits_BxLxV, KVCache([k for k, _ in kvs], [v for _, v in kvs], cache.filled + L)
 
 
 def _module(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -409,11 +409,11 @@ def build(cfg: ModelConfig) -> BuiltModel:
 
     def apply(params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
         if positions_BxL is None:  # the plain causal path
-            return merged(params)(tokens_BxL)  # type: ignore[no-any-return]
-        return merged(params)(tokens_BxL, positions_BxL)  # type: ignore[no-any-return]
+            return merged(params)(tokens_BxL)
+        return merged(params)(tokens_BxL, positions_BxL)
 
     def decode(params: Params, tokens_BxL: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        return merged(params)(tokens_BxL, cache=cache)  # type: ignore[no-any-return]
+        return merged(params)(tokens_BxL, cache=cache)
 
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                    nnx.to_pure_dict(abstract_state))
