@@ -99,6 +99,9 @@ class DataConfig:
     eval_batches: int = _f(8, "batches of the held-out split averaged for one eval")
     read_timeout_s: float = _f(60.0, "how long one read of the token store (its manifest, a block of ids) may wait "
                                "before the island stops with an error naming the store")
+    document_masking: bool = _f(False, "keep documents apart inside a sequence: attention stops at each document's "
+                                "first token and positions restart at 0 there, from the store's document ends "
+                                "(Llama-style pretraining); off: windows cut across documents, as one text")
 
 
 @dataclass(frozen=True)
