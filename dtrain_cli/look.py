@@ -89,6 +89,8 @@ def _generate(args: argparse.Namespace, model: Any) -> int:
     stop = tok.eos_id if tok is not None and not tok.raw else None  # bytes: the eos is "\n", a common character
     new = generate(model, np.array([prompt]), args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, cache=not args.no_cache, stop_id=stop)[0].tolist()
+    if stop is not None and new and new[-1] == stop:
+        new = new[:-1]  # the end-of-document token ends the text, it is not part of it
     if args.prompt is not None:
         print(args.prompt + tok.decode(new))
     else:
