@@ -133,7 +133,7 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
         "--help shows the usage)"),
     (["frobnicate"], 2, "dtrain: error: argument COMMAND: invalid choice: 'frobnicate' (choose from 'train', "
                         "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'tokenize', 'export', "
-                        "'admin') "
+                        "'generate', 'eval', 'admin') "
                         "(dtrain --help shows the usage)"),
 ])
 def test_bad_input_is_one_line_with_its_exit_status(argv, code, message, capsys):
