@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "config's rule")
     p.add_argument("--process", action="store_true", help="also compare `dtrain simulate` (real coordinator and "
                    "worker processes, int8) with --inprocess, both from scratch on the same config")
+    p.add_argument("--document-masking", action="store_true",
+                   help="also run plain diloco with data.document_masking on (documents kept apart) from the same "
+                   "warm start and data: its eval loss on the plain eval batches and on documents kept apart")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -199,6 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
         results["diloco"] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
                              "bytes": N * (2 * rounds - 1) * model_bytes}
         log(f"diloco: eval loss {curve[-1]:.4f}")
+
+    if args.document_masking:
+        results["diloco-documents"] = documents_variant(phase, warm_cfg, N, params_w, cursor0, s.eval_batches, T, H)
+        log(f"diloco-documents: eval loss {results['diloco-documents']['eval_loss']:.4f} (plain eval batches), "
+            f"{results['diloco-documents']['eval_loss_documents']:.4f} (documents kept apart)")
 
     rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
     variants = [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]
@@ -302,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
                       f" fragments peak-bytes={peak:.2f}x")
         if "process" in out:
             extra += f" process/inprocess={out['process']['ratio']:.4f}"
+        if "diloco-documents" in results:
+            ratio = results["diloco-documents"]["eval_loss"] / results["diloco"]["eval_loss"]
+            extra += f" documents/diloco={ratio:.4f}"
         print(f"convergence: islands={N} H={H} rounds={R} diloco/dp eval-loss ratio={x:.3f} "
               f"diloco/single ratio={y:.3f} comm reduction={c:.0f}x{extra}")
     if args.merge_rules and len(rules) > 1:
@@ -314,6 +325,27 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+def documents_variant(phase, warm_cfg, N: int, params_w, cursor0: int, plain_evals, T: int, H: int) -> dict:
+    """Plain diloco (fp32, synchronous rounds) with ``data.document_masking`` on: the same shards, windows and warm
+    start as the diloco method, the batches carrying positions. Its curve is on the plain eval batches (the figure
+    the other methods give); ``eval_loss_documents`` is its final eval with documents kept apart."""
+    kept = prepare(replace(warm_cfg, data={"document_masking": True}), islands=N)
+    phase_kept = replace(phase, data={"document_masking": True})
+    loop = InnerLoop(phase_kept, kept.built, make_mesh(phase_kept))
+    plain = InnerLoop(phase, kept.built, make_mesh(phase))
+    hp = OuterHParams.from_config(phase_kept, mode="sync")
+    g = init_outer(loop.place_params(params_w))
+    islands = [Island(index=i, state=loop.init_state(params_w), stream=kept.shards[i].stream, cursor=cursor0)
+               for i in range(N)]
+    curve = []
+    for steps in round_lengths(T, H):
+        g, _ = diloco_round(loop, g, islands, steps, phase.train.batch_size, hp, record_loss)
+        curve.append(plain.evaluate(plain.place_params(g.params), plain_evals))
+    return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
+            "bytes": len(curve) * N * 2 * 4 * kept.n_params,  # as the diloco method counts its fp32 rounds
+            "eval_loss_documents": loop.evaluate(g.params, kept.eval_batches)}
 
 
 def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: argparse.Namespace, T: int,

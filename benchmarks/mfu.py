@@ -56,6 +56,7 @@ ACCELERATOR_CONFIGS = ("gpt-125m", "gpt-350m")
 CPU_CONFIGS = ("tiny",)
 # Above this many model FLOPs a step, a config needs an accelerator (a 2-core CPU does ~1e11 FLOP/s): --allow-cpu
 CPU_MAX_STEP_FLOPS = 1e12
+DOCS_PER_ROW = 4  # --document-masking: documents a row holds on average
 
 _NVIDIA_H100 = "NVIDIA H100 Tensor Core GPU datasheet"
 _NVIDIA_A100 = "NVIDIA A100 Tensor Core GPU datasheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity)"
@@ -118,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "override it); the output names it as given")
     p.add_argument("--allow-cpu", action="store_true",
                    help=f"run configs over {CPU_MAX_STEP_FLOPS:.0e} model FLOPs a step on a CPU (slow)")
+    p.add_argument("--document-masking", action="store_true",
+                   help="also time the step with data.document_masking on (documents of random lengths, mean "
+                   f"seq_len / {DOCS_PER_ROW}), side by side: tokens/s with and without, and their ratio")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_len", "steps_per_call", "steps", "repeats"):
@@ -168,6 +172,7 @@ class Result:
     peak_source: str
     mfu: float | None  # a fraction
     memory: dict[str, int]
+    tokens_per_s_documents: float | None = None  # --document-masking: the same step with documents kept apart
 
 
 def _xla_flops(compiled: Any) -> float | None:
@@ -216,22 +221,20 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
     rng = np.random.default_rng(cfg.run.seed)
     batches_KxBxL1 = rng.integers(0, cfg.model.vocab_size, size=(K, B, L + 1), dtype=np.int32)
     calls = -(-args.steps // K)
-    times = []
     try:
         t0 = time.perf_counter()
         compiled = loop.compile_scan(K)
         compile_s = time.perf_counter() - t0
         # one step, compiled apart: XLA counts a loop's body once, so a 1-step scan is what it counts right
         xla_step = _xla_flops(compiled if K == 1 else loop.compile_scan(1))
-        state = loop.init_state(built.init(cfg.run.seed))
-        state, _ = loop.run(state, batches_KxBxL1)  # the warm-up: not timed
-        jax.block_until_ready(state)
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                state, _ = loop.run(state, batches_KxBxL1)  # dispatched back to back: no host sync in here
-            jax.block_until_ready(state)  # note: the one host-device sync of a repeat
-            times.append(time.perf_counter() - t0)
+        times = _timed(loop, built.init(cfg.run.seed), batches_KxBxL1, calls, args.repeats)
+        documents_s = None
+        if args.document_masking:  # the same step, documents kept apart: batches of ids and positions
+            from dtrain.config.load import replace
+
+            kept = InnerLoop(replace(cfg, data={"document_masking": True}), built, loop.mesh, donate=args.donate)
+            documents_s = _timed(kept, built.init(cfg.run.seed), with_documents(batches_KxBxL1, rng), calls,
+                                 args.repeats)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -247,7 +250,40 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
         model_flops_per_step=step_flops, xla_flops_per_step=None if xla_step is None else xla_step * n_devices,
         compile_s=compile_s, timed_steps=calls * K, repeat_s=times, tokens_per_s=tokens_per_s, peak_tflops=peak,
         peak_source=source, mfu=model_flops_utilization(tokens_per_s, flops_per_token, n_devices, peak),
-        memory=_memory(compiled))
+        memory=_memory(compiled),
+        tokens_per_s_documents=None if documents_s is None else calls * K * B * L / statistics.median(documents_s))
+
+
+def with_documents(batches_KxBxL1: Any, rng: Any) -> Any:
+    """``[K, B, 2, L + 1]``: the ids and the positions of documents of random lengths (a document starts at each
+    id with probability ``1 / (seq_len / DOCS_PER_ROW)``, and at each row's start), as ``data.document_masking``
+    batches hold them."""
+    import numpy as np
+
+    L1 = batches_KxBxL1.shape[-1]
+    starts = rng.random(batches_KxBxL1.shape) < DOCS_PER_ROW / (L1 - 1)
+    starts[..., 0] = True
+    index = np.arange(L1)
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=-1)  # each id's document's first id
+    return np.stack([batches_KxBxL1, (index - first).astype(np.int32)], axis=2)
+
+
+def _timed(loop: Any, params: Any, batches: Any, calls: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` repeats of ``calls`` calls of ``loop.run`` on ``batches``, after one untimed
+    call (the warm-up)."""
+    import jax
+
+    state = loop.init_state(params)
+    state, _ = loop.run(state, batches)  # the warm-up: not timed
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            state, _ = loop.run(state, batches)  # dispatched back to back: no host sync in here
+        jax.block_until_ready(state)  # note: the one host-device sync of a repeat
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def report(r: Result) -> list[str]:
@@ -269,6 +305,9 @@ def report(r: Result) -> list[str]:
         f"  timed: {len(r.repeat_s)} repeats of {r.timed_steps} steps, median {statistics.median(r.repeat_s):.3f}s "
         f"(min {min(r.repeat_s):.3f}s, max {max(r.repeat_s):.3f}s); {achieved:.3g} model TFLOP/s a device",
         f"  peak a device: {peak} ({r.peak_source}); XLA memory estimate a device: {mem}",
+        *([] if r.tokens_per_s_documents is None else [
+            f"  documents kept apart (data.document_masking): tokens/s {r.tokens_per_s_documents:.0f} with, "
+            f"{r.tokens_per_s:.0f} without (x{r.tokens_per_s_documents / r.tokens_per_s:.3f})"]),
         f"mfu: config={r.config} device={r.device_kind} tokens/s={r.tokens_per_s:.0f} mfu={mfu}",
     ]
 

@@ -31,10 +31,10 @@ from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CoordinatorService
 from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
 from coordinator.status_view import source_tokens
-from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
+from dtrain.models.stored import write_layout
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import (
     OPEN_METHODS,

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dtrain.config.load import load_config, reference_markdown, to_toml
 from dtrain.config.load import replace as config_replace
 from dtrain.config.sections import Config, ConfigError
-from dtrain_cli import logs
+from dtrain_cli import logs, look
 from dtrain_cli.entry import Parser, run_main
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "admin")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "generate",
+            "eval", "admin")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_tokenize(sub)
     _add_export(sub)
+    look.add_parsers(sub, _command, int_at_least)
     _add_admin(sub)
     return parser
 
@@ -403,6 +405,8 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import export
 
         return export.main(args.run_dir, args.version, args.out, args.max_shard_bytes)
+    if args.command in ("generate", "eval"):  # no config: the folder says what the model is
+        return look.main(args)
     if args.command == "admin":  # no config either
         return _admin(args)
     if args.command == "tokenize":  # no config either

@@ -133,7 +133,7 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
         "--help shows the usage)"),
     (["frobnicate"], 2, "dtrain: error: argument COMMAND: invalid choice: 'frobnicate' (choose from 'train', "
                         "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'tokenize', 'export', "
-                        "'admin') "
+                        "'generate', 'eval', 'admin') "
                         "(dtrain --help shows the usage)"),
 ])
 def test_bad_input_is_one_line_with_its_exit_status(argv, code, message, capsys):
@@ -166,15 +166,16 @@ def test_a_benchmark_with_a_bad_data_path_is_one_line(tmp_path):
                            "folder (a store path or URL, builtin, text files or .bin shards)\n")
 
 
-def test_a_store_that_does_not_answer_is_one_line_naming_it_and_the_wait(tmp_path):
-    url = f"http://127.0.0.1:{_closed_port()}/corpus"
+def test_a_store_whose_port_refuses_is_one_line_naming_it_and_the_cause(tmp_path):
+    port = _closed_port()
+    url = f"http://127.0.0.1:{port}/corpus"
     proc = _run("-m", "dtrain_cli", "train", "--config", "tiny", "--set", f"run.out_dir={tmp_path}",
                 "--set", f"data.source={url}", "--set", "data.read_timeout_s=2")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"opening token store {url} (waits up to 2 s for each answer)" in proc.stderr  # said while waiting
-    assert proc.stderr.splitlines()[-1] == (f"dtrain train: error: token store {url} did not answer within 2 s "
-                                            "(reading its manifest.json): check the address and that it is "
-                                            "reachable from here")
+    assert proc.stderr.splitlines()[-1] == (f"dtrain train: error: token store {url}: reading its manifest.json "
+                                            f"failed: cannot connect to 127.0.0.1 port {port}: refused (nothing "
+                                            "listens there) or no route to it")
 
 
 def test_a_store_over_the_models_vocabulary_is_one_line(tmp_path):

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from coordinator.stored import write_layout
 from dtrain import codec
 from dtrain.config.load import load_config
 from dtrain.config.sections import ModelConfig
 from dtrain.models import hf, model
+from dtrain.models.stored import write_layout
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

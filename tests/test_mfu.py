@@ -86,6 +86,24 @@ def test_a_short_cpu_run_prints_the_last_line(capsys: pytest.CaptureFixture[str]
     assert m is not None and float(m.group(4).rstrip("%")) == pytest.approx(100 * mfu, abs=0.05) and mfu > 0
 
 
+def test_document_masking_is_timed_side_by_side_with_documents_of_random_lengths(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--document-masking: the llama-tiny step timed again with data.document_masking on, its line before the last
+    (the mfu: line, unchanged); its batches are ids and positions restarting at random document starts."""
+    bench = _bench()
+    out = bench.main(["--config", "llama-tiny", "--steps", "2", "--steps-per-call", "1", "--repeats", "1",
+                      "--document-masking"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    r = out["results"][0]
+    assert LAST_LINE.fullmatch(lines[-1]) and r["tokens_per_s_documents"] > 0
+    assert lines[-2].startswith("  documents kept apart (data.document_masking): tokens/s ")
+    batches = bench.with_documents(np.zeros((3, 8, 33), np.int32), np.random.default_rng(0))
+    positions = batches[:, :, 1]
+    assert batches.shape == (3, 8, 2, 33) and (positions[..., 0] == 0).all()
+    step = np.diff(positions, axis=-1)
+    assert ((step == 1) | (positions[..., 1:] == 0)).all() and (positions[..., 1:] == 0).any()
+
+
 def test_the_knob_flags_become_config_overrides_after_set() -> None:
     bench = _bench()
     args = bench.parse_args(["--set", "train.batch_size=4", "--batch-size", "16", "--seq-len", "64",

@@ -12,7 +12,14 @@ from dtrain.audit import AuditParams, audit
 from dtrain.config.load import load_config
 from dtrain.config.sections import ConfigError
 from dtrain.data.corpus import DataError, SequenceStream, Span, split
-from dtrain.data.mixture import MixedStream, Schedule, mixture_shards, open_mixture, source_names
+from dtrain.data.mixture import (
+    MixedStream,
+    Schedule,
+    mixture_eval_batches,
+    mixture_shards,
+    open_mixture,
+    source_names,
+)
 from dtrain.data.token_store import StoreWriter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +86,28 @@ def test_a_mixed_stream_reads_each_source_in_its_own_order_and_resumes_exactly(t
         assert np.array_equal(rows, own.batches(0, 1, rows.shape[0])[0])
         assert np.all((rows >= 64 * k) & (rows < 64 * (k + 1)))  # and it holds that source's ids
     assert np.array_equal(np.bincount(source, minlength=3), [180, 90, 30])
+
+
+def test_a_mixture_keeps_documents_apart_with_document_masking(tmp_path: Path) -> None:
+    """data.document_masking over a mixture: every row carries its positions, restarting at each document of its
+    own source (500-token documents), in training batches and in the eval batches alike."""
+    sources = _mixture_overrides(tmp_path)
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", *sources,
+                                                       "data.document_masking=true"])
+    mix = open_mixture(cfg.data, cfg.model.vocab_size, tmp_path / "cache")
+    stream = mixture_shards(mix, 3, cfg.model.seq_len, cfg.run.seed, cfg.data.eval_fraction)[0].stream
+    rows = stream.batches(0, 2, 40)
+    assert rows.shape == (2, 40, 2, cfg.model.seq_len + 1)
+    ids, positions = rows[..., 0, :], rows[..., 1, :]
+    plain = load_config(ROOT / "configs" / "tiny.toml", [f"run.out_dir={tmp_path}", *sources])
+    plain_mix = open_mixture(plain.data, plain.model.vocab_size, tmp_path / "cache")
+    same = mixture_shards(plain_mix, 3, plain.model.seq_len, plain.run.seed, plain.data.eval_fraction)[0].stream
+    assert np.array_equal(ids, same.batches(0, 2, 40))  # the same ids as without masking
+    steps = np.diff(positions, axis=-1)
+    assert np.all((steps == 1) | (positions[..., 1:] == 0))  # counts up, or restarts at a document's start
+    assert np.any(positions[..., 1:] == 0)  # some window crosses a document end
+    evals = mixture_eval_batches(mix, cfg.model.seq_len, 4, 2, cfg.data.eval_fraction)
+    assert evals.shape == (2, 4, 2, cfg.model.seq_len + 1)
 
 
 def test_bad_mixtures_are_refused_with_one_line(tmp_path: Path) -> None:

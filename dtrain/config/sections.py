@@ -123,6 +123,9 @@ class DataConfig:
                                            "tables of path, weight (relative) and name; every island's shard "
                                            "interleaves them by weight, the same sequence for the same config "
                                            "(docs/data.md)")
+    document_masking: bool = _f(False, "keep documents apart inside a sequence: attention stops at each document's "
+                                "first token and positions restart at 0 there, from the store's document ends "
+                                "(Llama-style pretraining); off: windows cut across documents, as one text")
 
     @property
     def mixed(self) -> bool:
@@ -502,6 +505,8 @@ class Config:
             fields["outer.fragments"] = str(self.outer.fragments)
         if self.coordinator.shards != 1:  # the islands cut their pushes and pulls by the same plan
             fields["coordinator.shards"] = str(self.coordinator.shards)
+        if self.data.document_masking:  # only then: islands that mask and islands that do not train other models
+            fields["data.document_masking"] = "True"
         return fields
 
     def fingerprint(self) -> str:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -43,9 +43,9 @@ from dtrain.config.sections import DataConfig
 from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
-__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "ShardStream", "Span", "Split",
-           "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store", "open_corpus", "split",
-           "store_location"]
+__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "RunTokenizer", "SequenceStream", "ShardStream",
+           "Span", "Split", "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store",
+           "open_corpus", "run_tokenizer", "split", "store_location", "with_positions"]
 
 SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
@@ -75,6 +75,7 @@ class Corpus:
     size: int
     description: str
     digest: str  # identifies the ids used (the store's digest, and the prefix when max_bytes cuts it)
+    doc_ends: np.ndarray | None = None  # data.document_masking: the store's document ends (int64), read once
 
     def __len__(self) -> int:
         return self.size
@@ -253,6 +254,46 @@ def existing_store(cfg: DataConfig, cache: Path) -> str | None:
     return str(dest) if (dest / MANIFEST).exists() else None
 
 
+class RunTokenizer(NamedTuple):
+    """What :func:`run_tokenizer` finds: the store's tokenizer.json (None: none to copy), its end-of-document id, a
+    note saying which (or why none), and whether the run's ids are bytes (the byte tokenizer)."""
+
+    file: Path | None
+    eos_id: int | None
+    note: str
+    bytes: bool = False
+
+
+def run_tokenizer(data: DataConfig, run_dir: Path) -> RunTokenizer:
+    """(the store's tokenizer.json or None, its end-of-document id, a note saying which or why none) for a run's
+    source (``dtrain export``, ``dtrain.load``): a store it names, or the one a builtin or text source was made
+    into under data.cache (default: the run folder's OUT_DIR/data-cache). DataError for an unreadable manifest."""
+    if not names_store(data.source) and data.tokenizer == "bytes":
+        return RunTokenizer(None, None, "no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no "
+                            "Hugging Face tokenizer exists for the byte tokenizer", bytes=True)
+    cache = Path(data.cache).expanduser() if data.cache else run_dir.parent / "data-cache"
+    source = existing_store(data, cache)
+    if source is None:
+        return RunTokenizer(None, None, f"no tokenizer files: the token store the run's source {data.source!r} was "
+                            f"made into is not under {cache} (or its files changed since)")
+    manifest = Path(source) / "manifest.json"
+    if "://" in source:
+        return RunTokenizer(None, None, f"tokenizer not copied: the run's store {source} is remote (copy its "
+                            "tokenizer.json by hand)")
+    try:
+        info = json.loads(manifest.read_text())
+        name, eos_id = info["tokenizer"], info.get("eos_id")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{manifest}: unreadable: {type(e).__name__}: {e}") from None
+    if name == "bytes":
+        return RunTokenizer(None, eos_id, "no tokenizer files: the run's store is byte-tokenized, and no Hugging Face "
+                            "tokenizer exists for the byte tokenizer", bytes=True)
+    vocab = Path(source) / name
+    if not vocab.is_file():
+        return RunTokenizer(None, eos_id, f"no tokenizer files: the store names {name!r} but {vocab} is not there")
+    return RunTokenizer(vocab, eos_id, f"tokenizer: {vocab}")
+
+
 def store_location(cfg: DataConfig, cache: Path) -> str:
     """The token store ``cfg.source`` names or was made into (:func:`_made_store`)."""
     return _made_store(cfg, cache)[0]
@@ -306,7 +347,23 @@ def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     if size == 0:
         raise DataError(f"data.source {cfg.source!r}: empty (no tokens)")
     digest = m.digest.split(":")[-1][:16] + (f"@{size}" if size < m.tokens else "")
-    return Corpus(store=store, size=size, description=f"{what} ({size:,} tokens, {m.tokenizer})", digest=digest)
+    ends = store.doc_ends().astype(np.int64) if cfg.document_masking else None  # 8 bytes a document, once
+    return Corpus(store=store, size=size, description=f"{what} ({size:,} tokens, {m.tokenizer})", digest=digest,
+                  doc_ends=ends)
+
+
+def with_positions(corpus: Corpus, starts_N: np.ndarray, windows_NxL1: np.ndarray) -> np.ndarray:
+    """The windows as they go to the step: unchanged (``[N, L + 1]``), or with ``data.document_masking`` each
+    stacked with its tokens' positions in their documents (``[N, 2, L + 1]``: 0 at a document's first token and at
+    the window's start, counting up), from the corpus's document ends. ``starts_N``: each window's first id."""
+    if corpus.doc_ends is None:
+        return windows_NxL1
+    at_NxL1 = starts_N[:, None] + np.arange(windows_NxL1.shape[1])
+    ends = corpus.doc_ends
+    ended_NxL1 = np.searchsorted(ends, at_NxL1, side="right")  # documents that end at or before each id
+    doc_start_NxL1 = np.where(ended_NxL1 > 0, ends[np.maximum(ended_NxL1 - 1, 0)], 0)
+    positions_NxL1 = at_NxL1 - np.maximum(doc_start_NxL1, starts_N[:, None])
+    return np.stack([windows_NxL1, positions_NxL1.astype(np.int32)], axis=1)
 
 
 # --- split, shards, streams -----------------------------------------------------------------------------------
@@ -357,7 +414,8 @@ class SequenceStream:
     """Deterministic, resumable batches of windows from one span of a corpus (all of it by default), streamed
     from its store.
 
-    ``batches(cursor, steps, batch_size)`` returns ``[steps, batch_size, seq_len + 1]`` int32 for sequences
+    ``batches(cursor, steps, batch_size)`` returns ``[steps, batch_size, seq_len + 1]`` int32 (with
+    ``data.document_masking`` ``[steps, batch_size, 2, seq_len + 1]``: :func:`with_positions`) for sequences
     ``cursor .. cursor + steps * batch_size``: a pure function of the cursor, so resuming is exact. The blocks a
     batch needs are read on demand and the next group's are read ahead; :attr:`wait_s` is the time callers spent
     waiting for reads, and :attr:`peak_blocks` the most blocks held at once.
@@ -463,7 +521,8 @@ class SequenceStream:
             at = blocks == b
             out[at] = self._block(int(b))[local[at, None] * self.seq_len + offsets]
         self._read_ahead(cursor + count)
-        return out.reshape(steps, batch_size, self.seq_len + 1)
+        rows = with_positions(self.corpus, self.span.start + ids * self.seq_len, out)
+        return rows.reshape(steps, batch_size, *rows.shape[1:])
 
 
 class ShardStream(Protocol):
@@ -527,4 +586,5 @@ def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, 
                              f"{explain(corpus.store.location, str(e))}") from None
         at = np.isin(starts, run)
         out[at] = ids_read[(starts[at] - first)[:, None] + offsets]
-    return out.reshape(n_batches, batch_size, seq_len + 1)
+    rows = with_positions(corpus, starts, out)
+    return rows.reshape(n_batches, batch_size, *rows.shape[1:])

@@ -116,14 +116,19 @@ class MixedStream:
         return sum(s.wait_s for s in self.streams)
 
     def batches(self, cursor: int, steps: int, batch_size: int) -> np.ndarray:
-        """``[steps, batch_size, seq_len + 1]`` int32 for sequences ``cursor .. cursor + steps * batch_size``."""
+        """``[steps, batch_size, seq_len + 1]`` int32 for sequences ``cursor .. cursor + steps * batch_size`` (with
+        ``data.document_masking``: ``[steps, batch_size, 2, seq_len + 1]``, ids and positions)."""
         count = steps * batch_size
         source, _ = self.schedule.picks(cursor, count)
-        out = np.empty((count, self.seq_len + 1), np.int32)
+        out: np.ndarray | None = None
         for s, (a, b) in enumerate(self.schedule.ranges(cursor, cursor + count)):
             if b > a:  # the source's own sequences a..b, in order: the rows the schedule gives it
-                out[source == s] = self.streams[s].batches(a, 1, b - a)[0]
-        return out.reshape(steps, batch_size, self.seq_len + 1)
+                rows = self.streams[s].batches(a, 1, b - a)[0]  # with data.document_masking: ids and positions
+                if out is None:
+                    out = np.empty((count, *rows.shape[1:]), np.int32)
+                out[source == s] = rows
+        assert out is not None, "a schedule gives every pick a source"
+        return out.reshape(steps, batch_size, *out.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -198,9 +203,13 @@ def mixture_eval_batches(mix: Mixture, seq_len: int, batch_size: int, n_batches:
 
     want = n_batches * batch_size
     source, _ = mix.schedule.picks(0, want)
-    out = np.empty((want, seq_len + 1), np.int32)
+    out: np.ndarray | None = None
     for s, corpus in enumerate(mix.corpora):
         n = int((source == s).sum())
         if n:
-            out[source == s] = eval_batches(corpus, split(corpus, eval_fraction, seq_len).eval, seq_len, n, 1)[0]
-    return out.reshape(n_batches, batch_size, seq_len + 1)
+            rows = eval_batches(corpus, split(corpus, eval_fraction, seq_len).eval, seq_len, n, 1)[0]
+            if out is None:  # with data.document_masking: ids and positions
+                out = np.empty((want, *rows.shape[1:]), np.int32)
+            out[source == s] = rows
+    assert out is not None, "a schedule gives every pick a source"
+    return out.reshape(n_batches, batch_size, *out.shape[1:])

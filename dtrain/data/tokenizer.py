@@ -58,6 +58,10 @@ class Tokenizer(Protocol):
         document's length (int64), eos included."""
         ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (a byte sequence that is not UTF-8 shown with replacement characters)."""
+        ...
+
 
 class ByteTokenizer:
     """Ids are the bytes (vocab 256), with no decoding at all; each document ends with b"\\n" (id 10)."""
@@ -77,6 +81,9 @@ class ByteTokenizer:
         blobs = [d.encode("utf-8") if isinstance(d, str) else d for d in documents]
         ids = np.frombuffer(b"".join(b + b"\n" for b in blobs), dtype=np.uint8)
         return ids, np.array([len(b) + 1 for b in blobs], dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -144,6 +151,9 @@ class HFTokenizer:
             raise DataError(f"{self.where}: it gave id {int(ids.max())}, outside its vocabulary of "
                             f"{self.vocab_size}")
         return ids, lengths
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
 
 
 def from_spec(spec: tuple[str, str, int]) -> Tokenizer:

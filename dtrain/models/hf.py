@@ -33,8 +33,8 @@ import numpy as np
 from dtrain.codec.spec import Spec
 from dtrain.config.sections import ModelConfig
 
-__all__ = ["HFError", "SHARD_BYTES", "Tensor", "export_folder", "hf_config", "mapping", "read_vector",
-           "weight_files"]
+__all__ = ["HFError", "SHARD_BYTES", "Tensor", "export_folder", "folder_config", "hf_config", "mapping",
+           "read_vector", "weight_files"]
 
 SHARD_BYTES: Final = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 SINGLE: Final = "model.safetensors"
@@ -142,6 +142,34 @@ def hf_config(cfg: ModelConfig, spec: Spec, eos_id: int | None = None) -> dict[s
             "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings}
+
+
+def folder_config(folder: str | Path) -> ModelConfig:
+    """The model a folder's ``config.json`` describes (``LlamaForCausalLM`` or ``GPT2LMHeadModel``; what
+    :func:`hf_config` writes read back), for looking at a folder (``dtrain.load``); HFError for a missing or
+    unreadable config or another architecture. ``seq_len`` is the folder's context length."""
+    path = Path(folder) / "config.json"
+    try:
+        c = json.loads(path.read_text())
+        model_type = c.get("model_type")
+        if model_type == "llama":
+            return ModelConfig(kind="llama", vocab_size=c["vocab_size"], seq_len=c["max_position_embeddings"],
+                               d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                               n_heads=c["num_attention_heads"],
+                               n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                               mlp_hidden=c["intermediate_size"], rope_theta=float(c.get("rope_theta", 10000.0)),
+                               norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                               tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        if model_type == "gpt2":
+            return ModelConfig(kind="gpt", vocab_size=c["vocab_size"], seq_len=c["n_positions"], d_model=c["n_embd"],
+                               n_layers=c["n_layer"], n_heads=c["n_head"],
+                               mlp_ratio=(c.get("n_inner") or 4 * c["n_embd"]) // c["n_embd"])
+    except FileNotFoundError:
+        raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HFError(f"{path}: unreadable: {type(e).__name__}: {e}") from None
+    raise HFError(f"{path}: model_type {model_type!r}: only llama (LlamaForCausalLM) and gpt2 (GPT2LMHeadModel) "
+                  "folders are read")
 
 
 # -- writing ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,23 @@ from flax import nnx
 from dtrain.config.sections import ModelConfig
 
 Params = dict[str, Any]  # nested dict of float32 arrays
-ApplyFn = Callable[[Params, jax.Array], jax.Array]
+
+
+class ApplyFn(Protocol):
+    """``apply(params, tokens_BxL) -> logits_BxLxV``; with ``positions_BxL`` (``data.document_masking``) each token's
+    position in its document: positions restart at 0 and attention stops at each document's first token."""
+
+    def __call__(self, params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+        ...
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every attention layer for ``T`` slots of each row (``k[i]``, ``v[i]``: layer i's
+    ``[B, T, K, H]``), filled for slots ``[0, filled)``: what :attr:`BuiltModel.decode` reads and extends."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    filled: jax.Array  # int32 scalar: the slots filled, where the next tokens go
 
 _INIT_STD = 0.02
 
@@ -37,7 +53,7 @@ def _dense(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs, std: float = _INIT
 
 
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
-                     implementation: str) -> jax.Array:
+                     implementation: str, mask_Bx1xLxT: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention, by ``model.attention``: ``xla`` and ``cudnn`` are
     ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: the fused flash-attention kernel, NVIDIA
     GPUs and bfloat16 only); ``einsum`` is the textbook formulation written out (scores and softmax in float32),
@@ -45,10 +61,14 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
 
     Grouped-query attention when the keys and values have ``K`` heads, fewer than the queries' ``N`` (K divides N):
     query head ``n`` attends with key/value head ``n // (N // K)`` (Hugging Face's ``repeat_kv``; what
-    ``jax.nn.dot_product_attention`` does with fewer K/V heads)."""
+    ``jax.nn.dot_product_attention`` does with fewer K/V heads).
+
+    ``mask_Bx1xLxT`` (:func:`attention_mask`; documents kept apart, or a KV cache's ``T`` slots) replaces the causal
+    mask: query ``l`` sees key ``t`` where it is true."""
     if implementation in ("xla", "cudnn"):
         kernel: Literal["xla", "cudnn"] = "cudnn" if implementation == "cudnn" else "xla"
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=kernel)
+        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=mask_Bx1xLxT is None,
+                                            mask=mask_Bx1xLxT, implementation=kernel)
     if implementation != "einsum":
         raise ValueError(f"model.attention: unknown implementation {implementation!r}")
     L, N, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[2], q_BxLxNxH.shape[3]
@@ -57,10 +77,37 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
     v_BxLxNxH = jnp.repeat(v_BxLxKxH, group, axis=2)
     scores_BxNxLxL = jnp.einsum("blnh,bmnh->bnlm", q_BxLxNxH, k_BxLxNxH,
                                 preferred_element_type=jnp.float32) * H ** -0.5
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool)) if mask_Bx1xLxT is None else mask_Bx1xLxT
     scores_BxNxLxL = jnp.where(causal_LxL, scores_BxNxLxL, jnp.finfo(jnp.float32).min)
     probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1).astype(v_BxLxNxH.dtype)
     return jnp.einsum("bnlm,bmnh->blnh", probs_BxNxLxL, v_BxLxNxH)
+
+
+def attention_mask(positions_BxL: jax.Array, first_slot: jax.Array | int, slots: int) -> jax.Array:
+    """Which keys each query sees, ``[B, 1, L, T]``: query ``l`` sits at slot ``first_slot + l`` and is token
+    ``positions[b, l]`` of its document, so it sees the slots from its document's first to itself (causal, and
+    nothing of an earlier document). One document from slot 0 (a KV cache's prompt) is ``positions = slot``."""
+    q_slot_L = first_slot + jnp.arange(positions_BxL.shape[1])
+    k_slot_T = jnp.arange(slots)
+    first_BxL = q_slot_L[None, :] - positions_BxL
+    mask_BxLxT = (k_slot_T[None, None, :] <= q_slot_L[None, :, None]) & \
+        (k_slot_T[None, None, :] >= first_BxL[:, :, None])
+    return mask_BxLxT[:, None]
+
+
+def _cached(k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, layer: tuple[jax.Array, jax.Array, jax.Array] | None
+            ) -> tuple[jax.Array, jax.Array]:
+    """The keys and values attention reads: these, or with a layer's cache ``(k, v, index)`` the cache's with these
+    written at slot ``index``."""
+    if layer is None:
+        return k_BxLxKxH, v_BxLxKxH
+    k_cache, v_cache, index = layer
+    at = (0, index, 0, 0)
+    return (jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), at),
+            jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), at))
+
+
+_Layer = tuple[jax.Array, jax.Array, jax.Array] | None  # one layer's (k cache, v cache, index), or no cache
 
 
 class CausalSelfAttention(nnx.Module):
@@ -71,12 +118,14 @@ class CausalSelfAttention(nnx.Module):
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) at init.
         self.proj = _dense(cfg.d_model, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, mask: jax.Array | None = None, layer: _Layer = None
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         B, L, D = x_BxLxD.shape
         qkv_BxLx3xNxH = self.qkv(x_BxLxD).reshape(B, L, 3, self.n_heads, D // self.n_heads)
         q, k, v = (qkv_BxLx3xNxH[:, :, i] for i in range(3))
-        out_BxLxNxH = causal_attention(q, k, v, self.attention)
-        return self.proj(out_BxLxNxH.reshape(B, L, D))
+        k, v = _cached(k, v, layer)
+        out_BxLxNxH = causal_attention(q, k, v, self.attention, mask)
+        return self.proj(out_BxLxNxH.reshape(B, L, D)), (k, v)
 
 
 class MLP(nnx.Module):
@@ -98,9 +147,11 @@ class Block(nnx.Module):
         self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, layer: _Layer = None
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        y, kv = self.attn(self.ln1(x), mask, layer)
+        x = x + y
+        return x + self.mlp(self.ln2(x)), kv
 
 
 class GPT(nnx.Module):
@@ -117,15 +168,20 @@ class GPT(nnx.Module):
         self.head = _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
         self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
         L = tokens_BxL.shape[1]
-        x_BxLxD = self.tok_embed(tokens_BxL) + self.pos_embed[...][:L].astype(self.dtype)
+        mask, positions_BxL = _positions(tokens_BxL, positions_BxL, cache)
+        pos_D = self.pos_embed[...][:L] if positions_BxL is None else self.pos_embed[...][positions_BxL]
+        x_BxLxD = self.tok_embed(tokens_BxL) + pos_D.astype(self.dtype)
         # remat: each block keeps only its input for the backward pass and recomputes the rest (less memory, one
         # more forward pass of the blocks' FLOPs)
         run_block = nnx.remat(Block.__call__) if self.remat else Block.__call__
-        for block in self.blocks:
-            x_BxLxD = run_block(block, x_BxLxD)
-        return self.head(self.ln_f(x_BxLxD)).astype(jnp.float32)
+        kvs = []
+        for i, block in enumerate(self.blocks):
+            x_BxLxD, kv = run_block(block, x_BxLxD, mask, _layer(cache, i))
+            kvs.append(kv)
+        return _out(self.head(self.ln_f(x_BxLxD)).astype(jnp.float32), cache, kvs, L)
 
 
 # ------------------------------------------------------------------------------------------------------- Llama
@@ -156,11 +212,13 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, 
 
 def apply_rope(x_BxLxNxH: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = concat(-x2, x1)`` (x1, x2: the halves of the head
-    dimension), computed in float32 and returned in ``x``'s dtype."""
+    dimension), computed in float32 and returned in ``x``'s dtype. The tables are ``[L, H]``, or ``[B, L, H]`` for
+    positions of each row's own."""
     x = x_BxLxNxH.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x * cos_LxH[None, :, None, :] + rotated * sin_LxH[None, :, None, :]
+    cos_BxLxH, sin_BxLxH = (cos_LxH[None], sin_LxH[None]) if cos_LxH.ndim == 2 else (cos_LxH, sin_LxH)
+    out = x * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
     return out.astype(x_BxLxNxH.dtype)
 
 
@@ -192,13 +250,15 @@ class LlamaAttention(nnx.Module):
         # residual projections scaled by 1/sqrt(2 * n_layers) at init, as the GPT's
         self.o = _dense(self.n_heads * self.head_dim, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
 
-    def __call__(self, x_BxLxD: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array, mask: jax.Array | None = None,
+                 layer: _Layer = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         B, L, _ = x_BxLxD.shape
         q_BxLxNxH = apply_rope(self.q(x_BxLxD).reshape(B, L, self.n_heads, self.head_dim), cos_LxH, sin_LxH)
         k_BxLxKxH = apply_rope(self.k(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim), cos_LxH, sin_LxH)
         v_BxLxKxH = self.v(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim)
-        out_BxLxNxH = causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, self.attention)
-        return self.o(out_BxLxNxH.reshape(B, L, self.n_heads * self.head_dim))
+        k_BxTxKxH, v_BxTxKxH = _cached(k_BxLxKxH, v_BxLxKxH, layer)
+        out_BxLxNxH = causal_attention(q_BxLxNxH, k_BxTxKxH, v_BxTxKxH, self.attention, mask)
+        return self.o(out_BxLxNxH.reshape(B, L, self.n_heads * self.head_dim)), (k_BxTxKxH, v_BxTxKxH)
 
 
 class SwiGLU(nnx.Module):
@@ -223,9 +283,11 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
         self.mlp = SwiGLU(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), cos_LxH, sin_LxH)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array, mask: jax.Array | None = None,
+                 layer: _Layer = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        y, kv = self.attn(self.attn_norm(x), cos_LxH, sin_LxH, mask, layer)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), kv
 
 
 class Llama(nnx.Module):
@@ -243,16 +305,23 @@ class Llama(nnx.Module):
         self.head = None if cfg.tie_embeddings else _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
         self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        cos_LxH, sin_LxH = rope_cos_sin(tokens_BxL.shape[1], self.head_dim, self.rope_theta)
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
+        L = tokens_BxL.shape[1]
+        mask, positions_BxL = _positions(tokens_BxL, positions_BxL, cache)
+        cos_LxH, sin_LxH = rope_cos_sin(L if cache is None else cache.k[0].shape[1], self.head_dim, self.rope_theta)
+        if positions_BxL is not None:  # each row's own positions: rows of the tables
+            cos_LxH, sin_LxH = cos_LxH[positions_BxL], sin_LxH[positions_BxL]
         x_BxLxD = self.tok_embed(tokens_BxL)
         run_block = nnx.remat(LlamaBlock.__call__) if self.remat else LlamaBlock.__call__
-        for block in self.blocks:
-            x_BxLxD = run_block(block, x_BxLxD, cos_LxH, sin_LxH)
+        kvs = []
+        for i, block in enumerate(self.blocks):
+            x_BxLxD, kv = run_block(block, x_BxLxD, cos_LxH, sin_LxH, mask, _layer(cache, i))
+            kvs.append(kv)
         x_BxLxD = self.norm_f(x_BxLxD)
         if self.head is None:  # tied: logits = x @ embedding.T
-            return self.tok_embed.attend(x_BxLxD).astype(jnp.float32)
-        return self.head(x_BxLxD).astype(jnp.float32)
+            return _out(self.tok_embed.attend(x_BxLxD).astype(jnp.float32), cache, kvs, L)
+        return _out(self.head(x_BxLxD).astype(jnp.float32), cache, kvs, L)
 
 
 class ByteMLP(nnx.Module):
@@ -266,11 +335,36 @@ class ByteMLP(nnx.Module):
                                 for _ in range(cfg.n_layers)])
         self.head = _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        x = self.embed(tokens_BxL)
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
+        x = self.embed(tokens_BxL)  # per position: positions, documents and a cache change nothing
         for layer in self.hidden:
             x = x + jax.nn.gelu(layer(x))
-        return self.head(x).astype(jnp.float32)
+        return _out(self.head(x).astype(jnp.float32), cache, [], tokens_BxL.shape[1])
+
+
+def _positions(tokens_BxL: jax.Array, positions_BxL: jax.Array | None, cache: KVCache | None
+               ) -> tuple[jax.Array | None, jax.Array | None]:
+    """(the attention mask, the positions) of a forward pass: (None, None) on the plain causal path; with a cache,
+    the slots from its index (one document); with positions, documents kept apart (:func:`attention_mask`)."""
+    if cache is None and positions_BxL is None:
+        return None, None
+    first = 0 if cache is None else cache.filled
+    if positions_BxL is None:
+        positions_BxL = jnp.broadcast_to(first + jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+    return attention_mask(positions_BxL, first, tokens_BxL.shape[1] if cache is None else cache.k[0].shape[1]), \
+        positions_BxL
+
+
+def _layer(cache: KVCache | None, i: int) -> _Layer:
+    return None if cache is None else (cache.k[i], cache.v[i], cache.filled)
+
+
+def _out(logits_BxLxV: jax.Array, cache: KVCache | None, kvs: list[tuple[jax.Array, jax.Array]], L: int) -> Any:
+    """The logits, or with a cache (logits, the cache extended by these ``L`` slots)."""
+    if cache is None:
+        return logits_BxLxV
+    return logits_BxLxV, KVCache([k for k, _ in kvs], [v for _, v in kvs], cache.filled + L)
 
 
 def _module(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -282,12 +376,23 @@ def _module(cfg: ModelConfig, seed: int) -> nnx.Module:
 
 @dataclass(frozen=True)
 class BuiltModel:
-    """A model as pure functions: ``init(seed) -> params`` and ``apply(params, tokens) -> logits``."""
+    """A model as pure functions: ``init(seed) -> params``, ``apply(params, tokens) -> logits`` and, for generating
+    with a KV cache, ``decode(params, tokens, cache) -> (logits, cache)`` over a :meth:`new_cache`."""
 
     cfg: ModelConfig
     apply: ApplyFn
     init: Callable[[int], Params]
     abstract_params: Params  # ShapeDtypeStructs, no memory
+    decode: Callable[[Params, jax.Array, KVCache], tuple[jax.Array, KVCache]]
+
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        """An empty cache of ``slots`` positions per row (the prompt and every token to generate)."""
+        cfg = self.cfg
+        layers = cfg.n_layers if cfg.kind in ("gpt", "llama") else 0
+        kv_heads = llama_kv_heads(cfg) if cfg.kind == "llama" else cfg.n_heads
+        shape = (batch, slots, kv_heads, cfg.d_model // cfg.n_heads)
+        return KVCache([jnp.zeros(shape, cfg.dtype) for _ in range(layers)],
+                       [jnp.zeros(shape, cfg.dtype) for _ in range(layers)], jnp.zeros((), jnp.int32))
 
 
 def build(cfg: ModelConfig) -> BuiltModel:
@@ -297,14 +402,22 @@ def build(cfg: ModelConfig) -> BuiltModel:
     def init(seed: int) -> Params:
         return nnx.to_pure_dict(nnx.split(_module(cfg, seed))[1])
 
-    def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
+    def merged(params: Params) -> Any:
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh container each trace
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)(tokens_BxL)
+        return nnx.merge(graphdef, state)
+
+    def apply(params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+        if positions_BxL is None:  # the plain causal path
+            return merged(params)(tokens_BxL)
+        return merged(params)(tokens_BxL, positions_BxL)
+
+    def decode(params: Params, tokens_BxL: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        return merged(params)(tokens_BxL, cache=cache)
 
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                    nnx.to_pure_dict(abstract_state))
-    return BuiltModel(cfg=cfg, apply=apply, init=init, abstract_params=abstract_params)
+    return BuiltModel(cfg=cfg, apply=apply, init=init, abstract_params=abstract_params, decode=decode)
 
 
 def param_count(params: Params) -> int:

@@ -88,9 +88,16 @@ def scaled(updates: Params, lr: jax.Array) -> Params:
 
 def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``; with ``rows``, of the first
-    ``rows`` rows only (the others are padding: a device's share of a batch that does not split evenly)."""
-    logits_BxLxV = apply(params, batch_BxL1[:, :-1])
-    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch_BxL1[:, 1:])
+    ``rows`` rows only (the others are padding: a device's share of a batch that does not split evenly). A batch
+    ``[B, 2, L + 1]`` (``data.document_masking``: :func:`dtrain.data.corpus.with_positions`) is the tokens and their
+    positions in their documents: documents are kept apart. Every next token counts, a document's first too."""
+    if batch_BxL1.ndim == 3:
+        tokens_BxL1, positions_BxL1 = batch_BxL1[:, 0], batch_BxL1[:, 1]
+        logits_BxLxV = apply(params, tokens_BxL1[:, :-1], positions_BxL1[:, :-1])
+    else:
+        tokens_BxL1 = batch_BxL1
+        logits_BxLxV = apply(params, batch_BxL1[:, :-1])
+    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, tokens_BxL1[:, 1:])
     if rows is None:
         return loss_BxL.mean()
     real_B = jnp.arange(loss_BxL.shape[0]) < rows

@@ -181,9 +181,14 @@ class InnerLoop:
     def compile_scan(self, k: int) -> jax.stages.Compiled:
         """The jitted scan of ``k`` steps (:meth:`run`'s program), compiled ahead of time and returned; its
         ``cost_analysis()`` and ``memory_analysis()`` are XLA's view of the step (benchmarks/mfu.py)."""
-        L1 = self.cfg.model.seq_len + 1
         return self._scan.lower(self.abstract_state(), jax.ShapeDtypeStruct(
-            (k, self.padded_batch, L1), jnp.int32, sharding=self.batch_sharding), self._sched).compile()
+            (k, self.padded_batch, *self.row_shape), jnp.int32, sharding=self.batch_sharding), self._sched).compile()
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """One sequence of a batch: ``L + 1`` ids, or with ``data.document_masking`` those and their positions."""
+        L1 = self.cfg.model.seq_len + 1
+        return (2, L1) if self.cfg.data.document_masking else (L1,)
 
     def precompile(self, chunk_lengths: set[int], eval_batches: int = 0) -> None:
         """Compiles the state init, the scan for each of ``chunk_lengths`` (the ``K`` :meth:`run` will be called
@@ -192,11 +197,11 @@ class InnerLoop:
         in a multi-island run, the others."""
         state = self.abstract_state()
         self._init.lower(state.params).compile()
-        B, L1 = self.cfg.train.base_batch, self.cfg.model.seq_len + 1
+        B = self.cfg.train.base_batch
         for k in sorted(chunk_lengths):
             self.compile_scan(k)
         if eval_batches:
-            self._eval.lower(state.params, jax.ShapeDtypeStruct((eval_batches, B, L1), jnp.int32,
+            self._eval.lower(state.params, jax.ShapeDtypeStruct((eval_batches, B, *self.row_shape), jnp.int32,
                                                                 sharding=self.eval_sharding)).compile()
 
     def evaluate(self, params: Params, batches_NxBxL1: np.ndarray) -> float:

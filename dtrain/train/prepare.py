@@ -15,7 +15,7 @@ import numpy as np
 
 from dtrain.config.load import data_cache
 from dtrain.config.sections import Config
-from dtrain.data.corpus import Corpus, IslandShard, eval_batches, island_shards, open_corpus, split
+from dtrain.data.corpus import Corpus, IslandShard, Split, eval_batches, island_shards, open_corpus, split
 from dtrain.data.mixture import Mixture, mixture_eval_batches, mixture_shards, open_mixture
 from dtrain.health.faults import DeviceFault
 from dtrain.models import model
@@ -34,6 +34,13 @@ class Setup:
     n_params: int
 
 
+def held_out(corpus: Corpus, cfg: Config) -> tuple[Split, np.ndarray]:
+    """The corpus's split and the run's fixed eval batches: every island's, and ``dtrain eval``'s."""
+    parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+    return parts, eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
+                               cfg.data.eval_batches)  # the run's batch: every island evaluates the same
+
+
 def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: DeviceFault | None = None) -> Setup:
     """Model, mesh, inner loop, corpus (opened as a token store; made under ``data.cache`` on first use), per-island
     shards and fixed eval batches. ``per_device``: the inner loop
@@ -46,10 +53,8 @@ def prepare(cfg: Config, islands: int, *, per_device: bool = False, fault: Devic
                                      cfg.data.eval_fraction)
     else:
         corpus = open_corpus(cfg.data, cfg.model.vocab_size, data_cache(cfg))
-        parts = split(corpus, cfg.data.eval_fraction, cfg.model.seq_len)
+        parts, evals = held_out(corpus, cfg)
         shards = island_shards(corpus, parts.train, islands, cfg.model.seq_len, cfg.run.seed)
-        evals = eval_batches(corpus, parts.eval, cfg.model.seq_len, cfg.train.base_batch,
-                             cfg.data.eval_batches)  # the run's batch: every island evaluates the same
     built = model.build(cfg.model)
     loop = InnerLoop(cfg, built, make_mesh(cfg), per_device=per_device, fault=fault)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(built.abstract_params))

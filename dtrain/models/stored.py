@@ -1,4 +1,5 @@
-"""What a coordinator leaves in its run folder for tools to read without it running (``dtrain export``).
+"""What a coordinator leaves in its run folder for tools to read without it running (``dtrain export``,
+``dtrain.load``, ``dtrain generate`` and ``dtrain eval``); the coordinator writes it (:func:`write_layout`).
 
 - ``RUN_DIR/model.json``: the run's ``[model]`` and ``[data]`` sections and the spec of θ's flat vector
   (``dtrain.codec.spec``), written by every coordinator start (:func:`write_layout`), before anything is served.
