@@ -21,7 +21,8 @@ Guards against a poisoned delta:
   closes (``coordinator.admission.screen_round``): :meth:`Merger.direction_cosines` gives
   each pending push's cosine with the coordinate median of the pending pushes (with fewer
   than 3, the outer momentum), estimated on a random sample of about 2^20 values per push
-  (``SCREEN_VALUES``; all in a smaller fragment), in one streaming pass over the spools
+  (``SCREEN_VALUES``; with more than 4 pushes, a share of 4 × that: :func:`screen_budget`; all in a smaller
+  fragment), in one streaming pass over the spools
   before the step (memory pushes × slab / 8), and a push below ``coordinator.min_cosine``
   is rejected and dropped (:meth:`Merger.drop_pending`).
 - Before it commits, the step checks every slab of the update, the momentum, the
@@ -52,6 +53,11 @@ SLAB_TARGET = 1 << 18  # values per slab (1 MiB of float32: under the coordinato
 
 
 SCREEN_VALUES = 1 << 20  # values per push the direction screen samples (Merger.direction_cosines): ~1e-3 on a cosine
+# With more than SCREEN_SHARE_PUSHES pushes the round's sample is shared: each push gets screen_values x
+# SCREEN_SHARE_PUSHES / pushes values, at least SCREEN_MIN_VALUES (~3e-3 on a cosine): the median's cost stays
+# that of 4 pushes' however many islands push, and min_cosine's margin (0 against a reversed push's -1) is kept.
+SCREEN_SHARE_PUSHES = 4
+SCREEN_MIN_VALUES = 1 << 17
 
 
 MEAN_RULES = ("mean", "clipped_mean", "screened_mean")  # the merge rules that take the weighted mean of the pushes
@@ -83,6 +89,7 @@ class MergeOptions:
     max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
     ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
     screen_values: int = SCREEN_VALUES  # the direction screen samples about this many values per push (all if fewer)
+    screen_min_values: int = SCREEN_MIN_VALUES  # ... and, with more than SCREEN_SHARE_PUSHES pushes, at least these
 
     @property
     def slab(self) -> int:
@@ -170,6 +177,15 @@ class Prepared:
     digest: str
     theta_norm: float
     update: Update
+
+
+def screen_budget(opts: MergeOptions, pushes: int) -> int:
+    """Values per push the direction screen samples in a round of ``pushes``: ``opts.screen_values``, or with more
+    than SCREEN_SHARE_PUSHES pushes their share of SCREEN_SHARE_PUSHES x that, at least ``opts.screen_min_values``
+    (never more than ``opts.screen_values``)."""
+    if pushes <= SCREEN_SHARE_PUSHES:
+        return opts.screen_values
+    return max(min(opts.screen_values, opts.screen_min_values), opts.screen_values * SCREEN_SHARE_PUSHES // pushes)
 
 
 def round_clip_factors(norms: list[float], scales: list[float], ratio: float) -> list[float]:

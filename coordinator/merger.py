@@ -70,6 +70,7 @@ from coordinator.merge_types import (
     SpooledPush,
     Update,
     round_clip_factors,
+    screen_budget,
 )
 from coordinator.spool import Spool, write_from
 from dtrain import codec
@@ -269,8 +270,9 @@ class Merger:
         the dot products, the pushes' and the reference's sums of squares, summed over the pieces. A push or a
         reference of norm 0 gets 1 (no direction to disagree with).
 
-        The pieces read are a sample: when the fragment holds more than ``opts.screen_values`` values, about that
-        many of them, in pieces drawn uniformly without replacement, afresh each call from a seed of
+        The pieces read are a sample: when the fragment holds more than :func:`screen_budget` values (about
+        ``opts.screen_values``; with more than 4 pushes a share of 4 × that, at least ``opts.screen_min_values``),
+        about that many of them, in pieces drawn uniformly without replacement, afresh each call from a seed of
         ``secrets`` (a pusher cannot know which coordinates are checked, so it cannot be honest on exactly
         those); otherwise every piece. The cosine of a uniform sample of ~1M coordinates estimates the whole
         vectors' to about 1e-3 (a reversed push's stays near −1), and the screen's cost stops growing with the
@@ -286,7 +288,7 @@ class Merger:
         slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
         part = self.next_fragment()  # the pushes hold its values (the whole θ without fragments)
         starts = np.arange(0, part.size, slab)
-        want = max(1, -(-self.opts.screen_values // slab))  # pieces in the budget
+        want = max(1, -(-screen_budget(self.opts, k) // slab))  # pieces in the budget
         if want < starts.size:
             rng = np.random.default_rng(secrets.randbits(128))  # unpredictable: fresh per round, not from θ
             starts = np.sort(rng.choice(starts, want, replace=False))  # in file order: forward reads

@@ -555,6 +555,35 @@ def test_over_its_budget_the_direction_screen_samples_random_pieces_and_still_ca
     assert len(set(samples)) > 1  # a fresh random choice each round
 
 
+def test_with_many_pushes_the_screen_shares_its_budget_and_still_catches_a_reversed_push(monkeypatch):
+    """More than 4 pushes: each gets its share of 4 x ``screen_values`` (at least ``screen_min_values``), so the
+    screen's cost stays that of 4 pushes; the sampled cosines stay within 0.03 of the exact ones and the reversed
+    push is still far below the honest ones."""
+    from coordinator.merge_types import screen_budget
+
+    n, budget, k = 200_000, 1 << 16, 16
+    rng = np.random.default_rng(18)
+    o = dataclasses.replace(opts(up="int8"), rule="screened_mean", screen_values=budget, screen_min_values=1 << 13)
+    assert screen_budget(o, 4) == budget and screen_budget(o, k) == budget * 4 // k
+    assert screen_budget(dataclasses.replace(o, screen_min_values=1 << 15), 64) == 1 << 15  # the floor
+    m = Merger(np.zeros(n, np.float32), o)
+    honest = rng.normal(size=n).astype(np.float32)
+    vecs = [honest + rng.normal(size=n).astype(np.float32) for _ in range(k - 1)] + [-1.0 * honest]
+    for i, v in enumerate(vecs):
+        _push_keyed(m, v, 1.0, f"p{i}")
+    rows = np.stack([codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]).astype(np.float64)
+    med = np.median(rows, axis=0)
+    exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
+    read: list[tuple[int, int]] = []
+    stack = Merger._stack_pending
+    monkeypatch.setattr(Merger, "_stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    got, _ = m.direction_cosines()
+    np.testing.assert_allclose(got, exact, atol=0.03)
+    assert min(got[:-1]) > 0.3 and got[-1] < -0.5
+    piece = max(c for _, c in read)
+    assert sum(c for _, c in read) <= budget * 4 // k + piece - 1  # a quarter of one push's full budget
+
+
 def test_over_its_budget_the_momentum_reference_is_sampled_at_the_same_coordinates():
     """Fewer than 3 pushes over the budget: the momentum is read at the sampled pieces' offsets, so the sampled
     cosines stay within 0.02 of the exact ones on the whole vectors, and the reversed push is caught."""
