@@ -157,7 +157,14 @@ def test_cudnn_attention_calls_the_fused_kernel(monkeypatch: pytest.MonkeyPatch)
 
 def test_the_knobs_are_validated_defaulted_and_kept_out_of_the_fingerprint() -> None:
     base = load_config(TINY)
-    assert (base.model.attention, base.model.remat) == ("xla", False)
+    assert (base.model.attention, base.model.remat, base.model.loss_chunk) == ("auto", "none", 0)
+    # model.remat as the bool it was: true is the full policy, false none
+    assert [load_config(TINY, [f"model.remat={v}"]).model.remat for v in ("true", "false", "dots")] == \
+        ["full", "none", "dots"]
+    with pytest.raises(ConfigError, match=r"\[model\] remat: must be one of"):
+        load_config(TINY, ["model.remat=some"])
+    with pytest.raises(ConfigError, match=r"\[model\] loss_chunk: must be >= 0"):
+        load_config(TINY, ["model.loss_chunk=-1"])
     with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn .* needs model.dtype"):
         load_config(TINY, ["model.attention=cudnn"])
     with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn needs a head size .* multiple of 8, got 12"):
@@ -167,4 +174,5 @@ def test_the_knobs_are_validated_defaulted_and_kept_out_of_the_fingerprint() -> 
     other = load_config(TINY, ["model.dtype=bfloat16", "model.attention=cudnn", "model.remat=true"])
     bf16 = load_config(TINY, ["model.dtype=bfloat16"])
     assert other.fingerprint() == bf16.fingerprint() != base.fingerprint()  # dtype counts; the knobs do not
-    assert not any(k in base.fingerprint_fields() for k in ("model.attention", "model.remat"))
+    assert not any(k in base.fingerprint_fields() for k in ("model.attention", "model.remat", "model.loss_chunk"))
+    assert load_config(TINY, ["model.loss_chunk=8", "model.remat=names"]).fingerprint() == base.fingerprint()
