@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config.load import load_config
+from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.models import model
 from dtrain.steps.inner import loss_fn
@@ -91,9 +91,35 @@ def test_the_knob_flags_become_config_overrides_after_set() -> None:
     args = bench.parse_args(["--set", "train.batch_size=4", "--batch-size", "16", "--seq-len", "64",
                              "--steps-per-call", "5", "--remat", "--attention", "einsum"])
     assert bench.knob_overrides(args) == ["train.batch_size=4", "train.batch_size=16", "model.seq_len=64",
-                                          "train.steps_per_call=5", "model.remat=true", "model.attention=einsum"]
+                                          "train.steps_per_call=5", "model.remat=full", "model.attention=einsum"]
+    assert bench.knob_overrides(bench.parse_args(["--remat", "dots", "--loss-chunk", "8"])) == \
+        ["model.remat=dots", "model.loss_chunk=8"]
+    assert bench.knob_overrides(bench.parse_args(["--no-remat"])) == ["model.remat=none"]
     assert bench.knob_overrides(bench.parse_args([])) == []  # no flag: the config as it is
     assert bench.parse_args([]).donate and not bench.parse_args(["--no-donate"]).donate
+
+
+COMPILE_LINE = re.compile(r"mfu-compile: config=(\S+) batch=(\d+) argument-gib=(\d+\.\d\d) "
+                          r"output-gib=(\d+\.\d\d) temp-gib=(\d+\.\d\d)")
+
+
+def test_compile_only_prints_the_memory_estimate_without_running_a_step() -> None:
+    bench = _bench()
+    cfg = load_config(TINY, ["train.batch_size=8", "model.seq_len=32"])
+    plain = bench.compile_only("tiny", cfg)
+    m = COMPILE_LINE.fullmatch(bench.compile_report(plain)[-1])
+    assert m is not None and m.group(1, 2) == ("tiny", "8")
+    assert plain.memory["argument"] > 4 * plain.n_params  # the state: float32 params and AdamW's moments
+    assert plain.memory["temp"] > 0
+    # a config that could not run on a CPU compiles from abstract shapes: nothing allocated, nothing run
+    big = load_config(TINY, ["model.vocab_size=65536", "train.batch_size=8", "model.seq_len=128"])
+    whole, chunked = (bench.compile_only("tiny", replace(big, model={"loss_chunk": c})) for c in (0, 16))
+    # the [B, L, V] float32 logits (32 MiB) are not held whole with chunks of 16 positions
+    assert chunked.memory["temp"] < whole.memory["temp"] - 16 * 2**20
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mfu.py"), "--compile-only", "--config",
+                           "tiny", "--remat", "names"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert COMPILE_LINE.fullmatch(proc.stdout.strip().splitlines()[-1]) and "remat names" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
