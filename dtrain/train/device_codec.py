@@ -26,6 +26,7 @@ import numpy as np
 
 from dtrain.codec import CodecError, QuantizedVec, canonical_bits, check_block, n_scales, payload_len
 
+DEVICE_BITS = (8, 4)  # the schemes quantized here: int8, int4
 PIECE = 1 << 22  # values quantized a program call: 4 Mi (16 MiB of float32 Δ), whole blocks of every block size
 _QMAX = {8: 127, 4: 7}
 _F32_MAX = float(np.finfo(np.float32).max)
