@@ -32,6 +32,11 @@ bf16), ``--no-donate``, and any ``--set SECTION.FIELD=VALUE``. Target: MFU >= 45
 
 Per config, a few lines, then ``mfu: config=NAME device=KIND tokens/s=T mfu=M`` (M a percentage or ``n/a``);
 the last line is the last config's. A bad flag or config is one line on stderr and a non-zero exit.
+
+``--compile-only``: no step runs and no parameter is allocated; the scan is lowered from abstract shapes and
+compiled, and XLA's memory estimate of one device's program is printed, the last line
+``mfu-compile: config=NAME batch=B argument-gib=A output-gib=O temp-gib=T`` (per device; on a CPU, the estimate
+of the CPU program, which any config may be compiled for: no --allow-cpu needed).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.config.load import load_config
-from dtrain.config.sections import Config, ConfigError
+from dtrain.config.sections import ATTENTION_KINDS, REMAT_POLICIES, Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.runlog import fmt_bytes
 from dtrain_cli.entry import Parser, run_main
@@ -105,10 +110,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="train.batch_size: rows a step, the island's")
     p.add_argument("--seq-len", type=int, default=None, help="model.seq_len: tokens a row")
     p.add_argument("--steps-per-call", type=int, default=None, help="train.steps_per_call: steps fused in one scan")
-    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
-                   help="model.remat: recompute each block's activations in the backward pass")
-    p.add_argument("--attention", choices=("xla", "cudnn", "einsum"), default=None,
-                   help="model.attention: the attention kernel (cudnn: fused flash attention, NVIDIA GPUs, bf16)")
+    p.add_argument("--remat", nargs="?", const="full", default=None, choices=REMAT_POLICIES,
+                   help="model.remat: what each block keeps for the backward pass (alone: full)")
+    p.add_argument("--no-remat", dest="remat", action="store_const", const="none", help="model.remat=none")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default=None,
+                   help="model.attention: the attention kernel (cudnn: fused flash attention, NVIDIA GPUs, bf16; "
+                        "auto: cudnn where it applies)")
+    p.add_argument("--loss-chunk", type=int, default=None, metavar="C",
+                   help="model.loss_chunk: the loss over chunks of C positions (0: the whole logits)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile only, from abstract shapes, and print XLA's memory estimate (no step runs)")
     p.add_argument("--no-donate", dest="donate", action="store_false",
                    help="do not donate the state's buffers from call to call (an island always does)")
     p.add_argument("--steps", type=int, default=20, help="inner steps a timed repeat, rounded up to whole calls "
@@ -124,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"seq_len / {DOCS_PER_ROW}), side by side: tokens/s with and without, and their ratio")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
+    if args.loss_chunk is not None and args.loss_chunk < 0:
+        p.error(f"--loss-chunk must be >= 0, got {args.loss_chunk}")
     for name in ("batch_size", "seq_len", "steps_per_call", "steps", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -141,7 +154,9 @@ def knob_overrides(args: argparse.Namespace) -> list[str]:
         if getattr(args, flag) is not None:
             out.append(f"{key}={getattr(args, flag)}")
     if args.remat is not None:
-        out.append(f"model.remat={str(args.remat).lower()}")
+        out.append(f"model.remat={args.remat}")
+    if args.loss_chunk is not None:
+        out.append(f"model.loss_chunk={args.loss_chunk}")
     if args.attention is not None:
         out.append(f"model.attention={args.attention}")
     return out
@@ -158,7 +173,8 @@ class Result:
     steps_per_call: int
     dtype: str
     attention: str
-    remat: bool
+    remat: str
+    loss_chunk: int
     donate: bool
     n_params: int
     model_flops_per_token: float
@@ -246,6 +262,7 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> Result:
     return Result(
         config=name, device_kind=kind, devices=n_devices, platform=platform, batch_size=B, seq_len=L,
         steps_per_call=K, dtype=cfg.model.dtype, attention=cfg.model.attention, remat=cfg.model.remat,
+        loss_chunk=cfg.model.loss_chunk,
         donate=args.donate, n_params=model.param_count(built.abstract_params), model_flops_per_token=flops_per_token,
         model_flops_per_step=step_flops, xla_flops_per_step=None if xla_step is None else xla_step * n_devices,
         compile_s=compile_s, timed_steps=calls * K, repeat_s=times, tokens_per_s=tokens_per_s, peak_tflops=peak,
@@ -292,13 +309,13 @@ def report(r: Result) -> list[str]:
     xla = ("XLA FLOPs a step: n/a (the backend gives no cost analysis)" if r.xla_flops_per_step is None else
            f"XLA FLOPs a step {r.xla_flops_per_step:.4g} (x{r.xla_flops_per_step / r.model_flops_per_step:.3f} "
            f"the model FLOPs: XLA also counts elementwise work, the optimizer update on every device"
-           f"{' and the remat recomputation' if r.remat else ''})")
+           f"{' and the remat recomputation' if r.remat != 'none' else ''})")
     mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.memory.items()) or "n/a"
     peak = "n/a" if r.peak_tflops is None else f"{r.peak_tflops:g} TFLOP/s"
     achieved = r.tokens_per_s * r.model_flops_per_token / r.devices / 1e12
     return [
         f"{r.config}: {r.n_params:,} params, {r.dtype}, batch {r.batch_size} x seq {r.seq_len}, {r.steps_per_call} "
-        f"steps a call, attention {r.attention}, remat {'on' if r.remat else 'off'}, donation "
+        f"steps a call, attention {r.attention}, remat {r.remat}, loss chunk {r.loss_chunk or 'off'}, donation "
         f"{'on' if r.donate else 'off'}; {r.devices} x {r.device_kind} ({r.platform}); compile {r.compile_s:.1f}s",
         f"  model FLOPs a token {r.model_flops_per_token:.4g} (6N + 12 L d seq), a step {r.model_flops_per_step:.4g}; "
         + xla,
@@ -312,6 +329,61 @@ def report(r: Result) -> list[str]:
     ]
 
 
+@dataclass
+class CompileResult:
+    config: str
+    device_kind: str
+    platform: str
+    devices: int
+    batch_size: int
+    seq_len: int
+    dtype: str
+    attention: str
+    remat: str
+    loss_chunk: int
+    n_params: int
+    compile_s: float
+    memory: dict[str, int]  # one device's program, bytes
+
+
+def compile_only(name: str, cfg: Config) -> CompileResult:
+    """Lowers the island's scan for ``cfg`` from abstract shapes (no parameter allocated, no step run), compiles
+    it, and returns XLA's memory estimate of one device's program."""
+    import jax
+
+    from dtrain.models import model
+    from dtrain.steps.inner import make_mesh
+    from dtrain.train.loop import InnerLoop
+
+    device = jax.devices()[0]
+    built = model.build(cfg.model)
+    loop = InnerLoop(cfg, built, make_mesh(cfg))
+    t0 = time.perf_counter()
+    compiled = loop.compile_scan(cfg.train.steps_per_call)
+    return CompileResult(config=name, device_kind=device.device_kind, platform=device.platform,
+                         devices=loop.mesh.devices.size, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
+                         dtype=cfg.model.dtype, attention=cfg.model.attention, remat=cfg.model.remat,
+                         loss_chunk=cfg.model.loss_chunk, n_params=model.param_count(built.abstract_params),
+                         compile_s=time.perf_counter() - t0, memory=_memory(compiled))
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def compile_report(r: CompileResult) -> list[str]:
+    """The lines printed for one config compiled only; the last is the ``mfu-compile:`` line."""
+    m = r.memory
+    return [
+        f"{r.config}: {r.n_params:,} params, {r.dtype}, batch {r.batch_size} x seq {r.seq_len}, attention "
+        f"{r.attention}, remat {r.remat}, loss chunk {r.loss_chunk or 'off'}; {r.devices} x {r.device_kind} "
+        f"({r.platform}); compile {r.compile_s:.1f}s; XLA memory estimate a device (the {r.platform} program's): "
+        + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.items()) or "n/a"),
+        f"mfu-compile: config={r.config} batch={r.batch_size} argument-gib={_gib(m.get('argument'))} "
+        f"output-gib={_gib(m.get('output'))} temp-gib={_gib(m.get('temp'))}",
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import jax
@@ -320,8 +392,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = args.configs or list(CPU_CONFIGS if on_cpu else ACCELERATOR_CONFIGS)
     overrides = knob_overrides(args)
     configs = [(name, load_config(name, overrides)) for name in names]  # every config checked before any runs
-    results = []
+    results: list[Any] = []
     for name, cfg in configs:
+        if args.compile_only:
+            c = compile_only(name, cfg)
+            results.append(c)
+            print("\n".join(compile_report(c)), flush=True)
+            continue
         r = measure(name, cfg, args)
         results.append(r)
         print("\n".join(report(r)), flush=True)

@@ -21,6 +21,7 @@ from dtrain.data.corpus import names_store, open_corpus, store_location
 from dtrain.data.mixture import open_mixture
 from dtrain.net.identity import hash_line, issue_token
 from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, FaultSpec, check_devices, host_device_count
+from dtrain_cli.gpu_share import memory_share_env, workers_platform
 from dtrain_cli.island_spec import IslandSpec, run_config
 from dtrain_cli.simulate_processes import Simulation, SimulationError, free_port
 from dtrain_cli.simulate_report import StatusLine, summarize
@@ -152,6 +153,8 @@ def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: 
         raise ConfigError(f"security.identity = token: dtrain simulate cannot give its islands the tokens of "
                           f"{sec.island_tokens}; pass --island-tokens (it issues one per island)")
     worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # several islands on one GPU: each worker process's share of its memory (none set by the user: an equal one)
+    worker_env = memory_share_env(worker_env, islands * island_processes, workers_platform(worker_env))
     check_devices(faults, host_device_count(worker_env))  # the workers' fake CPU devices, where the env says
     return cfg, worker_env
 

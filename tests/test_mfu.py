@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import load_benchmark
-from dtrain.config.load import load_config
+from dtrain.config.load import load_config, replace
 from dtrain.config.sections import ConfigError
 from dtrain.models import model
 from dtrain.steps.inner import loss_fn
@@ -109,9 +109,35 @@ def test_the_knob_flags_become_config_overrides_after_set() -> None:
     args = bench.parse_args(["--set", "train.batch_size=4", "--batch-size", "16", "--seq-len", "64",
                              "--steps-per-call", "5", "--remat", "--attention", "einsum"])
     assert bench.knob_overrides(args) == ["train.batch_size=4", "train.batch_size=16", "model.seq_len=64",
-                                          "train.steps_per_call=5", "model.remat=true", "model.attention=einsum"]
+                                          "train.steps_per_call=5", "model.remat=full", "model.attention=einsum"]
+    assert bench.knob_overrides(bench.parse_args(["--remat", "dots", "--loss-chunk", "8"])) == \
+        ["model.remat=dots", "model.loss_chunk=8"]
+    assert bench.knob_overrides(bench.parse_args(["--no-remat"])) == ["model.remat=none"]
     assert bench.knob_overrides(bench.parse_args([])) == []  # no flag: the config as it is
     assert bench.parse_args([]).donate and not bench.parse_args(["--no-donate"]).donate
+
+
+COMPILE_LINE = re.compile(r"mfu-compile: config=(\S+) batch=(\d+) argument-gib=(\d+\.\d\d) "
+                          r"output-gib=(\d+\.\d\d) temp-gib=(\d+\.\d\d)")
+
+
+def test_compile_only_prints_the_memory_estimate_without_running_a_step() -> None:
+    bench = _bench()
+    cfg = load_config(TINY, ["train.batch_size=8", "model.seq_len=32"])
+    plain = bench.compile_only("tiny", cfg)
+    m = COMPILE_LINE.fullmatch(bench.compile_report(plain)[-1])
+    assert m is not None and m.group(1, 2) == ("tiny", "8")
+    assert plain.memory["argument"] > 4 * plain.n_params  # the state: float32 params and AdamW's moments
+    assert plain.memory["temp"] > 0
+    # a config that could not run on a CPU compiles from abstract shapes: nothing allocated, nothing run
+    big = load_config(TINY, ["model.vocab_size=65536", "train.batch_size=8", "model.seq_len=128"])
+    whole, chunked = (bench.compile_only("tiny", replace(big, model={"loss_chunk": c})) for c in (0, 16))
+    # the [B, L, V] float32 logits (32 MiB) are not held whole with chunks of 16 positions
+    assert chunked.memory["temp"] < whole.memory["temp"] - 16 * 2**20
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mfu.py"), "--compile-only", "--config",
+                           "tiny", "--remat", "names"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert COMPILE_LINE.fullmatch(proc.stdout.strip().splitlines()[-1]) and "remat names" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -175,7 +201,14 @@ def test_cudnn_attention_calls_the_fused_kernel(monkeypatch: pytest.MonkeyPatch)
 
 def test_the_knobs_are_validated_defaulted_and_kept_out_of_the_fingerprint() -> None:
     base = load_config(TINY)
-    assert (base.model.attention, base.model.remat) == ("xla", False)
+    assert (base.model.attention, base.model.remat, base.model.loss_chunk) == ("auto", "none", 0)
+    # model.remat as the bool it was: true is the full policy, false none
+    assert [load_config(TINY, [f"model.remat={v}"]).model.remat for v in ("true", "false", "dots")] == \
+        ["full", "none", "dots"]
+    with pytest.raises(ConfigError, match=r"\[model\] remat: must be one of"):
+        load_config(TINY, ["model.remat=some"])
+    with pytest.raises(ConfigError, match=r"\[model\] loss_chunk: must be >= 0"):
+        load_config(TINY, ["model.loss_chunk=-1"])
     with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn .* needs model.dtype"):
         load_config(TINY, ["model.attention=cudnn"])
     with pytest.raises(ConfigError, match=r"\[model\] attention: cudnn needs a head size .* multiple of 8, got 12"):
@@ -185,4 +218,5 @@ def test_the_knobs_are_validated_defaulted_and_kept_out_of_the_fingerprint() -> 
     other = load_config(TINY, ["model.dtype=bfloat16", "model.attention=cudnn", "model.remat=true"])
     bf16 = load_config(TINY, ["model.dtype=bfloat16"])
     assert other.fingerprint() == bf16.fingerprint() != base.fingerprint()  # dtype counts; the knobs do not
-    assert not any(k in base.fingerprint_fields() for k in ("model.attention", "model.remat"))
+    assert not any(k in base.fingerprint_fields() for k in ("model.attention", "model.remat", "model.loss_chunk"))
+    assert load_config(TINY, ["model.loss_chunk=8", "model.remat=names"]).fingerprint() == base.fingerprint()

@@ -31,6 +31,7 @@ from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import MAX_ROUND_S
 from dtrain.telemetry import Telemetry
 from dtrain.train import fragments
+from dtrain.train.device_codec import DEVICE_BITS, DeviceErrorFeedback
 from dtrain.train.diloco import Island
 from workers.client import CoordinatorClient, CoordinatorError, PulledFrame
 from workers.hosts import HostGroup
@@ -375,8 +376,12 @@ class Uplink:
         self.bits, self.block = cfg.scheme(cfg.up)
         self.ranges = tuple(ranges) or fragments.whole(n)
         on = cfg.error_feedback and self.bits != 32
-        self.feedbacks = [codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
-                          for r in self.ranges] if on else []
+        # int8 and int4: quantized in jitted code on the island's device (dtrain.train.device_codec: the same frames
+        # as the host codec's, byte for byte); the other schemes by the host codec
+        self.feedbacks: list[codec.ErrorFeedback | DeviceErrorFeedback] = [
+            DeviceErrorFeedback(r.size, self.bits, self.block, feedback_decay) if self.bits in DEVICE_BITS else
+            codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
+            for r in self.ranges] if on else []
         self._fragment = 0  # the fragment of the frame being built (frame's header)
         self.frames_sent = 0
         self.frame_bytes = 0

@@ -35,7 +35,7 @@ _AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "v
                  ("outer", "islands"), ("outer", "inner_steps"), ("coordinator", "merge_threads")]
 _AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
                   ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
-                  ("outer", "staleness_alpha")]
+                  ("outer", "staleness_alpha"), ("model", "loss_chunk")]
 
 
 def _check_choices(cfg: Config, fail: _Fail) -> None:

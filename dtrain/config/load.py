@@ -12,7 +12,7 @@ from typing import Any
 
 from dtrain import schema
 from dtrain.config.checks import check
-from dtrain.config.sections import REPO_CONFIG_DIR, ROUND_AUTO, SECTIONS, Config, ConfigError
+from dtrain.config.sections import REMAT_LEGACY, REPO_CONFIG_DIR, ROUND_AUTO, SECTIONS, Config, ConfigError
 
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
@@ -76,6 +76,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             value = text.split("=", 1)[1].strip()  # a string field takes the text as typed: --set run.name=2024
         merged[section][name] = value
     where = origin + (" + --set" if overrides else "")
+    remat = merged["model"].get("remat")
+    if isinstance(remat, (bool, str)) and remat in REMAT_LEGACY:  # a bool, as model.remat was: true is full
+        merged["model"]["remat"] = REMAT_LEGACY[remat]
     if merged["worker"].get("round_seconds") == "auto":
         merged["worker"]["round_seconds"] = ROUND_AUTO
     sections = {s: _build_section(cls, merged[s], where, s) for s, cls in SECTIONS.items()}

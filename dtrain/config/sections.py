@@ -34,6 +34,9 @@ def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
 
 
 CODEC_NAMES = (*CODEC_BITS, "sparse")  # codec.up / codec.down: the dense codecs by their bits, and sparse
+ATTENTION_KINDS = ("auto", "xla", "cudnn", "einsum")  # model.attention
+REMAT_POLICIES = ("none", "full", "dots", "names")  # model.remat
+REMAT_LEGACY = {True: "full", False: "none", "true": "full", "false": "none"}  # model.remat as a bool, as it was
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -61,12 +64,20 @@ class ModelConfig:
     mlp_ratio: int = _f(4, "gpt: MLP hidden width as a multiple of d_model (the llama ignores it: model.mlp_hidden)")
     dtype: str = _f("float32", "compute dtype; parameters are always kept in float32",
                     choices=("float32", "bfloat16"))
-    attention: str = _f("xla", "gpt, llama: the attention kernel: jax.nn.dot_product_attention's xla or cudnn (fused "
-                        "flash attention: NVIDIA GPUs, bfloat16, head size a multiple of 8) implementation, or einsum "
-                        "(written out, a reference); how the model computes, not what: not in the fingerprint",
-                        choices=("xla", "cudnn", "einsum"))
-    remat: bool = _f(False, "gpt, llama: recompute each block's activations in the backward pass instead of keeping "
-                     "them (less memory, about a third more FLOPs); not in the fingerprint")
+    attention: str = _f("auto", "gpt, llama: the attention kernel: auto (cudnn on an NVIDIA GPU where it applies: "
+                        "bfloat16, head size a multiple of 8; else xla), jax.nn.dot_product_attention's xla or cudnn "
+                        "(fused flash attention: NVIDIA GPUs, bfloat16, head size a multiple of 8) implementation, or "
+                        "einsum (written out, a reference); how the model computes, not what: not in the fingerprint",
+                        choices=ATTENTION_KINDS)
+    remat: str = _f("none", "gpt, llama: what each block keeps for the backward pass: none (everything, no "
+                    "recomputation), full (only its input: the rest recomputed, about a third more FLOPs), dots "
+                    "(the matmul outputs without batch dimensions; the rest recomputed) or names (the attention's "
+                    "q, k, v and output; the rest recomputed); true and false mean full and none; not in the "
+                    "fingerprint", choices=REMAT_POLICIES)
+    loss_chunk: int = _f(0, "gpt, llama, mlp: compute the loss over chunks of this many positions, so the "
+                         "[batch, seq, vocab] float32 logits are never held whole (each chunk's logits are "
+                         "recomputed in the backward pass); 0: off, the whole logits at once; the large-vocabulary "
+                         "configs set it; not in the fingerprint")
     n_kv_heads: int = _f(0, "llama: key/value heads of grouped-query attention, dividing n_heads (0: n_heads, "
                          "multi-head attention); the other kinds reject a value other than the default")
     mlp_hidden: int = _f(0, "llama: SwiGLU hidden width (0: Llama's rule, int(8 * d_model / 3) rounded up to a "
@@ -393,6 +404,7 @@ ROUND_AUTO = -1.0  # worker.round_seconds = "auto", as stored
 # Settings an island may have of its own (`dtrain worker --set`, `dtrain simulate --island NAME:...`): how it
 # computes, not what; never a fingerprint field (Config.fingerprint_fields), which every island must share.
 PER_ISLAND_FIELDS = ("train.batch_size", "train.steps_per_call", "model.attention", "model.remat",
+                     "model.loss_chunk",
                      "worker.round_seconds", "outer.inner_steps", "worker.overlap", "worker.max_overlap_steps",
                      "mesh.data", "mesh.fsdp", "health.enabled")
 
@@ -516,7 +528,8 @@ class Config:
 
 
 MAX_FRAGMENTS = 64  # outer.fragments at most (dtrain.train.fragments: each fragment holds one tensor at least)
-COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
+# [model] fields that change how, not what, the model computes
+COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat", "loss_chunk")
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
 THETA0_ONLY_MODEL_FIELDS = ("init_from",)
 LLAMA_ONLY_MODEL_FIELDS = ("n_kv_heads", "mlp_hidden", "rope_theta", "norm_eps", "tie_embeddings")

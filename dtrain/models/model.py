@@ -2,9 +2,12 @@
 
 All map ``tokens_BxL`` (int32) to ``logits_BxLxV`` (float32). Parameters are
 kept in float32; ``dtype`` sets the compute dtype (bfloat16 on accelerators).
-Two knobs change how the GPT and the Llama compute, not what: ``attention``
-picks the attention kernel (:func:`causal_attention`) and ``remat`` recomputes
-each block's activations in the backward pass instead of keeping them. The
+Three knobs change how the models compute, not what: ``attention`` picks the
+attention kernel (:func:`causal_attention`), ``remat`` what each block keeps
+for the backward pass (:func:`remat_block`: nothing recomputed, everything, or
+all but the matmuls or the attention's named activations), and ``loss_chunk``
+lets the loss take the logits a chunk of positions at a time
+(:class:`Apply`: the model's features and its head apart). The
 Llama (:class:`Llama`) computes what Hugging Face's ``LlamaForCausalLM`` does,
 its parameter tree mapping onto that one's by transposes only.
 
@@ -22,6 +25,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dtrain.config.sections import ModelConfig
 
@@ -52,9 +56,36 @@ def _dense(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs, std: float = _INIT
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
+# What model.remat = "names" keeps: the attention's projected q, k, v and its output (before the o projection)
+REMAT_NAMES = ("attn_qkv", "attn_out")
+
+
+def remat_block(call: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """A block's ``__call__`` under ``model.remat``: ``none`` as it is; ``full``, ``dots`` and ``names`` wrapped in
+    ``nnx.remat`` (``jax.checkpoint``), keeping nothing but the block's input, the matmul outputs without batch
+    dimensions (``dots_with_no_batch_dims_saveable``), or :data:`REMAT_NAMES` (``save_only_these_names``)."""
+    if policy == "none":
+        return call
+    policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                "names": jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES)}
+    if policy not in policies:
+        raise ValueError(f"model.remat: unknown policy {policy!r}")
+    return nnx.remat(call, policy=policies[policy])
+
+
+def attention_kernel(implementation: str, dtype: Any, head_dim: int) -> str:
+    """``model.attention`` resolved: ``auto`` is ``cudnn`` where the fused kernel applies (this process's JAX
+    backend is an NVIDIA GPU, bfloat16, a head size that is a multiple of 8), else ``xla``; the others as they
+    are."""
+    if implementation != "auto":
+        return implementation
+    fused = jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 and head_dim % 8 == 0
+    return "cudnn" if fused else "xla"
+
+
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
                      implementation: str, mask_Bx1xLxT: jax.Array | None = None) -> jax.Array:
-    """Causal softmax attention, by ``model.attention``: ``xla`` and ``cudnn`` are
+    """Causal softmax attention, by ``model.attention`` (``auto``: :func:`attention_kernel`): ``xla`` and ``cudnn`` are
     ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: the fused flash-attention kernel, NVIDIA
     GPUs and bfloat16 only); ``einsum`` is the textbook formulation written out (scores and softmax in float32),
     a reference the others are tested against. Scores are scaled by ``H ** -0.5``.
@@ -65,6 +96,7 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
 
     ``mask_Bx1xLxT`` (:func:`attention_mask`; documents kept apart, or a KV cache's ``T`` slots) replaces the causal
     mask: query ``l`` sees key ``t`` where it is true."""
+    implementation = attention_kernel(implementation, q_BxLxNxH.dtype, q_BxLxNxH.shape[-1])
     if implementation in ("xla", "cudnn"):
         kernel: Literal["xla", "cudnn"] = "cudnn" if implementation == "cudnn" else "xla"
         return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=mask_Bx1xLxT is None,
@@ -122,9 +154,10 @@ class CausalSelfAttention(nnx.Module):
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         B, L, D = x_BxLxD.shape
         qkv_BxLx3xNxH = self.qkv(x_BxLxD).reshape(B, L, 3, self.n_heads, D // self.n_heads)
+        qkv_BxLx3xNxH = checkpoint_name(qkv_BxLx3xNxH, "attn_qkv")
         q, k, v = (qkv_BxLx3xNxH[:, :, i] for i in range(3))
         k, v = _cached(k, v, layer)
-        out_BxLxNxH = causal_attention(q, k, v, self.attention, mask)
+        out_BxLxNxH = checkpoint_name(causal_attention(q, k, v, self.attention, mask), "attn_out")
         return self.proj(out_BxLxNxH.reshape(B, L, D)), (k, v)
 
 
@@ -168,20 +201,30 @@ class GPT(nnx.Module):
         self.head = _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
         self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
-                 ) -> Any:
+    def features(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """The final LayerNorm's output ``[B, L, D]`` (what the head takes), and each layer's keys and values."""
         L = tokens_BxL.shape[1]
         mask, positions_BxL = _positions(tokens_BxL, positions_BxL, cache)
         pos_D = self.pos_embed[...][:L] if positions_BxL is None else self.pos_embed[...][positions_BxL]
         x_BxLxD = self.tok_embed(tokens_BxL) + pos_D.astype(self.dtype)
-        # remat: each block keeps only its input for the backward pass and recomputes the rest (less memory, one
-        # more forward pass of the blocks' FLOPs)
-        run_block = nnx.remat(Block.__call__) if self.remat else Block.__call__
+        # remat: each block keeps only what its policy saves for the backward pass and recomputes the rest (less
+        # memory, up to one more forward pass of the blocks' FLOPs)
+        run_block = remat_block(Block.__call__, self.remat)
         kvs = []
         for i, block in enumerate(self.blocks):
             x_BxLxD, kv = run_block(block, x_BxLxD, mask, _layer(cache, i))
             kvs.append(kv)
-        return _out(self.head(self.ln_f(x_BxLxD)).astype(jnp.float32), cache, kvs, L)
+        return self.ln_f(x_BxLxD), kvs
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """The head: float32 logits ``[B, L, V]`` of :meth:`features`' output (or of a chunk of its positions)."""
+        return self.head(x_BxLxD).astype(jnp.float32)
+
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
+        x_BxLxD, kvs = self.features(tokens_BxL, positions_BxL, cache)
+        return _out(self.logits(x_BxLxD), cache, kvs, tokens_BxL.shape[1])
 
 
 # ------------------------------------------------------------------------------------------------------- Llama
@@ -256,8 +299,10 @@ class LlamaAttention(nnx.Module):
         q_BxLxNxH = apply_rope(self.q(x_BxLxD).reshape(B, L, self.n_heads, self.head_dim), cos_LxH, sin_LxH)
         k_BxLxKxH = apply_rope(self.k(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim), cos_LxH, sin_LxH)
         v_BxLxKxH = self.v(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim)
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = checkpoint_name((q_BxLxNxH, k_BxLxKxH, v_BxLxKxH), "attn_qkv")
         k_BxTxKxH, v_BxTxKxH = _cached(k_BxLxKxH, v_BxLxKxH, layer)
-        out_BxLxNxH = causal_attention(q_BxLxNxH, k_BxTxKxH, v_BxTxKxH, self.attention, mask)
+        out_BxLxNxH = checkpoint_name(causal_attention(q_BxLxNxH, k_BxTxKxH, v_BxTxKxH, self.attention, mask),
+                                      "attn_out")
         return self.o(out_BxLxNxH.reshape(B, L, self.n_heads * self.head_dim)), (k_BxTxKxH, v_BxTxKxH)
 
 
@@ -305,23 +350,32 @@ class Llama(nnx.Module):
         self.head = None if cfg.tie_embeddings else _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
         self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
-                 ) -> Any:
+    def features(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """The final RMSNorm's output ``[B, L, D]`` (what the head takes), and each layer's keys and values."""
         L = tokens_BxL.shape[1]
         mask, positions_BxL = _positions(tokens_BxL, positions_BxL, cache)
         cos_LxH, sin_LxH = rope_cos_sin(L if cache is None else cache.k[0].shape[1], self.head_dim, self.rope_theta)
         if positions_BxL is not None:  # each row's own positions: rows of the tables
             cos_LxH, sin_LxH = cos_LxH[positions_BxL], sin_LxH[positions_BxL]
         x_BxLxD = self.tok_embed(tokens_BxL)
-        run_block = nnx.remat(LlamaBlock.__call__) if self.remat else LlamaBlock.__call__
+        run_block = remat_block(LlamaBlock.__call__, self.remat)
         kvs = []
         for i, block in enumerate(self.blocks):
             x_BxLxD, kv = run_block(block, x_BxLxD, cos_LxH, sin_LxH, mask, _layer(cache, i))
             kvs.append(kv)
-        x_BxLxD = self.norm_f(x_BxLxD)
+        return self.norm_f(x_BxLxD), kvs
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """The head: float32 logits ``[B, L, V]`` of :meth:`features`' output (or of a chunk of its positions)."""
         if self.head is None:  # tied: logits = x @ embedding.T
-            return _out(self.tok_embed.attend(x_BxLxD).astype(jnp.float32), cache, kvs, L)
-        return _out(self.head(x_BxLxD).astype(jnp.float32), cache, kvs, L)
+            return self.tok_embed.attend(x_BxLxD).astype(jnp.float32)
+        return self.head(x_BxLxD).astype(jnp.float32)
+
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
+        x_BxLxD, kvs = self.features(tokens_BxL, positions_BxL, cache)
+        return _out(self.logits(x_BxLxD), cache, kvs, tokens_BxL.shape[1])
 
 
 class ByteMLP(nnx.Module):
@@ -335,12 +389,23 @@ class ByteMLP(nnx.Module):
                                 for _ in range(cfg.n_layers)])
         self.head = _dense(cfg.d_model, cfg.vocab_size, dtype, rngs)
 
-    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
-                 ) -> Any:
-        x = self.embed(tokens_BxL)  # per position: positions, documents and a cache change nothing
+    def features(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """The last hidden layer's output ``[B, L, D]``, what the head takes (per position: positions, documents and
+        a cache change nothing)."""
+        x = self.embed(tokens_BxL)
         for layer in self.hidden:
             x = x + jax.nn.gelu(layer(x))
-        return _out(self.head(x).astype(jnp.float32), cache, [], tokens_BxL.shape[1])
+        return x, []
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """The head: float32 logits of :meth:`features`' output (or of a chunk of its positions)."""
+        return self.head(x_BxLxD).astype(jnp.float32)
+
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None, cache: KVCache | None = None
+                 ) -> Any:
+        x, kvs = self.features(tokens_BxL, positions_BxL, cache)
+        return _out(self.logits(x), cache, kvs, tokens_BxL.shape[1])
 
 
 def _positions(tokens_BxL: jax.Array, positions_BxL: jax.Array | None, cache: KVCache | None
@@ -375,12 +440,27 @@ def _module(cfg: ModelConfig, seed: int) -> nnx.Module:
 
 
 @dataclass(frozen=True)
+class Apply:
+    """``apply(params, tokens[, positions]) -> logits``, and its two halves: ``features(params, tokens[,
+    positions]) -> x_BxLxD`` (all but the head) and ``head(params, x) -> logits`` (of any positions' features: a
+    chunk of them), with the config's ``loss_chunk`` (0: off), by which :func:`dtrain.steps.inner.loss_fn` takes the
+    logits a chunk at a time."""
+
+    features: Callable[..., jax.Array]  # (params, tokens_BxL, positions_BxL=None) -> x_BxLxD
+    head: Callable[[Params, jax.Array], jax.Array]
+    loss_chunk: int = 0
+
+    def __call__(self, params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+        return self.head(params, self.features(params, tokens_BxL, positions_BxL))
+
+
+@dataclass(frozen=True)
 class BuiltModel:
     """A model as pure functions: ``init(seed) -> params``, ``apply(params, tokens) -> logits`` and, for generating
     with a KV cache, ``decode(params, tokens, cache) -> (logits, cache)`` over a :meth:`new_cache`."""
 
     cfg: ModelConfig
-    apply: ApplyFn
+    apply: Apply
     init: Callable[[int], Params]
     abstract_params: Params  # ShapeDtypeStructs, no memory
     decode: Callable[[Params, jax.Array, KVCache], tuple[jax.Array, KVCache]]
@@ -402,18 +482,23 @@ def build(cfg: ModelConfig) -> BuiltModel:
     def init(seed: int) -> Params:
         return nnx.to_pure_dict(nnx.split(_module(cfg, seed))[1])
 
-    def merged(params: Params) -> Any:
+    def module(params: Params) -> Any:
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh container each trace
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 
-    def apply(params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
+    def features(params: Params, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None) -> jax.Array:
         if positions_BxL is None:  # the plain causal path
-            return merged(params)(tokens_BxL)
-        return merged(params)(tokens_BxL, positions_BxL)
+            return module(params).features(tokens_BxL)[0]
+        return module(params).features(tokens_BxL, positions_BxL)[0]
+
+    def head(params: Params, x_BxLxD: jax.Array) -> jax.Array:
+        return module(params).logits(x_BxLxD)
 
     def decode(params: Params, tokens_BxL: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        return merged(params)(tokens_BxL, cache=cache)
+        return module(params)(tokens_BxL, cache=cache)
+
+    apply = Apply(features, head, cfg.loss_chunk)
 
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                    nnx.to_pure_dict(abstract_state))

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtrain.config.sections import Config, ConfigError, TrainConfig
-from dtrain.models.model import ApplyFn, Params
+from dtrain.models.model import Apply, ApplyFn, Params
 
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both axes (FSDP is data parallel too)
 
@@ -86,18 +86,45 @@ def scaled(updates: Params, lr: jax.Array) -> Params:
     return jax.tree.map(lambda u: (u * lr).astype(u.dtype), updates)
 
 
+def token_losses(apply: ApplyFn, params: Params, inputs_BxL: jax.Array, targets_BxL: jax.Array,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Each position's next-token cross-entropy ``[B, L]`` (nats). With a :class:`~dtrain.models.model.Apply` whose
+    ``loss_chunk`` is set, the head runs on ``loss_chunk`` positions at a time in a ``lax.scan``, each chunk
+    under ``jax.checkpoint``: the float32 logits ``[B, L, V]`` are never held whole, forward or backward (each
+    chunk's logits are recomputed for its gradient); the same losses as the whole logits' up to float rounding.
+    ``positions_BxL``: each token's position in its document (documents kept apart), or None."""
+    chunk = apply.loss_chunk if isinstance(apply, Apply) else 0
+    if not chunk:
+        logits_BxLxV = apply(params, inputs_BxL) if positions_BxL is None else apply(params, inputs_BxL, positions_BxL)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    assert isinstance(apply, Apply)
+    x_BxLxD = apply.features(params, inputs_BxL, positions_BxL)
+    B, L, D = x_BxLxD.shape
+    C = min(chunk, L)
+    n = -(-L // C)
+    pad = n * C - L  # a last partial chunk is padded, its padding's losses dropped
+    x_NxBxCxD = jnp.pad(x_BxLxD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, D).transpose(1, 0, 2, 3)
+    t_NxBxC = jnp.pad(targets_BxL, ((0, 0), (0, pad))).reshape(B, n, C).transpose(1, 0, 2)
+
+    @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of keeping them
+    def chunk_losses(params: Params, x_BxCxD: jax.Array, t_BxC: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(apply.head(params, x_BxCxD), t_BxC)
+
+    _, loss_NxBxC = jax.lax.scan(lambda carry, xs: (carry, chunk_losses(params, *xs)), None, (x_NxBxCxD, t_NxBxC))
+    return loss_NxBxC.transpose(1, 0, 2).reshape(B, n * C)[:, :L]
+
+
 def loss_fn(apply: ApplyFn, params: Params, batch_BxL1: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]``; with ``rows``, of the first
-    ``rows`` rows only (the others are padding: a device's share of a batch that does not split evenly). A batch
-    ``[B, 2, L + 1]`` (``data.document_masking``: :func:`dtrain.data.corpus.with_positions`) is the tokens and their
-    positions in their documents: documents are kept apart. Every next token counts, a document's first too."""
+    """Mean next-token cross-entropy (nats) of ``batch[:, :-1] -> batch[:, 1:]`` (:func:`token_losses`); with
+    ``rows``, of the first ``rows`` rows only (the others are padding: a device's share of a batch that does not
+    split evenly). A batch ``[B, 2, L + 1]`` (``data.document_masking``: :func:`dtrain.data.corpus.with_positions`)
+    is the tokens and their positions in their documents: documents are kept apart. Every next token counts, a
+    document's first too."""
     if batch_BxL1.ndim == 3:
-        tokens_BxL1, positions_BxL1 = batch_BxL1[:, 0], batch_BxL1[:, 1]
-        logits_BxLxV = apply(params, tokens_BxL1[:, :-1], positions_BxL1[:, :-1])
+        tokens_BxL1, positions_BxL = batch_BxL1[:, 0], batch_BxL1[:, 1, :-1]
     else:
-        tokens_BxL1 = batch_BxL1
-        logits_BxLxV = apply(params, batch_BxL1[:, :-1])
-    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, tokens_BxL1[:, 1:])
+        tokens_BxL1, positions_BxL = batch_BxL1, None
+    loss_BxL = token_losses(apply, params, tokens_BxL1[:, :-1], tokens_BxL1[:, 1:], positions_BxL)
     if rows is None:
         return loss_BxL.mean()
     real_B = jnp.arange(loss_BxL.shape[0]) < rows
