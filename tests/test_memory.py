@@ -41,6 +41,23 @@ def test_chunked_loss_and_each_remat_policy_give_the_plain_loss_and_gradients_in
         jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7, err_msg=str(knobs)), grads, ref_grads)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_documents_kept_apart_give_the_same_loss_and_gradients_chunked_and_under_remat(kind: str) -> None:
+    """A batch with positions (data.document_masking: two documents a row) through the chunked loss and a remat
+    policy gives the plain masked step's loss and gradients, and differs from the unmasked step's."""
+    base = [f"model.kind={kind}"] + (["model.n_kv_heads=2"] if kind == "llama" else [])
+    tokens_BxL1 = jax.random.randint(jax.random.key(2), (4, 33), 0, 256)
+    positions_BxL1 = jnp.concatenate([jnp.arange(13), jnp.arange(20)])[None].repeat(4, axis=0)
+    batch = jnp.stack([tokens_BxL1, positions_BxL1], axis=1)  # [B, 2, L + 1]
+    ref_loss, ref_grads = _loss_and_grads(base, [], batch)
+    plain_loss, _ = _loss_and_grads(base, [], tokens_BxL1)
+    assert abs(ref_loss - plain_loss) > 1e-4  # the mask and the restarted positions change the loss
+    for knobs in (["model.loss_chunk=5"], ["model.remat=dots", "model.loss_chunk=8"], ["model.remat=names"]):
+        loss, grads = _loss_and_grads(base, knobs, batch)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), knobs
+        jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7, err_msg=str(knobs)), grads, ref_grads)
+
+
 def test_chunked_loss_and_remat_in_bfloat16_stay_close_to_the_plain_ones() -> None:
     base = ["model.kind=llama", "model.dtype=bfloat16"]
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
