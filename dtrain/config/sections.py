@@ -46,6 +46,10 @@ class RunConfig:
     keep_checkpoints: int = _f(2, "how many checkpoints to keep on disk")
 
 
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model.family: the Hugging Face families of the llama
+ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")  # model.rope_scaling: transformers' rope_type
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = _f("gpt", "model family: gpt (a byte GPT: learned positions, LayerNorm, GELU MLP), llama (Hugging "
@@ -71,16 +75,60 @@ class ModelConfig:
                          "multi-head attention); the other kinds reject a value other than the default")
     mlp_hidden: int = _f(0, "llama: SwiGLU hidden width (0: Llama's rule, int(8 * d_model / 3) rounded up to a "
                          "multiple of 256); the other kinds reject a value other than the default")
-    rope_theta: float = _f(10000.0, "llama: rotary position embedding base (Llama 2: 10000, Llama 3: 500000; no "
-                           "rope scaling); the other kinds reject a value other than the default")
+    rope_theta: float = _f(10000.0, "llama: rotary position embedding base (Llama 2: 10000, Llama 3: 500000; "
+                           "model.rope_scaling scales it); the other kinds reject a value other than the default")
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon; the other kinds reject a value other than the default")
     tie_embeddings: bool = _f(False, "llama: the head is the token table (logits = x @ embedding.T, no head "
                               "parameter); the other kinds reject a value other than the default")
+    family: str = _f("llama", "llama: the Hugging Face family the model is (one implementation, a few switches): "
+                     "llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q, k, v biases), qwen3 (Qwen3ForCausalLM: "
+                     "q and k RMSNorm), mistral (MistralForCausalLM: model.sliding_window)",
+                     choices=FAMILIES)
+    head_dim: int = _f(0, "llama: attention head size (0: d_model / n_heads; Qwen 3 0.6B: 128 with d_model 1024 "
+                       "and 16 heads)")
+    attention_bias: bool = _f(False, "llama, qwen3: biases on the q, k, v and o projections (Hugging Face's "
+                              "attention_bias; qwen2 always has q, k, v biases and no o bias, mistral none)")
+    mlp_bias: bool = _f(False, "llama (family llama): biases on the SwiGLU's gate, up and down projections")
+    sliding_window: int = _f(0, "llama (family mistral): each position attends to the last N positions, itself "
+                             "included (0: all earlier positions)")
+    max_positions: int = _f(0, "llama: the context length the model is made for, Hugging Face's "
+                            "max_position_embeddings (0: seq_len); dynamic rope scaling reads it, export writes it")
+    rope_scaling: str = _f("none", "llama: rope scaling, Hugging Face's rope_type: none, linear (positions / "
+                           "rope_factor), dynamic (NTK, past max_positions), yarn, llama3 (Llama 3.1+)",
+                           choices=ROPE_SCALINGS)
+    rope_factor: float = _f(1.0, "llama: rope scaling's factor (Llama 3.2: 32; 1 without scaling)")
+    rope_original_max: int = _f(0, "llama: rope scaling's original_max_position_embeddings, for llama3 and yarn "
+                                "(0: max_positions; Llama 3.x: 8192)")
+    rope_low_freq_factor: float = _f(1.0, "llama: llama3 rope scaling's low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama: llama3 rope scaling's high_freq_factor")
     init_from: str = _f("", "a Hugging Face model folder (safetensors weights) whose tensors are θ_0 instead of "
-                        "run.seed's initialization: llama from LlamaForCausalLM, gpt from GPT2LMHeadModel, every "
-                        "name and shape checked against this [model] first (docs/models.md); read where θ_0 is made "
-                        "(the coordinator; dtrain train and simulate --inprocess), not by islands, which receive "
-                        "θ_0 from the coordinator: not in the fingerprint")
+                        "run.seed's initialization: llama from LlamaForCausalLM, Qwen2ForCausalLM, "
+                        "Qwen3ForCausalLM or MistralForCausalLM, gpt from GPT2LMHeadModel; the [model] fields its "
+                        "config.json sets are taken from it when the folder is there as the config is loaded (one "
+                        "given otherwise is refused), and every name and shape is checked where θ_0 is made (the "
+                        "coordinator; dtrain train and simulate --inprocess; docs/models.md); islands receive θ_0 "
+                        "from the coordinator: not in the fingerprint")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the llama's grouped-query attention: ``n_kv_heads``, 0 meaning ``n_heads``."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """The attention head size: ``head_dim``, 0 meaning ``d_model // n_heads``."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def swiglu_hidden(self) -> int:
+        """The llama's SwiGLU hidden width F: ``mlp_hidden``, or with 0 Llama's rule, ``int(2 * 4 * d_model / 3)``
+        rounded up to a multiple of 256 (the published models give theirs explicitly: Llama 3 8B's 14336)."""
+        return self.mlp_hidden or -(-int(2 * 4 * self.d_model / 3) // 256) * 256
+
+    @property
+    def positions(self) -> int:
+        """The llama's max_position_embeddings: ``max_positions``, 0 meaning ``seq_len``."""
+        return self.max_positions or self.seq_len
 
 
 @dataclass(frozen=True)
@@ -462,7 +510,9 @@ class Config:
         llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
         skip = COMPUTE_ONLY_MODEL_FIELDS + THETA0_ONLY_MODEL_FIELDS + \
             (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
-        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
+        defaults = ModelConfig()
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip
+                  and not (k in FAMILY_MODEL_FIELDS and v == getattr(defaults, k))}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
             # only then: every other run's fingerprint stays what it was before the sparse codec came
@@ -486,6 +536,11 @@ COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
 THETA0_ONLY_MODEL_FIELDS = ("init_from",)
 LLAMA_ONLY_MODEL_FIELDS = ("n_kv_heads", "mlp_hidden", "rope_theta", "norm_eps", "tie_embeddings")
+# The llama's family switches: llama-only too, and in the fingerprint only when not at their defaults (a Llama's
+# fingerprint is what it was before the families came)
+FAMILY_MODEL_FIELDS = ("family", "head_dim", "attention_bias", "mlp_bias", "sliding_window", "max_positions",
+                       "rope_scaling", "rope_factor", "rope_original_max", "rope_low_freq_factor",
+                       "rope_high_freq_factor")
 MAX_VOCAB_SIZE = 1 << 31  # ids reach the model as int32 (token stores hold uint16 or uint32 ids)
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
