@@ -227,7 +227,7 @@ def test_init_from_is_the_coordinators_theta0(tmp_path):
     assert codec.params_digest(np.fromfile(path, "<f4")) == codec.params_digest(vec)
 
 
-@pytest.mark.parametrize("case", ["no-safetensors", "wrong-shape"])
+@pytest.mark.parametrize("case", ["no-safetensors", "wrong-shape", "config-json"])
 def test_init_from_bad_folder_is_one_line(tmp_path, case):
     folder = tmp_path / "hf"
     if case == "no-safetensors":
@@ -236,13 +236,19 @@ def test_init_from_bad_folder_is_one_line(tmp_path, case):
     else:
         cfg, spec, vec = _theta("llama-tiny", "model.mlp_hidden=64")
         hf.export_folder(cfg.model, spec, vec, folder)
+    if case == "wrong-shape":  # a config.json that agrees with the config, tensors that do not
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     done = _dtrain("coordinator", "--config", "llama-tiny", "--set", f"model.init_from={folder}", "--port", "0",
                    "--run-dir", str(tmp_path / "run"), "--quiet")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("dtrain coordinator: config error: model.init_from: ")
+    assert lines[0].startswith("dtrain coordinator: config error: ")
+    assert {"no-safetensors": "model.init_from: ", "wrong-shape": "model.init_from: ",
+            "config-json": f"[model] init_from {folder}: "}[case] in lines[0]
     assert {"no-safetensors": "(found pytorch_model.bin: convert them to safetensors)",
-            "wrong-shape": "model.layers.0.mlp.gate_proj.weight is [64, 32], the config wants [96, 32]"}[case] \
+            "wrong-shape": "model.layers.0.mlp.gate_proj.weight is [64, 32], the config wants [96, 32]",
+            "config-json": "model.mlp_hidden: the config has 96, " + str(folder) + "/config.json has 64"}[case] \
         in lines[0]
 
 
