@@ -10,10 +10,10 @@ past :data:`SHARD_BYTES` the shards ``model-0000i-of-0000n.safetensors`` and ``m
   ``lm_head.weight``. ``config.json`` is :func:`dtrain.config.hf_fields.config_json`; where θ_0 is read
   (:func:`read_theta0`) the folder's must agree with the config field by field.
 - ``model.kind = "gpt"`` is ``GPT2LMHeadModel``, exactly: learned positions (``n_positions = seq_len``),
-  LayerNorm with nnx's epsilon (:data:`dtrain.config.hf_fields.GPT_LAYERNORM_EPS`), GELU's tanh approximation (``gelu_new``, what
-  ``jax.nn.gelu`` computes by default), an untied head, GPT-2's ``Conv1D`` weights stored ``[in, out]`` like
-  dtrain's kernels (no transpose). GPT-2 has biases on its projections where dtrain's GPT has none: they are
-  exported as zeros, and a folder whose biases are not all zero is refused.
+  LayerNorm with nnx's epsilon (:data:`dtrain.config.hf_fields.GPT_LAYERNORM_EPS`), GELU's tanh approximation
+  (``gelu_new``, what ``jax.nn.gelu`` computes by default), an untied head, GPT-2's ``Conv1D`` weights stored
+  ``[in, out]`` like dtrain's kernels (no transpose). GPT-2 has biases on its projections where dtrain's GPT has
+  none: they are exported as zeros, and a folder whose biases are not all zero is refused.
 - ``model.kind = "mlp"`` has no counterpart: :func:`mapping` refuses it.
 
 Everything works on the flat vector and its spec (``dtrain.codec.spec``), not on JAX arrays: numpy and

@@ -77,7 +77,7 @@ def _yarn(head_dim: int, rope: RopeScaling) -> tuple[np.ndarray, float]:
         return (head_dim * math.log(rope.original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
 
     low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
-    high = min(math.ceil(correction_dim(YARN_BETA_SLOW)), head_dim - 1)
+    high: float = min(math.ceil(correction_dim(YARN_BETA_SLOW)), head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     pos_freqs = np.float32(rope.theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
