@@ -5,6 +5,7 @@ contradicts the folder is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -163,3 +164,44 @@ def test_what_dtrain_does_not_compute_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1e-5}))  # changed after the load
     with pytest.raises(hf.HFError, match=r"model.norm_eps is 1e-06, config.json has 1e-05"):
         hf.load_params(cfg.model, model.build(cfg.model).abstract_params)
+
+
+def _short_run(tmp_path: Path) -> list[str]:
+    """A few steps on a small slice of the built-in corpus (bytes: the tiny models' 256 ids)."""
+    return [f"run.out_dir={tmp_path / 'runs'}", "run.name=fam", "train.steps=4", "train.warmup_steps=1",
+            "train.batch_size=8", "train.steps_per_call=2", "outer.inner_steps=2", "data.max_bytes=60000",
+            "data.eval_batches=1", "run.log_every=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_round_trips_through_a_two_island_run(tmp_path, family):
+    """import (config.json honoured) → two islands train in-process → dtrain export → transformers computes the
+    trained θ's logits, and the exported config.json still carries what was imported."""
+    from dtrain_cli import export
+    from dtrain.train.runs import run_simulate_inprocess
+
+    folder = hf_folder(tmp_path / "hf", family)
+    before = json.loads((folder / "config.json").read_text())
+    cfg = load_config(None, [f"model.init_from={folder}", "model.seq_len=32", *_short_run(tmp_path)])
+    summary = run_simulate_inprocess(cfg, islands=2, quiet=True)
+    run = Path(summary["run_dir"])
+    assert export.main(str(run), None, str(tmp_path / "out"), 10**9) == 0
+    theta = hf.load_params(dataclasses.replace(cfg.model, init_from=str(tmp_path / "out")),
+                           model.build(cfg.model).abstract_params)
+    imported_theta = hf.load_params(cfg.model, model.build(cfg.model).abstract_params)
+    assert any(np.abs(a - b).max() > 1e-4 for a, b in zip(jax.tree.leaves(theta), jax.tree.leaves(imported_theta),
+                                                          strict=True))  # it trained
+    tokens = _tokens()
+    ours = np.asarray(model.build(cfg.model).apply(theta, tokens))
+    assert np.abs(ours - their_logits(tmp_path / "out", tokens)).max() <= 1e-4
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("model_type", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "head_dim",
+                "sliding_window", "num_key_value_heads"):
+        if key in before:
+            assert after[key] == before[key], key
+    rope = before["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        assert after["rope_scaling"]["rope_type"] == rope["rope_type"]
+        assert after["rope_scaling"]["factor"] == rope["factor"]
+    assert f"| version | {summary['version']} |" in (tmp_path / "out" / "README.md").read_text()
