@@ -178,8 +178,8 @@ def _short_run(tmp_path: Path) -> list[str]:
 def test_each_family_round_trips_through_a_two_island_run(tmp_path, family):
     """import (config.json honoured) → two islands train in-process → dtrain export → transformers computes the
     trained θ's logits, and the exported config.json still carries what was imported."""
-    from dtrain_cli import export
     from dtrain.train.runs import run_simulate_inprocess
+    from dtrain_cli import export
 
     folder = hf_folder(tmp_path / "hf", family)
     before = json.loads((folder / "config.json").read_text())
@@ -205,3 +205,15 @@ def test_each_family_round_trips_through_a_two_island_run(tmp_path, family):
         assert after["rope_scaling"]["rope_type"] == rope["rope_type"]
         assert after["rope_scaling"]["factor"] == rope["factor"]
     assert f"| version | {summary['version']} |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_the_family_configs_have_the_published_sizes():
+    """The configs for the real sizes: parameters as the published checkpoints count them (tied tables once)."""
+    sizes = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen3-0.6b": 596_049_920,
+             "qwen3-1.7b": 1_720_574_976, "mistral-7b": 7_248_023_552, "llama-1b": 1_235_814_400}
+    for name, size in sizes.items():
+        cfg = load_config(name).model
+        assert model.param_count(model.build(cfg).abstract_params) == size, name
+    m = load_config("llama-1b").model  # Llama 3.2 1B's rope, as its config.json has it
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max, m.max_positions) == ("llama3", 32.0, 8192, 131072)
+    assert (load_config("qwen3-0.6b").model.head_size, load_config("qwen2.5-0.5b").model.family) == (128, "qwen2")
