@@ -58,8 +58,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX (in this process and
 
 from _common import finish, fmt_or_na, log, met
 
+from dtrain.config.derived import merge_rule
 from dtrain.config.load import load_config, replace
-from dtrain.config.sections import Config, merge_rule
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
 from dtrain.runlog import read_events
 from dtrain_cli.entry import Parser, run_main

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dtrain.config.sections import Config, SecurityConfig
+from dtrain.config.ops import SecurityConfig
+from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import bearer_matches

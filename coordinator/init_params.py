@@ -35,7 +35,7 @@ def main(config_path: str, out_dir: str, spec_only: bool = False) -> None:
         if not spec_only:
             theta0 = np.memmap(out / "theta0.f32", "<f4", mode="w+", shape=(codec.spec_size(spec),))
             try:
-                hf.read_vector(cfg.model, spec, cfg.model.init_from, theta0)  # checks every name and shape first
+                hf.read_theta0(cfg.model, spec, cfg.model.init_from, theta0)  # checks config.json, names, shapes
             except hf.HFError as e:
                 print(f"model.init_from: {e}", file=sys.stderr)
                 sys.exit(UNFIT)

@@ -45,7 +45,8 @@ import numpy as np
 
 from coordinator.spool import Spool
 from dtrain import codec
-from dtrain.config.sections import Config, merge_rule
+from dtrain.config.derived import merge_rule
+from dtrain.config.sections import Config
 from dtrain.steps.outer import OuterHParams
 from dtrain.train.fragments import Range, plan_spec
 

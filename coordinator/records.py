@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from dtrain import schema
-from dtrain.config.sections import ISLAND_NAME_RE, Config, CoordinatorConfig, parse_binding
+from dtrain.config.derived import parse_binding
+from dtrain.config.sections import ISLAND_NAME_RE, Config, CoordinatorConfig
 from dtrain.net.wire import PROBES
 from dtrain.runlog import json_number
 from dtrain.steps.outer import adam_ratio_bound

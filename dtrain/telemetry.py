@@ -30,7 +30,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.util.types import AttributeValue
 
-from dtrain.config.sections import TelemetryConfig
+from dtrain.config.ops import TelemetryConfig
 from dtrain.errors import DtrainError
 from dtrain.runlog import fault_kind
 

@@ -330,18 +330,22 @@ def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def _add_export(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain export``: the coordinator's θ as a Hugging Face model folder."""
-    from dtrain.models.hf import SHARD_BYTES
+    from dtrain.models.hf import EXPORT_DTYPES, SHARD_BYTES
 
-    p = _command(sub, "export", "write the coordinator's θ at a version as a Hugging Face model folder (llama: "
-                 "LlamaForCausalLM, gpt: GPT2LMHeadModel)",
-                 "Reads the coordinator's state in RUN_DIR (its checkpoints and current θ) and writes a folder that\n"
-                 "transformers loads: config.json, float32 safetensors (sharded past --max-shard-bytes) and the run's\n"
-                 "tokenizer files when its token store has them (docs/models.md). No JAX is needed.",
-                 "dtrain export runs/llama-tiny --out /tmp/llama-tiny-hf")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a coordinator's run folder, e.g. runs/llama-tiny")
+    p = _command(sub, "export", "write a run's θ at a version as a Hugging Face model folder (llama: its family's "
+                 "*ForCausalLM, gpt: GPT2LMHeadModel)",
+                 "Reads a run's θ in RUN_DIR (a coordinator's checkpoints and current θ, a train or simulate\n"
+                 "--inprocess run's final θ) and writes a folder that transformers loads: config.json,\n"
+                 "generation_config.json, safetensors (sharded past --max-shard-bytes), a README.md model card and\n"
+                 "the run's tokenizer files when its token store has them (docs/models.md). No JAX is needed.",
+                 "dtrain export runs/llama-tiny --dtype bfloat16 --out /tmp/llama-tiny-hf")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/llama-tiny")
     p.add_argument("--version", type=int_at_least(0, "versions", "versions start at 0"), default=None,
                    metavar="V", help="the version to export (default: the newest on disk)")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32",
+                   help="the weights' type: float32 (θ as trained) or bfloat16 (rounded to nearest even; half the "
+                   "size)")
     p.add_argument("--max-shard-bytes", type=int_at_least(1, "bytes", "must be >= 1"), default=SHARD_BYTES,
                    metavar="N", help=f"one safetensors file up to N bytes, else shards and an index (default "
                    f"{SHARD_BYTES:,})")
@@ -404,7 +408,7 @@ def _run(argv: list[str], prog: str) -> int:
     if args.command == "export":  # no config: it reads what the coordinator wrote
         from dtrain_cli import export
 
-        return export.main(args.run_dir, args.version, args.out, args.max_shard_bytes)
+        return export.main(args.run_dir, args.version, args.out, args.max_shard_bytes, args.dtype)
     if args.command in ("generate", "eval"):  # no config: the folder says what the model is
         return look.main(args)
     if args.command == "admin":  # no config either

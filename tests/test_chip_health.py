@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dtrain.config.sections import HealthConfig
+from dtrain.config.ops import HealthConfig
 from dtrain.health.faults import DeadDeviceError, DeviceFault
 from fake_island import CHUNKS, Island, K
 from workers.chip_health import ChipHealth

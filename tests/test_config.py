@@ -284,7 +284,7 @@ def test_merge_rule_auto_is_the_screened_mean_or_with_sparse_pushes_the_clipped_
     only the entries most pushes hold (few), so auto picks the clipped mean there, and an explicit median,
     trimmed mean or screened mean (screened against the coordinate median) with a sparse codec.up is refused
     naming the field. min_cosine is a cosine: in [-1, 1)."""
-    from dtrain.config.sections import merge_rule
+    from dtrain.config.derived import merge_rule
 
     assert merge_rule(load_config(TINY)) == "screened_mean"
     assert merge_rule(load_config(TINY, ["codec.up=sparse"])) == "clipped_mean"

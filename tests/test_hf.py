@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -227,7 +228,7 @@ def test_init_from_is_the_coordinators_theta0(tmp_path):
     assert codec.params_digest(np.fromfile(path, "<f4")) == codec.params_digest(vec)
 
 
-@pytest.mark.parametrize("case", ["no-safetensors", "wrong-shape"])
+@pytest.mark.parametrize("case", ["no-safetensors", "wrong-shape", "config-json"])
 def test_init_from_bad_folder_is_one_line(tmp_path, case):
     folder = tmp_path / "hf"
     if case == "no-safetensors":
@@ -236,13 +237,19 @@ def test_init_from_bad_folder_is_one_line(tmp_path, case):
     else:
         cfg, spec, vec = _theta("llama-tiny", "model.mlp_hidden=64")
         hf.export_folder(cfg.model, spec, vec, folder)
+    if case == "wrong-shape":  # a config.json that agrees with the config, tensors that do not
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     done = _dtrain("coordinator", "--config", "llama-tiny", "--set", f"model.init_from={folder}", "--port", "0",
                    "--run-dir", str(tmp_path / "run"), "--quiet")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("dtrain coordinator: config error: model.init_from: ")
+    assert lines[0].startswith("dtrain coordinator: config error: ")
+    assert {"no-safetensors": "model.init_from: ", "wrong-shape": "model.init_from: ",
+            "config-json": f"[model] init_from {folder}: "}[case] in lines[0]
     assert {"no-safetensors": "(found pytorch_model.bin: convert them to safetensors)",
-            "wrong-shape": "model.layers.0.mlp.gate_proj.weight is [64, 32], the config wants [96, 32]"}[case] \
+            "wrong-shape": "model.layers.0.mlp.gate_proj.weight is [64, 32], the config wants [96, 32]",
+            "config-json": "model.mlp_hidden: the config has 96, " + str(folder) + "/config.json has 64"}[case] \
         in lines[0]
 
 
@@ -268,3 +275,53 @@ def test_export_of_a_finished_run_loads_and_generates(tmp_path):
     prompt = tok("def main(", return_tensors="pt").input_ids
     out = m.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape == (1, prompt.shape[1] + 5) and tok.decode(out[0]).startswith("def main(")
+
+
+def test_the_final_theta_of_a_train_or_inprocess_run_exports(tmp_path):
+    """What dtrain train and simulate --inprocess leave at their end (dtrain.models.layout.write_theta) is what
+    dtrain export reads: bfloat16 weights rounded to nearest even, the card's figures from the run's events."""
+    from dtrain.models.layout import write_theta
+    from dtrain_cli import export
+
+    cfg, spec, vec = _theta("llama-tiny")
+    run = tmp_path / "run"
+    write_theta(cfg, run, 7, codec.unflatten(spec, vec))
+    (run / "events.jsonl").write_text(json.dumps({"event": "round_merged", "version": 7, "eval_loss": 3.25,
+                                                  "tokens": 1234}) + "\n")
+    assert export.main(str(run), None, str(tmp_path / "out"), 10**9, "bfloat16") == 0
+    back = np.zeros_like(vec)
+    hf.read_vector(cfg.model, spec, tmp_path / "out", back)
+    assert back.tobytes() == (hf.to_bfloat16(vec).astype(np.uint32) << 16).view(np.float32).tobytes()
+    assert np.abs(back - vec).max() <= np.abs(vec).max() * 2.0 ** -8  # rounded, not truncated: half an ulp
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| version | 7 |" in card and "| eval loss | 3.2500" in card and "| tokens trained on | 1,234 |" in card
+    assert "| weights | bfloat16 |" in card and "[train]\nbatch_size = 8" in card
+
+
+@pytest.mark.slow
+def test_a_train_run_exports_in_bfloat16_with_a_model_card(tmp_path):
+    """dtrain train leaves its final θ for dtrain export (which used to refuse: "not the folder of a coordinator's
+    run"); --dtype bfloat16 halves the weights, transformers loads them, and the card tells where they came from."""
+    from dtrain.train.runs import run_train
+
+    cfg = load_config("llama-tiny", [f"run.out_dir={tmp_path}", "train.steps=2", "train.warmup_steps=1",
+                                     "train.steps_per_call=2", "outer.inner_steps=2", "data.max_bytes=40000",
+                                     "data.eval_batches=1",
+                                     "run.log_every=2"])
+    summary = run_train(cfg, quiet=True)
+    done = _dtrain("export", summary["run_dir"], "--dtype", "bfloat16", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0 and "version 2 of" in done.stdout, done.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == cfg.model.seq_len
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| eval loss | {summary['final_eval_loss']:.4f}" in card and f"| tokens trained on | " \
+        f"{summary['tokens']:,} |" in card and "[model]\nkind = \"llama\"" in card
+    spec, vec = codec.flatten(jax.device_get(
+        hf.load_params(dataclasses.replace(cfg.model, init_from=str(tmp_path / "out")),
+                       model.build(cfg.model).abstract_params)))
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size < 2.2 * vec.size
+    final = np.fromfile(Path(summary["run_dir"]) / "theta" / "theta-00000002.f32", "<f4")
+    assert vec.tobytes() == hf.to_bfloat16(final).astype(np.uint32).__lshift__(16).view(np.float32).tobytes()
+    tokens = np.arange(16, dtype=np.int32)[None]
+    ours = np.asarray(model.build(cfg.model).apply(codec.unflatten(spec, vec), tokens))
+    assert np.abs(ours - _their_logits(tmp_path / "out", tokens)).max() <= 1e-4

@@ -100,7 +100,7 @@ def test_bad_folders_and_ids_are_one_line(tmp_path):
     with pytest.raises(LoadError, match="neither a run folder"):
         load(tmp_path)
     (tmp_path / "events.jsonl").write_text(json.dumps({"event": "run_started", "mode": "simulate-inprocess"}) + "\n")
-    with pytest.raises(LoadError, match="keeps no θ on disk"):
+    with pytest.raises(LoadError, match="left no θ on disk"):
         load(tmp_path)
     m = _loaded("tiny")
     for ids, what in [(np.zeros((2, 3), np.float32), "integer array"), (np.zeros(3, int), r"shape \[batch, length\]"),

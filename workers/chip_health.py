@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from dtrain.config.sections import HealthConfig
+from dtrain.config.ops import HealthConfig
 from dtrain.health.faults import DeviceFault
 from dtrain.health.probes import STAT_ABS_FLOOR, STAT_SPREAD_FLOOR, KnownAnswer, Probes, Started, micro_batch, outliers
 from dtrain.models.model import ApplyFn, Params

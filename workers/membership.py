@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import jax
 
-from dtrain.config.sections import Config, TelemetryConfig
+from dtrain.config.ops import TelemetryConfig
+from dtrain.config.sections import Config
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.runlog import RunLog
 from dtrain.telemetry import Telemetry, island_counters

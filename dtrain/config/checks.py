@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from dtrain.codec import MAX_CHUNK
+from dtrain.config.derived import parse_binding
 from dtrain.config.sections import (
+    FAMILY_MODEL_FIELDS,
     LLAMA_ONLY_MODEL_FIELDS,
     MAX_FRAGMENTS,
     MAX_VOCAB_SIZE,
@@ -22,7 +24,6 @@ from dtrain.config.sections import (
     ConfigError,
     DataConfig,
     ModelConfig,
-    parse_binding,
 )
 
 _OTLP_ENDPOINT = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}/?")
@@ -68,9 +69,9 @@ def _check_model(cfg: Config, fail: _Fail) -> None:
         if m.dtype != "bfloat16":
             fail("model", "attention", f"cudnn (fused flash attention) needs model.dtype = \"bfloat16\", "
                  f"got {m.dtype!r}")
-        if (m.d_model // m.n_heads) % 8:
-            fail("model", "attention", f"cudnn needs a head size (d_model / n_heads) that is a multiple of 8, got "
-                 f"{m.d_model // m.n_heads}")
+        if m.head_size % 8:
+            fail("model", "attention", f"cudnn needs a head size (model.head_dim, or d_model / n_heads) that is a "
+                 f"multiple of 8, got {m.head_size}")
     if m.vocab_size > MAX_VOCAB_SIZE:
         fail("model", "vocab_size", f"token ids are int32, so at most {MAX_VOCAB_SIZE}, got {m.vocab_size}")
     if m.init_from and m.kind not in ("llama", "gpt"):
@@ -83,21 +84,54 @@ def _check_llama(cfg: Config, fail: _Fail) -> None:
     heads, an even head size (RoPE rotates halves), a positive rope base and norm epsilon, a hidden width >= 0."""
     m, defaults = cfg.model, ModelConfig()
     if m.kind != "llama":
-        for name in LLAMA_ONLY_MODEL_FIELDS:
+        for name in LLAMA_ONLY_MODEL_FIELDS + FAMILY_MODEL_FIELDS:
             if getattr(m, name) != getattr(defaults, name):
                 fail("model", name, f"only model.kind = \"llama\" has it; {m.kind} needs the default "
                      f"{getattr(defaults, name)!r}, got {getattr(m, name)!r}")
         return
     if m.n_kv_heads < 0 or (m.n_kv_heads and m.n_heads % m.n_kv_heads):
         fail("model", "n_kv_heads", f"must divide n_heads ({m.n_heads}) or be 0 (= n_heads), got {m.n_kv_heads}")
-    if (m.d_model // m.n_heads) % 2:
-        fail("model", "n_heads", f"the head size d_model / n_heads must be even for rotary embeddings, got "
-             f"{m.d_model // m.n_heads}")
     for name in ("rope_theta", "norm_eps"):
         if not (math.isfinite(getattr(m, name)) and getattr(m, name) > 0):
             fail("model", name, f"must be a finite number > 0, got {getattr(m, name)}")
     if m.mlp_hidden < 0:
         fail("model", "mlp_hidden", f"must be >= 0 (0: Llama's rule), got {m.mlp_hidden}")
+    _check_family(m, fail)
+
+
+# the switches each family has (Hugging Face's config fields); the rest stay at their defaults
+_FAMILY_SWITCHES = {"llama": ("attention_bias", "mlp_bias"), "qwen2": (), "qwen3": ("attention_bias",),
+                    "mistral": ("sliding_window",)}
+_ROPE_FIELDS = {"none": (), "linear": ("rope_factor",), "dynamic": ("rope_factor",),
+                "yarn": ("rope_factor", "rope_original_max"),
+                "llama3": ("rope_factor", "rope_original_max", "rope_low_freq_factor", "rope_high_freq_factor")}
+
+
+def _check_family(m: ModelConfig, fail: _Fail) -> None:
+    """The llama's family switches: only the family's own off their defaults; an even head size, rope scaling's
+    numbers in range and only those of its type set."""
+    defaults = ModelConfig()
+    for name in ("attention_bias", "mlp_bias", "sliding_window"):
+        if getattr(m, name) != getattr(defaults, name) and name not in _FAMILY_SWITCHES[m.family]:
+            fail("model", name, f"model.family = {m.family!r} has no such switch (only "
+                 f"{', '.join(f for f, s in _FAMILY_SWITCHES.items() if name in s)}); leave it at "
+                 f"{getattr(defaults, name)!r}")
+    for name in ("head_dim", "sliding_window", "max_positions", "rope_original_max"):
+        if getattr(m, name) < 0:
+            fail("model", name, f"must be >= 0 (0: the default), got {getattr(m, name)}")
+    if m.head_size % 2:
+        fail("model", "head_dim" if m.head_dim else "n_heads", f"the head size (model.head_dim, or d_model / "
+             f"n_heads) must be even for rotary embeddings, got {m.head_size}")
+    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        if not (math.isfinite(getattr(m, name)) and getattr(m, name) > 0):
+            fail("model", name, f"must be a finite number > 0, got {getattr(m, name)}")
+    for name in ("rope_factor", "rope_original_max", "rope_low_freq_factor", "rope_high_freq_factor"):
+        if getattr(m, name) != getattr(defaults, name) and name not in _ROPE_FIELDS[m.rope_scaling]:
+            fail("model", name, f"model.rope_scaling = {m.rope_scaling!r} does not read it; leave it at "
+                 f"{getattr(defaults, name)!r}")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        fail("model", "rope_high_freq_factor", f"must be > rope_low_freq_factor ({m.rope_low_freq_factor}), got "
+             f"{m.rope_high_freq_factor}")
 
 
 def _check_sources(d: DataConfig, fail: _Fail) -> None:

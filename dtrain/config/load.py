@@ -12,7 +12,8 @@ from typing import Any
 
 from dtrain import schema
 from dtrain.config.checks import check
-from dtrain.config.sections import REMAT_LEGACY, REPO_CONFIG_DIR, ROUND_AUTO, SECTIONS, Config, ConfigError
+from dtrain.config.hf_fields import HFConfigError, model_fields, read_config_json, reconcile
+from dtrain.config.sections import REMAT_LEGACY, REPO_CONFIG_DIR, ROUND_AUTO, SECTIONS, Config, ConfigError, ModelConfig
 
 
 def _build_section(cls: type, values: dict[str, Any], origin: str, section: str) -> Any:
@@ -36,6 +37,17 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return parts[0], parts[1], value
+
+
+def _from_folder(model: ModelConfig, explicit: set[str], where: str) -> ModelConfig:
+    """``model.init_from``'s config.json honoured, where the folder is there (an island's config may name a path
+    that is not: islands receive θ_0 from the coordinator): the [model] fields it sets are taken from it, one the
+    config or a --set gives otherwise is refused (:func:`dtrain.config.hf_fields.reconcile`)."""
+    try:
+        raw = read_config_json(Path(model.init_from).expanduser())
+        return model if raw is None else reconcile(model, model_fields(raw), explicit, model.init_from)
+    except HFConfigError as e:
+        raise ConfigError(f"{where}: [model] init_from {model.init_from}: {e}") from None
 
 
 def resolve_config_path(path: str | Path) -> Path:
@@ -82,6 +94,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if merged["worker"].get("round_seconds") == "auto":
         merged["worker"]["round_seconds"] = ROUND_AUTO
     sections = {s: _build_section(cls, merged[s], where, s) for s, cls in SECTIONS.items()}
+    if sections["model"].init_from:
+        sections["model"] = _from_folder(sections["model"], set(merged["model"]), where)
     cfg = Config(**sections)
     if not cfg.run.name:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=Path(origin).stem if path else "run"))

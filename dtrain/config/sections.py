@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.codec import CODEC_BITS, Bits, kept_per_chunk, sparse_scheme
+from dtrain.config.field import setting as _f
+from dtrain.config.ops import HealthConfig, SecurityConfig, TelemetryConfig
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 ISLAND_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what an island may be called (Join's name)
@@ -27,10 +29,6 @@ IDENTITY_KINDS = ("token", "uri", "cn")
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and the field."""
-
-
-def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 CODEC_NAMES = (*CODEC_BITS, "sparse")  # codec.up / codec.down: the dense codecs by their bits, and sparse
@@ -47,6 +45,10 @@ class RunConfig:
     eval_every: int = _f(0, "train: inner steps between evals (0: only at the end); simulate evaluates every round")
     checkpoint_every: int = _f(0, "train: inner steps between orbax checkpoints (0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep on disk")
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model.family: the Hugging Face families of the llama
+ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")  # model.rope_scaling: transformers' rope_type
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,60 @@ class ModelConfig:
                          "multi-head attention); the other kinds reject a value other than the default")
     mlp_hidden: int = _f(0, "llama: SwiGLU hidden width (0: Llama's rule, int(8 * d_model / 3) rounded up to a "
                          "multiple of 256); the other kinds reject a value other than the default")
-    rope_theta: float = _f(10000.0, "llama: rotary position embedding base (Llama 2: 10000, Llama 3: 500000; no "
-                           "rope scaling); the other kinds reject a value other than the default")
+    rope_theta: float = _f(10000.0, "llama: rotary position embedding base (Llama 2: 10000, Llama 3: 500000; "
+                           "model.rope_scaling scales it); the other kinds reject a value other than the default")
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon; the other kinds reject a value other than the default")
     tie_embeddings: bool = _f(False, "llama: the head is the token table (logits = x @ embedding.T, no head "
                               "parameter); the other kinds reject a value other than the default")
+    family: str = _f("llama", "llama: the Hugging Face family the model is (one implementation, a few switches): "
+                     "llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q, k, v biases), qwen3 (Qwen3ForCausalLM: "
+                     "q and k RMSNorm), mistral (MistralForCausalLM: model.sliding_window)",
+                     choices=FAMILIES)
+    head_dim: int = _f(0, "llama: attention head size (0: d_model / n_heads; Qwen 3 0.6B: 128 with d_model 1024 "
+                       "and 16 heads)")
+    attention_bias: bool = _f(False, "llama, qwen3: biases on the q, k, v and o projections (Hugging Face's "
+                              "attention_bias; qwen2 always has q, k, v biases and no o bias, mistral none)")
+    mlp_bias: bool = _f(False, "llama (family llama): biases on the SwiGLU's gate, up and down projections")
+    sliding_window: int = _f(0, "llama (family mistral): each position attends to the last N positions, itself "
+                             "included (0: all earlier positions)")
+    max_positions: int = _f(0, "llama: the context length the model is made for, Hugging Face's "
+                            "max_position_embeddings (0: seq_len); dynamic rope scaling reads it, export writes it")
+    rope_scaling: str = _f("none", "llama: rope scaling, Hugging Face's rope_type: none, linear (positions / "
+                           "rope_factor), dynamic (NTK, past max_positions), yarn, llama3 (Llama 3.1+)",
+                           choices=ROPE_SCALINGS)
+    rope_factor: float = _f(1.0, "llama: rope scaling's factor (Llama 3.2: 32; 1 without scaling)")
+    rope_original_max: int = _f(0, "llama: rope scaling's original_max_position_embeddings, for llama3 and yarn "
+                                "(0: max_positions; Llama 3.x: 8192)")
+    rope_low_freq_factor: float = _f(1.0, "llama: llama3 rope scaling's low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama: llama3 rope scaling's high_freq_factor")
     init_from: str = _f("", "a Hugging Face model folder (safetensors weights) whose tensors are θ_0 instead of "
-                        "run.seed's initialization: llama from LlamaForCausalLM, gpt from GPT2LMHeadModel, every "
-                        "name and shape checked against this [model] first (docs/models.md); read where θ_0 is made "
-                        "(the coordinator; dtrain train and simulate --inprocess), not by islands, which receive "
-                        "θ_0 from the coordinator: not in the fingerprint")
+                        "run.seed's initialization: llama from LlamaForCausalLM, Qwen2ForCausalLM, "
+                        "Qwen3ForCausalLM or MistralForCausalLM, gpt from GPT2LMHeadModel; the [model] fields its "
+                        "config.json sets are taken from it when the folder is there as the config is loaded (one "
+                        "given otherwise is refused), and every name and shape is checked where θ_0 is made (the "
+                        "coordinator; dtrain train and simulate --inprocess; docs/models.md); islands receive θ_0 "
+                        "from the coordinator: not in the fingerprint")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the llama's grouped-query attention: ``n_kv_heads``, 0 meaning ``n_heads``."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """The attention head size: ``head_dim``, 0 meaning ``d_model // n_heads``."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def swiglu_hidden(self) -> int:
+        """The llama's SwiGLU hidden width F: ``mlp_hidden``, or with 0 Llama's rule, ``int(2 * 4 * d_model / 3)``
+        rounded up to a multiple of 256 (the published models give theirs explicitly: Llama 3 8B's 14336)."""
+        return self.mlp_hidden or -(-int(2 * 4 * self.d_model / 3) // 256) * 256
+
+    @property
+    def positions(self) -> int:
+        """The llama's max_position_embeddings: ``max_positions``, 0 meaning ``seq_len``."""
+        return self.max_positions or self.seq_len
 
 
 MIX_PERIOD = 1000  # data.sources: the mixture's schedule repeats every this many sequences (dtrain.data.mixture)
@@ -410,69 +456,6 @@ PER_ISLAND_FIELDS = ("train.batch_size", "train.steps_per_call", "model.attentio
 
 
 @dataclass(frozen=True)
-class HealthConfig:
-    enabled: bool = _f(False, "island workers run the per-device inner step and the chip-health probes, and "
-                       "quarantine a device found faulty (workers/chip_health.py)")
-    known_answer_every: int = _f(100, "inner steps between known-answer probes on every device (also run at start "
-                                 "and after a chunk raised; 0: only then); the replay, every replay_every steps, "
-                                 "sees a device computing wrong too")
-    stats: bool = _f(True, "compare the devices' micro-batch gradient norms from the per-device step (robust "
-                     "z-score); a device flagged on two consecutive checks is quarantined")
-    z_max: float = _f(6.0, "stats: a device whose gradient norm is more than this many robust deviations from "
-                      "the median is an outlier")
-    replay_every: int = _f(50, "inner steps between deterministic replays: a row of one device's micro-batch (each "
-                           "device's in turn) recomputed on every healthy device, whose bit-exact digests must "
-                           "agree; a device outside a strict majority is quarantined (one due mid-chunk runs at the "
-                           "chunk's end: 50 finds a silent fault within 50 steps with chunks of 10 or 25; 0: off)")
-    min_devices: int = _f(1, "the fewest healthy devices an island trains on; below it the island drains")
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    token_env: str = _f("DTRAIN_TOKEN", "environment variable with the bearer token ('' or unset: no auth)")
-    ca: str = _f("", "PEM CA bundle: workers verify the coordinator with it; with client_auth, the "
-                 "coordinator verifies workers")
-    server_cert: str = _f("", "coordinator TLS certificate (PEM); empty: plaintext (loopback/testing only)")
-    server_key: str = _f("", "coordinator TLS private key (PEM)")
-    client_cert: str = _f("", "worker certificate for mutual TLS (PEM)")
-    client_key: str = _f("", "worker private key for mutual TLS (PEM)")
-    client_auth: bool = _f(False, "mutual TLS: the coordinator requires a client certificate signed by ca")
-    server_name: str = _f("", "TLS name to expect on the coordinator's certificate (empty: the host)")
-    identity: str = _f("auto", "who an island is: 'shared' (one token or certificate for a single trusted team: any "
-                       "holder may act as any island), 'token' (each island its own token, listed hashed in "
-                       "island_tokens) or 'cert' (mutual TLS: the island's client certificate, its URI SAN or CN); "
-                       "with token or cert, an island name is bound to the identity that first joined with it; "
-                       "'auto': 'token' when island_tokens is set, else 'shared'",
-                       choices=("auto", "shared", "token", "cert"))
-    island_tokens: str = _f("", "identity 'token', the coordinator: file of 'NAME sha256:HEX' lines, one per island "
-                            "(`dtrain admin issue-token NAME` makes one); a token acts only as its NAME")
-    bindings: tuple[str, ...] = _f((), "identity token or cert: NAME=IDENTITY pins, the operator's re-binding "
-                                   "(IDENTITY: token:NAME, uri:URI or cn:CN); a pin overrides the binding a name "
-                                   "got at its first Join")
-    insecure: bool = _f(False, "the coordinator: serve beyond loopback (coordinator.host or the dashboard's not "
-                        "127.0.0.0/8, ::1 or localhost) with no token and no mutual TLS, to anyone who reaches the "
-                        "port (dtrain coordinator --insecure); without it such a coordinator refuses to start")
-
-    def __post_init__(self) -> None:
-        # 'auto' (the default) resolves here, once: per-island identity whenever the islands' tokens are given.
-        if self.identity == "auto":
-            object.__setattr__(self, "identity", "token" if self.island_tokens else "shared")
-
-
-@dataclass(frozen=True)
-class TelemetryConfig:
-    exporter: str = _f("none", "where OpenTelemetry spans and metrics go: none (off), console (stderr), otlp (a "
-                       "collector over gRPC; needs pip install 'dtrain[otlp]'), memory (kept in the process, for "
-                       "tests)", choices=("none", "console", "otlp", "memory"))
-    otlp_endpoint: str = _f("http://127.0.0.1:4317", "otlp: the collector's OTLP/gRPC endpoint, http://HOST:PORT "
-                            "(plaintext) or https://HOST:PORT (TLS)")
-    otlp_timeout_s: float = _f(5.0, "otlp: seconds one export may take, retries included (also bounds the "
-                               "flush at shutdown)")
-    export_interval_s: float = _f(10.0, "console and otlp: seconds between metric exports")
-    service_name: str = _f("dtrain", "prefix of the OpenTelemetry service.name: PREFIX-coordinator, PREFIX-island")
-
-
-@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -506,7 +489,9 @@ class Config:
         llama-only fields, held at their defaults: a GPT's fingerprint is what it was before the llama came)."""
         skip = COMPUTE_ONLY_MODEL_FIELDS + THETA0_ONLY_MODEL_FIELDS + \
             (LLAMA_ONLY_MODEL_FIELDS if self.model.kind != "llama" else ())
-        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip}
+        defaults = ModelConfig()
+        fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip
+                  and not (k in FAMILY_MODEL_FIELDS and v == getattr(defaults, k))}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
             # only then: every other run's fingerprint stays what it was before the sparse codec came
@@ -533,6 +518,11 @@ COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat", "loss_chunk")
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull
 THETA0_ONLY_MODEL_FIELDS = ("init_from",)
 LLAMA_ONLY_MODEL_FIELDS = ("n_kv_heads", "mlp_hidden", "rope_theta", "norm_eps", "tie_embeddings")
+# The llama's family switches: llama-only too, and in the fingerprint only when not at their defaults (a Llama's
+# fingerprint is what it was before the families came)
+FAMILY_MODEL_FIELDS = ("family", "head_dim", "attention_bias", "mlp_bias", "sliding_window", "max_positions",
+                       "rope_scaling", "rope_factor", "rope_original_max", "rope_low_freq_factor",
+                       "rope_high_freq_factor")
 MAX_VOCAB_SIZE = 1 << 31  # ids reach the model as int32 (token stores hold uint16 or uint32 ids)
 
 SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
@@ -544,23 +534,3 @@ SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": Dat
 COMPILE_CACHE_OFF = "off"  # worker.compile_cache: no persistent compilation cache
 
 
-def merge_rule(cfg: Config) -> str:
-    """``coordinator.merge_rule`` as the coordinator merges: ``auto`` is the screened mean, or with a sparse
-    ``codec.up`` the clipped mean (the pushes' entries rarely coincide, so a per-coordinate median or trim, or a
-    screen against the coordinate median, would drop most of them)."""
-    rule = cfg.coordinator.merge_rule
-    if rule == "auto":  # a sharded coordinator has no direction screen (the median is per range): clipped
-        return "clipped_mean" if cfg.codec.up == "sparse" or cfg.coordinator.shards > 1 else "screened_mean"
-    return rule
-
-
-def parse_binding(text: str) -> tuple[str, str]:
-    """A ``security.bindings`` entry ``NAME=KIND:VALUE`` as (name, identity); ValueError says what is wrong."""
-    name, sep, identity = text.partition("=")
-    kind, colon, value = identity.partition(":")
-    if not sep or not ISLAND_NAME_RE.fullmatch(name.strip()):
-        raise ValueError(f"{text!r}: expected NAME=IDENTITY with an island name ([A-Za-z0-9._-]{{1,64}}), e.g. "
-                         f"B=token:B or B=uri:spiffe://dtrain/island/B")
-    if kind.strip() not in IDENTITY_KINDS or not colon or not value.strip():
-        raise ValueError(f"{text!r}: the identity must be {', '.join(k + ':VALUE' for k in IDENTITY_KINDS)}")
-    return name.strip(), f"{kind.strip()}:{value.strip()}"

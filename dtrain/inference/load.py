@@ -4,13 +4,14 @@ A folder is read as the first of these it is:
 
 - a Hugging Face folder: ``config.json`` and safetensors weights (:func:`dtrain.models.hf.folder_config`, then
   the checked read of :func:`dtrain.models.hf.load_params`), its ``tokenizer.json`` if there is one;
-- a coordinator's run (``dtrain simulate``, ``dtrain coordinator``): ``model.json`` and θ of the newest version on
-  disk (or ``version``), read as ``dtrain export`` reads them (:mod:`dtrain.models.stored`);
-- a ``dtrain train`` run: the parameters of its newest orbax checkpoint in ``checkpoints/`` (or step
-  ``version``), the model from its ``run_started`` event.
+- a run with ``model.json`` (``dtrain simulate``, ``dtrain coordinator``, and a finished ``dtrain train`` or
+  ``simulate --inprocess`` run, which writes its final θ there): θ of the newest version on disk (or
+  ``version``), read as ``dtrain export`` reads them (:mod:`dtrain.models.stored`);
+- a ``dtrain train`` run without it (stopped before its end): the parameters of its newest orbax checkpoint in
+  ``checkpoints/`` (or step ``version``), the model from its ``run_started`` event.
 
 A run's tokenizer is its token store's (:func:`dtrain.data.corpus.run_tokenizer`), or the byte tokenizer when its
-ids are bytes. ``simulate --inprocess`` keeps no θ on disk: refused, one line saying so.
+ids are bytes. An unfinished ``simulate --inprocess`` run keeps no θ on disk: refused, one line saying so.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def load(path: str | Path, version: int | None = None) -> Loaded:
         raise LoadError(str(e)) from None
     mode = (_started(root) or {}).get("mode")
     if mode == "simulate-inprocess":
-        raise LoadError(f"{root}: a `simulate --inprocess` run keeps no θ on disk: nothing to load (run it with "
-                        "worker processes, or `dtrain train`, to keep checkpoints)")
+        raise LoadError(f"{root}: this `simulate --inprocess` run left no θ on disk (it writes its final θ when it "
+                        "finishes): nothing to load")
     raise LoadError(f"{root}: neither a run folder ({LAYOUT} of a coordinator's run, or checkpoints/ of a `dtrain "
                     "train` run) nor a Hugging Face model folder (config.json and safetensors weights)")
 

@@ -1,16 +1,19 @@
 """Hugging Face model folders: dtrain's parameter tree as a ``transformers`` model, and back.
 
-A folder holds ``config.json`` and the weights as float32 safetensors: ``model.safetensors``, or past
-:data:`SHARD_BYTES` the shards ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+A folder holds ``config.json`` and the weights as float32 (or bfloat16) safetensors: ``model.safetensors``, or
+past :data:`SHARD_BYTES` the shards ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
 
-- ``model.kind = "llama"`` is ``LlamaForCausalLM``: every tensor maps by name, the linear kernels transposed
-  (dtrain keeps ``[in, out]``, ``torch.nn.Linear`` ``[out, in]``); RoPE is the same rotate-half convention, so
-  q and k need no permutation. A tied head (``model.tie_embeddings``) has no ``lm_head.weight``.
+- ``model.kind = "llama"`` is ``model.family``'s ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
+  or ``MistralForCausalLM`` (their tensors share names): every tensor maps by name, the linear kernels transposed
+  (dtrain keeps ``[in, out]``, ``torch.nn.Linear`` ``[out, in]``), biases and q/k norms as they are; RoPE is the
+  same rotate-half convention, so q and k need no permutation. A tied head (``model.tie_embeddings``) has no
+  ``lm_head.weight``. ``config.json`` is :func:`dtrain.config.hf_fields.config_json`; where θ_0 is read
+  (:func:`read_theta0`) the folder's must agree with the config field by field.
 - ``model.kind = "gpt"`` is ``GPT2LMHeadModel``, exactly: learned positions (``n_positions = seq_len``),
-  LayerNorm with nnx's epsilon (:data:`GPT_LAYERNORM_EPS`), GELU's tanh approximation (``gelu_new``, what
-  ``jax.nn.gelu`` computes by default), an untied head, GPT-2's ``Conv1D`` weights stored ``[in, out]`` like
-  dtrain's kernels (no transpose). GPT-2 has biases on its projections where dtrain's GPT has none: they are
-  exported as zeros, and a folder whose biases are not all zero is refused.
+  LayerNorm with nnx's epsilon (:data:`dtrain.config.hf_fields.GPT_LAYERNORM_EPS`), GELU's tanh approximation
+  (``gelu_new``, what ``jax.nn.gelu`` computes by default), an untied head, GPT-2's ``Conv1D`` weights stored
+  ``[in, out]`` like dtrain's kernels (no transpose). GPT-2 has biases on its projections where dtrain's GPT has
+  none: they are exported as zeros, and a folder whose biases are not all zero is refused.
 - ``model.kind = "mlp"`` has no counterpart: :func:`mapping` refuses it.
 
 Everything works on the flat vector and its spec (``dtrain.codec.spec``), not on JAX arrays: numpy and
@@ -31,15 +34,17 @@ from typing import Any, Final
 import numpy as np
 
 from dtrain.codec.spec import Spec
+from dtrain.config.hf_fields import HFConfigError, config_json, mismatches, model_fields, read_config_json
 from dtrain.config.sections import ModelConfig
 
 __all__ = ["HFError", "SHARD_BYTES", "Tensor", "export_folder", "folder_config", "hf_config", "mapping",
+           "read_theta0",
            "read_vector", "weight_files"]
 
 SHARD_BYTES: Final = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 SINGLE: Final = "model.safetensors"
 INDEX: Final = "model.safetensors.index.json"
-GPT_LAYERNORM_EPS: Final = 1e-6  # flax.nnx.LayerNorm's default epsilon, which dtrain's GPT uses
+EXPORT_DTYPES: Final = ("float32", "bfloat16")  # dtrain export --dtype
 
 
 class HFError(ValueError):
@@ -63,8 +68,11 @@ _LLAMA: Final[list[_Rule]] = [
     (r"tok_embed/embedding", "model.embed_tokens.weight", False),
     (r"blocks/(\d+)/attn_norm/scale", "model.layers.{0}.input_layernorm.weight", False),
     (r"blocks/(\d+)/attn/(q|k|v|o)/kernel", "model.layers.{0}.self_attn.{1}_proj.weight", True),
+    (r"blocks/(\d+)/attn/(q|k|v|o)/bias", "model.layers.{0}.self_attn.{1}_proj.bias", False),
+    (r"blocks/(\d+)/attn/(q|k)_norm/scale", "model.layers.{0}.self_attn.{1}_norm.weight", False),
     (r"blocks/(\d+)/mlp_norm/scale", "model.layers.{0}.post_attention_layernorm.weight", False),
     (r"blocks/(\d+)/mlp/(gate|up|down)/kernel", "model.layers.{0}.mlp.{1}_proj.weight", True),
+    (r"blocks/(\d+)/mlp/(gate|up|down)/bias", "model.layers.{0}.mlp.{1}_proj.bias", False),
     (r"norm_f/scale", "model.norm.weight", False),
     (r"head/kernel", "lm_head.weight", True),
 ]
@@ -89,7 +97,7 @@ def mapping(cfg: ModelConfig, spec: Spec) -> list[Tensor]:
     block's weights); HFError for a kind without a counterpart or a spec path outside the mapping."""
     if cfg.kind not in ("llama", "gpt"):
         raise HFError(f"model.kind = {cfg.kind!r} has no Hugging Face counterpart: only llama "
-                      "(LlamaForCausalLM) and gpt (GPT2LMHeadModel) can be exported or imported")
+                      "(LlamaForCausalLM and its families) and gpt (GPT2LMHeadModel) can be exported or imported")
     rules = _LLAMA if cfg.kind == "llama" else _GPT2
     out: list[Tensor] = []
     unknown = []
@@ -115,61 +123,28 @@ def mapping(cfg: ModelConfig, spec: Spec) -> list[Tensor]:
     return out
 
 
-def _shape_of(spec: Spec, path: str) -> list[int]:
-    return next(list(shape) for p, shape, _ in spec if p == path)
-
-
-def hf_config(cfg: ModelConfig, spec: Spec, eos_id: int | None = None) -> dict[str, Any]:
-    """``config.json`` for the model: ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (widths read off the spec)."""
+def hf_config(cfg: ModelConfig, spec: Spec, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """``config.json`` for the model (:func:`dtrain.config.hf_fields.config_json`), its weights' ``dtype``."""
     mapping(cfg, spec)  # refuses a kind without a counterpart
-    head_dim = cfg.d_model // cfg.n_heads
-    common: dict[str, Any] = {"vocab_size": cfg.vocab_size, "torch_dtype": "float32", "initializer_range": 0.02,
-                              "use_cache": True}
-    if eos_id is not None:
-        common.update(eos_token_id=eos_id, bos_token_id=eos_id)
-    if cfg.kind == "gpt":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-                "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
-                "n_head": cfg.n_heads, "n_inner": cfg.mlp_ratio * cfg.d_model, "activation_function": "gelu_new",
-                "layer_norm_epsilon": GPT_LAYERNORM_EPS, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                "tie_word_embeddings": False}
-    kv_heads = _shape_of(spec, "blocks/0/attn/k/kernel")[1] // head_dim if cfg.n_layers else cfg.n_heads
-    hidden = _shape_of(spec, "blocks/0/mlp/gate/kernel")[1] if cfg.n_layers else 0
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-            "hidden_size": cfg.d_model, "intermediate_size": hidden, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-            "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings}
+    return {**config_json(cfg, eos_id), "torch_dtype": dtype}
 
 
 def folder_config(folder: str | Path) -> ModelConfig:
-    """The model a folder's ``config.json`` describes (``LlamaForCausalLM`` or ``GPT2LMHeadModel``; what
-    :func:`hf_config` writes read back), for looking at a folder (``dtrain.load``); HFError for a missing or
-    unreadable config or another architecture. ``seq_len`` is the folder's context length."""
+    """The model a folder's ``config.json`` describes (every family :func:`dtrain.config.hf_fields.model_fields`
+    reads, the one reader of config.json), for looking at a folder (``dtrain.load``); HFError for a missing or
+    unreadable config, or a field dtrain does not compute. ``seq_len`` is the folder's context length."""
     path = Path(folder) / "config.json"
     try:
-        c = json.loads(path.read_text())
-        model_type = c.get("model_type")
-        if model_type == "llama":
-            return ModelConfig(kind="llama", vocab_size=c["vocab_size"], seq_len=c["max_position_embeddings"],
-                               d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
-                               n_heads=c["num_attention_heads"],
-                               n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-                               mlp_hidden=c["intermediate_size"], rope_theta=float(c.get("rope_theta", 10000.0)),
-                               norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                               tie_embeddings=bool(c.get("tie_word_embeddings", False)))
-        if model_type == "gpt2":
-            return ModelConfig(kind="gpt", vocab_size=c["vocab_size"], seq_len=c["n_positions"], d_model=c["n_embd"],
-                               n_layers=c["n_layer"], n_heads=c["n_head"],
-                               mlp_ratio=(c.get("n_inner") or 4 * c["n_embd"]) // c["n_embd"])
-    except FileNotFoundError:
-        raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one)") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raw = read_config_json(folder)
+        if raw is None:
+            raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one)")
+        fields = model_fields(raw)
+        seq_len = int(raw.get("n_positions", 1024)) if fields["kind"] == "gpt" else int(fields["max_positions"])
+        return ModelConfig(**fields, seq_len=seq_len)
+    except HFConfigError as e:
+        raise HFError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
         raise HFError(f"{path}: unreadable: {type(e).__name__}: {e}") from None
-    raise HFError(f"{path}: model_type {model_type!r}: only llama (LlamaForCausalLM) and gpt2 (GPT2LMHeadModel) "
-                  "folders are read")
 
 
 # -- writing ----------------------------------------------------------------------------------------------
@@ -198,19 +173,47 @@ def hf_tensors(cfg: ModelConfig, spec: Spec, vec: np.ndarray) -> Iterator[tuple[
             yield t.name, np.ascontiguousarray(leaf.T if t.transpose else leaf, dtype=np.float32)
 
 
-def export_folder(cfg: ModelConfig, spec: Spec, vec: np.ndarray, out: str | Path, shard_bytes: int = SHARD_BYTES,
-                  eos_id: int | None = None) -> list[str]:
-    """Writes ``config.json``, ``generation_config.json`` and the float32 safetensors of θ (``vec``, flat, in
-    ``spec``'s layout) into ``out`` (created; expected empty); shards past ``shard_bytes``, each shard held in
-    memory only while it is written. Returns the files written."""
-    from safetensors.numpy import save_file
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bit patterns (uint16), rounded to nearest even, as torch's ``.to(bfloat16)``."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
-    config = hf_config(cfg, spec, eos_id)  # refuses first, before anything is written
+
+def _write_safetensors(path: Path, tensors: list[Tensor], values: Iterator[tuple[str, np.ndarray]],
+                       dtype: str) -> None:
+    """One safetensors file of ``tensors`` in ``dtype`` (F32 or BF16), written tensor by tensor from ``values``:
+    the header first (every shape is known), then each tensor's bytes, so one tensor at a time is in memory."""
+    width = 4 if dtype == "F32" else 2
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers loads it
+    offset = 0
+    for t in tensors:
+        size = width * int(np.prod(t.shape, dtype=np.int64))
+        header[t.name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for t in tensors:
+            name, value = next(values)
+            assert name == t.name  # noqa: S101 - the stream follows the mapping's order
+            f.write((value if dtype == "F32" else to_bfloat16(value)).tobytes())
+
+
+def export_folder(cfg: ModelConfig, spec: Spec, vec: np.ndarray, out: str | Path, shard_bytes: int = SHARD_BYTES,
+                  eos_id: int | None = None, dtype: str = "float32") -> list[str]:
+    """Writes ``config.json``, ``generation_config.json`` and the safetensors of θ (``vec``, flat float32, in
+    ``spec``'s layout) in ``dtype`` (float32, or bfloat16 rounded to nearest even) into ``out`` (created;
+    expected empty); shards past ``shard_bytes``, written a tensor at a time. Returns the files written."""
+    if dtype not in EXPORT_DTYPES:
+        raise HFError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
+    config = hf_config(cfg, spec, eos_id, dtype)  # refuses first, before anything is written
     tensors = mapping(cfg, spec)
+    width = 4 if dtype == "float32" else 2
     groups: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
-        nbytes = 4 * int(np.prod(t.shape, dtype=np.int64))
+        nbytes = width * int(np.prod(t.shape, dtype=np.int64))
         if groups[-1] and size + nbytes > shard_bytes:
             groups.append([])
             size = 0
@@ -223,13 +226,11 @@ def export_folder(cfg: ModelConfig, spec: Spec, vec: np.ndarray, out: str | Path
     stream = hf_tensors(cfg, spec, vec)
     weight_map = {}
     for name, group in zip(names, groups, strict=True):
-        shard = dict(next(stream) for _ in group)
-        save_file(shard, str(target / name), metadata={"format": "pt"})  # "pt": transformers loads it
-        weight_map.update(dict.fromkeys(shard, name))
-        del shard
+        _write_safetensors(target / name, group, stream, "F32" if dtype == "float32" else "BF16")
+        weight_map.update({t.name: name for t in group})
     written = list(names)
     if len(names) > 1:
-        total = sum(4 * int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+        total = sum(width * int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
         (target / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2))
         written.append(INDEX)
@@ -354,6 +355,31 @@ def read_vector(cfg: ModelConfig, spec: Spec, folder: str | Path, out: np.ndarra
         leaves[t.path][...] = value.T if t.transpose else value
 
 
+def check_config_json(cfg: ModelConfig, folder: str | Path) -> None:
+    """HFError unless the folder's ``config.json`` is there and agrees with ``cfg`` on every field that changes
+    the math (:func:`dtrain.config.hf_fields.model_fields`); one line naming each field, the config's value and
+    the folder's."""
+    try:
+        raw = read_config_json(folder)
+        if raw is None:
+            raise HFError(f"{folder}: no config.json (a Hugging Face model folder has one; dtrain checks the model "
+                          "it describes against the config)")
+        differ = mismatches(cfg, model_fields(raw))
+    except HFConfigError as e:
+        raise HFError(f"{Path(folder) / 'config.json'}: {e}") from None
+    if differ:
+        raise HFError(f"{folder}/config.json describes another model than the config ({len(differ)} "
+                      f"difference{'s' if len(differ) > 1 else ''}): {'; '.join(differ)}")
+
+
+def read_theta0(cfg: ModelConfig, spec: Spec, folder: str | Path, out: np.ndarray) -> None:
+    """``model.init_from``'s θ_0 into ``out``: the folder's weights found first (:func:`weight_files`), its
+    ``config.json`` checked against the config (:func:`check_config_json`), then :func:`read_vector`."""
+    weight_files(folder)
+    check_config_json(cfg, folder)
+    read_vector(cfg, spec, folder, out)
+
+
 def spec_of(abstract_params: Any) -> Spec:
     """The spec of a model's parameter tree from its shapes alone (``BuiltModel.abstract_params``; imports JAX)."""
     import jax
@@ -365,10 +391,10 @@ def spec_of(abstract_params: Any) -> Spec:
 
 def load_params(cfg: ModelConfig, abstract_params: Any) -> dict[Any, Any]:
     """``model.init_from``'s folder as the model's parameter tree (host float32 arrays), checked first
-    (:func:`read_vector`); for ``dtrain train`` and ``simulate --inprocess``, whose θ_0 is made in-process."""
+    (:func:`read_theta0`); for ``dtrain train`` and ``simulate --inprocess``, whose θ_0 is made in-process."""
     from dtrain.codec.spec import unflatten
 
     spec = spec_of(abstract_params)
     vec = np.empty(sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in spec), np.float32)
-    read_vector(cfg, spec, cfg.init_from, vec)
+    read_theta0(cfg, spec, cfg.init_from, vec)
     return unflatten(spec, vec)

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from dtrain.config.sections import ModelConfig
+from dtrain.models.rope import RopeScaling, frequencies
 
 Params = dict[str, Any]  # nested dict of float32 arrays
 
@@ -51,8 +52,9 @@ class KVCache(NamedTuple):
 _INIT_STD = 0.02
 
 
-def _dense(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs, std: float = _INIT_STD) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+def _dense(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs, std: float = _INIT_STD,
+           bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
@@ -84,7 +86,7 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int) -> str:
 
 
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
-                     implementation: str, mask_Bx1xLxT: jax.Array | None = None) -> jax.Array:
+                     implementation: str, mask_Bx1xLxT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """Causal softmax attention, by ``model.attention`` (``auto``: :func:`attention_kernel`): ``xla`` and ``cudnn`` are
     ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: the fused flash-attention kernel, NVIDIA
     GPUs and bfloat16 only); ``einsum`` is the textbook formulation written out (scores and softmax in float32),
@@ -92,15 +94,23 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
 
     Grouped-query attention when the keys and values have ``K`` heads, fewer than the queries' ``N`` (K divides N):
     query head ``n`` attends with key/value head ``n // (N // K)`` (Hugging Face's ``repeat_kv``; what
-    ``jax.nn.dot_product_attention`` does with fewer K/V heads).
+    ``jax.nn.dot_product_attention`` does with fewer K/V heads). A ``window`` > 0 (Mistral's sliding window) lets
+    each position attend to the last ``window`` positions only, itself included (transformers' ``kv > q - window``).
 
     ``mask_Bx1xLxT`` (:func:`attention_mask`; documents kept apart, or a KV cache's ``T`` slots) replaces the causal
-    mask: query ``l`` sees key ``t`` where it is true."""
+    mask: query ``l`` sees key ``t`` where it is true (and, with a window, within it)."""
     implementation = attention_kernel(implementation, q_BxLxNxH.dtype, q_BxLxNxH.shape[-1])
+    if window and mask_Bx1xLxT is not None:  # each query's own slot is the last key its mask lets it see
+        T = mask_Bx1xLxT.shape[-1]
+        q_slot_Bx1xL = T - 1 - jnp.argmax(mask_Bx1xLxT[..., ::-1], axis=-1)
+        mask_Bx1xLxT = mask_Bx1xLxT & (jnp.arange(T) > q_slot_Bx1xL[..., None] - window)
     if implementation in ("xla", "cudnn"):
         kernel: Literal["xla", "cudnn"] = "cudnn" if implementation == "cudnn" else "xla"
-        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=mask_Bx1xLxT is None,
-                                            mask=mask_Bx1xLxT, implementation=kernel)
+        if mask_Bx1xLxT is not None:
+            return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask_Bx1xLxT,
+                                                implementation=kernel)
+        return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True, implementation=kernel,
+                                            local_window_size=(window - 1, 0) if window else None)
     if implementation != "einsum":
         raise ValueError(f"model.attention: unknown implementation {implementation!r}")
     L, N, H = q_BxLxNxH.shape[1], q_BxLxNxH.shape[2], q_BxLxNxH.shape[3]
@@ -109,7 +119,12 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
     v_BxLxNxH = jnp.repeat(v_BxLxKxH, group, axis=2)
     scores_BxNxLxL = jnp.einsum("blnh,bmnh->bnlm", q_BxLxNxH, k_BxLxNxH,
                                 preferred_element_type=jnp.float32) * H ** -0.5
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool)) if mask_Bx1xLxT is None else mask_Bx1xLxT
+    if mask_Bx1xLxT is not None:
+        causal_LxL = mask_Bx1xLxT
+    else:
+        causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+        if window:
+            causal_LxL &= ~jnp.tril(causal_LxL, -window)  # keys more than window - 1 positions back are out
     scores_BxNxLxL = jnp.where(causal_LxL, scores_BxNxLxL, jnp.finfo(jnp.float32).min)
     probs_BxNxLxL = jax.nn.softmax(scores_BxNxLxL, axis=-1).astype(v_BxLxNxH.dtype)
     return jnp.einsum("bnlm,bmnh->blnh", probs_BxNxLxL, v_BxLxNxH)
@@ -231,26 +246,48 @@ class GPT(nnx.Module):
 
 
 def llama_mlp_hidden(cfg: ModelConfig) -> int:
-    """The Llama's SwiGLU hidden width F: ``model.mlp_hidden``, or with 0 Llama's rule, ``int(2 * 4 * d_model / 3)``
-    rounded up to a multiple of 256 (the published models give theirs explicitly: Llama 3 8B's 14336)."""
-    if cfg.mlp_hidden:
-        return cfg.mlp_hidden
-    return -(-int(2 * 4 * cfg.d_model / 3) // 256) * 256
+    """The Llama's SwiGLU hidden width F (:attr:`ModelConfig.swiglu_hidden`)."""
+    return cfg.swiglu_hidden
 
 
 def llama_kv_heads(cfg: ModelConfig) -> int:
-    """Key/value heads of the Llama's grouped-query attention: ``model.n_kv_heads``, 0 meaning ``n_heads``."""
-    return cfg.n_kv_heads or cfg.n_heads
+    """Key/value heads of the Llama's grouped-query attention (:attr:`ModelConfig.kv_heads`)."""
+    return cfg.kv_heads
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+@dataclass(frozen=True)
+class LlamaSwitches:
+    """What the llama's Hugging Face families (``model.family``) change in the one implementation: Qwen 2.5's q,
+    k, v biases, Qwen 3's q and k RMSNorm (over each head, before the rotation), Llama's optional biases on all
+    four projections and on the MLP, Mistral's sliding window; the head size and the rope of every family."""
+
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    window: int  # 0: none
+    rope: RopeScaling
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> LlamaSwitches:
+        return cls(head_dim=cfg.head_size, qkv_bias=cfg.attention_bias or cfg.family == "qwen2",
+                   o_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, qk_norm=cfg.family == "qwen3",
+                   window=cfg.sliding_window, rope=RopeScaling.of(cfg))
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float | RopeScaling) -> tuple[jax.Array, jax.Array]:
     """Rotary position embedding tables ``[L, H]`` (float32) in Hugging Face's convention: ``inv_freq = 1 /
-    theta ** (arange(0, H, 2) / H)``, angles ``position * inv_freq``, concatenated twice (the two halves of the
-    head dimension rotate together, not interleaved pairs)."""
-    inv_freq_H2 = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_LxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
+    theta ** (arange(0, H, 2) / H)`` (or a rope scaling's, :func:`dtrain.models.rope.frequencies`), angles
+    ``position * inv_freq``, concatenated twice (the two halves of the head dimension rotate together, not
+    interleaved pairs), cos and sin times the scaling's factor (yarn's; 1 otherwise)."""
+    rope = theta if isinstance(theta, RopeScaling) else RopeScaling(theta=theta)
+    inv_freq, scale = frequencies(head_dim, rope, seq_len)
+    angles_LxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     angles_LxH = jnp.concatenate([angles_LxH2, angles_LxH2], axis=-1)
-    return jnp.cos(angles_LxH), jnp.sin(angles_LxH)
+    if scale == 1.0:
+        return jnp.cos(angles_LxH), jnp.sin(angles_LxH)
+    return jnp.cos(angles_LxH) * scale, jnp.sin(angles_LxH) * scale
 
 
 def apply_rope(x_BxLxNxH: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array) -> jax.Array:
@@ -281,28 +318,35 @@ class RMSNorm(nnx.Module):
 
 
 class LlamaAttention(nnx.Module):
-    """Grouped-query attention with rotary positions; q, k, v, o without biases."""
+    """Grouped-query attention with rotary positions; biases, q/k norms and a window by :class:`LlamaSwitches`."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
-        self.n_heads, self.n_kv_heads = cfg.n_heads, llama_kv_heads(cfg)
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.attention = cfg.attention
-        self.q = _dense(cfg.d_model, self.n_heads * self.head_dim, dtype, rngs)
-        self.k = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs)
-        self.v = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs)
+        sw = LlamaSwitches.of(cfg)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, sw.head_dim
+        self.attention, self.window = cfg.attention, sw.window
+        self.q = _dense(cfg.d_model, self.n_heads * self.head_dim, dtype, rngs, bias=sw.qkv_bias)
+        self.k = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs, bias=sw.qkv_bias)
+        self.v = _dense(cfg.d_model, self.n_kv_heads * self.head_dim, dtype, rngs, bias=sw.qkv_bias)
         # residual projections scaled by 1/sqrt(2 * n_layers) at init, as the GPT's
-        self.o = _dense(self.n_heads * self.head_dim, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
+        self.o = _dense(self.n_heads * self.head_dim, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5,
+                        bias=sw.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype) if sw.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype) if sw.qk_norm else None
 
     def __call__(self, x_BxLxD: jax.Array, cos_LxH: jax.Array, sin_LxH: jax.Array, mask: jax.Array | None = None,
                  layer: _Layer = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         B, L, _ = x_BxLxD.shape
-        q_BxLxNxH = apply_rope(self.q(x_BxLxD).reshape(B, L, self.n_heads, self.head_dim), cos_LxH, sin_LxH)
-        k_BxLxKxH = apply_rope(self.k(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim), cos_LxH, sin_LxH)
+        q_BxLxNxH = self.q(x_BxLxD).reshape(B, L, self.n_heads, self.head_dim)
+        k_BxLxKxH = self.k(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen 3: each head normalized, then rotated
+            q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
+        q_BxLxNxH = apply_rope(q_BxLxNxH, cos_LxH, sin_LxH)
+        k_BxLxKxH = apply_rope(k_BxLxKxH, cos_LxH, sin_LxH)
         v_BxLxKxH = self.v(x_BxLxD).reshape(B, L, self.n_kv_heads, self.head_dim)
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = checkpoint_name((q_BxLxNxH, k_BxLxKxH, v_BxLxKxH), "attn_qkv")
         k_BxTxKxH, v_BxTxKxH = _cached(k_BxLxKxH, v_BxLxKxH, layer)
-        out_BxLxNxH = checkpoint_name(causal_attention(q_BxLxNxH, k_BxTxKxH, v_BxTxKxH, self.attention, mask),
-                                      "attn_out")
+        out_BxLxNxH = checkpoint_name(causal_attention(q_BxLxNxH, k_BxTxKxH, v_BxTxKxH, self.attention, mask,
+                                                       self.window), "attn_out")
         return self.o(out_BxLxNxH.reshape(B, L, self.n_heads * self.head_dim)), (k_BxTxKxH, v_BxTxKxH)
 
 
@@ -310,10 +354,10 @@ class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
-        hidden = llama_mlp_hidden(cfg)
-        self.gate = _dense(cfg.d_model, hidden, dtype, rngs)
-        self.up = _dense(cfg.d_model, hidden, dtype, rngs)
-        self.down = _dense(hidden, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5)
+        hidden, bias = cfg.swiglu_hidden, cfg.mlp_bias
+        self.gate = _dense(cfg.d_model, hidden, dtype, rngs, bias=bias)
+        self.up = _dense(cfg.d_model, hidden, dtype, rngs, bias=bias)
+        self.down = _dense(hidden, cfg.d_model, dtype, rngs, _INIT_STD / (2 * cfg.n_layers) ** 0.5, bias=bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -336,13 +380,14 @@ class LlamaBlock(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Hugging Face's ``LlamaForCausalLM``: no position embeddings (rotary ones in attention), RMSNorm, SwiGLU,
-    grouped-query attention, no biases; the head is ``head`` or, with ``model.tie_embeddings``, the token table."""
+    """Hugging Face's ``LlamaForCausalLM`` (and, by :class:`LlamaSwitches`, its Qwen 2.5, Qwen 3 and Mistral
+    relatives): no position embeddings (rotary ones in attention, scaled by ``model.rope_scaling``), RMSNorm,
+    SwiGLU, grouped-query attention; the head is ``head`` or, with ``model.tie_embeddings``, the token table."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.dtype = dtype
-        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        self.head_dim, self.rope = cfg.head_size, RopeScaling.of(cfg)
         self.tok_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                                    embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
         self.blocks = nnx.List([LlamaBlock(cfg, dtype, rngs) for _ in range(cfg.n_layers)])
@@ -355,7 +400,7 @@ class Llama(nnx.Module):
         """The final RMSNorm's output ``[B, L, D]`` (what the head takes), and each layer's keys and values."""
         L = tokens_BxL.shape[1]
         mask, positions_BxL = _positions(tokens_BxL, positions_BxL, cache)
-        cos_LxH, sin_LxH = rope_cos_sin(L if cache is None else cache.k[0].shape[1], self.head_dim, self.rope_theta)
+        cos_LxH, sin_LxH = rope_cos_sin(L if cache is None else cache.k[0].shape[1], self.head_dim, self.rope)
         if positions_BxL is not None:  # each row's own positions: rows of the tables
             cos_LxH, sin_LxH = cos_LxH[positions_BxL], sin_LxH[positions_BxL]
         x_BxLxD = self.tok_embed(tokens_BxL)
@@ -527,7 +572,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
     k and v projections and SwiGLU's three matrices are counted as :func:`build` builds them. For the GPT and the
     Llama, plus attention's score and value products: ``12 * n_layers * d_model * seq_len`` (PaLM, appendix B; the
     full LxL products, as PaLM counts them, though a causal mask makes half of them moot; GQA shares keys and
-    values between query heads but computes every query head's products, and ``n_heads * head_dim = d_model``).
+    values between query heads but computes every query head's products: ``d_model`` is ``n_heads * head_dim``
+    there, which a llama with its own ``model.head_dim`` counts instead; a sliding window is not discounted).
     Model FLOPs, not hardware FLOPs: ``remat``'s recomputation and the optimizer's elementwise update are not
     counted.
     """
@@ -536,5 +582,6 @@ def flops_per_token(cfg: ModelConfig) -> float:
     if cfg.kind == "llama" and cfg.tie_embeddings:
         flops += 6.0 * cfg.vocab_size * cfg.d_model
     if cfg.kind in ("gpt", "llama"):
-        flops += 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+        width = cfg.n_heads * cfg.head_size if cfg.kind == "llama" else cfg.d_model
+        flops += 12.0 * cfg.n_layers * width * cfg.seq_len
     return flops

@@ -17,7 +17,8 @@ import grpc
 from google.protobuf.message import Message
 
 from dtrain import codec
-from dtrain.config.sections import ConfigError, SecurityConfig
+from dtrain.config.ops import SecurityConfig
+from dtrain.config.sections import ConfigError
 from dtrain.net.proto import dtrain_pb2 as pb
 
 # Deadlines (seconds) of each RPC, from the caller's side. Pushes and pulls

@@ -1,8 +1,10 @@
 """The ``train`` and in-process ``simulate`` commands: I/O around the pure pieces.
 
 Both write ``RUN_DIR/events.jsonl`` and ``RUN_DIR/summary.json`` and log
-progress (``dtrain.run``). ``train`` is one island on the whole train split, with orbax
-checkpoints and exact ``--resume``; ``simulate --inprocess`` is N islands with
+progress (``dtrain.run``), and at their end θ for ``dtrain export``
+(``RUN_DIR/theta/``, ``RUN_DIR/model.json``: ``dtrain.models.layout``).
+``train`` is one island on the whole train split, with orbax checkpoints
+and exact ``--resume``; ``simulate --inprocess`` is N islands with
 the exact DiLoCo math in one process (they share the process's devices).
 """
 
@@ -19,6 +21,7 @@ from dtrain.config.load import replace, run_path
 from dtrain.config.sections import Config, ConfigError
 from dtrain.data.corpus import IslandShard
 from dtrain.errors import DtrainError
+from dtrain.models.layout import write_theta
 from dtrain.runlog import RunLog, fmt_progress, fmt_rate
 from dtrain.steps.outer import OuterHParams
 from dtrain.train.diloco import Island, Timer, advance, diloco_round, init_outer, record_loss, round_lengths
@@ -86,7 +89,7 @@ def run_train(cfg: Config, resume: bool = False, quiet: bool = False) -> dict[st
     remaining = t.steps - done
     advance(s.loop, island, remaining, t.batch_size, on_chunk,
             boundaries=tuple(b - done for b in boundaries if b > done))
-    return _finish_train(s, log, ckpt, timer, island, out)
+    return _finish_train(cfg, s, log, ckpt, timer, island, out)
 
 
 def _restore(cfg: Config, ckpt: Checkpointer, ckpt_dir: Path, island: Island, log: RunLog) -> None:
@@ -138,11 +141,13 @@ class _TrainChunkHook:
                         done=step, total=steps)
 
 
-def _finish_train(s: Setup, log: RunLog, ckpt: Checkpointer, timer: Timer, island: Island,
+def _finish_train(cfg: Config, s: Setup, log: RunLog, ckpt: Checkpointer, timer: Timer, island: Island,
                   out: Path) -> dict[str, Any]:
-    """The end of ``run_train``: the final eval, the checkpointer closed, the summary written and returned."""
+    """The end of ``run_train``: the final eval, the checkpointer closed, θ written for ``dtrain export``
+    (version: the steps), the summary written and returned."""
     final_eval = s.loop.evaluate(island.state.params, s.eval_batches)
     ckpt.close()
+    write_theta(cfg, out, island.steps, jax.device_get(island.state.params))
     wall = timer()
     log.event("eval", step=island.steps, eval_loss=final_eval)
     summary = {
@@ -200,6 +205,7 @@ def run_simulate_inprocess(cfg: Config, islands: int, quiet: bool = False) -> di
                   tokens=sum(i.tokens for i in isl), bytes_up=sum(bytes_up), bytes_down=sum(bytes_down))
         log.progress(f"round {r + 1:>3}/{len(lengths)}  v{res.version}  train loss "
                      f"{np.mean(res.train_losses):.4f}  eval loss {final_eval:.4f}  tok/s {fmt_rate(rate)}")
+    write_theta(cfg, out, int(global_state.version), jax.device_get(global_state.params))  # for dtrain export
     wall = timer()
     summary = {
         "mode": "simulate-inprocess", "final_eval_loss": final_eval, "rounds": len(lengths),
