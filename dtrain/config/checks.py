@@ -31,7 +31,8 @@ _AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "v
                  ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
                  ("outer", "islands"), ("outer", "inner_steps"), ("coordinator", "merge_threads")]
 _AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
-                  ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
+                  ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "muon_weight_decay"),
+                  ("train", "grad_clip"),
                   ("outer", "staleness_alpha")]
 
 
@@ -112,7 +113,9 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("train", "lr", f"must be > 0, got {t.lr}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         fail("train", "min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    for name in ("b1", "b2"):
+    if not t.muon_lr > 0:
+        fail("train", "muon_lr", f"must be > 0, got {t.muon_lr}")
+    for name in ("b1", "b2", "muon_beta"):
         if not 0.0 <= getattr(t, name) < 1.0:
             fail("train", name, f"must be in [0, 1), got {getattr(t, name)}")
     if t.warmup_steps >= t.steps:
