@@ -187,6 +187,9 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
     c = cfg.codec
     if c.block % 2 or not 64 <= c.block <= 65536:
         fail("codec", "block", f"must be even and in [64, 65536], got {c.block}")
+    if "int2" in (c.up, c.down) and c.block % 4:
+        fail("codec", "block", f"must be a multiple of 4 with the int2 codec (each block starts a byte), got "
+             f"{c.block}")
     if not 1 <= c.zstd_level <= 19:
         fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
     if not 4096 <= c.chunk_bytes <= 4 << 20:
