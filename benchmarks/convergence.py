@@ -51,7 +51,7 @@ from dtrain import codec
 from dtrain.config.load import load_config, replace
 from dtrain.config.sections import CODEC_NAMES, Config, ConfigError
 from dtrain.steps.inner import make_mesh
-from dtrain.steps.outer import OuterHParams, feedback_decay
+from dtrain.steps.outer import OuterHParams, feedback_decay, suited_rule
 from dtrain.train import fragments
 from dtrain.train.diloco import ConcatStream, Island, advance, diloco_round, init_outer, record_loss, round_lengths
 from dtrain.train.loop import InnerLoop
@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
     p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
+    p.add_argument("--optimizers", default="adamw", help="comma-separated inner optimizers (adamw, muon): dp, "
+                   "diloco and every codec variant run under each, side by side (muon's rows are named muon-...; "
+                   "train.muon_lr and the other muon fields from the config or --set)")
+    p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
+                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick), "
+                   "ending with the line 'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
     p.add_argument("--codecs", default="int8,int4,sparse", help="DiLoCo variants through the production codec + "
                    "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
@@ -99,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple); "
                    "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
-                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo)")
+                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo); every dense codec "
+                   "runs the rule that suits it, dtrain.steps.outer.suited_rule (nesterov)")
     p.add_argument("--sparse-down", choices=CODEC_NAMES, default="sparse",
                    help="codec.down of the sparse variant (default sparse: the update in the sparse codec too; fp32: "
                    "the mean of the sparse pushes broadcast exactly, to tell the down path's loss from the up path's)")
@@ -118,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.bits:
+        args.optimizers, args.codecs, args.only = "adamw,muon", "int8,int4,int2,sparse", "dp,diloco"
+    optimizers = [o for o in args.optimizers.split(",") if o]
     mode = "quick" if args.quick else "default"
     W, H, R = MODES[mode]
     W = args.warmup if args.warmup is not None else W
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     R = args.rounds or R
     N = args.islands
     T = H * R
-    fragments_on = "sparse" in args.codecs.split(",") and (args.fragments or 4) > 1
+    fragments_on = "sparse" in args.codecs.split(",") and (args.fragments or 4) > 1 and not args.bits
     no_fragments = ""  # said once the config and data are known good (a bad one is one line)
     if fragments_on and H % (args.fragments or 4):
         if args.fragments:
@@ -179,90 +189,47 @@ def main(argv: list[str] | None = None) -> dict:
         results["single"] = {"eval_loss": curve[-1], "curve": curve, "tokens": isl.tokens, "bytes": 0}
         log(f"single: eval loss {curve[-1]:.4f}")
 
-    if "dp" in only:
-        dp_cfg = replace(phase, train={"batch_size": N * B})
-        loop = InnerLoop(dp_cfg, s.built, make_mesh(dp_cfg))
-        isl = Island(index=0, state=loop.init_state(params_w), stream=ConcatStream(streams), cursor=cursor0 * N)
-        curve = eval_curve(loop, isl, N * B)
-        results["dp"] = {"eval_loss": curve[-1], "curve": curve, "tokens": isl.tokens,
-                         "bytes": T * N * 2 * model_bytes}
-        log(f"dp: eval loss {curve[-1]:.4f}")
+    for opt in optimizers:
+        ph = replace(phase, train={"optimizer": opt})
+        prefix = "" if opt == "adamw" else f"{opt}-"  # AdamW's rows keep their names
+        if "dp" in only:
+            dp_cfg = replace(ph, train={"batch_size": N * B})
+            loop = InnerLoop(dp_cfg, s.built, make_mesh(dp_cfg))
+            isl = Island(index=0, state=loop.init_state(params_w), stream=ConcatStream(streams),
+                         cursor=cursor0 * N)
+            curve = eval_curve(loop, isl, N * B)
+            results[f"{prefix}dp"] = {"eval_loss": curve[-1], "curve": curve, "tokens": isl.tokens,
+                                      "bytes": T * N * 2 * model_bytes, "optimizer": opt}
+            log(f"{prefix}dp: eval loss {curve[-1]:.4f}")
 
-    if "diloco" in only:
-        loop = InnerLoop(phase, s.built, mesh)
-        hp = OuterHParams.from_config(phase, mode="sync")
-        g = init_outer(loop.place_params(params_w))
-        islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
-                   for i in range(N)]
-        curve = []
-        for steps in round_lengths(T, H):
-            g, _ = diloco_round(loop, g, islands, steps, B, hp, record_loss)
-            curve.append(loop.evaluate(g.params, s.eval_batches))
-        rounds = len(curve)
-        results["diloco"] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
-                             "bytes": N * (2 * rounds - 1) * model_bytes}
-        log(f"diloco: eval loss {curve[-1]:.4f}")
+        if "diloco" in only:
+            loop = InnerLoop(ph, s.built, mesh)
+            hp = OuterHParams.from_config(ph, mode="sync")
+            g = init_outer(loop.place_params(params_w))
+            islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
+                       for i in range(N)]
+            curve = []
+            for steps in round_lengths(T, H):
+                g, _ = diloco_round(loop, g, islands, steps, B, hp, record_loss)
+                curve.append(loop.evaluate(g.params, s.eval_batches))
+            rounds = len(curve)
+            results[f"{prefix}diloco"] = {"eval_loss": curve[-1], "curve": curve,
+                                          "tokens": sum(i.tokens for i in islands),
+                                          "bytes": N * (2 * rounds - 1) * model_bytes, "optimizer": opt}
+            log(f"{prefix}diloco: eval loss {curve[-1]:.4f}")
+
+        rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
+        for name, rule in [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]:
+            label = f"{prefix}diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
+            results[label] = codec_variant(ph, s, mesh, params_w, streams, cursor0, args, name, rule, T, H)
+            results[label]["optimizer"] = opt
+            log(f"{label}: eval loss {results[label]['eval_loss']:.4f}, {results[label]['bytes']:,} bytes on the "
+                f"wire")
 
     if args.document_masking:
         results["diloco-documents"] = documents_variant(phase, warm_cfg, N, params_w, cursor0, s.eval_batches, T, H)
         log(f"diloco-documents: eval loss {results['diloco-documents']['eval_loss']:.4f} (plain eval batches), "
             f"{results['diloco-documents']['eval_loss_documents']:.4f} (documents kept apart)")
-
-    rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
-    variants = [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]
-    for name, rule in variants:
-        label = f"diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
-        loop = InnerLoop(phase, s.built, mesh)
-        spec, theta_w = codec.flatten(jax.device_get(params_w))
-        k = phase.codec
-        # Synchronous rounds, both directions through the codec `name`, with error feedback.
-        down = args.sparse_down if name == "sparse" else name
-        merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
-                            coordinator={"mode": "sync", "merge_rule": rule},
-                            outer={"rule": args.sparse_rule if name == "sparse" else phase.outer.rule})
-        merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
-        bits, block = k.scheme(name)
-        feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
-                    if bits != 32 else None for _ in range(N)]
-        islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
-                   for i in range(N)]
-        global_vec, wire, curve, density, screened, peak = theta_w.copy(), 0, [], [], [], 0
-        for steps in round_lengths(T, H):
-            pushed = 0  # the round's largest push
-            for isl, ef in zip(islands, feedback, strict=True):
-                isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
-                before = isl.tokens
-                advance(loop, isl, steps, B, record_loss)
-                _, local = codec.flatten(jax.device_get(isl.state.params))
-                delta = global_vec - local
-                frame = codec.encode(ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density),
-                                     k.zstd_level)
-                wire += len(frame)  # push
-                pushed = max(pushed, len(frame))
-                with merger.spool() as spool:
-                    spool.write(frame)
-                    merger.validate(spool)
-                    merger.add_pending(spool, isl.tokens - before, key=f"island-{isl.index}")
-            screened.append(round_screen(merger, merge_cfg, steps))
-            update = merger.outer_step()
-            wire += N * len(update.frame)  # every island pulls the update
-            peak = max(peak, pushed + update.size)
-            density.append(update_density(update.frame, global_vec.size))
-            global_vec = global_vec + codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
-            assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
-            curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
-        results[label] = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands),
-                          "bytes": wire, "merge_rule": rule, "round_screen": screened,
-                          "peak_exchange_bytes": peak}
-        if rule == "screened_mean":
-            log(f"{label}: direction screen, the lowest cosine of each round: "
-                + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
-                + f"; pushes rejected: {sum(len(r['rejected']) for r in screened)}")
-        if codec.is_sparse(bits) and down == "sparse":  # (a dense update has no density to log)
-            results[label]["update_density"] = density
-            log(f"{label}: update density per round (push density {k.max_count / block:.4f}): "
-                + " ".join(f"{d:.4f}" for d in density))
-        log(f"{label}: eval loss {curve[-1]:.4f}, {wire:,} bytes on the wire")
 
     if fragments_on:
         results["diloco-fragments"] = fragments_variant(phase, s, mesh, params_w, streams, cursor0, args, T, H)
@@ -271,24 +238,29 @@ def main(argv: list[str] | None = None) -> dict:
     # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
     # for the codec variants; fp32 for plain diloco). The one full pull at join is left out of both.
     ring = T * 2 * (2 * (N - 1) / N) * 4 * s.n_params * N
-    if "dp" in results:
-        results["dp"]["bytes"] = int(ring)
-    if "diloco" in results:
-        results["diloco"]["bytes"] = int(len(round_lengths(T, H)) * N * 2 * 4 * s.n_params)
-    print(f"\n{'method':<16} {'final eval loss':>15} {'vs diloco':>9} {'tokens':>11} {'bytes (both ways)':>18} "
+    for opt in optimizers:
+        prefix = "" if opt == "adamw" else f"{opt}-"
+        if f"{prefix}dp" in results:
+            results[f"{prefix}dp"]["bytes"] = int(ring)
+        if f"{prefix}diloco" in results:
+            results[f"{prefix}diloco"]["bytes"] = int(len(round_lengths(T, H)) * N * 2 * 4 * s.n_params)
+    print(f"\n{'method':<22} {'final eval loss':>15} {'vs diloco':>9} {'tokens':>11} {'bytes (both ways)':>18} "
           f"{'dp/this':>8}   eval loss per round")
     base_loss = results.get("diloco", {}).get("eval_loss")
     for name, r in results.items():
         curve = " ".join(f"{x:.3f}" for x in r["curve"][:: max(1, len(r["curve"]) // 8)])
         rel = f"{r['eval_loss'] / base_loss:9.4f}" if base_loss else " " * 9
         red = f"{ring / r['bytes']:7.0f}x" if r["bytes"] else "       -"
-        print(f"{name:<16} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
+        print(f"{name:<22} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
     print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
-          f"nesterov={base.outer.nesterov}; sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
+          f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
+          f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
           f"bits={base.codec.sparse_bits} sparseloco lr={base.outer.sparseloco_lr} "
           f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
+    if "diloco" in results and (len(optimizers) > 1 or args.bits):
+        out["table"] = optimizer_table(results, optimizers, [c for c in args.codecs.split(",") if c], ring)
     if args.process:
         out["process"] = compare_process_mode(base, N, log)
     if {"single", "dp", "diloco"} <= results.keys():
@@ -324,6 +296,129 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    if args.bits and "table" in out:
+        rows = out["table"]
+        meeting = [r for r in rows if r["reduction"] >= TARGET_REDUCTION]
+        best = min(meeting, key=lambda r: r["ratio"]) if meeting else max(rows, key=lambda r: r["reduction"])
+        muon = results.get("muon-diloco", {}).get("eval_loss", math.nan) / results["diloco"]["eval_loss"]
+        out.update(best=best, muon_over_adamw=muon)
+        print(f"bits: best={best['optimizer']}+{best['codec']} comm-reduction={best['reduction']:.0f}x "
+              f"loss-ratio={best['ratio']:.4f} muon/adamw={muon:.4f}")
+    return out
+
+
+TARGET_REDUCTION, TARGET_RATIO = 3000.0, 1.01  # the target: this much less traffic than dp at this loss ratio
+
+
+def optimizer_table(results: dict, optimizers: list[str], codecs: list[str], ring: float) -> list[dict]:
+    """Prints every optimizer x codec pair side by side: its final eval loss over fp32 AdamW-DiLoCo's, over data
+    parallel's with the same optimizer, its traffic reduction against data parallel, and whether it meets the
+    target (TARGET_REDUCTION less traffic at no more than TARGET_RATIO of fp32 AdamW-DiLoCo's loss); then, for
+    each codec pair, where its loss goes: its loss over fp32 DiLoCo's with the same optimizer per round, and per
+    round the push stage's and the update stage's relative errors (``codec_variant``). Returns the rows."""
+    ref = results["diloco"]["eval_loss"]
+    rows = []
+    print(f"\n{'optimizer':<9} {'codec':<7} {'eval loss':>9} {'/fp32 adamw-diloco':>18} {'/dp same opt':>12} "
+          f"{'traffic reduction':>17}  meets target (>= {TARGET_REDUCTION:.0f}x at <= {TARGET_RATIO})")
+    for opt in optimizers:
+        prefix = "" if opt == "adamw" else f"{opt}-"
+        dp = results.get(f"{prefix}dp", {}).get("eval_loss")
+        for name in ("fp32", *codecs):
+            r = results.get(f"{prefix}diloco" if name == "fp32" else f"{prefix}diloco-{name}")
+            if r is None:
+                continue
+            row = {"optimizer": opt, "codec": name, "eval_loss": r["eval_loss"], "ratio": r["eval_loss"] / ref,
+                   "dp_ratio": r["eval_loss"] / dp if dp else math.nan, "reduction": ring / r["bytes"]}
+            row["meets"] = row["reduction"] >= TARGET_REDUCTION and row["ratio"] <= TARGET_RATIO
+            rows.append(row)
+            print(f"{opt:<9} {name:<7} {row['eval_loss']:>9.4f} {row['ratio']:>18.4f} {row['dp_ratio']:>12.4f} "
+                  f"{row['reduction']:>16.0f}x  {'yes' if row['meets'] else 'no'}")
+    print("\nwhere the loss goes, per round: loss / fp32 DiLoCo's with the same optimizer; push error ||sent - "
+          "delta|| / ||delta|| (island error feedback carries it); update error ||u - sent|| / ||sent||")
+    for opt in optimizers:
+        prefix = "" if opt == "adamw" else f"{opt}-"
+        fp32 = results.get(f"{prefix}diloco")
+        for name in codecs:
+            r = results.get(f"{prefix}diloco-{name}")
+            if r is None or fp32 is None:
+                continue
+            step = max(1, len(r["curve"]) // 8)
+            ratios = [a / b for a, b in zip(r["curve"], fp32["curve"], strict=True)][::step]
+            print(f"  {opt}+{name} ({r['outer_rule']}): loss ratio " + " ".join(f"{x:.4f}" for x in ratios)
+                  + "; push error " + " ".join(f"{x:.3f}" for x in r["up_error"][::step])
+                  + "; update error " + " ".join(f"{x:.3f}" for x in r["down_error"][::step]))
+    return rows
+
+
+def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: argparse.Namespace, name: str,
+                  rule: str, T: int, H: int) -> dict:
+    """DiLoCo through the production codec and merger path: synchronous rounds, both directions in the codec
+    ``name`` with error feedback (sparse: ``--sparse-down`` down), the outer rule that suits the codec
+    (``dtrain.steps.outer.suited_rule``; ``--sparse-rule`` for sparse), the merge rule ``rule``. Besides the eval
+    curve, where the loss goes, per round: ``up_error``, the pushes' mean relative error ||sent - Δ_i|| / ||Δ_i||
+    (what the island's error feedback carries to the next round), and ``down_error``, the update's relative error
+    against the merger's exact update ||u - sent|| / ||sent|| (the down residual's change; 0 when lossless)."""
+    N, B, k = args.islands, phase.train.batch_size, phase.codec
+    loop = InnerLoop(phase, s.built, mesh)
+    spec, theta_w = codec.flatten(jax.device_get(params_w))
+    down = args.sparse_down if name == "sparse" else name
+    merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
+                        coordinator={"mode": "sync", "merge_rule": rule},
+                        outer={"rule": args.sparse_rule if name == "sparse" else suited_rule(name)})
+    merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
+    bits, block = k.scheme(name)
+    feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
+                if bits != 32 else None for _ in range(N)]
+    islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
+               for i in range(N)]
+    global_vec, wire, curve, density, screened, peak = theta_w.copy(), 0, [], [], [], 0
+    up_error, down_error = [], []
+
+    def down_residual() -> np.ndarray:
+        path = merger.state_files().get("residual")
+        return np.fromfile(path, "<f4") if path else np.zeros(0, np.float32)
+
+    for steps in round_lengths(T, H):
+        pushed, errors = 0, []  # the round's largest push; each push's relative error
+        for isl, ef in zip(islands, feedback, strict=True):
+            isl.state = loop.with_params(isl.state, codec.unflatten(spec, global_vec))
+            before = isl.tokens
+            advance(loop, isl, steps, B, record_loss)
+            _, local = codec.flatten(jax.device_get(isl.state.params))
+            delta = global_vec - local
+            q = ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density)
+            errors.append(float(np.linalg.norm(codec.dequantize(q) - delta) / max(np.linalg.norm(delta), 1e-30)))
+            frame = codec.encode(q, k.zstd_level)
+            wire += len(frame)  # push
+            pushed = max(pushed, len(frame))
+            with merger.spool() as spool:
+                spool.write(frame)
+                merger.validate(spool)
+                merger.add_pending(spool, isl.tokens - before, key=f"island-{isl.index}")
+        up_error.append(float(np.mean(errors)))
+        screened.append(round_screen(merger, merge_cfg, steps))
+        residual_before = down_residual()
+        update = merger.outer_step()
+        wire += N * len(update.frame)  # every island pulls the update
+        peak = max(peak, pushed + update.size)
+        density.append(update_density(update.frame, global_vec.size))
+        applied = codec.dequantize(codec.decode(update.frame, expected_n=global_vec.size))
+        change = down_residual() - residual_before if residual_before.size else np.zeros(1, np.float32)
+        down_error.append(float(np.linalg.norm(change) / max(np.linalg.norm(applied), 1e-30)))
+        global_vec = global_vec + applied
+        assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
+        curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
+    out = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
+           "merge_rule": rule, "round_screen": screened, "peak_exchange_bytes": peak, "up_error": up_error,
+           "down_error": down_error, "outer_rule": merge_cfg.outer.rule}
+    if rule == "screened_mean":
+        log(f"diloco-{name}: direction screen, the lowest cosine of each round: "
+            + " ".join(f"{r['min_cosine']:.3f}" for r in screened)
+            + f"; pushes rejected: {sum(len(r['rejected']) for r in screened)}")
+    if codec.is_sparse(bits) and down == "sparse":  # (a dense update has no density to log)
+        out["update_density"] = density
+        log(f"diloco-{name}: update density per round (push density {k.max_count / block:.4f}): "
+            + " ".join(f"{d:.4f}" for d in density))
     return out
 
 

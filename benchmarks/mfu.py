@@ -31,7 +31,10 @@ CPU). The knobs a tuning session turns: ``--batch-size``, ``--seq-len``, ``--ste
 bf16), ``--no-donate``, and any ``--set SECTION.FIELD=VALUE``. Target: MFU >= 45% for gpt-350m on an H100.
 
 Per config, a few lines, then ``mfu: config=NAME device=KIND tokens/s=T mfu=M`` (M a percentage or ``n/a``);
-the last line is the last config's. A bad flag or config is one line on stderr and a non-zero exit.
+the last line is the last config's. ``--optimizers adamw,muon`` times each config under each inner optimizer
+(named ``CONFIG+OPTIMIZER``) and ends with one line per config, ``optimizers: config=NAME device=KIND
+adamw=Xms/step muon=Yms/step muon/adamw=R``: Muon's extra time a step is its Newton-Schulz iterations. A bad
+flag or config is one line on stderr and a non-zero exit.
 
 ``--compile-only``: no step runs and no parameter is allocated; the scan is lowered from abstract shapes and
 compiled, and XLA's memory estimate of one device's program is printed, the last line
@@ -133,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--document-masking", action="store_true",
                    help="also time the step with data.document_masking on (documents of random lengths, mean "
                    f"seq_len / {DOCS_PER_ROW}), side by side: tokens/s with and without, and their ratio")
+    p.add_argument("--optimizers", default="", metavar="NAMES", help="comma-separated train.optimizer values (adamw, "
+                   "muon) timed side by side on each config, ending with an 'optimizers:' line of their step times "
+                   "(muon's extra time is its Newton-Schulz iterations); '': the config's optimizer")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
     if args.loss_chunk is not None and args.loss_chunk < 0:
@@ -384,6 +390,17 @@ def compile_report(r: CompileResult) -> list[str]:
     ]
 
 
+def optimizer_line(results: list[Result], optimizers: list[str]) -> str:
+    """One config's optimizers side by side: each one's median step time, and each one's over the first's (Muon's
+    over AdamW's: the cost of its Newton-Schulz iterations, five quintic steps on every hidden matrix)."""
+    step_ms = [statistics.median(r.repeat_s) / r.timed_steps * 1e3 for r in results]
+    config = results[0].config.rsplit("+", 1)[0]
+    return (f"optimizers: config={config} device={results[0].device_kind} "
+            + " ".join(f"{o}={ms:.3f}ms/step" for o, ms in zip(optimizers, step_ms, strict=True)) + " "
+            + " ".join(f"{o}/{optimizers[0]}={ms / step_ms[0]:.3f}" for o, ms in zip(optimizers[1:], step_ms[1:],
+                                                                                     strict=True)))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import jax
@@ -391,7 +408,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     on_cpu = jax.devices()[0].platform == "cpu"
     names = args.configs or list(CPU_CONFIGS if on_cpu else ACCELERATOR_CONFIGS)
     overrides = knob_overrides(args)
-    configs = [(name, load_config(name, overrides)) for name in names]  # every config checked before any runs
+    optimizers = [o for o in args.optimizers.split(",") if o]
+    # every config (with each optimizer) checked before any runs
+    configs = [(name, load_config(name, overrides)) for name in names] if not optimizers else [
+        (f"{name}+{opt}", load_config(name, [*overrides, f"train.optimizer={opt}"]))
+        for name in names for opt in optimizers]
     results: list[Any] = []
     for name, cfg in configs:
         if args.compile_only:
@@ -403,6 +424,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append(r)
         print("\n".join(report(r)), flush=True)
     out = {"overrides": overrides, "results": [asdict(r) for r in results]}
+    if len(optimizers) > 1:
+        lines = [optimizer_line(results[i:i + len(optimizers)], optimizers)
+                 for i in range(0, len(results), len(optimizers))]
+        print("\n".join(lines), flush=True)
+        out["optimizers"] = lines
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return out

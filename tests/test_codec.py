@@ -348,7 +348,7 @@ def test_one_table_of_codec_names() -> None:
     "sparse", whose scheme codec.sparse_bits picks)."""
     from dtrain.config.sections import CodecConfig
 
-    assert dict(codec.CODEC_BITS) == {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
+    assert dict(codec.CODEC_BITS) == {"fp32": 32, "int8": 8, "int4": 4, "int2": 2, "e3m0": "e3m0"}
     assert all(codec.canonical_bits(bits) == bits for bits in codec.CODEC_BITS.values())
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(CodecConfig) if f.name in ("up", "down")}
     assert choices == {"up": (*codec.CODEC_BITS, "sparse"), "down": (*codec.CODEC_BITS, "sparse")}

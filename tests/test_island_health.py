@@ -110,6 +110,23 @@ def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict
     assert cq["device"] == 3 and cq["probe"] == "stats"
 
 
+@pytest.mark.slow  # a worker run of its own; Muon's fault detection and exact restore are in tests/test_muon.py
+def test_a_muon_island_quarantines_a_scaled_device_and_restores_its_muon_state(tmp_path: Path,
+                                                                               compile_cache: str) -> None:
+    fault = DeviceFault("scale", 3, factor=10.0, start=25)
+    run = _run(_cfg(tmp_path, compile_cache, "health.enabled=true", "train.optimizer=muon"), tmp_path,
+               {"a": fault})
+    a, events = run["a"], run["events"]["a"]
+    [q] = _of(events, "device_quarantined")
+    assert q["device"] == 3 and q["healthy"] == 7
+    # back to its last push with the optimizer state of that push's checkpoint: Muon's momentum, restored
+    rewound = [e for e in _of(events, "rewound") if e["restored"]]
+    assert len(rewound) == 1 and rewound[0]["to_cursor"] == 20 * 8
+    assert _of(events, "island_restored")
+    assert a["devices"] == 7 and a["version"] == run["version"] == 3 and a["params_digest"] == run["digest"]
+    assert np.isfinite(a["final_eval_loss"])
+
+
 @pytest.mark.slow  # ~17 s; the guard's detection is in test_chip_step.py, the rollback path in the test above
 def test_nan_guard_rolls_back_and_every_pushed_delta_is_finite(tmp_path: Path) -> None:
     """Health probes off; one device's gradients get their exponent bit flipped on one step (a transient fault):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import subprocess
 import sys
 from functools import partial
@@ -102,6 +103,22 @@ def test_document_masking_is_timed_side_by_side_with_documents_of_random_lengths
     assert batches.shape == (3, 8, 2, 33) and (positions[..., 0] == 0).all()
     step = np.diff(positions, axis=-1)
     assert ((step == 1) | (positions[..., 1:] == 0)).all() and (positions[..., 1:] == 0).any()
+
+
+def test_optimizers_side_by_side_end_with_their_step_times(capsys: pytest.CaptureFixture[str]) -> None:
+    """--optimizers adamw,muon: the tiny config timed under each (named tiny+adamw, tiny+muon), then one line of
+    their step times and Muon's over AdamW's."""
+    bench = _bench()
+    out = bench.main(["--config", "tiny", "--steps", "2", "--steps-per-call", "1", "--repeats", "1",
+                      "--optimizers", "adamw,muon"])
+    assert [r["config"] for r in out["results"]] == ["tiny+adamw", "tiny+muon"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"optimizers: config=tiny device=(.+) adamw=([0-9.]+)ms/step muon=([0-9.]+)ms/step "
+                     r"muon/adamw=([0-9.]+)", last)
+    assert m is not None, last
+    adamw, muon = (statistics.median(r["repeat_s"]) / r["timed_steps"] * 1e3 for r in out["results"])
+    assert float(m.group(2)) == pytest.approx(adamw, abs=1e-3) and float(m.group(3)) == pytest.approx(muon, abs=1e-3)
+    assert float(m.group(4)) == pytest.approx(muon / adamw, rel=1e-2)
 
 
 def test_the_knob_flags_become_config_overrides_after_set() -> None:

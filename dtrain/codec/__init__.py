@@ -1,6 +1,6 @@
 """The delta codec: trees as flat vectors, block quantization with error feedback, zstd frames.
 
-Pure numpy + zstandard: no JAX, no pickle, no gRPC. Four modules, each
+Pure numpy + zstandard: no JAX, no pickle, no gRPC. Five modules, each
 importing only the ones before it:
 
 * ``spec``: a nested dict of arrays ↔ (spec, one float32 vector); the spec's
@@ -8,7 +8,8 @@ importing only the ones before it:
 * ``sparse``: the sparse schemes (``"sparse2"``, ``"sparse4"``, ``"sparse8"``): per chunk, the top entries
   by magnitude, 2 (4, 8)-bit values and gap-coded indices; their checker (:class:`SparseChecker`) and
   :func:`sparse_add` (checked chunks summed into a dense slab).
-* ``quant``: block quantization (int8, int4, e3m0, lossless 32), error
+* ``int2``: the dense 2-bit scheme's levels (four, scaled by each block's RMS), packing and checks.
+* ``quant``: block quantization (int8, int4, int2, e3m0, lossless 32), error
   feedback, the checks of scales and codes, and :data:`CODEC_BITS`, the
   config's codec names → schemes.
 * ``frame``: the frame layout, its one writer (:func:`write_frame`, and

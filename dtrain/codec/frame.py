@@ -7,12 +7,13 @@ Frame layout (all integers little endian)
     offset size  field
      0      4    magic        b"DTRC"
      4      1    version      u8, currently 1
-     5      1    bits code    u8: 8, 4, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8"
+     5      1    bits code    u8: 8, 4, 2, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8"
      6      2    reserved     u16, must be 0
-     8      4    block        u32, even, in [64, 65536]
+     8      4    block        u32, even, in [64, 65536] (bits=2: a multiple of 4)
     12      8    n            u64, number of values
     20      8    scales_len   u64, bytes of scales = 4·ceil(n/block) (0 for bits=32)
-    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), 4n (bits=32); sparse:
+    28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), ceil(n/4) (2-bit),
+                              4n (bits=32); sparse:
                               counts ‖ records, whatever the counts make (at most what the receiver's
                               per-chunk bound allows)
     36      8    body_len     u64, bytes of compressed body following the header
@@ -68,6 +69,7 @@ from typing import Any, BinaryIO, Final
 import numpy as np
 import zstandard
 
+from dtrain.codec import int2
 from dtrain.codec.quant import (
     MAX_BLOCK,
     MIN_BLOCK,
@@ -105,7 +107,7 @@ _HEADER: Final = struct.Struct("<4sBBHIQQQQI")
 HEADER_SIZE: Final = _HEADER.size  # 48
 _CRC_OFFSET: Final = HEADER_SIZE - 4  # the CRC covers header bytes [0, 44) and the body
 
-_BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 32: 32, "e3m0": 0xE3, "sparse2": 0x52, "sparse4": 0x54,
+_BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 2: 2, 32: 32, "e3m0": 0xE3, "sparse2": 0x52, "sparse4": 0x54,
                                       "sparse8": 0x58}
 _CODE_BITS: Final[dict[int, Bits]] = {code: bits for bits, code in _BITS_CODE.items()}
 
@@ -236,10 +238,12 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     if reserved:
         raise CodecError(f"reserved header field is {reserved}, must be 0")
     if code not in _CODE_BITS:
-        raise CodecError(f"unknown bits code {code} (known: 8, 4, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse)")
+        raise CodecError(f"unknown bits code {code} (known: 8, 4, 2, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse)")
     got_bits = _CODE_BITS[code]
     if not MIN_BLOCK <= got_block <= MAX_BLOCK or got_block % 2:
         raise CodecError(f"block {got_block} out of range: must be even and in [{MIN_BLOCK}, {MAX_BLOCK}]")
+    if got_bits == 2 and (why := int2.check_block(got_block)):
+        raise CodecError(why)
     if n is not None and got_n != n:
         raise CodecError(f"header says n={got_n}, expected n={n}")
     want_scales = 4 * n_scales(got_bits, got_n, got_block)
@@ -436,6 +440,8 @@ class FrameValidator:
             self.sparse.finish()
         if header.bits in (4, "e3m0") and header.n % 2 and self._last >> 4:
             raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
+        if header.bits == 2 and not int2.padding_ok(self._last, header.n):
+            raise CodecError("padding bits (the unused high bits of the last 2-bit payload byte) must be 0")
 
 
 def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None,

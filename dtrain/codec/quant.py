@@ -14,6 +14,8 @@ The vector is cut into blocks of ``block`` values (an even number in
   scale·{1, 1/2, …, 1/64}; the nearest level (linear distance) is chosen. Relative
   error ≤ 1/3 above scale/128, absolute error ≤ scale/128 below. Nibble 0b1000
   ("-0") is invalid.
+* ``2``: 2-bit codes, four levels scaled by the block's RMS (clipping, not absmax): ``dtrain.codec.int2``,
+  which also gives its packing. Its block must be a multiple of 4.
 * ``32``: lossless; the payload is the raw float32 values (little endian) and
   there are no scales, so the same framing carries exact parameters.
 
@@ -51,6 +53,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from dtrain.codec import int2
 from dtrain.codec.sparse import MAX_CHUNK, SPARSE_BITS, is_sparse, kept_per_chunk, sparse_dequantize, sparse_quantize
 from dtrain.codec.spec import CodecError
 
@@ -79,10 +82,10 @@ __all__ = [
     "sum_squares",
 ]
 
-Bits = Literal[8, 4, 32, "e3m0", "sparse2", "sparse4", "sparse8"]
+Bits = Literal[8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8"]
 
 # The config's codec names (``codec.up`` / ``codec.down``) → quantization schemes: the one table of them.
-CODEC_BITS: Final[Mapping[str, Bits]] = {"fp32": 32, "int8": 8, "int4": 4, "e3m0": "e3m0"}
+CODEC_BITS: Final[Mapping[str, Bits]] = {"fp32": 32, "int8": 8, "int4": 4, "int2": 2, "e3m0": "e3m0"}
 _CANONICAL_BITS: Final[dict[Any, Bits]] = {bits: bits for bits in (*CODEC_BITS.values(), *SPARSE_BITS)}
 
 DEFAULT_BLOCK: Final = 1024
@@ -118,12 +121,12 @@ _INT4_SQUARES: Final = (_INT4_LEVELS.astype(np.int32) ** 2).sum(axis=1).astype(n
 
 
 def canonical_bits(bits: Any) -> Bits:
-    """``bits`` as one of 8, 4, 32, "e3m0", "sparse2", "sparse4", "sparse8" (e.g. 8.0 → 8); CodecError for
+    """``bits`` as one of 8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8" (e.g. 8.0 → 8); CodecError for
     anything else."""
     try:
         return _CANONICAL_BITS[bits]
     except (KeyError, TypeError):
-        raise CodecError(f"bits must be one of 8, 4, 32, 'e3m0', 'sparse2', 'sparse4', 'sparse8'; got {bits!r}"
+        raise CodecError(f"bits must be one of 8, 4, 2, 32, 'e3m0', 'sparse2', 'sparse4', 'sparse8'; got {bits!r}"
                          ) from None
 
 
@@ -146,16 +149,17 @@ def n_scales(bits: Bits, n: int, block: int) -> int:
 
 
 def payload_len(bits: Bits, n: int) -> int:
-    """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), 4n (32); sparse schemes have no fixed
-    size (CodecError)."""
+    """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), ceil(n/4) (2-bit), 4n (32); sparse
+    schemes have no fixed size (CodecError)."""
     if is_sparse(bits):
         raise CodecError(f"a {bits} payload's size depends on its counts, not on n alone")
-    return {8: n, 4: (n + 1) // 2, "e3m0": (n + 1) // 2, 32: 4 * n}[bits]
+    return {8: n, 4: (n + 1) // 2, "e3m0": (n + 1) // 2, 2: (n + 3) // 4, 32: 4 * n}[bits]
 
 
 def payload_offset(bits: Bits, value_index: int) -> int:
     """Byte offset in the payload of a value index that starts a block (blocks are even: byte-aligned)."""
-    return {8: value_index, 4: value_index // 2, "e3m0": value_index // 2, 32: 4 * value_index}[bits]
+    return {8: value_index, 4: value_index // 2, "e3m0": value_index // 2, 2: value_index // 4,
+            32: 4 * value_index}[bits]
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,6 +185,8 @@ class QuantizedVec:
             raise CodecError(f"n must be a non-negative int, got {self.n!r}")
         if is_sparse(self.bits) and self.block > MAX_CHUNK:
             raise CodecError(f"a sparse chunk holds at most {MAX_CHUNK} values, got {self.block}")
+        if self.bits == 2 and (why := int2.check_block(self.block)):
+            raise CodecError(why)
         want_scales = n_scales(self.bits, self.n, self.block)
         # sparse: at least the counts (u16 per chunk); the rest is checked by the frame reader
         want_payload = 2 * want_scales if is_sparse(self.bits) else payload_len(self.bits, self.n)
@@ -242,6 +248,8 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         raise CodecError(f"{bits} is sparse: sparse_quantize_segment codes it")
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
+    if bits == 2:
+        return int2.quantize_segment(block, x)
     n_blocks = -(-count // block)
     if n_blocks * block != count:  # only the last segment has a partial block: pad it with zeros
         x = np.concatenate([x, np.zeros(n_blocks * block - count, np.float32)])
@@ -292,6 +300,8 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
         return payload.view(np.int8).astype(np.float32) * scale_per_value
     if bits == 4:
         return _int4_levels(payload, count).astype(np.float32) * scale_per_value  # 4-bit two's complement
+    if bits == 2:
+        return int2.levels(payload, count) * scale_per_value
     codes = _unpack_nibbles(payload, count)
     magnitude = _E3M0_LEVELS[codes & 7] * scale_per_value
     return np.where(codes & 8, -magnitude, magnitude)
@@ -329,6 +339,8 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
     """Per block, Σ level² over the ``count`` codes of ``payload`` (whole blocks, the last one maybe partial), as
     float64: times the block's scale², the squared L2 norm of its dequantized values, with no dequantization.
     Not for bits=32 (no blocks: square the values)."""
+    if bits == 2:
+        return int2.block_sum_squares(block, payload, count)
     arr = np.frombuffer(payload, np.uint8)
     n_blocks = -(-count // block)
     if bits == "e3m0":
@@ -355,7 +367,8 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
-    limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else _SCALE_MAX[_QMAX[bits]]
+    limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else \
+        int2.SCALE_MAX if bits == 2 else _SCALE_MAX[_QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))
@@ -372,6 +385,8 @@ def check_codes(bits: Bits, payload: np.ndarray | bytes | bytearray | memoryview
             i = int(np.argmax(bad)) if bad.any() else -1
         if i >= 0:
             raise CodecError(f"invalid int8 code -128 near value {first_value + i}")
+        return
+    if bits == 2:  # every 2-bit code is a level (the padding is checked at the frame's end)
         return
     arr = np.frombuffer(payload, np.uint8)
     if bits == 32:
@@ -408,7 +423,7 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
         out += values if w == 1 else values * w
         return
     scales = scales if w == 1 else scales * w
-    if bits == "e3m0":
+    if bits in ("e3m0", 2):
         out += dequantize_segment(bits, block, scales, payload, count)
         return
     # int8 and int4: integer levels times their block's scale, one multiply per block row (no per-value scale

@@ -35,8 +35,8 @@ _AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "v
                  ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
                  ("outer", "islands"), ("outer", "inner_steps"), ("coordinator", "merge_threads")]
 _AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
-                  ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "grad_clip"),
-                  ("outer", "staleness_alpha"), ("model", "loss_chunk")]
+                  ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "muon_weight_decay"),
+                  ("train", "grad_clip"), ("outer", "staleness_alpha"), ("model", "loss_chunk")]
 
 
 def _check_choices(cfg: Config, fail: _Fail) -> None:
@@ -177,7 +177,9 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("train", "lr", f"must be > 0, got {t.lr}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         fail("train", "min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    for name in ("b1", "b2"):
+    if not t.muon_lr > 0:
+        fail("train", "muon_lr", f"must be > 0, got {t.muon_lr}")
+    for name in ("b1", "b2", "muon_beta"):
         if not 0.0 <= getattr(t, name) < 1.0:
             fail("train", name, f"must be in [0, 1), got {getattr(t, name)}")
     if t.warmup_steps >= t.steps:
@@ -249,6 +251,9 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
     c = cfg.codec
     if c.block % 2 or not 64 <= c.block <= 65536:
         fail("codec", "block", f"must be even and in [64, 65536], got {c.block}")
+    if "int2" in (c.up, c.down) and c.block % 4:
+        fail("codec", "block", f"must be a multiple of 4 with the int2 codec (each block starts a byte), got "
+             f"{c.block}")
     if not 1 <= c.zstd_level <= 19:
         fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
     if not 4096 <= c.chunk_bytes <= 4 << 20:

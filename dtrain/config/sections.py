@@ -194,7 +194,14 @@ class DataConfig:
 class TrainConfig:
     batch_size: int = _f(16, "sequences per inner step per island (split over the island's devices)")
     steps: int = _f(400, "inner steps per island for the whole run (sets the lr schedule length)")
+    optimizer: str = _f("adamw", "the inner optimizer: adamw, or muon (Muon on the hidden weight matrices, AdamW at "
+                        "train.lr on the embedding tables, the output head, norms and biases)",
+                        choices=("adamw", "muon"))
     lr: float = _f(4e-4, "peak inner AdamW learning rate")
+    muon_lr: float = _f(0.02, "muon: peak learning rate of the orthogonalized matrix updates (scaled by "
+                        "sqrt(max(1, fan_out / fan_in))), on the same warm-up + cosine schedule as train.lr")
+    muon_beta: float = _f(0.95, "muon: the Nesterov momentum of the matrix updates, in [0, 1)")
+    muon_weight_decay: float = _f(0.0, "muon: decoupled weight decay of the matrices (times muon_lr)")
     warmup_steps: int = _f(50, "linear lr warm-up steps")
     min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
     weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")

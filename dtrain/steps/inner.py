@@ -1,8 +1,9 @@
 """The inner step's primitives: the pure step, and the mesh and shardings it runs over.
 
 ``inner_step(state, batch, sched) -> (state, metrics)`` is a pure function of a :class:`TrainState` pytree: the
-next-token loss (:func:`loss_fn`), AdamW (:func:`make_optimizer`) at the scheduled rate (:func:`lr_value`: warm-up,
-then cosine decay, whose numbers are an input of the step) and the NaN/Inf guard; :func:`inner_steps` fuses ``K``
+next-token loss (:func:`loss_fn`), AdamW or Muon (:func:`make_optimizer`, :func:`muon_optimizer`) at the
+scheduled rate (:func:`lr_value`: warm-up, then cosine decay, whose numbers are an input of the step) and the
+NaN/Inf guard; :func:`inner_steps` fuses ``K``
 of them into one ``lax.scan`` (on CPU, Python dispatch per step would dominate a small model). This module also
 owns the island's ``Mesh(('data', 'fsdp'))`` (:func:`make_mesh`,
 :data:`BATCH_AXES`), the FSDP sharding rule (:func:`param_spec`) and a global batch's split over the devices
@@ -23,6 +24,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from dtrain.config.sections import Config, ConfigError, TrainConfig
 from dtrain.models.model import Apply, ApplyFn, Params
@@ -71,14 +73,71 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW's update direction at a learning rate of 1 (decay only on matrices, after the optional global-norm
-    clip): the step scales it by the scheduled rate (:func:`scaled`), which is an input, not part of the
-    optimizer, so that a stretched schedule needs no new program."""
-    adamw = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    """The inner optimizer's update direction at a learning rate of 1 (after the optional global-norm clip): the step
+    scales it by the scheduled rate (:func:`scaled`), which is an input, not part of the optimizer, so that a
+    stretched schedule needs no new program.
+
+    ``train.optimizer = "adamw"``: AdamW, decay only on matrices. ``"muon"``: :func:`muon_optimizer`."""
+    tx = muon_optimizer(cfg) if cfg.optimizer == "muon" else _adamw(cfg)
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+    return tx
+
+
+def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW at a learning rate of 1, decay only on matrices."""
+    return optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                       mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+
+
+ADAMW_TOP_KEYS = ("head", "pos_embed")  # top-level parameters Muon leaves to AdamW, with every "embedding" leaf
+
+
+def muon_labels(params: Params) -> Params:
+    """Each parameter's optimizer under ``train.optimizer = "muon"``: ``"muon"`` for the hidden weight matrices
+    (2-D, or stacked ``[..., m, n]``: each trailing matrix on its own), ``"adamw"`` for the embedding tables (a
+    leaf named ``embedding``, and the GPT's ``pos_embed``), the output head, and every norm scale and bias (fewer
+    than 2 dimensions), as Muon's authors split them."""
+    def label(path: tuple[Any, ...], p: Any) -> str:
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        adamw = p.ndim < 2 or keys[0] in ADAMW_TOP_KEYS or keys[-1] == "embedding"
+        return "adamw" if adamw else "muon"
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _muon_dims(updates: Params) -> Params:
+    """Muon's matrix axes for each (masked) update: the last two, reduction then output (``x @ W``); any leading
+    axes are a stack of layers, each orthogonalized alone (optax vmaps over them)."""
+    return jax.tree.map(lambda u: u if isinstance(u, optax.MaskedNode) else MuonDimensionNumbers(u.ndim - 2,
+                                                                                                 u.ndim - 1),
+                        updates, is_leaf=lambda u: isinstance(u, optax.MaskedNode))
+
+
+def _shape_scale(updates: Params, params: Params | None = None) -> Params:
+    """Muon's scale of an orthogonalized ``[..., m, n]`` update: ``sqrt(max(1, n / m))`` (fan-out over fan-in; Keller
+    Jordan's, so one ``muon_lr`` suits every shape)."""
+    del params
+    return jax.tree.map(lambda u: u * max(1.0, u.shape[-1] / u.shape[-2]) ** 0.5, updates)
+
+
+def muon_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Muon (Jordan et al. 2024) on the hidden matrices, AdamW on the rest (:func:`muon_labels`), at a learning
+    rate of 1 for AdamW's part: the matrices' part is scaled by ``muon_lr / lr``, so that the scheduled rate,
+    ``lr`` at its peak, gives them ``muon_lr``.
+
+    The matrices' direction is optax's own: ``optax.contrib.scale_by_muon`` (Nesterov momentum ``muon_beta``,
+    five quintic Newton-Schulz steps with the coefficients (3.4445, -4.7750, 2.0315) after a Frobenius
+    normalization, a tall matrix transposed first), then :func:`_shape_scale` (what optax's private
+    ``scale_by_shape`` does by default). ``optax.contrib.muon``, which wraps them, is not used whole: its AdamW
+    half runs with Nesterov momentum whenever Muon's does (NAdamW, not AdamW) and decays every parameter it holds
+    (norms and biases too), so the two halves are put together here with ``optax.partition``, AdamW's half
+    exactly the AdamW of ``train.optimizer = "adamw"``."""
+    matrices = optax.chain(
+        scale_by_muon(beta=cfg.muon_beta, nesterov=True, weight_dimension_numbers=_muon_dims),
+        optax.stateless(_shape_scale),
+        optax.add_decayed_weights(cfg.muon_weight_decay),
+        optax.scale(-cfg.muon_lr / cfg.lr))  # a descent direction, as optax.adamw(1.0)'s
+    return optax.partition({"muon": matrices, "adamw": _adamw(cfg)}, muon_labels)
 
 
 def scaled(updates: Params, lr: jax.Array) -> Params:

@@ -83,6 +83,15 @@ def outer_update(delta: Array, momentum: Array, hp: OuterHParams) -> tuple[Array
     return step * -hp.lr, new_momentum
 
 
+def suited_rule(codec_up: str) -> str:
+    """The outer rule that suits pushes in the codec ``codec_up`` (``codec.up``'s value): ``sparseloco`` for the
+    sparse codec (SparseLoCo: an island's decaying error-feedback accumulator already carries the momentum of what
+    it has not sent; a Nesterov momentum over the mean of sparse pushes amplifies their selection noise), and
+    ``nesterov`` for every dense codec, int2 included (DiLoCo; MuLoCo's 2-bit pushes: error feedback on each
+    island keeps the quantization error out of the outer momentum, which smooths what remains)."""
+    return "sparseloco" if codec_up == "sparse" else "nesterov"
+
+
 def feedback_decay(cfg: Config) -> float:
     """β of the islands' error feedback: ``outer.sparseloco_beta`` under the sparseloco rule (its accumulator,
     e ← β·e + Δ, stands in for the outer momentum), 1 (plain error feedback) otherwise."""
