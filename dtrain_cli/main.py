@@ -503,8 +503,9 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         if not 0 <= args.shard < cfg.coordinator.shards:
             raise ConfigError(f"--shard {args.shard}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards "
                               f"= {cfg.coordinator.shards}; --shards S sets it)")
+        # not made here: a start refused by its checks (a port in use, a missing file) leaves no folder behind;
+        # the coordinator makes it once they pass
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
-        out.mkdir(parents=True, exist_ok=True)
         if args.shard > 0:
             print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
             return 0

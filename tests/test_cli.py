@@ -107,13 +107,19 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
         CoordinatorClient("127.0.0.1", load_config(TINY))
 
 
+CONFIG_NAMES = ", ".join(sorted(p.stem for p in (TINY.parent).glob("*.toml")))
+
+
 @pytest.mark.parametrize(("argv", "code", "message"), [
     (["status", "--coordinator", "127.0.0.1:9", "--wait", "0"],
      2, "dtrain status: config error: --wait: must be a number of seconds > 0, got 0.0"),
     (["status", "--coordinator", "127.0.0.1:9", "--tls-cert", "c.pem"],
      2, "dtrain status: config error: --tls-cert and --tls-key go together (mutual TLS needs both)"),
     (["status", "--coordinator", "127.0.0.1:9", "--config", "nope"],
-     2, "dtrain status: config error: nope: config file not found"),
+     2, f"dtrain status: config error: nope: config file not found, nor a config name (configs/: {CONFIG_NAMES})"),
+    (["simulate", "--config", "tinny"],  # a typo: the names there are, and the nearest
+     2, f"dtrain simulate: config error: tinny: config file not found, nor a config name (configs/: {CONFIG_NAMES}); "
+        "did you mean tiny?"),
     (["status", "--coordinator", "127.0.0.1:9", "--tls-ca", "/nonexistent/ca.pem"],
      2, "dtrain status: config error: [security] ca: cannot read /nonexistent/ca.pem: No such file or directory"),
     (["status", "--coordinator", "127.0.0.1:9", "--set", "train.lr=1"],
