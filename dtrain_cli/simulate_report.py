@@ -37,7 +37,7 @@ class StatusLine:
         cfg, islands = sim.cfg, sim.islands
         expected = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * islands
         shard_end = 0 if cfg.worker.round_seconds else cfg.train.shard_sequences  # sequences per shard
-        self.watch = RunWatch(islands, expected, shard_end, sim.processes)
+        self.watch = RunWatch(islands, expected, shard_end, sim.processes, list(sim.names))
         self.tails = {"": EventTail(sim.out), **{n: EventTail(sim.out / "islands" / n) for n in sim.names}}
 
     def show(self) -> None:
