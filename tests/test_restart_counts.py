@@ -11,6 +11,7 @@ import pytest
 from dtrain.config.load import load_config
 from dtrain.runlog import read_events
 from dtrain_cli.fault_spec import parse_fault
+from dtrain_cli.plot import read_run, run_series
 from dtrain_cli.simulate import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +50,11 @@ def test_a_restarted_islands_tokens_go_on_and_the_summary_says_the_tokens_merged
     starts = [e for e in read_events(out / "islands" / "island-1", skip_torn=True) if e["event"] == "island_started"]
     assert len(starts) == 2 and starts[0]["tokens"] == 0 and starts[1]["tokens"] > 0
     assert s["tokens_trained"] == sum(i["tokens"] for i in s["islands"]) >= s["tokens"]
+    # dtrain plot's loss.png: each island's train losses in the order trained (no zig-zag back to the start), and
+    # the final eval at the tokens merged
+    series = run_series(*read_run(out))
+    for name in ("island-0", "island-1"):
+        in_order = [(e["tokens"], e["loss"]) for e in read_events(out / "islands" / name, skip_torn=True)
+                    if e["event"] == "train"]
+        assert series.train_loss[name] == in_order
+    assert {x for x, _ in series.final_eval.values()} == {s["tokens"]}
