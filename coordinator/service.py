@@ -269,7 +269,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        devices=record.devices,
                        device_kind=request.device_kind, reason=reason,
                        **({"identity": identity} if identity is not None else {}))  # security.identity's
-        self.log.progress(f"{record.island_id} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
+        self.log.progress(f"{record.name} joined: shard {record.shard_index}, cursor {cursor} ({reason})")
         return pb.JoinResponse(island_id=record.island_id, version=version, shard_index=record.shard_index,
                                shard_count=self.opts.islands, cursor=cursor, cursor_end=cursor_end,
                                segment_start=record.segment_start,

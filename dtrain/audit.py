@@ -24,7 +24,9 @@ Definitions:
   islands: docs/faults.md); each merged push lies in one segment, and the checks above are per shard whatever
   the segments. ``segments``: per shard, the starts of the segments the coordinator handed out (its
   ``island_joined`` events' ``segment``), 0 alone for a shard that stayed one segment.
-- **merged_ranges**: the number of merged pushes (one range each). ``missing_versions``: versions up to the
+- **merged_ranges**: the number of merged pushes (one range each); ``merged_tokens``: their sequences ×
+  ``model.seq_len``, every copy (a run's tokens merged: what its summary and closing line say).
+  ``missing_versions``: versions up to the
   last one counted that no counted record describes (a coordinator killed between committing a version and
   logging it): their pushes are unknown to the audit, so its lost/doubled counts are not to be trusted then.
 - **Sources** (a mixture, ``data.sources``): a shard's sequence ``c`` is a sequence of one source, given by the
@@ -115,6 +117,7 @@ class Audit:
     lost_tokens: int
     doubled_tokens: int
     merged_ranges: int
+    merged_tokens: int  # every merged push's sequences x seq_len (doubled ones as often as merged)
     superseded: int  # round_merged records rolled back by a coordinator resume
     missing_versions: tuple[int, ...]  # versions below the last one counted that have no round_merged record
     shard_end: int | None
@@ -140,7 +143,8 @@ class Audit:
     def to_dict(self) -> dict[str, Any]:
         """For ``summary.json``: the counts, the gaps and overlaps, and each shard's joined coverage."""
         return {"lost_tokens": self.lost_tokens, "doubled_tokens": self.doubled_tokens,
-                "merged_ranges": self.merged_ranges, "gaps": [g.to_dict() for g in self.gaps],
+                "merged_ranges": self.merged_ranges, "merged_tokens": self.merged_tokens,
+                "gaps": [g.to_dict() for g in self.gaps],
                 "overlaps": [o.to_dict() for o in self.overlaps], "shard_end": self.shard_end,
                 "superseded_merges": self.superseded, "missing_versions": list(self.missing_versions),
                 "steps_merged": self.steps_merged,
@@ -255,7 +259,9 @@ def audit(coordinator_events: Iterable[Event], island_events: Mapping[str, Itera
     return Audit(merged={k: tuple(sorted(v, key=lambda s: (s.start, s.end))) for k, v in sorted(by_shard.items())},
                  gaps=tuple(gaps), overlaps=tuple(overlaps),
                  lost_tokens=sum(g.sequences for g in gaps) * params.seq_len,
-                 doubled_tokens=doubled * params.seq_len, merged_ranges=len(pushes), superseded=superseded,
+                 doubled_tokens=doubled * params.seq_len, merged_ranges=len(pushes),
+                 merged_tokens=sum(s.sequences for spans in by_shard.values() for s in spans) * params.seq_len,
+                 superseded=superseded,
                  missing_versions=missing, shard_end=params.shard_end, steps_merged=steps_merged,
                  steps_executed=steps_executed,
                  goodput=steps_merged / steps_executed if steps_executed else None,

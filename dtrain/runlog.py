@@ -56,12 +56,13 @@ _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 class RunLog:
     """Appends events to ``RUN_DIR/events.jsonl`` and logs progress and status records."""
 
-    def __init__(self, run_dir: str | Path, quiet: bool = False, logger: str = RUN_CHANNEL):
+    def __init__(self, run_dir: str | Path, quiet: bool = False, logger: str = RUN_CHANNEL, t0: float | None = None):
         """``logger``: the name of the logger the records go to (one of :data:`CHANNELS`). ``quiet``: no records
-        at all (events are still written)."""
+        at all (events are still written). ``t0``: when the run began (``time.time()``; default now): what
+        ``elapsed_s`` counts from, for a RunLog made after the command's first lines."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0
         self._events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.quiet = quiet
         self.logger = logging.getLogger(logger)

@@ -38,15 +38,18 @@ STATUS_REFRESH_HZ = 4  # how often a live status line is redrawn
 
 class LineFormatter(logging.Formatter):
     """A record as a progress line, ``[ elapsed s] text``: elapsed from the record's ``elapsed_s`` (a RunLog's),
-    else since ``t0``; a traceback, if the record has one, below it."""
+    else since ``t0``, and never less than the line before it showed (two clocks of one process, a RunLog's and
+    the command's, may be a moment apart); a traceback, if the record has one, below it."""
 
     def __init__(self, t0: float):
         super().__init__()
         self.t0 = t0
+        self.shown = 0.0  # the elapsed seconds of the latest line formatted
 
     def format(self, record: logging.LogRecord) -> str:
         elapsed = getattr(record, ELAPSED_S, None)
-        text = progress_line(record.created - self.t0 if elapsed is None else float(elapsed), record.getMessage())
+        self.shown = max(self.shown, record.created - self.t0 if elapsed is None else float(elapsed))
+        text = progress_line(self.shown, record.getMessage())
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
@@ -54,13 +57,15 @@ class LineFormatter(logging.Formatter):
 
 class PlainHandler(logging.Handler):
     """Each record as a line on ``stream``; a status record only when its key's last line is at least its
-    ``every_s`` seconds old, a status-end record never."""
+    ``every_s`` seconds old and said something else (a line that did not change is not printed again), a
+    status-end record never."""
 
     def __init__(self, stream: TextIO, t0: float | None = None):
         super().__init__()
         self.stream = stream
         self.setFormatter(LineFormatter(time.time() if t0 is None else t0))
         self._shown: dict[str, float] = {}  # status key -> when its line was last printed
+        self._said: dict[str, str] = {}  # status key -> the text of its line last printed
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -68,10 +73,12 @@ class PlainHandler(logging.Handler):
             if key is not None:
                 if getattr(record, STATUS_END, False):
                     return
-                now = time.monotonic()
+                now, text = time.monotonic(), record.getMessage()
                 if now - self._shown.get(key, -math.inf) < float(getattr(record, STATUS_EVERY_S, 0.0)):
                     return
-                self._shown[key] = now
+                if self._said.get(key) == text:
+                    return
+                self._shown[key], self._said[key] = now, text
             self.stream.write(self.format(record) + "\n")
             self.stream.flush()
         except Exception:

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from dtrain.config.load import load_config, reference_markdown, to_toml
 from dtrain.config.load import replace as config_replace
@@ -469,9 +470,19 @@ def _run(argv: list[str], prog: str) -> int:
                                      island_processes=args.island_processes, own_tokens=args.island_tokens,
                                      coordinator_shards=args.coordinator_shards,
                                      island_specs=parse_islands(links + args.island_specs, islands, cfg))
+    if args.command == "simulate":  # a line a person reads; the numbers are all in RUN_DIR/summary.json
+        print(closing_line(summary))
+        return 0
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0
+
+
+def closing_line(summary: dict[str, Any]) -> str:
+    """``dtrain simulate``'s last line, on stdout: what the run came to, and where its summary is."""
+    return (f"{summary['run_dir']}: eval loss {summary['final_eval_loss']:.4f} after {summary['rounds']} versions, "
+            f"{summary['tokens']:,} tokens merged in {summary['wall_s']:.1f}s; the summary is in "
+            f"{os.path.join(summary['run_dir'], 'summary.json')}")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -511,8 +522,9 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         if not 0 <= args.shard < cfg.coordinator.shards:
             raise ConfigError(f"--shard {args.shard}: must be in 0..{cfg.coordinator.shards - 1} (coordinator.shards "
                               f"= {cfg.coordinator.shards}; --shards S sets it)")
+        # not made here: a start refused by its checks (a port in use, a missing file) leaves no folder behind;
+        # the coordinator makes it once they pass
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
-        out.mkdir(parents=True, exist_ok=True)
         if args.shard > 0:
             print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
             return 0

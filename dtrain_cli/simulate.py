@@ -11,6 +11,7 @@ returns the run's summary (:mod:`dtrain_cli.simulate_report`). The driver import
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     SimulationError for a process that failed."""
     from dtrain.train.runs import new_run, run_dir
 
+    t0 = time.time()  # the driver's elapsed clock starts here, before the data is prepared
     specs = island_specs or {}
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes, specs, own_tokens)
     cfg = new_run(run_config(cfg, specs))
@@ -119,7 +121,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     cfg = shard_config(cfg, out, coordinator_shards, faults, specs, island_processes)
     if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
         cfg = replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
-    sim = Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens)
+    sim = Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens, t0)
     try:
         sim.run(timeout_s, on_pass=StatusLine(sim).show)
     finally:

@@ -109,7 +109,7 @@ class Simulation:
 
     def __init__(self, cfg: Config, out: Path, islands: int, quiet: bool, env: dict[str, str], pin: bool,
                  faults: list[FaultSpec], processes: int = 1, specs: dict[str, IslandSpec] | None = None,
-                 tokens: dict[str, str] | None = None):
+                 tokens: dict[str, str] | None = None, t0: float | None = None):
         self.cfg, self.out, self.islands, self.env = cfg, out, islands, env
         self.tokens = tokens or {}  # island -> its issued token (security.identity token)
         self.coordinator_env = env
@@ -128,7 +128,8 @@ class Simulation:
         self.processes = processes
         self.resolved = out / "config.toml"
         self.resolved.write_text(to_toml(cfg))  # every process reads exactly this config
-        self.log = RunLog(out / "driver", quiet=quiet, logger=SIMULATE_CHANNEL)
+        # its clock from the command's start (t0): the lines before it (a token store built) counted from there
+        self.log = RunLog(out / "driver", quiet=quiet, logger=SIMULATE_CHANNEL, t0=t0)
         self.names = [f"island-{i}" for i in range(islands)]
         self.shares: list[list[int] | None] = [None] * islands
         if pin and hasattr(os, "sched_setaffinity"):

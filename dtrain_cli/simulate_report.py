@@ -39,7 +39,7 @@ class StatusLine:
         cfg, islands = sim.cfg, sim.islands
         expected = cfg.rounds if cfg.coordinator.mode == "sync" else cfg.rounds * islands
         shard_end = 0 if cfg.worker.round_seconds else cfg.train.shard_sequences  # sequences per shard
-        self.watch = RunWatch(islands, expected, shard_end, sim.processes)
+        self.watch = RunWatch(islands, expected, shard_end, sim.processes, list(sim.names))
         self.tails = {"": EventTail(sim.out), **{n: EventTail(sim.out / "islands" / n) for n in sim.names}}
 
     def show(self) -> None:
@@ -94,7 +94,10 @@ def run_summary(sim: Simulation, wall: float, coord_events: list[dict[str, Any]]
     digests = {s["params_digest"] for s in per_island + followers}
     summary = {
         "mode": "simulate-processes", "final_eval_loss": per_island[0]["final_eval_loss"],
-        "rounds": max(s["version"] for s in per_island), "tokens": sum(s["tokens"] for s in per_island),
+        # the run's tokens are those merged (the audit's); each island's, those it trained (a range trained again
+        # after a kill or a rewind counts twice there)
+        "rounds": max(s["version"] for s in per_island), "tokens": checked.merged_tokens,
+        "tokens_trained": sum(s["tokens"] for s in per_island),
         "bytes_up": sum(s["bytes_up"] for s in per_island), "bytes_down": sum(s["bytes_down"] for s in per_island),
         "wall_s": wall, "islands": per_island, "run_dir": str(out),
         "utilization": min(s["utilization"] for s in per_island),
@@ -156,7 +159,7 @@ def _audit(cfg: Config, out: Path, coord_events: list[dict[str, Any]], island_ev
 def _done_line(summary: dict[str, Any], checked: Audit, path: Path) -> str:
     """The driver's last progress line: the run's ``summary`` in one line, written to ``path``."""
     return (f"done: {summary['rounds']} versions, eval loss {summary['final_eval_loss']:.4f}, "
-            f"{summary['tokens']:,} tokens, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
+            f"{summary['tokens']:,} tokens merged, {(summary['bytes_up'] + summary['bytes_down']) / 1e6:.2f} MB "
             f"on the wire, compression {summary['compression_ratio']:.1f}x, utilization "
             f"{summary['utilization']:.3f}, goodput {_fmt_goodput(checked.goodput)}, "
             f"lost {checked.lost_tokens:,} / doubled {checked.doubled_tokens:,} tokens, "

@@ -116,11 +116,9 @@ def _sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
     islands = Table("islands", ["island", "state", "shard", "cursor", "version", "steps/s", "tokens", "loss", "util",
                                 "devices", "quar.", "seen"], right=frozenset(range(2, 12)))
     for i in st.islands:
-        # its id, which starts with its name unless the id was given otherwise (then both)
-        name = i.island_id if i.island_id.startswith(i.name) else f"{i.name} ({i.island_id})"
         devices = f"{i.devices} {i.hardware}".strip()
         islands.rows.append([
-            name, i.state, str(i.shard_index), _int(i.cursor), str(i.version), f"{i.steps_per_s:.2f}", _int(i.tokens),
+            i.name, i.state, str(i.shard_index), _int(i.cursor), str(i.version), f"{i.steps_per_s:.2f}", _int(i.tokens),
             _loss(i.train_loss) if i.HasField("train_loss") else "-", f"{i.utilization:.0%}", devices,
             str(len(i.quarantined)), f"{i.last_seen_s:.1f}s"])
     rounds = Table(f"rounds (latest {SHOW_ROUNDS})", ["version", "pushes", "tokens", "bytes in", "merge s",
@@ -129,8 +127,9 @@ def _sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
         rounds.rows.append([str(r.version), str(r.pushes), _int(r.tokens), fmt_bytes(r.bytes_in), f"{r.merge_s:.2f}",
                             f"{r.max_staleness:g}", _ago(st, r.t)])
     faults = Table(f"faults (latest {SHOW_FAULTS})", ["when", "kind", "island", "detail"])
+    names = {i.island_id: i.name for i in st.islands}  # a fault names the island by its id: shown by its name
     for f in st.faults[-SHOW_FAULTS:]:
-        faults.rows.append([_ago(st, f.t), f.kind, f.island_id or "-", f.detail])
+        faults.rows.append([_ago(st, f.t), f.kind, names.get(f.island_id, f.island_id) or "-", f.detail])
     return summary_lines(st), [t for t in (islands, rounds, faults) if t.rows]
 
 

@@ -36,6 +36,7 @@ def test_a_clean_run_has_no_gap_no_overlap_and_full_goodput() -> None:
     a = audit(clean_run(), {"island-0": trained(5, 10), "island-1": trained(5, 10)}, STEP_ROUNDS)
     assert (a.gaps, a.overlaps, a.lost_tokens, a.doubled_tokens) == ((), (), 0, 0)
     assert a.merged_ranges == 4 and a.superseded == 0 and a.missing_versions == ()
+    assert a.merged_tokens == 2 * 40 * SEQ and a.to_dict()["merged_tokens"] == a.merged_tokens
     assert a.merged[0] == (Span(0, 0, 20), Span(0, 20, 40))
     assert (a.steps_merged, a.steps_executed, a.goodput) == (20, 20, 1.0)
     d = a.to_dict()
@@ -64,6 +65,7 @@ def test_a_range_merged_twice_is_an_overlap() -> None:
     events = clean_run() + [merged(3, push(0, 10, 30))]  # [10, 30) of shard 0 again
     a = audit(events, {}, STEP_ROUNDS)
     assert a.overlaps == (Span(0, 10, 30, times=2),) and a.doubled_tokens == 20 * SEQ
+    assert a.merged_tokens == (2 * 40 + 20) * SEQ  # every copy merged
     assert a.gaps == () and a.lost_tokens == 0
     # three copies of [10, 20): counted twice
     a3 = audit(events + [merged(4, push(0, 10, 20))], {}, STEP_ROUNDS)

@@ -107,13 +107,19 @@ def test_the_client_refuses_a_bad_address_too(tmp_path):
         CoordinatorClient("127.0.0.1", load_config(TINY))
 
 
+CONFIG_NAMES = ", ".join(sorted(p.stem for p in (TINY.parent).glob("*.toml")))
+
+
 @pytest.mark.parametrize(("argv", "code", "message"), [
     (["status", "--coordinator", "127.0.0.1:9", "--wait", "0"],
      2, "dtrain status: config error: --wait: must be a number of seconds > 0, got 0.0"),
     (["status", "--coordinator", "127.0.0.1:9", "--tls-cert", "c.pem"],
      2, "dtrain status: config error: --tls-cert and --tls-key go together (mutual TLS needs both)"),
     (["status", "--coordinator", "127.0.0.1:9", "--config", "nope"],
-     2, "dtrain status: config error: nope: config file not found"),
+     2, f"dtrain status: config error: nope: config file not found, nor a config name (configs/: {CONFIG_NAMES})"),
+    (["simulate", "--config", "tinny"],  # a typo: the names there are, and the nearest
+     2, f"dtrain simulate: config error: tinny: config file not found, nor a config name (configs/: {CONFIG_NAMES}); "
+        "did you mean tiny?"),
     (["status", "--coordinator", "127.0.0.1:9", "--tls-ca", "/nonexistent/ca.pem"],
      2, "dtrain status: config error: [security] ca: cannot read /nonexistent/ca.pem: No such file or directory"),
     (["status", "--coordinator", "127.0.0.1:9", "--set", "train.lr=1"],
@@ -256,7 +262,7 @@ def test_status_table_shows_the_run_and_its_islands(live, capsys):
     assert lines[1] == (f"version 1 (the data decides the last one); tokens merged 640 of {st.tokens_total:,} "
                         f"({640 / st.tokens_total:.0%})")
     header = next(line for line in lines if line.startswith("island "))
-    row = next(line for line in lines if line.startswith("east-0 "))
+    row = next(line for line in lines if line.startswith("east "))  # its name; the shard its own column
     cells = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", row.strip()), strict=True))
     assert cells["state"] == "live" and cells["shard"] == "0" and cells["version"] == "0"
     assert cells["steps/s"] == "2.50" and cells["devices"].split()[0] == "8" and cells["quar."] == "0"
@@ -296,7 +302,8 @@ def test_status_table_on_a_terminal_is_drawn_by_rich(live):
     out = Terminal()
     print_status(live.service.status_message(), as_json=False, stream=out)
     text = out.getvalue()
-    assert "islands" in text and "east-0" in text and "─" * 20 in text and "\x1b[1m" in text  # rich: rule, bold
+    assert "islands" in text and "east " in text and "east-0" not in text
+    assert "─" * 20 in text and "\x1b[1m" in text  # rich: rule, bold
 
 
 def test_status_sections_render_every_part():
@@ -305,7 +312,9 @@ def test_status_sections_render_every_part():
                            round=pb.OpenRound(target_version=4, pending=1, reason="waiting for b", deadline_s=3.0),
                            evals=[pb.EvalPoint(version=3, tokens=500, loss=2.5)],
                            rounds=[pb.RoundRecord(version=3, t=90.0, pushes=2, tokens=500, bytes_in=3 << 20)],
-                           faults=[pb.FaultRecord(t=95.0, kind="auth_failed", detail="[x] wrong token")],
+                           faults=[pb.FaultRecord(t=95.0, kind="auth_failed", detail="[x] wrong token"),
+                                   pb.FaultRecord(t=96.0, kind="island_lost", island_id="a-0", detail="lease"),
+                                   pb.FaultRecord(t=97.0, kind="island_lost", island_id="z-1", detail="gone")],
                            islands=[pb.IslandStatus(island_id="a-0", name="a", state="lost", train_loss=2.75)])
     lines, tables = sections(st)
     assert lines[1] == "version 3 (the data decides the last one); tokens merged 500 of 1,000 (50%)"
@@ -313,6 +322,10 @@ def test_status_sections_render_every_part():
     assert lines[3] == "open round (to version 4): 1 push pending, not ready: waiting for b, acts in 3.0s"
     text = plain(lines, tables)
     assert "3.0 MiB" in text and "10s ago" in text and "[x] wrong token" in text and "2.7500" in text
+    # an island by its name everywhere, its shard a column; a fault of an island no longer listed keeps its id
+    islands, _, faults = tables
+    assert [r[:3] for r in islands.rows] == [["a", "lost", "0"]]
+    assert [r[2] for r in faults.rows] == ["-", "a", "z-1"]
     st.eval_confirmed = False  # one island's word alone (docs/security.md): said so, not shown as the run's figure
     assert sections(st)[0][2] == ("global eval loss 2.5000 (version 3, 500 tokens); unconfirmed: one island's "
                                   "report, no second to check it")

@@ -33,7 +33,7 @@ from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
 from service_helpers import Running, delta_frame, join_island, push_header, tls_config
-from workers.client import CoordinatorClient
+from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-dash-token"
@@ -98,6 +98,28 @@ def test_api_status_is_the_status_rpcs_document_with_numbers_as_numbers(coord, n
     assert [r["version"] for r in doc["rounds"]] == [1] and isinstance(doc["rounds"][0]["bytes_in"], int)
     for c in clients:
         c.close()
+
+
+def test_the_page_names_each_island_by_its_name_with_its_shard_a_column(coord, net_cfg):
+    """In chromium: the island table's rows are the islands' names with their shards in a column, and a fault
+    (a push refused from its header: more tokens than its range holds) names its island by that name too, not by
+    the coordinator's NAME-SHARD id."""
+    clients = [CoordinatorClient(f"127.0.0.1:{coord.port}", net_cfg) for _ in range(2)]
+    joins = [join_island(c, f"isl-{i}") for i, c in enumerate(clients)]
+    assert [j.island_id for j in joins] == ["isl-0-0", "isl-1-1"]  # the wire identity stays as it was
+    with pytest.raises(CoordinatorError):
+        clients[1].push(push_header(joins[1], "inflated", tokens=10**9), delta_frame(joins[1].tree_size, 1)[1])
+    for c in clients:
+        c.close()
+    faults = coord.service.status_message().faults
+    assert "push_refused" in [f.kind for f in faults] and {f.island_id for f in faults} == {"isl-1-1"}
+    dom = _chromium("--dump-dom", coord.url)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    rows = re.findall(r'<tr data-island="([^"]+)" class="island">(.*?)</tr>', dom.stdout, re.S)
+    shards = {name: dict(re.findall(r'<td class="([^"]+)">([^<]*)</td>', row))["num shard"] for name, row in rows}
+    assert shards == {"isl-0": "0", "isl-1": "1"}
+    assert re.findall(r'<span class="mono island">([^<]*)</span>', dom.stdout) == ["isl-1 "] * len(faults)
+    # (the refusal's own text, its detail, quotes the push's header, which names the coordinator's id)
 
 
 def test_the_page_is_served_self_contained(coord):

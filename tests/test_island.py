@@ -499,3 +499,18 @@ def test_a_pulled_round_length_is_kept_and_a_hostile_one_refused():
         frame.header.round_seconds = bad
         with pytest.raises(WorkerError, match=r"v4 came with round_seconds=.*must be in \[0, 86400\]"):
             Puller(FakeClient([[frame]] * 2), N, 1 << 20, Events()).pull("a-0", None)
+
+
+def test_a_restarted_islands_token_count_goes_on_from_its_own_events_of_this_run():
+    from workers.recovery import tokens_trained
+
+    killed = [{"event": "joined", "run_id": "r1"}, {"event": "trained", "tokens": 5120},
+              {"event": "train", "tokens": 10240}, {"event": "trained", "tokens": 10240}]
+    assert tokens_trained(killed, "r1") == 10240
+    # a folder first used by another run: that run's count is not this one's
+    other = [{"event": "joined", "run_id": "r0"}, {"event": "trained", "tokens": 99_999}]
+    assert tokens_trained(other + killed, "r1") == 10240
+    assert tokens_trained(killed + other, "r1") == 10240
+    assert tokens_trained([], "r1") == 0 and tokens_trained(other, "r1") == 0
+    # an event without tokens (a worker of before this count) is skipped
+    assert tokens_trained([{"event": "joined", "run_id": "r1"}, {"event": "trained", "executed": 10}], "r1") == 0

@@ -138,6 +138,27 @@ def test_the_clis_handler_prints_progress_lines_as_before_and_leaves_with_the_co
     assert handler not in dtrain_logger.handlers and dtrain_logger.level == before and dtrain_logger.propagate
 
 
+def test_in_a_pipe_a_status_line_is_not_repeated_unchanged_and_the_clock_only_goes_forward(tmp_path, dtrain_logger):
+    """Two RunLogs of one process, the later one started 30 s into the command (``t0``) and one started at its
+    own creation (as a RunLog made after slow start-up work was): the lines' elapsed never goes back. A status
+    line (every_s 0: each may print) is printed again only when its text changed."""
+    import time
+
+    out = io.StringIO()
+    early, late = RunLog(tmp_path / "a", t0=time.time() - 30.0), RunLog(tmp_path / "b")
+    with cli_logging(out):
+        early.progress("token store written")
+        for text in ("simulate: waiting", "simulate: waiting", "simulate: island-0 step 10", "simulate: waiting"):
+            late.status("simulate", text)
+    early.close()
+    late.close()
+    lines = out.getvalue().splitlines()
+    assert [LINE.fullmatch(line).group(1) for line in lines] == [  # type: ignore[union-attr]
+        "token store written", "simulate: waiting", "simulate: island-0 step 10", "simulate: waiting"]
+    elapsed = [float(line[1:].split("s]")[0]) for line in lines]
+    assert elapsed[0] >= 30.0 and elapsed == sorted(elapsed)
+
+
 def test_a_coordinator_modules_records_reach_the_clis_handler_and_quiet_keeps_its_warnings(project_loggers):
     """``coordinator.*`` modules log under ``coordinator`` (their own module's logger), not under ``dtrain``: the
     CLI's one handler shows them (and a ``workers.*`` module's), ``--quiet`` silences their INFO records but not their

@@ -87,19 +87,33 @@ def test_an_event_tail_returns_new_events_and_waits_for_a_line_to_end(tmp_path):
 
 def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
     w = RunWatch(islands=2, expected_versions=3, shard_end=480)
-    assert w.line(running=2) == "simulate: waiting for 2 workers to join (compiling; 2 running)"
+    assert w.line(running=2) == ("simulate: compiling: waiting for 2 islands to join; "
+                                 "2/2 worker processes running")
     w.coordinator([{"event": "island_joined", "name": "island-0", "island": "island-0-0"}])
     w.island("island-0", [{"event": "joined", "total_versions": 0}])
-    assert w.line(running=2) == "simulate: 1/2 workers joined, waiting for the first round"
-    w.coordinator([{"event": "round_merged", "version": 1, "pushes": [{"shard": 0, "start": 0, "end": 160},
-                                                                      {"shard": 1, "start": 0, "end": 160}]},
+    assert w.line(running=2) == ("simulate: 1/2 islands joined, waiting for 1 more island (island-1) (compiling); "
+                                 "2/2 worker processes running")
+    # the first steps, from the island's own events, before any round is merged
+    w.island("island-0", [{"event": "train", "step": 10, "loss": 4.25}])
+    assert w.line(running=2) == ("simulate: 1/2 islands joined, waiting for 1 more island (island-1) (compiling); "
+                                 "island-0 step 10 loss 4.2500; 2/2 worker processes running")
+    w.coordinator([{"event": "island_joined", "name": "island-1", "island": "island-1-1"}])
+    assert w.line(running=2) == "simulate: 2/2 islands joined, training the first round: island-0 step 10 loss 4.2500"
+    w.coordinator([{"event": "round_merged", "version": 1, "t": 100.0,
+                    "pushes": [{"shard": 0, "start": 0, "end": 160}, {"shard": 1, "start": 0, "end": 160}]},
                    {"event": "eval", "version": 1, "loss": 3.5, "tokens": 10240}])
-    w.island("island-0", [{"event": "train", "loss": 4.0}])
-    w.island("island-1", [{"event": "train", "loss": 3.0}])
+    w.island("island-0", [{"event": "train", "step": 20, "loss": 4.0}])
+    w.island("island-1", [{"event": "train", "step": 20, "loss": 3.0}])
+    # one merge: no pace yet, so no ETA
     assert w.line(running=2) == "simulate: v1/~3 data 320/960 train loss 3.5000 eval loss 3.5000 (v1) 2/2 workers"
     assert w.known_total == 3
     w.island("island-1", [{"event": "joined", "total_versions": 6}])  # wall-time rounds: the coordinator knows
     assert w.line(running=1).startswith("simulate: v1/6 ")
+    # a version 4 s after the first: 4 more to go at 4 s each
+    w.coordinator([{"event": "round_merged", "version": 2, "t": 104.0, "pushes": []}])
+    assert w.eta_s() == 16.0 and w.line(running=2).endswith(" ETA 16s; 2/2 workers")
+    w.coordinator([{"event": "round_merged", "version": 2, "t": 104.0, "pushes": []}])
+    assert w.eta_s() == 16.0  # the same version again (a resume): the pace is from the first merge to the latest
     # shard 1 split in segments: a piece at its end merged before the middle counts its own sequences only
     w.coordinator([{"event": "round_merged", "version": 2, "pushes": [{"shard": 1, "start": 320, "end": 480},
                                                                       {"shard": 0, "start": 160, "end": 320}]}])

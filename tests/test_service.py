@@ -563,21 +563,22 @@ def test_a_quarantined_island_stops_at_once_and_costs_its_header(net_cfg, tmp_pa
         (stop,) = [e for e in events if e["event"] == "stop_requested"]
         assert stop["by"] == "push" and stop["version"] == 0
         assert stop["reason"].startswith("quarantined: 2 pushes in a row rejected (coordinator.max_rejections 2)")
-        assert out["version"] == 0 and out["island_id"]
+        assert out["version"] == 0 and out["island"] == "a" and "island_id" not in out  # its name, one
+        (joined,) = [e for e in events if e["event"] == "joined"]  # the coordinator's id for it, on the wire
         counters = running.service.counters
         assert counters.pushes_refused == 0  # no push after the quarantine
         (q,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "island_quarantined"]
-        assert q["island"] == out["island_id"] and q["reason"] == stop["reason"]
+        assert q["island"] == joined["island_id"] and q["reason"] == stop["reason"]
         # pushing anyway: refused before the payload streams in, marked stopped
         client = CoordinatorClient(running.address, cfg)
         bytes_in = counters.bytes_in
-        h = pb.PushHeader(island_id=out["island_id"], base_version=0, push_id="again", tokens=640, inner_steps=10,
+        h = pb.PushHeader(island_id=joined["island_id"], base_version=0, push_id="again", tokens=640, inner_steps=10,
                           cursor_start=0, cursor_end=80, tree_digest=running.service.tree_digest, shard_index=0)
         with pytest.raises(CoordinatorError) as refused:
             client.push(h, delta_frame(running.service.merger.n, 1)[1])
         client.close()
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.stopped_at == 0
-        assert f"{out['island_id']} is quarantined ({stop['reason']})" in refused.value.message
+        assert f"{joined['island_id']} is quarantined ({stop['reason']})" in refused.value.message
         assert counters.bytes_in == bytes_in and counters.pushes_refused == 1
     finally:
         running.stop()
@@ -969,7 +970,7 @@ def test_dtrain_status_names_the_quarantined_device(coordinator, net_cfg, capsys
     rc = main(["status", "--coordinator", coordinator.address])  # the table: its island row counts the device
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("island "))
-    row = next(line for line in lines if line.startswith(isl["island_id"] + " "))
+    row = next(line for line in lines if line.startswith(isl["name"] + " "))
     cells = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", row.strip()), strict=True))
     assert rc == 0 and cells["devices"].split()[0] == "7" and cells["quar."] == "1", cells
 

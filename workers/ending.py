@@ -146,7 +146,7 @@ class RunEnd:
         """The island's summary (summary.json, the ``island_finished`` event, what the loop's run returns)."""
         clock, guard = self.clock, self.guard
         return {
-            "island": self.name, "island_id": self.mailbox.island_id, "shard": island.index, "steps": island.steps,
+            "island": self.name, "shard": island.index, "steps": island.steps,
             "tokens": island.tokens, "cursor": island.cursor, "rounds": rounds, "version": g.version,
             "final_eval_loss": final_eval, "params_digest": final_digest,
             "bytes_up": self.traffic.bytes_up, "bytes_down": self.traffic.bytes_down,

@@ -333,7 +333,8 @@ class Worker:
             return self._quarantined(recovery, status)
         self.executed_steps += n
         # One line per chunk: a killed process's compute is known to within a chunk (goodput).
-        self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index, cursor=island.cursor)
+        self.log.event("trained", steps=n, executed=self.executed_steps, shard=island.index, cursor=island.cursor,
+                       tokens=island.tokens)
         status.steps, status.tokens = island.steps, island.tokens
         status.chunk_loss = (status.chunk_loss[0] + 1, metrics["loss"])
         self.guard.watch(metrics["finite"])

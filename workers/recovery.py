@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from dtrain.checkpoint import Checkpointer
 from dtrain.config.sections import Config
 from dtrain.health.faults import DeviceFault
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.runlog import RunLog
+from dtrain.runlog import RunLog, read_events
 from dtrain.steps.inner import make_mesh
 from dtrain.train.diloco import Island
 from dtrain.train.loop import InnerLoop
@@ -255,6 +255,22 @@ class Guard:
                 "fsdp": mesh.shape["fsdp"]}
 
 
+def tokens_trained(events: Iterable[Mapping[str, Any]], run_id: str) -> int:
+    """The tokens an island's earlier processes of run ``run_id`` trained, from its own ``events``
+    (``RUN_DIR/islands/NAME/events.jsonl``): the highest ``tokens`` of a ``trained`` or ``train`` event logged after
+    a ``joined`` event of that run; 0 for a first start (or a folder of another run). A restarted island counts on
+    from there, so its events' ``tokens`` only grow: what its killed process trained after its last push counts,
+    as a rewound range does, although that range is trained again (the tokens merged are the audit's)."""
+    tokens, this_run = 0, False
+    for e in events:
+        kind = e.get("event")
+        if kind == "joined":
+            this_run = e.get("run_id") == run_id
+        elif this_run and kind in ("trained", "train") and isinstance(e.get("tokens"), int):
+            tokens = max(tokens, e["tokens"])
+    return tokens
+
+
 class Rewinder:
     """Carries out a :class:`Rewind` or a :class:`Recovery` on the training loop's thread (its only user): the
     island goes to the rewind's shard and cursor on the newest global θ, or back to its last push's state (on
@@ -306,8 +322,10 @@ class Rewinder:
                         stream=self.setup.shards[joined.shard_index].stream, cursor=int(joined.cursor),
                         segment=(int(joined.segment_start), int(joined.cursor_end)))
         island.steps = island.cursor // self.cfg.train.batch_size  # a rejoining island goes on where its data ends
+        # a restarted island's count goes on from what its earlier processes of this run trained
+        island.tokens = tokens_trained(read_events(self.log.dir, skip_torn=True, missing_ok=True), joined.run_id)
         self.log.event("island_started", name=self.name, shard=joined.shard_index, cursor=island.cursor,
-                       segment=list(island.segment),
+                       segment=list(island.segment), tokens=island.tokens,
                        version=g.version, devices=len(self.loop.mesh.devices.flat), host=platform.node(),
                        cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
         self.log.progress(f"{self.name}: shard {joined.shard_index}, cursor {island.cursor}, v{g.version}")

@@ -4,6 +4,7 @@ validated once; the resolved config back as TOML, and the reference table of eve
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
 import typing
@@ -58,7 +59,10 @@ def resolve_config_path(path: str | Path) -> Path:
     for candidate in (Path("configs") / f"{p.name}.toml", REPO_CONFIG_DIR / p.name, REPO_CONFIG_DIR / f"{p.name}.toml"):
         if candidate.exists():
             return candidate
-    raise ConfigError(f"{path}: config file not found")
+    names = sorted({c.stem for d in (Path("configs"), REPO_CONFIG_DIR) if d.is_dir() for c in d.glob("*.toml")})
+    close = difflib.get_close_matches(p.stem, names, n=1)
+    raise ConfigError(f"{path}: config file not found, nor a config name (configs/: {', '.join(names) or 'none'})"
+                      + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
