@@ -317,7 +317,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if dash_port is not None:
         try:
             service.dashboard = open_dashboard(cfg, dash_port, token, service.status_message,
-                                               service.auth_failures.failed, auth_on=own is not None)
+                                               service.auth_failures.failed, auth_on=own is not None,
+                                               history=service.history.series.doc)
         except DtrainError:
             service.close()
             raise

@@ -119,7 +119,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.log = RunLog(self.run_dir, quiet=quiet, logger=COORDINATOR_CHANNEL)
         # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
         # coordinator's), then over each event as it is logged.
-        self.history = RunHistory()
+        self.history = RunHistory(self.run_dir)
         if resume:
             self.history.replay(self.run_dir)
         self.log.subscribe(self.history.observe)

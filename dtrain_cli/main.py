@@ -18,7 +18,8 @@ from dtrain.config.sections import Config, ConfigError
 from dtrain_cli import logs
 from dtrain_cli.entry import Parser, run_main
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "admin")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "dashboard", "tokenize", "export",
+            "admin")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_config(sub)
     _add_plot(sub)
+    _add_dashboard(sub)
     _add_tokenize(sub)
     _add_export(sub)
     _add_admin(sub)
@@ -295,6 +297,17 @@ def _add_plot(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
 
 
+def _add_dashboard(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain dashboard``: a run's dashboard from its files."""
+    p = _command(sub, "dashboard", "serve the dashboard of a finished run (or one whose coordinator is gone) from "
+                 "its files", "Serves the coordinator's page for RUN_DIR from its events.jsonl and history.json: the "
+                 "whole run's\nloss, throughput, rounds, faults and recoveries, until Ctrl-C.",
+                 "dtrain dashboard runs/tiny --port 8051")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder the coordinator wrote, e.g. runs/tiny")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=0, help="port to bind (default 0: any free port)")
+
+
 def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain tokenize``: a corpus into a token store."""
     p = _command(sub, "tokenize", "tokenize text, .jsonl(.zst) or .parquet files into a token store (in parallel, "
@@ -399,6 +412,10 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import plot
 
         return plot.main(args.run_dir, args.out)
+    if args.command == "dashboard":  # no config either
+        from dtrain_cli import dashboard
+
+        return dashboard.main(args.run_dir, args.host, args.port)
     if args.command == "export":  # no config: it reads what the coordinator wrote
         from dtrain_cli import export
 
