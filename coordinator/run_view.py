@@ -63,7 +63,7 @@ def run_status(run_dir: Path, history: RunHistory, now: float) -> dict[str, Any]
     evals = history.evals
     doc = pb.StatusResponse(
         run_id=str(run.get("run_id", "")), version=version, mode=str(run.get("mode", "")),
-        islands=sorted(rows.values(), key=lambda r: (r.shard_index, r.island_id)), tokens_merged=tokens,
+        islands=sorted(rows.values(), key=_row_order), tokens_merged=tokens,
         bytes_in=int(stopped.get("bytes_in", bytes_in)), bytes_out=int(stopped.get("bytes_out", 0)),
         total_versions=int(run.get("total_versions") or 0), tokens_total=int(run.get("tokens_total") or 0),
         stopped=True, run_over=str(end.get("reason", "")) or "the coordinator stopped before the run finished",
@@ -72,6 +72,10 @@ def run_status(run_dir: Path, history: RunHistory, now: float) -> dict[str, Any]
         eval_loss=evals[-1].loss if evals else None, eval_confirmed=bool(evals) and evals[-1].confirmed,
         rounds=history.rounds, evals=evals, faults=history.faults)
     return message_dict(doc)
+
+
+def _row_order(row: pb.IslandStatus) -> tuple[int, str]:
+    return row.shard_index, row.island_id
 
 
 def serve_run(run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> Dashboard:
