@@ -61,9 +61,10 @@ def run_status(run_dir: Path, history: RunHistory, now: float) -> dict[str, Any]
         if row.name in last:
             row.train_loss = last[row.name]
     evals = history.evals
+    ordered = sorted(rows.values(), key=_row_order)
     doc = pb.StatusResponse(
         run_id=str(run.get("run_id", "")), version=version, mode=str(run.get("mode", "")),
-        islands=sorted(rows.values(), key=_row_order), tokens_merged=tokens,
+        islands=ordered, tokens_merged=tokens,
         bytes_in=int(stopped.get("bytes_in", bytes_in)), bytes_out=int(stopped.get("bytes_out", 0)),
         total_versions=int(run.get("total_versions") or 0), tokens_total=int(run.get("tokens_total") or 0),
         stopped=True, run_over=str(end.get("reason", "")) or "the coordinator stopped before the run finished",
