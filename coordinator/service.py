@@ -233,6 +233,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.log.event(kind, method=method, island=island, code=code.name, error=message)
                 if push is not None:
                     self._push_refused(push, code.name, message, retry_after_s)
+                elif not busy:  # a refused Join (a fingerprint mismatch, a name taken), a bad request: its reason
+                    self.log.progress(f"refused {method.rsplit('/', 1)[-1] or 'a call'}"
+                                      f"{' from ' + island if island else ''}: {code.name}: {message}")
 
     def _suppressed(self, over: list[tuple[str, int]]) -> None:
         """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""

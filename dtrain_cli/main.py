@@ -522,12 +522,20 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
                               f"= {cfg.coordinator.shards}; --shards S sets it)")
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        if args.shard > 0:
-            print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
-            return 0
-        resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
-        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
-                                  after_finish=args.after_finish)
+        from coordinator.grpc_noise import HandshakeFold
+
+        fold = HandshakeFold()
+        if cfg.security.server_cert:  # gRPC's own line per failed TLS handshake, folded into one
+            fold.install()
+        try:
+            if args.shard > 0:
+                print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
+                return 0
+            resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
+            summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
+                                      after_finish=args.after_finish)
+        finally:
+            fold.close()  # the handshakes not said yet, while the log's handler is there
         print(json.dumps(summary))
         return 0
     if args.command == "worker":

@@ -126,8 +126,11 @@ def _wait(what: str, check: Any, proc: subprocess.Popen[bytes] | None, log: Path
 
 def _shot(url: str, path: Path) -> str:
     """A 1280x1400 screenshot of ``url`` into ``path`` (also into $DTRAIN_SCREENS_DIR when set) and its DOM."""
-    taken = _chromium(f"--screenshot={path}", "--window-size=1280,1400", url)
-    assert taken.returncode == 0, taken.stderr[-2000:]
+    for _ in range(3):  # a chromium that exits 0 without a screenshot (a loaded machine): asked again
+        taken = _chromium(f"--screenshot={path}", "--window-size=1280,1400", url)
+        assert taken.returncode == 0, taken.stderr[-2000:]
+        if path.exists():
+            break
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000  # a real page, not a blank one
     if os.environ.get("DTRAIN_SCREENS_DIR"):
