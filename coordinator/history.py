@@ -71,9 +71,9 @@ class RunHistory:
     """The fold (see the module docstring). :meth:`observe` takes each event as the coordinator logs it. The past is
     kept as the Status messages' own records (never changed once made), so Status lists them as they are."""
 
-    def __init__(self, run_dir: Path | None = None) -> None:
+    def __init__(self, run_dir: Path | None = None, replay: bool = False) -> None:
         """``run_dir``: where the per-version series is kept (:data:`coordinator.series.HISTORY_FILE`); None:
-        nowhere (a finished run's replay)."""
+        nowhere (a finished run's replay). ``replay``: first fold the events already there (:meth:`replay`)."""
         self.series = RunSeries(Path(run_dir) / HISTORY_FILE if run_dir is not None else None)
         self.rounds: deque[pb.RoundRecord] = deque(maxlen=MAX_ROUNDS)
         self.evals: deque[pb.EvalPoint] = deque(maxlen=MAX_EVALS)
@@ -87,6 +87,8 @@ class RunHistory:
         self._disputed: set[int] = set()  # versions whose reports disagreed: a third island is asked
         self._pulled: dict[int, set[str]] = {}  # eval version not asked yet -> the islands that pulled it
         self.evals_asked: Counter[str] = Counter()  # island -> evals asked of it (this coordinator process)
+        if replay and run_dir is not None:
+            self.replay(Path(run_dir))
 
     def replay(self, run_dir: Path) -> None:
         """Folds the events a previous coordinator of this run wrote (a resume; ``dtrain dashboard``): torn lines

@@ -95,6 +95,8 @@ class RunSeries:
             self.save(force=True, now=t)
         elif kind == "coordinator_stopped":
             self.stopped_at = t
+            if record.get("run_over") and self.finished is None:  # the coordinator exited at the run's end
+                self.finished = {"t": t, "reason": record.get("reason", ""), "version": record.get("version")}
             self.save(force=True, now=t)
 
     def _name(self, record: dict[str, Any]) -> str:
@@ -120,7 +122,9 @@ class RunSeries:
         self.points.append({"version": version, "t": t, "tokens": tokens, "round_tokens": round_tokens,
                             "pushes": len(pushes), "bytes_in": sum(int(p.get("bytes", 0)) for p in pushes),
                             "merge_s": float(record.get("merge_s", 0.0)), "tokens_per_s": rate,
-                            "train_loss": {self._names.get(k, k): float(v) for k, v in sorted(losses.items())}})
+                            "train_loss": {n: float(v) for n, v in sorted((self._names.get(k, k), v)
+                                                                          for k, v in losses.items())
+                                           if n not in self._lost}})  # a lost island's last loss is stale
         if len(self.points) > MAX_POINTS:
             last = len(self.points) - 1
             self.points = [p for i, p in enumerate(self.points) if i % 2 == 0 or i == last]

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from coordinator.dashboard import Dashboard
-from coordinator.edge import CallerIdentity, evidence_from_message, fingerprint_mismatch
+from coordinator.edge import CallerIdentity, RunFingerprint, evidence_from_message, refusal_line
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.memory import FrameStreams, pull_piece
@@ -117,17 +117,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise CheckpointError(f"--resume: no coordinator checkpoint in {ckpt_dir}")  # before anything is written
         require_exporter(cfg.telemetry)  # a missing extra, before anything is written
         self.log = RunLog(self.run_dir, quiet=quiet, logger=COORDINATOR_CHANNEL)
-        # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
-        # coordinator's), then over each event as it is logged.
-        self.history = RunHistory(self.run_dir)
-        if resume:
-            self.history.replay(self.run_dir)
+        # What Status and the dashboard show: a fold over this run's events (a resume's earlier ones first), kept
+        self.history = RunHistory(self.run_dir, replay=resume)  # per version in history.json (coordinator/series.py)
         self.log.subscribe(self.history.observe)
         self.started_at = clock()
         self.streams = FrameStreams()
         self.pull_piece = pull_piece(cfg)
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
-        self.spec, self.tree_digest, self.fingerprint_fields = spec, codec.spec_digest(spec), cfg.fingerprint_fields()
+        self.spec, self.tree_digest, self.fingerprint = spec, codec.spec_digest(spec), RunFingerprint(cfg)
         self.lock = threading.Condition(threading.RLock())  # notified on every change of state (see the docstring)
         self.opts = StateOptions.from_config(cfg, params=self.tree_size)
         self.ckpt: Checkpointer | None = None
@@ -233,9 +230,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.log.event(kind, method=method, island=island, code=code.name, error=message)
                 if push is not None:
                     self._push_refused(push, code.name, message, retry_after_s)
-                elif not busy:  # a refused Join (a fingerprint mismatch, a name taken), a bad request: its reason
-                    self.log.progress(f"refused {method.rsplit('/', 1)[-1] or 'a call'}"
-                                      f"{' from ' + island if island else ''}: {code.name}: {message}")
+                elif not busy:  # a refused Join (a fingerprint mismatch, ...), a bad request: one line, its reason
+                    self.log.progress(refusal_line(method, island, code.name, message))
 
     def _suppressed(self, over: list[tuple[str, int]]) -> None:
         """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""
@@ -303,7 +299,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- RPCs ---------------------------------------------------------------------------------------
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
+        diff = self.fingerprint.mismatch(dict(request.fingerprint_fields))
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         identity = self.identity.of(context)

@@ -93,8 +93,8 @@ def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override one config field (repeatable), e.g. --set train.lr=3e-4")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    _config_flags(p)
+def _common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+    _config_flags(p, required=config_required)
     p.add_argument("--host-devices", type=device_count, default=0, metavar="N",
                    help="on CPU: split the host into N fake JAX devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -154,10 +154,13 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                  "Runs a coordinator and N worker processes on 127.0.0.1 (or every island in this process with\n"
                  "--inprocess), optionally injecting faults, and writes runs/NAME/ with a summary.json.",
                  "dtrain simulate --config small --islands 4 --fault kill:island-1@v3+10s")
-    _common(p)
+    _common(p, config_required=False)  # --config, or --resume RUN_DIR (its config.toml)
     _cache_flag(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run (Ctrl-C) in RUN_DIR: its coordinator from its last checkpoint, "
+                   "each island from its own folder, with the run's own config (RUN_DIR/config.toml)")
     p.add_argument("--no-pin", action="store_true", help="do not give each island's worker processes their own "
                    "share of the CPUs (Linux; by default they are pinned, as islands own their hardware)")
     p.add_argument("--island-processes", type=process_count, default=1, metavar="P",
@@ -431,6 +434,10 @@ def _run(argv: list[str], prog: str) -> int:
             raise ConfigError("--host-devices must be set before JAX is imported")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}").strip()
+    if args.command == "simulate":
+        from dtrain_cli.simulate import resume_args
+
+        resume_args(args)
     cache = [f"data.cache={args.cache}"] if getattr(args, "cache", None) else []
     cfg = load_config(args.config, [*args.overrides, *cache])
     if getattr(args, "quiet", False):  # no progress lines: the library's info records too (cli_logging restores it)
@@ -474,10 +481,17 @@ def _run(argv: list[str], prog: str) -> int:
                     parse_link(args.link)
                 except LinkError as e:
                     raise ConfigError(f"--link: {e}") from None
-            summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
-                                     island_processes=args.island_processes, own_tokens=args.island_tokens,
-                                     coordinator_shards=args.coordinator_shards,
-                                     island_specs=parse_islands(links + args.island_specs, islands, cfg))
+            from dtrain_cli.simulate_report import Interrupted
+
+            try:
+                summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
+                                         island_processes=args.island_processes, own_tokens=args.island_tokens,
+                                         coordinator_shards=args.coordinator_shards,
+                                         island_specs=parse_islands(links + args.island_specs, islands, cfg),
+                                         resume_dir=args.resume)
+            except Interrupted as e:  # Ctrl-C: the partial summary is written; how to go on
+                print(f"dtrain simulate: {e}", file=sys.stderr)
+                return 130
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0

@@ -247,6 +247,7 @@ class CoordinatorClient:
         self.address = address
         self.cfg = cfg
         self._tls_checked = False  # whether a closed plaintext connection was checked for a TLS port
+        self.corpus_digest = ""  # the island's corpus (Corpus.digest), sent at Join as the fingerprint's data.corpus
         sec = cfg.security
         creds = channel_credentials(sec)
         token = read_token(sec)  # before any channel: a placeholder token is refused (ConfigError)
@@ -335,8 +336,10 @@ class CoordinatorClient:
 
     def join(self, island: str, hardware: str, devices: int, device_kind: str = "") -> pb.JoinResponse:
         """``device_kind``: jax's device_kind of the island's devices ("" unknown)."""
-        req = pb.JoinRequest(island=island, hardware=hardware, devices=devices, fingerprint=self.cfg.fingerprint(),
-                             fingerprint_fields=self.cfg.fingerprint_fields(), device_kind=device_kind)
+        corpus = self.corpus_digest
+        req = pb.JoinRequest(island=island, hardware=hardware, devices=devices,
+                             fingerprint=self.cfg.fingerprint(corpus),
+                             fingerprint_fields=self.cfg.fingerprint_fields(corpus), device_kind=device_kind)
         return self._retry("join", lambda: self._join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
     def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,

@@ -454,8 +454,10 @@ class Config:
         return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
                 for name, section in dataclasses.asdict(self).items()}
 
-    def fingerprint_fields(self) -> dict[str, str]:
-        """What must match between the coordinator and every island: model shapes, dtype, codecs (with a sparse codec
+    def fingerprint_fields(self, corpus: str = "") -> dict[str, str]:
+        """What must match between the coordinator and every island: ``corpus``, the digest of the data the islands
+        train on (:attr:`dtrain.data.corpus.Corpus.digest`, as ``data.corpus``; '' unknown: left out), model
+        shapes, dtype, codecs (with a sparse codec
         or the sparseloco rule, also the sparse codec's fields and the rule with its β; not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
         train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
@@ -473,14 +475,17 @@ class Config:
             fields["outer.fragments"] = str(self.outer.fragments)
         if self.coordinator.shards != 1:  # the islands cut their pushes and pulls by the same plan
             fields["coordinator.shards"] = str(self.coordinator.shards)
+        if corpus:  # every island's shard is cut from the same ids
+            fields[CORPUS_FIELD] = corpus
         return fields
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, corpus: str = "") -> str:
         """Hash of :meth:`fingerprint_fields`."""
-        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
+        blob = json.dumps(self.fingerprint_fields(corpus), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+CORPUS_FIELD = "data.corpus"  # the fingerprint field of the corpus' digest (Config.fingerprint_fields)
 MAX_FRAGMENTS = 64  # outer.fragments at most (dtrain.train.fragments: each fragment holds one tensor at least)
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat")  # [model] fields that change how, not what, the model computes
 # [model] fields read only where θ_0 is made (the coordinator); islands receive θ_0 in their first full pull

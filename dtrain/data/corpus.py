@@ -290,6 +290,18 @@ def _made_store(cfg: DataConfig, cache: Path) -> tuple[str, str]:
     return str(dest), plan.description
 
 
+def known_digest(cfg: DataConfig, vocab_size: int, cache: Path) -> str:
+    """The digest of the corpus ``cfg`` names (:attr:`Corpus.digest`) when its store exists already (one named
+    as the source, or made from it under ``cache``), read from its manifest; '' when there is none yet or it
+    cannot be opened (the coordinator then takes the first joining island's: ``Config.fingerprint_fields``)."""
+    if existing_store(cfg, cache) is None:
+        return ""
+    try:
+        return open_corpus(cfg, vocab_size, cache).digest
+    except DataError:
+        return ""
+
+
 def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     """Opens the configured source as a token store (:func:`store_location`): the manifest only, so start-up
     does not grow with the corpus. Raises DataError naming the source for a store that is missing, incomplete,
