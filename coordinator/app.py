@@ -72,9 +72,7 @@ def build_service(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | N
         stack.callback(log.close)
         # The view Status and the dashboard show: a fold over this run's events (a resume reads back the earlier
         # coordinator's), then over each event as it is logged.
-        history = RunHistory()
-        if resume:
-            history.replay(run_dir)
+        history = RunHistory(run_dir, replay=resume)  # kept per version in history.json (coordinator/series.py)
         log.subscribe(history.observe)
         ckpt = None
         if c.checkpoint:
@@ -145,7 +143,8 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     if dash_port is not None:
         try:
             service.dashboard = open_dashboard(cfg, dash_port, token, service.status_message,
-                                               service.auth_failures.failed, auth_on=own is not None)
+                                               service.auth_failures.failed, auth_on=own is not None,
+                                               history=service.history.series.doc)
         except DtrainError:
             service.close()
             raise

@@ -1,8 +1,11 @@
 """The coordinator's live view: an HTTP page and its JSON endpoint, served beside the gRPC service.
 
 ``GET /api/status`` answers the Status RPC's document as JSON (:func:`dtrain.status_doc.message_dict`, the same
-document ``dtrain status --json`` prints); ``GET /`` answers the page (``coordinator/dashboard.html``, plain
-HTML/JS/CSS with no external resource: it polls ``/api/status`` and draws its charts as inline SVG). Auth is the
+document ``dtrain status --json`` prints); ``GET /api/history`` the run's history per version
+(:meth:`coordinator.series.RunSeries.doc`); ``GET /`` answers the page (``coordinator/dashboard.html``, plain
+HTML/JS/CSS with no external resource: it reads the history on load, polls ``/api/status`` and draws its charts as
+inline SVG). ``dtrain dashboard RUN_DIR`` serves the same page and documents from a run's files
+(:mod:`coordinator.run_view`). Auth is the
 gRPC admin side's: with a token configured (``security.token_env``) every request needs
 ``Authorization: Bearer TOKEN``; the page alone may also be opened as ``/?token=TOKEN`` (its script then sends the
 header). With the islands' own tokens on the gRPC side (auth on) and no operator token, it answers no one: the
@@ -36,10 +39,11 @@ from dtrain.runlog import printable
 from dtrain.status_doc import message_dict
 
 STATUS_PATH = "/api/status"
+HISTORY_PATH = "/api/history"
 PAGE_PATHS = ("/", "/index.html")
 REQUEST_TIMEOUT_S = 10.0  # a client that sends nothing (or never finishes its TLS handshake) is dropped after this
 # Nothing outside this server may be loaded or contacted by the page: its script and style are inline, it talks
-# to /api/status only, and its charts are inline SVG.
+# to /api/status and /api/history only, and its charts are inline SVG.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
                            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
@@ -129,10 +133,12 @@ class Dashboard:
 
     def __init__(self, host: str, port: int, token: str | None, tls: ssl.SSLContext | None,
                  status: Callable[[], dict[str, Any]], auth_failed: Callable[[str, str, str], None],
-                 auth_on: bool = False):
+                 auth_on: bool = False, history: Callable[[], dict[str, Any]] | None = None):
         """``auth_on``: the gRPC side checks tokens (the islands' own, with no operator token): then the
-        dashboard answers no one without the operator's ``token``."""
+        dashboard answers no one without the operator's ``token``. ``history``: the run's history document
+        (``GET /api/history``; None: an empty one)."""
         self.host, self.tls, self.status = host, tls, status
+        self.history = history or (lambda: {"points": [], "evals": [], "recoveries": []})
         self._token = token
         self.auth_on, self.has_token = auth_on, bool(token)
         self.auth_failed = auth_failed
@@ -189,9 +195,9 @@ class _Handler(BaseHTTPRequestHandler):
         dash = self.server.dashboard
         url = urlsplit(self.path)
         path = url.path
-        if path not in PAGE_PATHS and path != STATUS_PATH:
+        if path not in PAGE_PATHS and path not in (STATUS_PATH, HISTORY_PATH):
             self._send(404, _error(f"no such path: {printable(path, 64)} (the page is /, the status document "
-                                   f"{STATUS_PATH})"))
+                                   f"{STATUS_PATH}, the history {HISTORY_PATH})"))
             return
         query = parse_qs(url.query).get("token") if path in PAGE_PATHS else None
         if not dash.authorized(self.headers.get("Authorization", ""), query[-1] if query else None):
@@ -202,11 +208,12 @@ class _Handler(BaseHTTPRequestHandler):
                                    f"security.token_env of the coordinator)"),
                        extra={"WWW-Authenticate": 'Bearer realm="dtrain"'})
             return
-        if path == STATUS_PATH:
+        if path in (STATUS_PATH, HISTORY_PATH):
             try:
-                body = json.dumps(dash.status(), allow_nan=False).encode()
+                doc = dash.status() if path == STATUS_PATH else dash.history()
+                body = json.dumps(doc, allow_nan=False).encode()
             except Exception as e:  # noqa: BLE001  # the status could not be read: say so, keep serving
-                self._send(500, _error(f"status unavailable: {type(e).__name__}: {e}"))
+                self._send(500, _error(f"{path[5:]} unavailable: {type(e).__name__}: {e}"))
                 return
             self._send(200, body)
         else:
@@ -262,15 +269,17 @@ def peer_name(address: Any) -> str:
 
 
 def open_dashboard(cfg: Config, port: int, token: str | None, status_message: Callable[[], pb.StatusResponse],
-                   auth_failed: Callable[[str, str, str], None], auth_on: bool = False) -> Dashboard:
+                   auth_failed: Callable[[str, str, str], None], auth_on: bool = False,
+                   history: Callable[[], dict[str, Any]] | None = None) -> Dashboard:
     """The coordinator's dashboard on ``coordinator.dashboard_host`` (else ``coordinator.host``) and ``port``,
     bound (not yet serving): ``status_message()`` (the service's Status) as JSON; a refused request goes to
     ``auth_failed(peer, method, why)`` (the service's :meth:`coordinator.refusals.AuthFailures.failed`, method
     ``GET /PATH``: an ``auth_failed`` event, which its history lists among the run's faults). ``auth_on``: the
-    gRPC side checks tokens: with no operator ``token`` the dashboard then answers no one."""
+    gRPC side checks tokens: with no operator ``token`` the dashboard then answers no one. ``history``: the run's
+    history document (the service's :meth:`coordinator.series.RunSeries.doc`)."""
 
     def status() -> dict[str, Any]:
         return message_dict(status_message())
 
     return Dashboard(cfg.coordinator.dashboard_address, port, token, tls_context(cfg.security), status, auth_failed,
-                     auth_on=auth_on)
+                     auth_on=auth_on, history=history)

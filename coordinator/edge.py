@@ -27,7 +27,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from coordinator.records import MAX_BAD_DEVICES, MAX_DEVICE_LEN, MAX_DIGEST_LEN, MAX_PUSH_ID_LEN
-from dtrain.config.sections import ISLAND_NAME_RE
+from dtrain.config.load import data_cache
+from dtrain.config.sections import CORPUS_FIELD, ISLAND_NAME_RE, Config
+from dtrain.data.corpus import known_digest
 from dtrain.net.identity import IslandTokens, cert_identity, token_identity
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import MAX_EVAL_REPORTS, MAX_EVIDENCE, MAX_EVIDENCE_DETAIL, presented_token
@@ -142,8 +144,33 @@ def fingerprint_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str:
     diffs = []
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key) != theirs.get(key):
-            diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}")
+            diffs.append(f"{key}: coordinator {ours.get(key, '<missing>')}, island {theirs.get(key, '<missing>')}"
+                         + (" (the island trains on other data: every host needs the same corpus, data.source and "
+                            "data.max_bytes)" if key == CORPUS_FIELD else ""))
     return "; ".join(diffs)
+
+
+class RunFingerprint:
+    """What every island's Join must match (``Config.fingerprint_fields``): the config's fields and the corpus'
+    digest (``data.corpus``): the coordinator's own when the store is here already (:func:`known_digest`), else
+    the first joining island's, which every later Join must then match."""
+
+    def __init__(self, cfg: Config):
+        self.fields = cfg.fingerprint_fields(known_digest(cfg.data, cfg.model.vocab_size, data_cache(cfg)))
+
+    def mismatch(self, theirs: dict[str, str]) -> str:
+        """:func:`fingerprint_mismatch` of an island's fields ('' if they match). A client that names no corpus
+        (a Join from a test's client, not a worker's) is not asked about it."""
+        if CORPUS_FIELD not in theirs:
+            return fingerprint_mismatch({k: v for k, v in self.fields.items() if k != CORPUS_FIELD}, theirs)
+        if CORPUS_FIELD not in self.fields:  # the run's data: the first island's
+            self.fields = {**self.fields, CORPUS_FIELD: theirs[CORPUS_FIELD]}
+        return fingerprint_mismatch(self.fields, theirs)
+
+
+def refusal_line(method: str, island: str, code: str, message: str) -> str:
+    """The coordinator log's line for a refused call: its method, the island, the code and the reason."""
+    return f"refused {method.rsplit('/', 1)[-1] or 'a call'}{' from ' + island if island else ''}: {code}: {message}"
 
 
 class CallerIdentity:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.edge import MAX_ISLAND_ID_LEN
+from coordinator.series import HISTORY_FILE, RunSeries
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import MAX_EVAL_REPORTS
 from dtrain.runlog import fault_kind, printable, read_events
@@ -70,7 +71,10 @@ class RunHistory:
     """The fold (see the module docstring). :meth:`observe` takes each event as the coordinator logs it. The past is
     kept as the Status messages' own records (never changed once made), so Status lists them as they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path | None = None, replay: bool = False) -> None:
+        """``run_dir``: where the per-version series is kept (:data:`coordinator.series.HISTORY_FILE`); None:
+        nowhere (a finished run's replay). ``replay``: first fold the events already there (:meth:`replay`)."""
+        self.series = RunSeries(Path(run_dir) / HISTORY_FILE if run_dir is not None else None)
         self.rounds: deque[pb.RoundRecord] = deque(maxlen=MAX_ROUNDS)
         self.evals: deque[pb.EvalPoint] = deque(maxlen=MAX_EVALS)
         self.faults: deque[pb.FaultRecord] = deque(maxlen=MAX_FAULTS)
@@ -83,13 +87,21 @@ class RunHistory:
         self._disputed: set[int] = set()  # versions whose reports disagreed: a third island is asked
         self._pulled: dict[int, set[str]] = {}  # eval version not asked yet -> the islands that pulled it
         self.evals_asked: Counter[str] = Counter()  # island -> evals asked of it (this coordinator process)
+        if replay and run_dir is not None:
+            self.replay(Path(run_dir))
 
     def replay(self, run_dir: Path) -> None:
-        """Folds the events a previous coordinator of this run wrote (a resume): torn lines are skipped."""
+        """Folds the events a previous coordinator of this run wrote (a resume; ``dtrain dashboard``): torn lines
+        are skipped; the islands' train losses come back from the series' file."""
         path = Path(run_dir) / "events.jsonl"
-        if path.exists():
-            for record in read_events(run_dir, skip_torn=True):
-                self.observe(record)
+        self.series.load_losses(Path(run_dir))
+        keep, self.series.path = self.series.path, None  # not rewritten while it is read back
+        try:
+            if path.exists():
+                for record in read_events(run_dir, skip_torn=True):
+                    self.observe(record)
+        finally:
+            self.series.path = keep
 
     def observe(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
@@ -119,6 +131,9 @@ class RunHistory:
         if fault:
             self.faults.append(pb.FaultRecord(t=t, kind=fault, island_id=island_of(record),
                                               detail=fault_detail(record)))
+        losses = {i: v.train_loss for i, v in self.islands.items() if v.train_loss is not None}
+        self.series.observe(record, self.tokens_merged_at(int(record["version"])) if kind == "round_merged" else 0,
+                            losses)
 
     def _tokens_before(self, version: int) -> int:
         earlier = [v for v in self.tokens_at if v < version]

@@ -116,7 +116,7 @@ def run_coordinator(cfg: Config, run_dir: str | Path, port: int | None = None, r
                    "bytes_out": n.bytes_out, "merge_s": n.merge_s, "deltas_dropped": st.deltas_dropped,
                    "params_digest": service.params_digest,
                    **({"source_tokens": tokens} if (tokens := source_tokens(st, service.opts)) else {})}
-    service.log.event("coordinator_stopped", reason=reason, **summary)
+    service.log.event("coordinator_stopped", reason=reason, run_over=service.loop.stop_requested is None, **summary)
     service.close()
     return summary
 

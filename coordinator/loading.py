@@ -90,8 +90,7 @@ def resume_state(cfg: Config, opts: StateOptions, run_dir: Path, spec: codec.Spe
         log.event("checkpoint_skipped", step=step, reason=why, moved_to=str(moved))
         log.progress(f"skipped checkpoint {step}: {why} (moved to {moved})")
     log.event("coordinator_resumed", version=loaded.state.version, skipped=[step for step, _ in skipped])
-    if skipped:
-        log.progress(f"resumed from checkpoint {loaded.state.version}")
+    log.progress(f"resumed from version {loaded.state.version} (its checkpoint)")
     return loaded
 
 

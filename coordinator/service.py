@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 import grpc
 
 from coordinator.dashboard import Dashboard
-from coordinator.edge import CallerIdentity, evidence_from_message, fingerprint_mismatch
+from coordinator.edge import CallerIdentity, RunFingerprint, evidence_from_message, refusal_line
 from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.memory import FrameStreams, pull_piece
@@ -113,7 +113,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.merger = p.store.merger
         self.loaded_at = p.loaded_at
         self.tree_size = sum(leaf_sizes(p.spec))
-        self.tree_digest, self.fingerprint_fields = codec.spec_digest(p.spec), p.cfg.fingerprint_fields()
+        self.tree_digest, self.fingerprint = codec.spec_digest(p.spec), RunFingerprint(p.cfg)
         self.started_at = p.clock()
         self.streams = FrameStreams()
         self.pull_piece = pull_piece(p.cfg)
@@ -182,6 +182,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.log.event(kind, method=method, island=island, code=code.name, error=message)
                 if push is not None:
                     self._push_refused(push, code.name, message, retry_after_s)
+                elif not busy:  # a refused Join (a fingerprint mismatch, ...), a bad request: one line, its reason
+                    self.log.progress(refusal_line(method, island, code.name, message))
 
     def _suppressed(self, over: list[tuple[str, int]]) -> None:
         """Logs the refusals the rate limit held back in windows now over: a ``refusals_suppressed`` event each."""
@@ -249,7 +251,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- RPCs ---------------------------------------------------------------------------------------
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        diff = fingerprint_mismatch(self.fingerprint_fields, dict(request.fingerprint_fields))
+        diff = self.fingerprint.mismatch(dict(request.fingerprint_fields))
         if diff:
             self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"config fingerprint mismatch: {diff}")
         identity = self.identity.of(context)

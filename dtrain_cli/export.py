@@ -22,7 +22,7 @@ import numpy as np
 from dtrain import __version__, codec
 from dtrain.config.hf_fields import ARCHITECTURES
 from dtrain.config.sections import ModelConfig
-from dtrain.data.corpus import run_tokenizer
+from dtrain.data.run_tokenizer import run_tokenizer
 from dtrain.errors import DtrainError
 
 

@@ -19,8 +19,8 @@ from dtrain.config.sections import Config, ConfigError
 from dtrain_cli import logs, look
 from dtrain_cli.entry import Parser, run_main
 
-COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "tokenize", "export", "generate",
-            "eval", "admin")
+COMMANDS = ("train", "simulate", "coordinator", "worker", "status", "config", "plot", "dashboard", "tokenize",
+            "export", "generate", "eval", "admin")
 STATUS_WAIT_S = 5.0  # dtrain status: how long to wait for the coordinator's answer (--wait)
 
 
@@ -94,8 +94,8 @@ def _config_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override one config field (repeatable), e.g. --set train.lr=3e-4")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    _config_flags(p)
+def _common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+    _config_flags(p, required=config_required)
     p.add_argument("--host-devices", type=device_count, default=0, metavar="N",
                    help="on CPU: split the host into N fake JAX devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_config(sub)
     _add_plot(sub)
+    _add_dashboard(sub)
     _add_tokenize(sub)
     _add_export(sub)
     look.add_parsers(sub, _command, int_at_least)
@@ -155,10 +156,13 @@ def _add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
                  "Runs a coordinator and N worker processes on 127.0.0.1 (or every island in this process with\n"
                  "--inprocess), optionally injecting faults, and writes runs/NAME/ with a summary.json.",
                  "dtrain simulate --config small --islands 4 --fault kill:island-1@v3+10s")
-    _common(p)
+    _common(p, config_required=False)  # --config, or --resume RUN_DIR (its config.toml)
     _cache_flag(p)
     p.add_argument("--islands", type=int, default=None, help="number of islands (default: outer.islands)")
     p.add_argument("--inprocess", action="store_true", help="all islands in this process, no network")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run (Ctrl-C) in RUN_DIR: its coordinator from its last checkpoint, "
+                   "each island from its own folder, with the run's own config (RUN_DIR/config.toml)")
     p.add_argument("--no-pin", action="store_true", help="do not give each island's worker processes their own "
                    "share of the CPUs (Linux; by default they are pinned, as islands own their hardware)")
     p.add_argument("--island-processes", type=process_count, default=1, metavar="P",
@@ -298,6 +302,17 @@ def _add_plot(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
 
 
+def _add_dashboard(sub: argparse._SubParsersAction[Parser]) -> None:
+    """``dtrain dashboard``: a run's dashboard from its files."""
+    p = _command(sub, "dashboard", "serve the dashboard of a finished run (or one whose coordinator is gone) from "
+                 "its files", "Serves the coordinator's page for RUN_DIR from its events.jsonl and history.json: the "
+                 "whole run's\nloss, throughput, rounds, faults and recoveries, until Ctrl-C.",
+                 "dtrain dashboard runs/tiny --port 8051")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder the coordinator wrote, e.g. runs/tiny")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=0, help="port to bind (default 0: any free port)")
+
+
 def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain tokenize``: a corpus into a token store."""
     p = _command(sub, "tokenize", "tokenize text, .jsonl(.zst) or .parquet files into a token store (in parallel, "
@@ -406,6 +421,10 @@ def _run(argv: list[str], prog: str) -> int:
         from dtrain_cli import plot
 
         return plot.main(args.run_dir, args.out)
+    if args.command == "dashboard":  # no config either
+        from dtrain_cli import dashboard
+
+        return dashboard.main(args.run_dir, args.host, args.port)
     if args.command == "export":  # no config: it reads what the coordinator wrote
         from dtrain_cli import export
 
@@ -423,6 +442,10 @@ def _run(argv: list[str], prog: str) -> int:
             raise ConfigError("--host-devices must be set before JAX is imported")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}").strip()
+    if args.command == "simulate":
+        from dtrain_cli.simulate import resume_args
+
+        resume_args(args)
     cache = [f"data.cache={args.cache}"] if getattr(args, "cache", None) else []
     cfg = load_config(args.config, [*args.overrides, *cache])
     if getattr(args, "quiet", False):  # no progress lines: the library's info records too (cli_logging restores it)
@@ -466,10 +489,17 @@ def _run(argv: list[str], prog: str) -> int:
                     parse_link(args.link)
                 except LinkError as e:
                     raise ConfigError(f"--link: {e}") from None
-            summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
-                                     island_processes=args.island_processes, own_tokens=args.island_tokens,
-                                     coordinator_shards=args.coordinator_shards,
-                                     island_specs=parse_islands(links + args.island_specs, islands, cfg))
+            from dtrain_cli.simulate_report import Interrupted
+
+            try:
+                summary = run_simulation(cfg, islands, quiet=args.quiet, pin=not args.no_pin, faults=faults,
+                                         island_processes=args.island_processes, own_tokens=args.island_tokens,
+                                         coordinator_shards=args.coordinator_shards,
+                                         island_specs=parse_islands(links + args.island_specs, islands, cfg),
+                                         resume_dir=args.resume)
+            except Interrupted as e:  # Ctrl-C: the partial summary is written; how to go on
+                print(f"dtrain simulate: {e}", file=sys.stderr)
+                return 130
     if args.command == "simulate":  # a line a person reads; the numbers are all in RUN_DIR/summary.json
         print(closing_line(summary))
         return 0
@@ -525,12 +555,20 @@ def _service_command(args: argparse.Namespace, cfg: Config) -> int:
         # not made here: a start refused by its checks (a port in use, a missing file) leaves no folder behind;
         # the coordinator makes it once they pass
         out = Path(args.run_dir) if args.run_dir else run_dir(cfg)
-        if args.shard > 0:
-            print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
-            return 0
-        resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
-        summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
-                                  after_finish=args.after_finish)
+        from coordinator.grpc_noise import HandshakeFold
+
+        fold = HandshakeFold()
+        if cfg.security.server_cert:  # gRPC's own line per failed TLS handshake, folded into one
+            fold.install()
+        try:
+            if args.shard > 0:
+                print(json.dumps(run_shard(cfg, args.shard, out, port=args.port)))
+                return 0
+            resume = args.resume == "always" or (args.resume == "auto" and has_checkpoint(cfg, out))
+            summary = run_coordinator(cfg, out, port=args.port, resume=resume, quiet=args.quiet,
+                                      after_finish=args.after_finish)
+        finally:
+            fold.close()  # the handshakes not said yet, while the log's handler is there
         print(json.dumps(summary))
         return 0
     if args.command == "worker":

@@ -10,6 +10,7 @@ returns the run's summary (:mod:`dtrain_cli.simulate_report`). The driver import
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from dtrain_cli.fault_spec import DEVICE_KINDS, LINK_KINDS, FaultSpec, check_dev
 from dtrain_cli.gpu_share import memory_share_env, workers_platform
 from dtrain_cli.island_spec import IslandSpec, run_config
 from dtrain_cli.simulate_processes import Simulation, SimulationError, free_port
-from dtrain_cli.simulate_report import StatusLine, summarize
+from dtrain_cli.simulate_report import Interrupted, StatusLine, interrupted, summarize
 
 
 def check_island_processes(processes: object, cfg: Config, faults: Sequence[FaultSpec]) -> None:
@@ -45,11 +46,29 @@ def check_island_processes(processes: object, cfg: Config, faults: Sequence[Faul
                           f"processes cannot run it): drop --island-processes or set health.enabled=false")
 
 
+def resume_args(args: argparse.Namespace) -> None:
+    """``simulate``: --config or --resume RUN_DIR (then the run's own config.toml, and none of the flags that
+    would change the run)."""
+    if args.resume is None:
+        if args.config is None:
+            raise ConfigError("dtrain simulate needs --config (or --resume RUN_DIR to continue an interrupted run)")
+        return
+    changed = [flag for flag, on in (("--config", args.config), ("--set", args.overrides), ("--fault", args.faults),
+                                     ("--islands", args.islands is not None), ("--island", args.island_specs),
+                                     ("--inprocess", args.inprocess), ("--link", args.link)) if on]
+    if changed:
+        raise ConfigError(f"--resume {args.resume}: {changed[0]} cannot be given with it (a resumed run goes on with "
+                          f"its own config, {args.resume}/config.toml, islands and faults)")
+    args.config = str(Path(args.resume) / "config.toml")
+    if not Path(args.config).is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.toml there: not a run folder dtrain simulate wrote")
+
+
 def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: float = 3600.0,
                    env: dict[str, str] | None = None, pin: bool = True,
                    faults: Sequence[FaultSpec] = (), island_processes: int = 1,
                    island_specs: dict[str, IslandSpec] | None = None, own_tokens: bool = False,
-                   coordinator_shards: int | None = None) -> dict[str, Any]:
+                   coordinator_shards: int | None = None, resume_dir: str | Path | None = None) -> dict[str, Any]:
     """Runs a coordinator and ``islands`` islands of ``island_processes`` worker processes each, in a new run
     folder of ``cfg`` (``RUN_DIR``), until the run ends.
 
@@ -92,6 +111,13 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
             kept across restarts) started before the lead, with a shard secret the driver writes to
             ``RUN_DIR/shard-secret``; each writes ``RUN_DIR/shard-I.log``. Link faults and links are refused
             with it (the proxies sit before the lead only).
+        resume_dir: continue the interrupted run in this folder (``dtrain simulate --resume RUN_DIR``): ``cfg`` is
+            its ``config.toml``; the coordinator starts with ``--resume`` (its last checkpoint), each island's worker
+            in its own folder (its own checkpoint); the driver's events and the run's summary go on in that folder.
+            Runs with islands' own tokens or settings, or a sharded coordinator, are not resumed this way.
+
+    Ctrl-C (SIGINT) stops every process, writes a partial summary (:func:`dtrain_cli.simulate_report.interrupted`)
+    and raises :class:`dtrain_cli.simulate_report.Interrupted`, whose message is the command that resumes.
 
     Returns the run's summary, also written to ``RUN_DIR/summary.json``. Its ``goodput`` and ``audit`` (lost
     and doubled tokens, gaps, overlaps) come from the coordinator's and every island process's events
@@ -104,6 +130,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
 
     t0 = time.time()  # the driver's elapsed clock starts here, before the data is prepared
     specs = island_specs or {}
+    if resume_dir is not None:
+        return _resume(cfg, Path(resume_dir).resolve(), quiet, timeout_s, env, pin, island_processes)
     cfg, worker_env = _checked_run(cfg, islands, env, faults, island_processes, specs, own_tokens)
     cfg = new_run(run_config(cfg, specs))
     # Before any process starts: a source that is not a store becomes one here, once, not in every worker; the
@@ -122,11 +150,41 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     if not cfg.worker.compile_cache:  # one compilation cache for the run: a restarted island loads its programs
         cfg = replace(cfg, worker={"compile_cache": str(out / "compile-cache")})
     sim = Simulation(cfg, out, islands, quiet, worker_env, pin, list(faults), island_processes, specs, tokens, t0)
+    return _run(sim, timeout_s)
+
+
+def _run(sim: Simulation, timeout_s: float) -> dict[str, Any]:
+    """Runs ``sim`` to its summary; Ctrl-C: :class:`Interrupted`, after the partial summary."""
     try:
         sim.run(timeout_s, on_pass=StatusLine(sim).show)
+    except KeyboardInterrupt:
+        sim.stop_all()
+        raise Interrupted(interrupted(sim)) from None
     finally:
         sim.stop_all()
     return summarize(sim)
+
+
+def _resume(cfg: Config, out: Path, quiet: bool, timeout_s: float, env: dict[str, str] | None, pin: bool,
+            island_processes: int) -> dict[str, Any]:
+    """:func:`run_simulation` with ``resume_dir``: the run in ``out`` goes on (see there)."""
+    from dtrain.config.load import run_path
+
+    if not (out / "coordinator").is_dir():
+        raise SimulationError(f"--resume {out}: no coordinator checkpoint in {out / 'coordinator'}: nothing to resume")
+    not_here = [what for what, on in (("islands' own tokens", (out / "island-tokens").exists()),
+                                      ("a sharded coordinator", cfg.coordinator.shards > 1),
+                                      ("islands' own settings", any((out / "islands").glob("*/config.toml"))))
+                if on]
+    if not_here:
+        raise SimulationError(f"--resume {out}: a run with {not_here[0]} is not resumed by dtrain simulate yet; "
+                              f"resume it by hand (docs/faults.md, Resuming a run)")
+    if run_path(cfg).resolve() != out:  # the folder was moved or renamed: it is where the run now lives
+        cfg = replace(cfg, run={"out_dir": str(out.parent), "name": out.name})
+    cfg, worker_env = _checked_run(cfg, cfg.outer.islands, env, (), island_processes)
+    sim = Simulation(cfg, out, cfg.outer.islands, quiet, worker_env, pin, [], island_processes)
+    sim.resume = True
+    return _run(sim, timeout_s)
 
 
 def _checked_run(cfg: Config, islands: int, env: dict[str, str] | None, faults: Sequence[FaultSpec],

@@ -141,6 +141,7 @@ class Simulation:
         self.stopped: set[str] = set()  # islands stopped by the driver after the run ended without them
         self.late: set[str] = set()  # islands that finished but were terminated, slow to exit: no failure
         self.coordinator: subprocess.Popen | None = None
+        self.resume = False  # dtrain simulate --resume: the coordinator starts from its checkpoint
         self.shards: dict[int, subprocess.Popen[bytes]] = {}  # range shard -> its process (coordinator.shards > 1)
         self.port = 0
         self.proxies: dict[str, LinkProxy] = {}
@@ -311,7 +312,7 @@ class Simulation:
         (``link=RATE/RTT``), and every island; a sharded coordinator's range shards first."""
         for index in range(1, self.cfg.coordinator.shards):
             self._start_shard(index)
-        self._start_coordinator(resume=False)
+        self._start_coordinator(resume=self.resume)
         address = f"{self.cfg.coordinator.host}:{self.port}"
         shaped = {name: spec.link for name, spec in self.specs.items() if spec.link is not None}
         for name in sorted({f.target for f in self.faults if f.kind in LINK_KINDS} | set(shaped)):

@@ -54,6 +54,35 @@ class StatusLine:
                             total=self.watch.known_total, every_s=STATUS_EVERY_S)
 
 
+class Interrupted(SimulationError):
+    """Ctrl-C stopped the run: the message says where its partial summary is and the command that resumes it."""
+
+
+def interrupted(sim: Simulation) -> str:
+    """After Ctrl-C (every process stopped): the partial summary of ``sim``'s run (``interrupted`` true, the
+    version and tokens the coordinator's events record as merged, the ``resume`` command), written to
+    ``RUN_DIR/summary.json`` and as a ``run_interrupted`` event of the driver; returns the line to print."""
+    out = sim.out
+    tokens_at, version = {0: 0}, 0
+    for e in run_events(out):
+        if e.get("event") == "round_merged":
+            version = int(e["version"])
+            tokens_at[version] = tokens_at.get(version - 1, max(tokens_at.values())) + sum(
+                int(p.get("tokens", 0)) for p in e.get("pushes", []))
+        elif e.get("event") == "coordinator_resumed":  # merges after its checkpoint were rolled back
+            version = int(e.get("version", 0))
+            tokens_at = {v: n for v, n in tokens_at.items() if v <= version}
+    command = f"dtrain simulate --resume {out}"
+    summary = {"mode": "simulate-processes", "interrupted": True, "version": version,
+               "tokens_merged": tokens_at.get(version, 0), "wall_s": time.perf_counter() - sim.t0,
+               "run_dir": str(out), "resume": command}
+    sim.log.event("run_interrupted", **summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    sim.log.close()
+    return (f"interrupted at version {version} ({summary['tokens_merged']:,} tokens merged); a partial summary is "
+            f"in {out / 'summary.json'}; to go on from there: {command}")
+
+
 def summarize(sim: Simulation) -> dict[str, Any]:
     """The summary of ``sim``'s finished run (see :func:`dtrain_cli.simulate.run_simulation`), from the islands'
     summaries and the run's events; written to ``RUN_DIR/summary.json`` and the driver's log (a ``run_finished``

@@ -36,11 +36,18 @@ class Table:
 
 def fetch(address: str, cfg: Config, wait_s: float) -> pb.StatusResponse:
     """The coordinator's Status, within ``wait_s`` seconds; DtrainError says why not, naming the address."""
-    from workers.client import RETRYABLE, CoordinatorClient, CoordinatorError, in_words
+    from dtrain.net.probe import listening
+    from workers.client import RETRYABLE, CoordinatorClient, CoordinatorError, PlaintextAtTls, in_words
 
-    client = CoordinatorClient(address, cfg)
+    client = CoordinatorClient(address, cfg)  # checks the address first
+    if listening(address, timeout_s=min(wait_s, 2.0)) is False:  # refused: no need to wait for it
+        client.close()
+        raise DtrainError(f"no coordinator answers at {address} (connection refused: nothing listens there): is it "
+                          f"running? check --coordinator")
     try:
         return client.status(within_s=wait_s)
+    except PlaintextAtTls as e:
+        raise DtrainError(e.message) from None
     except CoordinatorError as e:
         if e.code in RETRYABLE:
             words = in_words(e.details)

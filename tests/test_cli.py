@@ -138,8 +138,8 @@ CONFIG_NAMES = ", ".join(sorted(p.stem for p in (TINY.parent).glob("*.toml")))
      2, "dtrain train: error: argument --host-devices: -3: must be >= 0 (0: leave XLA_FLAGS as it is) (dtrain train "
         "--help shows the usage)"),
     (["frobnicate"], 2, "dtrain: error: argument COMMAND: invalid choice: 'frobnicate' (choose from 'train', "
-                        "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'tokenize', 'export', "
-                        "'generate', 'eval', 'admin') "
+                        "'simulate', 'coordinator', 'worker', 'status', 'config', 'plot', 'dashboard', 'tokenize', "
+                        "'export', 'generate', 'eval', 'admin') "
                         "(dtrain --help shows the usage)"),
 ])
 def test_bad_input_is_one_line_with_its_exit_status(argv, code, message, capsys):
@@ -335,10 +335,10 @@ def test_status_against_a_closed_port_fails_within_seconds_naming_it(capsys):
     address = f"127.0.0.1:{_closed_port()}"
     t0 = time.monotonic()
     rc, out, err = _exit(["status", "--coordinator", address], capsys)
-    assert time.monotonic() - t0 < 8.0
+    assert time.monotonic() - t0 < 2.0  # refused: said at once, not after --wait's 5 s
     assert rc == 1 and out == ""
-    assert err == (f"dtrain status: error: no coordinator answers at {address} (waited 5s; UNAVAILABLE, connection "
-                   f"refused: nothing listens there): is it running? check --coordinator\n")
+    assert err == (f"dtrain status: error: no coordinator answers at {address} (connection refused: nothing listens "
+                   f"there): is it running? check --coordinator\n")
 
 
 def test_status_with_a_token(tmp_path, monkeypatch, capsys):

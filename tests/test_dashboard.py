@@ -251,8 +251,10 @@ def test_the_page_says_when_the_coordinator_stops_answering(coord, tmp_path):
     banner = re.search(r'<div id="banner" class="show">([^<]*)</div>', html)
     assert banner and banner.group(1).startswith("The coordinator is not answering since ")
     assert "the values below are from " in banner.group(1)
+    assert "Failed to fetch" not in html  # the browser's own words are not what the page says
+    assert re.search(r'<span class="meta" id="runstate">coordinator gone since \d\d:\d\d:\d\d</span>', html)
     assert f"run {coord.service.run_id}" in html  # the first answer's values are still shown
-    assert re.search(r'id="card-version"><div class="k">version</div><div class="v">0</div>', html)
+    assert re.search(r'id="card-version"><div class="k">version</div><div class="v">v0( of ~[\d,]+)?</div>', html)
 
 
 # ---- the page in a real browser, during a live run -----------------------------------------------------------
@@ -339,7 +341,7 @@ def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path, compile_ca
         assert int(cells["num steps"].replace(",", "")) > 0
         assert re.fullmatch(r"\d+\.\d{4}", cells["num loss"])  # a train loss, e.g. 3.9121
         assert cells["hw"].startswith("cpu")
-    version = re.search(r'id="card-version"><div class="k">version</div><div class="v">([\d,]+)( / [\d,]+)?</div>',
+    version = re.search(r'id="card-version"><div class="k">version</div><div class="v">v([\d,]+)( of ~[\d,]+)?</div>',
                         html)
     assert version and int(version.group(1)) >= doc["version"] >= 2
     # The loss chart: the global eval series with one circle per eval point the coordinator had (at least).

@@ -125,6 +125,7 @@ def build_worker(stack: contextlib.ExitStack, cfg: Config, address: str, name: s
     setup = prepare(cfg, cfg.outer.islands, per_device=cfg.health.enabled or device_fault is not None,
                     fault=device_fault)
     startup.mark("data")
+    client.corpus_digest = setup.corpus.digest  # Join's fingerprint names the data: an island on other data is refused
     health = ChipHealth(cfg.health, setup.loop.model.apply, setup.loop.mesh, fault=device_fault) \
         if cfg.health.enabled else None
     guard = Guard(cfg, setup, health, device_fault, runlog, name)

@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError, Message
 
 from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
+from dtrain.net.probe import speaks_tls
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import (
@@ -109,6 +110,17 @@ def stopped_at(e: grpc.RpcError) -> int | None:
             value = m.value if isinstance(m.value, str) else ""
             return int(value) if value.isdigit() and len(value) < 20 else 0
     return None
+
+
+class PlaintextAtTls(CoordinatorError):
+    """A plaintext client at a TLS coordinator port (:func:`plaintext_at_tls` says what to set)."""
+
+
+def plaintext_at_tls(what: str, address: str) -> str:
+    """The error of a plaintext client at a TLS coordinator port."""
+    return (f"{what}: the coordinator at {address} serves TLS and this client connects in plaintext: set "
+            f"security.ca to the CA certificate that signed the coordinator's (dtrain worker: --set "
+            f"security.ca=FILE; dtrain status: --tls-ca FILE)")
 
 
 def _one_line(text: str) -> str:
@@ -234,6 +246,8 @@ class CoordinatorClient:
         parse_address(address)  # ValueError naming what is wrong: gRPC would dial a bare host on port 443
         self.address = address
         self.cfg = cfg
+        self._tls_checked = False  # whether a closed plaintext connection was checked for a TLS port
+        self.corpus_digest = ""  # the island's corpus (Corpus.digest), sent at Join as the fingerprint's data.corpus
         sec = cfg.security
         creds = channel_credentials(sec)
         token = read_token(sec)  # before any channel: a placeholder token is refused (ConfigError)
@@ -284,6 +298,7 @@ class CoordinatorClient:
                         raise RunOverError(code, details) from None
                     raise CoordinatorError(code, details, retry_after_s=retry_after(e), stopped_at=stopped_at(e)) \
                         from None
+                self._check_plaintext_at_tls(what, code, details)
                 left = budget - (time.monotonic() - t0)
                 if self.give_up is not None and self.give_up.is_set():
                     raise CoordinatorError(code, f"{what}: the coordinator at {self.address} is unavailable "
@@ -307,10 +322,24 @@ class CoordinatorClient:
                 time.sleep(pause)
                 delay = min(delay * 2, w.retry_max_s)
 
+    def _check_plaintext_at_tls(self, what: str, code: grpc.StatusCode, details: str) -> None:
+        """A plaintext client whose connection was closed (no security.ca): if the coordinator's port answers a
+        TLS handshake, a CoordinatorError (FAILED_PRECONDITION, not retried) saying to set security.ca. Asked once
+        per client."""
+        if self.cfg.security.ca or self._tls_checked or code != grpc.StatusCode.UNAVAILABLE or \
+                "socket closed" not in details.lower():
+            return
+        self._tls_checked = True
+        if speaks_tls(self.address):
+            raise PlaintextAtTls(grpc.StatusCode.FAILED_PRECONDITION, plaintext_at_tls(what, self.address),
+                                 details) from None
+
     def join(self, island: str, hardware: str, devices: int, device_kind: str = "") -> pb.JoinResponse:
         """``device_kind``: jax's device_kind of the island's devices ("" unknown)."""
-        req = pb.JoinRequest(island=island, hardware=hardware, devices=devices, fingerprint=self.cfg.fingerprint(),
-                             fingerprint_fields=self.cfg.fingerprint_fields(), device_kind=device_kind)
+        corpus = self.corpus_digest
+        req = pb.JoinRequest(island=island, hardware=hardware, devices=devices,
+                             fingerprint=self.cfg.fingerprint(corpus),
+                             fingerprint_fields=self.cfg.fingerprint_fields(corpus), device_kind=device_kind)
         return self._retry("join", lambda: self._join(req, timeout=JOIN_DEADLINE_S, metadata=self.metadata))
 
     def heartbeat(self, budget_s: float | None = None, *, island_id: str, version: int, steps: int = 0,

@@ -488,8 +488,10 @@ class Config:
         return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
                 for name, section in dataclasses.asdict(self).items()}
 
-    def fingerprint_fields(self) -> dict[str, str]:
-        """What must match between the coordinator and every island: model shapes, dtype, codecs (with a sparse codec
+    def fingerprint_fields(self, corpus: str = "") -> dict[str, str]:
+        """What must match between the coordinator and every island: ``corpus``, the digest of the data the islands
+        train on (:attr:`dtrain.data.corpus.Corpus.digest`, as ``data.corpus``; '' unknown: left out), model
+        shapes, dtype, codecs (with a sparse codec
         or the sparseloco rule, also the sparse codec's fields and the rule with its β; not the model's
         compute knobs, :data:`COMPUTE_ONLY_MODEL_FIELDS`: a GPU island with cuDNN attention and a TPU island without
         train the same model; nor where θ_0 comes from, :data:`THETA0_ONLY_MODEL_FIELDS`; nor, for another kind, the
@@ -511,14 +513,17 @@ class Config:
             fields["coordinator.shards"] = str(self.coordinator.shards)
         if self.data.document_masking:  # only then: islands that mask and islands that do not train other models
             fields["data.document_masking"] = "True"
+        if corpus:  # every island's shard is cut from the same ids
+            fields[CORPUS_FIELD] = corpus
         return fields
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, corpus: str = "") -> str:
         """Hash of :meth:`fingerprint_fields`."""
-        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
+        blob = json.dumps(self.fingerprint_fields(corpus), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+CORPUS_FIELD = "data.corpus"  # the fingerprint field of the corpus' digest (Config.fingerprint_fields)
 MAX_FRAGMENTS = 64  # outer.fragments at most (dtrain.train.fragments: each fragment holds one tensor at least)
 # [model] fields that change how, not what, the model computes
 COMPUTE_ONLY_MODEL_FIELDS = ("attention", "remat", "loss_chunk")

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,9 +43,9 @@ from dtrain.config.sections import DataConfig
 from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
-__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "RunTokenizer", "SequenceStream", "ShardStream",
+__all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "ShardStream",
            "Span", "Split", "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store",
-           "open_corpus", "run_tokenizer", "split", "store_location", "with_positions"]
+           "open_corpus", "split", "store_location", "with_positions"]
 
 SHUFFLE_BLOCKS = 8  # blocks (of about one stored chunk each) whose windows are shuffled together
 READ_AHEAD_GROUPS = 1  # groups read ahead of the one being consumed
@@ -254,46 +254,6 @@ def existing_store(cfg: DataConfig, cache: Path) -> str | None:
     return str(dest) if (dest / MANIFEST).exists() else None
 
 
-class RunTokenizer(NamedTuple):
-    """What :func:`run_tokenizer` finds: the store's tokenizer.json (None: none to copy), its end-of-document id, a
-    note saying which (or why none), and whether the run's ids are bytes (the byte tokenizer)."""
-
-    file: Path | None
-    eos_id: int | None
-    note: str
-    bytes: bool = False
-
-
-def run_tokenizer(data: DataConfig, run_dir: Path) -> RunTokenizer:
-    """(the store's tokenizer.json or None, its end-of-document id, a note saying which or why none) for a run's
-    source (``dtrain export``, ``dtrain.load``): a store it names, or the one a builtin or text source was made
-    into under data.cache (default: the run folder's OUT_DIR/data-cache). DataError for an unreadable manifest."""
-    if not names_store(data.source) and data.tokenizer == "bytes":
-        return RunTokenizer(None, None, "no tokenizer files: the run's data was byte-tokenized (ids are bytes), and no "
-                            "Hugging Face tokenizer exists for the byte tokenizer", bytes=True)
-    cache = Path(data.cache).expanduser() if data.cache else run_dir.parent / "data-cache"
-    source = existing_store(data, cache)
-    if source is None:
-        return RunTokenizer(None, None, f"no tokenizer files: the token store the run's source {data.source!r} was "
-                            f"made into is not under {cache} (or its files changed since)")
-    manifest = Path(source) / "manifest.json"
-    if "://" in source:
-        return RunTokenizer(None, None, f"tokenizer not copied: the run's store {source} is remote (copy its "
-                            "tokenizer.json by hand)")
-    try:
-        info = json.loads(manifest.read_text())
-        name, eos_id = info["tokenizer"], info.get("eos_id")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{manifest}: unreadable: {type(e).__name__}: {e}") from None
-    if name == "bytes":
-        return RunTokenizer(None, eos_id, "no tokenizer files: the run's store is byte-tokenized, and no Hugging Face "
-                            "tokenizer exists for the byte tokenizer", bytes=True)
-    vocab = Path(source) / name
-    if not vocab.is_file():
-        return RunTokenizer(None, eos_id, f"no tokenizer files: the store names {name!r} but {vocab} is not there")
-    return RunTokenizer(vocab, eos_id, f"tokenizer: {vocab}")
-
-
 def store_location(cfg: DataConfig, cache: Path) -> str:
     """The token store ``cfg.source`` names or was made into (:func:`_made_store`)."""
     return _made_store(cfg, cache)[0]
@@ -330,6 +290,18 @@ def _made_store(cfg: DataConfig, cache: Path) -> tuple[str, str]:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("token store %s written in %.1f s", dest, time.perf_counter() - t0)
     return str(dest), plan.description
+
+
+def known_digest(cfg: DataConfig, vocab_size: int, cache: Path) -> str:
+    """The digest of the corpus ``cfg`` names (:attr:`Corpus.digest`) when its store exists already (one named
+    as the source, or made from it under ``cache``), read from its manifest; '' when there is none yet or it
+    cannot be opened (the coordinator then takes the first joining island's: ``Config.fingerprint_fields``)."""
+    if existing_store(cfg, cache) is None:
+        return ""
+    try:
+        return open_corpus(cfg, vocab_size, cache).digest
+    except DataError:
+        return ""
 
 
 def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:

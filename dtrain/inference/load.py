@@ -29,7 +29,7 @@ import numpy as np
 
 from dtrain import codec, schema
 from dtrain.config.sections import Config, ModelConfig
-from dtrain.data.corpus import run_tokenizer
+from dtrain.data.run_tokenizer import run_tokenizer
 from dtrain.data.token_store import DataError
 from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from dtrain.errors import DtrainError
