@@ -322,6 +322,9 @@ def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
                    "instead of stopping at it")
     p.add_argument("--workers", type=process_count, default=os.cpu_count() or 1, metavar="N",
                    help="processes encoding files (default: every core)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS", help="spread the work over the Ray cluster whose head "
+                   "is at ADDRESS (HOST:PORT, or auto): its tasks write the store themselves, so --out and the "
+                   "sources must be at the same path on every node (pip install 'dtrain[ray]')")
     p.add_argument("--overwrite", action="store_true", help="replace a store, or an interrupted run, at --out")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 

@@ -12,13 +12,25 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from dtrain.config.sections import ConfigError
 from dtrain.data import token_store
 from dtrain.data import tokenize as tokenizing
-from dtrain.data.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
+from dtrain.data.token_store import DataError
+from dtrain.data.tokenize import (
+    COMMIT_EVERY_S,
+    Journal,
+    ProgressLine,
+    check_out,
+    read_journal,
+    tokenize,
+    trained_or_resumed,
+)
 from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer
@@ -65,11 +77,26 @@ def main(args: argparse.Namespace) -> int:
 def _tokenize(args: argparse.Namespace, t0: float) -> int:
     tokenizer, trained = choose_tokenizer(args)
     commit_every_s, on_commit = _test_hook()
+    executor = None
+    if args.ray is not None:
+        from dtrain.data.tokenize_ray import RayExecutor
+
+        executor = RayExecutor(args.ray)
+        executor.connect()  # before any work: Ray missing or the address not answering is one line, at once
     line = ProgressLine(args.quiet)
     try:
         manifest, stats = tokenize(args.sources, args.out, tokenizer, field=args.field, skip_bad=args.skip_bad,
                                    workers=args.workers, progress=line, overwrite=args.overwrite,
-                                   trained_vocab_size=trained, on_commit=on_commit, commit_every_s=commit_every_s)
+                                   trained_vocab_size=trained, on_commit=on_commit, commit_every_s=commit_every_s,
+                                   executor=executor)
+    except (KeyboardInterrupt, DataError) as e:
+        journal = read_journal(args.out) if Path(args.out).is_dir() else None
+        if journal is not None or isinstance(e, KeyboardInterrupt):  # say how to go on
+            kept = (f"{journal.files_done:,} of {journal.files:,} files are committed in {args.out}"
+                    if journal is not None else "nothing was committed yet")
+            print(f"dtrain tokenize: {'interrupted' if isinstance(e, KeyboardInterrupt) else 'stopped'}: {kept}; "
+                  f"to continue: {resume_command(args)}", file=sys.stderr)
+        raise
     finally:
         line.end()
     seconds = time.monotonic() - t0
@@ -79,6 +106,19 @@ def _tokenize(args: argparse.Namespace, t0: float) -> int:
           f"{skipped}{resumed} -> {args.out} ({manifest.tokenizer}, vocab {manifest.vocab_size:,}, "
           f"{manifest.digest}) in {seconds:.1f} s, {stats.bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s")
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: its arguments, without --overwrite (which would start over)."""
+    words = ["dtrain", "tokenize", *args.sources, "--out", args.out]
+    for flag, value in [("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size), ("--eos", args.eos),
+                        ("--ray", args.ray)]:
+        if value is not None:
+            words += [flag, str(value)]
+    if args.field != "text":
+        words += ["--field", args.field]
+    words += ["--workers", str(args.workers)] + (["--skip-bad"] if args.skip_bad else [])
+    return shlex.join(words)
 
 
 def _test_hook() -> tuple[float, Callable[[Journal], None] | None]:
