@@ -106,7 +106,7 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
     # processes read that store (finding it again from its source would scan the source at every start).
     cache = data_cache(cfg)
     if not names_store(cfg.data.source):
-        cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache)).resolve())})
+        cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache, cfg.model.vocab_size)).resolve())})
     open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)

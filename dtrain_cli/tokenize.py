@@ -36,6 +36,8 @@ from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer
 # A test's hook: commit after every file and exit abruptly (status 137, as SIGKILL) once this many are committed.
 TEST_EXIT_AFTER_FILES = "DTRAIN_TOKENIZE_TEST_EXIT_AFTER_FILES"
+# A test's hook: commit after every file and raise KeyboardInterrupt (as Ctrl-C) once this many are committed.
+TEST_INTERRUPT_AFTER_FILES = "DTRAIN_TOKENIZE_TEST_INTERRUPT_AFTER_FILES"
 
 
 def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:
@@ -122,14 +124,17 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def _test_hook() -> tuple[float, Callable[[Journal], None] | None]:
-    """(commit_every_s, on_commit) of :data:`TEST_EXIT_AFTER_FILES`; without it, the defaults."""
-    text = os.environ.get(TEST_EXIT_AFTER_FILES)
-    if not text:
+    """(commit_every_s, on_commit) of :data:`TEST_EXIT_AFTER_FILES` or :data:`TEST_INTERRUPT_AFTER_FILES`; without
+    them, the defaults."""
+    killed, interrupted = os.environ.get(TEST_EXIT_AFTER_FILES), os.environ.get(TEST_INTERRUPT_AFTER_FILES)
+    if not (killed or interrupted):
         return COMMIT_EVERY_S, None
-    after = int(text)
+    after = int(killed or interrupted or 0)
 
-    def exit_abruptly(journal: Journal) -> None:
+    def stop(journal: Journal) -> None:
         if journal.files_done >= after:
-            os._exit(137)  # as if killed: no cleanup, no flush
+            if killed:
+                os._exit(137)  # as if killed: no cleanup, no flush
+            raise KeyboardInterrupt  # as Ctrl-C
 
-    return 0.0, exit_abruptly
+    return 0.0, stop
