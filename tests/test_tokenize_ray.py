@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import filecmp
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ from dtrain.data.corpus import DataError
 from dtrain.data.documents import enumerate_sources
 from dtrain.data.token_store import MANIFEST, TokenStore
 from dtrain.data.tokenize import JOURNAL, tokenize
-from dtrain.data.tokenize_ray import RayExecutor
+from dtrain.data.tokenize_ray import LocalRayCluster, RayExecutor
 from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,50 +35,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ray_start(args: list[str], temp: Path, log: str) -> subprocess.Popen[bytes]:
-    """``ray start ... --block``: it stays this test's child, and stops the processes it started when it is
-    terminated (``ray stop`` would stop every Ray process of this machine, not only this test's)."""
-    return subprocess.Popen([shutil.which("ray") or "ray", "start", *args, "--num-cpus=1", "--block",
-                             "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={temp}",
-                             "--object-store-memory=80000000"],
-                            stdout=open(temp / log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A Ray cluster of two nodes on this machine (one CPU each); its head's address."""
-    import ray
-
-    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths live under it
-    port = _free_port()
-    nodes = [_ray_start(["--head", f"--port={port}", "--include-dashboard=false"], temp, "head.log")]
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and nodes[0].poll() is None, (temp / "head.log").read_text()
-                time.sleep(0.2)
-        nodes.append(_ray_start([f"--address=127.0.0.1:{port}"], temp, "worker.log"))
-        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
-        while sum(n["Alive"] for n in ray.nodes()) < 2:
-            assert time.monotonic() < deadline and nodes[1].poll() is None, (temp / "worker.log").read_text()
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        ray.shutdown()
-        for node in reversed(nodes):
-            node.send_signal(signal.SIGTERM)
-        for node in reversed(nodes):
-            try:
-                node.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)  # its own session: only what this test started
-                node.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+    with LocalRayCluster(object_store_bytes=80_000_000) as local:
+        local.add_node()
+        yield local.address
 
 
 def _corpus(root: Path) -> Path:

@@ -23,10 +23,17 @@ Ray is imported only here, when an executor connects: ``pip install 'dtrain[ray]
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import tempfile
+import time
 import urllib.parse
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -234,3 +241,84 @@ class RayExecutor:
                   if (q.start < hi and q.stop > max(lo, resumed[0]))
                   or (q.doc_start < doc_hi and q.doc_stop > max(doc_lo, resumed[1]))]
         return (lo, hi), (doc_lo, doc_hi), pieces
+
+
+class LocalRayCluster:
+    """A Ray cluster on this machine, for trying ``--ray`` and for the tests and benchmarks: a head node, then
+    :meth:`add_node` for more, each ``ray start --block`` with ``cpus`` CPUs, stopped by :meth:`stop` through
+    its own process (``ray stop`` would stop every Ray process of the machine). Its :attr:`address` is
+    ``127.0.0.1:PORT`` (Ray itself names the node by the machine's own address)."""
+
+    def __init__(self, cpus: int = 1, object_store_bytes: int = 200_000_000, timeout_s: float = 120.0):
+        self.cpus, self.object_store_bytes, self.timeout_s = cpus, object_store_bytes, timeout_s
+        self.temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths live under it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(["--head", f"--port={self.port}", "--include-dashboard=false"])
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    break
+                except OSError:
+                    self._check(deadline)
+                    time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, args: list[str]) -> None:
+        log_file = open(self.temp / f"node-{len(self.nodes)}.log", "wb")
+        self.nodes.append(subprocess.Popen(
+            [shutil.which("ray") or "ray", "start", *args, f"--num-cpus={self.cpus}", "--block",
+             "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp}",
+             f"--object-store-memory={self.object_store_bytes}"], stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}))
+        log_file.close()
+
+    def _check(self, deadline: float) -> None:
+        for i, node in enumerate(self.nodes):
+            if node.poll() is not None or time.monotonic() > deadline:
+                text = (self.temp / f"node-{i}.log").read_text(errors="replace")[-2000:]
+                raise DataError(f"a local Ray node did not start (exit {node.poll()}): {text}")
+
+    def add_node(self) -> None:
+        """Starts one more node and waits until the cluster has it (Ray is joined from here to see it)."""
+        import ray
+
+        self._start([f"--address={self.address}"])
+        if not ray.is_initialized():
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        deadline = time.monotonic() + self.timeout_s
+        while sum(bool(n["Alive"]) for n in ray.nodes()) < len(self.nodes):
+            self._check(deadline)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Leaves the cluster (if joined) and stops its nodes, the newest first; removes its temporary folder."""
+        try:
+            import ray
+
+            ray.shutdown()
+        except ImportError:
+            pass
+        for node in reversed(self.nodes):
+            node.send_signal(signal.SIGTERM)
+        for node in reversed(self.nodes):
+            try:
+                node.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)  # its own session: only what this cluster started
+                node.wait()
+        self.nodes = []
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
