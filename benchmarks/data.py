@@ -45,10 +45,10 @@ Figures:
       ``Tokenizer.encode_batch`` on the same texts (read into memory beforehand) with the same cores (its own
       threads), the same BPE, measured right after it. 1.0 is no overhead over the library.
   Y   Ray scaling: ``dtrain tokenize --ray`` (:class:`dtrain.data.tokenize_ray.RayExecutor`) of the first
-      :data:`RAY_BYTES` of the corpus on a local Ray cluster (:class:`~dtrain.data.tokenize_ray.LocalRayCluster`,
-      one CPU a node): the throughput with 2 nodes / with 1 (the same store both times, checked). On a 2-core
-      machine 2 nodes can at best double it; ``n/a`` without Ray (``pip install 'dtrain[ray]'``) or
-      ``--skip-ray``.
+      :data:`RAY_BYTES` of the corpus's UTF-8 files, with a BPE as K's (trained on them), on a local Ray
+      cluster (:class:`~dtrain.data.tokenize_ray.LocalRayCluster`, one CPU a node): the throughput with 2 nodes
+      / with 1 (the same store both times, checked). On a 2-core machine 2 nodes can at best double it; ``n/a``
+      without Ray (``pip install 'dtrain[ray]'``) or ``--skip-ray``.
 
 The reads are from the OS page cache as far as a store is in it (it was just written, or read by the previous
 run; the cache cannot be dropped here), and then T and the children's times measure decoding and gathering, not
@@ -421,16 +421,22 @@ def ray_scaling(work: Path) -> dict[str, Any]:
     except ImportError as e:
         log(f"ray: not measured ({e}; pip install 'dtrain[ray]')")
         return {"ray": False}
+    from dtrain.data.documents import enumerate_sources
     from dtrain.data.tokenize import tokenize
     from dtrain.data.tokenize_ray import LocalRayCluster, RayExecutor
-    from dtrain.data.tokenizer import ByteTokenizer
+    from dtrain.data.tokenizer import train_bpe
 
     files, size = [], 0
     for p in builtin_files():
+        try:
+            p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
         files.append(str(p))
         size += p.stat().st_size
         if size >= RAY_BYTES:
             break
+    bpe = train_bpe(enumerate_sources(files, True), BPE_VOCAB, max_bytes=BPE_TRAIN_BYTES)  # K's, on these files
     out: dict[str, Any] = {"ray": True, "bytes": size, "files": len(files)}
     digests = []
     with LocalRayCluster() as cluster:
@@ -440,8 +446,7 @@ def ray_scaling(work: Path) -> dict[str, Any]:
             dest = work / f"ray-{nodes}"
             executor = RayExecutor(cluster.address, task_bytes=RAY_TASK_BYTES)
             executor.connect()  # joined before the clock starts
-            manifest, stats = tokenize(files, dest, ByteTokenizer(), executor=executor, plain_text=True,
-                                       overwrite=True)
+            manifest, stats = tokenize(files, dest, bpe, executor=executor, plain_text=True, overwrite=True)
             out[f"seconds_{nodes}"], out[f"mb_per_s_{nodes}"] = stats.seconds, stats.bytes / 1e6 / stats.seconds
             digests.append(manifest.digest)
             log(f"ray: {stats.bytes / 1e6:.1f} MB with {nodes} node(s) in {stats.seconds:.1f}s: "

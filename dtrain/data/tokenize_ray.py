@@ -46,6 +46,7 @@ from dtrain.data.tokenizer import Tokenizer
 TASK_BYTES = 64 << 20  # source bytes per encode task (whole files: a bigger file is a task of its own)
 CONNECT_TIMEOUT_S = 5.0  # the address must answer a TCP connect within this
 WINDOW_PER_CPU = 2  # encode tasks in flight per CPU of the cluster (their ids wait in the object store)
+CANCEL_WAIT_S = 60.0  # a run that stops waits this long for its cancelled tasks to end
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +157,18 @@ class RayExecutor:
         if not files:
             return
         ray = self.connect()
+        tasks: list[Any] = []  # every task sent, so that none outlives the run (it would write behind a resume)
         try:
-            yield from self._run(ray, files, tokenizer, field_name, writer)
+            yield from self._run(ray, files, tokenizer, field_name, writer, tasks)
         except ray.exceptions.RayError as e:
             raise DataError(f"a Ray task failed ({str(e).strip().splitlines()[-1]}); what was committed is kept: "
                             "run the same command again to continue") from None
+        finally:
+            pending = ray.wait(tasks, num_returns=len(tasks), timeout=0)[1] if tasks else []
+            for task in pending:
+                ray.cancel(task)
+            if pending:  # a cancelled place task stops between its chunk writes (each atomic): wait for them to end
+                ray.wait(pending, num_returns=len(pending), timeout=CANCEL_WAIT_S)
 
     def _ranges(self, files: Sequence[SourceFile]) -> list[_Range]:
         ranges: list[_Range] = []
@@ -174,7 +182,7 @@ class RayExecutor:
         return ranges
 
     def _run(self, ray: Any, files: Sequence[SourceFile], tokenizer: Tokenizer, field_name: str,
-             writer: StoreWriter) -> Generator[Placed, None, None]:
+             writer: StoreWriter, tasks: list[Any]) -> Generator[Placed, None, None]:
         encode = ray.remote(num_cpus=1)(_encode_range).options(num_returns=2)
         place = ray.remote(num_cpus=1)(_place)
         ranges = self._ranges(files)
@@ -194,6 +202,7 @@ class RayExecutor:
                 r = ranges[submitted]
                 r.meta, r.data = encode.remote(spec, [(str(f.path.resolve()), f.kind, f.size) for f in r.files],
                                                field_name)
+                tasks.append(r.meta)
                 submitted += 1
             waiting = ([ranges[known].meta] if known < submitted else []) + placing[:1]
             if waiting:
@@ -211,6 +220,7 @@ class RayExecutor:
                 span, doc_span, pieces = task
                 writer.reserve(span[1], doc_span[1])
                 placing.append(place.remote(path, span, doc_span, resumed, pieces))
+                tasks.append(placing[-1])
                 # No later place task reads a range that ends inside this one's spans: the driver lets it go
                 # (the task holds its own reference to what it reads).
                 while released < known and ranges[released].stop <= span[1] \
