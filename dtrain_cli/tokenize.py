@@ -77,14 +77,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace, t0: float) -> int:
-    tokenizer, trained = choose_tokenizer(args)
-    commit_every_s, on_commit = _test_hook()
     executor = None
     if args.ray is not None:
         from dtrain.data.tokenize_ray import RayExecutor
 
         executor = RayExecutor(args.ray)
-        executor.connect()  # before any work: Ray missing or the address not answering is one line, at once
+        executor.connect()  # before any work (a BPE trained): Ray missing or an address not answering, at once
+    tokenizer, trained = choose_tokenizer(args)
+    commit_every_s, on_commit = _test_hook()
     line = ProgressLine(args.quiet)
     try:
         manifest, stats = tokenize(args.sources, args.out, tokenizer, field=args.field, skip_bad=args.skip_bad,
