@@ -40,18 +40,27 @@ Figures:
       not UTF-8, on purpose, in the test suite are skipped): MB of text per second
       with one worker and with every core, printed ``K1/KN@Ccores`` (e.g. ``3.1/5.6@2cores``), or
       ``n/a (dtrain tokenize not built)`` where ``dtrain.data.tokenize`` cannot be imported.
+  E   encode overhead: the seconds of that every-core ``dtrain tokenize`` (reading the files, encoding, writing
+      and digesting the store, the pool's start) / the seconds of the ``tokenizers`` library's own
+      ``Tokenizer.encode_batch`` on the same texts (read into memory beforehand) with the same cores (its own
+      threads), the same BPE, measured right after it. 1.0 is no overhead over the library.
+  Y   Ray scaling: ``dtrain tokenize --ray`` (:class:`dtrain.data.tokenize_ray.RayExecutor`) of the first
+      :data:`RAY_BYTES` of the corpus's UTF-8 files, with a BPE as K's (trained on them), on a local Ray
+      cluster (:class:`~dtrain.data.tokenize_ray.LocalRayCluster`, one CPU a node): the throughput with 2 nodes
+      / with 1 (the same store both times, checked). On a 2-core machine 2 nodes can at best double it; ``n/a``
+      without Ray (``pip install 'dtrain[ray]'``) or ``--skip-ray``.
 
 The reads are from the OS page cache as far as a store is in it (it was just written, or read by the previous
 run; the cache cannot be dropped here), and then T and the children's times measure decoding and gathering, not
 a disk. The 8 GB store of the defaults fits in a 24 GiB machine's cache, but a kernel that reclaims cold pages
 (here kdamond: 6 GB cached of 9) sends part of the reads to the disk, and the figures with them.
 
-Targets: S <= 1.2; R <= 1.1; T >= 20M tokens/s; W <= 1%; K reported. A missed target is reported (NOT met) but,
-as in the other benchmarks, does not change the exit status; a bad argument or a failing child does (one line on
-stderr, exit 2 or 1). About 4 minutes at the default sizes on 2 cores (2 of them writing the stores the first
-time); ``--quick`` (0.02 and 0.16 G tokens, 30 training steps) about 1. Last line:
+Targets: S <= 1.2; R <= 1.1; T >= 20M tokens/s; W <= 1%; K reported; E <= 1.5; Y reported. A missed target is
+reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad argument or a failing
+child does (one line on stderr, exit 2 or 1). About 5 minutes at the default sizes on 2 cores (2 of them writing
+the stores the first time); ``--quick`` (0.02 and 0.16 G tokens, 30 training steps) about 1. Last line:
 
-  data: startup-ratio=S rss-ratio=R read-tokens/s=T data-wait=W tokenize-mb/s=K
+  data: startup-ratio=S rss-ratio=R read-tokens/s=T data-wait=W tokenize-mb/s=K ray-2/1=Y encode-overhead=E
 """
 
 from __future__ import annotations
@@ -92,12 +101,14 @@ ISLANDS = 4  # the start-up child's island shards
 SETTLE_S = 1.0  # a start-up child's wait after its first batch before its peak RSS is read
 READ_SEQ_LEN, READ_BATCH = 2048, 8
 BPE_VOCAB, BPE_TRAIN_BYTES = 4096, 4_000_000
+RAY_BYTES = 8_000_000  # Y: this much of the corpus (whole files) tokenized on 1 and on 2 Ray nodes
+RAY_TASK_BYTES = 1 << 20  # Y: source bytes per Ray task (many tasks, so two nodes share the work)
 SIZES, QUICK_SIZES = (0.5, 4.0), (0.02, 0.16)
 TRAIN_STEPS, QUICK_TRAIN_STEPS = 100, 30
-STARTUP_RATIO_MAX, RSS_RATIO_MAX, READ_TOKENS_S_MIN, DATA_WAIT_MAX = 1.2, 1.1, 20e6, 0.01
+STARTUP_RATIO_MAX, RSS_RATIO_MAX, READ_TOKENS_S_MIN, DATA_WAIT_MAX, ENCODE_OVERHEAD_MAX = 1.2, 1.1, 20e6, 0.01, 1.5
 TARGETS = {"startup_ratio": f"<= {STARTUP_RATIO_MAX}", "rss_ratio": f"<= {RSS_RATIO_MAX}",
            "read_tokens_per_s": f">= {READ_TOKENS_S_MIN:.0e}", "data_wait": f"<= {DATA_WAIT_MAX:.0%}",
-           "tokenize_mb_per_s": "reported"}
+           "tokenize_mb_per_s": "reported", "encode_overhead": f"<= {ENCODE_OVERHEAD_MAX}", "ray_2_over_1": "reported"}
 NOT_BUILT = "n/a (dtrain tokenize not built)"
 
 
@@ -127,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=None,
                    help=f"steps of the data-wait run (default {TRAIN_STEPS}; --quick: {QUICK_TRAIN_STEPS})")
     p.add_argument("--skip-train", action="store_true", help="no training run (W is n/a)")
-    p.add_argument("--skip-tokenize", action="store_true", help="no tokenize measurement (K is n/a)")
+    p.add_argument("--skip-tokenize", action="store_true", help="no tokenize measurements (K, E and Y are n/a)")
+    p.add_argument("--skip-ray", action="store_true", help="no Ray cluster (Y is n/a)")
     p.add_argument("--work", default=None, metavar="DIR",
                    help="where the stores are written and reused (kept at the end); default: a temporary folder "
                         "under /tmp, deleted at the end unless --keep")
@@ -379,6 +391,70 @@ def tokenize_throughput(work: Path) -> dict[str, Any]:
         log(f"tokenize: {stats.bytes / 1e6:.1f} MB into {manifest.tokens:,} ids with {workers} worker(s) in "
             f"{stats.seconds:.1f}s: {mb_s:.2f} MB/s")
         shutil.rmtree(dest, ignore_errors=True)
+    out.update(encode_batch(files, bpe, out["seconds_all"]))
+    return out
+
+
+def encode_batch(files: list[str], bpe: Any, dtrain_s: float) -> dict[str, Any]:
+    """E: the ``tokenizers`` library's own ``encode_batch`` on the texts dtrain tokenized (the UTF-8 files; the
+    others dtrain skipped), every core (its threads), against ``dtrain_s``."""
+    texts = []
+    for f in files:
+        try:
+            texts.append(Path(f).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    t0 = time.perf_counter()
+    encodings = bpe.tokenizer.encode_batch(texts, add_special_tokens=False)
+    seconds = time.perf_counter() - t0
+    ids = sum(len(e.ids) for e in encodings)
+    log(f"tokenize: encode_batch of the same {len(texts):,} texts: {ids:,} ids in {seconds:.1f}s; dtrain took "
+        f"{dtrain_s / seconds:.2f}x as long")
+    return {"encode_batch_s": seconds, "encode_batch_ids": ids, "encode_overhead": dtrain_s / seconds}
+
+
+def ray_scaling(work: Path) -> dict[str, Any]:
+    """Y: ``dtrain tokenize`` on a local Ray cluster of 1, then 2 nodes (one CPU each), the first RAY_BYTES of the
+    corpus; {"ray": False} without Ray."""
+    try:
+        importlib.import_module("ray")
+    except ImportError as e:
+        log(f"ray: not measured ({e}; pip install 'dtrain[ray]')")
+        return {"ray": False}
+    from dtrain.data.documents import enumerate_sources
+    from dtrain.data.tokenize import tokenize
+    from dtrain.data.tokenize_ray import LocalRayCluster, RayExecutor
+    from dtrain.data.tokenizer import train_bpe
+
+    files, size = [], 0
+    for p in builtin_files():
+        try:
+            p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        files.append(str(p))
+        size += p.stat().st_size
+        if size >= RAY_BYTES:
+            break
+    bpe = train_bpe(enumerate_sources(files, True), BPE_VOCAB, max_bytes=BPE_TRAIN_BYTES)  # K's, on these files
+    out: dict[str, Any] = {"ray": True, "bytes": size, "files": len(files)}
+    digests = []
+    with LocalRayCluster() as cluster:
+        for nodes in (1, 2):
+            if nodes == 2:
+                cluster.add_node()
+            dest = work / f"ray-{nodes}"
+            executor = RayExecutor(cluster.address, task_bytes=RAY_TASK_BYTES)
+            executor.connect()  # joined before the clock starts
+            manifest, stats = tokenize(files, dest, bpe, executor=executor, plain_text=True, overwrite=True)
+            out[f"seconds_{nodes}"], out[f"mb_per_s_{nodes}"] = stats.seconds, stats.bytes / 1e6 / stats.seconds
+            digests.append(manifest.digest)
+            log(f"ray: {stats.bytes / 1e6:.1f} MB with {nodes} node(s) in {stats.seconds:.1f}s: "
+                f"{out[f'mb_per_s_{nodes}']:.2f} MB/s")
+            shutil.rmtree(dest, ignore_errors=True)
+    if digests[0] != digests[1]:
+        raise DtrainError(f"ray: the stores of 1 and 2 nodes differ ({digests[0]} vs {digests[1]})")
+    out["ratio"] = out["mb_per_s_2"] / out["mb_per_s_1"]
     return out
 
 
@@ -386,7 +462,8 @@ def tokenize_throughput(work: Path) -> dict[str, Any]:
 
 
 def figures(stores: list[dict[str, Any]], start: list[dict[str, Any]], reads: dict[str, Any],
-            wait: dict[str, Any] | None, tok: dict[str, Any] | None) -> dict[str, Any]:
+            wait: dict[str, Any] | None, tok: dict[str, Any] | None,
+            ray: dict[str, Any] | None = None) -> dict[str, Any]:
     """The benchmark's figures: S and R (the last store's median over the first's), T, W, K."""
     small, big = start[0], start[-1]
     k = None
@@ -404,6 +481,8 @@ def figures(stores: list[dict[str, Any]], start: list[dict[str, Any]], reads: di
         "data_wait": None if wait is None else wait["data_wait"],
         "step_s": None if wait is None else wait["step_s"],
         "tokenize": k if k is not None else (NOT_BUILT if tok is not None else None),
+        "encode_overhead": tok.get("encode_overhead") if tok is not None else None,
+        "ray_2_over_1": ray.get("ratio") if ray is not None else None,
     }
 
 
@@ -419,6 +498,10 @@ def targets_line(f: dict[str, Any]) -> str:
          None if w is None else w <= DATA_WAIT_MAX),
         (f"tokenize-mb/s {k or 'n/a'} (target: reported)",
          None if k is None or k == NOT_BUILT else True),
+        (f"encode-overhead {fmt_or_na(f['encode_overhead'], '.2f')} (target <= {ENCODE_OVERHEAD_MAX})",
+         None if f["encode_overhead"] is None else f["encode_overhead"] <= ENCODE_OVERHEAD_MAX),
+        (f"ray-2/1 {fmt_or_na(f['ray_2_over_1'], '.2f')} (target: reported)",
+         None if f["ray_2_over_1"] is None else True),
     ]
     return "targets: " + "; ".join(f"{what} {met(ok)}" for what, ok in checks)
 
@@ -432,7 +515,8 @@ def final_line(f: dict[str, Any]) -> str:
     w = f["data_wait"]
     return (f"data: startup-ratio={f['startup_ratio']:.2f} rss-ratio={f['rss_ratio']:.2f} "
             f"read-tokens/s={fmt_m(f['read_tokens_per_s'])} "
-            f"data-wait={fmt_or_na(None if w is None else 100 * w, '.2f', '%')} tokenize-mb/s={f['tokenize'] or 'n/a'}")
+            f"data-wait={fmt_or_na(None if w is None else 100 * w, '.2f', '%')} tokenize-mb/s={f['tokenize'] or 'n/a'} "
+            f"ray-2/1={fmt_or_na(f['ray_2_over_1'], '.2f')} encode-overhead={fmt_or_na(f['encode_overhead'], '.2f')}")
 
 
 def table(stores: list[dict[str, Any]], start: list[dict[str, Any]]) -> list[str]:
@@ -467,7 +551,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reads = read_throughput(paths[-1], args.read_seconds, args.read_tokens)
     wait = None if args.skip_train else data_wait(paths[0], args.train_steps, scratch)
     tok = None if args.skip_tokenize else tokenize_throughput(scratch)
-    f = figures([stores[0], stores[-1]], start, reads, wait, tok)
+    ray = None if args.skip_tokenize or args.skip_ray else ray_scaling(scratch)
+    f = figures([stores[0], stores[-1]], start, reads, wait, tok, ray)
     print("\n".join(table([stores[0], stores[-1]], start)))
     print(f"\nstart-up (imports done -> first batch) ratio {f['startup_ratio']:.2f}; from the spawn "
           f"{f['startup_process_ratio']:.2f}; JAX imported by the data path: {'yes' if f['jax_imported'] else 'no'}")
@@ -479,9 +564,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if tok is not None and tok.get("built"):
         print(f"tokenize: {tok['bytes'] / 1e6:.1f} MB: {tok['mb_per_s_1']:.2f} MB/s with 1 worker, "
               f"{tok['mb_per_s_all']:.2f} MB/s with {tok['cores']}; BPE ({BPE_VOCAB} ids) trained in "
-              f"{tok['bpe_train_s']:.1f}s (not in K)")
+              f"{tok['bpe_train_s']:.1f}s (not in K); tokenizers' encode_batch of the same texts "
+              f"{tok['encode_batch_s']:.1f}s: dtrain {f['encode_overhead']:.2f}x")
+    if ray is not None and ray.get("ray"):
+        print(f"ray: {ray['bytes'] / 1e6:.1f} MB: {ray['mb_per_s_1']:.2f} MB/s on 1 node, {ray['mb_per_s_2']:.2f} "
+              f"on 2 (one CPU each): {ray['ratio']:.2f}x")
     out = {"figures": f, "targets": TARGETS, "stores": stores, "startup": start, "reads": reads, "data_wait": wait,
-           "tokenize": tok}
+           "tokenize": tok, "ray": ray}
     if not args.keep:
         shutil.rmtree(scratch, ignore_errors=True)
     keep = args.keep or args.work is not None

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from dtrain.config.load import load_config, reference_markdown, to_toml
 from dtrain.config.load import replace as config_replace
@@ -315,15 +314,17 @@ def _add_dashboard(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
     """``dtrain tokenize``: a corpus into a token store."""
-    p = _command(sub, "tokenize", "tokenize text, .jsonl(.zst) or .parquet files into a token store (in parallel, "
-                 "resumable)",
-                 "Tokenizes the documents of SRC (files and folders: text files, .jsonl and .jsonl.zst with the text\n"
-                 "in --field, .parquet with a string column --field) into a token store at --out, an end-of-document\n"
-                 "token after each, on every core. Killed and run again with the same arguments, it continues where\n"
-                 "it stopped and writes the same store (docs/data.md#tokenizing-a-corpus).",
+    p = _command(sub, "tokenize", "tokenize text, .jsonl, .parquet files or a datasets dataset into a token store "
+                 "(in parallel or on a Ray cluster, resumable)",
+                 "Tokenizes the documents of SRC (files and folders: text files, .jsonl with the text in --field,\n"
+                 ".parquet and .arrow with a string column --field, .gz and .zst decompressed; a datasets folder, or\n"
+                 "hf:NAME on the Hugging Face hub) into a token store at --out, an end-of-document token after each,\n"
+                 "on every core or over a Ray cluster (--ray). Killed and run again with the same arguments, it\n"
+                 "continues where it stopped and writes the same store (docs/data.md#tokenizing-a-corpus).",
                  "dtrain tokenize data/web/ --tokenizer tokenizer.json --out stores/web")
-    p.add_argument("sources", nargs="+", metavar="SRC", help="a file or a folder (recursed, sorted, hidden files "
-                   "left out); the documents' order, file after file, is the store's")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="a file, a folder (recursed, sorted, hidden files "
+                   "left out; a datasets save_to_disk folder: its data files), or hf:NAME (a hub dataset); the "
+                   "documents' order, file after file, is the store's")
     p.add_argument("--out", required=True, metavar="STORE", help="the store's folder (a new one, or an "
                    "interrupted run's to finish)")
     which = p.add_mutually_exclusive_group()
@@ -335,11 +336,14 @@ def _add_tokenize(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--eos", default=None, metavar="TOKEN", help="the end-of-document token of --tokenizer FILE "
                    "(default: the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>, ... in its vocabulary)")
     p.add_argument("--field", default="text", metavar="NAME",
-                   help="the document text's field in .jsonl(.zst), column in .parquet (default: text)")
+                   help="the document text's field in .jsonl, column in .parquet, .arrow and datasets (default: text)")
     p.add_argument("--skip-bad", action="store_true", help="leave out (and count) a file that cannot be read, "
                    "instead of stopping at it")
     p.add_argument("--workers", type=process_count, default=os.cpu_count() or 1, metavar="N",
                    help="processes encoding files (default: every core)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS", help="spread the work over the Ray cluster whose head "
+                   "is at ADDRESS (HOST:PORT, or auto): its tasks write the store themselves, so --out and the "
+                   "sources must be at the same path on every node (pip install 'dtrain[ray]')")
     p.add_argument("--overwrite", action="store_true", help="replace a store, or an interrupted run, at --out")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -501,18 +505,13 @@ def _run(argv: list[str], prog: str) -> int:
                 print(f"dtrain simulate: {e}", file=sys.stderr)
                 return 130
     if args.command == "simulate":  # a line a person reads; the numbers are all in RUN_DIR/summary.json
+        from dtrain_cli.simulate_report import closing_line
+
         print(closing_line(summary))
         return 0
     print(json.dumps({k: summary[k] for k in ("final_eval_loss", "rounds", "tokens", "bytes_up", "bytes_down",
                                               "wall_s", "run_dir")}))
     return 0
-
-
-def closing_line(summary: dict[str, Any]) -> str:
-    """``dtrain simulate``'s last line, on stdout: what the run came to, and where its summary is."""
-    return (f"{summary['run_dir']}: eval loss {summary['final_eval_loss']:.4f} after {summary['rounds']} versions, "
-            f"{summary['tokens']:,} tokens merged in {summary['wall_s']:.1f}s; the summary is in "
-            f"{os.path.join(summary['run_dir'], 'summary.json')}")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -141,7 +141,8 @@ def run_simulation(cfg: Config, islands: int, quiet: bool = False, timeout_s: fl
         open_mixture(cfg.data, cfg.model.vocab_size, cache)
     else:
         if not names_store(cfg.data.source):
-            cfg = replace(cfg, data={"source": str(Path(store_location(cfg.data, cache)).resolve())})
+            made = store_location(cfg.data, cache, cfg.model.vocab_size)
+            cfg = replace(cfg, data={"source": str(Path(made).resolve())})
         open_corpus(cfg.data, cfg.model.vocab_size, cache)
     out = run_dir(cfg).resolve()
     out.mkdir(parents=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -197,3 +198,11 @@ def _done_line(summary: dict[str, Any], checked: Audit, path: Path) -> str:
 
 def _fmt_goodput(goodput: float | None) -> str:
     return "n/a (no step executed)" if goodput is None else f"{goodput:.3f}"
+
+
+def closing_line(summary: dict[str, Any]) -> str:
+    """``dtrain simulate``'s last line, on stdout: what the run came to, and where its summary is."""
+    return (f"{summary['run_dir']}: eval loss {summary['final_eval_loss']:.4f} after {summary['rounds']} versions, "
+            f"{summary['tokens']:,} tokens merged in {summary['wall_s']:.1f}s; the summary is in "
+            f"{os.path.join(summary['run_dir'], 'summary.json')}")
+

@@ -12,18 +12,32 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from dtrain.config.sections import ConfigError
 from dtrain.data import token_store
 from dtrain.data import tokenize as tokenizing
-from dtrain.data.tokenize import COMMIT_EVERY_S, Journal, ProgressLine, check_out, tokenize, trained_or_resumed
+from dtrain.data.token_store import DataError
+from dtrain.data.tokenize import (
+    COMMIT_EVERY_S,
+    Journal,
+    ProgressLine,
+    check_out,
+    read_journal,
+    tokenize,
+    trained_or_resumed,
+)
 from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BYTES = "bytes"  # --tokenizer bytes: the byte tokenizer
 # A test's hook: commit after every file and exit abruptly (status 137, as SIGKILL) once this many are committed.
 TEST_EXIT_AFTER_FILES = "DTRAIN_TOKENIZE_TEST_EXIT_AFTER_FILES"
+# A test's hook: commit after every file and raise KeyboardInterrupt (as Ctrl-C) once this many are committed.
+TEST_INTERRUPT_AFTER_FILES = "DTRAIN_TOKENIZE_TEST_INTERRUPT_AFTER_FILES"
 
 
 def choose_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int]:
@@ -63,13 +77,28 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace, t0: float) -> int:
+    executor = None
+    if args.ray is not None:
+        from dtrain.data.tokenize_ray import RayExecutor
+
+        executor = RayExecutor(args.ray)
+        executor.connect()  # before any work (a BPE trained): Ray missing or an address not answering, at once
     tokenizer, trained = choose_tokenizer(args)
     commit_every_s, on_commit = _test_hook()
     line = ProgressLine(args.quiet)
     try:
         manifest, stats = tokenize(args.sources, args.out, tokenizer, field=args.field, skip_bad=args.skip_bad,
                                    workers=args.workers, progress=line, overwrite=args.overwrite,
-                                   trained_vocab_size=trained, on_commit=on_commit, commit_every_s=commit_every_s)
+                                   trained_vocab_size=trained, on_commit=on_commit, commit_every_s=commit_every_s,
+                                   executor=executor)
+    except (KeyboardInterrupt, DataError) as e:
+        journal = read_journal(args.out) if Path(args.out).is_dir() else None
+        if journal is not None or isinstance(e, KeyboardInterrupt):  # say how to go on
+            kept = (f"{journal.files_done:,} of {journal.files:,} files are committed in {args.out}"
+                    if journal is not None else "nothing was committed yet")
+            print(f"dtrain tokenize: {'interrupted' if isinstance(e, KeyboardInterrupt) else 'stopped'}: {kept}; "
+                  f"to continue: {resume_command(args)}", file=sys.stderr)
+        raise
     finally:
         line.end()
     seconds = time.monotonic() - t0
@@ -81,15 +110,31 @@ def _tokenize(args: argparse.Namespace, t0: float) -> int:
     return 0
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: its arguments, without --overwrite (which would start over)."""
+    words = ["dtrain", "tokenize", *args.sources, "--out", args.out]
+    for flag, value in [("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size), ("--eos", args.eos),
+                        ("--ray", args.ray)]:
+        if value is not None:
+            words += [flag, str(value)]
+    if args.field != "text":
+        words += ["--field", args.field]
+    words += ["--workers", str(args.workers)] + (["--skip-bad"] if args.skip_bad else [])
+    return shlex.join(words)
+
+
 def _test_hook() -> tuple[float, Callable[[Journal], None] | None]:
-    """(commit_every_s, on_commit) of :data:`TEST_EXIT_AFTER_FILES`; without it, the defaults."""
-    text = os.environ.get(TEST_EXIT_AFTER_FILES)
-    if not text:
+    """(commit_every_s, on_commit) of :data:`TEST_EXIT_AFTER_FILES` or :data:`TEST_INTERRUPT_AFTER_FILES`; without
+    them, the defaults."""
+    killed, interrupted = os.environ.get(TEST_EXIT_AFTER_FILES), os.environ.get(TEST_INTERRUPT_AFTER_FILES)
+    if not (killed or interrupted):
         return COMMIT_EVERY_S, None
-    after = int(text)
+    after = int(killed or interrupted or 0)
 
-    def exit_abruptly(journal: Journal) -> None:
+    def stop(journal: Journal) -> None:
         if journal.files_done >= after:
-            os._exit(137)  # as if killed: no cleanup, no flush
+            if killed:
+                os._exit(137)  # as if killed: no cleanup, no flush
+            raise KeyboardInterrupt  # as Ctrl-C
 
-    return 0.0, exit_abruptly
+    return 0.0, stop

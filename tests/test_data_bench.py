@@ -20,7 +20,8 @@ from dtrain.errors import DtrainError
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"data: startup-ratio=(\d+\.\d\d) rss-ratio=(\d+\.\d\d) read-tokens/s=(\d+)M "
-                       r"data-wait=(n/a|\d+\.\d\d%) tokenize-mb/s=(.+)")
+                       r"data-wait=(n/a|\d+\.\d\d%) tokenize-mb/s=(.+) ray-2/1=(n/a|\d+\.\d\d) "
+                       r"encode-overhead=(n/a|\d+\.\d\d)")
 
 
 def _bench() -> ModuleType:
@@ -78,7 +79,7 @@ def test_startup_children_measure_the_data_work_and_the_ratios_are_their_quotien
     assert f["startup_ratio"] == start[1]["median_data_s"] / start[0]["median_data_s"]
     assert f["rss_ratio"] == start[1]["median_rss"] / start[0]["median_rss"]
     m = LAST_LINE.fullmatch(bench.final_line(f))
-    assert m and m[1] == f"{f['startup_ratio']:.2f}" and m[4] == "n/a" and m[5] == "n/a"
+    assert m and m[1] == f"{f['startup_ratio']:.2f}" and m[4] == "n/a" and m[5] == "n/a" and m[6] == m[7] == "n/a"
     assert len(bench.table(written, start)) == 3
 
 
@@ -90,7 +91,7 @@ def test_a_failing_child_is_one_error_naming_its_last_line(tmp_path: Path) -> No
 
 def _figures(**kw: Any) -> dict[str, Any]:
     f = {"startup_ratio": 1.05, "rss_ratio": 1.02, "read_tokens_per_s": 412.4e6, "data_wait": 0.0031,
-         "tokenize": "3.10/5.62@2cores"}
+         "tokenize": "3.10/5.62@2cores", "encode_overhead": 1.234, "ray_2_over_1": 1.71}
     return {**f, **kw}
 
 
@@ -98,15 +99,20 @@ def test_lines_from_the_figures() -> None:
     bench = _bench()
     f = _figures()
     m = LAST_LINE.fullmatch(bench.final_line(f))
-    assert m and m.groups() == ("1.05", "1.02", "412", "0.31%", "3.10/5.62@2cores")
+    assert m and m.groups() == ("1.05", "1.02", "412", "0.31%", "3.10/5.62@2cores", "1.71", "1.23")
+    assert bench.final_line(f).endswith(" encode-overhead=1.23")  # the last figure of the last line
     targets = bench.targets_line(f)
-    assert "NOT met" not in targets and targets.count(" met") == 5
-    f = _figures(startup_ratio=1.5, rss_ratio=1.2, read_tokens_per_s=19e6, data_wait=0.02, tokenize=bench.NOT_BUILT)
+    assert "NOT met" not in targets and targets.count(" met") == 7
+    f = _figures(startup_ratio=1.5, rss_ratio=1.2, read_tokens_per_s=19e6, data_wait=0.02, tokenize=bench.NOT_BUILT,
+                 encode_overhead=1.6, ray_2_over_1=None)
     targets = bench.targets_line(f)
-    for what in ("startup-ratio 1.50", "rss-ratio 1.20", "read-tokens/s 19M", "data-wait 2.00%"):
+    for what in ("startup-ratio 1.50", "rss-ratio 1.20", "read-tokens/s 19M", "data-wait 2.00%",
+                 "encode-overhead 1.60"):
         assert f"{what} (target" in targets and targets.split(what)[1].split(";")[0].endswith("NOT met"), targets
     assert "tokenize-mb/s n/a (dtrain tokenize not built) (target: reported) not measured" in targets
-    assert bench.final_line(f).endswith("data-wait=2.00% tokenize-mb/s=n/a (dtrain tokenize not built)")
+    assert "ray-2/1 n/a (target: reported) not measured" in targets
+    assert bench.final_line(f).endswith("data-wait=2.00% tokenize-mb/s=n/a (dtrain tokenize not built) ray-2/1=n/a "
+                                        "encode-overhead=1.60")
 
 
 def test_tokenize_not_built_is_reported_as_such(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -145,7 +151,7 @@ def test_data_benchmark_runs_and_ends_with_the_summary_line(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     m = LAST_LINE.fullmatch(lines[-1])
-    assert m and m[5] == "n/a", lines[-1]
+    assert m and m[5] == m[6] == m[7] == "n/a", lines[-1]
     assert lines[-2].startswith("targets: startup-ratio ")
     data = json.loads(out_json.read_text())
     assert data["data_wait"]["steps"] == 25 and data["data_wait"]["data_wait_s"] >= 0

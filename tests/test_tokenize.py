@@ -249,8 +249,12 @@ def test_an_unreadable_file_is_named(tmp_path: Path, bpe: HFTokenizer, monkeypat
         monkeypatch.setattr(Path, "read_bytes", refuse)
     with pytest.raises(DataError, match=why):
         tokenize([path], tmp_path / "s", bpe, workers=1)
-    manifest, stats = tokenize([path], tmp_path / "s", bpe, workers=1, skip_bad=True)
-    assert manifest.tokens == 0 and stats.skipped[0].path == str(path)
+    with pytest.raises(DataError, match=r"every one of the 1 files was bad and skipped \(--skip-bad\): nothing to "
+                       rf"store; the first: {path}: cannot read"):  # never an empty store, exit 0
+        tokenize([path], tmp_path / "s", bpe, workers=1, skip_bad=True)
+    _jsonl(tmp_path / "good.jsonl", DOCS)
+    manifest, stats = tokenize([path, tmp_path / "good.jsonl"], tmp_path / "s", bpe, workers=1, skip_bad=True)
+    assert manifest.documents == 4 and stats.skipped[0].path == str(path)
 
 
 @pytest.mark.parametrize("case", ["latin1", "json", "field", "type", "array", "nocol", "intcol", "fake", "zst"])

@@ -164,8 +164,9 @@ class SourceConfig:
 class DataConfig:
     source: str = _f("builtin", "a token store (a folder made by `dtrain tokenize`, or a file://, gs://, s3:// "
                      "or http(s):// URL), or 'builtin' (the interpreter's standard-library sources), a text file, "
-                     "a folder of text files, or a .bin uint16 token shard / folder of shards: these become a "
-                     "byte-tokenized store under data.cache on first use")
+                     "a folder of text files, a .jsonl(.gz/.zst) or .parquet file or folder or a datasets folder "
+                     "(documents in field 'text'), or a .bin uint16 token shard / folder of shards: these become "
+                     "a store under data.cache on first use, tokenized with data.tokenizer")
     max_bytes: int = _f(8_000_000, "use at most this many tokens of the source, from its start (0: all of it)")
     tokenizer: str = _f("bytes", "how a text source (builtin, text files) becomes a store: 'bytes' (one id per byte, "
                         "vocabulary 256), 'bpe:N' (a byte-level BPE of N ids trained on the source, written into "

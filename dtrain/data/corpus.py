@@ -3,7 +3,9 @@
 Every corpus is read through one reader: a token store (``dtrain.data.token_store``). ``data.source`` names a store
 (a folder holding ``manifest.json``, or a ``file://``, ``gs://``, ``s3://`` or ``http(s)://`` URL), or a source
 that becomes a store on first use (:func:`store_location`): ``builtin``, a text file or folder of text files
-(the byte tokenizer), or nanoGPT-style uint16 ``.bin`` shards; the store is cached under ``data.cache``
+(each file one document), a ``.jsonl``/``.parquet`` file or folder (or a ``datasets`` folder, or compressed
+``.gz``/``.zst`` files: read as :mod:`dtrain.data.documents` reads them, the document text in field ``text``),
+or nanoGPT-style uint16 ``.bin`` shards; the store is cached under ``data.cache``
 (default ``OUT_DIR/data-cache``), keyed by what it was made from (``data.tokenizer``: the byte tokenizer by
 default, a BPE trained on the source, or a tokenizer.json).
 
@@ -40,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dtrain.config.sections import DataConfig
+from dtrain.data.documents import enumerate_sources, kind_of
 from dtrain.data.remote import explain
 from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
 
@@ -121,7 +124,7 @@ def names_store(source: str) -> bool:
 class _Plan:
     """How a source that is not a store becomes one: its files, their kind, and the cache key."""
 
-    kind: str  # "builtin", "text" or "bin"
+    kind: str  # "builtin", "text" (each file one document), "documents" (files of documents) or "bin"
     files: list[Path]
     description: str
 
@@ -139,11 +142,17 @@ def _plan(source: str) -> _Plan:
         shards = [p for p in files if p.suffix == ".bin"]
         if shards:
             return _Plan("bin", shards, f"{len(shards)} token shards in {path}")
-        if files:
-            return _Plan("text", files, f"{len(files)} text files in {path}")
-        raise DataError(f"data.source {source!r}: the folder holds no files")
+        if not files:
+            raise DataError(f"data.source {source!r}: the folder holds no files")
+        if any(kind_of(p) != "text" for p in files) or (path / "state.json").exists() \
+                or (path / "dataset_dict.json").exists():
+            files = [f.path for f in enumerate_sources([path])]  # a datasets folder: its data files
+            return _Plan("documents", files, f"the documents of {len(files)} files in {path}")
+        return _Plan("text", files, f"{len(files)} text files in {path}")
     if path.suffix == ".bin":
         return _Plan("bin", [path], f"token shard {path}")
+    if kind_of(path) != "text":
+        return _Plan("documents", [path], f"the documents of {path}")
     return _Plan("text", [path], f"text file {path}")
 
 
@@ -170,36 +179,40 @@ def _utf8(path: Path) -> bool:
     return True
 
 
-def _source_tokenizer(spec: str, plan: _Plan) -> tuple[Any, int]:
-    """``data.tokenizer`` for a text source: the tokenizer, and the vocabulary size of a BPE trained here (0)."""
-    from dtrain.data.documents import enumerate_sources
+def _source_tokenizer(spec: str, plan: _Plan, vocab_size: int | None) -> tuple[Any, int]:
+    """``data.tokenizer`` for a text or documents source: the tokenizer, and the vocabulary size of a BPE trained
+    here (0). Refuses one with more ids than ``vocab_size`` (model.vocab_size) before a BPE is trained or a
+    document tokenized."""
     from dtrain.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
-    if spec == "bytes":
-        return ByteTokenizer(), 0
-    if spec.startswith("bpe:"):
-        n = int(spec[4:])
-        log.info("training a byte-level BPE of %d ids on the first %d MB of %s", n, BPE_TRAIN_BYTES >> 20,
-                 plan.description)
-        files = enumerate_sources(plan.files, plain_text=True)
-        return train_bpe(files, n, max_bytes=BPE_TRAIN_BYTES), n
-    return HFTokenizer.from_file(spec), 0
+    tokenizer = ByteTokenizer() if spec == "bytes" else None if spec.startswith("bpe:") else HFTokenizer.from_file(spec)
+    size = tokenizer.vocab_size if tokenizer is not None else int(spec[4:])
+    if vocab_size is not None and size > vocab_size:
+        raise DataError(f"data.tokenizer {spec!r} has {size:,} ids, more than model.vocab_size {vocab_size:,}: set "
+                        f"model.vocab_size >= {size} (refused before tokenizing data.source)")
+    if tokenizer is not None:
+        return tokenizer, 0
+    log.info("training a byte-level BPE of %d ids on the first %d MB of %s", size, BPE_TRAIN_BYTES >> 20,
+             plan.description)
+    files = enumerate_sources(plan.files, plain_text=plan.kind != "documents")
+    return train_bpe(files, size, max_bytes=BPE_TRAIN_BYTES), size
 
 
-def _write_text_store(plan: _Plan, out: Path, limit: int, tokenizer_spec: str) -> None:
-    """The store of a text source's files (each file one document), at most ``limit`` ids, with the tokenizer
-    ``data.tokenizer`` names: ``dtrain tokenize`` with every file read as text, in this process (no pool to
+def _write_text_store(plan: _Plan, out: Path, limit: int, tokenizer_spec: str, vocab_size: int | None) -> None:
+    """The store of a text source's files (each file one document) or a documents source's documents, at most
+    ``limit`` ids, with the tokenizer ``data.tokenizer`` names (no more ids than ``vocab_size``, checked first):
+    ``dtrain tokenize`` with every file read as text or as its kind, in this process (no pool to
     start from inside an island), its progress a status line. The built-in corpus's few files that are not UTF-8
     on purpose (test data) are left out by a BPE, not by the byte tokenizer."""
     from dtrain.data.tokenize import ProgressLine, tokenize
 
     if plan.kind == "builtin" and tokenizer_spec != "bytes":  # its deliberately non-UTF-8 test files: left out
         plan = _Plan(plan.kind, [f for f in plan.files if _utf8(f)], plan.description)
-    tokenizer, trained = _source_tokenizer(tokenizer_spec, plan)
+    tokenizer, trained = _source_tokenizer(tokenizer_spec, plan, vocab_size)
     progress = ProgressLine(quiet=False)
     try:
-        tokenize(plan.files, out, tokenizer, limit=limit, plain_text=True, progress=progress, workers=1,
-                 trained_vocab_size=trained)
+        tokenize(plan.files, out, tokenizer, limit=limit, plain_text=plan.kind != "documents", progress=progress,
+                 workers=1, trained_vocab_size=trained)
     finally:
         progress.end()
 
@@ -254,15 +267,16 @@ def existing_store(cfg: DataConfig, cache: Path) -> str | None:
     return str(dest) if (dest / MANIFEST).exists() else None
 
 
-def store_location(cfg: DataConfig, cache: Path) -> str:
+def store_location(cfg: DataConfig, cache: Path, vocab_size: int | None = None) -> str:
     """The token store ``cfg.source`` names or was made into (:func:`_made_store`)."""
-    return _made_store(cfg, cache)[0]
+    return _made_store(cfg, cache, vocab_size)[0]
 
 
-def _made_store(cfg: DataConfig, cache: Path) -> tuple[str, str]:
+def _made_store(cfg: DataConfig, cache: Path, vocab_size: int | None = None) -> tuple[str, str]:
     """The token store ``cfg.source`` names: itself when it is a store (a folder with ``manifest.json``, or a
-    URL), else a store made from it on first use under ``cache`` (``builtin``, text, ``.bin``), holding at most
-    ``max_bytes`` ids; and what it holds, in words. Raises DataError naming the source for what cannot be
+    URL), else a store made from it on first use under ``cache`` (``builtin``, text, documents, ``.bin``),
+    holding at most ``max_bytes`` ids; and what it holds, in words. ``vocab_size``: model.vocab_size, which a
+    tokenizer must fit before it tokenizes anything. Raises DataError naming the source for what cannot be
     read."""
     source = cfg.source
     if names_store(source):
@@ -280,7 +294,7 @@ def _made_store(cfg: DataConfig, cache: Path) -> tuple[str, str]:
         if plan.kind == "bin":
             _write_bin_store(plan.files, tmp, cfg.max_bytes)
         else:
-            _write_text_store(plan, tmp, cfg.max_bytes, cfg.tokenizer)
+            _write_text_store(plan, tmp, cfg.max_bytes, cfg.tokenizer, vocab_size)
         try:
             os.rename(tmp, dest)  # whole or absent: a process making the same store at once loses the race
         except OSError:
@@ -308,7 +322,7 @@ def open_corpus(cfg: DataConfig, vocab_size: int, cache: Path) -> Corpus:
     """Opens the configured source as a token store (:func:`store_location`): the manifest only, so start-up
     does not grow with the corpus. Raises DataError naming the source for a store that is missing, incomplete,
     empty, not answering, or whose vocabulary exceeds ``vocab_size``."""
-    location, what = _made_store(cfg, cache)
+    location, what = _made_store(cfg, cache, vocab_size)
     store = TokenStore.open(location, timeout_s=cfg.read_timeout_s)
     m = store.manifest
     if m.vocab_size > vocab_size:

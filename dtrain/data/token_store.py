@@ -309,6 +309,30 @@ class StoreWriter:
         self._ends_written = stop
         self._doc_ends = array.array("Q")
 
+    @property
+    def chunk(self) -> int:
+        """Ids (and document ends) per stored chunk."""
+        return self._chunk
+
+    def reserve(self, tokens: int, documents: int) -> None:
+        """Grows the arrays to hold at least ``tokens`` ids and ``documents`` document ends, for writers in other
+        processes (:func:`writable_array`) to fill whole chunks of them; :meth:`adopt` then takes what they wrote."""
+        if tokens > self._tokens.shape[0]:
+            self._tokens = self._tokens.resize(exclusive_max=[tokens], expand_only=True).result()
+        if documents > self._doc_ends_array.shape[0]:
+            self._doc_ends_array = self._doc_ends_array.resize(exclusive_max=[documents], expand_only=True).result()
+
+    def adopt(self, tokens: int, documents: int) -> None:
+        """Takes ``tokens`` ids and ``documents`` document ends that other processes wrote right after what this
+        writer holds (nothing may be buffered here): the digest reads the ids back from the array."""
+        if self._buffered or self._doc_ends:
+            raise StoreError(f"token store {self.path}: ids written elsewhere cannot follow ids still buffered here")
+        stop = self._written + tokens
+        for start in range(self._written, stop, DIGEST_BLOCK):
+            ids = np.asarray(self._tokens[start:min(stop, start + DIGEST_BLOCK)].read().result())
+            self._digest.update(np.ascontiguousarray(ids.astype(self.dtype.newbyteorder("<"), copy=False)).data)
+        self._written, self._ends_written = stop, self._ends_written + documents
+
     def commit(self) -> Committed:
         """Writes every id and document end added so far (a partly filled chunk too, rewritten by later writes) and
         returns what is now on disk: given back as ``resume``, a writer goes on from exactly here."""
@@ -448,6 +472,12 @@ def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float, ctx: Any = 
         raise StoreError(f"token store {where}: its {MANIFEST} does not add up (dtype {manifest.dtype} for a "
                          f"vocabulary of {manifest.vocab_size})")
     return manifest
+
+
+def writable_array(path: str | Path, name: str) -> Any:
+    """One array (:data:`TOKENS` or :data:`DOC_ENDS`) of a local store being written, opened for writing from
+    another process: a worker that fills chunks its :class:`StoreWriter` reserved."""
+    return _open_array(str(path), kvstore_spec(path), name, READ_TIMEOUT_S, writable=True)
 
 
 def _open_array(where: str, kv: dict[str, Any], name: str, timeout_s: float, writable: bool = False,

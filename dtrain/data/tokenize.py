@@ -38,7 +38,16 @@ import numpy as np
 
 from dtrain import schema
 from dtrain.data.documents import SourceFile, enumerate_sources, fingerprint, read_documents
-from dtrain.data.token_store import MANIFEST, Committed, DataError, Manifest, StoreError, StoreWriter, dtype_for
+from dtrain.data.token_store import (
+    CHUNK_TOKENS,
+    MANIFEST,
+    Committed,
+    DataError,
+    Manifest,
+    StoreError,
+    StoreWriter,
+    dtype_for,
+)
 from dtrain.data.tokenizer import STORE_TOKENIZER_FILE, HFTokenizer, Tokenizer, from_spec, train_bpe
 from dtrain.runlog import STATUS_DONE, STATUS_END, STATUS_EVERY_S, STATUS_KEY, STATUS_TOTAL, fmt_bytes, fmt_rate
 
@@ -184,8 +193,9 @@ def trained_or_resumed(files: Sequence[SourceFile], out: str | Path, vocab_size:
 def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer, *, field: str = "text",
              skip_bad: bool = False, workers: int | None = None, limit: int = 0, progress: Progress | None = None,
              overwrite: bool = False, plain_text: bool = False, trained_vocab_size: int = 0,
-             commit_every_s: float = COMMIT_EVERY_S,
-             on_commit: Callable[[Journal], None] | None = None) -> tuple[Manifest, TokenizeStats]:
+             commit_every_s: float = COMMIT_EVERY_S, on_commit: Callable[[Journal], None] | None = None,
+             executor: Executor | None = None,
+             chunk_tokens: int = CHUNK_TOKENS) -> tuple[Manifest, TokenizeStats]:
     """Tokenizes the documents of ``sources`` (files and folders, :func:`dtrain.data.documents.enumerate_sources`;
     ``plain_text``: every file a text file) into a new token store at ``out`` and returns its manifest and what
     was done; an interrupted run into ``out`` with the same arguments is continued (see the module's docstring).
@@ -196,7 +206,11 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
     document cut there (0: everything). ``progress``: called after each file with (bytes done, bytes total,
     documents, tokens, files done, files total). ``overwrite``: replace a complete store or an interrupted run
     there. ``trained_vocab_size``: the tokenizer is a BPE of that size trained on these sources (recorded so a
-    resumed run reuses it). ``on_commit``: called with the journal after each commit (a test's hook)."""
+    resumed run reuses it). ``on_commit``: called with the journal after each commit (a test's hook).
+    ``executor``: who encodes the files (default: here, or a process pool of ``workers``; a
+    :class:`dtrain.data.tokenize_ray.RayExecutor` spreads them over a Ray cluster, its tasks writing the ids into
+    the store themselves). ``chunk_tokens``: ids per stored chunk (a resumed run keeps its store's).
+    Raises DataError when ``skip_bad`` left out every file (nothing good to store)."""
     t0 = time.monotonic()
     files = enumerate_sources(sources, plain_text)
     out = Path(out)
@@ -214,7 +228,11 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
         (out / JOURNAL).unlink(missing_ok=True)
     vocab, eos = tokenizer.vocab_size, tokenizer.eos_id
     resume = None if journal is None else Committed(journal.tokens, journal.documents, journal.chain)
-    writer = StoreWriter(out, vocab, tokenizer.name, eos, overwrite=overwrite, resume=resume)
+    if executor is not None and limit:
+        raise DataError("a limit on the ids is for a tokenizer in this process, not for one spread over workers "
+                        "that write the store themselves")
+    writer = StoreWriter(out, vocab, tokenizer.name, eos, overwrite=overwrite, resume=resume,
+                         chunk_tokens=chunk_tokens)
     kind, text, _ = tokenizer.spec()
     if kind == "hf":  # the tokenizer goes with its ids
         tmp = out / (STORE_TOKENIZER_FILE + ".tmp")
@@ -230,15 +248,20 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
              "" if workers == 1 else "s")
     last_commit = time.monotonic()
     done = bool(limit) and writer.tokens >= limit
-    results: Generator[Encoded, None, None] = _encoded([] if done else files[first:], tokenizer, field, workers)
+    todo = [] if done else files[first:]
+    results = (local_executor(workers) if executor is None else executor)(todo, tokenizer, field, writer)
     try:
-        for source, (ids, lengths, error) in zip(files[first:], results, strict=False):
+        for source, result in zip(files[first:], results, strict=False):
+            error = result[2]
             if error:
                 if not skip_bad:
                     raise DataError(error)
                 log.warning("skipping %s", error)
                 skipped.append(Skipped(str(source.path), error))
+            elif isinstance(result, Placed):  # its ids are in the store already, written by the executor's task
+                writer.adopt(result.tokens, result.documents)
             else:
+                ids, lengths, _ = result
                 if limit and writer.tokens + ids.size >= limit:
                     ids, lengths = _cut(ids, lengths, limit - writer.tokens)
                     done = True
@@ -259,7 +282,10 @@ def tokenize(sources: Sequence[str | Path], out: str | Path, tokenizer: Tokenize
                 if on_commit is not None:
                     on_commit(journal)
     finally:
-        results.close()  # stops the pool
+        results.close()  # stops the pool, or the cluster's tasks
+    if skipped and len(skipped) == files_done and files_done == len(files):
+        raise DataError(f"every one of the {len(files)} files was bad and skipped (--skip-bad): nothing to store; "
+                        f"the first: {skipped[0].reason}")
     manifest = writer.close()
     (out / JOURNAL).unlink(missing_ok=True)
     stats = TokenizeStats(files=files_done, skipped=tuple(skipped), documents=manifest.documents,
@@ -279,11 +305,45 @@ def _cut(ids: np.ndarray, lengths: np.ndarray, keep: int) -> tuple[np.ndarray, n
     return ids[:keep], kept
 
 
-# -- encoding files, here or in a pool ------------------------------------------------------------------------------
+# -- encoding files: the executors ----------------------------------------------------------------------------------
 
 Encoded = tuple[np.ndarray, np.ndarray, str]  # a file's ids, its documents' lengths, and '' or why it is bad
 
+
+class Placed(NamedTuple):
+    """A file whose ids and document ends an executor's task wrote into the store itself, right after the files
+    before it: how many of each, and '' or why it is bad (then nothing was written for it)."""
+
+    tokens: int
+    documents: int
+    error: str
+
+
+# Who encodes the files, given (the files left to do, in store order; the tokenizer; --field; the store's
+# writer): each file's result in that order, either its ids (written by tokenize() here) or, from an executor
+# whose workers write the store themselves, a Placed yielded only once its ids are on disk.
+Executor = Callable[[Sequence[SourceFile], Tokenizer, str, StoreWriter], Generator[Encoded | Placed, None, None]]
+
 _worker_tokenizer: Tokenizer | None = None
+_worker_spec: tuple[str, str, int] | None = None
+
+
+def local_executor(workers: int) -> Executor:
+    """The default executor: files encoded here, or in a pool of ``workers`` processes (:func:`_encoded`)."""
+
+    def run(files: Sequence[SourceFile], tokenizer: Tokenizer, field: str,
+            writer: StoreWriter) -> Generator[Encoded | Placed, None, None]:
+        yield from _encoded(files, tokenizer, field, workers)
+
+    return run
+
+
+def encode_files(spec: tuple[str, str, int], files: Sequence[tuple[str, str, int]], field: str) -> list[Encoded]:
+    """A worker's job: each file (path, kind, size) encoded with the tokenizer ``spec`` describes, in order. The
+    tokenizer is built once per worker process (and single-threaded: one worker per core already)."""
+    if _worker_spec != spec:
+        _init_worker(spec)
+    return [_encode_task(path, kind, size, field) for path, kind, size in files]
 
 
 def _encoded(files: Sequence[SourceFile], tokenizer: Tokenizer, field: str,
@@ -321,9 +381,9 @@ def _encoded(files: Sequence[SourceFile], tokenizer: Tokenizer, field: str,
 
 
 def _init_worker(spec: tuple[str, str, int]) -> None:
-    global _worker_tokenizer
+    global _worker_tokenizer, _worker_spec
     os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core already: tokenizers' own threads would contend
-    _worker_tokenizer = from_spec(spec)
+    _worker_tokenizer, _worker_spec = from_spec(spec), spec
 
 
 def _encode_task(path: str, kind: str, size: int, field: str) -> Encoded:
