@@ -92,7 +92,7 @@ DEFAULT_BLOCK: Final = 1024
 MIN_BLOCK: Final = 64
 MAX_BLOCK: Final = 65536
 
-_QMAX: Final = {8: 127, 4: 7}
+QMAX: Final = {8: 127, 4: 7}
 _F32_MAX: Final = float(np.finfo(np.float32).max)
 _SLAB_VALUES: Final = 1 << 20  # quantize/dequantize this many values at a time: temporaries stay small
 
@@ -110,7 +110,7 @@ def _largest_scale(qmax: int) -> np.float32:
     return s
 
 
-_SCALE_MAX: Final = {qmax: _largest_scale(qmax) for qmax in (127, 7)}
+SCALE_MAX: Final = {qmax: _largest_scale(qmax) for qmax in (127, 7)}
 _BAD_NIBBLES: Final = np.array([(b & 0x0F) == 8 or (b >> 4) == 8 for b in range(256)])  # 4-bit schemes' -8 / "-0"
 # int4: a payload byte → its two levels (low nibble first) as int8: one table gather instead of unpacking the nibbles
 # and converting them (2.7x faster).
@@ -211,7 +211,7 @@ def _int_scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
     exact = absmax.astype(np.float64) / qmax
     scale = exact.astype(np.float32)
     scale = np.where(scale.astype(np.float64) < exact, np.nextafter(scale, np.float32(np.inf)), scale)
-    return np.minimum(scale, _SCALE_MAX[qmax]).astype(np.float32)
+    return np.minimum(scale, SCALE_MAX[qmax]).astype(np.float32)
 
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -262,7 +262,7 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         exponent = np.searchsorted(_E3M0_MIDPOINTS, ratio_BxK.ravel()).astype(np.uint8)  # nearest level
         codes = exponent | (((x_BxK.ravel() < 0) & (exponent > 0)).astype(np.uint8) << 3)
         return scale_B, _pack_nibbles(codes)[:(count + 1) // 2]
-    qmax = _QMAX[bits]
+    qmax = QMAX[bits]
     scale_B = _int_scales(absmax_B, qmax)
     # x · (1/scale): one multiply pass instead of a masked divide. The reciprocal may round down by half an
     # ulp, so |x|·inv can exceed qmax by ~1e-5 at most: rint still gives qmax, and the clip guarantees it.
@@ -368,7 +368,7 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
     limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else \
-        int2.SCALE_MAX if bits == 2 else _SCALE_MAX[_QMAX[bits]]
+        int2.SCALE_MAX if bits == 2 else SCALE_MAX[QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))

@@ -25,22 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtrain.codec import CodecError, QuantizedVec, canonical_bits, check_block, n_scales, payload_len
+from dtrain.codec.quant import QMAX, SCALE_MAX
 
 DEVICE_BITS = (8, 4)  # the schemes quantized here: int8, int4
 PIECE = 1 << 22  # values quantized a program call: 4 Mi (16 MiB of float32 Δ), whole blocks of every block size
-_QMAX = {8: 127, 4: 7}
-_F32_MAX = float(np.finfo(np.float32).max)
 _SPLIT = np.float32(4097.0)  # Dekker's splitter for float32: 2**12 + 1
 _BIG, _SMALL = np.float32(2.0 ** 100), np.float32(2.0 ** -100)  # rescaled by 2**∓64 for the exact test
-
-
-def _largest_scale(qmax: int) -> np.float32:
-    """The largest float32 scale with ``qmax * scale`` finite (as ``dtrain.codec.quant``'s cap)."""
-    s = np.float32(_F32_MAX / qmax)
-    with np.errstate(over="ignore"):
-        while not np.isfinite(np.float32(qmax) * s):
-            s = np.nextafter(s, np.float32(0))
-    return s
 
 
 def _int_scales(absmax_B: jax.Array, qmax: int, qmax_f32: jax.Array | None = None) -> jax.Array:
@@ -62,7 +52,7 @@ def _int_scales(absmax_B: jax.Array, qmax: int, qmax_f32: jax.Array | None = Non
     lo = t - hi
     below = (hi * q - a) < -(lo * q)  # s * qmax < absmax, exactly
     s = jnp.where(below, jnp.nextafter(s, np.float32(np.inf)), s)
-    return jnp.minimum(s, _largest_scale(qmax))
+    return jnp.minimum(s, SCALE_MAX[qmax])
 
 
 def _rounded(product: jax.Array, zero: jax.Array) -> jax.Array:
@@ -82,7 +72,7 @@ def _quantize_piece(delta_P: jax.Array, residual_P: jax.Array, decay: jax.Array,
     # the residual would differ from the host's in its last bits
     corrected_P = delta_P + _rounded(residual_P * decay, zero)
     x_BxK = corrected_P.reshape(-1, block)
-    qmax = _QMAX[bits]
+    qmax = QMAX[bits]
     scale_B = _int_scales(jnp.max(jnp.abs(x_BxK), axis=1), qmax, (zero + qmax).astype(jnp.float32))
     positive_B = scale_B > 0
     inv_B = jnp.where(positive_B, np.float32(1) / jnp.where(positive_B, scale_B, np.float32(1)), np.float32(0))
@@ -110,7 +100,7 @@ class DeviceErrorFeedback:
 
     def __init__(self, n: int, bits: Any = 8, block: int = 1024, decay: float = 1.0, device: Any = None):
         self.bits = canonical_bits(bits)
-        if self.bits not in _QMAX:
+        if self.bits not in QMAX:
             raise CodecError(f"the device codec quantizes int8 and int4, not {self.bits!r}")
         self.block = check_block(block)
         if not 0 < decay <= 1:
