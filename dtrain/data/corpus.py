@@ -43,8 +43,7 @@ import numpy as np
 
 from dtrain.config.sections import DataConfig
 from dtrain.data.documents import enumerate_sources, kind_of
-from dtrain.data.remote import explain
-from dtrain.data.token_store import MANIFEST, DataError, StoreError, StoreWriter, TokenStore
+from dtrain.data.token_store import MANIFEST, DataError, StoreWriter, TokenStore, answered
 
 __all__ = ["SHUFFLE_BLOCKS", "Corpus", "DataError", "IslandShard", "SequenceStream", "ShardStream",
            "Span", "Split", "builtin_files", "eval_batches", "existing_store", "island_shards", "names_store",
@@ -467,14 +466,9 @@ class SequenceStream:
         if isinstance(held, np.ndarray):
             return held
         t0 = time.perf_counter()
-        try:
-            ids = np.asarray(held.result(timeout=self.corpus.store.timeout_s))
-        except TimeoutError:
-            raise StoreError(f"token store {self.corpus.store.location} did not answer within "
-                             f"{self.corpus.store.timeout_s:g} s (reading {self.name}'s block {block})") from None
-        except ValueError as e:
-            raise StoreError(f"token store {self.corpus.store.location}: reading {self.name}'s block {block} "
-                             f"failed: {explain(self.corpus.store.location, str(e))}") from None
+        store = self.corpus.store
+        with answered(store.location, store.timeout_s, f"reading {self.name}'s block {block}"):
+            ids = np.asarray(held.result(timeout=store.timeout_s))
         self.wait_s += time.perf_counter() - t0
         with self._lock:
             if block in self._blocks:
@@ -562,14 +556,8 @@ def eval_batches(corpus: Corpus, held_out: Span, seq_len: int, batch_size: int, 
     reads = [(int(r[0]), corpus.store.read_async(int(r[0]), int(r[-1]) + seq_len + 1)) for r in runs]
     offsets = np.arange(seq_len + 1)
     for (first, future), run in zip(reads, runs, strict=True):
-        try:
+        with answered(corpus.store.location, corpus.store.timeout_s, "reading the eval windows"):
             ids_read = np.asarray(future.result(timeout=corpus.store.timeout_s))
-        except TimeoutError:
-            raise StoreError(f"token store {corpus.store.location} did not answer within "
-                             f"{corpus.store.timeout_s:g} s (reading the eval windows)") from None
-        except ValueError as e:
-            raise StoreError(f"token store {corpus.store.location}: reading the eval windows failed: "
-                             f"{explain(corpus.store.location, str(e))}") from None
         at = np.isin(starts, run)
         out[at] = ids_read[(starts[at] - first)[:, None] + offsets]
     rows = with_positions(corpus, starts, out)

@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -390,14 +392,8 @@ class TokenStore:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Ids ``[start, stop)`` as an array of the store's dtype (one read of the chunks they span)."""
         future = self.read_async(start, stop)
-        try:
+        with answered(self.location, self.timeout_s, f"reading ids [{start}, {stop})"):
             return np.asarray(future.result(timeout=self.timeout_s))
-        except TimeoutError:
-            raise StoreError(f"token store {self.location} did not answer within {self.timeout_s:g} s (reading ids "
-                             f"[{start}, {stop}))") from None
-        except ValueError as e:
-            raise StoreError(f"token store {self.location}: reading ids [{start}, {stop}) failed: "
-                             f"{explain(self.location, str(e))}") from None
 
     @property
     def chunk_tokens(self) -> int:
@@ -435,30 +431,35 @@ class TokenStore:
                              f"{self.manifest.digest}: the store is damaged")
 
 
+@contextmanager
+def answered(where: str, timeout_s: float, doing: str, hint: str = "") -> Iterator[None]:
+    """Around a wait on TensorStore for the store at ``where``: its timeout and its errors become one StoreError line
+    naming the store and what was being done (``doing``; ``hint`` follows a timeout), the cause read out of the
+    error's text (``dtrain.data.remote.explain``)."""
+    try:
+        yield
+    except TimeoutError:
+        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s ({doing}){hint}") from None
+    except ValueError as e:
+        raise StoreError(f"token store {where}: {doing} failed: {explain(where, str(e))}") from None
+
+
 def read_store_file(location: str | Path, name: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
     """The bytes of the file ``name`` beside a store's arrays (``tokenizer.json``, say), or None if there is none;
     raises StoreError naming the store when it cannot be read."""
     where = str(location)
     kv = kvstore_spec(location)
-    try:
+    with answered(where, timeout_s, f"reading its {name}"):
         result = ts.KvStore.open(kv, context=context(kv)).result(timeout=timeout_s).read(name).result(
             timeout=timeout_s)
-    except TimeoutError:
-        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {name})") from None
-    except ValueError as e:
-        raise StoreError(f"token store {where}: reading its {name} failed: {explain(where, str(e))}") from None
     return bytes(result.value) if result.state == "value" else None
 
 
 def _read_manifest(where: str, kv: dict[str, Any], timeout_s: float, ctx: Any = None) -> Manifest:
-    try:
+    with answered(where, timeout_s, f"reading its {MANIFEST}",
+                  hint=": check the address and that it is reachable from here"):
         store = ts.KvStore.open(kv, context=ctx).result(timeout=timeout_s)
         result = store.read(MANIFEST).result(timeout=timeout_s)
-    except TimeoutError:
-        raise StoreError(f"token store {where} did not answer within {timeout_s:g} s (reading its {MANIFEST}): "
-                         "check the address and that it is reachable from here") from None
-    except ValueError as e:
-        raise StoreError(f"token store {where}: reading its {MANIFEST} failed: {explain(where, str(e))}") from None
     if result.state != "value":
         raise StoreError(f"token store {where} is not complete: it has no {MANIFEST} (a store is complete once "
                          "`dtrain tokenize` finishes; run it again to finish an interrupted one)")
