@@ -188,21 +188,6 @@ class RoundsLoop:
         so that it is judged against the version that merge makes (its staleness, its round)."""
         self.lock.wait_for(lambda: self.merging is None or self.fatal is not None)
 
-    def merge_now(self, now: float) -> bool:
-        """Merges the open round if it is ready, all on the calling thread: a clock's turn, for tools and tests that
-        drive the state without the ticker. The lock is held by the caller once (it is released for the step).
-        Returns whether a version was committed or a push rejected."""
-        job = self.begin_merge(now)
-        if job is None:
-            return False
-        self.lock.release()
-        try:
-            self.step(job)
-        finally:
-            self.lock.acquire()
-        self.end_merge(job, now)
-        return True
-
     def _drop(self, keys: list[str]) -> None:
         """Drops pending pushes from the merger, and their parts from the other shards."""
         self.merger.drop_pending(keys)
