@@ -18,9 +18,10 @@ Figures:
       from the child's spawn (interpreter start and imports included) are printed next to it, not compared:
       the imports (numpy, TensorStore) are the same for both stores and would hide the data work. The child
       says whether JAX was imported (it should not be: the data path does not need it). The data work reads a
-      fixed window: the first batch's group of blocks and the group read ahead, in island 0's shard, and the eval
-      windows. A store whose shards are smaller than that window (below :func:`window_tokens`, 70.6 M ids) reads
-      less, and S and R would count that as growth in the bigger store (said on stderr when ``--sizes`` has one).
+      fixed window: the eval windows (over the held-out split's first 8 chunks) and, in island 0's shard, the
+      first batch's group of blocks and the group read ahead. A store whose held-out split or shards are smaller
+      than that (below :func:`window_tokens`, 168 M ids) reads less, and S and R would count that as growth in
+      the bigger store (said on stderr when ``--sizes`` has one).
   R   RSS ratio: the median peak RSS (VmHWM of /proc/self/status) of those children, biggest store / smallest,
       read :data:`SETTLE_S` after the first batch, once the reads ahead it started have landed (an island holds
       them from then on; the peak at the first batch itself depends on how many had landed, and is in the --json
@@ -61,7 +62,7 @@ a disk. The 8 GB store of the defaults fits in a 24 GiB machine's cache, but a k
 Targets: S <= 1.2; R <= 1.1; T >= 20M tokens/s; W <= 1%; K reported; E <= 1.5; Y reported. A missed target is
 reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad argument or a failing
 child does (one line on stderr, exit 2 or 1). About 5 minutes at the default sizes on 2 cores (2 of them writing
-the stores the first time); ``--quick`` (0.08 and 0.64 G tokens, 60 training steps) about 2. Last line:
+the stores the first time); ``--quick`` (0.2 and 1.6 G tokens, 60 training steps) about 2.5. Last line:
 
   data: startup-ratio=S rss-ratio=R read-tokens/s=T data-wait=W tokenize-mb/s=K ray-2/1=Y encode-overhead=E
 """
@@ -92,6 +93,7 @@ from _common import ROOT, child_env, finish, fmt_or_na, log, met
 from dtrain.config.load import load_config
 from dtrain.config.sections import Config, DataConfig
 from dtrain.data.corpus import (
+    EVAL_SPAN_CHUNKS,
     READ_AHEAD_GROUPS,
     SHUFFLE_BLOCKS,
     SequenceStream,
@@ -116,7 +118,7 @@ READ_SEQ_LEN, READ_BATCH = 2048, 8
 BPE_VOCAB, BPE_TRAIN_BYTES = 4096, 4_000_000
 RAY_BYTES = 8_000_000  # Y: this much of the corpus (whole files) tokenized on 1 and on 2 Ray nodes
 RAY_TASK_BYTES = 1 << 20  # Y: source bytes per Ray task (many tasks, so two nodes share the work)
-SIZES, QUICK_SIZES = (0.5, 4.0), (0.08, 0.64)  # each store past window_tokens(); 8x apart
+SIZES, QUICK_SIZES = (0.5, 4.0), (0.2, 1.6)  # each store past window_tokens(); 8x apart
 TRAIN_STEPS, QUICK_TRAIN_STEPS = 100, 60  # both past small's warm-up (50 steps) and first round (50)
 STARTUP_RATIO_MAX, RSS_RATIO_MAX, READ_TOKENS_S_MIN, DATA_WAIT_MAX, ENCODE_OVERHEAD_MAX = 1.2, 1.1, 20e6, 0.01, 1.5
 TARGETS = {"startup_ratio": f"<= {STARTUP_RATIO_MAX}", "rss_ratio": f"<= {RSS_RATIO_MAX}",
@@ -139,7 +141,7 @@ def sizes_arg(text: str) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog="benchmarks/data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=sizes_arg, default=None, metavar="G,G",
-                   help="store sizes in G tokens (default 0.5,4; --quick: 0.08,0.64); S and R compare the biggest "
+                   help="store sizes in G tokens (default 0.5,4; --quick: 0.2,1.6); S and R compare the biggest "
                         "with the smallest")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: sizes {','.join(map(str, QUICK_SIZES))}, {QUICK_TRAIN_STEPS} training steps, "
@@ -181,12 +183,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def window_tokens() -> int:
-    """The fewest ids a store needs for an island's first batch to read its whole window: :data:`ISLANDS` shards
-    of the train split (``data.eval_fraction`` held out), each holding the ``1 + READ_AHEAD_GROUPS`` groups of
-    ``SHUFFLE_BLOCKS`` blocks (a block: the windows of one stored chunk) that the first batch reads."""
+    """The fewest ids a store needs for an island's start-up to read its whole window: a held-out split
+    (``data.eval_fraction``) of at least ``EVAL_SPAN_CHUNKS`` stored chunks, which the eval windows span, and
+    :data:`ISLANDS` shards of the rest, each holding the ``1 + READ_AHEAD_GROUPS`` groups of ``SHUFFLE_BLOCKS``
+    blocks (a block: the windows of one stored chunk) that the first batch reads."""
     cfg = load_config(ROOT / "configs" / "small.toml")
     block = CHUNK_TOKENS // cfg.model.seq_len * cfg.model.seq_len
-    return math.ceil(ISLANDS * (1 + READ_AHEAD_GROUPS) * SHUFFLE_BLOCKS * block / (1 - cfg.data.eval_fraction))
+    fraction = cfg.data.eval_fraction
+    shards = ISLANDS * (1 + READ_AHEAD_GROUPS) * SHUFFLE_BLOCKS * block / (1 - fraction)
+    return math.ceil(max(EVAL_SPAN_CHUNKS * CHUNK_TOKENS / fraction, shards))
 
 
 def small_schedule() -> tuple[int, int]:
