@@ -62,7 +62,7 @@ a disk. The 8 GB store of the defaults fits in a 24 GiB machine's cache, but a k
 Targets: S <= 1.2; R <= 1.1; T >= 20M tokens/s; W <= 1%; K reported; E <= 1.5; Y reported. A missed target is
 reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad argument or a failing
 child does (one line on stderr, exit 2 or 1). About 5 minutes at the default sizes on 2 cores (2 of them writing
-the stores the first time); ``--quick`` (0.2 and 1.6 G tokens, 60 training steps) about 2.5. Last line:
+the stores the first time); ``--quick`` (0.2 and 1.6 G tokens, 60 training steps) about 3. Last line:
 
   data: startup-ratio=S rss-ratio=R read-tokens/s=T data-wait=W tokenize-mb/s=K ray-2/1=Y encode-overhead=E
 """
