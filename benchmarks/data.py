@@ -585,9 +585,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"stores of {', '.join(f'{s:g}G' for s in sizes)} tokens under {work}; {args.repeats} start-up children "
         f"each; reads for up to {args.read_seconds:g}s; {args.train_steps} training steps")
     if store_tokens(sizes[0]) < (window := window_tokens()):
-        log(f"the smallest store ({store_tokens(sizes[0]):,} ids) is below {window:,}: its islands' shards are "
-            "smaller than the window a first batch reads, so it reads less at start-up, and S and R count that "
-            f"as growth; sizes of {window / 1e9:.3f} G tokens or more compare like with like")
+        log(f"the smallest store ({store_tokens(sizes[0]):,} ids) is below {window:,}: its held-out split or its "
+            "islands' shards are smaller than what an island reads at start-up, so it reads less, and S and R "
+            f"count that as growth; sizes of {window / 1e9:.3f} G tokens or more compare like with like")
     stores = [write_store(work / store_name(s), store_tokens(s), store_name(s)) for s in sizes]
     paths = [Path(s["path"]) for s in stores]
     start = startup([paths[0], paths[-1]], args.repeats)

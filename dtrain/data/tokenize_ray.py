@@ -53,7 +53,8 @@ LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's local-only mo
 # `ray start` joining a node to a local-only cluster. In that mode the command refuses a second node; outside it,
 # it names a node given as 127.0.0.1 by this machine's interface address and binds every interface. This runs it
 # with the refusal lifted and the node's address kept; every process it starts inherits the mode from the
-# environment. (Ray 2.x's private names: a Ray without them fails to start the node, said in one line.)
+# environment. (Ray 2.x's private names: with a Ray that lacks them the node fails to start, its log's tail in the
+# DataError.)
 _JOIN_LOCAL_ONLY = (
     "import sys\n"
     "from ray._private import ray_constants, services\n"
