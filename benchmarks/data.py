@@ -17,7 +17,11 @@ Figures:
       islands, ``eval_batches``, then ``shards[0].stream.batches(0, steps_per_call, batch_size)``. The seconds
       from the child's spawn (interpreter start and imports included) are printed next to it, not compared:
       the imports (numpy, TensorStore) are the same for both stores and would hide the data work. The child
-      says whether JAX was imported (it should not be: the data path does not need it).
+      says whether JAX was imported (it should not be: the data path does not need it). The data work reads a
+      fixed window: the eval windows (over the held-out split's first 8 chunks) and, in island 0's shard, the
+      first batch's group of blocks and the group read ahead. A store whose held-out split or shards are smaller
+      than that (below :func:`window_tokens`, 168 M ids) reads less, and S and R would count that as growth in
+      the bigger store (said on stderr when ``--sizes`` has one).
   R   RSS ratio: the median peak RSS (VmHWM of /proc/self/status) of those children, biggest store / smallest,
       read :data:`SETTLE_S` after the first batch, once the reads ahead it started have landed (an island holds
       them from then on; the peak at the first batch itself depends on how many had landed, and is in the --json
@@ -58,7 +62,7 @@ a disk. The 8 GB store of the defaults fits in a 24 GiB machine's cache, but a k
 Targets: S <= 1.2; R <= 1.1; T >= 20M tokens/s; W <= 1%; K reported; E <= 1.5; Y reported. A missed target is
 reported (NOT met) but, as in the other benchmarks, does not change the exit status; a bad argument or a failing
 child does (one line on stderr, exit 2 or 1). About 5 minutes at the default sizes on 2 cores (2 of them writing
-the stores the first time); ``--quick`` (0.02 and 0.16 G tokens, 30 training steps) about 1. Last line:
+the stores the first time); ``--quick`` (0.2 and 1.6 G tokens, 60 training steps) about 3. Last line:
 
   data: startup-ratio=S rss-ratio=R read-tokens/s=T data-wait=W tokenize-mb/s=K ray-2/1=Y encode-overhead=E
 """
@@ -68,6 +72,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -87,8 +92,18 @@ from _common import ROOT, child_env, finish, fmt_or_na, log, met
 
 from dtrain.config.load import load_config
 from dtrain.config.sections import Config, DataConfig
-from dtrain.data.corpus import SequenceStream, builtin_files, eval_batches, island_shards, open_corpus, split
-from dtrain.data.token_store import MANIFEST, StoreError, StoreWriter, TokenStore
+from dtrain.data.corpus import (
+    EVAL_SPAN_CHUNKS,
+    READ_AHEAD_GROUPS,
+    SHUFFLE_BLOCKS,
+    SequenceStream,
+    builtin_files,
+    eval_batches,
+    island_shards,
+    open_corpus,
+    split,
+)
+from dtrain.data.token_store import CHUNK_TOKENS, MANIFEST, StoreError, StoreWriter, TokenStore
 from dtrain.errors import DtrainError
 from dtrain_cli.entry import Parser, run_main
 
@@ -103,8 +118,8 @@ READ_SEQ_LEN, READ_BATCH = 2048, 8
 BPE_VOCAB, BPE_TRAIN_BYTES = 4096, 4_000_000
 RAY_BYTES = 8_000_000  # Y: this much of the corpus (whole files) tokenized on 1 and on 2 Ray nodes
 RAY_TASK_BYTES = 1 << 20  # Y: source bytes per Ray task (many tasks, so two nodes share the work)
-SIZES, QUICK_SIZES = (0.5, 4.0), (0.02, 0.16)
-TRAIN_STEPS, QUICK_TRAIN_STEPS = 100, 30
+SIZES, QUICK_SIZES = (0.5, 4.0), (0.2, 1.6)  # each store past window_tokens(); 8x apart
+TRAIN_STEPS, QUICK_TRAIN_STEPS = 100, 60  # both past small's warm-up (50 steps) and first round (50)
 STARTUP_RATIO_MAX, RSS_RATIO_MAX, READ_TOKENS_S_MIN, DATA_WAIT_MAX, ENCODE_OVERHEAD_MAX = 1.2, 1.1, 20e6, 0.01, 1.5
 TARGETS = {"startup_ratio": f"<= {STARTUP_RATIO_MAX}", "rss_ratio": f"<= {RSS_RATIO_MAX}",
            "read_tokens_per_s": f">= {READ_TOKENS_S_MIN:.0e}", "data_wait": f"<= {DATA_WAIT_MAX:.0%}",
@@ -126,7 +141,7 @@ def sizes_arg(text: str) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog="benchmarks/data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=sizes_arg, default=None, metavar="G,G",
-                   help="store sizes in G tokens (default 0.5,4; --quick: 0.02,0.16); S and R compare the biggest "
+                   help="store sizes in G tokens (default 0.5,4; --quick: 0.2,1.6); S and R compare the biggest "
                         "with the smallest")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: sizes {','.join(map(str, QUICK_SIZES))}, {QUICK_TRAIN_STEPS} training steps, "
@@ -156,10 +171,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("repeats", "train_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.skip_train or args.child_startup):
+        warmup, inner = small_schedule()
+        if args.train_steps <= warmup or args.train_steps < inner:
+            p.error(f"--train-steps must be >= {max(warmup + 1, inner)} (configs/small.toml warms up for "
+                    f"{warmup} steps and merges every {inner}), got {args.train_steps}; or --skip-train")
     for name in ("read_seconds", "read_tokens"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return args
+
+
+def window_tokens() -> int:
+    """The fewest ids a store needs for an island's start-up to read its whole window: a held-out split
+    (``data.eval_fraction``) of at least ``EVAL_SPAN_CHUNKS`` stored chunks, which the eval windows span, and
+    :data:`ISLANDS` shards of the rest, each holding the ``1 + READ_AHEAD_GROUPS`` groups of ``SHUFFLE_BLOCKS``
+    blocks (a block: the windows of one stored chunk) that the first batch reads."""
+    cfg = load_config(ROOT / "configs" / "small.toml")
+    block = CHUNK_TOKENS // cfg.model.seq_len * cfg.model.seq_len
+    fraction = cfg.data.eval_fraction
+    shards = ISLANDS * (1 + READ_AHEAD_GROUPS) * SHUFFLE_BLOCKS * block / (1 - fraction)
+    return math.ceil(max(EVAL_SPAN_CHUNKS * CHUNK_TOKENS / fraction, shards))
+
+
+def small_schedule() -> tuple[int, int]:
+    """configs/small.toml's ``train.warmup_steps`` and ``outer.inner_steps``: the data-wait run trains more steps
+    than the first and at least the second (its config refuses fewer)."""
+    cfg = load_config(ROOT / "configs" / "small.toml")
+    return cfg.train.warmup_steps, cfg.outer.inner_steps
 
 
 # ---------------------------------------------------------------------------------------------------- the stores
@@ -545,6 +584,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sizes = sorted(args.sizes)
     log(f"stores of {', '.join(f'{s:g}G' for s in sizes)} tokens under {work}; {args.repeats} start-up children "
         f"each; reads for up to {args.read_seconds:g}s; {args.train_steps} training steps")
+    if store_tokens(sizes[0]) < (window := window_tokens()):
+        log(f"the smallest store ({store_tokens(sizes[0]):,} ids) is below {window:,}: its held-out split or its "
+            "islands' shards are smaller than what an island reads at start-up, so it reads less, and S and R "
+            f"count that as growth; sizes of {window / 1e9:.3f} G tokens or more compare like with like")
     stores = [write_store(work / store_name(s), store_tokens(s), store_name(s)) for s in sizes]
     paths = [Path(s["path"]) for s in stores]
     start = startup([paths[0], paths[-1]], args.repeats)

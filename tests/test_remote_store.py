@@ -3,14 +3,20 @@
 Nothing here leaves the machine: every store is on 127.0.0.1 (a closed port, or a small HTTP server in the test
 that answers 403 or does not answer), s3:// and gs:// are pointed there (AWS_ENDPOINT_URL,
 TENSORSTORE_GCS_HTTP_URL), and no credential lookup may reach a metadata address (no EC2 markers, no
-credential files: HOME is an empty folder). Each open is given 30 s: the messages below are the cause, not the
+credential files: HOME is an empty folder); the host that does not resolve is looked up in a network namespace
+with no way out. Each open is given 30 s: the messages below are the cause, not the
 timeout's, so each came back long before it (uncapped, TensorStore retries for minutes).
 """
 
 from __future__ import annotations
 
 import http.server
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,6 +139,46 @@ def test_a_store_that_answers_slowly_waits_read_timeout_s(slow: str) -> None:
     with pytest.raises(StoreError, match=r"store did not answer within 1 s \(reading its manifest.json\): check "
                                          r"the address and that it is reachable from here$"):
         TokenStore.open(f"{slow}/store", timeout_s=1)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+OPEN_EACH = """
+import json, sys, time
+from dtrain.data.token_store import StoreError, TokenStore
+for location in sys.argv[1:]:
+    t0 = time.monotonic()
+    try:
+        TokenStore.open(location, timeout_s=60)
+        message = "opened"
+    except StoreError as e:
+        message = str(e)
+    print(json.dumps([location, message, time.monotonic() - t0]))
+"""
+
+
+def test_a_host_that_does_not_resolve_is_named_within_seconds(tmp_path: Path) -> None:
+    """In a network namespace of its own (``unshare -rn``: only a loopback interface, down), nothing can leave
+    the machine and no name resolves, whatever this machine's DNS: the resolver cannot reach a server. Each store
+    is one line naming the host, well within 10 s (uncapped, TensorStore retried for minutes)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -rn (an unprivileged network namespace) is not allowed on this machine")
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*remote.AWS_KEY_ENV, *remote.AWS_CHAIN_ENV, *remote.GCS_CREDENTIAL_ENV, "AWS_ENDPOINT_URL",
+                        "TENSORSTORE_GCS_HTTP_URL", "CLOUDSDK_CONFIG")}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), GOOGLE_AUTH_TOKEN_FOR_TESTING="not-a-real-token")
+    locations = {"http://dtrain-test.invalid/store": "dtrain-test.invalid",
+                 "s3://dtrain-test/store": "dtrain-test.s3.amazonaws.com",
+                 "gs://dtrain-test/store": "storage.googleapis.com"}
+    proc = subprocess.run([unshare, "-rn", sys.executable, "-c", OPEN_EACH, *locations], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r[0] for r in results] == list(locations)
+    for location, message, seconds in results:
+        assert message == (f"token store {location}: reading its manifest.json failed: cannot resolve the host "
+                           f"{locations[location]} (check the URL's host name, and DNS from here)")
+        assert seconds < 10, (location, seconds)
 
 
 def test_the_causes_in_tensorstore_error_text() -> None:

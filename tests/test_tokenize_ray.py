@@ -1,6 +1,6 @@
-"""``dtrain tokenize --ray``: a local Ray cluster (a head and a worker node on this machine) writes the store a
-serial run writes, byte for byte, and resumes an interrupted run; a missing Ray or an address that does not
-answer is one line at once."""
+"""``dtrain tokenize --ray``: a local Ray cluster (a head and a worker node on 127.0.0.1, listening on nothing else)
+writes the store a serial run writes, byte for byte, and resumes an interrupted run; a missing Ray or an address
+that does not answer is one line at once."""
 
 from __future__ import annotations
 
@@ -36,11 +36,33 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """A Ray cluster of two nodes on this machine (one CPU each); its head's address."""
+def local_cluster() -> Iterator[LocalRayCluster]:
+    """A Ray cluster of two nodes on this machine (one CPU each)."""
     with LocalRayCluster(object_store_bytes=80_000_000) as local:
         local.add_node()
-        yield local.address
+        yield local
+
+
+@pytest.fixture
+def cluster(local_cluster: LocalRayCluster) -> str:
+    """That cluster's head's address."""
+    return local_cluster.address
+
+
+def _session(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except OSError:  # it ended meanwhile
+        return -1
+
+
+def _listening(sessions: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listened on by this process or one of ``sessions``' processes."""
+    import psutil  # Ray's own dependency
+
+    pids = {os.getpid()} | {p.pid for p in psutil.process_iter() if _session(p.pid) in sessions}
+    return [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
 
 
 def _corpus(root: Path) -> Path:
@@ -85,6 +107,33 @@ def test_a_ray_cluster_writes_the_serial_store_byte_for_byte(tmp_path: Path, clu
     tokenize([root], tmp_path / "ray-bytes", ByteTokenizer(), executor=RayExecutor(cluster, task_bytes=TASK_BYTES),
              chunk_tokens=CHUNK)
     _same_store(tmp_path / "serial-bytes", tmp_path / "ray-bytes")
+
+
+@pytest.mark.slow
+def test_the_cluster_and_its_driver_listen_on_loopback_only(tmp_path: Path, local_cluster: LocalRayCluster) -> None:
+    """Both nodes are named 127.0.0.1, and after a run (workers on both nodes, this process joined as the driver)
+    nothing the cluster started, nor the driver, listens on any other address."""
+    import ray
+
+    root = _corpus(tmp_path / "c")
+    tokenize([root], tmp_path / "s", ByteTokenizer(), chunk_tokens=CHUNK,
+             executor=RayExecutor(local_cluster.address, task_bytes=TASK_BYTES))
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    assert len(alive) == 2 and {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
+    listening = _listening({node.pid for node in local_cluster.nodes})
+    names = {pid: _name(pid) for *_, pid in listening}
+    assert {"gcs_server", "raylet"} <= set(names.values()) and len(names) >= 6, names  # and agents, workers, us
+    assert os.getpid() in names  # the driver's own server
+    assert {ip for ip, *_ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
+def _name(pid: int) -> str:
+    import psutil
+
+    try:
+        return str(psutil.Process(pid).name())
+    except psutil.Error:
+        return "?"
 
 
 @pytest.mark.slow

@@ -22,12 +22,14 @@ Ray is imported only here, when an executor connects: ``pip install 'dtrain[ray]
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -47,12 +49,42 @@ TASK_BYTES = 64 << 20  # source bytes per encode task (whole files: a bigger fil
 CONNECT_TIMEOUT_S = 5.0  # the address must answer a TCP connect within this
 WINDOW_PER_CPU = 2  # encode tasks in flight per CPU of the cluster (their ids wait in the object store)
 CANCEL_WAIT_S = 60.0  # a run that stops waits this long for its cancelled tasks to end
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's local-only mode (see _local_only)
+# `ray start` joining a node to a local-only cluster. In that mode the command refuses a second node; outside it,
+# it names a node given as 127.0.0.1 by this machine's interface address and binds every interface. This runs it
+# with the refusal lifted and the node's address kept; every process it starts inherits the mode from the
+# environment. (Ray 2.x's private names: with a Ray that lacks them the node fails to start, its log's tail in the
+# DataError.)
+_JOIN_LOCAL_ONLY = (
+    "import sys\n"
+    "from ray._private import ray_constants, services\n"
+    "ray_constants.ENABLE_RAY_CLUSTER = True\n"
+    "services.get_node_ip_address = lambda address=None: '127.0.0.1'\n"
+    "from ray.scripts.scripts import main\n"
+    "sys.argv[0] = 'ray'\n"
+    "sys.exit(main())\n")
 
 log = logging.getLogger(__name__)
 
 
 def _ceil(n: int, chunk: int) -> int:
     return -(-n // chunk) * chunk
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _local_only() -> None:
+    """Ray's local-only mode in this process, a driver of a cluster whose head is on this machine's loopback:
+    Ray then uses a 127.0.0.1 address as it is. Outside it Ray replaces 127.0.0.1 by this machine's interface
+    address, where a head that listens on loopback only (:class:`LocalRayCluster`'s) is not found."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @dataclass
@@ -147,6 +179,8 @@ class RayExecutor:
                 raise DataError(f"--ray {self.address}: the Ray cluster's head did not answer "
                                 f"({e.strerror or e}): start it with `ray start --head`, or check the "
                                 "address") from None
+            if _loopback(host):
+                _local_only()
         if not ray.is_initialized():
             ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False,
                      configure_logging=False)
@@ -257,7 +291,9 @@ class LocalRayCluster:
     """A Ray cluster on this machine, for trying ``--ray`` and for the tests and benchmarks: a head node, then
     :meth:`add_node` for more, each ``ray start --block`` with ``cpus`` CPUs, stopped by :meth:`stop` through
     its own process (``ray stop`` would stop every Ray process of the machine). Its :attr:`address` is
-    ``127.0.0.1:PORT`` (Ray itself names the node by the machine's own address)."""
+    ``127.0.0.1:PORT``, and every process of it (and of a driver joined by :class:`RayExecutor`) listens on
+    127.0.0.1 only: the nodes run in Ray's local-only mode (:data:`LOCAL_ONLY_ENV`), named 127.0.0.1, and join
+    through :data:`_JOIN_LOCAL_ONLY`."""
 
     def __init__(self, cpus: int = 1, object_store_bytes: int = 200_000_000, timeout_s: float = 120.0):
         self.cpus, self.object_store_bytes, self.timeout_s = cpus, object_store_bytes, timeout_s
@@ -283,11 +319,12 @@ class LocalRayCluster:
 
     def _start(self, args: list[str]) -> None:
         log_file = open(self.temp / f"node-{len(self.nodes)}.log", "wb")
+        ray = [shutil.which("ray") or "ray"] if not self.nodes else [sys.executable, "-c", _JOIN_LOCAL_ONLY]
         self.nodes.append(subprocess.Popen(
-            [shutil.which("ray") or "ray", "start", *args, f"--num-cpus={self.cpus}", "--block",
+            [*ray, "start", *args, f"--num-cpus={self.cpus}", "--block",
              "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp}",
              f"--object-store-memory={self.object_store_bytes}"], stdout=log_file, stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}))
+            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", LOCAL_ONLY_ENV: "0"}))
         log_file.close()
 
     def _check(self, deadline: float) -> None:
@@ -301,6 +338,7 @@ class LocalRayCluster:
         import ray
 
         self._start([f"--address={self.address}"])
+        _local_only()
         if not ray.is_initialized():
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         deadline = time.monotonic() + self.timeout_s
