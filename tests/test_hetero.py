@@ -103,6 +103,7 @@ def test_rate_meter_leaves_out_the_warm_up_chunk() -> None:
     assert meter.step_s == pytest.approx(0.02)
 
 
+@pytest.mark.slow
 def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_path, compile_cache) -> None:
     """island-1: half the batch on 2 fake devices (island-0: 1 device); the same tokens per shard, pushes
     weighted by their tokens, nothing lost or doubled, one final θ."""

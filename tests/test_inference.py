@@ -110,6 +110,7 @@ def test_bad_folders_and_ids_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_generate_on_a_coordinators_run_and_its_export_prints_text(tmp_path):
     """A coordinator's run folder (model.json, θ of version 3; a store with a tokenizer.json) and its `dtrain export`
     folder: both generate text from a prompt, the same greedy continuation; dtrain.load reads both."""

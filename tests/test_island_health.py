@@ -88,6 +88,7 @@ def test_clean_island_quarantines_nothing(clean: dict[str, Any]) -> None:
     assert np.isfinite(a["final_eval_loss"])
 
 
+@pytest.mark.slow
 def test_scaled_device_is_quarantined_and_the_island_trains_on_seven(clean: dict[str, Any], tmp_path: Path,
                                                                      compile_cache: str) -> None:
     # the session's compilation cache: the 8-device programs are the clean run's (loaded, not compiled again)

@@ -29,7 +29,7 @@ def _loss_and_grads(base: list[str], knobs: list[str], tokens_BxL1: jax.Array) -
     return float(loss), grads
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("llama", marks=pytest.mark.slow), "mlp"])
 def test_chunked_loss_and_each_remat_policy_give_the_plain_loss_and_gradients_in_float32(kind: str) -> None:
     base = [f"model.kind={kind}"] + (["model.n_kv_heads=2", "model.tie_embeddings=true"] if kind == "llama" else [])
     tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, 256)
@@ -41,7 +41,7 @@ def test_chunked_loss_and_each_remat_policy_give_the_plain_loss_and_gradients_in
         jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7, err_msg=str(knobs)), grads, ref_grads)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_documents_kept_apart_give_the_same_loss_and_gradients_chunked_and_under_remat(kind: str) -> None:
     """A batch with positions (data.document_masking: two documents a row) through the chunked loss and a remat
     policy gives the plain masked step's loss and gradients, and differs from the unmasked step's."""
@@ -58,6 +58,7 @@ def test_documents_kept_apart_give_the_same_loss_and_gradients_chunked_and_under
         jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7, err_msg=str(knobs)), grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_chunked_loss_and_remat_in_bfloat16_stay_close_to_the_plain_ones() -> None:
     base = ["model.kind=llama", "model.dtype=bfloat16"]
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)

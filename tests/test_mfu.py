@@ -87,6 +87,7 @@ def test_a_short_cpu_run_prints_the_last_line(capsys: pytest.CaptureFixture[str]
     assert m is not None and float(m.group(4).rstrip("%")) == pytest.approx(100 * mfu, abs=0.05) and mfu > 0
 
 
+@pytest.mark.slow
 def test_document_masking_is_timed_side_by_side_with_documents_of_random_lengths(
         capsys: pytest.CaptureFixture[str]) -> None:
     """--document-masking: the llama-tiny step timed again with data.document_masking on, its line before the last
@@ -138,6 +139,7 @@ COMPILE_LINE = re.compile(r"mfu-compile: config=(\S+) batch=(\d+) argument-gib=(
                           r"output-gib=(\d+\.\d\d) temp-gib=(\d+\.\d\d)")
 
 
+@pytest.mark.slow
 def test_compile_only_prints_the_memory_estimate_without_running_a_step() -> None:
     bench = _bench()
     cfg = load_config(TINY, ["train.batch_size=8", "model.seq_len=32"])

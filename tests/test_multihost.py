@@ -133,6 +133,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_one_coordinator_merges_a_two_process_island_and_a_single_one(run: dict[str, Any]) -> None:
     islands = run["islands"]
     assert sorted(islands) == ["multi", "single"]  # the two processes joined as one island
@@ -154,6 +155,7 @@ def test_one_coordinator_merges_a_two_process_island_and_a_single_one(run: dict[
     assert any((run["tmp"] / "multi" / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_the_two_process_checkpoint_restores_whole(run: dict[str, Any]) -> None:
     """Both processes wrote their shards of one orbax checkpoint (the state at the last push): it restores whole,
     here into one process's 8-device mesh."""
