@@ -133,7 +133,13 @@ def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, sta
     payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
     scratch = np.empty(count, np.float32)
     for p, out, weight in zip(pending, outs, weights, strict=True):
-        if scales.size:
+        kept = p.spool.scales  # in memory since the push was accepted: no read
+        if kept is not None and kept.size == n_blocks:
+            block_scales = kept[first_block:end_block]
+        elif scales.size:
             read_into(p.spool.fd, scales, 4 * first_block)
+            block_scales = scales
+        else:
+            block_scales = scales
         read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
-        codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
+        codec.dequantize_add(o.up_bits, o.block, block_scales, payload, out, weight=weight, scratch=scratch)

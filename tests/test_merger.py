@@ -321,9 +321,10 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
 @pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32", "sparse"])
 def test_a_push_is_written_once_and_read_once(up, monkeypatch):
     """Work per push, counted: spooling a push writes its decompressed body once (scales ‖ payload, no more), and
-    the outer step reads each pending push's body once (dense codecs: exactly its size; sparse: its scales and
-    records, at most its size) and nothing else of it, whatever the number of pushes and slabs. A second pass
-    over the pushes (a norm re-read, a copy) would grow each round's work with the islands."""
+    the outer step reads each pending push's body once (dense codecs: exactly its payload, the scales being kept in
+    memory since the push was accepted; sparse: its scales and records, at most its size) and nothing else of it,
+    whatever the number of pushes and slabs. A second pass over the pushes (a norm re-read, a copy) would grow each
+    round's work with the islands."""
     rng = np.random.default_rng(8)
     m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
     bits, block = m.opts.up_bits, m.opts.up_block or m.opts.block
@@ -353,7 +354,11 @@ def test_a_push_is_written_once_and_read_once(up, monkeypatch):
             m.add_pending(sp, 1.0 + i, key=str(i))
             body = 4 * q.scales.size + q.payload.size
             assert written == {sp.fd: body}  # the body, once; the spool writes nothing else
-            sizes[sp.fd] = body
+            sizes[sp.fd] = body if codec.is_sparse(bits) else q.payload.size
+            if bits == 32:  # no scales: the body is the payload
+                assert sp.scales is None
+            elif not codec.is_sparse(bits):  # the scales stay in memory, exactly the frame's
+                assert np.array_equal(sp.scales, q.scales)
     read.clear()
     m.outer_step()
     pushes = {fd: read.get(fd, 0) for fd in sizes}
