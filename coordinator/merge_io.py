@@ -122,7 +122,8 @@ def scan_theta(path: Path) -> tuple[str, float]:
 def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, start: int, outs: list[np.ndarray],
                  weights: list[np.float32]) -> None:
     """outs[i] += weights[i]·Δ_i for each pending push i (its spool holds ``n_values`` values), values
-    [start, start + outs[i].size)."""
+    [start, start + outs[i].size): the codes read from the spool, the scales from memory (``Spool.scales``) where
+    the spool kept them."""
     count = outs[0].size if outs else 0
     if codec.is_sparse(o.up_bits):
         read_sparse(pending, o.up_bits, o.up_block or o.block, start, outs, weights)

@@ -1,7 +1,8 @@
 """An incoming push, checked as it streams in and spooled to a temp file: :class:`Spool` (every scale and code
 checked by ``codec.FrameValidator`` as zstd decompresses it; the decompressed body, scales ‖ payload, kept so
-that summing it needs no second decode) and :class:`BodyNorm` (its L2 norm, measured in the same pass from the
-checked scales and codes). ``coordinator.merger`` hands out spools and sums the accepted ones.
+that summing it needs no second decode, and its scales in memory too once it is accepted, so that the merge
+reads only the codes back) and :class:`BodyNorm` (its L2 norm, measured in the same pass from the checked
+scales and codes). ``coordinator.merger`` hands out spools and sums the accepted ones.
 """
 
 from __future__ import annotations

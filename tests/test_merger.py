@@ -369,6 +369,30 @@ def test_a_push_is_written_once_and_read_once(up, monkeypatch):
     m.close()
 
 
+@pytest.mark.parametrize("up", ["int8", "int4", "int2", "e3m0"])
+def test_the_merge_takes_a_pending_push_s_scales_from_memory(up):
+    """An accepted push's scales stay in memory (the spool's ``scales``, exactly the frame's) and the merge's sum
+    uses them, not the spool file's copy: with the scales on disk overwritten, the pending sum is still the
+    decoded values, weighted. A dequantized value is its code times its block's scale, so a sum that read the
+    file would come out zero."""
+    rng = np.random.default_rng(21)
+    m = Merger(np.zeros(N, np.float32), opts(up=up))
+    bits = m.opts.up_bits
+    want = np.zeros(N, np.float32)
+    for i, w in enumerate((1.0, 2.5)):
+        q = codec.quantize(rng.normal(size=N).astype(np.float32), bits, BLOCK)
+        with m.spool() as sp:
+            sp.write(codec.encode(q))
+            m.validate(sp)
+            m.add_pending(sp, w, key=str(i))
+            assert sp.scales is not None and np.array_equal(sp.scales, q.scales)
+            os.pwrite(sp.fd, bytes(4 * q.scales.size), 0)  # the file's scales: zeros from here on
+        codec.dequantize_add(bits, BLOCK, q.scales, q.payload, want, weight=w)
+    got = m.pending_sum()
+    assert np.abs(got).max() > 0 and np.array_equal(got, want)
+    m.close()
+
+
 @pytest.mark.parametrize("rule,trim", [("trimmed_mean", 1), ("trimmed_mean", 2), ("median", 0)])
 @pytest.mark.parametrize("pushes", [3, 4, 5])
 def test_robust_rules_match_numpy_on_the_full_vectors(rule, trim, pushes):
