@@ -83,8 +83,11 @@ class BodyNorm:
 
     @property
     def scales(self) -> np.ndarray:
-        """The body's scales (float32, a view of the bytes fed; empty for bits=32 or before they are all in)."""
-        return np.frombuffer(self._scales, "<f4") if len(self._scales) == self._scales_len else np.empty(0, "<f4")
+        """The body's scales (float32, a read-only view of the bytes fed; empty for bits=32 or before they are all
+        in)."""
+        scales = np.frombuffer(self._scales, "<f4") if len(self._scales) == self._scales_len else np.empty(0, "<f4")
+        scales.flags.writeable = False
+        return scales
 
     def norm(self) -> float:
         """The norm of what was fed, counting the last, partial block still waiting (call once all is in)."""
