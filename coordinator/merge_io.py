@@ -122,7 +122,8 @@ def scan_theta(path: Path) -> tuple[str, float]:
 def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, start: int, outs: list[np.ndarray],
                  weights: list[np.float32]) -> None:
     """outs[i] += weights[i]·Δ_i for each pending push i (its spool holds ``n_values`` values), values
-    [start, start + outs[i].size)."""
+    [start, start + outs[i].size): the codes read from the spool, the scales from memory (``Spool.scales``) where
+    the spool kept them."""
     count = outs[0].size if outs else 0
     if codec.is_sparse(o.up_bits):
         read_sparse(pending, o.up_bits, o.up_block or o.block, start, outs, weights)
@@ -133,7 +134,13 @@ def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, sta
     payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
     scratch = np.empty(count, np.float32)
     for p, out, weight in zip(pending, outs, weights, strict=True):
-        if scales.size:
+        kept = p.spool.scales  # in memory since the push was accepted: no read
+        if kept is not None and kept.size == n_blocks:
+            block_scales = kept[first_block:end_block]
+        elif scales.size:
             read_into(p.spool.fd, scales, 4 * first_block)
+            block_scales = scales
+        else:
+            block_scales = scales
         read_into(p.spool.fd, payload, 4 * n_blocks + codec.payload_offset(o.up_bits, start))
-        codec.dequantize_add(o.up_bits, o.block, scales, payload, out, weight=weight, scratch=scratch)
+        codec.dequantize_add(o.up_bits, o.block, block_scales, payload, out, weight=weight, scratch=scratch)

@@ -1,7 +1,8 @@
 """An incoming push, checked as it streams in and spooled to a temp file: :class:`Spool` (every scale and code
 checked by ``codec.FrameValidator`` as zstd decompresses it; the decompressed body, scales ‖ payload, kept so
-that summing it needs no second decode) and :class:`BodyNorm` (its L2 norm, measured in the same pass from the
-checked scales and codes). ``coordinator.merger`` hands out spools and sums the accepted ones.
+that summing it needs no second decode, and its scales in memory too once it is accepted, so that the merge
+reads only the codes back) and :class:`BodyNorm` (its L2 norm, measured in the same pass from the checked
+scales and codes). ``coordinator.merger`` hands out spools and sums the accepted ones.
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class BodyNorm:
             self._sum_sq += float(np.einsum("i,i->", self._scales_sq[first:first + sums.size], sums))
         self._units += -(-count // self._per_unit)
 
+    @property
+    def scales(self) -> np.ndarray:
+        """The body's scales (float32, a read-only view of the bytes fed; empty for bits=32 or before they are all
+        in)."""
+        scales = np.frombuffer(self._scales, "<f4") if len(self._scales) == self._scales_len else np.empty(0, "<f4")
+        scales.flags.writeable = False
+        return scales
+
     def norm(self) -> float:
         """The norm of what was fed, counting the last, partial block still waiting (call once all is in)."""
         total = self._sum_sq
@@ -116,6 +125,9 @@ class Spool:
         self.size = 0  # frame bytes received
         self.complete = False
         self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it
+        # Its scales (float32, one per block; dense quantized codecs), kept in memory once finish() has accepted it
+        # (4 bytes a block): the merge reads only the payload from the file. None: read them from the file.
+        self.scales: np.ndarray | None = None
         self._kept = False
 
     def keep(self) -> None:
@@ -141,7 +153,13 @@ class Spool:
             raise RuntimeError("finish() on a closed spool")
         self._validator.finish()
         self.sparse = self._validator.sparse
-        self.norm = self._norm.norm() if self._norm is not None else self.sparse.norm if self.sparse else 0.0
+        if self._norm is not None:
+            self.norm = self._norm.norm()
+            if self._norm.bits != 32:
+                self.scales = self._norm.scales
+            self._norm = None  # its squared scales (8 bytes a block) go: a pending push keeps only what the merge reads
+        else:
+            self.norm = self.sparse.norm if self.sparse else 0.0
         self.complete = True
 
     def close(self) -> None:

@@ -321,9 +321,10 @@ def test_the_push_and_merge_path_makes_no_blas_call(up, monkeypatch):
 @pytest.mark.parametrize("up", ["int8", "int4", "e3m0", "fp32", "sparse"])
 def test_a_push_is_written_once_and_read_once(up, monkeypatch):
     """Work per push, counted: spooling a push writes its decompressed body once (scales ‖ payload, no more), and
-    the outer step reads each pending push's body once (dense codecs: exactly its size; sparse: its scales and
-    records, at most its size) and nothing else of it, whatever the number of pushes and slabs. A second pass
-    over the pushes (a norm re-read, a copy) would grow each round's work with the islands."""
+    the outer step reads each pending push's body once (dense codecs: exactly its payload, the scales being kept in
+    memory since the push was accepted; sparse: its scales and records, at most its size) and nothing else of it,
+    whatever the number of pushes and slabs. A second pass over the pushes (a norm re-read, a copy) would grow each
+    round's work with the islands."""
     rng = np.random.default_rng(8)
     m = Merger(rng.normal(size=N).astype(np.float32), opts(up=up))
     bits, block = m.opts.up_bits, m.opts.up_block or m.opts.block
@@ -353,7 +354,11 @@ def test_a_push_is_written_once_and_read_once(up, monkeypatch):
             m.add_pending(sp, 1.0 + i, key=str(i))
             body = 4 * q.scales.size + q.payload.size
             assert written == {sp.fd: body}  # the body, once; the spool writes nothing else
-            sizes[sp.fd] = body
+            sizes[sp.fd] = body if codec.is_sparse(bits) else q.payload.size
+            if bits == 32:  # no scales: the body is the payload
+                assert sp.scales is None
+            elif not codec.is_sparse(bits):  # the scales stay in memory, exactly the frame's
+                assert np.array_equal(sp.scales, q.scales)
     read.clear()
     m.outer_step()
     pushes = {fd: read.get(fd, 0) for fd in sizes}
@@ -361,6 +366,30 @@ def test_a_push_is_written_once_and_read_once(up, monkeypatch):
         assert all(0 < pushes[fd] <= sizes[fd] for fd in sizes), (pushes, sizes)
     else:
         assert pushes == sizes
+    m.close()
+
+
+@pytest.mark.parametrize("up", ["int8", "int4", "int2", "e3m0"])
+def test_the_merge_takes_a_pending_push_s_scales_from_memory(up):
+    """An accepted push's scales stay in memory (the spool's ``scales``, exactly the frame's) and the merge's sum
+    uses them, not the spool file's copy: with the scales on disk overwritten, the pending sum is still the
+    decoded values, weighted. A dequantized value is its code times its block's scale, so a sum that read the
+    file would come out zero."""
+    rng = np.random.default_rng(21)
+    m = Merger(np.zeros(N, np.float32), opts(up=up))
+    bits = m.opts.up_bits
+    want = np.zeros(N, np.float32)
+    for i, w in enumerate((1.0, 2.5)):
+        q = codec.quantize(rng.normal(size=N).astype(np.float32), bits, BLOCK)
+        with m.spool() as sp:
+            sp.write(codec.encode(q))
+            m.validate(sp)
+            m.add_pending(sp, w, key=str(i))
+            assert sp.scales is not None and np.array_equal(sp.scales, q.scales) and not sp.scales.flags.writeable
+            os.pwrite(sp.fd, bytes(4 * q.scales.size), 0)  # the file's scales: zeros from here on
+        codec.dequantize_add(bits, BLOCK, q.scales, q.payload, want, weight=w)
+    got = m.pending_sum()
+    assert np.abs(got).max() > 0 and np.array_equal(got, want)
     m.close()
 
 

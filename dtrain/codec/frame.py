@@ -442,6 +442,7 @@ class FrameValidator:
             raise CodecError("padding nibble (high nibble of the last payload byte) must be 0")
         if header.bits == 2 and not int2.padding_ok(self._last, header.n):
             raise CodecError("padding bits (the unused high bits of the last 2-bit payload byte) must be 0")
+        self._scales = bytearray()  # handed to ``out`` long ago: a validator kept after its frame holds no copy
 
 
 def decode(frame: bytes | bytearray | memoryview, *, expected_n: int | None = None,

@@ -428,13 +428,17 @@ def dequantize_add(bits: Bits, block: int, scales: np.ndarray, payload: np.ndarr
         return
     # int8 and int4: integer levels times their block's scale, one multiply per block row (no per-value scale
     # array); the same float32 products as dequantize_segment's.
+    # The codes are cast to float32 first (an exact, unbuffered cast) and scaled in place: a mixed int8 x float32
+    # multiply goes through numpy's buffered casting loop, which also copies the broadcast scale into its buffers
+    # (a third more CPU for the merge's sum).
     codes = payload.view(np.int8) if bits == 8 else _int4_levels(payload, count)
     full = count // block
     if full:
         rows = out[:full * block].reshape(full, block)
-        tmp = None if scratch is None else scratch[:full * block].reshape(full, block)
-        rows += np.multiply(codes[:full * block].reshape(full, block), scales[:full, None], out=tmp,
-                            dtype=np.float32)
+        tmp = (np.empty(full * block, np.float32) if scratch is None else scratch[:full * block]).reshape(full, block)
+        np.copyto(tmp, codes[:full * block].reshape(full, block), casting="unsafe")  # int8 -> float32: exact
+        tmp *= scales[:full, None]
+        rows += tmp
     if count > full * block:
         out[full * block:] += codes[full * block:count].astype(np.float32) * scales[full]
 
