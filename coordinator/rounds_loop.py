@@ -31,6 +31,7 @@ from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry
 
 if TYPE_CHECKING:
+    from coordinator.open_round import PendingSet
     from coordinator.theta_store import ThetaStore
     from dtrain.checkpoint import Checkpointer
 
@@ -66,11 +67,13 @@ class RoundsLoop:
     ``streams``: trimmed after each merge. The ticker starts with :meth:`start` and ends with :meth:`stop`."""
 
     def __init__(self, *, lock: threading.Condition, clock: Callable[[], float], state: CoordinatorState,
-                 store: ThetaStore, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry,
+                 store: ThetaStore, pending: PendingSet, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry,
                  rounds: RoundSpans, streams: FrameStreams, counters: Counters, after_finish: AfterFinish):
         """``store``: θ's store (``coordinator/theta_store.py``), whose outer step the merges run: the merger's own,
-        or every shard's."""
+        or every shard's; ``pending``: the open round's pushes (``coordinator/open_round.py``), which a merge
+        closes and a screen or a non-finite step rejects from."""
         self.lock, self.clock, self.state, self.store, self.ckpt = lock, clock, state, store, ckpt
+        self.pending = pending
         self.merger = store.merger
         self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
         self.counters, self.after_finish = counters, after_finish
@@ -122,7 +125,7 @@ class RoundsLoop:
         part = self.merger.next_fragment()  # the fragment this step merges (outer.fragments; else the whole θ)
         self.merging = MergeJob(
             version=version, reason=reason, t0=time.perf_counter(), round_span=self.rounds.ready(version, reason),
-            pending=self.state.pending(), frame_bytes={p.key: p.spool.size for p in self.merger.pending},
+            pending=self.state.pending(), frame_bytes=self.pending.frame_bytes(),
             values=part.size, fragment={"fragment": part.index, "values": part.size} if self.merger.fragments > 1
             else {})
         return self.merging
@@ -160,6 +163,7 @@ class RoundsLoop:
             return
         update = self.store.commit(job.prepared)
         version, merged, close_reason = self.state.close_round(now, decided=job.reason)
+        self.pending.merged()
         assert version == update.version == job.version, (version, update.version, job.version)
         pending = job.pending
         # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
@@ -188,11 +192,6 @@ class RoundsLoop:
         so that it is judged against the version that merge makes (its staleness, its round)."""
         self.lock.wait_for(lambda: self.merging is None or self.fatal is not None)
 
-    def _drop(self, keys: list[str]) -> None:
-        """Drops pending pushes from the merger, and their parts from the other shards."""
-        self.merger.drop_pending(keys)
-        self.store.release(keys)
-
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
                 update_bytes: int, values: int) -> None:
         """What follows a committed merge: telemetry, the round's span, a progress line, the heap trimmed, the
@@ -217,8 +216,7 @@ class RoundsLoop:
         screened = self.state.screen_round(self._cosines or None, reference,
                                            screened=self.merger.opts.rule == "screened_mean")
         for push_id, why in screened:
-            (info,) = self.state.reject_pending([push_id], why, now)
-            self._drop([push_id])
+            (info,) = self.pending.reject([push_id], why, now)
             self.log.event("push_quarantined", island=info.island_id, push_id=push_id, reason=why,
                            by="round_screen")
             self.log.progress(f"v{self.state.version + 1}: quarantined push {push_id} from {info.island_id}: {why}")
@@ -237,8 +235,7 @@ class RoundsLoop:
         """Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
         replies) and the round is tried again without it, here, if it is still ready."""
         version = self.state.version + 1
-        (info,) = self.state.reject_pending([e.blame], str(e), now)
-        self._drop([e.blame])
+        (info,) = self.pending.reject([e.blame], str(e), now)
         self.log_quarantined()
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))

@@ -26,15 +26,15 @@ from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.pull_cache import PullCache
-from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
-from coordinator.records import Admission, PushInfo, StateError, StateOptions
-from coordinator.refusals import AuthFailures, RefusalLog
+from coordinator.open_round import OpenRound, PendingSet, RoundParts
+from coordinator.push import PushIntake, PushMessages, read_header
+from coordinator.records import PushInfo, StateError, StateOptions
+from coordinator.refusals import AuthFailures, CallRefused, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
-from coordinator.spool import Spool
 from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters, status_response
 from coordinator.streams import Pulls, PushStreams, Stream, peer_host
-from coordinator.theta_store import PartsRefused, ThetaStore
+from coordinator.theta_store import ThetaStore
 from dtrain import codec
 from dtrain.config.sections import Config
 from dtrain.net.proto import dtrain_pb2 as pb
@@ -61,8 +61,6 @@ Decided = TypeVar("Decided")  # what it returns
 
 MAX_PULL_WAIT_S = 30.0
 SHARD_START_WAIT_S = 120.0  # a sharded lead's start: how long it waits for its range shards to be reachable
-_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
-           "reject": pb.PUSH_STATUS_REJECTED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -130,9 +128,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
         self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()
-        self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, ckpt=self.ckpt,
-                               log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
-                               counters=self.counters, after_finish=p.after_finish)
+        self.pending = PendingSet(self.state, self.store)  # the open round's pushes (coordinator/open_round.py)
+        self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, pending=self.pending,
+                               ckpt=self.ckpt, log=self.log, telemetry=self.telemetry, rounds=self.rounds,
+                               streams=self.streams, counters=self.counters, after_finish=p.after_finish)
+        self.round = OpenRound(RoundParts(
+            state=self.state, store=self.store, pending=self.pending, loop=self.loop, intake=self.intake,
+            clock=p.clock, log=self.log, history=self.history, counters=self.counters, telemetry=self.telemetry,
+            rounds=self.rounds, claim_wait_s=p.cfg.coordinator.stream_idle_s))
         self.loop.start()
 
     # -- refusals -----------------------------------------------------------------------------------
@@ -159,6 +162,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
                              push=push, busy=busy, retry_after_s=retry_after_s)
         context.abort(code, message)
+
+    def answer(self, context: grpc.ServicerContext, e: CallRefused) -> NoReturn:
+        """Ends the call with a refusal the open round raised: recorded and marked as :meth:`_abort` does (an
+        upload that broke off, ``record=False``, only ends it)."""
+        if not e.record:
+            context.abort(e.code, str(e))
+        self._abort(context, e.code, str(e), push=e.push, busy=e.busy, retry_after_s=e.retry_after_s,
+                    stopped=e.stopped)
 
     def refuse_request(self, context: grpc.ServicerContext, why: str) -> NoReturn:
         """Ends a call whose request the edge refused (``coordinator/edge.py``): INVALID_ARGUMENT, recorded as
@@ -202,22 +213,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._abort(context, code, str(e), busy=e.busy, stopped=e.stopped)
             raise  # unreachable: abort raises
 
-    def _decide_push(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], info: PushInfo,
-                     *args: CallArgs.args, **kwargs: CallArgs.kwargs) -> Decided:
-        """:meth:`_decide` for a push: a refusal is also counted and is a ``push_refused`` event (the caller
-        holds the lock)."""
-        try:
-            return decision(*args, **kwargs)
-        except StateError as e:
-            self._abort(context, _CODES[e.code], str(e), push=info, retry_after_s=e.retry_after_s,
-                        stopped=e.stopped)
-            raise  # unreachable: abort raises
-
-    def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
-        """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
-        a ``push_refused`` event naming the push (a busy one is not), and the call ends with the refusal's code."""
-        self._abort(context, e.code, str(e), push=None if e.busy else info, busy=e.busy)
-
     def _push_refused(self, info: PushInfo, code: str, reason: str, retry_after_s: float = 0.0) -> None:
         """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it (with
         ``retry_after_s``, the seconds its island is throttled for), a progress line."""
@@ -226,27 +221,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        **({"retry_after_s": round(retry_after_s, 3)} if retry_after_s > 0 else {}))
         self.log.progress(f"refused push {info.push_id} from {info.island_id}: {reason}")
 
-    def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, e: UploadBroke) -> NoReturn:
-        """A push whose stream ended before its last chunk: a ``push_aborted`` event. The call ends with
-        INVALID_ARGUMENT (a cancelled caller never sees it); the island may send the whole push again under the
-        same push_id."""
-        self.log.event("push_aborted", island=info.island_id, push_id=info.push_id, chunks_received=e.received,
-                       chunks=e.chunks, reason=str(e))
-        self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after {e.received} of "
-                          f"{e.chunks} chunks; discarded")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        raise AssertionError("unreachable: abort raises")
-
     def _authorize(self, context: grpc.ServicerContext, island_id: str) -> None:
         """Refuses (PERMISSION_DENIED) a call as ``island_id`` from an identity not bound to it
         (``CoordinatorState.authorize``), before anything else of the call is read."""
         identity = self.identity.of(context)
         with self.lock:
             self._decide(context, self.state.authorize, island_id, identity)
-
-    def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
-        if self.loop.fatal:  # the process is on its way out: nothing more may touch the merger
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
@@ -347,114 +327,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
               stream: Stream) -> pb.PushDeltaResponse:
-        """PushDelta on an open ``stream``: its header, its admission, its payload and the state's decision."""
+        """PushDelta on an open ``stream``, driven from this thread: its header read, then the open round's
+        calls (:class:`coordinator.open_round.OpenRound`), its payload read from the blocking iterator, each
+        refusal answered."""
         try:
             h = read_header(request_iterator, self.tree_digest, self.merger.fragments)
         except WireError as e:
             self._abort(context, e.code, str(e))
         stream.island = h.island_id  # named; counted for it once its data arrives (claim, below)
-        info = push_info(h)
-        identity = self.identity.of(context)
-        pending_still = False
-        with self.lock:
-            self._refuse_if_failed(context)
-            self._decide_push(context, self.state.authorize, info, info.island_id, identity)
-            # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
-            admission = self._decide_push(context, self.state.admit_push, info, info, self.clock())
-            if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
-                admission = self.state.commit_push(info, self.clock())  # counts the retry
-                version = self.state.version
-                pending_still = any(p.key == info.push_id for p in self.merger.pending)
-                cursor = self.state.push_cursor(info)  # where the island's next range starts
-        if admission.status == "duplicate":
-            if not pending_still:  # a merged push's parts on the other shards, sent again: let go
-                self.store.release([info.push_id])
-            self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
-            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
-                                        version=version, reason=admission.reason, cursor=cursor)
-        # Its round's span (an accepted preview starts it); a push to be dropped or rejected is a trace of its own.
-        round_span = self.rounds.open(admission.target_version) if admission.status == "accept" else None
         try:
-            receiver = self.intake.frame_receiver(h)
-        except WireError as e:
-            self._abort(context, e.code, str(e))
-        with self.merger.spool(h.fragment) as spool:  # the frame holds that fragment only
-            try:
-                self.intake.receive(request_iterator, receiver, spool, info, round_span, admission.target_version,
-                                    admission.status, lambda: self.push_streams.claim(stream, h.island_id))
-            except PayloadRefused as e:
-                self._refuse_payload(context, info, e)
-            except UploadBroke as e:
-                self._upload_broke(context, info, e)
-            try:  # the whole push's norm (a sharded coordinator's: its parts on the other shards claimed)
-                norm = self.store.whole_norm(info, spool, identity, self.cfg.coordinator.stream_idle_s)
-            except PartsRefused as e:
-                self._abort(context, e.code, str(e), push=info)
-            try:
-                with self.lock:
-                    admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size,
-                                                                           norm)
-            except BaseException:  # refused: its parts on the other shards are let go
-                self.store.release([info.push_id])
-                raise
-            if admission.status != "accept":
-                self.store.release([info.push_id])
-        self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
-                       base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
-                       staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
-                       scale=admission.scale, reason=admission.reason)
-        if admission.status == "reject":
-            self.log.event("push_quarantined", island=info.island_id, push_id=info.push_id, norm=admission.norm,
-                           reason=admission.reason)
-            self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
-        with self.lock:
-            self.loop.log_quarantined()
-            stop_reason = self.state.stop_reason(info.island_id)  # this push's rejection quarantined its island
-        return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
-                                    reason=admission.reason, weight=admission.weight, cursor=cursor,
-                                    stop_reason=stop_reason)
-
-    def _commit_push(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
-                     size: int, norm: float) -> tuple[Admission, pb.PushStatus, int, int]:
-        """The state's decision on a received push, made again now that the payload is here (the round may have
-        closed meanwhile), with the payload's norm, and applied: an accepted one becomes pending in the merger
-        (summing a delta that validate() accepted cannot fail), and may complete its round (the clock merges it;
-        the reply waits for that). Returns (admission, the reply's status, version, cursor). ``norm``: the push's
-        L2 norm (a sharded coordinator's: over every shard's part). Under the lock."""
-        self._refuse_if_failed(context)
-        self.loop.wait_merged()  # a merge being computed: this push is judged against the version it makes
-        self._refuse_if_failed(context)
-        admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=norm,
-                                      theta_norm=self.theta_norm)
-        if admission.status == "accept":
-            self.store.add_pending(spool, admission.weight, admission.scale, info.push_id, norm)
-        self.counters.bytes_in += size
-        self.telemetry.record_ratio(4 * spool.n, size, "up")
-        view = self.history.island(info.island_id)
-        view.bytes_in += size
-        view.last_seen = self.clock()
-        self.lock.notify_all()  # wakes the clock: a first push starts its round's grace, a last one completes it
-        status = _STATUS[admission.status]
-        if admission.status == "accept" and self.state.round_ready(self.clock())[0]:
-            # It completed its round: the clock merges it (only the clock does); the reply says how that went.
-            # The wait costs this thread the merge's time, not the lock.
-            def settled() -> bool:  # the clock is done with its round: merged, or it was rejected and the rest merged
-                if self.loop.fatal is not None or self.loop.closing:
-                    return True
-                return self.loop.merging is None and (not self.state.round_ready(self.clock())[0] or (
-                    not self.state.is_pending(info.push_id) and self.state.version >= admission.target_version))
-
-            self.lock.wait_for(settled)
-            if self.loop.fatal:  # the step failed (a full disk, a coordinator shard gone): the coordinator failed,
-                # and is to be resumed from its checkpoint; the island sends the push again to the resumed one
-                self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
-        version = self.state.version
-        rejected = self.state.rejected(info.push_id)
-        if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
-            status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
-        elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
-            status = pb.PUSH_STATUS_MERGED
-        return admission, status, version, self.state.push_cursor(info)
+            rec = self.round.begin(h, self.identity.of(context))
+        except CallRefused as e:
+            self.answer(context, e)
+        if isinstance(rec, pb.PushDeltaResponse):
+            return rec
+        try:
+            self.round.receive(rec, request_iterator, lambda: self.push_streams.claim(stream, h.island_id))
+            return self.round.finish(rec)
+        except CallRefused as e:
+            self.answer(context, e)
+        finally:
+            self.round.close(rec)
 
     @property
     def params_digest(self) -> str:
