@@ -30,7 +30,7 @@ from opentelemetry import trace
 
 from coordinator.history import RunHistory
 from coordinator.merge_types import SpooledPush
-from coordinator.push import PayloadRefused, PushIntake, PushMessages, Upload, UploadBroke, push_info
+from coordinator.push import PayloadRefused, PushIntake, Upload, UploadBroke, push_info
 from coordinator.records import Admission, PushInfo, StateError
 from coordinator.refusals import CallRefused
 from coordinator.rounds_loop import RoundsLoop
@@ -198,18 +198,6 @@ class OpenRound:
             rec.upload.chunk(msg)  # type: ignore[arg-type]
         except PayloadRefused as e:
             raise self._payload_refused(rec, e) from None
-
-    def receive(self, rec: PushRecord, requests: PushMessages, claim: Callable[[], str]) -> None:
-        """The push's payload read from a blocking iterator on this thread (``PushIntake.drive``); ``claim()``:
-        takes its island's stream slot at its first chunk ('' or why not). CallRefused for a bad payload, a busy
-        island or an upload that broke off."""
-        assert rec.upload is not None
-        try:
-            self.p.intake.drive(rec.upload, requests, claim)
-        except PayloadRefused as e:
-            raise self._payload_refused(rec, e) from None
-        except UploadBroke as e:
-            raise self._aborted(rec, e) from None
 
     def broke(self, rec: PushRecord) -> CallRefused:
         """The call was cancelled, or its client's stream broke, before the payload was whole: a ``push_aborted``

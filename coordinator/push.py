@@ -2,11 +2,14 @@
 
 Owns reading a push's header (it must come first, and its tree digest must be the coordinator's:
 :func:`read_header`), bounding what the header claims (total size, chunk count: :meth:`PushIntake.frame_receiver`),
-receiving the chunks in order with their CRCs into a merger spool, validating the whole frame, and the limit on
-how many frames stream in and decode at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`). None of
-it takes the service's lock. Refusals are raised for the servicer to answer and record: WireError before the
-payload streams, :class:`PayloadRefused` or :class:`UploadBroke` while it does. The state machine's decision on
-the push, before and after, is the servicer's.
+receiving the chunks in order with their CRCs into a merger spool and validating the whole frame, step by step
+(:class:`Upload`, which any reader of the stream drives: the coordinator's event loop through its open round,
+``coordinator/open_round.py``), and a thread's driver of it with the limit on how many frames stream in and decode
+at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`, a range shard's; the coordinator's event loop
+keeps its own, ``coordinator/data_plane.py``). None of it takes the service's lock. Refusals are raised for the
+caller to answer and record: WireError before the payload streams, :class:`PayloadRefused` or
+:class:`UploadBroke` while it does. The state machine's decision on the push, before and after, is the open
+round's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions) and ``merger`` (math).
+"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions), the open round (pushes) and
+``merger`` (math).
 
 One lock serializes every state change and every touch of the merger (its pending pushes and state files);
 receiving, spooling and validating a pushed frame (``coordinator/push.py``) happen outside it, so many islands
 can stream at once. The lock is a condition, notified on every change: the ticker (``coordinator/rounds_loop.py``)
-sleeps on it until the state's next deadline or a change, and merges the rounds; long-polling pulls and
-``run_coordinator`` wait on it too. After each merge the whole coordinator (θ, outer momentum, down residual,
-membership, cursors, applied push ids) is checkpointed with orbax, atomically. Owns the RPC handlers and how a
-refusal is answered and recorded; the server around it is ``coordinator/lifecycle.py``.
+sleeps on it until the state's next deadline or a change, and merges the rounds; ``run_coordinator`` waits on it
+too. After each merge the whole coordinator (θ, outer momentum, down residual, membership, cursors, applied push
+ids) is checkpointed with orbax, atomically. Join, Heartbeat and Status are served here, on the server's control
+threads; a push's path is the open round's (``coordinator/open_round.py``) and PushDelta and PullGlobal run on the
+server's event loop (``coordinator/data_plane.py``), which calls back here for the decisions under the lock
+(:meth:`CoordinatorService.check_pull`, :meth:`CoordinatorService.pull_messages`). Owns how a refusal is recorded
+and answered (:meth:`CoordinatorService.refusal`); the server around it is ``coordinator/app.py``'s.
 """
 
 from __future__ import annotations
@@ -14,26 +18,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
+import grpc.aio
 
 from coordinator.dashboard import Dashboard
 from coordinator.edge import CallerIdentity, RunFingerprint, evidence_from_message, refusal_line
 from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.memory import FrameStreams, pull_piece
-from coordinator.pull_cache import PullCache
 from coordinator.open_round import OpenRound, PendingSet, RoundParts
-from coordinator.push import PushIntake, PushMessages, read_header
+from coordinator.pull_cache import PullCache
+from coordinator.push import PushIntake
 from coordinator.records import PushInfo, StateError, StateOptions
 from coordinator.refusals import AuthFailures, CallRefused, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters, status_response
-from coordinator.streams import Pulls, PushStreams, Stream, peer_host
+from coordinator.streams import Pulls, PushStreams, Stream
 from coordinator.theta_store import ThetaStore
 from dtrain import codec
 from dtrain.config.sections import Config
@@ -46,7 +51,6 @@ from dtrain.net.wire import (
     RUN_OVER_METADATA_KEY,
     SERVICE,
     STOPPED_METADATA_KEY,
-    WireError,
     chunk_count,
 )
 from dtrain.runlog import RunLog
@@ -54,12 +58,12 @@ from dtrain.telemetry import RoundSpans, Telemetry, status_gauges
 from dtrain.train.fragments import leaf_sizes
 
 if TYPE_CHECKING:
+    from coordinator.data_plane import DataPlane
     from dtrain.checkpoint import Checkpointer
 
 CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_decide)
 Decided = TypeVar("Decided")  # what it returns
 
-MAX_PULL_WAIT_S = 30.0
 SHARD_START_WAIT_S = 120.0  # a sharded lead's start: how long it waits for its range shards to be reachable
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
@@ -125,6 +129,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         status_gauges(self.telemetry, self.status_message)
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
+        self.plane: DataPlane | None = None  # PushDelta and PullGlobal on the server's event loop, made by serve()
         self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
         self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()
@@ -143,33 +148,47 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
                push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0,
                stopped: bool = False) -> NoReturn:
-        """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
-        with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
-        them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
-        (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
-        refused for that many seconds more (a throttled island's push): its trailing metadata says how many
-        (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again.
-        ``stopped``: the request's island is quarantined: its trailing metadata says so with the version
-        (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`), and the island stops."""
-        if busy:
-            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-        elif stopped:
-            with self.lock:
-                version = self.state.version
-            context.set_trailing_metadata(((STOPPED_METADATA_KEY, str(version)),))
-        elif retry_after_s > 0:
-            context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),))
-        self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
-                             push=push, busy=busy, retry_after_s=retry_after_s)
-        context.abort(code, message)
+        """Ends a call served on a thread (Join, Heartbeat, Status) with ``code``: :meth:`answer`."""
+        self.answer(context, CallRefused(code, message, push=push, busy=busy, retry_after_s=retry_after_s,
+                                         stopped=stopped))
 
     def answer(self, context: grpc.ServicerContext, e: CallRefused) -> NoReturn:
-        """Ends the call with a refusal the open round raised: recorded and marked as :meth:`_abort` does (an
-        upload that broke off, ``record=False``, only ends it)."""
-        if not e.record:
-            context.abort(e.code, str(e))
-        self._abort(context, e.code, str(e), push=e.push, busy=e.busy, retry_after_s=e.retry_after_s,
-                    stopped=e.stopped)
+        """Ends a call served on a thread with refusal ``e``, recorded and marked (:meth:`refusal`); the data
+        plane's calls end theirs with ``coordinator.data_plane.DataPlane.answer``."""
+        metadata = self.refusal(e)
+        if metadata:
+            context.set_trailing_metadata(metadata)
+        context.abort(e.code, str(e))
+        raise AssertionError("unreachable: abort raises")
+
+    def refusal(self, e: CallRefused) -> tuple[tuple[str, str], ...]:
+        """Records a refusal (every refusal goes through here; an upload that broke off, ``record=False``, is not
+        one) with the method and the island of the call (``coordinator.handlers.CURRENT_CALL``: the handlers note
+        them), and returns the trailing metadata to end the call with. ``busy``: a refusal for load (a stream
+        limit), not for the request: its metadata says so (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), and workers
+        retry it. ``retry_after_s`` > 0: the same request is refused for that many seconds more (a throttled
+        island's push): its metadata says how many (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`), and the
+        island waits them out before it sends it again. ``stopped``: the request's island is quarantined: its
+        metadata says so with the version (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`), and the island stops."""
+        metadata: tuple[tuple[str, str], ...] = ()
+        if e.busy:
+            metadata = ((BUSY_METADATA_KEY, "1"),)
+        elif e.stopped:
+            with self.lock:
+                version = self.state.version
+            metadata = ((STOPPED_METADATA_KEY, str(version)),)
+        elif e.retry_after_s > 0:
+            metadata = ((RETRY_AFTER_METADATA_KEY, f"{e.retry_after_s:.3f}"),)
+        if e.record:
+            self._record_refusal(CURRENT_CALL.method, CURRENT_CALL.island, e.code, str(e), push=e.push, busy=e.busy,
+                                 retry_after_s=e.retry_after_s)
+        return metadata
+
+    @staticmethod
+    def state_refusal(e: StateError) -> CallRefused:
+        """A state-machine refusal as the gRPC refusal its code names."""
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else _CODES[e.code]
+        return CallRefused(code, str(e), busy=e.busy, stopped=e.stopped)
 
     def refuse_request(self, context: grpc.ServicerContext, why: str) -> NoReturn:
         """Ends a call whose request the edge refused (``coordinator/edge.py``): INVALID_ARGUMENT, recorded as
@@ -209,9 +228,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else _CODES[e.code]
-            self._abort(context, code, str(e), busy=e.busy, stopped=e.stopped)
-            raise  # unreachable: abort raises
+            self.answer(context, self.state_refusal(e))
 
     def _push_refused(self, info: PushInfo, code: str, reason: str, retry_after_s: float = 0.0) -> None:
         """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it (with
@@ -311,43 +328,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return [e for v, loss in evals for e in self.history.eval_report(request.island_id, v, loss, now, live)] + \
             self.history.settle_evals(now, live)
 
-    def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
-        # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
-        stream = self.push_streams.open(peer_host(context.peer()), context)
-        if isinstance(stream, str):
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True)
-        try:
-            return self._push(self.push_streams.watched(stream, request_iterator), context, stream)
-        finally:
-            self.push_streams.close(stream)
+    async def PushDelta(self, request_iterator: AsyncIterator[Any],
+                        context: grpc.aio.ServicerContext) -> pb.PushDeltaResponse:
+        assert self.plane is not None, "served by coordinator.app.serve"
+        return await self.plane.push(request_iterator, context)
 
     def _stream_cancelled(self, stream: Stream, why: str) -> None:
         """A push stream the reaper cancelled (:class:`coordinator.streams.PushStreams`): a refusal (CANCELLED)."""
         self._record_refusal(f"/{SERVICE}/PushDelta", stream.island, grpc.StatusCode.CANCELLED, why)
-
-    def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
-              stream: Stream) -> pb.PushDeltaResponse:
-        """PushDelta on an open ``stream``, driven from this thread: its header read, then the open round's
-        calls (:class:`coordinator.open_round.OpenRound`), its payload read from the blocking iterator, each
-        refusal answered."""
-        try:
-            h = read_header(request_iterator, self.tree_digest, self.merger.fragments)
-        except WireError as e:
-            self._abort(context, e.code, str(e))
-        stream.island = h.island_id  # named; counted for it once its data arrives (claim, below)
-        try:
-            rec = self.round.begin(h, self.identity.of(context))
-        except CallRefused as e:
-            self.answer(context, e)
-        if isinstance(rec, pb.PushDeltaResponse):
-            return rec
-        try:
-            self.round.receive(rec, request_iterator, lambda: self.push_streams.claim(stream, h.island_id))
-            return self.round.finish(rec)
-        except CallRefused as e:
-            self.answer(context, e)
-        finally:
-            self.round.close(rec)
 
     @property
     def params_digest(self) -> str:
@@ -360,27 +348,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The L2 norm of the whole global θ. Under the lock."""
         return self.store.theta_norm
 
-    def PullGlobal(self, request: pb.PullRequest,
-                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
-        if not 0 <= request.wait_s <= 3600:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
-        self._authorize(context, request.island_id)
-        with self.lock:
-            self._decide(context, self.state.check_pull, request.island_id, request.have_version)
-        pull = self.pulls.open(peer_host(context.peer()), request.island_id)  # long polls included
-        if isinstance(pull, str):
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, pull, busy=True)
-        try:
-            yield from self._pull(request, context)
-        finally:
-            self.pulls.close(pull)
+    async def PullGlobal(self, request: pb.PullRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PullMessage | bytes]:
+        assert self.plane is not None, "served by coordinator.app.serve"
+        async for message in self.plane.pull(request, context):
+            yield message
 
-    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
-        """PullGlobal within its island's and its peer's pull quota (:class:`coordinator.streams.Pulls`)."""
+    def check_pull(self, request: pb.PullRequest, identity: str | None) -> None:
+        """Whether the pull may be served: its caller may act as its island, and the state allows it
+        (``CoordinatorState.check_pull``); CallRefused if not."""
         with self.lock:
-            if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
-                self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
-                                   or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+            try:
+                self.state.authorize(request.island_id, identity)
+                self.state.check_pull(request.island_id, request.have_version)
+            except StateError as e:
+                raise self.state_refusal(e) from None
+
+    def pull_messages(self, request: pb.PullRequest) -> Iterator[pb.PullMessage | bytes]:
+        """What the pull streams from now: the current version's frames (decided here, under the lock, with their
+        ``pull_served`` event), as a generator of messages that reads them piece by piece."""
+        with self.lock:
             version = self.state.version
             # θ itself, lossless, when the chain is not kept: written to disk once per version, streamed from there
             full, chain = self.merger.pull_frames(request.have_version, request.full)
@@ -396,11 +383,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             pace = self.state.pace
             paced = {f[2]: pace.seconds_at(f[2]) for f in frames} if pace is not None else {}
         if not frames:
-            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
-                                                      base_version=version, tree_digest=self.tree_digest))
-            return
+            return iter([pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                             base_version=version, tree_digest=self.tree_digest))])
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
                        frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=bool(evaluate))
+        return self._frames(request.island_id, frames, evaluate, paced)
+
+    def _frames(self, island_id: str, frames: list[Any], evaluate: set[int],
+                paced: dict[int, float]) -> Iterator[pb.PullMessage | bytes]:
+        """A pull's frames as messages: each one's header, then its chunks (one build shared by the pulls
+        streaming it at once: ``coordinator/pull_cache.py``)."""
         piece = self.pull_piece
         with self.streams.streaming():
             for kind, base, v, size, crc, digest, handle, update in frames:
@@ -408,11 +400,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
                     evaluate=v in evaluate, round_seconds=paced.get(v, 0.0)))
-                # One build shared by the pulls streaming this frame at once (coordinator/pull_cache.py).
                 yield from self.pull_cache.messages(update, handle, piece)
                 with self.lock:
                     self.counters.bytes_out += size
-                    self.history.island(request.island_id).bytes_out += size
+                    self.history.island(island_id).bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.status_message()
@@ -431,6 +422,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.dashboard is not None:
             self.dashboard.close()
         self.loop.stop()
+        if self.plane is not None:
+            self.plane.close()
         self.push_streams.stop()
         self.auth_failures.flush()  # before telemetry shuts down
         with self.lock:
