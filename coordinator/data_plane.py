@@ -34,7 +34,7 @@ import grpc
 import grpc.aio
 
 from coordinator.handlers import header_problem
-from coordinator.open_round import PushRecord
+from coordinator.pending import PushRecord
 from coordinator.push import read_header
 from coordinator.refusals import CallRefused
 from coordinator.rounds_loop import Signal

@@ -31,7 +31,7 @@ from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry
 
 if TYPE_CHECKING:
-    from coordinator.open_round import PendingSet
+    from coordinator.pending import PendingSet
     from coordinator.theta_store import ThetaStore
     from dtrain.checkpoint import Checkpointer
 

@@ -15,12 +15,13 @@ and answered (:meth:`CoordinatorService.refusal`); the server around it is ``coo
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -30,7 +31,8 @@ from coordinator.edge import CallerIdentity, RunFingerprint, evidence_from_messa
 from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.memory import FrameStreams, pull_piece
-from coordinator.open_round import OpenRound, PendingSet, RoundParts
+from coordinator.open_round import OpenRound, RoundParts
+from coordinator.pending import PendingSet
 from coordinator.pull_cache import PullCache
 from coordinator.push import PushIntake
 from coordinator.records import PushInfo, StateError, StateOptions
@@ -58,7 +60,6 @@ from dtrain.telemetry import RoundSpans, Telemetry, status_gauges
 from dtrain.train.fragments import leaf_sizes
 
 if TYPE_CHECKING:
-    from coordinator.data_plane import DataPlane
     from dtrain.checkpoint import Checkpointer
 
 CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_decide)
@@ -74,6 +75,20 @@ _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
 # `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
 _BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+
+
+class Plane(Protocol):
+    """What the service asks of its data plane (``coordinator.data_plane.DataPlane``, made by ``serve``)."""
+
+    receiving: asyncio.Semaphore | None  # coordinator.max_receiving's places
+
+    def push(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+             ) -> Awaitable[pb.PushDeltaResponse]: ...
+
+    def pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+             ) -> AsyncIterator[pb.PullMessage | bytes]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +144,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         status_gauges(self.telemetry, self.status_message)
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
-        self.plane: DataPlane | None = None  # PushDelta and PullGlobal on the server's event loop, made by serve()
+        self.plane: Plane | None = None  # PushDelta and PullGlobal on the server's event loop, made by serve()
         self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
         self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import initial_parameters
 from coordinator.app import build_service
-from coordinator.open_round import PushRecord
+from coordinator.pending import PushRecord
 from coordinator.refusals import CallRefused
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import RawChunk, frame_chunks
