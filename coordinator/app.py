@@ -5,8 +5,9 @@ the merger from θ_0, or from the newest good checkpoint) and a local θ or a sh
 theta_store.py``: :class:`~coordinator.theta_store.LocalTheta` or :class:`~coordinator.theta_store.ShardedTheta`).
 Nothing downstream branches on either. Every part that holds a resource is entered into one ``ExitStack``, so a
 start that fails half way closes what it opened, in reverse order, and leaves the checkpoint as it was; once
-built, :meth:`CoordinatorService.close` owns them. :func:`serve` puts the service behind its gRPC server (its
-threads, the token interceptor, the health service) and its dashboard.
+built, :meth:`CoordinatorService.close` owns them. :func:`serve` puts the service behind its gRPC server (a
+``grpc.aio`` server on an event loop of its own with the data plane, ``coordinator/data_plane.py``; the data
+executor and the control threads; the token interceptor, the health service) and its dashboard.
 
 The start, in order: preflight (``coordinator/preflight.py``) → the run's log and the history it folds → the
 checkpointer → the state and the merger (new or resumed: ``coordinator/loading.py``) → θ's store (every range
@@ -28,8 +29,15 @@ import grpc
 import numpy as np
 
 from coordinator.dashboard import dashboard_port, open_dashboard
+from coordinator.data_plane import DataPlane, LoopServer
 from coordinator.edge import CallerIdentity
-from coordinator.handlers import control_threads, health_handler, server_options, server_threads, service_handler
+from coordinator.handlers import (
+    aio_health_handler,
+    aio_service_handler,
+    control_threads,
+    server_options,
+    server_threads,
+)
 from coordinator.history import RunHistory
 from coordinator.loading import has_checkpoint, new_run, resume_state
 from coordinator.preflight import IN_USE, Preflight, preflight
@@ -41,7 +49,7 @@ from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.net.identity import IslandTokens
-from dtrain.net.wire import AuthDenied, TokenAuthInterceptor
+from dtrain.net.wire import AioTokenAuthInterceptor, AuthDenied, TokenAuthInterceptor
 from dtrain.runlog import COORDINATOR_CHANNEL, RunLog
 from dtrain.telemetry import Telemetry, require_exporter
 from dtrain.train.fragments import leaf_sizes
@@ -108,7 +116,7 @@ def build_service(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | N
 def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spec: codec.Spec, port: int | None = None,
           resume: bool = False, quiet: bool = False, clock: Callable[[], float] = time.time,
           after_finish: AfterFinish = "exit", checked: Preflight | None = None
-          ) -> tuple[grpc.Server, CoordinatorService, int]:
+          ) -> tuple[LoopServer, CoordinatorService, int]:
     """Starts the coordinator; returns (server, service, bound port). ``port=0`` picks a free one.
     ``after_finish``: see :class:`coordinator.rounds_loop.RoundsLoop`. ``checked``: :func:`preflight`'s result when
     the caller already ran it (before θ_0's work), else it runs here, before anything is written to the run
@@ -121,23 +129,33 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                             after_finish=after_finish, island_tokens=island_tokens)
     on_denied: AuthDenied = service.auth_failures.failed
     own = island_tokens.name_of if island_tokens is not None else None  # islands' own tokens (security.identity)
-    interceptors: list[grpc.ServerInterceptor] = ([TokenAuthInterceptor(token, on_denied, own)]
-                                                  if token or own else [])
-    # Two pools: the server's own threads for pushes and pulls, and the control threads (control_threads) for
-    # Joins, heartbeats, Status and health checks, so that streams (idle ones included, until stream_idle_s
-    # cancels them) can never delay a lease's renewal. No server-wide cap on concurrent calls (gRPC's
-    # maximum_concurrent_rpcs would refuse heartbeats too); push streams are bounded per peer and per island
-    # (coordinator/streams.py), the calls beyond the threads wait in the pool's queue.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
-                         interceptors=interceptors, options=server_options(cfg))
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [AioTokenAuthInterceptor(TokenAuthInterceptor(token, None, own), on_denied)] if token or own else [])
+    # One grpc.aio server on an event loop of its own (coordinator/data_plane.py): PushDelta and PullGlobal are
+    # coroutines there, waiting on their clients and on the next version without a thread, their work on the data
+    # executor (server_threads); Joins, heartbeats, Status and the health checks run on the control threads (the
+    # server's migration pool: control_threads), which no stream can hold. No server-wide cap on concurrent calls
+    # (gRPC's maximum_concurrent_rpcs would refuse heartbeats too); push streams and pulls are bounded per peer and
+    # per island (coordinator/streams.py).
     control = futures.ThreadPoolExecutor(max_workers=control_threads(cfg), thread_name_prefix="rpc-control")
-    server.add_generic_rpc_handlers((service_handler(service, control, service.refuse_request),
-                                     health_handler(service.loop.health, control)))
-    try:
-        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
-        bound = 0
+    data = futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc-data")
+    server = LoopServer(pools=(control, data))
+
+    async def build() -> int:
+        service.plane = DataPlane(service, data, c.max_receiving)
+        aio = grpc.aio.server(migration_thread_pool=control, interceptors=interceptors,
+                              options=server_options(cfg))
+        handlers = aio_service_handler(service, service.refuse_request, service.plane.refuse_request)
+        aio.add_generic_rpc_handlers((handlers, aio_health_handler(service.loop.health)))
+        server.server = aio
+        try:
+            return aio.add_secure_port(address, creds) if creds else aio.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind to address": taken since the check above, or not ours to bind
+            return 0
+
+    bound = server.run(build())
     if bound == 0:
+        server.stop(None)
         service.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {IN_USE}")
     if dash_port is not None:
@@ -146,6 +164,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
                                                service.auth_failures.failed, auth_on=own is not None,
                                                history=service.history.series.doc)
         except DtrainError:
+            server.stop(None)
             service.close()
             raise
     server.start()

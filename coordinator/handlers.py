@@ -1,20 +1,24 @@
 """The coordinator's gRPC handlers and server sizing: how each RPC reaches its servicer.
 
-Owns the server's two thread pools (:func:`server_threads` for pushes and pulls, :func:`control_threads` for
-Join, Heartbeat, Status and the health checks), its options (:func:`server_options`), and the handlers that put
-every request through the edge's bounds first and note the call for the service's refusal events
-(:func:`service_handler`, :data:`CURRENT_CALL`), and grpc.health.v1's on the control threads
-(:func:`health_handler`). Used by the composition root (``coordinator/app.py``) and a range shard's server.
+Owns the sizes of the server's two thread pools (:func:`server_threads`: the work of pushes and pulls, the data
+executor; :func:`control_threads`: Join, Heartbeat, Status and the health checks), its options
+(:func:`server_options`), and the handlers that put every request through the edge's bounds first and note the call
+for the service's refusal events (:data:`CURRENT_CALL`): for the coordinator's ``grpc.aio`` server
+(:func:`aio_service_handler`, :func:`aio_health_handler`: PushDelta and PullGlobal coroutines on its event loop, the
+rest on the control threads) and for a range shard's thread-per-call server (:func:`service_handler`,
+:func:`health_handler`). Used by the composition root (``coordinator/app.py``) and ``coordinator/lifecycle.py``.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent import futures
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import HealthServicer
 
@@ -34,16 +38,43 @@ from dtrain.net.wire import (
     serialize,
 )
 
-# The RPC this thread serves: its method and island, set by service_handler's wrapper for the service's refusal
-# events; gRPC serves each call, its streams included, on one thread.
-CURRENT_CALL = threading.local()
+
+class _CallNote:
+    """The RPC being served here: its ``method`` and ``island``, noted by the handlers' wrappers for the service's
+    refusal events. A context variable each: a call served on a thread and a call served as a task on the event
+    loop (``coordinator/data_plane.py``, whose work on the executor runs in the call's context) each see their
+    own."""
+
+    _method: ContextVar[str] = ContextVar("dtrain_call_method", default="")
+    _island: ContextVar[str] = ContextVar("dtrain_call_island", default="")
+
+    @property
+    def method(self) -> str:
+        return self._method.get()
+
+    @method.setter
+    def method(self, value: str) -> None:
+        self._method.set(value)
+
+    @property
+    def island(self) -> str:
+        return self._island.get()
+
+    @island.setter
+    def island(self, value: str) -> None:
+        self._island.set(value)
+
+
+CURRENT_CALL = _CallNote()
 
 
 def server_threads(cfg: Config) -> int:
-    """The gRPC server's data threads, for pushes and pulls: ``coordinator.workers``, or with 0 (the default) 3 per
-    expected island + 8, at least 16. An island may hold a push stream and a long-polling pull at once, each on a
-    thread for its whole length, and a retried push may overlap the one it replaces: with fewer threads, pushes
-    queue behind long polls (benchmarks/scale.py: 64 islands on 16 threads)."""
+    """The data threads, for the work of pushes and pulls: ``coordinator.workers``, or with 0 (the default) 3 per
+    expected island + 8, at least 16. On the coordinator (``coordinator/data_plane.py``) they hold no waiting call:
+    they decode and spool chunks side by side, and wait only while a push's reply waits for a merge or (a sharded
+    lead) its parts on the other shards are claimed, at most one or two per island. On a range shard's
+    thread-per-call server each push stream and long-polling pull holds one for its whole length, and a retried
+    push may overlap the one it replaces: with fewer threads, pushes queue behind long polls."""
     return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
 
 
@@ -153,17 +184,113 @@ def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any], 
     return noted
 
 
+def header_problem(first: Any) -> str:
+    """The edge's check of a push stream's first message, when it is a header (:func:`request_problem`): '' or
+    what is wrong. Notes the header's island in :data:`CURRENT_CALL` (a refused one as a short escaped prefix)."""
+    if first is None or isinstance(first, RawChunk) or first.WhichOneof("kind") != "header":
+        return ""  # not a header: the push's own reading refuses it
+    problem = request_problem(first.header)
+    CURRENT_CALL.island = shown(first.header.island_id) if problem else first.header.island_id
+    return problem
+
+
 def _noting_header(requests: Iterator[Any]) -> Iterator[Any]:
     """A push stream whose header (its first message) passed the edge; WireError INVALID_ARGUMENT, which the
     handler answers as it does any bad header, when it does not."""
     first = next(requests, None)
     if first is None:
         return
-    if not isinstance(first, RawChunk) and first.WhichOneof("kind") == "header":
-        problem = request_problem(first.header)
-        CURRENT_CALL.island = shown(first.header.island_id) if problem else first.header.island_id
-        if problem:
-            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"PushDelta: header.{problem}")
+    problem = header_problem(first)
+    if problem:
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"PushDelta: header.{problem}")
     yield first
     yield from requests
 
+
+
+# -- the coordinator's server on an event loop (coordinator/data_plane.py) ----------------------------------------
+
+DATA_METHODS = frozenset({"PushDelta", "PullGlobal"})  # coroutines on the event loop; the others on the control pool
+
+
+AioRefuse = Callable[[grpc.aio.ServicerContext, str], Awaitable[None]]  # Refuse's coroutine, for an aio server
+
+
+def aio_service_handler(service: pb_grpc.CoordinatorServicer, refuse: Refuse,
+                        refuse_async: AioRefuse) -> grpc.GenericRpcHandler:
+    """The Coordinator service's handlers for a ``grpc.aio`` server: :func:`service_handler`'s (the same edge, the
+    same serializers), with PushDelta and PullGlobal the service's coroutines (served on the event loop: waiting
+    on a client or a version holds no thread) and the :data:`CONTROL_METHODS` plain functions, which the aio server
+    runs on its migration thread pool (the control threads, :func:`control_threads`). PushDelta's header passes
+    the edge in the service's own reading of it (:func:`header_problem`); a request the edge refuses ends with
+    ``refuse`` (INVALID_ARGUMENT), a PullGlobal with ``refuse_async``, its coroutine."""
+    methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+    handlers = {}
+    for m in methods:
+        behavior = getattr(service, m.name)
+        if m.name == "PushDelta":
+            wrapped: Callable[..., Any] = _noting_stream_async(m.name, behavior)
+        elif m.name == "PullGlobal":
+            wrapped = _noting_pull_async(m.name, behavior, refuse_async)
+        else:
+            wrapped = _noting_call(m.name, behavior, m.client_streaming, refuse)
+        handlers[m.name] = HANDLER_KINDS[m.client_streaming, m.server_streaming](
+            wrapped, request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
+                                           else getattr(pb, m.input_type.name).FromString),
+            response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _noting_stream_async(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    async def noted_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        CURRENT_CALL.method, CURRENT_CALL.island = name, ""
+        return await method(requests, context)
+    return noted_stream
+
+
+def _noting_pull_async(name: str, method: Callable[..., Any], refuse: AioRefuse) -> Callable[..., Any]:
+    async def noted(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        CURRENT_CALL.method = name
+        problem = request_problem(request)
+        CURRENT_CALL.island = shown(request.island_id) if problem else request.island_id
+        if problem:
+            await refuse(context, f"{name}: {problem}")
+            return
+        async for message in method(request, context):
+            yield message
+    return noted
+
+
+def aio_health_handler(health: HealthServicer) -> grpc.GenericRpcHandler:
+    """grpc.health.v1's handlers for a ``grpc.aio`` server: Check and List plain functions (the control threads,
+    the server's migration pool), Watch a coroutine fed by the servicer's own callbacks (it holds no thread)."""
+    async def watch(request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        loop = asyncio.get_running_loop()
+        replies: asyncio.Queue[health_pb2.HealthCheckResponse | None] = asyncio.Queue()
+        health.Watch(request, _Callbacks(context),  # Watch asks add_callback only
+                     send_response_callback=lambda r: loop.call_soon_threadsafe(replies.put_nowait, r))
+        while (reply := await replies.get()) is not None:
+            yield reply
+
+    check, reply = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+    handlers = {
+        "Check": grpc.unary_unary_rpc_method_handler(health.Check, request_deserializer=check.FromString,
+                                                     response_serializer=reply.SerializeToString),
+        "List": grpc.unary_unary_rpc_method_handler(
+            health.List, request_deserializer=health_pb2.HealthListRequest.FromString,
+            response_serializer=health_pb2.HealthListResponse.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers)
+
+
+class _Callbacks:
+    """What the health servicer's Watch asks of its context (``add_callback``), over an aio call's."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self.context = context
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        self.context.add_done_callback(lambda _context: callback())  # type: ignore[arg-type]

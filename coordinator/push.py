@@ -2,16 +2,18 @@
 
 Owns reading a push's header (it must come first, and its tree digest must be the coordinator's:
 :func:`read_header`), bounding what the header claims (total size, chunk count: :meth:`PushIntake.frame_receiver`),
-receiving the chunks in order with their CRCs into a merger spool, validating the whole frame, and the limit on
-how many frames stream in and decode at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`). None of
-it takes the service's lock. Refusals are raised for the servicer to answer and record: WireError before the
-payload streams, :class:`PayloadRefused` or :class:`UploadBroke` while it does. The state machine's decision on
-the push, before and after, is the servicer's.
+receiving the chunks in order with their CRCs into a merger spool and validating the whole frame, step by step
+(:class:`Upload`, which any reader of the stream drives: the coordinator's event loop through its open round,
+``coordinator/open_round.py``), and a thread's driver of it with the limit on how many frames stream in and decode
+at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`, a range shard's; the coordinator's event loop
+keeps its own, ``coordinator/data_plane.py``). None of it takes the service's lock. Refusals are raised for the
+caller to answer and record: WireError before the payload streams, :class:`PayloadRefused` or
+:class:`UploadBroke` while it does. The state machine's decision on the push, before and after, is the open
+round's.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -102,56 +104,114 @@ class PushIntake:
         model and ``codec.chunk_bytes``."""
         return FrameReceiver(h.total_bytes, h.chunks, h.frame_crc32, self.max_frame, self.chunk_bytes)
 
+    def upload(self, receiver: FrameReceiver, spool: Spool, info: PushInfo, round_span: trace.Span | None,
+               target_version: int, preview: str) -> Upload:
+        """The receiving of one push's payload into ``spool`` through ``receiver``, step by step (:class:`Upload`);
+        ``round_span``: the open round's span (None: a push to be dropped or rejected, a trace of its own);
+        ``preview``: the state's preview decision."""
+        return Upload(self, receiver, spool, info, round_span, target_version, preview)
+
     def receive(self, requests: PushMessages, receiver: FrameReceiver, spool: Spool, info: PushInfo,
                 round_span: trace.Span | None, target_version: int, preview: str,
                 claim: Callable[[], str] = lambda: "") -> None:
-        """Reads the rest of the push (chunks only) through ``receiver`` into ``spool`` and validates the whole
-        frame (it decodes cleanly before anything is applied). Raises PayloadRefused for a bad chunk stream or
-        frame, UploadBroke for one that ended early or was cancelled. ``round_span``: the open round's span (None:
-        a push to be dropped or rejected, a trace of its own); ``preview``: the state's preview decision;
-        ``claim()``: called when the first chunk has arrived, to take its island's stream slot: '' to go on, else
-        why not (PayloadRefused, busy)."""
+        """Reads the rest of the push (chunks only) from a blocking iterator through an :class:`Upload` (a thread's
+        driver of it; a range shard's server uses this one). Raises PayloadRefused for a bad chunk stream or frame,
+        UploadBroke for one that ended early or was cancelled. ``claim()``: called when the first chunk has arrived,
+        to take its island's stream slot: '' to go on, else why not (PayloadRefused, busy)."""
         # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
         # chunk buffers (a few MiB). The others wait here, before their first chunk is read, so that their data
         # stays with their clients (gRPC's flow control) rather than a chunk per waiting stream in this process.
         # A stream that then sends nothing holds this slot until the rate rule cancels it (streams.py), never its
         # island's stream slot, which is taken only when its first chunk has arrived (claim()).
+        self.drive(self.upload(receiver, spool, info, round_span, target_version, preview), requests, claim)
+
+    def drive(self, upload: Upload, requests: PushMessages, claim: Callable[[], str] = lambda: "") -> None:
+        """:meth:`receive` of an open ``upload``; it is closed at the end, however that comes."""
         if self.receiving is not None:
             self.receiving.acquire()
         try:
-            try:
-                first = next(requests, None)
-            except grpc.RpcError:  # grpc's: the call was cancelled while the first chunk was awaited
-                raise UploadBroke(info, 0, receiver.chunks) from None
-            over = claim() if first is not None else ""
-            if over:
-                raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
-            requests = itertools.chain([first] if first is not None else [], requests)
-            del first  # the chain holds it until it is read: a chunk not kept for the whole stream
-            receive = self.telemetry.start_span("dtrain.receive", parent=round_span, island=info.island_id,
-                                                push_id=info.push_id, version=target_version, preview=preview)
-            self.streams.begin()  # counted from here to the finally below: nothing between them can raise
-            try:
-                for msg in requests:
-                    if msg.WhichOneof("kind") != "chunk":
-                        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
-                    spool.write(receiver.add(msg.chunk), msg.chunk.crc32)  # the CRC add() checked: no second pass
-                if receiver.received < receiver.chunks:
-                    raise UploadBroke(info, receiver.received, receiver.chunks)
-                receiver.finish()
-                self.telemetry.end(receive, bytes=receiver.size)
-                with self.telemetry.span("dtrain.validate", parent=round_span, island=info.island_id,
-                                         push_id=info.push_id, version=target_version):
-                    self.merger.validate(spool)  # the whole frame decodes cleanly before anything is applied
-            except WireError as e:
-                raise PayloadRefused(e.code, f"push {info.push_id}: {e}") from None
-            except codec.CodecError as e:
-                raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT, f"push {info.push_id}: bad frame: {e}") from None
-            except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
-                raise UploadBroke(info, receiver.received, receiver.chunks) from None
-            finally:  # a refused or broken upload's span ends here, with what arrived
-                self.streams.end()
-                self.telemetry.end(receive, bytes=receiver.size)
+            for msg in requests:
+                if not upload.started:
+                    over = claim()
+                    if over:
+                        raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
+                upload.chunk(msg)
+            upload.end()
+        except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
+            raise upload.broke() from None
         finally:
+            upload.close()
             if self.receiving is not None:
                 self.receiving.release()
+
+
+class Upload:
+    """One push's payload arriving, driven by whoever reads the stream (sans I/O: a thread's blocking iterator,
+    :meth:`PushIntake.receive`, or an event loop's awaits): :meth:`chunk` for each message after the header,
+    :meth:`end` when the client half-closes, :meth:`broke` when the call is cancelled, :meth:`close` always. Counted
+    in the intake's frame streams and traced from its first chunk to its close."""
+
+    def __init__(self, intake: PushIntake, receiver: FrameReceiver, spool: Spool, info: PushInfo,
+                 round_span: trace.Span | None, target_version: int, preview: str):
+        self.intake, self.receiver, self.spool, self.info = intake, receiver, spool, info
+        self.round_span, self.target_version, self.preview = round_span, target_version, preview
+        self.started = False  # its first chunk has arrived: counted and traced from there
+        self.ended = False  # end() accepted the whole frame
+        self._span: trace.Span | None = None
+
+    def _start(self) -> None:
+        i = self.info
+        self._span = self.intake.telemetry.start_span("dtrain.receive", parent=self.round_span, island=i.island_id,
+                                                      push_id=i.push_id, version=self.target_version,
+                                                      preview=self.preview)
+        self.intake.streams.begin()  # counted from here to close(): nothing between them can raise
+        self.started = True
+
+    def chunk(self, msg: pb.PushMessage | RawChunk) -> None:
+        """One message after the header: a chunk, checked (its CRC, its place) and spooled. PayloadRefused for a
+        message that is not a chunk, or a chunk or frame found bad."""
+        if not self.started:
+            self._start()
+        try:
+            if msg.WhichOneof("kind") != "chunk":
+                raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+            self.spool.write(self.receiver.add(msg.chunk), msg.chunk.crc32)  # the CRC add() checked: no second pass
+        except WireError as e:
+            raise PayloadRefused(e.code, f"push {self.info.push_id}: {e}") from None
+        except codec.CodecError as e:
+            raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"push {self.info.push_id}: bad frame: {e}") from None
+
+    def end(self) -> None:
+        """The client half-closed: the whole frame is checked (its chunk count, size and CRC) and validated (it
+        decodes cleanly before anything is applied). UploadBroke for a truncated stream, PayloadRefused for a bad
+        frame."""
+        r, tele, i = self.receiver, self.intake.telemetry, self.info
+        if self.ended:
+            return
+        if r.received < r.chunks:
+            raise self.broke()
+        try:
+            r.finish()
+            if self._span is not None:
+                tele.end(self._span, bytes=r.size)
+            with tele.span("dtrain.validate", parent=self.round_span, island=i.island_id, push_id=i.push_id,
+                           version=self.target_version):
+                self.intake.merger.validate(self.spool)  # the whole frame decodes cleanly before anything is applied
+            self.ended = True
+        except WireError as e:
+            raise PayloadRefused(e.code, f"push {i.push_id}: {e}") from None
+        except codec.CodecError as e:
+            raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT, f"push {i.push_id}: bad frame: {e}") from None
+
+    def broke(self) -> UploadBroke:
+        """What a stream that ended (or was cancelled) before its last chunk is: the exception to raise."""
+        return UploadBroke(self.info, self.receiver.received, self.receiver.chunks)
+
+    def close(self) -> None:
+        """Uncounted; a refused or broken upload's span ends here, with what arrived. Idempotent."""
+        if self.started:
+            self.started = False
+            self.intake.streams.end()
+            if self._span is not None:
+                self.intake.telemetry.end(self._span, bytes=self.receiver.size)

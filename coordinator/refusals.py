@@ -17,6 +17,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import grpc
+
+from coordinator.records import PushInfo
 from coordinator.streams import peer_host
 from dtrain.runlog import RunLog, printable
 
@@ -24,6 +27,20 @@ WINDOW_S = 60.0  # the rate window: coordinator.refusal_events refusals of a kin
 AUTH_EVENT_S = 10.0  # `auth_failed`: at most one event per peer host this often; the calls in between are counted
 MAX_AUTH_HOSTS = 1024  # hosts tracked for that; beyond them, the rest share one count ("other hosts")
 MAX_METHOD_SHOWN = 128  # characters of a refused call's method (a client names it) an event keeps
+
+
+class CallRefused(Exception):
+    """A call the coordinator refuses, raised by the code that decides it (the open round's push,
+    ``coordinator/open_round.py``) for the servicer to record and answer (``CoordinatorService.answer``): ``code``
+    and the message (``str(e)``); ``push``: a refused push's header (counted in pushes_refused, a ``push_refused``
+    event); ``busy``, ``retry_after_s``, ``stopped``: what its trailing metadata says (``CoordinatorService._abort``).
+    ``record=False``: not a refusal but an upload that broke off (its ``push_aborted`` event is its record)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, push: PushInfo | None = None, busy: bool = False,
+                 retry_after_s: float = 0.0, stopped: bool = False, record: bool = True):
+        super().__init__(message)
+        self.code, self.push, self.busy, self.record = code, push, busy, record
+        self.retry_after_s, self.stopped = retry_after_s, stopped
 
 
 @dataclass

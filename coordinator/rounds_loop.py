@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from grpc_health.v1 import health, health_pb2
 
@@ -31,6 +31,7 @@ from dtrain.runlog import RunLog
 from dtrain.telemetry import RoundSpans, Telemetry
 
 if TYPE_CHECKING:
+    from coordinator.pending import PendingSet
     from coordinator.theta_store import ThetaStore
     from dtrain.checkpoint import Checkpointer
 
@@ -38,6 +39,14 @@ log = logging.getLogger(__name__)
 
 # `dtrain coordinator --after-finish`: what the coordinator does once its run is finished (RoundsLoop)
 AfterFinish = Literal["exit", "serve"]
+
+
+class Signal(NamedTuple):
+    """What waiters outside the lock wait for (:meth:`RoundsLoop.signal`)."""
+
+    version: int
+    over: bool  # the run is over, the service failed, or it is closing: no version will come
+    merging: bool  # a merge is being computed
 
 
 @dataclasses.dataclass
@@ -66,11 +75,13 @@ class RoundsLoop:
     ``streams``: trimmed after each merge. The ticker starts with :meth:`start` and ends with :meth:`stop`."""
 
     def __init__(self, *, lock: threading.Condition, clock: Callable[[], float], state: CoordinatorState,
-                 store: ThetaStore, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry,
+                 store: ThetaStore, pending: PendingSet, ckpt: Checkpointer | None, log: RunLog, telemetry: Telemetry,
                  rounds: RoundSpans, streams: FrameStreams, counters: Counters, after_finish: AfterFinish):
         """``store``: θ's store (``coordinator/theta_store.py``), whose outer step the merges run: the merger's own,
-        or every shard's."""
+        or every shard's; ``pending``: the open round's pushes (``coordinator/open_round.py``), which a merge
+        closes and a screen or a non-finite step rejects from."""
         self.lock, self.clock, self.state, self.store, self.ckpt = lock, clock, state, store, ckpt
+        self.pending = pending
         self.merger = store.merger
         self.log, self.telemetry, self.rounds, self.streams = log, telemetry, rounds, streams
         self.counters, self.after_finish = counters, after_finish
@@ -84,16 +95,32 @@ class RoundsLoop:
         self._serving: bool | None = None  # what the health service says now (None: nothing yet)
         self._cosines: dict[str, float] = {}  # the open round's direction screen: push id -> cosine (screened_mean)
         self.merging: MergeJob | None = None  # the merge being computed outside the lock, if any
+        # Told (under the lock) of every change a waiter outside the lock may wait for: the version, the run over
+        # or failed or closing, a merge begun or ended (coordinator/data_plane.py's bell: the event loop's waits).
+        self.listeners: list[Callable[[Signal], None]] = []
         self._ticker = threading.Thread(target=self.run, name="coordinator-tick", daemon=True)
 
     def start(self) -> None:
         self._ticker.start()
 
+    def signal(self) -> Signal:
+        """What a waiter outside the lock may wait for, now. Under the lock."""
+        return Signal(self.state.version, self.state.stopped() or self.fatal is not None or self.closing,
+                      self.merging is not None)
+
+    def _changed(self) -> None:
+        """Under the lock: wakes every waiter on it, and tells the listeners."""
+        self.lock.notify_all()
+        if self.listeners:
+            now = self.signal()
+            for listener in self.listeners:
+                listener(now)
+
     def stop(self) -> None:
         """Ends the ticker and waits for it, up to 5 s."""
         with self.lock:
             self.closing = True
-            self.lock.notify_all()  # wakes the ticker, which then ends
+            self._changed()  # wakes the ticker, which then ends
         self._ticker.join(timeout=5)
 
     # -- merges -------------------------------------------------------------------------------------
@@ -122,9 +149,10 @@ class RoundsLoop:
         part = self.merger.next_fragment()  # the fragment this step merges (outer.fragments; else the whole θ)
         self.merging = MergeJob(
             version=version, reason=reason, t0=time.perf_counter(), round_span=self.rounds.ready(version, reason),
-            pending=self.state.pending(), frame_bytes={p.key: p.spool.size for p in self.merger.pending},
+            pending=self.state.pending(), frame_bytes=self.pending.frame_bytes(),
             values=part.size, fragment={"fragment": part.index, "values": part.size} if self.merger.fragments > 1
             else {})
+        self._changed()
         return self.merging
 
     def step(self, job: MergeJob) -> None:
@@ -143,7 +171,7 @@ class RoundsLoop:
         the clock), or makes any other failure fatal (:attr:`fatal`; run_coordinator then exits, and pushes are
         refused UNAVAILABLE). Wakes every waiter either way."""
         self.merging = None
-        self.lock.notify_all()  # pushes waiting for the merge, pulls waiting for the version, the clock
+        self._changed()  # pushes waiting for the merge, pulls waiting for the version, the clock
         if isinstance(job.error, NonFiniteResult):
             self._reject_blamed(job.error, now)
             return
@@ -156,10 +184,12 @@ class RoundsLoop:
             self.fatal = f"outer step for version {job.version} failed: {type(e).__name__}: {e}"
             self.log.event("coordinator_failed", error=self.fatal)
             log.debug("the failed outer step", exc_info=e)
+            self._changed()
             self.set_health()
             return
         update = self.store.commit(job.prepared)
         version, merged, close_reason = self.state.close_round(now, decided=job.reason)
+        self.pending.merged()
         assert version == update.version == job.version, (version, update.version, job.version)
         pending = job.pending
         # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
@@ -188,11 +218,6 @@ class RoundsLoop:
         so that it is judged against the version that merge makes (its staleness, its round)."""
         self.lock.wait_for(lambda: self.merging is None or self.fatal is not None)
 
-    def _drop(self, keys: list[str]) -> None:
-        """Drops pending pushes from the merger, and their parts from the other shards."""
-        self.merger.drop_pending(keys)
-        self.store.release(keys)
-
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
                 update_bytes: int, values: int) -> None:
         """What follows a committed merge: telemetry, the round's span, a progress line, the heap trimmed, the
@@ -202,7 +227,7 @@ class RoundsLoop:
                           islands=sorted({i.island_id for i, _ in pending}), update_bytes=update_bytes)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
         self.streams.trim()  # the step's slabs, the merged spools' buffers
-        self.lock.notify_all()  # wakes long-polling pulls and the ticker (the run may be over)
+        self._changed()  # wakes long-polling pulls and the ticker (the run may be over)
 
     def _screen_round(self, now: float) -> bool:
         """The round screen (``coordinator.admission.screen_round``; with ``screened_mean``, each pending push's
@@ -217,8 +242,7 @@ class RoundsLoop:
         screened = self.state.screen_round(self._cosines or None, reference,
                                            screened=self.merger.opts.rule == "screened_mean")
         for push_id, why in screened:
-            (info,) = self.state.reject_pending([push_id], why, now)
-            self._drop([push_id])
+            (info,) = self.pending.reject([push_id], why, now)
             self.log.event("push_quarantined", island=info.island_id, push_id=push_id, reason=why,
                            by="round_screen")
             self.log.progress(f"v{self.state.version + 1}: quarantined push {push_id} from {info.island_id}: {why}")
@@ -231,19 +255,18 @@ class RoundsLoop:
         for island_id, why in self.state.take_quarantined():
             self.log.event("island_quarantined", island=island_id, reason=why)
             self.log.progress(f"{island_id} {why}")
-            self.lock.notify_all()
+            self._changed()
 
     def _reject_blamed(self, e: NonFiniteResult, now: float) -> None:
         """Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
         replies) and the round is tried again without it, here, if it is still ready."""
         version = self.state.version + 1
-        (info,) = self.state.reject_pending([e.blame], str(e), now)
-        self._drop([e.blame])
+        (info,) = self.pending.reject([e.blame], str(e), now)
         self.log_quarantined()
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))
         self.log.progress(f"v{version}: not committed, rejected push {info.push_id} from {info.island_id}: {e}")
-        self.lock.notify_all()  # the clock tries the round again without it, if it is still ready
+        self._changed()  # the clock tries the round again without it, if it is still ready
 
     # -- the ticker ---------------------------------------------------------------------------------
 
@@ -273,7 +296,7 @@ class RoundsLoop:
                 if self.fatal is None:
                     self.fatal = f"{type(e).__name__}: {e}"
                     self.log.event("coordinator_failed", error=self.fatal)
-                self.lock.notify_all()
+                self._changed()
                 self.set_health()
             raise
 
@@ -295,7 +318,7 @@ class RoundsLoop:
         done, why = self.state.finished(now)
         if done and self.finished is None:
             self.finished = why
-            self.lock.notify_all()  # wakes run_coordinator
+            self._changed()  # wakes run_coordinator
         self.set_health()
         return job
 
@@ -333,7 +356,7 @@ class RoundsLoop:
             if self.stop_requested is None:
                 self.stop_requested = reason
                 self.set_health()
-            self.lock.notify_all()
+            self._changed()
 
     def wait_stop_requested(self) -> str:
         """Blocks until :meth:`request_stop` is called or the service fails, and says why (``after_finish="serve"``:

@@ -1,40 +1,47 @@
-"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions) and ``merger`` (math).
+"""The coordinator's gRPC servicer: a thin adapter over ``state`` (decisions), the open round (pushes) and
+``merger`` (math).
 
 One lock serializes every state change and every touch of the merger (its pending pushes and state files);
 receiving, spooling and validating a pushed frame (``coordinator/push.py``) happen outside it, so many islands
 can stream at once. The lock is a condition, notified on every change: the ticker (``coordinator/rounds_loop.py``)
-sleeps on it until the state's next deadline or a change, and merges the rounds; long-polling pulls and
-``run_coordinator`` wait on it too. After each merge the whole coordinator (θ, outer momentum, down residual,
-membership, cursors, applied push ids) is checkpointed with orbax, atomically. Owns the RPC handlers and how a
-refusal is answered and recorded; the server around it is ``coordinator/lifecycle.py``.
+sleeps on it until the state's next deadline or a change, and merges the rounds; ``run_coordinator`` waits on it
+too. After each merge the whole coordinator (θ, outer momentum, down residual, membership, cursors, applied push
+ids) is checkpointed with orbax, atomically. Join, Heartbeat and Status are served here, on the server's control
+threads; a push's path is the open round's (``coordinator/open_round.py``) and PushDelta and PullGlobal run on the
+server's event loop (``coordinator/data_plane.py``), which calls back here for the decisions under the lock
+(:meth:`CoordinatorService.check_pull`, :meth:`CoordinatorService.pull_messages`). Owns how a refusal is recorded
+and answered (:meth:`CoordinatorService.refusal`); the server around it is ``coordinator/app.py``'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar
 
 import grpc
+import grpc.aio
 
 from coordinator.dashboard import Dashboard
 from coordinator.edge import CallerIdentity, RunFingerprint, evidence_from_message, refusal_line
 from coordinator.handlers import CURRENT_CALL
 from coordinator.history import RunHistory, check_eval_reports, eval_progress
 from coordinator.memory import FrameStreams, pull_piece
+from coordinator.open_round import OpenRound, RoundParts
+from coordinator.pending import PendingSet
 from coordinator.pull_cache import PullCache
-from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
-from coordinator.records import Admission, PushInfo, StateError, StateOptions
-from coordinator.refusals import AuthFailures, RefusalLog
+from coordinator.push import PushIntake
+from coordinator.records import PushInfo, StateError, StateOptions
+from coordinator.refusals import AuthFailures, CallRefused, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
-from coordinator.spool import Spool
 from coordinator.state import CoordinatorState
 from coordinator.status_view import Counters, status_response
-from coordinator.streams import Pulls, PushStreams, Stream, peer_host
-from coordinator.theta_store import PartsRefused, ThetaStore
+from coordinator.streams import Pulls, PushStreams, Stream
+from coordinator.theta_store import ThetaStore
 from dtrain import codec
 from dtrain.config.sections import Config
 from dtrain.net.proto import dtrain_pb2 as pb
@@ -46,7 +53,6 @@ from dtrain.net.wire import (
     RUN_OVER_METADATA_KEY,
     SERVICE,
     STOPPED_METADATA_KEY,
-    WireError,
     chunk_count,
 )
 from dtrain.runlog import RunLog
@@ -59,10 +65,7 @@ if TYPE_CHECKING:
 CallArgs = ParamSpec("CallArgs")  # the arguments of a state-machine decision (_decide)
 Decided = TypeVar("Decided")  # what it returns
 
-MAX_PULL_WAIT_S = 30.0
 SHARD_START_WAIT_S = 120.0  # a sharded lead's start: how long it waits for its range shards to be reachable
-_STATUS = {"accept": pb.PUSH_STATUS_PENDING, "duplicate": pb.PUSH_STATUS_DUPLICATE, "drop": pb.PUSH_STATUS_DROPPED,
-           "reject": pb.PUSH_STATUS_REJECTED}
 _ACTIONS = {"continue": pb.ACTION_CONTINUE, "pull": pb.ACTION_PULL, "stop": pb.ACTION_STOP,
             "rejoin": pb.ACTION_REJOIN}
 _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,6 +75,20 @@ _CODES = {"INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
 # `request_invalid` event; other refusals (an unknown island, a failed coordinator) are `request_rejected`.
 _BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+
+
+class Plane(Protocol):
+    """What the service asks of its data plane (``coordinator.data_plane.DataPlane``, made by ``serve``)."""
+
+    receiving: asyncio.Semaphore | None  # coordinator.max_receiving's places
+
+    def push(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+             ) -> Awaitable[pb.PushDeltaResponse]: ...
+
+    def pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+             ) -> AsyncIterator[pb.PullMessage | bytes]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +144,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         status_gauges(self.telemetry, self.status_message)
         self.log.subscribe(self.telemetry.on_event)
         self.dashboard: Dashboard | None = None  # the live view (coordinator/dashboard.py), opened by serve()
+        self.plane: Plane | None = None  # PushDelta and PullGlobal on the server's event loop, made by serve()
         self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
         self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()
-        self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, ckpt=self.ckpt,
-                               log=self.log, telemetry=self.telemetry, rounds=self.rounds, streams=self.streams,
-                               counters=self.counters, after_finish=p.after_finish)
+        self.pending = PendingSet(self.state, self.store)  # the open round's pushes (coordinator/pending.py)
+        self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, pending=self.pending,
+                               ckpt=self.ckpt, log=self.log, telemetry=self.telemetry, rounds=self.rounds,
+                               streams=self.streams, counters=self.counters, after_finish=p.after_finish)
+        self.round = OpenRound(RoundParts(
+            state=self.state, store=self.store, pending=self.pending, loop=self.loop, intake=self.intake,
+            clock=p.clock, log=self.log, history=self.history, counters=self.counters, telemetry=self.telemetry,
+            rounds=self.rounds, claim_wait_s=p.cfg.coordinator.stream_idle_s))
         self.loop.start()
 
     # -- refusals -----------------------------------------------------------------------------------
@@ -140,25 +163,47 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
                push: PushInfo | None = None, busy: bool = False, retry_after_s: float = 0.0,
                stopped: bool = False) -> NoReturn:
-        """Ends the call with ``code``; every refusal goes through here. It is recorded (:meth:`_record_refusal`)
-        with the method and the island of the request (:func:`coordinator.lifecycle.service_handler` notes
-        them). ``busy``: a refusal for load (a stream limit), not for the request: its trailing metadata says so
-        (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), and workers retry it. ``retry_after_s`` > 0: the same request is
-        refused for that many seconds more (a throttled island's push): its trailing metadata says how many
-        (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`), and the island waits them out before it sends it again.
-        ``stopped``: the request's island is quarantined: its trailing metadata says so with the version
-        (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`), and the island stops."""
-        if busy:
-            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-        elif stopped:
+        """Ends a call served on a thread (Join, Heartbeat, Status) with ``code``: :meth:`answer`."""
+        self.answer(context, CallRefused(code, message, push=push, busy=busy, retry_after_s=retry_after_s,
+                                         stopped=stopped))
+
+    def answer(self, context: grpc.ServicerContext, e: CallRefused) -> NoReturn:
+        """Ends a call served on a thread with refusal ``e``, recorded and marked (:meth:`refusal`); the data
+        plane's calls end theirs with ``coordinator.data_plane.DataPlane.answer``."""
+        metadata = self.refusal(e)
+        if metadata:
+            context.set_trailing_metadata(metadata)
+        context.abort(e.code, str(e))
+        raise AssertionError("unreachable: abort raises")
+
+    def refusal(self, e: CallRefused) -> tuple[tuple[str, str], ...]:
+        """Records a refusal (every refusal goes through here; an upload that broke off, ``record=False``, is not
+        one) with the method and the island of the call (``coordinator.handlers.CURRENT_CALL``: the handlers note
+        them), and returns the trailing metadata to end the call with. ``busy``: a refusal for load (a stream
+        limit), not for the request: its metadata says so (:data:`dtrain.net.wire.BUSY_METADATA_KEY`), and workers
+        retry it. ``retry_after_s`` > 0: the same request is refused for that many seconds more (a throttled
+        island's push): its metadata says how many (:data:`dtrain.net.wire.RETRY_AFTER_METADATA_KEY`), and the
+        island waits them out before it sends it again. ``stopped``: the request's island is quarantined: its
+        metadata says so with the version (:data:`dtrain.net.wire.STOPPED_METADATA_KEY`), and the island stops."""
+        metadata: tuple[tuple[str, str], ...] = ()
+        if e.busy:
+            metadata = ((BUSY_METADATA_KEY, "1"),)
+        elif e.stopped:
             with self.lock:
                 version = self.state.version
-            context.set_trailing_metadata(((STOPPED_METADATA_KEY, str(version)),))
-        elif retry_after_s > 0:
-            context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, f"{retry_after_s:.3f}"),))
-        self._record_refusal(getattr(CURRENT_CALL, "method", ""), getattr(CURRENT_CALL, "island", ""), code, message,
-                             push=push, busy=busy, retry_after_s=retry_after_s)
-        context.abort(code, message)
+            metadata = ((STOPPED_METADATA_KEY, str(version)),)
+        elif e.retry_after_s > 0:
+            metadata = ((RETRY_AFTER_METADATA_KEY, f"{e.retry_after_s:.3f}"),)
+        if e.record:
+            self._record_refusal(CURRENT_CALL.method, CURRENT_CALL.island, e.code, str(e), push=e.push, busy=e.busy,
+                                 retry_after_s=e.retry_after_s)
+        return metadata
+
+    @staticmethod
+    def state_refusal(e: StateError) -> CallRefused:
+        """A state-machine refusal as the gRPC refusal its code names."""
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else _CODES[e.code]
+        return CallRefused(code, str(e), busy=e.busy, stopped=e.stopped)
 
     def refuse_request(self, context: grpc.ServicerContext, why: str) -> NoReturn:
         """Ends a call whose request the edge refused (``coordinator/edge.py``): INVALID_ARGUMENT, recorded as
@@ -198,25 +243,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             return decision(*args, **kwargs)
         except StateError as e:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else _CODES[e.code]
-            self._abort(context, code, str(e), busy=e.busy, stopped=e.stopped)
-            raise  # unreachable: abort raises
-
-    def _decide_push(self, context: grpc.ServicerContext, decision: Callable[CallArgs, Decided], info: PushInfo,
-                     *args: CallArgs.args, **kwargs: CallArgs.kwargs) -> Decided:
-        """:meth:`_decide` for a push: a refusal is also counted and is a ``push_refused`` event (the caller
-        holds the lock)."""
-        try:
-            return decision(*args, **kwargs)
-        except StateError as e:
-            self._abort(context, _CODES[e.code], str(e), push=info, retry_after_s=e.retry_after_s,
-                        stopped=e.stopped)
-            raise  # unreachable: abort raises
-
-    def _refuse_payload(self, context: grpc.ServicerContext, info: PushInfo, e: PayloadRefused) -> NoReturn:
-        """Refuses a push whose payload is bad (a broken chunk stream, a frame that does not validate): counted,
-        a ``push_refused`` event naming the push (a busy one is not), and the call ends with the refusal's code."""
-        self._abort(context, e.code, str(e), push=None if e.busy else info, busy=e.busy)
+            self.answer(context, self.state_refusal(e))
 
     def _push_refused(self, info: PushInfo, code: str, reason: str, retry_after_s: float = 0.0) -> None:
         """Logs a refused push (:meth:`_abort`, under the lock): a ``push_refused`` event naming it (with
@@ -226,27 +253,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        **({"retry_after_s": round(retry_after_s, 3)} if retry_after_s > 0 else {}))
         self.log.progress(f"refused push {info.push_id} from {info.island_id}: {reason}")
 
-    def _upload_broke(self, context: grpc.ServicerContext, info: PushInfo, e: UploadBroke) -> NoReturn:
-        """A push whose stream ended before its last chunk: a ``push_aborted`` event. The call ends with
-        INVALID_ARGUMENT (a cancelled caller never sees it); the island may send the whole push again under the
-        same push_id."""
-        self.log.event("push_aborted", island=info.island_id, push_id=info.push_id, chunks_received=e.received,
-                       chunks=e.chunks, reason=str(e))
-        self.log.progress(f"push {info.push_id} from {info.island_id}: upload broke off after {e.received} of "
-                          f"{e.chunks} chunks; discarded")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        raise AssertionError("unreachable: abort raises")
-
     def _authorize(self, context: grpc.ServicerContext, island_id: str) -> None:
         """Refuses (PERMISSION_DENIED) a call as ``island_id`` from an identity not bound to it
         (``CoordinatorState.authorize``), before anything else of the call is read."""
         identity = self.identity.of(context)
         with self.lock:
             self._decide(context, self.state.authorize, island_id, identity)
-
-    def _refuse_if_failed(self, context: grpc.ServicerContext) -> None:
-        if self.loop.fatal:  # the process is on its way out: nothing more may touch the merger
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
@@ -331,130 +343,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return [e for v, loss in evals for e in self.history.eval_report(request.island_id, v, loss, now, live)] + \
             self.history.settle_evals(now, live)
 
-    def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
-        # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
-        stream = self.push_streams.open(peer_host(context.peer()), context)
-        if isinstance(stream, str):
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True)
-        try:
-            return self._push(self.push_streams.watched(stream, request_iterator), context, stream)
-        finally:
-            self.push_streams.close(stream)
+    async def PushDelta(self, request_iterator: AsyncIterator[Any],
+                        context: grpc.aio.ServicerContext) -> pb.PushDeltaResponse:
+        assert self.plane is not None, "served by coordinator.app.serve"
+        return await self.plane.push(request_iterator, context)
 
     def _stream_cancelled(self, stream: Stream, why: str) -> None:
         """A push stream the reaper cancelled (:class:`coordinator.streams.PushStreams`): a refusal (CANCELLED)."""
         self._record_refusal(f"/{SERVICE}/PushDelta", stream.island, grpc.StatusCode.CANCELLED, why)
-
-    def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
-              stream: Stream) -> pb.PushDeltaResponse:
-        """PushDelta on an open ``stream``: its header, its admission, its payload and the state's decision."""
-        try:
-            h = read_header(request_iterator, self.tree_digest, self.merger.fragments)
-        except WireError as e:
-            self._abort(context, e.code, str(e))
-        stream.island = h.island_id  # named; counted for it once its data arrives (claim, below)
-        info = push_info(h)
-        identity = self.identity.of(context)
-        pending_still = False
-        with self.lock:
-            self._refuse_if_failed(context)
-            self._decide_push(context, self.state.authorize, info, info.island_id, identity)
-            # A preview, to refuse the push (an unknown island is NOT_FOUND) before its payload streams in.
-            admission = self._decide_push(context, self.state.admit_push, info, info, self.clock())
-            if admission.status == "duplicate":  # a retry of a push already received: nothing to receive
-                admission = self.state.commit_push(info, self.clock())  # counts the retry
-                version = self.state.version
-                pending_still = any(p.key == info.push_id for p in self.merger.pending)
-                cursor = self.state.push_cursor(info)  # where the island's next range starts
-        if admission.status == "duplicate":
-            if not pending_still:  # a merged push's parts on the other shards, sent again: let go
-                self.store.release([info.push_id])
-            self.log.event("push_duplicate", island=info.island_id, push_id=info.push_id)
-            return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, merged_version=admission.target_version,
-                                        version=version, reason=admission.reason, cursor=cursor)
-        # Its round's span (an accepted preview starts it); a push to be dropped or rejected is a trace of its own.
-        round_span = self.rounds.open(admission.target_version) if admission.status == "accept" else None
-        try:
-            receiver = self.intake.frame_receiver(h)
-        except WireError as e:
-            self._abort(context, e.code, str(e))
-        with self.merger.spool(h.fragment) as spool:  # the frame holds that fragment only
-            try:
-                self.intake.receive(request_iterator, receiver, spool, info, round_span, admission.target_version,
-                                    admission.status, lambda: self.push_streams.claim(stream, h.island_id))
-            except PayloadRefused as e:
-                self._refuse_payload(context, info, e)
-            except UploadBroke as e:
-                self._upload_broke(context, info, e)
-            try:  # the whole push's norm (a sharded coordinator's: its parts on the other shards claimed)
-                norm = self.store.whole_norm(info, spool, identity, self.cfg.coordinator.stream_idle_s)
-            except PartsRefused as e:
-                self._abort(context, e.code, str(e), push=info)
-            try:
-                with self.lock:
-                    admission, status, version, cursor = self._commit_push(context, info, spool, receiver.size,
-                                                                           norm)
-            except BaseException:  # refused: its parts on the other shards are let go
-                self.store.release([info.push_id])
-                raise
-            if admission.status != "accept":
-                self.store.release([info.push_id])
-        self.log.event("push_received", island=info.island_id, push_id=info.push_id, status=admission.status,
-                       base_version=info.base_version, tokens=info.tokens, weight=admission.weight,
-                       staleness=admission.staleness, bytes=receiver.size, norm=admission.norm,
-                       scale=admission.scale, reason=admission.reason)
-        if admission.status == "reject":
-            self.log.event("push_quarantined", island=info.island_id, push_id=info.push_id, norm=admission.norm,
-                           reason=admission.reason)
-            self.log.progress(f"quarantined push {info.push_id} from {info.island_id}: {admission.reason}")
-        with self.lock:
-            self.loop.log_quarantined()
-            stop_reason = self.state.stop_reason(info.island_id)  # this push's rejection quarantined its island
-        return pb.PushDeltaResponse(status=status, merged_version=admission.target_version, version=version,
-                                    reason=admission.reason, weight=admission.weight, cursor=cursor,
-                                    stop_reason=stop_reason)
-
-    def _commit_push(self, context: grpc.ServicerContext, info: PushInfo, spool: Spool,
-                     size: int, norm: float) -> tuple[Admission, pb.PushStatus, int, int]:
-        """The state's decision on a received push, made again now that the payload is here (the round may have
-        closed meanwhile), with the payload's norm, and applied: an accepted one becomes pending in the merger
-        (summing a delta that validate() accepted cannot fail), and may complete its round (the clock merges it;
-        the reply waits for that). Returns (admission, the reply's status, version, cursor). ``norm``: the push's
-        L2 norm (a sharded coordinator's: over every shard's part). Under the lock."""
-        self._refuse_if_failed(context)
-        self.loop.wait_merged()  # a merge being computed: this push is judged against the version it makes
-        self._refuse_if_failed(context)
-        admission = self._decide_push(context, self.state.commit_push, info, info, self.clock(), norm=norm,
-                                      theta_norm=self.theta_norm)
-        if admission.status == "accept":
-            self.store.add_pending(spool, admission.weight, admission.scale, info.push_id, norm)
-        self.counters.bytes_in += size
-        self.telemetry.record_ratio(4 * spool.n, size, "up")
-        view = self.history.island(info.island_id)
-        view.bytes_in += size
-        view.last_seen = self.clock()
-        self.lock.notify_all()  # wakes the clock: a first push starts its round's grace, a last one completes it
-        status = _STATUS[admission.status]
-        if admission.status == "accept" and self.state.round_ready(self.clock())[0]:
-            # It completed its round: the clock merges it (only the clock does); the reply says how that went.
-            # The wait costs this thread the merge's time, not the lock.
-            def settled() -> bool:  # the clock is done with its round: merged, or it was rejected and the rest merged
-                if self.loop.fatal is not None or self.loop.closing:
-                    return True
-                return self.loop.merging is None and (not self.state.round_ready(self.clock())[0] or (
-                    not self.state.is_pending(info.push_id) and self.state.version >= admission.target_version))
-
-            self.lock.wait_for(settled)
-            if self.loop.fatal:  # the step failed (a full disk, a coordinator shard gone): the coordinator failed,
-                # and is to be resumed from its checkpoint; the island sends the push again to the resumed one
-                self._abort(context, grpc.StatusCode.UNAVAILABLE, f"coordinator failed: {self.loop.fatal}")
-        version = self.state.version
-        rejected = self.state.rejected(info.push_id)
-        if rejected is not None and admission.status == "accept":  # the merge it completed rejected it
-            status, admission = pb.PUSH_STATUS_REJECTED, dataclasses.replace(admission, reason=rejected)
-        elif status == pb.PUSH_STATUS_PENDING and version >= admission.target_version:
-            status = pb.PUSH_STATUS_MERGED
-        return admission, status, version, self.state.push_cursor(info)
 
     @property
     def params_digest(self) -> str:
@@ -467,27 +363,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The L2 norm of the whole global θ. Under the lock."""
         return self.store.theta_norm
 
-    def PullGlobal(self, request: pb.PullRequest,
-                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
-        if not 0 <= request.wait_s <= 3600:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
-        self._authorize(context, request.island_id)
-        with self.lock:
-            self._decide(context, self.state.check_pull, request.island_id, request.have_version)
-        pull = self.pulls.open(peer_host(context.peer()), request.island_id)  # long polls included
-        if isinstance(pull, str):
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, pull, busy=True)
-        try:
-            yield from self._pull(request, context)
-        finally:
-            self.pulls.close(pull)
+    async def PullGlobal(self, request: pb.PullRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PullMessage | bytes]:
+        assert self.plane is not None, "served by coordinator.app.serve"
+        async for message in self.plane.pull(request, context):
+            yield message
 
-    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
-        """PullGlobal within its island's and its peer's pull quota (:class:`coordinator.streams.Pulls`)."""
+    def check_pull(self, request: pb.PullRequest, identity: str | None) -> None:
+        """Whether the pull may be served: its caller may act as its island, and the state allows it
+        (``CoordinatorState.check_pull``); CallRefused if not."""
         with self.lock:
-            if request.wait_s > 0 and request.have_version == self.state.version and not request.full:
-                self.lock.wait_for(lambda: self.state.version > request.have_version or self.state.stopped()
-                                   or not context.is_active(), timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+            try:
+                self.state.authorize(request.island_id, identity)
+                self.state.check_pull(request.island_id, request.have_version)
+            except StateError as e:
+                raise self.state_refusal(e) from None
+
+    def pull_messages(self, request: pb.PullRequest) -> Iterator[pb.PullMessage | bytes]:
+        """What the pull streams from now: the current version's frames (decided here, under the lock, with their
+        ``pull_served`` event), as a generator of messages that reads them piece by piece."""
+        with self.lock:
             version = self.state.version
             # θ itself, lossless, when the chain is not kept: written to disk once per version, streamed from there
             full, chain = self.merger.pull_frames(request.have_version, request.full)
@@ -503,11 +398,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             pace = self.state.pace
             paced = {f[2]: pace.seconds_at(f[2]) for f in frames} if pace is not None else {}
         if not frames:
-            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
-                                                      base_version=version, tree_digest=self.tree_digest))
-            return
+            return iter([pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                             base_version=version, tree_digest=self.tree_digest))])
         self.log.event("pull_served", island=request.island_id, have_version=request.have_version,
                        frames=[[pb.PullKind.Name(f[0]), f[1], f[2], f[3]] for f in frames], evaluate=bool(evaluate))
+        return self._frames(request.island_id, frames, evaluate, paced)
+
+    def _frames(self, island_id: str, frames: list[Any], evaluate: set[int],
+                paced: dict[int, float]) -> Iterator[pb.PullMessage | bytes]:
+        """A pull's frames as messages: each one's header, then its chunks (one build shared by the pulls
+        streaming it at once: ``coordinator/pull_cache.py``)."""
         piece = self.pull_piece
         with self.streams.streaming():
             for kind, base, v, size, crc, digest, handle, update in frames:
@@ -515,11 +415,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     kind=kind, version=v, base_version=base, tree_digest=self.tree_digest, total_bytes=size,
                     frame_crc32=crc, chunks=chunk_count(size, piece), params_digest=digest,
                     evaluate=v in evaluate, round_seconds=paced.get(v, 0.0)))
-                # One build shared by the pulls streaming this frame at once (coordinator/pull_cache.py).
                 yield from self.pull_cache.messages(update, handle, piece)
                 with self.lock:
                     self.counters.bytes_out += size
-                    self.history.island(request.island_id).bytes_out += size
+                    self.history.island(island_id).bytes_out += size
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self.status_message()
@@ -538,6 +437,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.dashboard is not None:
             self.dashboard.close()
         self.loop.stop()
+        if self.plane is not None:
+            self.plane.close()
         self.push_streams.stop()
         self.auth_failures.flush()  # before telemetry shuts down
         with self.lock:

@@ -355,7 +355,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
 
     def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
         # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
-        stream = self.push_streams.open(peer_host(context.peer()), context)
+        stream = self.push_streams.open(peer_host(context.peer()), context.cancel)
         if isinstance(stream, str):
             context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shard {self.index}: {stream}")

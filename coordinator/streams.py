@@ -1,25 +1,26 @@
-"""What each peer and each island holds open on the data threads, and the deadlines that free push streams.
+"""What each peer and each island holds open, and the deadlines that free push streams.
 
-A PushDelta is a client stream, and a PullGlobal a call that may park as a long poll: gRPC serves each on one of
-the server's data threads for its whole length, so a stream that sends nothing, or a pull parked on a version
-that does not come, holds a thread doing nothing. One accounting bounds both (:class:`Quota`): a peer host and an
+A PushDelta is a client stream, and a PullGlobal a call that may park as a long poll: on the coordinator each
+waits as a coroutine of its event loop (``coordinator/data_plane.py``), on a range shard's server on one of its
+threads for its whole length; either way a stream that sends nothing, or a pull parked on a version that does not
+come, holds a place doing nothing. One accounting bounds both (:class:`Quota`): a peer host and an
 island each hold at most so many calls of a kind at once, more are refused with a reason (answered
 RESOURCE_EXHAUSTED, marked busy, by the servicer). Push streams (:class:`PushStreams`): at most
 ``coordinator.max_streams_per_peer`` per peer host from the stream's open (:meth:`PushStreams.open`), at most
 ``coordinator.max_streams_per_island`` per island counted from the stream's first chunk, not its header
 (:meth:`PushStreams.claim`: a stream that never sends data never holds its island's slot). Pulls (:class:`Pulls`):
 at most ``coordinator.max_pulls_per_peer`` per peer host and ``coordinator.max_pulls_per_island`` per island, long
-polls included, so a flood of parked pulls holds its island's share of the threads and no more.
+polls included, so a flood of parked pulls holds its island's share and no more.
 
 A reaper thread cancels a push stream (:meth:`PushStreams.reap`) that waited more than
 ``coordinator.stream_idle_s`` for its client without the minimum rate over that wait (a message resets the idle
 clock only when the bytes since the last reset kept ``coordinator.stream_min_bytes_per_s``: a 1-byte message does
 not), whose average rate since its header fell below ``stream_min_bytes_per_s`` once it has waited
 ``coordinator.stream_rate_grace_s`` on its client, or that is still receiving ``coordinator.stream_deadline_s``
-after it opened. Only time spent waiting for the client's next message counts as the client's (:meth:`watched`):
-time on the coordinator's side (decoding, waiting for ``max_receiving`` or for the lock) never does. Heartbeats,
-Joins and Status do not go through here: they are served on threads of their own
-(:func:`coordinator.lifecycle.serve`), which no stream can hold.
+after it opened. Only time spent waiting for the client's next message counts as the client's (:meth:`waiting`,
+:meth:`arrived`; :meth:`watched` for a blocking iterator): time on the coordinator's side (decoding, waiting for
+``max_receiving`` or for the lock) never does. Heartbeats, Joins and Status do not go through here: they are
+served on threads of their own (``coordinator/app.py``'s control threads), which no stream can hold.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-import grpc
 
 from coordinator.push import payload_bytes
 from dtrain.config.sections import Config
@@ -107,7 +106,7 @@ class Stream:
     island (:meth:`PushStreams.claim`, at its first chunk)."""
 
     peer: str
-    context: grpc.ServicerContext
+    cancel: Callable[[], object]  # ends the call (a thread's server: its context's cancel(); an event loop's: its own)
     opened: float = 0.0
     island: str = ""
     claimed: bool = False
@@ -146,13 +145,14 @@ class PushStreams:
         if self._reaper.is_alive():
             self._reaper.join()
 
-    def open(self, peer: str, context: grpc.ServicerContext) -> Stream | str:
-        """A new stream from peer host ``peer``, counted; or, over the peer's limit, why not (nothing counted)."""
+    def open(self, peer: str, cancel: Callable[[], object]) -> Stream | str:
+        """A new stream from peer host ``peer``, counted; or, over the peer's limit, why not (nothing counted).
+        ``cancel()``: how the reaper ends it."""
         with self._lock:
             over = self.quota.take_peer(peer)
             if over:
                 return over
-            stream = Stream(peer, context, opened=self.clock())
+            stream = Stream(peer, cancel, opened=self.clock())
             self._open.add(stream)
             return stream
 
@@ -180,36 +180,49 @@ class PushStreams:
 
     def watched(self, stream: Stream, requests: Iterator[T], size: Callable[[Any], int] = payload_bytes) -> Iterator[T]:
         """``requests`` with each wait for the client's next message marked on ``stream`` (what the reaper
-        measures on), and the payload bytes of each (``size``) counted. The header (the first message) starts the
-        client's record; after it a message resets the idle clock only when the bytes since the last reset kept
-        the minimum rate over the client's time since then."""
+        measures on), and the payload bytes of each (``size``) counted (:meth:`waiting`, :meth:`arrived`): a
+        thread's driver; an event loop's calls those two around its awaits."""
         while True:
-            with self._lock:
-                stream.waiting_since = self.clock()
+            self.waiting(stream)
             try:
                 message = next(requests)
             except StopIteration:
-                with self._lock:
-                    stream.done, stream.waiting_since = True, None
+                self.arrived(stream, None)
                 return
             except BaseException:
-                with self._lock:
-                    stream.waiting_since = None
+                self.arrived(stream, None, failed=True)
                 raise
-            with self._lock:
-                assert stream.waiting_since is not None
-                waited, stream.waiting_since = self.clock() - stream.waiting_since, None
-                if not stream.header_seen:
-                    stream.header_seen = True
-                else:
-                    n = size(message)
-                    stream.received += n
-                    stream.client_s += waited
-                    stream.quiet_s += waited
-                    stream.quiet_bytes += n
-                    if stream.quiet_bytes >= self.min_rate * stream.quiet_s:
-                        stream.quiet_s, stream.quiet_bytes = 0.0, 0
+            self.arrived(stream, message, size)
             yield message
+
+    def waiting(self, stream: Stream) -> None:
+        """The handler now waits for the client's next message on ``stream``."""
+        with self._lock:
+            stream.waiting_since = self.clock()
+
+    def arrived(self, stream: Stream, message: Any, size: Callable[[Any], int] = payload_bytes,
+                failed: bool = False) -> None:
+        """The wait on ``stream`` ended: with ``message`` (its payload bytes counted: ``size``), with None (the client
+        half-closed; ``failed``: the call broke instead). The header (the first message) starts the client's record;
+        after it a message resets the idle clock only when the bytes since the last reset kept the minimum rate over
+        the client's time since then."""
+        with self._lock:
+            if message is None:
+                stream.done = stream.done or not failed
+                stream.waiting_since = None
+                return
+            assert stream.waiting_since is not None
+            waited, stream.waiting_since = self.clock() - stream.waiting_since, None
+            if not stream.header_seen:
+                stream.header_seen = True
+                return
+            n = size(message)
+            stream.received += n
+            stream.client_s += waited
+            stream.quiet_s += waited
+            stream.quiet_bytes += n
+            if stream.quiet_bytes >= self.min_rate * stream.quiet_s:
+                stream.quiet_s, stream.quiet_bytes = 0.0, 0
 
     def why_cancel(self, s: Stream, now: float) -> str:
         """Why the reaper cancels stream ``s`` now, or '' (under the lock)."""
@@ -241,7 +254,7 @@ class PushStreams:
             for s, _ in over:
                 s.cancelled = True
         for s, _ in over:
-            s.context.cancel()
+            s.cancel()
         return over
 
     def _reap_until_stopped(self) -> None:

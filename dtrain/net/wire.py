@@ -6,14 +6,16 @@ in ``dtrain/net/proto/dtrain.proto``.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TypeVar
 
 import grpc
+import grpc.aio
 from google.protobuf.message import Message
 
 from dtrain import codec
@@ -235,30 +237,64 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         def deny(_request: object, context: grpc.ServicerContext) -> NoReturn:
             if self._on_denied is not None:
                 self._on_denied(context.peer(), method, why)
-            own = ("; an island's own token must be listed in the coordinator's security.island_tokens (`dtrain "
-                   "admin issue-token NAME`)" if self._island_tokens is not None else "")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: missing or wrong bearer token (set the "
-                          f"token in the environment variable named by security.token_env{own})")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self.denied(why))
 
         handler: grpc.RpcMethodHandler[Any, Any] = HANDLER_KINDS[streams](deny)
         return handler
 
-    def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+    def denied(self, why: str) -> str:
+        """What a refused call is told."""
+        own = ("; an island's own token must be listed in the coordinator's security.island_tokens (`dtrain "
+               "admin issue-token NAME`)" if self._island_tokens is not None else "")
+        return (f"{why}: missing or wrong bearer token (set the token in the environment variable named by "
+                f"security.token_env{own})")
+
+    def refusal(self, details: grpc.HandlerCallDetails) -> str:
+        """'' when the call may go on, else why not ("missing token", "wrong token")."""
         if details.method in self._open:
-            return continuation(details)
+            return ""
         got = ""
         for key, value in details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY and isinstance(value, str):  # bytes only for keys ending in "-bin"
                 got = value
         if self._accepts(got):
-            return continuation(details)
+            return ""
+        return "wrong token" if got else "missing token"
+
+    def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        why = self.refusal(details)
         handler = continuation(details)
-        if handler is None:
-            return None
-        return self._deny(details.method, "wrong token" if got else "missing token",
-                          (handler.request_streaming, handler.response_streaming))
+        if not why or handler is None:
+            return handler
+        return self._deny(details.method, why, (handler.request_streaming, handler.response_streaming))
+
+
+class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`TokenAuthInterceptor` for a ``grpc.aio`` server: the same rule and the same refusal, as a coroutine
+    (``on_denied`` runs on the loop's default executor: it may wait for its owner's lock)."""
+
+    def __init__(self, sync: TokenAuthInterceptor, on_denied: AuthDenied | None = None):
+        self._sync, self._on_denied = sync, on_denied
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(details)
+        why = self._sync.refusal(details)
+        if not why or handler is None:
+            return handler
+        method, on_denied, message = details.method, self._on_denied, self._sync.denied(why)
+
+        async def deny(_request: object, context: grpc.aio.ServicerContext) -> None:
+            if on_denied is not None:
+                await asyncio.get_running_loop().run_in_executor(None, on_denied, context.peer(), method, why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        denied: grpc.RpcMethodHandler[Any, Any] = HANDLER_KINDS[handler.request_streaming,
+                                                                handler.response_streaming](deny)
+        return denied
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -1,0 +1,330 @@
+"""The coordinator's data plane on an event loop: PushDelta and PullGlobal, whose waits cost no thread.
+
+A push stream waits on its client between chunks, and a long-polling pull waits for the next version: on a
+thread-per-call server each wait holds a thread, so a flood of idle streams or parked pulls starves the rounds
+(issue 36). Here both are coroutines on the gRPC server's event loop (``grpc.aio``, run by :class:`LoopServer` on a
+thread of its own): they *await* the client's next message and the next version (:class:`Bell`, rung from the
+clock's commits through ``loop.call_soon_threadsafe``), and hand only CPU work and the lock-holding decisions to a
+bounded executor (:meth:`DataPlane.offload`: the open round's calls, a chunk's CRC, decode and spool write, a pull's
+plan and its frames' pieces). Join, Heartbeat, Status and grpc.health.v1's Check and List are plain functions the
+server runs on its control pool (``grpc.aio.server``'s migration thread pool), never on the loop or the data
+executor. What waits: an idle stream or a parked pull is a coroutine and a few kB; a thread is held only while
+work is done for it (or, on a sharded lead, while a push's parts on the other shards are claimed, and while a push
+that completed its round waits for the clock's merge).
+
+The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
+resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts
+work in the executor. A call its client cancels is cancelled by gRPC at its await; work already handed to the
+executor is waited for before the record is closed (:meth:`DataPlane.offload`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent import futures
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from coordinator.handlers import header_problem
+from coordinator.pending import PushRecord
+from coordinator.push import read_header
+from coordinator.refusals import CallRefused
+from coordinator.rounds_loop import Signal
+from coordinator.streams import Stream, peer_host
+from dtrain.net.proto import dtrain_pb2 as pb
+from dtrain.net.wire import WireError
+
+if TYPE_CHECKING:
+    from coordinator.service import CoordinatorService
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_PULL_WAIT_S = 30.0  # a long poll waits at most this long, whatever wait_s it asked
+PULL_BATCH = 8  # pull messages made per hop to the executor
+_CANCELLED = "push stream cancelled by the coordinator (coordinator.stream_idle_s, stream_min_bytes_per_s, " \
+             "stream_deadline_s)"
+
+
+class Bell:
+    """The clock's last :class:`coordinator.rounds_loop.Signal` as the event loop sees it, and waits on it. Rung
+    from any thread (the clock's, under the service's lock: :meth:`ring`); read and waited on from the loop only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, now: Signal):
+        self.loop, self.now = loop, now
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def ring(self, signal: Signal) -> None:
+        """Any thread: the clock's new signal, handed to the loop (a closed loop, the server stopped: no one to
+        tell)."""
+        try:
+            self.loop.call_soon_threadsafe(self._set, signal)
+        except RuntimeError:
+            pass
+
+    def _set(self, signal: Signal) -> None:
+        self.now = signal
+        waiters, self._waiters = self._waiters, set()
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def wait(self, until: Callable[[Signal], bool], timeout_s: float) -> bool:
+        """Waits (no thread) until ``until(signal)`` holds or ``timeout_s`` has passed; returns whether it holds."""
+        deadline = self.loop.time() + timeout_s
+        while not until(self.now):
+            left = deadline - self.loop.time()
+            if left <= 0:
+                return False
+            w = self.loop.create_future()
+            self._waiters.add(w)
+            try:
+                await asyncio.wait_for(w, left)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(w)
+        return True
+
+
+class DataPlane:
+    """PushDelta and PullGlobal for ``service`` on the running event loop, their work on ``executor``. Made (on the
+    loop) by :class:`LoopServer`'s caller; ``close`` unhooks its bell from the clock."""
+
+    def __init__(self, service: CoordinatorService, executor: futures.ThreadPoolExecutor, max_receiving: int):
+        self.service, self.executor = service, executor
+        self.loop = asyncio.get_running_loop()
+        with service.lock:
+            self.bell = Bell(self.loop, service.loop.signal())
+            service.loop.listeners.append(self.bell.ring)
+        # At most coordinator.max_receiving frames stream in and decode at once (coordinator/push.py): the others
+        # wait here, before their first chunk is read, so their data stays with their clients.
+        self.receiving = asyncio.Semaphore(max_receiving) if max_receiving > 0 else None
+
+    def close(self) -> None:
+        with self.service.lock:
+            if self.bell.ring in self.service.loop.listeners:
+                self.service.loop.listeners.remove(self.bell.ring)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the executor, in this call's context (its CURRENT_CALL). If the call is cancelled
+        meanwhile, the work is waited for before the cancellation goes on: nothing closes what it still uses."""
+        work = self.loop.run_in_executor(self.executor, functools.partial(contextvars.copy_context().run, fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])
+            raise
+
+    async def refuse_request(self, context: grpc.aio.ServicerContext, why: str) -> None:
+        """Ends a call whose request the edge refused (``coordinator/edge.py``): INVALID_ARGUMENT, recorded as every
+        refusal is."""
+        await self.answer(context, CallRefused(grpc.StatusCode.INVALID_ARGUMENT, why))
+
+    async def answer(self, context: grpc.aio.ServicerContext, e: CallRefused) -> None:
+        """Ends the call with refusal ``e``, recorded and marked (``CoordinatorService.refusal``)."""
+        metadata = await self.offload(self.service.refusal, e)
+        if metadata:
+            context.set_trailing_metadata(metadata)
+        await context.abort(e.code, str(e))
+
+    def _identity(self, context: grpc.aio.ServicerContext) -> str | None:
+        return self.service.identity.of(context)  # type: ignore[arg-type]  # aio's context: the same calls
+
+    # -- PushDelta ----------------------------------------------------------------------------------
+
+    async def push(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PushDeltaResponse:
+        """A push stream, counted for its peer host and reaped if its client stalls (``coordinator/streams.py``),
+        driven through the open round's calls (``coordinator/open_round.py``)."""
+        svc = self.service
+        cancelled: asyncio.Future[None] = self.loop.create_future()
+
+        def cancelling() -> None:
+            if not cancelled.done():
+                cancelled.set_result(None)
+
+        def cancel() -> None:  # the reaper's thread
+            self.loop.call_soon_threadsafe(cancelling)
+
+        stream = svc.push_streams.open(peer_host(context.peer()), cancel)
+        if isinstance(stream, str):
+            await self.answer(context, CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True))
+            raise AssertionError("unreachable: abort raises")
+        rec: PushRecord | None = None
+        refused: CallRefused | None = None
+        try:
+            first = await self._next(requests, stream, cancelled)
+            problem = header_problem(first)
+            if problem:
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"PushDelta: header.{problem}")
+            try:
+                h = read_header(iter([] if first is None else [first]), svc.tree_digest, svc.merger.fragments)
+            except WireError as e:
+                raise CallRefused(e.code, str(e)) from None
+            stream.island = h.island_id  # named; counted for it once its data arrives (claim, below)
+            begun = await self.offload(svc.round.begin, h, self._identity(context))
+            if isinstance(begun, pb.PushDeltaResponse):
+                return begun
+            rec = begun
+            await self._receive(rec, requests, stream, cancelled)
+            return await self.offload(svc.round.finish, rec)
+        except _Cancelled:  # by the reaper, which recorded why
+            if rec is not None:
+                await self.offload(svc.round.broke, rec)  # its push_aborted event
+            refused = CallRefused(grpc.StatusCode.CANCELLED, _CANCELLED, record=False)
+        except asyncio.CancelledError:  # its client went away
+            if rec is not None and rec.upload is not None and not rec.upload.ended:
+                await asyncio.shield(self.offload(svc.round.broke, rec))
+            raise
+        except CallRefused as e:
+            refused = e
+        finally:  # before the refusal is answered: a client told of it finds its stream's place free
+            if rec is not None:
+                await asyncio.shield(self.offload(svc.round.close, rec))
+            svc.push_streams.close(stream)
+        assert refused is not None
+        await self.answer(context, refused)
+        raise AssertionError("unreachable: abort raises")
+
+    async def _receive(self, rec: PushRecord, requests: AsyncIterator[Any], stream: Stream,
+                       cancelled: asyncio.Future[None]) -> None:
+        """The push's chunks, each handed to the open round on the executor; its island's stream slot taken at the
+        first (RESOURCE_EXHAUSTED, busy, when its island holds its limit)."""
+        assert rec.upload is not None
+        if self.receiving is not None:
+            await self.receiving.acquire()
+        try:
+            while (msg := await self._next(requests, stream, cancelled)) is not None:
+                if not rec.upload.started:
+                    over = self.service.push_streams.claim(stream, rec.info.island_id)
+                    if over:
+                        raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
+                await self.offload(self.service.round.chunk, rec, msg)
+        finally:
+            if self.receiving is not None:
+                self.receiving.release()
+
+    async def _next(self, requests: AsyncIterator[Any], stream: Stream, cancelled: asyncio.Future[None]) -> Any:
+        """The client's next message (None: it half-closed), the wait marked on ``stream`` for the reaper;
+        _Cancelled if the reaper cancels the stream first."""
+        streams = self.service.push_streams
+        streams.waiting(stream)
+        read = asyncio.ensure_future(_anext(requests))
+        try:
+            await asyncio.wait((read, cancelled), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            read.cancel()
+            streams.arrived(stream, None, failed=True)
+            raise
+        if not read.done():
+            read.cancel()
+            streams.arrived(stream, None, failed=True)
+            raise _Cancelled
+        try:
+            message = read.result()
+        except grpc.aio.AioRpcError:  # the call broke
+            streams.arrived(stream, None, failed=True)
+            raise asyncio.CancelledError from None
+        streams.arrived(stream, message)
+        return message
+
+    # -- PullGlobal ---------------------------------------------------------------------------------
+
+    async def pull(self, request: pb.PullRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PullMessage | bytes]:
+        """A pull within its island's and its peer's quota; a long poll (``wait_s`` > 0 on the current version)
+        waits for the next version on the bell, holding no thread."""
+        svc = self.service
+        try:
+            if not 0 <= request.wait_s <= 3600:
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+            await self.offload(svc.check_pull, request, self._identity(context))
+            pull = svc.pulls.open(peer_host(context.peer()), request.island_id)  # long polls included
+            if isinstance(pull, str):
+                raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, pull, busy=True)
+        except CallRefused as e:
+            await self.answer(context, e)
+            return
+        messages: Iterator[pb.PullMessage | bytes] | None = None
+        try:
+            have = request.have_version
+            if request.wait_s > 0 and not request.full and have == self.bell.now.version:
+                await self.bell.wait(lambda s: s.version > have or s.over, min(request.wait_s, MAX_PULL_WAIT_S))
+            messages = await self.offload(svc.pull_messages, request)
+            while batch := await self.offload(_take, messages, PULL_BATCH):
+                for m in batch:
+                    yield m
+        finally:
+            if messages is not None and hasattr(messages, "close"):
+                messages.close()  # its stream count ends (FrameStreams)
+            svc.pulls.close(pull)
+
+
+class _Cancelled(Exception):
+    """The reaper cancelled the stream."""
+
+
+async def _anext(requests: AsyncIterator[Any]) -> Any:
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _take(messages: Iterator[T], n: int) -> list[T]:
+    return list(itertools.islice(messages, n))
+
+
+class LoopServer:
+    """A ``grpc.aio`` server on an event loop run by a thread of its own, with the calls a thread-per-call
+    server's owner makes (``start``, ``stop(grace).wait()``). ``build()`` runs on the loop and returns the server
+    (its handlers, interceptors, ports: an aio server belongs to the loop it is made on)."""
+
+    def __init__(self, pools: tuple[futures.Executor, ...] = ()):
+        """``pools``: the executors the server's calls use, shut down after it stops."""
+        self.pools = pools
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+        self.server: grpc.aio.Server | None = None
+        self._stopped = threading.Event()
+
+    def run(self, work: Awaitable[T] | Callable[[], T], timeout: float | None = 60.0) -> T:
+        """``work`` (a coroutine, or a plain function) on the loop; its result."""
+        if not asyncio.iscoroutine(work):
+            fn = work
+
+            async def call() -> T:
+                return fn()  # type: ignore[operator]
+            work = call()
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    def start(self) -> None:
+        assert self.server is not None
+        self.run(self.server.start())
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops the server (calls in flight get ``grace`` seconds) and the loop; the returned event is set (its
+        ``wait()`` returns at once). Idempotent."""
+        if not self._stopped.is_set():
+            if self.server is not None:
+                try:
+                    self.run(self.server.stop(grace), timeout=(grace or 0.0) + 30)
+                except Exception:  # noqa: BLE001 - the loop is stopped all the same
+                    log.exception("stopping the gRPC server")
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self.loop.close()
+            for pool in self.pools:
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+        return self._stopped
