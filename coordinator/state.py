@@ -394,7 +394,8 @@ class CoordinatorState:
         if self.stopped():
             self._stopped_at = float(now)
             done = f"; the run is over ({self.version} versions)"
-        return self.version, merged, (f"merged {len(merged)} deltas ({', '.join(self.islands[i.island_id].name for i in merged)}; "
+        names = ", ".join(self.islands[i.island_id].name for i in merged)
+        return self.version, merged, (f"merged {len(merged)} deltas ({names}; "
                                       f"{tokens} tokens) into version {self.version} ({why}){done}")
 
     def finished(self, now: float) -> tuple[bool, str]:

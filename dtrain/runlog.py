@@ -25,7 +25,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +261,22 @@ def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version:
     if extra:
         parts.append(extra)
     return " ".join(parts)
+
+
+RECENT_VERSIONS = 5  # the versions whose pace :func:`expected_end` projects
+
+
+def expected_end(version: int, left: int, recent: Sequence[int], planned: int) -> int:
+    """The version a run whose data decides its end (step rounds) is expected to end at, the ``~N`` of "v5 of ~N":
+    ``version`` plus the versions the data ``left`` takes at the pace of the ``recent`` versions (the data each
+    merged, at most the last :data:`RECENT_VERSIONS`: the rounds of the islands live now, so that a lost or
+    restarted island's absence moves the figure), or ``planned`` (the run's plan: its data over every island's
+    round) before a version was merged. ``left`` and ``recent`` in one unit (tokens, or sequences)."""
+    recent = [n for n in recent[-RECENT_VERSIONS:] if n > 0]
+    if not recent:
+        return max(planned, version)
+    per_version = sum(recent) / len(recent)
+    return version + max(math.ceil(max(left, 0) / per_version - 1e-9), 0)
 
 
 class EventTail:

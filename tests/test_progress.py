@@ -18,7 +18,7 @@ from dtrain import codec
 from dtrain.audit import AuditParams, audit
 from dtrain.config.load import load_config
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
+from dtrain.runlog import EventTail, RunLog, expected_end, fmt_progress, read_events
 from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.run_watch import RunWatch
 from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
@@ -118,6 +118,23 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
     w.coordinator([{"event": "round_merged", "version": 2, "pushes": [{"shard": 1, "start": 320, "end": 480},
                                                                       {"shard": 0, "start": 160, "end": 320}]}])
     assert w.merged_sequences() == 640 and "data 640/960" in w.line(running=2)
+
+
+def test_the_expected_end_moves_with_the_pace_when_an_island_is_lost():
+    """The driver's "v4/~N": the plan before a merge; then the data left at the latest versions' pace."""
+    assert expected_end(0, 960, [], 6) == 6 and expected_end(3, 0, [160], 6) == 3
+    assert expected_end(2, 640, [160, 160], 6) == 6 and expected_end(2, 641, [160, 160], 6) == 7
+    assert expected_end(4, 320, [0, 0], 6) == 6  # versions that merged nothing set no pace
+    w = RunWatch(islands=2, expected_versions=6, shard_end=480)  # 2 x 80 sequences a version: 6 versions
+    assert w.known_total == 6
+    w.coordinator([{"event": "round_merged", "version": 1, "t": 1.0,
+                    "pushes": [{"shard": 0, "start": 0, "end": 80}, {"shard": 1, "start": 0, "end": 80}]}])
+    assert w.known_total == 6
+    for v in range(2, 7):  # island-1 lost: island-0 alone, 80 a version
+        w.coordinator([{"event": "round_merged", "version": v, "t": float(v),
+                        "pushes": [{"shard": 0, "start": 80 * (v - 1), "end": 80 * v}]}])
+    assert w.merged_sequences() == 560 and w.known_total == 6 + 5  # 400 left at 80 a version
+    assert w.line(running=1).startswith("simulate: v6/~11 data 560/960 ")
 
 
 # --- the island -------------------------------------------------------------------------------------------
