@@ -226,7 +226,7 @@ def test_the_clients_heartbeat_carries_train_loss_utilization_and_eval_reports(n
     assert (isl.device_kind, isl.train_loss, isl.utilization) == ("TPU v5 lite", 2.5, 0.0)
     assert [(p.version, p.loss) for p in st.evals] == [(0, 4.25)]
     (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
-    assert (ev["version"], ev["loss"], ev["island"]) == (0, 4.25, joined.island_id)
+    assert (ev["version"], ev["loss"], ev["island"], ev["island_id"]) == (0, 4.25, "isl", joined.island_id)
 
 
 def test_an_island_runs_quietly_without_a_terminal():
