@@ -73,6 +73,35 @@ def test_live_status_lines_are_drawn_by_rich_with_the_progress_lines_above(tmp_p
     assert quiet.getvalue() == ""
 
 
+def test_events_and_lines_name_an_island_by_its_name_with_its_shard_and_id_beside(tmp_path):
+    """The coordinator's RunLog names islands (dtrain.runlog.IslandNames): a known id in ``island`` becomes the name,
+    with the shard it trains now and the id; lists and pushes name islands; a known id in a text becomes the name;
+    push ids (the id and a suffix), unknown ids (what a client sent) and a record forgotten since stay right."""
+    records = {"island-1-0": ("island-1", 2), "island-1-0.1": ("other", 3), "a-0": ("a", 0)}
+    out = io.StringIO()
+    log = RunLog(tmp_path)
+    log.name_islands(lambda: dict(records))
+    with cli_logging(out, live=False):
+        log.event("island_lost", island="island-1-0", reason="lease of island-1-0 expired; island-1-0.1 stays")
+        log.event("island_joined", island="a-0", name="a", shard=0, reason="joined as a-0: free shard 0")
+        log.event("push_refused", island="island-9-9", push_id="island-1-0-4f2a", reason="push island-1-0-4f2a")
+        log.event("round_merged", version=1, pushes=[{"island": "a-0", "push_id": "a-0-1"}], islands=["a-0", "x"])
+        del records["a-0"]  # forgotten: its name is kept
+        log.event("eval", version=1, island="a-0", confirmed_by=["a-0", "island-1-0"])
+        log.progress("v1: quarantined push a-0-77 from a-0: lost island-1-0.")
+    log.close()
+    lost, joined, refused, merged, ev = read_events(tmp_path)
+    assert (lost["island"], lost["shard"], lost["island_id"]) == ("island-1", 2, "island-1-0")
+    assert lost["reason"] == "lease of island-1 expired; other stays"
+    assert (joined["island"], joined["shard"], joined["island_id"], joined["name"]) == ("a", 0, "a-0", "a")
+    assert joined["reason"] == "joined as a: free shard 0"
+    assert (refused["island"], refused["push_id"]) == ("island-9-9", "island-1-0-4f2a") and "island_id" not in refused
+    assert refused["reason"] == "push island-1-0-4f2a"
+    assert merged["pushes"] == [{"island": "a", "push_id": "a-0-1"}] and merged["islands"] == ["a", "x"]
+    assert (ev["island"], ev["island_id"], ev["confirmed_by"]) == ("a", "a-0", ["a", "island-1"])
+    assert out.getvalue().splitlines()[-1].endswith("] v1: quarantined push a-0-77 from a: lost island-1.")
+
+
 def test_an_event_tail_returns_new_events_and_waits_for_a_line_to_end(tmp_path):
     tail = EventTail(tmp_path)
     assert tail.read() == []  # no file yet
