@@ -223,6 +223,8 @@ def test_the_whole_run_on_the_page_at_start_after_a_kill_and_after_the_end(tmp_p
         history = _history(url)
         assert [p["version"] for p in history["points"]] == merged == list(range(1, merged[-1] + 1))
         assert history["finished"] and history["finished"]["version"] == merged[-1]
+        # "v5 of ~N" followed the data, not the plan: the run took more versions than its 30 (island-1 was away)
+        assert history["run"]["expected_versions"] == 30 < merged[-1] == history["expected_versions"]
         assert all(p["train_loss"] for p in history["points"][1:])  # every version has the islands' losses
         end = _shot(url, tmp_path / "dashboard-3-finished.png")
         assert 'id="conn" class="over"' in end and "The run finished at " in end
