@@ -284,9 +284,9 @@ def _side_runner(attack: Attack, run_dir: Path, cfg: Config, stop: threading.Eve
 # -- a run and its verdict --------------------------------------------------------------------------------------
 
 
-def _of(island_id: str, names: tuple[str, ...] | list[str]) -> str | None:
-    """The island name (island-N) an island id (island-N-SHARD) belongs to."""
-    return next((n for n in names if island_id.startswith(n + "-")), None)
+def _of(island: str, names: tuple[str, ...] | list[str]) -> str | None:
+    """The island an event names (its ``island`` field: the island's name), if it is one of ``names``."""
+    return island if island in names else None
 
 
 def verdict(name: str, summary: dict[str, Any] | None, coord_events: list[dict[str, Any]],

@@ -100,7 +100,7 @@ def judge(opts: StateOptions, info: PushInfo, record: IslandRecord, version: int
     if c.mode == "sync" and info.island_id in ledger.pending_islands():
         prior = next(p for p in ledger.pending.values() if p.info.island_id == info.island_id)
         raise StateError("FAILED_PRECONDITION",
-                         f"{info.island_id} already pushed for version {target} (push {prior.info.push_id}); "
+                         f"{record.name} already pushed for version {target} (push {prior.info.push_id}); "
                          f"wait for the round to close")
     if staleness % opts.fragments:  # outer.fragments: the open round merges another fragment than the push's
         return Admission("drop", 0.0, staleness, target,
@@ -135,15 +135,15 @@ def _misplaced(info: PushInfo, record: IslandRecord, ledger: PushLedger, live: l
     if record.state == "lost":  # a late delta (a hung island back): judged like any other while its segment is free
         holder = next((r for r in live if (r.shard_index, r.segment_start) == own.key), None)
         if holder is not None:
-            return (f"{info.island_id}'s lease expired at t={record.lease_expiry:.1f} and "
-                    f"{holder.island_id} took over {where}: push {info.push_id} "
+            return (f"{record.name}'s lease expired at t={record.lease_expiry:.1f} and "
+                    f"{holder.name} took over {where}: push {info.push_id} "
                     f"dropped, rejoin (call Join again); {rewind}")
     if info.shard_index != record.shard_index:
-        return (f"push {info.push_id} covers shard {info.shard_index}, but {info.island_id} now holds "
+        return (f"push {info.push_id} covers shard {info.shard_index}, but {record.name} now holds "
                 f"{where}: dropped, {rewind}")
     here = ledger.segment_at(info.shard_index, info.cursor_start)
     if here is not None and here.key != own.key:  # it moved to another segment of the shard at a rejoin
-        return (f"push {info.push_id} covers {here.describe(ledger.opts.shard_end)}, but {info.island_id} now "
+        return (f"push {info.push_id} covers {here.describe(ledger.opts.shard_end)}, but {record.name} now "
                 f"holds {where}: dropped, {rewind}")
     if info.cursor_start != cursor:
         why = ("overlaps data merged or pending" if info.cursor_start < cursor
@@ -192,11 +192,11 @@ def check_standing(c: CoordinatorConfig, info: PushInfo, record: IslandRecord, n
     one that comes while its island is throttled after a rejection (:func:`penalize`): that refusal carries the
     seconds left (``retry_after_s``)."""
     if record.state == "quarantined":
-        raise StateError("FAILED_PRECONDITION", f"push {info.push_id} refused: {record.island_id} is quarantined "
+        raise StateError("FAILED_PRECONDITION", f"push {info.push_id} refused: {record.name} is quarantined "
                                                 f"({record.stop_reason})", stopped=True)
     if now < record.throttled_until:
         raise StateError("FAILED_PRECONDITION",
-                         f"push {info.push_id} refused: {record.island_id} is throttled for "
+                         f"push {info.push_id} refused: {record.name} is throttled for "
                          f"{record.throttled_until - now:.1f}s more after {record.rejections} rejected push"
                          f"{'es' * (record.rejections != 1)} in a row (coordinator.reject_backoff_s "
                          f"{c.reject_backoff_s:g})", retry_after_s=record.throttled_until - now)

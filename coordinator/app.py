@@ -98,6 +98,8 @@ def build_service(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | N
             theta0, digests = lead_theta0(cfg, theta, spec)
             loaded = new_run(cfg, opts, run_dir, theta0, loaded_at, spec)
         stack.callback(loaded.merger.close)
+        islands = loaded.state.islands  # events and log lines name an island by its name (dtrain.runlog.IslandNames)
+        log.name_islands(lambda: {r.island_id: (r.name, r.shard_index) for r in list(islands.values())})
         store = open_theta_store(cfg, loaded.merger, digests)  # local or sharded: decided here, once
         stack.callback(store.close)
         if c.shards > 1:

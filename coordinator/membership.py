@@ -88,9 +88,9 @@ def check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]],
     mesh = record.mesh_devices
     if isinstance(devices, bool) or not isinstance(devices, int) or not 0 <= devices <= mesh:
         refuse(f"devices={devices!r}: must be an integer from 0 (not reported) to the {mesh} devices "
-               f"{record.island_id} declared at Join")
+               f"{record.name} declared at Join")
     if len(quarantined) > min(mesh, MAX_EVIDENCE):
-        refuse(f"quarantined: {len(quarantined)} devices reported, {record.island_id}'s mesh holds {mesh} "
+        refuse(f"quarantined: {len(quarantined)} devices reported, {record.name}'s mesh holds {mesh} "
                f"(declared at Join)")
     report: list[DeviceEvidence] = []
     for i, item in enumerate(quarantined):
@@ -103,7 +103,7 @@ def check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]],
         if len(ev.detail) > MAX_EVIDENCE_DETAIL:
             refuse(f"quarantined[{i}].detail: {len(ev.detail)} characters, at most {MAX_EVIDENCE_DETAIL}")
         if ev.index >= mesh:
-            refuse(f"quarantined[{i}].index={ev.index}: outside {record.island_id}'s mesh of {mesh} devices")
+            refuse(f"quarantined[{i}].index={ev.index}: outside {record.name}'s mesh of {mesh} devices")
         for other in report:
             if other.device == ev.device:
                 refuse(f"quarantined[{i}]: device {ev.device} is named twice")
@@ -113,11 +113,11 @@ def check_report(record: IslandRecord, quarantined: Sequence[Mapping[str, Any]],
         report.append(ev)
     if devices and devices + len(report) > mesh:
         refuse(f"devices={devices} healthy and {len(report)} quarantined: more than the {mesh} devices of "
-               f"{record.island_id}'s mesh")
+               f"{record.name}'s mesh")
     known = {e.device for e in record.quarantined}
     total = len(known | {e.device for e in report})
     if total > mesh:
-        refuse(f"quarantined: {record.island_id} would have {total} devices quarantined, its mesh holds {mesh}")
+        refuse(f"quarantined: {record.name} would have {total} devices quarantined, its mesh holds {mesh}")
     names = {str(e.device) for e in report}
     if report and bad_devices and set(bad_devices) != names:
         refuse(f"bad_devices {sorted(bad_devices)} do not name the quarantined devices {sorted(names)}")
@@ -172,7 +172,7 @@ class Membership:
     def holders(self) -> str:
         """The live islands and their segments, for a refusal's reason."""
         shard_end = self.opts.shard_end
-        return ", ".join(f"{r.island_id} ({self.segment(r).describe(shard_end)})"
+        return ", ".join(f"{r.name} ({self.segment(r).describe(shard_end)})"
                          for r in sorted(self.live(), key=lambda r: (r.shard_index, r.segment_start)))
 
     def describe(self, seg: Segment) -> str:
@@ -191,7 +191,7 @@ class Membership:
         lease = now + self.opts.coordinator.lease_s
         old = self.by_name(name)
         if old is not None and old.state == "quarantined":
-            raise StateError("FAILED_PRECONDITION", f"{name} ({old.island_id}) may not join again: {old.stop_reason}")
+            raise StateError("FAILED_PRECONDITION", f"{name} may not join again: {old.stop_reason}")
         if old is not None:
             was = old.state
             seg, how, split = self._rejoin_segment(old)
@@ -213,7 +213,7 @@ class Membership:
         previous = self.lost_holder(seg)
         cursor = self.ledger.cursor(seg)
         if previous is not None:
-            how = f"took over {self.describe(seg)} of lost island {previous.island_id} at cursor {cursor}"
+            how = f"took over {self.describe(seg)} of lost island {previous.name} at cursor {cursor}"
         else:
             how = f"assigned free {self.describe(seg)} at cursor {cursor}"
         record = IslandRecord(island_id=island_id, name=name, hardware=kind, devices=devices, mesh_devices=devices,
@@ -232,10 +232,10 @@ class Membership:
         if taker is None and self.ledger.data_left(own):
             return own, f"kept {self.describe(own)}", False
         if orphan is not None:  # the island's segment is done (or taken): it finishes another's
-            mine = (f"its {self.describe(own)} was taken over by {taker.island_id}" if taker is not None
+            mine = (f"its {self.describe(own)} was taken over by {taker.name}" if taker is not None
                     else f"its {self.describe(own)} is done")
             lost = self.lost_holder(orphan)
-            whose = f" of lost island {lost.island_id}" if lost is not None else ""
+            whose = f" of lost island {lost.name}" if lost is not None else ""
             return orphan, (f"{mine}; took over {self.describe(orphan)}{whose}, which no live island holds and has "
                             f"data left"), lost is not None
         if taker is None:
@@ -243,9 +243,9 @@ class Membership:
         free = self.free_segments(exclude=old.island_id)
         if not free:
             raise StateError("FAILED_PRECONDITION",
-                             f"{old.island_id} cannot rejoin: its {self.describe(own)} was taken over by "
-                             f"{taker.island_id} and {self.all_held()} are held by live islands: {self.holders()}")
-        return free[0], (f"its {self.describe(own)} was taken over by {taker.island_id}, moved to free "
+                             f"{old.name} cannot rejoin: its {self.describe(own)} was taken over by "
+                             f"{taker.name} and {self.all_held()} are held by live islands: {self.holders()}")
+        return free[0], (f"its {self.describe(own)} was taken over by {taker.name}, moved to free "
                          f"{self.describe(free[0])}"), False
 
     def _split(self, seg: Segment, taker: IslandRecord) -> str:
@@ -279,7 +279,7 @@ class Membership:
         if record.state == "lost":
             if over:  # nothing to rejoin for: the island's lease is not renewed either
                 return "stop", over
-            return "rejoin", (f"{island_id}'s lease expired at t={record.lease_expiry:.1f} "
+            return "rejoin", (f"{record.name}'s lease expired at t={record.lease_expiry:.1f} "
                               f"(now t={now:.1f}): call Join again")
         record.version, record.steps, record.tokens_reported = version, steps, tokens
         record.steps_per_s, record.params_digest = float(steps_per_s), params_digest
@@ -308,7 +308,7 @@ class Membership:
         own = self.segment(record)
         orphan = None if self.ledger.data_left(own) else self.orphan(exclude=island_id)
         if orphan is not None:
-            return "rejoin", (f"{island_id}'s {self.describe(own)} is done and {self.describe(orphan)} has data no "
+            return "rejoin", (f"{record.name}'s {self.describe(own)} is done and {self.describe(orphan)} has data no "
                               f"live island trains (from cursor {self.ledger.cursor(orphan)}): call Join to "
                               f"take it over{rejected}")
         if version < current:

@@ -17,8 +17,8 @@ from coordinator.ledger import PushLedger
 from coordinator.records import IslandRecord, StateOptions
 
 
-def _ids(ids: list[str]) -> str:
-    return ", ".join(ids) if ids else "none"
+def _ids(names: list[str]) -> str:
+    return ", ".join(names) if names else "none"
 
 
 def round_ready(opts: StateOptions, version: int, over: str, live: list[IslandRecord], ledger: PushLedger,
@@ -38,7 +38,7 @@ def round_ready(opts: StateOptions, version: int, over: str, live: list[IslandRe
     # a free segment with data left (a lost island's, or a piece of one) goes to the next live island out of data,
     # at its next heartbeat: the round waits for those islands too, so a piece is trained in this round
     orphans = any(key not in held and ledger.data_left(seg) for key, seg in ledger.segments.items())
-    missing = [r.island_id for r in live  # an island throttled after a rejected push is not waited for
+    missing = [r.name for r in live  # an island throttled after a rejected push is not waited for
                if r.island_id not in pushed | ledger.round_rejected
                and (orphans or ledger.data_left(ledger.segment(r.shard_index, r.segment_start)))
                and r.throttled_until <= now]
@@ -69,7 +69,7 @@ def finished(opts: StateOptions, version: int, over: str, live: list[IslandRecor
     ``stopped_at`` (an island that has not pulled the last version by then finds no coordinator)."""
     if not over:
         return False, f"the run goes on: {version} of {opts.total_versions} versions merged"
-    behind = [r.island_id for r in sorted(live, key=lambda r: r.shard_index) if r.version < version]
+    behind = [r.name for r in sorted(live, key=lambda r: r.shard_index) if r.version < version]
     done = f"the run is over ({version} versions)"
     if not behind:
         return True, f"{done} and every live island holds version {version}"

@@ -36,13 +36,15 @@ def run_status(run_dir: Path, history: RunHistory, now: float) -> dict[str, Any]
             run = e
         elif kind == "island_joined":
             name = island_of(e)
-            row = rows.setdefault(name, pb.IslandStatus(island_id=name, name=str(e.get("name", name))))
+            row = rows.setdefault(name, pb.IslandStatus(island_id=str(e.get("island_id") or name),
+                                                        name=str(e.get("name", name))))
             row.shard_index, row.hardware = int(e.get("shard", 0)), str(e.get("hardware", ""))
             row.devices, row.device_kind = int(e.get("devices", 0)), str(e.get("device_kind", ""))
         elif kind == "round_merged":
             version = int(e["version"])
             for p in e.get("pushes", []):
-                row = rows.setdefault(island_of(p), pb.IslandStatus(island_id=island_of(p), name=island_of(p)))
+                row = rows.setdefault(island_of(p), pb.IslandStatus(island_id=str(p.get("island_id") or island_of(p)),
+                                                                    name=island_of(p)))
                 row.tokens_merged += int(p.get("tokens", 0))
                 row.pushes_merged += 1
                 row.version = version

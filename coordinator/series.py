@@ -1,7 +1,8 @@
 """The run's history per version, as the dashboard draws it on load (``GET /api/history``) and ``dtrain dashboard
 RUN_DIR`` serves it after the run: one point per merged version (when, tokens merged, bytes, merge time, pushes,
 tokens/s since the version before, each island's latest train loss), the recoveries (a coordinator resumed, an
-island lost, an island that joined again), when the run started and finished.
+island lost, an island that joined again), when the run started and finished, and the version its data is
+expected to end at (:func:`dtrain.runlog.expected_end`, at the pace of the latest versions: a lost island moves it).
 
 A fold over the coordinator's events (:meth:`RunSeries.observe`, fed by :class:`coordinator.history.RunHistory`),
 bounded in memory: past :data:`MAX_POINTS` points every other one is dropped (the newest is always kept) and
@@ -17,6 +18,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from dtrain.runlog import expected_end
 
 HISTORY_FILE = "history.json"
 MAX_POINTS = 2000  # points kept in memory (and in the file) before every other one is dropped
@@ -45,6 +48,7 @@ class RunSeries:
         self._joined: set[str] = set()
         self._names: dict[str, str] = {}  # island id -> its name (its Join's): what the page shows
         self._saved_at = 0.0
+        self.expected: int | None = None  # the version the data is expected to end at, after the latest merge
 
     def load_losses(self, run_dir: Path) -> None:
         """Takes the train losses back from ``run_dir``'s history file, if any (a replay: heartbeats are not
@@ -83,7 +87,9 @@ class RunSeries:
             self._lost[island] = t
             self._recovery(t, "lost", island, self._version(), f"{island} lost: {record.get('reason', '')}")
         elif kind == "island_joined":
-            self._names[str(record.get("island", ""))] = str(record.get("name") or record.get("island", ""))
+            # the islands' train losses are keyed by island id (their heartbeats'): the id -> the name shown
+            self._names[str(record.get("island_id") or record.get("island", ""))] = str(record.get("name")
+                                                                                        or record.get("island", ""))
             island = self._name(record)
             if island in self._joined:
                 since = self._lost.pop(island, None)
@@ -129,11 +135,15 @@ class RunSeries:
             last = len(self.points) - 1
             self.points = [p for i, p in enumerate(self.points) if i % 2 == 0 or i == last]
             self.stride *= 2
+        total, plan = int(self.run.get("tokens_total") or 0), int(self.run.get("expected_versions") or 0)
+        if total and not self.run.get("total_versions"):  # the data decides the end: "v5 of ~N"
+            self.expected = expected_end(version, total - tokens, [p["round_tokens"] for p in self.points], plan)
         self.save(now=t)
 
     def doc(self) -> dict[str, Any]:
         """The history document (JSON-able)."""
-        return {"source": "coordinator", "run": dict(self.run), "started_at": self.started_at,
+        return {"source": "coordinator", "run": dict(self.run), "expected_versions": self.expected,
+                "started_at": self.started_at,
                 "finished": self.finished, "stopped_at": self.stopped_at, "stride": self.stride,
                 "points": list(self.points), "evals": list(self.evals), "recoveries": list(self.recoveries)}
 

@@ -195,10 +195,10 @@ class CoordinatorState:
         if record is None:
             raise StateError("NOT_FOUND", f"unknown island_id {island_id!r}: call Join first")
         if record.state == "quarantined":
-            raise StateError("FAILED_PRECONDITION", f"pull refused: {island_id} is quarantined "
+            raise StateError("FAILED_PRECONDITION", f"pull refused: {record.name} is quarantined "
                                                     f"({record.stop_reason})", stopped=True)
         if record.state == "lost":
-            raise StateError("FAILED_PRECONDITION", f"pull refused: {island_id} is lost (its lease expired at "
+            raise StateError("FAILED_PRECONDITION", f"pull refused: {record.name} is lost (its lease expired at "
                                                     f"t={record.lease_expiry:.1f}): rejoin (call Join again) to "
                                                     f"pull", busy=True)
         if have_version > self.version:
@@ -394,7 +394,8 @@ class CoordinatorState:
         if self.stopped():
             self._stopped_at = float(now)
             done = f"; the run is over ({self.version} versions)"
-        return self.version, merged, (f"merged {len(merged)} deltas ({', '.join(i.island_id for i in merged)}; "
+        names = ", ".join(self.islands[i.island_id].name for i in merged)
+        return self.version, merged, (f"merged {len(merged)} deltas ({names}; "
                                       f"{tokens} tokens) into version {self.version} ({why}){done}")
 
     def finished(self, now: float) -> tuple[bool, str]:

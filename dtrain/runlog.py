@@ -25,7 +25,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,12 @@ class RunLog:
         self.logger = logging.getLogger(logger)
         self._status: dict[str, tuple[str, dict[str, Any]]] = {}  # status key -> its last line and extra
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._names: IslandNames | None = None
+
+    def name_islands(self, islands: Callable[[], Mapping[str, tuple[str, int]]]) -> None:
+        """From now on, events and progress lines name islands by name (:class:`IslandNames`): ``islands()``
+        returns each island id the coordinator knows with its (name, shard now)."""
+        self._names = IslandNames(islands)
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Calls ``listener(record)`` after each event is written (the coordinator's dashboard history, its
@@ -75,6 +81,8 @@ class RunLog:
         self._listeners.append(listener)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        if self._names is not None:
+            fields = self._names.fields(fields)
         record = {"t": round(time.time(), 3), "elapsed_s": round(time.time() - self.t0, 3), "event": kind, **fields}
         self._events.write(json.dumps(record, default=_jsonable) + "\n")
         for listener in self._listeners:
@@ -85,6 +93,8 @@ class RunLog:
         """Logs one line that stays (an INFO record; shown as ``[ elapsed s] line``, above any live status
         lines). Control characters in it are escaped (:func:`printable`): a line may quote what a client sent."""
         if not self.quiet:
+            if self._names is not None:
+                line = self._names.text(line)
             self.logger.info(printable(line), extra={ELAPSED_S: time.time() - self.t0})
 
     def status(self, key: str, line: str, done: int | None = None, total: int | None = None,
@@ -112,6 +122,63 @@ class RunLog:
             self.logger.info(line, extra={**extra, ELAPSED_S: time.time() - self.t0, STATUS_END: True})
         self._status.clear()
         self._events.close()
+
+
+class IslandNames:
+    """One island name everywhere a person or a tool reads it. The coordinator keys an island's record by its
+    island id, ``NAME-SHARD`` (its name and the shard it got at its first Join, docs/cli.md), which the protocol
+    carries; its events and log lines name the island by its name instead, here, in one place: an event's
+    ``island`` field holding a known id becomes the name, with the island's shard now as ``shard`` (unless the
+    event gives one) and the id as ``island_id``; a list of ids (``islands``, ``confirmed_by``) and the
+    ``island`` of a dict in a list (``round_merged``'s pushes) become names; a known id in any other text (a
+    reason, an error, a progress line) becomes the name. Push ids (which start with the id) and unknown ids
+    (what a client sent) stay as they are. ``islands()``: each id the coordinator knows -> (name, shard now); an
+    id seen once keeps its name after its record is forgotten."""
+
+    def __init__(self, islands: Callable[[], Mapping[str, tuple[str, int]]]):
+        self.islands = islands
+        self.known: dict[str, tuple[str, int]] = {}
+        self._pattern: tuple[frozenset[str], re.Pattern[str] | None] = (frozenset(), None)
+
+    def _refresh(self) -> dict[str, tuple[str, int]]:
+        self.known.update(self.islands())
+        return self.known
+
+    def fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """An event's fields with islands named (see the class docstring)."""
+        known = self._refresh()
+        out: dict[str, Any] = {}
+        for key, value in fields.items():
+            if key == "island" and isinstance(value, str) and value in known:
+                name, shard = known[value]
+                out["island"] = name
+                if "shard" not in fields:
+                    out["shard"] = shard
+                out["island_id"] = value
+            elif key in ("island_id", "push_id", "push_ids"):
+                out[key] = value
+            elif isinstance(value, str):
+                out[key] = self._text(value, known)
+            elif isinstance(value, list):
+                out[key] = [known[v][0] if isinstance(v, str) and v in known else
+                            {**v, "island": known[v["island"]][0]} if isinstance(v, dict)
+                            and isinstance(v.get("island"), str) and v["island"] in known else v for v in value]
+            else:
+                out[key] = value
+        return out
+
+    def text(self, text: str) -> str:
+        """``text`` with each known island id in it written as the island's name."""
+        return self._text(text, self._refresh())
+
+    def _text(self, text: str, known: Mapping[str, tuple[str, int]]) -> str:
+        ids = frozenset(known)
+        if ids != self._pattern[0]:  # longest first: island-1-0.1 before island-1-0
+            alternatives = "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True))
+            # not inside a longer word or id: a push id (the id and a suffix) stays as it is
+            self._pattern = ids, re.compile(rf"(?<![\w.-])(?:{alternatives})(?![\w-]|\.\d)") if ids else None
+        pattern = self._pattern[1]
+        return text if pattern is None else pattern.sub(lambda m: known[m.group(0)][0], text)
 
 
 def printable(text: str, limit: int = 0) -> str:
@@ -194,6 +261,22 @@ def fmt_progress(name: str, *, step: int | None = None, steps: int = 0, version:
     if extra:
         parts.append(extra)
     return " ".join(parts)
+
+
+RECENT_VERSIONS = 5  # the versions whose pace :func:`expected_end` projects
+
+
+def expected_end(version: int, left: int, recent: Sequence[int], planned: int) -> int:
+    """The version a run whose data decides its end (step rounds) is expected to end at, the ``~N`` of "v5 of ~N":
+    ``version`` plus the versions the data ``left`` takes at the pace of the ``recent`` versions (the data each
+    merged, at most the last :data:`RECENT_VERSIONS`: the rounds of the islands live now, so that a lost or
+    restarted island's absence moves the figure), or ``planned`` (the run's plan: its data over every island's
+    round) before a version was merged. ``left`` and ``recent`` in one unit (tokens, or sequences)."""
+    recent = [n for n in recent[-RECENT_VERSIONS:] if n > 0]
+    if not recent:
+        return max(planned, version)
+    per_version = sum(recent) / len(recent)
+    return version + max(math.ceil(max(left, 0) / per_version - 1e-9), 0)
 
 
 class EventTail:

@@ -71,7 +71,7 @@ def driver_fault_detection(fired: dict[str, Any], coord_events: Events, island_e
     if fired["kind"] in ("kill", "hang", "cut"):
         target = fired["target"]
         seen = next((e for e in coord_events if e["t"] >= t and e.get("name", e.get("island")) is not None
-                     and (e.get("event") == "island_lost" and str(e.get("island", "")).startswith(target + "-")
+                     and (e.get("event") == "island_lost" and e.get("island") == target
                           or e.get("event") == "island_joined" and e.get("name") == target
                           and "is done; took over" not in str(e.get("reason", "")))), None)
         action = {"island_lost": "lease expired: dropped from the round; its shard's unmerged data goes "

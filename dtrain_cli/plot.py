@@ -130,25 +130,19 @@ def run_series(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]
     every = [e for evs in (top, driver, *islands.values()) for e in evs if isinstance(e.get("t"), (int, float))]
     t0 = min((float(e["t"]) for e in every), default=0.0)
     # the coordinator's island id -> the island's name
-    names = {str(e["island"]): str(e["name"]) for e in top if e.get("event") == "island_joined" and e.get("name")}
     started = next((e for e in top if e.get("event") == "run_started"), None)
     cfg = started.get("config", {}) if started else {}
     tokens_per_step = int(cfg.get("train", {}).get("batch_size", 0)) * int(cfg.get("model", {}).get("seq_len", 0))
     single = started is not None and started.get("mode") == "train"  # dtrain train: one island, events at the top
     s = RunSeries()
     s.train_loss, s.eval_loss, s.final_eval = _losses(top, islands, tokens_per_step, single)
-    s.bytes_up, s.bytes_down = _bytes(top, t0, names)
+    s.bytes_up, s.bytes_down = _bytes(top, t0)
     s.utilization = _utilization(islands, t0)
-    marks = [*_top_marks(top, islands, t0, names, single), *_island_marks(islands, t0), *_driver_marks(driver, t0)]
+    marks = [*_top_marks(top, islands, t0, single), *_island_marks(islands, t0), *_driver_marks(driver, t0)]
     s.marks = sorted(marks, key=lambda m: m.t)
     island_lanes = sorted({m.lane for m in marks if m.lane != COORDINATOR} | set(islands))
     s.lanes = [COORDINATOR, *island_lanes] if any(m.lane == COORDINATOR for m in marks) or top else island_lanes
     return s
-
-
-def _name_of(names: dict[str, str], island_id: Any) -> str:
-    """The island's name for the coordinator's island id (the id itself where no join named it)."""
-    return names.get(str(island_id), str(island_id))
 
 
 def _losses(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]], tokens_per_step: int,
@@ -212,8 +206,7 @@ def _evals(top: list[dict[str, Any]], merged_tokens: dict[int, float], tokens_pe
     return points
 
 
-def _bytes(top: list[dict[str, Any]], t0: float, names: dict[str, str]
-           ) -> tuple[dict[str, list[Point]], dict[str, list[Point]]]:
+def _bytes(top: list[dict[str, Any]], t0: float) -> tuple[dict[str, list[Point]], dict[str, list[Point]]]:
     """Cumulative frame bytes (up, down) over time per island and in ``all``: the coordinator's view, what it
     received and sent."""
     up: dict[str, float] = defaultdict(float)
@@ -223,14 +216,14 @@ def _bytes(top: list[dict[str, Any]], t0: float, names: dict[str, str]
     for e in top:
         kind, t = e.get("event"), float(e.get("t", t0)) - t0
         if kind == "push_received" and _num(e.get("bytes")) is not None:
-            who = _name_of(names, e.get("island"))
+            who = str(e.get("island"))  # the island's name (dtrain.runlog.IslandNames)
             up[who] += float(e["bytes"])
             up["all"] += float(e["bytes"])
             bytes_up[who].append((t, up[who]))
             bytes_up["all"].append((t, up["all"]))
         elif kind == "pull_served":
             size = sum(float(f[3]) for f in e.get("frames", ()) if isinstance(f, list) and len(f) > 3)
-            who = _name_of(names, e.get("island"))
+            who = str(e.get("island"))  # the island's name (dtrain.runlog.IslandNames)
             down[who] += size
             down["all"] += size
             bytes_down[who].append((t, down[who]))
@@ -256,14 +249,14 @@ def _utilization(islands: dict[str, list[dict[str, Any]]], t0: float) -> dict[st
 
 
 def _top_marks(top: list[dict[str, Any]], islands: dict[str, list[dict[str, Any]]], t0: float,
-               names: dict[str, str], single: bool) -> list[Mark]:
+               single: bool) -> list[Mark]:
     """The timeline marks of the top-level events: merges, joins and rejoins, the coordinator's faults (on their
     island's lane or its own), a train run's NaN guard, quarantines of islands that wrote no events."""
     marks: list[Mark] = []
     seen_names: set[str] = set()
     for e in top:
         kind, t = str(e.get("event")), float(e.get("t", t0)) - t0
-        who = _name_of(names, e.get("island")) if e.get("island") is not None else COORDINATOR
+        who = str(e["island"]) if e.get("island") is not None else COORDINATOR  # the island's name
         if kind == "round_merged":
             marks.append(Mark(t, COORDINATOR, kind, f"v{e.get('version')}"))
         elif kind == "island_joined":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtrain.runlog import fmt_progress
+from dtrain.runlog import RECENT_VERSIONS, expected_end, fmt_progress
 
 
 def fmt_duration(seconds: float) -> str:
@@ -48,6 +48,7 @@ class RunWatch:
         self.step: dict[str, int] = {}  # island name -> its latest train event's step
         self.merged: set[tuple[int, int, int]] = set()  # (shard, start, end) of every merged push's range
         self.paces: list[tuple[float, int]] = []  # (t, version) of the first and the latest merge
+        self.recent: list[int] = []  # sequences each of the latest versions merged (expected_end's pace)
         self.over = ""
 
     def coordinator(self, events: list[dict[str, Any]]) -> None:
@@ -61,6 +62,8 @@ class RunWatch:
                 self.version = max(self.version, int(e.get("version", 0)))
                 for p in e.get("pushes", ()):  # ranges, not cursors: a shard split in segments grows in places
                     self.merged.add((int(p.get("shard", 0)), int(p.get("start", 0)), int(p.get("end", 0))))
+                self.recent = [*self.recent, sum(int(p.get("end", 0)) - int(p.get("start", 0))
+                                                 for p in e.get("pushes", ()))][-RECENT_VERSIONS:]
                 if isinstance(e.get("t"), (int, float)):
                     self.paces[1:] = [(float(e["t"]), self.version)]
                     if len(self.paces) == 1:
@@ -97,8 +100,13 @@ class RunWatch:
 
     @property
     def known_total(self) -> int:
-        """The version the run ends at: the coordinator's, else the expected one (0: not known)."""
-        return self.total or self.expected
+        """The version the run ends at: the coordinator's, else the one its data is expected to end at
+        (:func:`dtrain.runlog.expected_end`: the plan before a merge, then at the latest versions' pace; 0: not
+        known)."""
+        if self.total or not self.shard_end:
+            return self.total or self.expected
+        left = self.islands * self.shard_end - self.merged_sequences()
+        return expected_end(self.version, left, self.recent, self.expected)
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the versions merged since the first one (None: fewer than two merges
@@ -140,6 +148,6 @@ class RunWatch:
             extra += "; the run is over"
         elif eta is not None:
             extra = f"ETA {fmt_duration(eta)}; {extra}"
-        return fmt_progress("simulate", version=self.version, total=self.total or (f"~{self.expected}"),
+        return fmt_progress("simulate", version=self.version, total=self.total or f"~{self.known_total}",
                             data=data, loss=sum(losses) / len(losses) if losses else None, eval_loss=self.eval_loss,
                             eval_version=self.eval_version, extra=extra)

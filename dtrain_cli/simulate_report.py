@@ -110,7 +110,7 @@ def run_summary(sim: Simulation, wall: float, coord_events: list[dict[str, Any]]
     unfinished = sim.gone | sim.stopped | set(sim.refused)
     # an island the coordinator quarantined (coordinator.max_rejections) was told to stop early, on its own θ
     quarantined = {n for n in sim.names for e in coord_events
-                   if e.get("event") == "island_quarantined" and str(e.get("island", "")).startswith(n + "-")}
+                   if e.get("event") == "island_quarantined" and e.get("island") == n}
     finished = [n for n in sim.names if n not in unfinished | quarantined]
     if not finished:
         raise SimulationError(f"no island finished the run ({len(quarantined)} of {len(sim.names)} quarantined by "

@@ -134,9 +134,8 @@ def _sections(st: pb.StatusResponse) -> tuple[list[str], list[Table]]:
         rounds.rows.append([str(r.version), str(r.pushes), _int(r.tokens), fmt_bytes(r.bytes_in), f"{r.merge_s:.2f}",
                             f"{r.max_staleness:g}", _ago(st, r.t)])
     faults = Table(f"faults (latest {SHOW_FAULTS})", ["when", "kind", "island", "detail"])
-    names = {i.island_id: i.name for i in st.islands}  # a fault names the island by its id: shown by its name
     for f in st.faults[-SHOW_FAULTS:]:
-        faults.rows.append([_ago(st, f.t), f.kind, names.get(f.island_id, f.island_id) or "-", f.detail])
+        faults.rows.append([_ago(st, f.t), f.kind, f.island_id or "-", f.detail])
     return summary_lines(st), [t for t in (islands, rounds, faults) if t.rows]
 
 

@@ -58,10 +58,10 @@ def test_an_unknown_attack_is_one_line_and_exit_status_2(tmp_path: Path) -> None
 
 def test_the_verdict_on_a_run() -> None:
     verdict = _bench().verdict
-    quarantined = [{"event": "island_quarantined", "island": "island-1-0", "reason": "x"}]
+    quarantined = [{"event": "island_quarantined", "island": "island-1", "reason": "x"}]
     ok = verdict("minus20", _summary(3.6, quarantined=("island-1",)), quarantined, ("island-1",), None)
     assert ok["survived"] and ok["honest_lost"] == 0 and ok["quarantined"] == ["island-1"] and ok["why"] == []
-    lost = verdict("minus3", _summary(3.7), [{"event": "island_lost", "island": "island-2-3"}], ("island-1",), None)
+    lost = verdict("minus3", _summary(3.7), [{"event": "island_lost", "island": "island-2"}], ("island-1",), None)
     assert not lost["survived"] and lost["honest_lost"] == 1 and "island-2" in lost["why"][0]
     hung = verdict("idle200", None, [], (), {"streams": 200}, "workers still running after 480s")
     assert not hung["survived"] and hung["final_eval_loss"] == math.inf and hung["why"][0].startswith("workers")

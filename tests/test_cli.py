@@ -313,7 +313,7 @@ def test_status_sections_render_every_part():
                            evals=[pb.EvalPoint(version=3, tokens=500, loss=2.5)],
                            rounds=[pb.RoundRecord(version=3, t=90.0, pushes=2, tokens=500, bytes_in=3 << 20)],
                            faults=[pb.FaultRecord(t=95.0, kind="auth_failed", detail="[x] wrong token"),
-                                   pb.FaultRecord(t=96.0, kind="island_lost", island_id="a-0", detail="lease"),
+                                   pb.FaultRecord(t=96.0, kind="island_lost", island_id="a", detail="lease"),
                                    pb.FaultRecord(t=97.0, kind="island_lost", island_id="z-1", detail="gone")],
                            islands=[pb.IslandStatus(island_id="a-0", name="a", state="lost", train_loss=2.75)])
     lines, tables = sections(st)
@@ -322,7 +322,7 @@ def test_status_sections_render_every_part():
     assert lines[3] == "open round (to version 4): 1 push pending, not ready: waiting for b, acts in 3.0s"
     text = plain(lines, tables)
     assert "3.0 MiB" in text and "10s ago" in text and "[x] wrong token" in text and "2.7500" in text
-    # an island by its name everywhere, its shard a column; a fault of an island no longer listed keeps its id
+    # an island by its name everywhere, its shard a column; a fault shows the name it carries, listed or not
     islands, _, faults = tables
     assert [r[:3] for r in islands.rows] == [["a", "lost", "0"]]
     assert [r[2] for r in faults.rows] == ["-", "a", "z-1"]
@@ -420,8 +420,8 @@ def test_bad_requests_are_request_invalid_events(live):
     channel.close()
     events = [e for e in read_events(live.run_dir) if e["event"] == "request_invalid"]
     assert [(e["method"], e["island"], e["code"]) for e in events] == [
-        ("PullGlobal", join.island_id, "INVALID_ARGUMENT"), ("Join", "west", "FAILED_PRECONDITION"),
-        ("PushDelta", join.island_id, "FAILED_PRECONDITION"), ("PushDelta", "", "INVALID_ARGUMENT")]
+        ("PullGlobal", "east", "INVALID_ARGUMENT"), ("Join", "west", "FAILED_PRECONDITION"),
+        ("PushDelta", "east", "FAILED_PRECONDITION"), ("PushDelta", "", "INVALID_ARGUMENT")]  # names
     assert events[0]["error"] == "wait_s=5000.0: must be in [0, 3600]"
     assert events[1]["error"].startswith("config fingerprint mismatch: ") and "model.d_model" in events[1]["error"]
 

@@ -112,7 +112,7 @@ def test_the_page_names_each_island_by_its_name_with_its_shard_a_column(coord, n
     for c in clients:
         c.close()
     faults = coord.service.status_message().faults
-    assert "push_refused" in [f.kind for f in faults] and {f.island_id for f in faults} == {"isl-1-1"}
+    assert "push_refused" in [f.kind for f in faults] and {f.island_id for f in faults} == {"isl-1"}  # its name
     dom = _chromium("--dump-dom", coord.url)
     assert dom.returncode == 0, dom.stderr[-2000:]
     rows = re.findall(r'<tr data-island="([^"]+)" class="island">(.*?)</tr>', dom.stdout, re.S)

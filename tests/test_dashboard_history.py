@@ -58,6 +58,30 @@ def test_the_series_is_bounded_keeps_its_newest_point_and_marks_recoveries():
     assert s.recoveries[2]["text"] == "coordinator resumed from version 7"
 
 
+def test_the_expected_end_follows_the_data_left_after_an_island_is_lost():
+    """"v5 of ~N" where the data decides the end: the plan (run_started's) before a merge; then the versions the
+    tokens left take at the latest versions' pace, so that an island lost (half the tokens per version) moves N out,
+    and its rejoin moves it back; never below the version merged."""
+    s = RunSeries()
+    s.observe({"event": "run_started", "t": 0.0, "run_id": "r", "total_versions": 0, "expected_versions": 10,
+               "tokens_total": 2000}, 0, {})
+    assert s.doc()["expected_versions"] is None and s.doc()["run"]["expected_versions"] == 10
+    s.observe(_merged(1, 1.0, tokens=200), 200, {})  # two islands' rounds of 100: on plan
+    assert s.doc()["expected_versions"] == 10
+    s.observe({"event": "island_lost", "t": 1.5, "island": "island-1", "reason": "lease expired"}, 0, {})
+    tokens = 200
+    for v in range(2, 7):  # island-0 alone: 100 tokens a version, 1,800 left at v1
+        tokens += 100
+        s.observe(_merged(v, float(v), tokens=100), tokens, {})
+    assert s.doc()["expected_versions"] == 6 + 13  # 1,300 left at 100 a version (not the plan's 10)
+    for v in range(7, 12):  # island-1 back: 200 a version again
+        tokens += 200
+        s.observe(_merged(v, float(v), tokens=200), tokens, {})
+    assert tokens == 1700 and s.doc()["expected_versions"] == 11 + 2  # 300 left at 200 a version
+    s.observe(_merged(12, 12.0, tokens=300), 2000, {})
+    assert s.doc()["expected_versions"] == 12  # the data's end: the version merged
+
+
 def test_history_live_and_from_the_files(net_cfg, tmp_path):
     """An in-process coordinator: /api/history has every merged version with the islands' train losses (their
     heartbeats); after it stops, `dtrain dashboard`'s server reads the same versions and losses back."""
@@ -199,6 +223,8 @@ def test_the_whole_run_on_the_page_at_start_after_a_kill_and_after_the_end(tmp_p
         history = _history(url)
         assert [p["version"] for p in history["points"]] == merged == list(range(1, merged[-1] + 1))
         assert history["finished"] and history["finished"]["version"] == merged[-1]
+        # "v5 of ~N" followed the data, not the plan: the run took more versions than its 30 (island-1 was away)
+        assert history["run"]["expected_versions"] == 30 < merged[-1] == history["expected_versions"]
         assert all(p["train_loss"] for p in history["points"][1:])  # every version has the islands' losses
         end = _shot(url, tmp_path / "dashboard-3-finished.png")
         assert 'id="conn" class="over"' in end and "The run finished at " in end

@@ -329,9 +329,9 @@ def test_the_drivers_faults_are_scored_by_the_event_that_noticed_them() -> None:
         return {"fault": f"{kind}:{target}", "kind": kind, "target": target, "injected_t": 2.0, "version": 1,
                 "recovered_t": None}
 
-    coord = _island_events((1.0, "island_lost", {"island": "island-1-a"}),
+    coord = _island_events((1.0, "island_lost", {"island": "island-1"}),
                            (2.5, "island_joined", {"name": "island-1", "reason": "island-0 is done; took over"}),
-                           (3.0, "island_lost", {"island": "island-1-b"}), (3.5, "island_joined", {"name": "island-0"}))
+                           (3.0, "island_lost", {"island": "island-1"}), (3.5, "island_joined", {"name": "island-0"}))
     islands = {"island-0": _island_events((2.4, "heartbeat_failed", {}), (4.0, "link_slow", {})),
                "island-1": _island_events((2.2, "retry", {}))}
     kill = driver_fault_detection(fired("kill", "island-1"), coord, islands)
@@ -745,7 +745,7 @@ def test_a_partitioned_minority_cannot_commit(tmp_path: Path) -> None:
     events = read_events(s["run_dir"])
     during = [e for e in events if e["event"] == "round_merged" and cut["injected_t"] <= e["t"] < cut["recovered_t"]]
     assert during, "the majority merged versions while the minority was cut off"
-    assert all(not p["island"].startswith("island-2-") for e in during for p in e["pushes"]), during
+    assert all(p["island"] != "island-2" for e in during for p in e["pushes"]), during
     shard = next(e["shard"] for e in events if e["event"] == "island_joined" and e["name"] == "island-2")
     assert any(e["event"] == "island_joined" and e["shard"] == shard and "took over" in e["reason"]
                for e in events), "the majority finished the minority's shard"
@@ -767,7 +767,7 @@ def test_a_hung_islands_dropped_late_delta_is_trained_again(tmp_path: Path) -> N
     (hang,) = s["faults"]
     assert hang["detected_by"] == "island_lost", hang
     dropped = [e for e in read_events(s["run_dir"])
-               if e["event"] == "push_received" and e["status"] == "drop" and e["island"].startswith("island-0-")]
+               if e["event"] == "push_received" and e["status"] == "drop" and e["island"] == "island-0"]
     assert dropped, "the hung island's late delta was dropped"
     rewound = [e for e in read_events(Path(s["run_dir"]) / "islands" / "island-0") if e["event"] == "rewound"]
     assert any(e["retrained_steps"] > 0 for e in rewound), rewound

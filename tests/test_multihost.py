@@ -233,8 +233,8 @@ def test_a_two_process_island_killed_mid_run_restarts_from_its_checkpoint(tmp_pa
         cluster.close()
     assert [i.name for i in islands] == ["multi"] and islands[0].devices == 4  # rejoined, not a new island
     joins = [e for e in read_events(tmp_path / "coordinator") if e["event"] == "island_joined"]
-    assert [e["island"] for e in joins] == [islands[0].island_id] * 2
-    assert joins[1]["reason"].startswith(f"rejoined as {islands[0].island_id}"), joins[1]
+    assert [(e["island"], e["island_id"]) for e in joins] == [("multi", islands[0].island_id)] * 2
+    assert joins[1]["reason"].startswith("rejoined as multi"), joins[1]
     assert version == cluster.cfg.rounds > killed_at
     for name in ("multi-0", "multi-1"):
         events = cluster.events(name)
@@ -295,8 +295,9 @@ def test_a_two_process_island_rewinds_in_lockstep(tmp_path: Path) -> None:
     assert sorted(islands) == ["multi", "single"]
     coordinator_events = read_events(coordinator)
     refused = [e for e in coordinator_events if e["event"] == "push_refused"]
-    assert len(refused) == 1 and refused[0]["island"] == islands["multi"].island_id, refused
-    assert any(e["event"] == "island_lost" and e["island"] == islands["multi"].island_id for e in coordinator_events)
+    assert len(refused) == 1 and refused[0]["island"] == "multi", refused  # its name; the id beside it
+    assert refused[0]["island_id"] == islands["multi"].island_id, refused
+    assert any(e["event"] == "island_lost" and e["island"] == "multi" for e in coordinator_events)
     events = {name: cluster.events(name) for name in multi}
     assert any(e["event"] == "push_refused" for e in events["multi-0"])  # process 0 sent it
     assert any(e["event"] == "rejoin" for e in events["multi-0"])  # the heartbeat's answer after the hang

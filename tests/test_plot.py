@@ -27,24 +27,25 @@ def _write(folder: Path, events: list[tuple[str, dict]]) -> None:
 
 
 def _finished_run(root: Path) -> Path:
-    """A two-island run as the coordinator, the islands and the simulate driver write it (fields as on main)."""
+    """A two-island run as the coordinator, the islands and the simulate driver write it (fields as on main: the
+    coordinator's events name an island by its name, its id in island_id)."""
     _write(root, [
         ("coordinator_started", {"address": "127.0.0.1:1"}),
-        ("island_joined", {"island": "a-0", "name": "a", "shard": 0}),
-        ("island_joined", {"island": "b-1", "name": "b", "shard": 1}),
-        ("pull_served", {"island": "a-0", "have_version": 0, "frames": [["PULL_KIND_FULL", 0, 0, 1000]]}),
-        ("eval", {"version": 0, "loss": 5.5, "tokens": 0, "island": "a-0", "name": "a"}),
-        ("push_received", {"island": "a-0", "push_id": "p1", "status": "accept", "bytes": 300}),
-        ("push_received", {"island": "b-1", "push_id": "p2", "status": "accept", "bytes": 200}),
-        ("round_merged", {"version": 1, "pushes": [{"island": "a-0", "tokens": 640, "shard": 0, "end": 20},
-                                                   {"island": "b-1", "tokens": 640, "shard": 1, "end": 20}]}),
-        ("pull_served", {"island": "b-1", "have_version": 0, "frames": [["PULL_KIND_UPDATE", 0, 1, 150]]}),
-        ("eval", {"version": 1, "loss": 4.0, "tokens": 1280, "island": "b-1", "name": "b"}),
-        ("island_lost", {"island": "b-1", "reason": "lease expired"}),
-        ("push_received", {"island": "a-0", "push_id": "p3", "status": "drop", "bytes": 100, "reason": "stale"}),
-        ("island_joined", {"island": "b-2", "name": "b", "shard": 1}),
-        ("round_merged", {"version": 2, "pushes": [{"island": "a-0", "tokens": 640, "shard": 0, "end": 40}]}),
-        ("eval", {"version": 2, "loss": 3.0, "island": "a-0", "name": "a"}),  # tokens from the merges
+        ("island_joined", {"island": "a", "island_id": "a-0", "name": "a", "shard": 0}),
+        ("island_joined", {"island": "b", "island_id": "b-1", "name": "b", "shard": 1}),
+        ("pull_served", {"island": "a", "have_version": 0, "frames": [["PULL_KIND_FULL", 0, 0, 1000]]}),
+        ("eval", {"version": 0, "loss": 5.5, "tokens": 0, "island": "a", "name": "a"}),
+        ("push_received", {"island": "a", "push_id": "p1", "status": "accept", "bytes": 300}),
+        ("push_received", {"island": "b", "push_id": "p2", "status": "accept", "bytes": 200}),
+        ("round_merged", {"version": 1, "pushes": [{"island": "a", "tokens": 640, "shard": 0, "end": 20},
+                                                   {"island": "b", "tokens": 640, "shard": 1, "end": 20}]}),
+        ("pull_served", {"island": "b", "have_version": 0, "frames": [["PULL_KIND_UPDATE", 0, 1, 150]]}),
+        ("eval", {"version": 1, "loss": 4.0, "tokens": 1280, "island": "b", "name": "b"}),
+        ("island_lost", {"island": "b", "reason": "lease expired"}),
+        ("push_received", {"island": "a", "push_id": "p3", "status": "drop", "bytes": 100, "reason": "stale"}),
+        ("island_joined", {"island": "b", "island_id": "b-2", "name": "b", "shard": 1}),
+        ("round_merged", {"version": 2, "pushes": [{"island": "a", "tokens": 640, "shard": 0, "end": 40}]}),
+        ("eval", {"version": 2, "loss": 3.0, "island": "a", "name": "a"}),  # tokens from the merges
     ])
     _write(root / "islands" / "a", [
         ("train", {"step": 10, "loss": 5.0, "tokens": 320, "utilization": 1.0}),

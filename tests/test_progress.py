@@ -18,7 +18,7 @@ from dtrain import codec
 from dtrain.audit import AuditParams, audit
 from dtrain.config.load import load_config
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.runlog import EventTail, RunLog, fmt_progress, read_events
+from dtrain.runlog import EventTail, RunLog, expected_end, fmt_progress, read_events
 from dtrain_cli.logs import PlainHandler, cli_logging, make_handler
 from dtrain_cli.run_watch import RunWatch
 from island_helpers import Events, FakeClient, N, full_pull, random_vec, update_pull
@@ -73,6 +73,35 @@ def test_live_status_lines_are_drawn_by_rich_with_the_progress_lines_above(tmp_p
     assert quiet.getvalue() == ""
 
 
+def test_events_and_lines_name_an_island_by_its_name_with_its_shard_and_id_beside(tmp_path):
+    """The coordinator's RunLog names islands (dtrain.runlog.IslandNames): a known id in ``island`` becomes the name,
+    with the shard it trains now and the id; lists and pushes name islands; a known id in a text becomes the name;
+    push ids (the id and a suffix), unknown ids (what a client sent) and a record forgotten since stay right."""
+    records = {"island-1-0": ("island-1", 2), "island-1-0.1": ("other", 3), "a-0": ("a", 0)}
+    out = io.StringIO()
+    log = RunLog(tmp_path)
+    log.name_islands(lambda: dict(records))
+    with cli_logging(out, live=False):
+        log.event("island_lost", island="island-1-0", reason="lease of island-1-0 expired; island-1-0.1 stays")
+        log.event("island_joined", island="a-0", name="a", shard=0, reason="joined as a-0: free shard 0")
+        log.event("push_refused", island="island-9-9", push_id="island-1-0-4f2a", reason="push island-1-0-4f2a")
+        log.event("round_merged", version=1, pushes=[{"island": "a-0", "push_id": "a-0-1"}], islands=["a-0", "x"])
+        del records["a-0"]  # forgotten: its name is kept
+        log.event("eval", version=1, island="a-0", confirmed_by=["a-0", "island-1-0"])
+        log.progress("v1: quarantined push a-0-77 from a-0: lost island-1-0.")
+    log.close()
+    lost, joined, refused, merged, ev = read_events(tmp_path)
+    assert (lost["island"], lost["shard"], lost["island_id"]) == ("island-1", 2, "island-1-0")
+    assert lost["reason"] == "lease of island-1 expired; other stays"
+    assert (joined["island"], joined["shard"], joined["island_id"], joined["name"]) == ("a", 0, "a-0", "a")
+    assert joined["reason"] == "joined as a: free shard 0"
+    assert (refused["island"], refused["push_id"]) == ("island-9-9", "island-1-0-4f2a") and "island_id" not in refused
+    assert refused["reason"] == "push island-1-0-4f2a"
+    assert merged["pushes"] == [{"island": "a", "push_id": "a-0-1"}] and merged["islands"] == ["a", "x"]
+    assert (ev["island"], ev["island_id"], ev["confirmed_by"]) == ("a", "a-0", ["a", "island-1"])
+    assert out.getvalue().splitlines()[-1].endswith("] v1: quarantined push a-0-77 from a: lost island-1.")
+
+
 def test_an_event_tail_returns_new_events_and_waits_for_a_line_to_end(tmp_path):
     tail = EventTail(tmp_path)
     assert tail.read() == []  # no file yet
@@ -118,6 +147,23 @@ def test_the_simulate_driver_says_what_it_waits_for_then_version_and_losses():
     w.coordinator([{"event": "round_merged", "version": 2, "pushes": [{"shard": 1, "start": 320, "end": 480},
                                                                       {"shard": 0, "start": 160, "end": 320}]}])
     assert w.merged_sequences() == 640 and "data 640/960" in w.line(running=2)
+
+
+def test_the_expected_end_moves_with_the_pace_when_an_island_is_lost():
+    """The driver's "v4/~N": the plan before a merge; then the data left at the latest versions' pace."""
+    assert expected_end(0, 960, [], 6) == 6 and expected_end(3, 0, [160], 6) == 3
+    assert expected_end(2, 640, [160, 160], 6) == 6 and expected_end(2, 641, [160, 160], 6) == 7
+    assert expected_end(4, 320, [0, 0], 6) == 6  # versions that merged nothing set no pace
+    w = RunWatch(islands=2, expected_versions=6, shard_end=480)  # 2 x 80 sequences a version: 6 versions
+    assert w.known_total == 6
+    w.coordinator([{"event": "round_merged", "version": 1, "t": 1.0,
+                    "pushes": [{"shard": 0, "start": 0, "end": 80}, {"shard": 1, "start": 0, "end": 80}]}])
+    assert w.known_total == 6
+    for v in range(2, 7):  # island-1 lost: island-0 alone, 80 a version
+        w.coordinator([{"event": "round_merged", "version": v, "t": float(v),
+                        "pushes": [{"shard": 0, "start": 80 * (v - 1), "end": 80 * v}]}])
+    assert w.merged_sequences() == 560 and w.known_total == 6 + 5  # 400 left at 80 a version
+    assert w.line(running=1).startswith("simulate: v6/~11 data 560/960 ")
 
 
 # --- the island -------------------------------------------------------------------------------------------
@@ -209,7 +255,7 @@ def test_the_clients_heartbeat_carries_train_loss_utilization_and_eval_reports(n
     assert (isl.device_kind, isl.train_loss, isl.utilization) == ("TPU v5 lite", 2.5, 0.0)
     assert [(p.version, p.loss) for p in st.evals] == [(0, 4.25)]
     (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
-    assert (ev["version"], ev["loss"], ev["island"]) == (0, 4.25, joined.island_id)
+    assert (ev["version"], ev["loss"], ev["island"], ev["island_id"]) == (0, 4.25, "isl", joined.island_id)
 
 
 def test_an_island_runs_quietly_without_a_terminal():

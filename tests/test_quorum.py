@@ -20,14 +20,14 @@ def test_sync_round_closes_when_all_live_pushed():
         assert adm.status == "accept" and adm.target_version == 1 and adm.staleness == 0 and adm.weight == 1000.0
         assert adm.reason == "accepted for version 1: weight 1000 = 1000 tokens"
     ready, why = st.round_ready(T0 + 1)
-    assert not ready and why == "waiting for 1 of 4 islands (missing: d-3); a quorum close needs 4 pushes, have 3"
-    unchanged(st, lambda: st.close_round(T0 + 1), "FAILED_PRECONDITION", "cannot close", "missing: d-3")
+    assert not ready and why == "waiting for 1 of 4 islands (missing: d); a quorum close needs 4 pushes, have 3"
+    unchanged(st, lambda: st.close_round(T0 + 1), "FAILED_PRECONDITION", "cannot close", "missing: d")
     push(st, info(st, ids[3], tokens=500, start=0, end=20))
     assert st.round_ready(T0 + 2) == (True, "all 4 live islands pushed")
     assert [i.island_id for i, _ in st.pending()] == ids
     version, merged, reason = st.close_round(T0 + 2)
     assert version == 1 == st.version and [m.island_id for m in merged] == ids
-    assert "merged 4 deltas (a-0, b-1, c-2, d-3; 3500 tokens) into version 1 (all 4 live islands pushed)" == reason
+    assert "merged 4 deltas (a, b, c, d; 3500 tokens) into version 1 (all 4 live islands pushed)" == reason
     assert st.pending() == [] and st.deltas_merged == 4 and st.tokens_merged == 3500
     assert st.islands["d-3"].tokens_merged == 500 and st.islands["d-3"].pushes_merged == 1
     assert st.islands["d-3"].cursor_merged == 20 and st.shard_cursor(3) == 20
@@ -38,11 +38,11 @@ def test_quorum_and_grace():
     a, b, c, d = join_all(st)
     push(st, info(st, a), T0)
     push(st, info(st, c), T0 + 5)
-    assert st.round_ready(T0 + 40) == (False, ("waiting for 2 of 4 islands (missing: b-1, d-3); "
+    assert st.round_ready(T0 + 40) == (False, ("waiting for 2 of 4 islands (missing: b, d); "
                                               "a quorum close needs 3 pushes, have 2"))
     push(st, info(st, d), T0 + 10)
     ready, why = st.round_ready(T0 + 18)
-    assert not ready and why == "waiting for 1 of 4 islands (missing: b-1); quorum close possible in 12.0s"
+    assert not ready and why == "waiting for 1 of 4 islands (missing: b); quorum close possible in 12.0s"
     assert st.next_deadline(T0 + 18) == T0 + 15  # earliest lease first
     st.heartbeat(a, 0, 0, 0, 0, "", (), T0 + 14), st.heartbeat(b, 0, 0, 0, 0, "", (), T0 + 14)
     st.heartbeat(c, 0, 0, 0, 0, "", (), T0 + 14), st.heartbeat(d, 0, 0, 0, 0, "", (), T0 + 14)
@@ -52,9 +52,9 @@ def test_quorum_and_grace():
         st.heartbeat(i, 0, 0, 0, 0, "", (), T0 + 29.5)
     assert st.next_deadline(T0 + 29.5) == T0 + 30  # the grace end
     assert st.round_ready(T0 + 29.999)[0] is False
-    assert st.round_ready(T0 + 30.0) == (True, "quorum 3 of 4 after 30s grace (missing: b-1)")
+    assert st.round_ready(T0 + 30.0) == (True, "quorum 3 of 4 after 30s grace (missing: b)")
     version, merged, reason = st.close_round(T0 + 30)
-    assert version == 1 and len(merged) == 3 and "quorum 3 of 4 after 30s grace (missing: b-1)" in reason
+    assert version == 1 and len(merged) == 3 and "quorum 3 of 4 after 30s grace (missing: b)" in reason
 
 
 def test_lost_island_no_longer_blocks_round_and_its_push_stays():
@@ -64,7 +64,7 @@ def test_lost_island_no_longer_blocks_round_and_its_push_stays():
     for i in (a, c):
         st.heartbeat(i, 0, 0, 0, 0.0, "", (), T0 + 10)
         push(st, info(st, i), T0 + 10)
-    assert st.round_ready(T0 + 11)[1].startswith("waiting for 1 of 4 islands (missing: d-3)")
+    assert st.round_ready(T0 + 11)[1].startswith("waiting for 1 of 4 islands (missing: d)")
     lost = dict(st.expire(T0 + 15))  # b (pending push) and d are lost
     assert set(lost) == {b, d}
     assert "its pending push" in lost[b] and "stays in the open round" in lost[b]
@@ -136,16 +136,16 @@ def test_finished_when_live_islands_hold_the_last_version_or_the_linger_ends():
         push(st, info(st, i, length=160))
     st.close_round(T0 + 1)
     assert st.finished(T0 + 2) == (False, ("the run is over (1 versions); waiting up to 9.0s for islands without "
-                                           "version 1: a-0, b-1, c-2"))
+                                           "version 1: a, b, c"))
     assert st.next_deadline(T0 + 2) == T0 + 11  # the linger ends before the leases (T0 + 15)
     assert st.heartbeat(a, 1, 0, 0, 0.0, "", (), T0 + 3)[0] == "stop"  # a holds version 1 and stops
-    assert st.finished(T0 + 3)[1].endswith("waiting up to 8.0s for islands without version 1: b-1, c-2")
+    assert st.finished(T0 + 3)[1].endswith("waiting up to 8.0s for islands without version 1: b, c")
     assert st.finished(T0 + 11) == (True, ("the run is over (1 versions); gave up after 10s on islands without "
-                                           "version 1: b-1, c-2"))
+                                           "version 1: b, c"))
     assert st.next_deadline(T0 + 11) == T0 + 15  # past the linger: leases only
     # A resumed run that was already over lingers from the restart.
     again = CoordinatorState.from_json(st.opts, st.to_json(), T0 + 50)
-    assert again.finished(T0 + 50)[1].endswith("waiting up to 10.0s for islands without version 1: b-1, c-2")
+    assert again.finished(T0 + 50)[1].endswith("waiting up to 10.0s for islands without version 1: b, c")
     # Islands that hold the last version (b) or are lost (c) end it at once.
     st.heartbeat(b, 1, 0, 0, 0.0, "", (), T0 + 4)
     st.expire(T0 + 15)
@@ -188,7 +188,7 @@ def test_quorum_and_grace_with_islands_whose_rounds_differ_10x_in_tokens():
               "coordinator.grace_s=5")
     fast, slow = join_all(st, ("fast", "slow"))
     assert push(st, info(st, fast, tokens=3200, length=100), T0 + 1).weight == 3200.0
-    assert st.round_ready(T0 + 1.5) == (False, "waiting for 1 of 2 islands (missing: slow-1); "
+    assert st.round_ready(T0 + 1.5) == (False, "waiting for 1 of 2 islands (missing: slow); "
                                                "quorum close possible in 4.5s")
     assert push(st, info(st, slow, tokens=320, length=10), T0 + 2).weight == 320.0
     assert st.round_ready(T0 + 2) == (True, "all 2 live islands pushed")
@@ -197,13 +197,13 @@ def test_quorum_and_grace_with_islands_whose_rounds_differ_10x_in_tokens():
     # round 2: the slow island is late; the fast one's push alone closes it after the grace, not before
     push(st, info(st, fast, base=1, tokens=3200, length=100), T0 + 3)
     assert st.round_ready(T0 + 7.9)[0] is False
-    assert st.round_ready(T0 + 8) == (True, "quorum 1 of 2 after 5s grace (missing: slow-1)")
+    assert st.round_ready(T0 + 8) == (True, "quorum 1 of 2 after 5s grace (missing: slow)")
     version, merged, _ = st.close_round(T0 + 8)
     assert version == 2 and [m.island_id for m in merged] == [fast]
     late = push(st, info(st, slow, base=1, tokens=320, length=10), T0 + 9)
     assert (late.status, late.target_version, late.staleness) == ("accept", 3, 1)
     assert late.weight == pytest.approx(320 * 2 ** -0.5)  # its tokens, discounted by (1 + staleness)^-alpha
-    assert st.round_ready(T0 + 9) == (False, "waiting for 1 of 2 islands (missing: fast-0); "
+    assert st.round_ready(T0 + 9) == (False, "waiting for 1 of 2 islands (missing: fast); "
                                              "quorum close possible in 5.0s")
     push(st, info(st, fast, base=2, tokens=3200, length=100), T0 + 10)
     version, merged, _ = st.close_round(T0 + 10)

@@ -66,7 +66,7 @@ def test_a_lost_islands_data_left_is_split_in_whole_rounds_one_piece_per_live_is
     assert action == "rejoin" and "shard 0 is done and shard 3 has data no live island trains (from cursor 160)" \
         in reason
     key, why = _take(st, a, now)
-    assert key == (3, 0) and "took over shard 3 of lost island d-3" in why
+    assert key == (3, 0) and "took over shard 3 of lost island d" in why
     assert "split for 3 live islands into shard 3 [0, 480) (this island's) and [480, 640), [640, 800)" in why
     assert why.endswith("cursor 160")
     assert _segments(st, 3) == [(0, 480, 160), (480, 640, 480), (640, 800, 640)]
@@ -100,7 +100,7 @@ def test_a_push_past_its_segments_end_is_refused_and_one_in_another_segment_drop
     unchanged(st, lambda: st.commit_push(info(st, b, base=st.version, start=600, end=660), now),
               "INVALID_ARGUMENT", "shard 3 [480, 640)")
     adm = push(st, info(st, a, base=st.version, start=640, end=700), now)
-    assert adm.status == "drop" and "covers shard 3 [640, 800), but a-0 now holds shard 3 [0, 480)" in adm.reason
+    assert adm.status == "drop" and "covers shard 3 [640, 800), but a now holds shard 3 [0, 480)" in adm.reason
     assert _segments(st, 3)[2] == (640, 800, 640) and not st.pending()
     adm = push(st, info(st, c, base=st.version, start=680, end=720), now)  # a gap in its own segment
     assert adm.status == "drop" and "shard 3 [640, 800)'s cursor 640" in adm.reason
@@ -118,7 +118,7 @@ def test_a_lost_piece_is_taken_over_and_split_again():
     assert _segments(st, 3)[1] == (480, 800, 640)
     _rounds(st, [a, c], now)  # a: [320, 480), c: [960, 1120): both pieces done
     key, why = _take(st, c, now)
-    assert key == (3, 480) and "of lost island b-1" in why and why.endswith("cursor 640")
+    assert key == (3, 480) and "of lost island b" in why and why.endswith("cursor 640")
     # 1 round left in b's piece: nothing to split; a takes nothing
     assert "split" not in why and st.heartbeat(a, st.version, 0, 0, 0.0, "", (), now)[0] == "continue"
     _rounds(st, [c], now)

@@ -568,7 +568,7 @@ def test_a_quarantined_island_stops_at_once_and_costs_its_header(net_cfg, tmp_pa
         counters = running.service.counters
         assert counters.pushes_refused == 0  # no push after the quarantine
         (q,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "island_quarantined"]
-        assert q["island"] == joined["island_id"] and q["reason"] == stop["reason"]
+        assert (q["island"], q["island_id"]) == ("a", joined["island_id"]) and q["reason"] == stop["reason"]
         # pushing anyway: refused before the payload streams in, marked stopped
         client = CoordinatorClient(running.address, cfg)
         bytes_in = counters.bytes_in
@@ -578,7 +578,7 @@ def test_a_quarantined_island_stops_at_once_and_costs_its_header(net_cfg, tmp_pa
             client.push(h, delta_frame(running.service.merger.n, 1)[1])
         client.close()
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and refused.value.stopped_at == 0
-        assert f"{joined['island_id']} is quarantined ({stop['reason']})" in refused.value.message
+        assert f"a is quarantined ({stop['reason']})" in refused.value.message
         assert counters.bytes_in == bytes_in and counters.pushes_refused == 1
     finally:
         running.stop()
@@ -910,14 +910,14 @@ def test_quarantined_devices_reach_status_once_with_their_evidence(coordinator, 
     assert rec["quarantined"][1] == {"device": 0, "index": 0, "probe": "finite", "step": 61, "value": "nan",
                                      "detail": _NON_FINITE["detail"]}
     events = [e for e in read_events(tmp_path / "coord") if e["event"] == "device_quarantined"]
-    assert [(e["island"], e["name"], e["device"], e["probe"], e["healthy"]) for e in events] == [
-        (join.island_id, "a", 3, "known_answer", 6), (join.island_id, "a", 0, "finite", 6)]
+    assert [(e["island"], e["island_id"], e["device"], e["probe"], e["healthy"]) for e in events] == [
+        ("a", join.island_id, 3, "known_answer", 6), ("a", join.island_id, 0, "finite", 6)]
     assert events[1]["value"] == "nan" and events[0]["mismatches"] == 2
     client.close()
 
 
 @pytest.mark.parametrize("case, match", [
-    ("more_than_joined", "quarantined: 9 devices reported, a-0's mesh holds 8"),
+    ("more_than_joined", "quarantined: 9 devices reported, a's mesh holds 8"),
     ("duplicate_device", "quarantined[1]: device 3 is named twice"),
     ("unknown_probe", "quarantined[0].probe: 'vibes' is not one of"),
     ("long_detail", "quarantined[0].detail: 600 characters, at most 512"),

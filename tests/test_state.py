@@ -42,12 +42,14 @@ def test_lost_and_quarantined_islands_get_no_pulls():
     st = make()
     a, b, *_ = join_all(st)
     st.expire(T0 + 100)  # every lease over: all lost
-    e = unchanged(st, lambda: st.check_pull(a, 0), "FAILED_PRECONDITION", f"{a} is lost", "rejoin (call Join again)")
+    e = unchanged(st, lambda: st.check_pull(a, 0), "FAILED_PRECONDITION", f"{st.islands[a].name} is lost",
+                  "rejoin (call Join again)")
     assert e.busy and not e.stopped
     st.join("a", "cpu", 1, T0 + 101)  # rejoined: served again
     st.check_pull(a, 0)
     st.islands[b].state, st.islands[b].stop_reason = "quarantined", "quarantined: 3 pushes in a row rejected"
-    e = unchanged(st, lambda: st.check_pull(b, 0), "FAILED_PRECONDITION", f"{b} is quarantined", "3 pushes in a row")
+    e = unchanged(st, lambda: st.check_pull(b, 0), "FAILED_PRECONDITION", f"{st.islands[b].name} is quarantined",
+                  "3 pushes in a row")
     assert e.stopped and not e.busy
 
 

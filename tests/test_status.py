@@ -80,11 +80,11 @@ def test_two_islands_evaluate_each_version_and_agreeing_reports_are_a_confirmed_
     _report(stub, b.island_id, 0, 3.2501)  # within EVAL_RTOL: the same θ and batches on another device
     st = clients[0].status()
     assert [(e.version, e.loss, e.tokens, e.island_id, e.confirmed, list(e.confirmed_by)) for e in st.evals] == \
-        [(0, pytest.approx(3.25005), 0, a.island_id, True, [a.island_id, b.island_id])]
+        [(0, pytest.approx(3.25005), 0, "isl-0", True, ["isl-0", "isl-1"])]  # the islands' names
     assert st.eval_loss == pytest.approx(3.25005) and st.eval_confirmed
     evals = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
     assert [(e["version"], e["confirmed"], e["confirmed_by"]) for e in evals] == \
-        [(0, True, [a.island_id, b.island_id])]
+        [(0, True, ["isl-0", "isl-1"])]
     assert [f.header.evaluate for f in clients[1].pull(b.island_id, 0, full=True)] == [False]  # settled
     for c in clients:
         c.close()
@@ -112,15 +112,14 @@ def _forged_eval(coord, net_cfg, tmp_path) -> None:
     st = clients[0].status()
     assert list(st.evals) == [] and not st.HasField("eval_loss")
     (fault,) = [f for f in st.faults if f.kind == "eval_disagreement"]
-    assert joins[0].island_id in fault.detail and joins[1].island_id in fault.detail and "0.0123" in fault.detail
+    assert "isl-0 reported 0.0123" in fault.detail and "isl-1 reported 6.93" in fault.detail  # by name
     (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval_disagreement"]
     assert ev["reports"] == {joins[0].island_id: 0.0123, joins[1].island_id: 6.93}
     # a third island breaks the tie: the honest pair is the figure, confirmed; the forger is not among them
     assert [f.header.evaluate for f in clients[2].pull(joins[2].island_id, 0, full=True)] == [True]
     _report(stub, joins[2].island_id, 0, 6.93)
     (point,) = clients[0].status().evals
-    assert point.confirmed and point.loss == 6.93 and list(point.confirmed_by) == [joins[1].island_id,
-                                                                                  joins[2].island_id]
+    assert point.confirmed and point.loss == 6.93 and list(point.confirmed_by) == ["isl-1", "isl-2"]
     for c in clients:
         c.close()
 
@@ -135,7 +134,7 @@ def test_the_only_islands_eval_is_recorded_but_marked_unconfirmed(coord, net_cfg
     assert [(e.loss, e.confirmed, list(e.confirmed_by)) for e in st.evals] == [(0.0123, False, [])]
     assert st.eval_loss == 0.0123 and not st.eval_confirmed
     (ev,) = [e for e in read_events(tmp_path / "coord") if e["event"] == "eval"]
-    assert ev["confirmed"] is False and ev["island"] == join.island_id
+    assert ev["confirmed"] is False and (ev["island"], ev["island_id"]) == ("alone", join.island_id)
     client.close()
 
 

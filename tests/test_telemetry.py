@@ -93,7 +93,7 @@ def test_round_spans_and_metrics_match_what_the_coordinator_received(tmp_path, m
                 if c.name in ("dtrain.receive", "dtrain.validate"):
                     ca = _attrs(c)
                     assert ca["dtrain.push_id"] in pushes[version]
-                    assert ca["dtrain.island"] == received[ca["dtrain.push_id"]]["island"]
+                    assert ca["dtrain.island"] == received[ca["dtrain.push_id"]]["island_id"]
                     if c.name == "dtrain.receive":
                         assert ca["dtrain.bytes"] == received[ca["dtrain.push_id"]]["bytes"]
             wait = next(c for c in children if c.name == "dtrain.quorum_wait")
