@@ -59,6 +59,9 @@ from dtrain.train.prepare import prepare
 from dtrain.train.runs import FP32_BYTES
 from dtrain_cli.entry import Parser, run_main
 
+PLAIN_ARMS = {"optimizers": "adamw", "codecs": "int8,int4,sparse", "only": "single,dp,diloco"}
+BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse", "only": "dp,diloco"}  # --bits
+
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
     "quick": (400, 50, 8),
@@ -90,14 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="shared warm-up steps W")
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
-    p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
-    p.add_argument("--optimizers", default="adamw", help="comma-separated inner optimizers (adamw, muon): dp, "
+    p.add_argument("--only", default=None, help="comma-separated subset of methods (default single,dp,diloco)")
+    p.add_argument("--optimizers", default=None, help="(default adamw) comma-separated inner optimizers (adamw, muon): dp, "
                    "diloco and every codec variant run under each, side by side (muon's rows are named muon-...; "
                    "train.muon_lr and the other muon fields from the config or --set)")
     p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
-                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick), "
-                   "ending with the line 'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
-    p.add_argument("--codecs", default="int8,int4,sparse", help="DiLoCo variants through the production codec + "
+                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of these "
+                   "three flags given explicitly narrows it to those arms), ending with the line 'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
+    p.add_argument("--codecs", default=None, help="(default int8,int4,sparse) DiLoCo variants through the production codec + "
                    "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
@@ -125,8 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.bits:
-        args.optimizers, args.codecs, args.only = "adamw,muon", "int8,int4,int2,sparse", "dp,diloco"
+    defaults = BITS_ARMS if args.bits else PLAIN_ARMS  # a flag given explicitly wins (e.g. --bits --only diloco)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     optimizers = [o for o in args.optimizers.split(",") if o]
     mode = "quick" if args.quick else "default"
     W, H, R = MODES[mode]
