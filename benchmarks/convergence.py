@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
-          f"bits={base.codec.sparse_bits} sparseloco lr={base.outer.sparseloco_lr} "
+          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} sparseloco lr={base.outer.sparseloco_lr} "
           f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
     if "diloco" in results and (len(optimizers) > 1 or args.bits):

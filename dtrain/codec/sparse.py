@@ -12,11 +12,13 @@ low bits first, ``ceil(count·b/8)`` bytes; the unused high bits of the last byt
 Selection. An island keeps the top ``k = max(1, round(density·C))`` entries of every chunk by magnitude
 (which of equal magnitudes at the cut is kept is unspecified; a last, partial chunk keeps min(k, its size));
 the coordinator's update keeps exactly the entries its merged pushes touched (the union of their supports;
-:func:`sparse_quantize_segment` with a ``mask``).
+:func:`sparse_quantize_segment` with a ``mask``), or with ``codec.down_density`` > 0 the top
+``round(down_density·C)`` non-zero entries of each chunk of the update plus its residual (:func:`top_k_mask`).
 
-Values. A chunk's scale s is the largest kept magnitude; with L = 2^b − 1, code c ∈ 0..L stands for
-s·(2c − L)/L, i.e. for b = 2 the levels ±s/3 and ±s (no zero level: a kept entry always moves). Every code is
-valid; the error on a kept value is at most s/L.
+Values. With L = 2^b − 1, code c ∈ 0..L stands for s·(2c − L)/L, s the chunk's scale, i.e. for b = 2 the
+levels ±s/3 and ±s (no zero level: a kept entry always moves). Every code is valid. The encoder fits s to the
+kept magnitudes (:func:`fit_scales`: least squares from the largest kept magnitude, never above it; values
+above s are clipped to ±s, and error feedback carries what that drops).
 
 Indices. Kept indices are sorted; the first is stored as itself, each next one as its gap to the one before
 (≥ 1), so order is implied. A gap of 0 (a duplicate) or gaps that run past the chunk's end (an index out of
@@ -56,6 +58,7 @@ __all__ = [
     "sparse_quantize",
     "sparse_quantize_segment",
     "sparse_scheme",
+    "top_k_mask",
 ]
 
 SparseBits = Literal["sparse2", "sparse4", "sparse8"]
@@ -135,6 +138,42 @@ def _pack(bits: SparseBits, chunk_of: np.ndarray, within: np.ndarray, codes: np.
     return out
 
 
+def _top_k(x: np.ndarray, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk number, index within the chunk) of the top ``k`` magnitudes of each chunk of ``x`` (a last, partial
+    chunk: min(k, its size)), sorted by chunk then index."""
+    n = x.size
+    full = n // chunk
+    parts_c, parts_w = [], []
+    if full:
+        mag = np.abs(x[:full * chunk].reshape(full, chunk))
+        kk = min(k, chunk)
+        # the k largest magnitudes of each row (np.argpartition), then in index order
+        top = np.argpartition(-mag, kk - 1, axis=1)[:, :kk] if kk < chunk else \
+            np.broadcast_to(np.arange(chunk), (full, chunk))
+        top = np.sort(top, axis=1)
+        parts_w.append(top.ravel())
+        parts_c.append(np.repeat(np.arange(full), kk))
+    if n > full * chunk:
+        tail = np.abs(x[full * chunk:])
+        kk = min(k, tail.size)
+        top = np.sort(np.argsort(-tail, kind="stable")[:kk])
+        parts_w.append(top)
+        parts_c.append(np.full(kk, full))
+    within = np.concatenate(parts_w).astype(np.int64) if parts_w else np.empty(0, np.int64)
+    chunk_of = np.concatenate(parts_c).astype(np.int64) if parts_c else np.empty(0, np.int64)
+    return chunk_of, within
+
+
+def top_k_mask(x: np.ndarray, chunk: int, k: int) -> np.ndarray:
+    """Where ``x`` (1-D, starting on a chunk boundary) holds the top ``k`` non-zero magnitudes of each chunk: the
+    coordinator's update with ``codec.down_density`` keeps these entries (:func:`sparse_quantize_segment` with
+    this ``mask``), and a zero is never sent (a kept entry always moves)."""
+    chunk_of, within = _top_k(x, chunk, k)
+    mask = np.zeros(x.size, bool)
+    mask[chunk_of * chunk + within] = True
+    return mask & (x != 0)
+
+
 def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int | None = None,
                             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bytes]:
     """Sparse-code values that start on a chunk boundary: the top ``k`` of each chunk, or (``mask``) exactly the
@@ -160,25 +199,7 @@ def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int 
         values = x[flat]
     else:
         assert k is not None
-        full = n // chunk
-        parts_c, parts_w = [], []
-        if full:
-            mag = np.abs(x[:full * chunk].reshape(full, chunk))
-            kk = min(k, chunk)
-            # the k largest magnitudes of each row (np.argpartition), then in index order
-            top = np.argpartition(-mag, kk - 1, axis=1)[:, :kk] if kk < chunk else \
-                np.broadcast_to(np.arange(chunk), (full, chunk))
-            top = np.sort(top, axis=1)
-            parts_w.append(top.ravel())
-            parts_c.append(np.repeat(np.arange(full), kk))
-        if n > full * chunk:
-            tail = np.abs(x[full * chunk:])
-            kk = min(k, tail.size)
-            top = np.sort(np.argsort(-tail, kind="stable")[:kk])
-            parts_w.append(top)
-            parts_c.append(np.full(kk, full))
-        within = np.concatenate(parts_w).astype(np.int64) if parts_w else np.empty(0, np.int64)
-        chunk_of = np.concatenate(parts_c).astype(np.int64) if parts_c else np.empty(0, np.int64)
+        chunk_of, within = _top_k(x, chunk, k)
         counts = np.bincount(chunk_of, minlength=n_chunks).astype(np.int64)
         values = x[chunk_of * chunk + within]
     mags = np.abs(values)
