@@ -94,14 +94,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
     p.add_argument("--only", default=None, help="comma-separated subset of methods (default single,dp,diloco)")
-    p.add_argument("--optimizers", default=None, help="(default adamw) comma-separated inner optimizers (adamw, muon): dp, "
-                   "diloco and every codec variant run under each, side by side (muon's rows are named muon-...; "
+    p.add_argument("--optimizers", default=None, help="(default adamw) comma-separated inner optimizers (adamw, "
+                   "muon): dp, diloco and every codec variant run under each, side by side (muon's rows are named "
+                   "muon-...; "
                    "train.muon_lr and the other muon fields from the config or --set)")
     p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
-                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of these "
-                   "three flags given explicitly narrows it to those arms), ending with the line 'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
-    p.add_argument("--codecs", default=None, help="(default int8,int4,sparse) DiLoCo variants through the production codec + "
-                   "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
+                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of "
+                   "these three flags given explicitly narrows it to those arms), ending with the line "
+                   "'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
+    p.add_argument("--codec-optimizers", default="", help="comma-separated: the optimizers the codec variants run "
+                   "under (default '': every one of --optimizers; e.g. --bits --codecs sparse --codec-optimizers "
+                   "muon --only diloco: fp32 AdamW- and Muon-DiLoCo and Muon's sparse variant, three arms)")
+    p.add_argument("--codecs", default=None, help="(default int8,int4,sparse) DiLoCo variants through the "
+                   "production codec + merger path (both directions quantized, error feedback; sparse: SparseLoCo, "
+                   "the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
     p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"{prefix}diloco: eval loss {curve[-1]:.4f}")
 
         rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
+        if args.codec_optimizers and opt not in args.codec_optimizers.split(","):
+            continue
         for name, rule in [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]:
             label = f"{prefix}diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
             results[label] = codec_variant(ph, s, mesh, params_w, streams, cursor0, args, name, rule, T, H)
@@ -261,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
-          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} sparseloco lr={base.outer.sparseloco_lr} "
+          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} "
+          f"sparseloco lr={base.outer.sparseloco_lr} "
           f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
     if "diloco" in results and (len(optimizers) > 1 or args.bits):
