@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run plain diloco with data.document_masking on (documents kept apart) from the same "
                    "warm start and data: its eval loss on the plain eval batches and on documents kept apart")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--reuse", default="", metavar="JSON[,JSON]", help="arms already run, taken from these --json "
+                   "files of the same protocol (W, H, R, islands: checked) instead of run again, e.g. the fp32 "
+                   "arms of --bits run in one process while a codec arm runs in another; an arm this run makes "
+                   "wins over a reused one")
     return p.parse_args(argv)
 
 
@@ -246,6 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if fragments_on:
         results["diloco-fragments"] = fragments_variant(phase, s, mesh, params_w, streams, cursor0, args, T, H)
+    for path in [p for p in args.reuse.split(",") if p]:
+        reused = reuse_arms(path, results, {"islands": N, "H": H, "rounds": R, "warmup": W})
+        log(f"reused from {path}: {', '.join(reused) or 'nothing (every arm of it ran here)'}")
 
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
     # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
@@ -508,6 +515,19 @@ def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, arg
         f"the wire, peak exchange {peak:,} bytes")
     return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
             "fragments": F, "peak_exchange_bytes": peak}
+
+
+def reuse_arms(path: str, results: dict, protocol: dict) -> list[str]:
+    """Adds to ``results`` the arms of an earlier ``--json`` file that ``results`` lacks, after checking that it
+    ran the same protocol; returns their names."""
+    with open(path) as f:
+        earlier = json.load(f)
+    other = {k: earlier.get(k) for k in protocol}
+    if other != protocol:
+        raise ConfigError(f"--reuse {path}: its protocol {other} is not this run's {protocol}")
+    names = [name for name in earlier["results"] if name not in results]
+    results.update({name: earlier["results"][name] for name in names})
+    return names
 
 
 def update_density(frame: bytes, n: int) -> float:
