@@ -174,15 +174,21 @@ def main(argv: list[str] | None = None) -> dict:
         log(no_fragments)
 
     params0 = s.loop.init_params(base.run.seed)
-    if W > 0:
+    codec_runs = [c for c in args.codecs.split(",") if c] and (
+        not args.codec_optimizers or set(optimizers) & set(args.codec_optimizers.split(",")))
+    trains = bool(set(args.only.split(",")) & {"single", "dp", "diloco"} or codec_runs or args.document_masking
+                  or fragments_on)
+    if not trains:  # --reuse alone: the table over earlier runs' arms, no warm-up
+        params_w, cursor0 = params0, 0
+    elif W > 0:
         warm = Island(index=0, state=s.loop.init_state(params0), stream=ConcatStream(streams))
         advance(s.loop, warm, W, B, record_loss)
         params_w = warm.state.params
         cursor0 = warm.cursor // N  # sequences each shard gave to the warm-up
     else:
         params_w, cursor0 = params0, 0
-    eval_w = s.loop.evaluate(params_w, s.eval_batches)
-    log(f"warm-up: {W} steps, eval loss {eval_w:.4f}")
+    if trains:
+        log(f"warm-up: {W} steps, eval loss {s.loop.evaluate(params_w, s.eval_batches):.4f}")
 
     phase = replace(base, train={"steps": T}, outer={"inner_steps": H})
     mesh = make_mesh(phase)
