@@ -278,13 +278,18 @@ def main(argv: list[str] | None = None) -> dict:
         rel = f"{r['eval_loss'] / base_loss:9.4f}" if base_loss else " " * 9
         red = f"{ring / r['bytes']:7.0f}x" if r["bytes"] else "       -"
         print(f"{name:<22} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
-    print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
+    settings = (f"W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
           f"bits={base.codec.sparse_bits} down density={base.codec.down_density} "
           f"sparseloco lr={base.outer.sparseloco_lr} "
-          f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
+          f"beta={base.outer.sparseloco_beta}")
+    for name, r in results.items():
+        r.setdefault("settings", settings)  # what a later --reuse of this arm prints
+        if r["settings"] != settings:
+            print(f"settings of the reused arm {name}: {r['settings']}")
+    print(f"\nsettings: {settings}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
     if "diloco" in results and (len(optimizers) > 1 or args.bits):
         out["table"] = optimizer_table(results, optimizers, [c for c in args.codecs.split(",") if c], ring)
