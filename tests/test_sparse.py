@@ -247,7 +247,8 @@ def test_the_config_checks_the_sparse_fields() -> None:
     assert cfg.codec.scheme("int8") == (8, cfg.codec.block)
     for bad, match in [("codec.density=0", "density"), ("codec.density=1.5", "density"),
                        ("codec.sparse_chunk=65536", "sparse_chunk"), ("codec.sparse_bits=3", "sparse_bits"),
-                       ("outer.sparseloco_beta=0", "sparseloco_beta"), ("outer.rule=adam", "rule")]:
+                       ("outer.sparseloco_beta=0", "sparseloco_beta"), ("outer.rule=adam", "rule"),
+                       ("codec.down_density=-0.1", "down_density"), ("codec.down_density=1.5", "down_density")]:
         with pytest.raises(ConfigError, match=match):
             load_config("tiny", [bad])
 
