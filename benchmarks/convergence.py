@@ -59,6 +59,9 @@ from dtrain.train.prepare import prepare
 from dtrain.train.runs import FP32_BYTES
 from dtrain_cli.entry import Parser, run_main
 
+PLAIN_ARMS = {"optimizers": "adamw", "codecs": "int8,int4,sparse", "only": "single,dp,diloco"}
+BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse", "only": "dp,diloco"}  # --bits
+
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
     "quick": (400, 50, 8),
@@ -90,15 +93,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="shared warm-up steps W")
     p.add_argument("--H", type=int, default=None, help="inner steps per round")
     p.add_argument("--rounds", type=int, default=None, help="outer rounds R (T = H * R)")
-    p.add_argument("--only", default="single,dp,diloco", help="comma-separated subset of methods")
-    p.add_argument("--optimizers", default="adamw", help="comma-separated inner optimizers (adamw, muon): dp, "
-                   "diloco and every codec variant run under each, side by side (muon's rows are named muon-...; "
+    p.add_argument("--only", default=None, help="comma-separated subset of methods (default single,dp,diloco)")
+    p.add_argument("--optimizers", default=None, help="(default adamw) comma-separated inner optimizers (adamw, "
+                   "muon): dp, diloco and every codec variant run under each, side by side (muon's rows are named "
+                   "muon-...; "
                    "train.muon_lr and the other muon fields from the config or --set)")
     p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
-                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick), "
-                   "ending with the line 'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
-    p.add_argument("--codecs", default="int8,int4,sparse", help="DiLoCo variants through the production codec + "
-                   "merger path (both directions quantized, error feedback; sparse: SparseLoCo, the sparse codec "
+                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of "
+                   "these three flags given explicitly narrows it to those arms), ending with the line "
+                   "'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
+    p.add_argument("--codec-optimizers", default="", help="comma-separated: the optimizers the codec variants run "
+                   "under (default '': every one of --optimizers; e.g. --bits --codecs sparse --codec-optimizers "
+                   "muon --only diloco: fp32 AdamW- and Muon-DiLoCo and Muon's sparse variant, three arms)")
+    p.add_argument("--codecs", default=None, help="(default int8,int4,sparse) DiLoCo variants through the "
+                   "production codec + merger path (both directions quantized, error feedback; sparse: SparseLoCo, "
+                   "the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
                    "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
     p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
@@ -120,13 +129,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run plain diloco with data.document_masking on (documents kept apart) from the same "
                    "warm start and data: its eval loss on the plain eval batches and on documents kept apart")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--reuse", default="", metavar="JSON[,JSON]", help="arms already run, taken from these --json "
+                   "files of the same protocol (W, H, R, islands: checked) instead of run again, e.g. the fp32 "
+                   "arms of --bits run in one process while a codec arm runs in another; an arm this run makes "
+                   "wins over a reused one")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.bits:
-        args.optimizers, args.codecs, args.only = "adamw,muon", "int8,int4,int2,sparse", "dp,diloco"
+    defaults = BITS_ARMS if args.bits else PLAIN_ARMS  # a flag given explicitly wins (e.g. --bits --only diloco)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     optimizers = [o for o in args.optimizers.split(",") if o]
     mode = "quick" if args.quick else "default"
     W, H, R = MODES[mode]
@@ -159,15 +174,21 @@ def main(argv: list[str] | None = None) -> dict:
         log(no_fragments)
 
     params0 = s.loop.init_params(base.run.seed)
-    if W > 0:
+    codec_runs = [c for c in args.codecs.split(",") if c] and (
+        not args.codec_optimizers or set(optimizers) & set(args.codec_optimizers.split(",")))
+    trains = bool(set(args.only.split(",")) & {"single", "dp", "diloco"} or codec_runs or args.document_masking
+                  or fragments_on)
+    if not trains:  # --reuse alone: the table over earlier runs' arms, no warm-up
+        params_w, cursor0 = params0, 0
+    elif W > 0:
         warm = Island(index=0, state=s.loop.init_state(params0), stream=ConcatStream(streams))
         advance(s.loop, warm, W, B, record_loss)
         params_w = warm.state.params
         cursor0 = warm.cursor // N  # sequences each shard gave to the warm-up
     else:
         params_w, cursor0 = params0, 0
-    eval_w = s.loop.evaluate(params_w, s.eval_batches)
-    log(f"warm-up: {W} steps, eval loss {eval_w:.4f}")
+    if trains:
+        log(f"warm-up: {W} steps, eval loss {s.loop.evaluate(params_w, s.eval_batches):.4f}")
 
     phase = replace(base, train={"steps": T}, outer={"inner_steps": H})
     mesh = make_mesh(phase)
@@ -219,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"{prefix}diloco: eval loss {curve[-1]:.4f}")
 
         rules = [r for r in args.merge_rules.split(",") if r] or [base.coordinator.merge_rule]
+        if args.codec_optimizers and opt not in args.codec_optimizers.split(","):
+            continue
         for name, rule in [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]:
             label = f"{prefix}diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
             results[label] = codec_variant(ph, s, mesh, params_w, streams, cursor0, args, name, rule, T, H)
@@ -233,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if fragments_on:
         results["diloco-fragments"] = fragments_variant(phase, s, mesh, params_w, streams, cursor0, args, T, H)
+    for path in [p for p in args.reuse.split(",") if p]:
+        reused = reuse_arms(path, results, {"islands": N, "H": H, "rounds": R, "warmup": W})
+        log(f"reused from {path}: {', '.join(reused) or 'nothing (every arm of it ran here)'}")
 
     # Communication, both directions per island. dp: a ring all-reduce of the fp32 gradient every step moves
     # 2(N-1)/N x 4 bytes per parameter each way. DiLoCo: pushed delta + pulled update per round (on the wire
@@ -252,12 +278,18 @@ def main(argv: list[str] | None = None) -> dict:
         rel = f"{r['eval_loss'] / base_loss:9.4f}" if base_loss else " " * 9
         red = f"{ring / r['bytes']:7.0f}x" if r["bytes"] else "       -"
         print(f"{name:<22} {r['eval_loss']:>15.4f} {rel} {r['tokens']:>11,} {r['bytes']:>18,} {red}   {curve}")
-    print(f"\nsettings: W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
+    settings = (f"W={W} H={H} R={R} T={T} N={N} batch={B}x{base.model.seq_len} inner lr={base.train.lr} "
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
-          f"bits={base.codec.sparse_bits} sparseloco lr={base.outer.sparseloco_lr} "
-          f"beta={base.outer.sparseloco_beta}; wall {time.perf_counter() - t0:.0f}s")
+          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} "
+          f"sparseloco lr={base.outer.sparseloco_lr} "
+          f"beta={base.outer.sparseloco_beta}")
+    for name, r in results.items():
+        r.setdefault("settings", settings)  # what a later --reuse of this arm prints
+        if r["settings"] != settings:
+            print(f"settings of the reused arm {name}: {r['settings']}")
+    print(f"\nsettings: {settings}; wall {time.perf_counter() - t0:.0f}s")
     out = {"islands": N, "H": H, "rounds": R, "warmup": W, "results": results}
     if "diloco" in results and (len(optimizers) > 1 or args.bits):
         out["table"] = optimizer_table(results, optimizers, [c for c in args.codecs.split(",") if c], ring)
@@ -494,6 +526,19 @@ def fragments_variant(phase, s, mesh, params_w, streams: list, cursor0: int, arg
         f"the wire, peak exchange {peak:,} bytes")
     return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
             "fragments": F, "peak_exchange_bytes": peak}
+
+
+def reuse_arms(path: str, results: dict, protocol: dict) -> list[str]:
+    """Adds to ``results`` the arms of an earlier ``--json`` file that ``results`` lacks, after checking that it
+    ran the same protocol; returns their names."""
+    with open(path) as f:
+        earlier = json.load(f)
+    other = {k: earlier.get(k) for k in protocol}
+    if other != protocol:
+        raise ConfigError(f"--reuse {path}: its protocol {other} is not this run's {protocol}")
+    names = [name for name in earlier["results"] if name not in results]
+    results.update({name: earlier["results"][name] for name in names})
+    return names
 
 
 def update_density(frame: bytes, n: int) -> float:

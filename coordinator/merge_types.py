@@ -88,6 +88,7 @@ class MergeOptions:
     up_block: int = 0  # the pushes' block (a sparse codec's chunk: codec.sparse_chunk); 0: block
     down_block: int = 0  # the update's block, likewise; 0: block
     max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
+    down_count: int = 0  # a sparse update: entries kept per chunk (codec.down_density's k); 0: the pushes' union
     ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
     screen_values: int = SCREEN_VALUES  # the direction screen samples about this many values per push (all if fewer)
     screen_min_values: int = SCREEN_MIN_VALUES  # ... and, with more than SCREEN_SHARE_PUSHES pushes, at least these
@@ -117,7 +118,9 @@ class MergeOptions:
                    # one spare per island: a round's pushes all write over the last round's files (filling new
                    # ones costs the kernel 3x), and the disk they hold is what every round's spools take anyway
                    spare_spools=max(cls.spare_spools, cfg.outer.islands),
-                   max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges)
+                   max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges,
+                   down_count=codec.kept_per_chunk(k.down_density, down_block)
+                   if codec.is_sparse(down_bits) and k.down_density > 0 else 0)
 
 
 class NonFiniteResult(ValueError):

@@ -35,7 +35,8 @@ Sparse codecs (``codec.up``/``codec.down = "sparse"``, ``dtrain.codec.sparse``):
 its checked body (scales ‖ counts ‖ records) and its checker's layout (the chunks' counts and record offsets,
 O(model / chunk)); each slab reads those chunks' scales and records and adds them into the dense Δ slab
 (``codec.sparse_add``), so memory stays O(slab) per push as with the dense codecs. A sparse update keeps
-exactly the entries where the merged Δ is non-zero (the union of the pushes' supports), quantized with
+exactly the entries where the merged Δ is non-zero (the union of the pushes' supports), or with
+``codec.down_density`` > 0 the top entries of each chunk of u + residual, quantized with
 ``codec.sparse_bits``; whatever it leaves out, off the union too, stays in the down residual. Its records
 are written in slab order after room for the counts, which are written last. ``outer.rule = "sparseloco"``
 makes the step θ ← θ − lr·Δ (SparseLoCo: no momentum; ``dtrain.steps.outer.outer_update``).
@@ -503,8 +504,9 @@ class Merger:
         self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
         sparse: tuple = ()
         if codec.is_sparse(o.down_bits):  # the entries the merged pushes touched (their union), sparse-coded
-            chunk = o.down_block or o.block
-            sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=delta != 0)
+            chunk = o.down_block or o.block  # ... or (codec.down_density) the top of each chunk of u + residual
+            keep = codec.top_k_mask(u, chunk, o.down_count) if o.down_count else delta != 0
+            sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=keep)
             scales[rel // chunk: rel // chunk + sc.size] = sc
             sparse = (rel // chunk, counts, records)
             applied = np.zeros(e - s, np.float32)

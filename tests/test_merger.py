@@ -735,6 +735,38 @@ def test_sparse_pushes_merge_into_the_sparseloco_step(down):
         np.testing.assert_array_equal(m.momentum, 0)
 
 
+def test_a_sparse_update_with_down_density_sends_the_top_of_each_chunk_and_keeps_the_rest():
+    """codec.down_density: the update holds at most k = round(down_density·C) entries per chunk, the largest of
+    u + residual; what it leaves out (union or not) waits in the down residual, so that over rounds the broadcast
+    sum trails the exact updates by the residual alone; islands hold the coordinator's θ bit for bit."""
+    rng = np.random.default_rng(33)
+    theta = rng.normal(size=N).astype(np.float32)
+    o = sparse_opts(error_feedback=True, down_density=2 / SPARSE_CHUNK)
+    assert o.down_count == 2 and sparse_opts().down_count == 0
+    m = Merger(theta.copy(), o)
+    exact = np.zeros(N, np.float64)
+    try:
+        for _ in range(3):
+            deltas = [rng.normal(size=N).astype(np.float32) for _ in range(3)]
+            dense = np.zeros(N, np.float32)
+            for d in deltas:
+                dense += codec.dequantize(codec.decode(_sparse_frame(d)))
+                with m.spool() as sp:
+                    sp.write(_sparse_frame(d))
+                    m.validate(sp)
+                    m.add_pending(sp, 1.0)
+            exact += -0.8 * dense / 3
+            update = m.outer_step()
+            q = codec.decode(update.frame, expected_n=N)
+            counts = np.frombuffer(q.payload, "<u2", count=q.scales.size)
+            assert counts.max() == 2 and counts.sum() <= 2 * q.scales.size  # the union held up to 18 per chunk
+            residual = np.fromfile(m.state_files()["residual"], "<f4")
+            np.testing.assert_allclose(m.theta - theta, exact - residual, rtol=0, atol=1e-5)
+        assert np.count_nonzero(residual) > 10 * counts.sum()  # most of the union waits in the residual
+    finally:
+        m.close()
+
+
 def test_a_sparse_push_above_the_density_is_refused_and_changes_nothing():
     rng = np.random.default_rng(31)
     m = Merger(np.zeros(N, np.float32), sparse_opts())

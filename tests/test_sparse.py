@@ -247,6 +247,32 @@ def test_the_config_checks_the_sparse_fields() -> None:
     assert cfg.codec.scheme("int8") == (8, cfg.codec.block)
     for bad, match in [("codec.density=0", "density"), ("codec.density=1.5", "density"),
                        ("codec.sparse_chunk=65536", "sparse_chunk"), ("codec.sparse_bits=3", "sparse_bits"),
-                       ("outer.sparseloco_beta=0", "sparseloco_beta"), ("outer.rule=adam", "rule")]:
+                       ("outer.sparseloco_beta=0", "sparseloco_beta"), ("outer.rule=adam", "rule"),
+                       ("codec.down_density=-0.1", "down_density"), ("codec.down_density=1.5", "down_density")]:
         with pytest.raises(ConfigError, match=match):
             load_config("tiny", [bad])
+
+
+@pytest.mark.parametrize("bits", SPARSE)
+@pytest.mark.parametrize("dist", ["normal", "t2"])
+def test_fitted_scale_beats_the_largest_magnitude(bits: codec.Bits, dist: str) -> None:
+    rng = np.random.default_rng(3)
+    n, chunk, density = 16 * 4096, 4096, 0.02
+    x = (rng.standard_normal(n) if dist == "normal" else rng.standard_t(2, n)).astype(np.float32)
+    q = quantize(x, bits, chunk, density=density)
+    got = dequantize(decode(encode(q), expected_n=n))
+    kept = got != 0
+    levels = (1 << codec.SPARSE_BITS[bits]) - 1
+    fitted_err, max_err = 0.0, 0.0
+    for c in range(n // chunk):
+        sel = np.flatnonzero(kept[c * chunk:(c + 1) * chunk]) + c * chunk
+        v, s, largest = x[sel].astype(np.float64), float(q.scales[c]), float(np.abs(x[sel]).max())
+        assert 0 < s <= largest  # fitted below the largest kept magnitude, never above
+        assert set(np.round(np.abs(got[sel]) / s * levels).astype(int)) <= set(range(1, levels + 1, 2))
+        assert np.all(np.sign(got[sel]) == np.sign(v))  # no zero level: a kept entry moves
+        odd = np.clip(2 * np.floor(np.abs(v) / largest * levels / 2) + 1, 1, levels)  # nearest level, s = largest
+        max_err += float(np.sum((np.abs(v) - odd * largest / levels) ** 2))
+        fitted_err += float(np.sum((got[sel] - v) ** 2))
+    assert fitted_err <= max_err * (1 + 1e-6)
+    if bits == "sparse2":  # the inner level sits where the top 2% are: far less error than the largest's scale
+        assert fitted_err < 0.5 * max_err

@@ -92,6 +92,7 @@ from dtrain.codec.sparse import (
     sparse_add,
     sparse_quantize_segment,
     sparse_scheme,
+    top_k_mask,
 )
 from dtrain.codec.spec import (
     CodecError,
@@ -157,6 +158,7 @@ __all__ = [
     "spec_digest",
     "spec_size",
     "sum_squares",
+    "top_k_mask",
     "unflatten",
     "write_frame",
 ]

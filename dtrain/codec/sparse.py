@@ -12,11 +12,13 @@ low bits first, ``ceil(count·b/8)`` bytes; the unused high bits of the last byt
 Selection. An island keeps the top ``k = max(1, round(density·C))`` entries of every chunk by magnitude
 (which of equal magnitudes at the cut is kept is unspecified; a last, partial chunk keeps min(k, its size));
 the coordinator's update keeps exactly the entries its merged pushes touched (the union of their supports;
-:func:`sparse_quantize_segment` with a ``mask``).
+:func:`sparse_quantize_segment` with a ``mask``), or with ``codec.down_density`` > 0 the top
+``round(down_density·C)`` non-zero entries of each chunk of the update plus its residual (:func:`top_k_mask`).
 
-Values. A chunk's scale s is the largest kept magnitude; with L = 2^b − 1, code c ∈ 0..L stands for
-s·(2c − L)/L, i.e. for b = 2 the levels ±s/3 and ±s (no zero level: a kept entry always moves). Every code is
-valid; the error on a kept value is at most s/L.
+Values. With L = 2^b − 1, code c ∈ 0..L stands for s·(2c − L)/L, s the chunk's scale, i.e. for b = 2 the
+levels ±s/3 and ±s (no zero level: a kept entry always moves). Every code is valid. The encoder fits s to the
+kept magnitudes (:func:`fit_scales`: least squares from the largest kept magnitude, never above it; values
+above s are clipped to ±s, and error feedback carries what that drops).
 
 Indices. Kept indices are sorted; the first is stored as itself, each next one as its gap to the one before
 (≥ 1), so order is implied. A gap of 0 (a duplicate) or gaps that run past the chunk's end (an index out of
@@ -56,6 +58,7 @@ __all__ = [
     "sparse_quantize",
     "sparse_quantize_segment",
     "sparse_scheme",
+    "top_k_mask",
 ]
 
 SparseBits = Literal["sparse2", "sparse4", "sparse8"]
@@ -135,6 +138,42 @@ def _pack(bits: SparseBits, chunk_of: np.ndarray, within: np.ndarray, codes: np.
     return out
 
 
+def _top_k(x: np.ndarray, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk number, index within the chunk) of the top ``k`` magnitudes of each chunk of ``x`` (a last, partial
+    chunk: min(k, its size)), sorted by chunk then index."""
+    n = x.size
+    full = n // chunk
+    parts_c, parts_w = [], []
+    if full:
+        mag = np.abs(x[:full * chunk].reshape(full, chunk))
+        kk = min(k, chunk)
+        # the k largest magnitudes of each row (np.argpartition), then in index order
+        top = np.argpartition(-mag, kk - 1, axis=1)[:, :kk] if kk < chunk else \
+            np.broadcast_to(np.arange(chunk), (full, chunk))
+        top = np.sort(top, axis=1)
+        parts_w.append(top.ravel())
+        parts_c.append(np.repeat(np.arange(full), kk))
+    if n > full * chunk:
+        tail = np.abs(x[full * chunk:])
+        kk = min(k, tail.size)
+        top = np.sort(np.argsort(-tail, kind="stable")[:kk])
+        parts_w.append(top)
+        parts_c.append(np.full(kk, full))
+    within = np.concatenate(parts_w).astype(np.int64) if parts_w else np.empty(0, np.int64)
+    chunk_of = np.concatenate(parts_c).astype(np.int64) if parts_c else np.empty(0, np.int64)
+    return chunk_of, within
+
+
+def top_k_mask(x: np.ndarray, chunk: int, k: int) -> np.ndarray:
+    """Where ``x`` (1-D, starting on a chunk boundary) holds the top ``k`` non-zero magnitudes of each chunk: the
+    coordinator's update with ``codec.down_density`` keeps these entries (:func:`sparse_quantize_segment` with
+    this ``mask``), and a zero is never sent (a kept entry always moves)."""
+    chunk_of, within = _top_k(x, chunk, k)
+    mask = np.zeros(x.size, bool)
+    mask[chunk_of * chunk + within] = True
+    return mask & (x != 0)
+
+
 def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int | None = None,
                             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bytes]:
     """Sparse-code values that start on a chunk boundary: the top ``k`` of each chunk, or (``mask``) exactly the
@@ -160,35 +199,43 @@ def sparse_quantize_segment(bits: SparseBits, chunk: int, x: np.ndarray, k: int 
         values = x[flat]
     else:
         assert k is not None
-        full = n // chunk
-        parts_c, parts_w = [], []
-        if full:
-            mag = np.abs(x[:full * chunk].reshape(full, chunk))
-            kk = min(k, chunk)
-            # the k largest magnitudes of each row (np.argpartition), then in index order
-            top = np.argpartition(-mag, kk - 1, axis=1)[:, :kk] if kk < chunk else \
-                np.broadcast_to(np.arange(chunk), (full, chunk))
-            top = np.sort(top, axis=1)
-            parts_w.append(top.ravel())
-            parts_c.append(np.repeat(np.arange(full), kk))
-        if n > full * chunk:
-            tail = np.abs(x[full * chunk:])
-            kk = min(k, tail.size)
-            top = np.sort(np.argsort(-tail, kind="stable")[:kk])
-            parts_w.append(top)
-            parts_c.append(np.full(kk, full))
-        within = np.concatenate(parts_w).astype(np.int64) if parts_w else np.empty(0, np.int64)
-        chunk_of = np.concatenate(parts_c).astype(np.int64) if parts_c else np.empty(0, np.int64)
+        chunk_of, within = _top_k(x, chunk, k)
         counts = np.bincount(chunk_of, minlength=n_chunks).astype(np.int64)
         values = x[chunk_of * chunk + within]
     mags = np.abs(values)
     scales = np.zeros(n_chunks, np.float32)
     np.maximum.at(scales, chunk_of, mags)
+    scales = fit_scales(scales, chunk_of, mags, levels)
     s = scales[chunk_of]
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(s > 0, values / np.where(s > 0, s, 1), 0).astype(np.float64)
     codes = np.clip(np.rint((t * levels + levels) / 2), 0, levels).astype(np.uint8)
     return scales, counts.astype("<u2"), _pack(bits, chunk_of, within, codes, counts).tobytes()
+
+
+FIT_ROUNDS: Final = 4  # Lloyd iterations of a chunk's scale (the error barely moves after 3)
+
+
+def fit_scales(largest: np.ndarray, chunk_of: np.ndarray, mags: np.ndarray, levels: int,
+               rounds: int = FIT_ROUNDS) -> np.ndarray:
+    """Each chunk's scale s for the level magnitudes s·{1, 3, …, L}/L (L = ``levels``), fitted to its kept
+    magnitudes by Lloyd's iterations from ``largest`` (the chunk's largest magnitude): each magnitude goes to its
+    nearest level, then s becomes the least-squares scale of that assignment, Σ m·ℓ / Σ ℓ², capped at the largest
+    magnitude (so s stays finite). Every step lowers the chunk's squared error, so it never exceeds that of
+    s = largest (the scale before 2026-11, which wastes most codes on the inner level when the kept magnitudes are
+    spread: for b = 2, a Gaussian chunk's top 2% at 0.40 relative error, fitted 0.14). float32, one per chunk."""
+    s = largest.astype(np.float64)
+    m = mags.astype(np.float64)
+    for _ in range(rounds):
+        sc = s[chunk_of]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(sc > 0, m / np.where(sc > 0, sc, 1) * levels, 0)
+        ell = np.clip(2 * np.floor(t / 2) + 1, 1, levels) / levels  # the nearest level, in units of s
+        num = np.bincount(chunk_of, weights=m * ell, minlength=s.size)
+        den = np.bincount(chunk_of, weights=ell * ell, minlength=s.size)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = np.where(den > 0, np.minimum(num / np.where(den > 0, den, 1), largest), largest)
+    return s.astype(np.float32)
 
 
 def sparse_quantize(x: np.ndarray, bits: SparseBits, chunk: int, density: float) -> tuple[np.ndarray, np.ndarray]:

@@ -272,6 +272,10 @@ class CodecConfig:
     density: float = _f(0.02, "sparse codec: fraction of each chunk an island sends (top by magnitude), in (0, 1]; "
                         "the coordinator refuses a push that holds more")
     sparse_bits: int = _f(2, "sparse codec: bits per kept value (2, 4 or 8)", choices=(2, 4, 8))
+    down_density: float = _f(0.0, "sparse update (codec.down = sparse): 0 sends every entry the merged pushes "
+                             "touched (their union, up to islands x codec.density); > 0 sends the top down_density "
+                             "of each chunk of the update plus the coordinator's residual, in [0, 1]; the rest waits "
+                             "in the residual (codec.error_feedback)")
 
     def scheme(self, name: str) -> tuple[Bits, int]:
         """The codec scheme and its block for the codec ``name`` (``up`` or ``down``'s value): a dense codec's
