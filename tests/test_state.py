@@ -173,7 +173,7 @@ def test_status_contents():
     rnd = s["round"]
     assert rnd["target_version"] == 2 and rnd["ready"] is False and [p["push_id"] for p in rnd["pending"]] == \
         ["open-1"]
-    assert rnd["reason"] == "waiting for 3 of 4 islands (missing: a-0, c-2, d-3); a quorum close needs 2 " \
+    assert rnd["reason"] == "waiting for 3 of 4 islands (missing: a, c, d); a quorum close needs 2 " \
                             "pushes, have 1"
     st.expire(T0 + 16)
     assert all(i["lease_left_s"] == 0.0 and i["state"] == "lost" for i in st.status(T0 + 16)["islands"])
