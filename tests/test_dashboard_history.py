@@ -230,6 +230,8 @@ def test_the_whole_run_on_the_page_at_start_after_a_kill_and_after_the_end(tmp_p
         assert 'id="conn" class="over"' in end and "The run finished at " in end
         assert re.search(r'id="runstate">finished at \d\d:\d\d:\d\d \(v\d+\)', end)
         assert "island-1 joined again after" in end
+        # the heartbeats' figures are not in the run's files: shown unknown, not as 0
+        assert re.search(r'<td class="num steps">—</td>', end) and not re.search(r'<td class="num steps">0</td>', end)
     finally:
         served.send_signal(signal.SIGINT)
         served.wait(timeout=30)
