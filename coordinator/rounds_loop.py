@@ -195,7 +195,7 @@ class RoundsLoop:
         # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
         # and its coordinator_resumed event tells a reader (dtrain.audit) that this merge was rolled back; the
         # other order would leave a checkpointed version with no record of what went into it.
-        self.log.event("round_merged", version=version, reason=f"{job.reason}; {close_reason}",
+        self.log.event("round_merged", version=version, reason=close_reason,  # it says why the round closed
                        pushes=[{"island": i.island_id, "push_id": i.push_id, "tokens": i.tokens,
                                 "shard": i.shard_index, "start": i.cursor_start, "end": i.cursor_end,
                                 "steps": i.inner_steps, "bytes": job.frame_bytes.get(i.push_id, 0),
