@@ -138,7 +138,7 @@ class IslandNames:
     def __init__(self, islands: Callable[[], Mapping[str, tuple[str, int]]]):
         self.islands = islands
         self.known: dict[str, tuple[str, int]] = {}
-        self._pattern: tuple[frozenset[str], re.Pattern[str] | None] = (frozenset(), None)
+        self._pattern: tuple[int, re.Pattern[str] | None] = (0, None)  # built for how many known ids
 
     def _refresh(self) -> dict[str, tuple[str, int]]:
         self.known.update(self.islands())
@@ -172,11 +172,12 @@ class IslandNames:
         return self._text(text, self._refresh())
 
     def _text(self, text: str, known: Mapping[str, tuple[str, int]]) -> str:
-        ids = frozenset(known)
-        if ids != self._pattern[0]:  # longest first: island-1-0.1 before island-1-0
-            alternatives = "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True))
+        if len(known) != self._pattern[0]:  # ids are only ever added: their count says when the pattern is stale
+            # longest first: island-1-0.1 before island-1-0
+            alternatives = "|".join(re.escape(i) for i in sorted(known, key=len, reverse=True))
             # not inside a longer word or id: a push id (the id and a suffix) stays as it is
-            self._pattern = ids, re.compile(rf"(?<![\w.-])(?:{alternatives})(?![\w-]|\.\d)") if ids else None
+            self._pattern = len(known), (re.compile(rf"(?<![\w.-])(?:{alternatives})(?![\w-]|\.\d)")
+                                         if known else None)
         pattern = self._pattern[1]
         return text if pattern is None else pattern.sub(lambda m: known[m.group(0)][0], text)
 
