@@ -406,17 +406,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_fields, n_params = choose_model(args.params, args.d_model, args.n_layers, args.full)
     model_bytes = FP32 * n_params
     base = make_config(model_fields, Path(tempfile.gettempdir()), extra=args.overrides)  # a bad --set: here
-    chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.zstd_level
+    # The pushes' zstd level (codec.up_zstd_level): what islands send, for the ratios and the pushed frames alike
+    chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.up_zstd_level
     max_msg = base.coordinator.max_message_bytes
     islands = sorted(set(args.islands))
     codecs = list(dict.fromkeys(args.codecs))
     log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
         + " ".join(f"{k}={v}" for k, v in model_fields.items())
-        + f"; islands {islands}, codecs {codecs}, chunk {chunk} B, block {block}, zstd {level}, "
+        + f"; islands {islands}, codecs {codecs}, chunk {chunk} B, block {block}, push zstd {level}, "
           f"repeats {args.repeats}; {os.cpu_count()} CPUs")
     work = Path(tempfile.mkdtemp(prefix="dtrain-exchange-"))
     out: dict[str, Any] = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes},
-                           "chunk_bytes": chunk, "block": block, "zstd_level": level, "repeats": args.repeats,
+                           "chunk_bytes": chunk, "block": block, "up_zstd_level": level, "repeats": args.repeats,
                            "cpus": os.cpu_count(), "codec_down": base.codec.down}
     try:
         # 3. compression, on the realistic delta (before anything is timed)
