@@ -611,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_fields, n_params = choose_model(args.params)
     model_bytes = FP32 * n_params
     base_cfg = scale_config(model_fields, Path(tempfile.gettempdir()), 1, 1, args.overrides)  # a bad --set: here
-    block, level = base_cfg.codec.block, base_cfg.codec.up_zstd_level  # the islands' pushes
+    block, level = base_cfg.codec.block, base_cfg.codec.push_level()  # the islands' pushes (int8)
     pool = min(FRAME_POOL, max(args.sizes))
     log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
         + " ".join(f"{k}={v}" for k, v in model_fields.items())
