@@ -15,7 +15,10 @@ that completed its round waits for the clock's merge).
 The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
 resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts
 work in the executor. A call its client cancels is cancelled by gRPC at its await; work already handed to the
-executor is waited for before the record is closed (:meth:`DataPlane.offload`).
+executor is waited for before the record is closed (:meth:`DataPlane.offload`). Each push is ended once, however
+it ends (``push_aborted`` if it broke, its record closed, its stream's place freed: handed to the executor
+synchronously, so it runs even if its call is never resumed), and :meth:`DataPlane.drain`, which
+:class:`LoopServer` runs after the server stops and before the loop does, ends every push still open.
 """
 
 from __future__ import annotations
@@ -212,14 +215,27 @@ class DataPlane:
 
     def _end_on_executor(self, stream: Stream, broke: bool) -> futures.Future[None] | None:
         """Hands ``stream``'s end (:meth:`_end`) to the executor, unless it was ended already (None); tracked
-        until it is done, so that :meth:`drain` waits for it. On the loop only."""
+        until it is done, so that :meth:`drain` waits for it. Where the executor is shut down, or this is not the
+        loop's thread running it (a call closed by the garbage collector after the loop stopped), the end runs
+        here and now (None)."""
         if stream not in self._pushes:
             return None
         rec = self._pushes.pop(stream)
-        work = self.executor.submit(contextvars.copy_context().run, self._end, stream, rec, broke)
-        self._ending.add(work)
-        work.add_done_callback(self._ending.discard)
-        return work
+        try:
+            running = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            running = False
+        if running:
+            try:
+                work = self.executor.submit(contextvars.copy_context().run, self._end, stream, rec, broke)
+            except RuntimeError:  # the executor is shut down
+                pass
+            else:
+                self._ending.add(work)
+                work.add_done_callback(self._ending.discard)
+                return work
+        self._end(stream, rec, broke)
+        return None
 
     async def _ended(self, stream: Stream, broke: bool) -> None:
         """The push's end (:meth:`_end`) on the executor, waited for, cancelled or not. Submitted synchronously, so
@@ -227,7 +243,7 @@ class DataPlane:
         work = self._end_on_executor(stream, broke)
         if work is None:
             return
-        waiting = asyncio.wrap_future(work)
+        waiting = asyncio.wrap_future(work, loop=self.loop)
         try:
             await asyncio.shield(waiting)
         except asyncio.CancelledError:
@@ -247,7 +263,7 @@ class DataPlane:
                         timeout_s)
             for stream in list(self._pushes):
                 self._end_on_executor(stream, broke=True)
-        ending = [asyncio.wrap_future(f) for f in list(self._ending)]
+        ending = [asyncio.wrap_future(f, loop=self.loop) for f in list(self._ending)]
         if ending:
             await asyncio.wait(ending, timeout=timeout_s)
 
