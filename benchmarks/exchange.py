@@ -248,7 +248,14 @@ def trained_delta(model_fields: dict[str, int], steps: int = 20, batch: int = 4)
                 f"batch {batch}x{cfg.model.seq_len}, corpus {s.corpus.description}")
 
 
-def ratios(delta: np.ndarray, codec_cfg, level: int, repeats: int = 3) -> dict[str, dict[str, float]]:
+def push_level(codec_cfg, name: str) -> int:
+    """The zstd level an island pushes codec ``name`` at (``CodecConfig.push_level`` with ``codec.up = name``)."""
+    import dataclasses
+
+    return dataclasses.replace(codec_cfg, up=name).push_level()
+
+
+def ratios(delta: np.ndarray, codec_cfg, repeats: int = 3) -> dict[str, dict[str, float]]:
     """Per codec (fp32, int8, int4, e3m0, sparse at the config's codec.density / sparse_chunk / sparse_bits): the
     frame's size and ratio, its relative L2 error, and the best of ``repeats`` timings of encode (quantize +
     frame) and decode (the checked decode + dequantize), as MB/s of fp32 input."""
@@ -262,7 +269,7 @@ def ratios(delta: np.ndarray, codec_cfg, level: int, repeats: int = 3) -> dict[s
         for _ in range(repeats):
             t0 = time.perf_counter()
             q = codec.quantize(delta, bits, block, codec_cfg.density)
-            frame = codec.encode(q, level)
+            frame = codec.encode(q, push_level(codec_cfg, name))
             t1 = time.perf_counter()
             values = codec.dequantize(codec.decode(frame, expected_n=delta.size))
             t2 = time.perf_counter()
@@ -406,17 +413,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_fields, n_params = choose_model(args.params, args.d_model, args.n_layers, args.full)
     model_bytes = FP32 * n_params
     base = make_config(model_fields, Path(tempfile.gettempdir()), extra=args.overrides)  # a bad --set: here
-    chunk, block, level = base.codec.chunk_bytes, base.codec.block, base.codec.zstd_level
+    # Each codec's frames at the level islands push it at (codec.up_zstd_level), for the ratios and the pushes alike
+    chunk, block = base.codec.chunk_bytes, base.codec.block
+    levels = {name: push_level(base.codec, name) for name in ("fp32", "int8", "int4", "e3m0", "sparse")}
     max_msg = base.coordinator.max_message_bytes
     islands = sorted(set(args.islands))
     codecs = list(dict.fromkeys(args.codecs))
     log(f"model {n_params:,} params ({model_bytes / MB:.1f} MB fp32): "
         + " ".join(f"{k}={v}" for k, v in model_fields.items())
-        + f"; islands {islands}, codecs {codecs}, chunk {chunk} B, block {block}, zstd {level}, "
+        + f"; islands {islands}, codecs {codecs}, chunk {chunk} B, block {block}, push zstd levels {levels}, "
           f"repeats {args.repeats}; {os.cpu_count()} CPUs")
     work = Path(tempfile.mkdtemp(prefix="dtrain-exchange-"))
     out: dict[str, Any] = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes},
-                           "chunk_bytes": chunk, "block": block, "zstd_level": level, "repeats": args.repeats,
+                           "chunk_bytes": chunk, "block": block, "push_zstd_levels": levels, "repeats": args.repeats,
                            "cpus": os.cpu_count(), "codec_down": base.codec.down}
     try:
         # 3. compression, on the realistic delta (before anything is timed)
@@ -426,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             delta = np.random.default_rng(7).standard_normal(n_params, dtype=np.float32) * np.float32(1e-3)
             how = "gaussian: normal x 1e-3"
-        comp = ratios(delta, base.codec, level)
+        comp = ratios(delta, base.codec)
         del delta
         gauss_comp = comp if args.delta == "gaussian" else None
         out["compression"] = {"delta": how, "codecs": comp}
@@ -449,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gauss_frame_ratio: dict[str, float] = {}
         for name in codecs:
             log(f"{name}: encoding {max(islands)} fabricated deltas ...")
-            frames = make_frames(name, n_params, max(islands), block, level)
+            frames = make_frames(name, n_params, max(islands), block, push_level(base.codec, name))
             gauss_frame_ratio[name] = model_bytes / len(frames[0])
             cfg = make_config(model_fields, work, name, 1, False, args.repeats, args.overrides)
             cpu[name] = breakdown(cfg, frames[0], n_params, work)
@@ -480,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wall = time.perf_counter() - t_start
     print(f"\nmodel: {n_params:,} params ({model_bytes / MB:.1f} MB fp32; "
           + ", ".join(f"{k}={v}" for k, v in model_fields.items())
-          + f"); chunk {chunk:,} B; block {block}; zstd level {level}; codec.down={base.codec.down}; "
+          + f"); chunk {chunk:,} B; block {block}; push zstd levels {levels}; codec.down={base.codec.down}; "
             f"best of {args.repeats} rounds; {os.cpu_count()} CPUs shared by clients and server")
 
     print(f"\n1. compression ({how})")

@@ -145,6 +145,7 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
 
     async def build() -> int:
         service.plane = DataPlane(service, data, c.max_receiving)
+        server.on_stop.append(service.plane.drain)  # every push's end done before the loop and executor go
         aio = grpc.aio.server(migration_thread_pool=control, interceptors=interceptors,
                               options=server_options(cfg))
         handlers = aio_service_handler(service, service.refuse_request, service.plane.refuse_request)

@@ -15,7 +15,10 @@ that completed its round waits for the clock's merge).
 The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
 resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts
 work in the executor. A call its client cancels is cancelled by gRPC at its await; work already handed to the
-executor is waited for before the record is closed (:meth:`DataPlane.offload`).
+executor is waited for before the record is closed (:meth:`DataPlane.offload`). Each push is ended once, however
+it ends (``push_aborted`` if it broke, its record closed, its stream's place freed: handed to the executor
+synchronously, so it runs even if its call is never resumed), and :meth:`DataPlane.drain`, which
+:class:`LoopServer` runs after the server stops and before the loop does, ends every push still open.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ class DataPlane:
         # At most coordinator.max_receiving frames stream in and decode at once (coordinator/push.py): the others
         # wait here, before their first chunk is read, so their data stays with their clients.
         self.receiving = asyncio.Semaphore(max_receiving) if max_receiving > 0 else None
+        # The push streams not yet ended (their record, once begun), and the ends handed to the executor: each
+        # push is ended exactly once, by its own call or, for one still open when the server stops, by drain().
+        self._pushes: dict[Stream, PushRecord | None] = {}
+        self._ending: set[futures.Future[None]] = set()
 
     def close(self) -> None:
         with self.service.lock:
@@ -158,8 +165,10 @@ class DataPlane:
         if isinstance(stream, str):
             await self.answer(context, CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True))
             raise AssertionError("unreachable: abort raises")
+        self._pushes[stream] = None
         rec: PushRecord | None = None
         refused: CallRefused | None = None
+        broke = False
         try:
             first = await self._next(requests, stream, cancelled)
             problem = header_problem(first)
@@ -173,26 +182,90 @@ class DataPlane:
             begun = await self.offload(svc.round.begin, h, self._identity(context))
             if isinstance(begun, pb.PushDeltaResponse):
                 return begun
-            rec = begun
+            rec = self._pushes[stream] = begun
             await self._receive(rec, requests, stream, cancelled)
             return await self.offload(svc.round.finish, rec)
         except _Cancelled:  # by the reaper, which recorded why
             if rec is not None:
                 await self.offload(svc.round.broke, rec)  # its push_aborted event
             refused = CallRefused(grpc.StatusCode.CANCELLED, _CANCELLED, record=False)
-        except asyncio.CancelledError:  # its client went away
-            if rec is not None and rec.upload is not None and not rec.upload.ended:
-                await asyncio.shield(self.offload(svc.round.broke, rec))
+        except asyncio.CancelledError:  # its client went away, or the server is stopping
+            broke = True  # its push_aborted event, if its payload was not whole (_end)
             raise
         except CallRefused as e:
             refused = e
         finally:  # before the refusal is answered: a client told of it finds its stream's place free
-            if rec is not None:
-                await asyncio.shield(self.offload(svc.round.close, rec))
-            svc.push_streams.close(stream)
+            await self._ended(stream, broke)
         assert refused is not None
         await self.answer(context, refused)
         raise AssertionError("unreachable: abort raises")
+
+    def _end(self, stream: Stream, rec: PushRecord | None, broke: bool) -> None:
+        """A push's end, however it came (any thread; once per push): a broken upload's ``push_aborted`` event
+        (``broke``: the call was cancelled), its record closed (``OpenRound.close``), its stream's place freed."""
+        try:
+            if broke and rec is not None and rec.upload is not None and not rec.upload.ended:
+                self.service.round.broke(rec)
+        finally:
+            try:
+                if rec is not None:
+                    self.service.round.close(rec)
+            finally:
+                self.service.push_streams.close(stream)
+
+    def _end_on_executor(self, stream: Stream, broke: bool) -> futures.Future[None] | None:
+        """Hands ``stream``'s end (:meth:`_end`) to the executor, unless it was ended already (None); tracked
+        until it is done, so that :meth:`drain` waits for it. Where the executor is shut down, or this is not the
+        loop's thread running it (a call closed by the garbage collector after the loop stopped), the end runs
+        here and now (None)."""
+        if stream not in self._pushes:
+            return None
+        rec = self._pushes.pop(stream)
+        try:
+            running = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            running = False
+        if running:
+            try:
+                work = self.executor.submit(contextvars.copy_context().run, self._end, stream, rec, broke)
+            except RuntimeError:  # the executor is shut down
+                pass
+            else:
+                self._ending.add(work)
+                work.add_done_callback(self._ending.discard)
+                return work
+        self._end(stream, rec, broke)
+        return None
+
+    async def _ended(self, stream: Stream, broke: bool) -> None:
+        """The push's end (:meth:`_end`) on the executor, waited for, cancelled or not. Submitted synchronously, so
+        it runs even if this call never resumes; a push :meth:`drain` ended already is not ended again."""
+        work = self._end_on_executor(stream, broke)
+        if work is None:
+            return
+        waiting = asyncio.wrap_future(work, loop=self.loop)
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            await asyncio.wait([waiting])
+            raise
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """After the server stopped (every call cancelled or done), before the loop stops: waits up to ``timeout_s``
+        for the push calls to end themselves (a cancelled call ends once its work on the executor is done), ends
+        any still open (``push_aborted``, record closed, spool gone) and waits for every end to be done. Without
+        this, a call the loop never resumes leaves its record open and its spool on disk."""
+        deadline = self.loop.time() + timeout_s
+        while self._pushes and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._pushes:
+            log.warning("%d push call(s) still open %.0f s after the server stopped: ended now", len(self._pushes),
+                        timeout_s)
+            for stream in list(self._pushes):
+                self._end_on_executor(stream, broke=True)
+        ending = [asyncio.wrap_future(f, loop=self.loop) for f in list(self._ending)]
+        if ending:
+            await asyncio.wait(ending, timeout=timeout_s)
 
     async def _receive(self, rec: PushRecord, requests: AsyncIterator[Any], stream: Stream,
                        cancelled: asyncio.Future[None]) -> None:
@@ -295,6 +368,8 @@ class LoopServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
         self._thread.start()
         self.server: grpc.aio.Server | None = None
+        # Run on the loop after the server stopped and before the loop does (DataPlane.drain: the calls' ends).
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []
         self._stopped = threading.Event()
 
     def run(self, work: Awaitable[T] | Callable[[], T], timeout: float | None = 60.0) -> T:
@@ -320,6 +395,11 @@ class LoopServer:
                     self.run(self.server.stop(grace), timeout=(grace or 0.0) + 30)
                 except Exception:  # noqa: BLE001 - the loop is stopped all the same
                     log.exception("stopping the gRPC server")
+            for hook in self.on_stop:
+                try:
+                    self.run(hook(), timeout=None)
+                except Exception:  # noqa: BLE001 - the loop is stopped all the same
+                    log.exception("ending the calls of the stopped gRPC server")
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
             if not self._thread.is_alive():

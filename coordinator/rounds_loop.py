@@ -220,13 +220,13 @@ class RoundsLoop:
 
     def _merged(self, version: int, reason: str, merged: list[PushInfo], pending: list[tuple[PushInfo, Admission]],
                 update_bytes: int, values: int) -> None:
-        """What follows a committed merge: telemetry, the round's span, a progress line, the heap trimmed, the
-        waiters woken. ``values``: the update's (its fragment's, with outer.fragments)."""
+        """What follows a committed merge: telemetry, the round's span, a progress line, the waiters woken (the
+        heap is trimmed after the lock is let go: :meth:`run`). ``values``: the update's (its fragment's, with
+        outer.fragments)."""
         self.telemetry.record_ratio(4 * values, update_bytes, "down")
         self.rounds.close(version, pushes=len(pending), tokens=sum(i.tokens for i, _ in pending),
                           islands=sorted({i.island_id for i, _ in pending}), update_bytes=update_bytes)
         self.log.progress(f"v{version}: merged {len(merged)} deltas ({reason})")
-        self.streams.trim()  # the step's slabs, the merged spools' buffers
         self._changed()  # wakes long-polling pulls and the ticker (the run may be over)
 
     def _screen_round(self, now: float) -> bool:
@@ -290,6 +290,9 @@ class RoundsLoop:
                 self.step(job)  # outside the lock
                 with self.lock:
                     self.end_merge(job, self.clock())
+                # The step's slabs and the merged spools' buffers back to the OS, outside the lock: malloc_trim
+                # walks every arena, and heartbeats and Joins wait for the lock, not for the heap.
+                self.streams.trim()
         except BaseException as e:  # the coordinator cannot run without it: make it fatal, not silent
             with self.lock:
                 self.merging = None

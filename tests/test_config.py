@@ -122,6 +122,8 @@ BAD_FILES = [
     ("[health]\nz_max = inf\n", "[health] z_max"),
     ("[health]\nmin_devices = 0\n", "[health] min_devices"),
     ("[health]\nstats = 1\n", "[health] stats"),
+    ("[codec]\nup_zstd_level = -8\n", "[codec] up_zstd_level"),
+    ("[codec]\nup_zstd_level = 20\n", "[codec] up_zstd_level"),
 ]
 
 

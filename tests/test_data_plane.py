@@ -5,7 +5,9 @@ the parked pulls all wake on the new version, and the process's thread count doe
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import warnings
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,8 +16,9 @@ import grpc.aio
 from coordinator.handlers import control_threads, server_threads
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.net.wire import method_path, serialize
-from service_helpers import Running, delta_frame, join_island, push_header, wait_for
+from dtrain.net.wire import chunk_message, method_path, serialize
+from dtrain.runlog import read_events
+from service_helpers import IdlePushes, Running, delta_frame, join_island, push_header, wait_for
 from workers.client import CoordinatorClient
 
 PARKED = 48  # of each kind: pulls, push streams
@@ -116,3 +119,44 @@ def test_parked_pulls_and_idle_pushes_hold_no_thread_and_the_round_goes_on(net_c
         a.close()
         b.close()
         running.stop()
+
+
+def test_a_server_stopped_mid_upload_closes_the_push_and_removes_its_spool(net_cfg, tmp_path):
+    """A push stream that has sent its header and one chunk when the server stops: its cleanup runs before the
+    loop goes (the record closed: its upload uncounted, its stream's place free, its push_aborted event written,
+    its spool file gone once the service closes), and no coroutine is left un-awaited (the warning CI printed)."""
+    cfg = replace(net_cfg, coordinator={"checkpoint": False})
+    run_dir = tmp_path / "coord"
+    running = Running(cfg, run_dir)
+    client = CoordinatorClient(running.address, cfg)
+    idle = IdlePushes(running.address, None)
+    stopped = False
+    try:
+        join = join_island(client, "a")
+        frame = delta_frame(join.tree_size, 1)[1]
+        header = push_header(join, "mid-upload")
+        chunks = client._chunked(header, frame)  # fills in the header's size, CRC and chunk count
+        assert len(chunks) > 1
+        idle.open(1, header, (chunk_message(0, *chunks[0]),))
+        svc = running.service
+        wait_for(lambda: svc.streams.active == 1, "the upload's first chunk spooled")
+        assert list((run_dir / "spool").glob("push-*.body"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            running.server.stop(grace=None).wait()
+            gc.collect()  # a coroutine dropped un-awaited warns here, at the latest
+            assert svc.streams.active == 0  # the upload was closed before the stop returned
+            assert svc.push_streams.counts()[0] == 0
+            running.service.close()
+            stopped = True
+            gc.collect()
+        unawaited = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert not unawaited, unawaited
+        assert not list((run_dir / "spool").glob("push-*.body"))
+        aborted = [e for e in read_events(run_dir) if e["event"] == "push_aborted"]
+        assert [e["push_id"] for e in aborted] == ["mid-upload"]
+    finally:
+        idle.close()
+        client.close()
+        if not stopped:
+            running.stop()

@@ -514,3 +514,27 @@ def test_a_restarted_islands_token_count_goes_on_from_its_own_events_of_this_run
     assert tokens_trained([], "r1") == 0 and tokens_trained(other, "r1") == 0
     # an event without tokens (a worker of before this count) is skipped
     assert tokens_trained([{"event": "joined", "run_id": "r1"}, {"event": "trained", "executed": 10}], "r1") == 0
+
+
+def test_pushes_are_encoded_at_codec_up_zstd_level_and_decode_the_same():
+    """codec.up_zstd_level sets the zstd level of the island's pushes (not codec.zstd_level, the coordinator's
+    update frames'): by default (0) -1 for int8, which stores the codes raw (a larger frame, a cheaper decode for
+    the coordinator), codec.zstd_level for the codecs zstd compresses by far more; 3 compresses int8 too; both
+    decode to the same values."""
+    from dtrain import codec
+    from dtrain.config.sections import CodecConfig
+    from workers.exchange import Uplink
+
+    delta = np.random.default_rng(3).normal(size=50_000).astype(np.float32) * 1e-3
+    header = pb.PushHeader(push_id="p", fragment=0)
+    frames = {}
+    for level in (0, 3):
+        k = CodecConfig(up="int8", error_feedback=False, up_zstd_level=level)
+        assert k.zstd_level == 3 and k.push_level() == (level or -1)  # not the update frames' level
+        frames[level or -1], _ = Uplink(k, delta.size, [], client=None, log=Events()).frame(delta, header)
+    assert CodecConfig().up_zstd_level == 0 and CodecConfig().push_level() == -1  # int8, the default codec.up
+    for up in ("int4", "e3m0", "sparse", "fp32"):  # raw codes would cost 8-48% more bytes: zstd_level
+        assert CodecConfig(up=up).push_level() == 3 and CodecConfig(up=up, up_zstd_level=-2).push_level() == -2
+    assert len(frames[-1]) > 1.05 * len(frames[3])  # raw codes: the WAN bytes the faster decode costs
+    values = [codec.dequantize(codec.decode(f, expected_n=delta.size)) for f in frames.values()]
+    np.testing.assert_array_equal(values[0], values[1])

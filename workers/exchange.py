@@ -411,7 +411,7 @@ class Uplink:
         k = self.cfg
         q = self.feedbacks[index].compress(delta) if self.feedbacks else \
             codec.quantize(delta, self.bits, self.block, k.density)
-        return codec.encode(q, k.zstd_level)
+        return codec.encode(q, k.push_level())
 
     @property
     def compression_ratio(self) -> float:

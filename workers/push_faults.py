@@ -215,7 +215,7 @@ def injected_push(injections: Sequence[Injection], delta: np.ndarray, header: pb
     injection.pushes += 1
     factor = injection.factor ** injection.pushes if injection.kind == "ramp" else injection.factor
     frame, detail = corrupt_push(injection.kind, delta, header, bits, codec_cfg.scheme(codec_cfg.up)[1],
-                                 codec_cfg.zstd_level, factor, codec_cfg.density)
+                                 codec_cfg.push_level(), factor, codec_cfg.density)
     log("fault_injected", fault_kind=injection.kind, at_version=injection.at_version, push_id=header.push_id,
         base_version=header.base_version, **detail)
     return frame, client

@@ -256,6 +256,8 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
              f"{c.block}")
     if not 1 <= c.zstd_level <= 19:
         fail("codec", "zstd_level", f"must be in [1, 19], got {c.zstd_level}")
+    if not -7 <= c.up_zstd_level <= 19:
+        fail("codec", "up_zstd_level", f"must be in [-7, 19] (0: by codec.up), got {c.up_zstd_level}")
     if not 4096 <= c.chunk_bytes <= 4 << 20:
         fail("codec", "chunk_bytes", f"must be in [4096, 4194304], got {c.chunk_bytes}")
     if c.sparse_chunk % 2 or not 64 <= c.sparse_chunk <= MAX_CHUNK:
