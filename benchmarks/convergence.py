@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--document-masking", action="store_true",
                    help="also run plain diloco with data.document_masking on (documents kept apart) from the same "
                    "warm start and data: its eval loss on the plain eval batches and on documents kept apart")
+    p.add_argument("--mask-proto", default="", metavar="DENSITY,RULE,BETA,LR", help="PROTOTYPE: the codec "
+                   "name 'maskproto' runs index-free shared selection (a seeded mask per round, 2-bit values) "
+                   "outside the merger, with these knobs")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--reuse", default="", metavar="JSON[,JSON]", help="arms already run, taken from these --json "
                    "files of the same protocol (W, H, R, islands: checked) instead of run again, e.g. the fp32 "
@@ -244,6 +247,11 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         for name, rule in [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]:
             label = f"{prefix}diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
+            if name == "maskproto":
+                results[label] = mask_proto(ph, s, mesh, params_w, streams, cursor0, args, T, H)
+                results[label]["optimizer"] = opt
+                log(f"{label}: eval loss {results[label]['eval_loss']:.4f}, {results[label]['bytes']:,} bytes")
+                continue
             results[label] = codec_variant(ph, s, mesh, params_w, streams, cursor0, args, name, rule, T, H)
             results[label]["optimizer"] = opt
             log(f"{label}: eval loss {results[label]['eval_loss']:.4f}, {results[label]['bytes']:,} bytes on the "
@@ -452,6 +460,70 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
         log(f"diloco-{name}: update density per round (push density {k.max_count / block:.4f}): "
             + " ".join(f"{d:.4f}" for d in density))
     return out
+
+
+def proto_mask(n: int, seed: int, density: float) -> np.ndarray:
+    """PROTOTYPE: the shared mask of round ``seed``: index i is kept iff (h(i) + seed·D) mod 2^32 < D, with
+    h(i) = i·0x9E3779B1 mod 2^32 (a Weyl sequence) and D = density·2^32: rounds take disjoint windows, so each
+    value is kept once every ~1/density rounds, evenly spread."""
+    D = np.uint64(int(round(density * 2**32)))
+    h = (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B1) + np.uint64(seed) * D) & np.uint64(0xFFFFFFFF)
+    return h < D
+
+
+def proto_send(x: np.ndarray, keep: np.ndarray, block: int, level: int) -> tuple[np.ndarray, int]:
+    """PROTOTYPE: the masked values in the dense 2-bit codec (an int2 frame of the gathered values, + 4 bytes
+    of seed): (what the receiver gets, dense; frame bytes)."""
+    q = codec.quantize(x[keep], 2, block)
+    out = np.zeros_like(x)
+    out[keep] = codec.dequantize(q)
+    return out, len(codec.encode(q, level)) + 4
+
+
+def mask_proto(phase, s, mesh, params_w, streams: list, cursor0: int, args, T: int, H: int) -> dict:
+    """PROTOTYPE of index-free shared selection, outside the merger (plain mean)."""
+    dens, rule, beta, lr = args.mask_proto.split(",")
+    dens, beta, lr = float(dens), float(beta), float(lr)
+    N, B, k = args.islands, phase.train.batch_size, phase.codec
+    loop = InnerLoop(phase, s.built, mesh)
+    spec, theta_w = codec.flatten(jax.device_get(params_w))
+    n = theta_w.size
+    res = [np.zeros(n, np.float32) for _ in range(N)]
+    res_d, mom = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
+               for i in range(N)]
+    g, wire, curve, up_error, down_error = theta_w.copy(), 0, [], [], []
+    for v, steps in enumerate(round_lengths(T, H)):
+        keep = proto_mask(n, v, dens)
+        sent_sum, errs = np.zeros(n, np.float32), []
+        for isl, r in zip(islands, res, strict=True):
+            isl.state = loop.with_params(isl.state, codec.unflatten(spec, g))
+            advance(loop, isl, steps, B, record_loss)
+            _, local = codec.flatten(jax.device_get(isl.state.params))
+            delta = g - local
+            c = delta + beta * r
+            sent, nb = proto_send(c, keep, 1024, k.zstd_level)
+            r[:] = c - sent
+            wire += nb
+            sent_sum += sent
+            errs.append(float(np.linalg.norm(sent - delta) / max(np.linalg.norm(delta), 1e-30)))
+        up_error.append(float(np.mean(errs)))
+        d = sent_sum / N
+        if rule == "sparseloco":
+            u = -lr * d
+        else:
+            mom = 0.9 * mom + d
+            u = -lr * (d + 0.9 * mom)
+        c = u + res_d
+        applied, nb = proto_send(c, keep, 1024, k.zstd_level)
+        res_d = c - applied
+        wire += N * nb
+        down_error.append(float(np.linalg.norm(applied - u) / max(np.linalg.norm(u), 1e-30)))
+        g = g + applied
+        curve.append(loop.evaluate(codec.unflatten(spec, g), s.eval_batches))
+        log(f"maskproto round {v}: eval {curve[-1]:.4f} wire {wire:,} kept {int(keep.sum())}")
+    return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
+            "up_error": up_error, "down_error": down_error, "outer_rule": f"proto-{rule}"}
 
 
 def documents_variant(phase, warm_cfg, N: int, params_w, cursor0: int, plain_evals, T: int, H: int) -> dict:
