@@ -404,10 +404,10 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
     down = args.sparse_down if name == "sparse" else name
     merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
                         coordinator={"mode": "sync", "merge_rule": rule},
-                        outer={"rule": args.sparse_rule if name == "sparse" else suited_rule(name)})
+                        outer={"rule": args.sparse_rule if name in ("sparse", "mask") else suited_rule(name)})
     merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
     bits, block = k.scheme(name)
-    feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
+    feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density_of(name))
                 if bits != 32 else None for _ in range(N)]
     islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                for i in range(N)]
@@ -426,7 +426,8 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
             advance(loop, isl, steps, B, record_loss)
             _, local = codec.flatten(jax.device_get(isl.state.params))
             delta = global_vec - local
-            q = ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density)
+            seed = merger.version  # the mask codec's: the version the islands trained from
+            q = ef.compress(delta, seed) if ef else codec.quantize(delta, bits, block, k.density_of(name), seed)
             errors.append(float(np.linalg.norm(codec.dequantize(q) - delta) / max(np.linalg.norm(delta), 1e-30)))
             frame = codec.encode(q, k.zstd_level)
             wire += len(frame)  # push
@@ -448,6 +449,8 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
         global_vec = global_vec + applied
         assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
         curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
+        log(f"diloco-{name} round {len(curve) - 1}: eval loss {curve[-1]:.4f}, {wire:,} bytes so far, push error "
+            f"{up_error[-1]:.3f}, update error {down_error[-1]:.3f}")
     out = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
            "merge_rule": rule, "round_screen": screened, "peak_exchange_bytes": peak, "up_error": up_error,
            "down_error": down_error, "outer_rule": merge_cfg.outer.rule}

@@ -89,7 +89,7 @@ def suited_rule(codec_up: str) -> str:
     it has not sent; a Nesterov momentum over the mean of sparse pushes amplifies their selection noise), and
     ``nesterov`` for every dense codec, int2 included (DiLoCo; MuLoCo's 2-bit pushes: error feedback on each
     island keeps the quantization error out of the outer momentum, which smooths what remains)."""
-    return "sparseloco" if codec_up == "sparse" else "nesterov"
+    return "sparseloco" if codec_up in ("sparse", "mask") else "nesterov"
 
 
 def feedback_decay(cfg: Config) -> float:
