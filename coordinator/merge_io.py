@@ -67,6 +67,7 @@ def read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start:
             codec.mask_add(chunk, scales, records, keep, out, weight=weight)
             continue
         read_into(p.spool.fd, records, 4 * n_chunks + lo)
+        assert codec.is_sparse(bits)
         codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
 
 

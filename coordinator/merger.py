@@ -515,8 +515,10 @@ class Merger:
             else:  # the entries the merged pushes touched (their union), sparse-coded, or (codec.down_density) the
                 # top of each chunk of u + residual
                 keep = codec.top_k_mask(u, chunk, o.down_count) if o.down_count else delta != 0
-                sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=keep)
-                codec.sparse_add(o.down_bits, chunk, sc, counts, records, applied)
+                bits = o.down_bits
+                assert codec.is_sparse(bits)
+                sc, counts, records = codec.sparse_quantize_segment(bits, chunk, u, mask=keep)
+                codec.sparse_add(bits, chunk, sc, counts, records, applied)
                 sparse = (rel // chunk, counts, records)
             scales[rel // chunk: rel // chunk + sc.size] = sc
             if self.feedback:

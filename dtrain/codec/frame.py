@@ -71,7 +71,8 @@ from typing import Any, BinaryIO, Final
 import numpy as np
 import zstandard
 
-from dtrain.codec import int2
+from dtrain.codec import int2, masked
+from dtrain.codec.masked import MASK_BITS, MaskChecker
 from dtrain.codec.quant import (
     MAX_BLOCK,
     MIN_BLOCK,
@@ -84,8 +85,6 @@ from dtrain.codec.quant import (
     n_scales,
     payload_len,
 )
-from dtrain.codec import masked
-from dtrain.codec.masked import MASK_BITS, MaskChecker
 from dtrain.codec.sparse import MAX_CHUNK, SparseChecker, is_sparse, max_payload_len
 from dtrain.codec.spec import CodecError
 

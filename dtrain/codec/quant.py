@@ -246,8 +246,8 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         ``x.size`` values, laid out as in the module docstring.
     """
     count = x.size
-    if is_sparse(bits):
-        raise CodecError(f"{bits} is sparse: sparse_quantize_segment codes it")
+    if is_sparse(bits) or bits == MASK_BITS:
+        raise CodecError(f"{bits} codes by chunks: sparse_quantize_segment or mask_quantize_segment codes it")
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
     if bits == 2:
@@ -370,7 +370,7 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
     limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else \
-        int2.SCALE_MAX if bits in (2, MASK_BITS) else SCALE_MAX[QMAX[bits]]
+        int2.SCALE_MAX if bits == 2 or bits == MASK_BITS else SCALE_MAX[QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))
