@@ -60,7 +60,7 @@ from dtrain.train.runs import FP32_BYTES
 from dtrain_cli.entry import Parser, run_main
 
 PLAIN_ARMS = {"optimizers": "adamw", "codecs": "int8,int4,sparse", "only": "single,dp,diloco"}
-BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse", "only": "dp,diloco"}  # --bits
+BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse,mask", "only": "dp,diloco"}  # --bits
 
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
@@ -99,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "muon-...; "
                    "train.muon_lr and the other muon fields from the config or --set)")
     p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
-                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of "
-                   "these three flags given explicitly narrows it to those arms), ending with the line "
+                   "--codecs int8,int4,int2,sparse,mask --only dp,diloco in the default protocol (unless --quick; "
+                   "any of these three flags given explicitly narrows it to those arms), ending with the line "
                    "'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
     p.add_argument("--codec-optimizers", default="", help="comma-separated: the optimizers the codec variants run "
                    "under (default '': every one of --optimizers; e.g. --bits --codecs sparse --codec-optimizers "
@@ -109,12 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "production codec + merger path (both directions quantized, error feedback; sparse: SparseLoCo, "
                    "the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
-                   "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
+                   "outer.sparseloco_lr and outer.sparseloco_beta; mask: the mask codec both ways, index-free "
+                   "shared selection of codec.mask_density of the values a round, on the same rule); '' for none")
     p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
                    "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple); "
                    "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
-                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo); every dense codec "
+                   help="the outer rule of the sparse and mask variants (default sparseloco: SparseLoCo); every dense "
+                   "codec "
                    "runs the rule that suits it, dtrain.steps.outer.suited_rule (nesterov)")
     p.add_argument("--sparse-down", choices=CODEC_NAMES, default="sparse",
                    help="codec.down of the sparse variant (default sparse: the update in the sparse codec too; fp32: "
@@ -128,9 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--document-masking", action="store_true",
                    help="also run plain diloco with data.document_masking on (documents kept apart) from the same "
                    "warm start and data: its eval loss on the plain eval batches and on documents kept apart")
-    p.add_argument("--mask-proto", default="", metavar="DENSITY,RULE,BETA,LR", help="PROTOTYPE: the codec "
-                   "name 'maskproto' runs index-free shared selection (a seeded mask per round, 2-bit values) "
-                   "outside the merger, with these knobs")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--reuse", default="", metavar="JSON[,JSON]", help="arms already run, taken from these --json "
                    "files of the same protocol (W, H, R, islands: checked) instead of run again, e.g. the fp32 "
@@ -247,11 +246,6 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         for name, rule in [(name, rule) for name in [c for c in args.codecs.split(",") if c] for rule in rules]:
             label = f"{prefix}diloco-{name}" + (f"-{rule}" if args.merge_rules else "")
-            if name == "maskproto":
-                results[label] = mask_proto(ph, s, mesh, params_w, streams, cursor0, args, T, H)
-                results[label]["optimizer"] = opt
-                log(f"{label}: eval loss {results[label]['eval_loss']:.4f}, {results[label]['bytes']:,} bytes")
-                continue
             results[label] = codec_variant(ph, s, mesh, params_w, streams, cursor0, args, name, rule, T, H)
             results[label]["optimizer"] = opt
             log(f"{label}: eval loss {results[label]['eval_loss']:.4f}, {results[label]['bytes']:,} bytes on the "
@@ -290,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
-          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} "
+          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} mask density="
+          f"{base.codec.mask_density} "
           f"sparseloco lr={base.outer.sparseloco_lr} "
           f"beta={base.outer.sparseloco_beta}")
     for name, r in results.items():
@@ -463,70 +458,6 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
         log(f"diloco-{name}: update density per round (push density {k.max_count / block:.4f}): "
             + " ".join(f"{d:.4f}" for d in density))
     return out
-
-
-def proto_mask(n: int, seed: int, density: float) -> np.ndarray:
-    """PROTOTYPE: the shared mask of round ``seed``: index i is kept iff (h(i) + seed·D) mod 2^32 < D, with
-    h(i) = i·0x9E3779B1 mod 2^32 (a Weyl sequence) and D = density·2^32: rounds take disjoint windows, so each
-    value is kept once every ~1/density rounds, evenly spread."""
-    D = np.uint64(int(round(density * 2**32)))
-    h = (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B1) + np.uint64(seed) * D) & np.uint64(0xFFFFFFFF)
-    return h < D
-
-
-def proto_send(x: np.ndarray, keep: np.ndarray, block: int, level: int) -> tuple[np.ndarray, int]:
-    """PROTOTYPE: the masked values in the dense 2-bit codec (an int2 frame of the gathered values, + 4 bytes
-    of seed): (what the receiver gets, dense; frame bytes)."""
-    q = codec.quantize(x[keep], 2, block)
-    out = np.zeros_like(x)
-    out[keep] = codec.dequantize(q)
-    return out, len(codec.encode(q, level)) + 4
-
-
-def mask_proto(phase, s, mesh, params_w, streams: list, cursor0: int, args, T: int, H: int) -> dict:
-    """PROTOTYPE of index-free shared selection, outside the merger (plain mean)."""
-    dens, rule, beta, lr = args.mask_proto.split(",")
-    dens, beta, lr = float(dens), float(beta), float(lr)
-    N, B, k = args.islands, phase.train.batch_size, phase.codec
-    loop = InnerLoop(phase, s.built, mesh)
-    spec, theta_w = codec.flatten(jax.device_get(params_w))
-    n = theta_w.size
-    res = [np.zeros(n, np.float32) for _ in range(N)]
-    res_d, mom = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
-               for i in range(N)]
-    g, wire, curve, up_error, down_error = theta_w.copy(), 0, [], [], []
-    for v, steps in enumerate(round_lengths(T, H)):
-        keep = proto_mask(n, v, dens)
-        sent_sum, errs = np.zeros(n, np.float32), []
-        for isl, r in zip(islands, res, strict=True):
-            isl.state = loop.with_params(isl.state, codec.unflatten(spec, g))
-            advance(loop, isl, steps, B, record_loss)
-            _, local = codec.flatten(jax.device_get(isl.state.params))
-            delta = g - local
-            c = delta + beta * r
-            sent, nb = proto_send(c, keep, 1024, k.zstd_level)
-            r[:] = c - sent
-            wire += nb
-            sent_sum += sent
-            errs.append(float(np.linalg.norm(sent - delta) / max(np.linalg.norm(delta), 1e-30)))
-        up_error.append(float(np.mean(errs)))
-        d = sent_sum / N
-        if rule == "sparseloco":
-            u = -lr * d
-        else:
-            mom = 0.9 * mom + d
-            u = -lr * (d + 0.9 * mom)
-        c = u + res_d
-        applied, nb = proto_send(c, keep, 1024, k.zstd_level)
-        res_d = c - applied
-        wire += N * nb
-        down_error.append(float(np.linalg.norm(applied - u) / max(np.linalg.norm(u), 1e-30)))
-        g = g + applied
-        curve.append(loop.evaluate(codec.unflatten(spec, g), s.eval_batches))
-        log(f"maskproto round {v}: eval {curve[-1]:.4f} wire {wire:,} kept {int(keep.sum())}")
-    return {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
-            "up_error": up_error, "down_error": down_error, "outer_rule": f"proto-{rule}"}
 
 
 def documents_variant(phase, warm_cfg, N: int, params_w, cursor0: int, plain_evals, T: int, H: int) -> dict:
