@@ -19,6 +19,10 @@ of whole chunks is found without decoding the ones before it. A receiver checks 
 ``int2.SCALE_MAX``), D (≥ 1), the payload's length against the counts the seed and D give, and the padding bits;
 every code is a level. Any seed is valid; the payload is never larger than a dense 2-bit one (plus 8 bytes and a
 byte a chunk), whatever D a sender claims. Pure numpy.
+
+In a synchronous round every push and the update share the version's mask; a push from an older version (a late
+push merged into the open round, or async merges) holds another mask's entries: the update still goes on the
+coordinator's version's mask, and the down residual keeps what that leaves out.
 """
 
 from __future__ import annotations
