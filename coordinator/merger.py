@@ -201,8 +201,13 @@ class Merger:
         return False
 
     def validate(self, spool: Spool) -> None:
-        """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
+        """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes) and (a
+        mask push) at the config's ``codec.mask_density``."""
         spool.finish()
+        mask, code = spool.sparse, self.opts.up_mask_code
+        if isinstance(mask, codec.MaskChecker) and code and mask.code != code:
+            raise codec.CodecError(f"a mask push at density {mask.code / 2**32:.4g}, the coordinator's "
+                                   f"codec.mask_density is {code / 2**32:.4g}")
 
     def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
                     norm: float | None = None) -> None:

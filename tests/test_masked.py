@@ -194,3 +194,21 @@ def test_pushes_on_one_mask_merge_into_an_update_on_the_same_entries() -> None:
             np.testing.assert_array_equal(held, m.theta)
     finally:
         m.close()
+
+
+def test_the_coordinator_refuses_a_mask_push_at_another_density_and_commits_nothing() -> None:
+    n = 2 * CHUNK
+    cfg = replace(Config(), codec={"up": "mask", "down": "mask", "sparse_chunk": CHUNK, "mask_density": 0.25},
+                  coordinator={"mode": "sync", "merge_rule": "mean"}, outer={"rule": "sparseloco"})
+    theta = _x(n, 3)
+    m = Merger(theta.copy(), MergeOptions.from_config(cfg))
+    try:
+        with m.spool() as sp, pytest.raises(CodecError, match=r"a mask push at density 0.5, the coordinator's "
+                                                                r"codec.mask_density is 0.25"):
+            sp.write(encode(quantize(_x(n, 4), "mask2", CHUNK, 0.5, seed=0)))
+            m.validate(sp)
+            m.add_pending(sp, 1.0)
+        assert m.pending_count == 0 and m.version == 0
+        np.testing.assert_array_equal(m.theta, theta)
+    finally:
+        m.close()
