@@ -261,9 +261,11 @@ class MeshConfig:
 @dataclass(frozen=True)
 class CodecConfig:
     up: str = _f("int8", "codec for pushed pseudo-gradients (sparse: top codec.density of each chunk of "
-                 "codec.sparse_chunk values, in codec.sparse_bits bits)", choices=CODEC_NAMES)
+                 "codec.sparse_chunk values, in codec.sparse_bits bits; mask: the codec.mask_density of the values "
+                 "that the version's mask selects, in 2 bits)", choices=CODEC_NAMES)
     down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless; sparse: the entries the merged "
-                   "pushes touched, in codec.sparse_bits bits)", choices=CODEC_NAMES)
+                   "pushes touched, in codec.sparse_bits bits; mask: the entries of the version's mask, in 2 bits)",
+                   choices=CODEC_NAMES)
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for frames (1..19)")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
