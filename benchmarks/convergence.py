@@ -60,7 +60,7 @@ from dtrain.train.runs import FP32_BYTES
 from dtrain_cli.entry import Parser, run_main
 
 PLAIN_ARMS = {"optimizers": "adamw", "codecs": "int8,int4,sparse", "only": "single,dp,diloco"}
-BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse", "only": "dp,diloco"}  # --bits
+BITS_ARMS = {"optimizers": "adamw,muon", "codecs": "int8,int4,int2,sparse,mask", "only": "dp,diloco"}  # --bits
 
 MODES = {
     # name: (warm-up steps W, inner steps H, rounds R)
@@ -99,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "muon-...; "
                    "train.muon_lr and the other muon fields from the config or --set)")
     p.add_argument("--bits", action="store_true", help="the optimizer x codec comparison: --optimizers adamw,muon "
-                   "--codecs int8,int4,int2,sparse --only dp,diloco in the default protocol (unless --quick; any of "
-                   "these three flags given explicitly narrows it to those arms), ending with the line "
+                   "--codecs int8,int4,int2,sparse,mask --only dp,diloco in the default protocol (unless --quick; "
+                   "any of these three flags given explicitly narrows it to those arms), ending with the line "
                    "'bits: best=OPTIMIZER+CODEC comm-reduction=R loss-ratio=L muon/adamw=M'")
     p.add_argument("--codec-optimizers", default="", help="comma-separated: the optimizers the codec variants run "
                    "under (default '': every one of --optimizers; e.g. --bits --codecs sparse --codec-optimizers "
@@ -109,12 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "production codec + merger path (both directions quantized, error feedback; sparse: SparseLoCo, "
                    "the sparse codec "
                    "both ways with outer.rule=sparseloco and the config's codec.density, codec.sparse_bits, "
-                   "outer.sparseloco_lr and outer.sparseloco_beta); '' for none")
+                   "outer.sparseloco_lr and outer.sparseloco_beta; mask: the mask codec both ways, index-free "
+                   "shared selection of codec.mask_density of the values a round, on the same rule); '' for none")
     p.add_argument("--fragments", type=int, default=0, help="outer.fragments of the fragments variant (the sparse "
                    "variant cut into F fragments; run when the codecs hold sparse and F > 1; H must be a multiple); "
                    "default 4, skipped when 4 does not divide H (the quick protocol's H = 50: add --H 48)")
     p.add_argument("--sparse-rule", choices=("sparseloco", "nesterov"), default="sparseloco",
-                   help="the outer rule of the sparse variant (default sparseloco: SparseLoCo); every dense codec "
+                   help="the outer rule of the sparse and mask variants (default sparseloco: SparseLoCo); every dense "
+                   "codec "
                    "runs the rule that suits it, dtrain.steps.outer.suited_rule (nesterov)")
     p.add_argument("--sparse-down", choices=CODEC_NAMES, default="sparse",
                    help="codec.down of the sparse variant (default sparse: the update in the sparse codec too; fp32: "
@@ -282,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"warmup={base.train.warmup_steps} outer lr={base.outer.lr} momentum={base.outer.momentum} "
           f"nesterov={base.outer.nesterov}; muon lr={base.train.muon_lr} beta={base.train.muon_beta}; "
           f"sparse: density={base.codec.density} chunk={base.codec.sparse_chunk} "
-          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} "
+          f"bits={base.codec.sparse_bits} down density={base.codec.down_density} mask density="
+          f"{base.codec.mask_density} "
           f"sparseloco lr={base.outer.sparseloco_lr} "
           f"beta={base.outer.sparseloco_beta}")
     for name, r in results.items():
@@ -396,10 +399,10 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
     down = args.sparse_down if name == "sparse" else name
     merge_cfg = replace(phase, codec={"up": name, "down": down, "error_feedback": True},
                         coordinator={"mode": "sync", "merge_rule": rule},
-                        outer={"rule": args.sparse_rule if name == "sparse" else suited_rule(name)})
+                        outer={"rule": args.sparse_rule if name in ("sparse", "mask") else suited_rule(name)})
     merger = Merger(theta_w.copy(), MergeOptions.from_config(merge_cfg))
     bits, block = k.scheme(name)
-    feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density)
+    feedback = [codec.ErrorFeedback(theta_w.size, bits, block, feedback_decay(merge_cfg), k.density_of(name))
                 if bits != 32 else None for _ in range(N)]
     islands = [Island(index=i, state=loop.init_state(params_w), stream=streams[i], cursor=cursor0)
                for i in range(N)]
@@ -418,7 +421,8 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
             advance(loop, isl, steps, B, record_loss)
             _, local = codec.flatten(jax.device_get(isl.state.params))
             delta = global_vec - local
-            q = ef.compress(delta) if ef else codec.quantize(delta, bits, block, k.density)
+            seed = merger.version  # the mask codec's: the version the islands trained from
+            q = ef.compress(delta, seed) if ef else codec.quantize(delta, bits, block, k.density_of(name), seed)
             errors.append(float(np.linalg.norm(codec.dequantize(q) - delta) / max(np.linalg.norm(delta), 1e-30)))
             frame = codec.encode(q, k.zstd_level)
             wire += len(frame)  # push
@@ -440,6 +444,8 @@ def codec_variant(phase, s, mesh, params_w, streams: list, cursor0: int, args: a
         global_vec = global_vec + applied
         assert np.array_equal(global_vec, merger.theta)  # islands hold the coordinator's θ bit for bit
         curve.append(loop.evaluate(codec.unflatten(spec, global_vec), s.eval_batches))
+        log(f"diloco-{name} round {len(curve) - 1}: eval loss {curve[-1]:.4f}, {wire:,} bytes so far, push error "
+            f"{up_error[-1]:.3f}, update error {down_error[-1]:.3f}")
     out = {"eval_loss": curve[-1], "curve": curve, "tokens": sum(i.tokens for i in islands), "bytes": wire,
            "merge_rule": rule, "round_screen": screened, "peak_exchange_bytes": peak, "up_error": up_error,
            "down_error": down_error, "outer_rule": merge_cfg.outer.rule}

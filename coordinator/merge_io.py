@@ -47,8 +47,10 @@ def read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start:
                  weights: list[np.float32]) -> None:
     """outs[i] += weights[i]·Δ_i for sparse pushes, values [start, start + outs[i].size) (whole chunks): each
     push's scales, counts and records of those chunks read from its spool (the layout its checker kept), summed
-    into the dense slab (``codec.sparse_add``)."""
-    assert codec.is_sparse(bits)
+    into the dense slab (``codec.sparse_add``).
+    (A mask push, ``codec.MASK_BITS``, likewise: its records after its seed and density, summed where its mask
+    keeps entries, ``codec.mask_add``.)"""
+    assert codec.has_records(bits)
     count = outs[0].size if outs else 0
     first, end = start // chunk, -(-(start + count) // chunk)
     scales = np.empty(end - first, "<f4")
@@ -59,25 +61,37 @@ def read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start:
         read_into(p.spool.fd, scales, 4 * first)
         lo, hi = int(layout.record_offsets[first]), int(layout.record_offsets[end])
         records = np.empty(hi - lo, np.uint8)
+        if isinstance(layout, codec.MaskChecker):
+            read_into(p.spool.fd, records, 4 * n_chunks + MASK_HEAD + lo)
+            keep = codec.keep_mask(layout.seed, layout.code, start, start + count)
+            codec.mask_add(chunk, scales, records, keep, out, weight=weight)
+            continue
         read_into(p.spool.fd, records, 4 * n_chunks + lo)
+        assert codec.is_sparse(bits)
         codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
+
+
+MASK_HEAD = 8  # a mask payload's seed (u32) and density code (u32), before its records
 
 
 class SparseDown:
     """The sparse update's payload file, written in order: the chunks' records after room for the counts, then
-    the counts (u16 per chunk) at the front, then the file cut to its size."""
+    the counts (u16 per chunk) at the front, then the file cut to its size. A mask update (``mask``: its seed and
+    density code): its records after room for those two u32s, written at the front at the end."""
 
-    def __init__(self, fd: int, n: int, chunk: int):
+    def __init__(self, fd: int, n: int, chunk: int, mask: tuple[int, int] | None = None):
         self.fd, self.counts = fd, np.zeros(-(-n // chunk), "<u2")
-        self.offset = 2 * self.counts.size
+        self.mask = mask
+        self.offset = MASK_HEAD if mask else 2 * self.counts.size
 
-    def append(self, first: int, counts: np.ndarray, records: bytes) -> None:
-        self.counts[first:first + counts.size] = counts
+    def append(self, first: int, counts: np.ndarray | None, records: bytes) -> None:
+        if counts is not None:
+            self.counts[first:first + counts.size] = counts
         write_from(self.fd, records, self.offset)
         self.offset += len(records)
 
     def close(self) -> None:
-        write_from(self.fd, self.counts, 0)
+        write_from(self.fd, np.array(self.mask, "<u4") if self.mask else self.counts, 0)
         os.ftruncate(self.fd, self.offset)
 
 
@@ -125,7 +139,7 @@ def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, sta
     [start, start + outs[i].size): the codes read from the spool, the scales from memory (``Spool.scales``) where
     the spool kept them."""
     count = outs[0].size if outs else 0
-    if codec.is_sparse(o.up_bits):
+    if codec.has_records(o.up_bits):
         read_sparse(pending, o.up_bits, o.up_block or o.block, start, outs, weights)
         return
     first_block, end_block = start // o.block, -(-(start + count) // o.block)

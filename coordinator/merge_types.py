@@ -89,6 +89,8 @@ class MergeOptions:
     down_block: int = 0  # the update's block, likewise; 0: block
     max_count: int | None = None  # sparse pushes: the most entries a chunk may hold (codec.density's k)
     down_count: int = 0  # a sparse update: entries kept per chunk (codec.down_density's k); 0: the pushes' union
+    mask_code: int = 0  # a mask update: its density code (codec.mask_density, ``codec.density_code``)
+    up_mask_code: int = 0  # mask pushes: the density code they must carry (0: any)
     ranges: tuple[Range, ...] = ()  # outer.fragments > 1: the fragments' plan; (): one, the whole θ
     screen_values: int = SCREEN_VALUES  # the direction screen samples about this many values per push (all if fewer)
     screen_min_values: int = SCREEN_MIN_VALUES  # ... and, with more than SCREEN_SHARE_PUSHES pushes, at least these
@@ -120,7 +122,9 @@ class MergeOptions:
                    spare_spools=max(cls.spare_spools, cfg.outer.islands),
                    max_count=k.max_count if codec.is_sparse(up_bits) else None, ranges=ranges,
                    down_count=codec.kept_per_chunk(k.down_density, down_block)
-                   if codec.is_sparse(down_bits) and k.down_density > 0 else 0)
+                   if codec.is_sparse(down_bits) and k.down_density > 0 else 0,
+                   mask_code=codec.density_code(k.mask_density) if down_bits == codec.MASK_BITS else 0,
+                   up_mask_code=codec.density_code(k.mask_density) if up_bits == codec.MASK_BITS else 0)
 
 
 class NonFiniteResult(ValueError):

@@ -201,8 +201,13 @@ class Merger:
         return False
 
     def validate(self, spool: Spool) -> None:
-        """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
+        """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes) and (a
+        mask push) at the config's ``codec.mask_density``."""
         spool.finish()
+        mask, code = spool.sparse, self.opts.up_mask_code
+        if isinstance(mask, codec.MaskChecker) and code and mask.code != code:
+            raise codec.CodecError(f"a mask push at density {mask.code / 2**32:.4g}, the coordinator's "
+                                   f"codec.mask_density is {code / 2**32:.4g}")
 
     def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
                     norm: float | None = None) -> None:
@@ -384,7 +389,7 @@ class Merger:
                 fds[name + "_new"] = os.open(tmp[name], os.O_RDWR | os.O_CREAT, 0o644)
             fds["payload"] = os.open(payload_path, os.O_RDWR | os.O_CREAT, 0o644)  # rewritten whole
             digest, theta_norm = self._step_slabs(fds, scales, part)
-            payload_size = os.fstat(fds["payload"]).st_size if codec.is_sparse(o.down_bits) else None
+            payload_size = os.fstat(fds["payload"]).st_size if codec.has_records(o.down_bits) else None
             if payload_size is None:  # a smaller fragment than the last step's: the file is cut to this one's
                 os.ftruncate(fds["payload"], codec.payload_len(o.down_bits, part.size))
         except BaseException:  # a non-finite result, or an I/O error: nothing is committed
@@ -432,8 +437,9 @@ class Merger:
         inv_w = np.float32(1.0 / self.total_weight)
         hasher = params_hasher()
         theta_sq = 0.0
-        down = SparseDown(fds["payload"], part.size, o.down_block or o.block) \
-            if codec.is_sparse(o.down_bits) else None
+        down = SparseDown(fds["payload"], part.size, o.down_block or o.block,
+                          (self.version % 2 ** 32, o.mask_code) if o.down_bits == codec.MASK_BITS else None) \
+            if codec.has_records(o.down_bits) else None
         pieces = ([(s, min(s + slab, part.start), False) for s in range(0, part.start, slab)]
                   + [(s, min(s + slab, part.end), True) for s in range(part.start, part.end, slab)]
                   + [(s, min(s + slab, self.n), False) for s in range(part.end, self.n, slab)])
@@ -503,17 +509,26 @@ class Merger:
                 u += r
         self._check_finite("update", s, u)  # before quantizing: the codec refuses NaN/Inf
         sparse: tuple = ()
-        if codec.is_sparse(o.down_bits):  # the entries the merged pushes touched (their union), sparse-coded
-            chunk = o.down_block or o.block  # ... or (codec.down_density) the top of each chunk of u + residual
-            keep = codec.top_k_mask(u, chunk, o.down_count) if o.down_count else delta != 0
-            sc, counts, records = codec.sparse_quantize_segment(o.down_bits, chunk, u, mask=keep)
-            scales[rel // chunk: rel // chunk + sc.size] = sc
-            sparse = (rel // chunk, counts, records)
+        if codec.has_records(o.down_bits):
+            chunk = o.down_block or o.block
             applied = np.zeros(e - s, np.float32)
-            codec.sparse_add(o.down_bits, chunk, sc, counts, records, applied)
+            if o.down_bits == codec.MASK_BITS:  # the entries this version's mask keeps (in sync: the pushes' own)
+                keep = codec.keep_mask(self.version, o.mask_code, rel, rel + e - s)
+                sc, records = codec.mask_quantize_segment(chunk, u, keep)
+                codec.mask_add(chunk, sc, records, keep, applied)
+                sparse = (rel // chunk, None, records)
+            else:  # the entries the merged pushes touched (their union), sparse-coded, or (codec.down_density) the
+                # top of each chunk of u + residual
+                keep = codec.top_k_mask(u, chunk, o.down_count) if o.down_count else delta != 0
+                bits = o.down_bits
+                assert codec.is_sparse(bits)
+                sc, counts, records = codec.sparse_quantize_segment(bits, chunk, u, mask=keep)
+                codec.sparse_add(bits, chunk, sc, counts, records, applied)
+                sparse = (rel // chunk, counts, records)
+            scales[rel // chunk: rel // chunk + sc.size] = sc
             if self.feedback:
                 with np.errstate(over="ignore", invalid="ignore"):
-                    u -= applied  # what the broadcast left out (everything off the union, too)
+                    u -= applied  # what the broadcast left out (everything off the union or mask, too)
                 self._check_finite("residual", s, u)
                 write_from(fds["residual_new"], u, 4 * s)
         elif o.down_bits == 32:

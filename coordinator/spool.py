@@ -120,8 +120,8 @@ class Spool:
         self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append,
                                                                             max_count=max_count)
         # sparse pushes: the checker measures the norm, and its layout (counts, record offsets) stays for the merge
-        self._norm = None if codec.is_sparse(bits) else BodyNorm(n, bits, block)
-        self.sparse: codec.SparseChecker | None = None
+        self._norm = None if codec.has_records(bits) else BodyNorm(n, bits, block)
+        self.sparse: codec.SparseChecker | codec.MaskChecker | None = None
         self.size = 0  # frame bytes received
         self.complete = False
         self.norm = math.nan  # the L2 norm of its values, once finish() has accepted it

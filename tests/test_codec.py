@@ -345,14 +345,15 @@ def test_write_frame_rejects_wrong_sizes_and_levels(tmp_path) -> None:
 
 def test_one_table_of_codec_names() -> None:
     """codec.up/codec.down name the schemes of CODEC_BITS, and the config offers exactly those names (and
-    "sparse", whose scheme codec.sparse_bits picks)."""
+    "sparse", whose scheme codec.sparse_bits picks, and "mask", the mask2 scheme on codec.sparse_chunk)."""
     from dtrain.config.sections import CodecConfig
 
     assert dict(codec.CODEC_BITS) == {"fp32": 32, "int8": 8, "int4": 4, "int2": 2, "e3m0": "e3m0"}
     assert all(codec.canonical_bits(bits) == bits for bits in codec.CODEC_BITS.values())
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(CodecConfig) if f.name in ("up", "down")}
-    assert choices == {"up": (*codec.CODEC_BITS, "sparse"), "down": (*codec.CODEC_BITS, "sparse")}
+    assert choices == {"up": (*codec.CODEC_BITS, "sparse", "mask"), "down": (*codec.CODEC_BITS, "sparse", "mask")}
     assert CodecConfig().scheme("sparse") == ("sparse2", CodecConfig().sparse_chunk)  # codec.sparse_bits picks
+    assert CodecConfig().scheme("mask") == ("mask2", CodecConfig().sparse_chunk)
 
 
 # --------------------------------------------------------------------------- error feedback

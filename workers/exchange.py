@@ -380,9 +380,10 @@ class Uplink:
         # as the host codec's, byte for byte); the other schemes by the host codec
         self.feedbacks: list[codec.ErrorFeedback | DeviceErrorFeedback] = [
             DeviceErrorFeedback(r.size, self.bits, self.block, feedback_decay) if self.bits in DEVICE_BITS else
-            codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density)
+            codec.ErrorFeedback(r.size, self.bits, self.block, feedback_decay, cfg.density_of(cfg.up))
             for r in self.ranges] if on else []
         self._fragment = 0  # the fragment of the frame being built (frame's header)
+        self._seed = 0  # the mask codec's seed: the version the frame's Δ was trained from (frame's header)
         self.frames_sent = 0
         self.frame_bytes = 0
         self.values_sent = 0
@@ -390,7 +391,7 @@ class Uplink:
     def frame(self, delta: np.ndarray, header: pb.PushHeader) -> tuple[bytes, PushClient]:
         """The frame to push for Δ = ``delta`` under ``header`` (the values of the fragment it names), and the
         client that pushes it."""
-        self._fragment = header.fragment
+        self._fragment, self._seed = header.fragment, header.base_version
         frame, client = injected_push(self.injections, delta, header, self._encode, self.client, self.bits,
                                       self.cfg, self.log)
         self._count(frame, delta.size)
@@ -409,8 +410,8 @@ class Uplink:
     def _encode_part(self, index: int, delta: np.ndarray) -> bytes:
         """One fragment's (or shard range's) Δ, with its own error feedback."""
         k = self.cfg
-        q = self.feedbacks[index].compress(delta) if self.feedbacks else \
-            codec.quantize(delta, self.bits, self.block, k.density)
+        q = self.feedbacks[index].compress(delta, self._seed) if self.feedbacks else \
+            codec.quantize(delta, self.bits, self.block, k.density_of(k.up), self._seed)
         return codec.encode(q, k.push_level())
 
     @property

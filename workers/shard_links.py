@@ -117,6 +117,7 @@ class ShardedUplink(Uplink):
 
     def frame(self, delta: np.ndarray, header: pb.PushHeader) -> tuple[bytes, PushClient]:
         """The push's S frames for Δ = ``delta`` (the whole θ's), and the :class:`ShardedPush` that sends them."""
+        self._seed = header.base_version  # (the mask codec's)
         frame = ShardFrames([self._encode_part(r.index, delta[r.start:r.end]) for r in self.ranges])
         self._count(frame, delta.size)
         return frame, self.pusher

@@ -8,6 +8,8 @@ importing only the ones before it:
 * ``sparse``: the sparse schemes (``"sparse2"``, ``"sparse4"``, ``"sparse8"``): per chunk, the top entries
   by magnitude, 2 (4, 8)-bit values and gap-coded indices; their checker (:class:`SparseChecker`) and
   :func:`sparse_add` (checked chunks summed into a dense slab).
+* ``masked``: the mask scheme (``"mask2"``): index-free shared selection, the entries a seeded mask picks
+  each round, 2-bit values; its checker (:class:`MaskChecker`) and :func:`mask_add`.
 * ``int2``: the dense 2-bit scheme's levels (four, scaled by each block's RMS), packing and checks.
 * ``quant``: block quantization (int8, int4, int2, e3m0, lossless 32), error
   feedback, the checks of scales and codes, and :data:`CODEC_BITS`, the
@@ -57,6 +59,15 @@ from dtrain.codec.frame import (
     decode,
     encode,
     write_frame,
+)
+from dtrain.codec.masked import (
+    MASK_BITS,
+    MaskChecker,
+    density_code,
+    has_records,
+    keep_mask,
+    mask_add,
+    mask_quantize_segment,
 )
 from dtrain.codec.quant import (
     CODEC_BITS,
@@ -112,7 +123,9 @@ __all__ = [
     "DEFAULT_BLOCK",
     "FORMAT_VERSION",
     "HEADER_SIZE",
+    "MaskChecker",
     "MAGIC",
+    "MASK_BITS",
     "MAX_BLOCK",
     "MAX_CHUNK",
     "MIN_BLOCK",
@@ -135,15 +148,20 @@ __all__ = [
     "compression_ratio",
     "crc32_combine",
     "decode",
+    "density_code",
     "dequantize",
     "dequantize_add",
     "dequantize_segment",
     "encode",
     "error_feedback_step",
     "flatten",
+    "has_records",
     "hasher_digest",
     "is_sparse",
+    "keep_mask",
     "kept_per_chunk",
+    "mask_add",
+    "mask_quantize_segment",
     "n_scales",
     "params_digest",
     "params_hasher",

@@ -7,7 +7,8 @@ Frame layout (all integers little endian)
     offset size  field
      0      4    magic        b"DTRC"
      4      1    version      u8, currently 1
-     5      1    bits code    u8: 8, 4, 2, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8"
+     5      1    bits code    u8: 8, 4, 2, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8",
+                              0x4D for "mask2"
      6      2    reserved     u16, must be 0
      8      4    block        u32, even, in [64, 65536] (bits=2: a multiple of 4)
     12      8    n            u64, number of values
@@ -15,15 +16,15 @@ Frame layout (all integers little endian)
     28      8    payload_len  u64, bytes of payload = n (int8), ceil(n/2) (4-bit), ceil(n/4) (2-bit),
                               4n (bits=32); sparse:
                               counts ‖ records, whatever the counts make (at most what the receiver's
-                              per-chunk bound allows)
+                              per-chunk bound allows); mask2: seed ‖ density ‖ records, what they make
     36      8    body_len     u64, bytes of compressed body following the header
     44      4    crc32        u32, zlib CRC32 of header bytes [0, 44) followed by the body
     48   body_len body        one zstd frame; decompresses to exactly
                               scales (float32 LE, one per block, in order) ‖ payload
 
 The frame is exactly 48 + body_len bytes. The scales and the payload codes are
-described in ``dtrain.codec.quant`` (sparse schemes: ``dtrain.codec.sparse``; their ``block`` is the
-chunk). Scales come first, so a reader checks all
+described in ``dtrain.codec.quant`` (sparse schemes: ``dtrain.codec.sparse``, mask2: ``dtrain.codec.masked``;
+their ``block`` is the chunk). Scales come first, so a reader checks all
 of them (n/block floats) before the first code arrives.
 
 Writing. :func:`write_frame` writes a frame to a seekable binary file from
@@ -49,7 +50,8 @@ expands beyond it is stopped after at most one output piece); all scales
 (finite, ≥ 0 and small enough that dequantized values stay finite) before any
 code; every code as it is decompressed (no invalid code; sparse: the counts against the chunk
 and the receiver's ``max_count``, then every chunk's record, indices and padding,
-by :class:`~dtrain.codec.sparse.SparseChecker`); and at the end
+by :class:`~dtrain.codec.sparse.SparseChecker`; mask2: the payload's length against the mask its seed and density
+make, then every chunk's padding, by :class:`~dtrain.codec.masked.MaskChecker`); and at the end
 (:meth:`FrameValidator.finish`) a truncated header or body, the CRC32, the
 exact decompressed size and the padding nibble. :func:`decode` feeds a whole
 frame through it. Hence nothing that :func:`decode` returns can dequantize to
@@ -69,7 +71,8 @@ from typing import Any, BinaryIO, Final
 import numpy as np
 import zstandard
 
-from dtrain.codec import int2
+from dtrain.codec import int2, masked
+from dtrain.codec.masked import MASK_BITS, MaskChecker
 from dtrain.codec.quant import (
     MAX_BLOCK,
     MIN_BLOCK,
@@ -108,7 +111,7 @@ HEADER_SIZE: Final = _HEADER.size  # 48
 _CRC_OFFSET: Final = HEADER_SIZE - 4  # the CRC covers header bytes [0, 44) and the body
 
 _BITS_CODE: Final[dict[Bits, int]] = {8: 8, 4: 4, 2: 2, 32: 32, "e3m0": 0xE3, "sparse2": 0x52, "sparse4": 0x54,
-                                      "sparse8": 0x58}
+                                      "sparse8": 0x58, "mask2": 0x4D}
 _CODE_BITS: Final[dict[int, Bits]] = {code: bits for bits, code in _BITS_CODE.items()}
 
 _DECODE_PIECE: Final = 1 << 20  # decode's zstd output pieces: a whole frame in memory, few Python calls
@@ -161,7 +164,7 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
     n = int(n)
     scale_array = np.ascontiguousarray(scales, dtype="<f4")
     want_scales = n_scales(bits, n, block)
-    if is_sparse(bits):
+    if is_sparse(bits) or bits == MASK_BITS:
         if payload_size is None:
             raise CodecError(f"write_frame needs payload_size for the {bits} scheme")
         want_payload = int(payload_size)
@@ -238,7 +241,8 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     if reserved:
         raise CodecError(f"reserved header field is {reserved}, must be 0")
     if code not in _CODE_BITS:
-        raise CodecError(f"unknown bits code {code} (known: 8, 4, 2, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse)")
+        raise CodecError(f"unknown bits code {code} (known: 8, 4, 2, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse, "
+                         "0x4D for mask2)")
     got_bits = _CODE_BITS[code]
     if not MIN_BLOCK <= got_block <= MAX_BLOCK or got_block % 2:
         raise CodecError(f"block {got_block} out of range: must be even and in [{MIN_BLOCK}, {MAX_BLOCK}]")
@@ -259,6 +263,11 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
             raise CodecError(f"sparse payload length {got_payload} outside [{low}, {high}] for n={got_n}, "
                              f"chunk={got_block}, at most {got_block if max_count is None else max_count} "
                              "entries per chunk")
+    elif got_bits == MASK_BITS:
+        high = masked.max_payload_len(got_n, got_block)
+        if not masked.DESCRIPTOR_SIZE <= got_payload <= high:
+            raise CodecError(f"mask payload length {got_payload} outside [{masked.DESCRIPTOR_SIZE}, {high}] for "
+                             f"n={got_n}, chunk={got_block}")
     elif got_payload != (want_payload := payload_len(got_bits, got_n)):
         raise CodecError(f"payload length {got_payload} inconsistent with n={got_n}, bits={got_bits} "
                          f"(expected {want_payload})")
@@ -333,7 +342,8 @@ class FrameValidator:
                                       or max_count < 1):
             raise CodecError(f"max_count must be a positive int, got {max_count!r}")
         self.max_count = max_count
-        self.sparse: SparseChecker | None = None  # a sparse frame's payload checker, once its scales are in
+        # a sparse (mask) frame's payload checker, once its scales are in
+        self.sparse: SparseChecker | MaskChecker | None = None
 
     def feed(self, data: bytes | bytearray | memoryview, crc32: int | None = None) -> None:
         """Takes the next piece of the frame (any size, in order) and hands the decompressed bytes it completes to
@@ -394,6 +404,8 @@ class FrameValidator:
                     self.sparse = SparseChecker(bits, header.block, header.n, header.payload_len,
                                                 min(header.block, self.max_count or header.block), scales,
                                                 self.out)
+                elif bits == MASK_BITS:
+                    self.sparse = MaskChecker(header.block, header.n, header.payload_len, scales, self.out)
             if start == size:
                 return size
         piece = data if start == 0 else data[start:]

@@ -54,6 +54,7 @@ from typing import Any, Final, Literal
 import numpy as np
 
 from dtrain.codec import int2
+from dtrain.codec.masked import MASK_BITS, mask_dequantize, mask_quantize
 from dtrain.codec.sparse import MAX_CHUNK, SPARSE_BITS, is_sparse, kept_per_chunk, sparse_dequantize, sparse_quantize
 from dtrain.codec.spec import CodecError
 
@@ -82,11 +83,11 @@ __all__ = [
     "sum_squares",
 ]
 
-Bits = Literal[8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8"]
+Bits = Literal[8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8", "mask2"]
 
 # The config's codec names (``codec.up`` / ``codec.down``) → quantization schemes: the one table of them.
 CODEC_BITS: Final[Mapping[str, Bits]] = {"fp32": 32, "int8": 8, "int4": 4, "int2": 2, "e3m0": "e3m0"}
-_CANONICAL_BITS: Final[dict[Any, Bits]] = {bits: bits for bits in (*CODEC_BITS.values(), *SPARSE_BITS)}
+_CANONICAL_BITS: Final[dict[Any, Bits]] = {bits: bits for bits in (*CODEC_BITS.values(), *SPARSE_BITS, MASK_BITS)}
 
 DEFAULT_BLOCK: Final = 1024
 MIN_BLOCK: Final = 64
@@ -121,13 +122,13 @@ _INT4_SQUARES: Final = (_INT4_LEVELS.astype(np.int32) ** 2).sum(axis=1).astype(n
 
 
 def canonical_bits(bits: Any) -> Bits:
-    """``bits`` as one of 8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8" (e.g. 8.0 → 8); CodecError for
-    anything else."""
+    """``bits`` as one of 8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8", "mask2" (e.g. 8.0 → 8);
+    CodecError for anything else."""
     try:
         return _CANONICAL_BITS[bits]
     except (KeyError, TypeError):
-        raise CodecError(f"bits must be one of 8, 4, 2, 32, 'e3m0', 'sparse2', 'sparse4', 'sparse8'; got {bits!r}"
-                         ) from None
+        raise CodecError(f"bits must be one of 8, 4, 2, 32, 'e3m0', 'sparse2', 'sparse4', 'sparse8', 'mask2'; "
+                         f"got {bits!r}") from None
 
 
 def check_block(block: Any) -> int:
@@ -151,7 +152,7 @@ def n_scales(bits: Bits, n: int, block: int) -> int:
 def payload_len(bits: Bits, n: int) -> int:
     """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), ceil(n/4) (2-bit), 4n (32); sparse
     schemes have no fixed size (CodecError)."""
-    if is_sparse(bits):
+    if is_sparse(bits) or bits == MASK_BITS:
         raise CodecError(f"a {bits} payload's size depends on its counts, not on n alone")
     return {8: n, 4: (n + 1) // 2, "e3m0": (n + 1) // 2, 2: (n + 3) // 4, 32: 4 * n}[bits]
 
@@ -188,10 +189,11 @@ class QuantizedVec:
         if self.bits == 2 and (why := int2.check_block(self.block)):
             raise CodecError(why)
         want_scales = n_scales(self.bits, self.n, self.block)
-        # sparse: at least the counts (u16 per chunk); the rest is checked by the frame reader
-        want_payload = 2 * want_scales if is_sparse(self.bits) else payload_len(self.bits, self.n)
-        if is_sparse(self.bits) and self.payload.dtype == np.uint8 and self.payload.ndim == 1 \
-                and self.payload.size >= want_payload:
+        # sparse: at least the counts (u16 per chunk), mask: its seed and density; the frame reader checks the rest
+        want_payload = 2 * want_scales if is_sparse(self.bits) else 8 if self.bits == MASK_BITS else \
+            payload_len(self.bits, self.n)
+        if (is_sparse(self.bits) or self.bits == MASK_BITS) and self.payload.dtype == np.uint8 \
+                and self.payload.ndim == 1 and self.payload.size >= want_payload:
             want_payload = self.payload.size
         if self.scales.dtype != np.float32 or self.scales.shape != (want_scales,):
             raise CodecError(f"scales must be float32 of shape ({want_scales},), "
@@ -244,8 +246,8 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         ``x.size`` values, laid out as in the module docstring.
     """
     count = x.size
-    if is_sparse(bits):
-        raise CodecError(f"{bits} is sparse: sparse_quantize_segment codes it")
+    if is_sparse(bits) or bits == MASK_BITS:
+        raise CodecError(f"{bits} codes by chunks: sparse_quantize_segment or mask_quantize_segment codes it")
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
     if bits == 2:
@@ -368,7 +370,7 @@ def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | byte
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
     """Scales (of blocks ``first_block``, …) are finite, ≥ 0 and small enough that qmax·scale is finite."""
     limit = np.float32(_F32_MAX) if bits == "e3m0" or is_sparse(bits) else \
-        int2.SCALE_MAX if bits == 2 else SCALE_MAX[QMAX[bits]]
+        int2.SCALE_MAX if bits == 2 or bits == MASK_BITS else SCALE_MAX[QMAX[bits]]
     bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= limit))
     if bad.any():
         i = int(np.argmax(bad))
@@ -447,14 +449,17 @@ def _blocks_per_slab(block: int) -> int:
     return max(1, _SLAB_VALUES // block)
 
 
-def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK, density: float = 0.02) -> QuantizedVec:
+def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK, density: float = 0.02,
+             seed: int = 0) -> QuantizedVec:
     """Block-quantize a whole vector: the encoder's first half (:func:`dtrain.codec.encode` frames the result).
 
     Args:
         vec: a 1-D vector of any array-like (converted with ``np.asarray(vec, np.float32)``).
         bits: the scheme: 8, 4, 32 (lossless) or "e3m0" (:data:`CODEC_BITS` maps the config's names to them).
         block: values per block (even, in [MIN_BLOCK, MAX_BLOCK]); a sparse scheme's chunk (at most MAX_CHUNK).
-        density: sparse schemes only: the fraction of each chunk kept (``dtrain.codec.sparse.kept_per_chunk``).
+        density: sparse schemes only: the fraction of each chunk kept (``dtrain.codec.sparse.kept_per_chunk``);
+            mask2: the mask's density (``dtrain.codec.masked``).
+        seed: mask2 only: the mask's seed (the round's version).
 
     Returns:
         The :class:`QuantizedVec` of ``vec``: one float32 scale per block and the packed codes (sparse: the
@@ -478,11 +483,14 @@ def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK, density: floa
         if not finite.all():
             index = start + int(np.argmin(finite))
             raise CodecError(f"non-finite value {x[index]} at index {index}: refusing to encode NaN/Inf")
-        if is_sparse(bits):
+        if is_sparse(bits) or bits == MASK_BITS:
             continue
         s, p = quantize_segment(bits, block, segment)
         scales.append(s)
         payloads.append(p)
+    if bits == MASK_BITS:
+        sc, payload = mask_quantize(x, block, seed, density)
+        return QuantizedVec(bits=bits, block=block, n=n, scales=sc, payload=payload)
     if is_sparse(bits):
         if block > MAX_CHUNK:
             raise CodecError(f"a sparse chunk holds at most {MAX_CHUNK} values, got {block}")
@@ -506,6 +514,8 @@ def dequantize(q: QuantizedVec) -> np.ndarray:
     """
     if is_sparse(q.bits):
         return sparse_dequantize(q.bits, q.block, q.n, q.scales, q.payload)
+    if q.bits == MASK_BITS:
+        return mask_dequantize(q.block, q.n, q.scales, q.payload)
     out = np.empty(q.n, np.float32)
     slab_blocks = _blocks_per_slab(q.block)
     slab = slab_blocks * q.block
@@ -519,7 +529,7 @@ def dequantize(q: QuantizedVec) -> np.ndarray:
 
 
 def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8, block: int = DEFAULT_BLOCK,
-                        decay: float = 1.0, density: float = 0.02) -> tuple[QuantizedVec, np.ndarray]:
+                        decay: float = 1.0, density: float = 0.02, seed: int = 0) -> tuple[QuantizedVec, np.ndarray]:
     """Pure error feedback: quantize delta + decay·residual; the new residual is what quantization dropped.
 
     Summed over rounds, Σ dequantize(q_t) = Σ delta_t − residual_T, so the
@@ -530,7 +540,8 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8, block:
         delta: this round's 1-D delta (converted to float32).
         residual: float32, the shape of ``delta``: what earlier rounds' quantization dropped. Its buffer is not
             modified (the new residual is a fresh array).
-        bits, block, density: the scheme, block size (sparse: chunk) and density, as in :func:`quantize`.
+        bits, block, density, seed: the scheme, block size (sparse, mask: chunk), density and seed (mask), as in
+            :func:`quantize`.
         decay: β, the factor the residual is carried with (1: plain error feedback; below 1: SparseLoCo's
             accumulator, e ← β·e + Δ, which lets old, unsent mass fade).
 
@@ -545,7 +556,7 @@ def error_feedback_step(delta: Any, residual: np.ndarray, bits: Bits = 8, block:
     if delta.shape != residual.shape:
         raise CodecError(f"delta has shape {delta.shape}, residual has shape {residual.shape}")
     corrected = delta + residual if decay == 1 else delta + residual * np.float32(decay)
-    q = quantize(corrected, bits, block, density)
+    q = quantize(corrected, bits, block, density, seed)
     new_residual = np.subtract(corrected, dequantize(q), out=corrected)  # reuse the buffer
     return q, new_residual
 
@@ -569,17 +580,17 @@ class ErrorFeedback:
         self.block = check_block(block)
         if not 0 < decay <= 1:
             raise CodecError(f"error-feedback decay must be in (0, 1], got {decay!r}")
-        if is_sparse(self.bits):
+        if is_sparse(self.bits) or self.bits == MASK_BITS:
             kept_per_chunk(density, self.block)
         self.decay, self.density = float(decay), float(density)
         self.residual = np.zeros(n, np.float32)
 
-    def compress(self, delta_vec: Any) -> QuantizedVec:
+    def compress(self, delta_vec: Any, seed: int = 0) -> QuantizedVec:
         """Quantizes ``delta_vec`` (1-D, length ``n``) plus the residual and keeps what was dropped as the new
-        residual; returns the :class:`QuantizedVec` to frame. On CodecError (NaN/Inf, a wrong length) the
-        residual is unchanged."""
+        residual; returns the :class:`QuantizedVec` to frame. ``seed``: mask2's (the version the delta was trained
+        from). On CodecError (NaN/Inf, a wrong length) the residual is unchanged."""
         q, self.residual = error_feedback_step(delta_vec, self.residual, self.bits, self.block, self.decay,
-                                               self.density)
+                                               self.density, seed)
         return q
 
     def reset(self) -> None:

@@ -264,6 +264,8 @@ def _check_mesh_and_codec(cfg: Config, fail: _Fail) -> None:
         fail("codec", "sparse_chunk", f"must be even and in [64, {MAX_CHUNK}], got {c.sparse_chunk}")
     if not 0.0 < c.density <= 1.0:
         fail("codec", "density", f"must be in (0, 1], got {c.density}")
+    if not 0.0 < c.mask_density <= 1.0:
+        fail("codec", "mask_density", f"must be in (0, 1], got {c.mask_density}")
     if not 0.0 <= c.down_density <= 1.0:
         fail("codec", "down_density", f"must be in [0, 1] (0: the union of the pushes), got {c.down_density}")
 

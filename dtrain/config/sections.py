@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.codec import CODEC_BITS, Bits, kept_per_chunk, sparse_scheme
+from dtrain.codec import CODEC_BITS, MASK_BITS, Bits, kept_per_chunk, sparse_scheme
 from dtrain.config.field import setting as _f
 from dtrain.config.ops import HealthConfig, SecurityConfig, TelemetryConfig
 
@@ -31,7 +31,7 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the file and the field."""
 
 
-CODEC_NAMES = (*CODEC_BITS, "sparse")  # codec.up / codec.down: the dense codecs by their bits, and sparse
+CODEC_NAMES = (*CODEC_BITS, "sparse", "mask")  # codec.up / codec.down: the dense codecs by their bits, sparse, mask
 ATTENTION_KINDS = ("auto", "xla", "cudnn", "einsum")  # model.attention
 REMAT_POLICIES = ("none", "full", "dots", "names")  # model.remat
 REMAT_LEGACY = {True: "full", False: "none", "true": "full", "false": "none"}  # model.remat as a bool, as it was
@@ -261,9 +261,11 @@ class MeshConfig:
 @dataclass(frozen=True)
 class CodecConfig:
     up: str = _f("int8", "codec for pushed pseudo-gradients (sparse: top codec.density of each chunk of "
-                 "codec.sparse_chunk values, in codec.sparse_bits bits)", choices=CODEC_NAMES)
+                 "codec.sparse_chunk values, in codec.sparse_bits bits; mask: the codec.mask_density of the values "
+                 "that the version's mask selects, in 2 bits)", choices=CODEC_NAMES)
     down: str = _f("int8", "codec for the broadcast outer update (fp32: lossless; sparse: the entries the merged "
-                   "pushes touched, in codec.sparse_bits bits)", choices=CODEC_NAMES)
+                   "pushes touched, in codec.sparse_bits bits; mask: the entries of the version's mask, in 2 bits)",
+                   choices=CODEC_NAMES)
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for the coordinator's update frames (1..19)")
     up_zstd_level: int = _f(0, "zstd level for the islands' pushes (-7..-1, 1..19; 0: by codec.up, see push_level): "
@@ -280,6 +282,11 @@ class CodecConfig:
                              "touched (their union, up to islands x codec.density); > 0 sends the top down_density "
                              "of each chunk of the update plus the coordinator's residual, in [0, 1]; the rest waits "
                              "in the residual (codec.error_feedback)")
+    mask_density: float = _f(0.2, "mask codec: fraction of the values sent each round, both ways, in (0, 1]: the "
+                             "entries a mask seeded by the round's version selects (the same on every island and "
+                             "the coordinator: no indices sent), 2 bits each, one scale per codec.sparse_chunk "
+                             "values; each value goes once every ~1/mask_density rounds, error feedback keeps the "
+                             "rest")
 
     def push_level(self) -> int:
         """The zstd level the islands push at: ``up_zstd_level``, or with 0 -1 for int8 (raw codes: ~9% more bytes,
@@ -294,7 +301,14 @@ class CodecConfig:
         bits and ``block``, or the sparse scheme of ``sparse_bits`` and ``sparse_chunk``."""
         if name == "sparse":
             return sparse_scheme(self.sparse_bits), self.sparse_chunk
+        if name == "mask":
+            return MASK_BITS, self.sparse_chunk
         return CODEC_BITS[name], self.block
+
+    def density_of(self, name: str) -> float:
+        """The density the codec ``name`` sends at: ``mask_density`` (mask), ``density`` (sparse; unused by the
+        dense codecs)."""
+        return self.mask_density if name == "mask" else self.density
 
     @property
     def max_count(self) -> int:
@@ -519,6 +533,8 @@ class Config:
         fields = {f"model.{k}": str(v) for k, v in dataclasses.asdict(self.model).items() if k not in skip
                   and not (k in FAMILY_MODEL_FIELDS and v == getattr(defaults, k))}
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
+        if "mask" in (self.codec.up, self.codec.down):  # only then: other runs' fingerprints stay as they were
+            fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "mask_density")})
         if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
             # only then: every other run's fingerprint stays what it was before the sparse codec came
             fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",

@@ -85,11 +85,12 @@ def outer_update(delta: Array, momentum: Array, hp: OuterHParams) -> tuple[Array
 
 def suited_rule(codec_up: str) -> str:
     """The outer rule that suits pushes in the codec ``codec_up`` (``codec.up``'s value): ``sparseloco`` for the
-    sparse codec (SparseLoCo: an island's decaying error-feedback accumulator already carries the momentum of what
-    it has not sent; a Nesterov momentum over the mean of sparse pushes amplifies their selection noise), and
+    sparse and mask codecs (SparseLoCo: an island's decaying error-feedback accumulator already carries the
+    momentum of what it has not sent; a Nesterov momentum over the mean of sparse pushes amplifies their selection
+    noise, and over masked pushes it diverged: its mass waits for each value's turn), and
     ``nesterov`` for every dense codec, int2 included (DiLoCo; MuLoCo's 2-bit pushes: error feedback on each
     island keeps the quantization error out of the outer momentum, which smooths what remains)."""
-    return "sparseloco" if codec_up == "sparse" else "nesterov"
+    return "sparseloco" if codec_up in ("sparse", "mask") else "nesterov"
 
 
 def feedback_decay(cfg: Config) -> float:

@@ -111,9 +111,10 @@ class DeviceErrorFeedback:
         self.pieces = max(1, -(-n // self.piece))
         self.residual = jax.device_put(jnp.zeros(self.pieces * self.piece, jnp.float32), self.device)
 
-    def compress(self, delta: Any) -> QuantizedVec:
+    def compress(self, delta: Any, seed: int = 0) -> QuantizedVec:
         """Quantizes ``delta`` (1-D, length ``n``: a device or host array) plus the residual, on the device, and
-        keeps what was dropped as the new residual there; returns the :class:`QuantizedVec` to frame. A
+        keeps what was dropped as the new residual there; returns the :class:`QuantizedVec` to frame (``seed``:
+        the mask codec's, which runs on the host: unused). A
         non-finite Δ raises CodecError (as the host codec) and leaves the residual unchanged."""
         delta = jnp.asarray(delta, jnp.float32)
         if delta.shape != (self.n,):
