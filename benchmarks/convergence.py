@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"bits={base.codec.sparse_bits} down density={base.codec.down_density} mask density="
           f"{base.codec.mask_density} "
           f"sparseloco lr={base.outer.sparseloco_lr} "
-          f"beta={base.outer.sparseloco_beta}")
+          f"beta={base.outer.sparseloco_beta} mask lr={base.outer.mask_lr} beta={base.outer.mask_beta}")
     for name, r in results.items():
         r.setdefault("settings", settings)  # what a later --reuse of this arm prints
         if r["settings"] != settings:

@@ -170,7 +170,7 @@ def test_pushes_on_one_mask_merge_into_an_update_on_the_same_entries() -> None:
     n = 3 * CHUNK + 17
     cfg = replace(Config(), codec={"up": "mask", "down": "mask", "sparse_chunk": CHUNK, "mask_density": 0.25},
                   coordinator={"mode": "sync", "merge_rule": "mean"},
-                  outer={"rule": "sparseloco", "sparseloco_lr": 0.5})
+                  outer={"rule": "sparseloco", "mask_lr": 0.5, "sparseloco_lr": 3.0})  # the mask's lr rules
     theta = _x(n, 7)
     m = Merger(theta.copy(), MergeOptions.from_config(cfg))
     try:

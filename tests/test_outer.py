@@ -13,6 +13,7 @@ import pytest
 
 from conftest import TINY
 from dtrain.config.load import load_config
+from dtrain.config.sections import ConfigError
 from dtrain.data.corpus import SequenceStream, open_corpus
 from dtrain.models import model
 from dtrain.steps import outer
@@ -121,6 +122,23 @@ def test_sparseloco_rule_is_sgd_on_the_mean_without_momentum():
         ju, jm = outer.outer_update(jnp.asarray(delta), jnp.asarray(m), h)
         np.testing.assert_allclose(np.asarray(ju), u)
         np.testing.assert_array_equal(np.asarray(jm), m)
+
+
+def test_the_mask_codec_takes_its_own_lr_and_beta():
+    """With codec.up = mask the sparseloco rule reads outer.mask_lr and outer.mask_beta (defaults 2.5 and 0.5, the
+    fitted pair), not SparseLoCo's two; a bad value of either is refused by name."""
+    cfg = load_config(TINY, ["codec.up=mask", "codec.down=mask", "outer.rule=sparseloco",
+                             "outer.sparseloco_lr=0.9", "outer.sparseloco_beta=0.8"])
+    assert OuterHParams.from_config(cfg).lr == 2.5 and outer.feedback_decay(cfg) == 0.5
+    tuned = load_config(TINY, ["codec.up=mask", "codec.down=mask", "outer.rule=sparseloco", "outer.mask_lr=1.5",
+                               "outer.mask_beta=0.3"])
+    assert OuterHParams.from_config(tuned).lr == 1.5 and outer.feedback_decay(tuned) == 0.3
+    assert "outer.mask_beta" in cfg.fingerprint_fields()
+    assert "outer.mask_beta" not in load_config(TINY).fingerprint_fields()
+    with pytest.raises(ConfigError, match=r"\[outer\] mask_lr: must be > 0"):
+        load_config(TINY, ["outer.mask_lr=0"])
+    with pytest.raises(ConfigError, match=r"\[outer\] mask_beta: must be in \(0, 1\]"):
+        load_config(TINY, ["outer.mask_beta=1.5"])
 
 
 HP = OuterHParams(lr=0.7, momentum=0.9, nesterov=True)

@@ -194,6 +194,10 @@ def _check_optimization(cfg: Config, fail: _Fail) -> None:
         fail("outer", "sparseloco_lr", f"must be > 0, got {o.sparseloco_lr}")
     if not 0.0 < o.sparseloco_beta <= 1.0:
         fail("outer", "sparseloco_beta", f"must be in (0, 1], got {o.sparseloco_beta}")
+    if not o.mask_lr > 0:
+        fail("outer", "mask_lr", f"must be > 0, got {o.mask_lr}")
+    if not 0.0 < o.mask_beta <= 1.0:
+        fail("outer", "mask_beta", f"must be in (0, 1], got {o.mask_beta}")
     _check_fragments(cfg, fail)
     _check_shards(cfg, fail)
 

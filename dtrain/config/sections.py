@@ -246,6 +246,10 @@ class OuterConfig:
     sparseloco_lr: float = _f(1.0, "sparseloco: outer learning rate applied to the mean of the sparse pushes")
     sparseloco_beta: float = _f(0.95, "sparseloco: decay of each island's error-feedback accumulator "
                                 "(e <- beta x e + delta before the top-k), in (0, 1]")
+    mask_lr: float = _f(2.5, "sparseloco with the mask codec (codec.up = mask): its outer learning rate, in place of "
+                        "outer.sparseloco_lr (fitted in the default convergence protocol: docs/benchmarks.md)")
+    mask_beta: float = _f(0.5, "sparseloco with the mask codec: its error-feedback decay, in place of "
+                          "outer.sparseloco_beta (a value waits several rounds for its turn), in (0, 1]")
     staleness_alpha: float = _f(0.5, "a delta s versions stale is weighted by (1+s)^-alpha")
     fragments: int = _f(1, "Streaming DiLoCo: theta is cut into this many fragments of whole tensors, each pushed, "
                         "merged and versioned on its own; an island pushes one fragment every outer.inner_steps / "
@@ -535,6 +539,7 @@ class Config:
         fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("up", "down", "block")})
         if "mask" in (self.codec.up, self.codec.down):  # only then: other runs' fingerprints stay as they were
             fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "mask_density")})
+            fields["outer.mask_beta"] = str(self.outer.mask_beta)
         if "sparse" in (self.codec.up, self.codec.down) or self.outer.rule != "nesterov":
             # only then: every other run's fingerprint stays what it was before the sparse codec came
             fields.update({f"codec.{k}": str(getattr(self.codec, k)) for k in ("sparse_chunk", "sparse_bits",

@@ -50,9 +50,9 @@ class OuterHParams:
     def from_config(cls, cfg: Config, mode: str | None = None) -> OuterHParams:
         """The outer section's rule and its hyper-parameters for merges in ``mode`` (default:
         ``coordinator.mode``): ``nesterov``: outer.lr, outer.momentum, outer.nesterov; ``sparseloco``:
-        outer.sparseloco_lr and no momentum. In async mode every push is merged on its own, N merges where a
-        synchronous round makes one, so each takes lr / outer.islands. The in-process rounds are synchronous:
-        ``mode="sync"``."""
+        outer.sparseloco_lr (outer.mask_lr with the mask codec) and no momentum. In async mode every push is
+        merged on its own, N merges where a synchronous round makes one, so each takes lr / outer.islands. The
+        in-process rounds are synchronous: ``mode="sync"``."""
         o = cfg.outer
         mode = cfg.coordinator.mode if mode is None else mode
         if mode not in ("sync", "async"):
@@ -60,7 +60,7 @@ class OuterHParams:
         if o.rule not in ("nesterov", "sparseloco"):
             raise ValueError(f"outer.rule must be 'nesterov' or 'sparseloco', got {o.rule!r}")
         sparse = o.rule == "sparseloco"
-        lr = o.sparseloco_lr if sparse else o.lr
+        lr = (o.mask_lr if cfg.codec.up == "mask" else o.sparseloco_lr) if sparse else o.lr
         lr = lr if mode == "sync" else lr / o.islands
         return cls(lr=lr, momentum=0.0 if sparse else o.momentum, nesterov=o.nesterov and not sparse, rule=o.rule)
 
@@ -95,8 +95,11 @@ def suited_rule(codec_up: str) -> str:
 
 def feedback_decay(cfg: Config) -> float:
     """β of the islands' error feedback: ``outer.sparseloco_beta`` under the sparseloco rule (its accumulator,
-    e ← β·e + Δ, stands in for the outer momentum), 1 (plain error feedback) otherwise."""
-    return cfg.outer.sparseloco_beta if cfg.outer.rule == "sparseloco" else 1.0
+    e ← β·e + Δ, stands in for the outer momentum; ``outer.mask_beta`` with the mask codec), 1 (plain error
+    feedback) otherwise."""
+    if cfg.outer.rule != "sparseloco":
+        return 1.0
+    return cfg.outer.mask_beta if cfg.codec.up == "mask" else cfg.outer.sparseloco_beta
 
 
 def staleness_weight(tokens: float, staleness: int, alpha: float) -> float:
