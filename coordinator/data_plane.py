@@ -10,7 +10,9 @@ plan and its frames' pieces). Join, Heartbeat, Status and grpc.health.v1's Check
 server runs on its control pool (``grpc.aio.server``'s migration thread pool), never on the loop or the data
 executor. What waits: an idle stream or a parked pull is a coroutine and a few kB; a thread is held only while
 work is done for it (or, on a sharded lead, while a push's parts on the other shards are claimed, and while a push
-that completed its round waits for the clock's merge).
+that completed its round waits for the clock's merge). The same :class:`DataPlane` and :class:`LoopServer` serve a
+range shard (``coordinator/shard_plane.py``): whatever they serve is a :class:`Served`, its push path a
+:class:`PushPath`.
 
 The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
 resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts

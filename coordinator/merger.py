@@ -1,18 +1,15 @@
 """Streaming merge of pseudo-gradients and the outer step, on flat float32 vectors.
 
-Memory. No model-sized array is kept in RAM. θ, the outer momentum and the
-down-path residual live in files (one set per version, in the merger's state
-folder) that the outer step reads and rewrites slab by slab; update frames and
-lossless θ frames are written to disk as they are encoded and streamed to
-islands from there. An incoming push is checked as it streams in (each chunk's
-CRC; every scale and code as zstd decompresses it) and its decompressed body
-spooled to a temp file (:class:`coordinator.spool.Spool`). Once the whole frame has passed (length, CRC32, exact
-size) the spool joins the pending pushes with its weight (:meth:`Merger.add_pending`);
-nothing is summed yet. The outer step sums the pending pushes slab by slab
-(Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes
-nothing, and the coordinator's resident size does not grow with the number of
-islands pushing at once. Disk: one spool per pending push (the model's size at
-the up codec's width).
+Memory. No model-sized array is kept in RAM. θ, the outer momentum and the down-path residual live in files (one
+set per version, in the merger's state folder) that the outer step reads and rewrites slab by slab; update frames
+and lossless θ frames are written to disk as they are encoded and streamed to islands from there. An incoming push
+is checked as it streams in (each chunk's CRC; every scale and code as zstd decompresses it) and its decompressed
+body spooled to a temp file (:class:`coordinator.spool.Spool`). Once the whole frame has passed (length, CRC32,
+exact size) the spool joins the pending pushes with its weight (:meth:`Merger.spooled`; a coordinator's are its
+open round's, ``coordinator/pending.py``); nothing is summed yet. The outer step sums the pending pushes slab by
+slab (Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes nothing, and the coordinator's
+resident size does not grow with the number of islands pushing at once. Disk: one spool per pending push (the
+model's size at the up codec's width).
 
 A version's files are never modified while it is the current version, nor
 ever if anything else links them, so a checkpoint can hard-link them instead of
@@ -56,6 +53,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -109,8 +107,9 @@ class Merger:
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
                 install_file(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.pending: list[SpooledPush] = []  # accepted, summed by the next outer step
-        self.total_weight = 0.0
+        # What the next outer step sums: its own pushes (tools, tests, a range shard) or an open round's
+        self._pending: list[SpooledPush] = []
+        self._source: Callable[[], list[SpooledPush]] | None = None
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
         self.digest, self.theta_norm = scan_theta(self.theta_path)  # θ's digest and L2 norm
@@ -127,8 +126,7 @@ class Merger:
         temporary folder it made, state files and all (a checkpoint's hard links keep their own copies)."""
         for p in self.pending:
             p.spool.close()
-        self.pending = []
-        self.total_weight = 0.0
+        self._pending = []
         with self._spare_lock:
             spares, self._spare_spools = self._spare_spools, []
             self.opts = dataclasses.replace(self.opts, spare_spools=0)  # spools closed later are not kept
@@ -204,13 +202,37 @@ class Merger:
         """Ends the spooled frame: raises CodecError unless it was complete and intact (CRC, sizes, codes)."""
         spool.finish()
 
+    @property
+    def pending(self) -> list[SpooledPush]:
+        """The pushes the next outer step merges, in arrival order."""
+        return self._source() if self._source is not None else self._pending
+
+    @property
+    def total_weight(self) -> float:
+        """The pending pushes' summed merge weight."""
+        return sum(p.weight for p in self.pending)
+
+    def read_pending_from(self, source: Callable[[], list[SpooledPush]]) -> None:
+        """The pending pushes are ``source()``'s from now on, which alone adds and removes them (an open round's)."""
+        self._source = source
+
+    def _own(self) -> list[SpooledPush]:
+        if self._source is not None:
+            raise RuntimeError("this merger reads its pending pushes from the open round (read_pending_from)")
+        return self._pending
+
     def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
                     norm: float | None = None) -> None:
-        """Makes the push one of those the next outer step merges, with ``weight`` and its values times ``scale``
-        (a clip factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger
-        takes over the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until
-        that step has summed it). ``norm``: the whole push's L2 norm when the spool holds one range of it (a
-        sharded coordinator: the clip caps and the blame then go by whole pushes, the same on every shard)."""
+        """Makes the push one of those the next outer step merges (:meth:`spooled`)."""
+        self._own().append(self.spooled(spool, weight, scale, key, norm))
+
+    def spooled(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
+                norm: float | None = None) -> SpooledPush:
+        """The push as the next outer step merges it, with ``weight`` and its values times ``scale`` (a clip
+        factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger takes over
+        the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
+        summed it). ``norm``: the whole push's L2 norm when the spool holds one range of it (a sharded coordinator:
+        the clip caps and the blame then go by whole pushes, the same on every shard)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if not 0 < scale <= 1:
@@ -221,26 +243,20 @@ class Merger:
             raise ValueError(f"a push of {spool.n} values cannot join the merge of fragment "
                              f"{self.next_fragment().index} ({self.next_fragment().size} values)")
         spool.keep()
-        self.pending.append(SpooledPush(spool, float(weight), float(scale), key,
-                                        whole_norm=None if norm is None else float(norm)))
-        self.total_weight += float(weight)
+        return SpooledPush(spool, float(weight), float(scale), key, whole_norm=None if norm is None else float(norm))
 
     def drop_pending(self, keys: list[str]) -> None:
         """Removes the pending pushes named ``keys`` (rejected after all); their spools are released."""
-        keep = []
-        for p in self.pending:
+        for p in self._own():
             if p.key in keys:
                 p.spool.close()
-            else:
-                keep.append(p)
-        self.pending = keep
-        self.total_weight = sum(p.weight for p in keep)
+        self._pending = [p for p in self._pending if p.key not in keys]
 
     def unpend(self) -> None:
         """Empties the pending list without releasing the spools: their owner keeps them (a range shard's held
         parts, after a step it aborted)."""
-        self.pending = []
-        self.total_weight = 0.0
+        self._own()
+        self._pending = []
 
     @property
     def pending_count(self) -> int:
@@ -550,8 +566,7 @@ class Merger:
                 old[name].unlink()  # a checkpoint that linked it keeps its own name for it
         for p in self.pending:
             p.spool.close()
-        self.pending = []
-        self.total_weight = 0.0
+        self._pending = []  # (an open round's: PendingSet.clear, as its round closes)
 
     # -- outgoing parameters ------------------------------------------------------------------------
 

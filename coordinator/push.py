@@ -3,10 +3,10 @@
 Owns reading a push's header (it must come first, and its tree digest must be the coordinator's:
 :func:`read_header`), bounding what the header claims (total size, chunk count: :meth:`PushIntake.frame_receiver`),
 receiving the chunks in order with their CRCs into a merger spool and validating the whole frame, step by step
-(:class:`Upload`, which any reader of the stream drives: the coordinator's event loop through its open round,
-``coordinator/open_round.py``), and a thread's driver of it with the limit on how many frames stream in and decode
-at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`, a range shard's; the coordinator's event loop
-keeps its own, ``coordinator/data_plane.py``). None of it takes the service's lock. Refusals are raised for the
+(:class:`Upload`, which the reader of the stream drives: the event loop's data plane, ``coordinator/data_plane.py``,
+through the coordinator's open round, ``coordinator/open_round.py``, or a range shard's, ``coordinator/shard_plane.py``;
+it also bounds how many frames stream in and decode at once, ``coordinator.max_receiving``). None of it takes the
+service's lock. Refusals are raised for the
 caller to answer and record: WireError before the payload streams, :class:`PayloadRefused` or
 :class:`UploadBroke` while it does. The state machine's decision on the push, before and after, is the open
 round's.
@@ -111,8 +111,8 @@ class PushIntake:
 
 
 class Upload:
-    """One push's payload arriving, driven by whoever reads the stream (sans I/O: a thread's blocking iterator,
-    :meth:`PushIntake.receive`, or an event loop's awaits): :meth:`chunk` for each message after the header,
+    """One push's payload arriving, driven by whoever reads the stream (sans I/O: the data plane's awaits):
+    :meth:`chunk` for each message after the header,
     :meth:`end` when the client half-closes, :meth:`broke` when the call is cancelled, :meth:`close` always. Counted
     in the intake's frame streams and traced from its first chunk to its close."""
 

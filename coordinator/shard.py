@@ -6,8 +6,9 @@ holds membership, leases, cursors, admission, the rounds and the audit's events.
 shards* (:class:`RangeShard`): each holds its range's θ, momentum and residual files (its own
 :class:`coordinator.merger.Merger`, over the range's values only), receives the islands' parts of their pushes
 for its range (PushDelta: the same header, frame and codec checks, the island token) and serves its range's
-update frames (PullGlobal). It decides nothing: a part it holds is *held* until the lead claims it, merges it
-or releases it. The lead reaches it through the Shard service (:class:`ShardPeers`), every call carrying the
+update frames (PullGlobal), served on the lead's event-loop data plane (``coordinator/shard_plane.py``: no waiting
+call holds a thread). It decides nothing: a part it holds is *held* until the lead claims it, merges it or releases
+it. The lead reaches it through the Shard service (``coordinator.theta_store.ShardPeers``), every call carrying the
 shard secret (``coordinator.shard_secret_file``):
 
 - **Claim**: when the lead has received an island's part 0 of a push, it asks every range shard for its part

@@ -27,6 +27,7 @@ from grpc_health.v1.health import HealthServicer
 from coordinator.data_plane import DataPlane, LoopServer
 from coordinator.edge import CallerIdentity, request_problem
 from coordinator.handlers import (
+    abort_invalid,
     aio_health_handler,
     aio_service_handler,
     control_threads,
@@ -222,11 +223,6 @@ class ShardService(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         return self.shard.Release(request, context)
 
 
-def _abort_invalid(context: grpc.ServicerContext, why: str) -> NoReturn:
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-    raise AssertionError("unreachable: abort raises")
-
-
 def serve(shard: RangeShard, address: str, creds: grpc.ServerCredentials | None, token: str | None,
           own: Callable[[str], str | None] | None) -> tuple[LoopServer, int]:
     """``shard``'s server on ``address`` (0 as its port: any free one): a ``grpc.aio`` server on a
@@ -248,7 +244,7 @@ def serve(shard: RangeShard, address: str, creds: grpc.ServerCredentials | None,
     async def build() -> int:
         service.plane = DataPlane(service, data, cfg.coordinator.max_receiving)
         aio = grpc.aio.server(migration_thread_pool=control, interceptors=interceptors, options=server_options(cfg))
-        aio.add_generic_rpc_handlers((aio_service_handler(service, _abort_invalid, service.plane.refuse_request),
+        aio.add_generic_rpc_handlers((aio_service_handler(service, abort_invalid, service.plane.refuse_request),
                                       aio_health_handler(health)))
         pb_grpc.add_ShardServicer_to_server(service, aio)
         server.server = aio

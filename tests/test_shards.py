@@ -420,9 +420,8 @@ def test_a_range_shards_parked_calls_hold_no_thread_and_a_sharded_round_complete
     import asyncio
     import threading
 
-    from test_data_plane import PARKED, Parked
-
     from coordinator.handlers import control_threads, server_threads
+    from test_data_plane import PARKED, Parked
 
     cfg = replace(cfg, coordinator={"workers": 4, "max_pulls_per_peer": 4 * PARKED,
                                     "max_pulls_per_island": 2 * PARKED, "max_streams_per_peer": 4 * PARKED,
