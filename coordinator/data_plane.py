@@ -83,7 +83,7 @@ class PushPath(Protocol, Generic[R]):
 
 class Clock(Protocol):
     """Whose signals the bell hears (``coordinator.rounds_loop.RoundsLoop``; a range shard's
-    ``coordinator.shard.ShardSignals``): the signal now, and the listeners told of each new one."""
+    ``coordinator.shard_plane.ShardSignals``): the signal now, and the listeners told of each new one."""
 
     listeners: list[Callable[[Signal], None]]
 
@@ -91,10 +91,14 @@ class Clock(Protocol):
 
 
 class Identity(Protocol):
+    """Who a call's caller is (``coordinator.edge.CallerIdentity``)."""
+
     def of(self, context: grpc.ServicerContext) -> str | None: ...
 
 
 class Fragments(Protocol):
+    """How many fragments a push may name (the merger's: ``outer.fragments``)."""
+
     @property
     def fragments(self) -> int: ...
 

@@ -255,8 +255,7 @@ class Merger:
     def unpend(self) -> None:
         """Empties the pending list without releasing the spools: their owner keeps them (a range shard's held
         parts, after a step it aborted)."""
-        self._own()
-        self._pending = []
+        self._pending = self._own()[:0]
 
     @property
     def pending_count(self) -> int:
