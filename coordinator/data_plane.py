@@ -10,7 +10,9 @@ plan and its frames' pieces). Join, Heartbeat, Status and grpc.health.v1's Check
 server runs on its control pool (``grpc.aio.server``'s migration thread pool), never on the loop or the data
 executor. What waits: an idle stream or a parked pull is a coroutine and a few kB; a thread is held only while
 work is done for it (or, on a sharded lead, while a push's parts on the other shards are claimed, and while a push
-that completed its round waits for the clock's merge).
+that completed its round waits for the clock's merge). The same :class:`DataPlane` and :class:`LoopServer` serve a
+range shard (``coordinator/shard_plane.py``): whatever they serve is a :class:`Served`, its push path a
+:class:`PushPath`.
 
 The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
 resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts
@@ -31,22 +33,19 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import grpc.aio
 
 from coordinator.handlers import header_problem
-from coordinator.pending import PushRecord
-from coordinator.push import read_header
+from coordinator.push import Upload, read_header
+from coordinator.records import PushInfo
 from coordinator.refusals import CallRefused
 from coordinator.rounds_loop import Signal
-from coordinator.streams import Stream, peer_host
+from coordinator.streams import Pulls, PushStreams, Stream, peer_host
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import WireError
-
-if TYPE_CHECKING:
-    from coordinator.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,92 @@ MAX_PULL_WAIT_S = 30.0  # a long poll waits at most this long, whatever wait_s i
 PULL_BATCH = 8  # pull messages made per hop to the executor
 _CANCELLED = "push stream cancelled by the coordinator (coordinator.stream_idle_s, stream_min_bytes_per_s, " \
              "stream_deadline_s)"
+
+
+class Receiving(Protocol):
+    """A push whose payload is being received: what the data plane reads of the record its push path's ``begin``
+    returns (``coordinator.pending.PushRecord`` at the coordinator, ``coordinator.shard_plane.ShardPart`` on a range
+    shard)."""
+
+    info: PushInfo
+    upload: Upload | None
+
+
+R = TypeVar("R", bound=Receiving)
+
+
+class PushPath(Protocol, Generic[R]):
+    """A push's path, sans I/O, that the data plane drives (``coordinator.open_round.OpenRound``,
+    ``coordinator.shard_plane.ShardRound``): its record from the header, each chunk, the reply, a broken upload's
+    refusal, and the close that always comes."""
+
+    def begin(self, h: pb.PushHeader, identity: str | None) -> pb.PushDeltaResponse | R: ...
+
+    def chunk(self, rec: R, msg: object) -> None: ...
+
+    def finish(self, rec: R) -> pb.PushDeltaResponse: ...
+
+    def broke(self, rec: R) -> CallRefused: ...
+
+    def close(self, rec: R) -> None: ...
+
+
+class Clock(Protocol):
+    """Whose signals the bell hears (``coordinator.rounds_loop.RoundsLoop``; a range shard's
+    ``coordinator.shard_plane.ShardSignals``): the signal now, and the listeners told of each new one."""
+
+    listeners: list[Callable[[Signal], None]]
+
+    def signal(self) -> Signal: ...
+
+
+class Identity(Protocol):
+    """Who a call's caller is (``coordinator.edge.CallerIdentity``)."""
+
+    def of(self, context: grpc.ServicerContext) -> str | None: ...
+
+
+class Fragments(Protocol):
+    """How many fragments a push may name (the merger's: ``outer.fragments``)."""
+
+    @property
+    def fragments(self) -> int: ...
+
+
+class Served(Protocol, Generic[R]):
+    """What the data plane serves PushDelta and PullGlobal of: the coordinator's service
+    (``coordinator.service.CoordinatorService``) or a range shard's (``coordinator.shard_plane.ShardService``). Its
+    lock guards what ``loop`` signals; the rest is what a push and a pull are checked, bounded and driven by."""
+
+    @property
+    def lock(self) -> threading.Condition: ...
+
+    @property
+    def loop(self) -> Clock: ...
+
+    @property
+    def identity(self) -> Identity: ...
+
+    @property
+    def push_streams(self) -> PushStreams: ...
+
+    @property
+    def pulls(self) -> Pulls: ...
+
+    @property
+    def tree_digest(self) -> str: ...
+
+    @property
+    def merger(self) -> Fragments: ...
+
+    @property
+    def round(self) -> PushPath[R]: ...
+
+    def refusal(self, e: CallRefused) -> tuple[tuple[str, str], ...]: ...
+
+    def check_pull(self, request: pb.PullRequest, identity: str | None) -> None: ...
+
+    def pull_messages(self, request: pb.PullRequest) -> Iterator[pb.PullMessage | bytes]: ...
 
 
 class Bell:
@@ -98,11 +183,12 @@ class Bell:
         return True
 
 
-class DataPlane:
-    """PushDelta and PullGlobal for ``service`` on the running event loop, their work on ``executor``. Made (on the
-    loop) by :class:`LoopServer`'s caller; ``close`` unhooks its bell from the clock."""
+class DataPlane(Generic[R]):
+    """PushDelta and PullGlobal for ``service`` (the coordinator's, or a range shard's: :class:`Served`) on the
+    running event loop, their work on ``executor``. Made (on the loop) by :class:`LoopServer`'s caller; ``close``
+    unhooks its bell from the clock."""
 
-    def __init__(self, service: CoordinatorService, executor: futures.ThreadPoolExecutor, max_receiving: int):
+    def __init__(self, service: Served[R], executor: futures.ThreadPoolExecutor, max_receiving: int):
         self.service, self.executor = service, executor
         self.loop = asyncio.get_running_loop()
         with service.lock:
@@ -113,7 +199,7 @@ class DataPlane:
         self.receiving = asyncio.Semaphore(max_receiving) if max_receiving > 0 else None
         # The push streams not yet ended (their record, once begun), and the ends handed to the executor: each
         # push is ended exactly once, by its own call or, for one still open when the server stops, by drain().
-        self._pushes: dict[Stream, PushRecord | None] = {}
+        self._pushes: dict[Stream, R | None] = {}
         self._ending: set[futures.Future[None]] = set()
 
     def close(self) -> None:
@@ -166,7 +252,7 @@ class DataPlane:
             await self.answer(context, CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, stream, busy=True))
             raise AssertionError("unreachable: abort raises")
         self._pushes[stream] = None
-        rec: PushRecord | None = None
+        rec: R | None = None
         refused: CallRefused | None = None
         broke = False
         try:
@@ -200,7 +286,7 @@ class DataPlane:
         await self.answer(context, refused)
         raise AssertionError("unreachable: abort raises")
 
-    def _end(self, stream: Stream, rec: PushRecord | None, broke: bool) -> None:
+    def _end(self, stream: Stream, rec: R | None, broke: bool) -> None:
         """A push's end, however it came (any thread; once per push): a broken upload's ``push_aborted`` event
         (``broke``: the call was cancelled), its record closed (``OpenRound.close``), its stream's place freed."""
         try:
@@ -267,7 +353,7 @@ class DataPlane:
         if ending:
             await asyncio.wait(ending, timeout=timeout_s)
 
-    async def _receive(self, rec: PushRecord, requests: AsyncIterator[Any], stream: Stream,
+    async def _receive(self, rec: R, requests: AsyncIterator[Any], stream: Stream,
                        cancelled: asyncio.Future[None]) -> None:
         """The push's chunks, each handed to the open round on the executor; its island's stream slot taken at the
         first (RESOURCE_EXHAUSTED, busy, when its island holds its limit)."""

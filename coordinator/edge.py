@@ -7,7 +7,7 @@ limit (:data:`LIMITS`, else :data:`DEFAULT_LIMIT` characters), holds no control 
 (``dtrain.runlog.CONTROL_RE``: ESC, NUL, newlines, bidirectional overrides), and an island's name or id is of
 ``[A-Za-z0-9._-]``; each repeated field or map has at most its limit of items. A request that fails is refused with
 INVALID_ARGUMENT naming the field and its limit, and quotes at most a bounded, escaped prefix of the value
-(:func:`shown`). :func:`coordinator.lifecycle.service_handler` runs the check before the handler (a push stream's
+(:func:`shown`). :func:`coordinator.handlers.aio_service_handler` runs the check before the handler (a push stream's
 on its header, its first message); the state machine's own checks (``coordinator.membership``,
 ``coordinator.admission``) then see only bounded values.
 

@@ -3,17 +3,15 @@
 Owns the sizes of the server's two thread pools (:func:`server_threads`: the work of pushes and pulls, the data
 executor; :func:`control_threads`: Join, Heartbeat, Status and the health checks), its options
 (:func:`server_options`), and the handlers that put every request through the edge's bounds first and note the call
-for the service's refusal events (:data:`CURRENT_CALL`): for the coordinator's ``grpc.aio`` server
-(:func:`aio_service_handler`, :func:`aio_health_handler`: PushDelta and PullGlobal coroutines on its event loop, the
-rest on the control threads) and for a range shard's thread-per-call server (:func:`service_handler`,
-:func:`health_handler`). Used by the composition root (``coordinator/app.py``) and ``coordinator/lifecycle.py``.
+for the service's refusal events (:data:`CURRENT_CALL`), for a ``grpc.aio`` server (:func:`aio_service_handler`,
+:func:`aio_health_handler`: PushDelta and PullGlobal coroutines on its event loop, the rest on the control threads).
+Used by the composition root (``coordinator/app.py``) and by a range shard's server (``coordinator/shard_plane.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -31,7 +29,6 @@ from dtrain.net.wire import (
     HANDLER_KINDS,
     SERVICE,
     RawChunk,
-    WireError,
     channel_options,
     chunk_deserializer,
     keepalive_options,
@@ -70,11 +67,9 @@ CURRENT_CALL = _CallNote()
 
 def server_threads(cfg: Config) -> int:
     """The data threads, for the work of pushes and pulls: ``coordinator.workers``, or with 0 (the default) 3 per
-    expected island + 8, at least 16. On the coordinator (``coordinator/data_plane.py``) they hold no waiting call:
-    they decode and spool chunks side by side, and wait only while a push's reply waits for a merge or (a sharded
-    lead) its parts on the other shards are claimed, at most one or two per island. On a range shard's
-    thread-per-call server each push stream and long-polling pull holds one for its whole length, and a retried
-    push may overlap the one it replaces: with fewer threads, pushes queue behind long polls."""
+    expected island + 8, at least 16. On the coordinator and on a range shard (``coordinator/data_plane.py``) they
+    hold no waiting call: they decode and spool chunks side by side, and wait only while a push's reply waits for a
+    merge or (a sharded lead) its parts on the other shards are claimed, at most one or two per island."""
     return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
 
 
@@ -108,71 +103,17 @@ def server_options(cfg: Config) -> list[tuple[str, int | str]]:
 Refuse = Callable[[grpc.ServicerContext, str], Any]  # ends a call the edge refused, with its reason
 
 
-def _abort_invalid(context: grpc.ServicerContext, why: str) -> Any:
+def abort_invalid(context: grpc.ServicerContext, why: str) -> Any:
+    """A ``Refuse`` for a server that records no refusal (a range shard's): INVALID_ARGUMENT with ``why``."""
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
-def service_handler(service: pb_grpc.CoordinatorServicer, control: futures.ThreadPoolExecutor | None = None,
-                    refuse: Refuse = _abort_invalid) -> grpc.GenericRpcHandler:
-    """The Coordinator service's handlers, one per method of the proto's service: the generated
-    ``add_CoordinatorServicer_to_server`` with four differences. Every request (a push: its header) passes the
-    edge's bounds first (:func:`coordinator.edge.check_request`), or ``refuse(context, why)`` ends it
-    (INVALID_ARGUMENT) before the handler sees it. Responses go through ``wire.serialize``, so a
-    pull streams pre-encoded chunk messages (``wire.chunk_message``: one copy of the data, not three); pushed
-    chunks are parsed as views into the received bytes (``wire.chunk_deserializer``: no copy, not two); and the
-    :data:`CONTROL_METHODS` run on ``control`` (:func:`control_threads`), not on the server's own threads."""
-    methods = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
-    handlers = {m.name: HANDLER_KINDS[m.client_streaming, m.server_streaming](
-        _on_pool(_noting_call(m.name, getattr(service, m.name), m.client_streaming, refuse),
-                 control if m.name in CONTROL_METHODS else None),
-        request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
-                              else getattr(pb, m.input_type.name).FromString),
-        response_serializer=serialize) for m in methods}
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
-
-
-def health_handler(health: HealthServicer, control: futures.ThreadPoolExecutor) -> grpc.GenericRpcHandler:
-    """grpc.health.v1's handlers (the generated ``add_HealthServicer_to_server``'s) with Check and List on the
-    control threads: a Kubernetes probe is answered while every data thread is busy. Watch, non-blocking, holds
-    no thread."""
-    def unary(method: Callable[[Any, grpc.ServicerContext], Any], request: Any, reply: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(_on_pool(lambda r, c: method(r, c), control),
-                                                   request_deserializer=request.FromString,
-                                                   response_serializer=reply.SerializeToString)
-
-    handlers = {
-        "Check": unary(health.Check, health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse),
-        "List": unary(health.List, health_pb2.HealthListRequest, health_pb2.HealthListResponse),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            health.Watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}
-    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers)
-
-
-Behavior = Callable[..., Any]
-
-
-def _on_pool(behavior: Behavior, pool: futures.ThreadPoolExecutor | None) -> Behavior:
-    """``behavior`` (a fresh function: the attribute is its own) served on ``pool`` instead of the server's
-    threads: gRPC's sync server runs a handler whose behavior has an ``experimental_thread_pool`` there."""
-    if pool is not None:
-        behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    return behavior
-
-
-def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any], client_streaming: bool,
+def _noting_call(name: str, method: Callable[[Any, grpc.ServicerContext], Any],
                  refuse: Refuse) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """``method`` behind the edge (:func:`coordinator.edge.request_problem`; ``refuse`` ends a request that fails
-    it), noting first the call's method name and island in :data:`coordinator.service.CURRENT_CALL` for the
-    service's events (gRPC serves each call, its streams included, on one thread): the island from the request's
-    ``island_id`` (Join: ``island``, the name), or from the first message of a push stream, its header; a refused
-    request's island only as a short escaped prefix."""
-    if client_streaming:
-        def noted_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            CURRENT_CALL.method, CURRENT_CALL.island = name, ""
-            return method(_noting_header(requests), context)
-        return noted_stream
-
+    """A unary ``method`` behind the edge (:func:`coordinator.edge.request_problem`; ``refuse`` ends a request that
+    fails it), noting first the call's method name and island in :data:`CURRENT_CALL` for the service's events: the
+    island from the request's ``island_id`` (Join: ``island``, the name); a refused request's island only as a short
+    escaped prefix."""
     def noted(request: Any, context: grpc.ServicerContext) -> Any:
         CURRENT_CALL.method = name
         island = getattr(request, "island_id", "") or getattr(request, "island", "")
@@ -192,20 +133,6 @@ def header_problem(first: Any) -> str:
     problem = request_problem(first.header)
     CURRENT_CALL.island = shown(first.header.island_id) if problem else first.header.island_id
     return problem
-
-
-def _noting_header(requests: Iterator[Any]) -> Iterator[Any]:
-    """A push stream whose header (its first message) passed the edge; WireError INVALID_ARGUMENT, which the
-    handler answers as it does any bad header, when it does not."""
-    first = next(requests, None)
-    if first is None:
-        return
-    problem = header_problem(first)
-    if problem:
-        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"PushDelta: header.{problem}")
-    yield first
-    yield from requests
-
 
 
 # -- the coordinator's server on an event loop (coordinator/data_plane.py) ----------------------------------------
@@ -233,7 +160,7 @@ def aio_service_handler(service: pb_grpc.CoordinatorServicer, refuse: Refuse,
         elif m.name == "PullGlobal":
             wrapped = _noting_pull_async(m.name, behavior, refuse_async)
         else:
-            wrapped = _noting_call(m.name, behavior, m.client_streaming, refuse)
+            wrapped = _noting_call(m.name, behavior, refuse)
         handlers[m.name] = HANDLER_KINDS[m.client_streaming, m.server_streaming](
             wrapped, request_deserializer=(chunk_deserializer(pb.PushMessage) if m.name == "PushDelta"
                                            else getattr(pb, m.input_type.name).FromString),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import math
 
+from coordinator.pending import PendingSet
 from coordinator.records import Admission, PendingPush, PushInfo, SeenPush, Segment, StateError, StateOptions
 from dtrain.train.fragments import fragment_of_round
 
@@ -37,7 +38,7 @@ class PushLedger:
         # own fragment's). Not checkpointed: after a resume they fill again from the next merges.
         self.fragment_norms: list[collections.deque[float]] = [
             collections.deque(maxlen=opts.coordinator.norm_window) for _ in range(opts.fragments)]
-        self.pending: dict[str, PendingPush] = {}  # push_id -> pending push, in arrival order
+        self.pending = PendingSet()  # push_id -> pending push, in arrival order: the one place it lives
         self.first_pending: float | None = None  # when the open round's first pending push arrived
         self.seen: collections.OrderedDict[str, SeenPush] = collections.OrderedDict()  # push_id -> record, oldest first
         self.rejections: dict[str, str] = {}  # island_id -> why its last push was rejected (until one is accepted)
@@ -154,7 +155,7 @@ class PushLedger:
         """An accepted push joins the open round; its island's rejection notice ends."""
         if not self.pending:
             self.first_pending = float(now)
-        self.pending[info.push_id] = PendingPush(info, admission, float(now))
+        self.pending.add(PendingPush(info, admission, float(now)))
         self.rejections.pop(info.island_id, None)
 
     def record_rejection(self, info: PushInfo, target: int, staleness: int, reason: str, version: int) -> None:
@@ -166,11 +167,12 @@ class PushLedger:
             self.round_rejected.add(info.island_id)
 
     def take_pending(self, push_ids: list[str]) -> list[PendingPush]:
-        """Takes pushes out of the open round (NOT_FOUND, changing nothing, if one is not pending)."""
+        """Takes pushes out of the open round (NOT_FOUND, changing nothing, if one is not pending): their spools and
+        their parts on other shards are let go (``PendingSet.take``)."""
         unknown = [p for p in push_ids if p not in self.pending]
         if unknown:
             raise StateError("NOT_FOUND", f"reject_pending: {', '.join(unknown)} not pending")
-        taken = [self.pending.pop(push_id) for push_id in push_ids]
+        taken = self.pending.take(push_ids)
         if not self.pending:
             self.first_pending = None
         return taken
@@ -228,5 +230,5 @@ class PushLedger:
                 self.round_rejected.add(s.island_id)
         while len(self.seen) > self.opts.max_push_ids:
             self.seen.popitem(last=False)
-        self.pending = {p.info.push_id: p for p in pending}
+        self.pending.restore(pending)
         self.first_pending = first_pending

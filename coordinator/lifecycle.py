@@ -12,34 +12,26 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import HealthServicer
 
+from coordinator import shard_plane
 from coordinator.app import serve
+from coordinator.data_plane import LoopServer
 from coordinator.edge import CallerIdentity
-from coordinator.handlers import health_handler, server_options, server_threads, service_handler
 from coordinator.init_params import UNFIT
 from coordinator.memory import return_large_frees_to_the_os
 from coordinator.preflight import IN_USE, preflight, shard_preflight
 from coordinator.rounds_loop import AfterFinish
 from coordinator.service import CoordinatorService
-from coordinator.shard import SHARD_METHODS, RangeShard, read_secret, shard_ranges
+from coordinator.shard import RangeShard, read_secret, shard_ranges
 from coordinator.status_view import source_tokens
 from dtrain import codec
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import DtrainError
 from dtrain.models.stored import write_layout
-from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.net.wire import (
-    OPEN_METHODS,
-    TokenAuthInterceptor,
-)
 
 log = logging.getLogger(__name__)
 
@@ -153,34 +145,21 @@ def _wait_for_the_end(service: CoordinatorService, after_finish: AfterFinish) ->
 
 
 def serve_shard(cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
-                port: int | None = None) -> tuple[grpc.Server, RangeShard, int]:
+                port: int | None = None) -> tuple[LoopServer, RangeShard, int]:
     """Starts range shard ``index`` (>= 1) of a sharded coordinator (``coordinator.shards``): the Coordinator
     service's PushDelta and PullGlobal for its range (the islands' token, as the lead's) and the Shard service for
-    the lead (its secret); ``theta``: θ_0's values of its range. Returns (server, shard, bound port)."""
+    the lead (its secret), on the lead's event-loop data plane (``coordinator/shard_plane.py``); ``theta``: θ_0's
+    values of its range. Returns (server, shard, bound port)."""
     c = cfg.coordinator
     address = f"{c.host}:{c.port if port is None else port}"
     token, creds, island_tokens = shard_preflight(cfg, port)
-    sec = cfg.security
     shard = RangeShard(cfg, index, run_dir, theta, spec, read_secret(cfg),
-                       identity=CallerIdentity(sec.identity, island_tokens))
+                       identity=CallerIdentity(cfg.security.identity, island_tokens))
     own = island_tokens.name_of if island_tokens is not None else None
-    interceptors: list[grpc.ServerInterceptor] = (
-        [TokenAuthInterceptor(token, None, own, OPEN_METHODS | SHARD_METHODS)] if token or own else [])
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc"),
-                         interceptors=interceptors, options=server_options(cfg))
-    control = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rpc-control")
-    health = HealthServicer(experimental_non_blocking=True)  # SERVING while it serves (the pod's probes)
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
-    server.add_generic_rpc_handlers((service_handler(shard), health_handler(health, control)))
-    pb_grpc.add_ShardServicer_to_server(shard, server)
-    try:
-        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
+    server, bound = shard_plane.serve(shard, address, creds, token, own)
     if bound == 0:
         shard.close()
         raise DtrainError(f"cannot listen on {address}: gRPC could not bind it; if {IN_USE}")
-    server.start()
     log.info("coordinator shard %d of %d listening on %s:%d (values %d..%d)", index, c.shards, c.host, bound,
              shard.range.start, shard.range.end)
     return server, shard, bound

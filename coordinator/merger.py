@@ -1,18 +1,15 @@
 """Streaming merge of pseudo-gradients and the outer step, on flat float32 vectors.
 
-Memory. No model-sized array is kept in RAM. θ, the outer momentum and the
-down-path residual live in files (one set per version, in the merger's state
-folder) that the outer step reads and rewrites slab by slab; update frames and
-lossless θ frames are written to disk as they are encoded and streamed to
-islands from there. An incoming push is checked as it streams in (each chunk's
-CRC; every scale and code as zstd decompresses it) and its decompressed body
-spooled to a temp file (:class:`coordinator.spool.Spool`). Once the whole frame has passed (length, CRC32, exact
-size) the spool joins the pending pushes with its weight (:meth:`Merger.add_pending`);
-nothing is summed yet. The outer step sums the pending pushes slab by slab
-(Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes
-nothing, and the coordinator's resident size does not grow with the number of
-islands pushing at once. Disk: one spool per pending push (the model's size at
-the up codec's width).
+Memory. No model-sized array is kept in RAM. θ, the outer momentum and the down-path residual live in files (one
+set per version, in the merger's state folder) that the outer step reads and rewrites slab by slab; update frames
+and lossless θ frames are written to disk as they are encoded and streamed to islands from there. An incoming push
+is checked as it streams in (each chunk's CRC; every scale and code as zstd decompresses it) and its decompressed
+body spooled to a temp file (:class:`coordinator.spool.Spool`). Once the whole frame has passed (length, CRC32,
+exact size) the spool joins the pending pushes with its weight (:meth:`Merger.spooled`; a coordinator's are its
+open round's, ``coordinator/pending.py``); nothing is summed yet. The outer step sums the pending pushes slab by
+slab (Σ w·Δ / Σ w) on its threads. A push that fails at any point therefore changes nothing, and the coordinator's
+resident size does not grow with the number of islands pushing at once. Disk: one spool per pending push (the
+model's size at the up codec's width).
 
 A version's files are never modified while it is the current version, nor
 ever if anything else links them, so a checkpoint can hard-link them instead of
@@ -51,27 +48,26 @@ import collections
 import dataclasses
 import math
 import os
-import secrets
 import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 
+from coordinator.direction import direction_cosines
 from coordinator.merge_io import SparseDown, install_file, read_into, read_pending, scan_theta, write_frame_file
 from coordinator.merge_types import (
     MEAN_RULES,
-    SLAB_TARGET,
     MergeOptions,
     NonFiniteResult,
     Prepared,
     SpooledPush,
     Update,
     round_clip_factors,
-    screen_budget,
 )
 from coordinator.spool import Spool, write_from
 from dtrain import codec
@@ -109,8 +105,9 @@ class Merger:
         for name, src in (("momentum", momentum), ("residual", residual)):
             if name in self.names:
                 install_file(np.zeros(0, np.float32) if src is None else src, self._path(name), name, n=self.n)
-        self.pending: list[SpooledPush] = []  # accepted, summed by the next outer step
-        self.total_weight = 0.0
+        # What the next outer step sums: its own pushes (tools, tests, a range shard) or an open round's
+        self._pending: list[SpooledPush] = []
+        self._source: Callable[[], list[SpooledPush]] | None = None
         self.updates: collections.deque[Update] = collections.deque()
         self._full: Update | None = None
         self.digest, self.theta_norm = scan_theta(self.theta_path)  # θ's digest and L2 norm
@@ -127,8 +124,7 @@ class Merger:
         temporary folder it made, state files and all (a checkpoint's hard links keep their own copies)."""
         for p in self.pending:
             p.spool.close()
-        self.pending = []
-        self.total_weight = 0.0
+        self._pending = []
         with self._spare_lock:
             spares, self._spare_spools = self._spare_spools, []
             self.opts = dataclasses.replace(self.opts, spare_spools=0)  # spools closed later are not kept
@@ -209,13 +205,37 @@ class Merger:
             raise codec.CodecError(f"a mask push at density {mask.code / 2**32:.4g}, the coordinator's "
                                    f"codec.mask_density is {code / 2**32:.4g}")
 
+    @property
+    def pending(self) -> list[SpooledPush]:
+        """The pushes the next outer step merges, in arrival order."""
+        return self._source() if self._source is not None else self._pending
+
+    @property
+    def total_weight(self) -> float:
+        """The pending pushes' summed merge weight."""
+        return sum(p.weight for p in self.pending)
+
+    def read_pending_from(self, source: Callable[[], list[SpooledPush]]) -> None:
+        """The pending pushes are ``source()``'s from now on, which alone adds and removes them (an open round's)."""
+        self._source = source
+
+    def _own(self) -> list[SpooledPush]:
+        if self._source is not None:
+            raise RuntimeError("this merger reads its pending pushes from the open round (read_pending_from)")
+        return self._pending
+
     def add_pending(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
                     norm: float | None = None) -> None:
-        """Makes the push one of those the next outer step merges, with ``weight`` and its values times ``scale``
-        (a clip factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger
-        takes over the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until
-        that step has summed it). ``norm``: the whole push's L2 norm when the spool holds one range of it (a
-        sharded coordinator: the clip caps and the blame then go by whole pushes, the same on every shard)."""
+        """Makes the push one of those the next outer step merges (:meth:`spooled`)."""
+        self._own().append(self.spooled(spool, weight, scale, key, norm))
+
+    def spooled(self, spool: Spool, weight: float, scale: float = 1.0, key: str = "",
+                norm: float | None = None) -> SpooledPush:
+        """The push as the next outer step merges it, with ``weight`` and its values times ``scale`` (a clip
+        factor in (0, 1]); ``key`` names it (:meth:`drop_pending`, :class:`NonFiniteResult`). The merger takes over
+        the spool (which :meth:`validate` accepted; its decompressed, checked body stays on disk until that step has
+        summed it). ``norm``: the whole push's L2 norm when the spool holds one range of it (a sharded coordinator:
+        the clip caps and the blame then go by whole pushes, the same on every shard)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if not 0 < scale <= 1:
@@ -226,26 +246,19 @@ class Merger:
             raise ValueError(f"a push of {spool.n} values cannot join the merge of fragment "
                              f"{self.next_fragment().index} ({self.next_fragment().size} values)")
         spool.keep()
-        self.pending.append(SpooledPush(spool, float(weight), float(scale), key,
-                                        whole_norm=None if norm is None else float(norm)))
-        self.total_weight += float(weight)
+        return SpooledPush(spool, float(weight), float(scale), key, whole_norm=None if norm is None else float(norm))
 
     def drop_pending(self, keys: list[str]) -> None:
         """Removes the pending pushes named ``keys`` (rejected after all); their spools are released."""
-        keep = []
-        for p in self.pending:
+        for p in self._own():
             if p.key in keys:
                 p.spool.close()
-            else:
-                keep.append(p)
-        self.pending = keep
-        self.total_weight = sum(p.weight for p in keep)
+        self._pending = [p for p in self._pending if p.key not in keys]
 
     def unpend(self) -> None:
         """Empties the pending list without releasing the spools: their owner keeps them (a range shard's held
         parts, after a step it aborted)."""
-        self.pending = []
-        self.total_weight = 0.0
+        self._pending = self._own()[:0]
 
     @property
     def pending_count(self) -> int:
@@ -267,67 +280,11 @@ class Merger:
                            [np.float32(p.weight * p.scale * p.cap) * scale for p in self.pending])
 
     def direction_cosines(self) -> tuple[list[float], str]:
-        """``screened_mean``'s direction screen: each pending push's cosine (its values times its clip factor) with
-        a reference direction, in pending order, and what the reference is ("": none, every cosine 1). With 3 or
-        more pending pushes the reference is their coordinate median; with fewer (no majority to take a median
-        of: a round where one or two islands push, e.g. the last rounds of a shard taken over) it is the outer
-        momentum, the direction of the recent merged updates (none before the first merge). One streaming pass
-        over the spools, an eighth of a slab at a time on the step's threads, memory pushes × slab / 8 per thread:
-        the dot products, the pushes' and the reference's sums of squares, summed over the pieces. A push or a
-        reference of norm 0 gets 1 (no direction to disagree with).
+        """``screened_mean``'s direction screen over the pending pushes: each one's cosine with a reference
+        direction and what the reference is (``coordinator.direction.direction_cosines``)."""
+        return direction_cosines(self)
 
-        The pieces read are a sample: when the fragment holds more than :func:`screen_budget` values (about
-        ``opts.screen_values``; with more than 4 pushes a share of 4 × that, at least ``opts.screen_min_values``),
-        about that many of them, in pieces drawn uniformly without replacement, afresh each call from a seed of
-        ``secrets`` (a pusher cannot know which coordinates are checked, so it cannot be honest on exactly
-        those); otherwise every piece. The cosine of a uniform sample of ~1M coordinates estimates the whole
-        vectors' to about 1e-3 (a reversed push's stays near −1), and the screen's cost stops growing with the
-        model: the coordinate median runs on that many values per push, not the whole fragment, so it no longer
-        keeps the coordinator's cores busy for seconds while heartbeats wait (``np.partition`` lets go of the
-        GIL; what starved them was the CPU time)."""
-        k = len(self.pending)
-        if not k:
-            return [], ""
-        # Pieces of an eighth of a slab: the pass holds two (pushes × piece) arrays per thread (the rows and the
-        # median's transposed copy), 8 MiB each with 64 pushes, where whole slabs took 64 MiB each.
-        whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
-        slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
-        part = self.next_fragment()  # the pushes hold its values (the whole θ without fragments)
-        starts = np.arange(0, part.size, slab)
-        want = max(1, -(-screen_budget(self.opts, k) // slab))  # pieces in the budget
-        if want < starts.size:
-            rng = np.random.default_rng(secrets.randbits(128))  # unpredictable: fresh per round, not from θ
-            starts = np.sort(rng.choice(starts, want, replace=False))  # in file order: forward reads
-        fd = None if by_median else os.open(self._path("momentum"), os.O_RDONLY)
-
-        def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
-            rows = self._stack_pending(s, min(s + slab, part.size) - s)
-            if fd is None:
-                ref = coordinate_median(rows)
-            else:
-                ref = np.empty(rows.shape[1], np.float32)
-                read_into(fd, ref, 4 * (part.start + s))
-            return (np.einsum("ij,j->i", rows, ref, dtype=np.float64),  # buffered: no float64 copy of the rows
-                    float(np.einsum("i,i->", ref, ref, dtype=np.float64)),
-                    np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
-
-        dots, ref_sq, sq = np.zeros(k), 0.0, np.zeros(k)
-        try:
-            with futures.ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="screen") as pool:
-                for d, r, q in pool.map(terms, (int(x) for x in starts)):
-                    dots += d
-                    ref_sq += r
-                    sq += q
-        finally:
-            if fd is not None:
-                os.close(fd)
-        if not ref_sq > 0:
-            return [1.0] * k, ""
-        what = (f"the coordinate median of the {k} pushes of its round" if by_median
-                else "the outer momentum (the direction of the recent merged updates)")
-        return [float(d / math.sqrt(q * ref_sq)) if q > 0 else 1.0 for d, q in zip(dots, sq, strict=True)], what
-
-    def _stack_pending(self, start: int, count: int) -> np.ndarray:
+    def stack_pending(self, start: int, count: int) -> np.ndarray:
         """The pending pushes' values [start, start + count) (whole blocks), each times its clip factor, one row
         per push: (pushes × count) float32."""
         rows = np.zeros((len(self.pending), count), np.float32)
@@ -473,8 +430,8 @@ class Merger:
             self._sum_pending(s, delta, inv_w)  # Δ = Σ (w·c/Σw)·Δ_i
             return delta
         if o.rule == "trimmed_mean":
-            return trimmed_mean(self._stack_pending(s, e - s), o.trim)
-        return coordinate_median(self._stack_pending(s, e - s))
+            return trimmed_mean(self.stack_pending(s, e - s), o.trim)
+        return coordinate_median(self.stack_pending(s, e - s))
 
     def _copy_slab(self, s: int, e: int, fds: dict[str, int]) -> tuple[np.ndarray, float, tuple]:
         """Values [s, e) outside the fragment being merged: θ, the momentum and the residual written as they were;
@@ -565,8 +522,7 @@ class Merger:
                 old[name].unlink()  # a checkpoint that linked it keeps its own name for it
         for p in self.pending:
             p.spool.close()
-        self.pending = []
-        self.total_weight = 0.0
+        self._pending = []  # (an open round's: PendingSet.clear, as its round closes)
 
     # -- outgoing parameters ------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ read), :meth:`OpenRound.chunk` (one message of its payload), :meth:`OpenRound.fi
 decision, the reply), :meth:`OpenRound.close` (always). Whatever server reads the stream drives it: the
 coordinator's event loop (``coordinator/data_plane.py``) reads the stream, calls these on its executor and answers
 what they return or raise (:class:`coordinator.refusals.CallRefused`). An accepted push joins the open round's
-pending set (``coordinator/pending.py``), the one writer of the three places a pending push lives.
+pending set (``coordinator/pending.py``), the one place a pending push lives.
 """
 
 from __future__ import annotations
@@ -178,9 +178,13 @@ class OpenRound:
         p.loop.wait_merged()  # a merge being computed: this push is judged against the version it makes
         self._refuse_if_failed()
         try:
-            admission = p.pending.add(rec, p.clock(), norm, p.store.theta_norm)
+            admission = p.state.commit_push(info, p.clock(), norm=norm, theta_norm=p.store.theta_norm)
         except StateError as e:
             raise self._refused(info, e) from None
+        rec.admission = admission
+        if admission.status == "accept":  # its spool joins the next outer step's sum (the state keeps the rest)
+            p.pending.spool(info.push_id, p.store.spooled(rec.spool, admission.weight, admission.scale, info.push_id,
+                                                          norm))
         assert rec.upload is not None
         size = rec.upload.receiver.size
         p.counters.bytes_in += size

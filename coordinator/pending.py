@@ -1,4 +1,4 @@
-"""The open round's pending pushes: one record per push, and one set that the ledger, the merger and the shards read.
+"""The open round's pending pushes: one record per push on its way in, and the one set of those accepted.
 
 A push is one :class:`PushRecord` from its header to its reply: the header and what the state machine decides on
 it from there (:attr:`PushRecord.preview`), its upload (the receiver and the spool its payload lands in:
@@ -6,32 +6,34 @@ it from there (:attr:`PushRecord.preview`), its upload (the receiver and the spo
 (:attr:`PushRecord.parts`) and, once its payload is here, the decision made again (:attr:`PushRecord.admission`).
 Its path is the open round's (``coordinator/open_round.py``).
 
-:class:`PendingSet` is the open round's accepted pushes, by push id, and the only writer of the three places that
-hold a pending push: the state's ledger (its accounting: cursors, quorum, the checkpoint), the merger's pending
-spools (the sum) and the range shards' held parts (let go when a push leaves the round unmerged). A push joins
-all three at once (:meth:`PendingSet.add`), leaves all three at once (:meth:`PendingSet.reject`: a round screen, a
-non-finite step; :meth:`PendingSet.merged`: the commit), and :meth:`PendingSet.check` says whether they agree.
+:class:`PendingSet` is the one place a pending push lives: each accepted push once, by push id, in arrival order,
+with what the ledger keeps of it (``coordinator.records.PendingPush``: its header's facts, the decision, when it
+arrived; checkpointed) and, on the coordinator, its spool in the next outer step (``SpooledPush``). The others read
+it: the ledger's accounting (``coordinator/ledger.py``: cursors, quorum, the checkpoint) as a mapping of push id to
+``PendingPush``, the merger's sum through :meth:`PendingSet.spooled` (``Merger.read_pending_from``). A push joins it
+when the state accepts it (:meth:`PendingSet.add`, then :meth:`PendingSet.spool` its payload), leaves it rejected
+(:meth:`PendingSet.take`: its spool closed and, on a sharded lead, its parts on the range shards let go through
+:attr:`PendingSet.on_release`) or merged (:meth:`PendingSet.clear`, as the round closes: the outer step released the
+spools and the range shards committed their parts). Under the service's lock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
 from coordinator.merge_types import SpooledPush
 from coordinator.push import Upload
-from coordinator.records import Admission, PushInfo
+from coordinator.records import Admission, PendingPush, PushInfo
 from coordinator.spool import Spool
-from coordinator.state import CoordinatorState
-from coordinator.theta_store import ThetaStore
 from dtrain.net.proto import dtrain_pb2 as pb
 
 
 @dataclass(eq=False)
 class PushRecord:
-    """One push, from its header to its reply. Written by the call that drives it; the pending set holds it from its
-    acceptance until it is merged or rejected (read then by the clock, under the service's lock)."""
+    """One push, from its header to its reply. Written by the call that drives it."""
 
     header: pb.PushHeader
     info: PushInfo
@@ -41,59 +43,65 @@ class PushRecord:
     spool: Spool | None = None
     parts: bool = False  # its parts on the other shards were claimed: let go unless it is merged
     admission: Admission | None = None  # the decision made again on the payload (accept: it is pending)
-    spooled: SpooledPush | None = None  # the merger's entry for it, while pending
     round_span: trace.Span | None = field(default=None, repr=False)
 
 
-class PendingSet:
-    """The open round's accepted pushes (:attr:`records`, push id -> record, in arrival order) over the state's
-    ledger, the merger and θ's store, which it alone changes for a pending push. Under the service's lock."""
+@dataclass(eq=False)
+class _Entry:
+    push: PendingPush
+    spooled: SpooledPush | None = None  # None: restored from a checkpoint, or recorded by the state alone
 
-    def __init__(self, state: CoordinatorState, store: ThetaStore):
-        self.state, self.store, self.merger = state, store, store.merger
-        self.records: dict[str, PushRecord] = {}
 
-    def __contains__(self, push_id: str) -> bool:
-        return push_id in self.records
+class PendingSet(Mapping[str, PendingPush]):
+    """The open round's accepted pushes (see the module docstring): push id -> ``PendingPush``, in arrival order.
+    Not thread-safe: the caller serializes access."""
 
-    def add(self, rec: PushRecord, now: float, norm: float, theta_norm: float) -> Admission:
-        """The state's decision on ``rec``'s received payload (``CoordinatorState.commit_push``, which records it in
-        the ledger); an accepted push's spool joins the merger's sum with it, and ``rec`` this set. StateError (a
-        refusal) changes nothing."""
-        admission = self.state.commit_push(rec.info, now, norm=norm, theta_norm=theta_norm)
-        rec.admission = admission
-        if admission.status == "accept":
-            assert rec.spool is not None
-            self.store.add_pending(rec.spool, admission.weight, admission.scale, rec.info.push_id, norm)
-            rec.spooled = self.merger.pending[-1]
-            self.records[rec.info.push_id] = rec
-        return admission
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        # Told the ids of pushes taken out unmerged (a sharded lead: their parts on the range shards are let go)
+        self.on_release: Callable[[list[str]], None] | None = None
 
-    def reject(self, push_ids: list[str], reason: str, now: float) -> list[PushInfo]:
-        """Pending pushes rejected after all (a round screen, a non-finite step): out of the ledger (counted,
-        remembered, their islands told), out of the merger's sum (spools released) and their parts on the other
-        shards let go. Returns their infos."""
-        infos = self.state.reject_pending(push_ids, reason, now)
-        self.merger.drop_pending(push_ids)
-        for push_id in push_ids:
-            self.records.pop(push_id, None)
-        self.store.release(push_ids)
-        return infos
+    def __getitem__(self, push_id: str) -> PendingPush:
+        return self._entries[push_id].push
 
-    def merged(self) -> None:
-        """The round was committed (the ledger closed it, the merger's step released its spools, the range shards'
-        Commit their parts): the set starts empty for the next round."""
-        self.records.clear()
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, push: PendingPush) -> None:
+        """An accepted push joins the open round (the ledger's record of the state's decision)."""
+        self._entries[push.info.push_id] = _Entry(push)
+
+    def spool(self, push_id: str, spooled: SpooledPush) -> None:
+        """The pending push's payload joins the next outer step's sum (the merger validated and took its spool)."""
+        self._entries[push_id].spooled = spooled
+
+    def spooled(self) -> list[SpooledPush]:
+        """The pending pushes' spools, in arrival order: what the merger's next outer step sums."""
+        return [e.spooled for e in self._entries.values() if e.spooled is not None]
 
     def frame_bytes(self) -> dict[str, int]:
-        """Each pending push's frame bytes, by push id."""
-        return {p.key: p.spool.size for p in self.merger.pending}
+        """Each spooled pending push's frame bytes, by push id."""
+        return {k: e.spooled.spool.size for k, e in self._entries.items() if e.spooled is not None}
 
-    def check(self) -> str:
-        """'' when the ledger, the merger and this set hold the same pending pushes, else how they differ."""
-        ledger = set(self.state.ledger.pending)
-        merger = {p.key for p in self.merger.pending}
-        mine = set(self.records)
-        if ledger == merger == mine:
-            return ""
-        return f"pending pushes differ: ledger {sorted(ledger)}, merger {sorted(merger)}, round {sorted(mine)}"
+    def take(self, push_ids: list[str]) -> list[PendingPush]:
+        """Takes pushes out unmerged (rejected after all: a round screen, a non-finite step): their spools closed,
+        their parts elsewhere let go (:attr:`on_release`). Returns them; every id must be pending (the ledger
+        checks)."""
+        taken = [self._entries.pop(push_id) for push_id in push_ids]
+        for e in taken:
+            if e.spooled is not None:
+                e.spooled.spool.close()
+        if taken and self.on_release is not None:
+            self.on_release(list(push_ids))
+        return [e.push for e in taken]
+
+    def clear(self) -> None:
+        """The round closed, merged: the set starts empty for the next one (the outer step released the spools)."""
+        self._entries.clear()
+
+    def restore(self, pushes: list[PendingPush]) -> None:
+        """Fills an empty set from a checkpoint's pending pushes (no payload: whoever restores holds their sum)."""
+        self._entries = {p.info.push_id: _Entry(p) for p in pushes}

@@ -3,10 +3,10 @@
 Owns reading a push's header (it must come first, and its tree digest must be the coordinator's:
 :func:`read_header`), bounding what the header claims (total size, chunk count: :meth:`PushIntake.frame_receiver`),
 receiving the chunks in order with their CRCs into a merger spool and validating the whole frame, step by step
-(:class:`Upload`, which any reader of the stream drives: the coordinator's event loop through its open round,
-``coordinator/open_round.py``), and a thread's driver of it with the limit on how many frames stream in and decode
-at once (``coordinator.max_receiving``: :meth:`PushIntake.receive`, a range shard's; the coordinator's event loop
-keeps its own, ``coordinator/data_plane.py``). None of it takes the service's lock. Refusals are raised for the
+(:class:`Upload`, which the reader of the stream drives: the event loop's data plane, ``coordinator/data_plane.py``,
+through the coordinator's open round, ``coordinator/open_round.py``, or a range shard's, ``coordinator/shard_plane.py``;
+it also bounds how many frames stream in and decode at once, ``coordinator.max_receiving``). None of it takes the
+service's lock. Refusals are raised for the
 caller to answer and record: WireError before the payload streams, :class:`PayloadRefused` or
 :class:`UploadBroke` while it does. The state machine's decision on the push, before and after, is the open
 round's.
@@ -14,8 +14,7 @@ round's.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 from opentelemetry import trace
@@ -89,15 +88,14 @@ def push_info(h: pb.PushHeader) -> PushInfo:
 
 
 class PushIntake:
-    """Receives pushed frames into the merger's spools, at most ``coordinator.max_receiving`` at once (0: no
-    limit), each counted in ``streams`` and traced in ``telemetry``."""
+    """Receives pushed frames into the merger's spools (:meth:`upload`), each counted in ``streams`` and traced in
+    ``telemetry``; the data plane that drives them lets ``coordinator.max_receiving`` stream in at once
+    (``coordinator/data_plane.py``)."""
 
     def __init__(self, cfg: Config, merger: Merger, telemetry: Telemetry, streams: FrameStreams):
         self.merger, self.telemetry, self.streams = merger, telemetry, streams
         self.max_frame = max_frame_bytes(merger.n, cfg.codec.block)
         self.chunk_bytes = cfg.codec.chunk_bytes
-        n = cfg.coordinator.max_receiving
-        self.receiving = threading.BoundedSemaphore(n) if n > 0 else None
 
     def frame_receiver(self, h: pb.PushHeader) -> FrameReceiver:
         """The checker of the header's frame: WireError if its size or chunk count is out of bounds for this
@@ -111,43 +109,10 @@ class PushIntake:
         ``preview``: the state's preview decision."""
         return Upload(self, receiver, spool, info, round_span, target_version, preview)
 
-    def receive(self, requests: PushMessages, receiver: FrameReceiver, spool: Spool, info: PushInfo,
-                round_span: trace.Span | None, target_version: int, preview: str,
-                claim: Callable[[], str] = lambda: "") -> None:
-        """Reads the rest of the push (chunks only) from a blocking iterator through an :class:`Upload` (a thread's
-        driver of it; a range shard's server uses this one). Raises PayloadRefused for a bad chunk stream or frame,
-        UploadBroke for one that ended early or was cancelled. ``claim()``: called when the first chunk has arrived,
-        to take its island's stream slot: '' to go on, else why not (PayloadRefused, busy)."""
-        # At most coordinator.max_receiving frames stream in and decode at once: each holds a zstd decoder and
-        # chunk buffers (a few MiB). The others wait here, before their first chunk is read, so that their data
-        # stays with their clients (gRPC's flow control) rather than a chunk per waiting stream in this process.
-        # A stream that then sends nothing holds this slot until the rate rule cancels it (streams.py), never its
-        # island's stream slot, which is taken only when its first chunk has arrived (claim()).
-        self.drive(self.upload(receiver, spool, info, round_span, target_version, preview), requests, claim)
-
-    def drive(self, upload: Upload, requests: PushMessages, claim: Callable[[], str] = lambda: "") -> None:
-        """:meth:`receive` of an open ``upload``; it is closed at the end, however that comes."""
-        if self.receiving is not None:
-            self.receiving.acquire()
-        try:
-            for msg in requests:
-                if not upload.started:
-                    over = claim()
-                    if over:
-                        raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over, busy=True)
-                upload.chunk(msg)
-            upload.end()
-        except grpc.RpcError:  # grpc's: the call was cancelled while the next chunk was awaited
-            raise upload.broke() from None
-        finally:
-            upload.close()
-            if self.receiving is not None:
-                self.receiving.release()
-
 
 class Upload:
-    """One push's payload arriving, driven by whoever reads the stream (sans I/O: a thread's blocking iterator,
-    :meth:`PushIntake.receive`, or an event loop's awaits): :meth:`chunk` for each message after the header,
+    """One push's payload arriving, driven by whoever reads the stream (sans I/O: the data plane's awaits):
+    :meth:`chunk` for each message after the header,
     :meth:`end` when the client half-closes, :meth:`broke` when the call is cancelled, :meth:`close` always. Counted
     in the intake's frame streams and traced from its first chunk to its close."""
 

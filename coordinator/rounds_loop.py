@@ -189,7 +189,6 @@ class RoundsLoop:
             return
         update = self.store.commit(job.prepared)
         version, merged, close_reason = self.state.close_round(now, decided=job.reason)
-        self.pending.merged()
         assert version == update.version == job.version, (version, update.version, job.version)
         pending = job.pending
         # Logged before the checkpoint: a coordinator killed between the two resumes at the previous version,
@@ -232,7 +231,7 @@ class RoundsLoop:
     def _screen_round(self, now: float) -> bool:
         """The round screen (``coordinator.admission.screen_round``; with ``screened_mean``, each pending push's
         direction from ``Merger.direction_cosines``) on the round about to close: each push it finds is rejected
-        (a ``push_quarantined`` event; its island is told in its heartbeat replies) and dropped from the merger.
+        (a ``push_quarantined`` event; its island is told in its heartbeat replies) and leaves the pending set.
         Returns whether any was."""
         self._cosines, reference = {}, ""
         if self.merger.opts.rule == "screened_mean" and self.merger.pending_count:
@@ -242,7 +241,7 @@ class RoundsLoop:
         screened = self.state.screen_round(self._cosines or None, reference,
                                            screened=self.merger.opts.rule == "screened_mean")
         for push_id, why in screened:
-            (info,) = self.pending.reject([push_id], why, now)
+            (info,) = self.state.reject_pending([push_id], why, now)
             self.log.event("push_quarantined", island=info.island_id, push_id=push_id, reason=why,
                            by="round_screen")
             self.log.progress(f"v{self.state.version + 1}: quarantined push {push_id} from {info.island_id}: {why}")
@@ -261,7 +260,7 @@ class RoundsLoop:
         """Not fatal: nothing was committed. The push to blame is rejected (its island is told in its heartbeat
         replies) and the round is tried again without it, here, if it is still ready."""
         version = self.state.version + 1
-        (info,) = self.pending.reject([e.blame], str(e), now)
+        (info,) = self.state.reject_pending([e.blame], str(e), now)
         self.log_quarantined()
         self.log.event("merge_rejected", version=version, island=info.island_id, push_id=info.push_id,
                        what=e.what, reason=str(e))

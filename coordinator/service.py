@@ -148,7 +148,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.intake = PushIntake(p.cfg, self.merger, self.telemetry, self.streams)
         self.push_streams, self.pulls = PushStreams(p.cfg, self._stream_cancelled), Pulls(p.cfg)
         self.push_streams.start()
-        self.pending = PendingSet(self.state, self.store)  # the open round's pushes (coordinator/pending.py)
+        # The open round's pushes, in one place (coordinator/pending.py): the state's ledger keeps them, the merger
+        # sums their spools, and a push taken out unmerged lets its parts on the range shards go.
+        self.pending: PendingSet = self.state.ledger.pending
+        self.pending.on_release = self.store.release
+        self.merger.read_pending_from(self.pending.spooled)
         self.loop = RoundsLoop(lock=self.lock, clock=p.clock, state=self.state, store=self.store, pending=self.pending,
                                ckpt=self.ckpt, log=self.log, telemetry=self.telemetry, rounds=self.rounds,
                                streams=self.streams, counters=self.counters, after_finish=p.after_finish)

@@ -6,8 +6,9 @@ holds membership, leases, cursors, admission, the rounds and the audit's events.
 shards* (:class:`RangeShard`): each holds its range's θ, momentum and residual files (its own
 :class:`coordinator.merger.Merger`, over the range's values only), receives the islands' parts of their pushes
 for its range (PushDelta: the same header, frame and codec checks, the island token) and serves its range's
-update frames (PullGlobal). It decides nothing: a part it holds is *held* until the lead claims it, merges it
-or releases it. The lead reaches it through the Shard service (:class:`ShardPeers`), every call carrying the
+update frames (PullGlobal), served on the lead's event-loop data plane (``coordinator/shard_plane.py``: no waiting
+call holds a thread). It decides nothing: a part it holds is *held* until the lead claims it, merges it or releases
+it. The lead reaches it through the Shard service (``coordinator.theta_store.ShardPeers``), every call carrying the
 shard secret (``coordinator.shard_secret_file``):
 
 - **Claim**: when the lead has received an island's part 0 of a push, it asks every range shard for its part
@@ -32,34 +33,29 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from coordinator.edge import request_problem, shown
 from coordinator.memory import FrameStreams, pull_piece
 from coordinator.merge_types import MergeOptions, NonFiniteResult, Prepared, Update
 from coordinator.merger import Merger
 from coordinator.pull_cache import PullCache
-from coordinator.push import PayloadRefused, PushIntake, PushMessages, UploadBroke, push_info, read_header
+from coordinator.push import PushIntake
+from coordinator.records import PushInfo
+from coordinator.refusals import CallRefused
 from coordinator.spool import Spool
-from coordinator.streams import PushStreams, Stream, peer_host
+from coordinator.streams import Pulls, PushStreams, Stream
 from dtrain import codec
 from dtrain.codec import params_digest
 from dtrain.config.sections import Config, ConfigError
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
-from dtrain.net.wire import (
-    BUSY_METADATA_KEY,
-    PLACEHOLDER,
-    WireError,
-    chunk_count,
-)
+from dtrain.net.wire import PLACEHOLDER, chunk_count
 from dtrain.telemetry import Telemetry
 from dtrain.train.fragments import Range, plan_spec, range_digests
 
@@ -74,7 +70,6 @@ SHARD_METHODS = frozenset(f"/{SHARD_SERVICE}/{m.name}" for m in pb.DESCRIPTOR.se
 MAX_CLAIM_WAIT_S = 60.0
 CALL_DEADLINE_S = 30.0  # Claim (plus its wait), Commit, Abort, Release
 PREPARE_DEADLINE_S = 600.0  # an outer step of the range: seconds for hundreds of millions of values
-MAX_PULL_WAIT_S = 30.0
 
 
 def read_secret(cfg: Config) -> str:
@@ -131,9 +126,10 @@ class ShardRefused(DtrainError):
         self.code = code
 
 
-class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
-    """Shard ``index`` (>= 1) of a sharded coordinator: PushDelta and PullGlobal for its range, the Shard service
-    for the lead. Its state: the merger over its range, the parts it holds, the step it has prepared."""
+class RangeShard:
+    """Shard ``index`` (>= 1) of a sharded coordinator: the Shard service's calls for the lead, and what PushDelta
+    and PullGlobal for its range decide (served on an event loop by ``coordinator/shard_plane.py``). Its state: the
+    merger over its range, the parts it holds, the step it has prepared; all under :attr:`lock`."""
 
     def __init__(self, cfg: Config, index: int, run_dir: str | Path, theta: np.ndarray | Path, spec: codec.Spec,
                  secret: str, identity: Any = None):
@@ -163,6 +159,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         # the lead's bounds on open push streams, here too: per peer host, per island, and the idle reaper
         self.push_streams = PushStreams(cfg, self._stream_cancelled)
         self.push_streams.start()
+        self.pulls = Pulls(cfg)  # long polls included, per peer host and per island, as at the lead
         self.pull_piece = pull_piece(cfg)
         self.pull_cache = PullCache(cfg.coordinator.pull_cache_bytes)
         self.held: dict[str, HeldPart] = {}
@@ -172,6 +169,8 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         # Until the lead has told it its version (Restore, at every start of the lead), the shard serves no
         # island: a restarted shard at θ_0 would otherwise answer for a version it does not hold yet.
         self.restored = False
+        self.closing = False
+        self.listeners: list[Callable[[], None]] = []  # told of every change (_changed), under the lock
         self.ckpt: Checkpointer | None = None
         if cfg.coordinator.checkpoint:
             from dtrain.checkpoint import Checkpointer
@@ -191,24 +190,26 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
 
     # -- the lead's calls ---------------------------------------------------------------------------
 
-    def _lead_only(self, context: grpc.ServicerContext) -> None:
+    def lead_problem(self, metadata: Any) -> str:
+        """'' when a call's ``metadata`` carries the shard secret, else why it is refused (UNAUTHENTICATED)."""
         got = ""
-        for key, value in context.invocation_metadata() or ():
+        for key, value in metadata or ():
             if key == SECRET_METADATA_KEY and isinstance(value, str):
                 got = value
-        if not (got and hmac.compare_digest(got.encode(), self.secret.encode())):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"shard {self.index}: the Shard service answers the lead only (missing or wrong shard "
-                          f"secret: coordinator.shard_secret_file)")
+        if got and hmac.compare_digest(got.encode(), self.secret.encode()):
+            return ""
+        return (f"shard {self.index}: the Shard service answers the lead only (missing or wrong shard secret: "
+                f"coordinator.shard_secret_file)")
 
-    def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimResponse:
-        self._lead_only(context)
-        if not 0 <= request.wait_s <= MAX_CLAIM_WAIT_S:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in "
-                                                            f"[0, {MAX_CLAIM_WAIT_S:g}]")
+    def _lead_only(self, context: grpc.ServicerContext) -> None:
+        why = self.lead_problem(context.invocation_metadata())
+        if why:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    def claim(self, request: pb.ClaimRequest) -> pb.ClaimResponse:
+        """The lead's Claim once its wait is over (``coordinator.shard_plane.ShardService.Claim`` awaits the part):
+        the part, marked claimed, or held=False when it is not here or was pushed as another island."""
         with self.lock:
-            self.lock.wait_for(lambda: request.push_id in self.held or not context.is_active(),
-                               timeout=request.wait_s)
             part = self.held.get(request.push_id)
             if part is None or part.island_id != request.island_id:
                 return pb.ClaimResponse(held=False, version=self.merger.version)
@@ -267,7 +268,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                 self.ckpt.save_files(version, self.merger.state_files(),
                                      {"version": version, "params_digest": self.merger.digest, "shard": self.index,
                                       "range": [self.range.start, self.range.end]})
-            self.lock.notify_all()  # long-polling pulls
+            self._changed()  # long-polling pulls
             return pb.CommitResponse(version=version, params_digest=self.merger.digest)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
@@ -276,6 +277,9 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
             if self.prepared is not None and self.prepared.version == request.version:
                 self._abort_prepared()
         return pb.AbortResponse()
+
+    def _stream_cancelled(self, stream: Stream, why: str) -> None:
+        log.warning("shard %d: %s", self.index, why)
 
     def _abort_prepared(self) -> None:
         assert self.prepared is not None
@@ -310,7 +314,7 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                                                          f"reads as digest {self.merger.digest}, recorded {digest}")
             self.intake = PushIntake(self.cfg, self.merger, Telemetry.disabled(), self.streams)
             self.restored = True
-            self.lock.notify_all()
+            self._changed()
             log.info("coordinator shard %d restored to version %d", self.index, self.merger.version)
             return pb.RestoreResponse(version=self.merger.version, params_digest=self.merger.digest,
                                       theta_sum_squares=self.merger.theta_norm ** 2)
@@ -351,82 +355,51 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                     part.spool.close()
         return pb.ReleaseResponse()
 
-    # -- the islands' calls -------------------------------------------------------------------------
+    # -- the islands' calls: served by coordinator/shard_plane.py (ShardService, on the data plane) ----------
 
-    def PushDelta(self, request_iterator: PushMessages, context: grpc.ServicerContext) -> pb.PushDeltaResponse:
-        # Counted for its peer host from here to its end, and cancelled if its client goes idle (push_streams).
-        stream = self.push_streams.open(peer_host(context.peer()), context.cancel)
-        if isinstance(stream, str):
-            context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shard {self.index}: {stream}")
-        try:
-            return self._push(self.push_streams.watched(stream, request_iterator), context, stream)
-        finally:
-            self.push_streams.close(stream)
+    def _changed(self) -> None:
+        """Under the lock: tells the listeners (the data plane's bell: waiting claims and long-polling pulls) that
+        what the shard holds changed (a part held, a version committed or restored, the shard closing)."""
+        for listener in list(self.listeners):
+            listener()
 
-    def _stream_cancelled(self, stream: Stream, why: str) -> None:
-        log.warning("shard %d: %s", self.index, why)
-
-    def _push(self, request_iterator: PushMessages, context: grpc.ServicerContext,
-              stream: Stream) -> pb.PushDeltaResponse:
-        """PushDelta on an open ``stream``: the header, the part's checks, its payload into a held spool."""
-        try:
-            h = read_header(request_iterator, self.tree_digest)
-        except WireError as e:
-            context.abort(e.code, str(e))
-        stream.island = h.island_id  # counted for it once its data arrives (claim, below)
-        why = request_problem(h) or ("" if h.push_id and h.island_id else "push_id and island_id must not be empty")
-        if why or h.shard != self.index:  # the lead's bounds on every client string (coordinator/edge.py), first
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: push {shown(h.push_id)!r}: "
-                                                            f"{why or f'its header names shard {h.shard}'}")
-        info = push_info(h)
-        identity = self.identity.of(context) if self.identity is not None else None
+    def admit_part(self, h: pb.PushHeader) -> pb.PushDeltaResponse | None:
+        """A part's header against what the shard holds: the reply for a part it holds already, or None to receive
+        it. CallRefused: UNAVAILABLE before the lead restored the shard, RESOURCE_EXHAUSTED (busy) while it holds
+        its most parts waiting for the lead."""
         with self.lock:
-            self._refuse_until_restored(context)
-            version = self.merger.version
+            self._refuse_until_restored()
             if h.push_id in self.held:
-                return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, version=version,
+                return pb.PushDeltaResponse(status=pb.PUSH_STATUS_DUPLICATE, version=self.merger.version,
                                             reason=f"shard {self.index} holds this part already")
             if len(self.held) >= self.max_held:
                 self._expire()
             if len(self.held) >= self.max_held:
-                context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"shard {self.index} holds {len(self.held)} parts waiting for the lead")
-        try:
-            receiver = self.intake.frame_receiver(h)
-        except WireError as e:
-            context.abort(e.code, str(e))
-        with self.merger.spool() as spool:  # the frame must hold exactly this shard's range
-            try:
-                self.intake.receive(request_iterator, receiver, spool, info, None, 0, "held",
-                                    lambda: self.push_streams.claim(stream, h.island_id))
-            except PayloadRefused as e:
-                if e.busy:  # the island's streams are full: workers retry
-                    context.set_trailing_metadata(((BUSY_METADATA_KEY, "1"),))
-                context.abort(e.code, f"shard {self.index}: {e}")
-            except UploadBroke as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.index}: {e}")
-            if not context.is_active():  # cancelled (the reaper) as its last chunk came in: its island saw that
-                context.abort(grpc.StatusCode.CANCELLED, f"shard {self.index}: the push stream was cancelled")
-            spool.keep()
-            with self.lock:
-                if h.push_id in self.held:  # the same push received twice at once: keep the first
-                    spool.close()
-                else:
-                    self.held[h.push_id] = HeldPart(spool, info.island_id, identity or "", receiver.size,
-                                                    time.monotonic())
-                self.lock.notify_all()
-                version = self.merger.version
+                raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"shard {self.index} holds {len(self.held)} parts waiting for the lead", busy=True)
+        return None
+
+    def hold(self, spool: Spool, info: PushInfo, identity: str | None, size: int) -> pb.PushDeltaResponse:
+        """A part received whole and validated: held for the lead (the first of the same push received twice at
+        once is kept); the reply."""
+        spool.keep()
+        with self.lock:
+            if info.push_id in self.held:
+                spool.close()
+            else:
+                self.held[info.push_id] = HeldPart(spool, info.island_id, identity or "", size, time.monotonic())
+            self._changed()  # a claim waiting for it
+            version = self.merger.version
         return pb.PushDeltaResponse(status=pb.PUSH_STATUS_PENDING, version=version,
                                     reason=f"held by shard {self.index} for the lead's decision")
 
-    def _refuse_until_restored(self, context: grpc.ServicerContext) -> None:
-        """UNAVAILABLE (islands retry it) until the lead has restored the shard to its version. Under the lock."""
+    def _refuse_until_restored(self) -> None:
+        """CallRefused UNAVAILABLE (islands retry it) until the lead has restored the shard to its version. Under
+        the lock."""
         if not self.restored:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator shard {self.index} is waiting for the lead to "
-                                                       f"give it its version (the lead restores every shard as it "
-                                                       f"starts)")
+            raise CallRefused(grpc.StatusCode.UNAVAILABLE, f"coordinator shard {self.index} is waiting for the lead "
+                                                           f"to give it its version (the lead restores every shard as "
+                                                           f"it starts)")
 
     def _expire(self) -> None:
         """Lets go of parts the lead never claimed for longer than a push could take to reach it (the island's
@@ -437,27 +410,31 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
         for key in [k for k, p in self.held.items() if not p.claimed and now - p.at > limit]:
             self.held.pop(key).spool.close()
 
-    def PullGlobal(self, request: pb.PullRequest,
-                   context: grpc.ServicerContext) -> Iterator[pb.PullMessage | bytes]:
-        if not 0 <= request.wait_s <= 3600:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s={request.wait_s}: must be in [0, 3600]")
+    def check_pull(self, request: pb.PullRequest) -> None:
+        """Whether a pull may be served: CallRefused UNAVAILABLE before the lead restored the shard,
+        FAILED_PRECONDITION for a version it does not hold yet."""
         with self.lock:
-            self._refuse_until_restored(context)
+            self._refuse_until_restored()
             if request.have_version > self.merger.version:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"have_version={request.have_version}: shard {self.index} is at version "
-                              f"{self.merger.version}")
-            if request.wait_s > 0 and request.have_version == self.merger.version and not request.full:
-                self.lock.wait_for(lambda: self.merger.version > request.have_version or not context.is_active(),
-                                   timeout=min(request.wait_s, MAX_PULL_WAIT_S))
+                raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"have_version={request.have_version}: shard {self.index} is at version "
+                                  f"{self.merger.version}")
+
+    def pull_messages(self, request: pb.PullRequest) -> Iterator[pb.PullMessage | bytes]:
+        """What a pull streams from now: its range's frames from ``have_version`` (decided under the lock; each one
+        opened there, so a later merge's deletion leaves it readable), as messages read piece by piece."""
+        with self.lock:
+            self._refuse_until_restored()
             version = self.merger.version
             full, chain = self.merger.pull_frames(request.have_version, request.full)
             kind = pb.PULL_KIND_FULL if full else pb.PULL_KIND_UPDATE
             frames: list[tuple[pb.PullKind, Update, Any]] = [(kind, u, u.open()) for u in chain]
         if not frames:
-            yield pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
-                                                      base_version=version, tree_digest=self.tree_digest))
-            return
+            return iter([pb.PullMessage(header=pb.PullHeader(kind=pb.PULL_KIND_CURRENT, version=version,
+                                                             base_version=version, tree_digest=self.tree_digest))])
+        return self._frames(frames)
+
+    def _frames(self, frames: list[tuple[pb.PullKind, Update, Any]]) -> Iterator[pb.PullMessage | bytes]:
         piece = self.pull_piece
         with self.streams.streaming():
             for frame_kind, u, handle in frames:
@@ -467,22 +444,19 @@ class RangeShard(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
                     params_digest=u.params_digest))
                 yield from self.pull_cache.messages(u, handle, piece)  # one build per frame, as at the lead
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is coordinator shard {self.index}: Join the lead "
-                                                           f"(shard 0)")
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is coordinator shard {self.index}: heartbeats go "
-                                                           f"to the lead (shard 0)")
-
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+    def status(self) -> pb.StatusResponse:
+        """Its version, its range's digest and which shard it is."""
         with self.lock:
             return pb.StatusResponse(version=self.merger.version, params_digest=self.merger.digest,
                                      mode=f"shard {self.index} of {len(self.ranges)}")
 
     def close(self) -> None:
+        """Lets go of everything it holds (its parts, a prepared step, the merger, the checkpointer)."""
         self.push_streams.stop()
         with self.lock:
+            self.closing = True
+            self._changed()  # waiting claims and pulls end
+            self.listeners.clear()
             self._drop_all()
             self.merger.close()
         if self.ckpt is not None:

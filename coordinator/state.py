@@ -335,7 +335,8 @@ class CoordinatorState:
 
     def reject_pending(self, push_ids: list[str], reason: str, now: float = 0.0) -> list[PushInfo]:
         """Rejects pending pushes (a merge they would have made non-finite, or a round screen): dropped from the
-        open round, counted, remembered as rejected; their islands are told in their heartbeat replies and the
+        open round (their spools and parts on the range shards let go: ``coordinator.pending.PendingSet.take``),
+        counted, remembered as rejected; their islands are told in their heartbeat replies and the
         round does not wait for them. Returns their infos."""
         out = []
         for p in self.ledger.take_pending(push_ids):

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from coordinator.merge_types import NonFiniteResult, Prepared, Update
+from coordinator.merge_types import NonFiniteResult, Prepared, SpooledPush, Update
 from coordinator.merger import Merger
 from coordinator.records import PushInfo
 from coordinator.shard import (
@@ -71,7 +71,7 @@ class ThetaStore(Protocol):
 
     def whole_norm(self, info: PushInfo, spool: Spool, identity: str | None, wait_s: float) -> float: ...
 
-    def add_pending(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> None: ...
+    def spooled(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> SpooledPush: ...
 
     def release(self, push_ids: list[str]) -> None: ...
 
@@ -104,8 +104,9 @@ class LocalTheta:
         """The push's L2 norm: its spool's (the whole push is here)."""
         return spool.norm
 
-    def add_pending(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> None:
-        self.merger.add_pending(spool, weight, scale=scale, key=key)
+    def spooled(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> SpooledPush:
+        """The push as the merger sums it (:meth:`Merger.spooled`)."""
+        return self.merger.spooled(spool, weight, scale=scale, key=key)
 
     def release(self, push_ids: list[str]) -> None:
         """Nothing is held elsewhere."""
@@ -250,10 +251,10 @@ class ShardedTheta:
                                    f"{part.identity or '(none)'}, this part from {identity or '(none)'}")
         return math.sqrt(spool.norm ** 2 + sum(p.sum_squares for p in parts))
 
-    def add_pending(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> None:
-        """The lead's part joins the merge with the whole push's norm (the clip caps and the blame go by whole
-        pushes, the same on every shard)."""
-        self.merger.add_pending(spool, weight, scale=scale, key=key, norm=norm)
+    def spooled(self, spool: Spool, weight: float, scale: float, key: str, norm: float) -> SpooledPush:
+        """The lead's part as the merger sums it, with the whole push's norm (the clip caps and the blame go by
+        whole pushes, the same on every shard)."""
+        return self.merger.spooled(spool, weight, scale=scale, key=key, norm=norm)
 
     def release(self, push_ids: list[str]) -> None:
         """The pushes' parts on the other shards are let go (best effort)."""

@@ -412,8 +412,8 @@ def test_the_norm_screen_compares_a_push_with_its_own_fragments_norms():
     opts = StateOptions.from_config(load_config("tiny", ["outer.islands=2", "outer.fragments=2"]))
     ledger = PushLedger(opts)
     for version, norm in ((1, 10.0), (2, 0.1), (3, 12.0), (4, 0.2)):
-        ledger.pending = {f"p{version}": PendingPush(PushInfo(f"p{version}", "a", version - 1, 320, 5, 0, 40, 0),
-                                                     Admission("accept", 320.0, 0, version, "", norm=norm), 0.0)}
+        ledger.pending.add(PendingPush(PushInfo(f"p{version}", "a", version - 1, 320, 5, 0, 40, 0),
+                                       Admission("accept", 320.0, 0, version, "", norm=norm), 0.0))
         ledger.merge_round(version)
     assert list(ledger.norms) == [10.0, 0.1, 12.0, 0.2]  # the checkpointed window: all of them
     assert list(ledger.norm_window(5)) == [10.0, 12.0] and list(ledger.norm_window(6)) == [0.1, 0.2]

@@ -830,3 +830,35 @@ def test_every_push_of_a_round_writes_over_a_spool_file_of_the_last_round() -> N
         m.outer_step()
     assert files[1] == files[0] and files[2] == files[0]  # no new file after the first round
     m.close()
+
+
+def test_a_merger_reading_an_open_rounds_pushes_sums_those_and_keeps_no_list_of_its_own():
+    """A coordinator's merger sums what its open round holds (``read_pending_from``: coordinator/pending.py's
+    PendingSet): the same sum and step as pushes given to it, its own add/drop/unpend refused, and a commit that
+    releases the spools but leaves the round's list to its owner."""
+    rng = np.random.default_rng(12)
+    vecs = [rng.normal(size=N).astype(np.float32) for _ in range(2)]
+    own = Merger(np.zeros(N, np.float32), opts(up="int8", down="fp32"))
+    for v, w in zip(vecs, (1.0, 3.0), strict=True):
+        _push(own, v, w)
+    m = Merger(np.zeros(N, np.float32), opts(up="int8", down="fp32"))
+    held = []  # the open round's spools, as its owner keeps them
+    m.read_pending_from(lambda: list(held))
+    for i, (v, w) in enumerate(zip(vecs, (1.0, 3.0), strict=True)):
+        with m.spool() as sp:
+            sp.write(codec.encode(codec.quantize(v, 8, BLOCK)))
+            m.validate(sp)
+            held.append(m.spooled(sp, w, key=f"p{i}"))
+    assert [p.key for p in m.pending] == ["p0", "p1"] and m.total_weight == 4.0 and m.pending_count == 2
+    np.testing.assert_array_equal(m.pending_sum(), own.pending_sum())
+    for refused in (lambda: m.add_pending(held[0].spool, 1.0), lambda: m.drop_pending(["p0"]), m.unpend):
+        with pytest.raises(RuntimeError, match="read_pending_from"):
+            refused()
+    m.outer_step()
+    own.outer_step()
+    np.testing.assert_array_equal(m.theta, own.theta)
+    assert [p.key for p in m.pending] == ["p0", "p1"] and all(p.spool.fd == -1 for p in held)  # released, still listed
+    held.clear()
+    assert m.pending == [] and m.total_weight == 0
+    m.close()
+    own.close()

@@ -1,5 +1,6 @@
 """The open round, driven with no server at all (coordinator/open_round.py): a push is begin / chunk / finish on
-one record, and the ledger, the merger and the round hold the same pending pushes at every step."""
+one record, and a pending push lives in one place (coordinator/pending.py), which the ledger and the merger
+read."""
 
 from __future__ import annotations
 
@@ -55,15 +56,22 @@ def _push(svc, record, push_id: str, seed: int, cut: int | None = None) -> pb.Pu
         svc.round.close(rec)
 
 
-def test_a_push_is_one_record_and_the_three_pending_sets_agree_at_every_step(service):
+def _sum_reads(svc) -> list[str]:
+    """The pushes the merger's next outer step would sum."""
+    return [p.key for p in svc.merger.pending]
+
+
+def test_a_push_is_one_record_and_lives_in_one_pending_set(service):
     a, b = _join(service, "a"), _join(service, "b")
+    assert service.pending is service.state.ledger.pending  # the ledger's accounting is the set itself
     first = _push(service, a, "p-a", 1)
     assert first.status == pb.PUSH_STATUS_PENDING and first.version == 0
     with service.lock:
-        assert service.pending.check() == "" and list(service.pending.records) == ["p-a"]
-        rec = service.pending.records["p-a"]
-        assert rec.admission is not None and rec.admission.status == "accept"
-        assert rec.spooled is service.merger.pending[0]  # the merger's entry is the record's
+        assert list(service.pending) == ["p-a"] and _sum_reads(service) == ["p-a"]
+        pushed = service.pending["p-a"]
+        assert pushed.admission.status == "accept" and [i.push_id for i, _ in service.state.pending()] == ["p-a"]
+        (spooled,) = service.merger.pending
+        assert spooled.spool.n == service.tree_size and service.merger.total_weight == pushed.admission.weight
     # A retry of the pending push is answered from its header: no record, nothing received.
     retry = service.round.begin(_header(service, a, "p-a", delta_frame(service.tree_size, 1)[1], 4096), None)
     assert isinstance(retry, pb.PushDeltaResponse) and retry.status == pb.PUSH_STATUS_DUPLICATE
@@ -72,12 +80,32 @@ def test_a_push_is_one_record_and_the_three_pending_sets_agree_at_every_step(ser
         _push(service, b, "p-b-cut", 2, cut=1)
     assert not broke.value.record and "truncated" in str(broke.value)
     with service.lock:
-        assert service.pending.check() == "" and list(service.pending.records) == ["p-a"]
+        assert list(service.pending) == ["p-a"] and _sum_reads(service) == ["p-a"]
     # The second island's push completes the round: the clock merges it, the reply waits for that.
     done = _push(service, b, "p-b", 3)
     assert done.status == pb.PUSH_STATUS_MERGED and done.version == 1
     with service.lock:
-        assert service.pending.check() == "" and not service.pending.records and not service.merger.pending
+        assert not service.pending and service.merger.pending == [] and service.state.pending() == []
+        assert service.state.deltas_merged == 2
+
+
+def test_a_pending_push_taken_out_unmerged_leaves_every_reader_and_lets_its_spool_go(service):
+    """A pending push the round rejects (a round screen, a non-finite step) leaves the one set: the ledger's view and
+    the merger's sum no longer hold it, its spool is closed and its parts elsewhere are let go (on_release)."""
+    a, b = _join(service, "a"), _join(service, "b")
+    _push(service, a, "p-a", 1)
+    released: list[str] = []
+    with service.lock:
+        service.pending.on_release = released.extend
+        (spooled,) = service.merger.pending
+        (info,) = service.state.reject_pending(["p-a"], "screened out", service.clock())
+        assert info.push_id == "p-a" and released == ["p-a"] and spooled.spool.fd == -1
+        assert not service.pending and service.merger.pending == [] and service.state.deltas_rejected == 1
+    # The round no longer waits for it: the other island's push completes it, merged on its own.
+    done = _push(service, b, "p-b", 2)
+    assert done.status == pb.PUSH_STATUS_MERGED and done.version == 1
+    with service.lock:
+        assert not service.pending and service.state.deltas_merged == 1 and service.state.deltas_rejected == 1
 
 
 def test_a_push_driven_from_another_thread_is_refused_the_same_way(service):
@@ -102,4 +130,4 @@ def test_a_push_driven_from_another_thread_is_refused_the_same_way(service):
     e = out[0]
     assert e.code == grpc.StatusCode.NOT_FOUND and e.push is not None and e.push.push_id == "ghost"
     with service.lock:
-        assert service.pending.check() == "" and not service.pending.records
+        assert not service.pending and service.merger.pending == []

@@ -57,7 +57,7 @@ def test_hand_encoded_chunk_messages_parse_as_the_generated_ones():
 def test_the_server_registers_every_method_of_the_proto_service():
     import grpc
 
-    from coordinator.handlers import service_handler
+    from coordinator.handlers import abort_invalid, aio_service_handler
     from dtrain.net.proto import dtrain_pb2 as pb
 
     class Details:
@@ -68,7 +68,10 @@ def test_the_server_registers_every_method_of_the_proto_service():
         def __getattr__(self, name):
             return lambda *a: name
 
-    handler = service_handler(Service())
+    async def refuse(context, why):
+        raise AssertionError(why)
+
+    handler = aio_service_handler(Service(), abort_invalid, refuse)
     for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
         h = handler.service(Details(f"/dtrain.v1.Coordinator/{m.name}"))
         assert isinstance(h, grpc.RpcMethodHandler)

@@ -410,3 +410,55 @@ def test_kill_shard_fault_grammar():
         parse_fault("kill-coordinator@v3+1s,shard=-1", 2)
     with pytest.raises(ConfigError, match="unknown option"):
         parse_fault("kill:island-0@v3+1s,shard=1", 2)
+
+
+def test_a_range_shards_parked_calls_hold_no_thread_and_a_sharded_round_completes(cfg, tmp_path):
+    """Waiting costs no thread on a range shard either (issue 36, item 3): with far more long-polling pulls, idle
+    push streams and the lead's Claims waiting for parts that never come parked on the shard than it has data and
+    control threads, the process's thread count does not grow with them, a real sharded round completes (its own
+    Claims answered), and the parked pulls wake on the new version with the range's update."""
+    import asyncio
+    import threading
+
+    from coordinator.handlers import control_threads, server_threads
+    from test_data_plane import PARKED, Parked
+
+    cfg = replace(cfg, coordinator={"workers": 4, "max_pulls_per_peer": 4 * PARKED,
+                                    "max_pulls_per_island": 2 * PARKED, "max_streams_per_peer": 4 * PARKED,
+                                    "stream_idle_s": 60.0, "checkpoint": False})
+    assert server_threads(cfg) == 4 and 3 * PARKED > server_threads(cfg) + control_threads(cfg)
+    run = Sharded(cfg, tmp_path)
+    parked = Parked(run.shard_address)
+    islands = []
+    try:
+        islands = [Island(run.cfg, run.address, f"isl-{i}", run.theta0.size, run.ranges) for i in range(2)]
+        g = islands[0].puller.pull(islands[0].join.island_id, None)
+        before = threading.active_count()
+        parked.park(islands[0].join.island_id, PARKED)
+
+        async def claims() -> list[asyncio.Future]:
+            stub = pb_grpc.ShardStub(parked.channel)
+            return [asyncio.ensure_future(stub.Claim(pb.ClaimRequest(push_id=f"never-{k}", island_id="nobody",
+                                                                     wait_s=60),
+                                                     metadata=((SECRET_METADATA_KEY, SECRET),), timeout=90))
+                    for k in range(PARKED)]
+        waiting = parked._run(claims())
+        wait_for(lambda: run.shard.pulls.counts()[1].get(islands[0].join.island_id) == PARKED
+                 and run.shard.push_streams.counts()[0] == PARKED, f"{PARKED} pulls and {PARKED} pushes parked")
+        assert threading.active_count() <= before + server_threads(cfg), (before, threading.active_count())
+        for i, (isl, delta) in enumerate(zip(islands, _deltas(run.theta0.size, 0), strict=True)):
+            assert isl.push(delta, f"p0-{i}", base=0, start=0).status in (pb.PUSH_STATUS_PENDING,
+                                                                          pb.PUSH_STATUS_MERGED)
+        g = islands[0].puller.pull(islands[0].join.island_id, g, wait_s=10)
+        assert g.version == run.service.merger.version == run.shard.merger.version == 1
+        np.testing.assert_array_equal(g.vec, run.theta())
+        for messages in parked.pulled():  # woke on the shard's commit: its range's update, not a timeout's current
+            assert messages[0].header.kind == pb.PULL_KIND_UPDATE and messages[0].header.version == 1
+        assert not any(f.done() for f in waiting)  # still awaiting their parts, on no thread
+        assert run.shard.push_streams.counts()[0] == PARKED
+        assert threading.active_count() <= before + server_threads(cfg) + control_threads(cfg)
+    finally:
+        for isl in islands:
+            isl.close()
+        parked.close()
+        run.stop()

@@ -177,3 +177,43 @@ def test_status_contents():
                             "pushes, have 1"
     st.expire(T0 + 16)
     assert all(i["lease_left_s"] == 0.0 and i["state"] == "lost" for i in st.status(T0 + 16)["islands"])
+
+
+# A checkpoint's state with a push pending, as the coordinator wrote it before the open round's pushes were kept in
+# one set (coordinator/pending.py; snapshot format 2): two islands, version 1 merged, island b's push for version 2
+# pending.
+PENDING_FORMAT_2 = (
+    '{"format": 2, "run_id": "run-1", "created": 1000.0, "shards": 2, "version": 1, "counters": '
+    '{"deltas_merged": 2, "deltas_dropped": 0, "duplicates": 0, "tokens_merged": 2000, "deltas_rejected":'
+    ' 0}, "islands": [{"island_id": "a-0", "name": "a", "hardware": "cpu", "devices": 1, "mesh_devices": '
+    '1, "shard_index": 0, "state": "live", "lease_expiry": 1015.0, "segment_start": 0, "version": 0, '
+    '"steps": 0, "tokens_reported": 0, "steps_per_s": 0.0, "tokens_per_s": 0.0, "tokens_merged": 1000, '
+    '"pushes_merged": 1, "cursor_merged": 40, "params_digest": "", "bad_devices": [], "quarantined": [], '
+    '"rejections": 0, "throttled_until": 0.0, "stop_reason": ""}, {"island_id": "b-1", "name": "b", '
+    '"hardware": "cpu", "devices": 1, "mesh_devices": 1, "shard_index": 1, "state": "live", '
+    '"lease_expiry": 1015.0, "segment_start": 0, "version": 0, "steps": 0, "tokens_reported": 0, '
+    '"steps_per_s": 0.0, "tokens_per_s": 0.0, "tokens_merged": 1000, "pushes_merged": 1, "cursor_merged":'
+    ' 40, "params_digest": "", "bad_devices": [], "quarantined": [], "rejections": 0, "throttled_until": '
+    '0.0, "stop_reason": ""}], "segments": [{"shard": 0, "start": 0, "end": 160000, "merged": 40}, '
+    '{"shard": 1, "start": 0, "end": 160000, "merged": 40}], "pending": [{"info": {"push_id": "open-1", '
+    '"island_id": "b-1", "base_version": 1, "tokens": 1000, "inner_steps": 5, "cursor_start": 40, '
+    '"cursor_end": 80, "shard_index": 1}, "admission": {"status": "accept", "weight": 1000.0, '
+    '"staleness": 0, "target_version": 2, "reason": "accepted for version 2: weight 1000 = 1000 tokens", '
+    '"norm": 0.0, "scale": 1.0}, "received": 1003.0}], "first_pending": 1003.0, "push_ids": [["m1", '
+    '"a-0", "merged", 1, 0], ["m2", "b-1", "merged", 1, 0]], "norms": [], "bindings": []}'
+)
+
+
+def test_a_checkpoint_written_before_the_one_pending_set_restores_into_it():
+    st = CoordinatorState.from_json(options("outer.islands=2"), json.loads("".join(PENDING_FORMAT_2)), T0 + 10)
+    assert st.version == 1 and list(st.ledger.pending) == ["open-1"]
+    assert [i.push_id for i, _ in st.pending()] == ["open-1"] and st.ledger.first_pending == T0 + 3
+    assert st.ledger.pending.spooled() == []  # no payload in a checkpoint: whoever restores holds the sum
+    assert st.shard_cursor(1) == 80 and st.shard_cursor(0) == 40  # the pending push counts in its shard's cursor
+    assert st.admit_push(info(st, "b-1", base=1, push_id="open-1"), T0 + 10).status == "duplicate"
+    written = json.loads("".join(PENDING_FORMAT_2))
+    assert _no_leases(st.to_json()) == _no_leases(written)  # written back the same way
+    push(st, info(st, "a-0", base=1, push_id="a-2"), T0 + 11)
+    version, merged, _ = st.close_round(T0 + 11)
+    assert version == 2 and [i.push_id for i in merged] == ["open-1", "a-2"] and not st.ledger.pending
+    assert st.shard_cursor(1) == 80 and st.deltas_merged == 4
