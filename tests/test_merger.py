@@ -11,6 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
+from coordinator import direction, merge_types
 from coordinator import merger as merger_mod
 from coordinator.merge_types import MergeOptions
 from coordinator.merger import Merger
@@ -36,7 +37,8 @@ def opts(up: str = "int8", down: str = "int8", error_feedback: bool = True, keep
 def slabs(request, monkeypatch):
     """Every test runs with one slab and with many (slab = 256 values: 11 full slabs and a partial one)."""
     if request.param == "many-slabs":
-        monkeypatch.setattr(merger_mod, "SLAB_TARGET", 256)
+        monkeypatch.setattr(merge_types, "SLAB_TARGET", 256)  # the outer step's slabs (merge_types.slab_len)
+        monkeypatch.setattr(direction, "SLAB_TARGET", 256)  # the round screen's pieces
 
 
 @pytest.fixture(autouse=True)
@@ -569,8 +571,8 @@ def test_over_its_budget_the_direction_screen_samples_random_pieces_and_still_ca
     med = np.median(rows, axis=0)
     exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
     read: list[tuple[int, int]] = []
-    stack = Merger._stack_pending
-    monkeypatch.setattr(Merger, "_stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    stack = Merger.stack_pending
+    monkeypatch.setattr(Merger, "stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
     samples = []
     for _ in range(4):
         read.clear()
@@ -604,8 +606,8 @@ def test_with_many_pushes_the_screen_shares_its_budget_and_still_catches_a_rever
     med = np.median(rows, axis=0)
     exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
     read: list[tuple[int, int]] = []
-    stack = Merger._stack_pending
-    monkeypatch.setattr(Merger, "_stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    stack = Merger.stack_pending
+    monkeypatch.setattr(Merger, "stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
     got, _ = m.direction_cosines()
     np.testing.assert_allclose(got, exact, atol=0.03)
     assert min(got[:-1]) > 0.3 and got[-1] < -0.5
