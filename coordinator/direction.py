@@ -7,21 +7,23 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import numpy as np
 
 from coordinator.merge_io import read_into
-from coordinator.merge_types import SLAB_TARGET, screen_budget
+from coordinator.merge_types import SLAB_TARGET, MergeOptions, screen_budget
 from dtrain.steps.outer import coordinate_median
-
-if TYPE_CHECKING:
-    from coordinator.merger import Merger
+from dtrain.train.fragments import Range
 
 
-def direction_cosines(self: Merger) -> tuple[list[float], str]:
-    """``screened_mean``'s direction screen: each pending push's cosine (its values times its clip factor) with
+def direction_cosines(k: int, opts: MergeOptions, part: Range, momentum: Path,
+                      stack: Callable[[int, int], np.ndarray]) -> tuple[list[float], str]:
+    """``screened_mean``'s direction screen over the ``k`` pending pushes of the fragment ``part`` (the whole θ
+    without fragments), ``stack(start, count)`` giving their rows and ``momentum`` the outer momentum's file: each
+    pending push's cosine (its values times its clip factor) with
     a reference direction, in pending order, and what the reference is ("": none, every cosine 1). With 3 or
     more pending pushes the reference is their coordinate median; with fewer (no majority to take a median
     of: a round where one or two islands push, e.g. the last rounds of a shard taken over) it is the outer
@@ -39,23 +41,21 @@ def direction_cosines(self: Merger) -> tuple[list[float], str]:
     model: the coordinate median runs on that many values per push, not the whole fragment, so it no longer
     keeps the coordinator's cores busy for seconds while heartbeats wait (``np.partition`` lets go of the
     GIL; what starved them was the CPU time)."""
-    k = len(self.pending)
     if not k:
         return [], ""
     # Pieces of an eighth of a slab: the pass holds two (pushes × piece) arrays per thread (the rows and the
     # median's transposed copy), 8 MiB each with 64 pushes, where whole slabs took 64 MiB each.
-    whole = math.lcm(self.opts.up_block or self.opts.block, self.opts.down_block or self.opts.block)
+    whole = math.lcm(opts.up_block or opts.block, opts.down_block or opts.block)
     slab, by_median = max(1, SLAB_TARGET // 8 // whole) * whole, k >= 3
-    part = self.next_fragment()  # the pushes hold its values (the whole θ without fragments)
     starts = np.arange(0, part.size, slab)
-    want = max(1, -(-screen_budget(self.opts, k) // slab))  # pieces in the budget
+    want = max(1, -(-screen_budget(opts, k) // slab))  # pieces in the budget
     if want < starts.size:
         rng = np.random.default_rng(secrets.randbits(128))  # unpredictable: fresh per round, not from θ
         starts = np.sort(rng.choice(starts, want, replace=False))  # in file order: forward reads
-    fd = None if by_median else os.open(self.state_files()["momentum"], os.O_RDONLY)
+    fd = None if by_median else os.open(momentum, os.O_RDONLY)
 
     def terms(s: int) -> tuple[np.ndarray, float, np.ndarray]:
-        rows = self.stack_pending(s, min(s + slab, part.size) - s)
+        rows = stack(s, min(s + slab, part.size) - s)
         if fd is None:
             ref = coordinate_median(rows)
         else:
@@ -67,7 +67,7 @@ def direction_cosines(self: Merger) -> tuple[list[float], str]:
 
     dots, ref_sq, sq = np.zeros(k), 0.0, np.zeros(k)
     try:
-        with futures.ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="screen") as pool:
+        with futures.ThreadPoolExecutor(max(1, opts.threads), thread_name_prefix="screen") as pool:
             for d, r, q in pool.map(terms, (int(x) for x in starts)):
                 dots += d
                 ref_sq += r

@@ -282,7 +282,8 @@ class Merger:
     def direction_cosines(self) -> tuple[list[float], str]:
         """``screened_mean``'s direction screen over the pending pushes: each one's cosine with a reference
         direction and what the reference is (``coordinator.direction.direction_cosines``)."""
-        return direction_cosines(self)
+        return direction_cosines(len(self.pending), self.opts, self.next_fragment(), self._path("momentum"),
+                                 self.stack_pending)
 
     def stack_pending(self, start: int, count: int) -> np.ndarray:
         """The pending pushes' values [start, start + count) (whole blocks), each times its clip factor, one row
