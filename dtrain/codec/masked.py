@@ -34,7 +34,7 @@ from typing import Final
 import numpy as np
 
 from dtrain.codec import int2
-from dtrain.codec.sparse import is_sparse
+from dtrain.codec.sparse import RecordChecker, is_sparse
 from dtrain.codec.spec import CodecError
 
 __all__ = [
@@ -167,7 +167,7 @@ def mask_dequantize(chunk: int, n: int, scales: np.ndarray, payload: np.ndarray)
     return out
 
 
-class MaskChecker:
+class MaskChecker(RecordChecker):
     """Checks a mask body's payload (seed ‖ D ‖ records) fed in pieces, and hands out each piece once checked.
 
     Args:
@@ -201,16 +201,7 @@ class MaskChecker:
                 return
             self._check_descriptor()
             self.out(bytes(self._head))  # type: ignore[operator]
-        self._buf += view  # (even when empty: chunks that keep nothing are complete as they are)
-        assert self.record_offsets is not None
-        have = int(self.record_offsets[self._done]) + len(self._buf)
-        end = int(np.searchsorted(self.record_offsets, have, side="right")) - 1
-        if end > self._done:
-            take = int(self.record_offsets[end] - self.record_offsets[self._done])
-            self._check_records(self._done, end, memoryview(self._buf)[:take])
-            self.out(bytes(self._buf[:take]))  # type: ignore[operator]
-            del self._buf[:take]
-            self._done = end
+        self._feed_records(view)  # (even when empty: chunks that keep nothing are complete as they are)
 
     def _check_descriptor(self) -> None:
         self.seed, self.code = _DESCRIPTOR.unpack(bytes(self._head))

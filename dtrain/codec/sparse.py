@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # a typing-only import (typing.TypeIs is Python 3.13's)
 
 __all__ = [
     "MAX_CHUNK",
+    "RecordChecker",
     "SPARSE_BITS",
     "SparseBits",
     "SparseChecker",
@@ -326,7 +327,35 @@ def sparse_dequantize(bits: SparseBits, chunk: int, n: int, scales: np.ndarray, 
     return out
 
 
-class SparseChecker:
+class RecordChecker:
+    """What the sparse and mask checkers share: a payload's per-chunk records, fed in pieces, each run of whole
+    records checked (:meth:`_check_records`) and handed to ``out`` as soon as it is complete; a partial record
+    waits in ``_buf``. ``record_offsets[i]`` is where chunk i's record starts (n_chunks + 1 offsets, from any
+    origin), ``_done`` the chunks already handed out."""
+
+    out: object
+    record_offsets: np.ndarray | None
+    _buf: bytearray
+    _done: int
+
+    def _check_records(self, first: int, end: int, records: memoryview) -> None:
+        raise NotImplementedError
+
+    def _feed_records(self, view: memoryview) -> None:
+        """Adds ``view`` (record bytes) and passes on every record it completes, checked."""
+        self._buf += view
+        assert self.record_offsets is not None
+        have = int(self.record_offsets[self._done]) + len(self._buf)
+        end = int(np.searchsorted(self.record_offsets, have, side="right")) - 1
+        if end > self._done:
+            take = int(self.record_offsets[end] - self.record_offsets[self._done])
+            self._check_records(self._done, end, memoryview(self._buf)[:take])
+            self.out(bytes(self._buf[:take]))  # type: ignore[operator]
+            del self._buf[:take]
+            self._done = end
+
+
+class SparseChecker(RecordChecker):
     """Checks a sparse body's payload (counts ‖ records) fed in pieces, and hands out each piece once checked.
 
     Args:
@@ -367,16 +396,7 @@ class SparseChecker:
             self.out(bytes(self._head))  # type: ignore[operator]
         if not view:
             return
-        self._buf += view
-        assert self.record_offsets is not None
-        have = self.record_offsets[self._done] - 2 * self.n_chunks + len(self._buf)
-        end = int(np.searchsorted(self.record_offsets, have + 2 * self.n_chunks, side="right")) - 1
-        if end > self._done:
-            take = int(self.record_offsets[end] - self.record_offsets[self._done])
-            self._check_records(self._done, end, memoryview(self._buf)[:take])
-            self.out(bytes(self._buf[:take]))  # type: ignore[operator]
-            del self._buf[:take]
-            self._done = end
+        self._feed_records(view)
 
     def _check_counts(self) -> None:
         counts = np.frombuffer(bytes(self._head), "<u2").astype(np.int64)
