@@ -110,7 +110,10 @@ class LinkProxy:
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
-            ready, _, _ = select.select([self._server], [], [], 0.2)
+            try:
+                ready, _, _ = select.select([self._server], [], [], 0.2)
+            except (OSError, ValueError):  # close() closed the socket while select waited on it: stopping
+                return
             if not ready:
                 continue
             try:
