@@ -89,8 +89,7 @@ class ShardRound:
         why = request_problem(h) or ("" if h.push_id and h.island_id else "push_id and island_id must not be empty")
         if why or h.shard != shard.index:
             raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"shard {shard.index}: push {h.push_id[:64]!r}: "
-                              f"{why or f'its header names shard {h.shard}'}")
+                              f"push {h.push_id[:64]!r}: {why or f'its header names shard {h.shard}'}")
         reply = shard.admit_part(h)
         if reply is not None:
             return reply
@@ -108,16 +107,16 @@ class ShardRound:
         try:
             rec.upload.chunk(msg)  # type: ignore[arg-type]
         except PayloadRefused as e:
-            raise CallRefused(e.code, f"shard {self.shard.index}: {e}", busy=e.busy) from None
+            raise CallRefused(e.code, str(e), busy=e.busy) from None
 
     def finish(self, rec: ShardPart) -> pb.PushDeltaResponse:
         assert rec.upload is not None
         try:
             rec.upload.end()
         except PayloadRefused as e:
-            raise CallRefused(e.code, f"shard {self.shard.index}: {e}", busy=e.busy) from None
+            raise CallRefused(e.code, str(e), busy=e.busy) from None
         except UploadBroke as e:
-            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.index}: {e}") from None
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         finally:
             rec.upload.close()
         return self.shard.hold(rec.spool, rec.info, rec.identity, rec.upload.receiver.size)
@@ -126,7 +125,7 @@ class ShardRound:
         assert rec.upload is not None
         e = rec.upload.broke()
         log.info("shard %d: %s", self.shard.index, e)
-        return CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.index}: {e}", record=False)
+        return CallRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e), record=False)
 
     def close(self, rec: ShardPart) -> None:
         if rec.upload is not None:
@@ -153,10 +152,11 @@ class ShardService(pb_grpc.CoordinatorServicer, pb_grpc.ShardServicer):
 
     def refusal(self, e: CallRefused) -> tuple[tuple[str, str], ...]:
         """The trailing metadata of a refusal: a busy one says so (workers retry it). A range shard records none
-        (the lead's events are the run's); its message names the shard (an island talks to several)."""
-        name = f"shard {self.shard.index}"
-        if name not in str(e):
-            e.args = (f"{name}: {e}",)
+        (the lead's events are the run's); its message starts with the shard's name (an island talks to several:
+        every refusal of a range shard is named here, the one place)."""
+        name = f"shard {self.shard.index}: "
+        if not str(e).startswith(name):
+            e.args = (f"{name}{e}",)
         return ((BUSY_METADATA_KEY, "1"),) if e.busy else ()
 
     def check_pull(self, request: pb.PullRequest, identity: str | None) -> None:
