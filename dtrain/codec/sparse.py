@@ -34,6 +34,7 @@ a run of checked chunks into a dense slab (the coordinator's merge, O(slab) memo
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -327,7 +328,7 @@ def sparse_dequantize(bits: SparseBits, chunk: int, n: int, scales: np.ndarray, 
     return out
 
 
-class RecordChecker:
+class RecordChecker(abc.ABC):
     """What the sparse and mask checkers share: a payload's per-chunk records, fed in pieces, each run of whole
     records checked (:meth:`_check_records`) and handed to ``out`` as soon as it is complete; a partial record
     waits in ``_buf``. ``record_offsets[i]`` is where chunk i's record starts (n_chunks + 1 offsets, from any
@@ -338,8 +339,9 @@ class RecordChecker:
     _buf: bytearray
     _done: int
 
+    @abc.abstractmethod
     def _check_records(self, first: int, end: int, records: memoryview) -> None:
-        raise NotImplementedError
+        """Checks chunks [first, end)'s whole records (raises CodecError for a bad one)."""
 
     def _feed_records(self, view: memoryview) -> None:
         """Adds ``view`` (record bytes) and passes on every record it completes, checked."""
