@@ -133,7 +133,7 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     ``worker.compile_cache=FOLDER``: a process whose programs an earlier test's process compiled (the same config,
     the same devices) loads them instead of compiling them, seconds of a process test each. Only for tests that do
     not count cache hits or misses (tests/test_startup.py and the restart in tests/test_simulate_processes.py keep
-    their own fresh caches) and whose timing is not tuned to a start-up that compiles (test_faults.py's lost-shard
+    their own fresh caches) and whose timing is not tuned to a start-up that compiles (test_faults_runs.py's lost-shard
     test, whose kills are timed by versions, keeps its run's own)."""
     return f"worker.compile_cache={tmp_path_factory.mktemp('compile-cache')}"
 
