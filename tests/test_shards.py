@@ -370,6 +370,7 @@ def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audi
     assert not [e for e in read_events(run) if e.get("event") == "digest_mismatch"]
 
 
+@pytest.mark.slow  # ~30 s of worker processes; in process: test_a_resumed_lead_puts_every_shard_at_its_version
 def test_a_killed_shard_is_a_failed_coordinator_resumed_with_nothing_lost_or_doubled(tmp_path):
     """`--coordinator-shards 2 --fault kill-coordinator@v2+2s,shard=1`: the range shard is SIGKILLed after v2; the
     lead fails at its next step (or is killed), the shard starts again and the lead resumes, restoring every shard
