@@ -81,7 +81,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +90,6 @@ from _common import (
     FP32,
     MB,
     CoordinatorProcess,
-    RawServer,
     choose_model,
     cpu_seconds,
     fmt_or_na,
@@ -106,6 +104,8 @@ from _common import (
     run_concurrently,
     runtime_baseline,
 )
+from _scale_fleet import Heartbeats, RangeShards, pulls_at_once
+from _scale_floor import transport_floor
 
 from dtrain.config.sections import Config
 from dtrain.errors import DtrainError
@@ -121,14 +121,6 @@ SHARD_SPEEDUP_MIN = 1.6
 PARAMS_PER_CORE_S_TARGET = 3e8  # int8, end to end: issue 36, item 8
 PARAMS_PER_CORE_S_MIN = 5e8  # int8, end to end: the earlier target (c4a8f2c), still printed, met or not
 HEARTBEAT_MAX_OF_LEASE = 0.5  # the largest heartbeat round trip, at most this share of the default lease
-PULLED_BYTES_MAX = 2e9  # update frames the island threads hold at once, at most (the frame size x pulls at once)
-
-
-def pulls_at_once(islands: int, frame_bytes: float) -> int:
-    """How many island threads pull at once: all of them, unless their update frames (about ``frame_bytes`` each)
-    would hold more than PULLED_BYTES_MAX of this process's memory (200M parameters, 64 islands: 11.8 GB, which
-    the kernel's OOM killer ended); real islands are machines of their own. The coordinator is not limited."""
-    return max(1, min(islands, int(PULLED_BYTES_MAX // max(frame_bytes, 1))))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -295,51 +287,6 @@ def table(rows: Sequence[dict[str, Any]], model_bytes: int, baseline: int | None
 # ---------------------------------------------------------------------------------------------- one island count
 
 
-@dataclass
-class Heartbeats:
-    """Each island's heartbeat thread: every ``period_s``, one try (no retry), reporting the version it holds."""
-
-    clients: list[Any]
-    island_ids: list[str]
-    held: list[int]  # the version each island holds (its round thread updates it)
-    period_s: float
-    stop: threading.Event = field(default_factory=threading.Event)
-    rtts: list[float] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    recording: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        for i in range(len(self.clients)):
-            t = threading.Thread(target=self._loop, args=(i,), name=f"heartbeat-{i}", daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _loop(self, i: int) -> None:
-        from workers.client import CoordinatorError
-
-        while not self.stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                self.clients[i].heartbeat(0, island_id=self.island_ids[i], version=self.held[i])
-                ok = ""
-            except CoordinatorError as e:
-                ok = f"{self.island_ids[i]}: {e}"
-            rtt = time.perf_counter() - t0
-            with self.lock:
-                if self.recording:
-                    self.rtts.append(rtt)
-                    if ok:
-                        self.failures.append(ok)
-            self.stop.wait(max(0.0, self.period_s - rtt))
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
-
-
 def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds: int,
                  overrides: Sequence[str] = ()) -> Config:
     """The coordinator's config for ``islands`` islands: the shared benchmark config (benchmarks/_common.py
@@ -349,50 +296,6 @@ def scale_config(model_fields: dict[str, int], work: Path, islands: int, rounds:
     return make_config(model_fields, work, CODEC, islands, checkpoint=False, repeats=rounds, extra=[
         "coordinator.mode=sync", f"coordinator.min_quorum={islands}", f"coordinator.lease_s={LEASE_S:g}",
         "worker.heartbeat_s=1", *overrides])
-
-
-class RangeShards:
-    """Range shards 1..S-1 of a sharded coordinator, each a ``dtrain coordinator --shard I`` child process on a
-    free port of 127.0.0.1; :attr:`cfg` is the lead's config naming them."""
-
-    def __init__(self, cfg: Config, shards: int, run_dir: Path):
-        import subprocess
-
-        from _common import ROOT, child_env, wait_for_file
-
-        from dtrain.config.load import replace, to_toml
-        from dtrain_cli.simulate_processes import free_port
-
-        run_dir.mkdir(parents=True)
-        secret = run_dir / "shard-secret"
-        secret.write_text(os.urandom(32).hex())
-        ports = [free_port() for _ in range(shards - 1)]
-        self.cfg = replace(cfg, coordinator={"shards": shards, "shard_secret_file": str(secret),
-                                             "shard_addresses": tuple(f"127.0.0.1:{p}" for p in ports)})
-        (run_dir / "config.toml").write_text(to_toml(self.cfg))
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs = []
-        for k, port in enumerate(ports, start=1):
-            log_path = run_dir / f"shard-{k}.log"
-            self.logs.append(open(log_path, "w"))
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dtrain_cli", "coordinator", "--config", str(run_dir / "config.toml"),
-                 "--shard", str(k), "--port", str(port), "--run-dir", str(run_dir), "--quiet"],
-                stdout=self.logs[-1], stderr=subprocess.STDOUT, cwd=ROOT, env=child_env()))
-            wait_for_file(run_dir / f"coordinator-shard-{k}.json", self.procs[-1], f"coordinator shard {k}",
-                          log_path)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def stop(self) -> None:
-        from _common import stop_process
-
-        for k, p in enumerate(self.procs, start=1):
-            stop_process(p, f"coordinator shard {k}")
-        for f in self.logs:
-            f.close()
 
 
 def range_frames(n_params: int, count: int, block: int, level: int, ranges: Sequence[Any]) -> list[bytes]:
@@ -542,64 +445,6 @@ def run_size(model_fields: dict[str, int], n_params: int, frames: list[bytes], i
         "heartbeat_failures": beats.failures[:5] if beats else [], "rounds": records,
         "vmhwm_at_stop": end_mem["VmHWM"],
     }
-
-
-def transport_floor(frames: list[bytes], islands: int, rounds: int, pull_bytes: int, cfg: Config,
-                    work: Path) -> dict[str, Any]:
-    """What moving a round's bytes costs with nothing else done: ``islands`` threads push the same frames in the
-    same chunks (``codec.chunk_bytes``) to a bare Python gRPC server in its own process (``_common.RawServer``, the
-    coordinator's channel options) and each pulls ``pull_bytes`` (the coordinator's update frame per island) in
-    the coordinator's pull pieces (``coordinator.memory.pull_piece``), at most as many at once as the islands
-    pull; the server's CPU seconds per round (median of ``rounds``). And the codec's entropy stage: zstd
-    decompressing one frame's body as the coordinator does (chunks in, 256 KiB pieces out, nothing kept), CPU
-    seconds in this process (median over the pool, at most 3)."""
-    import zstandard
-
-    from coordinator.memory import pull_piece
-    from dtrain import codec
-
-    chunk, piece = cfg.codec.chunk_bytes, pull_piece(cfg)
-    pulling = threading.BoundedSemaphore(pulls_at_once(islands, pull_bytes))
-    server = RawServer(work / f"raw-{islands}", cfg.coordinator.max_message_bytes)
-    try:
-        channels = [server.channel() for _ in range(islands)]
-        for ch in channels:  # connected first, as the islands have joined
-            server.push(ch, [b"x"], timeout=60)
-        cpu, walls = [], []
-        for r in range(rounds):
-            def island(i: int, r: int = r) -> None:
-                frame = frames[(i + r) % len(frames)]
-                got = server.push(channels[i], (frame[k:k + chunk] for k in range(0, len(frame), chunk)))
-                with pulling:
-                    got += server.pull(channels[i], pull_bytes, piece)
-                if got != len(frame) + pull_bytes:
-                    raise DtrainError(f"the raw gRPC server moved {got} bytes, expected {len(frame) + pull_bytes}")
-
-            c0 = server.cpu_s()
-            res = run_concurrently(islands, island)
-            cpu.append(server.cpu_s() - c0)
-            walls.append(max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res))
-            log(f"transport floor: {islands} islands, round {r}: {walls[-1]:.2f}s, raw gRPC server {cpu[-1]:.2f} "
-                f"CPU s")
-        for ch in channels:
-            ch.close()
-    finally:
-        server.stop()
-    class Discard:  # zstd's sink: the pieces are dropped (the coordinator checks and spools them)
-        def write(self, data: bytes) -> int:
-            return len(data)
-
-    decode = []
-    for frame in frames[:3]:  # fed in the pushes' chunks, out in the coordinator's pieces (codec.FrameValidator's)
-        body = memoryview(frame)[codec.HEADER_SIZE:]
-        t0 = time.process_time()
-        writer = zstandard.ZstdDecompressor().stream_writer(Discard(), write_size=1 << 18)  # type: ignore[arg-type]
-        for k in range(0, len(body), chunk):
-            writer.write(body[k:k + chunk])
-        decode.append(time.process_time() - t0)
-    return {"islands": islands, "server_cpu_s": statistics.median(cpu), "server_cpu_s_rounds": cpu,
-            "wall_s": statistics.median(walls), "pull_bytes": pull_bytes, "chunk_bytes": chunk, "pull_piece": piece,
-            "decode_cpu_s": statistics.median(decode)}
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -30,8 +30,12 @@ from dtrain.config.load import load_config  # noqa: E402
 from dtrain.config.sections import Config, ModelConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from dtrain.codec import Spec
     from fake_island import Island
+    from service_helpers import JoinTwo, Running
+    from workers.client import CoordinatorClient
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -129,7 +133,7 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     ``worker.compile_cache=FOLDER``: a process whose programs an earlier test's process compiled (the same config,
     the same devices) loads them instead of compiling them, seconds of a process test each. Only for tests that do
     not count cache hits or misses (tests/test_startup.py and the restart in tests/test_simulate_processes.py keep
-    their own fresh caches) and whose timing is not tuned to a start-up that compiles (test_faults.py's lost-shard
+    their own fresh caches) and whose timing is not tuned to a start-up that compiles (test_faults_runs.py's lost-shard
     test, whose kills are timed by versions, keeps its run's own)."""
     return f"worker.compile_cache={tmp_path_factory.mktemp('compile-cache')}"
 
@@ -186,6 +190,35 @@ def net_cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
         f"run.out_dir={tmp_path}", "coordinator.port=0", "coordinator.grace_s=60", "coordinator.lease_s=30",
         "outer.islands=2", "train.steps=40", "outer.inner_steps=10", "worker.heartbeat_s=0.5",
         "codec.chunk_bytes=4096", "coordinator.max_message_bytes=65536", "worker.retry_total_s=1"])
+
+
+@pytest.fixture
+def coordinator(net_cfg: Config, tmp_path: Path) -> Iterator[Running]:
+    """A coordinator on 127.0.0.1:0 in this process, with ``net_cfg``; stopped at the test's end."""
+    from service_helpers import Running  # it imports this module: only when a test asks for it
+
+    running = Running(net_cfg, tmp_path / "coord")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def two_islands() -> Iterator[JoinTwo]:
+    """``two_islands(address, cfg, names=("a", "b"))``: two clients of the coordinator at ``address``, joined as
+    islands ``names`` (one CPU device each), as ((client, client), (join, join)); closed at the test's end."""
+    from service_helpers import join_island
+    from workers.client import CoordinatorClient
+
+    opened: list[CoordinatorClient] = []
+
+    def join_two(address: str, cfg, names: tuple[str, str] = ("a", "b")):
+        clients = (CoordinatorClient(address, cfg), CoordinatorClient(address, cfg))
+        opened.extend(clients)
+        return clients, (join_island(clients[0], names[0]), join_island(clients[1], names[1]))
+
+    yield join_two
+    for c in opened:
+        c.close()
 
 
 def openssl(*args: str, cwd: Path) -> None:

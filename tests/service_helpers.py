@@ -1,12 +1,14 @@
 """What the tests of a real in-process coordinator share: the coordinator on 127.0.0.1:0 (:class:`Running`), an
-island's Join, a pushed delta's frame and header, a TLS config (test_service, test_dashboard, test_status,
-test_progress, test_deploy). Their fixtures (``net_cfg``, ``certs``) are in conftest.py."""
+island's Join, a pushed delta's frame and header, a TLS config, a raw push and the service's state before and after
+one (test_service*, test_dashboard, test_status, test_progress, test_deploy). Their fixtures (``net_cfg``,
+``certs``, ``coordinator``, ``two_islands``) are in conftest.py."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -17,8 +19,12 @@ from coordinator.app import serve
 from dtrain import codec
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb
-from dtrain.net.wire import auth_metadata, method_path, serialize
+from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
+from dtrain.net.wire import auth_metadata, frame_chunks, method_path, serialize
 from workers.client import CoordinatorClient
+
+# two_islands(address, cfg, names=("a", "b")) -> ((client, client), (join, join)): conftest.py's fixture
+JoinTwo = Callable[..., tuple[tuple[CoordinatorClient, CoordinatorClient], tuple[pb.JoinResponse, pb.JoinResponse]]]
 
 
 class Running:
@@ -110,3 +116,32 @@ def call_failure(call: grpc.Future) -> grpc.RpcError:
     error = call.exception(timeout=20)
     assert isinstance(error, grpc.RpcError), f"the call did not fail: {call.result()}"
     return error
+
+
+def snapshot(service) -> dict:
+    with service.lock:
+        return {"state": service.state.to_json(), "pending_sum": service.merger.pending_sum(),
+                "w": service.merger.total_weight, "version": service.merger.version}
+
+
+def assert_unchanged(before: dict, service) -> None:
+    after = snapshot(service)
+    assert after["state"] == before["state"]
+    assert after["version"] == before["version"] and after["w"] == before["w"]
+    assert np.array_equal(after["pending_sum"], before["pending_sum"])
+
+
+
+def raw_push(address: str, messages: list[pb.PushMessage], token: str | None = None):
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+    return stub.PushDelta(iter(messages), timeout=10, metadata=auth_metadata(token))
+
+
+def frame_messages(join, frame: bytes, push_id: str, chunk: int = 4096, **overrides) -> list[pb.PushMessage]:
+    _, chunks = frame_chunks(frame, chunk)
+    h = push_header(join, push_id)
+    h.total_bytes, h.frame_crc32, h.chunks = len(frame), zlib.crc32(frame), len(chunks)
+    for k, v in overrides.items():
+        setattr(h, k, v)
+    return [pb.PushMessage(header=h)] + [pb.PushMessage(chunk=pb.Chunk(index=i, data=bytes(d), crc32=c))
+                                         for i, (d, c) in enumerate(chunks)]

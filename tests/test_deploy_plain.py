@@ -125,6 +125,7 @@ def test_plain_machines_as_written(tmp_path):
                 pass
 
 
+@pytest.mark.slow  # ~12 s of processes; in process: test_service.py::test_mismatched_fingerprint_is_refused_...
 def test_an_island_on_other_data_is_refused_in_one_line(tmp_path):
     """A real coordinator whose corpus store is on its host, a real worker on the same source cut shorter
     (data.max_bytes: other ids): refused at Join, one line naming data.corpus."""

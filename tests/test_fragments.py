@@ -295,6 +295,8 @@ def test_fragment_pushes_merge_in_turn_and_hostile_ones_change_nothing(frag_coor
 # -- real processes ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~24 s of worker processes; in process: test_each_version_merges_its_fragment_only,
+# test_fragment_pushes_merge_in_turn_and_hostile_ones_change_nothing, test_quantized_fragments_stay_bit_identical_...
 def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_path, compile_cache):
     """`dtrain simulate --set outer.fragments=2`: a coordinator and two worker processes; every version merges one
     fragment in turn, the islands end bit-identical with the coordinator, every token is merged exactly once."""

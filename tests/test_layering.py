@@ -462,10 +462,13 @@ OVER_THE_LIMIT: dict[str, int] = {}
 
 
 def test_no_module_over_600_lines() -> None:
+    """Every module the project owns: the four packages, benchmarks/ and tests/ (the generated stubs aside)."""
     found = []
-    for path in _project_modules():
+    owned = _project_modules() + sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+    assert ROOT / "benchmarks" / "scale.py" in owned and Path(__file__) in owned
+    for path in owned:
         rel = str(path.relative_to(ROOT))
-        if "/proto/" in rel:
+        if rel.startswith("dtrain/net/proto/") and rel.endswith(("_pb2.py", "_pb2_grpc.py")):
             continue  # generated stubs
         lines = len(path.read_text().splitlines())
         allowed = OVER_THE_LIMIT.get(rel, MAX_MODULE_LINES)

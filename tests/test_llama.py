@@ -226,6 +226,17 @@ def _train(cfg: Config, devices, params0, batches: np.ndarray, per_device: bool 
     return jax.tree.map(np.asarray, jax.device_get(state.params)), np.asarray(m["loss"]), loop
 
 
+def test_the_fsdp_mesh_shards_the_llamas_matrices() -> None:
+    """The sharding the training test below checks (slow: three compiles), without training: on a data 2 x fsdp 4
+    mesh the attention's and the MLP's matrices are sharded over fsdp."""
+    fsdp = _cfg("train.batch_size=16", "train.warmup_steps=1", "train.lr=1e-2", "mesh.data=2", "mesh.fsdp=4")
+    loop = InnerLoop(fsdp, model.build(fsdp.model), make_mesh(fsdp, devices=jax.devices()))
+    specs = {k: tuple(s.spec) for k, s in _flat(loop.params_sharding).items()}
+    assert "fsdp" in specs["blocks/0/attn/k/kernel"] and "fsdp" in specs["blocks/0/mlp/gate/kernel"], specs
+
+
+@pytest.mark.slow  # ~27 s: three trainings; the sharding is checked above, GPT's fsdp and per-device equivalence
+# by test_train.py::test_sharded_inner_steps_equal_single_device and test_chip_step.py
 def test_training_fsdp_and_per_device_steps(tmp_path: Path) -> None:
     """Six steps of llama-tiny: the loss falls; the same losses and parameters on one device, on a data 2 x fsdp 4
     mesh (parameters sharded) and with the per-device (chip-health) step on 8 devices."""

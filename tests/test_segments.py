@@ -1,7 +1,7 @@
 """Segments: a lost island's data left split across the islands whose own data is done (coordinator.ledger,
 coordinator.membership, coordinator.admission), checkpointed (coordinator.snapshot), and the island's planner
 stopping at its segment's end (workers.rounds). An injected clock; helpers from state_helpers.py. The same with
-real processes: tests/test_faults.py::test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over."""
+real processes: tests/test_faults_runs.py::test_a_lost_islands_shard_is_split_and_a_lost_piece_taken_over."""
 
 from __future__ import annotations
 

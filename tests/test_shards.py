@@ -198,7 +198,8 @@ def test_a_resumed_lead_puts_every_shard_at_its_version(cfg, tmp_path):
 def test_range_shard_refuses_hostile_input(cfg, tmp_path):
     """A frame of the wrong length, a header naming another shard, a Prepare/Commit without the lead's secret, and
     a push whose part never reached the range shard: each refused, nothing held, nothing committed anywhere."""
-    run = Sharded(cfg, tmp_path)
+    # the lead waits coordinator.stream_idle_s for a push's missing part (set when it starts): 2 s, not 30
+    run = Sharded(replace(cfg, coordinator={"stream_idle_s": 2.0}), tmp_path)
     n = run.theta0.size
     r0, r1 = run.ranges
     try:
@@ -242,7 +243,6 @@ def test_range_shard_refuses_hostile_input(cfg, tmp_path):
         assert run.shard.merger.version == 0
         channel.close()
         # a push whose part for shard 1 never arrives: the lead waits coordinator.stream_idle_s, then refuses it
-        run.service.cfg = replace(run.service.cfg, coordinator={"stream_idle_s": 0.5})
         frame = isl.uplink.frame(delta, push_header(isl.join, "half"))[0]
         assert isinstance(frame, ShardFrames)
         header = push_header(isl.join, "half")
@@ -370,6 +370,7 @@ def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audi
     assert not [e for e in read_events(run) if e.get("event") == "digest_mismatch"]
 
 
+@pytest.mark.slow  # ~30 s of worker processes; in process: test_a_resumed_lead_puts_every_shard_at_its_version
 def test_a_killed_shard_is_a_failed_coordinator_resumed_with_nothing_lost_or_doubled(tmp_path):
     """`--coordinator-shards 2 --fault kill-coordinator@v2+2s,shard=1`: the range shard is SIGKILLed after v2; the
     lead fails at its next step (or is killed), the shard starts again and the lead resumes, restoring every shard
