@@ -347,9 +347,10 @@ class CoordinatorConfig:
     merge_threads: int = _f(2, "threads of the outer step: each reads, decodes and sums every pending push over its "
                             "own slabs of the model, then steps them (numpy and file I/O release the GIL); about "
                             "one per core the coordinator may use for merging")
-    workers: int = _f(0, "gRPC server threads for pushes and pulls; 0: 3 per island (outer.islands) + 8, at least 16 "
-                      "(an island may hold a push stream, a retry of it and a long-polling pull at once). Joins, "
-                      "heartbeats and Status have threads of their own, which no stream can hold")
+    workers: int = _f(0, "threads doing the data plane's work (a push chunk's CRC, checks and spool write, a pull's "
+                      "messages); 0: one per core the coordinator may use, at least 2. A waiting push stream or "
+                      "long-polling pull holds none; a push's reply waiting for a merge holds one of a pool of its "
+                      "own (3 per island + 8), and Joins, heartbeats and Status have threads of their own")
     stream_idle_s: float = _f(30.0, "a push stream that sends nothing for this long (its header, or its next "
                               "chunk) is cancelled, freeing the server thread it holds; time the coordinator itself "
                               "takes (decoding, max_receiving, a merge) does not count")
