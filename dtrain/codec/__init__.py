@@ -118,6 +118,7 @@ from dtrain.codec.spec import (
     spec_size,
     unflatten,
 )
+from dtrain.codec.sums import dequantize_sum
 
 __all__ = [
     "CODEC_BITS",
@@ -153,6 +154,7 @@ __all__ = [
     "density_code",
     "dequantize",
     "dequantize_add",
+    "dequantize_sum",
     "dequantize_segment",
     "encode",
     "error_feedback_step",
