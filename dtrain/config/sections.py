@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.codec import CODEC_BITS, MASK_BITS, Bits, kept_per_chunk, sparse_scheme
+from dtrain.codec import CODEC_BITS, MASK_BITS, STORED, Bits, kept_per_chunk, sparse_scheme
 from dtrain.config.field import setting as _f
 from dtrain.config.ops import HealthConfig, SecurityConfig, TelemetryConfig
 
@@ -273,9 +273,10 @@ class CodecConfig:
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for the coordinator's update frames (1..19)")
     up_zstd_level: int = _f(0, "zstd level for the islands' pushes (-7..-1, 1..19; 0: by codec.up, see push_level): "
-                            "negative stores the codes raw, decoded 5-8x faster by the coordinator (a push's "
-                            "largest cost at 64 islands) for more bytes up than at 3: int8 ~9%, int4 ~27%, "
-                            "e3m0 ~15%, sparse ~48%")
+                            "0 stores int8 pushes without zstd (their codes hardly compress: ~9% more bytes up than "
+                            "at 3 on fabricated normal deltas, 0.3% on a trained one; the coordinator skips the "
+                            "decompression, a push's largest cost at 64 islands); negative stores the codes raw, "
+                            "decoded 5-8x faster than at 3, for more bytes up: int4 ~27%, e3m0 ~15%, sparse ~48%")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
     error_feedback: bool = _f(True, "keep the quantization residual and add it to the next delta")
     sparse_chunk: int = _f(4096, "sparse codec: values per chunk (even, 64..32768); one scale per chunk")
@@ -293,12 +294,12 @@ class CodecConfig:
                              "rest")
 
     def push_level(self) -> int:
-        """The zstd level the islands push at: ``up_zstd_level``, or with 0 -1 for int8 (raw codes: ~9% more bytes,
-        a fraction of the coordinator's decode) and ``zstd_level`` for every other codec (whose codes zstd
-        compresses by far more: int4 27%, e3m0 15%, sparse 48%)."""
+        """The zstd level the islands push at: ``up_zstd_level``, or with 0 ``codec.STORED`` for int8 (no zstd: its
+        codes hardly compress, and the coordinator hands a stored body on as it comes) and ``zstd_level`` for every
+        other codec (whose codes zstd compresses by far more: int4 27%, e3m0 15%, sparse 48%)."""
         if self.up_zstd_level:
             return self.up_zstd_level
-        return -1 if self.up == "int8" else self.zstd_level
+        return STORED if self.up == "int8" else self.zstd_level
 
     def scheme(self, name: str) -> tuple[Bits, int]:
         """The codec scheme and its block for the codec ``name`` (``up`` or ``down``'s value): a dense codec's
