@@ -36,7 +36,8 @@ from coordinator.handlers import (
     aio_service_handler,
     control_threads,
     server_options,
-    server_threads,
+    wait_threads,
+    work_threads,
 )
 from coordinator.history import RunHistory
 from coordinator.loading import has_checkpoint, new_run, resume_state
@@ -134,17 +135,19 @@ def serve(cfg: Config, run_dir: str | Path, theta: np.ndarray | Path | None, spe
     interceptors: list[grpc.aio.ServerInterceptor] = (
         [AioTokenAuthInterceptor(TokenAuthInterceptor(token, None, own), on_denied)] if token or own else [])
     # One grpc.aio server on an event loop of its own (coordinator/data_plane.py): PushDelta and PullGlobal are
-    # coroutines there, waiting on their clients and on the next version without a thread, their work on the data
-    # executor (server_threads); Joins, heartbeats, Status and the health checks run on the control threads (the
+    # coroutines there, waiting on their clients and on the next version without a thread, their work on the work
+    # threads (work_threads: one per core) and a push's end, which may wait for a merge, on the wait threads
+    # (wait_threads); Joins, heartbeats, Status and the health checks run on the control threads (the
     # server's migration pool: control_threads), which no stream can hold. No server-wide cap on concurrent calls
     # (gRPC's maximum_concurrent_rpcs would refuse heartbeats too); push streams and pulls are bounded per peer and
     # per island (coordinator/streams.py).
     control = futures.ThreadPoolExecutor(max_workers=control_threads(cfg), thread_name_prefix="rpc-control")
-    data = futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc-data")
-    server = LoopServer(pools=(control, data))
+    data = futures.ThreadPoolExecutor(max_workers=work_threads(cfg), thread_name_prefix="rpc-data")
+    waits = futures.ThreadPoolExecutor(max_workers=wait_threads(cfg), thread_name_prefix="rpc-wait")
+    server = LoopServer(pools=(control, data, waits))
 
     async def build() -> int:
-        service.plane = DataPlane(service, data, c.max_receiving)
+        service.plane = DataPlane(service, data, waits, c.max_receiving)
         server.on_stop.append(service.plane.drain)  # every push's end done before the loop and executor go
         aio = grpc.aio.server(migration_thread_pool=control, interceptors=interceptors,
                               options=server_options(cfg))

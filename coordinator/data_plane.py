@@ -4,15 +4,16 @@ A push stream waits on its client between chunks, and a long-polling pull waits 
 thread-per-call server each wait holds a thread, so a flood of idle streams or parked pulls starves the rounds
 (issue 36). Here both are coroutines on the gRPC server's event loop (``grpc.aio``, run by :class:`LoopServer` on a
 thread of its own): they *await* the client's next message and the next version (:class:`Bell`, rung from the
-clock's commits through ``loop.call_soon_threadsafe``), and hand only CPU work and the lock-holding decisions to a
-bounded executor (:meth:`DataPlane.offload`: the open round's calls, a chunk's CRC, decode and spool write, a pull's
-plan and its frames' pieces). Join, Heartbeat, Status and grpc.health.v1's Check and List are plain functions the
-server runs on its control pool (``grpc.aio.server``'s migration thread pool), never on the loop or the data
-executor. What waits: an idle stream or a parked pull is a coroutine and a few kB; a thread is held only while
-work is done for it (or, on a sharded lead, while a push's parts on the other shards are claimed, and while a push
-that completed its round waits for the clock's merge). The same :class:`DataPlane` and :class:`LoopServer` serve a
-range shard (``coordinator/shard_plane.py``): whatever they serve is a :class:`Served`, its push path a
-:class:`PushPath`.
+clock's commits through ``loop.call_soon_threadsafe``), and hand only CPU work and the lock-holding decisions to
+bounded executors (:meth:`DataPlane.offload`): the work threads, one per core (the open round's short calls, a
+chunk's CRC, checks and spool write, a pull's plan and its frames' pieces), and the wait threads, for a push's end,
+whose decision may wait for a merge (``coordinator/handlers.py``: work_threads, wait_threads). Join, Heartbeat,
+Status and grpc.health.v1's Check and List are plain functions the server runs on its control pool
+(``grpc.aio.server``'s migration thread pool), never on the loop or the data plane's threads. What waits: an idle
+stream or a parked pull is a coroutine and a few kB; a thread is held only while work is done for it (or, on a
+sharded lead, while a push's parts on the other shards are claimed, and while a push that completed its round waits
+for the clock's merge). The same :class:`DataPlane` and :class:`LoopServer` serve a range shard
+(``coordinator/shard_plane.py``): whatever they serve is a :class:`Served`, its push path a :class:`PushPath`.
 
 The stream reaper (``coordinator/streams.py``) cancels a stream from its own thread: the stream's ``cancel``
 resolves a future the reading coroutine races against the client's next message, so a cancel never interrupts
@@ -185,11 +186,12 @@ class Bell:
 
 class DataPlane(Generic[R]):
     """PushDelta and PullGlobal for ``service`` (the coordinator's, or a range shard's: :class:`Served`) on the
-    running event loop, their work on ``executor``. Made (on the loop) by :class:`LoopServer`'s caller; ``close``
-    unhooks its bell from the clock."""
+    running event loop, their work on ``executor`` and each push's end, which may wait for a merge, on ``waits``.
+    Made (on the loop) by :class:`LoopServer`'s caller; ``close`` unhooks its bell from the clock."""
 
-    def __init__(self, service: Served[R], executor: futures.ThreadPoolExecutor, max_receiving: int):
-        self.service, self.executor = service, executor
+    def __init__(self, service: Served[R], executor: futures.ThreadPoolExecutor, waits: futures.ThreadPoolExecutor,
+                 max_receiving: int):
+        self.service, self.executor, self.waits = service, executor, waits
         self.loop = asyncio.get_running_loop()
         with service.lock:
             self.bell = Bell(self.loop, service.loop.signal())
@@ -207,10 +209,12 @@ class DataPlane(Generic[R]):
             if self.bell.ring in self.service.loop.listeners:
                 self.service.loop.listeners.remove(self.bell.ring)
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the executor, in this call's context (its CURRENT_CALL). If the call is cancelled
-        meanwhile, the work is waited for before the cancellation goes on: nothing closes what it still uses."""
-        work = self.loop.run_in_executor(self.executor, functools.partial(contextvars.copy_context().run, fn, *args))
+    async def offload(self, fn: Callable[..., T], *args: Any, waits: bool = False) -> T:
+        """``fn(*args)`` on the work threads (``waits``: on the wait threads, for work that may wait for a merge), in
+        this call's context (its CURRENT_CALL). If the call is cancelled meanwhile, the work is waited for before the
+        cancellation goes on: nothing closes what it still uses."""
+        pool = self.waits if waits else self.executor
+        work = self.loop.run_in_executor(pool, functools.partial(contextvars.copy_context().run, fn, *args))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -270,7 +274,7 @@ class DataPlane(Generic[R]):
                 return begun
             rec = self._pushes[stream] = begun
             await self._receive(rec, requests, stream, cancelled)
-            return await self.offload(svc.round.finish, rec)
+            return await self.offload(svc.round.finish, rec, waits=True)
         except _Cancelled:  # by the reaper, which recorded why
             if rec is not None:
                 await self.offload(svc.round.broke, rec)  # its push_aborted event
@@ -300,7 +304,7 @@ class DataPlane(Generic[R]):
                 self.service.push_streams.close(stream)
 
     def _end_on_executor(self, stream: Stream, broke: bool) -> futures.Future[None] | None:
-        """Hands ``stream``'s end (:meth:`_end`) to the executor, unless it was ended already (None); tracked
+        """Hands ``stream``'s end (:meth:`_end`) to the wait threads, unless it was ended already (None); tracked
         until it is done, so that :meth:`drain` waits for it. Where the executor is shut down, or this is not the
         loop's thread running it (a call closed by the garbage collector after the loop stopped), the end runs
         here and now (None)."""
@@ -313,7 +317,7 @@ class DataPlane(Generic[R]):
             running = False
         if running:
             try:
-                work = self.executor.submit(contextvars.copy_context().run, self._end, stream, rec, broke)
+                work = self.waits.submit(contextvars.copy_context().run, self._end, stream, rec, broke)
             except RuntimeError:  # the executor is shut down
                 pass
             else:

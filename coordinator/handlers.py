@@ -1,7 +1,8 @@
 """The coordinator's gRPC handlers and server sizing: how each RPC reaches its servicer.
 
-Owns the sizes of the server's two thread pools (:func:`server_threads`: the work of pushes and pulls, the data
-executor; :func:`control_threads`: Join, Heartbeat, Status and the health checks), its options
+Owns the sizes of the server's thread pools (:func:`work_threads`: the work of pushes and pulls;
+:func:`wait_threads`: a push's end, which may wait for a merge; :func:`control_threads`: Join, Heartbeat, Status and
+the health checks), its options
 (:func:`server_options`), and the handlers that put every request through the edge's bounds first and note the call
 for the service's refusal events (:data:`CURRENT_CALL`), for a ``grpc.aio`` server (:func:`aio_service_handler`,
 :func:`aio_health_handler`: PushDelta and PullGlobal coroutines on its event loop, the rest on the control threads).
@@ -11,6 +12,7 @@ Used by the composition root (``coordinator/app.py``) and by a range shard's ser
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -65,12 +67,28 @@ class _CallNote:
 CURRENT_CALL = _CallNote()
 
 
+def work_threads(cfg: Config) -> int:
+    """The data plane's work threads (``coordinator/data_plane.py``): a chunk's CRC, checks and spool write, a
+    pull's messages, the open round's short decisions. ``coordinator.workers``, or with 0 (the default) one per core
+    this process may use, at least 2: the work is CPU (and page-cache) bound, and more threads than cores only
+    contend for the GIL and the caches (64 islands of 25.5M parameters on 2 cores: 8.2 CPU s a round with 200
+    threads, 7.3 with 2; docs/benchmarks.md, Scale). A waiting call holds none of them."""
+    return cfg.coordinator.workers or max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count() or 2)
+
+
+def wait_threads(cfg: Config) -> int:
+    """The data plane's waiting threads: a push's end, whose decision may wait for a merge being computed and, when
+    the push completed its round, for the clock's merge (on a sharded lead, also for its parts on the other shards
+    to be claimed): at most one or two per island, so 3 per expected island + 8, at least 16. Kept apart from
+    :func:`work_threads`, so a push waiting for the merge never stops another push's chunks from being spooled."""
+    return max(16, 3 * cfg.outer.islands + 8)
+
+
 def server_threads(cfg: Config) -> int:
-    """The data threads, for the work of pushes and pulls: ``coordinator.workers``, or with 0 (the default) 3 per
-    expected island + 8, at least 16. On the coordinator and on a range shard (``coordinator/data_plane.py``) they
-    hold no waiting call: they decode and spool chunks side by side, and wait only while a push's reply waits for a
-    merge or (a sharded lead) its parts on the other shards are claimed, at most one or two per island."""
-    return cfg.coordinator.workers or max(16, 3 * cfg.outer.islands + 8)
+    """All the data plane's threads (:func:`work_threads` + :func:`wait_threads`): the most its calls ever hold,
+    however many push streams and pulls wait on their clients or on the next version (they hold none)."""
+    return work_threads(cfg) + wait_threads(cfg)
 
 
 # The calls served on the control threads (control_threads): short, and never waiting on a client's stream.

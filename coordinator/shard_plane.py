@@ -32,7 +32,8 @@ from coordinator.handlers import (
     aio_service_handler,
     control_threads,
     server_options,
-    server_threads,
+    wait_threads,
+    work_threads,
 )
 from coordinator.merger import Merger
 from coordinator.push import PayloadRefused, Upload, UploadBroke, push_info
@@ -236,13 +237,14 @@ def serve(shard: RangeShard, address: str, creds: grpc.ServerCredentials | None,
         [AioTokenAuthInterceptor(TokenAuthInterceptor(token, None, own, OPEN_METHODS | SHARD_METHODS))]
         if token or own else [])
     control = futures.ThreadPoolExecutor(max_workers=control_threads(cfg), thread_name_prefix="rpc-control")
-    data = futures.ThreadPoolExecutor(max_workers=server_threads(cfg), thread_name_prefix="rpc-data")
-    server = LoopServer(pools=(control, data))
+    data = futures.ThreadPoolExecutor(max_workers=work_threads(cfg), thread_name_prefix="rpc-data")
+    waits = futures.ThreadPoolExecutor(max_workers=wait_threads(cfg), thread_name_prefix="rpc-wait")
+    server = LoopServer(pools=(control, data, waits))
     health = HealthServicer(experimental_non_blocking=True)
     health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     async def build() -> int:
-        service.plane = DataPlane(service, data, cfg.coordinator.max_receiving)
+        service.plane = DataPlane(service, data, waits, cfg.coordinator.max_receiving)
         server.on_stop.append(service.plane.drain)  # every part's end done before the loop and executor go
         aio = grpc.aio.server(migration_thread_pool=control, interceptors=interceptors, options=server_options(cfg))
         aio.add_generic_rpc_handlers((aio_service_handler(service, abort_invalid, service.plane.refuse_request),

@@ -17,6 +17,11 @@ import numpy as np
 
 from dtrain import codec
 
+# The checked body reaches the file and the norm in pieces of up to this many bytes: a 1 MiB chunk is one piece,
+# not four (each piece costs its checks' and the norm's numpy calls, and a GIL hand-off each); the pieces of the
+# pushes receiving at once (coordinator.max_receiving) are held for a moment each.
+OUT_PIECE = 1 << 20
+
 
 def write_from(fd: int, buf: np.ndarray | bytes | bytearray | memoryview, offset: int) -> None:
     """Writes all of ``buf`` to ``fd`` at ``offset`` (positional: the file offset is not moved)."""
@@ -118,7 +123,7 @@ class Spool:
         self._release = release
         self._offset = 0
         self._validator: codec.FrameValidator | None = codec.FrameValidator(n, bits, block, out=self._append,
-                                                                            max_count=max_count)
+                                                                            out_piece=OUT_PIECE, max_count=max_count)
         # sparse pushes: the checker measures the norm, and its layout (counts, record offsets) stays for the merge
         self._norm = None if codec.has_records(bits) else BodyNorm(n, bits, block)
         self.sparse: codec.SparseChecker | codec.MaskChecker | None = None

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from dtrain.codec.frame import crc32
 from dtrain.errors import CheckpointError  # re-exported: callers import it from here
 
 __all__ = ["CheckpointError", "Checkpointer", "FileArraysHandler", "FileArraysRestore", "FileArraysSave"]
@@ -33,13 +33,13 @@ _CRC_PIECE = 1 << 20
 
 
 def file_crc32(path: str | Path) -> int:
-    """CRC-32 of a file's bytes, read in 1 MiB pieces (zlib releases the GIL while it sums a piece)."""
+    """CRC-32 of a file's bytes, read in 1 MiB pieces (the CRC releases the GIL while it sums a piece)."""
     crc = 0
     piece = bytearray(_CRC_PIECE)
     view = memoryview(piece)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(piece):
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
     return crc
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from coordinator.handlers import control_threads, server_threads
+from coordinator.handlers import control_threads, server_threads, work_threads
 from dtrain.config.load import replace
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.wire import chunk_message, method_path, serialize
@@ -88,7 +88,7 @@ def test_parked_pulls_and_idle_pushes_hold_no_thread_and_the_round_goes_on(net_c
     cfg = replace(net_cfg, coordinator={"workers": 4, "max_pulls_per_peer": 4 * PARKED,
                                         "max_pulls_per_island": 2 * PARKED, "max_streams_per_peer": 4 * PARKED,
                                         "stream_idle_s": 60.0, "checkpoint": False})
-    assert server_threads(cfg) == 4 and 2 * PARKED > server_threads(cfg) + control_threads(cfg)
+    assert work_threads(cfg) == 4 and 2 * PARKED > server_threads(cfg) + control_threads(cfg)
     running = Running(cfg, tmp_path / "coord")
     a, b = CoordinatorClient(running.address, cfg), CoordinatorClient(running.address, cfg)
     parked = Parked(running.address)

@@ -518,9 +518,9 @@ def test_a_restarted_islands_token_count_goes_on_from_its_own_events_of_this_run
 
 def test_pushes_are_encoded_at_codec_up_zstd_level_and_decode_the_same():
     """codec.up_zstd_level sets the zstd level of the island's pushes (not codec.zstd_level, the coordinator's
-    update frames'): by default (0) -1 for int8, which stores the codes raw (a larger frame, a cheaper decode for
-    the coordinator), codec.zstd_level for the codecs zstd compresses by far more; 3 compresses int8 too; both
-    decode to the same values."""
+    update frames'): by default (0) int8 pushes are stored without zstd (a larger frame, no decompression for the
+    coordinator), codec.zstd_level for the codecs zstd compresses by far more; 3 compresses int8 too; both decode
+    to the same values."""
     from dtrain import codec
     from dtrain.config.sections import CodecConfig
     from workers.exchange import Uplink
@@ -530,11 +530,14 @@ def test_pushes_are_encoded_at_codec_up_zstd_level_and_decode_the_same():
     frames = {}
     for level in (0, 3):
         k = CodecConfig(up="int8", error_feedback=False, up_zstd_level=level)
-        assert k.zstd_level == 3 and k.push_level() == (level or -1)  # not the update frames' level
-        frames[level or -1], _ = Uplink(k, delta.size, [], client=None, log=Events()).frame(delta, header)
-    assert CodecConfig().up_zstd_level == 0 and CodecConfig().push_level() == -1  # int8, the default codec.up
+        assert k.zstd_level == 3 and k.push_level() == (level or codec.STORED)  # not the update frames' level
+        frames[level], _ = Uplink(k, delta.size, [], client=None, log=Events()).frame(delta, header)
+    assert CodecConfig().up_zstd_level == 0 and CodecConfig().push_level() == codec.STORED  # int8, the default
     for up in ("int4", "e3m0", "sparse", "fp32"):  # raw codes would cost 8-48% more bytes: zstd_level
         assert CodecConfig(up=up).push_level() == 3 and CodecConfig(up=up, up_zstd_level=-2).push_level() == -2
-    assert len(frames[-1]) > 1.05 * len(frames[3])  # raw codes: the WAN bytes the faster decode costs
+    stored = codec.FrameValidator(delta.size, 8, 1024, out=lambda _: None)
+    stored.feed(frames[0][:codec.HEADER_SIZE])
+    assert stored.header is not None and stored.header.stored  # no zstd: the body is the codes as they are
+    assert len(frames[0]) > 1.05 * len(frames[3])  # the WAN bytes the skipped decompression costs
     values = [codec.dequantize(codec.decode(f, expected_n=delta.size)) for f in frames.values()]
     np.testing.assert_array_equal(values[0], values[1])

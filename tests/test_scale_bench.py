@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from conftest import load_benchmark
-from coordinator.handlers import server_threads
+from coordinator.handlers import server_threads, wait_threads, work_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 LAST_LINE = re.compile(r"scale: islands=(\d+) round-s=(\S+) rss/model=(\S+) params/core-s=(\S+) "
@@ -96,9 +97,11 @@ def test_config_every_island_closes_a_round_and_each_long_poll_has_a_thread(scal
     cfg = scale.scale_config(fields, tmp_path, 64, 3)
     c = cfg.coordinator
     assert c.mode == "sync" and c.min_quorum == 64 and cfg.outer.islands == 64 and not c.checkpoint
-    assert c.workers == 0 and server_threads(cfg) == 3 * 64 + 8  # the coordinator's own sizing: no override
+    # the coordinator's own sizing, no override: a work thread per core, 3 wait threads per island + 8 (at least 16)
+    assert c.workers == 0 and work_threads(cfg) == max(2, len(os.sched_getaffinity(0)))
+    assert wait_threads(cfg) == 3 * 64 + 8 and server_threads(cfg) == work_threads(cfg) + wait_threads(cfg)
     assert cfg.worker.heartbeat_s == 1 and c.lease_s == scale.LEASE_S
-    assert server_threads(scale.scale_config(fields, tmp_path, 2, 3)) == 16  # never fewer than 16
+    assert wait_threads(scale.scale_config(fields, tmp_path, 2, 3)) == 16  # never fewer than 16
     assert scale.scale_config(fields, tmp_path, 2, 3, ["coordinator.stream_window_bytes=65536"]
                               ).coordinator.stream_window_bytes == 65536
 

@@ -421,13 +421,13 @@ def test_a_range_shards_parked_calls_hold_no_thread_and_a_sharded_round_complete
     import asyncio
     import threading
 
-    from coordinator.handlers import control_threads, server_threads
+    from coordinator.handlers import control_threads, server_threads, work_threads
     from test_data_plane import PARKED, Parked
 
     cfg = replace(cfg, coordinator={"workers": 4, "max_pulls_per_peer": 4 * PARKED,
                                     "max_pulls_per_island": 2 * PARKED, "max_streams_per_peer": 4 * PARKED,
                                     "stream_idle_s": 60.0, "checkpoint": False})
-    assert server_threads(cfg) == 4 and 3 * PARKED > server_threads(cfg) + control_threads(cfg)
+    assert work_threads(cfg) == 4 and 3 * PARKED > server_threads(cfg) + control_threads(cfg)
     run = Sharded(cfg, tmp_path)
     parked = Parked(run.shard_address)
     islands = []

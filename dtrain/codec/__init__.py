@@ -51,10 +51,12 @@ from dtrain.codec.frame import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
+    STORED,
     WINDOW_LOG,
     FrameHeader,
     FrameValidator,
     compression_ratio,
+    crc32,
     crc32_combine,
     decode,
     encode,
@@ -117,6 +119,7 @@ from dtrain.codec.spec import (
     spec_size,
     unflatten,
 )
+from dtrain.codec.sums import dequantize_sum
 
 __all__ = [
     "CODEC_BITS",
@@ -125,6 +128,7 @@ __all__ = [
     "HEADER_SIZE",
     "MaskChecker",
     "MAGIC",
+    "STORED",
     "MASK_BITS",
     "MAX_BLOCK",
     "MAX_CHUNK",
@@ -146,11 +150,13 @@ __all__ = [
     "check_codes",
     "check_scales",
     "compression_ratio",
+    "crc32",
     "crc32_combine",
     "decode",
     "density_code",
     "dequantize",
     "dequantize_add",
+    "dequantize_sum",
     "dequantize_segment",
     "encode",
     "error_feedback_step",

@@ -9,7 +9,7 @@ Frame layout (all integers little endian)
      4      1    version      u8, currently 1
      5      1    bits code    u8: 8, 4, 2, 32, 0xE3 for "e3m0", 0x52/0x54/0x58 for "sparse2"/"sparse4"/"sparse8",
                               0x4D for "mask2"
-     6      2    reserved     u16, must be 0
+     6      2    flags        u16: bit 0 set = the body is stored (no zstd); every other bit must be 0
      8      4    block        u32, even, in [64, 65536] (bits=2: a multiple of 4)
     12      8    n            u64, number of values
     20      8    scales_len   u64, bytes of scales = 4·ceil(n/block) (0 for bits=32)
@@ -20,7 +20,9 @@ Frame layout (all integers little endian)
     36      8    body_len     u64, bytes of compressed body following the header
     44      4    crc32        u32, zlib CRC32 of header bytes [0, 44) followed by the body
     48   body_len body        one zstd frame; decompresses to exactly
-                              scales (float32 LE, one per block, in order) ‖ payload
+                              scales (float32 LE, one per block, in order) ‖ payload;
+                              stored (flags bit 0): those bytes as they are (body_len =
+                              scales_len + payload_len)
 
 The frame is exactly 48 + body_len bytes. The scales and the payload codes are
 described in ``dtrain.codec.quant`` (sparse schemes: ``dtrain.codec.sparse``, mask2: ``dtrain.codec.masked``;
@@ -41,8 +43,8 @@ frame (what the wire's chunk stream carries). :func:`encode` is
 Reading. :class:`FrameValidator` takes a frame in pieces of any size and hands
 out the decompressed body (scales ‖ payload), each piece only after its checks.
 It checks, in this order: as soon as the 48 header bytes are in, the magic,
-version, reserved field, bits code, block, n (against the expected n), the two
-lengths against n/block/bits, and bits/block against the expected ones; with
+version, flags, bits code, block, n (against the expected n), the two
+lengths against n/block/bits (a stored body's length against both), and bits/block against the expected ones; with
 every input piece, that it does not run past body_len, then zstd's own errors
 (one is a frame asking for a window over :data:`WINDOW_LOG`: a decoder never
 holds more than 1 MiB of window) and a decompression bounded by scales_len + payload_len (a "zip bomb" that
@@ -63,13 +65,17 @@ from __future__ import annotations
 import functools
 import io
 import struct
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Final
 
 import numpy as np
 import zstandard
+
+try:  # ISA-L's CRC32: zlib's polynomial and values, ~20x faster where it has its SIMD kernels (x86-64, arm64)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without isal's wheels: zlib's, the same values
+    from zlib import crc32 as _crc32
 
 from dtrain.codec import int2, masked
 from dtrain.codec.masked import MASK_BITS, MaskChecker
@@ -91,10 +97,12 @@ from dtrain.codec.spec import CodecError
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
+    "STORED",
     "MAGIC",
     "FrameHeader",
     "FrameValidator",
     "compression_ratio",
+    "crc32",
     "crc32_combine",
     "decode",
     "encode",
@@ -105,6 +113,10 @@ BytesLike = bytes | bytearray | memoryview | np.ndarray  # contiguous bytes (arr
 
 MAGIC: Final = b"DTRC"
 FORMAT_VERSION: Final = 1
+# write_frame's level for a stored body: no zstd (flags bit 0). Codes zstd cannot shrink (int8 deltas: 3.98x against
+# fp32 stored, 3.99x at level 3) cost both ends its passes for nothing; a reader hands a stored body out as it comes.
+STORED: Final = -(1 << 20)
+_FLAG_STORED: Final = 1
 
 _HEADER: Final = struct.Struct("<4sBBHIQQQQI")
 HEADER_SIZE: Final = _HEADER.size  # 48
@@ -129,11 +141,12 @@ class FrameHeader:
     body_len: int
     crc32: int
     raw: bytes  # the 48 header bytes
+    stored: bool = False  # the body is scales ‖ payload as they are, no zstd (flags bit 0)
 
 
 def _check_level(level: Any) -> int:
-    if isinstance(level, bool) or not isinstance(level, int) or not -(1 << 17) <= level <= 22:
-        raise CodecError(f"zstd level must be an int in [-131072, 22], got {level!r}")
+    if isinstance(level, bool) or not isinstance(level, int) or not (-(1 << 17) <= level <= 22 or level == STORED):
+        raise CodecError(f"zstd level must be an int in [-131072, 22] (or STORED), got {level!r}")
     return level
 
 
@@ -147,7 +160,7 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         scales: float32, one per block (empty for bits=32).
         payload: the payload bytes in pieces of any size (one array in memory, or a file read piece by piece),
             ``payload_len(bits, n)`` bytes in all; each is compressed as it comes, so memory stays O(piece).
-        level: the zstd level (an int in [-131072, 22]).
+        level: the zstd level (an int in [-131072, 22]), or :data:`STORED`: the body as it is, no zstd.
         payload_size: the payload's bytes; required for a sparse scheme (its size depends on its counts), and
             for the others, if given, must be ``payload_len(bits, n)``.
 
@@ -179,35 +192,39 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
     out.write(bytes(HEADER_SIZE))
     body_crc = body_len = got = 0
 
-    def emit(data: bytes) -> None:
+    def emit(data: bytes | memoryview) -> None:
         nonlocal body_crc, body_len
-        body_crc = zlib.crc32(data, body_crc)
+        body_crc = crc32(data, body_crc)
         body_len += len(data)
         out.write(data)
 
+    stored = level == STORED
     try:
         size = scale_array.nbytes + want_payload
-        params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size, window_log=WINDOW_LOG)
-        cobj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
-        emit(cobj.compress(scale_array.data))
+        cobj: Any = None
+        if not stored:
+            params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size, window_log=WINDOW_LOG)
+            cobj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
+        emit(scale_array.tobytes() if stored else cobj.compress(scale_array.data))
         for piece in payload:
             data = np.ascontiguousarray(piece).data if isinstance(piece, np.ndarray) else memoryview(piece)
             got += data.nbytes
             if got > want_payload:
                 raise CodecError(f"write_frame got more than the {want_payload} payload bytes of n={n} bits={bits}")
-            emit(cobj.compress(data))
+            emit(data if stored else cobj.compress(data))
         if got != want_payload:
             raise CodecError(f"write_frame got {got} payload bytes, n={n} bits={bits} needs {want_payload}")
-        emit(cobj.flush())
+        if not stored:
+            emit(cobj.flush())
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd compression failed (level {level}): {e}") from e
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], 0, block, n, scale_array.nbytes, want_payload,
-                        body_len, 0)[:_CRC_OFFSET]
-    head += crc32_combine(zlib.crc32(head), body_crc, body_len).to_bytes(4, "little")  # header[:44] ‖ body
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _BITS_CODE[bits], _FLAG_STORED if stored else 0, block, n,
+                        scale_array.nbytes, want_payload, body_len, 0)[:_CRC_OFFSET]
+    head += crc32_combine(crc32(head), body_crc, body_len).to_bytes(4, "little")  # header[:44] ‖ body
     out.seek(start)
     out.write(head)
     out.seek(start + HEADER_SIZE + body_len)
-    return HEADER_SIZE + body_len, crc32_combine(zlib.crc32(head), body_crc, body_len)  # the whole frame
+    return HEADER_SIZE + body_len, crc32_combine(crc32(head), body_crc, body_len)  # the whole frame
 
 
 def encode(q: QuantizedVec, level: int = 3) -> bytes:
@@ -233,13 +250,13 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
                   max_count: int | None = None) -> FrameHeader:
     """The fixed header, checked in itself and against the n/bits/block a receiver expects (None: any), and a
     sparse frame's payload length against the most its chunks may hold (``max_count`` per chunk; None: all)."""
-    magic, version, code, reserved, got_block, got_n, scales_len, got_payload, body_len, crc = _HEADER.unpack_from(raw)
+    magic, version, code, flags, got_block, got_n, scales_len, got_payload, body_len, crc = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CodecError(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
-    if reserved:
-        raise CodecError(f"reserved header field is {reserved}, must be 0")
+    if flags & ~_FLAG_STORED:
+        raise CodecError(f"header flags {flags:#06x}: only bit 0 (a stored body) is defined, the others must be 0")
     if code not in _CODE_BITS:
         raise CodecError(f"unknown bits code {code} (known: 8, 4, 2, 32, 0xE3 for e3m0, 0x52/0x54/0x58 for sparse, "
                          "0x4D for mask2)")
@@ -274,7 +291,12 @@ def _parse_header(raw: bytes | bytearray, n: int | None, bits: Bits | None, bloc
     if (bits is not None and got_bits != bits) or (block is not None and got_block != block):
         raise CodecError(f"frame header says bits={got_bits} block={got_block}, "
                          f"expected bits={bits} block={block}")
-    return FrameHeader(got_bits, got_block, got_n, scales_len, got_payload, body_len, crc, bytes(raw[:HEADER_SIZE]))
+    stored = bool(flags & _FLAG_STORED)
+    if stored and body_len != scales_len + got_payload:
+        raise CodecError(f"stored body of {body_len} bytes: must be the scales' {scales_len} + the payload's "
+                         f"{got_payload}")
+    return FrameHeader(got_bits, got_block, got_n, scales_len, got_payload, body_len, crc, bytes(raw[:HEADER_SIZE]),
+                       stored)
 
 
 # zstd's window (log2 bytes) for every frame, whatever the level: each receiver's decompression context holds one
@@ -348,7 +370,7 @@ class FrameValidator:
     def feed(self, data: bytes | bytearray | memoryview, crc32: int | None = None) -> None:
         """Takes the next piece of the frame (any size, in order) and hands the decompressed bytes it completes to
         ``out`` once checked. Raises CodecError as soon as something is wrong (then the validator is dead: every
-        later call raises too). ``crc32``: ``zlib.crc32(data)`` where the caller has computed it already (a chunk
+        later call raises too). ``crc32``: ``crc32(data)`` where the caller has computed it already (a chunk
         whose CRC the wire checked): the frame's CRC is combined from it instead of a second pass over the bytes."""
         if self._closed is not None:
             raise CodecError(f"validator closed: {self._closed}")
@@ -366,24 +388,28 @@ class FrameValidator:
             self._head += head
             data = data[take:]
             if crc is not None:  # the rest's CRC: crc32(head ‖ rest) = shift(crc32(head), len(rest)) ^ crc32(rest)
-                crc ^= crc32_combine(zlib.crc32(head), 0, len(data))
+                crc ^= crc32_combine(crc32(head), 0, len(data))
             if len(self._head) < HEADER_SIZE:
                 return
             header = self.header = _parse_header(self._head, self.n, self.bits, self.block, self.max_count)
-            self._crc = zlib.crc32(header.raw[:_CRC_OFFSET])
-            self._writer = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG).stream_writer(  # calls write
-                self, write_size=self._out_piece, write_return_read=True, closefd=False)  # type: ignore[arg-type]
+            self._crc = crc32(header.raw[:_CRC_OFFSET])
+            if not header.stored:  # a stored body goes to write() as it comes, in the pieces it came in
+                self._writer = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG).stream_writer(  # -> write
+                    self, write_size=self._out_piece, write_return_read=True, closefd=False)  # type: ignore[arg-type]
         if not data:
             return
         if self._body_received + len(data) > self.header.body_len:
             extra = self._body_received + len(data) - self.header.body_len
             raise CodecError(f"trailing garbage: {extra} bytes after the {self.header.body_len}-byte body")
-        self._crc = zlib.crc32(data, self._crc) if crc is None else crc32_combine(self._crc, crc, len(data))
+        self._crc = crc32(data, self._crc) if crc is None else crc32_combine(self._crc, crc, len(data))
         self._body_received += len(data)
-        _push(self._writer, data)
+        if self.header.stored:
+            self.write(data)
+        else:
+            _push(self._writer, data)
 
-    def write(self, data: bytes) -> int:
-        """zstd's output sink (not for callers)."""
+    def write(self, data: bytes | memoryview) -> int:
+        """zstd's output sink, and a stored body's (not for callers)."""
         header = self.header
         assert header is not None
         bits = header.bits
@@ -416,10 +442,10 @@ class FrameValidator:
         first = self._total - header.scales_len  # payload byte offset of this piece
         if bits == 32:
             if self._carry:
-                piece = self._carry + piece
+                piece = self._carry + bytes(piece)
                 first -= len(self._carry)
             cut = len(piece) - len(piece) % 4
-            piece, self._carry = piece[:cut], piece[cut:]
+            piece, self._carry = piece[:cut], bytes(piece[cut:])  # a copy: a stored body's piece is not ours
             check_codes(32, piece, first // 4)
         else:
             check_codes(bits, piece, first if bits == 8 else 2 * first)
@@ -524,6 +550,13 @@ def _crc_shift(length: int) -> int:
         n >>= 1
         k += 1
     return p
+
+
+def crc32(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> int:
+    """The CRC32 (zlib's polynomial: ``zlib.crc32``'s values) of ``data``, continuing from ``value``: every
+    checksum the wire and the frames carry. ISA-L's where it is installed (a dependency: ~20x zlib's speed, the GIL
+    released), else zlib's."""
+    return _crc32(data, value)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -382,9 +382,9 @@ def check_codes(bits: Bits, payload: np.ndarray | bytes | bytearray | memoryview
     if bits == 8:
         if isinstance(payload, bytes):  # the one invalid byte: a memchr, no temporary
             i = payload.find(b"\x80")
-        else:
-            bad = np.frombuffer(payload, np.uint8) == 0x80
-            i = int(np.argmax(bad)) if bad.any() else -1
+        else:  # -128 is the least int8: one SIMD min, no temporary, and a search only when it is there
+            codes = np.frombuffer(payload, np.int8)
+            i = int(np.argmax(codes == -128)) if codes.size and codes.min() == -128 else -1
         if i >= 0:
             raise CodecError(f"invalid int8 code -128 near value {first_value + i}")
         return

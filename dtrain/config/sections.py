@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.codec import CODEC_BITS, MASK_BITS, Bits, kept_per_chunk, sparse_scheme
+from dtrain.codec import CODEC_BITS, MASK_BITS, STORED, Bits, kept_per_chunk, sparse_scheme
 from dtrain.config.field import setting as _f
 from dtrain.config.ops import HealthConfig, SecurityConfig, TelemetryConfig
 
@@ -273,9 +273,10 @@ class CodecConfig:
     block: int = _f(1024, "values per quantization block (even, 64..65536)")
     zstd_level: int = _f(3, "zstd level for the coordinator's update frames (1..19)")
     up_zstd_level: int = _f(0, "zstd level for the islands' pushes (-7..-1, 1..19; 0: by codec.up, see push_level): "
-                            "negative stores the codes raw, decoded 5-8x faster by the coordinator (a push's "
-                            "largest cost at 64 islands) for more bytes up than at 3: int8 ~9%, int4 ~27%, "
-                            "e3m0 ~15%, sparse ~48%")
+                            "0 stores int8 pushes without zstd (their codes hardly compress: ~9% more bytes up than "
+                            "at 3 on fabricated normal deltas, 0.3% on a trained one; the coordinator skips the "
+                            "decompression, a push's largest cost at 64 islands); negative stores the codes raw, "
+                            "decoded 5-8x faster than at 3, for more bytes up: int4 ~27%, e3m0 ~15%, sparse ~48%")
     chunk_bytes: int = _f(1 << 20, "bytes per streamed chunk (4 KiB..4 MiB)")
     error_feedback: bool = _f(True, "keep the quantization residual and add it to the next delta")
     sparse_chunk: int = _f(4096, "sparse codec: values per chunk (even, 64..32768); one scale per chunk")
@@ -293,12 +294,12 @@ class CodecConfig:
                              "rest")
 
     def push_level(self) -> int:
-        """The zstd level the islands push at: ``up_zstd_level``, or with 0 -1 for int8 (raw codes: ~9% more bytes,
-        a fraction of the coordinator's decode) and ``zstd_level`` for every other codec (whose codes zstd
-        compresses by far more: int4 27%, e3m0 15%, sparse 48%)."""
+        """The zstd level the islands push at: ``up_zstd_level``, or with 0 ``codec.STORED`` for int8 (no zstd: its
+        codes hardly compress, and the coordinator hands a stored body on as it comes) and ``zstd_level`` for every
+        other codec (whose codes zstd compresses by far more: int4 27%, e3m0 15%, sparse 48%)."""
         if self.up_zstd_level:
             return self.up_zstd_level
-        return -1 if self.up == "int8" else self.zstd_level
+        return STORED if self.up == "int8" else self.zstd_level
 
     def scheme(self, name: str) -> tuple[Bits, int]:
         """The codec scheme and its block for the codec ``name`` (``up`` or ``down``'s value): a dense codec's
@@ -347,9 +348,10 @@ class CoordinatorConfig:
     merge_threads: int = _f(2, "threads of the outer step: each reads, decodes and sums every pending push over its "
                             "own slabs of the model, then steps them (numpy and file I/O release the GIL); about "
                             "one per core the coordinator may use for merging")
-    workers: int = _f(0, "gRPC server threads for pushes and pulls; 0: 3 per island (outer.islands) + 8, at least 16 "
-                      "(an island may hold a push stream, a retry of it and a long-polling pull at once). Joins, "
-                      "heartbeats and Status have threads of their own, which no stream can hold")
+    workers: int = _f(0, "threads doing the data plane's work (a push chunk's CRC, checks and spool write, a pull's "
+                      "messages); 0: one per core the coordinator may use, at least 2. A waiting push stream or "
+                      "long-polling pull holds none; a push's reply waiting for a merge holds one of a pool of its "
+                      "own (3 per island + 8), and Joins, heartbeats and Status have threads of their own")
     stream_idle_s: float = _f(30.0, "a push stream that sends nothing for this long (its header, or its next "
                               "chunk) is cancelled, freeing the server thread it holds; time the coordinator itself "
                               "takes (decoding, max_receiving, a merge) does not count")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TypeVar
@@ -345,7 +344,7 @@ def frame_chunks(frame: bytes, chunk_bytes: int) -> tuple[int, list[tuple[memory
     out, crc = [], 0
     for i in range(chunk_count(len(frame), chunk_bytes)):
         piece = view[i * chunk_bytes:(i + 1) * chunk_bytes]
-        piece_crc = zlib.crc32(piece)
+        piece_crc = codec.crc32(piece)
         crc = codec.crc32_combine(crc, piece_crc, len(piece))
         out.append((piece, piece_crc))
     return crc, out
@@ -383,7 +382,7 @@ def file_chunk_messages(f: BinaryIO, piece_bytes: int) -> Iterator[bytes]:
     with f:
         index = 0
         while data := f.read(piece_bytes):
-            message = chunk_message(index, data, zlib.crc32(data))
+            message = chunk_message(index, data, codec.crc32(data))
             del data
             yield message
             del message  # sent: not kept while the next piece is read
@@ -512,7 +511,7 @@ class FrameReceiver:
         if self.size + len(data) > self.total_bytes:
             raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"chunks exceed the header's total_bytes={self.total_bytes}")
-        crc = zlib.crc32(data)
+        crc = codec.crc32(data)
         if crc != chunk.crc32:
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index}: CRC32 mismatch (garbled)")
         self._crc = codec.crc32_combine(self._crc, crc, len(data))  # the frame's CRC without a second pass
