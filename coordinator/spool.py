@@ -40,7 +40,7 @@ class BodyNorm:
     never ``np.dot``: a dot of a 256 KiB fp32 piece goes to the BLAS library, whose threads spin while they wait
     for work; with several pushes streaming in at once they took the coordinator's cores from each other (8
     fp32 islands: 8x the CPU of 4, ~90 CPU s a round for 8 pushes that cost ~1 CPU s each alone). The
-    coordinator makes no BLAS call (tests/test_merger.py counts them).
+    coordinator makes no BLAS call (tests/test_merger_poison.py counts them).
     """
 
     def __init__(self, n: int, bits: codec.Bits, block: int):
