@@ -8,8 +8,9 @@ this process. Each island is what a real island does at the wire, without the tr
   - it joins through the real client (workers/client.py ``CoordinatorClient``, one channel per island) and
     heartbeats every ``worker.heartbeat_s`` (1 s) from a thread of its own, reporting the version it holds;
   - each round it pushes one real compressed frame (``dtrain.codec``: a random normal x 1e-3 delta of the
-    model's parameter count, quantized with ``codec.up`` = int8 and zstd-encoded; a pool of ``FRAME_POOL``
-    distinct frames encoded before anything is timed, island i pushing frame (i + round) mod pool), then pulls
+    model's parameter count, quantized with ``codec.up`` = int8 and framed at the islands' push level, stored
+    without zstd by default, ``codec.push_level``; a pool of ``FRAME_POOL`` distinct frames encoded before
+    anything is timed, island i pushing frame (i + round) mod pool), then pulls
     with the worker's long poll (``workers.exchange.PULL_WAIT_S``) until it holds the new version's update frame.
 
 The model: configs/small.toml's GPT with d_model=512, n_layers=8 (25,478,144 parameters, 101.9 MB fp32; int8
@@ -46,8 +47,9 @@ The floor (``--no-floor`` skips it): after the rows, at N_max, the same island t
 the same chunks to a bare Python gRPC server in its own process (``_common.RawServer``, the coordinator's channel
 options) and pull the same update bytes in the coordinator's pull pieces; the server's CPU per round gives the
 params/core-s of the transport alone, zstd decoding a frame as the coordinator does (chunks in, 256 KiB pieces
-out) that of the codec's entropy stage, and the two in series the ceiling a coordinator doing nothing else would
-reach on this machine. The targets line says how much of it the coordinator reached.
+out) that of the codec's entropy stage (none for stored frames: the ceiling is then the wire's), and the two in
+series the ceiling a coordinator doing nothing else would reach on this machine. The targets line says how much
+of it the coordinator reached.
 
 A missed target is reported (NOT met) but does not change the exit status; a bad argument or a run that fails
 does (one line on stderr, through ``dtrain_cli.entry.run_main``). Last line:
@@ -222,10 +224,13 @@ def floor_figures(floor: dict[str, Any], params: int) -> dict[str, float | None]
     """Parameters per core-second that the transport and the codec's entropy stage alone allow, from
     :func:`transport_floor`'s CPU seconds: ``wire`` (a bare gRPC server taking every island's push and serving
     every pull), ``decode`` (zstd-decompressing one pushed frame) and ``ceiling``, both in series (1 / (1/wire +
-    1/decode)): what a coordinator doing nothing else would reach on this machine. None where a CPU time rounded
-    to 0 (a tiny model: /proc counts in clock ticks)."""
+    1/decode)): what a coordinator doing nothing else would reach on this machine. Stored frames (``stored``:
+    int8's default, no zstd) have no decode: the ceiling is the wire. None where a CPU time rounded to 0 (a tiny
+    model: /proc counts in clock ticks)."""
     wire = params_per_core_s({"islands": floor["islands"], "coordinator_cpu_s": floor["server_cpu_s"]},
                              FP32 * params)  # the coordinator's own rule, on the bare server's CPU
+    if floor.get("stored"):  # stored frames (int8's default): no entropy stage, the wire is the ceiling
+        return {"wire": wire, "decode": None, "ceiling": wire}
     decode = params / floor["decode_cpu_s"] if floor["decode_cpu_s"] else None
     return {"wire": wire, "decode": decode, "ceiling": 1 / (1 / wire + 1 / decode) if wire and decode else None}
 
@@ -240,7 +245,7 @@ def targets_line(f: dict[str, Any]) -> str:
     ceiling = f.get("floor", {}).get("ceiling")
     speed = (f"params/core-s {fmt_or_na(p, '.3g')} at {f['islands']} islands (target >= "
              f"{PARAMS_PER_CORE_S_TARGET:.0e}, issue 36"
-             + (f"; gRPC + zstd alone on this machine: {ceiling:.3g}, {p / ceiling:.0%} of it reached" if p and ceiling
+             + (f"; gRPC (+ zstd) alone on this machine: {ceiling:.3g}, {p / ceiling:.0%} of it reached" if p and ceiling
                 else "") + f") {met(None if p is None else p >= PARAMS_PER_CORE_S_TARGET)}; the earlier target >= "
              f"{PARAMS_PER_CORE_S_MIN:.0e} (c4a8f2c) {met(None if p is None else p >= PARAMS_PER_CORE_S_MIN)}")
     hb, failed = f.get("heartbeat_max_s"), f.get("heartbeat_failed")
@@ -532,10 +537,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if floor is not None:
         ff = f["floor"]
         print(f"floor at {floor['islands']} islands (the same frames, chunks and pulls, nothing else done): a bare "
-              f"gRPC server {floor['server_cpu_s']:.2f} CPU s a round -> {fmt_or_na(ff['wire'], '.3g')} "
-              f"params/core-s; zstd decoding a frame {floor['decode_cpu_s']:.3f} CPU s -> "
-              f"{fmt_or_na(ff['decode'], '.3g')}; both: {fmt_or_na(ff['ceiling'], '.3g')} "
-              f"params/core-s; the coordinator: {fmt_or_na(f['params_per_core_s'], '.3g')}")
+              f"gRPC server {floor['server_cpu_s']:.2f} CPU s a round -> {fmt_or_na(ff['wire'], '.3g')} params/core-s; "
+              + ("the frames are stored (no zstd), nothing to decode: the ceiling is the wire's "
+                 if floor.get("stored") else
+                 f"zstd decoding a frame {floor['decode_cpu_s']:.3f} CPU s -> {fmt_or_na(ff['decode'], '.3g')}; "
+                 "both: ")
+              + f"{fmt_or_na(ff['ceiling'], '.3g')} params/core-s; the coordinator: "
+              f"{fmt_or_na(f['params_per_core_s'], '.3g')}")
     print(f"wall {wall:.0f}s")
     out = {"model": {**model_fields, "params": n_params, "fp32_bytes": model_bytes}, "codec": CODEC,
            "rounds": args.rounds, "warmup": args.warmup, "baseline_vmhwm": baseline, "rows": rows, "figures": f,
