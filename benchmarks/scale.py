@@ -245,7 +245,7 @@ def targets_line(f: dict[str, Any]) -> str:
     ceiling = f.get("floor", {}).get("ceiling")
     speed = (f"params/core-s {fmt_or_na(p, '.3g')} at {f['islands']} islands (target >= "
              f"{PARAMS_PER_CORE_S_TARGET:.0e}, issue 36"
-             + (f"; gRPC (+ zstd) alone on this machine: {ceiling:.3g}, {p / ceiling:.0%} of it reached" if p and ceiling
+             + (f"; gRPC (+ zstd) alone here: {ceiling:.3g}, {p / ceiling:.0%} of it reached" if p and ceiling
                 else "") + f") {met(None if p is None else p >= PARAMS_PER_CORE_S_TARGET)}; the earlier target >= "
              f"{PARAMS_PER_CORE_S_MIN:.0e} (c4a8f2c) {met(None if p is None else p >= PARAMS_PER_CORE_S_MIN)}")
     hb, failed = f.get("heartbeat_max_s"), f.get("heartbeat_failed")
