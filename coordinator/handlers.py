@@ -12,7 +12,6 @@ Used by the composition root (``coordinator/app.py``) and by a range shard's ser
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -24,6 +23,7 @@ from grpc_health.v1.health import HealthServicer
 
 from coordinator.edge import request_problem, shown
 from coordinator.memory import stream_window
+from dtrain.config.derived import usable_cores
 from dtrain.config.sections import Config
 from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
@@ -73,8 +73,7 @@ def work_threads(cfg: Config) -> int:
     this process may use, at least 2: the work is CPU (and page-cache) bound, and more threads than cores only
     contend for the GIL and the caches (64 islands of 25.5M parameters on 2 cores: 8.2 CPU s a round with 200
     threads, 7.3 with 2; docs/benchmarks.md, Scale). A waiting call holds none of them."""
-    return cfg.coordinator.workers or max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else os.cpu_count() or 2)
+    return cfg.coordinator.workers or max(2, usable_cores())
 
 
 def wait_threads(cfg: Config) -> int:

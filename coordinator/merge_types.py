@@ -45,7 +45,7 @@ import numpy as np
 
 from coordinator.spool import Spool
 from dtrain import codec
-from dtrain.config.derived import merge_rule
+from dtrain.config.derived import merge_rule, merge_threads
 from dtrain.config.sections import Config
 from dtrain.steps.outer import OuterHParams
 from dtrain.train.fragments import Range, plan_spec
@@ -119,7 +119,7 @@ class MergeOptions:
                    block=k.block, zstd_level=k.zstd_level, error_feedback=k.error_feedback,
                    keep_updates=cfg.coordinator.keep_updates, rule=merge_rule(cfg),
                    trim=cfg.coordinator.trim, clip_ratio=cfg.coordinator.clip_ratio,
-                   threads=cfg.coordinator.merge_threads, up_block=up_block, down_block=down_block,
+                   threads=merge_threads(cfg), up_block=up_block, down_block=down_block,
                    # one spare per island: a round's pushes all write over the last round's files (filling new
                    # ones costs the kernel 3x), and the disk they hold is what every round's spools take anyway
                    spare_spools=max(cls.spare_spools, cfg.outer.islands),

@@ -25,9 +25,10 @@ def test_options_come_from_the_config():
     assert o.zstd_level == Config().codec.zstd_level
     assert opts(up="fp32", down="int8").up_bits == 32
     cfg = replace(Config(), coordinator={"merge_threads": 3})
-    assert MergeOptions.from_config(cfg).threads == 3 and MergeOptions.from_config(Config()).threads == 2
+    assert MergeOptions.from_config(cfg).threads == 3  # 0, the default: half the usable cores, at least 1
+    assert MergeOptions.from_config(Config()).threads == max(1, len(os.sched_getaffinity(0)) // 2)
     with pytest.raises(ConfigError, match="merge_threads"):
-        replace(Config(), coordinator={"merge_threads": 0})
+        replace(Config(), coordinator={"merge_threads": -1})
     # async: every push is merged on its own, with lr / islands
     assert opts(mode="async", lr=0.8, islands=4).outer == OuterHParams(lr=0.2, momentum=0.9, nesterov=True)
 

@@ -174,13 +174,17 @@ def test_the_floor_and_the_per_core_target_on_the_targets_line(scale: ModuleType
     ff = scale.floor_figures({"islands": 16, "server_cpu_s": 4.0, "decode_cpu_s": 0.25}, 200_000_000)
     assert ff["wire"] == pytest.approx(8e8) and ff["decode"] == pytest.approx(8e8)
     assert ff["ceiling"] == pytest.approx(4e8)
+    # stored frames (int8's default push level): nothing to decode, the ceiling is the wire's
+    stored = scale.floor_figures({"islands": 16, "server_cpu_s": 4.0, "decode_cpu_s": None, "stored": True},
+                                 200_000_000)
+    assert stored == {"wire": pytest.approx(8e8), "decode": None, "ceiling": pytest.approx(8e8)}
     # a tiny model's CPU times round to 0 clock ticks: no figure, no division by zero
     assert scale.floor_figures({"islands": 4, "server_cpu_s": 0.0, "decode_cpu_s": 0.0}, 100_000) == {
         "wire": None, "decode": None, "ceiling": None}
     f = scale.figures([{**_row(16, 9.0, MODEL), "coordinator_cpu_s": 16 * (MODEL // 4) / 2e8}], MODEL, None)
     f["floor"] = ff
     line = scale.targets_line(f)
-    assert "params/core-s 2e+08 at 16 islands (target >= 3e+08, issue 36; gRPC + zstd alone on this machine: " \
+    assert "params/core-s 2e+08 at 16 islands (target >= 3e+08, issue 36; gRPC (+ zstd) alone here: " \
            "4e+08, 50% of it reached) NOT met; the earlier target >= 5e+08 (c4a8f2c) NOT met;" in line
     # Issue 36's 3e8 met, the earlier 5e8 not: each said as it is.
     mid = scale.figures([{**_row(16, 9.0, MODEL), "coordinator_cpu_s": 16 * (MODEL // 4) / 4e8}], MODEL, None)

@@ -33,10 +33,11 @@ _Fail = Callable[[str, str, str], NoReturn]  # fail(section, field, why): raises
 _AT_LEAST_ONE = [("run", "log_every"), ("run", "keep_checkpoints"), ("model", "vocab_size"), ("model", "seq_len"),
                  ("model", "d_model"), ("model", "n_layers"), ("model", "n_heads"), ("model", "mlp_ratio"),
                  ("data", "eval_batches"), ("train", "batch_size"), ("train", "steps"), ("train", "steps_per_call"),
-                 ("outer", "islands"), ("outer", "inner_steps"), ("coordinator", "merge_threads")]
+                 ("outer", "islands"), ("outer", "inner_steps")]
 _AT_LEAST_ZERO = [("run", "eval_every"), ("run", "checkpoint_every"), ("data", "max_bytes"),
                   ("train", "warmup_steps"), ("train", "weight_decay"), ("train", "muon_weight_decay"),
-                  ("train", "grad_clip"), ("outer", "staleness_alpha"), ("model", "loss_chunk")]
+                  ("train", "grad_clip"), ("outer", "staleness_alpha"), ("model", "loss_chunk"),
+                  ("coordinator", "merge_threads")]
 
 
 def _check_choices(cfg: Config, fail: _Fail) -> None:

@@ -1,7 +1,9 @@
-"""What is read off a loaded config rather than stored in it: the merge rule a coordinator applies, and a
-``security.bindings`` entry parsed."""
+"""What is read off a loaded config rather than stored in it: the merge rule a coordinator applies, its merge
+threads and the cores they count on, and a ``security.bindings`` entry parsed."""
 
 from __future__ import annotations
+
+import os
 
 from dtrain.config.sections import IDENTITY_KINDS, ISLAND_NAME_RE, Config
 
@@ -14,6 +16,16 @@ def merge_rule(cfg: Config) -> str:
     if rule == "auto":  # a sharded coordinator has no direction screen (the median is per range): clipped
         return "clipped_mean" if cfg.codec.up == "sparse" or cfg.coordinator.shards > 1 else "screened_mean"
     return rule
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform has one; else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def merge_threads(cfg: Config) -> int:
+    """``coordinator.merge_threads`` as the coordinator runs it: 0 is half the usable cores, at least 1."""
+    return cfg.coordinator.merge_threads or max(1, usable_cores() // 2)
 
 
 def parse_binding(text: str) -> tuple[str, str]:

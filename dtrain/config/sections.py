@@ -345,9 +345,10 @@ class CoordinatorConfig:
     max_receiving: int = _f(16, "pushes whose frames stream in and are decoded at once; the others wait, their data "
                             "held back by gRPC's flow control (at most stream_window_bytes each): bounds the decoders' "
                             "memory (a few MiB a push) whatever the number of islands; 0: no limit")
-    merge_threads: int = _f(2, "threads of the outer step: each reads, decodes and sums every pending push over its "
-                            "own slabs of the model, then steps them (numpy and file I/O release the GIL); about "
-                            "one per core the coordinator may use for merging")
+    merge_threads: int = _f(0, "threads of the outer step: each reads and sums every pending push over its own "
+                            "slabs of the model, then steps them (numpy and file I/O release the GIL); 0: half the "
+                            "cores the coordinator may use, at least 1 (the sum is bound by memory: on 2 cores a "
+                            "second thread cost a fifth more CPU and saved no time)")
     workers: int = _f(0, "threads doing the data plane's work (a push chunk's CRC, checks and spool write, a pull's "
                       "messages); 0: one per core the coordinator may use, at least 2. A waiting push stream or "
                       "long-polling pull holds none; a push's reply waiting for a merge holds one of a pool of its "
