@@ -16,6 +16,7 @@ from coordinator.merge_types import MergeOptions, SpooledPush
 from coordinator.spool import write_from
 from dtrain import codec
 from dtrain.codec import hasher_digest, params_hasher
+from dtrain.codec.masked import DESCRIPTOR_SIZE  # a mask payload's seed and density code, before its records
 
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
 # int8 pushes summed at once (codec.dequantize_sum): one einsum per group instead of a broadcast multiply per push,
@@ -65,16 +66,13 @@ def read_sparse(pending: list[SpooledPush], bits: codec.Bits, chunk: int, start:
         lo, hi = int(layout.record_offsets[first]), int(layout.record_offsets[end])
         records = np.empty(hi - lo, np.uint8)
         if isinstance(layout, codec.MaskChecker):
-            read_into(p.spool.fd, records, 4 * n_chunks + MASK_HEAD + lo)
+            read_into(p.spool.fd, records, 4 * n_chunks + DESCRIPTOR_SIZE + lo)
             keep = codec.keep_mask(layout.seed, layout.code, start, start + count)
             codec.mask_add(chunk, scales, records, keep, out, weight=weight)
             continue
         read_into(p.spool.fd, records, 4 * n_chunks + lo)
         assert codec.is_sparse(bits)
         codec.sparse_add(bits, chunk, scales, layout.counts[first:end], records, out, weight=weight)
-
-
-MASK_HEAD = 8  # a mask payload's seed (u32) and density code (u32), before its records
 
 
 class SparseDown:
@@ -85,7 +83,7 @@ class SparseDown:
     def __init__(self, fd: int, n: int, chunk: int, mask: tuple[int, int] | None = None):
         self.fd, self.counts = fd, np.zeros(-(-n // chunk), "<u2")
         self.mask = mask
-        self.offset = MASK_HEAD if mask else 2 * self.counts.size
+        self.offset = DESCRIPTOR_SIZE if mask else 2 * self.counts.size
 
     def append(self, first: int, counts: np.ndarray | None, records: bytes) -> None:
         if counts is not None:
@@ -147,9 +145,6 @@ def read_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, sta
         return
     first_block, end_block = start // o.block, -(-(start + count) // o.block)
     n_blocks = codec.n_scales(o.up_bits, n_values, o.block)  # the pushes' values
-    if o.up_bits == 8 and count % o.block == 0 and len(pending) > 1 and all(out is outs[0] for out in outs):
-        _sum_int8(pending, o, n_blocks, first_block, end_block, start, outs[0], weights)
-        return
     scales = np.empty(end_block - first_block if o.up_bits != 32 else 0, "<f4")
     payload = np.empty(codec.payload_len(o.up_bits, count), np.uint8)
     scratch = np.empty(count, np.float32)
@@ -170,11 +165,18 @@ def _block_scales(p: SpooledPush, n_blocks: int, first_block: int, end_block: in
     return buf
 
 
-def _sum_int8(pending: list[SpooledPush], o: MergeOptions, n_blocks: int, first_block: int, end_block: int,
-              start: int, out: np.ndarray, weights: list[np.float32]) -> None:
-    """out += Σ weights[i]·Δ_i over int8 pushes, values [start, start + out.size) (whole blocks), SUM_GROUP at a
-    time (``codec.dequantize_sum``: the same float32 sum, bit for bit, as one ``dequantize_add`` per push)."""
-    count, blocks = out.size, end_block - first_block
+def sum_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, start: int, out: np.ndarray,
+                weights: list[np.float32]) -> None:
+    """out += Σ weights[i]·Δ_i over the pending pushes, values [start, start + out.size): int8 pushes of whole
+    blocks SUM_GROUP at a time (``codec.dequantize_sum``: the same float32 sum, bit for bit, as one
+    ``dequantize_add`` per push), every other case through :func:`read_pending`."""
+    count = out.size
+    if o.up_bits != 8 or count % o.block or len(pending) < 2:
+        read_pending(pending, o, n_values, start, [out] * len(pending), weights)
+        return
+    first_block, end_block = start // o.block, (start + count) // o.block
+    n_blocks = codec.n_scales(8, n_values, o.block)
+    blocks = end_block - first_block
     group = min(SUM_GROUP, len(pending))
     codes = np.empty((group, count), np.int8)
     scales = np.empty((group, blocks), np.float32)

@@ -59,7 +59,15 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.direction import direction_cosines
-from coordinator.merge_io import SparseDown, install_file, read_into, read_pending, scan_theta, write_frame_file
+from coordinator.merge_io import (
+    SparseDown,
+    install_file,
+    read_into,
+    read_pending,
+    scan_theta,
+    sum_pending,
+    write_frame_file,
+)
 from coordinator.merge_types import (
     MEAN_RULES,
     MergeOptions,
@@ -276,8 +284,8 @@ class Merger:
     def _sum_pending(self, start: int, out: np.ndarray, scale: np.float32) -> None:
         """out += Σ (w·c·scale)·Δ over the pending pushes (c: each one's clip factor), for values
         [start, start + out.size) (whole blocks)."""
-        self._read_pending(start, [out] * len(self.pending),
-                           [np.float32(p.weight * p.scale * p.cap) * scale for p in self.pending])
+        sum_pending(self.pending, self.opts, self.next_fragment().size, start, out,
+                    [np.float32(p.weight * p.scale * p.cap) * scale for p in self.pending])
 
     def direction_cosines(self) -> tuple[list[float], str]:
         """``screened_mean``'s direction screen over the pending pushes: each one's cosine with a reference

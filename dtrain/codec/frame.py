@@ -78,7 +78,7 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels: zlib
     from zlib import crc32 as _crc32
 
 from dtrain.codec import int2, masked
-from dtrain.codec.masked import MASK_BITS, MaskChecker
+from dtrain.codec.masked import MASK_BITS, MaskChecker, has_records
 from dtrain.codec.quant import (
     MAX_BLOCK,
     MIN_BLOCK,
@@ -177,7 +177,7 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
     n = int(n)
     scale_array = np.ascontiguousarray(scales, dtype="<f4")
     want_scales = n_scales(bits, n, block)
-    if is_sparse(bits) or bits == MASK_BITS:
+    if has_records(bits):
         if payload_size is None:
             raise CodecError(f"write_frame needs payload_size for the {bits} scheme")
         want_payload = int(payload_size)
@@ -205,9 +205,9 @@ def write_frame(out: BinaryIO, bits: Bits, block: int, n: int, scales: np.ndarra
         if not stored:
             params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size, window_log=WINDOW_LOG)
             cobj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
-        emit(scale_array.tobytes() if stored else cobj.compress(scale_array.data))
+        emit(scale_array.data.cast("B") if stored else cobj.compress(scale_array.data))
         for piece in payload:
-            data = np.ascontiguousarray(piece).data if isinstance(piece, np.ndarray) else memoryview(piece)
+            data = (np.ascontiguousarray(piece).data if isinstance(piece, np.ndarray) else memoryview(piece)).cast("B")
             got += data.nbytes
             if got > want_payload:
                 raise CodecError(f"write_frame got more than the {want_payload} payload bytes of n={n} bits={bits}")

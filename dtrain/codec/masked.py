@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Final
+from typing import TYPE_CHECKING, Final, Literal
 
 import numpy as np
 
 from dtrain.codec import int2
-from dtrain.codec.sparse import RecordChecker, is_sparse
+from dtrain.codec.sparse import RecordChecker, SparseBits, is_sparse
 from dtrain.codec.spec import CodecError
+
+if TYPE_CHECKING:  # a typing-only import (typing.TypeIs is Python 3.13's)
+    from typing_extensions import TypeIs
 
 __all__ = [
     "DESCRIPTOR_SIZE",
@@ -60,7 +63,7 @@ DESCRIPTOR_SIZE: Final = _DESCRIPTOR.size
 _SLAB: Final = 1 << 20  # values hashed at once
 
 
-def has_records(bits: object) -> bool:
+def has_records(bits: object) -> TypeIs[SparseBits | Literal["mask2"]]:
     """Whether the scheme ``bits``'s payload is per-chunk records whose size depends on what they hold (sparse
     and mask schemes): its frame writer needs the payload's size, its reader a checker that keeps the layout."""
     return is_sparse(bits) or bits == MASK_BITS

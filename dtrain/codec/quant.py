@@ -54,7 +54,7 @@ from typing import Any, Final, Literal
 import numpy as np
 
 from dtrain.codec import int2
-from dtrain.codec.masked import MASK_BITS, mask_dequantize, mask_quantize
+from dtrain.codec.masked import DESCRIPTOR_SIZE, MASK_BITS, has_records, mask_dequantize, mask_quantize
 from dtrain.codec.sparse import MAX_CHUNK, SPARSE_BITS, is_sparse, kept_per_chunk, sparse_dequantize, sparse_quantize
 from dtrain.codec.spec import CodecError
 
@@ -152,7 +152,7 @@ def n_scales(bits: Bits, n: int, block: int) -> int:
 def payload_len(bits: Bits, n: int) -> int:
     """Payload bytes of ``n`` values: n (int8), ceil(n/2) (4-bit schemes), ceil(n/4) (2-bit), 4n (32); sparse
     schemes have no fixed size (CodecError)."""
-    if is_sparse(bits) or bits == MASK_BITS:
+    if has_records(bits):
         raise CodecError(f"a {bits} payload's size depends on its counts, not on n alone")
     return {8: n, 4: (n + 1) // 2, "e3m0": (n + 1) // 2, 2: (n + 3) // 4, 32: 4 * n}[bits]
 
@@ -190,9 +190,9 @@ class QuantizedVec:
             raise CodecError(why)
         want_scales = n_scales(self.bits, self.n, self.block)
         # sparse: at least the counts (u16 per chunk), mask: its seed and density; the frame reader checks the rest
-        want_payload = 2 * want_scales if is_sparse(self.bits) else 8 if self.bits == MASK_BITS else \
+        want_payload = 2 * want_scales if is_sparse(self.bits) else DESCRIPTOR_SIZE if self.bits == MASK_BITS else \
             payload_len(self.bits, self.n)
-        if (is_sparse(self.bits) or self.bits == MASK_BITS) and self.payload.dtype == np.uint8 \
+        if has_records(self.bits) and self.payload.dtype == np.uint8 \
                 and self.payload.ndim == 1 and self.payload.size >= want_payload:
             want_payload = self.payload.size
         if self.scales.dtype != np.float32 or self.scales.shape != (want_scales,):
@@ -246,7 +246,7 @@ def quantize_segment(bits: Bits, block: int, x: np.ndarray) -> tuple[np.ndarray,
         ``x.size`` values, laid out as in the module docstring.
     """
     count = x.size
-    if is_sparse(bits) or bits == MASK_BITS:
+    if has_records(bits):
         raise CodecError(f"{bits} codes by chunks: sparse_quantize_segment or mask_quantize_segment codes it")
     if bits == 32:
         return np.empty(0, np.float32), x.astype("<f4").view(np.uint8)
@@ -483,7 +483,7 @@ def quantize(vec: Any, bits: Bits = 8, block: int = DEFAULT_BLOCK, density: floa
         if not finite.all():
             index = start + int(np.argmin(finite))
             raise CodecError(f"non-finite value {x[index]} at index {index}: refusing to encode NaN/Inf")
-        if is_sparse(bits) or bits == MASK_BITS:
+        if has_records(bits):
             continue
         s, p = quantize_segment(bits, block, segment)
         scales.append(s)
@@ -580,7 +580,7 @@ class ErrorFeedback:
         self.block = check_block(block)
         if not 0 < decay <= 1:
             raise CodecError(f"error-feedback decay must be in (0, 1], got {decay!r}")
-        if is_sparse(self.bits) or self.bits == MASK_BITS:
+        if has_records(self.bits):
             kept_per_chunk(density, self.block)
         self.decay, self.density = float(decay), float(density)
         self.residual = np.zeros(n, np.float32)
