@@ -6,7 +6,6 @@ numpy only (no JAX), deterministic seeds, hypothesis derandomized; the whole fil
 
 from __future__ import annotations
 
-import struct
 import zlib
 
 import numpy as np
@@ -15,7 +14,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from codec_helpers import ALL_BITS, FAST
+from codec_helpers import ALL_BITS, FAST, HEADER, forge
 from dtrain import codec
 from dtrain.codec import (
     HEADER_SIZE,
@@ -28,7 +27,6 @@ from dtrain.codec import (
 
 # --------------------------------------------------------------------------- decode rejects
 
-_HEADER = struct.Struct("<4sBBHIQQQQI")
 
 
 def _frame(n: int = 3000, bits: codec.Bits = 8, block: int = 1024) -> bytes:
@@ -36,43 +34,31 @@ def _frame(n: int = 3000, bits: codec.Bits = 8, block: int = 1024) -> bytes:
     return encode(quantize(x, bits, block))
 
 
-def _forge(frame: bytes, body: bytes | None = None, **fields: int) -> bytes:
-    """Rewrite header fields (and/or the body) and re-seal the CRC, so only the intended fault remains."""
-    names = ["magic", "version", "bits", "reserved", "block", "n", "scales_len", "payload_len", "body_len", "crc"]
-    values = dict(zip(names, _HEADER.unpack_from(frame), strict=True))
-    body = frame[codec.HEADER_SIZE:] if body is None else body
-    values["body_len"] = len(body)
-    values.update(fields)
-    head = _HEADER.pack(*[values[k] for k in names])[:44]
-    crc = zlib.crc32(body, zlib.crc32(head)) if "crc" not in fields else fields["crc"]
-    return head + struct.pack("<I", crc) + body
-
-
 def test_forge_helper_reproduces_valid_frames() -> None:
     frame = _frame()
-    assert _forge(frame) == frame
+    assert forge(frame) == frame
 
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda f: b"DTRX" + f[4:], r"bad magic b'DTRX'"),
-    (lambda f: _forge(f, version=2), r"unsupported format version 2"),
-    (lambda f: _forge(f, bits=5), r"unknown bits code 5"),
-    (lambda f: _forge(f, reserved=2), r"header flags 0x0002: only bit 0"),
-    (lambda f: _forge(f, reserved=1), r"stored body of \d+ bytes: must be the scales' \d+ \+ the payload's"),
-    (lambda f: _forge(f, block=32), r"block 32 out of range"),
-    (lambda f: _forge(f, block=1025), r"block 1025 out of range"),
+    (lambda f: forge(f, version=2), r"unsupported format version 2"),
+    (lambda f: forge(f, bits=5), r"unknown bits code 5"),
+    (lambda f: forge(f, flags=2), r"header flags 0x0002: only bit 0"),
+    (lambda f: forge(f, flags=1), r"stored body of \d+ bytes: must be the scales' \d+ \+ the payload's"),
+    (lambda f: forge(f, block=32), r"block 32 out of range"),
+    (lambda f: forge(f, block=1025), r"block 1025 out of range"),
     (lambda f: f[:20], r"frame truncated: 20 bytes, the header alone needs 48"),
     (lambda f: f[:-100], r"frame truncated: header says \d+ body bytes, got \d+"),
     (lambda f: f + b"junk", r"trailing garbage: 4 bytes"),
-    (lambda f: _forge(f, crc=_HEADER.unpack_from(f)[-1] ^ 1), r"CRC32 mismatch"),  # body intact, CRC field off
+    (lambda f: forge(f, crc=HEADER.unpack_from(f)[-1] ^ 1), r"CRC32 mismatch"),  # body intact, CRC field off
     (lambda f: f[:60] + bytes([f[60] ^ 0x01]) + f[61:], r"CRC32 mismatch|zstd decompression failed|invalid"),
     (lambda f: f[:-5] + bytes([f[-5] ^ 0x40]) + f[-4:], r"CRC32 mismatch|zstd decompression failed|invalid"),
     (lambda f: f[:12] + bytes([f[12] ^ 0x01]) + f[13:], r"inconsistent with n=3001"),  # n flipped, CRC would catch too
-    (lambda f: _forge(f, n=2500), r"payload length 3000 inconsistent with n=2500"),
-    (lambda f: _forge(f, n=2000), r"scales length 12 inconsistent with n=2000"),
-    (lambda f: _forge(f, scales_len=8), r"scales length 8 inconsistent with n=3000, block=1024"),
-    (lambda f: _forge(f, payload_len=2999), r"payload length 2999 inconsistent"),
-    (lambda f: _forge(f, body=b"not zstd at all"), r"zstd decompression failed"),
+    (lambda f: forge(f, n=2500), r"payload length 3000 inconsistent with n=2500"),
+    (lambda f: forge(f, n=2000), r"scales length 12 inconsistent with n=2000"),
+    (lambda f: forge(f, scales_len=8), r"scales length 8 inconsistent with n=3000, block=1024"),
+    (lambda f: forge(f, payload_len=2999), r"payload length 2999 inconsistent"),
+    (lambda f: forge(f, body=b"not zstd at all"), r"zstd decompression failed"),
 ])
 def test_decode_rejects(mutate, match: str) -> None:
     with pytest.raises(CodecError, match=match):
@@ -95,10 +81,10 @@ def test_decode_rejects_zip_bomb() -> None:
     bomb = _zstd(bytes(50_000_000), content_size=False)
     assert len(bomb) < 5000
     with pytest.raises(CodecError, match=r"more than the 1028 bytes the header declares \(zip bomb\?\)"):
-        decode(_forge(frame, body=bomb))
+        decode(forge(frame, body=bomb))
     lying = _zstd(bytes(50_000_000))  # content size in the zstd frame, too
     with pytest.raises(CodecError, match="zip bomb"):
-        decode(_forge(frame, body=lying))
+        decode(forge(frame, body=lying))
 
 
 def test_frames_use_the_codec_window_and_a_bigger_one_is_refused() -> None:
@@ -112,15 +98,15 @@ def test_frames_use_the_codec_window_and_a_bigger_one_is_refused() -> None:
     wide = _zstd(np.float32(1.0).tobytes() + bytes(1024), window_log=WINDOW_LOG + 1, content_size=False)
     assert zstandard.get_frame_parameters(wide).window_size == 2 << WINDOW_LOG
     with pytest.raises(CodecError, match=rf"window may be at most {1 << WINDOW_LOG} bytes"):
-        decode(_forge(frame, body=wide))
-    assert decode(_forge(frame, body=_zstd(np.float32(1.0).tobytes() + bytes(1024)))).n == 1024  # the codec's: fine
+        decode(forge(frame, body=wide))
+    assert decode(forge(frame, body=_zstd(np.float32(1.0).tobytes() + bytes(1024)))).n == 1024  # the codec's: fine
 
 
 def test_decode_rejects_short_body_and_forged_values() -> None:
     frame = _frame(n=1024)
     short = zstandard.ZstdCompressor().compress(bytes(1000))
     with pytest.raises(CodecError, match=r"body decompresses to 1000 bytes, header declares 1028"):
-        decode(_forge(frame, body=short))
+        decode(forge(frame, body=short))
     with pytest.raises(CodecError, match=r"header says n=1024, expected n=999"):
         decode(frame, expected_n=999)
 
@@ -128,23 +114,23 @@ def test_decode_rejects_short_body_and_forged_values() -> None:
         return zstandard.ZstdCompressor().compress(np.float32(scale).tobytes() + codes)
 
     with pytest.raises(CodecError, match="invalid scale"):
-        decode(_forge(frame, body=body(np.nan, bytes(1024))))
+        decode(forge(frame, body=body(np.nan, bytes(1024))))
     with pytest.raises(CodecError, match="invalid scale"):
-        decode(_forge(frame, body=body(-1.0, bytes(1024))))
+        decode(forge(frame, body=body(-1.0, bytes(1024))))
     with pytest.raises(CodecError, match="invalid scale"):  # 127·scale would overflow to inf
-        decode(_forge(frame, body=body(3e38, bytes(1024))))
+        decode(forge(frame, body=body(3e38, bytes(1024))))
     with pytest.raises(CodecError, match="invalid int8 code -128 near value 5"):
-        decode(_forge(frame, body=body(1.0, bytes(5) + b"\x80" + bytes(1018))))
+        decode(forge(frame, body=body(1.0, bytes(5) + b"\x80" + bytes(1018))))
     frame4 = _frame(n=65, bits=4, block=64)  # 2 scales, 33 payload bytes
     scales = np.ones(2, np.float32).tobytes()
     with pytest.raises(CodecError, match="nibble 0b1000"):
-        decode(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + b"\x80" + bytes(32))))
+        decode(forge(frame4, body=zstandard.ZstdCompressor().compress(scales + b"\x80" + bytes(32))))
     with pytest.raises(CodecError, match="padding nibble"):
-        decode(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")))
+        decode(forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")))
     frame32 = _frame(n=4, bits=32)
     with pytest.raises(CodecError, match="non-finite value at index 2"):
         raw = np.array([1, 2, np.inf, 4], np.float32).tobytes()
-        decode(_forge(frame32, body=zstandard.ZstdCompressor().compress(raw)))
+        decode(forge(frame32, body=zstandard.ZstdCompressor().compress(raw)))
 
 
 # --------------------------------------------------------------------------- validation without decoding
@@ -190,7 +176,7 @@ def test_frame_validator_faults() -> None:
     rejects(frame + b"abc", "trailing garbage: 3 bytes")
     rejects(frame[:-10], r"frame truncated: header says \d+ body bytes")
     rejects(frame[:30], "frame truncated: 30 bytes")
-    rejects(_forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1), "CRC32 mismatch")
+    rejects(forge(frame, crc=HEADER.unpack_from(frame)[-1] ^ 1), "CRC32 mismatch")
     flipped = bytearray(frame)
     flipped[-5] ^= 0x40  # a flipped body byte: zstd, the value checks or the CRC must catch it
     rejects(bytes(flipped), r"CRC32 mismatch|zstd decompression failed|invalid")
@@ -199,36 +185,36 @@ def test_frame_validator_faults() -> None:
     for piece in (1, 20, 48, 97, 2000):
         assert _validate(frame, 1024, 8, 1024, piece=piece, with_crc=True) == ok
         with pytest.raises(CodecError, match="CRC32 mismatch"):
-            _validate(_forge(frame, crc=_HEADER.unpack_from(frame)[-1] ^ 1), 1024, 8, 1024, piece=piece,
+            _validate(forge(frame, crc=HEADER.unpack_from(frame)[-1] ^ 1), 1024, 8, 1024, piece=piece,
                       with_crc=True)
     with pytest.raises(CodecError, match="CRC32 mismatch"):  # a piece whose given CRC is not its bytes'
         v = codec.FrameValidator(1024, 8, 1024, out=lambda _: None)
         v.feed(frame, zlib.crc32(frame) ^ 1)
         v.finish()
-    rejects(_forge(frame, body=b"not zstd at all"), "zstd decompression failed")
+    rejects(forge(frame, body=b"not zstd at all"), "zstd decompression failed")
     bomb = _zstd(bytes(50_000_000), content_size=False)
-    rejects(_forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
-    rejects(_forge(frame, body=zstandard.ZstdCompressor().compress(bytes(1000))),
+    rejects(forge(frame, body=bomb), r"more than the 1028 bytes the header declares \(zip bomb\?\)")
+    rejects(forge(frame, body=zstandard.ZstdCompressor().compress(bytes(1000))),
             r"body decompresses to 1000 bytes, header declares 1028")
 
     def body(scale: float, codes: bytes) -> bytes:
         return zstandard.ZstdCompressor().compress(np.float32(scale).tobytes() + codes)
 
     for scale in (np.nan, -1.0, 3e38):
-        assert rejects(_forge(frame, body=body(scale, bytes(1024))), "invalid scale") == b""  # nothing out
-    got = rejects(_forge(frame, body=body(1.0, bytes(700) + b"\x80" + bytes(323))), "int8 code -128 near value 700",
+        assert rejects(forge(frame, body=body(scale, bytes(1024))), "invalid scale") == b""  # nothing out
+    got = rejects(forge(frame, body=body(1.0, bytes(700) + b"\x80" + bytes(323))), "int8 code -128 near value 700",
                   out_piece=512)
     assert got == np.float32(1.0).tobytes() + bytes(508)  # the scale and the first whole piece; not the bad one
     frame4 = _frame(n=65, bits=4, block=64)  # 2 scales, 33 payload bytes
     scales = np.ones(2, np.float32).tobytes()
-    rejects(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(3) + b"\x80" + bytes(29))),
+    rejects(forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(3) + b"\x80" + bytes(29))),
             "nibble 0b1000 near value 6", n=65, bits=4, block=64)
-    rejects(_forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")),
+    rejects(forge(frame4, body=zstandard.ZstdCompressor().compress(scales + bytes(32) + b"\x11")),
             "padding nibble", n=65, bits=4, block=64)
     frame32 = _frame(n=4, bits=32)
     raw = np.array([1, 2, np.inf, 4], np.float32).tobytes()
     for out_piece in (3, 1 << 20):  # a float split across output pieces, or not
-        rejects(_forge(frame32, body=zstandard.ZstdCompressor().compress(raw)), "non-finite value at index 2",
+        rejects(forge(frame32, body=zstandard.ZstdCompressor().compress(raw)), "non-finite value at index 2",
                 n=4, bits=32, out_piece=out_piece)
 
     dead = codec.FrameValidator(1024, 8, 1024, out=lambda _: None)

@@ -4,22 +4,19 @@ coordinator's merger."""
 
 from __future__ import annotations
 
-import struct
 import tempfile
-import zlib
 
 import numpy as np
 import pytest
 import zstandard
 
+from codec_helpers import forge
 from coordinator.merger import MergeOptions, Merger
 from dtrain import codec
 from dtrain.codec import CodecError, ErrorFeedback, decode, dequantize, encode, quantize
 from dtrain.config.load import replace
 from dtrain.config.sections import Config, ConfigError
 from dtrain.steps.outer import suited_rule
-
-_HEADER = struct.Struct("<4sBBHIQQQQI")
 
 
 @pytest.mark.parametrize("block", [64, 1024])
@@ -84,37 +81,26 @@ def test_the_merge_sum_and_the_norm_are_the_decoder_s_values(n: int) -> None:
     assert np.array_equal(codec.block_sum_squares(2, 64, q.payload, n), (padded ** 2).sum(axis=1))
 
 
-def _forge(frame: bytes, body: bytes | None = None, **fields: int) -> bytes:
-    """Rewrite header fields (and/or the body) and re-seal the CRC, so only the intended fault remains."""
-    names = ["magic", "version", "bits", "reserved", "block", "n", "scales_len", "payload_len", "body_len", "crc"]
-    values = dict(zip(names, _HEADER.unpack_from(frame), strict=True))
-    body = frame[codec.HEADER_SIZE:] if body is None else body
-    values["body_len"] = len(body)
-    values.update(fields)
-    head = _HEADER.pack(*[values[k] for k in names])[:44]
-    return head + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + body
-
-
 def _body(scales: np.ndarray, payload: bytes) -> bytes:
     return zstandard.ZstdCompressor().compress(scales.astype("<f4").tobytes() + payload)
 
 
 def test_hostile_frames_are_rejected() -> None:
     frame = encode(quantize(np.random.default_rng(3).standard_normal(65).astype(np.float32), 2, 64))  # 17 bytes
-    assert decode(_forge(frame)).n == 65
+    assert decode(forge(frame)).n == 65
     ones = np.ones(2, np.float32)
     for scale in (np.nan, -1.0, np.inf, 3e38):  # 1.5·3e38 would overflow
         with pytest.raises(CodecError, match="invalid scale"):
-            decode(_forge(frame, body=_body(np.array([1.0, scale]), bytes(17))))
+            decode(forge(frame, body=_body(np.array([1.0, scale]), bytes(17))))
     with pytest.raises(CodecError, match="padding bits"):  # value 65 of 68 slots: the last byte's bits 2..7
-        decode(_forge(frame, body=_body(ones, bytes(16) + b"\x04")))
-    assert decode(_forge(frame, body=_body(ones, bytes(16) + b"\x03"))).n == 65  # the one real value: any code
+        decode(forge(frame, body=_body(ones, bytes(16) + b"\x04")))
+    assert decode(forge(frame, body=_body(ones, bytes(16) + b"\x03"))).n == 65  # the one real value: any code
     with pytest.raises(CodecError, match="multiple of 4"):
-        decode(_forge(frame, block=66, scales_len=8))
+        decode(forge(frame, block=66, scales_len=8))
     with pytest.raises(CodecError, match="payload length 16 inconsistent"):
-        decode(_forge(frame, payload_len=16))
+        decode(forge(frame, payload_len=16))
     with pytest.raises(CodecError, match="body decompresses to 24 bytes, header declares 25"):
-        decode(_forge(frame, body=_body(ones, bytes(16))))
+        decode(forge(frame, body=_body(ones, bytes(16))))
     with pytest.raises(CodecError, match="CRC32 mismatch"):
         decode(frame[:-1] + bytes([frame[-1] ^ 1]))
     with pytest.raises(CodecError, match="bits=2 block=64, expected bits=4"):

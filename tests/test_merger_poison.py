@@ -308,12 +308,8 @@ def test_over_its_budget_the_direction_screen_samples_random_pieces_and_still_ca
     vecs = [honest + rng.normal(size=n).astype(np.float32) * s for s in (0.5, 1.0, 2.0)] + [-1.0 * honest]
     for i, v in enumerate(vecs):
         push_keyed(m, v, 1.0, f"p{i}")
-    rows = np.stack([codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]).astype(np.float64)
-    med = np.median(rows, axis=0)
-    exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
-    read: list[tuple[int, int]] = []
-    stack = Merger.stack_pending
-    monkeypatch.setattr(Merger, "stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    exact = _median_cosines(vecs)
+    read = _pieces_read(monkeypatch)
     samples = []
     for _ in range(4):
         read.clear()
@@ -343,12 +339,8 @@ def test_with_many_pushes_the_screen_shares_its_budget_and_still_catches_a_rever
     vecs = [honest + rng.normal(size=n).astype(np.float32) for _ in range(k - 1)] + [-1.0 * honest]
     for i, v in enumerate(vecs):
         push_keyed(m, v, 1.0, f"p{i}")
-    rows = np.stack([codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]).astype(np.float64)
-    med = np.median(rows, axis=0)
-    exact = [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
-    read: list[tuple[int, int]] = []
-    stack = Merger.stack_pending
-    monkeypatch.setattr(Merger, "stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    exact = _median_cosines(vecs)
+    read = _pieces_read(monkeypatch)
     got, _ = m.direction_cosines()
     np.testing.assert_allclose(got, exact, atol=0.03)
     assert min(got[:-1]) > 0.3 and got[-1] < -0.5
@@ -421,3 +413,19 @@ def test_a_minus_3x_island_does_not_move_the_merged_theta_far_by_default():
     merged = -m.theta
     assert np.linalg.norm(merged - honest) < 0.5 * np.linalg.norm(honest), m.opts.rule
     assert float(np.dot(merged, honest)) > 0.5 * float(np.dot(honest, honest))
+
+
+def _median_cosines(vecs: list[np.ndarray]) -> list[float]:
+    """Each int8-coded vector's exact cosine with their coordinate median, over every value (what the screen's
+    sample estimates)."""
+    rows = np.stack([codec.dequantize(codec.quantize(v, 8, BLOCK)) for v in vecs]).astype(np.float64)
+    med = np.median(rows, axis=0)
+    return [float(r @ med / (np.linalg.norm(r) * np.linalg.norm(med))) for r in rows]
+
+
+def _pieces_read(monkeypatch) -> list[tuple[int, int]]:
+    """The (start, count) of every piece the screen stacks from here on, in order."""
+    read: list[tuple[int, int]] = []
+    stack = Merger.stack_pending
+    monkeypatch.setattr(Merger, "stack_pending", lambda self, s, c: read.append((s, c)) or stack(self, s, c))
+    return read

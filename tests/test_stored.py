@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
+from codec_helpers import forge
 from dtrain import codec
-from dtrain.codec.frame import _HEADER
 
 N, BLOCK = 5000, 64
 
@@ -36,23 +36,15 @@ def test_a_stored_frame_decodes_to_the_same_values_fed_in_any_pieces(bits, piece
     np.testing.assert_array_equal(codec.dequantize(codec.decode(frame, expected_n=N)), codec.dequantize(q))
 
 
-def _reseal(frame: bytes, body: bytes, **fields: int) -> bytes:
-    names = ["magic", "version", "bits", "flags", "block", "n", "scales_len", "payload_len", "body_len", "crc"]
-    values = dict(zip(names, _HEADER.unpack_from(frame), strict=True))
-    values.update(body_len=len(body), **fields)
-    head = _HEADER.pack(*[values[k] for k in names])[:44]
-    return head + struct.pack("<I", codec.crc32(body, codec.crc32(head))) + body
-
-
 def test_hostile_stored_frames_are_refused_by_name():
     q, frame = _frame(8)
     body = frame[codec.HEADER_SIZE:]
     scales_len = 4 * q.scales.size
     cases = [
-        (_reseal(frame, body + b"\x01"), r"stored body of \d+ bytes: must be the scales' \d+ \+ the payload's"),
-        (_reseal(frame, body, flags=3), r"header flags 0x0003"),
-        (_reseal(frame, body[:scales_len] + b"\x80" + body[scales_len + 1:]), r"invalid int8 code -128 near value 0"),
-        (_reseal(frame, struct.pack("<f", float("nan")) + body[4:]), r"invalid scale .*nan.* for block 0"),
+        (forge(frame, body + b"\x01"), r"stored body of \d+ bytes: must be the scales' \d+ \+ the payload's"),
+        (forge(frame, body, flags=3), r"header flags 0x0003"),
+        (forge(frame, body[:scales_len] + b"\x80" + body[scales_len + 1:]), r"invalid int8 code -128 near value 0"),
+        (forge(frame, struct.pack("<f", float("nan")) + body[4:]), r"invalid scale .*nan.* for block 0"),
         (frame[:-1], r"frame truncated"),
         (frame[:codec.HEADER_SIZE] + bytes([frame[codec.HEADER_SIZE] ^ 1]) + frame[codec.HEADER_SIZE + 1:],
          r"CRC32 mismatch"),  # the first scale's lowest mantissa bit: still a valid scale
@@ -68,7 +60,7 @@ def test_a_stored_int4_frame_with_a_padding_nibble_is_refused():
     body = bytearray(frame[codec.HEADER_SIZE:])
     body[-1] |= 0x10
     with pytest.raises(codec.CodecError, match="padding nibble"):
-        codec.decode(_reseal(frame, bytes(body)), expected_n=N + 1)
+        codec.decode(forge(frame, bytes(body)), expected_n=N + 1)
 
 
 def test_stored_is_a_level_of_its_own_and_zstd_levels_still_compress():
