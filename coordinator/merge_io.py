@@ -20,7 +20,7 @@ from dtrain.codec.masked import DESCRIPTOR_SIZE  # a mask payload's seed and den
 
 IO_PIECE = 1 << 22  # bytes per read when streaming a file into a frame
 # int8 pushes summed at once (codec.dequantize_sum): one einsum per group instead of a broadcast multiply per push,
-# a quarter less CPU for the sum; its buffers, (SUM_GROUP + 1) slabs of float32, stay under the mmap threshold
+# a quarter less CPU for the sum; its float32 buffers, (SUM_GROUP + 1) pieces (codec.sum_piece_values), stay in L2
 SUM_GROUP = 12
 
 
@@ -180,7 +180,8 @@ def sum_pending(pending: list[SpooledPush], o: MergeOptions, n_values: int, star
     group = min(SUM_GROUP, len(pending))
     codes = np.empty((group, count), np.int8)
     scales = np.empty((group, blocks), np.float32)
-    work, total = np.empty((group + 1) * count, np.float32), np.empty(count, np.float32)
+    piece = min(count, codec.sum_piece_values(o.block))
+    work, total = np.empty((group + 1) * piece, np.float32), np.empty(piece, np.float32)
     for at in range(0, len(pending), group):
         members = pending[at:at + group]
         g = len(members)

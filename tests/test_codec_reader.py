@@ -272,7 +272,7 @@ def test_spec_size_counts_the_flat_vector() -> None:
         codec.spec_size([["a", [-1], "float32"]])
 
 
-@pytest.mark.parametrize("n", [0, 1, 1000, codec.quant.SUM_SQUARES_PIECE, 3 * codec.quant.SUM_SQUARES_PIECE + 17])
+@pytest.mark.parametrize("n", [0, 1, 1000, codec.squares.SUM_SQUARES_PIECE, 3 * codec.squares.SUM_SQUARES_PIECE + 17])
 def test_sum_squares_is_the_float64_sum_to_float32_rounding(n: int, tmp_path) -> None:
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * rng.choice([1e-4, 1.0, 1e3], n)).astype(np.float32)
@@ -293,7 +293,7 @@ def test_sum_squares_of_values_near_the_float32_max_is_finite_and_exact() -> Non
     """Values whose float32 squares (or their float32 sum) would overflow are summed in float64: no overflow
     anywhere, a finite sum, equal to the float64 one; a piece of ordinary values keeps its float32 sum."""
     top = np.finfo(np.float32).max
-    piece = codec.quant.SUM_SQUARES_PIECE
+    piece = codec.squares.SUM_SQUARES_PIECE
     rng = np.random.default_rng(7)
     x = rng.standard_normal(3 * piece + 5).astype(np.float32)
     x[piece + 3] = top  # the second piece alone holds huge values

@@ -16,23 +16,29 @@ from dtrain.config.sections import Config
 BLOCK = 64
 
 
-def _one_by_one(scales, codes, weights, out):
+def _one_by_one(scales, codes, weights, out, block=BLOCK):
     for s, c, w in zip(scales, codes, weights, strict=True):
-        codec.dequantize_add(8, BLOCK, s, c.view(np.uint8), out, weight=w)
+        codec.dequantize_add(8, block, s, c.view(np.uint8), out, weight=w)
 
 
-@pytest.mark.parametrize("group", [1, 2, 7])
-def test_the_grouped_sum_is_the_one_by_one_sum_bit_for_bit(group):
+@pytest.mark.parametrize(("group", "block", "blocks"), [
+    (1, BLOCK, 40), (2, BLOCK, 40), (7, BLOCK, 40),
+    (3, BLOCK, 2 * codec.sum_piece_values(BLOCK) // BLOCK + 5),  # two whole pieces and a part of one
+    (2, 2 * codec.sums.PIECE, 3),  # blocks larger than a piece: one block at a time
+])
+def test_the_grouped_sum_is_the_one_by_one_sum_bit_for_bit(group, block, blocks):
+    """Whatever the pieces it is cast and summed in (the scratch no larger than one piece: sum_piece_values)."""
     rng = np.random.default_rng(group)
-    n = 40 * BLOCK
+    n = blocks * block
     codes = rng.integers(-127, 128, (group, n), dtype=np.int8)
-    scales = (rng.random((group, n // BLOCK)) * 1e-2).astype(np.float32)
+    scales = (rng.random((group, blocks)) * 1e-2).astype(np.float32)
     weights = (rng.random(group) * 3).astype(np.float32)
     start = rng.normal(size=n).astype(np.float32)  # a running sum that is not zero: its rounding order counts
     want, got = start.copy(), start.copy()
-    _one_by_one(scales, codes, weights, want)
-    codec.dequantize_sum(BLOCK, scales, codes, weights, got, np.empty((group + 1) * n, np.float32),
-                         np.empty(n, np.float32))
+    _one_by_one(scales, codes, weights, want, block)
+    piece = min(n, codec.sum_piece_values(block))
+    codec.dequantize_sum(block, scales, codes, weights, got, np.empty((group + 1) * piece, np.float32),
+                         np.empty(piece, np.float32))
     assert np.abs(got - start).max() > 0 and np.array_equal(got, want)
 
 

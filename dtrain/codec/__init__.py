@@ -79,7 +79,6 @@ from dtrain.codec.quant import (
     Bits,
     ErrorFeedback,
     QuantizedVec,
-    block_sum_squares,
     canonical_bits,
     check_block,
     check_codes,
@@ -93,7 +92,6 @@ from dtrain.codec.quant import (
     payload_offset,
     quantize,
     quantize_segment,
-    sum_squares,
 )
 from dtrain.codec.sparse import (
     MAX_CHUNK,
@@ -119,7 +117,8 @@ from dtrain.codec.spec import (
     spec_size,
     unflatten,
 )
-from dtrain.codec.sums import dequantize_sum
+from dtrain.codec.squares import block_sum_squares, sum_squares
+from dtrain.codec.sums import dequantize_sum, sum_piece_values
 
 __all__ = [
     "CODEC_BITS",
@@ -157,6 +156,7 @@ __all__ = [
     "dequantize",
     "dequantize_add",
     "dequantize_sum",
+    "sum_piece_values",
     "dequantize_segment",
     "encode",
     "error_feedback_step",

@@ -46,7 +46,6 @@ residual and keeps what quantization dropped for the next round.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -77,10 +76,8 @@ __all__ = [
     "n_scales",
     "payload_len",
     "payload_offset",
-    "block_sum_squares",
     "quantize",
     "quantize_segment",
-    "sum_squares",
 ]
 
 Bits = Literal[8, 4, 2, 32, "e3m0", "sparse2", "sparse4", "sparse8", "mask2"]
@@ -116,9 +113,6 @@ _BAD_NIBBLES: Final = np.array([(b & 0x0F) == 8 or (b >> 4) == 8 for b in range(
 # int4: a payload byte → its two levels (low nibble first) as int8: one table gather instead of unpacking the nibbles
 # and converting them (2.7x faster).
 _INT4_LEVELS: Final = np.array([[((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], np.int8)
-# int4: a payload byte → the sum of its two levels' squares (at most 2·8² = 128): the push norm's one table gather per
-# two values (block_sum_squares), with no level array.
-_INT4_SQUARES: Final = (_INT4_LEVELS.astype(np.int32) ** 2).sum(axis=1).astype(np.uint16)
 
 
 def canonical_bits(bits: Any) -> Bits:
@@ -307,64 +301,6 @@ def dequantize_segment(bits: Bits, block: int, scales: np.ndarray, payload: np.n
     codes = _unpack_nibbles(payload, count)
     magnitude = _E3M0_LEVELS[codes & 7] * scale_per_value
     return np.where(codes & 8, -magnitude, magnitude)
-
-
-SUM_SQUARES_PIECE = 1 << 16  # values squared at once by sum_squares (256 KiB of scratch)
-# The largest |value| whose piece sum_squares squares and sums in float32: a piece of at most SUM_SQUARES_PIECE such
-# values sums to at most half the float32 maximum (~3.6e16 here), so neither a square nor the sum can overflow.
-_SUM_SQUARES_F32_PEAK: Final = np.float32(math.sqrt(_F32_MAX / SUM_SQUARES_PIECE) / 2)
-
-
-def sum_squares(values: np.ndarray) -> float:
-    """Σ value² of float32 ``values`` (any size: squared piece by piece into one small scratch buffer), as a Python
-    float. Each piece is summed by numpy's pairwise float32 summation (relative error about 1e-7; the pieces add
-    in float64): four times the speed of a float64-accumulating ``einsum``, and never BLAS (``np.dot`` hands
-    long vectors to a thread pool whose spinning threads took the coordinator's cores). A piece holding a value
-    past ~3.6e16 in magnitude (whose float32 squares or sum could overflow), or a NaN, is summed in float64
-    instead: finite values always give a finite sum, and nothing overflows on the way."""
-    x = values.reshape(-1)
-    scratch = np.empty(min(x.size, SUM_SQUARES_PIECE), np.float32)
-    total = 0.0
-    for s in range(0, x.size, SUM_SQUARES_PIECE):
-        part = x[s:s + SUM_SQUARES_PIECE]
-        # max and min: two reductions over the piece (in cache), no temporary; NaN fails both tests
-        if part.max() <= _SUM_SQUARES_F32_PEAK and -part.min() <= _SUM_SQUARES_F32_PEAK:
-            piece = float(np.square(part, out=scratch[:part.size], dtype=np.float32).sum())
-        else:  # float64 holds any float32 square (≤ 1.2e77) and their sum
-            piece = float(np.einsum("i,i->", part, part, dtype=np.float64))
-        total += piece
-    return total
-
-
-def block_sum_squares(bits: Bits, block: int, payload: np.ndarray | bytes | bytearray | memoryview,
-                      count: int) -> np.ndarray:
-    """Per block, Σ level² over the ``count`` codes of ``payload`` (whole blocks, the last one maybe partial), as
-    float64: times the block's scale², the squared L2 norm of its dequantized values, with no dequantization.
-    Not for bits=32 (no blocks: square the values)."""
-    if bits == 2:
-        return int2.block_sum_squares(block, payload, count)
-    arr = np.frombuffer(payload, np.uint8)
-    n_blocks = -(-count // block)
-    if bits == "e3m0":
-        levels = _E3M0_LEVELS[_unpack_nibbles(arr, count) & 7]
-        if n_blocks * block != count:
-            levels = np.concatenate([levels, np.zeros(n_blocks * block - count, np.float32)])
-        levels_BxK = levels.reshape(n_blocks, block)
-        return np.einsum("ij,ij->i", levels_BxK, levels_BxK).astype(np.float64)
-    # int8 and int4: integer levels, squared in int16 (127² fits) and summed per block in int32 (127² x 65536 fits):
-    # exact, and a third less memory traffic than float32. int4: one table gather per byte gives its two values'
-    # squares summed (_INT4_SQUARES), half the elements to sum and no level array.
-    per_unit = 1 if bits == 8 else 2  # values per payload byte
-    units, block_units = -(-count // per_unit), block // per_unit
-    squares = np.empty(n_blocks * block_units, np.int16 if bits == 8 else np.uint16)
-    squares[units:] = 0  # the last block's missing values (only that block: no zeroing of whole pieces)
-    if bits == 8:
-        np.square(arr[:count].view(np.int8), out=squares[:count], dtype=np.int16)
-    else:
-        np.take(_INT4_SQUARES, arr[:units], out=squares[:units])
-        if count % 2:  # the last byte's high nibble is padding, not a value
-            squares[units - 1] = int(_INT4_LEVELS[arr[units - 1], 0]) ** 2
-    return squares.reshape(n_blocks, block_units).sum(axis=1, dtype=np.int32).astype(np.float64)
 
 
 def check_scales(bits: Bits, scales: np.ndarray, first_block: int) -> None:
