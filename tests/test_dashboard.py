@@ -33,6 +33,7 @@ from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from dtrain.status_doc import message_dict
 from service_helpers import Running, delta_frame, join_island, push_header, tls_config
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.client import CoordinatorClient, CoordinatorError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,7 +286,7 @@ def _wait_status(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path)
 def test_the_page_in_a_headless_browser_during_a_simulation(tmp_path, compile_cache):
     """Loads the page in chromium while a 2-island `dtrain simulate` runs: the island table lists the live islands
     with their versions and steps, the loss chart has the global evals' points, the screenshot is a real PNG."""
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
     env.pop("DTRAIN_TOKEN", None)
     # Long enough that the run is still going when the browser looks (it is stopped after); an eval every version.
     log = tmp_path / "simulate.log"

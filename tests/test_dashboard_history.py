@@ -26,6 +26,7 @@ from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.runlog import read_events
 from service_helpers import Running, delta_frame, join_island, push_header
+from simulate_helpers import NO_FAKE_DEVICES
 from test_dashboard import _chromium, _get
 from workers.client import CoordinatorClient
 
@@ -170,7 +171,7 @@ def _history(url: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_whole_run_on_the_page_at_start_after_a_kill_and_after_the_end(tmp_path, compile_cache):
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
     env.pop("DTRAIN_TOKEN", None)
     log = tmp_path / "simulate.log"
     runs = tmp_path / "runs"

@@ -19,6 +19,7 @@ import pytest
 
 from dtrain.runlog import read_events
 from dtrain_cli.simulate_processes import free_port
+from simulate_helpers import NO_FAKE_DEVICES
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # `dtrain` of the interpreter running the tests
@@ -34,7 +35,7 @@ def plain_machines_commands() -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
     env.pop("DTRAIN_TOKEN", None)
     return env

@@ -23,13 +23,13 @@ from dtrain_cli.fault_spec import parse_fault
 from dtrain_cli.main import main
 from dtrain_cli.simulate import run_simulation
 from service_helpers import Running, push_header
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.push_faults import (
     corrupt_push,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.mark.slow

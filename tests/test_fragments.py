@@ -22,6 +22,7 @@ from dtrain.net.proto import dtrain_pb2 as pb
 from dtrain.steps.outer import OuterHParams
 from dtrain.train import fragments
 from service_helpers import Running, delta_frame, join_island, push_header
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import GlobalParams, Puller
 from workers.rounds import Schedule
@@ -306,7 +307,7 @@ def test_simulate_with_two_fragments_runs_to_the_end_with_an_exact_audit(tmp_pat
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
                                "coordinator.grace_s=60", compile_cache])
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300)
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300)
     assert s["rounds"] == cfg.rounds == 8  # a push of one fragment every 5 steps, 40 steps
     assert s["bit_identical_final_params"]
     audit = s["audit"]
@@ -334,7 +335,7 @@ def test_sparse_fragments_whose_norms_grow_are_merged_and_no_island_is_quarantin
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "codec.up=sparse", "codec.down=sparse",
                                "outer.fragments=2", "train.warmup_steps=20", "train.steps=40",
                                "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
-    s = run_simulation(cfg, 4, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600)
+    s = run_simulation(cfg, 4, quiet=True, env=NO_FAKE_DEVICES, timeout_s=600)
     assert s["quarantined_islands"] == [] and s["unfinished_islands"] == [] and len(s["islands"]) == 4
     assert s["rounds"] == 4 and s["bit_identical_final_params"]
     audit = s["audit"]
@@ -382,7 +383,7 @@ def test_refused_and_rejected_fragment_pushes_are_trained_again_and_counted_once
                                "outer.inner_steps=10", "outer.fragments=2", "worker.heartbeat_s=0.5",
                                "coordinator.grace_s=60"])
     faults = [parse_fault("nan:island-1@v3", 2), parse_fault("poison:island-0@v5", 2)]
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=600,
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=600,
                        faults=faults)
     assert s["bit_identical_final_params"]
     audit = s["audit"]

@@ -13,6 +13,7 @@ from dtrain.config.sections import ROUND_AUTO, ConfigError
 from dtrain.runlog import read_events
 from dtrain_cli.island_spec import island_config, parse_islands, run_config
 from dtrain_cli.simulate import run_simulation
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.pacing import RateMeter, auto_round_seconds, retimed
 from workers.rounds import Schedule
 
@@ -110,7 +111,7 @@ def test_two_islands_of_different_batch_and_devices_through_a_coordinator(tmp_pa
     cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=20", "outer.inner_steps=10",
                 "worker.heartbeat_s=0.5", "coordinator.grace_s=60", compile_cache)
     specs = parse_islands(["island-1:train.batch_size=4,host_devices=2"], 2, cfg)
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        island_specs=specs)
     islands = {i["island"]: i for i in s["islands"]}
     assert (islands["island-0"]["devices"], islands["island-1"]["devices"]) == (1, 2)
@@ -141,7 +142,7 @@ def test_auto_rounds_measure_the_islands_in_training(tmp_path) -> None:
     cfg = _tiny(f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=200", "outer.inner_steps=20",
                 "worker.round_seconds=auto", "worker.heartbeat_s=0.5")
     specs = parse_islands(["island-1:slowdown=3"], 2, cfg)
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        island_specs=specs)
     islands = {i["island"]: i for i in s["islands"]}
     fast, slow = islands["island-0"], islands["island-1"]

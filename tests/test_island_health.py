@@ -21,6 +21,7 @@ from dtrain.config.load import load_config, to_toml
 from dtrain.config.sections import Config
 from dtrain.health.faults import DeviceFault
 from dtrain.runlog import read_events
+from simulate_helpers import NO_FAKE_DEVICES
 
 
 def _cfg(tmp_path: Path, *extra: str) -> Config:
@@ -44,7 +45,7 @@ def _run(cfg: Config, tmp_path: Path, faults: dict[str, DeviceFault | None]) -> 
     theta, spec = initial_parameters(cfg)
     server, service, port = serve(cfg, tmp_path / "coordinator", theta, spec, port=0, quiet=True)
     (tmp_path / "config.toml").write_text(to_toml(cfg))
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
     procs = {}
     out: dict[str, Any] = {}
     try:

@@ -21,9 +21,9 @@ from dtrain.data.mixture import (
     source_names,
 )
 from dtrain.data.token_store import StoreWriter
+from simulate_helpers import NO_FAKE_DEVICES
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 
 
 def _store(path: Path, tokens: int, seed: int, vocab: int = 256, offset: int = 0) -> str:

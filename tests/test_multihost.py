@@ -32,6 +32,7 @@ from dtrain.runlog import process_dir, read_events
 from dtrain.steps.inner import make_mesh
 from dtrain.train.loop import InnerLoop
 from dtrain_cli.simulate_processes import free_port, island_process_flags
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.app import open_worker
 from workers.exchange import WorkerError
 from workers.hosts import AUTO, HostGroup, Processes, resolve_processes
@@ -53,7 +54,7 @@ class Cluster:
         theta, spec = initial_parameters(self.cfg)
         self.server, self.service, port = serve(self.cfg, tmp / "coordinator", theta, spec, port=0, quiet=True)
         (tmp / "config.toml").write_text(to_toml(self.cfg))
-        self.env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
         self.base = [sys.executable, "-m", "dtrain_cli", "worker", "--config", str(tmp / "config.toml"),
                      "--host-devices", "2", "--coordinator", f"127.0.0.1:{port}", "--quiet"]
         self.jax_ports: dict[str, int] = {}

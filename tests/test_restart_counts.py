@@ -13,9 +13,9 @@ from dtrain.runlog import read_events
 from dtrain_cli.fault_spec import parse_fault
 from dtrain_cli.plot import read_run, run_series
 from dtrain_cli.simulate import run_simulation
+from simulate_helpers import NO_FAKE_DEVICES
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_FAKE_DEVICES = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per worker process: faster
 
 
 @pytest.mark.slow  # two worker processes and a restart: ~20 s

@@ -19,6 +19,7 @@ from dtrain.net.proto import dtrain_pb2_grpc as pb_grpc
 from dtrain.net.wire import BUSY_METADATA_KEY, chunk_message
 from dtrain.train import fragments
 from service_helpers import IdlePushes, call_failure, push_header, wait_for
+from simulate_helpers import NO_FAKE_DEVICES
 from workers.app import coordinator_link
 from workers.client import CoordinatorClient, CoordinatorError
 from workers.exchange import GlobalParams, ShardFrames
@@ -353,7 +354,7 @@ def test_simulate_with_two_coordinator_shards_runs_to_the_end_with_an_exact_audi
 
     cfg = load_config("tiny", [f"run.out_dir={tmp_path}", "outer.islands=2", "train.steps=40",
                                "outer.inner_steps=10", "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=300,
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=300,
                        coordinator_shards=2)
     assert s["rounds"] == cfg.rounds == 4
     assert s["bit_identical_final_params"]
@@ -384,7 +385,7 @@ def test_a_killed_shard_is_a_failed_coordinator_resumed_with_nothing_lost_or_dou
                                "outer.inner_steps=10", "worker.heartbeat_s=0.5", "coordinator.grace_s=60"])
     fault = parse_fault("kill-coordinator@v2+2s,shard=1", 2)
     assert fault.shard == 1 and fault.duration_s == 2
-    s = run_simulation(cfg, 2, quiet=True, env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}, timeout_s=400,
+    s = run_simulation(cfg, 2, quiet=True, env=NO_FAKE_DEVICES, timeout_s=400,
                        coordinator_shards=2, faults=[fault])
     assert s["rounds"] == 4 and s["bit_identical_final_params"]
     audit = s["audit"]

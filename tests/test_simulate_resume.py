@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.runlog import read_events
+from simulate_helpers import NO_FAKE_DEVICES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def _simulate(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **NO_FAKE_DEVICES, "PYTHONUNBUFFERED": "1"}
     env.pop("DTRAIN_TOKEN", None)
     return env
 
