@@ -273,8 +273,9 @@ class RoundsLoop:
         """The service's clock (the ticker thread): expires leases, closes rounds that are ready (the only thread
         that merges: a push that completes a round only wakes it), notes when the run is finished. The outer step
         runs outside the lock, so joins, heartbeats, Status and pulls are served while it computes. Sleeps until
-        the state's next deadline, or until a join, heartbeat or push notifies the lock (which may move that
-        deadline, make a round ready, or finish the run)."""
+        the state's next deadline, or until a join, a push, or a heartbeat that changes what it decides on
+        (``CoordinatorService._clock_view``) notifies the lock (which may move that deadline sooner, make a round
+        ready, or finish the run)."""
         try:
             while True:
                 with self.lock:

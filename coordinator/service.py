@@ -35,7 +35,7 @@ from coordinator.open_round import OpenRound, RoundParts
 from coordinator.pending import PendingSet
 from coordinator.pull_cache import PullCache
 from coordinator.push import PushIntake
-from coordinator.records import PushInfo, StateError, StateOptions
+from coordinator.records import IslandRecord, PushInfo, StateError, StateOptions
 from coordinator.refusals import AuthFailures, CallRefused, RefusalLog
 from coordinator.rounds_loop import AfterFinish, RoundsLoop
 from coordinator.state import CoordinatorState
@@ -296,6 +296,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                total_versions=self.opts.end_version,
                                shard_addresses=self.store.shard_addresses)
 
+    def _clock_view(self, record: IslandRecord | None) -> tuple[object, ...]:
+        """Under the lock: what of an island's record and the state a heartbeat may change that the clock decides
+        on (``coordinator/quorum.py``: the island's state and version, its devices, the run's round length). A
+        heartbeat that changes none of it only renews a lease, which moves no deadline sooner, so it does not wake
+        the clock: 64 islands heartbeat 64 times a second."""
+        r = record
+        return (self.state.round_seconds,) if r is None else \
+            (r.state, r.version, r.devices, len(r.quarantined), self.state.round_seconds)
+
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self._authorize(context, request.island_id)
         # The reports the state machine does not judge, checked first: a refused heartbeat changes nothing.
@@ -313,6 +322,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.lock:
             record = self.state.islands.get(request.island_id)
             known = len(record.quarantined) if record is not None else 0  # the record's list only grows
+            seen = self._clock_view(record)
             action, reason = self._decide(
                 context, self.state.heartbeat, request.island_id, request.version, request.steps, request.tokens,
                 request.steps_per_s, request.params_digest, tuple(request.bad_devices), self.clock(),
@@ -321,7 +331,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             new = record.quarantined[known:] if record is not None else ()
             healthy, name = (record.devices, record.name) if record is not None else (0, "")
             version = self.state.version
-            self.lock.notify_all()  # the island's version may finish the run
+            if self._clock_view(record) != seen:  # its version may finish the run, its state ready a round
+                self.lock.notify_all()
             if request.params_digest and request.version == version and request.params_digest != self.params_digest:
                 self.log.event("digest_mismatch", island=request.island_id, version=version)
             unknown = bool(request.pending_push_id) and not self.state.push_known(request.pending_push_id)
