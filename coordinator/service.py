@@ -301,9 +301,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         on (``coordinator/quorum.py``: the island's state and version, its devices, the run's round length). A
         heartbeat that changes none of it only renews a lease, which moves no deadline sooner, so it does not wake
         the clock: 64 islands heartbeat 64 times a second."""
-        r = record
-        return (self.state.round_seconds,) if r is None else \
-            (r.state, r.version, r.devices, len(r.quarantined), self.state.round_seconds)
+        island = () if record is None else (record.state, record.version, record.devices, len(record.quarantined))
+        return (*island, self.state.round_seconds)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self._authorize(context, request.island_id)

@@ -33,8 +33,8 @@ def dequantize_sum(block: int, scales: np.ndarray, codes: np.ndarray, weights: n
         codes: int8 (G, values): each segment's codes, already checked (no -128).
         weights: float32 (G,): each segment's factor.
         out: float32 (values,), a whole number of blocks; updated in place.
-        work: float32 scratch of at least (G + 1) x :func:`sum_piece_values` (``block``); total: float32 scratch of at
-            least :func:`sum_piece_values` (``block``).
+        work: float32 scratch of at least (G + 1) x P values, P = min(values, :func:`sum_piece_values` (``block``));
+            total: float32 scratch of at least P values.
     """
     g, count = codes.shape
     if count % block or scales.shape != (g, count // block) or weights.shape != (g,) or out.size != count:
